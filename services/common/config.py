@@ -1,0 +1,163 @@
+"""Frozen dataclass configs that also give CLI flags and SEER_* environment variables.
+
+Precedence (lowest to highest): dataclass defaults < JSON config file (--config) < environment
+(SEER_<SECTION>_<FIELD>) < command-line flags (--field-name). Unknown keys are errors everywhere:
+a typo in a Helm value or a compose file must fail at start, not be silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar, get_type_hints
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown or malformed; the message names the key."""
+
+
+def _base_type(tp: Any) -> Any:
+    """Strip Optional[...] / X | None to X."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _parse_value(key: str, tp: Any, raw: Any) -> Any:
+    optional = type(None) in typing.get_args(tp)
+    base = _base_type(tp)
+    if raw is None or (optional and isinstance(raw, str) and raw.lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{key}: a value is required")
+    try:
+        if base is bool:
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in _TRUE:
+                return True
+            if s in _FALSE:
+                return False
+            raise ValueError(f"not a boolean: {raw!r}")
+        if base is int:
+            if isinstance(raw, bool):
+                raise ValueError("not an integer")
+            return int(raw)
+        if base is float:
+            return float(raw)
+        if base is str:
+            return str(raw)
+        origin = typing.get_origin(base)
+        if origin is tuple:
+            (item_tp, *_rest) = typing.get_args(base)
+            items = raw if isinstance(raw, list | tuple) else [p for p in str(raw).split(",") if p.strip()]
+            return tuple(_parse_value(key, item_tp, x.strip() if isinstance(x, str) else x) for x in items)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: {e}") from e
+    raise ConfigError(f"{key}: unsupported config type {tp!r}")
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def env_name(section: str, field: str) -> str:
+    return f"SEER_{section.upper()}_{field.upper()}"
+
+
+def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
+    """Builds cls from a mapping, rejecting unknown keys (naming them and the source)."""
+    fields = _fields(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    parsed = {k: _parse_value(f"{source}:{k}", fields[k], v) for k, v in values.items()}
+    obj = cls(**parsed)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
+    """One --kebab-case flag per field; defaults are left to the dataclass (None = not given)."""
+    for name, tp in _fields(cls).items():
+        flag = "--" + name.replace("_", "-")
+        doc = _field_doc(cls, name)
+        parser.add_argument(flag, dest=name, default=None, help=doc, metavar=name.upper())
+
+
+def _field_doc(cls: type, name: str) -> str:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return str(f.metadata.get("help", ""))
+    return ""
+
+
+def load(
+    cls: type[T],
+    section: str,
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """Resolves a config of type cls for service `section` from defaults, file, env and argv."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog=prog or f"seer-{section}")
+    parser.add_argument("--config", default=None, help="JSON file with config keys")
+    add_arguments(cls, parser)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    fields = _fields(cls)
+    values: dict[str, Any] = {}
+    config_file = args.config or env.get(f"SEER_{section.upper()}_CONFIG")
+    if config_file:
+        with open(config_file, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{config_file}: expected a JSON object")
+        from_mapping(cls, data, source=config_file)  # validates keys and types
+        values.update(data)
+    prefix = f"SEER_{section.upper()}_"
+    for key, raw in env.items():
+        if not key.startswith(prefix) or key == f"{prefix}CONFIG":
+            continue
+        name = key[len(prefix) :].lower()
+        if name not in fields:
+            raise ConfigError(f"environment: unknown variable {key}; known: "
+                              + ", ".join(env_name(section, f) for f in sorted(fields)))
+        values[name] = raw
+    for name in fields:
+        v = getattr(args, name)
+        if v is not None:
+            values[name] = v
+    return from_mapping(cls, values, source=section)
+
+
+def to_env(cfg: Any, section: str) -> dict[str, str]:
+    """The SEER_* environment that reproduces cfg (used by `seer up`, compose and Helm tests)."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None:
+            continue
+        if isinstance(v, tuple):
+            v = ",".join(str(x) for x in v)
+        elif isinstance(v, bool):
+            v = "true" if v else "false"
+        out[env_name(section, f.name)] = str(v)
+    return out

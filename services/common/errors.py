@@ -1,0 +1,49 @@
+"""Typed errors of the pure cores. The one edge that maps them to gRPC status codes is
+services.common.grpcutil; cores never import grpc."""
+
+from __future__ import annotations
+
+
+class SeerError(Exception):
+    """Base class. `field` names the offending request field when there is one."""
+
+    code_name = "INTERNAL"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class InvalidArgument(SeerError, ValueError):
+    code_name = "INVALID_ARGUMENT"
+
+
+class NotFound(SeerError, KeyError):
+    code_name = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+class AlreadyExists(SeerError):
+    code_name = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(SeerError):
+    code_name = "RESOURCE_EXHAUSTED"
+
+
+class FailedPrecondition(SeerError):
+    code_name = "FAILED_PRECONDITION"
+
+
+class Unavailable(SeerError):
+    code_name = "UNAVAILABLE"
+
+
+class Aborted(SeerError):
+    code_name = "ABORTED"
+
+
+class DataLoss(SeerError):
+    code_name = "DATA_LOSS"

@@ -1,0 +1,93 @@
+"""The one edge where typed core errors become gRPC status codes, plus small channel helpers."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from services.common.errors import SeerError
+from services.common.log import get_logger
+
+log = get_logger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# 64 MiB: big enough for a batch of long prompts, small enough that a runaway message is refused
+# with RESOURCE_EXHAUSTED by gRPC itself rather than exhausting memory.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, SeerError):
+        return getattr(grpc.StatusCode, exc.code_name), str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, KeyError):
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc)
+    if isinstance(exc, MemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    code, msg = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in %s", method)
+    else:
+        log.info("%s -> %s: %s", method, code.name, msg)
+    context.abort(code, msg)
+
+
+def rpc(fn: F) -> F:
+    """Decorates a servicer method (unary or streaming response) so typed errors become statuses.
+
+    The servicer stays a converter: it calls the core and lets this map what the core raises.
+    """
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def gen_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from fn(self, request, context)
+            except grpc.RpcError:
+                raise
+            except Exception as exc:
+                _abort(context, exc, fn.__qualname__)
+
+        return gen_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except grpc.RpcError:
+            raise
+        except Exception as exc:
+            _abort(context, exc, fn.__qualname__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def channel(address: str) -> grpc.Channel:
+    """An insecure channel with Seer's message limits and OpenTelemetry context propagation."""
+    from services.common.telemetry import client_interceptors
+
+    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    interceptors = client_interceptors()
+    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
+
+
+def wait_ready(ch: grpc.Channel, timeout: float) -> None:
+    grpc.channel_ready_future(ch).result(timeout=timeout)

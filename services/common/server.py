@@ -1,0 +1,151 @@
+"""gRPC server bootstrap shared by every service: health, reflection, tracing, metrics, graceful stop.
+
+A service's __main__ builds its config and core, then calls `serve(...)` with a function that adds
+its servicers. On SIGTERM/SIGINT: health goes NOT_SERVING, in-flight calls drain for
+`grace_seconds`, `on_stop` runs (flush, close RocksDB), and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.grpcutil import MAX_MESSAGE_BYTES
+from services.common.log import get_logger
+from services.common.telemetry import server_interceptors, setup_tracing, start_metrics_server
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Fields every service has; service configs subclass this."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0 = pick a free one)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    grace_seconds: float = field(default=10.0, metadata={"help": "drain time on SIGTERM"})
+    max_workers: int = field(default=64, metadata={"help": "gRPC handler threads"})
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} is not a TCP port")
+        if self.grace_seconds < 0:
+            raise ValueError("grace_seconds: must be >= 0")
+        if self.max_workers < 1:
+            raise ValueError("max_workers: must be >= 1")
+
+    def replace(self, **changes: object) -> ServiceConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+class RunningServer:
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
+                 service_names: Sequence[str], on_stop: Callable[[], None] | None, grace: float,
+                 metrics_port: int) -> None:
+        self.server = server
+        self.port = port
+        self.metrics_port = metrics_port
+        self.health = health_servicer
+        self.service_names = list(service_names)
+        self._on_stop = on_stop
+        self._grace = grace
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace: float | None = None) -> None:
+        """Idempotent graceful stop: NOT_SERVING, drain, on_stop."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            log.info("stopping: health NOT_SERVING, draining in-flight calls")
+            self.set_serving(False)
+            self.server.stop(self._grace if grace is None else grace).wait()
+            if self._on_stop is not None:
+                try:
+                    self._on_stop()
+                except Exception:
+                    log.exception("on_stop failed")
+            self._stopped.set()
+            log.info("stopped")
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def start_server(
+    name: str,
+    cfg: ServiceConfig,
+    add_servicers: Callable[[grpc.Server], Sequence[str]],
+    on_stop: Callable[[], None] | None = None,
+) -> RunningServer:
+    """Starts a server; `add_servicers` registers servicers and returns their full service names."""
+    setup_tracing(name)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.max_workers, thread_name_prefix=f"{name}-rpc"),
+        interceptors=server_interceptors(),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    service_names = list(add_servicers(server))
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    if port == 0:
+        raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
+    server.start()
+    metrics_port = start_metrics_server(cfg.metrics_port)
+    running = RunningServer(server, port, health_servicer, service_names, on_stop, cfg.grace_seconds, metrics_port)
+    running.set_serving(True)
+    log.info("serving", extra={"fields": {"service": name, "port": port, "metrics_port": metrics_port}})
+    return running
+
+
+def serve_until_signal(running: RunningServer) -> int:
+    """Blocks until SIGTERM/SIGINT, then stops gracefully; returns the exit code (0)."""
+    stop_requested = threading.Event()
+
+    def _handler(signum: int, _frame: object) -> None:
+        log.info("signal %d received", signum)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    while not stop_requested.wait(0.5):
+        pass
+    running.stop()
+    return 0
+
+
+def announce_port(path: str | None, port: int) -> None:
+    """Writes the bound port to a file (for `seer up` and tests that start services on port 0)."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(str(port))
+        import os
+
+        os.replace(tmp, path)

@@ -1,0 +1,92 @@
+"""OpenTelemetry tracing (context carried in gRPC metadata) and Prometheus metrics.
+
+Tracing is configured by SEER_TRACING = none | console | otlp (OTLP endpoint from the standard
+OTEL_EXPORTER_OTLP_ENDPOINT). Health checks are excluded from traces. Metrics are served over HTTP
+on the port given to `start_metrics_server` (0 = off).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_lock = threading.Lock()
+_configured: str | None = None
+_EXCLUDED = ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"]
+
+
+def tracing_mode() -> str:
+    return os.environ.get("SEER_TRACING", "none").strip().lower()
+
+
+def setup_tracing(service: str) -> None:
+    """Installs a tracer provider once per process according to SEER_TRACING."""
+    global _configured
+    with _lock:
+        mode = tracing_mode()
+        if _configured is not None or mode == "none":
+            _configured = _configured or mode
+            return
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
+        provider = TracerProvider(resource=Resource.create({"service.name": f"seer-{service}"}))
+        if mode == "console":
+            provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+        elif mode == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        else:
+            raise ValueError(f"SEER_TRACING: unknown mode {mode!r} (none, console, otlp)")
+        trace.set_tracer_provider(provider)
+        _configured = mode
+
+
+def server_interceptors() -> list[Any]:
+    if tracing_mode() == "none":
+        return []
+    from opentelemetry.instrumentation.grpc import filters, server_interceptor
+
+    return [server_interceptor(filter_=filters.negate(filters.any_of(*[filters.service_name(s) for s in _EXCLUDED])))]
+
+
+def client_interceptors() -> list[Any]:
+    if tracing_mode() == "none":
+        return []
+    from opentelemetry.instrumentation.grpc import client_interceptor, filters
+
+    return [client_interceptor(filter_=filters.negate(filters.any_of(*[filters.service_name(s) for s in _EXCLUDED])))]
+
+
+def tracer(name: str) -> Any:
+    from opentelemetry import trace
+
+    return trace.get_tracer(name)
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY) -> int:
+    """Serves /metrics; returns the bound port (0 = disabled)."""
+    if port < 0:
+        return 0
+    if port == 0:
+        return 0
+    server, _thread = start_http_server(port, registry=registry)
+    return int(server.server_port)
+
+
+__all__ = [
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "client_interceptors",
+    "server_interceptors",
+    "setup_tracing",
+    "start_metrics_server",
+    "tracer",
+]
