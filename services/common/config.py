@@ -96,7 +96,7 @@ def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "conf
 
 def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     """One --kebab-case flag per field; defaults are left to the dataclass (None = not given)."""
-    for name, tp in _fields(cls).items():
+    for name in _fields(cls):
         flag = "--" + name.replace("_", "-")
         doc = _field_doc(cls, name)
         parser.add_argument(flag, dest=name, default=None, help=doc, metavar=name.upper())
