@@ -1,0 +1,58 @@
+"""Policy configuration of the scheduler core (pure; the service maps its flags onto this)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+
+# baseline: veRL-like, run to completion, engine preempts; divided: chunks, no length context;
+# seer: Seer Algorithm 2 (probes + group estimates); seer_history: + RhymeRL history priors;
+# oracle: longest-first by the true lengths (simulator only).
+POLICIES = ("baseline", "divided", "seer", "seer_history", "oracle")
+
+
+@dataclass(frozen=True)
+class SchedulerPolicyConfig:
+    policy: str = "seer"
+    # Max new tokens per dispatched chunk (divided rollout, DESIGN.md section 4).
+    chunk_size: int = 512
+    # Cache-aware placement (Seer OSDI): go load-first when in-flight counts differ by more than this.
+    load_imbalance_threshold: int = 32
+    # ... and pull the KV from the pool when the move leaves a prefix gap over this many tokens.
+    prefix_gap_margin: int = 512
+    # Anti-starvation: a chunk waiting longer than this is served before any priority order.
+    starvation_seconds: float = 30.0
+    # Admission: how many queued candidates one decision may skip when the best does not fit.
+    admission_lookahead: int = 16
+    # Subtract KV usage the worker reports beyond our own reservations (e.g. another tenant).
+    use_worker_free_pages: bool = True
+    # seer_history: still give probe priority to groups that already have a history prior.
+    history_probes: bool = False
+    # A quarantined worker is trusted again after this many consecutive sane reports.
+    quarantine_clear_reports: int = 3
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidArgument(f"{self.policy!r} is not one of {', '.join(POLICIES)}", field="policy")
+        if self.chunk_size < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.chunk_size}", field="chunk_size")
+        if self.load_imbalance_threshold < 0:
+            raise InvalidArgument("must be >= 0", field="load_imbalance_threshold")
+        if self.prefix_gap_margin < 0:
+            raise InvalidArgument("must be >= 0", field="prefix_gap_margin")
+        if not (self.starvation_seconds > 0) or math.isnan(self.starvation_seconds):
+            raise InvalidArgument("must be > 0", field="starvation_seconds")
+        if self.admission_lookahead < 1:
+            raise InvalidArgument("must be >= 1", field="admission_lookahead")
+        if self.quarantine_clear_reports < 1:
+            raise InvalidArgument("must be >= 1", field="quarantine_clear_reports")
+
+    @property
+    def chunked(self) -> bool:
+        return self.policy != "baseline"
+
+    @property
+    def context_aware(self) -> bool:
+        return self.policy in ("seer", "seer_history", "oracle")

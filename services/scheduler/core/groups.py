@@ -1,0 +1,58 @@
+"""Group length estimates and probe selection (Seer Algorithm 2, RhymeRL history priors).
+
+A group's estimate is the maximum length among its finished siblings; before any sibling finishes it
+is the history prior for the prompt key (previous iteration's lengths, seer_history) if one exists,
+else max_tokens. One request per group is its probe: served first so that the estimate is learned
+early (Seer section 4.2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidArgument
+
+
+@dataclass
+class GroupState:
+    group_id: str
+    prompt_key: str
+    group_size: int
+    max_tokens: int
+    members: list[str] = field(default_factory=list)
+    finished_lengths: list[int] = field(default_factory=list)
+    probe_id: str | None = None
+    prior: int | None = None
+    # Workers that ran a member: each holds the group's prompt prefix in its cache.
+    workers: set[str] = field(default_factory=set)
+
+    def estimate(self) -> int:
+        """Expected length of the group's longest response (tokens)."""
+        finished = max(self.finished_lengths) if self.finished_lengths else None
+        if self.prior is not None:
+            # History ranks are stable (RhymeRL: 2-4% change rank much), so the prior is a floor
+            # that finished siblings can only raise.
+            return min(self.max_tokens, max(self.prior, finished or 0))
+        if finished is not None:
+            return finished
+        return self.max_tokens
+
+    def request_estimate(self, generated: int) -> int:
+        """Estimated total length of one unfinished member that has generated `generated` tokens.
+
+        A member already longer than the estimate has outgrown every finished sibling: it is the
+        group's tail, its length is unknown, so it ranks as if it ran to max_tokens."""
+        est = self.estimate()
+        return est if generated < est else self.max_tokens
+
+
+def history_prior(lengths: Sequence[int], max_tokens: int | None = None) -> int | None:
+    """The prior for a group from the previous iteration's lengths for its prompt key."""
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise InvalidArgument(f"must be >= 0, got {n}", field=f"lengths[{i}]")
+    if not lengths:
+        return None
+    prior = max(lengths)
+    return prior if max_tokens is None else min(prior, max_tokens)

@@ -1,0 +1,53 @@
+"""Priority queue of pending chunks with lazy invalidation, plus the FIFO that drives
+anti-starvation. Both are O(log n) per operation so one decision stays well under 1 ms with
+10,000 pending requests (bench/sched_overhead.py)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Key = tuple[float, ...]
+
+
+@dataclass
+class PendingQueue:
+    """Min-heap of (key, seq, request_id, version); an entry is live when its version matches the
+    request's current version (re-keying pushes a new entry and bumps the version)."""
+
+    heap: list[tuple[Key, int, str, int]] = field(default_factory=list)
+    _seq: int = 0
+
+    def push(self, key: Key, request_id: str, version: int) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (key, self._seq, request_id, version))
+
+    def pop(self) -> tuple[Key, int, str, int] | None:
+        return heapq.heappop(self.heap) if self.heap else None
+
+    def restore(self, entry: tuple[Key, int, str, int]) -> None:
+        heapq.heappush(self.heap, entry)
+
+    def compact(self, live: dict[str, int]) -> None:
+        """Drop stale entries when they dominate the heap (keeps memory bounded)."""
+        if len(self.heap) > 64 and len(self.heap) > 4 * max(1, len(live)):
+            self.heap = [e for e in self.heap if live.get(e[2]) == e[3]]
+            heapq.heapify(self.heap)
+
+
+@dataclass
+class AgeQueue:
+    """Pending chunks in enqueue order: (enqueued_at, request_id, enqueue count); stale entries
+    (dispatched, re-enqueued, cancelled) are dropped lazily from the head."""
+
+    items: deque[tuple[float, str, int]] = field(default_factory=deque)
+
+    def push(self, at: float, request_id: str, version: int) -> None:
+        self.items.append((at, request_id, version))
+
+    def oldest(self, alive: Callable[[tuple[float, str, int]], bool]) -> tuple[float, str, int] | None:
+        while self.items and not alive(self.items[0]):
+            self.items.popleft()
+        return self.items[0] if self.items else None

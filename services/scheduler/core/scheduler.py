@@ -1,0 +1,465 @@
+"""SchedulerCore: which chunk runs where, next (DESIGN.md sections 3-4).
+
+Pure and single-threaded: the service (over gRPC workers) and the simulator (bench/simlib) drive
+the same object. The driver reports requests, workers, telemetry and chunk outcomes, and asks
+`next_dispatches()` for the decisions to make now.
+
+Policies:
+- baseline (veRL-like): each request runs to completion where its group was placed round-robin;
+  no admission control (the engine queues and preempts by recompute when KV runs out).
+- divided: chunks of `chunk_size` tokens, FIFO, least-loaded placement, admission control.
+- seer (Seer Algorithm 2): one probe per group served first, smallest generated length first; the
+  others longest-first by group estimate (max length of finished siblings, else max_tokens);
+  anti-starvation; cache-aware placement.
+- seer_history: seer with the previous iteration's lengths per prompt key as priors (RhymeRL).
+- oracle: longest-first by the true lengths (simulator only).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import AlreadyExists, InvalidArgument, NotFound
+from services.common.log import get_logger, kv
+
+from .config import SchedulerPolicyConfig
+from .groups import GroupState, history_prior
+from .queues import AgeQueue, Key, PendingQueue
+from .types import Dispatch, RequestInfo, WorkerSpec
+from .workers import WorkerState, apply_telemetry, pages_for
+
+log = get_logger(__name__)
+
+_FINISHED_MEMORY = 200_000
+
+
+@dataclass
+class _Request:
+    info: RequestInfo
+    generated: int
+    state: str = "pending"  # pending | in_flight | done | cancelled
+    worker: str | None = None  # the worker running its in-flight chunk
+    max_new: int = 0  # max_new_tokens of the in-flight chunk
+    last_worker: str | None = None  # the worker that ran its previous chunk (holds its KV prefix)
+    version: int = 0  # version of its live priority-queue entries
+    enq: int = 0  # enqueue count: identifies its live anti-starvation entry
+    chunks: int = 0
+
+
+class SchedulerCore:
+    def __init__(self, cfg: SchedulerPolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.clock = clock
+        self._requests: dict[str, _Request] = {}
+        self._groups: dict[str, GroupState] = {}
+        self._workers: dict[str, WorkerState] = {}
+        self._history: dict[str, list[int]] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        # request_id -> version of its live queue entries (pending requests only).
+        self._live: dict[str, int] = {}
+        self._probe_q = PendingQueue()
+        self._main_q = PendingQueue()
+        self._age_q = AgeQueue()
+        self._in_flight = 0
+        self._rr = 0  # baseline round-robin cursor
+        self._group_worker: dict[str, str] = {}  # baseline placement of each group
+        self._counters = {
+            "dispatched_chunks": 0,
+            "redispatched_chunks": 0,
+            "probe_dispatches": 0,
+            "starvation_dispatches": 0,
+            "kv_fetch_dispatches": 0,
+            "moved_dispatches": 0,
+            "finished_requests": 0,
+            "stale_reports": 0,
+            "admission_skips": 0,
+        }
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, r: RequestInfo) -> None:
+        r.validate()
+        if r.request_id in self._requests or r.request_id in self._finished:
+            return  # re-delivery from the work feed: idempotent
+        g = self._groups.get(r.group_id)
+        if g is None:
+            g = GroupState(r.group_id, r.prompt_key, r.group_size, r.max_tokens)
+            if r.prompt_key in self._history and self.cfg.policy == "seer_history":
+                g.prior = history_prior(self._history[r.prompt_key], r.max_tokens)
+            self._groups[r.group_id] = g
+        else:
+            for name in ("prompt_key", "group_size", "max_tokens"):
+                if getattr(g, name) != getattr(r, name):
+                    raise InvalidArgument(
+                        f"{getattr(r, name)!r} differs from {getattr(g, name)!r} of its group {r.group_id}",
+                        field=name,
+                    )
+            if len(g.members) >= g.group_size:
+                raise AlreadyExists(f"group {r.group_id} already has {g.group_size} requests", field="group_size")
+        g.members.append(r.request_id)
+        if g.probe_id is None and r.generated < r.max_tokens:
+            g.probe_id = r.request_id
+        req = _Request(info=r, generated=r.generated)
+        self._requests[r.request_id] = req
+        if r.generated >= r.max_tokens:
+            self._finish(req)
+        else:
+            self._enqueue(req)
+
+    def cancel_request(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None:
+            if request_id in self._finished:
+                return
+            raise NotFound(f"unknown request {request_id}", field="request_id")
+        if req.state == "in_flight":
+            self._release(req)
+        self._live.pop(request_id, None)
+        req.state = "cancelled"
+        self._retire(req)
+
+    def set_history(self, prompt_key: str, lengths: Sequence[int]) -> None:
+        prior = history_prior(lengths)  # validates
+        if prior is None:
+            self._history.pop(prompt_key, None)
+        else:
+            self._history[prompt_key] = list(lengths)
+        if self.cfg.policy != "seer_history":
+            return
+        for g in self._groups.values():
+            if g.prompt_key == prompt_key:
+                g.prior = None if prior is None else min(prior, g.max_tokens)
+                self._rekey_group(g)
+
+    def history(self, prompt_key: str) -> list[int] | None:
+        h = self._history.get(prompt_key)
+        return None if h is None else list(h)
+
+    # ---- workers --------------------------------------------------------------------------
+
+    def add_worker(self, w: WorkerSpec) -> None:
+        w.validate()
+        old = self._workers.get(w.worker_id)
+        if old is not None:
+            if old.spec == w:
+                return  # re-registration with the same capacity
+            self.remove_worker(w.worker_id)
+        self._workers[w.worker_id] = WorkerState(spec=w)
+
+    def remove_worker(self, worker_id: str) -> list[str]:
+        """Forget a worker. Its in-flight chunks are re-queued here (same chunk, same generated
+        count); the returned ids let the driver drop any late result of those chunks."""
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            raise NotFound(f"unknown worker {worker_id}", field="worker_id")
+        lost = list(w.in_flight)
+        for rid in lost:
+            req = self._requests[rid]
+            self._in_flight -= 1
+            req.state, req.worker = "pending", None
+            self._counters["redispatched_chunks"] += 1
+            self._enqueue(req)
+        for gid, wid in list(self._group_worker.items()):
+            if wid == worker_id:
+                del self._group_worker[gid]
+        if lost:
+            log.warning("worker removed with chunks in flight; re-queued",
+                        extra=kv(worker_id=worker_id, requeued=len(lost)))
+        return lost
+
+    def update_worker(self, worker_id: str, *, free_pages: int, running: int, waiting: int,
+                      **extra: float) -> None:
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise NotFound(f"unknown worker {worker_id}", field="worker_id")
+        apply_telemetry(w, free_pages, running, waiting, extra,
+                        self.cfg.use_worker_free_pages, self.cfg.quarantine_clear_reports)
+
+    def is_quarantined(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.quarantined
+
+    # ---- decisions ------------------------------------------------------------------------
+
+    def next_dispatches(self, limit: int | None = None) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        if not self._workers or not self._live:
+            return out
+        if not self.cfg.chunked:
+            return self._baseline_dispatches(limit)
+        now = self.clock()
+        while (limit is None or len(out) < limit) and self._live:
+            if not any(w.load < w.spec.max_batch_size and not w.quarantined for w in self._workers.values()):
+                break
+            d = self._starving(now) or self._next_by_priority()
+            if d is None:
+                break
+            out.append(d)
+        self._probe_q.compact(self._live)
+        self._main_q.compact(self._live)
+        return out
+
+    def _starving(self, now: float) -> Dispatch | None:
+        oldest = self._age_q.oldest(self._waiting_since)
+        if oldest is None or now - oldest[0] <= self.cfg.starvation_seconds:
+            return None
+        req = self._requests[oldest[1]]
+        d = self._try_place(req)
+        if d is not None:
+            self._counters["starvation_dispatches"] += 1
+        return d
+
+    def _next_by_priority(self) -> Dispatch | None:
+        skipped: list[tuple[PendingQueue, tuple[Key, int, str, int]]] = []
+        tries = 0
+        chosen: Dispatch | None = None
+        for q in (self._probe_q, self._main_q):
+            while chosen is None and tries < self.cfg.admission_lookahead:
+                entry = q.pop()
+                if entry is None:
+                    break
+                rid, version = entry[2], entry[3]
+                if self._live.get(rid) != version:
+                    continue  # stale (re-keyed, dispatched or cancelled)
+                tries += 1
+                chosen = self._try_place(self._requests[rid])
+                if chosen is None:
+                    skipped.append((q, entry))
+                    self._counters["admission_skips"] += 1
+            if chosen is not None:
+                break
+        for q, entry in skipped:
+            q.restore(entry)
+        return chosen
+
+    def _baseline_dispatches(self, limit: int | None) -> list[Dispatch]:
+        out: list[Dispatch] = []
+        while limit is None or len(out) < limit:
+            entry = self._main_q.pop()
+            if entry is None:
+                break
+            rid, version = entry[2], entry[3]
+            if self._live.get(rid) != version:
+                continue
+            req = self._requests[rid]
+            gid = req.info.group_id
+            wid = self._group_worker.get(gid)
+            if wid is None or wid not in self._workers:
+                ids = sorted(self._workers)
+                wid = ids[self._rr % len(ids)]
+                self._rr += 1
+                self._group_worker[gid] = wid
+            out.append(self._dispatch(req, self._workers[wid], req.info.max_tokens - req.generated,
+                                      fetch_kv=False, pages=0))
+        return out
+
+    def _try_place(self, req: _Request) -> Dispatch | None:
+        """Cache-aware placement with admission control (Seer OSDI, DESIGN.md section 4)."""
+        info = req.info
+        max_new = min(self.cfg.chunk_size, info.max_tokens - req.generated)
+        ctx = info.prompt_len + req.generated
+        g = self._groups[info.group_id]
+        least: WorkerState | None = None
+        preferred: WorkerState | None = None
+        preferred_prefix = 0
+        best_prefix = 0  # longest prefix cached on any live worker, admissible or not
+        for w in self._workers.values():
+            prefix = self._cached_prefix(req, g, w.worker_id)
+            best_prefix = max(best_prefix, prefix)
+            if not w.can_admit(pages_for(ctx + max_new, w.spec.page_size)):
+                continue
+            if least is None or (w.load, -w.free_pages()) < (least.load, -least.free_pages()):
+                least = w
+            if prefix > preferred_prefix or (
+                prefix == preferred_prefix and prefix > 0 and preferred is not None and w.load < preferred.load
+            ):
+                preferred, preferred_prefix = w, prefix
+        if least is None:
+            return None
+        chosen = least
+        if (
+            self.cfg.policy != "divided"
+            and preferred is not None
+            and preferred.load - least.load <= self.cfg.load_imbalance_threshold
+        ):
+            chosen = preferred
+        here = self._cached_prefix(req, g, chosen.worker_id)
+        fetch_kv = best_prefix - here > self.cfg.prefix_gap_margin
+        return self._dispatch(req, chosen, max_new, fetch_kv=fetch_kv,
+                              pages=pages_for(ctx + max_new, chosen.spec.page_size))
+
+    def _cached_prefix(self, req: _Request, g: GroupState, worker_id: str) -> int:
+        if req.last_worker == worker_id:
+            return req.info.prompt_len + req.generated
+        if worker_id in g.workers:
+            return req.info.prompt_len  # a sibling ran there: the shared prompt is cached
+        return 0
+
+    def _dispatch(self, req: _Request, w: WorkerState, max_new: int, *, fetch_kv: bool, pages: int) -> Dispatch:
+        rid = req.info.request_id
+        probe = self._is_active_probe(req)
+        del self._live[rid]
+        req.state, req.worker, req.max_new = "in_flight", w.worker_id, max_new
+        w.reserve(rid, pages)
+        self._in_flight += 1
+        g = self._groups[req.info.group_id]
+        g.workers.add(w.worker_id)
+        c = self._counters
+        c["dispatched_chunks"] += 1
+        c["probe_dispatches"] += probe
+        c["kv_fetch_dispatches"] += fetch_kv
+        c["moved_dispatches"] += req.last_worker is not None and req.last_worker != w.worker_id
+        return Dispatch(rid, w.worker_id, max_new, is_probe=probe, fetch_kv=fetch_kv)
+
+    # ---- outcomes -------------------------------------------------------------------------
+
+    def on_chunk_done(self, request_id: str, worker_id: str, new_tokens: int, finished: bool) -> None:
+        req = self._in_flight_on(request_id, worker_id)
+        if req is None:
+            return
+        if not 0 <= new_tokens <= req.max_new:
+            raise InvalidArgument(f"must be in [0, {req.max_new}], got {new_tokens}", field="new_tokens")
+        self._release(req)
+        req.generated += new_tokens
+        req.chunks += 1
+        req.last_worker = worker_id
+        if finished or req.generated >= req.info.max_tokens:
+            self._finish(req)
+        else:
+            self._enqueue(req)
+
+    def on_chunk_failed(self, request_id: str, worker_id: str) -> None:
+        """The chunk produced nothing durable: run the same chunk again (possibly elsewhere)."""
+        req = self._in_flight_on(request_id, worker_id)
+        if req is None:
+            return
+        self._release(req)
+        self._counters["redispatched_chunks"] += 1
+        self._enqueue(req)
+
+    def _in_flight_on(self, request_id: str, worker_id: str) -> _Request | None:
+        req = self._requests.get(request_id)
+        if req is None and request_id not in self._finished:
+            raise NotFound(f"unknown request {request_id}", field="request_id")
+        if req is None or req.state != "in_flight" or req.worker != worker_id:
+            # A late report of a chunk already re-queued (worker removed) or cancelled: ignoring
+            # it is what keeps tokens from being counted twice.
+            self._counters["stale_reports"] += 1
+            log.info("stale chunk report ignored", extra=kv(request_id=request_id, worker_id=worker_id))
+            return None
+        return req
+
+    def _release(self, req: _Request) -> None:
+        w = self._workers.get(req.worker or "")
+        if w is not None:
+            w.release(req.info.request_id)
+        self._in_flight -= 1
+        req.state, req.worker = "pending", None
+
+    def _finish(self, req: _Request) -> None:
+        req.state = "done"
+        self._live.pop(req.info.request_id, None)
+        self._counters["finished_requests"] += 1
+        g = self._groups[req.info.group_id]
+        g.finished_lengths.append(req.generated)
+        self._rekey_group(g)
+        self._retire(req)
+
+    def _retire(self, req: _Request) -> None:
+        """Drop a finished/cancelled request; when its whole group is settled, record the group's
+        lengths as the history of its prompt key (the next iteration's prior) and drop the group."""
+        g = self._groups[req.info.group_id]
+        if any(self._requests[m].state in ("pending", "in_flight") for m in g.members):
+            return
+        if len(g.members) == g.group_size and g.finished_lengths:
+            self._history[g.prompt_key] = list(g.finished_lengths)
+        for m in g.members:
+            self._requests.pop(m, None)
+            self._finished[m] = None
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        del self._groups[g.group_id]
+        self._group_worker.pop(g.group_id, None)
+
+    # ---- queues ---------------------------------------------------------------------------
+
+    def _is_active_probe(self, req: _Request) -> bool:
+        if self.cfg.policy not in ("seer", "seer_history"):
+            return False
+        g = self._groups[req.info.group_id]
+        if g.probe_id != req.info.request_id or g.finished_lengths:
+            return False
+        return self.cfg.policy == "seer" or g.prior is None or self.cfg.history_probes
+
+    def _key(self, req: _Request) -> Key:
+        policy = self.cfg.policy
+        if policy in ("seer", "seer_history"):
+            return (-float(self._groups[req.info.group_id].request_estimate(req.generated)),)
+        if policy == "oracle":
+            t = req.info.true_length
+            return (-float(req.info.max_tokens if t is None else t),)
+        return (0.0,)  # baseline / divided: FIFO by enqueue order
+
+    def _enqueue(self, req: _Request, fresh: bool = True) -> None:
+        """Queue the request's next chunk. `fresh=False` only re-keys it (estimate changed) and
+        keeps its place in the anti-starvation order."""
+        rid = req.info.request_id
+        req.state = "pending"
+        req.version += 1
+        self._live[rid] = req.version
+        if self._is_active_probe(req):
+            # Probes: smallest generated length first (Seer Algorithm 2).
+            self._probe_q.push((float(req.generated),), rid, req.version)
+        else:
+            self._main_q.push(self._key(req), rid, req.version)
+        if fresh:
+            req.enq += 1
+            self._age_q.push(self.clock(), rid, req.enq)
+
+    def _rekey_group(self, g: GroupState) -> None:
+        for m in g.members:
+            req = self._requests.get(m)
+            if req is not None and req.state == "pending" and m in self._live:
+                self._enqueue(req, fresh=False)
+
+    def _waiting_since(self, entry: tuple[float, str, int]) -> bool:
+        req = self._requests.get(entry[1])
+        return req is not None and req.state == "pending" and req.enq == entry[2] and entry[1] in self._live
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def pending_count(self) -> int:
+        return len(self._live)
+
+    def in_flight_count(self) -> int:
+        return self._in_flight
+
+    def group_estimate(self, group_id: str) -> int:
+        g = self._groups.get(group_id)
+        if g is None:
+            raise NotFound(f"unknown or finished group {group_id}", field="group_id")
+        return g.estimate()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.cfg.policy,
+            "pending_requests": self.pending_count(),
+            "in_flight_chunks": self._in_flight,
+            "active_groups": len(self._groups),
+            **self._counters,
+            "workers": {
+                wid: {
+                    "in_flight": w.load,
+                    "reserved_pages": w.reserved_pages,
+                    "free_pages": w.free_pages(),
+                    "quarantined": w.quarantined,
+                    "quarantine_reason": w.quarantine_reason,
+                }
+                for wid, w in self._workers.items()
+            },
+        }

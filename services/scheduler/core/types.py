@@ -1,0 +1,78 @@
+"""The values exchanged between the scheduler core and its driver (service or simulator)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One response to generate (one sample of a group)."""
+
+    request_id: str
+    group_id: str
+    prompt_key: str
+    sample_index: int
+    group_size: int
+    prompt_len: int
+    max_tokens: int
+    # Tokens already generated (a request resumed after a scheduler restart).
+    generated: int = 0
+    # The length the response will have; only the oracle policy (simulator) reads it.
+    true_length: int | None = None
+
+    def validate(self) -> None:
+        if not self.request_id:
+            raise InvalidArgument("must not be empty", field="request_id")
+        if not self.group_id:
+            raise InvalidArgument("must not be empty", field="group_id")
+        if self.group_size < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.group_size}", field="group_size")
+        if not 0 <= self.sample_index < self.group_size:
+            raise InvalidArgument(
+                f"must be in [0, {self.group_size}), got {self.sample_index}", field="sample_index"
+            )
+        if self.prompt_len < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.prompt_len}", field="prompt_len")
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.max_tokens}", field="max_tokens")
+        if not 0 <= self.generated <= self.max_tokens:
+            raise InvalidArgument(f"must be in [0, max_tokens], got {self.generated}", field="generated")
+        if self.true_length is not None and not 0 <= self.true_length <= self.max_tokens:
+            raise InvalidArgument(
+                f"must be in [0, max_tokens], got {self.true_length}", field="true_length"
+            )
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    total_pages: int
+    page_size: int
+    max_batch_size: int
+
+    def validate(self) -> None:
+        if not self.worker_id:
+            raise InvalidArgument("must not be empty", field="worker_id")
+        if self.total_pages < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.total_pages}", field="total_pages")
+        if self.page_size < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.page_size}", field="page_size")
+        if self.max_batch_size < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.max_batch_size}", field="max_batch_size")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run one chunk of `request_id` on `worker_id`."""
+
+    request_id: str
+    worker_id: str
+    max_new_tokens: int
+    # A group's probe request (Seer Algorithm 2); workers may give it more speculation budget.
+    is_probe: bool
+    # The worker should pull the request's KV prefix from the KV store (the request moved and the
+    # prefix gap exceeds the margin) instead of re-prefilling it from tokens.
+    fetch_kv: bool

@@ -1,0 +1,102 @@
+"""Worker state as the scheduler sees it: capacity, our own KV reservations, telemetry, and the
+quarantine of workers whose telemetry is impossible (not trusted, not dispatched to)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.log import get_logger, kv
+
+from .types import WorkerSpec
+
+log = get_logger(__name__)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+@dataclass
+class WorkerState:
+    spec: WorkerSpec
+    # request_id -> KV pages reserved for its in-flight chunk (context + max_new_tokens).
+    in_flight: dict[str, int] = field(default_factory=dict)
+    reserved_pages: int = 0
+    # Pages the worker reports in use beyond our reservations at report time (not ours to free).
+    external_pages: int = 0
+    quarantined: bool = False
+    quarantine_reason: str = ""
+    sane_reports: int = 0
+    telemetry: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def load(self) -> int:
+        return len(self.in_flight)
+
+    def free_pages(self) -> int:
+        return self.spec.total_pages - self.reserved_pages - self.external_pages
+
+    def can_admit(self, pages: int) -> bool:
+        """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk."""
+        return (
+            not self.quarantined
+            and len(self.in_flight) < self.spec.max_batch_size
+            and self.free_pages() >= pages
+        )
+
+    def reserve(self, request_id: str, pages: int) -> None:
+        self.in_flight[request_id] = pages
+        self.reserved_pages += pages
+
+    def release(self, request_id: str) -> None:
+        self.reserved_pages -= self.in_flight.pop(request_id, 0)
+
+
+def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: int,
+                      extra: dict[str, float]) -> str:
+    """Why a telemetry report cannot be true ("" when it is plausible)."""
+    values: dict[str, float] = {"free_pages": free_pages, "running": running, "waiting": waiting, **extra}
+    for name, value in values.items():
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return f"{name} is not a number: {value!r}"
+        if math.isnan(value) or math.isinf(value):
+            return f"{name} is not finite: {value}"
+        if value < 0:
+            return f"{name} is negative: {value}"
+    if free_pages > spec.total_pages:
+        return f"free_pages {free_pages} exceeds total_pages {spec.total_pages}"
+    used = extra.get("used_pages")
+    if used is not None and used + free_pages > spec.total_pages:
+        return f"used_pages {used} + free_pages {free_pages} exceeds total_pages {spec.total_pages}"
+    if running > spec.max_batch_size:
+        return f"running {running} exceeds max_batch_size {spec.max_batch_size}"
+    return ""
+
+
+def apply_telemetry(w: WorkerState, free_pages: int, running: int, waiting: int,
+                    extra: dict[str, float], use_free_pages: bool, clear_after: int) -> None:
+    problem = telemetry_problem(w.spec, free_pages, running, waiting, extra)
+    if problem:
+        if not w.quarantined:
+            log.warning("worker quarantined: impossible telemetry",
+                        extra=kv(worker_id=w.worker_id, reason=problem))
+        w.quarantined = True
+        w.quarantine_reason = problem
+        w.sane_reports = 0
+        return
+    w.telemetry = {"free_pages": free_pages, "running": running, "waiting": waiting, **extra}
+    if w.quarantined:
+        w.sane_reports += 1
+        if w.sane_reports < clear_after:
+            return
+        log.info("worker released from quarantine", extra=kv(worker_id=w.worker_id))
+        w.quarantined = False
+        w.quarantine_reason = ""
+    if use_free_pages:
+        used = w.spec.total_pages - free_pages
+        w.external_pages = max(0, used - w.reserved_pages)
