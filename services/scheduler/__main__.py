@@ -1,0 +1,33 @@
+"""`python -m services.scheduler --buffer-address HOST:PORT [--port P] [--policy baseline] ...`"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from services.common import config
+from services.common.log import get_logger, setup_logging
+from services.common.server import announce_port, serve_until_signal, start_server
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.server import add_to_server
+from services.scheduler.service import Dispatcher
+
+log = get_logger("services.scheduler")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging("scheduler")
+    try:
+        cfg = config.load(SchedulerConfig, "scheduler", argv, prog="python -m services.scheduler")
+    except ValueError as e:
+        log.error("bad configuration: %s", e)
+        return 2
+    dispatcher = Dispatcher(cfg)
+    running = start_server("scheduler", cfg, lambda server: add_to_server(dispatcher, server), on_stop=dispatcher.stop)
+    dispatcher.start()
+    announce_port(cfg.port_file or None, running.port)
+    return serve_until_signal(running)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Scheduler service configuration (flags --kebab-case, env SEER_SCHEDULER_<FIELD>)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.server import ServiceConfig
+from services.scheduler.core.config import POLICIES
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(ServiceConfig):
+    buffer_address: str = field(default="", metadata={"help": "host:port of the buffer (work feed, commits)"})
+    policy: str = field(default="baseline", metadata={"help": "scheduling policy: " + ", ".join(POLICIES)})
+    chunk_size: int = field(default=512, metadata={"help": "max new tokens per dispatched chunk"})
+    heartbeat_interval: float = field(
+        default=1.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
+    )
+    dispatch_threads: int = field(default=64, metadata={"help": "chunks that may run at once (all workers)"})
+    commit_timeout: float = field(
+        default=120.0, metadata={"help": "seconds to keep retrying a chunk commit while the buffer is down"}
+    )
+    chunk_timeout: float = field(default=600.0, metadata={"help": "deadline of one RunChunk call (seconds)"})
+    drain_timeout: float = field(
+        default=300.0, metadata={"help": "SwitchWeights: seconds to wait for in-flight chunks to finish"}
+    )
+    port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval: must be > 0, got {self.heartbeat_interval}")
+        if self.dispatch_threads < 1:
+            raise ValueError(f"dispatch_threads: must be >= 1, got {self.dispatch_threads}")
+        for name in ("commit_timeout", "chunk_timeout", "drain_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")

@@ -1,0 +1,105 @@
+"""gRPC links from the scheduler to the buffer and to workers.
+
+The dispatch loop (service.py) talks to these links only; they turn grpc.RpcError into the typed
+errors of services.common.errors so the loop can decide (retry, re-dispatch, drop) without
+knowing gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from services.common import errors
+from services.common.grpcutil import channel
+
+_CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+    grpc.StatusCode.CANCELLED: errors.Aborted,
+    grpc.StatusCode.ABORTED: errors.Aborted,
+    grpc.StatusCode.DATA_LOSS: errors.DataLoss,
+}
+
+
+def translate(err: grpc.RpcError) -> errors.SeerError:
+    code = err.code() if hasattr(err, "code") else None
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _CODES.get(code, errors.SeerError) if code is not None else errors.SeerError
+    return cls(f"{code.name if code else 'UNKNOWN'}: {details}")
+
+
+class Stream:
+    """A server stream whose errors come out typed; cancel() ends it from another thread."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._call
+        except grpc.RpcError as e:
+            raise translate(e) from e
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class BufferLink:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = channel(address)
+        self._stub = buffer_pb2_grpc.BufferInternalServiceStub(self._channel)
+
+    def watch(self, watcher_id: str) -> Stream:
+        return Stream(self._stub.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id=watcher_id)))
+
+    def commit(self, req: buffer_pb2.CommitChunkRequest, timeout: float) -> buffer_pb2.CommitChunkResponse:
+        try:
+            return self._stub.CommitChunk(req, timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise translate(e) from e
+
+    def history(self, prompt_keys: Sequence[str], timeout: float = 10.0) -> list[buffer_pb2.PromptHistory]:
+        try:
+            resp = self._stub.GetHistory(buffer_pb2.GetHistoryRequest(prompt_keys=list(prompt_keys)), timeout=timeout)
+        except grpc.RpcError as e:
+            raise translate(e) from e
+        return list(resp.histories)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class WorkerLink:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = channel(address)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+
+    def run_chunk(self, req: worker_pb2.RunChunkRequest, timeout: float) -> Stream:
+        return Stream(self._stub.RunChunk(req, timeout=timeout))
+
+    def load_weights(self, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+        try:
+            req = worker_pb2.LoadWeightsRequest(version=version, source=source)
+            return self._stub.LoadWeights(req, timeout=timeout)
+        except grpc.RpcError as e:
+            raise translate(e) from e
+
+    def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        try:
+            return bool(self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=timeout).found)
+        except grpc.RpcError as e:
+            raise translate(e) from e
+
+    def close(self) -> None:
+        self._channel.close()

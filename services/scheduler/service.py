@@ -1,0 +1,732 @@
+"""The scheduler's dispatch loop: buffer work feed -> SchedulerCore -> worker chunks -> buffer commits.
+
+Threads (DESIGN.md sections 2-3):
+- watch: consumes BufferInternalService.WatchWork. A (re)connect delivers a snapshot of every
+  unfinished request that replaces our state, except that chunks in flight stay in flight (their
+  commits are retried until the buffer is back; CommitChunk is idempotent by (request, seq)).
+- dispatch: asks the core for dispatches and runs each chunk on a pool thread: RunChunk on the
+  worker, collect the stream, CommitChunk, then core.on_chunk_done. A worker stream error means the
+  worker died mid-chunk: nothing of the chunk was committed, so the same seq is dispatched again
+  from the last committed prefix (nothing lost, nothing duplicated).
+- liveness: a worker silent for 3 heartbeat intervals is removed and its chunks re-queued.
+
+The policy decisions live in services.scheduler.core (pure); this module only drives it. Every
+core call happens under one lock: the core is single-threaded by design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
+
+from services.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    SeerError,
+    Unavailable,
+)
+from services.common.log import get_logger, kv, log_context
+from services.common.telemetry import Counter, Gauge, tracer
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
+from services.scheduler.core.config import SchedulerPolicyConfig
+from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
+from services.scheduler.links import BufferLink, WorkerLink
+
+log = get_logger(__name__)
+
+PENDING = Gauge("seer_scheduler_pending_requests", "requests waiting for a chunk dispatch")
+IN_FLIGHT = Gauge("seer_scheduler_in_flight_chunks", "chunks running on workers")
+DISPATCHED = Counter("seer_scheduler_dispatched_chunks", "chunks dispatched to workers")
+REDISPATCHED = Counter("seer_scheduler_redispatched_chunks", "chunks that failed and were queued again")
+COMMITTED_TOKENS = Counter("seer_scheduler_committed_tokens", "tokens committed to the buffer")
+WORKERS = Gauge("seer_scheduler_workers", "registered workers")
+WORKER_TPS = Gauge("seer_scheduler_worker_tokens_per_second", "tokens/s reported by a worker", ["worker_id"])
+WORKER_ACCEPT = Gauge(
+    "seer_scheduler_worker_draft_acceptance", "accepted / proposed draft tokens reported by a worker", ["worker_id"]
+)
+
+# A chunk that fails this many times in a row for reasons other than a worker dying is dropped
+# (logged as an error) rather than retried forever.
+MAX_CHUNK_ATTEMPTS = 8
+
+
+@dataclass
+class TrackedRequest:
+    """Our copy of a buffer request: its spec and the committed output so far."""
+
+    item: buffer_pb2.WorkItem
+    output: list[int]
+    next_seq: int
+    # The dispatch currently running it (None = queued in the core); a token guards against a
+    # stale chunk thread committing after its worker was removed and the request moved on.
+    dispatch_token: int | None = None
+    worker_id: str = ""
+    stream: object | None = None
+    attempts: int = 0
+    dropped: bool = False
+    # Set while a committed-but-unconfirmed chunk waits for a fresh snapshot (the commit was a
+    # duplicate or refused): (worker_id, output length before the chunk, chunk length, max_new).
+    resync: tuple[str, int, int, int] | None = None
+
+
+@dataclass
+class WorkerState:
+    worker_id: str
+    address: str
+    link: WorkerLink
+    capacity: scheduler_pb2.WorkerCapacity
+    engine: str
+    policy_version: int
+    last_seen: float
+    telemetry: scheduler_pb2.WorkerTelemetry = field(default_factory=scheduler_pb2.WorkerTelemetry)
+    in_flight: int = 0
+    active: bool = False  # added to the core (after any catch-up weight load)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    address: str
+    healthy: bool
+    quarantined: bool
+    in_flight_chunks: int
+    telemetry: scheduler_pb2.WorkerTelemetry
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    policy: str
+    pending_requests: int
+    in_flight_chunks: int
+    dispatched_chunks: int
+    redispatched_chunks: int
+    workers: list[WorkerView]
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        buffer_link: Callable[[str], BufferLink] = BufferLink,
+        worker_link: Callable[[str], WorkerLink] = WorkerLink,
+    ) -> None:
+        self.cfg = cfg
+        self.core = SchedulerCore(SchedulerPolicyConfig(policy=cfg.policy, chunk_size=cfg.chunk_size))
+        self._buffer_link_factory = buffer_link
+        self._worker_link_factory = worker_link
+        self._buffer: BufferLink | None = buffer_link(cfg.buffer_address) if cfg.buffer_address else None
+        self._cond = threading.Condition(threading.RLock())
+        self._requests: dict[str, TrackedRequest] = {}
+        self._workers: dict[str, WorkerState] = {}
+        self._history_keys: set[str] = set()
+        self._in_flight = 0
+        self._dispatched = 0
+        self._redispatched = 0
+        self._next_token = 0
+        self._dirty = True
+        self._paused = False
+        self._stopping = threading.Event()
+        self._resync = threading.Event()
+        self._stream: object | None = None
+        self._version: int | None = None
+        self._source = ""
+        self._pool = ThreadPoolExecutor(max_workers=cfg.dispatch_threads, thread_name_prefix="chunk")
+        self._threads: list[threading.Thread] = []
+        self._tracer = tracer("seer.scheduler")
+        self.watcher_id = f"scheduler-{uuid.uuid4().hex[:8]}"
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        targets: list[tuple[str, Callable[[], None]]] = [
+            ("dispatch", self._dispatch_loop),
+            ("liveness", self._liveness_loop),
+        ]
+        if self._buffer is not None:
+            targets.append(("watch", self._watch_loop))
+        for name, target in targets:
+            t = threading.Thread(target=target, name=f"scheduler-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._cond:
+            streams = [r.stream for r in self._requests.values() if r.stream is not None]
+            self._cond.notify_all()
+        self._cancel(self._stream)
+        for s in streams:
+            self._cancel(s)
+        for t in self._threads:
+            t.join(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            for w in self._workers.values():
+                w.link.close()
+        if self._buffer is not None:
+            self._buffer.close()
+
+    @staticmethod
+    def _cancel(stream: object | None) -> None:
+        cancel = getattr(stream, "cancel", None)
+        if callable(cancel):
+            with contextlib.suppress(Exception):
+                cancel()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._dirty = True
+            self._cond.notify_all()
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def register_worker(
+        self, worker_id: str, address: str, capacity: scheduler_pb2.WorkerCapacity, engine: str, policy_version: int
+    ) -> float:
+        if not worker_id:
+            raise InvalidArgument("must not be empty", field="worker_id")
+        if not address or ":" not in address:
+            raise InvalidArgument(f"{address!r} is not host:port", field="address")
+        spec = WorkerSpec(worker_id, capacity.total_kv_pages, capacity.page_size, capacity.max_batch_size)
+        spec.validate()
+        stale: WorkerState | None = None
+        with self._cond:
+            if worker_id in self._workers:
+                # A restarted worker registers again: whatever ran on its old incarnation is gone.
+                stale = self._remove_worker_locked(worker_id, reason="re-registered")
+            link = self._worker_link_factory(address)
+            state = WorkerState(worker_id, address, link, capacity, engine, policy_version, time.monotonic())
+            self._workers[worker_id] = state
+            needs_load = self._version is not None and policy_version != self._version
+            if not needs_load:
+                self._activate_locked(state, spec)
+        if stale is not None:
+            stale.link.close()
+        log.info("worker registered", extra=kv(worker_id=worker_id, address=address, engine=engine,
+                                                 policy_version=policy_version, catch_up=needs_load))
+        if needs_load:
+            threading.Thread(target=self._catch_up, args=(state, spec), daemon=True).start()
+        return self.cfg.heartbeat_interval
+
+    def _activate_locked(self, state: WorkerState, spec: WorkerSpec) -> None:
+        self.core.add_worker(spec)
+        state.active = True
+        WORKERS.set(len(self._workers))
+        self._dirty = True
+        self._cond.notify_all()
+
+    def _catch_up(self, state: WorkerState, spec: WorkerSpec) -> None:
+        """A worker that registers after a weight switch loads the current version before serving."""
+        version, source = self._version, self._source
+        assert version is not None
+        try:
+            state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
+        except SeerError as e:
+            log.error("catch-up weight load failed", extra=kv(worker_id=state.worker_id, error=str(e)))
+            return
+        with self._cond:
+            if self._workers.get(state.worker_id) is state:
+                state.policy_version = version
+                self._activate_locked(state, spec)
+
+    def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry) -> bool:
+        with self._cond:
+            state = self._workers.get(worker_id)
+            if state is None:
+                return False
+            state.last_seen = time.monotonic()
+            state.telemetry.CopyFrom(telemetry)
+            if state.active:
+                self.core.update_worker(
+                    worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running, waiting=telemetry.waiting
+                )
+                self._dirty = True
+                self._cond.notify_all()
+        WORKER_TPS.labels(worker_id).set(telemetry.tokens_per_second)
+        proposed = sum(telemetry.proposed_per_position)
+        if proposed:
+            WORKER_ACCEPT.labels(worker_id).set(sum(telemetry.accepted_per_position) / proposed)
+        return True
+
+    def _remove_worker_locked(self, worker_id: str, reason: str) -> WorkerState | None:
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            return None
+        requeued = self.core.remove_worker(worker_id) if state.active else []
+        # Chunks still streaming from it are cut off; their threads see the request moved on.
+        for r in self._requests.values():
+            if r.worker_id == worker_id and r.dispatch_token is not None:
+                self._cancel(r.stream)
+                r.dispatch_token = None
+                r.worker_id = ""
+                r.stream = None
+                self._in_flight -= 1
+                self._redispatched += 1
+                REDISPATCHED.inc()
+        WORKERS.set(len(self._workers))
+        self._dirty = True
+        self._cond.notify_all()
+        log.warning("worker removed", extra=kv(worker_id=worker_id, reason=reason, requeued=len(requeued)))
+        return state
+
+    def _liveness_loop(self) -> None:
+        limit = 3 * self.cfg.heartbeat_interval
+        while not self._stopping.wait(self.cfg.heartbeat_interval / 2):
+            now = time.monotonic()
+            gone: list[WorkerState] = []
+            with self._cond:
+                for wid, w in list(self._workers.items()):
+                    if now - w.last_seen > limit:
+                        state = self._remove_worker_locked(wid, reason="missed heartbeats")
+                        if state is not None:
+                            gone.append(state)
+            for w in gone:
+                w.link.close()
+
+    # ---- weight switch -----------------------------------------------------------------------
+
+    def switch_weights(self, version: int, source: str) -> tuple[int, float]:
+        """Pause dispatch, wait for in-flight chunks, load `version` on every worker, resume."""
+        if version < 0:
+            raise InvalidArgument(f"must be >= 0, got {version}", field="version")
+        t0 = time.monotonic()
+        with self._cond:
+            if self._paused:
+                raise Aborted("another weight switch is in progress")
+            self._paused = True
+        try:
+            deadline = t0 + self.cfg.drain_timeout
+            with self._cond:
+                while self._in_flight > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise FailedPrecondition(f"{self._in_flight} chunks still in flight after drain timeout")
+                    self._cond.wait(min(left, 0.5))
+                workers = [w for w in self._workers.values()]
+            errors: dict[str, str] = {}
+
+            def load(w: WorkerState) -> None:
+                try:
+                    w.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
+                except SeerError as e:
+                    errors[w.worker_id] = str(e)
+
+            threads = [threading.Thread(target=load, args=(w,), daemon=True) for w in workers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            with self._cond:
+                self._version, self._source = version, source
+                for w in workers:
+                    if w.worker_id not in errors:
+                        w.policy_version = version
+                # A worker that could not load the version must not serve it: drop it (it can
+                # register again and catch up).
+                for wid in errors:
+                    if wid in self._workers:
+                        self._remove_worker_locked(wid, reason="weight load failed")
+            if errors and len(errors) == len(workers):
+                raise Unavailable(f"no worker loaded version {version}: {errors}")
+            loaded = len(workers) - len(errors)
+            seconds = time.monotonic() - t0
+            log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3)))
+            return loaded, seconds
+        finally:
+            with self._cond:
+                self._paused = False
+                self._dirty = True
+                self._cond.notify_all()
+
+    # ---- work feed ---------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        assert self._buffer is not None
+        backoff = 0.1
+        while not self._stopping.is_set():
+            snapshot: list[buffer_pb2.WorkItem] = []
+            in_snapshot = True
+            try:
+                stream = self._buffer.watch(self.watcher_id)
+                self._stream = stream
+                for ev in stream:
+                    kind = ev.WhichOneof("event")
+                    if kind == "added":
+                        if in_snapshot:
+                            snapshot.append(ev.added)
+                        else:
+                            self._add_items([ev.added])
+                    elif kind == "cancelled_request_id":
+                        self._cancel_request(ev.cancelled_request_id)
+                    elif kind == "snapshot_done":
+                        self._apply_snapshot(snapshot)
+                        snapshot, in_snapshot, backoff = [], False, 0.1
+                        log.info("work feed connected", extra=kv(buffer=self._buffer.address))
+            except SeerError as e:
+                if not self._stopping.is_set() and not self._resync.is_set():
+                    log.info("work feed lost; reconnecting", extra=kv(error=str(e), backoff=backoff))
+            if self._resync.is_set():
+                self._resync.clear()
+                continue
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, 2.0)
+
+    def _request_resync(self) -> None:
+        """Reconnect the work feed: the fresh snapshot corrects any request we lost track of."""
+        self._resync.set()
+        self._cancel(self._stream)
+
+    def _fetch_history(self, items: list[buffer_pb2.WorkItem]) -> dict[str, list[int]]:
+        """History priors (RhymeRL) for prompt keys seen for the first time."""
+        with self._cond:
+            keys = sorted({i.prompt_key for i in items if i.prompt_key and i.prompt_key not in self._history_keys})
+        if not keys or self._buffer is None:
+            return {}
+        try:
+            histories = self._buffer.history(keys)
+        except SeerError as e:
+            log.info("history unavailable", extra=kv(error=str(e)))
+            return {}
+        with self._cond:
+            self._history_keys.update(keys)
+        return {h.prompt_key: list(h.lengths) for h in histories if h.lengths}
+
+    def _info(self, item: buffer_pb2.WorkItem, generated: int) -> RequestInfo:
+        return RequestInfo(
+            request_id=item.request_id,
+            group_id=item.group_id,
+            prompt_key=item.prompt_key,
+            sample_index=item.sample_index,
+            group_size=item.group_size,
+            prompt_len=len(item.prompt_token_ids),
+            max_tokens=item.max_tokens,
+            generated=generated,
+        )
+
+    def _add_items(self, items: list[buffer_pb2.WorkItem]) -> None:
+        history = self._fetch_history(items)
+        with self._cond:
+            for key, lengths in history.items():
+                self.core.set_history(key, lengths)
+            for item in items:
+                if item.request_id in self._requests:
+                    continue
+                self._track_locked(item)
+            self._dirty = True
+            self._cond.notify_all()
+
+    def _track_locked(self, item: buffer_pb2.WorkItem) -> None:
+        output = list(item.output_token_ids)
+        info = self._info(item, min(len(output), item.max_tokens))
+        try:
+            info.validate()
+        except InvalidArgument as e:
+            log.error("unschedulable work item", extra=kv(request_id=item.request_id, error=str(e)))
+            return
+        self._requests[item.request_id] = TrackedRequest(item=item, output=output, next_seq=item.next_seq)
+        self.core.add_request(info)
+
+    def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
+        """A fresh snapshot replaces our state; chunks in flight stay in flight."""
+        history = self._fetch_history(items)
+        with self._cond:
+            for key, lengths in history.items():
+                self.core.set_history(key, lengths)
+            by_id = {i.request_id: i for i in items}
+            for rid in list(self._requests):
+                r = self._requests[rid]
+                snap = by_id.get(rid)
+                if r.resync is not None:
+                    self._resolve_resync_locked(r, snap)
+                    continue
+                if r.dispatch_token is not None:
+                    continue
+                if snap is None:
+                    # Finished or cancelled while we were away: the buffer is authoritative.
+                    self.core.cancel_request(rid)
+                    del self._requests[rid]
+                elif snap.next_seq != r.next_seq or list(snap.output_token_ids) != r.output:
+                    r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
+            for item in items:
+                if item.request_id not in self._requests:
+                    self._track_locked(item)
+            self._dirty = True
+            self._cond.notify_all()
+        log.info("work snapshot applied", extra=kv(requests=len(items)))
+
+    def _resolve_resync_locked(self, r: TrackedRequest, snap: buffer_pb2.WorkItem | None) -> None:
+        """Completes a chunk whose commit outcome we could not trust, from the buffer's own state."""
+        assert r.resync is not None
+        worker_id, old_len, chunk_len, max_new = r.resync
+        rid = r.item.request_id
+        r.resync, r.dispatch_token, r.worker_id, r.stream = None, None, "", None
+        w = self._workers.get(worker_id)
+        if w is not None:
+            w.in_flight -= 1
+        self._in_flight -= 1
+        if snap is None:
+            # The buffer no longer lists it: the chunk finished it (or its batch was cancelled).
+            self.core.on_chunk_done(rid, worker_id, min(chunk_len, max_new), True)
+            del self._requests[rid]
+            return
+        r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
+        new_tokens = max(0, min(len(r.output) - old_len, max_new))
+        self.core.on_chunk_done(rid, worker_id, new_tokens, False)
+
+    def _cancel_request(self, request_id: str) -> None:
+        with self._cond:
+            r = self._requests.pop(request_id, None)
+            if r is None:
+                return
+            r.dropped = True
+            self.core.cancel_request(request_id)
+            worker = self._workers.get(r.worker_id) if r.dispatch_token is not None else None
+            self._dirty = True
+            self._cond.notify_all()
+        if worker is not None:
+            with contextlib.suppress(SeerError):
+                worker.link.abort(request_id)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._cond:
+                if not self._dirty or self._paused:
+                    self._cond.wait(0.2)
+                if self._paused or self._stopping.is_set():
+                    continue
+                self._dirty = False
+                started: list[tuple[Dispatch, TrackedRequest, WorkerState, int]] = []
+                for d in self.core.next_dispatches():
+                    r = self._requests.get(d.request_id)
+                    w = self._workers.get(d.worker_id)
+                    if r is None or w is None or r.dispatch_token is not None:
+                        log.error("core dispatched an unknown or busy request",
+                                  extra=kv(request_id=d.request_id, worker_id=d.worker_id))
+                        self.core.on_chunk_failed(d.request_id, d.worker_id)
+                        continue
+                    self._next_token += 1
+                    r.dispatch_token, r.worker_id = self._next_token, d.worker_id
+                    w.in_flight += 1
+                    self._in_flight += 1
+                    self._dispatched += 1
+                    DISPATCHED.inc()
+                    started.append((d, r, w, self._next_token))
+                PENDING.set(self.core.pending_count())
+                IN_FLIGHT.set(self._in_flight)
+            for d, r, w, token in started:
+                self._pool.submit(self._run_chunk, d, r, w, token)
+
+    def _chunk_request(self, d: Dispatch, r: TrackedRequest) -> worker_pb2.RunChunkRequest:
+        item = r.item
+        return worker_pb2.RunChunkRequest(
+            request_id=item.request_id,
+            batch_id=item.batch_id,
+            group_id=item.group_id,
+            prompt_key=item.prompt_key,
+            seq=r.next_seq,
+            prompt_token_ids=item.prompt_token_ids,
+            output_token_ids=r.output,
+            # The core's generated count can lag the buffer's after a resync; never exceed the rest.
+            max_new_tokens=max(1, min(d.max_new_tokens, item.max_tokens - len(r.output))),
+            max_tokens=item.max_tokens,
+            sampling=item.sampling,
+            policy_version=item.policy_version,
+            is_probe=d.is_probe,
+            group_size=item.group_size,
+            fetch_kv=d.fetch_kv,
+        )
+
+    def _run_chunk(self, d: Dispatch, r: TrackedRequest, w: WorkerState, token: int) -> None:
+        with log_context(request_id=d.request_id, group_id=r.item.group_id), \
+                self._tracer.start_as_current_span("scheduler.dispatch") as span:
+            span.set_attribute("seer.request_id", d.request_id)
+            span.set_attribute("seer.worker_id", d.worker_id)
+            span.set_attribute("seer.seq", r.next_seq)
+            try:
+                self._run_chunk_inner(d, r, w, token)
+            except Exception:
+                log.exception("chunk driver failed")
+                self._finish_chunk(r, w, token, failed=True)
+
+    def _run_chunk_inner(self, d: Dispatch, r: TrackedRequest, w: WorkerState, token: int) -> None:
+        with self._cond:
+            req = self._chunk_request(d, r)
+            stream = w.link.run_chunk(req, timeout=self.cfg.chunk_timeout)
+            r.stream = stream
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        done: worker_pb2.ChunkDone | None = None
+        try:
+            for ev in _events(stream):
+                if ev.WhichOneof("event") == "tokens":
+                    tokens.extend(ev.tokens.token_ids)
+                    logprobs.extend(ev.tokens.logprobs)
+                else:
+                    done = ev.done
+        except SeerError as e:
+            if not r.dropped:
+                log.warning("chunk stream failed; re-dispatching", extra=kv(worker_id=w.worker_id, error=str(e)))
+            self._finish_chunk(r, w, token, failed=True)
+            return
+        reason = done.finish_reason if done is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+        if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):
+            self._finish_chunk(r, w, token, failed=True)
+            return
+        if done.policy_version != r.item.policy_version:
+            # Every token of a response must come from the batch's policy version.
+            log.error("worker ran a different policy version", extra=kv(
+                worker_id=w.worker_id, worker_version=done.policy_version, request_version=r.item.policy_version))
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
+            return
+        commit = buffer_pb2.CommitChunkRequest(
+            request_id=req.request_id,
+            seq=req.seq,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=reason,
+            policy_version=done.policy_version,
+            worker_id=w.worker_id,
+            stats=done.stats,
+        )
+        with self._cond:
+            if r.dispatch_token != token:
+                return  # the worker was removed meanwhile and the request re-queued: drop this chunk
+        self._commit(r, w, token, commit, req.max_new_tokens)
+
+    def _commit(
+        self, r: TrackedRequest, w: WorkerState, token: int, commit: buffer_pb2.CommitChunkRequest, max_new: int
+    ) -> None:
+        assert self._buffer is not None
+        deadline = time.monotonic() + self.cfg.commit_timeout
+        backoff = 0.05
+        while True:
+            try:
+                resp = self._buffer.commit(commit, timeout=10.0)
+                break
+            except (Unavailable, Aborted) as e:
+                if self._stopping.is_set() or r.dropped or time.monotonic() > deadline:
+                    log.warning("commit abandoned", extra=kv(error=str(e)))
+                    self._finish_chunk(r, w, token, failed=True)
+                    return
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except (FailedPrecondition, NotFound) as e:
+                # Our view of the request diverged from the buffer's: re-read the feed.
+                log.warning("commit refused; resyncing with the buffer", extra=kv(error=str(e)))
+                self._hold_for_resync(r, w, token, commit, max_new)
+                return
+            except SeerError as e:
+                log.error("commit rejected", extra=kv(error=str(e)))
+                self._finish_chunk(r, w, token, failed=True, count_attempt=True)
+                return
+        COMMITTED_TOKENS.inc(len(commit.token_ids))
+        if resp.duplicate:
+            # The buffer already had this seq (our earlier ack was lost in a restart); our copy of
+            # the output may differ from what it kept, so take its state from a fresh snapshot.
+            self._hold_for_resync(r, w, token, commit, max_new)
+            return
+        if not resp.accepted:
+            self._finish_chunk(r, w, token, failed=False, drop=True)
+            return
+        with self._cond:
+            if r.dispatch_token == token:
+                r.output.extend(commit.token_ids)
+                r.next_seq = resp.next_seq
+                r.attempts = 0
+        self._finish_chunk(r, w, token, failed=False, new_tokens=len(commit.token_ids),
+                           finished=resp.request_finished)
+
+    def _hold_for_resync(
+        self, r: TrackedRequest, w: WorkerState, token: int, commit: buffer_pb2.CommitChunkRequest, max_new: int
+    ) -> None:
+        """Keep the chunk in flight until the next snapshot says what the buffer kept."""
+        with self._cond:
+            if r.dispatch_token != token:
+                return
+            r.resync = (w.worker_id, len(r.output), len(commit.token_ids), max_new)
+        self._request_resync()
+
+    def _finish_chunk(
+        self,
+        r: TrackedRequest,
+        w: WorkerState,
+        token: int,
+        *,
+        failed: bool,
+        new_tokens: int = 0,
+        finished: bool = False,
+        drop: bool = False,
+        count_attempt: bool = False,
+    ) -> None:
+        rid = r.item.request_id
+        with self._cond:
+            if r.dispatch_token != token:
+                return  # already accounted for (worker removed, request re-queued)
+            r.dispatch_token, r.worker_id, r.stream = None, "", None
+            w.in_flight -= 1
+            self._in_flight -= 1
+            tracked = self._requests.get(rid) is r
+            if not tracked or r.dropped:
+                pass
+            elif drop:
+                self.core.cancel_request(rid)
+                del self._requests[rid]
+            elif failed:
+                r.attempts += 1 if count_attempt else 0
+                if r.attempts >= MAX_CHUNK_ATTEMPTS:
+                    log.error("request dropped after repeated chunk failures", extra=kv(request_id=rid))
+                    self.core.cancel_request(rid)
+                    del self._requests[rid]
+                else:
+                    self.core.on_chunk_failed(rid, w.worker_id)
+                    self._redispatched += 1
+                    REDISPATCHED.inc()
+            else:
+                self.core.on_chunk_done(rid, w.worker_id, new_tokens, finished)
+                if finished:
+                    del self._requests[rid]
+            IN_FLIGHT.set(self._in_flight)
+            self._dirty = True
+            self._cond.notify_all()
+
+    # ---- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        now = time.monotonic()
+        with self._cond:
+            workers = [
+                WorkerView(
+                    worker_id=w.worker_id,
+                    address=w.address,
+                    healthy=w.active and now - w.last_seen <= 3 * self.cfg.heartbeat_interval,
+                    quarantined=w.active and self.core.is_quarantined(w.worker_id),
+                    in_flight_chunks=w.in_flight,
+                    telemetry=w.telemetry,
+                )
+                for w in self._workers.values()
+            ]
+            return SchedulerStats(
+                policy=self.cfg.policy,
+                pending_requests=self.core.pending_count(),
+                in_flight_chunks=self._in_flight,
+                dispatched_chunks=self._dispatched,
+                redispatched_chunks=self._redispatched,
+                workers=workers,
+            )
+
+
+def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:
+    yield from stream  # type: ignore[misc]
