@@ -1,0 +1,45 @@
+"""Container healthcheck: asks the gRPC health service (grpc.health.v1) whether the server is SERVING.
+
+Usage: python /opt/seer/healthcheck.py [ADDRESS] [--service NAME] [--timeout SECONDS]
+ADDRESS defaults to 127.0.0.1:$SEER_<SERVICE>_PORT where SERVICE comes from $SEER_IMAGE_SERVICE (set
+by the image). Exit 0 when SERVING, 1 otherwise (compose and Docker read only the exit code; the
+reason goes to stdout, which `docker inspect` shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def default_address() -> str:
+    service = os.environ.get("SEER_IMAGE_SERVICE", "")
+    port = os.environ.get(f"SEER_{service.upper()}_PORT", "50051") if service else "50051"
+    return f"127.0.0.1:{port}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("address", nargs="?", default=None)
+    parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
+    parser.add_argument("--timeout", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    address = args.address or default_address()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"{address}: {e.code().name}: {e.details()}")
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

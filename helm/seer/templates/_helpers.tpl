@@ -1,0 +1,169 @@
+{{/* Names, labels, images and the SEER_* environment shared by every workload. */}}
+
+{{- define "seer.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<component>": the workload and its headless Service (DNS names). */}}
+{{- define "seer.name" -}}
+{{- printf "%s-%s" (include "seer.fullname" .root) .component -}}
+{{- end -}}
+
+{{- define "seer.selectorLabels" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "seer.labels" -}}
+{{ include "seer.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: seer
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{- define "seer.image" -}}
+{{- $g := .root.Values.global -}}
+{{- $img := .svc.image -}}
+{{- $repo := $img.repository -}}
+{{- if $g.imageRegistry -}}{{- $repo = printf "%s/%s" (trimSuffix "/" $g.imageRegistry) $repo -}}{{- end -}}
+{{- printf "%s:%s" $repo (toString ($img.tag | default $g.imageTag | default .root.Chart.AppVersion)) -}}
+{{- end -}}
+
+{{/* In-cluster address of a component's gRPC port through its headless Service. */}}
+{{- define "seer.address" -}}
+{{- $svc := index .root.Values .component -}}
+{{- printf "%s.%s.svc:%v" (include "seer.name" .) .root.Release.Namespace $svc.port -}}
+{{- end -}}
+
+{{/* Every kvstore replica by its stable StatefulSet DNS name: pages shard by page-key hash. */}}
+{{- define "seer.kvAddresses" -}}
+{{- $name := include "seer.name" (dict "root" .root "component" "kvstore") -}}
+{{- $kv := .root.Values.kvstore -}}
+{{- $out := list -}}
+{{- range $i := until (int $kv.replicas) -}}
+{{- $out = append $out (printf "%s-%d.%s.%s.svc:%v" $name $i $name $.root.Release.Namespace $kv.port) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
+{{/*
+SEER_* environment of one component: bind address and ports, the wiring the chart owns, then the
+user's `config` map (which may not override the wiring: that fails at render).
+*/}}
+{{- define "seer.env" -}}
+{{- $root := .root -}}
+{{- $c := .component -}}
+{{- $svc := index $root.Values $c -}}
+{{- $prefix := printf "SEER_%s_" (upper $c) -}}
+{{- $wired := dict "host" "0.0.0.0" "port" (toString $svc.port) "metrics_port" (toString $svc.metricsPort) -}}
+{{- if eq $c "buffer" -}}
+{{- $_ := set $wired "data_dir" "/var/lib/seer/buffer" -}}
+{{- if $root.Values.scheduler.enabled -}}{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}{{- end -}}
+{{- else if eq $c "scheduler" -}}
+{{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}
+{{- else if eq $c "kvstore" -}}
+{{- $_ := set $wired "data_dir" "/var/lib/seer/kvstore" -}}
+{{- else if eq $c "worker" -}}
+{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}
+{{- $_ := set $wired "model_dir" $root.Values.model.dir -}}
+{{- $_ := set $wired "engine" $svc.engine -}}
+{{- if $svc.gpu.enabled -}}{{- $_ := set $wired "device" "cuda" -}}{{- end -}}
+{{- if $root.Values.draft.enabled -}}{{- $_ := set $wired "draft_address" (include "seer.address" (dict "root" $root "component" "draft")) -}}{{- end -}}
+{{- if $root.Values.kvstore.enabled -}}{{- $_ := set $wired "kv_addresses" (include "seer.kvAddresses" (dict "root" $root)) -}}{{- end -}}
+{{- end -}}
+{{- range $k, $v := $svc.config -}}
+{{- if hasKey $wired $k -}}
+{{- fail (printf "%s.config.%s: set by the chart (%s); use the chart's own value for it" $c $k (printf "%s%s" $prefix (upper $k))) -}}
+{{- end -}}
+{{- end }}
+- name: SEER_TRACING
+  value: {{ $root.Values.global.tracing | quote }}
+{{- if eq $c "worker" }}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: SEER_WORKER_WORKER_ID
+  value: "$(POD_NAME)"
+- name: SEER_WORKER_ADVERTISE_ADDRESS
+  value: "$(POD_IP):{{ $svc.port }}"
+{{- end }}
+{{- range $k := keys $wired | sortAlpha }}
+- name: {{ printf "%s%s" $prefix (upper $k) }}
+  value: {{ index $wired $k | toString | quote }}
+{{- end }}
+{{- range $k := keys $svc.config | sortAlpha }}
+- name: {{ printf "%s%s" $prefix (upper $k) }}
+  value: {{ index $svc.config $k | toString | quote }}
+{{- end }}
+{{- with $root.Values.global.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Native gRPC probes (grpc.health.v1); the startup probe covers model loading. */}}
+{{- define "seer.probes" -}}
+{{- $svc := index .root.Values .component -}}
+startupProbe:
+  grpc:
+    port: {{ $svc.port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: {{ $svc.startupFailureThreshold | default 30 }}
+readinessProbe:
+  grpc:
+    port: {{ $svc.port }}
+  periodSeconds: 5
+  timeoutSeconds: 3
+  failureThreshold: 2
+livenessProbe:
+  grpc:
+    port: {{ $svc.port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{/*
+Render-time checks with messages that name the value: a wrong value fails `helm install`/`template`,
+not the first rollout. values.schema.json covers types and ranges; these cover relations.
+*/}}
+{{- define "seer.validate" -}}
+{{- $v := .Values -}}
+{{- range $c := list "buffer" "scheduler" "worker" -}}
+{{- $svc := index $v $c -}}
+{{- if not $svc.enabled -}}
+{{- fail (printf "%s.enabled: the %s is required; Seer cannot run a rollout without it" $c $c) -}}
+{{- end -}}
+{{- if lt (int $svc.replicas) 1 -}}
+{{- fail (printf "%s.replicas: must be >= 1 (got %v); the %s is required" $c $svc.replicas $c) -}}
+{{- end -}}
+{{- end -}}
+{{- range $c := list "buffer" "scheduler" -}}
+{{- if gt (int (index $v $c).replicas) 1 -}}
+{{- fail (printf "%s.replicas: must be 1 (got %v); the %s is logically central (one active replica)" $c (index $v $c).replicas $c) -}}
+{{- end -}}
+{{- end -}}
+{{- if not $v.model.dir -}}
+{{- fail "model.dir: required; the directory (inside the worker container) holding the model's safetensors, config.json and tokenizer.json" -}}
+{{- end -}}
+{{- if not (hasPrefix "/" $v.model.dir) -}}
+{{- fail (printf "model.dir: must be an absolute path inside the worker container (got %q)" $v.model.dir) -}}
+{{- end -}}
+{{- if and (eq $v.worker.engine "sglang") (not $v.worker.gpu.enabled) -}}
+{{- fail "worker.engine: sglang needs a GPU; set worker.gpu.enabled=true (and the seer-worker-gpu image) or use engine=reference" -}}
+{{- end -}}
+{{- if and $v.worker.modelVolume (not (hasPrefix $v.worker.modelMountPath $v.model.dir)) -}}
+{{- fail (printf "model.dir: %q is not under worker.modelMountPath %q where worker.modelVolume is mounted" $v.model.dir $v.worker.modelMountPath) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,182 @@
+{{/*
+One Seer component: a Deployment (stateless) or a StatefulSet with a volume claim per pod (buffer,
+kvstore: RocksDB), plus its headless Service (clients balance over the pod addresses themselves;
+gRPC keeps long-lived connections, so kube-proxy balancing per connection would pin them).
+Called with (dict "root" $ "component" "<name>" "stateful" <bool>).
+*/}}
+{{- define "seer.workload" -}}
+{{- $root := .root -}}
+{{- $c := .component -}}
+{{- $svc := index $root.Values $c -}}
+{{- $name := include "seer.name" . -}}
+{{- $isWorker := eq $c "worker" -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "seer.labels" . | nindent 4 }}
+spec:
+  clusterIP: None
+  publishNotReadyAddresses: false
+  selector:
+    {{- include "seer.selectorLabels" . | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $svc.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    - name: metrics
+      port: {{ $svc.metricsPort }}
+      targetPort: metrics
+      protocol: TCP
+---
+apiVersion: apps/v1
+kind: {{ if .stateful }}StatefulSet{{ else }}Deployment{{ end }}
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "seer.labels" . | nindent 4 }}
+spec:
+  replicas: {{ $svc.replicas }}
+  {{- if .stateful }}
+  serviceName: {{ $name }}
+  podManagementPolicy: Parallel
+  {{- else if has $c (list "buffer" "scheduler") }}
+  strategy:
+    # One active replica: the old pod must be gone before the new one opens the same state.
+    type: Recreate
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "seer.selectorLabels" . | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "seer.labels" . | nindent 8 }}
+        {{- with $root.Values.global.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      annotations:
+        {{- with $root.Values.global.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        seer.dev/config-hash: {{ toJson $svc.config | sha256sum | trunc 16 | quote }}
+    spec:
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ $svc.terminationGracePeriodSeconds | default 30 }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- with $root.Values.global.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $svc.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $svc.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $tolerations := $svc.tolerations | default list -}}
+      {{- if and $isWorker $svc.gpu.enabled }}
+      {{- $tolerations = append $tolerations (dict "key" $svc.gpu.resourceName "operator" "Exists" "effect" "NoSchedule") }}
+      {{- end }}
+      {{- with $tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ $c }}
+          image: {{ include "seer.image" (dict "root" $root "svc" $svc) | quote }}
+          imagePullPolicy: {{ $svc.image.pullPolicy | default $root.Values.global.imagePullPolicy }}
+          ports:
+            - name: grpc
+              containerPort: {{ $svc.port }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ $svc.metricsPort }}
+              protocol: TCP
+          env:
+            {{- include "seer.env" . | nindent 12 }}
+          {{- include "seer.probes" . | nindent 10 }}
+          resources:
+            {{- $res := deepCopy ($svc.resources | default dict) -}}
+            {{- if and $isWorker $svc.gpu.enabled -}}
+            {{- $limits := $res.limits | default dict -}}
+            {{- $_ := set $limits $svc.gpu.resourceName (int $svc.gpu.count) -}}
+            {{- $_ := set $res "limits" $limits -}}
+            {{- end }}
+            {{- toYaml $res | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            {{- if .stateful }}
+            - name: data
+              mountPath: /var/lib/seer/{{ $c }}
+            {{- end }}
+            {{- if and $isWorker $svc.shm.enabled }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
+            {{- if and $isWorker $svc.modelVolume }}
+            - name: model
+              mountPath: {{ $svc.modelMountPath }}
+              readOnly: true
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir: {}
+        {{- if and $isWorker $svc.shm.enabled }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $svc.shm.sizeLimit }}
+        {{- end }}
+        {{- if and $isWorker $svc.modelVolume }}
+        - name: model
+          {{- toYaml $svc.modelVolume | nindent 10 }}
+        {{- end }}
+  {{- if .stateful }}
+  volumeClaimTemplates:
+    - metadata:
+        name: data
+        labels:
+          {{- include "seer.selectorLabels" . | nindent 10 }}
+      spec:
+        accessModes:
+          {{- toYaml $svc.persistence.accessModes | nindent 10 }}
+        {{- with $svc.persistence.storageClassName }}
+        storageClassName: {{ . }}
+        {{- end }}
+        resources:
+          requests:
+            storage: {{ $svc.persistence.size }}
+  {{- end }}
+{{- if $svc.pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "seer.labels" . | nindent 4 }}
+spec:
+  {{- if hasKey $svc.pdb "minAvailable" }}
+  minAvailable: {{ $svc.pdb.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ $svc.pdb.maxUnavailable | default 1 }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "seer.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}
