@@ -1,0 +1,22 @@
+"""`python -m services.buffer --port 50051 --data-dir /data/buffer [--model-dir DIR]`."""
+
+from __future__ import annotations
+
+import sys
+
+from services.buffer.app import start
+from services.buffer.config import BufferConfig
+from services.common import config
+from services.common.log import setup_logging
+from services.common.server import serve_until_signal
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("buffer")
+    cfg = config.load(BufferConfig, "buffer", argv, prog="python -m services.buffer")
+    running, _core = start(cfg)
+    return serve_until_signal(running)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

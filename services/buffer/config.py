@@ -1,0 +1,52 @@
+"""Buffer service configuration (flags, SEER_BUFFER_* env, or --config JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.server import ServiceConfig
+
+# The embedded SmolLM2 values, used when no model directory is configured.
+DEFAULT_VOCAB_SIZE = 49152
+DEFAULT_MAX_CONTEXT = 8192
+
+
+@dataclass(frozen=True)
+class BufferConfig(ServiceConfig):
+    port: int = field(default=50051, metadata={"help": "gRPC port (0 = pick a free one)"})
+    data_dir: str = field(default="./data/buffer", metadata={"help": "RocksDB directory (persistent volume)"})
+    model_dir: str = field(
+        default="auto",
+        metadata={"help": "model directory (tokenizer.json, config.json); 'auto' = the embedded model's cache "
+                          "directory when it exists; '' = none (prompt_text refused, no result text)"},
+    )
+    vocab_size: int = field(default=0, metadata={"help": "vocabulary size (0 = model config.json, else 49152)"})
+    max_context: int = field(
+        default=0, metadata={"help": "max prompt + max_tokens (0 = model max_position_embeddings, else 8192)"}
+    )
+    max_requests_per_batch: int = field(default=65536, metadata={"help": "bound on sum of group sizes"})
+    history_iterations: int = field(default=2, metadata={"help": "finished iterations kept per prompt key"})
+    scheduler_address: str = field(
+        default="", metadata={"help": "SchedulerService host:port for UpdateWeights ('' = record only)"}
+    )
+    switch_timeout_seconds: float = field(default=600.0, metadata={"help": "deadline of SwitchWeights"})
+    sync_writes: bool = field(
+        default=False,
+        metadata={"help": "fsync every commit (survives power loss; process crashes are safe without it)"},
+    )
+    port_file: str = field(default="", metadata={"help": "write the bound port here once serving"})
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.data_dir:
+            raise ValueError("data_dir: required")
+        if self.vocab_size < 0:
+            raise ValueError("vocab_size: must be >= 0")
+        if self.max_context < 0:
+            raise ValueError("max_context: must be >= 0")
+        if self.max_requests_per_batch < 1:
+            raise ValueError("max_requests_per_batch: must be >= 1")
+        if self.history_iterations < 1:
+            raise ValueError("history_iterations: must be >= 1")
+        if self.switch_timeout_seconds <= 0:
+            raise ValueError("switch_timeout_seconds: must be > 0")

@@ -1,0 +1,608 @@
+"""The buffer's pure core: batches -> groups -> requests -> chunks, results logs, history.
+
+No gRPC here: the server converts messages and calls these methods; the simulator and the tests use
+the core directly. All state changes happen under one lock and are written to RocksDB as one
+WriteBatch before anything is acknowledged or published, so a crash at any point loses nothing that
+a caller saw acknowledged (DESIGN.md section 3, invariants).
+
+Divided rollout (Seer section 4.1): each group of G samples becomes G requests; the scheduler runs a
+request as a sequence of chunks and commits each one here, idempotently by (request_id, seq).
+History (RhymeRL section 4): when a batch completes, its responses become the most recent iteration
+of their prompt keys (lengths for the scheduler's priors, tokens for history drafts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from services.buffer import codec, metrics
+from services.buffer import store as keys
+from services.buffer.events import Added, Cancelled, Event, Subscription, WatchHub
+from services.buffer.model import ModelInfo
+from services.buffer.records import (
+    BatchRecord,
+    BatchState,
+    ChunkRecord,
+    ChunkStats,
+    FinishReason,
+    GroupRecord,
+    GroupSpec,
+    HistoryIteration,
+    RequestRecord,
+    RequestState,
+    RolloutResult,
+    Sampling,
+    decode_history,
+    encode_history,
+)
+from services.buffer.store import Store
+from services.buffer.validation import content_hash, validate_batch, validate_batch_id
+from services.common.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    SeerError,
+    Unavailable,
+)
+from services.common.log import get_logger, kv, log_context
+
+log = get_logger(__name__)
+
+MAX_HISTORY_KEYS = 100_000
+
+
+class OutOfRange(SeerError):
+    code_name = "OUT_OF_RANGE"
+
+
+def derive_seed(base_seed: int, sample_index: int) -> int:
+    """A request's seed: a hash of the group's base seed and the sample index (uint64)."""
+    h = hashlib.blake2b(f"{base_seed}:{sample_index}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    request_id: str
+    batch_id: str
+    group_id: str
+    group_index: int
+    sample_index: int
+    group_size: int
+    prompt_key: str
+    prompt_token_ids: array[int]
+    output_token_ids: array[int]
+    max_tokens: int
+    sampling: Sampling  # seed = this request's own (already derived) seed
+    policy_version: int
+    next_seq: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    request_id: str
+    seq: int
+    token_ids: list[int] | array[int]
+    logprobs: list[float] | array[float]
+    finish_reason: FinishReason
+    policy_version: int
+    worker_id: str = ""
+    stats: ChunkStats = field(default_factory=ChunkStats)
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    duplicate: bool
+    next_seq: int
+    generated_tokens: int
+    request_finished: bool
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class SubmitOutcome:
+    batch_id: str
+    num_requests: int
+    already_submitted: bool
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    request_id: str
+    state: RequestState
+    generated_tokens: int
+    num_chunks: int
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    batch_id: str
+    state: BatchState
+    num_requests: int
+    num_finished: int
+    num_cancelled: int
+    generated_tokens: int
+    policy_version: int
+    requests: list[RequestStatus]
+
+
+@dataclass(frozen=True)
+class WeightsOutcome:
+    version: int
+    num_workers: int
+    seconds: float
+
+
+# (version, source) -> number of workers that loaded it; raises a SeerError on failure.
+SwitchFn = Callable[[int, str], int]
+
+
+@dataclass
+class _Live:
+    """An unfinished request with the output committed so far."""
+
+    rec: RequestRecord
+    tokens: array[int] = field(default_factory=codec.i32)
+    logprobs: array[float] = field(default_factory=codec.f32)
+
+
+def parse_request_id(request_id: str) -> tuple[str, int, int]:
+    parts = request_id.split("/")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        validate_batch_id(parts[0])
+        gi, si = int(parts[1]), int(parts[2])
+        if gi < 0 or si < 0:
+            raise ValueError
+    except (ValueError, InvalidArgument):
+        raise InvalidArgument(f"not a request id <batch_id>/<group>/<sample>: {request_id[:200]!r}",
+                              field="request_id") from None
+    return parts[0], gi, si
+
+
+class BufferCore:
+    def __init__(self, store: Store, model: ModelInfo, *, max_requests_per_batch: int = 65536,
+                 history_iterations: int = 2, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._model = model
+        self._max_requests = max_requests_per_batch
+        self._history_n = history_iterations
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._hub = WatchHub()
+        self._switching = False
+        self._batches: dict[str, BatchRecord] = {}
+        self._groups: dict[tuple[str, int], GroupRecord] = {}  # groups of running batches
+        self._live: dict[str, _Live] = {}
+        self._live_by_batch: dict[str, set[str]] = {}
+        self._policy_version = 0
+        self._recover()
+
+    # ---- startup -------------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuilds the in-memory index from RocksDB (after a restart or a kill -9)."""
+        raw = self._store.get(keys.POLICY_VERSION_KEY)
+        self._policy_version = int(raw) if raw else 0
+        for _k, v in self._store.scan(b"b/"):
+            b = BatchRecord.decode(v)
+            self._batches[b.batch_id] = b
+            if b.terminal:
+                continue
+            for _gk, gv in self._store.scan(f"g/{b.batch_id}/".encode()):
+                g = GroupRecord.decode(gv)
+                self._groups[(b.batch_id, g.group_index)] = g
+            for _rk, rv in self._store.scan(keys.requests_prefix(b.batch_id)):
+                r = RequestRecord.decode(rv)
+                if not r.active:
+                    continue
+                live = _Live(r)
+                prefix = keys.chunks_prefix(r.batch_id, r.group_index, r.sample_index)
+                for _ck, cv in self._store.scan(prefix):
+                    c = ChunkRecord.decode(cv)
+                    live.tokens.extend(c.token_ids)
+                    live.logprobs.extend(c.logprobs)
+                self._add_live(live)
+        metrics.PENDING.set(len(self._live))
+        log.info("recovered", extra=kv(batches=len(self._batches), live_requests=len(self._live),
+                                       policy_version=self._policy_version))
+
+    def _add_live(self, live: _Live) -> None:
+        rid = live.rec.request_id
+        self._live[rid] = live
+        self._live_by_batch.setdefault(live.rec.batch_id, set()).add(rid)
+
+    def _drop_live(self, rid: str, batch_id: str) -> None:
+        self._live.pop(rid, None)
+        ids = self._live_by_batch.get(batch_id)
+        if ids is not None:
+            ids.discard(rid)
+            if not ids:
+                del self._live_by_batch[batch_id]
+
+    def close(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+        self._store.close()
+
+    # ---- submission ----------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        with self._lock:
+            return self._policy_version
+
+    def submit_batch(self, batch_id: str, groups: list[GroupSpec]) -> SubmitOutcome:
+        valid = validate_batch(batch_id, groups, self._model, self._max_requests)
+        digest = content_hash(batch_id, groups)
+        with self._lock:
+            existing = self._batches.get(batch_id)
+            if existing is not None:
+                if existing.content_hash != digest:
+                    raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content",
+                                        field="batch_id")
+                return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version)
+            if self._switching:
+                raise Unavailable("a weight update is in progress; retry shortly")
+            version = self._policy_version
+            batch = BatchRecord(batch_id=batch_id, content_hash=digest, policy_version=version,
+                                created_at=self._clock(), num_groups=len(valid),
+                                num_requests=sum(g.group_size for g in valid))
+            wb = self._store.new_batch()
+            wb.put(keys.batch_key(batch_id), batch.encode())
+            new_groups, new_live = [], []
+            for gi, vg in enumerate(valid):
+                base_seed = vg.sampling.seed if vg.sampling.seed is not None else secrets.randbits(64)
+                s = vg.sampling
+                g = GroupRecord(batch_id, gi, vg.prompt_key, codec.i32(vg.prompt_token_ids), vg.group_size,
+                                vg.max_tokens, Sampling(s.temperature, s.top_p, s.top_k, base_seed,
+                                                        s.stop_token_ids, s.ignore_eos), vg.labels)
+                wb.put(keys.group_key(batch_id, gi), g.encode())
+                new_groups.append(g)
+                for si in range(vg.group_size):
+                    r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, si))
+                    wb.put(keys.request_key(batch_id, gi, si), r.encode())
+                    new_live.append(_Live(r))
+            self._store.write(wb)
+            self._batches[batch_id] = batch
+            for g in new_groups:
+                self._groups[(batch_id, g.group_index)] = g
+            for live in new_live:
+                self._add_live(live)
+            self._hub.publish([Added(self._work_item(live)) for live in new_live])
+            metrics.BATCHES.inc()
+            metrics.REQUESTS.inc(len(new_live))
+            metrics.PENDING.set(len(self._live))
+        log.info("batch submitted", extra=kv(batch_id=batch_id, groups=len(valid),
+                                             requests=batch.num_requests, policy_version=version))
+        return SubmitOutcome(batch_id, batch.num_requests, False, version)
+
+    # ---- work feed -----------------------------------------------------------------------------
+
+    def _work_item(self, live: _Live) -> WorkItem:
+        r = live.rec
+        g = self._groups[(r.batch_id, r.group_index)]
+        s = g.sampling
+        return WorkItem(
+            request_id=r.request_id, batch_id=r.batch_id, group_id=r.group_id, group_index=r.group_index,
+            sample_index=r.sample_index, group_size=g.group_size, prompt_key=g.prompt_key,
+            prompt_token_ids=g.prompt_token_ids, output_token_ids=codec.i32(live.tokens),
+            max_tokens=g.max_tokens,
+            sampling=Sampling(s.temperature, s.top_p, s.top_k, r.seed, s.stop_token_ids, s.ignore_eos),
+            policy_version=self._batches[r.batch_id].policy_version, next_seq=r.next_seq,
+        )
+
+    def watch(self, watcher_id: str) -> tuple[list[WorkItem], Subscription]:
+        """The snapshot of runnable requests and a subscription to later events (atomically)."""
+        with self._lock:
+            sub = self._hub.add(watcher_id)
+            snapshot = [self._work_item(live) for live in self._live.values()]
+        metrics.WATCHERS.set(len(self._hub))
+        log.info("watcher joined", extra=kv(watcher_id=watcher_id, snapshot=len(snapshot)))
+        return snapshot, sub
+
+    def unwatch(self, sub: Subscription) -> None:
+        sub.close()
+        metrics.WATCHERS.set(len(self._hub))
+
+    # ---- commits -------------------------------------------------------------------------------
+
+    def commit_chunk(self, c: Commit) -> CommitOutcome:
+        batch_id, gi, si = parse_request_id(c.request_id)
+        with log_context(request_id=c.request_id, group_id=f"{batch_id}/{gi}"), self._lock:
+            return self._commit_locked(c, batch_id, gi, si)
+
+    def _stored_request(self, batch_id: str, gi: int, si: int, request_id: str) -> RequestRecord:
+        raw = self._store.get(keys.request_key(batch_id, gi, si))
+        if raw is None:
+            raise NotFound(f"unknown request {request_id!r}", field="request_id")
+        return RequestRecord.decode(raw)
+
+    def _check_duplicate(self, c: Commit, rec: RequestRecord) -> CommitOutcome:
+        raw = self._store.get(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq))
+        if raw is None:  # pragma: no cover - chunk records are written with the request record
+            raise Aborted(f"chunk {c.seq} is missing", field="seq")
+        stored = ChunkRecord.decode(raw)
+        incoming = ChunkRecord(codec.i32(c.token_ids), codec.f32(c.logprobs), c.finish_reason)
+        if not stored.same_content(incoming):
+            metrics.REJECTED.labels("conflict").inc()
+            raise Aborted(f"chunk {c.seq} was already committed with different content "
+                          f"(by worker {stored.worker_id!r})", field="seq")
+        metrics.DUPLICATES.inc()
+        return CommitOutcome(True, rec.next_seq, rec.generated, rec.state == RequestState.FINISHED,
+                             rec.state != RequestState.CANCELLED)
+
+    def _commit_locked(self, c: Commit, batch_id: str, gi: int, si: int) -> CommitOutcome:
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise NotFound(f"unknown request {c.request_id!r} (no batch {batch_id!r})", field="request_id")
+        live = self._live.get(c.request_id)
+        rec = live.rec if live is not None else self._stored_request(batch_id, gi, si, c.request_id)
+        if rec.state == RequestState.CANCELLED:
+            metrics.REJECTED.labels("cancelled").inc()
+            return CommitOutcome(c.seq < rec.next_seq, rec.next_seq, rec.generated, False, False)
+        if c.policy_version != batch.policy_version:
+            metrics.REJECTED.labels("version").inc()
+            raise FailedPrecondition(f"batch {batch_id!r} runs policy version {batch.policy_version}, "
+                                     f"the chunk was generated with {c.policy_version}", field="policy_version")
+        if c.seq < rec.next_seq:
+            return self._check_duplicate(c, rec)
+        if rec.state == RequestState.FINISHED or live is None:
+            raise FailedPrecondition(f"request already finished after {rec.next_seq} chunks", field="seq")
+        if c.seq > rec.next_seq:
+            metrics.REJECTED.labels("gap").inc()
+            raise FailedPrecondition(f"gap: expected chunk {rec.next_seq}, got {c.seq}", field="seq")
+        return self._append(c, batch, live)
+
+    def _validate_chunk(self, c: Commit, live: _Live, max_tokens: int) -> FinishReason:
+        n = len(c.token_ids)
+        if len(c.logprobs) != n:
+            raise InvalidArgument(f"{len(c.logprobs)} logprobs for {n} tokens", field="logprobs")
+        if c.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CHUNK):
+            raise InvalidArgument(f"must be STOP, LENGTH or CHUNK, got {c.finish_reason.name}",
+                                  field="finish_reason")
+        vocab = self._model.vocab_size
+        for j, t in enumerate(c.token_ids):
+            if not 0 <= t < vocab:
+                raise InvalidArgument(f"token id {t} outside the vocabulary [0, {vocab})", field=f"token_ids[{j}]")
+        total = live.rec.generated + n
+        if total > max_tokens:
+            raise InvalidArgument(f"{live.rec.generated} tokens committed + {n} exceeds max_tokens {max_tokens}",
+                                  field="token_ids")
+        if c.finish_reason == FinishReason.CHUNK:
+            if n == 0:
+                raise InvalidArgument("an unfinished chunk must carry at least one token", field="token_ids")
+            if total == max_tokens:  # the chunk limit and max_tokens coincided: the request is done
+                return FinishReason.LENGTH
+        return c.finish_reason
+
+    def _append(self, c: Commit, batch: BatchRecord, live: _Live) -> CommitOutcome:
+        rec = live.rec
+        group = self._groups[(rec.batch_id, rec.group_index)]
+        reason = self._validate_chunk(c, live, group.max_tokens)
+        chunk = ChunkRecord(codec.i32(c.token_ids), codec.f32(c.logprobs), c.finish_reason, c.worker_id)
+        finished = reason != FinishReason.CHUNK
+        new_rec = RequestRecord(
+            rec.batch_id, rec.group_index, rec.sample_index, rec.seed,
+            state=RequestState.FINISHED if finished else RequestState.RUNNING,
+            next_seq=rec.next_seq + 1, generated=rec.generated + len(chunk.token_ids),
+            finish_reason=reason if finished else FinishReason.UNSPECIFIED,
+            stats=ChunkStats(**rec.stats.to_meta()),
+        )
+        new_rec.stats.add(c.stats)
+        new_batch = BatchRecord(**{**batch.__dict__})
+        new_batch.generated_tokens += len(chunk.token_ids)
+        wb = self._store.new_batch()
+        wb.put(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq), chunk.encode())
+        wb.put(keys.request_key(rec.batch_id, rec.group_index, rec.sample_index), new_rec.encode())
+        result: RolloutResult | None = None
+        if finished:
+            tokens = codec.i32(live.tokens)
+            tokens.extend(chunk.token_ids)
+            logprobs = codec.f32(live.logprobs)
+            logprobs.extend(chunk.logprobs)
+            result = RolloutResult(
+                request_id=rec.request_id, batch_id=rec.batch_id, group_index=rec.group_index,
+                sample_index=rec.sample_index, prompt_key=group.prompt_key, token_ids=tokens,
+                logprobs=logprobs, finish_reason=reason, policy_version=batch.policy_version,
+                stats=new_rec.stats, num_chunks=new_rec.next_seq,
+                latency_seconds=max(0.0, self._clock() - batch.created_at), labels=group.labels,
+                text=self._model.tokenizer.decode(list(tokens)) if self._model.tokenizer else "",
+            )
+            wb.put(keys.result_key(rec.batch_id, batch.num_results), result.encode())
+            new_batch.num_results += 1
+            if new_batch.num_results == new_batch.num_requests:
+                new_batch.state = BatchState.COMPLETED
+                self._put_history(wb, new_batch, result)
+        wb.put(keys.batch_key(rec.batch_id), new_batch.encode())
+        self._store.write(wb)
+        # Durable: now update memory, wake streams.
+        self._batches[rec.batch_id] = new_batch
+        live.rec = new_rec
+        if finished:
+            self._drop_live(rec.request_id, rec.batch_id)
+            metrics.RESULTS.inc()
+            metrics.PENDING.set(len(self._live))
+            if new_batch.state == BatchState.COMPLETED:
+                self._forget_groups(new_batch.batch_id, new_batch.num_groups)
+                log.info("batch completed", extra=kv(batch_id=new_batch.batch_id,
+                                                     generated_tokens=new_batch.generated_tokens))
+            self._cond.notify_all()
+        else:
+            live.tokens.extend(chunk.token_ids)
+            live.logprobs.extend(chunk.logprobs)
+        metrics.COMMITS.inc()
+        metrics.COMMITTED_TOKENS.inc(len(chunk.token_ids))
+        return CommitOutcome(False, new_rec.next_seq, new_rec.generated, finished, True)
+
+    def _forget_groups(self, batch_id: str, num_groups: int) -> None:
+        for gi in range(num_groups):
+            self._groups.pop((batch_id, gi), None)
+
+    # ---- history (RhymeRL) ---------------------------------------------------------------------
+
+    def _put_history(self, wb: object, batch: BatchRecord, last: RolloutResult) -> None:
+        """Adds the completed batch as the newest iteration of each of its prompt keys."""
+        results = [RolloutResult.decode(v) for _k, v in self._store.scan(f"l/{batch.batch_id}/".encode())]
+        results.append(last)
+        results.sort(key=lambda r: (r.group_index, r.sample_index))
+        per_key: dict[str, HistoryIteration] = {}
+        for r in results:
+            it = per_key.setdefault(r.prompt_key, HistoryIteration(batch.batch_id, batch.policy_version, [], []))
+            it.lengths.append(len(r.token_ids))
+            it.token_ids.append(r.token_ids)
+        for key, it in per_key.items():
+            raw = self._store.get(keys.history_key(key))
+            older = decode_history(raw) if raw else []
+            wb.put(keys.history_key(key), encode_history([it, *older][: self._history_n]))  # type: ignore[attr-defined]
+
+    def history(self, prompt_key: str) -> list[HistoryIteration]:
+        """All kept iterations of a prompt key, newest first (tokens for history drafts)."""
+        raw = self._store.get(keys.history_key(prompt_key))
+        return decode_history(raw) if raw else []
+
+    def history_lengths(self, prompt_keys: list[str]) -> list[tuple[str, list[int], int]]:
+        """(key, lengths, policy_version) of the newest iteration of each known key."""
+        if len(prompt_keys) > MAX_HISTORY_KEYS:
+            raise InvalidArgument(f"at most {MAX_HISTORY_KEYS} keys per call", field="prompt_keys")
+        out = []
+        for key in dict.fromkeys(prompt_keys):
+            its = self.history(key)
+            if its:
+                out.append((key, its[0].lengths, its[0].policy_version))
+        return out
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def _batch(self, batch_id: str) -> BatchRecord:
+        b = self._batches.get(batch_id)
+        if b is None:
+            raise NotFound(f"unknown batch {batch_id!r}", field="batch_id")
+        return b
+
+    def read_results(self, batch_id: str, cursor: int, limit: int = 256
+                     ) -> tuple[list[tuple[int, RolloutResult]], bool]:
+        """Results [cursor, cursor+limit) and whether the stream is over after them."""
+        with self._lock:
+            b = self._batch(batch_id)
+            if cursor > b.num_results:
+                raise OutOfRange(f"{cursor} is beyond the {b.num_results} results available", field="cursor")
+            end_index, terminal = b.num_results, b.terminal
+        page: list[tuple[int, RolloutResult]] = []
+        # The log is append-only and entries below end_index are durable: read without the lock.
+        for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
+            idx = int(k.rsplit(b"/", 1)[1])
+            if idx >= end_index or len(page) >= limit:
+                break
+            page.append((idx, RolloutResult.decode(v)))
+        done = terminal and cursor + len(page) >= end_index
+        return page, done
+
+    def wait_results(self, batch_id: str, cursor: int, timeout: float) -> None:
+        """Blocks until results beyond cursor exist, the batch ends, or timeout."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._batch(batch_id).num_results > cursor or self._batch(batch_id).terminal, timeout)
+
+    def iter_results(self, batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
+                     poll_seconds: float = 0.5) -> Iterator[tuple[int, RolloutResult]]:
+        """Results from cursor on, waiting for new ones, until the batch is complete or cancelled."""
+        while True:
+            page, done = self.read_results(batch_id, cursor)
+            for idx, r in page:
+                yield idx, r
+                cursor = idx + 1
+            if done:
+                return
+            if not page:
+                if not is_active():
+                    return
+                self.wait_results(batch_id, cursor, poll_seconds)
+
+    # ---- batch status and cancellation ---------------------------------------------------------
+
+    def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
+        with self._lock:
+            b = BatchRecord(**self._batch(batch_id).__dict__)
+        requests = []
+        if include_requests:
+            for _k, v in self._store.scan(keys.requests_prefix(batch_id)):
+                r = RequestRecord.decode(v)
+                requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
+        return BatchStatus(b.batch_id, b.state, b.num_requests, b.num_results, b.num_cancelled,
+                           b.generated_tokens, b.policy_version, requests)
+
+    def cancel_batch(self, batch_id: str) -> tuple[BatchState, int]:
+        with self._lock:
+            b = self._batch(batch_id)
+            if b.terminal:
+                return b.state, 0
+            rids = sorted(self._live_by_batch.get(batch_id, set()))
+            wb = self._store.new_batch()
+            new_batch = BatchRecord(**{**b.__dict__})
+            new_batch.state = BatchState.CANCELLED
+            new_batch.num_cancelled = len(rids)
+            cancelled = []
+            for rid in rids:
+                r = self._live[rid].rec
+                nr = RequestRecord(**{**r.__dict__})
+                nr.state, nr.finish_reason = RequestState.CANCELLED, FinishReason.ABORTED
+                wb.put(keys.request_key(r.batch_id, r.group_index, r.sample_index), nr.encode())
+                cancelled.append(rid)
+            wb.put(keys.batch_key(batch_id), new_batch.encode())
+            self._store.write(wb)
+            self._batches[batch_id] = new_batch
+            for rid in cancelled:
+                self._drop_live(rid, batch_id)
+            self._forget_groups(batch_id, b.num_groups)
+            events: list[Event] = [Cancelled(rid) for rid in cancelled]
+            self._hub.publish(events)
+            metrics.CANCELLED.inc(len(cancelled))
+            metrics.PENDING.set(len(self._live))
+            self._cond.notify_all()
+        log.info("batch cancelled", extra=kv(batch_id=batch_id, cancelled=len(cancelled)))
+        return BatchState.CANCELLED, len(cancelled)
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def update_weights(self, version: int, source: str, switch: SwitchFn | None) -> WeightsOutcome:
+        """Moves to a new policy version once no batch of the current one runs (batches never mix)."""
+        with self._lock:
+            if self._switching:
+                raise FailedPrecondition("another weight update is in progress", field="version")
+            if version <= self._policy_version:
+                raise InvalidArgument(f"must be greater than the current version {self._policy_version}, "
+                                      f"got {version}", field="version")
+            running = sorted(b.batch_id for b in self._batches.values()
+                             if b.state == BatchState.RUNNING and b.policy_version == self._policy_version)
+            if running:
+                raise FailedPrecondition(
+                    f"{len(running)} batch(es) of version {self._policy_version} still running "
+                    f"(e.g. {running[0]!r}); wait for them or cancel them", field="version")
+            self._switching = True
+        t0 = time.monotonic()
+        try:
+            workers = switch(version, source) if switch is not None else 0
+            with self._lock:
+                wb = self._store.new_batch()
+                wb.put(keys.POLICY_VERSION_KEY, str(version).encode())
+                self._store.write(wb)
+                self._policy_version = version
+        finally:
+            with self._lock:
+                self._switching = False
+        seconds = time.monotonic() - t0
+        log.info("policy version updated", extra=kv(version=version, workers=workers, seconds=seconds))
+        return WeightsOutcome(version, workers, seconds)

@@ -1,0 +1,16 @@
+"""Prometheus metrics of the buffer (process-wide)."""
+
+from __future__ import annotations
+
+from services.common.telemetry import Counter, Gauge
+
+PENDING = Gauge("seer_buffer_pending_requests", "Unfinished, uncancelled requests (queue depth)")
+BATCHES = Counter("seer_buffer_batches_total", "Batches accepted (new submissions)")
+REQUESTS = Counter("seer_buffer_requests_total", "Requests created")
+RESULTS = Counter("seer_buffer_results_total", "Finished responses appended to results logs")
+COMMITS = Counter("seer_buffer_commits_total", "Chunks committed")
+COMMITTED_TOKENS = Counter("seer_buffer_committed_tokens_total", "Tokens committed")
+DUPLICATES = Counter("seer_buffer_duplicate_commits_total", "Retried commits acknowledged as duplicates")
+REJECTED = Counter("seer_buffer_rejected_commits_total", "Commits refused", ["reason"])
+CANCELLED = Counter("seer_buffer_cancelled_requests_total", "Requests cancelled")
+WATCHERS = Gauge("seer_buffer_watchers", "Open WatchWork streams")

@@ -1,0 +1,72 @@
+"""What the buffer needs from the model directory: vocabulary size, context length, tokenizer.
+
+Only config.json and tokenizer.json are read (no torch); the tokenizer is used with special tokens
+and chat template off, as rollout.proto specifies for prompt_text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.buffer.config import DEFAULT_MAX_CONTEXT, DEFAULT_VOCAB_SIZE, BufferConfig
+from services.common.log import get_logger
+from services.common.model_paths import default_model_dir
+
+log = get_logger(__name__)
+
+
+class TextTokenizer:
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    max_context: int
+    tokenizer: TextTokenizer | None
+    model_dir: str = ""
+
+
+def resolve_model_dir(setting: str) -> Path | None:
+    if setting == "":
+        return None
+    if setting == "auto":
+        d = default_model_dir()
+        return d if (d / "tokenizer.json").is_file() else None
+    d = Path(setting)
+    if not d.is_dir():
+        raise ValueError(f"model_dir: {setting} is not a directory")
+    return d
+
+
+def load_model_info(cfg: BufferConfig) -> ModelInfo:
+    d = resolve_model_dir(cfg.model_dir)
+    vocab, ctx, tok = DEFAULT_VOCAB_SIZE, DEFAULT_MAX_CONTEXT, None
+    if d is not None:
+        config_path = d / "config.json"
+        if config_path.is_file():
+            mc = json.loads(config_path.read_text(encoding="utf-8"))
+            vocab = int(mc.get("vocab_size", vocab))
+            ctx = int(mc.get("max_position_embeddings", ctx))
+        if (d / "tokenizer.json").is_file():
+            tok = TextTokenizer(d / "tokenizer.json")
+    info = ModelInfo(
+        vocab_size=cfg.vocab_size or vocab,
+        max_context=cfg.max_context or ctx,
+        tokenizer=tok,
+        model_dir=str(d or ""),
+    )
+    log.info("model info", extra={"fields": {"model_dir": info.model_dir, "vocab_size": info.vocab_size,
+                                             "max_context": info.max_context, "tokenizer": tok is not None}})
+    return info

@@ -1,0 +1,141 @@
+"""gRPC glue of the buffer: RolloutService (trainer-facing) and BufferInternalService (scheduler).
+
+Servicers only convert messages and call the core; `@rpc` maps the core's typed errors to codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from services.buffer import convert
+from services.buffer.config import BufferConfig
+from services.buffer.core import BufferCore, SwitchFn
+from services.buffer.events import Added
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.grpcutil import channel, rpc
+from services.common.log import log_context
+
+# How often a blocked stream re-checks that its client is still there.
+POLL_SECONDS = 0.5
+
+
+def scheduler_switch(address: str, timeout: float) -> SwitchFn:
+    """SwitchFn calling SchedulerService.SwitchWeights; scheduler errors become typed errors."""
+
+    def switch(version: int, source: str) -> int:
+        ch = channel(address)
+        try:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
+            resp = stub.SwitchWeights(scheduler_pb2.SwitchWeightsRequest(version=version, source=source),
+                                      timeout=timeout)
+            return int(resp.num_workers)
+        except grpc.RpcError as e:
+            code, detail = e.code(), e.details()
+            msg = f"scheduler SwitchWeights failed: {code.name}: {detail}"
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(msg, field="source") from None
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(msg) from None
+            raise Unavailable(msg) from None
+        finally:
+            ch.close()
+
+    return switch
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, core: BufferCore, switch: SwitchFn | None) -> None:
+        self.core = core
+        self.switch = switch
+
+    @rpc
+    def SubmitBatch(self, request: rollout_pb2.SubmitBatchRequest, context: grpc.ServicerContext
+                    ) -> rollout_pb2.SubmitBatchResponse:
+        with log_context(request_id=request.batch_id):
+            out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups])
+        return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
+                                               already_submitted=out.already_submitted,
+                                               policy_version=out.policy_version)
+
+    @rpc
+    def StreamResults(self, request: rollout_pb2.StreamResultsRequest, context: grpc.ServicerContext
+                      ) -> Iterator[rollout_pb2.StreamResultsResponse]:
+        for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
+                                             POLL_SECONDS):
+            yield rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r))
+
+    @rpc
+    def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext
+                 ) -> rollout_pb2.GetBatchResponse:
+        return convert.batch_to_pb(self.core.get_batch(request.batch_id, request.include_requests))
+
+    @rpc
+    def CancelBatch(self, request: rollout_pb2.CancelBatchRequest, context: grpc.ServicerContext
+                    ) -> rollout_pb2.CancelBatchResponse:
+        state, n = self.core.cancel_batch(request.batch_id)
+        return rollout_pb2.CancelBatchResponse(state=int(state), num_cancelled=n)
+
+    @rpc
+    def UpdateWeights(self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.ServicerContext
+                      ) -> rollout_pb2.UpdateWeightsResponse:
+        out = self.core.update_weights(int(request.version), request.source, self.switch)
+        return rollout_pb2.UpdateWeightsResponse(version=out.version, num_workers=out.num_workers,
+                                                 seconds=out.seconds)
+
+
+class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
+    def __init__(self, core: BufferCore) -> None:
+        self.core = core
+
+    @rpc
+    def WatchWork(self, request: buffer_pb2.WatchWorkRequest, context: grpc.ServicerContext
+                  ) -> Iterator[buffer_pb2.WatchWorkResponse]:
+        snapshot, sub = self.core.watch(request.watcher_id)
+        try:
+            for item in snapshot:
+                yield buffer_pb2.WatchWorkResponse(added=convert.work_item_to_pb(item))
+            yield buffer_pb2.WatchWorkResponse(snapshot_done=True)
+            while context.is_active():
+                event = sub.get(POLL_SECONDS)
+                if event is None:
+                    continue
+                if isinstance(event, Added):
+                    yield buffer_pb2.WatchWorkResponse(added=convert.work_item_to_pb(event.item))
+                else:
+                    yield buffer_pb2.WatchWorkResponse(cancelled_request_id=event.request_id)
+        finally:
+            self.core.unwatch(sub)
+
+    @rpc
+    def CommitChunk(self, request: buffer_pb2.CommitChunkRequest, context: grpc.ServicerContext
+                    ) -> buffer_pb2.CommitChunkResponse:
+        out = self.core.commit_chunk(convert.commit_from_pb(request))
+        return buffer_pb2.CommitChunkResponse(duplicate=out.duplicate, next_seq=out.next_seq,
+                                              generated_tokens=out.generated_tokens,
+                                              request_finished=out.request_finished, accepted=out.accepted)
+
+    @rpc
+    def GetHistory(self, request: buffer_pb2.GetHistoryRequest, context: grpc.ServicerContext
+                   ) -> buffer_pb2.GetHistoryResponse:
+        return buffer_pb2.GetHistoryResponse(histories=[
+            buffer_pb2.PromptHistory(prompt_key=k, lengths=lengths, policy_version=v)
+            for k, lengths, v in self.core.history_lengths(list(request.prompt_keys))
+        ])
+
+
+def add_servicers(core: BufferCore, cfg: BufferConfig) -> Callable[[grpc.Server], Sequence[str]]:
+    """Returns the `add_servicers` callback for services.common.server.start_server."""
+    switch = scheduler_switch(cfg.scheduler_address, cfg.switch_timeout_seconds) if cfg.scheduler_address else None
+
+    def add(server: grpc.Server) -> Sequence[str]:
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(core, switch), server)
+        buffer_pb2_grpc.add_BufferInternalServiceServicer_to_server(BufferInternalServicer(core), server)
+        return [
+            rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,
+            buffer_pb2.DESCRIPTOR.services_by_name["BufferInternalService"].full_name,
+        ]
+
+    return add

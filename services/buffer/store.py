@@ -1,0 +1,89 @@
+"""RocksDB storage of the buffer (rocksdict, raw bytes keys and values).
+
+Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matches another batch):
+
+    m/policy_version                      current policy version (decimal)
+    b/<batch_id>                          BatchRecord
+    g/<batch_id>/<group:06d>              GroupRecord
+    r/<batch_id>/<group:06d>/<sample:04d> RequestRecord
+    c/<batch_id>/<group:06d>/<sample:04d>/<seq:08d>   ChunkRecord
+    l/<batch_id>/<index:010d>             RolloutResult (the batch's append-only results log)
+    h/<prompt_key>                        history iterations of a prompt key
+
+Every state change is one WriteBatch, so a crash (even kill -9) leaves either all of it or none.
+Calls block; the gRPC server runs them in its handler threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+
+
+def batch_key(batch_id: str) -> bytes:
+    return f"b/{batch_id}".encode()
+
+
+def group_key(batch_id: str, group_index: int) -> bytes:
+    return f"g/{batch_id}/{group_index:06d}".encode()
+
+
+def request_key(batch_id: str, group_index: int, sample_index: int) -> bytes:
+    return f"r/{batch_id}/{group_index:06d}/{sample_index:04d}".encode()
+
+
+def requests_prefix(batch_id: str) -> bytes:
+    return f"r/{batch_id}/".encode()
+
+
+def chunk_key(batch_id: str, group_index: int, sample_index: int, seq: int) -> bytes:
+    return f"c/{batch_id}/{group_index:06d}/{sample_index:04d}/{seq:08d}".encode()
+
+
+def chunks_prefix(batch_id: str, group_index: int, sample_index: int) -> bytes:
+    return f"c/{batch_id}/{group_index:06d}/{sample_index:04d}/".encode()
+
+
+def result_key(batch_id: str, index: int) -> bytes:
+    return f"l/{batch_id}/{index:010d}".encode()
+
+
+def history_key(prompt_key: str) -> bytes:
+    return b"h/" + prompt_key.encode()
+
+
+POLICY_VERSION_KEY = b"m/policy_version"
+
+
+class Store:
+    def __init__(self, path: str | Path, *, sync: bool = False) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        self._db = Rdict(str(path), opts)
+        self._write_opts = WriteOptions()
+        self._write_opts.sync = sync
+        self.path = str(path)
+
+    def get(self, key: bytes) -> bytes | None:
+        value = self._db.get(key)
+        return None if value is None else bytes(value)
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Items whose key starts with prefix, in key order, from `start` (>= prefix) on."""
+        for k, v in self._db.items(from_key=start or prefix):
+            key = bytes(k)  # type: ignore[arg-type]  # raw_mode: keys are bytes
+            if not key.startswith(prefix):
+                return
+            yield key, bytes(v)
+
+    def new_batch(self) -> WriteBatch:
+        return WriteBatch(raw_mode=True)
+
+    def write(self, wb: WriteBatch) -> None:
+        self._db.write(wb, self._write_opts)
+
+    def close(self) -> None:
+        self._db.close()

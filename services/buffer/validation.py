@@ -1,0 +1,130 @@
+"""SubmitBatch validation: every check names the offending field; nothing is stored on failure."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+
+from services.buffer.model import ModelInfo
+from services.buffer.records import GroupSpec, Sampling
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+BATCH_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MAX_GROUP_SIZE = 1024
+MAX_PROMPT_KEY_CHARS = 512
+MAX_LABEL_BYTES = 64 * 1024
+UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class ValidGroup:
+    prompt_key: str
+    prompt_token_ids: tuple[int, ...]
+    group_size: int
+    max_tokens: int
+    sampling: Sampling  # top_p normalized (0 -> 1); seed as given (None = draw one)
+    labels: dict[str, str]
+
+
+def content_hash(batch_id: str, groups: list[GroupSpec]) -> str:
+    """Canonical hash of a submission as sent (idempotency key content, independent of tokenizer)."""
+    doc = {
+        "batch_id": batch_id,
+        "groups": [
+            {
+                "prompt_key": g.prompt_key, "prompt_token_ids": list(g.prompt_token_ids),
+                "prompt_text": g.prompt_text, "group_size": g.group_size, "max_tokens": g.max_tokens,
+                "sampling": g.sampling.to_meta(), "labels": [list(kv) for kv in g.labels],
+            }
+            for g in groups
+        ],
+    }
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def default_prompt_key(tokens: tuple[int, ...]) -> str:
+    h = hashlib.blake2b(b"".join(t.to_bytes(4, "little") for t in tokens), digest_size=16)
+    return "tok:" + h.hexdigest()
+
+
+def validate_batch_id(batch_id: str) -> None:
+    if not BATCH_ID_RE.match(batch_id):
+        raise InvalidArgument(f"must match [A-Za-z0-9._:-]{{1,128}}, got {batch_id[:140]!r}", field="batch_id")
+
+
+def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
+    for j, t in enumerate(tokens):
+        if not 0 <= t < vocab:
+            raise InvalidArgument(f"token id {t} outside the vocabulary [0, {vocab})", field=f"{field}[{j}]")
+
+
+def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidArgument(f"must be finite and >= 0, got {s.temperature}", field=f"{field}.temperature")
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        raise InvalidArgument(f"must be in (0, 1] (0 = off), got {s.top_p}", field=f"{field}.top_p")
+    if s.top_k < 0:
+        raise InvalidArgument(f"must be >= 0 (0 = off), got {s.top_k}", field=f"{field}.top_k")
+    if s.seed is not None and not 0 <= s.seed <= UINT64_MAX:
+        raise InvalidArgument(f"must be a uint64, got {s.seed}", field=f"{field}.seed")
+    _check_tokens(s.stop_token_ids, vocab, f"{field}.stop_token_ids")
+    return Sampling(s.temperature, s.top_p if s.top_p > 0 else 1.0, s.top_k, s.seed, s.stop_token_ids,
+                    s.ignore_eos)
+
+
+def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
+    f = f"groups[{i}]"
+    if not 1 <= g.group_size <= MAX_GROUP_SIZE:
+        raise InvalidArgument(f"must be in 1..{MAX_GROUP_SIZE}, got {g.group_size}", field=f"{f}.group_size")
+    if g.max_tokens < 1:
+        raise InvalidArgument(f"must be >= 1, got {g.max_tokens}", field=f"{f}.max_tokens")
+    if g.prompt_token_ids and g.prompt_text:
+        raise InvalidArgument("give exactly one of prompt_token_ids and prompt_text, not both",
+                              field=f"{f}.prompt_text")
+    if g.prompt_text:
+        if model.tokenizer is None:
+            raise FailedPrecondition("this buffer has no tokenizer (start it with --model-dir); send "
+                                     "prompt_token_ids instead", field=f"{f}.prompt_text")
+        tokens = tuple(model.tokenizer.encode(g.prompt_text))
+        if not tokens:
+            raise InvalidArgument("tokenizes to an empty prompt", field=f"{f}.prompt_text")
+    else:
+        tokens = g.prompt_token_ids
+        if not tokens:
+            raise InvalidArgument("empty prompt: give prompt_token_ids or prompt_text",
+                                  field=f"{f}.prompt_token_ids")
+        _check_tokens(tokens, model.vocab_size, f"{f}.prompt_token_ids")
+    if len(tokens) + g.max_tokens > model.max_context:
+        raise InvalidArgument(
+            f"prompt length {len(tokens)} + max_tokens {g.max_tokens} exceeds the model context "
+            f"{model.max_context}", field=f"{f}.max_tokens")
+    sampling = _validate_sampling(g.sampling, model.vocab_size, f"{f}.sampling")
+    if len(g.prompt_key) > MAX_PROMPT_KEY_CHARS:
+        raise InvalidArgument(f"at most {MAX_PROMPT_KEY_CHARS} characters", field=f"{f}.prompt_key")
+    label_bytes = sum(len(k.encode()) + len(v.encode()) for k, v in g.labels)
+    if label_bytes > MAX_LABEL_BYTES:
+        raise InvalidArgument(f"{label_bytes} bytes of labels; at most {MAX_LABEL_BYTES}", field=f"{f}.labels")
+    return ValidGroup(
+        prompt_key=g.prompt_key or default_prompt_key(tokens),
+        prompt_token_ids=tokens,
+        group_size=g.group_size,
+        max_tokens=g.max_tokens,
+        sampling=sampling,
+        labels=dict(g.labels),
+    )
+
+
+def validate_batch(batch_id: str, groups: list[GroupSpec], model: ModelInfo,
+                   max_requests: int) -> list[ValidGroup]:
+    validate_batch_id(batch_id)
+    if not groups:
+        raise InvalidArgument("a batch needs at least one group", field="groups")
+    total = sum(max(g.group_size, 0) for g in groups)
+    if total > max_requests:
+        raise ResourceExhausted(f"{total} requests in one batch; at most {max_requests} (split the batch)",
+                                field="groups")
+    return [validate_group(i, g, model) for i, g in enumerate(groups)]
