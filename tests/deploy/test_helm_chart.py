@@ -1,0 +1,176 @@
+"""The Helm chart, rendered offline through Helm's Go SDK (helm-python-sdk), linted, and every object
+validated with kubernetes-validate; wrong values must fail at render with a message naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from deploy_render import CHART, KUBE_VERSIONS, SERVICES, config_fields, render
+
+helm = pytest.importorskip("helm_python")
+kv = pytest.importorskip("kubernetes_validate")
+
+# Value sets a user would plausibly install with.
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "gpu-production": {
+        "global": {"imageRegistry": "registry.example.com/seer/", "imageTag": "1.2.3", "tracing": "otlp",
+                   "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}]},
+        "worker": {"replicas": 8, "engine": "sglang", "image": {"repository": "seer-worker-gpu"},
+                   "gpu": {"enabled": True, "count": 1},
+                   "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
+                   "config": {"max_batch_size": 256, "dtype": "bfloat16", "speculation": True}},
+        "kvstore": {"replicas": 3, "persistence": {"size": "500Gi", "storageClassName": "local-nvme"}},
+        "draft": {"replicas": 2},
+        "scheduler": {"config": {"policy": "seer_history", "chunk_size": 8192}},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    },
+    "minimal-no-draft-no-kv": {
+        "draft": {"enabled": False},
+        "kvstore": {"enabled": False},
+        "worker": {"replicas": 1, "pdb": {"enabled": False}},
+    },
+    "model-volume": {
+        "model": {"dir": "/models/qwen2-7b"},
+        "worker": {"modelVolume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}},
+    },
+}
+
+
+def _by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def _env(obj: dict[str, Any]) -> dict[str, str]:
+    container = obj["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_render_and_validate_every_object(chart: Any, name: str) -> None:
+    objects = render(chart, VALUE_SETS[name])
+    assert objects, "the chart rendered nothing"
+    validated = 0
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            # A CRD kubernetes-validate has no schema for: check the fields the operator needs.
+            assert obj["kind"] == "ServiceMonitor"
+            assert obj["spec"]["endpoints"][0]["port"] == "metrics"
+            assert obj["spec"]["selector"]["matchLabels"]
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kv.validate(obj, version, strict=True)
+            except kv.ValidationError as e:
+                pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version}: {e}")
+        validated += 1
+    assert validated >= 6  # at least a Service and a workload for buffer, scheduler and worker
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_lint_strict(name: str) -> None:
+    report = helm.lint(str(CHART), VALUE_SETS[name], strict=True, kube_version="v1.33.0")
+    errors = [m for m in report["messages"] if m["severity"] >= 2] + [{"error": e} for e in report["errors"]]
+    assert not errors, errors
+
+
+def test_default_topology(chart: Any) -> None:
+    objects = render(chart)
+    sts = _by_kind(objects, "StatefulSet")
+    deps = _by_kind(objects, "Deployment")
+    assert set(sts) == {"seer-buffer", "seer-kvstore"}
+    assert set(deps) == {"seer-scheduler", "seer-draft", "seer-worker"}
+    for s in sts.values():
+        claim = s["spec"]["volumeClaimTemplates"][0]
+        assert claim["spec"]["resources"]["requests"]["storage"]
+        mounts = s["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert any(m["name"] == claim["metadata"]["name"] for m in mounts)
+        assert s["spec"]["serviceName"] == s["metadata"]["name"]
+    services = _by_kind(objects, "Service")
+    assert set(services) == {f"seer-{s}" for s in SERVICES}
+    assert all(s["spec"]["clusterIP"] == "None" for s in services.values()), "client-side balancing needs headless"
+    pdbs = _by_kind(objects, "PodDisruptionBudget")
+    assert "seer-worker" in pdbs
+    assert not _by_kind(objects, "ServiceMonitor")
+    for obj in [*sts.values(), *deps.values()]:
+        pod = obj["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == container["ports"][0]["containerPort"], probe
+
+
+def test_worker_gpu_values(chart: Any) -> None:
+    objects = render(chart, VALUE_SETS["gpu-production"])
+    worker = _by_kind(objects, "Deployment")["seer-worker"]
+    pod = worker["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert worker["spec"]["replicas"] == 8
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["image"] == "registry.example.com/seer/seer-worker-gpu:1.2.3"
+    assert {t["key"] for t in pod["tolerations"]} == {"dedicated", "nvidia.com/gpu"}
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
+    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 300
+    env = _env(worker)
+    assert env["SEER_WORKER_DEVICE"] == "cuda"
+    assert env["SEER_WORKER_ENGINE"] == "sglang"
+    assert env["SEER_WORKER_DTYPE"] == "bfloat16"
+    assert env["SEER_WORKER_MAX_BATCH_SIZE"] == "256"
+    # One address per kvstore replica, by stable StatefulSet pod DNS name.
+    kv_addresses = env["SEER_WORKER_KV_ADDRESSES"].split(",")
+    assert kv_addresses == [f"seer-kvstore-{i}.seer-kvstore.rollout.svc:50054" for i in range(3)]
+    assert _by_kind(objects, "ServiceMonitor")["seer"]["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_disabled_components_are_not_wired(chart: Any) -> None:
+    objects = render(chart, VALUE_SETS["minimal-no-draft-no-kv"])
+    names = {o["metadata"]["name"] for o in objects}
+    assert not {"seer-draft", "seer-kvstore"} & names
+    env = _env(_by_kind(objects, "Deployment")["seer-worker"])
+    assert "SEER_WORKER_DRAFT_ADDRESS" not in env and "SEER_WORKER_KV_ADDRESSES" not in env
+    assert env["SEER_WORKER_SCHEDULER_ADDRESS"] == "seer-scheduler.rollout.svc:50052"
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_env_names_are_real_config_fields(chart: Any, name: str) -> None:
+    """Every SEER_<SERVICE>_* variable the chart sets is a field of that service's config dataclass
+    (a stale name would make the pod crash-loop on 'unknown variable')."""
+    objects = render(chart, VALUE_SETS[name])
+    checked = 0
+    for obj in [*_by_kind(objects, "StatefulSet").values(), *_by_kind(objects, "Deployment").values()]:
+        service = obj["metadata"]["name"].removeprefix("seer-")
+        fields = config_fields(service)
+        if fields is None:
+            continue
+        prefix = f"SEER_{service.upper()}_"
+        unknown = {k for k in _env(obj) if k.startswith(prefix) and k[len(prefix):].lower() not in fields}
+        assert not unknown, f"{service}: {sorted(unknown)} are not fields of its config"
+        checked += 1
+    assert checked >= 1
+
+
+BAD_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"worker": {"replicas": 0}}, "/worker/replicas"),
+    ({"scheduler": {"replicas": 0}}, "/scheduler/replicas"),
+    ({"buffer": {"replicas": 2}}, "/buffer/replicas"),
+    ({"model": {"dir": ""}}, "/model/dir"),
+    ({"model": {"dir": "models/smol"}}, "/model/dir"),
+    ({"worker": {"enabled": False}}, "worker.enabled"),
+    ({"buffer": {"enabled": False}}, "buffer.enabled"),
+    ({"worker": {"engine": "sglang"}}, "worker.engine"),
+    ({"worker": {"config": {"model_dir": "/elsewhere"}}}, "worker.config.model_dir"),
+    ({"worker": {"replica": 3}}, "replica"),
+    ({"worker": {"config": {"Max-Batch": 3}}}, "Max-Batch"),
+    ({"kvstore": {"persistence": {"size": "lots"}}}, "/kvstore/persistence/size"),
+    ({"model": {"dir": "/data/m"}, "worker": {"modelVolume": {"emptyDir": {}}}}, "worker.modelMountPath"),
+]
+
+
+@pytest.mark.parametrize(("values", "needle"), BAD_VALUES, ids=[n for _, n in BAD_VALUES])
+def test_bad_values_fail_at_render_naming_the_value(chart: Any, values: dict[str, Any], needle: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        render(chart, values)
+    assert needle in str(info.value), str(info.value)
