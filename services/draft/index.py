@@ -1,0 +1,331 @@
+"""Per-group suffix index: a multi-level n-gram hash index over the group's token sequences.
+
+One GroupIndex holds everything one prompt group drafts from (DESIGN.md section 4): the prompt, every
+sibling response (including the request's own output) and history responses of the same prompt key
+from earlier iterations.
+
+Structure (chosen by measurement, see services/draft/README.md): for each level k in `levels`
+(default 2, 4, 7), a dict maps the hash of a k-gram to the positions right after its occurrences
+(`seq << 32 | pos`; a bare int while there is one occurrence, a list after). Ingest is a few dict
+operations per token (~1.5 M tokens/s on this machine), drafting is one dict lookup per level plus
+a walk over the candidate continuations, with no per-token tree nodes. Responses are stored with the
+prompt's last tokens in front, so the first tokens of a response match across siblings too.
+
+Drafting follows SuffixDecoding (Oliaro et al. 2024), RhymeRL's history matching (longest of the
+last 7, then 4 tokens) and Seer's multi-path drafts: among the occurrences of the longest matched
+suffix, prob(child) = prob(parent) * count(child) / count(parent); a draft's score is the sum of its
+token probabilities (expected accepted tokens); expansion stops below `min_token_prob`; the draft
+length is capped at `max_spec_factor` x match length. width > 1 expands best-first into a top-k tree.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
+
+from services.common.errors import InvalidArgument
+
+_POS_BITS = 32
+_POS_MASK = (1 << _POS_BITS) - 1
+DEFAULT_LEVELS: tuple[int, ...] = (2, 4, 7)
+# Occurrences of one n-gram considered per proposal (the most recent ones): bounds the walk for very
+# frequent n-grams (e.g. "the" in the prompt), which are also the least predictive.
+MAX_CANDIDATES = 48
+PROMPT_SEQ = 0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft: tokens[i] with parent index parents[i] (-1 = the last verified token)."""
+
+    tokens: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    score: float = 0.0  # expected accepted draft tokens (sum of node probabilities)
+    match_len: int = 0  # length of the matched context suffix
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY = Proposal()
+
+
+class GroupIndex:
+    """Suffix index of one group. Not thread-safe; owners (DraftStore, DraftClient) lock around it."""
+
+    def __init__(
+        self,
+        prompt_token_ids: Sequence[int] = (),
+        *,
+        max_depth: int = 64,
+        levels: Sequence[int] = DEFAULT_LEVELS,
+        max_spec_factor: float = 2.0,
+    ) -> None:
+        if not levels or any(k < 1 for k in levels):
+            raise InvalidArgument("levels must be positive n-gram lengths", field="levels")
+        self.levels: tuple[int, ...] = tuple(sorted(set(levels)))
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self._tables: list[dict[int, int | list[int]]] = [{} for _ in self.levels]
+        self._seqs: list[list[int]] = []
+        self._bases: list[int] = []  # leading prompt-tail tokens of each sequence (not appended)
+        self._by_request: dict[str, int] = {}
+        self._history: list[int] = []
+        self.prompt: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
+        self._lead = list(self.prompt[-(self.levels[-1] - 1):]) if self.levels[-1] > 1 else []
+        self.indexed_tokens = 0
+        self.entries = 0
+        self._new_seq(list(self.prompt), base=0)
+
+    # ---- ingest ---------------------------------------------------------------------------------
+
+    def _new_seq(self, tokens: list[int], base: int) -> int:
+        s = len(self._seqs)
+        self._seqs.append([])
+        self._bases.append(base)
+        self._extend(s, tokens)
+        return s
+
+    def _extend(self, s: int, tokens: Sequence[int]) -> None:
+        seq = self._seqs[s]
+        old = len(seq)
+        seq.extend(tokens)
+        new = len(seq)
+        if new == old:
+            return
+        hi = s << _POS_BITS
+        # Positions inside the prompt-tail lead would duplicate the prompt's own entries.
+        start = max(old + 1, self._bases[s])
+        for k, table in zip(self.levels, self._tables, strict=True):
+            get = table.get
+            # Entry p = the k-gram seq[p-k:p], continuation at p. p == old was indexed by the last call.
+            for p in range(max(k, start), new + 1):
+                key = hash(tuple(seq[p - k : p]))
+                v = get(key)
+                if v is None:
+                    table[key] = hi | p
+                elif type(v) is int:
+                    table[key] = [v, hi | p]
+                else:
+                    v.append(hi | p)  # type: ignore[union-attr]
+                self.entries += 1
+        self.indexed_tokens += new - old
+
+    def append(self, request_id: str, offset: int, token_ids: Sequence[int]) -> int:
+        """Appends token_ids at response position `offset`; returns how many tokens were new.
+
+        Idempotent by offset: tokens already present (a retried or reordered append) are checked and
+        skipped. A gap (offset beyond the current length) or an overlap with different tokens raises
+        InvalidArgument and leaves the index unchanged.
+        """
+        if offset < 0:
+            raise InvalidArgument(f"must be >= 0, got {offset}", field="offset")
+        s = self._by_request.get(request_id)
+        have = 0 if s is None else len(self._seqs[s]) - self._bases[s]
+        if offset > have:
+            raise InvalidArgument(
+                f"gap: request {request_id!r} has {have} tokens, append starts at {offset}", field="offset"
+            )
+        overlap = min(have - offset, len(token_ids))
+        if overlap and s is not None:
+            b = self._bases[s] + offset
+            existing = self._seqs[s][b : b + overlap]
+            if existing != list(token_ids[:overlap]):
+                raise InvalidArgument(
+                    f"overlap with different tokens for request {request_id!r} at offset {offset}",
+                    field="token_ids",
+                )
+        fresh = [int(t) for t in token_ids[overlap:]]
+        if not fresh:
+            return 0
+        if s is None:
+            s = self._new_seq(list(self._lead), base=len(self._lead))
+            self._by_request[request_id] = s
+        self._extend(s, fresh)
+        return len(fresh)
+
+    def add_history(self, token_ids: Sequence[int]) -> None:
+        """Adds a response of an earlier iteration for the same prompt (RhymeRL HistoSpec)."""
+        s = self._new_seq([*self._lead, *(int(t) for t in token_ids)], base=len(self._lead))
+        self._history.append(s)
+
+    def length(self, request_id: str) -> int:
+        s = self._by_request.get(request_id)
+        return 0 if s is None else len(self._seqs[s]) - self._bases[s]
+
+    def tokens(self, request_id: str) -> list[int]:
+        s = self._by_request.get(request_id)
+        return [] if s is None else self._seqs[s][self._bases[s] :]
+
+    def request_ids(self) -> list[str]:
+        return list(self._by_request)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_history(self) -> int:
+        return len(self._history)
+
+    def memory_bytes(self) -> int:
+        """Estimated resident bytes: CPython list slots + int objects + dict entries (calibrated
+        against tracemalloc in tests/draft/test_index.py)."""
+        return self.indexed_tokens * 8 + self.entries * 100 + len(self._seqs) * 120
+
+    # ---- drafting -------------------------------------------------------------------------------
+
+    def _continuations(self, level: int, context: Sequence[int], cap: int) -> list[list[int]]:
+        """Sorted continuations (up to `cap` tokens) of the occurrences of the context's last k-gram.
+
+        Sorting puts continuations that share a prefix next to each other, so the walk below works on
+        index ranges and counts with C-level slicing and comparisons instead of per-token Python.
+        """
+        k = self.levels[level]
+        v = self._tables[level].get(hash(tuple(context[len(context) - k :])))
+        if v is None:
+            return []
+        seqs = self._seqs
+        if type(v) is int:
+            p = v & _POS_MASK
+            c = seqs[v >> _POS_BITS][p : p + cap]
+            return [c] if c else []
+        conts = [
+            seqs[c >> _POS_BITS][(c & _POS_MASK) : (c & _POS_MASK) + cap]
+            for c in v[-MAX_CANDIDATES:]  # type: ignore[index]
+        ]
+        conts = [c for c in conts if c]  # an occurrence at a sequence's end has no continuation yet
+        conts.sort()
+        return conts
+
+    def propose(
+        self,
+        context: Sequence[int],
+        max_len: int,
+        *,
+        width: int = 1,
+        min_token_prob: float = 0.1,
+        request_id: str | None = None,
+    ) -> Proposal:
+        """Best draft for `context` (the request's prompt + output so far).
+
+        Tries the longest n-gram level first and keeps the best-scoring draft over levels; stops at
+        the first level whose draft already reaches its length cap. `request_id` is accepted for
+        interface symmetry (the request's own output is in the index like any sibling).
+        """
+        del request_id
+        if max_len <= 0 or not context:
+            return EMPTY
+        max_len = min(max_len, self.max_depth)
+        best = EMPTY
+        n = len(context)
+        for level in range(len(self.levels) - 1, -1, -1):
+            k = self.levels[level]
+            if n < k:
+                continue
+            cap = min(max_len, max(1, math.ceil(self.max_spec_factor * k)))
+            conts = self._continuations(level, context, cap)
+            if not conts:
+                continue
+            prop = (_linear(conts, cap, min_token_prob, k) if width <= 1
+                    else _tree(conts, cap, width, min_token_prob, k))
+            if prop.score > best.score:
+                best = prop
+            if len(prop.tokens) >= cap or best.score >= cap - 1:
+                break
+        return best
+
+
+def _runs(conts: list[list[int]], lo: int, hi: int, d: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """Children at depth d of the node whose continuations are conts[lo:hi] (all share a d-prefix).
+
+    Returns (lo', runs): conts[lo:lo'] end at depth d (no child); runs = (token, start, end) ranges.
+    """
+    while lo < hi and len(conts[lo]) <= d:  # prefixes sort first
+        lo += 1
+    runs: list[tuple[int, int, int]] = []
+    i = lo
+    for tok, g in groupby(conts[lo:hi], key=itemgetter(d)):
+        n = len(list(g))
+        runs.append((tok, i, i + n))
+        i += n
+    return lo, runs
+
+
+def _linear(conts: list[list[int]], cap: int, min_prob: float, match_len: int) -> Proposal:
+    """Greedy most-frequent path over the sorted continuations."""
+    tokens: list[int] = []
+    score = 0.0
+    prob = 1.0
+    lo, hi = 0, len(conts)
+    d = 0
+    while d < cap:
+        first, last = conts[lo], conts[hi - 1]
+        if len(first) > d and first[d] == last[d]:
+            # Sorted: the first and last continuation agree at d, so all do (ratio 1). Take the
+            # whole common run at once.
+            e = d + 1
+            m = min(len(first), cap)
+            while e < m and first[e] == last[e]:
+                e += 1
+            tokens.extend(first[d:e])
+            score += prob * (e - d)
+            d = e
+            continue
+        lo, runs = _runs(conts, lo, hi, d)
+        if not runs:
+            break
+        total = hi - lo
+        tok, a, b = max(runs, key=lambda r: r[2] - r[1])
+        prob *= (b - a) / total
+        if prob < min_prob:
+            break
+        tokens.append(tok)
+        score += prob
+        lo, hi = a, b
+        d += 1
+    return Proposal(tuple(tokens), tuple(range(-1, len(tokens) - 1)), score, match_len)
+
+
+def _tree(conts: list[list[int]], cap: int, width: int, min_prob: float, match_len: int) -> Proposal:
+    """Best-first top-`width` tree (SuffixDecoding tree speculation, Seer multi-path drafts).
+
+    Nodes are expanded in order of path probability; at most `width` children per node, depth <= cap,
+    and at most cap * width nodes (the token budget of `width` linear paths). Parents precede children.
+    """
+    budget = cap * width
+    tokens: list[int] = []
+    parents: list[int] = []
+    score = 0.0
+    # heap of (-path prob, tiebreak, parent index, depth, token, range of continuations below it)
+    heap: list[tuple[float, int, int, int, int, int, int]] = []
+    tie = 0
+
+    def push_children(lo: int, hi: int, d: int, prob: float, parent: int) -> None:
+        nonlocal tie
+        lo, runs = _runs(conts, lo, hi, d)
+        total = hi - lo
+        if not total:
+            return
+        runs.sort(key=lambda r: r[1] - r[2])
+        for tok, a, b in runs[:width]:
+            child_prob = prob * (b - a) / total
+            if child_prob < min_prob:
+                break
+            tie += 1
+            heapq.heappush(heap, (-child_prob, tie, parent, d, tok, a, b))
+
+    push_children(0, len(conts), 0, 1.0, -1)
+    while heap and len(tokens) < budget:
+        neg_prob, _t, parent, d, tok, a, b = heapq.heappop(heap)
+        idx = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        score -= neg_prob
+        if d + 1 < cap:
+            push_children(a, b, d + 1, -neg_prob, idx)
+    return Proposal(tuple(tokens), tuple(parents), score, match_len)

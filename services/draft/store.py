@@ -1,0 +1,385 @@
+"""The draft server's state: groups (index + append log + TTL), history, memory budget, watermarks.
+
+Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_group):
+
+- register_group(group_id, prompt_key, prompt, ttl, group_size) creates the group's index with the
+  prompt and the key's history. Re-registering with the same prompt refreshes the TTL.
+- append(group_id, request_id, offset, tokens, finished) is idempotent by offset (see GroupIndex).
+  Every append that adds tokens is also recorded in the group's log.
+- sync([(group_id, watermark)]) returns per group the log entries after `watermark`. A group's
+  watermark is 1 + the length of its log; 0 means "nothing yet", answered with the prompt, the
+  history and the whole log. History seeded into a live group later arrives as a log entry with an
+  empty request_id.
+- A group whose `group_size` responses are all finished has its responses promoted to history for
+  its prompt key (the next iteration's drafts, RhymeRL) and becomes evictable under memory pressure.
+- Memory is bounded by `memory_budget_bytes`: over budget, the oldest history iteration goes first,
+  then completed groups, oldest first; when nothing is left to evict, new groups and appends are
+  refused with RESOURCE_EXHAUSTED (drafting degrades; generation never depends on the draft server).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.log import get_logger, kv
+from services.draft.history import HistoryStore
+from services.draft.index import DEFAULT_LEVELS, GroupIndex
+
+log = get_logger(__name__)
+
+_MAX_TOKEN_ID = (1 << 31) - 1
+_LOG_ENTRY_BYTES = 120  # a SeqDelta object and its tuple, calibrated with tracemalloc
+_LOG_TOKEN_BYTES = 36
+_APPEND_TOKEN_BYTES = 400  # index entries (3 levels) + token slot + log copy
+_TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
+
+
+@dataclass(frozen=True)
+class SeqDelta:
+    request_id: str  # "" = a history response seeded after the group was created
+    offset: int
+    token_ids: tuple[int, ...]
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class GroupDelta:
+    group_id: str
+    watermark: int
+    appends: tuple[SeqDelta, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()  # only when the caller's watermark was 0
+    history: tuple[tuple[int, ...], ...] = ()  # only when the caller's watermark was 0
+    gone: bool = False
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    groups: int
+    history_keys: int
+    indexed_tokens: int
+    memory_bytes: int
+    memory_budget_bytes: int
+    bytes_per_token: float
+    evicted_history: int
+    expired_groups: int
+
+
+@dataclass
+class _Group:
+    group_id: str
+    prompt_key: str
+    group_size: int
+    ttl_s: float
+    expires_at: float
+    created: float
+    index: GroupIndex
+    history_iteration: int
+    history: tuple[tuple[int, ...], ...] = ()  # what the index loaded at creation (the wm=0 reply)
+    log: list[SeqDelta] = field(default_factory=list)
+    log_bytes: int = 0
+    finished: set[str] = field(default_factory=set)
+    completed: bool = False
+
+    @property
+    def watermark(self) -> int:
+        return 1 + len(self.log)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.index.memory_bytes() + self.log_bytes
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    memory_budget_bytes: int = 2 << 30
+    history_iterations: int = 2
+    default_ttl_seconds: int = 3600
+    max_ttl_seconds: int = 7 * 86400
+    max_append_tokens: int = 65536
+    max_response_tokens: int = 1 << 20
+    max_prompt_tokens: int = 1 << 20
+    levels: tuple[int, ...] = DEFAULT_LEVELS
+
+
+def _check_tokens(tokens: Sequence[int], name: str) -> None:
+    for i, t in enumerate(tokens):
+        if not 0 <= t <= _MAX_TOKEN_ID:
+            raise InvalidArgument(f"token id {t} is negative or too large", field=f"{name}[{i}]")
+
+
+class DraftStore:
+    """Thread-safe: one lock around everything (the gRPC server calls in from a thread pool)."""
+
+    def __init__(self, limits: StoreLimits | None = None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or StoreLimits()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}
+        self._history = HistoryStore(self.limits.history_iterations)
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._expired_count = 0
+        self._evicted_groups = 0
+        self._next_sweep = 0.0
+
+    # ---- groups ---------------------------------------------------------------------------------
+
+    def register_group(
+        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
+        group_size: int = 0,
+    ) -> tuple[bool, int]:
+        """Returns (created, history responses loaded)."""
+        if not group_id:
+            raise InvalidArgument("must not be empty", field="group_id")
+        if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
+            raise InvalidArgument(f"must be in [0, {self.limits.max_ttl_seconds}] (0 = default)", field="ttl_seconds")
+        if group_size < 0:
+            raise InvalidArgument("must be >= 0 (0 = unknown)", field="group_size")
+        if len(prompt_token_ids) > self.limits.max_prompt_tokens:
+            raise InvalidArgument(f"{len(prompt_token_ids)} tokens > limit {self.limits.max_prompt_tokens}",
+                                  field="prompt_token_ids")
+        _check_tokens(prompt_token_ids, "prompt_token_ids")
+        ttl = float(ttl_seconds or self.limits.default_ttl_seconds)
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            g = self._groups.get(group_id)
+            if g is not None:
+                if g.prompt_key != prompt_key or g.index.prompt != tuple(prompt_token_ids):
+                    raise AlreadyExists(f"group {group_id!r} exists with another prompt or prompt key",
+                                        field="group_id")
+                g.ttl_s = ttl
+                g.expires_at = now + ttl
+                return False, g.index.num_history
+            self._make_room(0)
+            index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
+            history = self._history.responses(prompt_key) if prompt_key else []
+            for r in history:
+                index.add_history(r)
+            iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
+            self._groups[group_id] = _Group(group_id, prompt_key, group_size, ttl, now + ttl, now, index, iteration,
+                                            tuple(history))
+            self._expired.pop(group_id, None)
+            log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
+                                                  history=len(history), ttl_s=ttl))
+            return True, len(history)
+
+    def _get(self, group_id: str, field_name: str) -> _Group:
+        g = self._groups.get(group_id)
+        if g is None:
+            if group_id in self._expired:
+                raise NotFound(f"group {group_id!r} expired", field=field_name)
+            raise NotFound(f"group {group_id!r} is not registered", field=field_name)
+        return g
+
+    # ---- appends --------------------------------------------------------------------------------
+
+    def append(
+        self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False,
+        *, where: str = "",
+    ) -> tuple[int, int]:
+        """Returns (tokens appended, duplicate tokens skipped). `where` prefixes field names."""
+        if not request_id:
+            raise InvalidArgument("must not be empty", field=f"{where}request_id")
+        if len(token_ids) > self.limits.max_append_tokens:
+            raise InvalidArgument(f"{len(token_ids)} tokens > limit {self.limits.max_append_tokens} per append",
+                                  field=f"{where}token_ids")
+        if offset < 0:
+            raise InvalidArgument("must be >= 0", field=f"{where}offset")
+        if offset + len(token_ids) > self.limits.max_response_tokens:
+            raise InvalidArgument(f"response would exceed {self.limits.max_response_tokens} tokens",
+                                  field=f"{where}offset")
+        _check_tokens(token_ids, f"{where}token_ids")
+        with self._lock:
+            now = self._clock()
+            self._sweep(now)
+            g = self._get(group_id, f"{where}group_id")
+            have = g.index.length(request_id)
+            if request_id in g.finished and offset + len(token_ids) > have:
+                raise FailedPrecondition(f"request {request_id!r} already finished at {have} tokens",
+                                         field=f"{where}offset")
+            if offset > have:
+                raise InvalidArgument(f"gap: request {request_id!r} has {have} tokens, append starts at {offset}",
+                                      field=f"{where}offset")
+            new_tokens = max(0, offset + len(token_ids) - have)
+            if new_tokens:
+                self._make_room(new_tokens * _APPEND_TOKEN_BYTES)
+            try:
+                added = g.index.append(request_id, offset, token_ids)
+            except InvalidArgument as e:
+                raise InvalidArgument(str(e).split(": ", 1)[-1], field=f"{where}{e.field or 'token_ids'}") from None
+            newly_finished = finished and request_id not in g.finished
+            if added or newly_finished:
+                start = offset + len(token_ids) - added
+                entry = SeqDelta(request_id, start, tuple(int(t) for t in token_ids[len(token_ids) - added:]),
+                                 finished)
+                g.log.append(entry)
+                g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
+            if newly_finished:
+                g.finished.add(request_id)
+                self._maybe_complete(g)
+            g.expires_at = now + g.ttl_s
+            return added, len(token_ids) - added
+
+    def _maybe_complete(self, g: _Group) -> None:
+        if g.completed or g.group_size <= 0 or len(g.finished) < g.group_size or not g.prompt_key:
+            return
+        g.completed = True
+        responses = [g.index.tokens(r) for r in sorted(g.finished)]
+        self._history.add(g.prompt_key, g.history_iteration, responses)
+        log.info("group complete; responses promoted to history",
+                 extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=g.history_iteration))
+
+    # ---- history --------------------------------------------------------------------------------
+
+    def seed_history(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
+        if not prompt_key:
+            raise InvalidArgument("must not be empty", field="prompt_key")
+        if iteration < 0:
+            raise InvalidArgument("must be >= 0", field="iteration")
+        total = 0
+        for i, r in enumerate(responses):
+            if len(r) > self.limits.max_response_tokens:
+                raise InvalidArgument(f"{len(r)} tokens > limit {self.limits.max_response_tokens}",
+                                      field=f"responses[{i}]")
+            _check_tokens(r, f"responses[{i}].token_ids")
+            total += len(r)
+        with self._lock:
+            self._make_room(total * 40)
+            added = self._history.add(prompt_key, iteration, responses)
+            # Live groups of this key get the new responses too (as history log entries).
+            for g in self._groups.values():
+                if g.prompt_key == prompt_key and not g.completed:
+                    for r in added:
+                        g.index.add_history(r)
+                        g.log.append(SeqDelta("", 0, r, True))
+                        g.log_bytes += _LOG_ENTRY_BYTES + len(r) * _LOG_TOKEN_BYTES
+            self._evict()
+            return len(added)
+
+    # ---- sync -----------------------------------------------------------------------------------
+
+    def sync(self, watermarks: Sequence[tuple[str, int]]) -> list[GroupDelta]:
+        seen: set[str] = set()
+        for i, (gid, wm) in enumerate(watermarks):
+            if not gid:
+                raise InvalidArgument("must not be empty", field=f"groups[{i}].group_id")
+            if gid in seen:
+                raise InvalidArgument(f"group {gid!r} listed twice", field=f"groups[{i}].group_id")
+            if wm < 0:
+                raise InvalidArgument("must be >= 0", field=f"groups[{i}].watermark")
+            seen.add(gid)
+        out: list[GroupDelta] = []
+        with self._lock:
+            self._sweep(self._clock())
+            for i, (gid, wm) in enumerate(watermarks):
+                g = self._groups.get(gid)
+                if g is None:
+                    out.append(GroupDelta(gid, 0, gone=True))
+                    continue
+                if wm > g.watermark:
+                    raise InvalidArgument(f"watermark {wm} is ahead of the group's {g.watermark}",
+                                          field=f"groups[{i}].watermark")
+                if wm == 0:
+                    out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt, g.history))
+                else:
+                    out.append(GroupDelta(gid, g.watermark, _coalesce(g.log[wm - 1 :])))
+        return out
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def _memory(self) -> int:
+        return self._history.memory_bytes + sum(g.memory_bytes for g in self._groups.values())
+
+    def _make_room(self, extra: int) -> None:
+        """Evicts until `extra` more bytes fit; ResourceExhausted when they cannot."""
+        budget = self.limits.memory_budget_bytes
+        self._evict(extra)
+        if self._memory() + extra > budget:
+            raise ResourceExhausted(
+                f"draft memory budget {budget} bytes is full ({self._memory()} used, no history or completed "
+                "group left to evict)", field="memory_budget_bytes")
+
+    def _evict(self, extra: int = 0) -> None:
+        """Oldest history iteration first, then completed groups, oldest first."""
+        budget = self.limits.memory_budget_bytes
+        while self._memory() + extra > budget:
+            if self._history.evict_oldest():
+                continue
+            done = [g for g in self._groups.values() if g.completed]
+            if not done:
+                return
+            oldest = min(done, key=lambda g: g.created)
+            del self._groups[oldest.group_id]
+            self._tombstone(oldest.group_id)
+            self._evicted_groups += 1
+
+    # ---- expiry ---------------------------------------------------------------------------------
+
+    def _tombstone(self, group_id: str) -> None:
+        self._expired[group_id] = None
+        while len(self._expired) > _TOMBSTONES:
+            self._expired.popitem(last=False)
+
+    def _sweep(self, now: float) -> None:
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 0.5
+        dead = [gid for gid, g in self._groups.items() if g.expires_at <= now]
+        for gid in dead:
+            del self._groups[gid]
+            self._tombstone(gid)
+            self._expired_count += 1
+        if dead:
+            log.info("groups expired", extra=kv(count=len(dead)))
+
+    def expire_now(self) -> int:
+        """Runs the TTL sweep immediately; returns the number of live groups."""
+        with self._lock:
+            self._next_sweep = 0.0
+            self._sweep(self._clock())
+            return len(self._groups)
+
+    # ---- stats ----------------------------------------------------------------------------------
+
+    def stats(self) -> DraftStats:
+        with self._lock:
+            self._sweep(self._clock())
+            tokens = sum(g.index.indexed_tokens for g in self._groups.values())
+            mem = self._memory()
+            return DraftStats(
+                groups=len(self._groups),
+                history_keys=self._history.num_keys,
+                indexed_tokens=tokens,
+                memory_bytes=mem,
+                memory_budget_bytes=self.limits.memory_budget_bytes,
+                bytes_per_token=mem / tokens if tokens else 0.0,
+                evicted_history=self._history.evicted,
+                expired_groups=self._expired_count,
+            )
+
+    def index_of(self, group_id: str) -> GroupIndex:
+        """The live index of a group (tests and the in-process simulator)."""
+        with self._lock:
+            return self._get(group_id, "group_id").index
+
+
+def _coalesce(entries: Sequence[SeqDelta]) -> tuple[SeqDelta, ...]:
+    """Merges consecutive appends of one request (per-step appends are 1-3 tokens each)."""
+    out: list[SeqDelta] = []
+    last: dict[str, int] = {}
+    for e in entries:
+        j = last.get(e.request_id)
+        if e.request_id and j is not None:
+            prev = out[j]
+            if prev.offset + len(prev.token_ids) == e.offset and not prev.finished:
+                out[j] = SeqDelta(e.request_id, prev.offset, prev.token_ids + e.token_ids, e.finished)
+                continue
+        last[e.request_id] = len(out)
+        out.append(e)
+    return tuple(out)
+
