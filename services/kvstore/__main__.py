@@ -1,0 +1,24 @@
+"""`python -m services.kvstore --port P --data-dir D --dram-bytes N --ssd-bytes N`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from services.common import config
+from services.common.log import setup_logging
+from services.common.server import announce_port, serve_until_signal
+from services.kvstore.config import KvStoreConfig
+from services.kvstore.server import serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging("kvstore")
+    cfg = config.load(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
+    running, _store = serve(cfg)
+    announce_port(cfg.port_file or None, running.port)
+    return serve_until_signal(running)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Configuration of the KV store service (CLI flags, SEER_KVSTORE_* env vars, --config JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.server import ServiceConfig
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class KvStoreConfig(ServiceConfig):
+    data_dir: str = field(default="./data/kvstore", metadata={"help": "RocksDB directory (the SSD tier)"})
+    dram_bytes: int = field(default=2 * GiB, metadata={"help": "DRAM tier capacity in bytes (0 = SSD only)"})
+    ssd_bytes: int = field(default=32 * GiB, metadata={"help": "SSD tier capacity in bytes"})
+    keep_versions: int = field(
+        default=1,
+        metadata={"help": "namespaces kept per model family ('name@version'); a newer one drops older ones"},
+    )
+    verify_checksums: bool = field(default=True, metadata={"help": "verify crc32 of pages read from the SSD tier"})
+    min_blob_bytes: int = field(
+        default=64 * 1024, metadata={"help": "values at least this large go to RocksDB blob files"}
+    )
+    max_page_message_bytes: int = field(
+        default=4 * 1024 * 1024, metadata={"help": "largest page (one Put/Get message) accepted"}
+    )
+    port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.data_dir:
+            raise ValueError("data_dir: must not be empty")
+        if self.dram_bytes < 0:
+            raise ValueError(f"dram_bytes: must be >= 0, got {self.dram_bytes}")
+        if self.ssd_bytes <= 0:
+            raise ValueError(f"ssd_bytes: must be > 0, got {self.ssd_bytes}")
+        if self.keep_versions < 1:
+            raise ValueError(f"keep_versions: must be >= 1, got {self.keep_versions}")
+        if self.min_blob_bytes < 0:
+            raise ValueError(f"min_blob_bytes: must be >= 0, got {self.min_blob_bytes}")
+        if self.max_page_message_bytes <= 0:
+            raise ValueError(f"max_page_message_bytes: must be > 0, got {self.max_page_message_bytes}")

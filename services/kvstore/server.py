@@ -1,0 +1,149 @@
+"""gRPC glue of the kvstore service: converts messages, calls services.kvstore.store, lets @rpc map
+typed errors to status codes. No logic here beyond message shape (per-message size limit, fields
+inherited within one Put stream)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from services.common.errors import InvalidArgument, ResourceExhausted, SeerError
+from services.common.grpcutil import rpc
+from services.common.log import log_context
+from services.common.server import RunningServer, start_server
+from services.kvstore.config import KvStoreConfig
+from services.kvstore.layout import PageLayout
+from services.kvstore.store import KvStore
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
+
+
+def layout_from_pb(msg: kvstore_pb2.PageLayout) -> PageLayout:
+    return PageLayout(
+        dtype=msg.dtype,
+        page_size=msg.page_size,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        layout=msg.layout,
+    )
+
+
+def layout_to_pb(layout: PageLayout) -> kvstore_pb2.PageLayout:
+    return kvstore_pb2.PageLayout(
+        dtype=layout.dtype,
+        page_size=layout.page_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        layout=layout.layout,
+    )
+
+
+def _prefixed(exc: SeerError, prefix: str) -> SeerError:
+    """The same error with its field qualified by the message's position in the stream."""
+    message = str(exc)
+    if exc.field and message.startswith(f"{exc.field}: "):
+        message = message[len(exc.field) + 2 :]
+    field = f"{prefix}.{exc.field}" if exc.field else prefix
+    return type(exc)(message, field=field)
+
+
+class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
+    def __init__(self, store: KvStore, max_page_message_bytes: int) -> None:
+        self.store = store
+        self.max_page_message_bytes = max_page_message_bytes
+
+    @rpc
+    def Put(
+        self, request_iterator: Iterator[kvstore_pb2.PutRequest], context: grpc.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
+        # namespace, layout and request_id may be sent once, on the first message of the stream.
+        namespace, request_id = "", ""
+        layout: PageLayout | None = None
+        stored = stored_bytes = 0
+        for i, msg in enumerate(request_iterator):
+            prefix = f"requests[{i}]"
+            data = msg.data
+            if len(data) > self.max_page_message_bytes:
+                raise ResourceExhausted(
+                    f"{len(data)} bytes exceed the {self.max_page_message_bytes}-byte page limit",
+                    field=f"{prefix}.data",
+                )
+            namespace = msg.namespace or namespace
+            request_id = msg.request_id or request_id
+            if msg.HasField("layout"):
+                layout = layout_from_pb(msg.layout)
+            if layout is None:
+                raise InvalidArgument("required on the first message of the stream", field=f"{prefix}.layout")
+            with log_context(request_id=request_id):
+                try:
+                    if self.store.put(namespace, layout, msg.page_hash, data, msg.checksum, request_id):
+                        stored += 1
+                        stored_bytes += len(data)
+                except SeerError as exc:
+                    raise _prefixed(exc, prefix) from exc
+        return kvstore_pb2.PutResponse(stored_pages=stored, stored_bytes=stored_bytes)
+
+    @rpc
+    def Get(self, request: kvstore_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[kvstore_pb2.GetResponse]:
+        layout = layout_from_pb(request.layout) if request.HasField("layout") else None
+        for page_hash, data, crc in self.store.get(request.namespace, list(request.page_hashes), layout):
+            if data is None:
+                yield kvstore_pb2.GetResponse(page_hash=page_hash, found=False)
+            else:
+                yield kvstore_pb2.GetResponse(page_hash=page_hash, data=data, checksum=crc, found=True)
+
+    @rpc
+    def Exists(self, request: kvstore_pb2.ExistsRequest, context: grpc.ServicerContext) -> kvstore_pb2.ExistsResponse:
+        return kvstore_pb2.ExistsResponse(prefix_pages=self.store.exists(request.namespace, list(request.page_hashes)))
+
+    @rpc
+    def Release(
+        self, request: kvstore_pb2.ReleaseRequest, context: grpc.ServicerContext
+    ) -> kvstore_pb2.ReleaseResponse:
+        with log_context(request_id=request.request_id):
+            n = self.store.release(request.namespace, request.request_id, list(request.page_hashes))
+        return kvstore_pb2.ReleaseResponse(released_pages=n)
+
+    @rpc
+    def GetKvStats(
+        self, request: kvstore_pb2.GetKvStatsRequest, context: grpc.ServicerContext
+    ) -> kvstore_pb2.GetKvStatsResponse:
+        s = self.store.stats()
+        return kvstore_pb2.GetKvStatsResponse(
+            dram_bytes=s.dram_bytes,
+            dram_capacity_bytes=s.dram_capacity_bytes,
+            ssd_bytes=s.ssd_bytes,
+            ssd_capacity_bytes=s.ssd_capacity_bytes,
+            hits=s.hits,
+            misses=s.misses,
+            evictions=s.evictions,
+            namespaces=s.namespaces,
+            pages=s.pages,
+        )
+
+
+def open_store(cfg: KvStoreConfig) -> KvStore:
+    return KvStore(
+        cfg.data_dir,
+        dram_bytes=cfg.dram_bytes,
+        ssd_bytes=cfg.ssd_bytes,
+        keep_versions=cfg.keep_versions,
+        verify_checksums=cfg.verify_checksums,
+        min_blob_bytes=cfg.min_blob_bytes,
+    )
+
+
+def serve(cfg: KvStoreConfig, store: KvStore | None = None) -> tuple[RunningServer, KvStore]:
+    """Starts the service (tests and __main__); stopping the server closes the store."""
+    store = store if store is not None else open_store(cfg)
+    servicer = KvStoreServicer(store, cfg.max_page_message_bytes)
+
+    def add(server: grpc.Server) -> Sequence[str]:
+        kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    return start_server("kvstore", cfg, add, on_stop=store.close), store

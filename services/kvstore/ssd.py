@@ -1,0 +1,136 @@
+"""The SSD tier: RocksDB through rocksdict (raw bytes keys and values).
+
+Layout on disk:
+- one column family per namespace (model version), named "ns:<namespace>", holding
+  b"d" + page_hash -> page bytes (large: stored in blob files, so compaction does not rewrite them)
+  b"m" + page_hash -> small JSON metadata (crc32, size, access sequence, owners)
+  Dropping a namespace is one drop_column_family: no per-page deletes, the blob files go with it.
+- the default column family holds the namespace registry: b"ns/" + name -> JSON record.
+
+Data and metadata of a page are written in one WriteBatch, so after a crash a page either exists
+with its metadata or not at all. Callers serialize access (the store holds a lock).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+from rocksdict import Options, Rdict, WriteBatch
+
+_DATA = b"d"
+_META = b"m"
+_REGISTRY = b"ns/"
+
+
+def _cf_name(namespace: str) -> str:
+    return "ns:" + namespace
+
+
+class SsdTier:
+    def __init__(self, path: str, *, min_blob_bytes: int = 64 * 1024) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.path = path
+        self._opts = Options(raw_mode=True)
+        self._opts.create_if_missing(True)
+        self._opts.create_missing_column_families(True)
+        # Pages (~0.7 MiB for SmolLM2 in float32) live in blob files: the LSM tree only holds
+        # pointers, so compactions stay cheap however many pages are stored.
+        self._opts.set_enable_blob_files(True)
+        self._opts.set_min_blob_size(min_blob_bytes)
+        self._opts.set_enable_blob_gc(True)
+        existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
+        self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
+        self._cfs: dict[str, Rdict] = {}
+        for name in existing:
+            if name.startswith("ns:"):
+                self._cfs[name[3:]] = self._db.get_column_family(name)
+
+    # Namespace registry (default column family).
+    def registry(self) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        it = self._db.iter()
+        it.seek(_REGISTRY)
+        while it.valid():
+            key = it.key()
+            if not key.startswith(_REGISTRY):
+                break
+            out[key[len(_REGISTRY) :].decode("utf-8")] = it.value()
+            it.next()
+        del it
+        return out
+
+    def put_registry(self, namespace: str, record: bytes) -> None:
+        self._db.put(_REGISTRY + namespace.encode("utf-8"), record)
+
+    # Namespaces (column families).
+    def ensure_namespace(self, namespace: str) -> None:
+        if namespace not in self._cfs:
+            self._cfs[namespace] = self._db.create_column_family(_cf_name(namespace), self._opts)
+
+    def drop_namespace(self, namespace: str) -> None:
+        cf = self._cfs.pop(namespace, None)
+        if cf is not None:
+            del cf
+            self._db.drop_column_family(_cf_name(namespace))
+
+    def namespaces(self) -> list[str]:
+        return list(self._cfs)
+
+    # Pages.
+    def put(self, namespace: str, page_hash: bytes, data: bytes, meta: bytes) -> None:
+        self.ensure_namespace(namespace)
+        wb = WriteBatch(raw_mode=True)
+        wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
+        wb.put(_DATA + page_hash, data)
+        wb.put(_META + page_hash, meta)
+        self._db.write(wb)
+
+    def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
+        self._cfs[namespace].put(_META + page_hash, meta)
+
+    def get(self, namespace: str, page_hash: bytes) -> bytes | None:
+        cf = self._cfs.get(namespace)
+        if cf is None:
+            return None
+        value = cf.get(_DATA + page_hash)
+        return None if value is None else bytes(value)
+
+    def delete(self, namespace: str, page_hash: bytes) -> None:
+        cf = self._cfs.get(namespace)
+        if cf is None:
+            return
+        wb = WriteBatch(raw_mode=True)
+        wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
+        wb.delete(_DATA + page_hash)
+        wb.delete(_META + page_hash)
+        self._db.write(wb)
+
+    def iter_meta(self, namespace: str) -> Iterator[tuple[bytes, bytes]]:
+        """(page_hash, metadata) of every page of a namespace (reads only the small meta values)."""
+        cf = self._cfs.get(namespace)
+        if cf is None:
+            return
+        it = cf.iter()
+        it.seek(_META)
+        while it.valid():
+            key = it.key()
+            if not key.startswith(_META):
+                break
+            yield key[len(_META) :], it.value()
+            it.next()
+        del it
+
+    def raw_column_family(self, namespace: str) -> Rdict | None:
+        """The namespace's column family (tests use it to corrupt a page on disk)."""
+        return self._cfs.get(namespace)
+
+    def flush(self) -> None:
+        self._db.flush_wal(True)
+
+    def close(self) -> None:
+        # rocksdict releases the DB lock only when no column-family handle is alive.
+        self._cfs.clear()
+        self._db.close()
+        gc.collect()

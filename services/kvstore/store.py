@@ -1,0 +1,459 @@
+"""The tiered KV page store: the core of the kvstore service (no gRPC here).
+
+Pages are keyed by (namespace, page hash). The namespace is the model version
+("smollm2-135m@v3"); the hash is services.common.pagehash's chained page hash, which already
+covers the version and the whole token prefix, so a page of version v can never answer a lookup
+of version v+1 (different namespace and different hash).
+
+Tiers (DESIGN.md sections 2 and 4; Seer builds its pool on Mooncake's DRAM + SSD):
+- DRAM: byte-bounded LRU of page bytes. New pages land here (write-back).
+- SSD: RocksDB. Pages evicted from DRAM are demoted here; SSD hits are promoted back to DRAM
+  (and stay on SSD, so demoting them again is free). When the SSD tier is full its least recently
+  used pages are evicted for good. On a graceful stop the DRAM-only pages are flushed to SSD, so a
+  restart keeps them; a crash loses only DRAM-only pages (a cache: the worker recomputes).
+
+Ownership: every Put names its request; a page shared by several requests (a group's common
+prompt) is deleted by Release only when its last owner releases it. Pages put without a request
+are evicted by capacity only.
+
+Versions: a namespace "family@version" supersedes the older namespaces of the same family: when a
+Put creates a new one, all but the newest `keep_versions` of that family are dropped (one
+drop_column_family) and tombstoned, so a straggling worker on old weights cannot recreate them.
+`drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
+
+Checksums: crc32 (zlib) of every page is checked on Put and on every read from the SSD tier; a
+page that fails is deleted and reported as missing (counted in checksum_failures), never served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.log import get_logger, kv
+from services.common.pagehash import HASH_BYTES
+from services.kvstore.dram import DramLru
+from services.kvstore.layout import PageLayout
+from services.kvstore.ssd import SsdTier
+
+log = get_logger(__name__)
+
+Key = tuple[str, bytes]  # (namespace, page hash)
+
+
+@dataclass(frozen=True)
+class KvStats:
+    dram_bytes: int
+    dram_capacity_bytes: int
+    ssd_bytes: int
+    ssd_capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    namespaces: int
+    pages: int
+    dram_pages: int = 0
+    ssd_pages: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    checksum_failures: int = 0
+    released_pages: int = 0
+    dropped_namespaces: int = 0
+
+
+@dataclass
+class _Entry:
+    size: int
+    crc: int
+    owners: set[str]
+    on_ssd: bool = False
+    seq: int = 0  # last access, for the SSD tier's LRU order after a restart
+
+
+@dataclass
+class _Namespace:
+    name: str
+    layout: PageLayout
+    seq: int  # creation order: later = newer version of its family
+    entries: dict[bytes, _Entry] = field(default_factory=dict)
+    by_owner: dict[str, set[bytes]] = field(default_factory=dict)
+
+
+def family_of(namespace: str) -> str | None:
+    """'smollm2-135m@v3' -> 'smollm2-135m'; None when the name carries no version."""
+    return namespace.rsplit("@", 1)[0] if "@" in namespace else None
+
+
+def _encode_meta(e: _Entry) -> bytes:
+    return json.dumps([e.crc, e.size, e.seq, sorted(e.owners)]).encode("utf-8")
+
+
+def _decode_meta(raw: bytes) -> _Entry:
+    crc, size, seq, owners = json.loads(raw)
+    return _Entry(size=int(size), crc=int(crc), owners=set(owners), on_ssd=True, seq=int(seq))
+
+
+class KvStore:
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        dram_bytes: int,
+        ssd_bytes: int,
+        keep_versions: int = 1,
+        verify_checksums: bool = True,
+        min_blob_bytes: int = 64 * 1024,
+    ) -> None:
+        if ssd_bytes <= 0:
+            raise InvalidArgument(f"must be > 0, got {ssd_bytes}", field="ssd_bytes")
+        if keep_versions < 1:
+            raise InvalidArgument(f"must be >= 1, got {keep_versions}", field="keep_versions")
+        self._lock = threading.RLock()
+        self._dram = DramLru(dram_bytes)
+        self._ssd = SsdTier(data_dir, min_blob_bytes=min_blob_bytes)
+        self.ssd_capacity_bytes = ssd_bytes
+        self.keep_versions = keep_versions
+        self.verify_checksums = verify_checksums
+        self._ssd_lru: OrderedDict[Key, int] = OrderedDict()  # pages on SSD -> size, LRU first
+        self._ssd_bytes = 0
+        self._namespaces: dict[str, _Namespace] = {}
+        self._tombstones: set[str] = set()
+        self._seq = itertools.count(1)
+        self._hits = self._misses = self._evictions = 0
+        self._demotions = self._promotions = self._checksum_failures = 0
+        self._released = self._dropped = 0
+        self._closed = False
+        self._recover()
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self) -> None:
+        """Rebuilds the in-memory index from the SSD tier's registry and page metadata."""
+        max_seq = 0
+        pages: list[tuple[int, Key, int]] = []
+        for name, raw in self._ssd.registry().items():
+            rec = json.loads(raw)
+            max_seq = max(max_seq, int(rec["seq"]))
+            if rec.get("dropped"):
+                self._tombstones.add(name)
+                self._ssd.drop_namespace(name)  # in case a crash hit between tombstone and drop
+                continue
+            ns = _Namespace(name, PageLayout.from_json(rec["layout"]), int(rec["seq"]))
+            self._namespaces[name] = ns
+            for page_hash, meta in self._ssd.iter_meta(name):
+                e = _decode_meta(meta)
+                ns.entries[page_hash] = e
+                for owner in e.owners:
+                    ns.by_owner.setdefault(owner, set()).add(page_hash)
+                pages.append((e.seq, (name, page_hash), e.size))
+                max_seq = max(max_seq, e.seq)
+        for _seq, key, size in sorted(pages, key=lambda p: p[0]):
+            self._ssd_lru[key] = size
+            self._ssd_bytes += size
+        self._seq = itertools.count(max_seq + 1)
+        if self._namespaces:
+            log.info(
+                "recovered SSD tier",
+                extra=kv(namespaces=len(self._namespaces), pages=len(pages), ssd_bytes=self._ssd_bytes),
+            )
+        self._enforce_ssd_capacity()
+
+    # ---------------------------------------------------------------- namespaces
+    def _namespace_for_put(self, name: str, layout: PageLayout) -> _Namespace:
+        if not name:
+            raise InvalidArgument("must not be empty", field="namespace")
+        if name in self._tombstones:
+            raise FailedPrecondition(f"{name!r} was superseded by a newer model version and dropped", field="namespace")
+        ns = self._namespaces.get(name)
+        if ns is not None:
+            ns.layout.check_same(layout)
+            return ns
+        layout.validate()
+        ns = _Namespace(name, layout, next(self._seq))
+        self._ssd.ensure_namespace(name)
+        self._ssd.put_registry(name, json.dumps({"layout": layout.to_json(), "seq": ns.seq}).encode())
+        self._namespaces[name] = ns
+        log.info("namespace created", extra=kv(namespace=name, page_bytes=layout.page_bytes))
+        family = family_of(name)
+        if family is not None:
+            same = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=lambda n: n.seq)
+            for old in same[: max(0, len(same) - self.keep_versions)]:
+                self._drop_locked(old.name)
+        return ns
+
+    def drop_namespace(self, name: str) -> int:
+        """Drops a namespace (a weight version that no worker uses any more); returns its page count.
+
+        The name is tombstoned: later Puts into it are refused (FAILED_PRECONDITION)."""
+        with self._lock:
+            return self._drop_locked(name)
+
+    def _drop_locked(self, name: str) -> int:
+        ns = self._namespaces.pop(name, None)
+        seq = ns.seq if ns is not None else next(self._seq)
+        self._tombstones.add(name)
+        self._ssd.put_registry(name, json.dumps({"seq": seq, "dropped": True}).encode())
+        if ns is None:
+            return 0
+        for page_hash in ns.entries:
+            key = (name, page_hash)
+            self._dram.pop(key)
+            size = self._ssd_lru.pop(key, None)
+            if size is not None:
+                self._ssd_bytes -= size
+        self._ssd.drop_namespace(name)
+        self._dropped += 1
+        log.info("namespace dropped", extra=kv(namespace=name, pages=len(ns.entries)))
+        return len(ns.entries)
+
+    # ---------------------------------------------------------------- writes
+    def put(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        page_hash: bytes,
+        data: bytes,
+        checksum: int,
+        request_id: str = "",
+    ) -> bool:
+        """Stores one page (or adds request_id as an owner of the stored one). True when new."""
+        if len(page_hash) != HASH_BYTES:
+            raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
+        with self._lock:
+            ns = self._namespace_for_put(namespace, layout)
+            if len(data) != ns.layout.page_bytes:
+                raise InvalidArgument(
+                    f"{len(data)} bytes, but a page of layout {ns.layout} is {ns.layout.page_bytes} bytes",
+                    field="data",
+                )
+            crc = zlib.crc32(data)
+            if crc != checksum:
+                raise InvalidArgument(f"crc32 of data is {crc}, message says {checksum}", field="checksum")
+            key: Key = (namespace, page_hash)
+            entry = ns.entries.get(page_hash)
+            if entry is not None:
+                self._touch(key, entry)
+                if request_id and request_id not in entry.owners:
+                    entry.owners.add(request_id)
+                    ns.by_owner.setdefault(request_id, set()).add(page_hash)
+                    if entry.on_ssd:
+                        self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
+                return False
+            entry = _Entry(size=len(data), crc=crc, owners={request_id} if request_id else set(), seq=next(self._seq))
+            ns.entries[page_hash] = entry
+            if request_id:
+                ns.by_owner.setdefault(request_id, set()).add(page_hash)
+            if self._dram.fits(len(data)):
+                for evicted_key, evicted in self._dram.put(key, data):
+                    self._demote(evicted_key, evicted)  # type: ignore[arg-type]
+            else:
+                self._write_ssd(key, entry, data)
+            self._enforce_ssd_capacity()
+            return True
+
+    def _demote(self, key: Key, data: bytes) -> None:
+        ns = self._namespaces.get(key[0])
+        entry = ns.entries.get(key[1]) if ns is not None else None
+        if entry is None or entry.on_ssd:
+            return  # dropped meanwhile, or already on SSD (a promoted page): nothing to write
+        self._demotions += 1
+        self._write_ssd(key, entry, data)
+
+    def _write_ssd(self, key: Key, entry: _Entry, data: bytes) -> None:
+        self._ssd.put(key[0], key[1], data, _encode_meta(entry))
+        entry.on_ssd = True
+        self._ssd_lru[key] = entry.size
+        self._ssd_bytes += entry.size
+
+    def _enforce_ssd_capacity(self) -> None:
+        while self._ssd_bytes > self.ssd_capacity_bytes and self._ssd_lru:
+            key, _size = next(iter(self._ssd_lru.items()))
+            if key in self._dram:
+                # Still hot in DRAM: free its SSD copy only; it is demoted again if it cools.
+                self._ssd_lru.pop(key)
+                self._ssd_bytes -= _size
+                self._ssd.delete(*key)
+                ns = self._namespaces.get(key[0])
+                if ns is not None and key[1] in ns.entries:
+                    ns.entries[key[1]].on_ssd = False
+                continue
+            self._remove(key)
+            self._evictions += 1
+
+    def _remove(self, key: Key) -> None:
+        """Deletes a page from every tier and from the ownership index."""
+        ns = self._namespaces.get(key[0])
+        entry = ns.entries.pop(key[1], None) if ns is not None else None
+        self._dram.pop(key)
+        size = self._ssd_lru.pop(key, None)
+        if size is not None:
+            self._ssd_bytes -= size
+        if entry is not None and entry.on_ssd:
+            self._ssd.delete(*key)
+        if ns is not None and entry is not None:
+            for owner in entry.owners:
+                pages = ns.by_owner.get(owner)
+                if pages is not None:
+                    pages.discard(key[1])
+                    if not pages:
+                        del ns.by_owner[owner]
+
+    def _touch(self, key: Key, entry: _Entry) -> None:
+        entry.seq = next(self._seq)
+        if key in self._ssd_lru:
+            self._ssd_lru.move_to_end(key)
+        self._dram.get(key)
+
+    # ---------------------------------------------------------------- reads
+    def get_page(self, namespace: str, page_hash: bytes) -> tuple[bytes, int] | None:
+        """(data, crc32) of a page, or None when missing (or corrupt on disk: then it is deleted)."""
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            entry = ns.entries.get(page_hash) if ns is not None else None
+            if entry is None:
+                self._misses += 1
+                return None
+            key: Key = (namespace, page_hash)
+            self._touch(key, entry)
+            data = self._dram.get(key)
+            if data is not None:
+                self._hits += 1
+                return data, entry.crc
+            try:
+                data = self._ssd.get(namespace, page_hash)
+            except Exception:  # RocksDB reports on-disk corruption (blob/block checksum) as an error
+                log.warning("SSD read failed", exc_info=True, extra=kv(namespace=namespace, page=page_hash.hex()))
+                data = b""
+            bad = data is None or len(data) != entry.size or (self.verify_checksums and zlib.crc32(data) != entry.crc)
+            if bad:
+                self._checksum_failures += 1
+                self._misses += 1
+                log.warning("page failed its checksum; deleted", extra=kv(namespace=namespace, page=page_hash.hex()))
+                self._remove(key)
+                return None
+            assert data is not None
+            self._hits += 1
+            if self._dram.fits(len(data)):
+                self._promotions += 1
+                for evicted_key, evicted in self._dram.put(key, data):
+                    self._demote(evicted_key, evicted)  # type: ignore[arg-type]
+                self._enforce_ssd_capacity()
+            return data, entry.crc
+
+    def get(
+        self, namespace: str, page_hashes: Sequence[bytes], layout: PageLayout | None = None
+    ) -> Iterator[tuple[bytes, bytes | None, int]]:
+        """(hash, data or None, crc32) per asked hash, in order. A stated layout must match."""
+        self.check_layout(namespace, layout)
+        for i, page_hash in enumerate(page_hashes):
+            if len(page_hash) != HASH_BYTES:
+                raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field=f"page_hashes[{i}]")
+        for page_hash in page_hashes:
+            found = self.get_page(namespace, page_hash)
+            yield (page_hash, None, 0) if found is None else (page_hash, found[0], found[1])
+
+    def check_layout(self, namespace: str, layout: PageLayout | None) -> None:
+        if layout is None:
+            return
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            if ns is not None:
+                ns.layout.check_same(layout)
+
+    def exists(self, namespace: str, page_hashes: Sequence[bytes]) -> int:
+        """Length of the longest prefix of page_hashes that is stored."""
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            if ns is None:
+                return 0
+            n = 0
+            for page_hash in page_hashes:
+                if page_hash not in ns.entries:
+                    break
+                n += 1
+            return n
+
+    # ---------------------------------------------------------------- release
+    def release(self, namespace: str, request_id: str, page_hashes: Sequence[bytes] = ()) -> int:
+        """Drops request_id's ownership of its pages (all of them when page_hashes is empty); pages
+        left without owners are deleted. Returns the number of pages the request released."""
+        if not request_id:
+            raise InvalidArgument("must not be empty", field="request_id")
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            if ns is None:
+                return 0
+            owned = ns.by_owner.get(request_id, set())
+            targets = list(owned) if not page_hashes else [h for h in page_hashes if h in owned]
+            for page_hash in targets:
+                entry = ns.entries[page_hash]
+                entry.owners.discard(request_id)
+                owned.discard(page_hash)
+                if not entry.owners:
+                    self._remove((namespace, page_hash))
+                elif entry.on_ssd:
+                    self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
+            if not owned:
+                ns.by_owner.pop(request_id, None)
+            self._released += len(targets)
+            return len(targets)
+
+    # ---------------------------------------------------------------- stats / lifecycle
+    def stats(self) -> KvStats:
+        with self._lock:
+            return KvStats(
+                dram_bytes=self._dram.bytes,
+                dram_capacity_bytes=self._dram.capacity_bytes,
+                ssd_bytes=self._ssd_bytes,
+                ssd_capacity_bytes=self.ssd_capacity_bytes,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                namespaces=len(self._namespaces),
+                pages=sum(len(ns.entries) for ns in self._namespaces.values()),
+                dram_pages=len(self._dram),
+                ssd_pages=len(self._ssd_lru),
+                demotions=self._demotions,
+                promotions=self._promotions,
+                checksum_failures=self._checksum_failures,
+                released_pages=self._released,
+                dropped_namespaces=self._dropped,
+            )
+
+    def namespace_layout(self, namespace: str) -> PageLayout | None:
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            return ns.layout if ns is not None else None
+
+    def raw_ssd(self) -> SsdTier:
+        """The SSD tier itself (tests corrupt pages through it)."""
+        return self._ssd
+
+    def flush_to_ssd(self) -> int:
+        """Writes DRAM-only pages to the SSD tier (oldest first); returns how many were written."""
+        with self._lock:
+            n = 0
+            for key, data in self._dram.items():
+                ns = self._namespaces.get(key[0])  # type: ignore[index]
+                entry = ns.entries.get(key[1]) if ns is not None else None  # type: ignore[index]
+                if entry is not None and not entry.on_ssd:
+                    self._write_ssd(key, entry, data)  # type: ignore[arg-type]
+                    n += 1
+            self._enforce_ssd_capacity()
+            self._ssd.flush()
+            return n
+
+    def close(self) -> None:
+        """Flushes DRAM to SSD and closes RocksDB (graceful stop); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            flushed = self.flush_to_ssd()
+            self._ssd.close()
+            self._closed = True
+            log.info("kvstore closed", extra=kv(flushed_pages=flushed, ssd_bytes=self._ssd_bytes))

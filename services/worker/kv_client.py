@@ -1,0 +1,315 @@
+"""The worker's client of the global KV cache pool (services/kvstore), sharded over N replicas.
+
+Use (DESIGN.md section 3, steps 3-4):
+
+    kv = KVClient(["kvstore-0:50061", "kvstore-1:50061"])
+    # chunk start: pull the stored prefix the local prefix cache lacks (no re-prefill after a move)
+    pages = kv.fetch_prefix(tokens, engine.model_version, engine.kv_layout,
+                            min_tokens=engine.cached_prefix_tokens(tokens))
+    if pages is not None:
+        engine.import_kv(pages)
+    # chunk end: offload in the background; the next decode step does not wait
+    kv.offload_async(engine.export_kv(tokens), request_id)
+    # request finished
+    kv.release(engine.model_version, request_id)
+
+Pages are placed by a consistent-hash ring over their page hash (services.kvstore.ring). Every
+failure is a cache miss, never an error of the rollout and never wrong KV: a replica that is down or
+slow (UNAVAILABLE / DEADLINE_EXCEEDED) makes its pages missing; fetch_prefix stops at the first page
+that is missing or fails its crc32 and returns the prefix before it (the engine recomputes the rest);
+each case is counted in stats().
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+import grpc
+from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from services.common.errors import InvalidArgument
+from services.common.grpcutil import CHANNEL_OPTIONS
+from services.common.log import get_logger, kv
+from services.common.pagehash import chain_hashes
+from services.common.telemetry import client_interceptors
+from services.kvstore.ring import HashRing
+from services.worker.engine import KVLayout, KVPages
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+# Status codes that mean "this replica cannot help right now": degrade to recompute.
+_DEGRADE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DATA_LOSS,
+    # A namespace superseded by a newer weight version: the pages are useless anyway.
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+@dataclass
+class KVClientStats:
+    put_pages: int = 0  # pages sent to the store
+    put_bytes: int = 0
+    stored_pages: int = 0  # pages the replicas did not have yet
+    put_failures: int = 0  # pages whose offload failed (replica down/slow, stale version)
+    fetch_calls: int = 0
+    fetch_hits: int = 0  # fetch_prefix calls that returned at least one page
+    fetched_pages: int = 0
+    fetched_bytes: int = 0
+    missing_pages: int = 0  # a fetch stopped at a page the store no longer had (recompute from there)
+    checksum_failures: int = 0  # a fetch stopped at a page whose bytes failed crc32 (recompute)
+    replica_errors: int = 0  # RPCs that failed and were degraded to a miss
+    released_pages: int = 0
+
+
+def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
+    return kvstore_pb2.PageLayout(
+        dtype=layout.dtype,
+        page_size=layout.page_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        layout=layout.layout,
+    )
+
+
+# A restarted replica should be used again within about a second, not after gRPC's default
+# reconnect backoff (up to 120 s); until then its pages are misses.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.min_reconnect_backoff_ms", 100),
+]
+
+
+def _channel(address: str) -> grpc.Channel:
+    ch = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *_RECONNECT_OPTIONS])
+    interceptors = client_interceptors()
+    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
+
+
+class KVClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        vnodes: int = 64,
+        rpc_timeout_s: float = 30.0,
+        exists_timeout_s: float = 2.0,
+    ) -> None:
+        self.ring = HashRing(list(addresses), vnodes)
+        self.rpc_timeout_s = rpc_timeout_s
+        self.exists_timeout_s = exists_timeout_s
+        self._channels = {a: _channel(a) for a in self.ring.nodes}
+        self._stubs = {a: kvstore_pb2_grpc.KvStoreServiceStub(ch) for a, ch in self._channels.items()}
+        # One offload thread: offloads of a worker run in order and never block its decode loop.
+        self._offload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
+        # Fan-out to replicas in parallel (one call per replica per operation).
+        self._io = ThreadPoolExecutor(max_workers=max(2, len(self.ring.nodes)), thread_name_prefix="kv-io")
+        self._lock = threading.Lock()
+        self._stats = KVClientStats()
+
+    # ------------------------------------------------------------------ helpers
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
+    def _by_node(self, hashes: Sequence[bytes]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for i, h in enumerate(hashes):
+            groups.setdefault(self.ring.node_for(h), []).append(i)
+        return groups
+
+    def _fan_out(self, calls: Mapping[str, Callable[[], T]], *, strict: bool = False) -> dict[str, T | grpc.RpcError]:
+        """Runs one call per replica in parallel; a failed call's RpcError is returned, not raised.
+
+        strict: a rejection that is not a replica fault (INVALID_ARGUMENT: a layout that disagrees
+        with the namespace) raises InvalidArgument, since retrying elsewhere cannot fix it."""
+        futures = {node: self._io.submit(fn) for node, fn in calls.items()}
+        out: dict[str, T | grpc.RpcError] = {}
+        for node, fut in futures.items():
+            try:
+                out[node] = fut.result()
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if strict and code not in _DEGRADE:
+                    raise InvalidArgument(f"kvstore {node} rejected the pages: {exc.details()}", field="pages") from exc
+                self._count(replica_errors=1)
+                log.warning(
+                    "kvstore replica call failed; degrading to recompute",
+                    extra=kv(replica=node, code=str(code), details=exc.details()),
+                )
+                out[node] = exc
+        return out
+
+    # ------------------------------------------------------------------ offload
+    def put_pages(self, pages: KVPages, request_id: str) -> int:
+        """Stores a request's pages (synchronously); returns how many were new to the store.
+
+        A replica that fails loses only its share of the offload (counted in put_failures)."""
+        if len(pages.pages) != len(pages.page_hashes):
+            raise InvalidArgument(f"{len(pages.pages)} pages for {len(pages.page_hashes)} hashes", field="pages.pages")
+        if not pages.pages:
+            return 0
+        layout = layout_to_pb(pages.layout)
+
+        def stream(indices: list[int]) -> Iterator[kvstore_pb2.PutRequest]:
+            for j, i in enumerate(indices):
+                data = bytes(pages.pages[i])
+                if j == 0:  # the store inherits namespace, layout and owner within one stream
+                    yield kvstore_pb2.PutRequest(
+                        namespace=pages.model_version,
+                        layout=layout,
+                        request_id=request_id,
+                        page_hash=pages.page_hashes[i],
+                        data=data,
+                        checksum=zlib.crc32(data),
+                    )
+                else:
+                    yield kvstore_pb2.PutRequest(page_hash=pages.page_hashes[i], data=data, checksum=zlib.crc32(data))
+
+        groups = self._by_node(pages.page_hashes)
+        calls = {
+            node: (lambda node=node, idx=idx: self._stubs[node].Put(stream(idx), timeout=self.rpc_timeout_s))
+            for node, idx in groups.items()
+        }
+        stored = failed = 0
+        for node, res in self._fan_out(calls, strict=True).items():
+            if isinstance(res, grpc.RpcError):
+                failed += len(groups[node])
+            else:
+                stored += res.stored_pages
+        nbytes = sum(len(p) for p in pages.pages)
+        self._count(put_pages=len(pages.pages), put_bytes=nbytes, stored_pages=stored, put_failures=failed)
+        return stored
+
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[int]:
+        """put_pages on the background offload thread; returns at once (the future never raises
+        for a replica that is down, only for a rejected layout)."""
+        return self._offload.submit(self.put_pages, pages, request_id)
+
+    # ------------------------------------------------------------------ fetch
+    def prefix_pages(self, hashes: Sequence[bytes], model_version: str) -> int:
+        """How many leading pages of a hash chain are stored across the ring (Exists per replica)."""
+        if not hashes:
+            return 0
+        groups = self._by_node(hashes)
+        calls = {
+            node: (
+                lambda node=node, idx=idx: self._stubs[node].Exists(
+                    kvstore_pb2.ExistsRequest(namespace=model_version, page_hashes=[hashes[i] for i in idx]),
+                    timeout=self.exists_timeout_s,
+                )
+            )
+            for node, idx in groups.items()
+        }
+        n = len(hashes)
+        for node, res in self._fan_out(calls).items():
+            idx = groups[node]
+            have = 0 if isinstance(res, grpc.RpcError) else res.prefix_pages
+            if have < len(idx):
+                n = min(n, idx[have])  # this replica's first missing page bounds the global prefix
+        return n
+
+    def fetch_prefix(
+        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
+    ) -> KVPages | None:
+        """The longest stored, verified KV prefix of token_ids; None when it would not cover more
+        than min_tokens (e.g. what the local prefix cache already holds)."""
+        self._count(fetch_calls=1)
+        hashes = chain_hashes(token_ids, layout.page_size, model_version)
+        n = self.prefix_pages(hashes, model_version)
+        if n == 0 or n * layout.page_size <= min_tokens:
+            return None
+        wanted = hashes[:n]
+        groups = self._by_node(wanted)
+        layout_pb = layout_to_pb(layout)
+
+        def get(node: str, idx: list[int]) -> list[kvstore_pb2.GetResponse]:
+            req = kvstore_pb2.GetRequest(
+                namespace=model_version, page_hashes=[wanted[i] for i in idx], layout=layout_pb
+            )
+            out: list[kvstore_pb2.GetResponse] = []
+            try:
+                for msg in self._stubs[node].Get(req, timeout=self.rpc_timeout_s):
+                    out.append(msg)
+            except grpc.RpcError:
+                if not out:
+                    raise
+                self._count(replica_errors=1)  # keep what arrived before the failure
+            return out
+
+        got: dict[bytes, kvstore_pb2.GetResponse] = {}
+        calls = {node: (lambda node=node, idx=idx: get(node, idx)) for node, idx in groups.items()}
+        for res in self._fan_out(calls).values():
+            if not isinstance(res, grpc.RpcError):
+                for msg in res:
+                    got[msg.page_hash] = msg
+        pages: list[bytes] = []
+        for h in wanted:
+            msg = got.get(h)
+            if msg is None or not msg.found:
+                self._count(missing_pages=1)
+                log.info("kv prefix page missing; recomputing from here", extra=kv(page=len(pages), of_pages=n))
+                break
+            if len(msg.data) != layout.page_bytes or zlib.crc32(msg.data) != msg.checksum:
+                self._count(checksum_failures=1)
+                log.warning(
+                    "kv prefix page failed its checksum; recomputing from here", extra=kv(page=len(pages), of_pages=n)
+                )
+                break
+            pages.append(msg.data)
+        if not pages or len(pages) * layout.page_size <= min_tokens:
+            return None
+        k = len(pages)
+        self._count(fetch_hits=1, fetched_pages=k, fetched_bytes=sum(len(p) for p in pages))
+        return KVPages(
+            model_version=model_version,
+            layout=layout,
+            token_ids=tuple(token_ids[: k * layout.page_size]),
+            page_hashes=tuple(wanted[:k]),
+            pages=tuple(pages),
+        )
+
+    # ------------------------------------------------------------------ release / stats
+    def release(self, model_version: str, request_id: str) -> int:
+        """Drops a finished request's ownership of its pages on every replica; returns pages released."""
+        if not request_id:
+            raise InvalidArgument("must not be empty", field="request_id")
+        req = kvstore_pb2.ReleaseRequest(namespace=model_version, request_id=request_id)
+        calls = {
+            node: (lambda node=node: self._stubs[node].Release(req, timeout=self.exists_timeout_s))
+            for node in self.ring.nodes
+        }
+        n = sum(r.released_pages for r in self._fan_out(calls).values() if not isinstance(r, grpc.RpcError))
+        self._count(released_pages=n)
+        return n
+
+    def stats(self) -> KVClientStats:
+        with self._lock:
+            return KVClientStats(**asdict(self._stats))
+
+    def close(self) -> None:
+        """Waits for pending offloads, then closes the channels."""
+        self._offload.shutdown(wait=True)
+        self._io.shutdown(wait=True)
+        for ch in self._channels.values():
+            ch.close()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

@@ -1,0 +1,158 @@
+"""The worker's KVClient against two real kvstore replicas (consistent-hash ring) on loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.pagehash import chain_hashes
+from services.kvstore.ring import HashRing
+from services.worker.engine import KVLayout, KVPages
+from services.worker.kv_client import KVClient
+from tests.kvstore.kvhelpers import KV_LAYOUT, Replica, make_pages
+
+Make = Callable[..., Replica]
+
+TOKENS = list(range(1000, 1000 + 4 * 24 + 3))  # 24 full pages and a partial tail
+
+
+def test_ring_spreads_pages_and_is_stable() -> None:
+    ring = HashRing(["a:1", "b:1"], vnodes=64)
+    hashes = chain_hashes(list(range(4 * 400)), 4, "m@v1")
+    owners = [ring.node_for(h) for h in hashes]
+    share = owners.count("a:1") / len(owners)
+    assert 0.3 < share < 0.7
+    # Adding a replica moves only the pages the new one takes over.
+    ring3 = HashRing(["a:1", "b:1", "c:1"], vnodes=64)
+    moved = [(o, ring3.node_for(h)) for o, h in zip(owners, hashes, strict=True) if ring3.node_for(h) != o]
+    assert all(new == "c:1" for _, new in moved)
+    assert 0.15 < len(moved) / len(hashes) < 0.5
+    with pytest.raises(ValueError, match="nodes"):
+        HashRing([])
+
+
+def test_put_then_fetch_over_two_replicas(replicas: Make) -> None:
+    a, b = replicas("a"), replicas("b")
+    pages = make_pages(TOKENS)
+    with KVClient([a.address, b.address]) as kv:
+        assert kv.offload_async(pages, "r1").result(timeout=30) == 24
+        assert a.store is not None and b.store is not None
+        na, nb = a.store.stats().pages, b.store.stats().pages
+        assert na + nb == 24 and na > 0 and nb > 0  # sharded over both
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        assert got is not None
+        assert got.pages == pages.pages and got.page_hashes == pages.page_hashes
+        assert got.token_ids == tuple(TOKENS[: 24 * 4])
+        # A longer context fetches the stored prefix; min_tokens skips what is cached locally.
+        longer = kv.fetch_prefix([*TOKENS[:96], 7, 7, 7, 7], "m@v1", KV_LAYOUT)
+        assert longer is not None and len(longer.pages) == 24
+        assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT, min_tokens=96) is None
+        # Version v pages are never served for v+1.
+        assert kv.fetch_prefix(TOKENS, "m@v2", KV_LAYOUT) is None
+        assert kv.release("m@v1", "r1") == 24
+        assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT) is None
+        s = kv.stats()
+        assert s.stored_pages == 24 and s.fetched_pages == 48 and s.fetch_calls == 5 and s.fetch_hits == 2
+        assert s.missing_pages == 0 and s.replica_errors == 0
+
+
+def test_replica_down_degrades_to_recompute(replicas: Make) -> None:
+    a, b = replicas("a"), replicas("b")
+    pages = make_pages(TOKENS)
+    with KVClient([a.address, b.address], rpc_timeout_s=5, exists_timeout_s=2) as kv:
+        kv.put_pages(pages, "r1")
+        ring = kv.ring
+        first_b = next(i for i, h in enumerate(pages.page_hashes) if ring.node_for(h) == b.address)
+        b.stop()
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        if first_b == 0:
+            assert got is None
+        else:
+            assert got is not None and len(got.pages) == first_b
+            assert got.pages == pages.pages[:first_b]
+        # Offload to a down replica loses only that share, counted; no exception.
+        assert kv.put_pages(make_pages(TOKENS, "m@v1"), "r2") >= 0
+        s = kv.stats()
+        assert s.replica_errors >= 2 and s.put_failures > 0
+        assert kv.release("m@v1", "r1") > 0  # a's share
+        b.start()
+        got = _fetch_when_back(kv)
+        assert got is not None and len(got.pages) == 24
+
+
+def _fetch_when_back(kv: KVClient) -> KVPages | None:
+    """A restarted replica is used again once the client reconnects (sub-second backoff)."""
+    deadline = time.time() + 10
+    while True:
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        if (got is not None and len(got.pages) == 24) or time.time() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def _corrupt_first_page_on(replica: Replica, pages: KVPages) -> int:
+    """Stops the replica, flips a byte of one of its pages directly in RocksDB, restarts it."""
+    assert replica.store is not None
+    replica.stop()  # graceful: flushes DRAM to RocksDB and closes it
+    from services.kvstore.ssd import SsdTier
+
+    ssd = SsdTier(replica.cfg.data_dir, min_blob_bytes=256)
+    idx = next(i for i, h in enumerate(pages.page_hashes) if ssd.get("m@v1", h) is not None)
+    cf = ssd.raw_column_family("m@v1")
+    assert cf is not None
+    raw = bytearray(cf[b"d" + pages.page_hashes[idx]] or b"")
+    raw[100] ^= 0x01
+    cf[b"d" + pages.page_hashes[idx]] = bytes(raw)
+    del cf
+    ssd.close()
+    replica.start()
+    return idx
+
+
+@pytest.mark.parametrize("server_verifies", [True, False])
+def test_corrupt_page_stops_the_prefix_and_is_counted(replicas: Make, server_verifies: bool) -> None:
+    r = replicas("a", verify_checksums=server_verifies)
+    pages = make_pages(TOKENS)
+    with KVClient([r.address]) as kv:
+        kv.put_pages(pages, "r1")
+        idx = _corrupt_first_page_on(r, pages)
+        idx = min(idx, 23)
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        if idx == 0:
+            assert got is None
+        else:
+            assert got is not None and got.pages == pages.pages[:idx]  # never wrong KV
+        s = kv.stats()
+        if server_verifies:
+            assert s.missing_pages == 1 and s.checksum_failures == 0
+            assert r.store is not None and r.store.stats().checksum_failures == 1
+        else:
+            assert s.checksum_failures == 1 and s.missing_pages == 0
+
+
+def test_restart_keeps_the_ssd_tier(replicas: Make) -> None:
+    r = replicas("a", dram_bytes=0)
+    pages = make_pages(TOKENS)
+    with KVClient([r.address]) as kv:
+        kv.put_pages(pages, "r1")
+        r.stop()
+        assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT) is None  # down: recompute, no error
+        r.start()
+        got = _fetch_when_back(kv)
+        assert got is not None and got.pages == pages.pages
+
+
+def test_layout_disagreement_is_rejected(replicas: Make) -> None:
+    r = replicas("a")
+    with KVClient([r.address]) as kv:
+        kv.put_pages(make_pages(TOKENS), "r1")
+        other = KVLayout(dtype="float32", page_size=4, num_layers=2, num_kv_heads=2, head_dim=4)
+        bad = make_pages(TOKENS)
+        bad = KVPages(bad.model_version, other, bad.token_ids, bad.page_hashes, bad.pages)
+        with pytest.raises(InvalidArgument, match="num_kv_heads"):
+            kv.put_pages(bad, "r2")
+        assert kv.fetch_prefix(TOKENS, "m@v1", other) is None  # rejected Get: counted, recompute
+        assert kv.stats().replica_errors == 1

@@ -1,0 +1,163 @@
+"""The pure store core over a real RocksDB: tiers, capacity, ownership, versions, checksums."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.pagehash import chain_hashes
+from services.kvstore.layout import PageLayout
+from services.kvstore.store import KvStore
+from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, crc
+
+Open = Callable[..., KvStore]
+
+
+def _put_chain(store: KvStore, n: int, version: str = "m@v1", owner: str = "r1") -> list[tuple[bytes, bytes]]:
+    hashes = chain_hashes(list(range(n * LAYOUT.page_size)), LAYOUT.page_size, version)
+    pages = [(h, os.urandom(PAGE_BYTES)) for h in hashes]
+    for h, data in pages:
+        store.put(version, LAYOUT, h, data, crc(data), owner)
+    return pages
+
+
+def test_put_get_exists_roundtrip(open_store: Open) -> None:
+    store = open_store()
+    pages = _put_chain(store, 5)
+    hashes = [h for h, _ in pages]
+    got = list(store.get("m@v1", hashes))
+    assert [d for _, d, _ in got] == [d for _, d in pages]
+    assert all(c == crc(d) for _, d, c in got if d is not None)
+    assert store.exists("m@v1", hashes) == 5
+    # A hole in the chain bounds the prefix.
+    assert store.exists("m@v1", [*hashes[:2], os.urandom(16), *hashes[3:]]) == 2
+    assert store.exists("other@v1", hashes) == 0
+    s = store.stats()
+    assert s.pages == 5 and s.hits == 5 and s.namespaces == 1 and s.dram_bytes == 5 * PAGE_BYTES
+
+
+def test_bad_input_names_the_field(open_store: Open) -> None:
+    store = open_store()
+    _put_chain(store, 1)
+    h = os.urandom(16)
+    data = os.urandom(PAGE_BYTES)
+    other = PageLayout("float32", 4, 2, 2, 8)
+    with pytest.raises(InvalidArgument, match=r"layout\.num_kv_heads"):
+        store.put("m@v1", other, h, os.urandom(other.page_bytes), 0, "r")
+    with pytest.raises(InvalidArgument, match=r"layout\.dtype"):
+        store.put("m@v1", PageLayout("bfloat16", 4, 2, 1, 8), h, data, crc(data), "r")
+    with pytest.raises(InvalidArgument, match=r"^data:"):
+        store.put("m@v1", LAYOUT, h, data[:-1], crc(data[:-1]), "r")
+    with pytest.raises(InvalidArgument, match=r"^checksum:"):
+        store.put("m@v1", LAYOUT, h, data, crc(data) ^ 1, "r")
+    with pytest.raises(InvalidArgument, match=r"^page_hash:"):
+        store.put("m@v1", LAYOUT, b"short", data, crc(data), "r")
+    with pytest.raises(InvalidArgument, match=r"^namespace:"):
+        store.put("", LAYOUT, h, data, crc(data), "r")
+    with pytest.raises(InvalidArgument, match=r"layout\.dtype"):
+        store.put("new@v1", PageLayout("float13", 4, 2, 1, 8), h, data, crc(data), "r")
+    with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
+        list(store.get("m@v1", [h], PageLayout("float32", 8, 2, 1, 8)))
+    # Nothing bad was stored; the good page is still served.
+    assert store.stats().pages == 1
+
+
+def test_dram_evicts_to_ssd_and_ssd_evicts_lru(open_store: Open) -> None:
+    store = open_store(dram_bytes=3 * PAGE_BYTES, ssd_bytes=6 * PAGE_BYTES)
+    pages = _put_chain(store, 8)
+    s = store.stats()
+    assert s.dram_pages == 3 and s.dram_bytes == 3 * PAGE_BYTES
+    assert s.demotions == 5 and s.ssd_bytes == 5 * PAGE_BYTES and s.evictions == 0
+    # An SSD hit is verified, served and promoted to DRAM.
+    ((_h, data, _c),) = store.get("m@v1", [pages[0][0]])
+    assert data == pages[0][1]
+    assert store.stats().promotions == 1
+    # DRAM [5 6 7] -> [6 7 0]; SSD LRU order [1 2 3 4 0 5] = full. Two new pages demote 6 and 7
+    # and push out the SSD tier's least recently used pages 1 and 2 for good.
+    for h, d in zip(
+        chain_hashes(list(range(100, 108)), 4, "m@v1"), (os.urandom(PAGE_BYTES) for _ in range(2)), strict=False
+    ):
+        store.put("m@v1", LAYOUT, h, d, crc(d), "r2")
+    s = store.stats()
+    assert s.ssd_bytes == 6 * PAGE_BYTES and s.evictions == 2 and s.pages == 8
+    hashes = [h for h, _ in pages]
+    assert [store.exists("m@v1", [h]) for h in hashes] == [1, 0, 0, 1, 1, 1, 1, 1]
+
+
+def test_release_keeps_pages_other_owners_share(open_store: Open) -> None:
+    store = open_store()
+    shared = _put_chain(store, 2, owner="a")
+    for h, data in shared:  # a sibling offloads the same prompt pages
+        assert store.put("m@v1", LAYOUT, h, data, crc(data), "b") is False
+    assert store.release("m@v1", "a") == 2
+    assert store.exists("m@v1", [h for h, _ in shared]) == 2
+    assert store.release("m@v1", "b") == 2
+    assert store.exists("m@v1", [h for h, _ in shared]) == 0
+    assert store.release("m@v1", "b") == 0
+    with pytest.raises(InvalidArgument, match="request_id"):
+        store.release("m@v1", "")
+
+
+def test_restart_keeps_ssd_tier_and_ownership(open_store: Open) -> None:
+    store = open_store("db", dram_bytes=2 * PAGE_BYTES)
+    pages = _put_chain(store, 5, owner="r1")
+    store.close()  # graceful: DRAM-only pages are flushed too
+    again = open_store("db", dram_bytes=2 * PAGE_BYTES)
+    hashes = [h for h, _ in pages]
+    assert again.exists("m@v1", hashes) == 5
+    assert [d for _, d, _ in again.get("m@v1", hashes)] == [d for _, d in pages]
+    assert again.stats().ssd_bytes == 5 * PAGE_BYTES
+    assert again.release("m@v1", "r1") == 5
+    assert again.stats().pages == 0
+
+
+def test_new_version_drops_old_namespace(open_store: Open) -> None:
+    store = open_store()
+    v1 = _put_chain(store, 3, version="m@v1")
+    other = _put_chain(store, 1, version="other@v1")
+    v2 = _put_chain(store, 3, version="m@v2")
+    # The same tokens hash differently under v2, and v1's namespace is gone.
+    assert {h for h, _ in v1}.isdisjoint({h for h, _ in v2})
+    assert store.exists("m@v2", [h for h, _ in v1]) == 0
+    assert next(iter(store.get("m@v2", [h for h, _ in v1])))[1] is None
+    assert store.exists("m@v1", [h for h, _ in v1]) == 0
+    assert store.exists("other@v1", [h for h, _ in other]) == 1
+    s = store.stats()
+    assert s.namespaces == 2 and s.pages == 4 and s.dropped_namespaces == 1
+    # A straggler on the old weights cannot recreate the dropped namespace.
+    h, data = v1[0]
+    with pytest.raises(FailedPrecondition, match="namespace"):
+        store.put("m@v1", LAYOUT, h, data, crc(data), "late")
+
+
+def test_keep_versions_two(open_store: Open) -> None:
+    store = open_store(keep_versions=2)
+    _put_chain(store, 1, version="m@v1")
+    _put_chain(store, 1, version="m@v2")
+    assert store.stats().namespaces == 2
+    _put_chain(store, 1, version="m@v3")
+    assert store.stats().namespaces == 2
+    assert store.drop_namespace("m@v2") == 1
+    assert store.stats().namespaces == 1
+
+
+def test_corrupt_page_on_disk_is_never_served(open_store: Open) -> None:
+    store = open_store("db", dram_bytes=0)  # SSD only: every read comes from RocksDB
+    pages = _put_chain(store, 3)
+    cf = store.raw_ssd().raw_column_family("m@v1")
+    assert cf is not None
+    h = pages[1][0]
+    raw = bytearray(cf[b"d" + h] or b"")
+    raw[17] ^= 0x40
+    cf[b"d" + h] = bytes(raw)
+    del cf
+    got = list(store.get("m@v1", [h for h, _ in pages]))
+    assert got[0][1] == pages[0][1]
+    assert got[1][1] is None  # failed crc32: dropped, reported missing
+    assert got[2][1] == pages[2][1]
+    s = store.stats()
+    assert s.checksum_failures == 1
+    assert store.exists("m@v1", [h for h, _ in pages]) == 1
