@@ -1,0 +1,31 @@
+"""Python client of Seer's RolloutService (see clients/python/README.md)."""
+
+from __future__ import annotations
+
+from seer_client.client import SeerClient
+from seer_client.grouping import by_group, group_advantages, score
+from seer_client.types import (
+    BatchStatus,
+    PromptGroup,
+    RequestStatus,
+    RolloutResult,
+    Sampling,
+    SeerError,
+    SubmitResult,
+    WeightsUpdate,
+)
+
+__all__ = [
+    "BatchStatus",
+    "PromptGroup",
+    "RequestStatus",
+    "RolloutResult",
+    "Sampling",
+    "SeerClient",
+    "SeerError",
+    "SubmitResult",
+    "WeightsUpdate",
+    "by_group",
+    "group_advantages",
+    "score",
+]

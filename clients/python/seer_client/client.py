@@ -1,0 +1,198 @@
+"""SeerClient: the typed trainer facade over seer.v1.RolloutService.
+
+Every call that is safe to repeat (SubmitBatch is idempotent by batch id; reads; cancel) is retried
+on UNAVAILABLE with backoff, and iter_results resumes from its cursor after a dropped stream or a
+buffer restart, so a trainer sees each result exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from seer.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from seer_client.types import (
+    BatchStatus,
+    PromptGroup,
+    RequestStatus,
+    RolloutResult,
+    Sampling,
+    SeerError,
+    SubmitResult,
+    WeightsUpdate,
+)
+
+T = TypeVar("T")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_FINISH = {0: "unspecified", 1: "stop", 2: "length", 3: "aborted", 4: "chunk"}
+_REQUEST_STATE = {0: "unspecified", 1: "pending", 2: "running", 3: "finished", 4: "cancelled"}
+_BATCH_STATE = {0: "unspecified", 1: "running", 2: "completed", 3: "cancelled"}
+
+
+def _error(e: grpc.RpcError) -> SeerError:
+    return SeerError(e.code().name, e.details() or "")
+
+
+def _sampling_pb(s: Sampling) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                    stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def _group_pb(g: PromptGroup) -> rollout_pb2.PromptGroup:
+    msg = rollout_pb2.PromptGroup(prompt_key=g.prompt_key, group_size=g.group_size, max_tokens=g.max_tokens,
+                                  sampling=_sampling_pb(g.sampling), labels=dict(g.labels))
+    if isinstance(g.prompt, str):
+        msg.prompt_text = g.prompt
+    else:
+        msg.prompt_token_ids.extend(int(t) for t in g.prompt)
+    return msg
+
+
+def _result(resp: rollout_pb2.StreamResultsResponse) -> RolloutResult:
+    r = resp.result
+    s = r.stats
+    return RolloutResult(
+        request_id=r.request_id, batch_id=r.batch_id, group_index=r.group_index, sample_index=r.sample_index,
+        prompt_key=r.prompt_key, token_ids=list(r.token_ids), logprobs=list(r.logprobs),
+        finish_reason=_FINISH.get(r.finish_reason, str(r.finish_reason)), policy_version=r.policy_version,
+        num_chunks=r.num_chunks, latency_seconds=r.latency_seconds, labels=dict(r.labels), text=r.text,
+        stats={f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}, cursor=int(resp.cursor),
+    )
+
+
+class SeerClient:
+    """`with SeerClient("localhost:50051") as c: c.submit_batch(...); for r in c.iter_results(...)`."""
+
+    def __init__(self, address: str, *, retry_seconds: float = 60.0, timeout: float = 60.0,
+                 channel: grpc.Channel | None = None) -> None:
+        self.address = address
+        self.retry_seconds = retry_seconds
+        self.timeout = timeout
+        self._channel = channel or grpc.insecure_channel(address, options=_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+
+    def __enter__(self) -> SeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T], retry: bool = True) -> T:
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                if not retry or e.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
+                    raise _error(e) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Blocks until the buffer reports SERVING for RolloutService (or raises SeerError)."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+        deadline = time.monotonic() + timeout
+        last = "not reached"
+        while time.monotonic() < deadline:
+            try:
+                resp = health.Check(health_pb2.HealthCheckRequest(service=service),
+                                    timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                last = e.code().name
+            time.sleep(0.1)
+        raise SeerError("DEADLINE_EXCEEDED", f"buffer at {self.address} not ready after {timeout}s ({last})")
+
+    # ---- API -----------------------------------------------------------------------------------
+
+    def submit_batch(self, batch_id: str, groups: Iterable[PromptGroup]) -> SubmitResult:
+        """Idempotent: resubmitting the same batch is a no-op (already_submitted=True)."""
+        req = rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=[_group_pb(g) for g in groups])
+        resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout))
+        return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version)
+
+    def iter_results(self, batch_id: str, cursor: int = 0) -> Iterator[RolloutResult]:
+        """Finished responses in completion order, from `cursor` on, until the batch is done.
+
+        Survives dropped streams and buffer restarts: it reconnects and resumes from the cursor of the
+        last result it yielded (each result exactly once). Gives up after `retry_seconds` without
+        progress.
+        """
+        delay, deadline = 0.05, time.monotonic() + self.retry_seconds
+        while True:
+            stream: Any = self._stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor))
+            try:
+                for resp in stream:
+                    result = _result(resp)
+                    cursor = result.cursor
+                    delay, deadline = 0.05, time.monotonic() + self.retry_seconds
+                    yield result
+                return
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
+                    raise _error(e) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            finally:
+                stream.cancel()
+
+    def collect(self, batch_id: str, cursor: int = 0) -> list[RolloutResult]:
+        return list(self.iter_results(batch_id, cursor))
+
+    def run_batch(self, batch_id: str, groups: Sequence[PromptGroup],
+                  on_result: Callable[[RolloutResult], None] | None = None) -> list[RolloutResult]:
+        """Submits (idempotently) and returns every result; on_result sees each as it arrives."""
+        self.submit_batch(batch_id, groups)
+        out = []
+        for r in self.iter_results(batch_id):
+            if on_result is not None:
+                on_result(r)
+            out.append(r)
+        return out
+
+    def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
+        req = rollout_pb2.GetBatchRequest(batch_id=batch_id, include_requests=include_requests)
+        b = self._call(lambda: self._stub.GetBatch(req, timeout=self.timeout))
+        return BatchStatus(
+            batch_id=b.batch_id, state=_BATCH_STATE.get(b.state, str(b.state)), num_requests=b.num_requests,
+            num_finished=b.num_finished, num_cancelled=b.num_cancelled, generated_tokens=b.generated_tokens,
+            policy_version=b.policy_version,
+            requests=[RequestStatus(r.request_id, _REQUEST_STATE.get(r.state, str(r.state)), r.generated_tokens,
+                                    r.num_chunks, _FINISH.get(r.finish_reason, str(r.finish_reason)))
+                      for r in b.requests],
+        )
+
+    def cancel_batch(self, batch_id: str) -> int:
+        """Cancels the batch's unfinished requests; returns how many this call cancelled."""
+        req = rollout_pb2.CancelBatchRequest(batch_id=batch_id)
+        return int(self._call(lambda: self._stub.CancelBatch(req, timeout=self.timeout)).num_cancelled)
+
+    def update_weights(self, version: int, source: str = "", timeout: float = 600.0) -> WeightsUpdate:
+        """Moves the suite to policy `version` (not retried: a repeat would be refused as not newer)."""
+        req = rollout_pb2.UpdateWeightsRequest(version=version, source=source)
+        resp = self._call(lambda: self._stub.UpdateWeights(req, timeout=timeout), retry=False)
+        return WeightsUpdate(resp.version, resp.num_workers, resp.seconds)

@@ -1,0 +1,98 @@
+"""Plain dataclasses of the trainer-facing API (no protobuf or gRPC types leak to callers)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of a group. Note the RL default: temperature 1.0 (0 = greedy)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # base seed of the group; each sample derives its own from it
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """One prompt sampled `group_size` times. `prompt` is text (tokenized by the buffer) or token ids."""
+
+    prompt: str | Sequence[int]
+    group_size: int
+    max_tokens: int
+    prompt_key: str = ""  # stable across iterations (history drafts and length priors); "" = hash
+    sampling: Sampling = field(default_factory=Sampling)
+    labels: Mapping[str, str] = field(default_factory=dict)  # echoed into every result
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    batch_id: str
+    num_requests: int
+    already_submitted: bool
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    request_id: str
+    batch_id: str
+    group_index: int
+    sample_index: int
+    prompt_key: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+    policy_version: int
+    num_chunks: int
+    latency_seconds: float
+    labels: dict[str, str]
+    text: str
+    stats: dict[str, float]
+    cursor: int  # pass to iter_results(cursor=...) to resume after this result
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    request_id: str
+    state: str  # "pending" | "running" | "finished" | "cancelled"
+    generated_tokens: int
+    num_chunks: int
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    batch_id: str
+    state: str  # "running" | "completed" | "cancelled"
+    num_requests: int
+    num_finished: int
+    num_cancelled: int
+    generated_tokens: int
+    policy_version: int
+    requests: list[RequestStatus]
+
+    @property
+    def done(self) -> bool:
+        return self.state != "running"
+
+
+@dataclass(frozen=True)
+class WeightsUpdate:
+    version: int
+    num_workers: int
+    seconds: float
+
+
+class SeerError(Exception):
+    """A call failed; `code` is the gRPC status name (e.g. "INVALID_ARGUMENT"), `message` names the field."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

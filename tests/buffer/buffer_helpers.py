@@ -1,0 +1,164 @@
+"""Helpers shared by the buffer tests: drive the buffer the way the scheduler does."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.buffer.app import start
+from services.buffer.config import BufferConfig
+from services.buffer.core import BufferCore
+from services.common.server import RunningServer
+
+REPO = Path(__file__).resolve().parents[2]
+STOP, LENGTH, CHUNK = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_CHUNK
+
+
+@dataclass
+class BufferHandle:
+    running: RunningServer
+    core: BufferCore
+    channel: grpc.Channel
+    rollout: rollout_pb2_grpc.RolloutServiceStub
+    internal: buffer_pb2_grpc.BufferInternalServiceStub
+    cfg: BufferConfig
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.running.stop(0)
+
+
+def start_buffer(cfg: BufferConfig) -> BufferHandle:
+    running, core = start(cfg)
+    ch = grpc.insecure_channel(running.address)
+    return BufferHandle(running, core, ch, rollout_pb2_grpc.RolloutServiceStub(ch),
+                        buffer_pb2_grpc.BufferInternalServiceStub(ch), cfg)
+
+
+def group(**kw: Any) -> rollout_pb2.PromptGroup:
+    kw.setdefault("group_size", 2)
+    kw.setdefault("max_tokens", 8)
+    if "prompt_text" not in kw:
+        kw.setdefault("prompt_token_ids", [1, 2, 3])
+    return rollout_pb2.PromptGroup(**kw)
+
+
+def submit(stub: rollout_pb2_grpc.RolloutServiceStub, batch_id: str,
+           groups: Iterable[rollout_pb2.PromptGroup]) -> rollout_pb2.SubmitBatchResponse:
+    return stub.SubmitBatch(rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=list(groups)), timeout=10)
+
+
+def snapshot(internal: buffer_pb2_grpc.BufferInternalServiceStub) -> list[buffer_pb2.WorkItem]:
+    """The WatchWork snapshot (items before snapshot_done)."""
+    stream = internal.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id="test"), timeout=10)
+    items = []
+    try:
+        for ev in stream:
+            if ev.HasField("snapshot_done"):
+                break
+            items.append(ev.added)
+    finally:
+        stream.cancel()
+    return items
+
+
+def token_for(request_id: str, position: int) -> int:
+    """Deterministic fake generation: the token a request has at an output position."""
+    h = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=2).digest()
+    return 4 + int.from_bytes(h, "little") % 40
+
+
+def commit(internal: buffer_pb2_grpc.BufferInternalServiceStub, request_id: str, seq: int, tokens: list[int],
+           reason: int = CHUNK, version: int = 0, logprobs: list[float] | None = None,
+           **kw: Any) -> buffer_pb2.CommitChunkResponse:
+    lp = logprobs if logprobs is not None else [-0.5 - 0.01 * t for t in tokens]
+    return internal.CommitChunk(buffer_pb2.CommitChunkRequest(
+        request_id=request_id, seq=seq, token_ids=tokens, logprobs=lp, finish_reason=reason,
+        policy_version=version, worker_id="w0", **kw), timeout=10)
+
+
+def run_chunk(internal: buffer_pb2_grpc.BufferInternalServiceStub, item: buffer_pb2.WorkItem, seq: int,
+              start_pos: int, n: int, total: int, version: int = 0) -> buffer_pb2.CommitChunkResponse:
+    """Commits positions [start_pos, start_pos+n) of a response of length `total` (STOP at the end)."""
+    tokens = [token_for(item.request_id, p) for p in range(start_pos, start_pos + n)]
+    reason = STOP if start_pos + n >= total else CHUNK
+    return commit(internal, item.request_id, seq, tokens, reason, version)
+
+
+def finish_all(internal: buffer_pb2_grpc.BufferInternalServiceStub, items: Iterable[buffer_pb2.WorkItem],
+               length: Callable[[buffer_pb2.WorkItem], int] = lambda it: 5, chunk: int = 2) -> None:
+    """Runs every item to completion from its resume point (output_token_ids, next_seq)."""
+    for it in items:
+        pos, seq, total = len(it.output_token_ids), it.next_seq, length(it)
+        while pos < total:
+            n = min(chunk, total - pos)
+            run_chunk(internal, it, seq, pos, n, total, it.policy_version)
+            pos, seq = pos + n, seq + 1
+
+
+def expect_error(fn: Callable[[], Any], code: grpc.StatusCode, field: str | None = None) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    err: Any = info.value
+    assert err.code() == code, (err.code(), err.details())
+    if field is not None:
+        assert field in err.details(), err.details()
+    return str(err.details())
+
+
+# ---- a real buffer process (for kill -9) ---------------------------------------------------------
+
+class BufferProcess:
+    def __init__(self, data_dir: Path, port: int, log_path: Path) -> None:
+        self.data_dir, self.port, self.log_path = data_dir, port, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        port_file = self.data_dir.parent / f"port-{time.monotonic_ns()}"
+        env = {**os.environ, "SEER_LOG_LEVEL": "warning"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.buffer", "--port", str(self.port), "--data-dir", str(self.data_dir),
+                 "--model-dir", "", "--grace-seconds", "0", "--port-file", str(port_file)],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"buffer exited {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("buffer did not start")
+            time.sleep(0.05)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
