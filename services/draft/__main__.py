@@ -1,0 +1,22 @@
+"""`python -m services.draft --port 50053 [--memory-budget-mb 2048] [--history-iterations 2]`."""
+
+from __future__ import annotations
+
+import sys
+
+from services.common import config
+from services.common.log import setup_logging
+from services.common.server import serve_until_signal
+from services.draft.app import start
+from services.draft.config import DraftConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("draft")
+    cfg = config.load(DraftConfig, "draft", argv, prog="python -m services.draft")
+    running, _store = start(cfg)
+    return serve_until_signal(running)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Draft service configuration (flags, SEER_DRAFT_* env, or --config JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.server import ServiceConfig
+from services.draft.index import DEFAULT_LEVELS
+from services.draft.store import StoreLimits
+
+
+@dataclass(frozen=True)
+class DraftConfig(ServiceConfig):
+    port: int = field(default=50053, metadata={"help": "gRPC port (0 = pick a free one)"})
+    memory_budget_mb: int = field(
+        default=2048, metadata={"help": "bound on index + history memory; oldest history is evicted first"}
+    )
+    history_iterations: int = field(default=2, metadata={"help": "earlier iterations kept per prompt key"})
+    default_ttl_seconds: int = field(default=3600, metadata={"help": "group TTL when RegisterGroup gives 0"})
+    max_ttl_seconds: int = field(default=7 * 86400, metadata={"help": "largest TTL RegisterGroup may ask for"})
+    max_append_tokens: int = field(default=65536, metadata={"help": "tokens per Append message"})
+    max_response_tokens: int = field(default=1 << 20, metadata={"help": "tokens per response"})
+    levels: tuple[int, ...] = field(
+        default=DEFAULT_LEVELS, metadata={"help": "n-gram lengths of the suffix index (comma-separated)"}
+    )
+    port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.memory_budget_mb < 1:
+            raise ValueError("memory_budget_mb: must be >= 1")
+        if self.history_iterations < 1:
+            raise ValueError("history_iterations: must be >= 1")
+        if not 1 <= self.default_ttl_seconds <= self.max_ttl_seconds:
+            raise ValueError("default_ttl_seconds: must be in [1, max_ttl_seconds]")
+        if self.max_append_tokens < 1:
+            raise ValueError("max_append_tokens: must be >= 1")
+        if self.max_response_tokens < 1:
+            raise ValueError("max_response_tokens: must be >= 1")
+        if not self.levels or any(k < 1 or k > 64 for k in self.levels):
+            raise ValueError("levels: n-gram lengths must be in [1, 64]")
+
+    def limits(self) -> StoreLimits:
+        return StoreLimits(
+            memory_budget_bytes=self.memory_budget_mb << 20,
+            history_iterations=self.history_iterations,
+            default_ttl_seconds=self.default_ttl_seconds,
+            max_ttl_seconds=self.max_ttl_seconds,
+            max_append_tokens=self.max_append_tokens,
+            max_response_tokens=self.max_response_tokens,
+            levels=tuple(self.levels),
+        )

@@ -1,0 +1,97 @@
+"""DraftService servicer: converts messages, calls DraftStore, lets @rpc map typed errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+from seer.v1 import draft_pb2, draft_pb2_grpc
+
+from services.common.grpcutil import rpc
+from services.common.log import log_context
+from services.common.telemetry import Counter, Gauge
+from services.draft.store import DraftStore, GroupDelta
+
+APPENDED = Counter("seer_draft_appended_tokens_total", "Tokens newly appended to group indexes")
+DUPLICATES = Counter("seer_draft_duplicate_tokens_total", "Appended tokens already present (retries)")
+SYNCED = Counter("seer_draft_synced_tokens_total", "Tokens sent to workers in Sync deltas")
+MEMORY = Gauge("seer_draft_memory_bytes", "Estimated index + history memory")
+GROUPS = Gauge("seer_draft_groups", "Live groups")
+
+
+def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
+    return draft_pb2.GroupDelta(
+        group_id=d.group_id,
+        watermark=d.watermark,
+        appends=[
+            draft_pb2.SequenceDelta(request_id=a.request_id, offset=a.offset, token_ids=a.token_ids,
+                                    finished=a.finished)
+            for a in d.appends
+        ],
+        prompt_token_ids=d.prompt_token_ids,
+        history=[draft_pb2.TokenSequence(token_ids=h) for h in d.history],
+        gone=d.gone,
+    )
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, store: DraftStore) -> None:
+        self.store = store
+
+    @rpc
+    def Append(self, request_iterator: Iterator[draft_pb2.AppendRequest], context: grpc.ServicerContext
+               ) -> draft_pb2.AppendResponse:
+        appended = duplicate = 0
+        # Each message is applied as it arrives; on a bad message the stream fails with a status
+        # naming it (messages[i].field) and the messages before it stay applied (appends are
+        # idempotent, so the client may resend the whole batch).
+        for i, m in enumerate(request_iterator):
+            with log_context(group_id=m.group_id, request_id=m.request_id):
+                a, d = self.store.append(m.group_id, m.request_id, m.offset, m.token_ids, m.finished,
+                                         where=f"messages[{i}].")
+            appended += a
+            duplicate += d
+        APPENDED.inc(appended)
+        DUPLICATES.inc(duplicate)
+        return draft_pb2.AppendResponse(appended_tokens=appended, duplicate_tokens=duplicate)
+
+    @rpc
+    def Sync(self, request: draft_pb2.SyncRequest, context: grpc.ServicerContext) -> draft_pb2.SyncResponse:
+        deltas = self.store.sync([(g.group_id, g.watermark) for g in request.groups])
+        SYNCED.inc(sum(len(a.token_ids) for d in deltas for a in d.appends))
+        return draft_pb2.SyncResponse(groups=[delta_to_pb(d) for d in deltas])
+
+    @rpc
+    def SeedHistory(self, request: draft_pb2.SeedHistoryRequest, context: grpc.ServicerContext
+                    ) -> draft_pb2.SeedHistoryResponse:
+        responses: Sequence[Sequence[int]] = [r.token_ids for r in request.responses]
+        n = self.store.seed_history(request.prompt_key, request.iteration, responses)
+        return draft_pb2.SeedHistoryResponse(num_responses=n)
+
+    @rpc
+    def RegisterGroup(self, request: draft_pb2.RegisterGroupRequest, context: grpc.ServicerContext
+                      ) -> draft_pb2.RegisterGroupResponse:
+        with log_context(group_id=request.group_id):
+            created, history = self.store.register_group(
+                request.group_id, request.prompt_key, request.prompt_token_ids, request.ttl_seconds,
+                request.group_size)
+        return draft_pb2.RegisterGroupResponse(created=created, history_responses=history)
+
+    @rpc
+    def GetDraftStats(self, request: draft_pb2.GetDraftStatsRequest, context: grpc.ServicerContext
+                      ) -> draft_pb2.GetDraftStatsResponse:
+        s = self.store.stats()
+        MEMORY.set(s.memory_bytes)
+        GROUPS.set(s.groups)
+        return draft_pb2.GetDraftStatsResponse(
+            groups=s.groups, history_keys=s.history_keys, indexed_tokens=s.indexed_tokens,
+            memory_bytes=s.memory_bytes, memory_budget_bytes=s.memory_budget_bytes,
+            bytes_per_token=s.bytes_per_token, evicted_history=s.evicted_history, expired_groups=s.expired_groups)
+
+
+def add_servicers(store: DraftStore) -> Callable[[grpc.Server], list[str]]:
+    def _add(server: grpc.Server) -> list[str]:
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(store), server)
+        return [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name]
+
+    return _add

@@ -1,0 +1,333 @@
+"""The worker's embedded draft client: a local mirror of the groups it serves (Seer DGDS, section 4).
+
+Drafting is local: `propose` reads the mirror's GroupIndex in-process, never an RPC per step.
+`append` updates the mirror at once and queues the tokens for the draft server; a background thread
+streams the queued appends (Append, batched, coalesced per request) and pulls the siblings' tokens
+from other workers (Sync with per-group watermarks, only deltas). Appends are idempotent by offset,
+so a resent batch, or our own tokens echoed back by Sync, never corrupt the mirror.
+
+The draft server is an optimisation: when it is down the client keeps drafting from what it has
+(own tokens, earlier deltas), retries in the background, and re-registers groups the server lost.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from seer.v1 import draft_pb2, draft_pb2_grpc
+
+from services.common.errors import InvalidArgument
+from services.common.grpcutil import channel
+from services.common.log import get_logger, kv
+from services.draft.index import DEFAULT_LEVELS, GroupIndex
+from services.worker.engine import Draft
+
+log = get_logger(__name__)
+
+_MAX_PENDING = 200_000  # queued append messages; beyond that the oldest are dropped (drafts degrade)
+_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.CANCELLED}
+
+
+@dataclass
+class _Mirror:
+    index: GroupIndex
+    prompt_key: str
+    prompt: tuple[int, ...]
+    group_size: int
+    ttl_seconds: int
+    watermark: int = 0
+    registered: bool = False
+    own: set[str] = field(default_factory=set)  # requests this worker appended (re-sent if the server lost them)
+    finished: set[str] = field(default_factory=set)
+    history_loaded: bool = False
+
+
+@dataclass
+class DraftClientStats:
+    groups: int = 0
+    syncs: int = 0
+    sync_errors: int = 0
+    append_rpcs: int = 0
+    append_errors: int = 0
+    sent_tokens: int = 0
+    received_tokens: int = 0
+    dropped_messages: int = 0
+    proposals: int = 0
+    proposed_tokens: int = 0
+
+
+class DraftClient:
+    def __init__(
+        self,
+        address: str | None,
+        *,
+        sync_interval_s: float = 0.05,
+        rpc_timeout_s: float = 5.0,
+        levels: Sequence[int] = DEFAULT_LEVELS,
+        min_token_prob: float = 0.1,
+    ) -> None:
+        self.address = address or None
+        self.sync_interval_s = sync_interval_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.levels = tuple(levels)
+        self.min_token_prob = min_token_prob
+        self._lock = threading.Lock()
+        self._groups: dict[str, _Mirror] = {}
+        self._pending: list[draft_pb2.AppendRequest] = []
+        self._stats = DraftClientStats()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._stub: draft_pb2_grpc.DraftServiceStub | None = None
+        self._channel: grpc.Channel | None = None
+        self._thread: threading.Thread | None = None
+        if self.address:
+            self._channel = channel(self.address)
+            self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+            self._thread = threading.Thread(target=self._run, name="draft-sync", daemon=True)
+            self._thread.start()
+
+    # ---- decode-path API (all local) ------------------------------------------------------------
+
+    def register_group(
+        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
+        ttl_seconds: int = 3600,
+    ) -> None:
+        """Creates the local mirror (idempotent) and registers the group on the server in the
+        background (the first Sync brings the siblings' tokens and the history)."""
+        with self._lock:
+            if group_id in self._groups:
+                return
+            prompt = tuple(int(t) for t in prompt_token_ids)
+            self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
+                                             group_size, int(ttl_seconds))
+        self._wake.set()
+
+    def release_group(self, group_id: str) -> None:
+        """Drops the mirror (the worker serves no request of the group any more)."""
+        with self._lock:
+            self._groups.pop(group_id, None)
+
+    def has_group(self, group_id: str) -> bool:
+        with self._lock:
+            return group_id in self._groups
+
+    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
+               finished: bool = False) -> None:
+        """Adds a request's new tokens to the mirror and queues them for the server. Never blocks
+        on the network; bad appends are logged and dropped (drafting is best effort)."""
+        toks = [int(t) for t in token_ids]
+        with self._lock:
+            m = self._groups.get(group_id)
+            if m is None:
+                return
+            try:
+                m.index.append(request_id, offset, toks)
+            except InvalidArgument as e:
+                log.warning("draft append dropped: %s", e, extra=kv(group_id=group_id, request_id=request_id))
+                return
+            m.own.add(request_id)
+            if finished:
+                m.finished.add(request_id)
+            if self._stub is not None:
+                self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
+                                                             token_ids=toks, finished=finished))
+                if len(self._pending) > _MAX_PENDING:
+                    drop = len(self._pending) - _MAX_PENDING
+                    del self._pending[:drop]
+                    self._stats.dropped_messages += drop
+
+    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
+                width: int = 1) -> Draft | None:
+        """A draft for the request's next tokens from the local mirror, or None."""
+        if max_len <= 0:
+            return None
+        with self._lock:
+            m = self._groups.get(group_id)
+            if m is None:
+                return None
+            p = m.index.propose(context, max_len, width=width, min_token_prob=self.min_token_prob,
+                                request_id=request_id)
+            self._stats.proposals += 1
+            self._stats.proposed_tokens += len(p.tokens)
+        if not p.tokens:
+            return None
+        return Draft(p.tokens, p.parents)
+
+    def stats(self) -> DraftClientStats:
+        with self._lock:
+            s = DraftClientStats(**vars(self._stats))
+            s.groups = len(self._groups)
+            return s
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Sends queued appends and syncs once now (tests, and before a worker stops)."""
+        if self._stub is None:
+            return
+        self._tick()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            if self._thread.is_alive():
+                log.warning("draft sync thread did not stop in time")
+        try:
+            self._tick_appends_only()
+        except Exception:  # best effort on the way out
+            log.debug("final draft flush failed", exc_info=True)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # ---- background sync ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:
+                log.exception("draft sync tick failed")
+            self._wake.wait(self.sync_interval_s)
+            self._wake.clear()
+
+    def _tick(self) -> None:
+        self._register_pending()
+        self._tick_appends_only()
+        self._sync()
+
+    def _register_pending(self) -> None:
+        assert self._stub is not None
+        with self._lock:
+            todo = [(gid, m) for gid, m in self._groups.items() if not m.registered]
+        for gid, m in todo:
+            try:
+                self._stub.RegisterGroup(
+                    draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=m.prompt_key,
+                                                   prompt_token_ids=m.prompt, ttl_seconds=m.ttl_seconds,
+                                                   group_size=m.group_size),
+                    timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                log.warning("draft RegisterGroup failed: %s", e.code().name, extra=kv(group_id=gid))
+                continue
+            with self._lock:
+                if self._groups.get(gid) is m:
+                    m.registered = True
+
+    def _tick_appends_only(self) -> None:
+        if self._stub is None:
+            return
+        with self._lock:
+            registered = {gid for gid, m in self._groups.items() if m.registered}
+            batch = [a for a in self._pending if a.group_id in registered]
+            self._pending = [a for a in self._pending if a.group_id not in registered and a.group_id in self._groups]
+        if not batch:
+            return
+        batch = _coalesce(batch)
+        try:
+            self._stub.Append(iter(batch), timeout=self.rpc_timeout_s)
+            self._stats.append_rpcs += 1
+            self._stats.sent_tokens += sum(len(a.token_ids) for a in batch)
+            return
+        except grpc.RpcError as e:
+            code = e.code()
+            self._stats.append_errors += 1
+            if code in _RETRY_CODES:
+                with self._lock:
+                    self._pending[:0] = batch  # resend later; appends are idempotent
+                return
+            log.warning("draft Append refused (%s: %s); resending one by one", code.name, e.details())
+        # A refused message stops the stream; the ones before it were applied. Resend each alone.
+        for a in batch:
+            try:
+                self._stub.Append(iter([a]), timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    with self._lock:  # the server lost the group: re-register, then resend everything
+                        m = self._groups.get(a.group_id)
+                        if m is not None:
+                            m.registered = False
+                            m.watermark = 0
+                            self._requeue_own(a.group_id, m)
+                    continue
+                log.warning("draft append dropped (%s: %s)", e.code().name, e.details(),
+                            extra=kv(group_id=a.group_id, request_id=a.request_id))
+
+    def _requeue_own(self, gid: str, m: _Mirror) -> None:
+        """Queues this worker's whole sequences of a group again (caller holds the lock)."""
+        for rid in sorted(m.own):
+            toks = m.index.tokens(rid)
+            self._pending.append(draft_pb2.AppendRequest(group_id=gid, request_id=rid, offset=0, token_ids=toks,
+                                                         finished=rid in m.finished))
+
+    def _sync(self) -> None:
+        assert self._stub is not None
+        with self._lock:
+            marks = [(gid, m.watermark) for gid, m in self._groups.items() if m.registered]
+        if not marks:
+            return
+        req = draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id=g, watermark=w) for g, w in marks])
+        try:
+            resp = self._stub.Sync(req, timeout=self.rpc_timeout_s)
+        except grpc.RpcError as e:
+            self._stats.sync_errors += 1
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # A watermark ahead of the server (it restarted and the group was re-created):
+                # start these groups over.
+                with self._lock:
+                    for gid, _w in marks:
+                        m = self._groups.get(gid)
+                        if m is not None:
+                            m.watermark = 0
+            log.warning("draft Sync failed: %s", e.code().name)
+            return
+        self._stats.syncs += 1
+        received = 0
+        with self._lock:
+            for d in resp.groups:
+                m = self._groups.get(d.group_id)
+                if m is None:
+                    continue
+                if d.gone:
+                    m.registered = False
+                    m.watermark = 0
+                    self._requeue_own(d.group_id, m)
+                    continue
+                if m.watermark == 0 and not m.history_loaded:
+                    for h in d.history:
+                        m.index.add_history(h.token_ids)
+                    m.history_loaded = True
+                for a in d.appends:
+                    if not a.request_id:
+                        m.index.add_history(a.token_ids)
+                        continue
+                    try:
+                        received += m.index.append(a.request_id, a.offset, a.token_ids)
+                    except InvalidArgument as e:
+                        log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
+                m.watermark = d.watermark
+            self._stats.received_tokens += received
+
+
+def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequest]:
+    """Merges contiguous appends of one request (one message per request per flush)."""
+    out: list[draft_pb2.AppendRequest] = []
+    last: dict[tuple[str, str], int] = {}
+    for a in batch:
+        key = (a.group_id, a.request_id)
+        j = last.get(key)
+        if j is not None:
+            prev = out[j]
+            if prev.offset + len(prev.token_ids) == a.offset and not prev.finished:
+                prev.token_ids.extend(a.token_ids)
+                prev.finished = a.finished
+                continue
+        last[key] = len(out)
+        out.append(draft_pb2.AppendRequest(group_id=a.group_id, request_id=a.request_id, offset=a.offset,
+                                           token_ids=a.token_ids, finished=a.finished))
+    return out
