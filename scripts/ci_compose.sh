@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# CI's docker part (called by .ci/run after the test suite): installs Docker and Compose from Debian
+# when absent, starts dockerd when it is not running, builds every CPU image with no registry
+# (make images) and runs the compose smoke test (make compose-smoke). Prints the time of each step.
+# Cold machine (no docker, no images), measured here: see docker/README.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+step() { echo "ci_compose: $* ($(( $(date +%s) - t0 ))s)"; }
+
+need=()
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+if ((${#need[@]})); then
+  step "installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q "${need[@]}" >/dev/null
+fi
+
+started_dockerd=""
+if ! docker info >/dev/null 2>&1; then
+  step "starting dockerd"
+  dockerd >/tmp/dockerd.log 2>&1 &
+  started_dockerd=$!
+  for _ in $(seq 1 60); do
+    docker info >/dev/null 2>&1 && break
+    sleep 1
+  done
+  docker info >/dev/null 2>&1 || { tail -30 /tmp/dockerd.log; echo "dockerd did not start" >&2; exit 1; }
+fi
+
+step "building images"
+make images
+step "compose smoke"
+rc=0
+# The script directly: `make compose-smoke` would first rebuild the images made just above.
+.venv/bin/python scripts/compose_smoke.py || rc=$?
+step "done (rc=$rc)"
+if [[ -n "$started_dockerd" && -z "${KEEP_DOCKERD:-}" ]]; then
+  kill "$started_dockerd" 2>/dev/null || true
+fi
+exit $rc
