@@ -1,0 +1,48 @@
+"""`python -m services.worker [--flags]`: one engine behind WorkerService, registered with the scheduler."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Sequence
+
+from services.common import config
+from services.common.log import get_logger, setup_logging
+from services.common.server import announce_port, serve_until_signal, start_server
+from services.worker.config import WorkerConfig
+from services.worker.factory import build_worker
+from services.worker.registration import Registrar
+from services.worker.server import add_servicer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging("worker")
+    log = get_logger("services.worker")
+    try:
+        cfg = config.load(WorkerConfig, "worker", argv)
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"seer-worker: {e}\n")
+        return 2
+    worker_id = cfg.worker_id or f"worker-{socket.gethostname()}-{cfg.port or 'auto'}"
+    worker = build_worker(cfg, worker_id).start()
+    registrar: Registrar | None = None
+
+    def on_stop() -> None:
+        if registrar is not None:
+            registrar.stop()
+        worker.close()
+
+    running = start_server("worker", cfg, add_servicer(worker, cfg.drain_timeout_seconds), on_stop=on_stop)
+    if not cfg.worker_id and not cfg.port:
+        worker.worker_id = f"worker-{socket.gethostname()}-{running.port}"
+    announce_port(cfg.port_file or None, running.port)
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else socket.gethostname()
+    advertise = cfg.advertise_address or f"{host}:{running.port}"
+    if cfg.scheduler_address:
+        registrar = Registrar(worker, cfg.scheduler_address, advertise).start()
+    log.info("worker ready", extra={"fields": {"worker_id": worker.worker_id, "address": advertise}})
+    return serve_until_signal(running)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

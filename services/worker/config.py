@@ -1,0 +1,84 @@
+"""Worker configuration: one frozen dataclass -> CLI flags, SEER_WORKER_* env vars, --config JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.server import ServiceConfig
+
+ENGINES = ("reference", "sglang")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig(ServiceConfig):
+    worker_id: str = field(default="", metadata={"help": "stable worker id (empty = worker-<host>-<port>)"})
+    advertise_address: str = field(
+        default="", metadata={"help": "host:port the scheduler dials (empty = <host>:<bound port>)"}
+    )
+    scheduler_address: str = field(
+        default="", metadata={"help": "SchedulerService host:port to register with (empty = standalone)"}
+    )
+    port_file: str = field(default="", metadata={"help": "write the bound gRPC port to this file"})
+
+    engine: str = field(default="reference", metadata={"help": "engine backend: reference | sglang"})
+    model_dir: str = field(default="", metadata={"help": "safetensors model dir (empty = embedded model)"})
+    device: str = field(default="cpu", metadata={"help": "torch device: cpu | cuda | cuda:N"})
+    dtype: str = field(default="float32", metadata={"help": "weights/KV dtype: float32 | bfloat16 | float16"})
+    page_size: int = field(default=16, metadata={"help": "KV page size in tokens"})
+    num_kv_pages: int = field(default=0, metadata={"help": "KV pages (0 = derive from kv_memory_mb)"})
+    kv_memory_mb: int = field(default=512, metadata={"help": "KV cache budget when num_kv_pages is 0"})
+    max_batch_size: int = field(default=32, metadata={"help": "max requests decoded in one step"})
+    policy_version: int = field(default=0, metadata={"help": "policy version of the weights at start"})
+
+    speculation: bool = field(default=True, metadata={"help": "grouped speculative decoding on/off"})
+    draft_address: str = field(
+        default="", metadata={"help": "DraftService host:port (empty = drafts from the request itself only)"}
+    )
+    gamma_max: int = field(default=8, metadata={"help": "max draft tokens per request per step"})
+    draft_width: int = field(default=1, metadata={"help": "draft branches (1 = chain, k = top-k tree)"})
+    spec_table: str = field(
+        default="", metadata={"help": "JSON step-time table T(B, gamma) from `seer profile` (empty = built-in)"}
+    )
+    group_ttl_seconds: float = field(default=3600.0, metadata={"help": "TTL of groups registered on the draft server"})
+
+    kv_addresses: tuple[str, ...] = field(
+        default=(), metadata={"help": "comma-separated KVStoreService addresses (empty = no KV pool)"}
+    )
+    kv_offload: bool = field(default=True, metadata={"help": "offload a request's KV pages when a chunk ends"})
+
+    drain_timeout_seconds: float = field(
+        default=300.0, metadata={"help": "max wait for in-flight chunks before LoadWeights"}
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.page_size < 1:
+            raise ValueError("page_size: must be >= 1")
+        if self.num_kv_pages < 0:
+            raise ValueError("num_kv_pages: must be >= 0")
+        if self.num_kv_pages == 0 and self.kv_memory_mb < 1:
+            raise ValueError("kv_memory_mb: must be >= 1 when num_kv_pages is 0")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size: must be >= 1")
+        if self.policy_version < 0:
+            raise ValueError("policy_version: must be >= 0")
+        if not 0 <= self.gamma_max <= 64:
+            raise ValueError("gamma_max: must be in [0, 64]")
+        if self.draft_width < 1:
+            raise ValueError("draft_width: must be >= 1")
+        if self.group_ttl_seconds <= 0:
+            raise ValueError("group_ttl_seconds: must be > 0")
+        if self.drain_timeout_seconds <= 0:
+            raise ValueError("drain_timeout_seconds: must be > 0")
+        for i, a in enumerate(self.kv_addresses):
+            if ":" not in a:
+                raise ValueError(f"kv_addresses[{i}]: {a!r} is not host:port")
+        for name in ("scheduler_address", "draft_address", "advertise_address"):
+            v = getattr(self, name)
+            if v and ":" not in v:
+                raise ValueError(f"{name}: {v!r} is not host:port")

@@ -1,0 +1,823 @@
+"""The worker core: one Engine, its step loop, and the chunk jobs it serves (pure: no grpc).
+
+A chunk job is one dispatch of divided rollout (DESIGN.md section 3, step 3): the request's prompt
+plus the tokens earlier chunks generated, and a new-token limit. Many chunk jobs run concurrently in
+one engine (continuous batching); a dedicated thread runs `engine.step` and fans the step outputs
+out to per-chunk event queues that the RPC handler threads drain.
+
+Around each step the worker
+  - asks the speculation planner (Seer Algorithm 1) for per-request draft lengths and the draft
+    client (a local mirror of the group's suffix index, Seer section 4) for the drafts,
+  - appends every accepted token to the draft client so siblings can draft from it,
+and around each chunk it
+  - fetches the request's missing prefix pages from the KV pool before the engine prefills it,
+  - exports and offloads the request's KV pages when the chunk ends with the request unfinished
+    (so the next chunk can run on any worker without re-prefill), and releases them when it ends.
+
+The draft client, planner and KV client are injected (see the Protocols below) so this module never
+imports grpc and tests can drive it with the real engine alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from services.common.log import get_logger, kv, log_context
+from services.worker import metrics
+from services.worker.engine import (
+    Draft,
+    Engine,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    KVLayout,
+    KVPages,
+    SamplingParams,
+    StepOutput,
+)
+
+log = get_logger(__name__)
+
+_MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
+
+
+def version_name(policy_version: int) -> str:
+    """The engine/KV-namespace name of a policy version (every worker must agree on it)."""
+    return f"v{policy_version}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Collaborators (implemented by services/worker/draft_client.py, adaptive.py, kv_client.py)
+# ---------------------------------------------------------------------------------------------
+
+
+class DraftSource(Protocol):
+    def register_group(
+        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int, ttl_seconds: int
+    ) -> None: ...
+
+    def append(
+        self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False
+    ) -> None: ...
+
+    def propose(
+        self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1
+    ) -> Draft | None: ...
+
+    def release_group(self, group_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SpecPlanner(Protocol):
+    def observe(self, proposed_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None: ...
+
+    def plan(self, requests: Sequence[tuple[str, bool]]) -> Mapping[str, int]: ...
+
+
+class KVPool(Protocol):
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]: ...
+
+    def fetch_prefix(
+        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
+    ) -> KVPages | None: ...
+
+    def release(self, model_version: str, request_id: str) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk jobs and their events
+# ---------------------------------------------------------------------------------------------
+
+
+class ChunkFinish(enum.Enum):
+    STOP = "stop"  # a stop/EOS token: the response is complete
+    LENGTH = "length"  # the request's total max_tokens reached: the response is complete
+    CHUNK = "chunk"  # only this chunk's limit was reached: the request continues elsewhere
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    max_tokens: int  # total new-token limit of the request (0 = this chunk is the whole request)
+    sampling: SamplingParams
+    policy_version: int
+    output_token_ids: tuple[int, ...] = ()
+    batch_id: str = ""
+    group_id: str = ""
+    prompt_key: str = ""
+    seq: int = 0
+    is_probe: bool = False
+    group_size: int = 1
+    fetch_kv: bool = False
+
+
+@dataclass
+class ChunkStats:
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    kv_loaded_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+    wall_seconds: float = 0.0
+    kv_recomputed_pages: int = 0
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    finish: ChunkFinish
+    stats: ChunkStats
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    error: Exception
+
+
+ChunkEvent = TokensEvent | DoneEvent | ErrorEvent
+
+
+@dataclass
+class _Active:
+    job: ChunkJob
+    events: queue.SimpleQueue[ChunkEvent]
+    started: float
+    stats: ChunkStats = field(default_factory=ChunkStats)
+    tokens: list[int] = field(default_factory=list)  # produced by this chunk so far
+    done: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def offset(self) -> int:
+        """Position (in the response) of the next token this chunk produces."""
+        return len(self.job.output_token_ids) + self.generated
+
+
+class ChunkHandle:
+    """The consumer side of one running chunk: iterate its events; cancel to abort it."""
+
+    def __init__(self, worker: Worker, active: _Active) -> None:
+        self._worker = worker
+        self._active = active
+        self.request_id = active.job.request_id
+
+    def next_event(self, timeout: float | None = None) -> ChunkEvent | None:
+        try:
+            return self._active.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def events(self, poll_seconds: float = 0.5) -> Iterator[ChunkEvent]:
+        """Yields events until (and including) the DoneEvent or ErrorEvent."""
+        while True:
+            ev = self.next_event(poll_seconds)
+            if ev is None:
+                continue
+            yield ev
+            if not isinstance(ev, TokensEvent):
+                return
+
+    def cancel(self) -> bool:
+        """Aborts the chunk if it is still running (a cancelled stream); True if it was."""
+        return self._worker.abort_active(self._active)
+
+    def release(self) -> None:
+        """For the RPC's done callback: aborts the chunk unless it already finished."""
+        self.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker statistics
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStats:
+    worker_id: str
+    engine: EngineStats
+    policy_version: int
+    in_flight: int
+    tokens_per_second: float
+    accepted_per_position: list[int]
+    proposed_per_position: list[int]
+    kv_loaded_tokens: int
+    kv_recomputed_pages: int
+    prefill_tokens: int
+    cached_tokens: int
+
+
+class _Throughput:
+    """Tokens/s over a sliding window (the engine's own figure covers its lifetime)."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self._window = window
+        self._events: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, n))
+            self._trim(now)
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            if not self._events:
+                return 0.0
+            span = max(now - self._events[0][0], 1.0)
+            return sum(n for _, n in self._events) / span
+
+    def _trim(self, now: float) -> None:
+        cut = now - self._window
+        i = 0
+        while i < len(self._events) and self._events[i][0] < cut:
+            i += 1
+        if i:
+            del self._events[:i]
+
+
+def draft_depths(draft: Draft) -> list[int]:
+    """Depth (0 = first draft position) of every node of a draft tree."""
+    depths: list[int] = []
+    for p in draft.parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker
+# ---------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """Owns one Engine; every engine call happens under `_lock` (the engine is not thread-safe)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        worker_id: str = "worker",
+        policy_version: int = 0,
+        draft: DraftSource | None = None,
+        planner: SpecPlanner | None = None,
+        kv_pool: KVPool | None = None,
+        speculation: bool = True,
+        gamma_max: int = 8,
+        draft_width: int = 1,
+        group_ttl_seconds: float = 3600.0,
+        kv_offload: bool = True,
+        engine_name: str = "reference",
+    ) -> None:
+        self.engine = engine
+        self.engine_name = engine_name
+        self.worker_id = worker_id
+        self._policy_version = policy_version
+        self._draft = draft
+        self._planner = planner
+        self._kv = kv_pool
+        self._speculation = speculation and gamma_max > 0
+        self._gamma_max = gamma_max
+        self._draft_width = draft_width
+        self._group_ttl = group_ttl_seconds
+        self._kv_offload = kv_offload
+
+        self._lock = threading.RLock()  # guards the engine and _active
+        self._wake = threading.Condition(self._lock)
+        self._active: dict[str, _Active] = {}
+        self._loading = False  # LoadWeights in progress: refuse new chunks
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._registered_groups: OrderedDict[str, None] = OrderedDict()
+        self._throughput = _Throughput()
+        self._offloads: set[Future[Any]] = set()
+        # Worker-level counters the engine does not keep (per-position counts: the engine's).
+        self._kv_loaded_tokens = 0
+        self._kv_recomputed_pages = 0
+        self._proposed_pos: list[int] = []
+        self._accepted_pos: list[int] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Worker:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the loop; chunks still running end ABORTED."""
+        with self._lock:
+            for act in list(self._active.values()):
+                self._abort_locked(act)
+            self._stop.set()
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for fut in list(self._offloads):
+            try:
+                fut.result(timeout=timeout)
+            except Exception:
+                log.warning("kv offload failed at shutdown", exc_info=True)
+        if self._draft is not None:
+            self._draft.close()
+        if self._kv is not None:
+            self._kv.close()
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    # -- chunk submission --------------------------------------------------------------------
+
+    def submit(self, job: ChunkJob) -> ChunkHandle:
+        """Starts a chunk; raises InvalidArgument / FailedPrecondition / AlreadyExists / Unavailable."""
+        job = self._validate(job)
+        with log_context(request_id=job.request_id, group_id=job.group_id):
+            self._register_group(job)
+            prefix = job.prompt_token_ids + job.output_token_ids
+            fetched = self._fetch_kv(job, prefix) if job.fetch_kv and self._kv is not None else None
+            req = GenerateRequest(
+                request_id=job.request_id,
+                prompt_token_ids=job.prompt_token_ids,
+                max_new_tokens=job.max_new_tokens,
+                sampling=job.sampling,
+                output_token_ids=job.output_token_ids,
+                group_id=job.group_id,
+            )
+            act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
+            with self._lock:
+                if self._stop.is_set():
+                    raise Unavailable("worker is shutting down")
+                if self._loading:
+                    raise Unavailable("worker is loading weights; retry after the switch")
+                if job.policy_version != self._policy_version:
+                    raise FailedPrecondition(
+                        f"chunk wants policy version {job.policy_version}, worker serves {self._policy_version}",
+                        field="policy_version",
+                    )
+                if job.request_id in self._active:
+                    raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
+                stats = act.stats
+                if fetched is not None:
+                    self._import_kv(fetched, prefix, stats)
+                stats.cached_tokens = min(self.engine.cached_prefix_tokens(prefix), len(prefix))
+                if job.fetch_kv and self._kv is not None:
+                    page = self.engine.kv_layout.page_size
+                    missing = len(prefix) // page - stats.cached_tokens // page
+                    stats.kv_recomputed_pages = max(0, missing)
+                    self._kv_recomputed_pages += stats.kv_recomputed_pages
+                stats.prefill_tokens = len(prefix) - stats.cached_tokens
+                try:
+                    self.engine.add_request(req)
+                except ValueError as e:
+                    raise InvalidArgument(str(e)) from e
+                self._active[job.request_id] = act
+                metrics.IN_FLIGHT.set(len(self._active))
+                self._wake.notify_all()
+            log.debug("chunk started", extra=kv(seq=job.seq, prefix=len(prefix), cached=stats.cached_tokens,
+                                                kv_loaded=stats.kv_loaded_tokens, max_new=job.max_new_tokens))
+            return ChunkHandle(self, act)
+
+    def run(self, job: ChunkJob) -> tuple[list[int], list[float], DoneEvent]:
+        """Submits a chunk and waits for it (tests, the simulator, the bench)."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for ev in self.submit(job).events():
+            if isinstance(ev, TokensEvent):
+                tokens += ev.token_ids
+                logprobs += ev.logprobs
+            elif isinstance(ev, ErrorEvent):
+                raise ev.error
+            else:
+                return tokens, logprobs, ev
+        raise AssertionError("unreachable")
+
+    def _validate(self, job: ChunkJob) -> ChunkJob:
+        if not job.request_id:
+            raise InvalidArgument("must not be empty", field="request_id")
+        if not job.prompt_token_ids:
+            raise InvalidArgument("must not be empty", field="prompt_token_ids")
+        if job.max_new_tokens < 1:
+            raise InvalidArgument(f"must be >= 1, got {job.max_new_tokens}", field="max_new_tokens")
+        if job.max_tokens < 0:
+            raise InvalidArgument(f"must be >= 0, got {job.max_tokens}", field="max_tokens")
+        if job.group_size < 0:
+            raise InvalidArgument(f"must be >= 0, got {job.group_size}", field="group_size")
+        done = len(job.output_token_ids)
+        if job.max_tokens:
+            if done >= job.max_tokens:
+                raise InvalidArgument(
+                    f"the request already has {done} output tokens of max_tokens {job.max_tokens}",
+                    field="output_token_ids",
+                )
+            # A chunk never runs past the request's total limit.
+            if done + job.max_new_tokens > job.max_tokens:
+                job = _replace(job, max_new_tokens=job.max_tokens - done)
+        total = len(job.prompt_token_ids) + done + job.max_new_tokens
+        if total > self.engine.max_context:
+            raise InvalidArgument(
+                f"prompt ({len(job.prompt_token_ids)}) + output ({done}) + max_new_tokens ({job.max_new_tokens})"
+                f" = {total} exceeds the context limit {self.engine.max_context}",
+                field="max_new_tokens",
+            )
+        vocab = self.engine.vocab_size
+        for name, toks in (("prompt_token_ids", job.prompt_token_ids), ("output_token_ids", job.output_token_ids)):
+            for i, t in enumerate(toks):
+                if not 0 <= t < vocab:
+                    raise InvalidArgument(f"{t} is outside the vocabulary [0, {vocab})", field=f"{name}[{i}]")
+        try:
+            job.sampling.validate(vocab)
+        except ValueError as e:
+            raise InvalidArgument(str(e), field="sampling") from e
+        return job
+
+    # -- abort -------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a running chunk by request id; False when none runs here."""
+        with self._lock:
+            act = self._active.get(request_id)
+            if act is None:
+                return False
+            return self._abort_locked(act)
+
+    def abort_active(self, act: _Active) -> bool:
+        with self._lock:
+            if self._active.get(act.job.request_id) is not act:
+                return False
+            return self._abort_locked(act)
+
+    def _abort_locked(self, act: _Active) -> bool:
+        if act.done:
+            return False
+        try:
+            self.engine.abort(act.job.request_id)
+        except Exception:
+            log.warning("engine abort failed", exc_info=True, extra=kv(request_id=act.job.request_id))
+        self._finish_locked(act, ChunkFinish.ABORTED)
+        log.info("chunk aborted", extra=kv(request_id=act.job.request_id, group_id=act.job.group_id))
+        return True
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def load_weights(self, version: int, source: str | None, drain_timeout: float = 300.0) -> float:
+        """Drains in-flight chunks, then loads weights as `version`; returns the seconds it took."""
+        if version < 0:
+            raise InvalidArgument(f"must be >= 0, got {version}", field="version")
+        t0 = time.monotonic()
+        with self._lock:
+            if self._loading:
+                raise FailedPrecondition("another LoadWeights is in progress", field="version")
+            if version < self._policy_version:
+                raise FailedPrecondition(
+                    f"version {version} is older than the served version {self._policy_version}", field="version"
+                )
+            self._loading = True
+        try:
+            deadline = t0 + drain_timeout
+            with self._lock:
+                while self._active:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Unavailable(f"{len(self._active)} chunks still running after {drain_timeout:.0f}s")
+                    self._wake.wait(min(left, 0.5))
+                try:
+                    self.engine.load_weights(source or None, version_name(version))
+                except FileNotFoundError as e:
+                    raise InvalidArgument(str(e), field="source") from e
+                except ValueError as e:
+                    raise InvalidArgument(str(e), field="source") from e
+                self._policy_version = version
+                metrics.POLICY_VERSION.set(version)
+        finally:
+            with self._lock:
+                self._loading = False
+        seconds = time.monotonic() - t0
+        log.info("weights loaded", extra=kv(version=version, source=source or "(reload)", seconds=round(seconds, 3)))
+        return seconds
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> WorkerStats:
+        with self._lock:
+            es = self.engine.stats()
+            in_flight = len(self._active)
+            kv_loaded = self._kv_loaded_tokens
+            recomputed = self._kv_recomputed_pages
+            proposed = list(es.proposed_per_position) or list(self._proposed_pos)
+            accepted = list(es.accepted_per_position) or list(self._accepted_pos)
+        rate = self._throughput.rate()
+        metrics.FREE_PAGES.set(es.free_pages)
+        metrics.TOKENS_PER_SECOND.set(rate)
+        return WorkerStats(
+            worker_id=self.worker_id,
+            engine=es,
+            policy_version=self._policy_version,
+            in_flight=in_flight,
+            tokens_per_second=rate,
+            accepted_per_position=accepted,
+            proposed_per_position=proposed,
+            kv_loaded_tokens=kv_loaded,
+            kv_recomputed_pages=recomputed,
+            prefill_tokens=es.prefill_tokens,
+            cached_tokens=es.cached_tokens,
+        )
+
+    # -- the step loop -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._stop.is_set() and not self._active:
+                    self._wake.wait(0.5)
+                if self._stop.is_set():
+                    return
+                try:
+                    self._step_locked()
+                except Exception as e:  # an engine bug must not kill the loop: fail what runs now
+                    log.exception("engine step failed; failing the running chunks")
+                    for act in list(self._active.values()):
+                        with contextlib.suppress(Exception):
+                            self.engine.abort(act.job.request_id)
+                        self._fail_locked(act, e)
+            # Let handler threads (submit/abort) take the lock between steps.
+            time.sleep(0)
+
+    def _step_locked(self) -> None:
+        drafts = self._plan_drafts_locked() if self._speculation else {}
+        try:
+            outs = self.engine.step(drafts or None)
+        except ValueError:
+            if not drafts:
+                raise
+            # A malformed draft is the drafter's bug; speculation is optional, so step without it.
+            log.warning("engine rejected drafts; stepping without them", exc_info=True)
+            drafts = {}
+            outs = self.engine.step(None)
+        self._observe_acceptance(outs, drafts)
+        produced = 0
+        for out in outs:
+            act = self._active.get(out.request_id)
+            if act is None or act.done:
+                continue  # aborted between the step and now
+            produced += len(out.token_ids)
+            self._deliver_locked(act, out)
+        if produced:
+            self._throughput.add(produced)
+            metrics.TOKENS.inc(produced)
+
+    def _plan_drafts_locked(self) -> dict[str, Draft]:
+        if self._draft is None:
+            return {}
+        acts = [a for a in self._active.values() if not a.done]
+        if not acts:
+            return {}
+        if self._planner is not None:
+            lengths = dict(self._planner.plan([(a.job.request_id, a.job.is_probe) for a in acts]))
+        else:
+            lengths = {a.job.request_id: self._gamma_max for a in acts}
+        drafts: dict[str, Draft] = {}
+        for a in acts:
+            rid = a.job.request_id
+            n = min(int(lengths.get(rid, 0)), self._gamma_max)
+            # Never draft past the chunk's limit: the bonus token always comes on top.
+            n = min(n, a.job.max_new_tokens - a.generated - 1)
+            if n <= 0:
+                continue
+            try:
+                context = self.engine.request_tokens(rid)
+                d = self._draft.propose(a.job.group_id, rid, context, n, self._draft_width)
+            except Exception:
+                log.warning("draft proposal failed", exc_info=True, extra=kv(request_id=rid))
+                continue
+            if d is not None and d.tokens:
+                drafts[rid] = d
+        return drafts
+
+    def _observe_acceptance(self, outs: Sequence[StepOutput], drafts: Mapping[str, Draft]) -> None:
+        if not drafts:
+            return
+        proposed = [0] * self._gamma_max
+        accepted = [0] * self._gamma_max
+        for out in outs:
+            d = drafts.get(out.request_id)
+            if d is None:
+                continue
+            depth = max(draft_depths(d)) + 1
+            for i in range(min(depth, len(proposed))):
+                proposed[i] += 1
+            for i in range(min(out.num_accepted, len(accepted))):
+                accepted[i] += 1
+        while len(self._proposed_pos) < len(proposed):
+            self._proposed_pos.append(0)
+            self._accepted_pos.append(0)
+        for i, (p, a) in enumerate(zip(proposed, accepted, strict=True)):
+            self._proposed_pos[i] += p
+            self._accepted_pos[i] += a
+            if p:
+                metrics.PROPOSED.labels(position=str(i)).inc(p)
+            if a:
+                metrics.ACCEPTED.labels(position=str(i)).inc(a)
+        if self._planner is not None:
+            try:
+                self._planner.observe(proposed, accepted)
+            except Exception:
+                log.warning("planner.observe failed", exc_info=True)
+
+    def _deliver_locked(self, act: _Active, out: StepOutput) -> None:
+        job = act.job
+        st = act.stats
+        st.steps += 1
+        st.draft_tokens += out.num_draft_tokens
+        st.accepted_tokens += out.num_accepted
+        if out.token_ids:
+            offset = act.offset
+            act.tokens.extend(out.token_ids)
+            act.events.put(TokensEvent(list(out.token_ids), list(out.logprobs)))
+            if self._draft is not None:
+                complete = out.finished and self._response_complete(act, out)
+                try:
+                    self._draft.append(job.group_id, job.request_id, offset, out.token_ids, complete)
+                except Exception:
+                    log.warning("draft append failed", exc_info=True, extra=kv(request_id=job.request_id))
+        if out.finished:
+            self._finish_locked(act, self._finish_reason(act, out))
+
+    def _response_complete(self, act: _Active, out: StepOutput) -> bool:
+        return self._finish_reason(act, out) in (ChunkFinish.STOP, ChunkFinish.LENGTH)
+
+    @staticmethod
+    def _finish_reason(act: _Active, out: StepOutput) -> ChunkFinish:
+        if out.finish_reason == FinishReason.STOP:
+            return ChunkFinish.STOP
+        if out.finish_reason == FinishReason.ABORTED:
+            return ChunkFinish.ABORTED
+        # The engine says LENGTH when this call's max_new_tokens is reached: the request is
+        # complete only if that was also its total limit.
+        job = act.job
+        total_limit = job.max_tokens or (len(job.output_token_ids) + job.max_new_tokens)
+        return ChunkFinish.LENGTH if act.offset >= total_limit else ChunkFinish.CHUNK
+
+    def _finish_locked(self, act: _Active, finish: ChunkFinish) -> None:
+        if act.done:
+            return
+        act.done = True
+        job = act.job
+        act.stats.wall_seconds = time.monotonic() - act.started
+        self._active.pop(job.request_id, None)
+        metrics.IN_FLIGHT.set(len(self._active))
+        metrics.CHUNKS.labels(finish=finish.value).inc()
+        if self._kv is not None:
+            if finish == ChunkFinish.CHUNK and self._kv_offload:
+                self._offload_locked(act)
+            elif finish in (ChunkFinish.STOP, ChunkFinish.LENGTH):
+                self._release(job)
+        act.events.put(DoneEvent(finish, act.stats, self._policy_version))
+        self._wake.notify_all()  # LoadWeights waits for the drain
+        log.info("chunk done", extra=kv(request_id=job.request_id, group_id=job.group_id, seq=job.seq,
+                                        finish=finish.value, tokens=act.generated, steps=act.stats.steps,
+                                        accepted=act.stats.accepted_tokens,
+                                        wall=round(act.stats.wall_seconds, 4)))
+
+    def _fail_locked(self, act: _Active, error: Exception) -> None:
+        if act.done:
+            return
+        act.done = True
+        self._active.pop(act.job.request_id, None)
+        metrics.IN_FLIGHT.set(len(self._active))
+        act.events.put(ErrorEvent(error))
+        self._wake.notify_all()
+
+    # -- the KV pool -------------------------------------------------------------------------
+
+    def _fetch_kv(self, job: ChunkJob, prefix: tuple[int, ...]) -> KVPages | None:
+        """Pulls the prefix pages this engine lacks from the pool (outside the engine lock)."""
+        assert self._kv is not None
+        with self._lock:
+            have = self.engine.cached_prefix_tokens(prefix)
+            layout = self.engine.kv_layout
+            version = self.engine.model_version
+        if len(prefix) - have < layout.page_size:
+            return None  # nothing a full page could add
+        try:
+            return self._kv.fetch_prefix(prefix, version, layout, min_tokens=have)
+        except Exception:
+            # The pool is an optimization: recompute rather than fail the chunk.
+            log.warning("kv fetch failed; recomputing the prefix", exc_info=True)
+            return None
+
+    def _import_kv(self, pages: KVPages, prefix: tuple[int, ...], stats: ChunkStats) -> None:
+        before = self.engine.cached_prefix_tokens(prefix)
+        try:
+            self.engine.import_kv(pages)
+        except ValueError:
+            log.warning("kv import rejected; recomputing the prefix", exc_info=True)
+            return
+        after = self.engine.cached_prefix_tokens(prefix)
+        stats.kv_loaded_tokens = max(0, after - before)
+        self._kv_loaded_tokens += stats.kv_loaded_tokens
+
+    def _offload_locked(self, act: _Active) -> None:
+        assert self._kv is not None
+        job = act.job
+        try:
+            # Export under the lock (the engine may evict the pages after the next step); the
+            # transfer itself runs in the KV client's threads.
+            pages = self.engine.export_kv(job.prompt_token_ids + job.output_token_ids + tuple(act.tokens))
+        except Exception:
+            log.warning("kv export failed", exc_info=True, extra=kv(request_id=job.request_id))
+            return
+        if not pages.pages:
+            return
+        try:
+            fut = self._kv.offload_async(pages, job.request_id)
+        except Exception:
+            log.warning("kv offload failed", exc_info=True, extra=kv(request_id=job.request_id))
+            return
+        self._offloads.add(fut)
+        fut.add_done_callback(self._offload_done)
+
+    def _offload_done(self, fut: Future[Any]) -> None:
+        self._offloads.discard(fut)
+        exc = fut.exception()
+        if exc is not None:
+            log.warning("kv offload failed: %s", exc)
+
+    def _release(self, job: ChunkJob) -> None:
+        assert self._kv is not None
+        try:
+            self._kv.release(self.engine.model_version, job.request_id)
+        except Exception:
+            log.warning("kv release failed", exc_info=True, extra=kv(request_id=job.request_id))
+
+    # -- the draft server --------------------------------------------------------------------
+
+    def _register_group(self, job: ChunkJob) -> None:
+        if self._draft is None or not job.group_id:
+            return
+        evicted: list[str] = []
+        with self._lock:
+            known = job.group_id in self._registered_groups
+            if known:
+                self._registered_groups.move_to_end(job.group_id)
+            else:
+                self._registered_groups[job.group_id] = None
+                while len(self._registered_groups) > _MAX_GROUPS:
+                    evicted.append(self._registered_groups.popitem(last=False)[0])
+        try:
+            for gid in evicted:
+                self._draft.release_group(gid)
+            if not known:
+                self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
+                                           max(job.group_size, 1), int(self._group_ttl))
+            if job.output_token_ids:
+                # A request resuming here: its earlier chunks ran elsewhere, so the local mirror may
+                # lack them (a gap would make its later appends invalid). Appends are idempotent by
+                # offset, so re-sending what the mirror or the server already has is a no-op.
+                self._draft.append(job.group_id, job.request_id, 0, job.output_token_ids, False)
+        except Exception:
+            # Drafting degrades to nothing for this group; generation itself is unaffected.
+            log.warning("draft register_group failed", exc_info=True)
+            with self._lock:
+                self._registered_groups.pop(job.group_id, None)
+
+
+def _replace(job: ChunkJob, **changes: object) -> ChunkJob:
+    import dataclasses
+
+    return dataclasses.replace(job, **changes)  # type: ignore[arg-type]
+

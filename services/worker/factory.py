@@ -1,0 +1,121 @@
+"""Builds a Worker from a WorkerConfig: the engine, the draft client, the planner, the KV client.
+
+Each collaborator is optional and imported lazily, so a worker without a draft server or KV pool
+does not import their clients, and an SGLang worker does not import the reference engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from services.common.log import get_logger, kv
+from services.worker.config import WorkerConfig
+from services.worker.core import DraftSource, KVPool, SpecPlanner, Worker, version_name
+from services.worker.engine import Engine
+
+log = get_logger(__name__)
+
+
+def resolve_model_dir(cfg: WorkerConfig) -> Path:
+    if cfg.model_dir:
+        return Path(cfg.model_dir)
+    from services.worker.model.prepare import ensure_model
+
+    return ensure_model()
+
+
+def kv_pages_for(cfg: WorkerConfig, page_bytes: int) -> int:
+    """num_kv_pages, or as many pages as kv_memory_mb holds."""
+    if cfg.num_kv_pages:
+        return cfg.num_kv_pages
+    return max(1, cfg.kv_memory_mb * 1024 * 1024 // max(page_bytes, 1))
+
+
+def build_engine(cfg: WorkerConfig) -> Engine:
+    model_dir = resolve_model_dir(cfg)
+    version = version_name(cfg.policy_version)
+    if cfg.engine == "sglang":
+        from services.worker.engines.sglang.engine import SGLangEngine
+
+        return SGLangEngine.from_config(cfg, model_dir, version)
+    from services.worker.engines.reference.engine import ReferenceEngine
+
+    kwargs: dict[str, Any] = {
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "page_size": cfg.page_size,
+        "max_batch_size": cfg.max_batch_size,
+        "model_version": version,
+    }
+    if cfg.num_kv_pages:
+        kwargs["num_pages"] = cfg.num_kv_pages
+    else:
+        kwargs["kv_memory_mb"] = cfg.kv_memory_mb
+    return _call_tolerant(ReferenceEngine.from_dir, model_dir, **kwargs)  # type: ignore[no-any-return]
+
+
+def _call_tolerant(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Calls fn dropping keyword arguments it does not take (the engine's knobs may differ)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        dropped = sorted(k for k in kwargs if k not in params)
+        if dropped:
+            log.warning("engine does not take %s; using its defaults", ", ".join(dropped))
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def build_draft(cfg: WorkerConfig) -> DraftSource | None:
+    if not cfg.speculation:
+        return None
+    from services.worker.draft_client import DraftClient
+
+    return DraftClient(cfg.draft_address or None)  # type: ignore[no-any-return]
+
+
+def build_planner(cfg: WorkerConfig) -> SpecPlanner | None:
+    if not cfg.speculation:
+        return None
+    try:
+        from services.worker.adaptive import AdaptiveSpeculation
+    except ImportError:
+        log.warning("services.worker.adaptive is not available; fixed draft length gamma_max")
+        return None
+    table = None
+    if cfg.spec_table:
+        with open(cfg.spec_table, encoding="utf-8") as fh:
+            table = json.load(fh)
+    return AdaptiveSpeculation(table, gamma_max=cfg.gamma_max)  # type: ignore[no-any-return]
+
+
+def build_kv(cfg: WorkerConfig) -> KVPool | None:
+    if not cfg.kv_addresses:
+        return None
+    from services.worker.kv_client import KVClient
+
+    return KVClient(list(cfg.kv_addresses))  # type: ignore[no-any-return]
+
+
+def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None) -> Worker:
+    engine = engine or build_engine(cfg)
+    worker = Worker(
+        engine,
+        worker_id=worker_id,
+        policy_version=cfg.policy_version,
+        draft=build_draft(cfg),
+        planner=build_planner(cfg),
+        kv_pool=build_kv(cfg),
+        speculation=cfg.speculation,
+        gamma_max=cfg.gamma_max,
+        draft_width=cfg.draft_width,
+        group_ttl_seconds=cfg.group_ttl_seconds,
+        kv_offload=cfg.kv_offload,
+        engine_name=cfg.engine,
+    )
+    log.info("worker built", extra=kv(worker_id=worker_id, engine=cfg.engine, speculation=cfg.speculation,
+                                      draft=cfg.draft_address or "-", kv=",".join(cfg.kv_addresses) or "-"))
+    return worker

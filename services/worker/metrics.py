@@ -1,0 +1,14 @@
+"""Prometheus metrics of the worker (served on --metrics-port by services.common.server)."""
+
+from __future__ import annotations
+
+from services.common.telemetry import Counter, Gauge
+
+IN_FLIGHT = Gauge("seer_worker_in_flight_chunks", "chunks running in this worker's engine")
+TOKENS = Counter("seer_worker_generated_tokens", "tokens generated (rate() of it = tokens/s)")
+TOKENS_PER_SECOND = Gauge("seer_worker_tokens_per_second", "generated tokens/s over the last 10 s")
+CHUNKS = Counter("seer_worker_chunks", "chunks finished, by finish reason", ["finish"])
+PROPOSED = Counter("seer_worker_draft_proposed", "draft tokens proposed, by draft position", ["position"])
+ACCEPTED = Counter("seer_worker_draft_accepted", "draft tokens accepted, by draft position", ["position"])
+FREE_PAGES = Gauge("seer_worker_free_kv_pages", "free KV cache pages of the engine")
+POLICY_VERSION = Gauge("seer_worker_policy_version", "policy version the engine serves")

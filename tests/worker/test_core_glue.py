@@ -1,0 +1,263 @@
+"""Unit tests of the worker core's glue over a tiny deterministic fake engine (worker_fake_engine.py).
+
+What the fake makes checkable: finish-reason mapping (STOP / LENGTH / CHUNK / ABORTED), chunk-limit
+clamping, draft plumbing (offsets of appends, acceptance bookkeeping), drain before LoadWeights and
+the KV pool calls. The real engine is exercised in test_worker_engine.py / test_worker_grpc.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from worker_fake_engine import FakeEngine
+
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, Worker
+from services.worker.engine import Draft, KVLayout, KVPages, SamplingParams
+
+
+def job(rid: str = "r0", prompt: Sequence[int] = (1, 2, 3), **kw: Any) -> ChunkJob:
+    base: dict[str, Any] = dict(request_id=rid, prompt_token_ids=tuple(prompt), max_new_tokens=5, max_tokens=20,
+                                sampling=SamplingParams(temperature=0.0), policy_version=0, group_id="g0",
+                                prompt_key="k0", group_size=2)
+    base.update(kw)
+    return ChunkJob(**base)
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def worker(engine: FakeEngine) -> Any:
+    w = Worker(engine, speculation=False).start()
+    yield w
+    w.close()
+
+
+def test_chunk_then_length_then_stop(worker: Worker) -> None:
+    toks, lps, done = worker.run(job(max_new_tokens=5, max_tokens=8))
+    assert toks == [4, 5, 6, 7, 8] and len(lps) == 5
+    assert done.finish == ChunkFinish.CHUNK and done.stats.steps == 5
+    # The next chunk resumes after the output and is clamped to max_tokens (3 more, not 5).
+    toks2, _, done2 = worker.run(job(output_token_ids=tuple(toks), max_new_tokens=5, max_tokens=8, seq=1))
+    assert toks2 == [9, 10, 11] and done2.finish == ChunkFinish.LENGTH
+    toks3, _, done3 = worker.run(job("r1", prompt=(95,), max_new_tokens=10, max_tokens=10))
+    assert toks3 == [96, 97, 98, 99] and done3.finish == ChunkFinish.STOP
+
+
+def test_max_tokens_zero_means_single_chunk(worker: Worker) -> None:
+    _, _, done = worker.run(job(max_new_tokens=3, max_tokens=0))
+    assert done.finish == ChunkFinish.LENGTH
+
+
+def test_bad_input_names_the_field(worker: Worker) -> None:
+    cases = [
+        (job(prompt=(1, 500)), "prompt_token_ids[1]"),
+        (job(output_token_ids=(-1,)), "output_token_ids[0]"),
+        (job(max_new_tokens=0), "max_new_tokens"),
+        (job(request_id=""), "request_id"),
+        (job(prompt=()), "prompt_token_ids"),
+        (job(output_token_ids=(1,) * 20, max_tokens=20), "output_token_ids"),
+        (job(max_new_tokens=600, max_tokens=0), "max_new_tokens"),
+        (job(sampling=SamplingParams(top_p=0.0)), "top_p"),
+    ]
+    for j, name in cases:
+        with pytest.raises(InvalidArgument) as ei:
+            worker.submit(j)
+        assert name in str(ei.value), (name, str(ei.value))
+    with pytest.raises(FailedPrecondition, match="policy_version"):
+        worker.submit(job(policy_version=3))
+    # The worker still serves after the refusals.
+    assert worker.run(job())[2].finish == ChunkFinish.CHUNK
+
+
+def test_duplicate_request_and_abort(engine: FakeEngine, worker: Worker) -> None:
+    engine.step_gate = threading.Event()
+    h = worker.submit(job(max_new_tokens=50, max_tokens=50))
+    with pytest.raises(AlreadyExists, match="request_id"):
+        worker.submit(job(max_new_tokens=50, max_tokens=50))
+    other = worker.submit(job("r2", max_new_tokens=3, max_tokens=3))
+    assert worker.abort("r0") is True
+    assert worker.abort("r0") is False
+    engine.step_gate.set()
+    events = list(h.events())
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.finish == ChunkFinish.ABORTED
+    last = list(other.events())[-1]
+    assert isinstance(last, DoneEvent) and last.finish == ChunkFinish.LENGTH
+    assert not engine.has_unfinished()
+
+
+def test_handle_cancel_aborts(engine: FakeEngine, worker: Worker) -> None:
+    engine.step_gate = threading.Event()
+    h = worker.submit(job(max_new_tokens=50, max_tokens=50))
+    assert h.cancel() is True
+    engine.step_gate.set()
+    assert worker.in_flight == 0
+    h.release()  # after the end: a no-op
+
+
+class ChainDrafter:
+    """Proposes the fake model's continuation with a wrong token at position `wrong_at`."""
+
+    def __init__(self, wrong_at: int | None = None) -> None:
+        self.wrong_at = wrong_at
+        self.appends: list[tuple[str, str, int, tuple[int, ...], bool]] = []
+        self.groups: list[str] = []
+
+    def register_group(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
+                       ttl_seconds: int) -> None:
+        self.groups.append(group_id)
+
+    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
+               finished: bool = False) -> None:
+        self.appends.append((group_id, request_id, offset, tuple(token_ids), finished))
+
+    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
+                width: int = 1) -> Draft | None:
+        toks, last = [], context[-1]
+        for i in range(max_len):
+            last = (last + 1) % 100
+            toks.append(last if i != self.wrong_at else 0)
+        return Draft.chain(toks)
+
+    def release_group(self, group_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FixedPlanner:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.observed: list[tuple[list[int], list[int]]] = []
+
+    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        self.observed.append((list(proposed), list(accepted)))
+
+    def plan(self, requests: Sequence[tuple[str, bool]]) -> dict[str, int]:
+        return {rid: (self.n * 2 if probe else self.n) for rid, probe in requests}
+
+
+def test_drafts_accepted_and_appended_in_order(engine: FakeEngine) -> None:
+    drafter, planner = ChainDrafter(wrong_at=2), FixedPlanner(3)
+    w = Worker(engine, draft=drafter, planner=planner, gamma_max=8).start()
+    try:
+        toks, _, done = w.run(job(max_new_tokens=12, max_tokens=12))
+        toks2, _, _ = w.run(job("r1", max_new_tokens=4, max_tokens=30))
+    finally:
+        w.close()
+    assert toks == list(range(4, 16))  # drafts never change what is generated
+    assert done.finish == ChunkFinish.LENGTH
+    # 2 of every 3 drafted tokens match, plus the bonus token: 3 tokens per step.
+    assert done.stats.steps == 4 and done.stats.accepted_tokens == 8
+    assert done.stats.draft_tokens >= done.stats.accepted_tokens
+    assert drafter.groups == ["g0"]  # registered once for both requests
+    mine = [a for a in drafter.appends if a[1] == "r0"]
+    offsets = [a[2] for a in mine]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert [t for a in mine for t in a[3]] == toks
+    assert mine[-1][4] is True  # the response is complete
+    assert drafter.appends[-1][1] == "r1" and drafter.appends[-1][4] is False  # CHUNK: not complete
+    assert toks2 == [4, 5, 6, 7]
+    assert planner.observed and all(p[0] >= a[0] for p, a in planner.observed)
+    stats = w.stats()
+    assert stats.accepted_per_position[0] > 0 and stats.accepted_per_position[2] == 0
+
+
+def test_speculation_off_sends_no_drafts(engine: FakeEngine) -> None:
+    w = Worker(engine, draft=ChainDrafter(), speculation=False).start()
+    try:
+        w.run(job())
+    finally:
+        w.close()
+    assert all(not d for d in engine.seen_drafts)
+
+
+def test_load_weights_drains_first(engine: FakeEngine, worker: Worker) -> None:
+    engine.step_gate = threading.Event()
+    h = worker.submit(job(max_new_tokens=3, max_tokens=3))
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(s=worker.load_weights(1, None, 10.0)))
+    t.start()
+    time.sleep(0.3)
+    assert not engine.loaded  # still draining
+    with pytest.raises(Unavailable):
+        worker.submit(job("r9", policy_version=0))
+    engine.step_gate.set()
+    t.join(5)
+    assert engine.loaded == [(None, "v1")]
+    assert worker.policy_version == 1
+    assert list(h.events())[-1].policy_version == 0  # type: ignore[union-attr]
+    with pytest.raises(FailedPrecondition, match="policy_version"):
+        worker.submit(job("r3", policy_version=0))
+    assert worker.run(job("r3", policy_version=1))[2].policy_version == 1
+    with pytest.raises(FailedPrecondition, match="version"):
+        worker.load_weights(0, None)
+
+
+class FakePool:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.offloaded: list[tuple[KVPages, str]] = []
+        self.released: list[tuple[str, str]] = []
+        self.stored: dict[bytes, bytes] = {}
+
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]:
+        self.offloaded.append((pages, request_id))
+        self.stored.update(zip(pages.page_hashes, pages.pages, strict=True))
+        f: Future[Any] = Future()
+        f.set_result(len(pages.pages))
+        return f
+
+    def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
+                     min_tokens: int = 0) -> KVPages | None:
+        from services.common.pagehash import chain_hashes
+
+        hs = chain_hashes(token_ids, layout.page_size, model_version)
+        n = 0
+        while n < len(hs) and hs[n] in self.stored:
+            n += 1
+        if n * layout.page_size <= min_tokens:
+            return None
+        return KVPages(model_version, layout, tuple(token_ids[: n * 4]), tuple(hs[:n]),
+                       tuple(self.stored[h] for h in hs[:n]))
+
+    def release(self, model_version: str, request_id: str) -> None:
+        self.released.append((model_version, request_id))
+
+    def close(self) -> None:
+        pass
+
+
+def test_kv_offload_fetch_release() -> None:
+    e1, e2 = FakeEngine(), FakeEngine()
+    pool = FakePool(e1)
+    w1 = Worker(e1, kv_pool=pool, speculation=False).start()
+    w2 = Worker(e2, kv_pool=pool, speculation=False).start()
+    try:
+        prompt = tuple(range(1, 11))
+        toks, _, done = w1.run(job(prompt=prompt, max_new_tokens=9, max_tokens=20))
+        assert done.finish == ChunkFinish.CHUNK
+        assert pool.offloaded and pool.offloaded[0][1] == "r0"
+        assert len(pool.offloaded[0][0].token_ids) == 16  # full pages of prompt + output minus the last
+        # The next chunk moves to another worker and loads the prefix instead of recomputing it.
+        _, _, done2 = w2.run(job(prompt=prompt, output_token_ids=tuple(toks), max_new_tokens=11, max_tokens=20,
+                                 seq=1, fetch_kv=True))
+        assert done2.finish == ChunkFinish.LENGTH
+        assert done2.stats.kv_loaded_tokens == 16 and done2.stats.cached_tokens == 16
+        assert done2.stats.prefill_tokens == 19 - 16
+        assert done2.stats.kv_recomputed_pages == 0
+        assert pool.released == [("v0", "r0")]
+        assert w2.stats().kv_loaded_tokens == 16
+    finally:
+        w1.close()
+        w2.close()

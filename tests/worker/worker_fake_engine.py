@@ -1,0 +1,152 @@
+"""A tiny deterministic Engine for unit tests of the worker's glue (finish reasons, draft plumbing,
+abort, drain). Its "model" continues any sequence with (last token + 1) % vocab and stops at EOS;
+drafts are verified by exact match, so acceptance is checkable. The real-engine tests live next to
+it (test_worker_engine.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from services.common.pagehash import chain_hashes
+from services.worker.engine import (
+    Draft,
+    Engine,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    KVLayout,
+    KVPages,
+    StepOutput,
+)
+
+
+@dataclass
+class _Seq:
+    req: GenerateRequest
+    tokens: list[int]
+    produced: int = 0
+    out: list[int] = field(default_factory=list)
+
+
+class FakeEngine(Engine):
+    def __init__(self, vocab: int = 100, eos: int = 99, max_context: int = 512, version: str = "v0") -> None:
+        self._vocab = vocab
+        self._eos = eos
+        self._max_context = max_context
+        self._version = version
+        self._seqs: dict[str, _Seq] = {}
+        self._cache: set[bytes] = set()
+        self.steps = 0
+        self.step_gate: threading.Event | None = None  # tests hold steps with it
+        self.loaded: list[tuple[str | None, str]] = []
+        self.seen_drafts: list[dict[str, Draft]] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return (self._eos,)
+
+    @property
+    def model_version(self) -> str:
+        return self._version
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout("float32", 4, 1, 1, 2)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        req.sampling.validate(self._vocab)
+        if req.request_id in self._seqs:
+            raise ValueError(f"request_id: {req.request_id} is already running")
+        self._seqs[req.request_id] = _Seq(req, list(req.prompt_token_ids + req.output_token_ids))
+
+    def _next(self, last: int) -> int:
+        return (last + 1) % self._vocab
+
+    def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
+        if self.step_gate is not None:
+            self.step_gate.wait(5)
+        self.steps += 1
+        drafts = dict(drafts or {})
+        self.seen_drafts.append(drafts)
+        outs: list[StepOutput] = []
+        for rid, s in list(self._seqs.items()):
+            d = drafts.get(rid)
+            toks: list[int] = []
+            accepted = 0
+            want = self._next(s.tokens[-1])
+            if d is not None:
+                d.validate(self._vocab)
+                # Chains only: accept while the draft matches the deterministic continuation.
+                for t in d.tokens:
+                    if t != want or s.produced + len(toks) + 1 >= s.req.max_new_tokens or want == self._eos:
+                        break
+                    toks.append(t)
+                    accepted += 1
+                    want = self._next(t)
+            toks.append(want)  # the bonus token
+            finished, reason = False, None
+            for i, t in enumerate(toks):
+                if t == self._eos and not s.req.sampling.ignore_eos:
+                    toks, finished, reason = toks[: i + 1], True, FinishReason.STOP
+                    break
+            s.tokens += toks
+            s.produced += len(toks)
+            if not finished and s.produced >= s.req.max_new_tokens:
+                finished, reason = True, FinishReason.LENGTH
+            outs.append(StepOutput(rid, toks, [-0.5] * len(toks), finished, reason,
+                                   num_draft_tokens=len(d.tokens) if d else 0, num_accepted=accepted))
+            if finished:
+                self._cache.update(chain_hashes(s.tokens[:-1], 4, self._version))
+                del self._seqs[rid]
+        return outs
+
+    def abort(self, request_id: str) -> bool:
+        return self._seqs.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def request_tokens(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._seqs[request_id].tokens)
+
+    def export_kv(self, token_ids: Sequence[int]) -> KVPages:
+        hashes = chain_hashes(token_ids, 4, self._version)
+        n = 0
+        while n < len(hashes) and hashes[n] in self._cache:
+            n += 1
+        layout = self.kv_layout
+        return KVPages(self._version, layout, tuple(token_ids[: 4 * n]), tuple(hashes[:n]),
+                       tuple(bytes(layout.page_bytes) for _ in range(n)))
+
+    def import_kv(self, pages: KVPages) -> int:
+        if pages.model_version != self._version:
+            raise ValueError("model_version: mismatch")
+        self._cache.update(pages.page_hashes)
+        return len(pages.token_ids)
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        n = 0
+        for h in chain_hashes(token_ids, 4, self._version):
+            if h not in self._cache:
+                break
+            n += 1
+        return 4 * n
+
+    def load_weights(self, path: str | None, version: str) -> None:
+        self.loaded.append((path, version))
+        self._version = version
+
+    def stats(self) -> EngineStats:
+        return EngineStats(total_pages=64, free_pages=64, page_size=4, running=len(self._seqs), waiting=0,
+                           tokens_per_second=0.0, model_version=self._version, max_batch_size=8,
+                           max_context=self._max_context)
