@@ -1,0 +1,449 @@
+"""`seer up`: the whole suite on loopback, one process per service; and `Suite`, the same as a
+context manager for tests and benchmarks.
+
+    seer up [--workers N] [--data-dir D] [--base-port P] [--policy P] [--speculation on|off]
+
+Starts kvstore, draft, scheduler, buffer and N workers (`python -m services.<name>`), each on a
+port chosen here (base port + offset, or a free one), waits until every service reports SERVING on
+the standard gRPC health service and every worker has registered with the scheduler, prints the
+endpoints, and on Ctrl-C stops everything: SIGTERM (each service drains and exits 0), then
+SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+# Offsets from --base-port; metrics ports are base + 100 + offset.
+_BUFFER, _SCHEDULER, _DRAFT, _KVSTORE, _WORKER0 = 0, 1, 2, 3, 10
+_METRICS_OFFSET = 100
+
+
+class SuiteError(RuntimeError):
+    """The suite could not start (a service exited or never became healthy); names the service."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServiceProcess:
+    """One service process: its command line, ports and log files; restartable."""
+
+    name: str
+    module: str
+    args: list[str]
+    port: int
+    metrics_port: int
+    log_dir: Path
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    _files: list[IO[bytes]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def stdout_path(self) -> Path:
+        return self.log_dir / f"{self.name}.out"
+
+    @property
+    def stderr_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.module, *self.args]
+
+    def start(self) -> None:
+        if self.alive():
+            return
+        self._close_files()
+        out = open(self.stdout_path, "ab")  # noqa: SIM115 - held open for the child's lifetime
+        err = open(self.stderr_path, "ab")  # noqa: SIM115
+        self._files = [out, err]
+        # A new session: Ctrl-C in the terminal reaches `seer up` only, which stops the services
+        # in order instead of all of them at once.
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=err, env=self.env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait, SIGKILL; returns the exit code (0 = clean drain)."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        code = self.wait(timeout)
+        if code is None:
+            self.signal(signal.SIGKILL)
+            code = self.wait(10.0)
+        self._close_files()
+        return code
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(10.0)
+
+    def _close_files(self) -> None:
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                f.close()
+        self._files = []
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            text = self.stderr_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def health_status(address: str, timeout: float = 1.0) -> str:
+    """SERVING / NOT_SERVING / UNKNOWN / UNREACHABLE from the standard gRPC health service."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+class Suite:
+    """The whole suite as subprocesses on loopback.
+
+    with Suite(workers=2, data_dir=tmp) as suite:
+        client = SeerClient(suite.address)
+        ...
+        suite.kill("buffer"); suite.restart("buffer")
+    """
+
+    def __init__(
+        self,
+        workers: int = 1,
+        data_dir: str | os.PathLike[str] | None = None,
+        base_port: int = 0,
+        policy: str = "baseline",
+        speculation: bool = True,
+        model_dir: str | os.PathLike[str] | None = None,
+        chunk_size: int = 512,
+        heartbeat_interval: float = 1.0,
+        tracing: str | None = None,
+        metrics: bool = True,
+        env: Mapping[str, str] | None = None,
+        extra_args: Mapping[str, Sequence[str]] | None = None,
+        threads_per_worker: int | None = None,
+        draft: bool = True,
+        kvstore: bool = True,
+    ) -> None:
+        if workers < 0:
+            raise ValueError(f"workers: must be >= 0, got {workers}")
+        if not 0 <= base_port <= 65535 - 200:
+            raise ValueError(f"base_port: {base_port} leaves no room for the suite's ports")
+        self.num_workers = workers
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="seer-suite-"))
+        self.base_port = base_port
+        self.policy = policy
+        self.speculation = speculation
+        self.model_dir = str(model_dir) if model_dir is not None else ""
+        self.chunk_size = chunk_size
+        self.heartbeat_interval = heartbeat_interval
+        self.tracing = tracing
+        self.metrics = metrics
+        self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
+        self.with_draft, self.with_kvstore = draft, kvstore
+        self.log_dir = self.data_dir / "logs"
+        self.services: dict[str, ServiceProcess] = {}
+        cpus = os.cpu_count() or 1
+        self.threads_per_worker = threads_per_worker or max(1, cpus // max(1, workers))
+        self._env = self._child_env(env)
+        self._build()
+
+    # ---- construction --------------------------------------------------------------------------
+
+    def _child_env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        # Children must import services/ and seer.v1 even when the project is not installed.
+        root = Path(__file__).resolve().parents[2]
+        paths = [str(root), str(root / "protos"), str(root / "clients" / "python")]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        if self.tracing is not None:
+            env["SEER_TRACING"] = self.tracing
+        env.update(extra or {})
+        return env
+
+    def _port(self, offset: int) -> int:
+        return self.base_port + offset if self.base_port else free_port()
+
+    def _metrics_port(self, offset: int) -> int:
+        if not self.metrics:
+            return 0
+        return self.base_port + _METRICS_OFFSET + offset if self.base_port else free_port()
+
+    def _add(
+        self, name: str, module: str, port: int, offset: int, args: list[str], env: Mapping[str, str] | None = None
+    ) -> None:
+        mport = self._metrics_port(offset)
+        child_env = dict(self._env)
+        child_env.update(env or {})
+        full = ["--port", str(port), "--metrics-port", str(mport), *args, *self.extra_args.get(name, [])]
+        self.services[name] = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env)
+
+    def _build(self) -> None:
+        d = self.data_dir
+        if self.with_kvstore:
+            self._add("kvstore", "services.kvstore", self._port(_KVSTORE), _KVSTORE, ["--data-dir", str(d / "kvstore")])
+        if self.with_draft:
+            self._add("draft", "services.draft", self._port(_DRAFT), _DRAFT, [])
+        buffer_port = self._port(_BUFFER)
+        scheduler_port = self._port(_SCHEDULER)
+        self._add("scheduler", "services.scheduler", scheduler_port, _SCHEDULER, [
+            "--buffer-address", f"127.0.0.1:{buffer_port}",
+            "--policy", self.policy,
+            "--chunk-size", str(self.chunk_size),
+            "--heartbeat-interval", str(self.heartbeat_interval),
+        ])
+        buffer_args = ["--data-dir", str(d / "buffer"), "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
+        if self.model_dir:
+            buffer_args += ["--model-dir", self.model_dir]
+        self._add("buffer", "services.buffer", buffer_port, _BUFFER, buffer_args)
+        for i in range(self.num_workers):
+            args = [
+                "--worker-id", f"worker-{i}",
+                "--scheduler-address", f"127.0.0.1:{scheduler_port}",
+                "--speculation", "true" if self.speculation else "false",
+            ]
+            if self.with_draft:
+                args += ["--draft-address", self.services["draft"].address]
+            if self.with_kvstore:
+                args += ["--kv-addresses", self.services["kvstore"].address]
+            if self.model_dir:
+                args += ["--model-dir", self.model_dir]
+            threads = str(self.threads_per_worker)
+            self._add(f"worker-{i}", "services.worker", self._port(_WORKER0 + i), _WORKER0 + i, args,
+                      env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+
+    # ---- endpoints -----------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The public RolloutService (served by the buffer)."""
+        return self.services["buffer"].address
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.services["scheduler"].address
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [n for n in self.services if n.startswith("worker-")]
+
+    def endpoints(self) -> dict[str, dict[str, str | int]]:
+        return {
+            name: {
+                "address": s.address,
+                "metrics": f"http://127.0.0.1:{s.metrics_port}/metrics" if s.metrics_port else "",
+                "pid": s.pid or 0,
+                "log": str(s.stderr_path),
+            }
+            for name, s in self.services.items()
+        }
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, timeout: float = 300.0) -> Suite:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for s in self.services.values():
+            s.start()
+        try:
+            self.wait_healthy(timeout=timeout)
+            self.wait_workers(self.num_workers, timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, names: Sequence[str] | None = None, timeout: float = 300.0) -> None:
+        pending = list(names or self.services)
+        deadline = time.monotonic() + timeout
+        while pending:
+            for name in list(pending):
+                s = self.services[name]
+                if not s.alive():
+                    raise SuiteError(f"{name}: exited with code {s.returncode} before becoming healthy\n{s.tail()}")
+                if health_status(s.address) == "SERVING":
+                    pending.remove(name)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise SuiteError(f"not healthy after {timeout:.0f}s: {', '.join(pending)}")
+                time.sleep(0.2)
+
+    def wait_workers(self, count: int, timeout: float = 120.0) -> None:
+        """Until `count` workers are registered and healthy at the scheduler."""
+        deadline = time.monotonic() + timeout
+        while True:
+            n = sum(1 for w in self.scheduler_stats().workers if w.healthy)
+            if n >= count:
+                return
+            for name in self.worker_names:
+                s = self.services[name]
+                if not s.alive():
+                    raise SuiteError(f"{name}: exited with code {s.returncode}\n{s.tail()}")
+            if time.monotonic() > deadline:
+                raise SuiteError(f"only {n} of {count} workers registered after {timeout:.0f}s")
+            time.sleep(0.2)
+
+    def scheduler_stats(self) -> Any:
+        from seer.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+        from services.common.grpcutil import channel
+
+        ch = channel(self.scheduler_address)
+        try:
+            return scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
+                scheduler_pb2.GetSchedulerStatsRequest(), timeout=5.0
+            )
+        finally:
+            ch.close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (crash tests)."""
+        self.services[name].kill()
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        s = self.services[name]
+        if s.alive():
+            s.stop()
+        s.start()
+        self.wait_healthy([name], timeout=timeout)
+
+    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
+        """Stops workers first, then the buffer, scheduler, draft and kvstore; returns exit codes."""
+        codes: dict[str, int | None] = {}
+        # SIGTERM all workers at once (each drains its own chunks), then the central services.
+        for group in (self.worker_names, ["buffer", "scheduler"], ["draft", "kvstore"]):
+            group = [n for n in group if n in self.services]
+            for name in group:
+                self.services[name].signal(signal.SIGTERM)
+            for name in group:
+                codes[name] = self.services[name].stop(timeout)
+        if self._own_dir and os.environ.get("SEER_KEEP_DATA", "") not in ("1", "true"):
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        return codes
+
+    def __enter__(self) -> Suite:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="seer up", description="start the whole suite on loopback")
+    p.add_argument("--workers", type=int, default=1, help="number of workers (default 1)")
+    p.add_argument("--data-dir", default=None, help="state directory (default: a temporary one, removed on exit)")
+    p.add_argument("--base-port", type=int, default=50051, help="first port (0 = any free ports)")
+    p.add_argument("--policy", default="baseline", help="scheduling policy")
+    p.add_argument("--speculation", choices=["on", "off"], default="on")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--model-dir", default=None, help="safetensors model dir (default: the embedded model)")
+    p.add_argument("--tracing", choices=["none", "console", "otlp"], default=None)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the suite to be healthy")
+    return p.parse_args(list(argv))
+
+
+def ensure_embedded_model() -> str:
+    from services.worker.model.prepare import ensure_model
+
+    return str(ensure_model())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    model_dir = args.model_dir or ensure_embedded_model()
+    suite = Suite(
+        workers=args.workers, data_dir=args.data_dir, base_port=args.base_port, policy=args.policy,
+        speculation=args.speculation == "on", model_dir=model_dir, chunk_size=args.chunk_size, tracing=args.tracing,
+    )
+    stop = {"requested": False}
+
+    def _handler(_signum: int, _frame: object) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+    print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
+    try:
+        suite.start(timeout=args.timeout)
+    except SuiteError as e:
+        print(f"seer up: {e}", file=sys.stderr)
+        return 1
+    print("suite is up:")
+    for name, ep in suite.endpoints().items():
+        metrics = f"  metrics {ep['metrics']}" if ep["metrics"] else ""
+        print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']})")
+    print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
+    reported: set[str] = set()
+    while not stop["requested"]:
+        time.sleep(0.5)
+        for name, s in suite.services.items():
+            if not s.alive() and name not in reported:
+                reported.add(name)
+                print(f"warning: {name} exited with code {s.returncode}; see {s.stderr_path}", flush=True)
+    print("stopping ...", flush=True)
+    codes = suite.stop()
+    bad = {n: c for n, c in codes.items() if c not in (0, None)}
+    print("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""A scripted WorkerService for the glue tests of the scheduler's dispatch loop (no model).
+
+It emits deterministic tokens (so a re-dispatched chunk reproduces what was lost), registers with
+the scheduler and heartbeats like the real worker, and can be told to die in the middle of a
+chunk. The real engine is exercised by the e2e tests; this fake keeps the dispatch-loop tests fast.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+from seer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+def token_at(request_id: str, position: int) -> int:
+    """Deterministic token for a position: the same on every worker and every retry."""
+    return 100 + (sum(map(ord, request_id)) * 31 + position * 7) % 1000
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, worker_id: str, scheduler_address: str, *, token_delay: float = 0.005,
+                 stop_after: int | None = None) -> None:
+        self.worker_id = worker_id
+        self.version = 0
+        self.token_delay = token_delay
+        # Die (stream error) after this many tokens of the next chunk; None = never.
+        self.fail_after = stop_after
+        self.chunks: list[tuple[str, int, int]] = []  # (request_id, seq, tokens)
+        self.loads: list[int] = []
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._server.start()
+        self._scheduler = scheduler_pb2_grpc.SchedulerServiceStub(grpc.insecure_channel(scheduler_address))
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeats, daemon=True)
+        self._register()
+        self._beat.start()
+
+    def _register(self) -> None:
+        self._scheduler.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, address=f"127.0.0.1:{self.port}",
+            capacity=scheduler_pb2.WorkerCapacity(total_kv_pages=4096, page_size=16, max_batch_size=8,
+                                                  max_context=8192),
+            engine="fake", policy_version=self.version), timeout=5)
+
+    def _heartbeats(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                resp = self._scheduler.Heartbeat(scheduler_pb2.HeartbeatRequest(
+                    worker_id=self.worker_id,
+                    telemetry=scheduler_pb2.WorkerTelemetry(free_kv_pages=4096, policy_version=self.version)),
+                    timeout=2)
+                if not resp.known:
+                    self._register()
+            except grpc.RpcError:
+                pass
+
+    def RunChunk(self, request: worker_pb2.RunChunkRequest,
+                 context: grpc.ServicerContext) -> Iterator[worker_pb2.RunChunkResponse]:
+        start = len(request.output_token_ids)
+        n = min(request.max_new_tokens, request.max_tokens - start)
+        for i in range(n):
+            with self._lock:
+                die = self.fail_after is not None and i >= self.fail_after
+                if die:
+                    self.fail_after = None
+            if die:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker died mid-chunk")
+            time.sleep(self.token_delay)
+            yield worker_pb2.RunChunkResponse(tokens=worker_pb2.TokenDelta(
+                token_ids=[token_at(request.request_id, start + i)], logprobs=[-0.5]))
+        with self._lock:
+            self.chunks.append((request.request_id, request.seq, n))
+        reason = common_pb2.FINISH_REASON_LENGTH if start + n >= request.max_tokens else common_pb2.FINISH_REASON_CHUNK
+        yield worker_pb2.RunChunkResponse(done=worker_pb2.ChunkDone(
+            finish_reason=reason, stats=common_pb2.ChunkStats(steps=n), policy_version=self.version))
+
+    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:
+        return worker_pb2.AbortResponse(found=False)
+
+    def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,
+                    context: grpc.ServicerContext) -> worker_pb2.LoadWeightsResponse:
+        self.version = request.version
+        self.loads.append(request.version)
+        return worker_pb2.LoadWeightsResponse(version=request.version, seconds=0.0)
+
+    def GetWorkerStats(self, request: worker_pb2.GetWorkerStatsRequest,
+                       context: grpc.ServicerContext) -> worker_pb2.GetWorkerStatsResponse:
+        return worker_pb2.GetWorkerStatsResponse(worker_id=self.worker_id, policy_version=self.version)
+
+    def close(self) -> None:
+        """Stops heartbeats and the server (like a killed process: in-flight streams break)."""
+        self._stop.set()
+        self._server.stop(0)
