@@ -102,10 +102,11 @@ def run_chunk(internal: buffer_pb2_grpc.BufferInternalServiceStub, item: buffer_
 
 
 def finish_all(internal: buffer_pb2_grpc.BufferInternalServiceStub, items: Iterable[buffer_pb2.WorkItem],
-               length: Callable[[buffer_pb2.WorkItem], int] = lambda it: 5, chunk: int = 2) -> None:
+               length: int | Callable[[buffer_pb2.WorkItem], int] = 5, chunk: int = 2) -> None:
     """Runs every item to completion from its resume point (output_token_ids, next_seq)."""
     for it in items:
-        pos, seq, total = len(it.output_token_ids), it.next_seq, length(it)
+        pos, seq = len(it.output_token_ids), it.next_seq
+        total = length(it) if callable(length) else length
         while pos < total:
             n = min(chunk, total - pos)
             run_chunk(internal, it, seq, pos, n, total, it.policy_version)
