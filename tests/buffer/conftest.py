@@ -12,9 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from buffer_helpers import BufferHandle, start_buffer  # noqa: E402
+from buffer_helpers import BufferHandle, start_buffer
 
-from services.buffer.config import BufferConfig  # noqa: E402
+from services.buffer.config import BufferConfig
 
 WORDS = ["[UNK]", "<eos>", "question", ":", "what", "is", "two", "plus", "three", "answer", "five", "?", "the",
          "cat", "sat", "on", "mat", "."]

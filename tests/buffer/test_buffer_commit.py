@@ -18,7 +18,8 @@ def _one(buf: BufferHandle, max_tokens: int = 8) -> str:
 def test_commit_appends_and_retry_is_a_duplicate(buf: BufferHandle) -> None:
     rid = _one(buf)
     r0 = commit(buf.internal, rid, 0, [5, 6, 7])
-    assert (r0.duplicate, r0.next_seq, r0.generated_tokens, r0.request_finished, r0.accepted) == (False, 1, 3, False, True)
+    assert (r0.duplicate, r0.next_seq, r0.generated_tokens, r0.request_finished, r0.accepted) == (
+        False, 1, 3, False, True)
     again = commit(buf.internal, rid, 0, [5, 6, 7])
     assert (again.duplicate, again.next_seq, again.generated_tokens, again.accepted) == (True, 1, 3, True)
     # The retry was not appended twice: the resume point holds the tokens once.

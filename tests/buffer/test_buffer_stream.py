@@ -134,5 +134,6 @@ def test_get_batch_counts(buf: BufferHandle) -> None:
         rollout_pb2.BATCH_STATE_RUNNING, 3, 1, 3, 0)
     full = buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="g", include_requests=True))
     st = {r.request_id: (r.state, r.generated_tokens, r.num_chunks) for r in full.requests}
-    assert st == {"g/0/0": (rollout_pb2.REQUEST_STATE_RUNNING, 1, 1), "g/0/1": (rollout_pb2.REQUEST_STATE_PENDING, 0, 0),
+    assert st == {"g/0/0": (rollout_pb2.REQUEST_STATE_RUNNING, 1, 1),
+                  "g/0/1": (rollout_pb2.REQUEST_STATE_PENDING, 0, 0),
                   "g/1/0": (rollout_pb2.REQUEST_STATE_FINISHED, 2, 1)}
