@@ -14,7 +14,8 @@ import grpc
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from services.common import errors
-from services.common.grpcutil import channel
+from services.common.grpcutil import CHANNEL_OPTIONS
+from services.common.telemetry import client_interceptors
 
 _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -28,6 +29,22 @@ _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.ABORTED: errors.Aborted,
     grpc.StatusCode.DATA_LOSS: errors.DataLoss,
 }
+
+
+# gRPC's default reconnect backoff grows to minutes; after a buffer or worker restart the
+# scheduler must be back within about a second (the restarted peer is on the same address).
+RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def channel(address: str) -> grpc.Channel:
+    """Like services.common.grpcutil.channel (limits + tracing), with a short reconnect backoff."""
+    ch = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
+    interceptors = client_interceptors()
+    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
 
 
 def translate(err: grpc.RpcError) -> errors.SeerError:

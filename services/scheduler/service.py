@@ -374,13 +374,15 @@ class Dispatcher:
                         log.info("work feed connected", extra=kv(buffer=self._buffer.address))
             except SeerError as e:
                 if not self._stopping.is_set() and not self._resync.is_set():
-                    log.info("work feed lost; reconnecting", extra=kv(error=str(e), backoff=backoff))
+                    # Log the loss once per outage, not every retry.
+                    level = log.info if backoff <= 0.1 else log.debug
+                    level("work feed lost; reconnecting", extra=kv(error=str(e)))
             if self._resync.is_set():
                 self._resync.clear()
                 continue
             if self._stopping.wait(backoff):
                 return
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, 1.0)
 
     def _request_resync(self) -> None:
         """Reconnect the work feed: the fresh snapshot corrects any request we lost track of."""
