@@ -1,0 +1,238 @@
+"""`seer rollout --prompts FILE --group-size G --max-tokens M [--address A] [--temperature T] [--json]`
+
+Submits one batch through the public API (the Python client, RolloutService), shows a progress bar
+while results stream in, and prints a summary: responses, tokens, throughput, the time taken by the
+last 10% of responses (the tail), per-response latency p50/p99 and the mean accepted length per
+step (tokens per engine step, the bonus token included: 1.0 = no speculation benefit).
+
+FILE is JSON lines: {"prompt": "...", "prompt_key": "...", "answer": "..."} (or "prompt_token_ids"
+instead of "prompt"; other string fields become labels echoed into the results), or plain text, one
+prompt per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Prompt records from JSON lines or plain text; each has prompt (str | list[int]), key, labels."""
+    out: list[dict[str, Any]] = []
+    for lineno, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON: {e}") from e
+            prompt: str | list[int]
+            if "prompt_token_ids" in obj:
+                prompt = [int(t) for t in obj["prompt_token_ids"]]
+            elif isinstance(obj.get("prompt"), str):
+                prompt = obj["prompt"]
+            elif isinstance(obj.get("question"), str):
+                prompt = obj["question"]
+            else:
+                raise ValueError(f"{path}:{lineno}: needs a \"prompt\" string or \"prompt_token_ids\"")
+            key = str(obj.get("prompt_key") or obj.get("key") or obj.get("id") or "")
+            skip = ("prompt", "prompt_token_ids", "prompt_key", "key")
+            labels = {k: str(v) for k, v in obj.items() if k not in skip and isinstance(v, str | int | float)}
+        else:
+            prompt, key, labels = line, "", {}
+        if not key:
+            key = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
+        out.append({"prompt": prompt, "prompt_key": key, "labels": labels})
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def build_groups(prompts: Sequence[dict[str, Any]], group_size: int, max_tokens: int, *, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, chat: bool = False) -> list[Any]:
+    from seer_client import PromptGroup, Sampling
+
+    groups = []
+    for i, p in enumerate(prompts):
+        prompt = p["prompt"]
+        if chat and isinstance(prompt, str):
+            prompt = CHATML.format(prompt=prompt)
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=None if seed is None else seed + i)
+        groups.append(PromptGroup(prompt=prompt, group_size=group_size, max_tokens=max_tokens,
+                                  prompt_key=p["prompt_key"], sampling=sampling, labels=p["labels"]))
+    return groups
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty sequence."""
+    s = sorted(values)
+    if not s:
+        return 0.0
+    rank = max(1, math.ceil(q / 100 * len(s)))
+    return float(s[rank - 1])
+
+
+def summarize(results: Sequence[Any], wall_seconds: float) -> dict[str, Any]:
+    """The rollout summary from client RolloutResults and the submit-to-last-result wall time."""
+    n = len(results)
+    tokens = sum(len(r.token_ids) for r in results)
+    latencies = sorted(float(r.latency_seconds) for r in results)
+    # Tail: from the moment 90% of the responses were done to the last one (DESIGN.md section 1).
+    tail = latencies[-1] - latencies[max(0, math.ceil(0.9 * n) - 1)] if n else 0.0
+    steps = sum(int(r.stats.get("steps", 0)) for r in results)
+    drafted = sum(int(r.stats.get("draft_tokens", 0)) for r in results)
+    accepted = sum(int(r.stats.get("accepted_tokens", 0)) for r in results)
+    return {
+        "responses": n,
+        "tokens": tokens,
+        "wall_seconds": round(wall_seconds, 3),
+        "tokens_per_second": round(tokens / wall_seconds, 2) if wall_seconds > 0 else 0.0,
+        "tail_seconds": round(tail, 3),
+        "tail_fraction": round(tail / latencies[-1], 3) if n and latencies[-1] > 0 else 0.0,
+        "latency_p50_seconds": round(percentile(latencies, 50), 3),
+        "latency_p99_seconds": round(percentile(latencies, 99), 3),
+        "mean_accepted_length": round(tokens / steps, 3) if steps else 0.0,
+        "draft_acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+        "finish_reasons": dict(Counter(r.finish_reason for r in results)),
+        "policy_versions": sorted({int(r.policy_version) for r in results}),
+        "chunks": sum(int(r.num_chunks) for r in results),
+    }
+
+
+def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, progress: bool = True,
+        on_result: Callable[[Any], None] | None = None, timeout: float = 3600.0) -> tuple[list[Any], float]:
+    """Submits `groups` as one batch and collects every result; returns (results, wall seconds)."""
+    from seer_client import SeerClient
+
+    batch_id = batch_id or f"rollout-{uuid.uuid4().hex[:12]}"
+    total = sum(g.group_size for g in groups)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="resp", desc="rollout", file=sys.stderr, dynamic_ncols=True)
+    results: list[Any] = []
+    tokens = 0
+    with SeerClient(address, retry_seconds=min(timeout, 120.0)) as client:
+        client.wait_ready(timeout=60)
+        t0 = time.monotonic()
+        client.submit_batch(batch_id, groups)
+        for r in client.iter_results(batch_id):
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
+            tokens += len(r.token_ids)
+            if bar is not None:
+                bar.set_postfix(tokens=tokens, refresh=False)
+                bar.update(1)
+            if time.monotonic() - t0 > timeout:
+                client.cancel_batch(batch_id)
+                raise TimeoutError(f"batch {batch_id} not done after {timeout}s")
+        wall = time.monotonic() - t0
+    if bar is not None:
+        bar.close()
+    return results, wall
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"responses            {s['responses']}",
+        f"tokens               {s['tokens']}",
+        f"wall time            {s['wall_seconds']:.2f} s",
+        f"throughput           {s['tokens_per_second']:.1f} tokens/s",
+        f"tail (last 10%)      {s['tail_seconds']:.2f} s ({100 * s['tail_fraction']:.0f}% of the batch time)",
+        f"latency p50 / p99    {s['latency_p50_seconds']:.2f} s / {s['latency_p99_seconds']:.2f} s",
+        f"mean accepted length {s['mean_accepted_length']:.2f} tokens/step"
+        + (f" (draft acceptance {100 * s['draft_acceptance_rate']:.0f}%)" if s["draft_acceptance_rate"] else ""),
+        f"finish reasons       {s['finish_reasons']}",
+        f"policy version(s)    {s['policy_versions']}",
+    ]
+    if "accuracy" in s:
+        lines.append(f"reward (accuracy)    {s['accuracy']:.3f}")
+    return "\n".join(lines)
+
+
+def load_reward() -> Callable[[str, str], float] | None:
+    """examples/reward.py's reward(text, answer), when the repository's examples are present."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "reward.py"
+    spec = importlib.util.spec_from_file_location("seer_example_reward", path)
+    if spec is None or spec.loader is None or not path.exists():
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn: Callable[[str, str], float] = module.reward
+    return fn
+
+
+def accuracy(results: Sequence[Any]) -> float | None:
+    """Mean reward (examples/reward.py) over results whose labels carry an answer."""
+    reward = load_reward()
+    if reward is None:
+        return None
+    scored = [float(reward(r.text, r.labels["answer"])) for r in results if "answer" in r.labels]
+    return sum(scored) / len(scored) if scored else None
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="seer rollout", description="submit a batch of prompts and print a summary")
+    p.add_argument("--prompts", required=True, help="JSON lines (prompt, prompt_key, answer...) or plain text")
+    p.add_argument("--group-size", type=int, required=True, help="samples per prompt (G)")
+    p.add_argument("--max-tokens", type=int, required=True, help="max new tokens per response")
+    p.add_argument("--address", default="127.0.0.1:50051", help="RolloutService (buffer) address")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="base seed (prompt i uses seed + i)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--batch-id", default=None)
+    p.add_argument("--chat", action="store_true", help="wrap text prompts in the ChatML turn of the instruct model")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    from seer_client import SeerError
+
+    try:
+        prompts = load_prompts(args.prompts, args.limit)
+        groups = build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat)
+        results, wall = run(args.address, groups, args.batch_id, progress=not args.no_progress and not args.json,
+                            timeout=args.timeout)
+    except (ValueError, OSError, TimeoutError, SeerError) as e:
+        print(f"seer rollout: {e}", file=sys.stderr)
+        return 1
+    summary = summarize(results, wall)
+    acc = accuracy(results)
+    if acc is not None:
+        summary["accuracy"] = round(acc, 4)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
