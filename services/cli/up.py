@@ -56,6 +56,7 @@ class ServiceProcess:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     _files: list[IO[bytes]] = field(default_factory=list)
+    _term_sent: bool = False
 
     @property
     def address(self) -> str:
@@ -82,6 +83,7 @@ class ServiceProcess:
         # A new session: Ctrl-C in the terminal reaches `seer up` only, which stops the services
         # in order instead of all of them at once.
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=err, env=self.env, start_new_session=True)
+        self._term_sent = False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -95,6 +97,12 @@ class ServiceProcess:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM:
+            # Once only: a second SIGTERM that lands while the interpreter finalizes (handlers back
+            # to default) would turn a clean exit 0 into "killed by SIGTERM".
+            if self._term_sent:
+                return
+            self._term_sent = True
         if self.alive():
             assert self.proc is not None
             with contextlib.suppress(ProcessLookupError):
