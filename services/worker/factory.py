@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from services.common.log import get_logger, kv
 from services.worker.config import WorkerConfig
@@ -26,13 +25,6 @@ def resolve_model_dir(cfg: WorkerConfig) -> Path:
     return ensure_model()
 
 
-def kv_pages_for(cfg: WorkerConfig, page_bytes: int) -> int:
-    """num_kv_pages, or as many pages as kv_memory_mb holds."""
-    if cfg.num_kv_pages:
-        return cfg.num_kv_pages
-    return max(1, cfg.kv_memory_mb * 1024 * 1024 // max(page_bytes, 1))
-
-
 def build_engine(cfg: WorkerConfig) -> Engine:
     model_dir = resolve_model_dir(cfg)
     version = version_name(cfg.policy_version)
@@ -40,33 +32,20 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         from services.worker.engines.sglang.engine import SGLangEngine
 
         return SGLangEngine.from_config(cfg, model_dir, version)
+    import torch
+
     from services.worker.engines.reference.engine import ReferenceEngine
 
-    kwargs: dict[str, Any] = {
-        "device": cfg.device,
-        "dtype": cfg.dtype,
-        "page_size": cfg.page_size,
-        "max_batch_size": cfg.max_batch_size,
-        "model_version": version,
-    }
-    if cfg.num_kv_pages:
-        kwargs["num_pages"] = cfg.num_kv_pages
-    else:
-        kwargs["kv_memory_mb"] = cfg.kv_memory_mb
-    return _call_tolerant(ReferenceEngine.from_dir, model_dir, **kwargs)  # type: ignore[no-any-return]
-
-
-def _call_tolerant(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Calls fn dropping keyword arguments it does not take (the engine's knobs may differ)."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        dropped = sorted(k for k in kwargs if k not in params)
-        if dropped:
-            log.warning("engine does not take %s; using its defaults", ", ".join(dropped))
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
+    return ReferenceEngine.from_dir(
+        model_dir,
+        device=cfg.device,
+        dtype=getattr(torch, cfg.dtype),
+        page_size=cfg.page_size,
+        num_pages=cfg.num_kv_pages or None,
+        kv_memory_bytes=None if cfg.num_kv_pages else cfg.kv_memory_mb * 1024 * 1024,
+        max_batch_size=cfg.max_batch_size,
+        model_version=version,
+    )
 
 
 def build_draft(cfg: WorkerConfig) -> DraftSource | None:
