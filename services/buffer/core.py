@@ -183,6 +183,7 @@ class BufferCore:
         self._cond = threading.Condition(self._lock)
         self._hub = WatchHub()
         self._switching = False
+        self._closed = False
         self._batches: dict[str, BatchRecord] = {}
         self._groups: dict[tuple[str, int], GroupRecord] = {}  # groups of running batches
         self._live: dict[str, _Live] = {}
@@ -233,9 +234,17 @@ class BufferCore:
                 del self._live_by_batch[batch_id]
 
     def close(self) -> None:
+        """Closes the store; calls still running in handler threads then get UNAVAILABLE."""
         with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._store.close()
             self._cond.notify_all()
-        self._store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the buffer is shutting down; retry against the restarted service")
 
     # ---- submission ----------------------------------------------------------------------------
 
@@ -248,6 +257,7 @@ class BufferCore:
         valid = validate_batch(batch_id, groups, self._model, self._max_requests)
         digest = content_hash(batch_id, groups)
         with self._lock:
+            self._check_open()
             existing = self._batches.get(batch_id)
             if existing is not None:
                 if existing.content_hash != digest:
@@ -307,6 +317,7 @@ class BufferCore:
     def watch(self, watcher_id: str) -> tuple[list[WorkItem], Subscription]:
         """The snapshot of runnable requests and a subscription to later events (atomically)."""
         with self._lock:
+            self._check_open()
             sub = self._hub.add(watcher_id)
             snapshot = [self._work_item(live) for live in self._live.values()]
         metrics.WATCHERS.set(len(self._hub))
@@ -345,6 +356,7 @@ class BufferCore:
                              rec.state != RequestState.CANCELLED)
 
     def _commit_locked(self, c: Commit, batch_id: str, gi: int, si: int) -> CommitOutcome:
+        self._check_open()
         batch = self._batches.get(batch_id)
         if batch is None:
             raise NotFound(f"unknown request {c.request_id!r} (no batch {batch_id!r})", field="request_id")
@@ -470,7 +482,9 @@ class BufferCore:
 
     def history(self, prompt_key: str) -> list[HistoryIteration]:
         """All kept iterations of a prompt key, newest first (tokens for history drafts)."""
-        raw = self._store.get(keys.history_key(prompt_key))
+        with self._lock:
+            self._check_open()
+            raw = self._store.get(keys.history_key(prompt_key))
         return decode_history(raw) if raw else []
 
     def history_lengths(self, prompt_keys: list[str]) -> list[tuple[str, list[int], int]]:
@@ -495,26 +509,26 @@ class BufferCore:
     def read_results(self, batch_id: str, cursor: int, limit: int = 256
                      ) -> tuple[list[tuple[int, RolloutResult]], bool]:
         """Results [cursor, cursor+limit) and whether the stream is over after them."""
-        with self._lock:
+        page: list[tuple[int, RolloutResult]] = []
+        with self._lock:  # also keeps close() from closing the store under the scan
+            self._check_open()
             b = self._batch(batch_id)
             if cursor > b.num_results:
                 raise OutOfRange(f"{cursor} is beyond the {b.num_results} results available", field="cursor")
             end_index, terminal = b.num_results, b.terminal
-        page: list[tuple[int, RolloutResult]] = []
-        # The log is append-only and entries below end_index are durable: read without the lock.
-        for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
-            idx = int(k.rsplit(b"/", 1)[1])
-            if idx >= end_index or len(page) >= limit:
-                break
-            page.append((idx, RolloutResult.decode(v)))
+            for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
+                idx = int(k.rsplit(b"/", 1)[1])
+                if idx >= end_index or len(page) >= limit:
+                    break
+                page.append((idx, RolloutResult.decode(v)))
         done = terminal and cursor + len(page) >= end_index
         return page, done
 
     def wait_results(self, batch_id: str, cursor: int, timeout: float) -> None:
         """Blocks until results beyond cursor exist, the batch ends, or timeout."""
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._batch(batch_id).num_results > cursor or self._batch(batch_id).terminal, timeout)
+            self._cond.wait_for(lambda: self._closed or self._batch(batch_id).num_results > cursor
+                                or self._batch(batch_id).terminal, timeout)
 
     def iter_results(self, batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
                      poll_seconds: float = 0.5) -> Iterator[tuple[int, RolloutResult]]:
@@ -534,18 +548,20 @@ class BufferCore:
     # ---- batch status and cancellation ---------------------------------------------------------
 
     def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
-        with self._lock:
-            b = BatchRecord(**self._batch(batch_id).__dict__)
         requests = []
-        if include_requests:
-            for _k, v in self._store.scan(keys.requests_prefix(batch_id)):
-                r = RequestRecord.decode(v)
-                requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
+        with self._lock:
+            self._check_open()
+            b = BatchRecord(**self._batch(batch_id).__dict__)
+            if include_requests:
+                for _k, v in self._store.scan(keys.requests_prefix(batch_id)):
+                    r = RequestRecord.decode(v)
+                    requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
         return BatchStatus(b.batch_id, b.state, b.num_requests, b.num_results, b.num_cancelled,
                            b.generated_tokens, b.policy_version, requests)
 
     def cancel_batch(self, batch_id: str) -> tuple[BatchState, int]:
         with self._lock:
+            self._check_open()
             b = self._batch(batch_id)
             if b.terminal:
                 return b.state, 0
@@ -580,6 +596,7 @@ class BufferCore:
     def update_weights(self, version: int, source: str, switch: SwitchFn | None) -> WeightsOutcome:
         """Moves to a new policy version once no batch of the current one runs (batches never mix)."""
         with self._lock:
+            self._check_open()
             if self._switching:
                 raise FailedPrecondition("another weight update is in progress", field="version")
             if version <= self._policy_version:
@@ -596,6 +613,7 @@ class BufferCore:
         try:
             workers = switch(version, source) if switch is not None else 0
             with self._lock:
+                self._check_open()
                 wb = self._store.new_batch()
                 wb.put(keys.POLICY_VERSION_KEY, str(version).encode())
                 self._store.write(wb)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,21 @@ from services.buffer.core import BufferCore
 from services.common.server import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
+WORDS = ["[UNK]", "<eos>", "question", ":", "what", "is", "two", "plus", "three", "answer", "five", "?", "the",
+         "cat", "sat", "on", "mat", "."]
+TINY_VOCAB = 64  # config.json vocab_size (larger than the tokenizer's word list, as with real models)
+TINY_CONTEXT = 48
+
+
+def write_tiny_model(d: Path) -> Path:
+    """A model directory with a real (word-level) tokenizer.json and a config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB, "max_position_embeddings": TINY_CONTEXT}))
+    return d
 STOP, LENGTH, CHUNK = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_CHUNK
 
 

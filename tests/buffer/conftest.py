@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,27 +11,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from buffer_helpers import BufferHandle, start_buffer
+from buffer_helpers import BufferHandle, start_buffer, write_tiny_model
 
 from services.buffer.config import BufferConfig
-
-WORDS = ["[UNK]", "<eos>", "question", ":", "what", "is", "two", "plus", "three", "answer", "five", "?", "the",
-         "cat", "sat", "on", "mat", "."]
-TINY_VOCAB = 64  # config.json vocab_size (larger than the tokenizer's word list, as with real models)
-TINY_CONTEXT = 48
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model directory with a real (word-level) tokenizer.json and a config.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    d = tmp_path_factory.mktemp("tiny-model")
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(d / "tokenizer.json"))
-    (d / "config.json").write_text(json.dumps({"vocab_size": TINY_VOCAB, "max_position_embeddings": TINY_CONTEXT}))
-    return d
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-from buffer_helpers import BufferHandle, expect_error, group, snapshot, submit
-from conftest import TINY_CONTEXT, TINY_VOCAB
+from buffer_helpers import TINY_CONTEXT, TINY_VOCAB, BufferHandle, expect_error, group, snapshot, submit
 from seer.v1 import common_pb2, rollout_pb2
 from tokenizers import Tokenizer
 

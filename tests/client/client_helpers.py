@@ -1,0 +1,80 @@
+"""Helpers of the client tests: a real buffer (in process, real gRPC and RocksDB) that can be
+restarted on the same port, and a thread that plays the scheduler (WatchWork + CommitChunk)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+
+from services.buffer.app import start
+from services.buffer.config import BufferConfig
+from services.buffer.core import BufferCore
+from services.common.server import RunningServer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Buffer:
+    """A restartable buffer on a fixed port."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.cfg = BufferConfig(port=_free_port(), data_dir=str(data_dir), model_dir="", grace_seconds=0.0)
+        self.running: RunningServer | None = None
+        self.core: BufferCore | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.cfg.port}"
+
+    def start(self) -> None:
+        self.running, self.core = start(self.cfg)
+
+    def stop(self) -> None:
+        if self.running is not None:
+            self.running.stop(0)
+            self.running = None
+
+
+def answer_tokens(request_id: str, n: int) -> list[int]:
+    """Deterministic fake responses: the response of sample s is `n` copies of token 10 + s."""
+    sample = int(request_id.rsplit("/", 1)[1])
+    return [10 + sample] * n
+
+
+def play_scheduler(address: str, length: int = 4, chunk: int = 2, stop: threading.Event | None = None,
+                   gate: threading.Semaphore | None = None) -> None:
+    """Runs every request of the feed to `length` tokens in chunks; `gate` (if given) paces requests."""
+    ch = grpc.insecure_channel(address)
+    stub = buffer_pb2_grpc.BufferInternalServiceStub(ch)
+    try:
+        for ev in stub.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id="fake-scheduler")):
+            if stop is not None and stop.is_set():
+                return
+            if not ev.HasField("added"):
+                continue
+            it: Any = ev.added
+            if gate is not None:
+                gate.acquire()
+                if stop is not None and stop.is_set():
+                    return
+            pos, seq = len(it.output_token_ids), it.next_seq
+            while pos < length:
+                n = min(chunk, length - pos)
+                reason = common_pb2.FINISH_REASON_STOP if pos + n == length else common_pb2.FINISH_REASON_CHUNK
+                stub.CommitChunk(buffer_pb2.CommitChunkRequest(
+                    request_id=it.request_id, seq=seq, token_ids=answer_tokens(it.request_id, n),
+                    logprobs=[-0.25] * n, finish_reason=reason, policy_version=it.policy_version))
+                pos, seq = pos + n, seq + 1
+    except grpc.RpcError:
+        return
+    finally:
+        ch.close()
