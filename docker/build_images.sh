@@ -33,8 +33,14 @@ model_dir=$(cd "$ROOT" && "$PY" -c 'from services.worker.model.prepare import en
 # Staging context: hard links (same filesystem) or copies, so nothing outside it is sent to dockerd
 # and the repository's .venv/caches never are.
 rm -rf "$CTX"
-mkdir -p "$CTX/model" "$CTX/tokenizer"
-cp -al "$WH" "$CTX/wheelhouse" 2>/dev/null || cp -a "$WH" "$CTX/wheelhouse"
+mkdir -p "$CTX/model" "$CTX/tokenizer" "$CTX/wheelhouse" "$CTX/app"
+for f in "$WH"/*; do
+  case "$(basename "$f")" in
+    seer_rollout-*.whl) dest="$CTX/app/" ;;
+    *) dest="$CTX/wheelhouse/" ;;
+  esac
+  cp -al "$f" "$dest" 2>/dev/null || cp -a "$f" "$dest"
+done
 cp -a "$ROOT/docker/requirements" "$ROOT/docker/healthcheck.py" "$CTX/"
 cp -al "$model_dir"/. "$CTX/model/" 2>/dev/null || cp -a "$model_dir"/. "$CTX/model/"
 for f in "$model_dir"/*; do
@@ -44,7 +50,7 @@ done
 for svc in $SERVICES; do
   s=$(date +%s)
   docker build -q --build-arg "BASE_IMAGE=$BASE_IMAGE" --target "$svc" -t "seer-$svc:$TAG" \
-    -f "$ROOT/docker/Dockerfile" "$CTX" >/dev/null
+    -f "$ROOT/docker/Dockerfile" "$CTX" 2> >(grep -v -E 'DEPRECATED|BuildKit|environment-variable' >&2) >/dev/null
   echo "image seer-$svc:$TAG $(docker image inspect -f '{{.Size}}' "seer-$svc:$TAG" | numfmt --to=iec) in $(( $(date +%s) - s ))s"
 done
 rm -rf "$CTX"
