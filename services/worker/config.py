@@ -30,6 +30,7 @@ class WorkerConfig(ServiceConfig):
     kv_memory_mb: int = field(default=512, metadata={"help": "KV cache budget when num_kv_pages is 0"})
     max_batch_size: int = field(default=32, metadata={"help": "max requests decoded in one step"})
     policy_version: int = field(default=0, metadata={"help": "policy version of the weights at start"})
+    num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
 
     speculation: bool = field(default=True, metadata={"help": "grouped speculative decoding on/off"})
     draft_address: str = field(
@@ -65,6 +66,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("kv_memory_mb: must be >= 1 when num_kv_pages is 0")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size: must be >= 1")
+        if self.num_threads < 0:
+            raise ValueError("num_threads: must be >= 0")
         if self.policy_version < 0:
             raise ValueError("policy_version: must be >= 0")
         if not 0 <= self.gamma_max <= 64:

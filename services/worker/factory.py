@@ -45,6 +45,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         kv_memory_bytes=None if cfg.num_kv_pages else cfg.kv_memory_mb * 1024 * 1024,
         max_batch_size=cfg.max_batch_size,
         model_version=version,
+        num_threads=cfg.num_threads or None,
     )
 
 

@@ -58,7 +58,7 @@ def collect(stream: Any) -> tuple[list[int], list[float], worker_pb2.ChunkDone]:
 
 
 def test_run_chunk_streams_then_done(served: Any, prompts: list[tuple[int, ...]]) -> None:
-    worker, stub = served
+    _worker, stub = served
     toks, lps, done = collect(stub.RunChunk(chunk_req("r1", prompts[0], max_new_tokens=4, max_tokens=10)))
     assert 1 <= len(toks) <= 4 and len(lps) == len(toks) and all(lp <= 0 for lp in lps)
     assert done.finish_reason in (common_pb2.FINISH_REASON_CHUNK, common_pb2.FINISH_REASON_STOP)
@@ -123,7 +123,7 @@ def test_cancelled_stream_aborts_request(served: Any, prompts: list[tuple[int, .
 
 
 def test_abort_rpc(served: Any, prompts: list[tuple[int, ...]]) -> None:
-    worker, stub = served
+    _worker, stub = served
     stream = stub.RunChunk(chunk_req("ab", prompts[1], max_new_tokens=400, max_tokens=400,
                                      sampling=common_pb2.SamplingParams(temperature=1.0, seed=5, ignore_eos=True)))
     assert next(stream).WhichOneof("event") == "tokens"
@@ -142,13 +142,13 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.forget_once = True
         self.reregistered = threading.Event()
 
-    def RegisterWorker(self, request: Any, context: Any) -> scheduler_pb2.RegisterWorkerResponse:  # noqa: N802
+    def RegisterWorker(self, request: Any, context: Any) -> scheduler_pb2.RegisterWorkerResponse:
         self.registered.append(request)
         if len(self.registered) >= 2:
             self.reregistered.set()
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_seconds=0.1)
 
-    def Heartbeat(self, request: Any, context: Any) -> scheduler_pb2.HeartbeatResponse:  # noqa: N802
+    def Heartbeat(self, request: Any, context: Any) -> scheduler_pb2.HeartbeatResponse:
         self.heartbeats.append(request)
         if self.forget_once and len(self.heartbeats) >= 2:
             self.forget_once = False
