@@ -24,6 +24,8 @@ class SchedulerPolicyConfig:
     prefix_gap_margin: int = 512
     # Anti-starvation: a chunk waiting longer than this is served before any priority order.
     starvation_seconds: float = 30.0
+    # Longest-first by the estimated "total" length (Seer Algorithm 2) or by "remaining" length.
+    order: str = "total"
     # Admission: how many queued candidates one decision may skip when the best does not fit.
     admission_lookahead: int = 16
     # Subtract KV usage the worker reports beyond our own reservations (e.g. another tenant).
@@ -44,6 +46,8 @@ class SchedulerPolicyConfig:
             raise InvalidArgument("must be >= 0", field="prefix_gap_margin")
         if not (self.starvation_seconds > 0) or math.isnan(self.starvation_seconds):
             raise InvalidArgument("must be > 0", field="starvation_seconds")
+        if self.order not in ("total", "remaining"):
+            raise InvalidArgument(f"{self.order!r} is not one of total, remaining", field="order")
         if self.admission_lookahead < 1:
             raise InvalidArgument("must be >= 1", field="admission_lookahead")
         if self.quarantine_clear_reports < 1:

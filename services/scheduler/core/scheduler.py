@@ -217,6 +217,13 @@ class SchedulerCore:
     def _next_by_priority(self) -> Dispatch | None:
         skipped: list[tuple[PendingQueue, tuple[Key, int, str, int]]] = []
         tries = 0
+        # Largest context + chunk any worker with a free batch slot could take (tokens): a cheap
+        # pre-check so that candidates that fit nowhere skip the O(workers) placement.
+        room = max(
+            (w.free_pages() * w.spec.page_size for w in self._workers.values()
+             if not w.quarantined and w.load < w.spec.max_batch_size),
+            default=0,
+        )
         chosen: Dispatch | None = None
         for q in (self._probe_q, self._main_q):
             while chosen is None and tries < self.cfg.admission_lookahead:
@@ -227,7 +234,10 @@ class SchedulerCore:
                 if self._live.get(rid) != version:
                     continue  # stale (re-keyed, dispatched or cancelled)
                 tries += 1
-                chosen = self._try_place(self._requests[rid])
+                req = self._requests[rid]
+                need = req.info.prompt_len + req.generated + min(self.cfg.chunk_size,
+                                                                 req.info.max_tokens - req.generated)
+                chosen = self._try_place(req) if need <= room else None
                 if chosen is None:
                     skipped.append((q, entry))
                     self._counters["admission_skips"] += 1
@@ -399,10 +409,19 @@ class SchedulerCore:
     def _key(self, req: _Request) -> Key:
         policy = self.cfg.policy
         if policy in ("seer", "seer_history"):
-            return (-float(self._groups[req.info.group_id].request_estimate(req.generated)),)
+            # Longest-remaining-first by group estimate (LRPT: with preemptible chunks it lets the
+            # long responses end together instead of leaving a tail); among equal estimates the
+            # request that has generated more first (a response still running after n tokens is
+            # expected to be the longer, the larger n is).
+            est = self._groups[req.info.group_id].request_estimate(req.generated)
+            if self.cfg.order == "remaining":
+                return (-float(est - req.generated), -float(req.generated))
+            return (-float(est), -float(req.generated))
         if policy == "oracle":
-            t = req.info.true_length
-            return (-float(req.info.max_tokens if t is None else t),)
+            t = req.info.max_tokens if req.info.true_length is None else req.info.true_length
+            if self.cfg.order == "remaining":
+                return (-float(t - req.generated),)
+            return (-float(t),)
         return (0.0,)  # baseline / divided: FIFO by enqueue order
 
     def _enqueue(self, req: _Request, fresh: bool = True) -> None:
