@@ -14,7 +14,7 @@ A = draft_pb2.AppendRequest
 def _code(fn) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as e:
         fn()
-    return e.value.code(), e.value.details()
+    return e.value.code(), str(e.value.details())
 
 
 def test_append_sync_register_stats(draft_stub: draft_pb2_grpc.DraftServiceStub) -> None:

@@ -1,0 +1,229 @@
+"""Adaptive speculation (Seer Algorithm 1, marginal-benefit-aware draft budgets).
+
+Inputs: an offline-profiled step time T(B, gamma) (`seer profile`, StepTimeTable) and online
+per-position acceptance rates. Each step, for the current batch of B requests:
+
+1. Every (request, draft position i) is an increment whose expected gain is alpha_i, the probability
+   that draft position i is accepted (all of 0..i accepted; non-increasing in i). Probe requests
+   count their gain `probe_factor` (2) times: finishing a probe early sharpens the group's length
+   estimate for context-aware scheduling, so the greedy budget goes to them first.
+2. Increments are taken greedily by weighted gain. For every prefix of that order (total draft
+   budget G) the expected tokens per step are B + sum(alpha) and the step time is T(B, G); the
+   budget G* that maximises tokens per second wins. G* = 0 turns speculation off, which is what
+   happens at large B where a verify step costs more than the accepted tokens pay back.
+3. Each request gets the number of its increments inside G* (at most gamma_max = 8).
+
+alpha_i is tracked from what the engine verified: accepted_i / proposed_i with exponential decay (so
+the policy follows drift as the model or the data change) and a Beta prior (so a cold start drafts).
+While speculation is off no acceptance is observed; every `explore_interval` plans one request gets
+a short draft to keep the estimate fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TABLE_PATH = Path(os.path.expanduser("~/.cache/seer/step_time.json"))
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation from the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = 0
+        while xs[i + 1] < x:
+            i += 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class StepTimeTable:
+    """T(B, gamma): seconds of one engine step with B requests each verifying gamma draft tokens."""
+
+    batch_sizes: tuple[int, ...]
+    gammas: tuple[int, ...]
+    times_s: tuple[tuple[float, ...], ...]  # [batch index][gamma index]
+    source: str = "builtin"
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or not self.gammas:
+            raise ValueError("batch_sizes, gammas: must not be empty")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or list(self.gammas) != sorted(set(self.gammas)):
+            raise ValueError("batch_sizes, gammas: must be strictly increasing")
+        if len(self.times_s) != len(self.batch_sizes) or any(len(r) != len(self.gammas) for r in self.times_s):
+            raise ValueError("times_s: must be a len(batch_sizes) x len(gammas) table")
+        if any(not t > 0 for r in self.times_s for t in r):
+            raise ValueError("times_s: step times must be > 0")
+
+    def time(self, batch: int, total_draft: float) -> float:
+        """Step time for `batch` requests verifying `total_draft` draft tokens in all."""
+        gamma = total_draft / batch if batch else 0.0
+        per_batch = [_interp(self.gammas, row, gamma) for row in self.times_s]
+        return max(1e-6, _interp(self.batch_sizes, per_batch, batch))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_sizes": list(self.batch_sizes), "gammas": list(self.gammas),
+                "times_s": [list(r) for r in self.times_s], "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepTimeTable:
+        try:
+            return cls(tuple(int(b) for b in d["batch_sizes"]), tuple(int(g) for g in d["gammas"]),
+                       tuple(tuple(float(t) for t in row) for row in d["times_s"]), str(d.get("source", "file")))
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]}: missing from the step-time table") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> StepTimeTable:
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, p)
+
+    @classmethod
+    def builtin(cls) -> StepTimeTable:
+        """A conservative CPU-like model (fixed cost + per-token cost), used when nothing was
+        profiled: T = 25 ms + 1.5 ms * B * (1 + gamma)."""
+        bs, gs = (1, 256), (0, 8)
+        return cls(bs, gs, tuple(tuple(0.025 + 0.0015 * b * (1 + g) for g in gs) for b in bs), "builtin")
+
+
+def load_table(table: StepTimeTable | Mapping[str, Any] | str | os.PathLike[str] | None) -> StepTimeTable:
+    if isinstance(table, StepTimeTable):
+        return table
+    if isinstance(table, Mapping):
+        return StepTimeTable.from_dict(table)
+    if table is not None:
+        return StepTimeTable.load(table)
+    if DEFAULT_TABLE_PATH.exists():
+        try:
+            return StepTimeTable.load(DEFAULT_TABLE_PATH)
+        except (OSError, ValueError):
+            pass
+    return StepTimeTable.builtin()
+
+
+class AdaptiveSpeculation:
+    def __init__(
+        self,
+        table: StepTimeTable | Mapping[str, Any] | str | None,
+        *,
+        gamma_max: int = 8,
+        probe_factor: float = 2.0,
+        prior_accept: float = 0.5,
+        prior_weight: float = 4.0,
+        decay: float = 0.998,
+        explore_interval: int = 64,
+    ) -> None:
+        if gamma_max < 0:
+            raise ValueError("gamma_max: must be >= 0")
+        if probe_factor < 1.0:
+            raise ValueError("probe_factor: must be >= 1")
+        self.table = load_table(table)
+        self.gamma_max = gamma_max
+        self.probe_factor = probe_factor
+        self.prior_accept = prior_accept
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.explore_interval = explore_interval
+        self._proposed = [0.0] * gamma_max
+        self._accepted = [0.0] * gamma_max
+        self._off_streak = 0
+        self.last_budget = 0
+
+    # ---- acceptance -----------------------------------------------------------------------------
+
+    def observe(self, proposed_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None:
+        """Counts of one step (or several): draft position i was proposed / accepted (with all
+        positions before it) this many times."""
+        d = self.decay
+        for i in range(self.gamma_max):
+            p = proposed_per_position[i] if i < len(proposed_per_position) else 0
+            a = accepted_per_position[i] if i < len(accepted_per_position) else 0
+            if p or a:
+                self._proposed[i] = self._proposed[i] * d + p
+                self._accepted[i] = self._accepted[i] * d + min(a, p)
+
+    def acceptance(self) -> list[float]:
+        """alpha_i = P(draft position i accepted), smoothed toward a geometric prior, non-increasing."""
+        out: list[float] = []
+        prev = 1.0
+        for i in range(self.gamma_max):
+            prior = self.prior_accept ** (i + 1)
+            a = (self._accepted[i] + prior * self.prior_weight) / (self._proposed[i] + self.prior_weight)
+            prev = min(prev, a)
+            out.append(prev)
+        return out
+
+    # ---- planning -------------------------------------------------------------------------------
+
+    def plan(self, requests: Sequence[tuple[str, bool]]) -> dict[str, int]:
+        """(request_id, is_probe) -> draft length for this step; 0 = no speculation."""
+        n = len(requests)
+        plan = {rid: 0 for rid, _ in requests}
+        if not n or self.gamma_max == 0:
+            self.last_budget = 0
+            return plan
+        alpha = self.acceptance()
+        probes = [rid for rid, is_probe in requests if is_probe]
+        others = [rid for rid, is_probe in requests if not is_probe]
+        # Increments in greedy order, grouped: (weighted gain, position, class members).
+        chunks: list[tuple[float, int, list[str]]] = []
+        for i, a in enumerate(alpha):
+            if probes:
+                chunks.append((a * self.probe_factor, i, probes))
+            if others:
+                chunks.append((a, i, others))
+        chunks.sort(key=lambda c: (-c[0], c[1]))
+        t0 = self.table.time(n, 0)
+        best_rate, best_budget = n / t0, 0
+        budget, expected = 0, float(n)
+        for _w, i, members in chunks:
+            a = alpha[i]
+            # Evaluate a few points inside a chunk too: E and T are both linear there, but T may
+            # bend at table knots.
+            step = max(1, len(members) // 4)
+            taken = 0
+            while taken < len(members):
+                inc = min(step, len(members) - taken)
+                taken += inc
+                budget += inc
+                expected += inc * a
+                rate = expected / self.table.time(n, budget)
+                if rate > best_rate:
+                    best_rate, best_budget = rate, budget
+        # Hand out the best budget in the same greedy order.
+        left = best_budget
+        for _w, _i, members in chunks:
+            if left <= 0:
+                break
+            for rid in members[:left]:
+                plan[rid] += 1
+            left -= min(left, len(members))
+        if best_budget == 0:
+            self._off_streak += 1
+            if self.explore_interval and self._off_streak >= self.explore_interval:
+                self._off_streak = 0
+                rid = (probes or others)[0]
+                plan[rid] = min(2, self.gamma_max)
+                best_budget = plan[rid]
+        else:
+            self._off_streak = 0
+        self.last_budget = best_budget
+        return plan

@@ -1,0 +1,84 @@
+"""AdaptiveSpeculation (Seer Algorithm 1) and the step-time table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.worker.adaptive import AdaptiveSpeculation, StepTimeTable
+
+
+def _table(fixed: float, per_token: float) -> StepTimeTable:
+    bs, gs = (1, 8, 64, 256), (0, 1, 2, 4, 8)
+    return StepTimeTable(bs, gs, tuple(tuple(fixed + per_token * b * (1 + g) for g in gs) for b in bs))
+
+
+def _observe(spec: AdaptiveSpeculation, rate: float, n: int = 2000) -> None:
+    # Position i accepted with probability rate ** (i + 1) (all of 0..i accepted).
+    spec.observe([n] * spec.gamma_max, [int(n * rate ** (i + 1)) for i in range(spec.gamma_max)])
+
+
+def test_memory_bound_small_batch_drafts_long() -> None:
+    spec = AdaptiveSpeculation(_table(0.05, 0.0001), gamma_max=8)
+    _observe(spec, 0.8)
+    plan = spec.plan([(f"r{i}", False) for i in range(4)])
+    assert set(plan.values()) == {8}
+
+
+def test_compute_bound_large_batch_turns_speculation_off() -> None:
+    spec = AdaptiveSpeculation(_table(0.01, 0.002), gamma_max=8, explore_interval=0)
+    _observe(spec, 0.2)
+    plan = spec.plan([(f"r{i}", False) for i in range(256)])
+    assert set(plan.values()) == {0}
+    assert spec.last_budget == 0
+
+
+def test_probes_favoured_and_budget_shrinks_with_batch() -> None:
+    spec = AdaptiveSpeculation(_table(0.03, 0.0006), gamma_max=8, explore_interval=0)
+    _observe(spec, 0.6)
+    small = spec.plan([("p", True)] + [(f"r{i}", False) for i in range(7)])
+    big_reqs = [("p", True)] + [(f"r{i}", False) for i in range(127)]
+    big = spec.plan(big_reqs)
+    assert small["p"] >= small["r0"] and small["p"] > 0
+    assert big["p"] >= big["r0"]
+    assert sum(big.values()) / len(big) < sum(small.values()) / len(small)
+    assert max(small.values()) <= 8
+
+
+def test_acceptance_tracking_changes_the_plan() -> None:
+    spec = AdaptiveSpeculation(_table(0.03, 0.0006), gamma_max=8, explore_interval=0)
+    reqs = [(f"r{i}", False) for i in range(16)]
+    _observe(spec, 0.9)
+    high = sum(spec.plan(reqs).values())
+    spec2 = AdaptiveSpeculation(_table(0.03, 0.0006), gamma_max=8, explore_interval=0)
+    _observe(spec2, 0.05)
+    low = sum(spec2.plan(reqs).values())
+    assert high > low
+    alpha = spec.acceptance()
+    assert all(a >= b for a, b in zip(alpha, alpha[1:], strict=False))
+
+
+def test_explores_when_off() -> None:
+    spec = AdaptiveSpeculation(_table(0.01, 0.002), gamma_max=8, explore_interval=3)
+    _observe(spec, 0.1)
+    reqs = [(f"r{i}", i == 5) for i in range(200)]
+    plans = [spec.plan(reqs) for _ in range(3)]
+    assert sum(plans[0].values()) == 0 and sum(plans[1].values()) == 0
+    assert plans[2]["r5"] > 0 and sum(plans[2].values()) == plans[2]["r5"]
+
+
+def test_table_roundtrip_and_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    t = _table(0.02, 0.001)
+    p = tmp_path / "t.json"
+    t.save(p)
+    t2 = StepTimeTable.load(p)
+    assert t2.time(8, 16) == pytest.approx(t.time(8, 16))
+    assert t.time(8, 16) == pytest.approx(0.02 + 0.001 * 8 * 3)
+    assert t.time(512, 0) > t.time(256, 0)  # extrapolates
+    spec = AdaptiveSpeculation(json.loads(p.read_text()))  # the worker passes the parsed JSON
+    assert spec.table == t2
+    with pytest.raises(ValueError, match="times_s"):
+        StepTimeTable((1, 2), (0,), ((0.1,),))
+    with pytest.raises(ValueError, match="gammas"):
+        StepTimeTable.from_dict({"batch_sizes": [1], "times_s": [[1.0]]})
