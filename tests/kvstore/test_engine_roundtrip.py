@@ -1,0 +1,52 @@
+"""Migration of a request between two real engines through two real kvstore replicas: the chunk
+that moves computes no prefill for the stored prefix and produces the same greedy tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from services.worker.engine import GenerateRequest, SamplingParams
+from services.worker.kv_client import KVClient
+from tests.kvstore.kvhelpers import Replica
+
+engine_mod = pytest.importorskip("services.worker.engines.reference.engine")
+
+Make = Callable[..., Replica]
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def test_chunk_moves_to_another_engine_without_reprefill(model_dir: Path, replicas: Make) -> None:
+    a_store, b_store = replicas("a", dram_bytes=64 << 20), replicas("b", dram_bytes=64 << 20)
+    version = "smollm2@v1"
+    worker_a = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version)
+    worker_b = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version)
+    prompt = tuple(range(1000, 1000 + 70))  # 4 full pages of 16 and a partial one
+    # Reference: the request generated in one go on worker A.
+    ref = worker_a.generate([GenerateRequest("ref", prompt, 12, GREEDY)])["ref"].token_ids
+    assert len(ref) == 12
+    with KVClient([a_store.address, b_store.address]) as kv:
+        # Chunk 1 ran on A (its cache holds the pages); A offloads them at the chunk end.
+        context = list(prompt) + ref[:6]
+        pages = worker_a.export_kv(context)
+        assert len(pages.pages) == len(context) // 16
+        assert kv.offload_async(pages, "req-1").result(timeout=60) == len(pages.pages)
+        assert a_store.store is not None and b_store.store is not None
+        assert a_store.store.stats().pages > 0 and b_store.store.stats().pages > 0  # sharded
+        # Chunk 2 runs on B: fetch the prefix, import, resume.
+        assert worker_b.cached_prefix_tokens(context) == 0
+        fetched = kv.fetch_prefix(context, worker_b.model_version, worker_b.kv_layout)
+        assert fetched is not None and fetched.pages == pages.pages
+        assert worker_b.import_kv(fetched) == len(pages.pages) * 16
+        before = worker_b.stats().prefill_tokens
+        out = worker_b.generate([GenerateRequest("req-1", prompt, 6, GREEDY, output_token_ids=tuple(ref[:6]))])
+        prefilled = worker_b.stats().prefill_tokens - before
+        assert out["req-1"].token_ids == ref[6:]
+        # Only the partial tail page is computed; the stored prefix is not re-prefilled.
+        assert prefilled < 16, prefilled
+        assert worker_b.stats().imported_tokens == len(pages.pages) * 16
+        # Pages of this version are never served to an engine on the next version.
+        assert kv.fetch_prefix(context, "smollm2@v2", worker_b.kv_layout) is None
+        assert kv.release(version, "req-1") == len(pages.pages)
