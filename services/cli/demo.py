@@ -1,0 +1,78 @@
+"""`seer demo`: start the suite, run a sample rollout on examples/prompts.jsonl, print the summary, stop.
+
+    seer demo [--workers 1] [--limit 8] [--group-size 4] [--max-tokens 48] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from services.cli import rollout
+from services.cli.up import Suite, SuiteError, ensure_embedded_model
+
+EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="seer demo", description="start the suite, run a sample rollout, stop")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--prompts", default=str(EXAMPLE_PROMPTS))
+    p.add_argument("--limit", type=int, default=8, help="prompts to use")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="seer")
+    p.add_argument("--chunk-size", type=int, default=32)
+    p.add_argument("--speculation", choices=["on", "off"], default="on")
+    p.add_argument("--base-port", type=int, default=0, help="first port (0 = any free ports)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    say = (lambda *_a: None) if args.json else (lambda *a: print(*a, flush=True))
+    say("preparing the embedded model ...")
+    model_dir = ensure_embedded_model()
+    suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
+                  chunk_size=args.chunk_size, speculation=args.speculation == "on")
+    say(f"starting the suite ({args.workers} worker(s)) ...")
+    try:
+        suite.start()
+    except SuiteError as e:
+        print(f"seer demo: {e}", file=sys.stderr)
+        return 1
+    try:
+        for name, ep in suite.endpoints().items():
+            say(f"  {name:<10} {ep['address']}")
+        prompts = rollout.load_prompts(args.prompts, args.limit)
+        groups = rollout.build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,
+                                      seed=args.seed)
+        say(f"rollout: {len(groups)} prompts x {args.group_size} samples, up to {args.max_tokens} tokens each")
+        results, wall = rollout.run(suite.address, groups, f"demo-{uuid.uuid4().hex[:8]}", progress=not args.json)
+        summary = rollout.summarize(results, wall)
+        acc = rollout.accuracy(results)
+        if acc is not None:
+            summary["accuracy"] = round(acc, 4)
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            best = max(results, key=lambda r: len(r.token_ids))
+            say(f"\nsample response ({best.prompt_key}, answer {best.labels.get('answer', '?')}): {best.text!r}\n")
+            say(rollout.format_summary(summary))
+    finally:
+        say("stopping the suite ...")
+        codes = suite.stop()
+        bad = {n: c for n, c in codes.items() if c not in (0, None)}
+        say("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
