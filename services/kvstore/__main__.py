@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from services.common import config
 from services.common.log import setup_logging
 from services.common.server import announce_port, serve_until_signal
+from services.kvstore import metrics
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.server import serve
 
@@ -15,7 +16,8 @@ from services.kvstore.server import serve
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("kvstore")
     cfg = config.load(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
-    running, _store = serve(cfg)
+    running, store = serve(cfg)
+    metrics.register(store)
     announce_port(cfg.port_file or None, running.port)
     return serve_until_signal(running)
 

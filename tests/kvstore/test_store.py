@@ -161,3 +161,19 @@ def test_corrupt_page_on_disk_is_never_served(open_store: Open) -> None:
     s = store.stats()
     assert s.checksum_failures == 1
     assert store.exists("m@v1", [h for h, _ in pages]) == 1
+
+
+def test_prometheus_collector_reads_stats(open_store: Open) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.kvstore.metrics import register
+
+    store = open_store()
+    _put_chain(store, 3)
+    list(store.get("m@v1", [os.urandom(16)]))
+    registry = CollectorRegistry()
+    register(store, registry)
+    text = generate_latest(registry).decode()
+    assert f"seer_kvstore_dram_bytes {float(3 * PAGE_BYTES)}" in text
+    assert "seer_kvstore_pages 3.0" in text
+    assert "seer_kvstore_misses_total 1.0" in text
