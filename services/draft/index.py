@@ -177,6 +177,23 @@ class GroupIndex:
         against tracemalloc in tests/draft/test_index.py)."""
         return self.indexed_tokens * 8 + self.entries * 100 + len(self._seqs) * 120
 
+    def all_continuations(self, context: Sequence[int], k: int, max_len: int) -> list[list[int]]:
+        """Every continuation (up to max_len tokens) of every occurrence of the context's last k
+        tokens, uncapped: the candidate set of the ideal offline replay in bench.spec."""
+        if k not in self.levels or len(context) < k:
+            return []
+        v = self._tables[self.levels.index(k)].get(hash(tuple(context[len(context) - k :])))
+        if v is None:
+            return []
+        codes = [v] if type(v) is int else v
+        out = []
+        for c in codes:  # type: ignore[union-attr]
+            seq = self._seqs[c >> _POS_BITS]
+            p = c & _POS_MASK
+            if p < len(seq) and seq[p - k : p] == list(context[len(context) - k :]):
+                out.append(seq[p : p + max_len])
+        return out
+
     # ---- drafting -------------------------------------------------------------------------------
 
     def _continuations(self, level: int, context: Sequence[int], cap: int) -> list[list[int]]:

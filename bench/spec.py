@@ -1,0 +1,364 @@
+"""Speculation benchmark: acceptance of grouped / historical / tree drafts on real rollouts, the ideal
+offline replay, index speed, and rollout throughput with speculation vs without, in one run.
+
+    python -m bench.spec [--quick] [--model-dir DIR] [--prompts N] [--max-tokens N]
+
+1. Rollouts: the embedded model (reference engine) samples G = 16 responses per prompt, twice over
+   the same prompts (iteration 1 is history for iteration 2), at temperature 1.0 and 0.7. They are
+   cached under .cache/bench_spec/ (rerunning only measures).
+2. Offline acceptance (lockstep replay of iteration 2): all responses of a group advance together;
+   each step the drafter proposes gamma_max = 8 tokens from the index as it is at that moment (own
+   tokens, the siblings' tokens so far, history), the step accepts the longest draft prefix (tree:
+   path) equal to the real continuation plus the bonus token. Accepted tokens are appended back.
+   Equality with an independent sample is the greedy-match proxy of speculative sampling: the
+   verifier accepts draft token d with probability p(d), which is the probability that the sample
+   equals d. Sources: self only, grouped (G = 8, 16), grouped + history, tree (top-4).
+   Ideal replay: the same replay with an oracle that, knowing the real continuation, picks the best
+   of every continuation of a >= 2-token suffix match in the same tokens (the drafter's minimum).
+3. Index speed: propose p50/p99 for a group of 16 x 4K tokens, ingest tokens/s, bytes/token.
+4. Throughput: the same batch through the reference engine with the embedded draft client (a real
+   draft server on loopback, history seeded) and adaptive speculation, vs no speculation.
+Last line: RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import tracemalloc
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.draft.index import GroupIndex, Proposal
+
+GAMMA = 8
+CACHE = Path(".cache/bench_spec")
+PROMPTS = [
+    "Solve step by step: a train travels 120 km in 1.5 hours. What is its average speed in km/h?",
+    "Write a Python function that returns the n-th Fibonacci number, then explain it.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Think step by step.",
+    "Explain why the sky is blue in a short paragraph.",
+    "List three prime numbers greater than 50 and prove that one of them is prime.",
+    "If x + 2y = 10 and 3x - y = 9, what are x and y? Show your work.",
+    "Write a haiku about the ocean, then explain its syllable count.",
+    "What is 17 times 23? Explain the multiplication step by step.",
+]
+
+
+def out(msg: str) -> None:
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
+# ---- rollouts -------------------------------------------------------------------------------------
+
+
+def _tokenize(model_dir: Path, texts: Sequence[str]) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    chat = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+    return [tok.encode(chat.format(t), add_special_tokens=False).ids for t in texts]
+
+
+def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: int, temperature: float,
+                      top_p: float = 1.0) -> dict[str, Any]:
+    """Two iterations x n_prompts x group responses, cached."""
+    key = f"t{temperature}_p{top_p}_n{n_prompts}_g{group}_m{max_tokens}"
+    path = CACHE / f"rollouts_{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    from services.worker.engine import GenerateRequest, SamplingParams
+    from services.worker.engines.reference.engine import ReferenceEngine
+
+    prompts = _tokenize(model_dir, PROMPTS[:n_prompts])
+    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=n_prompts * group)
+    iters = []
+    t0 = time.perf_counter()
+    for it in range(2):
+        reqs = [GenerateRequest(f"i{it}-p{p}-s{s}", tuple(prompts[p]), max_tokens,
+                                SamplingParams(temperature=temperature, top_p=top_p, seed=1000 * it + 37 * p + s))
+                for p in range(n_prompts) for s in range(group)]
+        res = engine.generate(reqs)
+        iters.append([[res[f"i{it}-p{p}-s{s}"].token_ids for s in range(group)] for p in range(n_prompts)])
+    data = {"prompts": prompts, "iterations": iters, "temperature": temperature, "top_p": top_p,
+            "gen_seconds": time.perf_counter() - t0}
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return data
+
+
+# ---- offline acceptance ---------------------------------------------------------------------------
+
+
+def _accepted(prop: Proposal, future: Sequence[int]) -> int:
+    """Draft tokens equal to the real continuation along the best matching path."""
+    if not prop.tokens:
+        return 0
+    depth = [0] * len(prop.tokens)
+    best = 0
+    ok = [False] * len(prop.tokens)
+    for i, (t, p) in enumerate(zip(prop.tokens, prop.parents, strict=True)):
+        d = 0 if p < 0 else depth[p] + 1
+        depth[i] = d
+        if (p < 0 or ok[p]) and d < len(future) and future[d] == t:
+            ok[i] = True
+            best = max(best, d + 1)
+    return best
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def replay(prompt: list[int], responses: list[list[int]], history: list[list[int]], *, siblings: bool,
+           width: int = 1, ideal: bool = False, gamma: int = GAMMA) -> tuple[int, int]:
+    """Lockstep replay of one group; returns (tokens, steps)."""
+    n = len(responses)
+    shared = GroupIndex(prompt)
+    for h in history:
+        shared.add_history(h)
+    own = [shared] * n if siblings else [GroupIndex(prompt) for _ in range(n)]
+    pos = [0] * n
+    steps = tokens = 0
+    while True:
+        live = [r for r in range(n) if pos[r] < len(responses[r])]
+        if not live:
+            break
+        advance = {}
+        for r in live:
+            ctx = prompt + responses[r][: pos[r]]
+            future = responses[r][pos[r] : pos[r] + gamma]
+            if ideal:
+                idx = own[r]
+                acc = max((_lcp(c, future) for c in idx.all_continuations(ctx, idx.levels[0], gamma)), default=0)
+            else:
+                acc = _accepted(own[r].propose(ctx, gamma, width=width), future)
+            advance[r] = min(acc + 1, len(responses[r]) - pos[r])
+        for r, a in advance.items():
+            own[r].append(f"r{r}", pos[r], responses[r][pos[r] : pos[r] + a])
+            pos[r] += a
+            tokens += a
+            steps += 1
+    return tokens, steps
+
+
+def acceptance(data: dict[str, Any], group: int) -> dict[str, float]:
+    prompts, (it1, it2) = data["prompts"], data["iterations"]
+    cases = {
+        "self": dict(siblings=False, hist=False, width=1),
+        "grouped": dict(siblings=True, hist=False, width=1),
+        "grouped_history": dict(siblings=True, hist=True, width=1),
+        "tree4": dict(siblings=True, hist=True, width=4),
+    }
+    res: dict[str, float] = {}
+    for name, c in cases.items():
+        for ideal in (False, True):
+            if ideal and c["width"] != 1:
+                continue
+            tok = st = 0
+            for p, prompt in enumerate(prompts):
+                hist = [list(x) for x in it1[p][:group]] if c["hist"] else []
+                t, s = replay(list(prompt), [list(x) for x in it2[p][:group]], hist, siblings=bool(c["siblings"]),
+                              width=int(c["width"]), ideal=ideal)
+                tok += t
+                st += s
+            res[f"{name}{'_ideal' if ideal else ''}"] = tok / max(st, 1)
+    for name in ("self", "grouped", "grouped_history"):
+        res[f"{name}_vs_ideal"] = res[name] / res[f"{name}_ideal"]
+    return res
+
+
+# ---- index speed ----------------------------------------------------------------------------------
+
+
+def index_speed(data: dict[str, Any], quick: bool) -> dict[str, float]:
+    """16 responses x 4K tokens built from real responses (concatenated, shifted per sibling, so the
+    match statistics are those of real text), then propose from random positions."""
+    rng = random.Random(0)
+    pool = [t for group in data["iterations"][0] for r in group for t in r]
+    n_resp, length = 16, 4096
+    resps = []
+    for _ in range(n_resp):
+        start = rng.randrange(len(pool))
+        resps.append([pool[(start + i) % len(pool)] for i in range(length)])
+    prompt = list(data["prompts"][0])
+    tracemalloc.start()
+    idx0 = GroupIndex(prompt)
+    for r, toks in enumerate(resps):
+        idx0.append(f"r{r}", 0, toks)
+    mem, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    t0 = time.perf_counter()
+    idx = GroupIndex(prompt)
+    for r, toks in enumerate(resps):
+        for off in range(0, length, 64):
+            idx.append(f"r{r}", off, toks[off : off + 64])
+    ingest = n_resp * length / (time.perf_counter() - t0)
+    lat: dict[int, list[float]] = {1: [], 4: []}
+    trials = 2000 if quick else 10000
+    ctxs = []
+    for _ in range(trials):
+        r = rng.randrange(n_resp)
+        ctxs.append(prompt + resps[r][: rng.randrange(16, length)])
+    for width in lat:
+        for ctx in ctxs:
+            t = time.perf_counter()
+            idx.propose(ctx, GAMMA, width=width)
+            lat[width].append(time.perf_counter() - t)
+        lat[width].sort()
+    return {
+        "propose_p50_us": lat[1][len(lat[1]) // 2] * 1e6,
+        "propose_p99_us": lat[1][int(len(lat[1]) * 0.99)] * 1e6,
+        "tree4_p99_us": lat[4][int(len(lat[4]) * 0.99)] * 1e6,
+        "ingest_tokens_per_s": ingest,
+        "bytes_per_token": mem / (n_resp * length),
+        "bytes_per_token_estimate": idx.memory_bytes() / idx.indexed_tokens,
+    }
+
+
+# ---- throughput -----------------------------------------------------------------------------------
+
+
+def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
+               width: int = 1, seed_base: int = 5000) -> dict[str, float]:
+    """One batch of n_prompts x group requests through the reference engine; returns tokens/s."""
+    from services.draft.app import start
+    from services.draft.config import DraftConfig
+    from services.worker.adaptive import AdaptiveSpeculation
+    from services.worker.draft_client import DraftClient
+    from services.worker.engine import GenerateRequest, SamplingParams
+    from services.worker.engines.reference.engine import ReferenceEngine
+
+    prompts = data["prompts"]
+    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=len(prompts) * group)
+    running, store = start(DraftConfig(port=0, grace_seconds=0.1))
+    client = DraftClient(running.address, sync_interval_s=0.02)
+    planner = AdaptiveSpeculation(None, gamma_max=GAMMA)
+    try:
+        reqs = []
+        group_of: dict[str, str] = {}
+        for p, prompt in enumerate(prompts):
+            store.seed_history(f"prompt-{p}", 1, data["iterations"][0][p][:group])
+            client.register_group(f"g{p}", f"prompt-{p}", prompt, group)
+            for s in range(group):
+                rid = f"p{p}-s{s}"
+                group_of[rid] = f"g{p}"
+                reqs.append(GenerateRequest(rid, tuple(prompt), max_tokens,
+                                            SamplingParams(temperature=data["temperature"], top_p=data["top_p"],
+                                                           seed=seed_base + 37 * p + s)))
+        client.flush()
+        for r in reqs:
+            engine.add_request(r)
+        probes = {f"p{p}-s0" for p in range(len(prompts))}
+        done: set[str] = set()
+        length = {r.request_id: 0 for r in reqs}
+        tokens = steps = proposed = accepted = 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            drafts = {}
+            if speculate:
+                live = [rid for rid in length if rid not in done and length[rid] > 0]
+                plan = planner.plan([(rid, rid in probes) for rid in live])
+                for rid in live:
+                    n = min(plan.get(rid, 0), max_tokens - length[rid] - 1)
+                    if n > 0:
+                        d = client.propose(group_of[rid], rid, engine.request_tokens(rid), n, width)
+                        if d is not None:
+                            drafts[rid] = d
+            outs = engine.step(drafts or None)
+            steps += 1
+            prop_pos = [0] * GAMMA
+            acc_pos = [0] * GAMMA
+            for o in outs:
+                if o.request_id in drafts:
+                    depth = len(drafts[o.request_id].tokens) if width == 1 else GAMMA
+                    for i in range(min(depth, GAMMA)):
+                        prop_pos[i] += 1
+                    for i in range(min(o.num_accepted, GAMMA)):
+                        acc_pos[i] += 1
+                    proposed += o.num_draft_tokens
+                    accepted += o.num_accepted
+                if o.token_ids:
+                    client.append(group_of[o.request_id], o.request_id, length[o.request_id], o.token_ids,
+                                  finished=o.finished)
+                    length[o.request_id] += len(o.token_ids)
+                    tokens += len(o.token_ids)
+                if o.finished:
+                    done.add(o.request_id)
+            if drafts:
+                planner.observe(prop_pos, acc_pos)
+        wall = time.perf_counter() - t0
+        return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": steps,
+                "draft_tokens": proposed, "accepted": accepted}
+    finally:
+        client.close()
+        running.stop(0)
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.spec")
+    ap.add_argument("--quick", action="store_true", help="2 prompts, 64 tokens, a short throughput run")
+    ap.add_argument("--model-dir", default="")
+    ap.add_argument("--prompts", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=0)
+    ap.add_argument("--skip-throughput", action="store_true")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    n_prompts = args.prompts or (2 if args.quick else 4)
+    max_tokens = args.max_tokens or (64 if args.quick else 192)
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        from services.worker.model.prepare import ensure_model
+
+        model_dir = ensure_model()
+    result: dict[str, Any] = {"bench": "spec", "quick": args.quick, "prompts": n_prompts, "max_tokens": max_tokens,
+                              "gamma_max": GAMMA}
+    datasets = {}
+    for temp in (1.0, 0.7):
+        t0 = time.perf_counter()
+        data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp)
+        datasets[temp] = data
+        out(f"rollouts T={temp}: {n_prompts} prompts x 16 x 2 iterations ({time.perf_counter() - t0:.1f}s)")
+        for g in (8, 16):
+            acc = acceptance(data, g)
+            result[f"acceptance_t{temp}_g{g}"] = {k: round(v, 3) for k, v in acc.items()}
+            out(f"  G={g:<2d} " + "  ".join(f"{k}={v:.3f}" for k, v in acc.items()))
+    speed = index_speed(datasets[1.0], args.quick)
+    result["index"] = {k: round(v, 2) for k, v in speed.items()}
+    out("index: " + "  ".join(f"{k}={v:.1f}" for k, v in speed.items()))
+    if not args.skip_throughput:
+        for temp in (0.7, 1.0):
+            data = datasets[temp]
+            g = 8
+            mt = min(max_tokens, 48 if args.quick else max_tokens)
+            base = throughput(model_dir, data, g, mt, speculate=False)
+            spec = throughput(model_dir, data, g, mt, speculate=True)
+            ratio = spec["tokens_per_s"] / base["tokens_per_s"]
+            result[f"throughput_t{temp}"] = {"no_spec_tok_s": round(base["tokens_per_s"], 2),
+                                             "spec_tok_s": round(spec["tokens_per_s"], 2), "ratio": round(ratio, 3),
+                                             "spec_steps": spec["steps"], "no_spec_steps": base["steps"],
+                                             "draft_tokens": spec["draft_tokens"], "accepted": spec["accepted"]}
+            out(f"throughput T={temp} G={g}: no spec {base['tokens_per_s']:.1f} tok/s ({base['steps']} steps), "
+                f"spec {spec['tokens_per_s']:.1f} tok/s ({spec['steps']} steps, {spec['accepted']}/"
+                f"{spec['draft_tokens']} accepted) -> {ratio:.2f}x")
+    out("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
