@@ -291,7 +291,8 @@ class BufferCore:
                 self._groups[(batch_id, g.group_index)] = g
             for live in new_live:
                 self._add_live(live)
-            self._hub.publish([Added(self._work_item(live)) for live in new_live])
+            if len(self._hub):
+                self._hub.publish([Added(self._work_item(live)) for live in new_live])
             metrics.BATCHES.inc()
             metrics.REQUESTS.inc(len(new_live))
             metrics.PENDING.set(len(self._live))
@@ -411,10 +412,10 @@ class BufferCore:
             state=RequestState.FINISHED if finished else RequestState.RUNNING,
             next_seq=rec.next_seq + 1, generated=rec.generated + len(chunk.token_ids),
             finish_reason=reason if finished else FinishReason.UNSPECIFIED,
-            stats=ChunkStats(**rec.stats.to_meta()),
+            stats=rec.stats.copy(),
         )
         new_rec.stats.add(c.stats)
-        new_batch = BatchRecord(**{**batch.__dict__})
+        new_batch = batch.copy()
         new_batch.generated_tokens += len(chunk.token_ids)
         wb = self._store.new_batch()
         wb.put(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq), chunk.encode())
@@ -551,7 +552,7 @@ class BufferCore:
         requests = []
         with self._lock:
             self._check_open()
-            b = BatchRecord(**self._batch(batch_id).__dict__)
+            b = self._batch(batch_id).copy()
             if include_requests:
                 for _k, v in self._store.scan(keys.requests_prefix(batch_id)):
                     r = RequestRecord.decode(v)
@@ -567,13 +568,13 @@ class BufferCore:
                 return b.state, 0
             rids = sorted(self._live_by_batch.get(batch_id, set()))
             wb = self._store.new_batch()
-            new_batch = BatchRecord(**{**b.__dict__})
+            new_batch = b.copy()
             new_batch.state = BatchState.CANCELLED
             new_batch.num_cancelled = len(rids)
             cancelled = []
             for rid in rids:
                 r = self._live[rid].rec
-                nr = RequestRecord(**{**r.__dict__})
+                nr = r.copy()
                 nr.state, nr.finish_reason = RequestState.CANCELLED, FinishReason.ABORTED
                 wb.put(keys.request_key(r.batch_id, r.group_index, r.sample_index), nr.encode())
                 cancelled.append(rid)

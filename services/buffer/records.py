@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import struct
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ class Sampling:
     ignore_eos: bool = False
 
     def to_meta(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dict(self.__dict__)  # shallow: dataclasses.asdict deep-copies and dominates submit time
         d["stop_token_ids"] = list(self.stop_token_ids)
         return d
 
@@ -85,7 +86,10 @@ class ChunkStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def to_meta(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dict(self.__dict__)
+
+    def copy(self) -> ChunkStats:
+        return ChunkStats(**self.__dict__)
 
     @classmethod
     def from_meta(cls, d: dict[str, Any]) -> ChunkStats:
@@ -109,8 +113,11 @@ class BatchRecord:
     def terminal(self) -> bool:
         return self.state != BatchState.RUNNING
 
+    def copy(self) -> BatchRecord:
+        return dataclasses.replace(self)
+
     def encode(self) -> bytes:
-        d = dataclasses.asdict(self)
+        d = dict(self.__dict__)
         d["state"] = int(self.state)
         return codec.encode(d)
 
@@ -178,18 +185,35 @@ class RequestRecord:
     def active(self) -> bool:
         return self.state in (RequestState.PENDING, RequestState.RUNNING)
 
+    def copy(self) -> RequestRecord:
+        return dataclasses.replace(self, stats=self.stats.copy())
+
+    # Request records are written on every commit and 65536 at a time on submit: a fixed struct
+    # instead of JSON (about 20x cheaper to encode).
+    _HEAD = struct.Struct("<3sHIIQBIIB")
+    _STATS = struct.Struct("<iiiiiidi")
+    _MAGIC = b"RQ1"
+
     def encode(self) -> bytes:
-        d = dataclasses.asdict(self)
-        d["state"], d["finish_reason"] = int(self.state), int(self.finish_reason)
-        return codec.encode(d)
+        bid = self.batch_id.encode()
+        st = self.stats
+        return b"".join((
+            self._HEAD.pack(self._MAGIC, len(bid), self.group_index, self.sample_index, self.seed, int(self.state),
+                            self.next_seq, self.generated, int(self.finish_reason)),
+            bid,
+            self._STATS.pack(st.prefill_tokens, st.cached_tokens, st.kv_loaded_tokens, st.draft_tokens,
+                             st.accepted_tokens, st.steps, st.wall_seconds, st.kv_recomputed_pages),
+        ))
 
     @classmethod
     def decode(cls, data: bytes) -> RequestRecord:
-        m, _ = codec.decode(data)
-        m["state"] = RequestState(m["state"])
-        m["finish_reason"] = FinishReason(m["finish_reason"])
-        m["stats"] = ChunkStats.from_meta(m["stats"])
-        return cls(**m)
+        magic, n, gi, si, seed, state, next_seq, generated, reason = cls._HEAD.unpack_from(data, 0)
+        if magic != cls._MAGIC:
+            raise ValueError("not a request record (bad magic)")
+        pos = cls._HEAD.size
+        bid = data[pos : pos + n].decode()
+        stats = ChunkStats(*cls._STATS.unpack_from(data, pos + n))
+        return cls(bid, gi, si, seed, RequestState(state), next_seq, generated, FinishReason(reason), stats)
 
 
 @dataclass

@@ -57,6 +57,8 @@ def validate_batch_id(batch_id: str) -> None:
 
 
 def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):  # fast path in C; the loop names the index
+        return
     for j, t in enumerate(tokens):
         if not 0 <= t < vocab:
             raise InvalidArgument(f"token id {t} outside the vocabulary [0, {vocab})", field=f"{field}[{j}]")
