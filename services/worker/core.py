@@ -27,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,9 +51,11 @@ log = get_logger(__name__)
 _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
 
 
-def version_name(policy_version: int) -> str:
-    """The engine/KV-namespace name of a policy version (every worker must agree on it)."""
-    return f"v{policy_version}"
+def version_name(policy_version: int, family: str = "") -> str:
+    """The engine's model version string, also the KV store namespace: "<family>@v<N>". Every worker
+    of a deployment must agree on it; the store drops a family's older versions when a newer one
+    appears (so pages of old weights are never served and their space comes back)."""
+    return f"{family}@v{policy_version}" if family else f"v{policy_version}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,9 +297,11 @@ class Worker:
         group_ttl_seconds: float = 3600.0,
         kv_offload: bool = True,
         engine_name: str = "reference",
+        model_family: str = "",
     ) -> None:
         self.engine = engine
         self.engine_name = engine_name
+        self.model_family = model_family
         self.worker_id = worker_id
         self._policy_version = policy_version
         self._draft = draft
@@ -318,6 +322,8 @@ class Worker:
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
         self._throughput = _Throughput()
         self._offloads: set[Future[Any]] = set()
+        # Releases are RPCs: they run here, never under the engine lock.
+        self._bg = ThreadPoolExecutor(1, thread_name_prefix="kv-release") if kv_pool is not None else None
         # Worker-level counters the engine does not keep (per-position counts: the engine's).
         self._kv_loaded_tokens = 0
         self._kv_recomputed_pages = 0
@@ -342,15 +348,21 @@ class Worker:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        for fut in list(self._offloads):
-            try:
-                fut.result(timeout=timeout)
-            except Exception:
-                log.warning("kv offload failed at shutdown", exc_info=True)
+        self.wait_offloads(timeout)
+        if self._bg is not None:
+            self._bg.shutdown(wait=True)
         if self._draft is not None:
             self._draft.close()
         if self._kv is not None:
             self._kv.close()
+
+    def wait_offloads(self, timeout: float = 30.0) -> None:
+        """Waits for the KV offloads started so far (tests; shutdown)."""
+        for fut in list(self._offloads):
+            try:
+                fut.result(timeout=timeout)
+            except Exception:
+                log.warning("kv offload failed", exc_info=True)
 
     @property
     def policy_version(self) -> int:
@@ -516,7 +528,7 @@ class Worker:
                         raise Unavailable(f"{len(self._active)} chunks still running after {drain_timeout:.0f}s")
                     self._wake.wait(min(left, 0.5))
                 try:
-                    self.engine.load_weights(source or None, version_name(version))
+                    self.engine.load_weights(source or None, version_name(version, self.model_family))
                 except FileNotFoundError as e:
                     raise InvalidArgument(str(e), field="source") from e
                 except ValueError as e:
@@ -778,11 +790,17 @@ class Worker:
             log.warning("kv offload failed: %s", exc)
 
     def _release(self, job: ChunkJob) -> None:
-        assert self._kv is not None
-        try:
-            self._kv.release(self.engine.model_version, job.request_id)
-        except Exception:
-            log.warning("kv release failed", exc_info=True, extra=kv(request_id=job.request_id))
+        kv_pool, bg = self._kv, self._bg
+        assert kv_pool is not None and bg is not None
+        version, rid = self.engine.model_version, job.request_id
+
+        def release() -> None:
+            try:
+                kv_pool.release(version, rid)
+            except Exception:
+                log.warning("kv release failed", exc_info=True, extra=kv(request_id=rid))
+
+        bg.submit(release)
 
     # -- the draft server --------------------------------------------------------------------
 

@@ -25,9 +25,17 @@ def resolve_model_dir(cfg: WorkerConfig) -> Path:
     return ensure_model()
 
 
+def model_family(cfg: WorkerConfig) -> str:
+    """The KV namespace family: the model directory's name (all workers of a model share it)."""
+    from services.common.model_paths import default_model_dir
+
+    name = Path(cfg.model_dir or default_model_dir()).name
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name).lower() or "model"
+
+
 def build_engine(cfg: WorkerConfig) -> Engine:
     model_dir = resolve_model_dir(cfg)
-    version = version_name(cfg.policy_version)
+    version = version_name(cfg.policy_version, model_family(cfg))
     if cfg.engine == "sglang":
         from services.worker.engines.sglang.engine import SGLangEngine
 
@@ -95,6 +103,7 @@ def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None
         group_ttl_seconds=cfg.group_ttl_seconds,
         kv_offload=cfg.kv_offload,
         engine_name=cfg.engine,
+        model_family=model_family(cfg),
     )
     log.info("worker built", extra=kv(worker_id=worker_id, engine=cfg.engine, speculation=cfg.speculation,
                                       draft=cfg.draft_address or "-", kv=",".join(cfg.kv_addresses) or "-"))

@@ -1,0 +1,59 @@
+"""A request moves between workers through the real KV store: the second chunk runs on another
+engine, loads the prefix pages the first worker offloaded instead of re-prefilling them, and
+generates exactly what one uninterrupted run would (greedy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.kvstore.config import KvStoreConfig
+from services.kvstore.server import serve
+from services.worker.core import ChunkFinish, ChunkJob, Worker
+from services.worker.engine import SamplingParams
+from services.worker.engines.reference.engine import ReferenceEngine
+from services.worker.kv_client import KVClient
+
+
+def test_chunk_moves_with_kv_from_the_pool(ref_engine: ReferenceEngine, model_dir: Path, tmp_path: Path,
+                                           prompts: list[tuple[int, ...]]) -> None:
+    running, _store = serve(KvStoreConfig(port=0, data_dir=str(tmp_path / "kv"), dram_bytes=64 << 20,
+                                          ssd_bytes=256 << 20, grace_seconds=1.0))
+    other = ReferenceEngine.from_dir(model_dir, num_pages=256, max_batch_size=4)
+    kv_a, kv_b = KVClient([running.address]), KVClient([running.address])
+    wa = Worker(ref_engine, worker_id="a", kv_pool=kv_a, speculation=False).start()
+    wb = Worker(other, worker_id="b", kv_pool=kv_b, speculation=False).start()
+    prompt = prompts[2] + prompts[0]  # > 2 pages of 16 tokens
+    greedy = SamplingParams(temperature=0.0)
+
+    def job(rid: str, **kw: object) -> ChunkJob:
+        base: dict[str, object] = dict(request_id=rid, prompt_token_ids=prompt, max_new_tokens=20, max_tokens=20,
+                                       sampling=greedy, policy_version=0, group_id="g", fetch_kv=True)
+        base.update(kw)
+        return ChunkJob(**base)  # type: ignore[arg-type]
+
+    try:
+        whole, _, _ = wa.run(job("whole", fetch_kv=False, sampling=SamplingParams(temperature=0.0, ignore_eos=True)))
+        first, _, d1 = wa.run(job("moved", max_new_tokens=10,
+                                  sampling=SamplingParams(temperature=0.0, ignore_eos=True)))
+        assert d1.finish == ChunkFinish.CHUNK
+        wa.wait_offloads()
+        assert kv_a.stats().put_pages >= len(prompt) // 16
+        second, _, d2 = wb.run(job("moved", output_token_ids=tuple(first), seq=1, max_new_tokens=10,
+                                   sampling=SamplingParams(temperature=0.0, ignore_eos=True)))
+        assert first + second == whole
+        assert d2.finish == ChunkFinish.LENGTH
+        prefix = len(prompt) + len(first)
+        assert d2.stats.kv_loaded_tokens >= (prefix - 1) // 16 * 16 - 16
+        assert d2.stats.kv_loaded_tokens > 0 and d2.stats.cached_tokens == d2.stats.kv_loaded_tokens
+        assert d2.stats.prefill_tokens == prefix - d2.stats.cached_tokens
+        assert other.stats().imported_tokens == d2.stats.kv_loaded_tokens
+        assert wb.stats().kv_loaded_tokens == d2.stats.kv_loaded_tokens
+        # A third, unrelated request finds nothing in the pool and recomputes its pages.
+        _, _, d3 = wb.run(job("fresh", prompt_token_ids=prompts[1], max_new_tokens=2, max_tokens=2))
+        assert d3.stats.kv_loaded_tokens == 0
+    finally:
+        wa.close()
+        wb.close()
+        running.stop(1.0)
+    # The finished request released its pages (asynchronously, before close returned).
+    assert kv_b.stats().released_pages > 0
