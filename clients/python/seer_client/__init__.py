@@ -1,4 +1,4 @@
-"""Python client of Seer's RolloutService (see clients/python/README.md)."""
+"""Python client of Seer's RolloutService (see README.md next to this file)."""
 
 from __future__ import annotations
 
