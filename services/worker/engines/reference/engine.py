@@ -1,0 +1,433 @@
+"""ReferenceEngine: the Engine facade over block manager, scheduler, model runner and verifier.
+
+Between steps the engine holds no half-done work: a step schedules (admits waiting requests or
+decodes the running ones), runs one forward pass over the batch with every request's draft tree,
+verifies, appends the emitted tokens, registers newly full pages in the prefix cache and frees the
+pages of finished requests (they stay cached for the next chunk or a sibling). Bad input raises
+ValueError naming the field before any state changes, so other requests keep running.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.common.log import get_logger
+from services.common.pagehash import chain_hashes
+from services.worker.engine import (
+    Draft,
+    Engine,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    KVLayout,
+    KVPages,
+    StepOutput,
+)
+from services.worker.engines.reference.block_manager import BlockManager
+from services.worker.engines.reference.config import EngineConfig
+from services.worker.engines.reference.model import LlamaModel
+from services.worker.engines.reference.model_runner import DraftTree, ModelRunner
+from services.worker.engines.reference.sampler import sample_rows, target_probs, uniform
+from services.worker.engines.reference.scheduler import Scheduler
+from services.worker.engines.reference.sequence import Sequence
+from services.worker.engines.reference.verifier import Verifier
+from services.worker.model.config import ModelConfig
+from services.worker.model.loader import load_state_dict
+
+log = get_logger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_RATE_WINDOW_S = 10.0
+
+
+class ReferenceEngine(Engine):
+    def __init__(self, model_dir: Path | str, config: EngineConfig | None = None,
+                 verifier: Verifier | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        cfg.validate()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_dir = Path(model_dir)
+        self.model_config = mc = ModelConfig.from_dir(self.model_dir)
+        if mc.num_heads % mc.num_kv_heads:
+            raise ValueError("num_key_value_heads: must divide num_attention_heads")
+        self._version = cfg.model_version
+        self._layout = KVLayout(
+            dtype=_DTYPE_NAMES[cfg.dtype], page_size=cfg.page_size, num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        )
+        num_pages = cfg.num_pages or max(1, cfg.kv_memory_bytes // self._layout.page_bytes)
+        self.device = torch.device(cfg.device)
+        self.model = LlamaModel(mc, self.device, cfg.dtype, mc.max_position_embeddings)
+        self.model.load(load_state_dict(self.model_dir))
+        self.blocks = BlockManager(num_pages, cfg.page_size, self._version)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.runner = ModelRunner(self.model, num_pages, cfg.page_size)
+        self.verifier = verifier or Verifier()
+        self._eos = mc.eos_token_ids
+        # Counters for stats().
+        self._accepted_pos: list[int] = []
+        self._proposed_pos: list[int] = []
+        self._prefill_tokens = 0
+        self._cached_tokens = 0
+        self._imported_tokens = 0
+        self._generated = 0
+        self._steps = 0
+        self._rate: deque[tuple[float, float, int]] = deque()  # (end time, step seconds, tokens)
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: Path | str,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_memory_bytes: int | None = None,
+        max_batch_size: int = 256,
+        model_version: str = "v0",
+        num_threads: int | None = None,
+        verifier: Verifier | None = None,
+    ) -> ReferenceEngine:
+        kw = {} if kv_memory_bytes is None else {"kv_memory_bytes": kv_memory_bytes}
+        cfg = EngineConfig(device=device, dtype=dtype, page_size=page_size, num_pages=num_pages,
+                           max_batch_size=max_batch_size, model_version=model_version,
+                           num_threads=num_threads, **kw)  # type: ignore[arg-type]
+        return cls(model_dir, cfg, verifier)
+
+    # ---- properties -----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def model_version(self) -> str:
+        return self._version
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._layout
+
+    # ---- requests -------------------------------------------------------------------------------
+    def _check_ids(self, ids: Seq[int], field: str) -> None:
+        if not ids:
+            return
+        arr = np.asarray(ids, dtype=np.int64)
+        bad = np.nonzero((arr < 0) | (arr >= self.vocab_size))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"{field}[{i}]: token id {int(arr[i])} is outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if not req.request_id:
+            raise ValueError("request_id: must not be empty")
+        if req.request_id in self.scheduler.by_id:
+            raise ValueError(f"request_id: {req.request_id!r} is already live")
+        if not req.prompt_token_ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        self._check_ids(req.prompt_token_ids, "prompt_token_ids")
+        self._check_ids(req.output_token_ids, "output_token_ids")
+        try:
+            req.sampling.validate(self.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"sampling.{e}") from None
+        if req.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
+        total = len(req.prompt_token_ids) + len(req.output_token_ids) + req.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"max_new_tokens: prefix + max_new_tokens = {total} is past the context length {self.max_context}"
+            )
+        if self.blocks.pages_for(total) > self.blocks.num_pages:
+            raise ValueError(
+                f"max_new_tokens: the request needs {self.blocks.pages_for(total)} KV pages, "
+                f"the cache has {self.blocks.num_pages}"
+            )
+        seed = req.sampling.seed if req.sampling.seed is not None else secrets.randbits(63)
+        self.scheduler.add(Sequence.from_request(req, seed, self._eos))
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def request_tokens(self, request_id: str) -> tuple[int, ...]:
+        seq = self.scheduler.by_id.get(request_id)
+        if seq is None:
+            raise KeyError(request_id)
+        return tuple(seq.token_ids)
+
+    # ---- step -----------------------------------------------------------------------------------
+    def _trees(self, seqs: list[Sequence], drafts: Mapping[str, Draft] | None) -> list[DraftTree | None]:
+        """Validates every draft of the step first (ValueError before any state changes), then
+        trims each to what the request can still emit (drafts are optional, trimming is safe)."""
+        trees: list[DraftTree | None] = []
+        for seq in seqs:
+            d = drafts.get(seq.request_id) if drafts else None
+            if d is None or not d.tokens:
+                trees.append(None)
+                continue
+            try:
+                d.validate(self.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"drafts[{seq.request_id!r}].{e}") from None
+            n = min(len(d.tokens), seq.remaining, self.config.max_draft_tokens)
+            trees.append(DraftTree.build(list(d.tokens[:n]), list(d.parents[:n])) if n > 0 else None)
+        return trees
+
+    def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
+        if drafts:
+            # Validate drafts of requests that are not scheduled this step too: bad input is an
+            # error whenever it is given.
+            for rid, d in drafts.items():
+                if rid in self.scheduler.by_id:
+                    try:
+                        d.validate(self.vocab_size)
+                    except ValueError as e:
+                        raise ValueError(f"drafts[{rid!r}].{e}") from None
+        t0 = time.perf_counter()
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        trees = self._trees(seqs, drafts)
+        if is_prefill:
+            self._prefill_tokens += sum(len(s) - s.num_computed for s in seqs)
+            self._cached_tokens += sum(s.num_cached_at_admit for s in seqs)
+        logits, root_rows = self.runner.run(seqs, trees)  # [N, V]
+        results = self._verify(seqs, trees, logits, root_rows)
+        outputs: list[StepOutput] = []
+        emitted = 0
+        for seq, tree, (tokens, path, lps) in zip(seqs, trees, results, strict=True):
+            out = self._apply(seq, tree, tokens, path, lps)
+            emitted += len(out.token_ids)
+            outputs.append(out)
+        self._steps += 1
+        self._generated += emitted
+        now = time.perf_counter()
+        self._rate.append((now, now - t0, emitted))
+        while self._rate and self._rate[0][0] < now - _RATE_WINDOW_S:
+            self._rate.popleft()
+        return outputs
+
+    def _verify(self, seqs: list[Sequence], trees: list[DraftTree | None], logits: torch.Tensor,
+                root_rows: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
+        """Per sequence: (emitted tokens, accepted draft node path, logprob of each token)."""
+        n_rows = [1 + (len(t) if t is not None else 0) for t in trees]
+        greedy_rows = [r for s, r0, n in zip(seqs, root_rows, n_rows, strict=True) if s.sampling.greedy
+                       for r in range(r0, r0 + n)]
+        samp_rows = [r for s, r0, n in zip(seqs, root_rows, n_rows, strict=True) if not s.sampling.greedy
+                     for r in range(r0, r0 + n)]
+        argmax: list[int] = []
+        greedy_lp: torch.Tensor | None = None
+        if greedy_rows:
+            gl = logits[greedy_rows]
+            argmax = gl.argmax(-1).tolist()
+            greedy_lp = torch.log_softmax(gl, -1)
+        probs: torch.Tensor | None = None
+        if samp_rows:
+            params = [s.sampling for s, n in zip(seqs, n_rows, strict=True) if not s.sampling.greedy
+                      for _ in range(n)]
+            probs = target_probs(logits[samp_rows], params)  # [Ns, V]
+        # Plain sampling (no tree) is batched: one inverse-CDF draw per request.
+        plain = [i for i, (s, t) in enumerate(zip(seqs, trees, strict=True)) if not s.sampling.greedy and t is None]
+        results: list[tuple[list[int], list[int], list[float]]] = [([], [], [])] * len(seqs)
+        g_off = s_off = 0
+        s_offsets: dict[int, int] = {}
+        for i, (s, n) in enumerate(zip(seqs, n_rows, strict=True)):
+            if s.sampling.greedy:
+                tree = trees[i]
+                rows_argmax = argmax[g_off : g_off + n]
+                if tree is None:
+                    toks, path, rows = [rows_argmax[0]], [], [0]
+                else:
+                    toks, path, rows = self.verifier.verify_greedy(tree, rows_argmax)
+                assert greedy_lp is not None
+                lps = [float(greedy_lp[g_off + r, t]) for r, t in zip(rows, toks, strict=True)]
+                results[i] = (toks, path, lps)
+                g_off += n
+            else:
+                s_offsets[i] = s_off
+                s_off += n
+        if plain:
+            assert probs is not None
+            sub = probs[[s_offsets[i] for i in plain]]
+            toks = sample_rows(sub, [uniform(seqs[i].seed, seqs[i].next_output_position, 0) for i in plain])
+            chosen = sub[torch.arange(len(plain)), torch.tensor(toks)].log().tolist()
+            for i, t, lp in zip(plain, toks, chosen, strict=True):
+                results[i] = ([t], [], [lp])
+        for i, off in s_offsets.items():
+            tree = trees[i]
+            if tree is None:
+                continue
+            assert probs is not None
+            rows_p = probs[off : off + 1 + len(tree)]
+            toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].seed, seqs[i].next_output_position)
+            lps = [float(torch.log(rows_p[r, t])) for r, t in zip(rows, toks, strict=True)]
+            results[i] = (toks, path, lps)
+        return results
+
+    def _apply(self, seq: Sequence, tree: DraftTree | None, tokens: list[int], path: list[int],
+               lps: list[float]) -> StepOutput:
+        # Truncate at the call's limit and at the first stop token (it is included).
+        k = min(len(tokens), seq.remaining)
+        finish: FinishReason | None = None
+        for j in range(k):
+            if tokens[j] in seq.stop_ids:
+                k = j + 1
+                finish = FinishReason.STOP
+                break
+        tokens, lps = tokens[:k], lps[:k]
+        accepted = min(len(path), k)
+        n_draft = len(tree) if tree is not None else 0
+        if tree is not None:
+            # Emitted tokens but the last need KV: they are accepted draft nodes path[:k-1].
+            if k > 1:
+                self.runner.commit_accepted(seq, tree, path[: k - 1])
+            depth = max(tree.depth)
+            while len(self._proposed_pos) < depth:
+                self._proposed_pos.append(0)
+                self._accepted_pos.append(0)
+            for d in range(depth):
+                self._proposed_pos[d] += 1
+            for d in range(accepted):
+                self._accepted_pos[d] += 1
+        seq.token_ids.extend(tokens)
+        seq.num_generated += k
+        seq.num_computed = len(seq) - 1
+        self.blocks.on_computed(seq)
+        if finish is None and seq.remaining <= 0:
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            seq.finish_reason = finish
+            self.scheduler.finish(seq)
+        return StepOutput(
+            request_id=seq.request_id, token_ids=tokens, logprobs=lps, finished=finish is not None,
+            finish_reason=finish, num_draft_tokens=n_draft, num_accepted=accepted,
+        )
+
+    # ---- KV export / import ---------------------------------------------------------------------
+    def cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
+        return len(self.blocks.cached_pages(self.blocks.hashes(token_ids))) * self.blocks.page_size
+
+    def export_kv(self, token_ids: Seq[int]) -> KVPages:
+        hashes = self.blocks.hashes(token_ids)
+        pages = self.blocks.cached_pages(hashes)
+        n = len(pages)
+        for p in pages:
+            self.blocks.touch(p)
+        return KVPages(
+            model_version=self._version,
+            layout=self._layout,
+            token_ids=tuple(int(t) for t in token_ids[: n * self.blocks.page_size]),
+            page_hashes=tuple(hashes[:n]),
+            pages=tuple(self.runner.read_pages(pages)),
+        )
+
+    def import_kv(self, pages: KVPages) -> int:
+        if pages.model_version != self._version:
+            raise ValueError(f"model_version: pages are of {pages.model_version!r}, the engine runs {self._version!r}")
+        for name in ("dtype", "page_size", "num_layers", "num_kv_heads", "head_dim", "layout"):
+            if getattr(pages.layout, name) != getattr(self._layout, name):
+                raise ValueError(
+                    f"layout.{name}: {getattr(pages.layout, name)!r} != engine's {getattr(self._layout, name)!r}"
+                )
+        ps = self.blocks.page_size
+        if len(pages.token_ids) != len(pages.page_hashes) * ps:
+            raise ValueError(f"token_ids: {len(pages.token_ids)} tokens do not fill {len(pages.page_hashes)} pages")
+        if len(pages.pages) != len(pages.page_hashes):
+            raise ValueError(f"pages: {len(pages.pages)} buffers for {len(pages.page_hashes)} hashes")
+        self._check_ids(pages.token_ids, "token_ids")
+        expect = chain_hashes(pages.token_ids, ps, self._version)
+        for i, (h, e) in enumerate(zip(pages.page_hashes, expect, strict=True)):
+            if h != e:
+                raise ValueError(f"page_hashes[{i}]: does not match the chained hash of the tokens")
+        for i, buf in enumerate(pages.pages):
+            if len(buf) != self._layout.page_bytes:
+                raise ValueError(f"pages[{i}]: {len(buf)} bytes, expected {self._layout.page_bytes}")
+        for h, buf in zip(pages.page_hashes, pages.pages, strict=True):
+            if h in self.blocks.hash_to_page:
+                continue
+            page = self.blocks.insert_cached(h)
+            if page is None:
+                break  # cache full of pages in use: keep the prefix imported so far
+            self.runner.write_page(page, buf)
+            self._imported_tokens += ps
+        return self.cached_prefix_tokens(pages.token_ids)
+
+    # ---- weights --------------------------------------------------------------------------------
+    def load_weights(self, path: str | None, version: str) -> None:
+        if not version:
+            raise ValueError("version: must not be empty")
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                f"load_weights: {len(self.scheduler.running)} running and {len(self.scheduler.waiting)} "
+                "waiting requests; drain (or abort) them first"
+            )
+        src = Path(path) if path else self.model_dir
+        new_cfg = ModelConfig.from_dir(src)
+        if (new_cfg.num_layers, new_cfg.num_kv_heads, new_cfg.head_dim, new_cfg.vocab_size) != (
+            self.model_config.num_layers, self.model_config.num_kv_heads, self.model_config.head_dim,
+            self.model_config.vocab_size,
+        ):
+            raise ValueError(f"path: {src} holds a model of another shape")
+        self.model.load(load_state_dict(src))
+        self.model_dir = src
+        # Old pages are never reused: hashes include the version, and the cache is emptied.
+        self.blocks.reset(version)
+        self._version = version
+        log.info("weights loaded", extra={"fields": {"path": str(src), "model_version": version}})
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        busy = sum(dt for _, dt, _ in self._rate)
+        toks = sum(n for _, _, n in self._rate)
+        return EngineStats(
+            total_pages=self.blocks.num_pages,
+            free_pages=self.blocks.num_free,
+            page_size=self.blocks.page_size,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            tokens_per_second=toks / busy if busy > 0 else 0.0,
+            model_version=self._version,
+            accepted_per_position=list(self._accepted_pos),
+            proposed_per_position=list(self._proposed_pos),
+            prefill_tokens=self._prefill_tokens,
+            cached_tokens=self._cached_tokens,
+            imported_tokens=self._imported_tokens,
+            generated_tokens=self._generated,
+            steps=self._steps,
+            max_batch_size=self.config.max_batch_size,
+            max_context=self.max_context,
+        )
+
+    # ---- convenience ----------------------------------------------------------------------------
+    def generate(self, requests: Seq[GenerateRequest]) -> dict[str, StepOutput]:
+        """Runs requests to completion (no drafts); per request all tokens/logprobs of the call."""
+        for r in requests:
+            self.add_request(r)
+        acc: dict[str, StepOutput] = {r.request_id: StepOutput(r.request_id, [], []) for r in requests}
+        while self.has_unfinished():
+            for o in self.step():
+                a = acc[o.request_id]
+                a.token_ids.extend(o.token_ids)
+                a.logprobs.extend(o.logprobs)
+                a.finished, a.finish_reason = o.finished, o.finish_reason
+        return acc

@@ -1,0 +1,158 @@
+"""Llama-family transformer (Llama, SmolLM, Mistral, Qwen2 with q/k/v bias) over a paged KV cache.
+
+Plain PyTorch, no nn.Module machinery: weights are tensors (q/k/v and gate/up fused so each layer
+is four matmuls). Linear layers run on the flattened, unpadded tokens of the whole batch (varlen);
+attention pads queries to [B, q_max] and gathers each request's keys from the paged cache with one
+index tensor per step, reused by every layer. The attention mask is built by the model runner: a
+causal mask for the prefix tail, a tree mask (ancestors only) for draft tokens being verified.
+
+Shapes: T = tokens in the step, B = requests, Qm = max queries per request, Km = max keys per
+request, H = heads, KV = kv heads, R = H // KV, D = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.model.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KV) D, hidden]
+    qkv_bias: torch.Tensor | None  # [(H + 2 KV) D]
+    o: torch.Tensor  # [hidden, H D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+
+@dataclass
+class ForwardBatch:
+    """Index tensors of one step (built once, used by every layer)."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    write_slots: torch.Tensor  # [T] long: cache slot (page * page_size + offset) of each token's KV
+    gather_slots: torch.Tensor  # [B * Km] long: cache slots of each request's keys (padding -> 0)
+    pad_index: torch.Tensor | None  # [T] long: token -> row in the padded [B * Qm]; None if T == B*Qm
+    attn_mask: torch.Tensor | None  # [B, 1, R * Qm, Km] bool (True = attend); None = attend to all
+    logits_index: torch.Tensor  # [N] long: tokens whose logits are needed
+    batch: int
+    q_max: int
+    k_max: int
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return w * (x * torch.rsqrt(var + eps))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.dtype = dtype
+        self.layers: list[LayerWeights] = []
+        self.embed = torch.empty(0)
+        self.norm = torch.empty(0)
+        self.lm_head = torch.empty(0)
+        # Rotary tables as Hugging Face computes them (float32, rotate-half layout): [P, D].
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Takes weights named as in Hugging Face checkpoints."""
+        cfg = self.cfg
+
+        def get(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"weights: tensor {name} missing from the checkpoint")
+            return state[name].to(device=self.device, dtype=self.dtype)
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
+                             get(p + "self_attn.v_proj.weight")], 0).contiguous()
+            bias = None
+            if cfg.attention_bias:
+                bias = torch.cat([get(p + "self_attn.q_proj.bias"), get(p + "self_attn.k_proj.bias"),
+                                  get(p + "self_attn.v_proj.bias")], 0).contiguous()
+            layers.append(LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv=qkv,
+                qkv_bias=bias,
+                o=get(p + "self_attn.o_proj.weight").contiguous(),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
+                down=get(p + "mlp.down_proj.weight").contiguous(),
+            ))
+        self.layers = layers
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = get("lm_head.weight")
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] (float32) of the tokens fb.logits_index; writes the step's KV into
+        kv_cache [layers, 2, slots, KV, D]."""
+        cfg = self.cfg
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        R = H // KV
+        B, Qm, Km = fb.batch, fb.q_max, fb.k_max
+        T = fb.input_ids.shape[0]
+        eps = cfg.rms_norm_eps
+        cos = self.cos[fb.positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[fb.positions].unsqueeze(1)
+        x = self.embed[fb.input_ids]  # [T, hidden]
+        for li, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.input_norm, eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # [T, (H + 2 KV) D]
+            q = qkv[:, : H * D].view(T, H, D)
+            k = qkv[:, H * D : (H + KV) * D].view(T, KV, D)
+            v = qkv[:, (H + KV) * D :].view(T, KV, D)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]  # [slots, KV, D]
+            k_cache.index_copy_(0, fb.write_slots, k)
+            v_cache.index_copy_(0, fb.write_slots, v)
+            # Keys of every request, gathered from its pages: [B, KV, Km, D].
+            kk = k_cache.index_select(0, fb.gather_slots).view(B, Km, KV, D).transpose(1, 2)
+            vv = v_cache.index_select(0, fb.gather_slots).view(B, Km, KV, D).transpose(1, 2)
+            if fb.pad_index is None:
+                qp = q.view(B, Qm, KV, R, D)
+            else:
+                qp = q.new_zeros(B * Qm, H, D)
+                qp[fb.pad_index] = q
+                qp = qp.view(B, Qm, KV, R, D)
+            # GQA without copying K/V: the R query heads of a kv head become extra query rows.
+            qp = qp.permute(0, 2, 3, 1, 4).reshape(B, KV, R * Qm, D)
+            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=fb.attn_mask)  # [B, KV, R Qm, D]
+            o = o.view(B, KV, R, Qm, D).permute(0, 3, 1, 2, 4).reshape(B * Qm, H * D)
+            if fb.pad_index is not None:
+                o = o[fb.pad_index]
+            x = x + F.linear(o, lw.o)
+            h = rms_norm(x, lw.post_norm, eps)
+            gu = F.linear(h, lw.gate_up)  # [T, 2 I]
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, lw.down)
+        x = rms_norm(x[fb.logits_index], self.norm, eps)
+        return F.linear(x, self.lm_head).float()  # [N, vocab]

@@ -1,0 +1,201 @@
+"""Turns the scheduled sequences (+ their draft trees) into one ForwardBatch and runs the model.
+
+Per request the step feeds its uncomputed tail (the whole uncached prefix in a prefill step, the
+last sampled token in a decode step) followed by the draft nodes. Draft node m is written to the
+cache slot of position len + m (scratch space inside the request's own pages) at rotary position
+len - 1 + depth(m); after verification the accepted path is copied to its real positions.
+Logits are returned for the last tail token (the root of the draft tree) and for every draft node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.worker.engines.reference.model import ForwardBatch, LlamaModel
+from services.worker.engines.reference.sequence import Sequence
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]  # -1 = the root (the last verified token)
+    depth: list[int]  # 1 for children of the root
+    children: list[list[int]]  # children of node m (in the given order)
+    root_children: list[int]
+
+    @classmethod
+    def build(cls, tokens: list[int], parents: list[int]) -> DraftTree:
+        depth: list[int] = []
+        children: list[list[int]] = [[] for _ in tokens]
+        root_children: list[int] = []
+        for m, p in enumerate(parents):
+            if p < 0:
+                depth.append(1)
+                root_children.append(m)
+            else:
+                depth.append(depth[p] + 1)
+                children[p].append(m)
+        return cls(list(tokens), list(parents), depth, children, root_children)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[n, n] bool: node i may attend to node j (j is i or an ancestor of i)."""
+        n = len(self.tokens)
+        m = np.zeros((n, n), dtype=bool)
+        for i, p in enumerate(self.parents):
+            m[i, i] = True
+            if p >= 0:
+                m[i] |= m[p]
+        return m
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_pages: int, page_size: int) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.page_size = page_size
+        # Zero-filled so padded key slots are finite (masked, but 0 * NaN would still poison SDPA).
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.window = cfg.sliding_window if cfg.sliding_window else None
+
+    def page_view(self) -> torch.Tensor:
+        """[layers, 2, pages, page_size, KV, D] view of the cache."""
+        c = self.kv_cache
+        return c.view(c.shape[0], 2, -1, self.page_size, c.shape[-2], c.shape[-1])
+
+    def _slots(self, seq: Sequence, positions: np.ndarray) -> np.ndarray:
+        ps = self.page_size
+        return seq.block_array[positions // ps] * ps + positions % ps
+
+    def run(self, seqs: list[Sequence], trees: list[DraftTree | None]) -> tuple[torch.Tensor, list[int]]:
+        """(logits [N, vocab], row offset of each sequence's root in the logits)."""
+        model = self.model
+        R = model.cfg.num_heads // model.cfg.num_kv_heads
+        B = len(seqs)
+        ids: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        wslots: list[np.ndarray] = []
+        gathers: list[np.ndarray] = []
+        q_lens: list[int] = []
+        k_lens: list[int] = []
+        logit_rows: list[int] = []
+        root_rows: list[int] = []
+        t_off = 0
+        for seq, tree in zip(seqs, trees, strict=True):
+            L, c = len(seq), seq.num_computed
+            n = len(tree) if tree is not None else 0
+            tail_pos = np.arange(c, L, dtype=np.int64)
+            toks = np.asarray(seq.token_ids[c:L], dtype=np.int64)
+            if tree is not None and n:
+                toks = np.concatenate([toks, np.asarray(tree.tokens, dtype=np.int64)])
+                draft_pos = L - 1 + np.asarray(tree.depth, dtype=np.int64)
+                p = np.concatenate([tail_pos, draft_pos])
+                w = np.concatenate([self._slots(seq, tail_pos), self._slots(seq, np.arange(L, L + n))])
+            else:
+                p = tail_pos
+                w = self._slots(seq, tail_pos)
+            ids.append(toks)
+            pos.append(p)
+            wslots.append(w)
+            gathers.append(self._slots(seq, np.arange(L + n, dtype=np.int64)))
+            q = (L - c) + n
+            q_lens.append(q)
+            k_lens.append(L + n)
+            root_rows.append(len(logit_rows))
+            logit_rows.extend(range(t_off + (L - c) - 1, t_off + q))
+            t_off += q
+        Qm, Km = max(q_lens), max(k_lens)
+        gather = np.zeros((B, Km), dtype=np.int64)
+        for b, g in enumerate(gathers):
+            gather[b, : len(g)] = g
+        pad_index = None
+        if any(q != Qm for q in q_lens):
+            pad_index = np.concatenate([b * Qm + np.arange(q, dtype=np.int64) for b, q in enumerate(q_lens)])
+        mask = self._mask(seqs, trees, q_lens, k_lens, Qm, Km)
+        if mask is not None and R > 1:
+            # Query rows are ordered (head-in-group, query): repeat the mask per head of a group.
+            mask = np.broadcast_to(mask[:, None, :, :], (B, R, Qm, Km)).reshape(B, R * Qm, Km)
+        dev = model.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+
+        fb = ForwardBatch(
+            input_ids=t(np.concatenate(ids)),
+            positions=t(np.concatenate(pos)),
+            write_slots=t(np.concatenate(wslots)),
+            gather_slots=t(gather.reshape(-1)),
+            pad_index=None if pad_index is None else t(pad_index),
+            attn_mask=None if mask is None else t(np.ascontiguousarray(mask))[:, None],
+            logits_index=t(np.asarray(logit_rows, dtype=np.int64)),
+            batch=B,
+            q_max=Qm,
+            k_max=Km,
+        )
+        return model.forward(fb, self.kv_cache), root_rows
+
+    def _mask(self, seqs: list[Sequence], trees: list[DraftTree | None], q_lens: list[int],
+              k_lens: list[int], Qm: int, Km: int) -> np.ndarray | None:
+        """[B, Qm, Km] bool, or None when every query may see every key (uniform decode)."""
+        has_tree = any(t is not None and len(t) for t in trees)
+        if Qm == 1 and not has_tree and all(k == Km for k in k_lens) and self.window is None:
+            return None
+        B = len(seqs)
+        # Highest key index each query may see (causal part); padded queries see key 0 only.
+        limit = np.zeros((B, Qm), dtype=np.int64)
+        for b, seq in enumerate(seqs):
+            L, c = len(seq), seq.num_computed
+            tail = L - c
+            limit[b, :tail] = np.arange(c, L)
+            limit[b, tail : q_lens[b]] = L - 1
+        keys = np.arange(Km, dtype=np.int64)
+        mask = keys[None, None, :] <= limit[:, :, None]
+        if self.window is not None:
+            mask &= keys[None, None, :] > limit[:, :, None] - self.window
+        for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+            if tree is not None and len(tree):
+                L, tail, n = len(seq), len(seq) - seq.num_computed, len(tree)
+                mask[b, tail : tail + n, L : L + n] = tree.ancestor_mask()
+        return mask
+
+    def commit_accepted(self, seq: Sequence, tree: DraftTree, path: list[int]) -> None:
+        """Moves the KV of accepted draft nodes `path` to positions len, len+1, ... of seq
+        (called before the accepted tokens are appended)."""
+        L = len(seq)
+        src_pos = L + np.asarray(path, dtype=np.int64)
+        dst_pos = L + np.arange(len(path), dtype=np.int64)
+        if np.array_equal(src_pos, dst_pos):
+            return  # a chain: already in place
+        src = torch.from_numpy(self._slots(seq, src_pos)).to(self.model.device)
+        dst = torch.from_numpy(self._slots(seq, dst_pos)).to(self.model.device)
+        rows = self.kv_cache.index_select(2, src)  # gather first: src and dst may overlap
+        self.kv_cache.index_copy_(2, dst, rows)
+
+    def read_pages(self, pages: list[int]) -> list[bytes]:
+        """Bytes of each page in layout layer,kv,token,head,dim."""
+        view = self.page_view()
+        out = []
+        for p in pages:
+            t = view[:, :, p].contiguous()
+            if t.dtype == torch.bfloat16:
+                t = t.view(torch.int16)
+            out.append(t.cpu().numpy().tobytes())
+        return out
+
+    def write_page(self, page: int, data: bytes) -> None:
+        view = self.page_view()
+        shape = view[:, :, page].shape
+        if self.kv_cache.dtype == torch.bfloat16:
+            arr = torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16)
+        else:
+            arr = torch.frombuffer(bytearray(data), dtype=self.kv_cache.dtype)
+        view[:, :, page] = arr.view(shape).to(self.kv_cache.device)

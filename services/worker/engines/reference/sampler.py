@@ -1,0 +1,77 @@
+"""Target distributions and counter-based randomness.
+
+Distribution: for a sampling request the target p at a position is softmax(logits / temperature)
+restricted to the top-k tokens, then to the smallest set of most likely tokens whose mass reaches
+top_p, renormalized. Greedy (temperature 0) takes the argmax of the raw logits.
+
+Logprobs (what StepOutput.logprobs holds): for sampling, log p(token) under that processed target
+distribution (the distribution the token is drawn from; with speculation it is the same p, not the
+residual used inside the verifier); for greedy, the raw model log-softmax of the chosen token.
+
+Randomness is counter based: the uniform for (seed, output position, stream) is a fixed hash, so the
+token at position t depends only on the seed, t and the context: a run cut into chunks or resumed on
+another worker samples exactly what an uninterrupted run samples. Stream 0 draws the token from p;
+stream 1 + j is the acceptance test of the j-th draft sibling tried at that position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.worker.engine import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position, stream)."""
+    h = _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ (stream * 0x632BE59BD9B4E019 & _MASK64))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [N, V] float32, one SamplingParams per row (none greedy) -> probs [N, V]."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    x = logits / temps[:, None]
+    top_k = [p.top_k for p in params]
+    if any(0 < k < x.shape[-1] for k in top_k):
+        kmax = max(k for k in top_k if k > 0)
+        kth = torch.topk(x, min(kmax, x.shape[-1]), dim=-1).values  # [N, kmax] descending
+        ks = torch.tensor([k if 0 < k < x.shape[-1] else 0 for k in top_k], device=x.device)
+        thresh = kth.gather(1, (ks.clamp(min=1) - 1)[:, None])  # [N, 1] value of the k-th largest
+        thresh = torch.where(ks[:, None] > 0, thresh, torch.full_like(thresh, -float("inf")))
+        x = x.masked_fill(x < thresh, -float("inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_p = [p.top_p for p in params]
+    if any(tp < 1.0 for tp in top_p):
+        sp, si = probs.sort(dim=-1, descending=True)
+        cum = sp.cumsum(-1)
+        tps = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+        # Keep a token when the mass before it is < top_p (the most likely token always stays).
+        drop = (cum - sp) >= tps
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
+    """Inverse-CDF sampling: row i -> the token where the CDF first exceeds us[i]. [N, V] -> N."""
+    cdf = probs.cumsum(-1)
+    u = torch.tensor(us, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    out = idx[:, 0].tolist()
+    # Never return a zero-probability token (a CDF plateau hit by float rounding at the edge).
+    bad = (probs.gather(1, idx)[:, 0] <= 0).nonzero()[:, 0].tolist()
+    for i in bad:
+        out[i] = int(torch.nonzero(probs[i] > 0)[-1])
+    return out
