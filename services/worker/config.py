@@ -37,7 +37,10 @@ class WorkerConfig(ServiceConfig):
         default="", metadata={"help": "DraftService host:port (empty = drafts from the request itself only)"}
     )
     gamma_max: int = field(default=8, metadata={"help": "max draft tokens per request per step"})
-    draft_width: int = field(default=1, metadata={"help": "draft branches (1 = chain, k = top-k tree)"})
+    draft_width: int = field(default=2, metadata={"help": "draft branches at forks (1 = chain, k = top-k tree)"})
+    multipath_max_batch: int = field(
+        default=4, metadata={"help": "use draft_width > 1 only while at most this many requests run"}
+    )
     spec_table: str = field(
         default="", metadata={"help": "JSON step-time table T(B, gamma) from `seer profile` (empty = built-in)"}
     )
@@ -74,6 +77,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("gamma_max: must be in [0, 64]")
         if self.draft_width < 1:
             raise ValueError("draft_width: must be >= 1")
+        if self.multipath_max_batch < 0:
+            raise ValueError("multipath_max_batch: must be >= 0")
         if self.group_ttl_seconds <= 0:
             raise ValueError("group_ttl_seconds: must be > 0")
         if self.drain_timeout_seconds <= 0:

@@ -294,6 +294,7 @@ class Worker:
         speculation: bool = True,
         gamma_max: int = 8,
         draft_width: int = 1,
+        multipath_max_batch: int = 4,
         group_ttl_seconds: float = 3600.0,
         kv_offload: bool = True,
         engine_name: str = "reference",
@@ -310,6 +311,7 @@ class Worker:
         self._speculation = speculation and gamma_max > 0
         self._gamma_max = gamma_max
         self._draft_width = draft_width
+        self._multipath_max_batch = multipath_max_batch
         self._group_ttl = group_ttl_seconds
         self._kv_offload = kv_offload
 
@@ -622,6 +624,9 @@ class Worker:
             lengths = dict(self._planner.plan([(a.job.request_id, a.job.is_probe) for a in acts]))
         else:
             lengths = {a.job.request_id: self._gamma_max for a in acts}
+        # Multi-path drafts (top-k branches at forks) only pay when the batch is small: in the
+        # long tail the step is memory-bound and extra verified nodes are nearly free (Seer 4.3).
+        width = self._draft_width if len(acts) <= self._multipath_max_batch else 1
         drafts: dict[str, Draft] = {}
         for a in acts:
             rid = a.job.request_id
@@ -632,7 +637,7 @@ class Worker:
                 continue
             try:
                 context = self.engine.request_tokens(rid)
-                d = self._draft.propose(a.job.group_id, rid, context, n, self._draft_width)
+                d = self._draft.propose(a.job.group_id, rid, context, n, width)
             except Exception:
                 log.warning("draft proposal failed", exc_info=True, extra=kv(request_id=rid))
                 continue
@@ -649,7 +654,10 @@ class Worker:
             d = drafts.get(out.request_id)
             if d is None:
                 continue
-            depth = max(draft_depths(d)) + 1
+            used = out.num_draft_tokens  # the engine may trim a draft to what the request can emit
+            if used <= 0:
+                continue
+            depth = max(draft_depths(Draft(d.tokens[:used], d.parents[:used]))) + 1
             for i in range(min(depth, len(proposed))):
                 proposed[i] += 1
             for i in range(min(out.num_accepted, len(accepted))):

@@ -6,7 +6,6 @@ does not import their clients, and an SGLang worker does not import the referenc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from services.common.log import get_logger, kv
@@ -62,22 +61,16 @@ def build_draft(cfg: WorkerConfig) -> DraftSource | None:
         return None
     from services.worker.draft_client import DraftClient
 
-    return DraftClient(cfg.draft_address or None)  # type: ignore[no-any-return]
+    return DraftClient(cfg.draft_address or None)
 
 
 def build_planner(cfg: WorkerConfig) -> SpecPlanner | None:
     if not cfg.speculation:
         return None
-    try:
-        from services.worker.adaptive import AdaptiveSpeculation
-    except ImportError:
-        log.warning("services.worker.adaptive is not available; fixed draft length gamma_max")
-        return None
-    table = None
-    if cfg.spec_table:
-        with open(cfg.spec_table, encoding="utf-8") as fh:
-            table = json.load(fh)
-    return AdaptiveSpeculation(table, gamma_max=cfg.gamma_max)  # type: ignore[no-any-return]
+    from services.worker.adaptive import AdaptiveSpeculation
+
+    # No table path: the adaptive module's default (the last `seer profile`, else built in).
+    return AdaptiveSpeculation(cfg.spec_table or None, gamma_max=cfg.gamma_max)
 
 
 def build_kv(cfg: WorkerConfig) -> KVPool | None:
@@ -85,7 +78,7 @@ def build_kv(cfg: WorkerConfig) -> KVPool | None:
         return None
     from services.worker.kv_client import KVClient
 
-    return KVClient(list(cfg.kv_addresses))  # type: ignore[no-any-return]
+    return KVClient(list(cfg.kv_addresses))
 
 
 def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None) -> Worker:
@@ -100,6 +93,7 @@ def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None
         speculation=cfg.speculation,
         gamma_max=cfg.gamma_max,
         draft_width=cfg.draft_width,
+        multipath_max_batch=cfg.multipath_max_batch,
         group_ttl_seconds=cfg.group_ttl_seconds,
         kv_offload=cfg.kv_offload,
         engine_name=cfg.engine,

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.worker.adaptive import AdaptiveSpeculation
 from services.worker.core import ChunkFinish, ChunkJob, Worker
 from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
@@ -97,11 +98,16 @@ def test_bad_input_keeps_serving(worker: Worker, prompts: list[tuple[int, ...]])
     assert len(toks) >= 1
 
 
-def test_grouped_drafts_accept_sibling_tokens(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-chain", "adaptive-tree"])
+def test_grouped_drafts_accept_sibling_tokens(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]],
+                                              adaptive: bool) -> None:
     """Greedy siblings repeat each other, so the second drafts the first's response from the local
-    mirror (DraftClient without a server) and accepts most of it; the tokens do not change."""
+    mirror (DraftClient without a server) and accepts most of it; the tokens do not change. The
+    adaptive variant plans draft lengths with AdaptiveSpeculation and drafts trees (width 2)."""
     drafts = DraftClient(None)
-    w = Worker(ref_engine, draft=drafts, speculation=True, gamma_max=6).start()
+    planner = AdaptiveSpeculation(None, gamma_max=6) if adaptive else None
+    w = Worker(ref_engine, draft=drafts, planner=planner, speculation=True, gamma_max=6,
+               draft_width=2 if adaptive else 1).start()
     try:
         first, _, d1 = w.run(job("s0", prompts[2], max_new_tokens=16, max_tokens=16, group_id="grp"))
         second, _, d2 = w.run(job("s1", prompts[2], max_new_tokens=16, max_tokens=16, group_id="grp"))
@@ -113,6 +119,8 @@ def test_grouped_drafts_accept_sibling_tokens(ref_engine: ReferenceEngine, promp
     assert d2.stats.accepted_tokens > d1.stats.accepted_tokens
     st = w.stats()
     assert st.proposed_per_position and st.accepted_per_position[0] > 0
+    if planner is not None:
+        assert planner.acceptance()[0] > 0.5  # it observed the high acceptance
 
 
 def test_load_weights_new_version(model_dir: Path, prompts: list[tuple[int, ...]]) -> None:
