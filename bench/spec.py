@@ -218,7 +218,10 @@ def index_speed(data: dict[str, Any], quick: bool) -> dict[str, float]:
             idx.propose(ctx, GAMMA, width=width)
             lat[width].append(time.perf_counter() - t)
         lat[width].sort()
+    sample = [t for r in resps[:4] for t in r]
     return {
+        "trie_depth16_ingest_tokens_per_s": trie_ingest_baseline(sample, 16),
+        "trie_depth64_ingest_tokens_per_s": trie_ingest_baseline(sample, 64),
         "propose_p50_us": lat[1][len(lat[1]) // 2] * 1e6,
         "propose_p99_us": lat[1][int(len(lat[1]) * 0.99)] * 1e6,
         "tree4_p99_us": lat[4][int(len(lat[4]) * 0.99)] * 1e6,
@@ -226,6 +229,27 @@ def index_speed(data: dict[str, Any], quick: bool) -> dict[str, float]:
         "bytes_per_token": mem / (n_resp * length),
         "bytes_per_token_estimate": idx.memory_bytes() / idx.indexed_tokens,
     }
+
+
+def trie_ingest_baseline(tokens: Sequence[int], depth: int) -> float:
+    """Ingest tokens/s of the alternative: a bounded-depth suffix trie with counts (SuffixDecoding's
+    structure) as nested dicts; every token extends up to `depth` open suffixes."""
+    root: dict[int, Any] = {}
+    t0 = time.perf_counter()
+    active: list[dict[int, Any]] = []
+    for t in tokens:
+        active.append(root)
+        if len(active) > depth:
+            active.pop(0)
+        nxt = []
+        for node in active:
+            child = node.get(t)
+            if child is None:
+                child = node[t] = {-1: 0}
+            child[-1] += 1
+            nxt.append(child)
+        active = nxt
+    return len(tokens) / (time.perf_counter() - t0)
 
 
 # ---- throughput -----------------------------------------------------------------------------------
