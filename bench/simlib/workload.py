@@ -62,31 +62,30 @@ class Workload:
         return int(self.lengths.sum())
 
 
-def _sample(spec: WorkloadSpec, m: float, mu_g: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    eps = rng.normal(0.0, spec.s_sample, size=(mu_g.shape[0], spec.group_size))
-    raw = np.exp(m + mu_g[:, None] + eps)
-    return np.clip(np.rint(raw), spec.min_len, spec.max_tokens).astype(np.int64)
+def _clipped(spec: WorkloadSpec, m: float, z: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(np.exp(m + z)), spec.min_len, spec.max_tokens).astype(np.int64)
 
 
-def _solve_location(spec: WorkloadSpec, seed: int) -> float:
-    """m such that the clipped mean matches spec.mean_len (bisection on a fixed sample)."""
-    rng = np.random.default_rng(seed + 7919)
-    z_g = rng.normal(0.0, spec.s_group, size=4096)
-    z_s = rng.normal(0.0, spec.s_sample, size=(4096, 8))
+def _solve_location(spec: WorkloadSpec, z: np.ndarray) -> float:
+    """m such that the clipped mean of exp(m + z) matches spec.mean_len (bisection on this draw,
+    so every sample, however small, has the published mean)."""
     lo, hi = 0.0, float(np.log(spec.max_tokens)) + 3.0
-    for _ in range(60):
+    for _ in range(50):
         mid = (lo + hi) / 2
-        mean = np.clip(np.exp(mid + z_g[:, None] + z_s), spec.min_len, spec.max_tokens).mean()
+        mean = np.clip(np.exp(mid + z), spec.min_len, spec.max_tokens).mean()
         lo, hi = (mid, hi) if mean < spec.mean_len else (lo, mid)
     return (lo + hi) / 2
 
 
 def make_workload(spec: WorkloadSpec, seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
-    m = _solve_location(spec, seed)
-    mu_g = rng.normal(0.0, spec.s_group, size=spec.prompts)  # [prompts]
-    lengths = _sample(spec, m, mu_g, rng)
-    prev = _sample(spec, m, mu_g + rng.normal(0.0, spec.drift, size=spec.prompts), rng)
+    shape = (spec.prompts, spec.group_size)
+    mu_g = rng.normal(0.0, spec.s_group, size=spec.prompts)  # [prompts] group latent
+    z = mu_g[:, None] + rng.normal(0.0, spec.s_sample, size=shape)  # [prompts, G]
+    m = _solve_location(spec, z)
+    lengths = _clipped(spec, m, z)
+    mu_prev = mu_g + rng.normal(0.0, spec.drift, size=spec.prompts)
+    prev = _clipped(spec, m, mu_prev[:, None] + rng.normal(0.0, spec.s_sample, size=shape))
     prompt_len = np.clip(rng.lognormal(np.log(spec.prompt_mean), 0.5, size=spec.prompts), 32, 8 * spec.prompt_mean)
     return Workload(spec, np.rint(prompt_len).astype(np.int64), lengths, prev)
 
