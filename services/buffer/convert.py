@@ -57,13 +57,46 @@ def commit_from_pb(r: buffer_pb2.CommitChunkRequest) -> Commit:
 
 
 def work_item_to_pb(w: WorkItem) -> buffer_pb2.WorkItem:
-    return buffer_pb2.WorkItem(
-        request_id=w.request_id, batch_id=w.batch_id, group_id=w.group_id, group_index=w.group_index,
-        sample_index=w.sample_index, group_size=w.group_size, prompt_key=w.prompt_key,
-        prompt_token_ids=w.prompt_token_ids.tolist(), output_token_ids=w.output_token_ids.tolist(),
-        max_tokens=w.max_tokens, sampling=sampling_to_pb(w.sampling), policy_version=w.policy_version,
-        next_seq=w.next_seq,
-    )
+    return WorkItemEncoder().encode(w)
+
+
+class WorkItemEncoder:
+    """Converts WorkItems, reusing each group's converted prompt and sampling (the G requests of a
+    group share them; copying a protobuf template is ~10x cheaper than rebuilding the token list)."""
+
+    def __init__(self, max_groups: int = 4096) -> None:
+        self._templates: dict[str, buffer_pb2.WorkItem] = {}
+        self._max_groups = max_groups
+
+    def _template(self, w: WorkItem) -> buffer_pb2.WorkItem:
+        t = self._templates.get(w.group_id)
+        if t is None:
+            if len(self._templates) >= self._max_groups:
+                self._templates.clear()
+            t = buffer_pb2.WorkItem(
+                batch_id=w.batch_id, group_id=w.group_id, group_index=w.group_index, group_size=w.group_size,
+                prompt_key=w.prompt_key, prompt_token_ids=w.prompt_token_ids.tolist(), max_tokens=w.max_tokens,
+                sampling=sampling_to_pb(w.sampling), policy_version=w.policy_version,
+            )
+            self._templates[w.group_id] = t
+        return t
+
+    def encode(self, w: WorkItem) -> buffer_pb2.WorkItem:
+        return self.added(w).added
+
+    def added(self, w: WorkItem) -> buffer_pb2.WatchWorkResponse:
+        """The WatchWork event for w (built in place: constructing the event from a message copies it)."""
+        resp = buffer_pb2.WatchWorkResponse()
+        msg = resp.added
+        msg.CopyFrom(self._template(w))
+        msg.request_id = w.request_id
+        msg.sample_index = w.sample_index
+        if w.sampling.seed is not None:
+            msg.sampling.seed = w.sampling.seed
+        if len(w.output_token_ids):
+            msg.output_token_ids.extend(w.output_token_ids.tolist())
+        msg.next_seq = w.next_seq
+        return resp
 
 
 def result_to_pb(r: RolloutResult) -> rollout_pb2.RolloutResult:

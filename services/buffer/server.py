@@ -94,16 +94,17 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
     def WatchWork(self, request: buffer_pb2.WatchWorkRequest, context: grpc.ServicerContext
                   ) -> Iterator[buffer_pb2.WatchWorkResponse]:
         snapshot, sub = self.core.watch(request.watcher_id)
+        encoder = convert.WorkItemEncoder()
         try:
             for item in snapshot:
-                yield buffer_pb2.WatchWorkResponse(added=convert.work_item_to_pb(item))
+                yield encoder.added(item)
             yield buffer_pb2.WatchWorkResponse(snapshot_done=True)
             while context.is_active():
                 event = sub.get(POLL_SECONDS)
                 if event is None:
                     continue
                 if isinstance(event, Added):
-                    yield buffer_pb2.WatchWorkResponse(added=convert.work_item_to_pb(event.item))
+                    yield encoder.added(event.item)
                 else:
                     yield buffer_pb2.WatchWorkResponse(cancelled_request_id=event.request_id)
         finally:
