@@ -19,6 +19,10 @@ class KvStoreConfig(ServiceConfig):
         metadata={"help": "namespaces kept per model family ('name@version'); a newer one drops older ones"},
     )
     verify_checksums: bool = field(default=True, metadata={"help": "verify crc32 of pages read from the SSD tier"})
+    ssd_wal: bool = field(
+        default=False,
+        metadata={"help": "write pages through RocksDB's WAL too (off: a crash loses only unflushed pages)"},
+    )
     min_blob_bytes: int = field(
         default=64 * 1024, metadata={"help": "values at least this large go to RocksDB blob files"}
     )

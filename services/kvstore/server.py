@@ -80,7 +80,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 raise InvalidArgument("required on the first message of the stream", field=f"{prefix}.layout")
             with log_context(request_id=request_id):
                 try:
-                    if self.store.put(namespace, layout, msg.page_hash, data, msg.checksum, request_id):
+                    if not data:
+                        # A claim: the client saw the page stored (Exists) and only adds its owner.
+                        self.store.check_layout(namespace, layout)
+                        self.store.claim(namespace, msg.page_hash, request_id)
+                    elif self.store.put(namespace, layout, msg.page_hash, data, msg.checksum, request_id):
                         stored += 1
                         stored_bytes += len(data)
                 except SeerError as exc:
@@ -134,6 +138,7 @@ def open_store(cfg: KvStoreConfig) -> KvStore:
         keep_versions=cfg.keep_versions,
         verify_checksums=cfg.verify_checksums,
         min_blob_bytes=cfg.min_blob_bytes,
+        ssd_wal=cfg.ssd_wal,
     )
 
 

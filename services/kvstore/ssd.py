@@ -8,7 +8,10 @@ Layout on disk:
 - the default column family holds the namespace registry: b"ns/" + name -> JSON record.
 
 Data and metadata of a page are written in one WriteBatch, so after a crash a page either exists
-with its metadata or not at all. Callers serialize access (the store holds a lock).
+with its metadata or not at all. Pages skip the write-ahead log by default (wal=False): a page is a
+cache entry, so writing it twice (WAL + blob file) buys nothing; a crash loses at most the pages of
+the unflushed memtable (misses: the worker recomputes), close() flushes everything. The namespace
+registry always goes through the WAL. Callers serialize access (the store holds a lock).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import gc
 import os
 from collections.abc import Iterator
 
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 _DATA = b"d"
 _META = b"m"
@@ -29,9 +32,11 @@ def _cf_name(namespace: str) -> str:
 
 
 class SsdTier:
-    def __init__(self, path: str, *, min_blob_bytes: int = 64 * 1024) -> None:
+    def __init__(self, path: str, *, min_blob_bytes: int = 64 * 1024, wal: bool = False) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = path
+        self._page_write = WriteOptions()
+        self._page_write.disable_wal = not wal  # type: ignore[method-assign,assignment]  # a property at runtime
         self._opts = Options(raw_mode=True)
         self._opts.create_if_missing(True)
         self._opts.create_missing_column_families(True)
@@ -40,6 +45,8 @@ class SsdTier:
         self._opts.set_enable_blob_files(True)
         self._opts.set_min_blob_size(min_blob_bytes)
         self._opts.set_enable_blob_gc(True)
+        # KV pages are incompressible floats: compressing them is pure CPU cost.
+        self._opts.set_compression_type(DBCompressionType.none())
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
         self._cfs: dict[str, Rdict] = {}
@@ -85,10 +92,10 @@ class SsdTier:
         wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
         wb.put(_DATA + page_hash, data)
         wb.put(_META + page_hash, meta)
-        self._db.write(wb)
+        self._db.write(wb, self._page_write)
 
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
-        self._cfs[namespace].put(_META + page_hash, meta)
+        self._cfs[namespace].put(_META + page_hash, meta, self._page_write)
 
     def get(self, namespace: str, page_hash: bytes) -> bytes | None:
         cf = self._cfs.get(namespace)
@@ -105,7 +112,7 @@ class SsdTier:
         wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
         wb.delete(_DATA + page_hash)
         wb.delete(_META + page_hash)
-        self._db.write(wb)
+        self._db.write(wb, self._page_write)
 
     def iter_meta(self, namespace: str) -> Iterator[tuple[bytes, bytes]]:
         """(page_hash, metadata) of every page of a namespace (reads only the small meta values)."""
@@ -127,6 +134,10 @@ class SsdTier:
         return self._cfs.get(namespace)
 
     def flush(self) -> None:
+        """Makes every written page durable (memtables to SST/blob files)."""
+        for cf in self._cfs.values():
+            cf.flush(True)
+        self._db.flush(True)
         self._db.flush_wal(True)
 
     def close(self) -> None:

@@ -109,6 +109,7 @@ class KvStore:
         keep_versions: int = 1,
         verify_checksums: bool = True,
         min_blob_bytes: int = 64 * 1024,
+        ssd_wal: bool = False,
     ) -> None:
         if ssd_bytes <= 0:
             raise InvalidArgument(f"must be > 0, got {ssd_bytes}", field="ssd_bytes")
@@ -116,7 +117,7 @@ class KvStore:
             raise InvalidArgument(f"must be >= 1, got {keep_versions}", field="keep_versions")
         self._lock = threading.RLock()
         self._dram = DramLru(dram_bytes)
-        self._ssd = SsdTier(data_dir, min_blob_bytes=min_blob_bytes)
+        self._ssd = SsdTier(data_dir, min_blob_bytes=min_blob_bytes, wal=ssd_wal)
         self.ssd_capacity_bytes = ssd_bytes
         self.keep_versions = keep_versions
         self.verify_checksums = verify_checksums
@@ -237,12 +238,7 @@ class KvStore:
             key: Key = (namespace, page_hash)
             entry = ns.entries.get(page_hash)
             if entry is not None:
-                self._touch(key, entry)
-                if request_id and request_id not in entry.owners:
-                    entry.owners.add(request_id)
-                    ns.by_owner.setdefault(request_id, set()).add(page_hash)
-                    if entry.on_ssd:
-                        self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
+                self._add_owner(ns, page_hash, entry, request_id)
                 return False
             entry = _Entry(size=len(data), crc=crc, owners={request_id} if request_id else set(), seq=next(self._seq))
             ns.entries[page_hash] = entry
@@ -255,6 +251,27 @@ class KvStore:
                 self._write_ssd(key, entry, data)
             self._enforce_ssd_capacity()
             return True
+
+    def claim(self, namespace: str, page_hash: bytes, request_id: str) -> bool:
+        """Makes request_id an owner of an already stored page without its bytes being sent again
+        (a chunk-end offload re-offers the context's earlier pages). False when not stored."""
+        if len(page_hash) != HASH_BYTES:
+            raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            entry = ns.entries.get(page_hash) if ns is not None else None
+            if ns is None or entry is None:
+                return False
+            self._add_owner(ns, page_hash, entry, request_id)
+            return True
+
+    def _add_owner(self, ns: _Namespace, page_hash: bytes, entry: _Entry, request_id: str) -> None:
+        self._touch((ns.name, page_hash), entry)
+        if request_id and request_id not in entry.owners:
+            entry.owners.add(request_id)
+            ns.by_owner.setdefault(request_id, set()).add(page_hash)
+            if entry.on_ssd:
+                self._ssd.put_meta(ns.name, page_hash, _encode_meta(entry))
 
     def _demote(self, key: Key, data: bytes) -> None:
         ns = self._namespaces.get(key[0])

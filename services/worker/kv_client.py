@@ -60,8 +60,9 @@ _DEGRADE = {
 @dataclass
 class KVClientStats:
     put_pages: int = 0  # pages sent to the store
-    put_bytes: int = 0
+    put_bytes: int = 0  # page bytes actually sent
     stored_pages: int = 0  # pages the replicas did not have yet
+    claimed_pages: int = 0  # pages already stored: only ownership sent, not the bytes
     put_failures: int = 0  # pages whose offload failed (replica down/slow, stale version)
     fetch_calls: int = 0
     fetch_hits: int = 0  # fetch_prefix calls that returned at least one page
@@ -158,41 +159,58 @@ class KVClient:
     def put_pages(self, pages: KVPages, request_id: str) -> int:
         """Stores a request's pages (synchronously); returns how many were new to the store.
 
-        A replica that fails loses only its share of the offload (counted in put_failures)."""
+        Each replica is first asked how much of its share is already stored (Exists): those pages
+        are only claimed for request_id (a message without bytes), so offloading a longer context
+        after every chunk sends just the new pages. A replica that fails loses only its share of the
+        offload (counted in put_failures)."""
         if len(pages.pages) != len(pages.page_hashes):
             raise InvalidArgument(f"{len(pages.pages)} pages for {len(pages.page_hashes)} hashes", field="pages.pages")
         if not pages.pages:
             return 0
         layout = layout_to_pb(pages.layout)
+        sent = [0]  # bytes actually sent (claims carry none)
 
-        def stream(indices: list[int]) -> Iterator[kvstore_pb2.PutRequest]:
+        def stream(indices: list[int], claimed: int) -> Iterator[kvstore_pb2.PutRequest]:
             for j, i in enumerate(indices):
-                data = bytes(pages.pages[i])
+                msg = kvstore_pb2.PutRequest(page_hash=pages.page_hashes[i])
                 if j == 0:  # the store inherits namespace, layout and owner within one stream
-                    yield kvstore_pb2.PutRequest(
-                        namespace=pages.model_version,
-                        layout=layout,
-                        request_id=request_id,
-                        page_hash=pages.page_hashes[i],
-                        data=data,
-                        checksum=zlib.crc32(data),
-                    )
-                else:
-                    yield kvstore_pb2.PutRequest(page_hash=pages.page_hashes[i], data=data, checksum=zlib.crc32(data))
+                    msg.namespace = pages.model_version
+                    msg.layout.CopyFrom(layout)
+                    msg.request_id = request_id
+                if j >= claimed:
+                    data = bytes(pages.pages[i])
+                    msg.data = data
+                    msg.checksum = zlib.crc32(data)
+                    sent[0] += len(data)
+                yield msg
+
+        def put(node: str, idx: list[int]) -> tuple[int, int]:
+            stub = self._stubs[node]
+            have = stub.Exists(
+                kvstore_pb2.ExistsRequest(
+                    namespace=pages.model_version, page_hashes=[pages.page_hashes[i] for i in idx]
+                ),
+                timeout=self.exists_timeout_s,
+            ).prefix_pages
+            resp = stub.Put(stream(idx, have), timeout=self.rpc_timeout_s)
+            return resp.stored_pages, have
 
         groups = self._by_node(pages.page_hashes)
-        calls = {
-            node: (lambda node=node, idx=idx: self._stubs[node].Put(stream(idx), timeout=self.rpc_timeout_s))
-            for node, idx in groups.items()
-        }
-        stored = failed = 0
+        calls = {node: (lambda node=node, idx=idx: put(node, idx)) for node, idx in groups.items()}
+        stored = failed = claimed = 0
         for node, res in self._fan_out(calls, strict=True).items():
             if isinstance(res, grpc.RpcError):
                 failed += len(groups[node])
             else:
-                stored += res.stored_pages
-        nbytes = sum(len(p) for p in pages.pages)
-        self._count(put_pages=len(pages.pages), put_bytes=nbytes, stored_pages=stored, put_failures=failed)
+                stored += res[0]
+                claimed += res[1]
+        self._count(
+            put_pages=len(pages.pages),
+            put_bytes=sent[0],
+            stored_pages=stored,
+            claimed_pages=claimed,
+            put_failures=failed,
+        )
         return stored
 
     def offload_async(self, pages: KVPages, request_id: str) -> Future[int]:

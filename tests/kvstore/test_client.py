@@ -156,3 +156,23 @@ def test_layout_disagreement_is_rejected(replicas: Make) -> None:
             kv.put_pages(bad, "r2")
         assert kv.fetch_prefix(TOKENS, "m@v1", other) is None  # rejected Get: counted, recompute
         assert kv.stats().replica_errors == 1
+
+
+def test_reoffload_sends_only_new_pages_and_claims_the_rest(replicas: Make) -> None:
+    a, b = replicas("a"), replicas("b")
+    full = make_pages(TOKENS)
+    first = KVPages(full.model_version, full.layout, full.token_ids[:40], full.page_hashes[:10], full.pages[:10])
+    with KVClient([a.address, b.address]) as kv:
+        assert kv.put_pages(first, "r1") == 10
+        sent = kv.stats().put_bytes
+        # The next chunk's offload covers the whole longer context; another request shares it.
+        assert kv.put_pages(full, "r2") == 14
+        s = kv.stats()
+        assert s.put_bytes - sent == 14 * len(full.pages[0])
+        assert s.claimed_pages == 10
+        # r2 owns the claimed pages too: releasing r1 keeps them, releasing r2 frees everything.
+        assert kv.release("m@v1", "r1") == 10
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        assert got is not None and got.pages == full.pages
+        assert kv.release("m@v1", "r2") == 24
+        assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT) is None

@@ -159,6 +159,19 @@ def test_process_sigterm_flushes_and_restart_keeps_pages(tmp_path: Path) -> None
         stub = kvstore_pb2_grpc.KvStoreServiceStub(channel(addr))
         got = list(stub.Get(kvstore_pb2.GetRequest(namespace="m@v1", page_hashes=[h for h, _ in pages]), timeout=10))
         assert [g.data for g in got] == [d for _, d in pages]
+        more = _pages(6)[3:]
+        assert stub.Put(_requests(more), timeout=10).stored_pages == 3
+    finally:
+        proc.kill()  # a crash: pages not yet flushed may be lost, but nothing may come back wrong
+        proc.wait(30)
+    proc, addr = start()
+    try:
+        stub = kvstore_pb2_grpc.KvStoreServiceStub(channel(addr))
+        asked = pages + more
+        got = list(stub.Get(kvstore_pb2.GetRequest(namespace="m@v1", page_hashes=[h for h, _ in asked]), timeout=10))
+        assert [g.data for g in got[:3]] == [d for _, d in pages]  # flushed by the graceful stop
+        for g, (_h, d) in zip(got[3:], more, strict=True):
+            assert not g.found or (g.data == d and g.checksum == crc(d))
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -177,3 +177,15 @@ def test_prometheus_collector_reads_stats(open_store: Open) -> None:
     assert f"seer_kvstore_dram_bytes {float(3 * PAGE_BYTES)}" in text
     assert "seer_kvstore_pages 3.0" in text
     assert "seer_kvstore_misses_total 1.0" in text
+
+
+def test_claim_adds_an_owner_without_bytes(open_store: Open) -> None:
+    store = open_store()
+    pages = _put_chain(store, 2, owner="a")
+    assert store.claim("m@v1", pages[0][0], "b") is True
+    assert store.claim("m@v1", os.urandom(16), "b") is False
+    assert store.claim("nope@v1", pages[0][0], "b") is False
+    assert store.release("m@v1", "a") == 2
+    assert store.exists("m@v1", [h for h, _ in pages]) == 1  # page 0 is still b's
+    with pytest.raises(InvalidArgument, match="page_hash"):
+        store.claim("m@v1", b"x", "b")
