@@ -1,0 +1,122 @@
+"""The pure core under concurrency (real RocksDB, no gRPC), and the stored encodings."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from services.buffer import codec
+from services.buffer.core import BufferCore, Commit
+from services.buffer.model import ModelInfo
+from services.buffer.records import (
+    BatchRecord,
+    BatchState,
+    ChunkStats,
+    FinishReason,
+    GroupRecord,
+    GroupSpec,
+    HistoryIteration,
+    RequestRecord,
+    RequestState,
+    RolloutResult,
+    Sampling,
+    decode_history,
+    encode_history,
+)
+from services.buffer.store import Store
+from services.common.errors import Aborted
+
+
+def _core(path: Path) -> BufferCore:
+    return BufferCore(Store(path), ModelInfo(vocab_size=1000, max_context=4096, tokenizer=None))
+
+
+def _tokens(rid: str, start: int, n: int) -> list[int]:
+    return [(hash((rid, p)) % 900) + 10 for p in range(start, start + n)]
+
+
+def test_concurrent_commits_retries_and_streaming_are_exactly_once(tmp_path: Path) -> None:
+    core = _core(tmp_path / "db")
+    groups = [GroupSpec(prompt_key=f"p{g}", prompt_token_ids=(1, 2, 3), group_size=8, max_tokens=64,
+                        sampling=Sampling(temperature=1.0, seed=g)) for g in range(6)]
+    core.submit_batch("conc", groups)
+    snapshot, sub = core.watch("t")
+    lengths = {it.request_id: 5 + (hash(it.request_id) % 40) for it in snapshot}
+    streamed: list[str] = []
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            streamed.extend(r.request_id for _i, r in core.iter_results("conc", poll_seconds=0.05))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    def work(items: list[str], seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for rid in items:
+                total, pos, seq = lengths[rid], 0, 0
+                while pos < total:
+                    n = min(rng.randint(1, 9), total - pos)
+                    reason = FinishReason.STOP if pos + n == total else FinishReason.CHUNK
+                    c = Commit(rid, seq, _tokens(rid, pos, n), [-0.1 * (pos + i) for i in range(n)], reason, 0)
+                    assert core.commit_chunk(c).accepted
+                    if rng.random() < 0.3:  # a retried commit (lost acknowledgement)
+                        assert core.commit_chunk(c).duplicate
+                    pos, seq = pos + n, seq + 1
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    rids = sorted(lengths)
+    workers = [threading.Thread(target=work, args=(rids[i::4], i)) for i in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    reader.join(30)
+    assert not errors, errors
+    assert sorted(streamed) == rids  # every response exactly once
+    results = {r.request_id: r for _i, r in core.iter_results("conc")}
+    for rid, r in results.items():
+        assert list(r.token_ids) == _tokens(rid, 0, lengths[rid])
+        assert len(r.logprobs) == lengths[rid] and r.finish_reason == FinishReason.STOP
+    status = core.get_batch("conc", include_requests=True)
+    assert status.state == BatchState.COMPLETED and status.generated_tokens == sum(lengths.values())
+    assert sum(len(it.lengths) for k in (f"p{g}" for g in range(6)) for it in core.history(k)[:1]) == 48
+    core.unwatch(sub)
+    core.close()
+
+
+def test_conflicting_retry_is_refused_by_the_core(tmp_path: Path) -> None:
+    core = _core(tmp_path / "db")
+    core.submit_batch("b", [GroupSpec(prompt_token_ids=(1,), group_size=1, max_tokens=8)])
+    core.commit_chunk(Commit("b/0/0", 0, [5, 6], [-1.0, -2.0], FinishReason.CHUNK, 0))
+    with pytest.raises(Aborted) as e:
+        core.commit_chunk(Commit("b/0/0", 0, [5, 6], [-1.0, -2.5], FinishReason.CHUNK, 0))
+    assert e.value.field == "seq"
+    core.close()
+
+
+def test_records_round_trip() -> None:
+    b = BatchRecord("b", "h", 3, 1.5, 2, 10, BatchState.CANCELLED, 4, 6, 99)
+    assert BatchRecord.decode(b.encode()) == b
+    g = GroupRecord("b", 1, "k", codec.i32([1, 2, 3]), 4, 16,
+                    Sampling(0.7, 0.9, 5, 2**64 - 1, (1, 2), True), {"answer": "5"})
+    g2 = GroupRecord.decode(g.encode())
+    assert g2 == g and g2.sampling.stop_token_ids == (1, 2)
+    r = RequestRecord("b", 1, 2, 2**64 - 1, RequestState.FINISHED, 3, 17, FinishReason.LENGTH,
+                      ChunkStats(1, 2, 3, 4, 5, 6, 0.25, 8))
+    assert RequestRecord.decode(r.encode()) == r
+    res = RolloutResult("b/1/2", "b", 1, 2, "k", codec.i32([7, 8]), codec.f32([-0.5, -0.25]), FinishReason.STOP,
+                        3, ChunkStats(steps=2), 1, 0.5, {"a": "b"}, "text")
+    assert RolloutResult.decode(res.encode()) == res
+    hist = [HistoryIteration("b", 3, [2, 1], [codec.i32([1, 2]), codec.i32([3])]),
+            HistoryIteration("a", 2, [0], [codec.i32()])]
+    assert decode_history(encode_history(hist)) == hist
+    with pytest.raises(ValueError):
+        codec.decode(b"nope")
