@@ -26,6 +26,11 @@ class BufferConfig(ServiceConfig):
     )
     max_requests_per_batch: int = field(default=65536, metadata={"help": "bound on sum of group sizes"})
     history_iterations: int = field(default=2, metadata={"help": "finished iterations kept per prompt key"})
+    retain_batches: int = field(
+        default=1024,
+        metadata={"help": "finished (completed/cancelled) batches kept with their results; older ones are "
+                          "deleted, history stays (0 = keep all)"},
+    )
     scheduler_address: str = field(
         default="", metadata={"help": "SchedulerService host:port for UpdateWeights ('' = record only)"}
     )
@@ -46,6 +51,8 @@ class BufferConfig(ServiceConfig):
             raise ValueError("max_context: must be >= 0")
         if self.max_requests_per_batch < 1:
             raise ValueError("max_requests_per_batch: must be >= 1")
+        if self.retain_batches < 0:
+            raise ValueError("retain_batches: must be >= 0")
         if self.history_iterations < 1:
             raise ValueError("history_iterations: must be >= 1")
         if self.switch_timeout_seconds <= 0:

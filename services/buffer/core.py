@@ -20,6 +20,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.buffer import codec, metrics
 from services.buffer import store as keys
@@ -154,6 +155,7 @@ class _Live:
     rec: RequestRecord
     tokens: array[int] = field(default_factory=codec.i32)
     logprobs: array[float] = field(default_factory=codec.f32)
+    chunk_ends: list[int] = field(default_factory=list)
 
 
 def parse_request_id(request_id: str) -> tuple[str, int, int]:
@@ -173,11 +175,13 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
 
 class BufferCore:
     def __init__(self, store: Store, model: ModelInfo, *, max_requests_per_batch: int = 65536,
-                 history_iterations: int = 2, clock: Callable[[], float] = time.time) -> None:
+                 history_iterations: int = 2, retain_batches: int = 0,
+                 clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._model = model
         self._max_requests = max_requests_per_batch
         self._history_n = history_iterations
+        self._retain = retain_batches
         self._clock = clock
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -215,6 +219,7 @@ class BufferCore:
                     c = ChunkRecord.decode(cv)
                     live.tokens.extend(c.token_ids)
                     live.logprobs.extend(c.logprobs)
+                    live.chunk_ends.append(len(live.tokens))
                 self._add_live(live)
         metrics.PENDING.set(len(self._live))
         log.info("recovered", extra=kv(batches=len(self._batches), live_requests=len(self._live),
@@ -342,11 +347,19 @@ class BufferCore:
             raise NotFound(f"unknown request {request_id!r}", field="request_id")
         return RequestRecord.decode(raw)
 
-    def _check_duplicate(self, c: Commit, rec: RequestRecord) -> CommitOutcome:
-        raw = self._store.get(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq))
+    def _stored_chunk(self, rec: RequestRecord, seq: int) -> ChunkRecord:
+        if rec.state == RequestState.FINISHED:  # chunk records were folded into the result
+            raw = self._store.get(keys.result_key(rec.batch_id, rec.result_index))
+            if raw is None:
+                raise Aborted(f"chunk {seq}: the request's result is no longer stored", field="seq")
+            return RolloutResult.decode(raw).chunk(seq)
+        raw = self._store.get(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, seq))
         if raw is None:  # pragma: no cover - chunk records are written with the request record
-            raise Aborted(f"chunk {c.seq} is missing", field="seq")
-        stored = ChunkRecord.decode(raw)
+            raise Aborted(f"chunk {seq} is missing", field="seq")
+        return ChunkRecord.decode(raw)
+
+    def _check_duplicate(self, c: Commit, rec: RequestRecord) -> CommitOutcome:
+        stored = self._stored_chunk(rec, c.seq)
         incoming = ChunkRecord(codec.i32(c.token_ids), codec.f32(c.logprobs), c.finish_reason)
         if not stored.same_content(incoming):
             metrics.REJECTED.labels("conflict").inc()
@@ -418,10 +431,13 @@ class BufferCore:
         new_batch = batch.copy()
         new_batch.generated_tokens += len(chunk.token_ids)
         wb = self._store.new_batch()
-        wb.put(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq), chunk.encode())
-        wb.put(keys.request_key(rec.batch_id, rec.group_index, rec.sample_index), new_rec.encode())
         result: RolloutResult | None = None
-        if finished:
+        if not finished:
+            wb.put(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq), chunk.encode())
+        else:
+            # The result holds every token and the chunk boundaries: drop the chunk records (half the bytes).
+            wb.delete_range(*keys.chunks_range(rec.batch_id, rec.group_index, rec.sample_index))
+            new_rec.result_index = batch.num_results
             tokens = codec.i32(live.tokens)
             tokens.extend(chunk.token_ids)
             logprobs = codec.f32(live.logprobs)
@@ -433,14 +449,19 @@ class BufferCore:
                 stats=new_rec.stats, num_chunks=new_rec.next_seq,
                 latency_seconds=max(0.0, self._clock() - batch.created_at), labels=group.labels,
                 text=self._model.tokenizer.decode(list(tokens)) if self._model.tokenizer else "",
+                chunk_ends=[*live.chunk_ends, len(tokens)], last_chunk_reason=c.finish_reason,
             )
             wb.put(keys.result_key(rec.batch_id, batch.num_results), result.encode())
             new_batch.num_results += 1
             if new_batch.num_results == new_batch.num_requests:
                 new_batch.state = BatchState.COMPLETED
+                new_batch.finished_at = self._clock()
                 self._put_history(wb, new_batch, result)
+        wb.put(keys.request_key(rec.batch_id, rec.group_index, rec.sample_index), new_rec.encode())
         wb.put(keys.batch_key(rec.batch_id), new_batch.encode())
+        purged = self._purge_old(wb, new_batch) if new_batch.terminal else []
         self._store.write(wb)
+        self._forget_batches(purged)
         # Durable: now update memory, wake streams.
         self._batches[rec.batch_id] = new_batch
         live.rec = new_rec
@@ -456,6 +477,7 @@ class BufferCore:
         else:
             live.tokens.extend(chunk.token_ids)
             live.logprobs.extend(chunk.logprobs)
+            live.chunk_ends.append(len(live.tokens))
         metrics.COMMITS.inc()
         metrics.COMMITTED_TOKENS.inc(len(chunk.token_ids))
         return CommitOutcome(False, new_rec.next_seq, new_rec.generated, finished, True)
@@ -463,6 +485,30 @@ class BufferCore:
     def _forget_groups(self, batch_id: str, num_groups: int) -> None:
         for gi in range(num_groups):
             self._groups.pop((batch_id, gi), None)
+
+    # ---- retention -----------------------------------------------------------------------------
+
+    def _purge_old(self, wb: Any, just_finished: BatchRecord) -> list[str]:
+        """Adds deletions of the oldest finished batches beyond `retain_batches` to wb."""
+        if self._retain <= 0:
+            return []
+        finished = [b for b in self._batches.values() if b.terminal and b.batch_id != just_finished.batch_id]
+        excess = len(finished) + 1 - self._retain
+        if excess <= 0:
+            return []
+        finished.sort(key=lambda b: (b.finished_at, b.created_at))
+        purged = [b.batch_id for b in finished[:excess]]
+        for bid in purged:
+            for begin, end in keys.batch_ranges(bid):
+                wb.delete_range(begin, end)
+            wb.delete(keys.batch_key(bid))
+        return purged
+
+    def _forget_batches(self, batch_ids: list[str]) -> None:
+        for bid in batch_ids:
+            self._batches.pop(bid, None)
+        if batch_ids:
+            log.info("old batches deleted", extra=kv(batches=batch_ids[:10], count=len(batch_ids)))
 
     # ---- history (RhymeRL) ---------------------------------------------------------------------
 
@@ -570,6 +616,7 @@ class BufferCore:
             wb = self._store.new_batch()
             new_batch = b.copy()
             new_batch.state = BatchState.CANCELLED
+            new_batch.finished_at = self._clock()
             new_batch.num_cancelled = len(rids)
             cancelled = []
             for rid in rids:
@@ -579,8 +626,10 @@ class BufferCore:
                 wb.put(keys.request_key(r.batch_id, r.group_index, r.sample_index), nr.encode())
                 cancelled.append(rid)
             wb.put(keys.batch_key(batch_id), new_batch.encode())
+            purged = self._purge_old(wb, new_batch)
             self._store.write(wb)
             self._batches[batch_id] = new_batch
+            self._forget_batches(purged)
             for rid in cancelled:
                 self._drop_live(rid, batch_id)
             self._forget_groups(batch_id, b.num_groups)

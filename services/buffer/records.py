@@ -108,6 +108,7 @@ class BatchRecord:
     num_results: int = 0  # length of the results log == finished requests
     num_cancelled: int = 0
     generated_tokens: int = 0
+    finished_at: float = 0.0  # wall clock when the batch became COMPLETED or CANCELLED (retention order)
 
     @property
     def terminal(self) -> bool:
@@ -172,6 +173,7 @@ class RequestRecord:
     generated: int = 0
     finish_reason: FinishReason = FinishReason.UNSPECIFIED
     stats: ChunkStats = field(default_factory=ChunkStats)
+    result_index: int = -1  # position in the batch's results log once finished
 
     @property
     def request_id(self) -> str:
@@ -190,7 +192,7 @@ class RequestRecord:
 
     # Request records are written on every commit and 65536 at a time on submit: a fixed struct
     # instead of JSON (about 20x cheaper to encode).
-    _HEAD = struct.Struct("<3sHIIQBIIB")
+    _HEAD = struct.Struct("<3sHIIQBIIBi")
     _STATS = struct.Struct("<iiiiiidi")
     _MAGIC = b"RQ1"
 
@@ -199,7 +201,7 @@ class RequestRecord:
         st = self.stats
         return b"".join((
             self._HEAD.pack(self._MAGIC, len(bid), self.group_index, self.sample_index, self.seed, int(self.state),
-                            self.next_seq, self.generated, int(self.finish_reason)),
+                            self.next_seq, self.generated, int(self.finish_reason), self.result_index),
             bid,
             self._STATS.pack(st.prefill_tokens, st.cached_tokens, st.kv_loaded_tokens, st.draft_tokens,
                              st.accepted_tokens, st.steps, st.wall_seconds, st.kv_recomputed_pages),
@@ -207,13 +209,14 @@ class RequestRecord:
 
     @classmethod
     def decode(cls, data: bytes) -> RequestRecord:
-        magic, n, gi, si, seed, state, next_seq, generated, reason = cls._HEAD.unpack_from(data, 0)
+        magic, n, gi, si, seed, state, next_seq, generated, reason, result_index = cls._HEAD.unpack_from(data, 0)
         if magic != cls._MAGIC:
             raise ValueError("not a request record (bad magic)")
         pos = cls._HEAD.size
         bid = data[pos : pos + n].decode()
         stats = ChunkStats(*cls._STATS.unpack_from(data, pos + n))
-        return cls(bid, gi, si, seed, RequestState(state), next_seq, generated, FinishReason(reason), stats)
+        return cls(bid, gi, si, seed, RequestState(state), next_seq, generated, FinishReason(reason), stats,
+                   result_index)
 
 
 @dataclass
@@ -255,9 +258,21 @@ class RolloutResult:
     latency_seconds: float
     labels: dict[str, str]
     text: str = ""
+    # Cumulative token count at the end of each chunk, and the last chunk's finish reason as committed:
+    # enough to recognize a retried commit of a finished request after its chunk records are dropped.
+    chunk_ends: list[int] = field(default_factory=list)
+    last_chunk_reason: FinishReason = FinishReason.UNSPECIFIED
+
+    def chunk(self, seq: int) -> ChunkRecord:
+        """Chunk `seq` as it was committed."""
+        start = self.chunk_ends[seq - 1] if seq > 0 else 0
+        end = self.chunk_ends[seq]
+        reason = self.last_chunk_reason if seq == len(self.chunk_ends) - 1 else FinishReason.CHUNK
+        return ChunkRecord(self.token_ids[start:end], self.logprobs[start:end], reason)
 
     def encode(self) -> bytes:
         meta = {
+            "chunk_ends": self.chunk_ends, "last_chunk_reason": int(self.last_chunk_reason),
             "request_id": self.request_id, "batch_id": self.batch_id, "group_index": self.group_index,
             "sample_index": self.sample_index, "prompt_key": self.prompt_key,
             "finish_reason": int(self.finish_reason), "policy_version": self.policy_version,
@@ -270,6 +285,7 @@ class RolloutResult:
     def decode(cls, data: bytes) -> RolloutResult:
         m, a = codec.decode(data)
         m["finish_reason"] = FinishReason(m["finish_reason"])
+        m["last_chunk_reason"] = FinishReason(m.get("last_chunk_reason", 0))
         m["stats"] = ChunkStats.from_meta(m["stats"])
         return cls(token_ids=a["t"], logprobs=a["l"], **m)
 

@@ -6,7 +6,7 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
     b/<batch_id>                          BatchRecord
     g/<batch_id>/<group:06d>              GroupRecord
     r/<batch_id>/<group:06d>/<sample:04d> RequestRecord
-    c/<batch_id>/<group:06d>/<sample:04d>/<seq:08d>   ChunkRecord
+    c/<batch_id>/<group:06d>/<sample:04d>/<seq:08d>   ChunkRecord (while the request is unfinished)
     l/<batch_id>/<index:010d>             RolloutResult (the batch's append-only results log)
     h/<prompt_key>                        history iterations of a prompt key
 
@@ -44,6 +44,20 @@ def chunk_key(batch_id: str, group_index: int, sample_index: int, seq: int) -> b
 
 def chunks_prefix(batch_id: str, group_index: int, sample_index: int) -> bytes:
     return f"c/{batch_id}/{group_index:06d}/{sample_index:04d}/".encode()
+
+
+def chunks_range(batch_id: str, group_index: int, sample_index: int) -> tuple[bytes, bytes]:
+    """[begin, end) covering every chunk key of one request."""
+    prefix = chunks_prefix(batch_id, group_index, sample_index)
+    return prefix, prefix[:-1] + b"0"  # '0' sorts right after '/'
+
+
+BATCH_PREFIXES = (b"g/", b"r/", b"c/", b"l/")
+
+
+def batch_ranges(batch_id: str) -> list[tuple[bytes, bytes]]:
+    """[begin, end) ranges covering every key of a batch except its b/ record."""
+    return [(p + f"{batch_id}/".encode(), p + f"{batch_id}0".encode()) for p in BATCH_PREFIXES]
 
 
 def result_key(batch_id: str, index: int) -> bytes:

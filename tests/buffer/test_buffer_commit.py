@@ -107,3 +107,17 @@ def test_stats_are_summed_into_the_result(buf: BufferHandle) -> None:
     r = next(iter(buf.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="c"), timeout=10))).result
     assert (r.stats.prefill_tokens, r.stats.draft_tokens, r.stats.accepted_tokens, r.stats.steps) == (3, 8, 4, 4)
     assert abs(r.stats.wall_seconds - 0.5) < 1e-9 and r.finish_reason == STOP and r.latency_seconds >= 0
+
+
+def test_finished_request_keeps_duplicate_detection_without_chunk_records(buf: BufferHandle) -> None:
+    rid = _one(buf, max_tokens=8)
+    commit(buf.internal, rid, 0, [5, 6])
+    commit(buf.internal, rid, 1, [7])
+    commit(buf.internal, rid, 2, [8, 9], reason=STOP)
+    # The chunks were folded into the result (one copy of the tokens on disk)...
+    assert list(buf.core._store.scan(b"c/c/")) == []
+    # ...and retries of any chunk are still recognized, or refused when they differ.
+    assert [commit(buf.internal, rid, s, t, reason=r).duplicate
+            for s, t, r in [(0, [5, 6], CHUNK), (1, [7], CHUNK), (2, [8, 9], STOP)]] == [True] * 3
+    expect_error(lambda: commit(buf.internal, rid, 1, [6]), grpc.StatusCode.ABORTED, "seq")
+    expect_error(lambda: commit(buf.internal, rid, 2, [8, 9], reason=CHUNK), grpc.StatusCode.ABORTED, "seq")

@@ -120,3 +120,26 @@ def test_completed_batch_becomes_history(make_buffer: Callable[..., BufferHandle
     h.stop()
     h2 = make_buffer()
     assert _history(h2, "p", "q") == {"p": ([4, 4], 1), "q": ([6], 0)}
+
+
+def test_old_finished_batches_are_deleted_beyond_retention(make_buffer: Callable[..., BufferHandle]) -> None:
+    h = make_buffer(retain_batches=2)
+    for n in range(3):
+        submit(h.rollout, f"r{n}", [group(prompt_key="p", group_size=1)])
+        finish_all(h.internal, snapshot(h.internal), length=2 + n)
+    running = submit(h.rollout, "live", [group(group_size=1)])
+    assert running.num_requests == 1
+    expect_error(lambda: h.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="r0")), grpc.StatusCode.NOT_FOUND,
+                 "batch_id")
+    for b in ("r1", "r2"):
+        (only,) = h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=b), timeout=10)
+        assert only.result.request_id == f"{b}/0/0"
+    assert not list(h.core._store.scan(b"r/r0/")) and not list(h.core._store.scan(b"l/r0/"))
+    assert _history(h, "p") == {"p": ([4], 0)}  # history outlives the batches
+    # A cancel also counts as finishing a batch; running batches are never deleted.
+    h.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="live"))
+    expect_error(lambda: h.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="r1")), grpc.StatusCode.NOT_FOUND)
+    h.stop()
+    h2 = make_buffer(retain_batches=2)
+    assert {b: h2.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id=b)).state for b in ("r2", "live")} == {
+        "r2": rollout_pb2.BATCH_STATE_COMPLETED, "live": rollout_pb2.BATCH_STATE_CANCELLED}
