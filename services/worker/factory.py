@@ -90,7 +90,9 @@ def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None
         draft=build_draft(cfg),
         planner=build_planner(cfg),
         kv_pool=build_kv(cfg),
-        speculation=cfg.speculation,
+        # SGLang drafts inside its own scheduler (the SEER plugin); the worker's draft client then
+        # only registers groups and appends tokens.
+        speculation=cfg.speculation and cfg.engine != "sglang",
         gamma_max=cfg.gamma_max,
         draft_width=cfg.draft_width,
         multipath_max_batch=cfg.multipath_max_batch,

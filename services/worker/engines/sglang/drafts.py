@@ -1,0 +1,97 @@
+"""Draft trees in SGLang's NGRAM verification format (pure: no sglang, no torch).
+
+SGLang's NGRAM worker verifies, per request, a fixed-size block of `num_draft_tokens` (N) tokens:
+
+    tokens[0]      the request's last verified token (the tree root)
+    tokens[1:]     draft nodes in breadth-first order, then padding
+    mask[i, j]     True iff node j is node i itself or one of its ancestors (N x N, row-major)
+
+Padding nodes carry token 0 and hang off the root, so they are ordinary (unlikely) candidates and
+verification stays lossless whatever they hold. Seer's Draft (services.worker.engine.Draft) lists
+nodes with parent indices (-1 = root) in any parents-first order; `to_sglang` re-orders them
+breadth-first (a BFS prefix is closed under ancestors, so truncating to N - 1 nodes keeps a valid
+tree) and `from_sglang` inverts it (tests and debugging).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+
+from services.worker.engine import Draft
+
+PAD_TOKEN = 0
+
+
+def bfs_order(parents: Sequence[int]) -> list[int]:
+    """Node indices in breadth-first order; siblings keep their order in the draft."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    order: list[int] = []
+    queue = deque(children.get(-1, []))
+    while queue:
+        i = queue.popleft()
+        order.append(i)
+        queue.extend(children.get(i, []))
+    return order
+
+
+def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int) -> tuple[list[int], np.ndarray]:
+    """(tokens [N], mask [N, N] bool) for one request; draft None = no speculation (all padding)."""
+    n = num_draft_tokens
+    if n < 1:
+        raise ValueError(f"num_draft_tokens: must be >= 1, got {n}")
+    tokens = [int(last_token)]
+    prevs = [-1]  # index of the parent in the SGLang block; -1 only for the root
+    if draft is not None and draft.tokens:
+        order = bfs_order(draft.parents)[: n - 1]
+        pos = {node: k + 1 for k, node in enumerate(order)}  # draft index -> block index
+        for node in order:
+            p = draft.parents[node]
+            tokens.append(int(draft.tokens[node]))
+            prevs.append(0 if p < 0 else pos[p])
+    while len(tokens) < n:
+        tokens.append(PAD_TOKEN)
+        prevs.append(0)
+    # mask[i] = mask[parent(i)] + self: rows are built in order because parents precede children.
+    mask = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(prevs):
+        if p >= 0:
+            mask[i, : p + 1] = mask[p, : p + 1]
+        mask[i, i] = True
+    return tokens, mask
+
+
+def from_sglang(tokens: Sequence[int], mask: np.ndarray, num_real: int | None = None) -> tuple[int, Draft]:
+    """Inverse of to_sglang: (last verified token, Draft). The parent of node i is its deepest
+    strict ancestor in the mask. num_real drops trailing padding (default: keep every node)."""
+    n = len(tokens)
+    m = np.asarray(mask, dtype=bool).reshape(n, n)
+    count = n - 1 if num_real is None else num_real
+    out_tokens: list[int] = []
+    parents: list[int] = []
+    for i in range(1, count + 1):
+        ancestors = [j for j in range(i) if m[i, j]]
+        parent = max(ancestors, key=lambda j: int(m[j].sum())) if ancestors else 0
+        out_tokens.append(int(tokens[i]))
+        parents.append(parent - 1)  # block index -> draft index; the root (0) -> -1
+    return int(tokens[0]), Draft(tuple(out_tokens), tuple(parents))
+
+
+def pack_batch(
+    drafts: Sequence[Draft | None], last_tokens: Sequence[int], num_draft_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch arrays SGLang's verify step takes: tokens [B * N] int64, mask [B * N * N] bool."""
+    if len(drafts) != len(last_tokens):
+        raise ValueError(f"last_tokens: {len(last_tokens)} entries for {len(drafts)} drafts")
+    n = num_draft_tokens
+    tokens = np.empty(len(drafts) * n, dtype=np.int64)
+    mask = np.empty(len(drafts) * n * n, dtype=bool)
+    for b, (d, last) in enumerate(zip(drafts, last_tokens, strict=True)):
+        t, m = to_sglang(d, last, n)
+        tokens[b * n : (b + 1) * n] = t
+        mask[b * n * n : (b + 1) * n * n] = m.reshape(-1)
+    return tokens, mask

@@ -1,0 +1,351 @@
+"""SGLangEngine: the Engine interface over SGLang 0.5.x (the production backend on GPUs).
+
+SGLang runs its own scheduler loop in a subprocess, so this adapter maps the step-based interface
+onto SGLang's streaming requests: add_request starts a streamed generate with the request's token
+prefix, step() returns the token deltas that arrived since the last call (per request, merged), and
+the worker's loop stays the same as with the reference engine.
+
+What SGLang does natively and this adapter only configures:
+- speculation: the SEER algorithm (services.worker.engines.sglang.plugin) drafts from the Seer
+  draft server inside SGLang's scheduler and verifies with NGRAM's tree verification, so the
+  `drafts` argument of step() is ignored here (SGLang cannot take per-step drafts from outside);
+- the KV pool: HiCache with the L3 backend services.worker.engines.sglang.storage writes pages
+  through to the Seer KV store and prefetches a request's stored prefix on admission, so
+  export_kv / import_kv move nothing (the store is already in the loop);
+- weights: load_weights = pause_generation, update_weights_from_disk, continue_generation; the
+  policy version is the request's extra key (HiCache salts page keys with it) and the L3 namespace
+  (through a version file the storage backend reads), so pages of old weights are never reused.
+
+sglang is imported lazily: importing this module never needs it (CI has no GPU and no sglang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.log import get_logger
+from services.worker.engine import (
+    Draft,
+    Engine,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    KVLayout,
+    KVPages,
+    SamplingParams,
+    StepOutput,
+)
+from services.worker.engines.sglang import pages, plugin
+
+if TYPE_CHECKING:
+    from services.worker.config import WorkerConfig
+
+log = get_logger(__name__)
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
+
+
+def sampling_dict(s: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang's sampling_params for one request (top_k 0 = off is -1 in SGLang)."""
+    out: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "skip_special_tokens": False,
+    }
+    if s.seed is not None:
+        out["sampling_seed"] = int(s.seed) & 0x7FFF_FFFF_FFFF_FFFF
+    return out
+
+
+def parse_policy_version(model_version: str) -> int:
+    """'family@v3' or 'v3' -> 3."""
+    tail = model_version.rsplit("@", 1)[-1]
+    if not tail.startswith("v") or not tail[1:].isdigit():
+        raise ValueError(f"version: {model_version!r} is not '<family>@v<N>' or 'v<N>'")
+    return int(tail[1:])
+
+
+def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file: str) -> dict[str, Any]:
+    """sglang.Engine(**kwargs) for a worker config (SGLang's ServerArgs field names)."""
+    kw: dict[str, Any] = {
+        "model_path": str(model_dir),
+        "dtype": cfg.dtype,
+        "page_size": cfg.page_size,
+        "max_running_requests": cfg.max_batch_size,
+        "skip_tokenizer_init": True,
+        "log_level": "error",
+    }
+    if cfg.speculation and cfg.gamma_max > 0:
+        kw.update(speculative_algorithm=plugin.ALGORITHM, speculative_num_draft_tokens=cfg.gamma_max + 1)
+    if cfg.kv_addresses:
+        kw.update(
+            enable_hierarchical_cache=True,
+            hicache_storage_backend="dynamic",
+            hicache_storage_backend_extra_config=json.dumps({
+                "backend_name": "seer",
+                "module_path": "services.worker.engines.sglang.storage",
+                "class_name": "SeerHiCacheStorage",
+                "kv_addresses": list(cfg.kv_addresses),
+                "family": family,
+                "policy_version": cfg.policy_version,
+                "version_file": version_file,
+            }),
+        )
+    return kw
+
+
+@dataclass
+class _Live:
+    req: GenerateRequest
+    tokens: list[int] = field(default_factory=list)
+    reported: int = 0  # completion tokens already turned into step outputs
+    verify_steps: int = 0
+
+
+class SGLangEngine(Engine):
+    def __init__(self, server_args: Mapping[str, Any], *, model_dir: Path, model_version: str,
+                 version_file: str, env: Mapping[str, str] | None = None) -> None:
+        from services.worker.model.config import ModelConfig
+
+        self._mc = ModelConfig.from_dir(model_dir)
+        self._model_dir = model_dir
+        self._version = model_version
+        self._family = model_version.rsplit("@", 1)[0] if "@" in model_version else "model"
+        self._version_file = pages.VersionFile(version_file)
+        self._version_file.write(parse_policy_version(model_version))
+        self._page_size = int(server_args.get("page_size", 16))
+        self._dtype = str(server_args.get("dtype", "bfloat16"))
+        self._max_batch = int(server_args.get("max_running_requests", 0) or 0)
+        os.environ.update(env or {})  # read by the SEER plugin in SGLang's scheduler process
+        self._out: queue.SimpleQueue[tuple[str, list[int], list[float], FinishReason | None, int]] = (
+            queue.SimpleQueue()
+        )
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._stats = {"prefill": 0, "cached": 0, "generated": 0, "steps": 0}
+        self._t0 = time.monotonic()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
+        self._thread.start()
+        self._sgl = self._call(self._create(dict(server_args)))
+
+    @classmethod
+    def from_config(cls, cfg: WorkerConfig, model_dir: Path, model_version: str) -> SGLangEngine:
+        family = model_version.rsplit("@", 1)[0] if "@" in model_version else "model"
+        version_file = os.path.join(tempfile.mkdtemp(prefix="seer-sglang-"), "policy_version")
+        env = {plugin.ENV_DRAFT_ADDRESS: cfg.draft_address, plugin.ENV_DRAFT_WIDTH: str(cfg.draft_width),
+               plugin.ENV_GROUP_TTL: str(cfg.group_ttl_seconds)}
+        return cls(server_kwargs(cfg, model_dir, family, version_file), model_dir=model_dir,
+                   model_version=model_version, version_file=version_file, env=env)
+
+    # -- the asyncio side ----------------------------------------------------------------------
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _create(self, kwargs: dict[str, Any]) -> Any:
+        import sglang  # type: ignore[import-not-found]
+
+        plugin.register()  # SGLang loads it from the entry point too; this covers editable installs
+        return sglang.Engine(**kwargs)
+
+    async def _generate(self, live: _Live) -> None:
+        from sglang.srt.managers.io_struct import GenerateReqInput  # type: ignore[import-not-found]
+
+        req = live.req
+        prefix = list(req.prompt_token_ids) + list(req.output_token_ids)
+        obj = GenerateReqInput(
+            input_ids=prefix,
+            sampling_params={
+                **sampling_dict(req.sampling, req.max_new_tokens),
+                "custom_params": plugin.custom_params(req.group_id, "", 1, False) if req.group_id else None,
+            },
+            return_logprob=True,
+            logprob_start_len=len(prefix),  # logprobs of the output tokens only
+            stream=True,
+            rid=req.request_id,
+            extra_key=pages.extra_key(self._family, parse_policy_version(self._version)),
+        )
+        rid = req.request_id
+        try:
+            async for out in self._sgl.tokenizer_manager.generate_request(obj, None):
+                meta = out.get("meta_info", {})
+                entries = meta.get("output_token_logprobs") or []
+                total = int(meta.get("completion_tokens", len(entries)))
+                fresh = total - live.reported
+                new = entries[len(entries) - fresh:] if fresh > 0 else []
+                live.reported = total
+                steps = int(meta.get("spec_verify_ct", 0) or 0)
+                verify, live.verify_steps = steps - live.verify_steps, steps
+                fr = meta.get("finish_reason")
+                reason = _FINISH.get(fr.get("type", ""), FinishReason.STOP) if isinstance(fr, dict) else None
+                if live.reported == total and "cached_tokens" in meta and fr is not None:
+                    self._stats["cached"] += int(meta["cached_tokens"])
+                    self._stats["prefill"] += len(prefix) - int(meta["cached_tokens"])
+                self._out.put((rid, [int(e[1]) for e in new], [float(e[0]) for e in new], reason,
+                               max(len(new) - max(verify, 1), 0)))
+                if reason is not None:
+                    return
+        except Exception as e:  # surface as an aborted request; the worker reports it
+            log.warning("sglang generate failed: %s", e, extra={"fields": {"request_id": rid}})
+            self._out.put((rid, [], [], FinishReason.ABORTED, 0))
+
+    # -- Engine --------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._mc.vocab_size)
+
+    @property
+    def max_context(self) -> int:
+        return int(self._mc.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._mc.eos_token_ids)
+
+    @property
+    def model_version(self) -> str:
+        return self._version
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        mc = self._mc
+        return KVLayout(dtype=self._dtype, page_size=self._page_size,
+                        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                        layout="sglang")
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if not req.request_id:
+            raise ValueError("request_id: must not be empty")
+        if not req.prompt_token_ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        for name, ids in (("prompt_token_ids", req.prompt_token_ids), ("output_token_ids", req.output_token_ids)):
+            for i, t in enumerate(ids):
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"{name}[{i}]: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        req.sampling.validate(self.vocab_size)
+        total = len(req.prompt_token_ids) + len(req.output_token_ids) + req.max_new_tokens
+        if req.max_new_tokens <= 0 or total > self.max_context:
+            raise ValueError(f"max_new_tokens: {req.max_new_tokens} does not fit the context {self.max_context}")
+        with self._lock:
+            if req.request_id in self._live:
+                raise ValueError(f"request_id: {req.request_id!r} is already live")
+            live = self._live[req.request_id] = _Live(req)
+        asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
+
+    def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
+        # Drafts are made inside SGLang by the SEER plugin; see the module docstring.
+        merged: dict[str, StepOutput] = {}
+        try:
+            items = [self._out.get(timeout=0.05)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._out.get_nowait())
+            except queue.Empty:
+                break
+        for rid, toks, lps, reason, accepted in items:
+            with self._lock:
+                live = self._live.get(rid)
+                if live is None:
+                    continue  # aborted
+                live.tokens += toks
+                if reason is not None:
+                    del self._live[rid]
+            o = merged.setdefault(rid, StepOutput(rid, [], []))
+            o.token_ids += toks
+            o.logprobs += lps
+            o.num_accepted += accepted
+            o.num_draft_tokens += accepted  # SGLang reports accepted, not proposed, draft tokens
+            if reason is not None:
+                o.finished, o.finish_reason = True, reason
+        self._stats["steps"] += 1
+        self._stats["generated"] += sum(len(o.token_ids) for o in merged.values())
+        return list(merged.values())
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            found = self._live.pop(request_id, None) is not None
+        if found:
+            self._loop.call_soon_threadsafe(self._sgl.tokenizer_manager.abort_request, request_id)
+        return found
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._live)
+
+    def request_tokens(self, request_id: str) -> tuple[int, ...]:
+        with self._lock:
+            live = self._live[request_id]
+            return live.req.prompt_token_ids + live.req.output_token_ids + tuple(live.tokens)
+
+    def export_kv(self, token_ids: Sequence[int]) -> KVPages:
+        # HiCache writes pages through to the KV store itself; nothing to hand over.
+        return KVPages(self._version, self.kv_layout, (), (), ())
+
+    def import_kv(self, pages_: KVPages) -> int:
+        if pages_.model_version != self._version:
+            raise ValueError(f"model_version: pages are of {pages_.model_version!r}, the engine runs {self._version!r}")
+        return 0  # HiCache prefetches stored prefixes from L3 on admission
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        return 0  # known only after admission (reported per request as cached_tokens)
+
+    def load_weights(self, path: str | None, version: str) -> None:
+        from sglang.srt.managers import io_struct  # type: ignore[import-not-found]
+
+        if self.has_unfinished():
+            raise RuntimeError("load_weights: requests are live; drain them first")
+        v = parse_policy_version(version)
+        tm = self._sgl.tokenizer_manager
+
+        async def switch() -> Any:
+            await tm.pause_generation(io_struct.PauseGenerationReqInput())
+            try:
+                obj = io_struct.UpdateWeightFromDiskReqInput(model_path=path or str(self._model_dir), load_format=None)
+                return await tm.update_weights_from_disk(obj, None)
+            finally:
+                await tm.continue_generation(io_struct.ContinueGenerationReqInput())
+
+        result = self._call(switch())
+        ok = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
+        if not ok:
+            raise ValueError(f"path: SGLang refused the weights: {result}")
+        self._version_file.write(v)
+        self._version = version
+        if path:
+            self._model_dir = Path(path)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            running = len(self._live)
+        elapsed = max(time.monotonic() - self._t0, 1e-6)
+        return EngineStats(
+            total_pages=0, free_pages=0, page_size=self._page_size, running=running, waiting=0,
+            tokens_per_second=self._stats["generated"] / elapsed, model_version=self._version,
+            prefill_tokens=self._stats["prefill"], cached_tokens=self._stats["cached"],
+            generated_tokens=self._stats["generated"], steps=self._stats["steps"],
+            max_batch_size=self._max_batch, max_context=self.max_context,
+        )
+
+    def shutdown(self) -> None:
+        try:
+            self._sgl.shutdown()
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,0 +1,188 @@
+"""SeerHiCacheStorage: SGLang's HiCache L3 tier backed by the Seer KV store (DESIGN.md section 5).
+
+Loaded by SGLang itself in its scheduler process:
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "seer",
+        "module_path": "services.worker.engines.sglang.storage", "class_name": "SeerHiCacheStorage",
+        "kv_addresses": ["kvstore-0:50061"], "family": "smollm2", "version_file": "/run/seer/version"}'
+
+SGLang constructs it as `SeerHiCacheStorage(storage_config, kwargs)` and registers its host memory
+pool; pages move between that pool and the store with batch_get_v1 / batch_set_v1 (zero copy of
+whole pages by host index), batch_exists gives the longest stored prefix. Keys map to the store
+through services.worker.engines.sglang.pages. Every failure is a miss (SGLang recomputes), never an
+exception on SGLang's prefetch/backup threads, which would disable L3 for the process.
+
+This module imports sglang and torch at import time: only SGLang loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import torch
+from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
+from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found]
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from services.common.grpcutil import channel
+from services.kvstore.ring import HashRing
+from services.worker.engines.sglang.pages import VersionFile, namespace, page_hash, page_layout
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_S = 10.0
+
+
+class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        addresses = list(extra.get("kv_addresses") or [])
+        if not addresses:
+            raise ValueError("kv_addresses: the seer HiCache backend needs at least one KV store address")
+        self.family = str(extra.get("family") or "model")
+        self.version_file = VersionFile(str(extra["version_file"])) if extra.get("version_file") else None
+        self.default_version = int(extra.get("policy_version", 0))
+        self.tp_rank = int(storage_config.tp_rank)
+        self.tp_size = int(storage_config.tp_size)
+        self.ring = HashRing(addresses, 64)
+        self._stubs = {a: kvstore_pb2_grpc.KvStoreServiceStub(channel(a)) for a in self.ring.nodes}
+        self.mem_pool_host: Any = None
+        self._layout_pb: kvstore_pb2.PageLayout | None = None
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _namespace(self) -> str:
+        v = self.version_file.read(self.default_version) if self.version_file else self.default_version
+        return namespace(self.family, v, self.tp_rank, self.tp_size)
+
+    def _layout(self) -> kvstore_pb2.PageLayout:
+        if self._layout_pb is None:
+            pool = self.mem_pool_host
+            lay = page_layout(
+                dtype=str(pool.dtype).replace("torch.", ""), page_size=int(pool.page_size),
+                num_layers=int(pool.layer_num), num_kv_heads=int(pool.head_num), head_dim=int(pool.head_dim),
+                mem_layout=str(pool.layout), tp_rank=self.tp_rank, tp_size=self.tp_size,
+            )
+            self._layout_pb = kvstore_pb2.PageLayout(dtype=lay.dtype, page_size=lay.page_size,
+                                                     num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                                                     head_dim=lay.head_dim, layout=lay.layout)
+        return self._layout_pb
+
+    def _by_node(self, hashes: Sequence[bytes]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for i, h in enumerate(hashes):
+            out.setdefault(self.ring.node_for(h), []).append(i)
+        return out
+
+    def _get_pages(self, keys: Sequence[str]) -> list[bytes | None]:
+        hashes = [page_hash(k) for k in keys]
+        ns = self._namespace()
+        found: list[bytes | None] = [None] * len(keys)
+        for node, idx in self._by_node(hashes).items():
+            req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=self._layout())
+            try:
+                for i, msg in zip(idx, self._stubs[node].Get(req, timeout=_TIMEOUT_S), strict=False):
+                    if msg.found and zlib.crc32(msg.data) == msg.checksum:
+                        found[i] = msg.data
+            except grpc.RpcError as e:
+                log.warning("seer hicache get failed on %s: %s", node, e.code())
+        return found
+
+    def _put_pages(self, keys: Sequence[str], datas: Sequence[bytes]) -> list[bool]:
+        hashes = [page_hash(k) for k in keys]
+        ns, layout, ok = self._namespace(), self._layout(), [False] * len(keys)
+        for node, idx in self._by_node(hashes).items():
+            def stream(idx: list[int] = idx) -> Iterator[kvstore_pb2.PutRequest]:
+                for i in idx:
+                    yield kvstore_pb2.PutRequest(namespace=ns, layout=layout, page_hash=hashes[i], data=datas[i],
+                                                 checksum=zlib.crc32(datas[i]))
+            try:
+                self._stubs[node].Put(stream(), timeout=_TIMEOUT_S)
+                for i in idx:
+                    ok[i] = True
+            except grpc.RpcError as e:
+                log.warning("seer hicache put failed on %s: %s", node, e.code())
+        return ok
+
+    # -- the v1 zero-copy interface (whole pages by host index) -------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        if not keys:
+            return 0
+        hashes = [page_hash(k) for k in keys]
+        ns, n = self._namespace(), len(keys)
+        for node, idx in self._by_node(hashes).items():
+            try:
+                have = self._stubs[node].Exists(
+                    kvstore_pb2.ExistsRequest(namespace=ns, page_hashes=[hashes[i] for i in idx]), timeout=_TIMEOUT_S
+                ).prefix_pages
+            except grpc.RpcError:
+                have = 0
+            if have < len(idx):
+                n = min(n, idx[have])
+        return n
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pool = self.mem_pool_host
+        page = int(pool.page_size)
+        out: list[bool] = []
+        for i, data in enumerate(self._get_pages(keys)):
+            if data is None:
+                out.append(False)
+                continue
+            dummy = pool.get_dummy_flat_data_page()
+            flat = torch.frombuffer(bytearray(data), dtype=dummy.dtype).view_as(dummy)
+            pool.set_from_flat_data_page(int(host_indices[i * page].item()), flat)
+            out.append(True)
+        return out
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pool = self.mem_pool_host
+        page = int(pool.page_size)
+        datas = [
+            pool.get_data_page(int(host_indices[i * page].item()), flat=True).contiguous().view(torch.uint8)
+            .cpu().numpy().tobytes()
+            for i in range(len(keys))
+        ]
+        return self._put_pages(keys, datas)
+
+    # -- the key/value interface -------------------------------------------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        data = self._get_pages([key])[0]
+        if data is None:
+            return None
+        if target_location is not None:
+            buf = target_location.view(torch.uint8).reshape(-1)
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            return target_location  # type: ignore[no-any-return]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        locs = target_locations or [None] * len(keys)
+        return [self.get(k, loc) for k, loc in zip(keys, locs, strict=True)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        if value is None:
+            return False
+        return self._put_pages([key], [value.contiguous().view(torch.uint8).cpu().numpy().tobytes()])[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if values is None:
+            return False
+        datas = [v.contiguous().view(torch.uint8).cpu().numpy().tobytes() for v in values]
+        return all(self._put_pages(keys, datas))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1

@@ -1,0 +1,199 @@
+"""Contract of the SGLang backend: the pure conversions always; SGLang's own signatures when sglang is
+importable (it needs CUDA and is not installed on CI machines, so that part skips there)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.kvstore.store import family_of
+from services.worker.config import WorkerConfig
+from services.worker.engine import Draft, SamplingParams
+from services.worker.engines.sglang import pages, plugin
+from services.worker.engines.sglang.drafts import PAD_TOKEN, bfs_order, from_sglang, pack_batch, to_sglang
+from services.worker.engines.sglang.engine import parse_policy_version, sampling_dict, server_kwargs
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def paths(d: Draft) -> set[tuple[int, ...]]:
+    """Every root-to-node token path of a draft tree (its meaning, independent of node order)."""
+    out = set()
+    for i in range(len(d.tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(d.tokens[j])
+            j = d.parents[j]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def ancestors_or_self(prevs: list[int], i: int) -> set[int]:
+    out, j = set(), i
+    while j >= 0:
+        out.add(j)
+        j = prevs[j]
+    return out
+
+
+def test_chain_block() -> None:
+    tokens, mask = to_sglang(Draft.chain([5, 6, 7]), last_token=42, num_draft_tokens=6)
+    assert tokens == [42, 5, 6, 7, PAD_TOKEN, PAD_TOKEN]
+    # A chain is lower-triangular; padding hangs off the root.
+    for i in range(4):
+        assert list(np.nonzero(mask[i])[0]) == list(range(i + 1))
+    for i in (4, 5):
+        assert list(np.nonzero(mask[i])[0]) == [0, i]
+
+
+def test_tree_is_reordered_breadth_first() -> None:
+    # node0=10 (root child), node1=12 (child of node0), node2=11 (root child), node3=13 (child of node2)
+    d = Draft((10, 12, 11, 13), (-1, 0, -1, 2))
+    assert bfs_order(d.parents) == [0, 2, 1, 3]
+    tokens, mask = to_sglang(d, last_token=1, num_draft_tokens=5)
+    assert tokens == [1, 10, 11, 12, 13]
+    prevs = [-1, 0, 0, 1, 2]
+    for i in range(5):
+        assert set(np.nonzero(mask[i])[0]) == ancestors_or_self(prevs, i)
+
+
+def test_no_draft_is_all_padding() -> None:
+    tokens, mask = to_sglang(None, last_token=9, num_draft_tokens=3)
+    assert tokens == [9, PAD_TOKEN, PAD_TOKEN]
+    assert mask.tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        to_sglang(None, 1, 0)
+
+
+def random_tree(rng: random.Random, n: int) -> Draft:
+    # Parents-first but not BFS: each node picks any earlier node (or the root) as its parent.
+    parents = [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+    return Draft(tuple(rng.randrange(1, 1000) for _ in range(n)), tuple(parents))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_trees_round_trip_and_truncate(seed: int) -> None:
+    rng = random.Random(seed)
+    d = random_tree(rng, rng.randrange(1, 12))
+    n = rng.randrange(2, 10)
+    tokens, mask = to_sglang(d, last_token=7, num_draft_tokens=n)
+    assert len(tokens) == n and mask.shape == (n, n)
+    kept = min(len(d.tokens), n - 1)
+    # Every row: the diagonal and the root; ancestors strictly before the node (BFS order).
+    assert mask.diagonal().all() and mask[:, 0].all()
+    assert not np.triu(mask, 1).any()
+    last, back = from_sglang(tokens, mask, num_real=kept)
+    assert last == 7
+    back.validate(10_000)
+    if kept == len(d.tokens):
+        assert paths(back) == paths(d)
+    else:  # a BFS prefix: every kept path is a path of the original tree
+        assert paths(back) <= paths(d) and len(back.tokens) == kept
+
+
+def test_pack_batch() -> None:
+    drafts = [Draft.chain([3, 4]), None, Draft((8, 9), (-1, -1))]
+    tokens, mask = pack_batch(drafts, [100, 200, 300], num_draft_tokens=4)
+    assert tokens.dtype == np.int64 and tokens.shape == (12,)
+    assert mask.dtype == np.bool_ and mask.shape == (48,)
+    assert tokens.tolist() == [100, 3, 4, 0, 200, 0, 0, 0, 300, 8, 9, 0]
+    m2 = mask[32:48].reshape(4, 4)
+    assert m2[2].tolist() == [True, False, True, False]  # 9 is a sibling of 8, not its child
+    with pytest.raises(ValueError, match="last_tokens"):
+        pack_batch(drafts, [1], 4)
+
+
+def test_page_keys_and_namespaces() -> None:
+    h = pages.page_hash("a" * 64)
+    assert len(h) == 16 and h == pages.page_hash("a" * 64) and h != pages.page_hash("b" * 64)
+    ns0 = pages.namespace("smollm2", 0, tp_rank=1, tp_size=2)
+    ns1 = pages.namespace("smollm2", 1, tp_rank=1, tp_size=2)
+    assert ns0 != ns1 and ns0.endswith("@v0") and ns1.endswith("@v1")
+    # One family per (model, rank) across versions: the store drops the old version's pages.
+    assert family_of(ns0) == family_of(ns1) != family_of(pages.namespace("smollm2", 1, 0, 2))
+    # Never the reference engine's namespace ("<family>@v<N>"): the layouts differ.
+    assert family_of(ns0) != "smollm2"
+    assert pages.extra_key("smollm2", 3) != pages.extra_key("smollm2", 4)
+    for bad in (("", 0, 0, 1), ("a@b", 0, 0, 1), ("m", -1, 0, 1), ("m", 0, 2, 2)):
+        with pytest.raises(ValueError):
+            pages.namespace(*bad)
+    lay = pages.page_layout("bfloat16", 64, 30, 3, 64, "layer_first", 0, 1)
+    assert lay.page_bytes == 30 * 2 * 64 * 3 * 64 * 2 and "tp0of1" in lay.layout
+
+
+def test_version_file(tmp_path: Path) -> None:
+    vf = pages.VersionFile(str(tmp_path / "v"))
+    assert vf.read(default=5) == 5
+    vf.write(3)
+    assert vf.read() == 3
+    vf.write(4)
+    assert vf.read() == 4
+
+
+def test_request_conversions() -> None:
+    s = sampling_dict(SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=2**64 - 1,
+                                     stop_token_ids=(5,), ignore_eos=True), 32)
+    assert s["max_new_tokens"] == 32 and s["top_k"] == -1 and s["stop_token_ids"] == [5]
+    assert 0 <= s["sampling_seed"] < 2**63 and s["ignore_eos"] is True
+    assert "sampling_seed" not in sampling_dict(SamplingParams(), 1)
+    assert parse_policy_version("smollm2@v12") == 12 and parse_policy_version("v0") == 0
+    with pytest.raises(ValueError, match="version"):
+        parse_policy_version("latest")
+    meta = plugin.request_meta(plugin.custom_params("g1", "k", 8, True))
+    assert meta == ("g1", "k", 8, True)
+    assert plugin.request_meta(None) == ("", "", 1, False)
+
+
+def test_server_kwargs(tmp_path: Path) -> None:
+    cfg = WorkerConfig(engine="sglang", gamma_max=6, kv_addresses=("kv-0:1", "kv-1:1"), dtype="bfloat16")
+    kw = server_kwargs(cfg, tmp_path, "smollm2", str(tmp_path / "v"))
+    assert kw["speculative_algorithm"] == plugin.ALGORITHM and kw["speculative_num_draft_tokens"] == 7
+    assert kw["hicache_storage_backend"] == "dynamic" and kw["enable_hierarchical_cache"] is True
+    extra = json.loads(kw["hicache_storage_backend_extra_config"])
+    assert {"backend_name", "module_path", "class_name"} <= set(extra)
+    assert extra["kv_addresses"] == ["kv-0:1", "kv-1:1"]
+    module_file = Path(*extra["module_path"].split(".")).with_suffix(".py")
+    assert (Path(__file__).resolve().parents[2] / module_file).exists()
+    assert f"class {extra['class_name']}(" in (Path(__file__).resolve().parents[2] / module_file).read_text()
+    off = server_kwargs(WorkerConfig(engine="sglang", speculation=False), tmp_path, "m", "v")
+    assert "speculative_algorithm" not in off and "hicache_storage_backend" not in off
+
+
+def test_engine_module_imports_without_sglang() -> None:
+    code = ("import sys; import services.worker.engines.sglang.engine, services.worker.engines.sglang.plugin; "
+            "print('sglang' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (it needs CUDA; not on CI machines)")
+def test_sglang_signatures() -> None:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+    from sglang.srt.speculative import spec_info
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    params = inspect.signature(spec_info.register_speculative_algorithm).parameters
+    assert {"name", "worker_cls", "flags"} <= set(params)
+    assert hasattr(NGRAMWorker, "_prepare_draft_tokens") and hasattr(NGRAMWorker, "_update_ngram_cache")
+    for name in ("batch_exists", "batch_get_v1", "batch_set_v1", "get", "set", "exists"):
+        assert hasattr(HiCacheStorage, name), name
+    assert list(inspect.signature(HiCacheStorage.batch_get_v1).parameters)[:3] == ["self", "keys", "host_indices"]
+    from services.worker.engines.sglang.storage import SeerHiCacheStorage
+
+    assert issubclass(SeerHiCacheStorage, HiCacheStorage)
+    algo = plugin.register()
+    assert algo.is_ngram() and spec_info.SpeculativeAlgorithm.from_string("SEER") == algo
+    import sglang
+
+    for name in ("pause_generation", "continue_generation", "update_weights_from_disk"):
+        assert hasattr(sglang.Engine, name) or hasattr(
+            __import__("sglang.srt.managers.tokenizer_manager", fromlist=["TokenizerManager"]).TokenizerManager, name
+        ), name
