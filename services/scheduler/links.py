@@ -44,7 +44,13 @@ def channel(address: str) -> grpc.Channel:
     """Like services.common.grpcutil.channel (limits + tracing), with a short reconnect backoff."""
     ch = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
     interceptors = client_interceptors()
-    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
+    if not interceptors:
+        return ch
+    # OpenTelemetry's client interceptor implements its own interception API (grpcext), which
+    # grpc.intercept_channel rejects.
+    from opentelemetry.instrumentation.grpc import grpcext
+
+    return grpcext.intercept_channel(ch, *interceptors)  # type: ignore[no-any-return]
 
 
 def translate(err: grpc.RpcError) -> errors.SeerError:

@@ -17,6 +17,7 @@ core call happens under one lock: the core is single-threaded by design.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import time
 import uuid
@@ -321,7 +322,11 @@ class Dispatcher:
                 except SeerError as e:
                     errors[w.worker_id] = str(e)
 
-            threads = [threading.Thread(target=load, args=(w,), daemon=True) for w in workers]
+            # Each load runs in a copy of this context, so the trace of the caller (trainer ->
+            # buffer -> SwitchWeights) continues into every worker's LoadWeights.
+            threads = [
+                threading.Thread(target=contextvars.copy_context().run, args=(load, w), daemon=True) for w in workers
+            ]
             for t in threads:
                 t.start()
             for t in threads:

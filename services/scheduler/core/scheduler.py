@@ -57,6 +57,7 @@ class SchedulerCore:
         self.clock = clock
         self._requests: dict[str, _Request] = {}
         self._groups: dict[str, GroupState] = {}
+        self._groups_by_key: dict[str, set[str]] = {}
         self._workers: dict[str, WorkerState] = {}
         self._history: dict[str, list[int]] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -92,6 +93,7 @@ class SchedulerCore:
             if r.prompt_key in self._history and self.cfg.policy == "seer_history":
                 g.prior = history_prior(self._history[r.prompt_key], r.max_tokens)
             self._groups[r.group_id] = g
+            self._groups_by_key.setdefault(r.prompt_key, set()).add(r.group_id)
         else:
             for name in ("prompt_key", "group_size", "max_tokens"):
                 if getattr(g, name) != getattr(r, name):
@@ -131,10 +133,10 @@ class SchedulerCore:
             self._history[prompt_key] = list(lengths)
         if self.cfg.policy != "seer_history":
             return
-        for g in self._groups.values():
-            if g.prompt_key == prompt_key:
-                g.prior = None if prior is None else min(prior, g.max_tokens)
-                self._rekey_group(g)
+        for gid in self._groups_by_key.get(prompt_key, ()):
+            g = self._groups[gid]
+            g.prior = None if prior is None else min(prior, g.max_tokens)
+            self._rekey_group(g)
 
     def history(self, prompt_key: str) -> list[int] | None:
         h = self._history.get(prompt_key)
@@ -394,6 +396,11 @@ class SchedulerCore:
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
         del self._groups[g.group_id]
+        same_key = self._groups_by_key.get(g.prompt_key)
+        if same_key is not None:
+            same_key.discard(g.group_id)
+            if not same_key:
+                del self._groups_by_key[g.prompt_key]
         self._group_worker.pop(g.group_id, None)
 
     # ---- queues ---------------------------------------------------------------------------
