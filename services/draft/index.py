@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import groupby
+from itertools import islice
 from operator import itemgetter
 
 from services.common.errors import InvalidArgument
@@ -34,7 +36,7 @@ _POS_MASK = (1 << _POS_BITS) - 1
 DEFAULT_LEVELS: tuple[int, ...] = (2, 4, 7)
 # Occurrences of one n-gram considered per proposal (the most recent ones): bounds the walk for very
 # frequent n-grams (e.g. "the" in the prompt), which are also the least predictive.
-MAX_CANDIDATES = 48
+MAX_CANDIDATES = 32
 PROMPT_SEQ = 0
 
 
@@ -175,7 +177,7 @@ class GroupIndex:
     def memory_bytes(self) -> int:
         """Estimated resident bytes: CPython list slots + int objects + dict entries (calibrated
         against tracemalloc in tests/draft/test_index.py)."""
-        return self.indexed_tokens * 8 + self.entries * 100 + len(self._seqs) * 120
+        return self.indexed_tokens * 8 + self.entries * 45 + len(self._seqs) * 120
 
     def all_continuations(self, context: Sequence[int], k: int, max_len: int) -> list[list[int]]:
         """Every continuation (up to max_len tokens) of every occurrence of the context's last k
@@ -252,25 +254,32 @@ class GroupIndex:
                     else _tree(conts, cap, width, min_token_prob, k))
             if prop.score > best.score:
                 best = prop
-            if len(prop.tokens) >= cap or best.score >= cap - 1:
+            # Longest match first (RhymeRL: last 7 tokens, then 4); a shorter match is only tried
+            # when the longer one is not expected to yield even one accepted token.
+            if best.score >= 1.0 or len(prop.tokens) >= cap:
                 break
         return best
 
 
-def _runs(conts: list[list[int]], lo: int, hi: int, d: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """Children at depth d of the node whose continuations are conts[lo:hi] (all share a d-prefix).
+def _children(conts: list[list[int]], lo: int, hi: int, d: int, top: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """The `top` most frequent children at depth d of the node whose continuations are conts[lo:hi]
+    (sorted; all share a d-token prefix). Counting (Counter over itemgetter) and the ranges (bisect
+    on the sorted list) run at C speed.
 
-    Returns (lo', runs): conts[lo:lo'] end at depth d (no child); runs = (token, start, end) ranges.
+    Returns (number of continuations with a child, [(token, start, end)] most frequent first).
     """
-    while lo < hi and len(conts[lo]) <= d:  # prefixes sort first
+    while lo < hi and len(conts[lo]) <= d:  # ended continuations (prefixes) sort first
         lo += 1
-    runs: list[tuple[int, int, int]] = []
-    i = lo
-    for tok, g in groupby(conts[lo:hi], key=itemgetter(d)):
-        n = len(list(g))
-        runs.append((tok, i, i + n))
-        i += n
-    return lo, runs
+    if lo >= hi:
+        return 0, []
+    counts = Counter(map(itemgetter(d), islice(conts, lo, hi)))
+    prefix = conts[lo][:d]
+    out = []
+    for tok, _n in counts.most_common(top):
+        a = bisect_left(conts, [*prefix, tok], lo, hi)
+        b = bisect_left(conts, [*prefix, tok + 1], a, hi)
+        out.append((tok, a, b))
+    return hi - lo, out
 
 
 def _linear(conts: list[list[int]], cap: int, min_prob: float, match_len: int) -> Proposal:
@@ -293,11 +302,10 @@ def _linear(conts: list[list[int]], cap: int, min_prob: float, match_len: int) -
             score += prob * (e - d)
             d = e
             continue
-        lo, runs = _runs(conts, lo, hi, d)
+        total, runs = _children(conts, lo, hi, d, 1)
         if not runs:
             break
-        total = hi - lo
-        tok, a, b = max(runs, key=lambda r: r[2] - r[1])
+        tok, a, b = runs[0]
         prob *= (b - a) / total
         if prob < min_prob:
             break
@@ -324,12 +332,8 @@ def _tree(conts: list[list[int]], cap: int, width: int, min_prob: float, match_l
 
     def push_children(lo: int, hi: int, d: int, prob: float, parent: int) -> None:
         nonlocal tie
-        lo, runs = _runs(conts, lo, hi, d)
-        total = hi - lo
-        if not total:
-            return
-        runs.sort(key=lambda r: r[1] - r[2])
-        for tok, a, b in runs[:width]:
+        total, runs = _children(conts, lo, hi, d, width)
+        for tok, a, b in runs:
             child_prob = prob * (b - a) / total
             if child_prob < min_prob:
                 break

@@ -35,7 +35,7 @@ log = get_logger(__name__)
 _MAX_TOKEN_ID = (1 << 31) - 1
 _LOG_ENTRY_BYTES = 120  # a SeqDelta object and its tuple, calibrated with tracemalloc
 _LOG_TOKEN_BYTES = 36
-_APPEND_TOKEN_BYTES = 400  # index entries (3 levels) + token slot + log copy
+_APPEND_TOKEN_BYTES = 200  # index entries (3 levels) + token slot + log copy
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
 
 
