@@ -45,11 +45,19 @@ class InstanceModel:
         return self.step_time(batch, ctx_sum, self.gamma) / mean_accept < self.step_time(batch, ctx_sum)
 
 
-# Per-workload instance models (assumptions, not measurements: plausible H800-class instances for
-# each model size; KV capacities are set so that KV, not batch slots, binds during the long phase,
-# as it did for veRL in the paper: 13,686 preemptions in one Qwen2-VL-72B iteration).
+# Per-workload instance models. Assumptions derived from the model shapes and H800 numbers (990
+# TFLOP/s bf16 at ~40-50% efficiency, 3.35 TB/s HBM per GPU), not measured (no GPU here):
+# a = weights (active experts at large batch) read once per step + launch overhead; b = 2 x active
+# params FLOP per token; c = KV bytes per context token / aggregate HBM bandwidth; kv_tokens = HBM
+# left after weights / KV bytes per token; fetch = KV bytes per token over a Mooncake-class RDMA pool.
 INSTANCE_MODELS: dict[str, InstanceModel] = {
-    "moonlight": InstanceModel(a=0.015, b=0.00008, c=1.5e-9, kv_tokens=1_200_000, max_batch=256),
-    "qwen2-vl-72b": InstanceModel(a=0.020, b=0.00012, c=3.0e-9, kv_tokens=1_000_000, max_batch=256),
-    "kimi-k2": InstanceModel(a=0.030, b=0.00006, c=1.0e-9, kv_tokens=4_000_000, max_batch=512),
+    # Moonlight-16B-A3B (MLA, ~31 KB KV/token), one H800 per instance (~28 GB left for KV).
+    "moonlight": InstanceModel(a=0.010, b=0.000015, c=9.0e-9, prefill_tps=80_000, fetch_tps=800_000,
+                               kv_tokens=900_000, max_batch=256),
+    # Qwen2-VL-72B (GQA, ~320 KB KV/token), TP8 over 8 H800.
+    "qwen2-vl-72b": InstanceModel(a=0.010, b=0.00005, c=1.2e-8, prefill_tps=25_000, fetch_tps=150_000,
+                                  kv_tokens=1_200_000, max_batch=256),
+    # Kimi-K2 (1T MoE, 32B active, MLA ~70 KB KV/token), 32 H800 per instance.
+    "kimi-k2": InstanceModel(a=0.025, b=0.00002, c=2.0e-9, prefill_tps=200_000, fetch_tps=1_400_000,
+                             kv_tokens=8_000_000, max_batch=512),
 }
