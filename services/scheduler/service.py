@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
 
@@ -558,7 +559,7 @@ class Dispatcher:
 
     def _run_chunk(self, d: Dispatch, r: TrackedRequest, w: WorkerState, token: int) -> None:
         with log_context(request_id=d.request_id, group_id=r.item.group_id), \
-                self._tracer.start_as_current_span("scheduler.dispatch") as span:
+                self._tracer.start_as_current_span("scheduler.dispatch", context=_trace_parent(r.item)) as span:
             span.set_attribute("seer.request_id", d.request_id)
             span.set_attribute("seer.worker_id", d.worker_id)
             span.set_attribute("seer.seq", r.next_seq)
@@ -733,6 +734,17 @@ class Dispatcher:
                 redispatched_chunks=self._redispatched,
                 workers=workers,
             )
+
+
+def _trace_parent(item: buffer_pb2.WorkItem) -> Any:
+    """The submitting trainer's trace context, when the work item carries one (a W3C traceparent
+    map; requested as WorkItem.trace_context), so a dispatch joins the SubmitBatch trace."""
+    carrier = dict(getattr(item, "trace_context", None) or {})
+    if not carrier:
+        return None
+    from opentelemetry.propagate import extract
+
+    return extract(carrier)
 
 
 def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:
