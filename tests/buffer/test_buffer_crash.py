@@ -101,8 +101,11 @@ def test_kill9_during_a_commit_storm_loses_no_acknowledged_chunk(proc: BufferPro
     threads = [threading.Thread(target=committer, args=(items[i::2],)) for i in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.4)
-    proc.kill9()
+    deadline = time.monotonic() + 20
+    while len(acked) < 16 and time.monotonic() < deadline:  # every request has at least one chunk
+        time.sleep(0.02)
+    time.sleep(0.1)
+    proc.kill9()  # mid-storm: commits are in flight
     stop.set()
     for t in threads:
         t.join(10)
