@@ -139,3 +139,26 @@ def test_bad_register_is_invalid_argument(suite):
                     total_kv_pages=0, page_size=16, max_batch_size=4)), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "total_pages" in e.value.details()
+
+
+def test_cancel_mid_batch_stops_dispatch(suite, workers, rollout_stub_factory):
+    workers.append(FakeWorker("w0", suite.scheduler_address, token_delay=0.05))
+    suite.wait_workers(1, timeout=10)
+    stub = rollout_stub_factory(suite.address)
+    batch = make_batch(4, 2, max_tokens=[4, 200, 200, 200])
+    stub.SubmitBatch(batch, timeout=10)
+    first = next(iter(stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch.batch_id), timeout=30)))
+    resp = stub.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id=batch.batch_id), timeout=10)
+    assert resp.num_cancelled >= 5
+    rest = collect(stub, batch.batch_id, timeout=30, cursor=1)
+    assert first.result.group_index == 0 and all(r.result.group_index == 0 for r in rest)
+    deadline = time.monotonic() + 10
+    while True:
+        stats = suite.scheduler_stats()
+        if stats.pending_requests == 0 and stats.in_flight_chunks == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    chunks_after = len(workers[0].chunks)
+    time.sleep(1.0)
+    assert len(workers[0].chunks) == chunks_after, "chunks still dispatched after the cancel"
