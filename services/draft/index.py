@@ -242,6 +242,7 @@ class GroupIndex:
         max_len = min(max_len, self.max_depth)
         best = EMPTY
         n = len(context)
+        tried = 0
         for level in range(len(self.levels) - 1, -1, -1):
             k = self.levels[level]
             if n < k:
@@ -254,9 +255,11 @@ class GroupIndex:
                     else _tree(conts, cap, width, min_token_prob, k))
             if prop.score > best.score:
                 best = prop
+            tried += 1
             # Longest match first (RhymeRL: last 7 tokens, then 4); a shorter match is only tried
-            # when the longer one is not expected to yield even one accepted token.
-            if best.score >= 1.0 or len(prop.tokens) >= cap:
+            # when the longer one is not expected to yield even one accepted token, and at most two
+            # levels with occurrences are evaluated (bounds the tail latency).
+            if best.score >= 1.0 or len(prop.tokens) >= cap or tried >= 2:
                 break
         return best
 
