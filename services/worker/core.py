@@ -316,6 +316,8 @@ class Worker:
         self._kv_offload = kv_offload
 
         self._lock = threading.RLock()  # guards the engine and _active
+        self._waiting = 0  # handler threads waiting for _lock (the loop yields to them)
+        self._waiting_lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
         self._loading = False  # LoadWeights in progress: refuse new chunks
@@ -334,6 +336,21 @@ class Worker:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """_lock for handler threads: counted, so the step loop lets them in between steps."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def start(self) -> Worker:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -342,7 +359,7 @@ class Worker:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the loop; chunks still running end ABORTED."""
-        with self._lock:
+        with self._locked():
             for act in list(self._active.values()):
                 self._abort_locked(act)
             self._stop.set()
@@ -372,7 +389,7 @@ class Worker:
 
     @property
     def in_flight(self) -> int:
-        with self._lock:
+        with self._locked():
             return len(self._active)
 
     # -- chunk submission --------------------------------------------------------------------
@@ -393,7 +410,7 @@ class Worker:
                 group_id=job.group_id,
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
-            with self._lock:
+            with self._locked():
                 if self._stop.is_set():
                     raise Unavailable("worker is shutting down")
                 if self._loading:
@@ -483,14 +500,14 @@ class Worker:
 
     def abort(self, request_id: str) -> bool:
         """Aborts a running chunk by request id; False when none runs here."""
-        with self._lock:
+        with self._locked():
             act = self._active.get(request_id)
             if act is None:
                 return False
             return self._abort_locked(act)
 
     def abort_active(self, act: _Active) -> bool:
-        with self._lock:
+        with self._locked():
             if self._active.get(act.job.request_id) is not act:
                 return False
             return self._abort_locked(act)
@@ -513,7 +530,7 @@ class Worker:
         if version < 0:
             raise InvalidArgument(f"must be >= 0, got {version}", field="version")
         t0 = time.monotonic()
-        with self._lock:
+        with self._locked():
             if self._loading:
                 raise FailedPrecondition("another LoadWeights is in progress", field="version")
             if version < self._policy_version:
@@ -523,7 +540,7 @@ class Worker:
             self._loading = True
         try:
             deadline = t0 + drain_timeout
-            with self._lock:
+            with self._locked():
                 while self._active:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -538,7 +555,7 @@ class Worker:
                 self._policy_version = version
                 metrics.POLICY_VERSION.set(version)
         finally:
-            with self._lock:
+            with self._locked():
                 self._loading = False
         seconds = time.monotonic() - t0
         log.info("weights loaded", extra=kv(version=version, source=source or "(reload)", seconds=round(seconds, 3)))
@@ -547,7 +564,7 @@ class Worker:
     # -- stats -------------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats:
-        with self._lock:
+        with self._locked():
             es = self.engine.stats()
             in_flight = len(self._active)
             kv_loaded = self._kv_loaded_tokens
@@ -575,23 +592,28 @@ class Worker:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
+            produced = 0
+            with self._lock:  # the loop itself: no priority bookkeeping
                 while not self._stop.is_set() and not self._active:
                     self._wake.wait(0.5)
                 if self._stop.is_set():
                     return
                 try:
-                    self._step_locked()
+                    produced = self._step_locked()
                 except Exception as e:  # an engine bug must not kill the loop: fail what runs now
                     log.exception("engine step failed; failing the running chunks")
                     for act in list(self._active.values()):
                         with contextlib.suppress(Exception):
                             self.engine.abort(act.job.request_id)
                         self._fail_locked(act, e)
-            # Let handler threads (submit/abort) take the lock between steps.
-            time.sleep(0)
+            # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
+            # waits for the engine, and do not spin while the engine has nothing runnable.
+            if self._waiting:
+                time.sleep(0.0005)
+            elif not produced:
+                time.sleep(0.002)
 
-    def _step_locked(self) -> None:
+    def _step_locked(self) -> int:
         drafts = self._plan_drafts_locked() if self._speculation else {}
         try:
             outs = self.engine.step(drafts or None)
@@ -613,6 +635,7 @@ class Worker:
         if produced:
             self._throughput.add(produced)
             metrics.TOKENS.inc(produced)
+        return produced
 
     def _plan_drafts_locked(self) -> dict[str, Draft]:
         if self._draft is None:
@@ -747,7 +770,7 @@ class Worker:
     def _fetch_kv(self, job: ChunkJob, prefix: tuple[int, ...]) -> KVPages | None:
         """Pulls the prefix pages this engine lacks from the pool (outside the engine lock)."""
         assert self._kv is not None
-        with self._lock:
+        with self._locked():
             have = self.engine.cached_prefix_tokens(prefix)
             layout = self.engine.kv_layout
             version = self.engine.model_version
@@ -816,7 +839,7 @@ class Worker:
         if self._draft is None or not job.group_id:
             return
         evicted: list[str] = []
-        with self._lock:
+        with self._locked():
             known = job.group_id in self._registered_groups
             if known:
                 self._registered_groups.move_to_end(job.group_id)
@@ -838,7 +861,7 @@ class Worker:
         except Exception:
             # Drafting degrades to nothing for this group; generation itself is unaffected.
             log.warning("draft register_group failed", exc_info=True)
-            with self._lock:
+            with self._locked():
                 self._registered_groups.pop(job.group_id, None)
 
 

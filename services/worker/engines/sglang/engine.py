@@ -252,7 +252,7 @@ class SGLangEngine(Engine):
         # Drafts are made inside SGLang by the SEER plugin; see the module docstring.
         merged: dict[str, StepOutput] = {}
         try:
-            items = [self._out.get(timeout=0.05)]
+            items = [self._out.get(timeout=0.01)]
         except queue.Empty:
             return []
         while True:
