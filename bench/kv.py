@@ -171,7 +171,7 @@ def bench_throughput(total_bytes: int, repeat: int, workdir: str) -> dict[str, A
     return out
 
 
-def bench_migration(contexts: list[int], workdir: str) -> dict[str, Any]:
+def bench_migration(contexts: list[int], workdir: str, threads: int | None) -> dict[str, Any]:
     from services.common.model_paths import default_model_dir
     from services.worker.engines.reference.engine import ReferenceEngine
     from services.worker.model.prepare import ensure_model
@@ -179,8 +179,8 @@ def bench_migration(contexts: list[int], workdir: str) -> dict[str, Any]:
     model_dir = ensure_model() if not default_model_dir().exists() else default_model_dir()
     num_pages = max(contexts) // 16 + 64
     # Worker A (where the request ran) and worker B (where its next chunk runs).
-    a = ReferenceEngine.from_dir(model_dir, num_pages=num_pages, model_version="smollm2@v1")
-    b = ReferenceEngine.from_dir(model_dir, num_pages=num_pages, model_version="smollm2@v1")
+    a = ReferenceEngine.from_dir(model_dir, num_pages=num_pages, model_version="smollm2@v1", num_threads=threads)
+    b = ReferenceEngine.from_dir(model_dir, num_pages=num_pages, model_version="smollm2@v1", num_threads=threads)
     greedy = SamplingParams(temperature=0.0)
     for eng in (a, b):  # warm up kernels and thread pools
         eng.generate([GenerateRequest("warm", tuple(range(200, 232)), 2, greedy)])
@@ -236,12 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default=None, help="comma-separated context lengths for migration")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--no-migration", action="store_true", help="skip the engine part")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the engines (1 is robust on a shared machine; 0 = torch's default)",
+    )
     args = ap.parse_args(argv)
-    mib = args.mib or (64 if args.quick else 512)
+    mib = args.mib or (32 if args.quick else 512)
     repeat = args.repeat or (2 if args.quick else 3)
-    contexts = [int(c) for c in (args.contexts or ("256,1024" if args.quick else "1024,4096")).split(",")]
+    contexts = [int(c) for c in (args.contexts or ("256,512" if args.quick else "1024,4096")).split(",")]
     workdir = tempfile.mkdtemp(prefix="bench-kv-")
-    result: dict[str, Any] = {"quick": args.quick}
+    result: dict[str, Any] = {"quick": args.quick, "engine_threads": args.threads, "contexts": contexts}
     t0 = time.perf_counter()
     try:
         tp = bench_throughput(mib << 20, repeat, workdir)
@@ -251,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = "" if k == "memcpy" else f"  ({tp[k + '_vs_memcpy']:.3f}x memcpy)"
             print(f"{k:>12}: {tp[k + '_gbps']:7.2f} GB/s{ratio}")
         if not args.no_migration:
-            mig = bench_migration(contexts, workdir)
+            mig = bench_migration(contexts, workdir, args.threads or None)
             result["migration"] = mig
             for ctx, m in mig.items():
                 print(

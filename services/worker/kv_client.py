@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -86,16 +86,21 @@ def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
 
 
 # A restarted replica should be used again within about a second, not after gRPC's default
-# reconnect backoff (up to 120 s); until then its pages are misses.
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.min_reconnect_backoff_ms", 100),
-]
+# reconnect backoff (up to 120 s); until then its pages are misses. Keepalive pings no more often
+# than a default gRPC server accepts (5 min): more frequent pings get the connection closed with
+# GOAWAY "too_many_pings", failing in-flight fetches.
+_OVERRIDES: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 200,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.min_reconnect_backoff_ms": 100,
+    "grpc.keepalive_time_ms": 300_000,
+    "grpc.keepalive_permit_without_calls": 0,
+}
+_CHANNEL_OPTIONS = [(k, v) for k, v in CHANNEL_OPTIONS if k not in _OVERRIDES] + list(_OVERRIDES.items())
 
 
 def _channel(address: str) -> grpc.Channel:
-    ch = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *_RECONNECT_OPTIONS])
+    ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     interceptors = client_interceptors()
     return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
 
