@@ -153,6 +153,9 @@ class KvStore:
                     ns.by_owner.setdefault(owner, set()).add(page_hash)
                 pages.append((e.seq, (name, page_hash), e.size))
                 max_seq = max(max_seq, e.seq)
+        for orphan in set(self._ssd.namespaces()) - set(self._namespaces):
+            # A column family whose registry record never landed (crash in between): unusable.
+            self._ssd.drop_namespace(orphan)
         for _seq, key, size in sorted(pages, key=lambda p: p[0]):
             self._ssd_lru[key] = size
             self._ssd_bytes += size
@@ -225,6 +228,7 @@ class KvStore:
         """Stores one page (or adds request_id as an owner of the stored one). True when new."""
         if len(page_hash) != HASH_BYTES:
             raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
+        crc = zlib.crc32(data)  # the expensive part, outside the lock
         with self._lock:
             ns = self._namespace_for_put(namespace, layout)
             if len(data) != ns.layout.page_bytes:
@@ -232,7 +236,6 @@ class KvStore:
                     f"{len(data)} bytes, but a page of layout {ns.layout} is {ns.layout.page_bytes} bytes",
                     field="data",
                 )
-            crc = zlib.crc32(data)
             if crc != checksum:
                 raise InvalidArgument(f"crc32 of data is {crc}, message says {checksum}", field="checksum")
             key: Key = (namespace, page_hash)
