@@ -400,9 +400,11 @@ class BufferCore:
             raise InvalidArgument(f"must be STOP, LENGTH or CHUNK, got {c.finish_reason.name}",
                                   field="finish_reason")
         vocab = self._model.vocab_size
-        for j, t in enumerate(c.token_ids):
-            if not 0 <= t < vocab:
-                raise InvalidArgument(f"token id {t} outside the vocabulary [0, {vocab})", field=f"token_ids[{j}]")
+        if n and (min(c.token_ids) < 0 or max(c.token_ids) >= vocab):  # C-speed check; the loop names the index
+            for j, t in enumerate(c.token_ids):
+                if not 0 <= t < vocab:
+                    raise InvalidArgument(f"token id {t} outside the vocabulary [0, {vocab})",
+                                          field=f"token_ids[{j}]")
         total = live.rec.generated + n
         if total > max_tokens:
             raise InvalidArgument(f"{live.rec.generated} tokens committed + {n} exceeds max_tokens {max_tokens}",
