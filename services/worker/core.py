@@ -317,6 +317,8 @@ class Worker:
 
         self._lock = threading.RLock()  # guards the engine and _active
         self._waiting = 0  # handler threads waiting for _lock (the loop yields to them)
+        self._engine_stats: EngineStats | None = None  # snapshot for lock-free stats()
+        self._snapshot_at = 0.0
         self._waiting_lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
@@ -352,6 +354,8 @@ class Worker:
             self._lock.release()
 
     def start(self) -> Worker:
+        with self._locked():
+            self._snapshot_locked()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
             self._thread.start()
@@ -564,13 +568,22 @@ class Worker:
     # -- stats -------------------------------------------------------------------------------
 
     def stats(self) -> WorkerStats:
-        with self._locked():
-            es = self.engine.stats()
-            in_flight = len(self._active)
-            kv_loaded = self._kv_loaded_tokens
-            recomputed = self._kv_recomputed_pages
-            proposed = list(es.proposed_per_position) or list(self._proposed_pos)
-            accepted = list(es.accepted_per_position) or list(self._accepted_pos)
+        """Never waits for the engine: an engine step can take seconds on a CPU, and heartbeats and
+        GetWorkerStats must not stall behind it. Engine figures are the snapshot the loop takes after
+        every step (and whenever the engine lock is free right now)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._snapshot_locked()
+            finally:
+                self._lock.release()
+        es = self._engine_stats
+        if es is None:  # not started and the lock was busy: wait once
+            with self._locked():
+                self._snapshot_locked()
+            es = self._engine_stats
+            assert es is not None
+        proposed = list(es.proposed_per_position) or list(self._proposed_pos)
+        accepted = list(es.accepted_per_position) or list(self._accepted_pos)
         rate = self._throughput.rate()
         metrics.FREE_PAGES.set(es.free_pages)
         metrics.TOKENS_PER_SECOND.set(rate)
@@ -578,15 +591,19 @@ class Worker:
             worker_id=self.worker_id,
             engine=es,
             policy_version=self._policy_version,
-            in_flight=in_flight,
+            in_flight=len(self._active),
             tokens_per_second=rate,
             accepted_per_position=accepted,
             proposed_per_position=proposed,
-            kv_loaded_tokens=kv_loaded,
-            kv_recomputed_pages=recomputed,
+            kv_loaded_tokens=self._kv_loaded_tokens,
+            kv_recomputed_pages=self._kv_recomputed_pages,
             prefill_tokens=es.prefill_tokens,
             cached_tokens=es.cached_tokens,
         )
+
+    def _snapshot_locked(self) -> None:
+        self._engine_stats = self.engine.stats()
+        self._snapshot_at = time.monotonic()
 
     # -- the step loop -----------------------------------------------------------------------
 
@@ -600,6 +617,8 @@ class Worker:
                     return
                 try:
                     produced = self._step_locked()
+                    if time.monotonic() - self._snapshot_at > 0.1:
+                        self._snapshot_locked()
                 except Exception as e:  # an engine bug must not kill the loop: fail what runs now
                     log.exception("engine step failed; failing the running chunks")
                     for act in list(self._active.values()):

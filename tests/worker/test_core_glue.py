@@ -261,3 +261,16 @@ def test_kv_offload_fetch_release() -> None:
     finally:
         w1.close()
         w2.close()
+
+
+def test_stats_never_wait_for_a_long_step(engine: FakeEngine, worker: Worker) -> None:
+    """Heartbeats read stats while a (slow) engine step holds the engine: they must not stall."""
+    engine.step_gate = threading.Event()
+    h = worker.submit(job(max_new_tokens=3, max_tokens=3))
+    time.sleep(0.2)  # the loop is now blocked inside engine.step
+    t0 = time.monotonic()
+    st = worker.stats()
+    assert time.monotonic() - t0 < 0.1
+    assert st.in_flight == 1 and st.engine.total_pages == 64
+    engine.step_gate.set()
+    assert isinstance(list(h.events())[-1], DoneEvent)
