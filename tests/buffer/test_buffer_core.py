@@ -102,6 +102,16 @@ def test_conflicting_retry_is_refused_by_the_core(tmp_path: Path) -> None:
     core.close()
 
 
+def test_synced_writes(tmp_path: Path) -> None:
+    core = BufferCore(Store(tmp_path / "db", sync=True), ModelInfo(1000, 4096, None))
+    core.submit_batch("s", [GroupSpec(prompt_token_ids=(1,), group_size=1, max_tokens=4)])
+    assert core.commit_chunk(Commit("s/0/0", 0, [5], [-1.0], FinishReason.STOP, 0)).request_finished
+    core.close()
+    again = BufferCore(Store(tmp_path / "db"), ModelInfo(1000, 4096, None))
+    assert [r.request_id for _i, r in again.iter_results("s")] == ["s/0/0"]
+    again.close()
+
+
 def test_records_round_trip() -> None:
     b = BatchRecord("b", "h", 3, 1.5, 2, 10, BatchState.CANCELLED, 4, 6, 99)
     assert BatchRecord.decode(b.encode()) == b

@@ -125,3 +125,18 @@ def test_kill9_during_a_commit_storm_loses_no_acknowledged_chunk(proc: BufferPro
     assert status.generated_tokens == sum(len(it.output_token_ids) for it in after.values())
     assert {r.request_id: r.num_chunks for r in status.requests} == {k: v.next_seq for k, v in after.items()}
     ch.close()
+
+
+def test_sigterm_stops_gracefully_and_keeps_state(proc: BufferProcess) -> None:
+    ch, rollout, internal = _stubs(proc.address)
+    submit(rollout, "graceful", [group(group_size=2)])
+    commit(internal, "graceful/0/0", 0, [5, 6])
+    ch.close()
+    assert proc.proc is not None
+    proc.proc.terminate()
+    assert proc.proc.wait(30) == 0
+    proc.start()
+    ch, rollout, internal = _stubs(proc.address)
+    assert {it.request_id: it.next_seq for it in snapshot(internal)} == {"graceful/0/0": 1, "graceful/0/1": 0}
+    assert submit(rollout, "graceful", [group(group_size=2)]).already_submitted
+    ch.close()
