@@ -50,7 +50,7 @@ done
 for svc in $SERVICES; do
   s=$(date +%s)
   docker build -q --build-arg "BASE_IMAGE=$BASE_IMAGE" --target "$svc" -t "seer-$svc:$TAG" \
-    -f "$ROOT/docker/Dockerfile" "$CTX" 2> >(grep -v -E 'DEPRECATED|BuildKit|environment-variable' >&2) >/dev/null
+    -f "$ROOT/docker/Dockerfile" "$CTX" 2> >(grep -v -E 'DEPRECATED|BuildKit|environment-variable|^\s*$' >&2) >/dev/null
   echo "image seer-$svc:$TAG $(docker image inspect -f '{{.Size}}' "seer-$svc:$TAG" | numfmt --to=iec) in $(( $(date +%s) - s ))s"
 done
 rm -rf "$CTX"
