@@ -121,8 +121,11 @@ class KVClient:
         self._stubs = {a: kvstore_pb2_grpc.KvStoreServiceStub(ch) for a, ch in self._channels.items()}
         # One offload thread: offloads of a worker run in order and never block its decode loop.
         self._offload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
-        # Fan-out to replicas in parallel (one call per replica per operation).
-        self._io = ThreadPoolExecutor(max_workers=max(2, len(self.ring.nodes)), thread_name_prefix="kv-io")
+        # Fan-out to replicas in parallel (one call per replica per operation). Offloads have their
+        # own pool so a large offload never delays the fetch at the start of the next chunk.
+        n = len(self.ring.nodes)
+        self._io = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="kv-io")
+        self._offload_io = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kv-offload-io")
         self._lock = threading.Lock()
         self._stats = KVClientStats()
 
@@ -138,12 +141,23 @@ class KVClient:
             groups.setdefault(self.ring.node_for(h), []).append(i)
         return groups
 
-    def _fan_out(self, calls: Mapping[str, Callable[[], T]], *, strict: bool = False) -> dict[str, T | grpc.RpcError]:
+    def _fan_out(
+        self, calls: Mapping[str, Callable[[], T]], *, strict: bool = False, pool: ThreadPoolExecutor | None = None
+    ) -> dict[str, T | grpc.RpcError]:
         """Runs one call per replica in parallel; a failed call's RpcError is returned, not raised.
 
         strict: a rejection that is not a replica fault (INVALID_ARGUMENT: a layout that disagrees
         with the namespace) raises InvalidArgument, since retrying elsewhere cannot fix it."""
-        futures = {node: self._io.submit(fn) for node, fn in calls.items()}
+        if len(calls) == 1:  # no thread hand-off for a single replica
+            ((node, fn),) = calls.items()
+            done: Future[T] = Future()
+            try:
+                done.set_result(fn())
+            except Exception as exc:
+                done.set_exception(exc)
+            futures = {node: done}
+        else:
+            futures = {node: (pool or self._io).submit(fn) for node, fn in calls.items()}
         out: dict[str, T | grpc.RpcError] = {}
         for node, fut in futures.items():
             try:
@@ -203,7 +217,7 @@ class KVClient:
         groups = self._by_node(pages.page_hashes)
         calls = {node: (lambda node=node, idx=idx: put(node, idx)) for node, idx in groups.items()}
         stored = failed = claimed = 0
-        for node, res in self._fan_out(calls, strict=True).items():
+        for node, res in self._fan_out(calls, strict=True, pool=self._offload_io).items():
             if isinstance(res, grpc.RpcError):
                 failed += len(groups[node])
             else:
@@ -327,6 +341,7 @@ class KVClient:
     def close(self) -> None:
         """Waits for pending offloads, then closes the channels."""
         self._offload.shutdown(wait=True)
+        self._offload_io.shutdown(wait=True)
         self._io.shutdown(wait=True)
         for ch in self._channels.values():
             ch.close()
