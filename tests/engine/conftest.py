@@ -37,4 +37,5 @@ def prompts(tokenizer: Tokenizer) -> list[tuple[int, ...]]:
 @pytest.fixture(scope="session")
 def engine(model_dir: Path) -> ReferenceEngine:
     """Shared engine; tests must leave it drained (no live requests)."""
-    return ReferenceEngine.from_dir(model_dir, num_pages=2048, max_batch_size=512)
+    # One thread: on a shared 2-core machine OpenMP spin-waiting with 2 threads is several times slower.
+    return ReferenceEngine.from_dir(model_dir, num_pages=2048, max_batch_size=512, num_threads=1)

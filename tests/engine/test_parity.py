@@ -9,28 +9,26 @@ import torch
 from services.worker.engine import GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 
+# 64 new tokens on 5 prompts in float32, as the issue asks.
+
 NEW_TOKENS = 64
 
 
-def hf_greedy(model_dir: Path, prompts: list[tuple[int, ...]], n: int) -> list[list[int]]:
+def hf_greedy_check(model_dir: Path, prompts: list[tuple[int, ...]], outputs: list[list[int]]) -> list[list[int]]:
+    """HF's greedy choice after every prefix of prompt + our output (teacher forcing, one forward per
+    prompt). If it equals our next token at every position, HF's own greedy decoding produces
+    exactly our tokens (induction over positions)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
-    outs = []
+    out = []
     with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            res = model(ids, use_cache=True)
-            past = res.past_key_values
-            toks: list[int] = []
-            for _ in range(n):
-                nxt = int(res.logits[0, -1].argmax())
-                toks.append(nxt)
-                res = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-                past = res.past_key_values
-            outs.append(toks)
-    return outs
+        for p, o in zip(prompts, outputs, strict=True):
+            ids = torch.tensor([list(p) + o])
+            logits = model(ids).logits[0]  # [len, vocab]
+            out.append(logits[len(p) - 1 : len(p) - 1 + len(o)].argmax(-1).tolist())
+    return out
 
 
 def test_greedy_matches_hf(model_dir: Path, engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
@@ -38,7 +36,7 @@ def test_greedy_matches_hf(model_dir: Path, engine: ReferenceEngine, prompts: li
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(f"parity-{i}", p, NEW_TOKENS, greedy) for i, p in enumerate(ps)]
     ours = engine.generate(reqs)
-    expected = hf_greedy(model_dir, ps, NEW_TOKENS)
+    expected = hf_greedy_check(model_dir, ps, [ours[f"parity-{i}"].token_ids for i in range(len(ps))])
     for i, exp in enumerate(expected):
         got = ours[f"parity-{i}"].token_ids
         first = next((j for j, (a, b) in enumerate(zip(got, exp, strict=True)) if a != b), None)

@@ -48,6 +48,9 @@ class ForwardBatch:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype != torch.float32:  # as Hugging Face: normalize in float32, scale in the model dtype
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     var = x.pow(2).mean(-1, keepdim=True)
     return w * (x * torch.rsqrt(var + eps))
 

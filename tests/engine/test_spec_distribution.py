@@ -1,0 +1,95 @@
+"""Speculative sampling is lossless: with drafts the sampled tokens follow the same distribution as
+without (two-sample chi-square on the joint first K tokens over many seeds), and the same test
+catches a deliberately biased verifier (the negative control)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+from scipy.stats import chi2_contingency
+
+from services.worker.engine import Draft, GenerateRequest, SamplingParams
+from services.worker.engines.reference import ReferenceEngine
+from services.worker.engines.reference.model_runner import DraftTree
+from services.worker.engines.reference.verifier import Verifier
+
+N = 320  # samples per arm
+K = 3  # tokens compared (the draft covers the first K - 1, the last is the bonus token)
+PASS_P = 1e-3  # a lossless verifier fails with probability 0.1%
+CONTROL_P = 1e-6
+
+
+class AlwaysAcceptVerifier(Verifier):
+    """Biased on purpose: accepts the first child at every node."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: object, seed: int, pos: int) -> int | list[int]:
+        return kids[0] if kids else []
+
+
+def aligned_prompt(prompt: tuple[int, ...], page_size: int) -> tuple[int, ...]:
+    """Pads the front so len % page_size == 1: every sample after the first reuses all full pages
+    and computes one prompt token, which keeps hundreds of samples per arm cheap."""
+    pad = (1 - len(prompt)) % page_size
+    return (198,) * pad + prompt
+
+
+def sample(engine: ReferenceEngine, prompt: tuple[int, ...], params: SamplingParams, seeds: range,
+           draft: Draft | None) -> Counter[tuple[int, ...]]:
+    rids = [f"stat-{s}" for s in seeds]
+    for rid, s in zip(rids, seeds, strict=True):
+        engine.add_request(GenerateRequest(rid, prompt, K, replace(params, seed=s)))
+    got: dict[str, list[int]] = {r: [] for r in rids}
+    while engine.has_unfinished():
+        drafts = {r: draft for r in rids if not got[r]} if draft is not None else None
+        for o in engine.step(drafts):
+            got[o.request_id].extend(o.token_ids)
+    assert all(len(v) == K for v in got.values())
+    return Counter(tuple(v) for v in got.values())
+
+
+def chi2_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> float:
+    """Two-sample chi-square homogeneity test; categories seen fewer than 10 times are pooled."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    rows = [[a[k] for k in keys], [b[k] for k in keys]]
+    rows[0].append(sum(a.values()) - sum(rows[0]))
+    rows[1].append(sum(b.values()) - sum(rows[1]))
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    return float(chi2_contingency(rows)[1])
+
+
+@pytest.mark.parametrize(
+    ("params", "tree"),
+    [
+        (SamplingParams(temperature=1.0, ignore_eos=True), True),
+        (SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True), False),
+    ],
+    ids=["t1.0-tree", "t0.7-p0.9-chain"],
+)
+def test_drafts_preserve_distribution(engine: ReferenceEngine, prompts: list[tuple[int, ...]],
+                                      params: SamplingParams, tree: bool) -> None:
+    prompt = aligned_prompt(prompts[0], engine.kv_layout.page_size)
+    # Plausible drafts (the greedy continuation) so acceptance is high and the test has power.
+    g = engine.generate([GenerateRequest("stat-greedy", prompt, K - 1, SamplingParams(temperature=0.0))])
+    greedy = g["stat-greedy"].token_ids
+    if tree:  # a wrong sibling first, then the greedy path
+        draft = Draft(((greedy[0] + 1) % engine.vocab_size, greedy[0], greedy[1]), (-1, -1, 1))
+    else:
+        draft = Draft.chain(greedy)
+    plain = sample(engine, prompt, params, range(10_000, 10_000 + N), None)
+    spec = sample(engine, prompt, params, range(N), draft)
+    accepted = sum(c for k, c in spec.items() if k[: K - 1] == tuple(greedy))
+    assert accepted > N // 20, "drafts are never accepted: the test would have no power"
+    p = chi2_p(plain, spec)
+    assert p > PASS_P, f"distribution with drafts differs from plain sampling (p={p:.2e})"
+    if tree:  # the negative control: the same test on the same data size must fail
+        good = engine.verifier
+        engine.verifier = AlwaysAcceptVerifier()
+        try:
+            biased = sample(engine, prompt, params, range(20_000, 20_000 + N), draft)
+        finally:
+            engine.verifier = good
+        p_bad = chi2_p(plain, biased)
+        assert p_bad < CONTROL_P, f"the test did not catch an always-accept verifier (p={p_bad:.2e})"
