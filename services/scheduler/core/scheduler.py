@@ -416,14 +416,13 @@ class SchedulerCore:
     def _key(self, req: _Request) -> Key:
         policy = self.cfg.policy
         if policy in ("seer", "seer_history"):
-            # Longest-remaining-first by group estimate (LRPT: with preemptible chunks it lets the
-            # long responses end together instead of leaving a tail); among equal estimates the
-            # request that has generated more first (a response still running after n tokens is
-            # expected to be the longer, the larger n is).
+            # Longest-first by group estimate (Algorithm 2); ties in enqueue order (FIFO). Measured
+            # in bench.sim: breaking ties by most-generated-first (depth-first) or ranking by the
+            # remaining estimate (order="remaining") was equal or worse on all three workloads.
             est = self._groups[req.info.group_id].request_estimate(req.generated)
             if self.cfg.order == "remaining":
-                return (-float(est - req.generated), -float(req.generated))
-            return (-float(est), -float(req.generated))
+                return (-float(est - req.generated),)
+            return (-float(est),)
         if policy == "oracle":
             t = req.info.max_tokens if req.info.true_length is None else req.info.true_length
             if self.cfg.order == "remaining":
