@@ -47,3 +47,7 @@ class Aborted(SeerError):
 
 class DataLoss(SeerError):
     code_name = "DATA_LOSS"
+
+
+class OutOfRange(SeerError):
+    code_name = "OUT_OF_RANGE"
