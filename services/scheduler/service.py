@@ -442,8 +442,13 @@ class Dispatcher:
         except InvalidArgument as e:
             log.error("unschedulable work item", extra=kv(request_id=item.request_id, error=str(e)))
             return
+        try:
+            self.core.add_request(info)
+        except SeerError as e:
+            # E.g. a group whose members disagree on group_size: refuse the item, keep the feed.
+            log.error("work item refused by the scheduler core", extra=kv(request_id=item.request_id, error=str(e)))
+            return
         self._requests[item.request_id] = TrackedRequest(item=item, output=output, next_seq=item.next_seq)
-        self.core.add_request(info)
 
     def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
         """A fresh snapshot replaces our state; chunks in flight stay in flight."""
@@ -592,6 +597,11 @@ class Dispatcher:
         reason = done.finish_reason if done is not None else common_pb2.FINISH_REASON_UNSPECIFIED
         if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):
             self._finish_chunk(r, w, token, failed=True)
+            return
+        if len(tokens) > req.max_new_tokens or len(logprobs) != len(tokens):
+            log.error("worker returned a malformed chunk", extra=kv(
+                worker_id=w.worker_id, tokens=len(tokens), logprobs=len(logprobs), max_new=req.max_new_tokens))
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         if done.policy_version != r.item.policy_version:
             # Every token of a response must come from the batch's policy version.
