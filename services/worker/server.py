@@ -100,7 +100,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             handle = self.worker.submit(job_from_proto(request))
             # Runs when the RPC ends for any reason; after a normal end the chunk is done and
             # cancel() is a no-op, after a cancellation or deadline it aborts the request.
-            context.add_callback(handle.release)
+            if not context.add_callback(handle.release):
+                handle.release()  # the RPC already ended (cancelled while we queued the chunk)
+                return
             for ev in handle.events():
                 if isinstance(ev, TokensEvent):
                     yield worker_pb2.RunChunkResponse(
