@@ -3,7 +3,7 @@ that moves computes no prefill for the stored prefix and produces the same greed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,11 +18,24 @@ Make = Callable[..., Replica]
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-def test_chunk_moves_to_another_engine_without_reprefill(model_dir: Path, replicas: Make) -> None:
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread is far faster on the shared, oversubscribed CI machine; the engine sets it
+    process-wide, so put the old value back for other tests."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_chunk_moves_to_another_engine_without_reprefill(
+    model_dir: Path, replicas: Make, one_torch_thread: None
+) -> None:
     a_store, b_store = replicas("a", dram_bytes=64 << 20), replicas("b", dram_bytes=64 << 20)
     version = "smollm2@v1"
-    worker_a = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version)
-    worker_b = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version)
+    worker_a = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version, num_threads=1)
+    worker_b = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version, num_threads=1)
     prompt = tuple(range(1000, 1000 + 70))  # 4 full pages of 16 and a partial one
     # Reference: the request generated in one go on worker A.
     ref = worker_a.generate([GenerateRequest("ref", prompt, 12, GREEDY)])["ref"].token_ids
