@@ -301,13 +301,14 @@ class KVClient:
                 self._count(missing_pages=1)
                 log.info("kv prefix page missing; recomputing from here", extra=kv(page=len(pages), of_pages=n))
                 break
-            if len(msg.data) != layout.page_bytes or zlib.crc32(msg.data) != msg.checksum:
+            data = msg.data  # each access of a protobuf bytes field is a fresh copy: take it once
+            if len(data) != layout.page_bytes or zlib.crc32(data) != msg.checksum:
                 self._count(checksum_failures=1)
                 log.warning(
                     "kv prefix page failed its checksum; recomputing from here", extra=kv(page=len(pages), of_pages=n)
                 )
                 break
-            pages.append(msg.data)
+            pages.append(data)
         if not pages or len(pages) * layout.page_size <= min_tokens:
             return None
         k = len(pages)
