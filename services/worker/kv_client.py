@@ -335,6 +335,21 @@ class KVClient:
         self._count(released_pages=n)
         return n
 
+    def store_stats(self) -> dict[str, dict[str, int] | None]:
+        """Each replica's GetKvStats as a dict (None for a replica that did not answer)."""
+        req = kvstore_pb2.GetKvStatsRequest()
+        calls = {
+            node: (lambda node=node: self._stubs[node].GetKvStats(req, timeout=self.exists_timeout_s))
+            for node in self.ring.nodes
+        }
+        out: dict[str, dict[str, int] | None] = {}
+        for node, res in self._fan_out(calls).items():
+            if isinstance(res, grpc.RpcError):
+                out[node] = None
+            else:
+                out[node] = {f.name: int(getattr(res, f.name)) for f in res.DESCRIPTOR.fields}
+        return out
+
     def stats(self) -> KVClientStats:
         with self._lock:
             return KVClientStats(**asdict(self._stats))

@@ -52,6 +52,8 @@ def test_put_then_fetch_over_two_replicas(replicas: Make) -> None:
         assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT, min_tokens=96) is None
         # Version v pages are never served for v+1.
         assert kv.fetch_prefix(TOKENS, "m@v2", KV_LAYOUT) is None
+        per_replica = kv.store_stats()
+        assert sum(r["pages"] for r in per_replica.values() if r is not None) == 24
         assert kv.release("m@v1", "r1") == 24
         assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT) is None
         s = kv.stats()
@@ -77,6 +79,7 @@ def test_replica_down_degrades_to_recompute(replicas: Make) -> None:
         assert kv.put_pages(make_pages(TOKENS, "m@v1"), "r2") >= 0
         s = kv.stats()
         assert s.replica_errors >= 2 and s.put_failures > 0
+        assert kv.store_stats()[b.address] is None
         assert kv.release("m@v1", "r1") > 0  # a's share
         b.start()
         got = _fetch_when_back(kv)
