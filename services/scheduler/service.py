@@ -592,6 +592,16 @@ class Dispatcher:
         except SeerError as e:
             if not r.dropped:
                 log.warning("chunk stream failed; re-dispatching", extra=kv(worker_id=w.worker_id, error=str(e)))
+            if isinstance(e, Unavailable) and not r.dropped:
+                # The worker is gone (connection refused/reset) or draining: stop placing chunks
+                # there now instead of after 3 missed heartbeats. A live worker learns from its
+                # next heartbeat that it is unknown and registers again.
+                with self._cond:
+                    gone = self._workers.get(w.worker_id) is w
+                    if gone:
+                        self._remove_worker_locked(w.worker_id, reason=f"chunk stream failed: {e}")
+                if gone:
+                    w.link.close()
             self._finish_chunk(r, w, token, failed=True)
             return
         reason = done.finish_reason if done is not None else common_pb2.FINISH_REASON_UNSPECIFIED
