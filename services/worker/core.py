@@ -14,14 +14,13 @@ and around each chunk it
   - exports and offloads the request's KV pages when the chunk ends with the request unfinished
     (so the next chunk can run on any worker without re-prefill), and releases them when it ends.
 
-The draft client, planner and KV client are injected (see the Protocols below) so this module never
+The draft client, planner and KV client are injected (Protocols in services.worker.ports) so this module never
 imports grpc and tests can drive it with the real engine alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import queue
 import threading
 import time
@@ -29,24 +28,29 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.log import get_logger, kv, log_context
 from services.worker import metrics
+from services.worker.chunks import ChunkEvent, ChunkFinish, ChunkJob, ChunkStats, DoneEvent, ErrorEvent, TokensEvent
 from services.worker.engine import (
     Draft,
     Engine,
     EngineStats,
     FinishReason,
     GenerateRequest,
-    KVLayout,
     KVPages,
-    SamplingParams,
     StepOutput,
 )
+from services.worker.ports import DraftSource, KVPool, SpecPlanner
 
 log = get_logger(__name__)
+
+__all__ = [
+    "ChunkEvent", "ChunkFinish", "ChunkHandle", "ChunkJob", "ChunkStats", "DoneEvent", "DraftSource",
+    "ErrorEvent", "KVPool", "SpecPlanner", "TokensEvent", "Worker", "WorkerStats", "version_name",
+]
 
 _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
 
@@ -56,110 +60,6 @@ def version_name(policy_version: int, family: str = "") -> str:
     of a deployment must agree on it; the store drops a family's older versions when a newer one
     appears (so pages of old weights are never served and their space comes back)."""
     return f"{family}@v{policy_version}" if family else f"v{policy_version}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Collaborators (implemented by services/worker/draft_client.py, adaptive.py, kv_client.py)
-# ---------------------------------------------------------------------------------------------
-
-
-class DraftSource(Protocol):
-    def register_group(
-        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int, ttl_seconds: int
-    ) -> None: ...
-
-    def append(
-        self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False
-    ) -> None: ...
-
-    def propose(
-        self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1
-    ) -> Draft | None: ...
-
-    def release_group(self, group_id: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class SpecPlanner(Protocol):
-    def observe(self, proposed_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None: ...
-
-    def plan(self, requests: Sequence[tuple[str, bool]]) -> Mapping[str, int]: ...
-
-
-class KVPool(Protocol):
-    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]: ...
-
-    def fetch_prefix(
-        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
-    ) -> KVPages | None: ...
-
-    def release(self, model_version: str, request_id: str) -> Any: ...
-
-    def close(self) -> None: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Chunk jobs and their events
-# ---------------------------------------------------------------------------------------------
-
-
-class ChunkFinish(enum.Enum):
-    STOP = "stop"  # a stop/EOS token: the response is complete
-    LENGTH = "length"  # the request's total max_tokens reached: the response is complete
-    CHUNK = "chunk"  # only this chunk's limit was reached: the request continues elsewhere
-    ABORTED = "aborted"
-
-
-@dataclass(frozen=True)
-class ChunkJob:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    max_new_tokens: int
-    max_tokens: int  # total new-token limit of the request (0 = this chunk is the whole request)
-    sampling: SamplingParams
-    policy_version: int
-    output_token_ids: tuple[int, ...] = ()
-    batch_id: str = ""
-    group_id: str = ""
-    prompt_key: str = ""
-    seq: int = 0
-    is_probe: bool = False
-    group_size: int = 1
-    fetch_kv: bool = False
-
-
-@dataclass
-class ChunkStats:
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    kv_loaded_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    steps: int = 0
-    wall_seconds: float = 0.0
-    kv_recomputed_pages: int = 0
-
-
-@dataclass(frozen=True)
-class TokensEvent:
-    token_ids: list[int]
-    logprobs: list[float]
-
-
-@dataclass(frozen=True)
-class DoneEvent:
-    finish: ChunkFinish
-    stats: ChunkStats
-    policy_version: int
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    error: Exception
-
-
-ChunkEvent = TokensEvent | DoneEvent | ErrorEvent
 
 
 @dataclass

@@ -1,0 +1,48 @@
+"""What the worker core needs from its collaborators, as Protocols (so the core never imports
+grpc and tests can pass small fakes): the draft client (services/worker/draft_client.py), the
+speculation planner (services/worker/adaptive.py) and the KV pool client (services/worker/kv_client.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from services.worker.engine import Draft, KVLayout, KVPages
+
+
+class DraftSource(Protocol):
+    def register_group(
+        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int, ttl_seconds: int
+    ) -> None: ...
+
+    def append(
+        self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False
+    ) -> None: ...
+
+    def propose(
+        self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1
+    ) -> Draft | None: ...
+
+    def release_group(self, group_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SpecPlanner(Protocol):
+    def observe(self, proposed_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None: ...
+
+    def plan(self, requests: Sequence[tuple[str, bool]]) -> Mapping[str, int]: ...
+
+
+class KVPool(Protocol):
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]: ...
+
+    def fetch_prefix(
+        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
+    ) -> KVPages | None: ...
+
+    def release(self, model_version: str, request_id: str) -> Any: ...
+
+    def close(self) -> None: ...
