@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0)
     ap.add_argument("--chunk-size", type=int, default=32)
+    ap.add_argument("--long-every", type=int, default=0, help="every n-th group never stops (default 6/8)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--warmup", choices=("all", "history"), default="all",
+                    help="run the warm-up batch for every policy, or only where it is the history prior")
     args = ap.parse_args(argv)
     from seer_client import SeerClient
 
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.model.prepare import ensure_model
 
     wl = RealWorkload(groups=args.groups or (6 if args.quick else 16), group_size=args.group_size,
-                      max_tokens=args.max_tokens or (64 if args.quick else 192), long_every=6 if args.quick else 8)
+                      max_tokens=args.max_tokens or (64 if args.quick else 192),
+                      long_every=args.long_every or (6 if args.quick else 8))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     results: dict[str, dict[str, object]] = {}
     model = ensure_model()
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             if n > 0:
                 switch_policy(suite, policy, args.workers)
             with SeerClient(suite.address) as client:
-                run_batch(client, f"{policy}-warmup", wl.prompt_groups(seed=1))
+                if args.warmup == "all" or policy == "seer_history":
+                    run_batch(client, f"{policy}-warmup", wl.prompt_groups(seed=1))
                 res = run_batch(client, f"{policy}-measured", wl.prompt_groups(seed=2))
                 stats = suite.scheduler_stats()
                 res["dispatched_chunks"] = int(stats.dispatched_chunks)
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary.items():
         print(f"{k}: {v}")
     print("RESULT " + json.dumps({"quick": args.quick, "workload": wl.__dict__, "chunk_size": args.chunk_size,
-                                  "workers": args.workers, **summary, "runs": results}))
+                                  "workers": args.workers, "warmup": args.warmup, **summary, "runs": results}))
     return 0
 
 
