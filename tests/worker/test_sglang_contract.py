@@ -16,10 +16,10 @@ import pytest
 
 from services.kvstore.store import family_of
 from services.worker.config import WorkerConfig
-from services.worker.engine import Draft, SamplingParams
+from services.worker.engine import Draft, FinishReason, SamplingParams
 from services.worker.engines.sglang import pages, plugin
 from services.worker.engines.sglang.drafts import PAD_TOKEN, bfs_order, from_sglang, pack_batch, to_sglang
-from services.worker.engines.sglang.engine import parse_policy_version, sampling_dict, server_kwargs
+from services.worker.engines.sglang.engine import parse_policy_version, sampling_dict, server_kwargs, stream_delta
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 
@@ -150,6 +150,31 @@ def test_request_conversions() -> None:
     meta = plugin.request_meta(plugin.custom_params("g1", "k", 8, True))
     assert meta == ("g1", "k", 8, True)
     assert plugin.request_meta(None) == ("", "", 1, False)
+
+
+@pytest.mark.parametrize("cumulative", [True, False], ids=["cumulative", "incremental"])
+def test_stream_deltas(cumulative: bool) -> None:
+    """Streamed outputs become token deltas whatever SGLang's streaming mode."""
+    chunks = [[(-0.1, 11, None), (-0.2, 12, None)], [(-0.3, 13, None)], [(-0.4, 14, None), (-0.5, 2, None)]]
+    seen: list[tuple[float, int, None]] = []
+    reported = steps = 0
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    reason = None
+    for i, c in enumerate(chunks):
+        seen += c
+        meta = {"output_token_logprobs": list(seen) if cumulative else c, "completion_tokens": len(seen),
+                "spec_verify_ct": i + 1, "finish_reason": {"type": "stop"} if i == 2 else None}
+        d = stream_delta(meta, reported, steps)
+        reported, steps = d.total, d.verify_steps
+        tokens += d.token_ids
+        logprobs += d.logprobs
+        reason = d.reason
+        assert d.accepted == len(c) - 1  # one verify step per delta: all but the bonus token were drafts
+    assert tokens == [11, 12, 13, 14, 2] and logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
+    assert reason == FinishReason.STOP
+    assert stream_delta({"finish_reason": {"type": "abort"}}, 5, 0).reason == FinishReason.ABORTED
+    assert stream_delta({"finish_reason": {"type": "length"}, "completion_tokens": 5}, 5, 0).token_ids == []
 
 
 def test_server_kwargs(tmp_path: Path) -> None:

@@ -108,6 +108,32 @@ def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file:
     return kw
 
 
+@dataclass(frozen=True)
+class StreamDelta:
+    token_ids: list[int]
+    logprobs: list[float]
+    reason: FinishReason | None
+    accepted: int  # draft tokens accepted in this delta (tokens minus verify steps)
+    total: int  # completion tokens so far
+    verify_steps: int  # speculative verify steps so far
+
+
+def stream_delta(meta: Mapping[str, Any], reported: int, verify_steps: int) -> StreamDelta:
+    """The new tokens of one streamed SGLang output. output_token_logprobs holds (logprob, token id,
+    text) entries, cumulative or incremental depending on the server's streaming mode; the cumulative
+    completion_tokens count tells which entries are new either way."""
+    entries = list(meta.get("output_token_logprobs") or [])
+    total = int(meta.get("completion_tokens", reported + len(entries)))
+    fresh = max(total - reported, 0)
+    new = entries[max(len(entries) - fresh, 0):] if fresh else []
+    steps = int(meta.get("spec_verify_ct", 0) or 0)
+    verify = steps - verify_steps
+    fr = meta.get("finish_reason")
+    reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
+    return StreamDelta([int(e[1]) for e in new], [float(e[0]) for e in new], reason,
+                       max(len(new) - max(verify, 1), 0) if steps else 0, total, steps)
+
+
 @dataclass
 class _Live:
     req: GenerateRequest
@@ -184,20 +210,13 @@ class SGLangEngine(Engine):
         try:
             async for out in self._sgl.tokenizer_manager.generate_request(obj, None):
                 meta = out.get("meta_info", {})
-                entries = meta.get("output_token_logprobs") or []
-                total = int(meta.get("completion_tokens", len(entries)))
-                fresh = total - live.reported
-                new = entries[len(entries) - fresh:] if fresh > 0 else []
-                live.reported = total
-                steps = int(meta.get("spec_verify_ct", 0) or 0)
-                verify, live.verify_steps = steps - live.verify_steps, steps
-                fr = meta.get("finish_reason")
-                reason = _FINISH.get(fr.get("type", ""), FinishReason.STOP) if isinstance(fr, dict) else None
-                if live.reported == total and "cached_tokens" in meta and fr is not None:
+                d = stream_delta(meta, live.reported, live.verify_steps)
+                live.reported, live.verify_steps = d.total, d.verify_steps
+                if d.reason is not None and "cached_tokens" in meta:
                     self._stats["cached"] += int(meta["cached_tokens"])
                     self._stats["prefill"] += len(prefix) - int(meta["cached_tokens"])
-                self._out.put((rid, [int(e[1]) for e in new], [float(e[0]) for e in new], reason,
-                               max(len(new) - max(verify, 1), 0)))
+                self._out.put((rid, d.token_ids, d.logprobs, d.reason, d.accepted))
+                reason = d.reason
                 if reason is not None:
                     return
         except Exception as e:  # surface as an aborted request; the worker reports it
