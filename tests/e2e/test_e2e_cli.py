@@ -11,9 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a second whole suite (~45 s on 2 cores); Suite itself is covered by the other e2e tests
 def test_up_rollout_and_ctrl_c(model_dir: Path, tmp_path: Path) -> None:
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--base-port", "0", "--workers", "1", "--model-dir",
