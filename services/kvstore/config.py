@@ -19,6 +19,12 @@ class KvStoreConfig(ServiceConfig):
         metadata={"help": "namespaces kept per model family ('name@version'); a newer one drops older ones"},
     )
     verify_checksums: bool = field(default=True, metadata={"help": "verify crc32 of pages read from the SSD tier"})
+    verify_put_checksums: bool = field(
+        default=True,
+        metadata={
+            "help": "verify crc32 of every Put page (off: trust the writer's checksum; readers verify end to end)"
+        },
+    )
     ssd_wal: bool = field(
         default=False,
         metadata={"help": "write pages through RocksDB's WAL too (off: a crash loses only unflushed pages)"},

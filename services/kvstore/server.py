@@ -137,6 +137,7 @@ def open_store(cfg: KvStoreConfig) -> KvStore:
         ssd_bytes=cfg.ssd_bytes,
         keep_versions=cfg.keep_versions,
         verify_checksums=cfg.verify_checksums,
+        verify_put_checksums=cfg.verify_put_checksums,
         min_blob_bytes=cfg.min_blob_bytes,
         ssd_wal=cfg.ssd_wal,
     )

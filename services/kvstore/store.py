@@ -21,7 +21,8 @@ Put creates a new one, all but the newest `keep_versions` of that family are dro
 drop_column_family) and tombstoned, so a straggling worker on old weights cannot recreate them.
 `drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
 
-Checksums: crc32 (zlib) of every page is checked on Put and on every read from the SSD tier; a
+Checksums: crc32 (zlib) of every page is checked on Put (unless verify_put_checksums is off) and on
+every read from the SSD tier; a
 page that fails is deleted and reported as missing (counted in checksum_failures), never served.
 """
 
@@ -108,6 +109,7 @@ class KvStore:
         ssd_bytes: int,
         keep_versions: int = 1,
         verify_checksums: bool = True,
+        verify_put_checksums: bool = True,
         min_blob_bytes: int = 64 * 1024,
         ssd_wal: bool = False,
     ) -> None:
@@ -121,6 +123,7 @@ class KvStore:
         self.ssd_capacity_bytes = ssd_bytes
         self.keep_versions = keep_versions
         self.verify_checksums = verify_checksums
+        self.verify_put_checksums = verify_put_checksums
         self._ssd_lru: OrderedDict[Key, int] = OrderedDict()  # pages on SSD -> size, LRU first
         self._ssd_bytes = 0
         self._namespaces: dict[str, _Namespace] = {}
@@ -228,7 +231,10 @@ class KvStore:
         """Stores one page (or adds request_id as an owner of the stored one). True when new."""
         if len(page_hash) != HASH_BYTES:
             raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
-        crc = zlib.crc32(data)  # the expensive part, outside the lock
+        # The expensive part, outside the lock. Without put verification the writer's checksum is
+        # stored as is: a page whose bytes do not match it is never used, since every reader (the
+        # SSD tier, the client) checks it before use.
+        crc = zlib.crc32(data) if self.verify_put_checksums else checksum
         with self._lock:
             ns = self._namespace_for_put(namespace, layout)
             if len(data) != ns.layout.page_bytes:

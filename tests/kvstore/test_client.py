@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -12,7 +13,7 @@ from services.common.pagehash import chain_hashes
 from services.kvstore.ring import HashRing
 from services.worker.engine import KVLayout, KVPages
 from services.worker.kv_client import KVClient
-from tests.kvstore.kvhelpers import KV_LAYOUT, Replica, make_pages
+from tests.kvstore.kvhelpers import KV_LAYOUT, LAYOUT, Replica, make_pages
 
 Make = Callable[..., Replica]
 
@@ -179,3 +180,22 @@ def test_reoffload_sends_only_new_pages_and_claims_the_rest(replicas: Make) -> N
         assert got is not None and got.pages == full.pages
         assert kv.release("m@v1", "r2") == 24
         assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT) is None
+
+
+def test_unverified_put_of_bad_bytes_is_caught_by_the_reader(replicas: Make) -> None:
+    """With put verification off the store keeps the writer's checksum; bytes that do not match it
+    (corrupted in transit) are refused by the fetching client, never imported."""
+    r = replicas("a", verify_put_checksums=False)
+    pages = make_pages(TOKENS)
+    with KVClient([r.address]) as kv:
+        kv.put_pages(pages, "r1")
+        # A writer whose bytes changed after the checksum was taken: page 5 goes in with a bad crc.
+        assert r.store is not None
+        bad = bytes(b ^ 0xFF for b in pages.pages[5])
+        assert r.store.release("m@v1", "r1") == 24
+        for i, (h, d) in enumerate(zip(pages.page_hashes, pages.pages, strict=True)):
+            data = bad if i == 5 else d
+            r.store.put("m@v1", LAYOUT, h, data, zlib.crc32(d), "r1")
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        assert got is not None and got.pages == pages.pages[:5]
+        assert kv.stats().checksum_failures == 1
