@@ -29,7 +29,8 @@ def console_spans(path: Path) -> list[dict[str, Any]]:
     """Spans a ConsoleSpanExporter printed (pretty JSON objects, one after another)."""
     text = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
     decoder = json.JSONDecoder()
-    spans, i = [], 0
+    spans: list[dict[str, Any]] = []
+    i = 0
     while True:
         start = text.find("{\n", i)
         if start < 0:
