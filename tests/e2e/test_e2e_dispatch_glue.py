@@ -162,3 +162,18 @@ def test_cancel_mid_batch_stops_dispatch(suite, workers, rollout_stub_factory):
     chunks_after = len(workers[0].chunks)
     time.sleep(1.0)
     assert len(workers[0].chunks) == chunks_after, "chunks still dispatched after the cancel"
+
+
+def test_scheduler_kill9_mid_batch_completes(suite, workers, rollout_stub_factory):
+    """A restarted scheduler rebuilds its state from the buffer's snapshot; workers re-register."""
+    workers.append(FakeWorker("w0", suite.scheduler_address, token_delay=0.02))
+    suite.wait_workers(1, timeout=10)
+    stub = rollout_stub_factory(suite.address)
+    batch = make_batch(3, 2, max_tokens=[4, 60, 60])
+    stub.SubmitBatch(batch, timeout=10)
+    first = next(iter(stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch.batch_id), timeout=30)))
+    suite.services["scheduler"].signal(signal.SIGKILL)
+    suite.services["scheduler"].wait(10)
+    suite.restart("scheduler", timeout=60)
+    rest = collect(stub, batch.batch_id, timeout=60, cursor=1)
+    check_results([first, *rest], 6, {0: 4, 1: 60, 2: 60})
