@@ -12,6 +12,8 @@ set -euo pipefail
 export DOCKER_BUILDKIT=0
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
+# Absolute (relative to the repository root), without resolving a venv's symlinked interpreter.
+[[ "$PY" != */* || "$PY" == /* ]] || PY="$(cd "$ROOT/$(dirname "$PY")" && pwd)/$(basename "$PY")"
 TAG=${TAG:-dev}
 SERVICES=${SERVICES:-buffer scheduler draft kvstore worker}
 WH=${WHEELHOUSE:-$ROOT/wheelhouse}

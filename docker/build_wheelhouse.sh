@@ -6,6 +6,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
+# Absolute (relative to the repository root), without resolving a venv's symlinked interpreter.
+[[ "$PY" != */* || "$PY" == /* ]] || PY="$(cd "$ROOT/$(dirname "$PY")" && pwd)/$(basename "$PY")"
 WH=${WHEELHOUSE:-$ROOT/wheelhouse}
 mkdir -p "$WH"
 start=$(date +%s)
