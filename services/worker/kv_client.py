@@ -274,41 +274,46 @@ class KVClient:
         groups = self._by_node(wanted)
         layout_pb = layout_to_pb(layout)
 
-        def get(node: str, idx: list[int]) -> list[kvstore_pb2.GetResponse]:
+        # Per page: None = missing, False = failed its checksum, bytes = verified data. Each page is
+        # checked as it arrives (zlib releases the GIL), overlapping the transfer of the next one.
+        def get(node: str, idx: list[int]) -> dict[bytes, bytes | bool | None]:
             req = kvstore_pb2.GetRequest(
                 namespace=model_version, page_hashes=[wanted[i] for i in idx], layout=layout_pb
             )
-            out: list[kvstore_pb2.GetResponse] = []
+            out: dict[bytes, bytes | bool | None] = {}
             try:
                 for msg in self._stubs[node].Get(req, timeout=self.rpc_timeout_s):
-                    out.append(msg)
+                    if not msg.found:
+                        out[msg.page_hash] = None
+                        continue
+                    data = msg.data  # each access of a protobuf bytes field is a fresh copy: take it once
+                    ok = len(data) == layout.page_bytes and zlib.crc32(data) == msg.checksum
+                    out[msg.page_hash] = data if ok else False
             except grpc.RpcError:
                 if not out:
                     raise
                 self._count(replica_errors=1)  # keep what arrived before the failure
             return out
 
-        got: dict[bytes, kvstore_pb2.GetResponse] = {}
+        got: dict[bytes, bytes | bool | None] = {}
         calls = {node: (lambda node=node, idx=idx: get(node, idx)) for node, idx in groups.items()}
         for res in self._fan_out(calls).values():
             if not isinstance(res, grpc.RpcError):
-                for msg in res:
-                    got[msg.page_hash] = msg
+                got.update(res)
         pages: list[bytes] = []
         for h in wanted:
-            msg = got.get(h)
-            if msg is None or not msg.found:
+            page = got.get(h)
+            if page is None:
                 self._count(missing_pages=1)
                 log.info("kv prefix page missing; recomputing from here", extra=kv(page=len(pages), of_pages=n))
                 break
-            data = msg.data  # each access of a protobuf bytes field is a fresh copy: take it once
-            if len(data) != layout.page_bytes or zlib.crc32(data) != msg.checksum:
+            if not isinstance(page, bytes):  # False: failed its checksum
                 self._count(checksum_failures=1)
                 log.warning(
                     "kv prefix page failed its checksum; recomputing from here", extra=kv(page=len(pages), of_pages=n)
                 )
                 break
-            pages.append(data)
+            pages.append(page)
         if not pages or len(pages) * layout.page_size <= min_tokens:
             return None
         k = len(pages)
