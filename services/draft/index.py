@@ -15,7 +15,7 @@ Drafting follows SuffixDecoding (Oliaro et al. 2024), RhymeRL's history matching
 last 7, then 4 tokens) and Seer's multi-path drafts: among the occurrences of the longest matched
 suffix, prob(child) = prob(parent) * count(child) / count(parent); a draft's score is the sum of its
 token probabilities (expected accepted tokens); expansion stops below `min_token_prob`; the draft
-length is capped at `max_spec_factor` x match length. width > 1 expands best-first into a top-k tree.
+length is capped at `max_spec_factor` (4) x match length. width > 1 expands best-first into a top-k tree.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class GroupIndex:
         *,
         max_depth: int = 64,
         levels: Sequence[int] = DEFAULT_LEVELS,
-        max_spec_factor: float = 2.0,
+        max_spec_factor: float = 4.0,
     ) -> None:
         if not levels or any(k < 1 for k in levels):
             raise InvalidArgument("levels must be positive n-gram lengths", field="levels")
