@@ -38,9 +38,10 @@ def run_chunked(engine: ReferenceEngine, prompts: dict[str, tuple[int, ...]], pl
 
 
 def test_chunked_resume_equals_uninterrupted(engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
-    total = 120
+    # Chunks of 7, of 50 and a 7 + 50 + rest mix; short enough for a shared 2-core CI machine.
+    total = 64
     p = prompts[0]
-    plans = {"whole": [total], "by7": [7] * (total // 7) + [total % 7], "by50": [50, 50, 20], "mixed": [7, 50, 63]}
+    plans = {"whole": [total], "by7": [7] * (total // 7) + [total % 7], "by50": [50, 14], "mixed": [7, 50, 7]}
     for sampling in (GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True)):
         out = run_chunked(engine, dict.fromkeys(plans, p), plans, sampling)
         for k in plans:
@@ -49,7 +50,7 @@ def test_chunked_resume_equals_uninterrupted(engine: ReferenceEngine, prompts: l
 
 
 def test_greedy_drafts_do_not_change_output(engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
-    n = 40
+    n = 24
     p = prompts[1]
     ref = engine.generate([GenerateRequest("ref", p, n, GREEDY)])["ref"].token_ids
     wrong = (ref[0] + 1) % engine.vocab_size
@@ -99,7 +100,7 @@ def test_group_prefix_computed_once(engine: ReferenceEngine, prompts: list[tuple
 def test_kv_export_import_skips_prefill(model_dir: Path, engine: ReferenceEngine,
                                         prompts: list[tuple[int, ...]]) -> None:
     p = prompts[3]
-    first = engine.generate([GenerateRequest("src", p, 30, GREEDY)])["src"].token_ids
+    first = engine.generate([GenerateRequest("src", p, 20, GREEDY)])["src"].token_ids
     prefix = p + tuple(first)
     pages = engine.export_kv(prefix)
     assert len(pages.pages) == len(prefix) // 16 >= 2
@@ -108,11 +109,11 @@ def test_kv_export_import_skips_prefill(model_dir: Path, engine: ReferenceEngine
     assert other.import_kv(pages) == len(pages.token_ids)
     before = other.stats()
     assert before.imported_tokens == len(pages.token_ids)
-    cont = other.generate([GenerateRequest("dst", p, 20, GREEDY, output_token_ids=tuple(first))])["dst"].token_ids
+    cont = other.generate([GenerateRequest("dst", p, 10, GREEDY, output_token_ids=tuple(first))])["dst"].token_ids
     after = other.stats()
     # Only the partial last page was computed: no prefill for the imported prefix.
     assert after.prefill_tokens - before.prefill_tokens == len(prefix) - len(pages.token_ids) < 16
-    whole = engine.generate([GenerateRequest("whole", p, 50, GREEDY)])["whole"].token_ids
+    whole = engine.generate([GenerateRequest("whole", p, 30, GREEDY)])["whole"].token_ids
     assert list(first) + cont == whole
     # Pages of another version or with tampered hashes are refused, naming the field.
     from dataclasses import replace
