@@ -93,6 +93,7 @@ class WorkerState:
     telemetry: scheduler_pb2.WorkerTelemetry = field(default_factory=scheduler_pb2.WorkerTelemetry)
     in_flight: int = 0
     active: bool = False  # added to the core (after any catch-up weight load)
+    spec: WorkerSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,9 @@ class Dispatcher:
         self._resync = threading.Event()
         self._stream: object | None = None
         self._version: int | None = None
+        # Highest policy version among work items: the suite's version when this scheduler has not
+        # seen a switch itself (it restarted after one); the buffer only admits batches at it.
+        self._seen_version: int | None = None
         self._source = ""
         self._pool = ThreadPoolExecutor(max_workers=cfg.dispatch_threads, thread_name_prefix="chunk")
         self._threads: list[threading.Thread] = []
@@ -207,9 +211,11 @@ class Dispatcher:
                 # A restarted worker registers again: whatever ran on its old incarnation is gone.
                 stale = self._remove_worker_locked(worker_id, reason="re-registered")
             link = self._worker_link_factory(address)
-            state = WorkerState(worker_id, address, link, capacity, engine, policy_version, time.monotonic())
+            state = WorkerState(worker_id, address, link, capacity, engine, policy_version, time.monotonic(),
+                                spec=spec)
             self._workers[worker_id] = state
-            needs_load = self._version is not None and policy_version != self._version
+            target = self._target_version_locked()
+            needs_load = target is not None and policy_version < target
             if not needs_load:
                 self._activate_locked(state, spec)
         if stale is not None:
@@ -217,8 +223,12 @@ class Dispatcher:
         log.info("worker registered", extra=kv(worker_id=worker_id, address=address, engine=engine,
                                                  policy_version=policy_version, catch_up=needs_load))
         if needs_load:
-            threading.Thread(target=self._catch_up, args=(state, spec), daemon=True).start()
+            assert target is not None
+            threading.Thread(target=self._catch_up, args=(state, spec, target), daemon=True).start()
         return self.cfg.heartbeat_interval
+
+    def _target_version_locked(self) -> int | None:
+        return self._version if self._version is not None else self._seen_version
 
     def _activate_locked(self, state: WorkerState, spec: WorkerSpec) -> None:
         self.core.add_worker(spec)
@@ -227,10 +237,11 @@ class Dispatcher:
         self._dirty = True
         self._cond.notify_all()
 
-    def _catch_up(self, state: WorkerState, spec: WorkerSpec) -> None:
-        """A worker that registers after a weight switch loads the current version before serving."""
-        version, source = self._version, self._source
-        assert version is not None
+    def _catch_up(self, state: WorkerState, spec: WorkerSpec, version: int) -> None:
+        """A worker behind the suite's policy version (it registered after a weight switch) loads
+        the current version before it serves. An unknown source ("") reloads its weights as it."""
+        source = self._source
+        log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
         try:
             state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
         except SeerError as e:
@@ -240,6 +251,17 @@ class Dispatcher:
             if self._workers.get(state.worker_id) is state:
                 state.policy_version = version
                 self._activate_locked(state, spec)
+
+    def _recycle_stale_worker(self, w: WorkerState, version: int) -> None:
+        """Take a worker behind the batch's version out of placement until it has loaded it."""
+        with self._cond:
+            if self._workers.get(w.worker_id) is not w or not w.active or w.spec is None:
+                return
+            self._remove_worker_locked(w.worker_id, reason=f"policy version behind {version}")
+            w.active, w.in_flight = False, 0
+            self._workers[w.worker_id] = w
+            spec = w.spec
+        threading.Thread(target=self._catch_up, args=(w, spec, version), daemon=True).start()
 
     def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry) -> bool:
         with self._cond:
@@ -449,6 +471,8 @@ class Dispatcher:
             log.error("work item refused by the scheduler core", extra=kv(request_id=item.request_id, error=str(e)))
             return
         self._requests[item.request_id] = TrackedRequest(item=item, output=output, next_seq=item.next_seq)
+        if self._seen_version is None or item.policy_version > self._seen_version:
+            self._seen_version = item.policy_version
 
     def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
         """A fresh snapshot replaces our state; chunks in flight stay in flight."""
@@ -614,9 +638,11 @@ class Dispatcher:
             self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         if done.policy_version != r.item.policy_version:
-            # Every token of a response must come from the batch's policy version.
+            # Every token of a response must come from the batch's policy version: drop the chunk.
             log.error("worker ran a different policy version", extra=kv(
                 worker_id=w.worker_id, worker_version=done.policy_version, request_version=r.item.policy_version))
+            if done.policy_version < r.item.policy_version:
+                self._recycle_stale_worker(w, r.item.policy_version)
             self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         commit = buffer_pb2.CommitChunkRequest(

@@ -177,3 +177,24 @@ def test_scheduler_kill9_mid_batch_completes(suite, workers, rollout_stub_factor
     suite.restart("scheduler", timeout=60)
     rest = collect(stub, batch.batch_id, timeout=60, cursor=1)
     check_results([first, *rest], 6, {0: 4, 1: 60, 2: 60})
+
+
+def test_stale_worker_after_scheduler_restart_catches_up(suite, workers, rollout_stub_factory):
+    """A scheduler restarted after a weight switch does not know the version; a worker still on the
+    old one must not serve the new batch: its chunk is dropped and it loads the batch's version."""
+    workers.append(FakeWorker("w0", suite.scheduler_address))
+    suite.wait_workers(1, timeout=10)
+    stub = rollout_stub_factory(suite.address)
+    assert stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=1), timeout=30).num_workers == 1
+    suite.services["scheduler"].signal(signal.SIGKILL)
+    suite.services["scheduler"].wait(10)
+    suite.restart("scheduler", timeout=60)
+    late = FakeWorker("late", suite.scheduler_address)  # still on version 0
+    workers.append(late)
+    suite.wait_workers(2, timeout=10)
+    batch = make_batch(4, 2, max_tokens=16)
+    stub.SubmitBatch(batch, timeout=10)
+    results = collect(stub, batch.batch_id, timeout=60)
+    check_results(results, 8, 16)
+    assert {r.result.policy_version for r in results} == {1}
+    assert late.loads == [1]
