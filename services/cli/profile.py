@@ -25,10 +25,18 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, context: int = 64,  # type: ignore[no-untyped-def]
-            steps: int = 3, seed: int = 0, log: bool = True) -> StepTimeTable:
-    """Median seconds per engine step for each (B, gamma) on an existing engine."""
+            steps: int = 3, seed: int = 0, log: bool = True, clock: str = "wall") -> StepTimeTable:
+    """Median seconds per engine step for each (B, gamma) on an existing engine.
+
+    clock="cpu" measures the calling thread's CPU time: with a single-threaded engine
+    (num_threads=1) that is the step's compute time without the time spent descheduled, the
+    robust choice on a shared machine.
+    """
     from services.worker.engine import Draft, GenerateRequest, SamplingParams
 
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock: {clock!r} is not wall or cpu")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     rng = random.Random(seed)
     vocab = engine.vocab_size
     rows: list[tuple[float, ...]] = []
@@ -47,10 +55,10 @@ def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, contex
             times = []
             for s in range(steps + 1):
                 drafts = {rid: Draft.chain([rng.randrange(vocab) for _ in range(g)]) for rid in ids} if g else None
-                t0 = time.perf_counter()
+                t0 = now()
                 engine.step(drafts)
                 if s:  # the first step after a change of shape is a warm-up
-                    times.append(time.perf_counter() - t0)
+                    times.append(now() - t0)
             row.append(statistics.median(times))
             if log:
                 sys.stdout.write(f"B={b:<4d} gamma={g:<2d} step={row[-1] * 1e3:8.2f} ms\n")
@@ -58,7 +66,7 @@ def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, contex
         rows.append(tuple(row))
         for rid in ids:
             engine.abort(rid)
-    return StepTimeTable(tuple(batch_sizes), tuple(gammas), tuple(rows), source="seer profile")
+    return StepTimeTable(tuple(batch_sizes), tuple(gammas), tuple(rows), source=f"seer profile ({clock} clock)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per cell (median)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or the thread's CPU time (robust on a shared machine; use with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="batch sizes 1,4,16 and gammas 0,2,8")
     args = ap.parse_args(list(argv) if argv is not None else None)
     batch_sizes = _ints("1,4,16" if args.quick else args.batch_sizes)
@@ -87,8 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.worker.model.prepare import ensure_model
 
         model_dir = ensure_model()
-    engine = ReferenceEngine.from_dir(model_dir, device=args.device, max_batch_size=max(batch_sizes))
-    table = measure(engine, batch_sizes, gammas, context=args.context, steps=args.steps)
+    engine = ReferenceEngine.from_dir(model_dir, device=args.device, max_batch_size=max(batch_sizes),
+                                      num_threads=args.threads or None)
+    table = measure(engine, batch_sizes, gammas, context=args.context, steps=args.steps, clock=args.clock)
     table.save(args.out)
     sys.stdout.write(f"wrote {args.out}\n")
     return 0
