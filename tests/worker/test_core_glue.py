@@ -17,7 +17,7 @@ import pytest
 from worker_fake_engine import FakeEngine
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
-from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, Worker
+from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, TokensEvent, Worker
 from services.worker.engine import Draft, KVLayout, KVPages, SamplingParams
 
 
@@ -79,29 +79,29 @@ def test_bad_input_names_the_field(worker: Worker) -> None:
 
 
 def test_duplicate_request_and_abort(engine: FakeEngine, worker: Worker) -> None:
-    engine.step_gate = threading.Event()
-    h = worker.submit(job(max_new_tokens=50, max_tokens=50))
+    engine.step_delay = 0.01
+    h = worker.submit(job(max_new_tokens=90, max_tokens=90))
     with pytest.raises(AlreadyExists, match="request_id"):
-        worker.submit(job(max_new_tokens=50, max_tokens=50))
+        worker.submit(job(max_new_tokens=90, max_tokens=90))
     other = worker.submit(job("r2", max_new_tokens=3, max_tokens=3))
     assert worker.abort("r0") is True
     assert worker.abort("r0") is False
-    engine.step_gate.set()
     events = list(h.events())
     done = events[-1]
     assert isinstance(done, DoneEvent) and done.finish == ChunkFinish.ABORTED
+    assert sum(len(e.token_ids) for e in events if isinstance(e, TokensEvent)) < 90
     last = list(other.events())[-1]
     assert isinstance(last, DoneEvent) and last.finish == ChunkFinish.LENGTH
     assert not engine.has_unfinished()
 
 
 def test_handle_cancel_aborts(engine: FakeEngine, worker: Worker) -> None:
-    engine.step_gate = threading.Event()
-    h = worker.submit(job(max_new_tokens=50, max_tokens=50))
+    engine.step_delay = 0.01
+    h = worker.submit(job(max_new_tokens=90, max_tokens=90))
     assert h.cancel() is True
-    engine.step_gate.set()
-    assert worker.in_flight == 0
+    assert worker.in_flight == 0 and not engine.has_unfinished()
     h.release()  # after the end: a no-op
+    assert isinstance(list(h.events())[-1], DoneEvent)
 
 
 class ChainDrafter:
@@ -183,20 +183,21 @@ def test_speculation_off_sends_no_drafts(engine: FakeEngine) -> None:
 
 
 def test_load_weights_drains_first(engine: FakeEngine, worker: Worker) -> None:
-    engine.step_gate = threading.Event()
-    h = worker.submit(job(max_new_tokens=3, max_tokens=3))
+    engine.step_delay = 0.02
+    h = worker.submit(job(max_new_tokens=40, max_tokens=40))  # about 0.8 s of steps
     result: dict[str, Any] = {}
     t = threading.Thread(target=lambda: result.update(s=worker.load_weights(1, None, 10.0)))
     t.start()
     time.sleep(0.3)
-    assert not engine.loaded  # still draining
+    assert not engine.loaded and worker.in_flight == 1  # still draining
     with pytest.raises(Unavailable):
         worker.submit(job("r9", policy_version=0))
-    engine.step_gate.set()
-    t.join(5)
-    assert engine.loaded == [(None, "v1")]
+    t.join(10)
+    assert engine.loaded == [(None, "v1")] and result["s"] >= 0.3
     assert worker.policy_version == 1
-    assert list(h.events())[-1].policy_version == 0  # type: ignore[union-attr]
+    events = list(h.events())
+    assert isinstance(events[-1], DoneEvent) and events[-1].policy_version == 0
+    assert events[-1].finish == ChunkFinish.LENGTH  # drained, not aborted
     with pytest.raises(FailedPrecondition, match="policy_version"):
         worker.submit(job("r3", policy_version=0))
     assert worker.run(job("r3", policy_version=1))[2].policy_version == 1

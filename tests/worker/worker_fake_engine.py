@@ -6,6 +6,7 @@ it (test_worker_engine.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ class FakeEngine(Engine):
         self._cache: set[bytes] = set()
         self.steps = 0
         self.step_gate: threading.Event | None = None  # tests hold steps with it
+        self.step_delay = 0.0  # seconds per step (a slow engine, without blocking forever)
         self.loaded: list[tuple[str | None, str]] = []
         self.seen_drafts: list[dict[str, Draft]] = []
 
@@ -75,6 +77,8 @@ class FakeEngine(Engine):
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
         if self.step_gate is not None:
             self.step_gate.wait(5)
+        if self.step_delay:
+            time.sleep(self.step_delay)
         self.steps += 1
         drafts = dict(drafts or {})
         self.seen_drafts.append(drafts)
