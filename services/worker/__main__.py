@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if registrar is not None:
             registrar.stop()
         worker.close()
+        shutdown = getattr(worker.engine, "shutdown", None)  # SGLang runs subprocesses
+        if callable(shutdown):
+            shutdown()
 
     running = start_server("worker", cfg, add_servicer(worker, cfg.drain_timeout_seconds), on_stop=on_stop)
     if not cfg.worker_id and not cfg.port:
