@@ -69,7 +69,7 @@ def _tokenize(model_dir: Path, texts: Sequence[str]) -> list[list[int]]:
 
 
 def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: int, temperature: float,
-                      top_p: float = 1.0) -> dict[str, Any]:
+                      top_p: float = 1.0, threads: int | None = None) -> dict[str, Any]:
     """Two iterations x n_prompts x group responses, cached."""
     key = f"t{temperature}_p{top_p}_n{n_prompts}_g{group}_m{max_tokens}"
     path = CACHE / f"rollouts_{key}.json"
@@ -79,7 +79,7 @@ def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: i
     from services.worker.engines.reference.engine import ReferenceEngine
 
     prompts = _tokenize(model_dir, PROMPTS[:n_prompts])
-    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=n_prompts * group)
+    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=n_prompts * group, num_threads=threads)
     iters = []
     t0 = time.perf_counter()
     for it in range(2):
@@ -87,6 +87,8 @@ def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: i
                                 SamplingParams(temperature=temperature, top_p=top_p, seed=1000 * it + 37 * p + s))
                 for p in range(n_prompts) for s in range(group)]
         res = engine.generate(reqs)
+        out(f"  generated iteration {it} at T={temperature}: {sum(len(r.token_ids) for r in res.values())} tokens "
+            f"({time.perf_counter() - t0:.0f}s)")
         iters.append([[res[f"i{it}-p{p}-s{s}"].token_ids for s in range(group)] for p in range(n_prompts)])
     data = {"prompts": prompts, "iterations": iters, "temperature": temperature, "top_p": top_p,
             "gen_seconds": time.perf_counter() - t0}
@@ -277,7 +279,8 @@ def trie_ingest_baseline(tokens: Sequence[int], depth: int) -> float:
 
 
 def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
-               width: int = 1, seed_base: int = 5000) -> dict[str, float]:
+               width: int = 1, seed_base: int = 5000, threads: int | None = None,
+               table: Any = None) -> dict[str, float]:
     """One batch of n_prompts x group requests through the reference engine; returns tokens/s."""
     from services.draft.app import start
     from services.draft.config import DraftConfig
@@ -287,10 +290,10 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
     from services.worker.engines.reference.engine import ReferenceEngine
 
     prompts = data["prompts"]
-    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=len(prompts) * group)
+    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=len(prompts) * group, num_threads=threads)
     running, store = start(DraftConfig(port=0, grace_seconds=0.1))
     client = DraftClient(running.address, sync_interval_s=0.02)
-    planner = AdaptiveSpeculation(None, gamma_max=GAMMA)
+    planner = AdaptiveSpeculation(table, gamma_max=GAMMA)
     try:
         reqs = []
         group_of: dict[str, str] = {}
@@ -310,7 +313,7 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
         done: set[str] = set()
         length = {r.request_id: 0 for r in reqs}
         tokens = steps = proposed = accepted = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         while engine.has_unfinished():
             drafts = {}
             if speculate:
@@ -345,7 +348,9 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
             if drafts:
                 planner.observe(prop_pos, acc_pos)
         wall = time.perf_counter() - t0
+        cpu = time.thread_time() - c0
         return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": steps,
+                "tokens_per_cpu_s": tokens / cpu,
                 "draft_tokens": proposed, "accepted": accepted}
     finally:
         client.close()
@@ -362,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=0)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     n_prompts = args.prompts or (2 if args.quick else 4)
     max_tokens = args.max_tokens or (64 if args.quick else 192)
@@ -376,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     datasets = {}
     for temp in (1.0, 0.7):
         t0 = time.perf_counter()
-        data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp)
+        data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp, threads=args.threads or None)
         datasets[temp] = data
         out(f"rollouts T={temp}: {n_prompts} prompts x 16 x 2 iterations ({time.perf_counter() - t0:.1f}s)")
         for g in (8, 16):
@@ -387,20 +393,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["index"] = {k: round(v, 2) for k, v in speed.items()}
     out("index: " + "  ".join(f"{k}={v:.1f}" for k, v in speed.items()))
     if not args.skip_throughput:
+        # T(B, gamma) of this engine, measured here in thread CPU time (single-threaded engine), so
+        # the adaptive planner sees this machine's costs, not a default.
+        from services.cli.profile import measure
+        from services.worker.engines.reference.engine import ReferenceEngine
+
+        prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=16, num_threads=1)
+        table = measure(prof_engine, (1, 4, 16), (0, 2, 8), steps=2, log=False, clock="cpu")
+        del prof_engine
+        result["step_time_table"] = table.to_dict()
+        out("T(B, gamma) ms: " + "; ".join(
+            f"B={b}: " + ",".join(f"{t * 1e3:.0f}" for t in row) for b, row in zip(table.batch_sizes, table.times_s,
+                                                                                  strict=True)))
         for temp in (0.7, 1.0):
             data = datasets[temp]
             g = 8
             mt = min(max_tokens, 48 if args.quick else max_tokens)
-            base = throughput(model_dir, data, g, mt, speculate=False)
-            spec = throughput(model_dir, data, g, mt, speculate=True)
+            base = throughput(model_dir, data, g, mt, speculate=False, threads=1, table=table)
+            spec = throughput(model_dir, data, g, mt, speculate=True, threads=1, table=table)
             ratio = spec["tokens_per_s"] / base["tokens_per_s"]
+            cpu_ratio = spec["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
             result[f"throughput_t{temp}"] = {"no_spec_tok_s": round(base["tokens_per_s"], 2),
                                              "spec_tok_s": round(spec["tokens_per_s"], 2), "ratio": round(ratio, 3),
+                                             "cpu_ratio": round(cpu_ratio, 3),
                                              "spec_steps": spec["steps"], "no_spec_steps": base["steps"],
                                              "draft_tokens": spec["draft_tokens"], "accepted": spec["accepted"]}
             out(f"throughput T={temp} G={g}: no spec {base['tokens_per_s']:.1f} tok/s ({base['steps']} steps), "
                 f"spec {spec['tokens_per_s']:.1f} tok/s ({spec['steps']} steps, {spec['accepted']}/"
-                f"{spec['draft_tokens']} accepted) -> {ratio:.2f}x")
+                f"{spec['draft_tokens']} accepted) -> {ratio:.2f}x wall, {cpu_ratio:.2f}x per CPU second")
     out("RESULT " + json.dumps(result))
     return 0
 
