@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from seer.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_bad_config_exits_2() -> None:
@@ -27,10 +35,12 @@ def test_bad_config_exits_2() -> None:
 def test_process_serves_and_stops_gracefully(model_dir: Path, tmp_path: Path,
                                              prompts: list[tuple[int, ...]]) -> None:
     port_file = tmp_path / "port"
+    metrics_port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SEER_WORKER_NUM_KV_PAGES": "128"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.worker", "--port", "0", "--port-file", str(port_file),
-         "--model-dir", str(model_dir), "--worker-id", "proc-w", "--speculation", "false", "--grace-seconds", "5"],
+         "--model-dir", str(model_dir), "--worker-id", "proc-w", "--speculation", "false", "--grace-seconds", "5",
+         "--metrics-port", str(metrics_port)],
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"), env=env,  # noqa: SIM115
     )
     try:
@@ -53,6 +63,14 @@ def test_process_serves_and_stops_gracefully(model_dir: Path, tmp_path: Path,
             assert sum(len(m.tokens.token_ids) for m in msgs[:-1]) >= 1
             stats = stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=10)
             assert stats.worker_id == "proc-w" and stats.total_kv_pages == 128
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+        for name in ("seer_worker_in_flight_chunks", "seer_worker_generated_tokens_total",
+                     "seer_worker_tokens_per_second", "seer_worker_free_kv_pages",
+                     'seer_worker_chunks_total{finish="length"}'):
+            assert name in body, name
+        generated = [ln for ln in body.splitlines() if ln.startswith("seer_worker_generated_tokens_total")]
+        assert float(generated[0].split()[-1]) >= 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
