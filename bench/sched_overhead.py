@@ -28,8 +28,18 @@ def measure(policy: str, pending: int, workers: int, decisions: int, seed: int =
     for p in range(pending // g):
         core.set_history(f"k{p}", [rng.randint(16, 32_000) for _ in range(g)])
         for s in range(g):
-            core.add_request(RequestInfo(f"{p}-{s}", f"g{p}", f"k{p}", s, g, prompt_len=rng.randint(64, 2048),
-                                         max_tokens=32_768, true_length=rng.randint(16, 32_768)))
+            core.add_request(
+                RequestInfo(
+                    f"{p}-{s}",
+                    f"g{p}",
+                    f"k{p}",
+                    s,
+                    g,
+                    prompt_len=rng.randint(64, 2048),
+                    max_tokens=32_768,
+                    true_length=rng.randint(16, 32_768),
+                )
+            )
     times: list[float] = []
     cpu: list[float] = []
     for i in range(decisions):
@@ -71,9 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(policy, args.pending, args.workers, decisions)
         worst = max(worst, r["cpu_p99_ms"])
         out[policy] = r
-        print(f"{policy:13s} cpu p50 {r['cpu_p50_ms']:.3f} ms p99 {r['cpu_p99_ms']:.3f} ms | wall p50 "
-              f"{r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms max {r['max_ms']:.3f} ms "
-              f"({r['pending_at_end']} pending)")
+        print(
+            f"{policy:13s} cpu p50 {r['cpu_p50_ms']:.3f} ms p99 {r['cpu_p99_ms']:.3f} ms | wall p50 "
+            f"{r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms max {r['max_ms']:.3f} ms "
+            f"({r['pending_at_end']} pending)"
+        )
     out["worst_cpu_p99_ms"] = worst
     out["target_ms"] = 1.0
     out["ok"] = worst <= 1.0

@@ -28,8 +28,24 @@ from pathlib import Path
 
 _SHORT = [30, 198]  # '.', '\n' in the SmolLM2 tokenizer
 
-_TOPICS = ["the sea", "a red fox", "mountains", "a old clock", "rain", "the moon", "a library", "bread",
-           "a river", "winter", "a violin", "the desert", "a lighthouse", "bees", "a train", "snow"]
+_TOPICS = [
+    "the sea",
+    "a red fox",
+    "mountains",
+    "a old clock",
+    "rain",
+    "the moon",
+    "a library",
+    "bread",
+    "a river",
+    "winter",
+    "a violin",
+    "the desert",
+    "a lighthouse",
+    "bees",
+    "a train",
+    "snow",
+]
 
 
 @dataclass(frozen=True)
@@ -46,10 +62,18 @@ class RealWorkload:
         for i in range(self.groups):
             topic = _TOPICS[i % len(_TOPICS)]
             long = i % self.long_every == self.long_every - 1
-            sampling = Sampling(temperature=1.0, seed=seed * 1000 + i, ignore_eos=long,
-                                stop_token_ids=() if long else _SHORT)
-            out.append(PromptGroup(prompt=f"Write about {topic}.", group_size=self.group_size,
-                                   max_tokens=self.max_tokens, prompt_key=f"real-{i}", sampling=sampling))
+            sampling = Sampling(
+                temperature=1.0, seed=seed * 1000 + i, ignore_eos=long, stop_token_ids=() if long else _SHORT
+            )
+            out.append(
+                PromptGroup(
+                    prompt=f"Write about {topic}.",
+                    group_size=self.group_size,
+                    max_tokens=self.max_tokens,
+                    prompt_key=f"real-{i}",
+                    sampling=sampling,
+                )
+            )
         return out
 
 
@@ -75,7 +99,7 @@ def switch_policy(suite: object, policy: str, workers: int) -> None:
     suite.wait_workers(workers, timeout=120)  # type: ignore[attr-defined]
 
 
-def run_batch(client: object, batch_id: str, groups: list[object]) -> dict[str, object]:
+def run_batch(client: object, batch_id: str, groups: list[object]) -> dict[str, float]:
     t0 = time.monotonic()
     client.submit_batch(batch_id, groups)  # type: ignore[attr-defined]
     finish: list[float] = []
@@ -88,9 +112,15 @@ def run_batch(client: object, batch_id: str, groups: list[object]) -> dict[str, 
     finish.sort()
     makespan = finish[-1]
     t90 = finish[max(0, int(0.9 * len(finish)) - 1)]
-    return {"makespan_s": round(makespan, 2), "tokens": tokens, "throughput_tps": round(tokens / makespan, 2),
-            "tail_s": round(makespan - t90, 2), "requests": len(finish),
-            "mean_len": round(tokens / len(finish), 1), "max_len": max(lengths)}
+    return {
+        "makespan_s": round(makespan, 2),
+        "tokens": tokens,
+        "throughput_tps": round(tokens / makespan, 2),
+        "tail_s": round(makespan - t90, 2),
+        "requests": len(finish),
+        "mean_len": round(tokens / len(finish), 1),
+        "max_len": max(lengths),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,23 +133,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-size", type=int, default=32)
     ap.add_argument("--long-every", type=int, default=0, help="every n-th group never stops (default 6/8)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--warmup", choices=("all", "history"), default="all",
-                    help="run the warm-up batch for every policy, or only where it is the history prior")
+    ap.add_argument(
+        "--warmup",
+        choices=("all", "history"),
+        default="all",
+        help="run the warm-up batch for every policy, or only where it is the history prior",
+    )
     args = ap.parse_args(argv)
     from seer_client import SeerClient
 
     from services.cli.up import Suite
     from services.worker.model.prepare import ensure_model
 
-    wl = RealWorkload(groups=args.groups or (6 if args.quick else 16), group_size=args.group_size,
-                      max_tokens=args.max_tokens or (64 if args.quick else 192),
-                      long_every=args.long_every or (6 if args.quick else 8))
+    wl = RealWorkload(
+        groups=args.groups or (6 if args.quick else 16),
+        group_size=args.group_size,
+        max_tokens=args.max_tokens or (64 if args.quick else 192),
+        long_every=args.long_every or (6 if args.quick else 8),
+    )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    results: dict[str, dict[str, object]] = {}
+    results: dict[str, dict[str, float]] = {}
     model = ensure_model()
     t_start = time.monotonic()
-    with Suite(workers=args.workers, policy=policies[0], speculation=False, model_dir=Path(model),
-               chunk_size=args.chunk_size, threads_per_worker=1) as suite:
+    with Suite(
+        workers=args.workers,
+        policy=policies[0],
+        speculation=False,
+        model_dir=Path(model),
+        chunk_size=args.chunk_size,
+        threads_per_worker=1,
+    ) as suite:
         pinned = pin_workers(suite)
         print(f"suite up in {time.monotonic() - t_start:.1f} s; workers pinned to cores {pinned}", flush=True)
         for n, policy in enumerate(policies):
@@ -137,14 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, object] = {}
     if base is not None:
         for p, r in results.items():
-            summary[f"{p}_throughput_vs_baseline"] = round(
-                float(r["throughput_tps"]) / float(base["throughput_tps"]), 3)  # type: ignore[arg-type]
-            summary[f"{p}_tail_vs_baseline"] = round(
-                float(r["tail_s"]) / max(1e-9, float(base["tail_s"])), 3)  # type: ignore[arg-type]
+            summary[f"{p}_throughput_vs_baseline"] = round(r["throughput_tps"] / base["throughput_tps"], 3)
+            summary[f"{p}_tail_vs_baseline"] = round(r["tail_s"] / max(1e-9, base["tail_s"]), 3)
     for k, v in summary.items():
         print(f"{k}: {v}")
-    print("RESULT " + json.dumps({"quick": args.quick, "workload": wl.__dict__, "chunk_size": args.chunk_size,
-                                  "workers": args.workers, "warmup": args.warmup, **summary, "runs": results}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "quick": args.quick,
+                "workload": wl.__dict__,
+                "chunk_size": args.chunk_size,
+                "workers": args.workers,
+                "warmup": args.warmup,
+                **summary,
+                "runs": results,
+            }
+        )
+    )
     return 0
 
 

@@ -66,8 +66,12 @@ def run_workload(name: str, scale: float, chunk_size: int, seed: int, out: Path 
     }
     if out is not None:
         peak = spec.instances * model.max_batch / model.step_time(model.max_batch, model.max_batch * spec.prompt_mean)
-        path = plot_runs(f"{spec.name}: {w.num_requests} requests, {spec.instances} instances (simulated)",
-                         list(results.values()), out / f"sim_{name}.png", peak)
+        path = plot_runs(
+            f"{spec.name}: {w.num_requests} requests, {spec.instances} instances (simulated)",
+            list(results.values()),
+            out / f"sim_{name}.png",
+            peak,
+        )
         row["plot"] = str(path)
     return row
 
@@ -75,8 +79,10 @@ def run_workload(name: str, scale: float, chunk_size: int, seed: int, out: Path 
 def print_row(row: dict[str, object]) -> None:
     sp, fo, tv, mk = (row[k] for k in ("speedup", "frac_oracle", "tail_vs_baseline", "makespan_s"))
     assert isinstance(sp, dict) and isinstance(fo, dict) and isinstance(tv, dict) and isinstance(mk, dict)
-    print(f"\n== {row['workload']}: {row['requests']} requests, {row['instances']} instances, "
-          f"mean {row['mean_len']} tokens, baseline preemptions {row['baseline_preemptions']}")
+    print(
+        f"\n== {row['workload']}: {row['requests']} requests, {row['instances']} instances, "
+        f"mean {row['mean_len']} tokens, baseline preemptions {row['baseline_preemptions']}"
+    )
     print(f"{'policy':14s} {'makespan s':>10s} {'speedup':>8s} {'paper':>10s} {'of oracle':>9s} {'tail/base':>9s}")
     paper = {"baseline": "1.00", **{k: v for k, v in PAPER.items() if k in ("divided", "seer", "seer+sd")}}
     for k in mk:
@@ -104,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         row = run_workload(n, 0.125 if args.quick else 1.0, args.chunk_size, args.seed, out)
         print_row(row)
         rows.append(row)
+
     def mean(key: str, policy: str) -> float:
         vals = [float(r[key][policy]) for r in rows]  # type: ignore[index]
         return round(sum(vals) / len(vals), 3)
@@ -119,14 +126,20 @@ def main(argv: list[str] | None = None) -> int:
         "tail_history": mean("tail_vs_baseline", "seer_history"),
     }
     print("\n== summary (mean over workloads) vs paper / targets")
-    print(f"ablation speedup: divided {summary['speedup_divided']} (paper {PAPER['divided']}), "
-          f"+context {summary['speedup_context']} (paper {PAPER['seer']}), "
-          f"+grouped SD {summary['speedup_grouped_sd']} (paper {PAPER['seer+sd']})")
-    print(f"fraction of oracle: context-aware {summary['frac_oracle_context']} (paper 0.96, target >= "
-          f"{TARGETS['frac_oracle_context']}), history-aware {summary['frac_oracle_history']} "
-          f"(target >= {TARGETS['frac_oracle_history']})")
-    print(f"tail time vs baseline: context-aware {summary['tail_context']} (paper 0.11), +grouped SD "
-          f"{summary['tail_grouped_sd']}, history-aware {summary['tail_history']} (target <= {TARGETS['tail_max']})")
+    print(
+        f"ablation speedup: divided {summary['speedup_divided']} (paper {PAPER['divided']}), "
+        f"+context {summary['speedup_context']} (paper {PAPER['seer']}), "
+        f"+grouped SD {summary['speedup_grouped_sd']} (paper {PAPER['seer+sd']})"
+    )
+    print(
+        f"fraction of oracle: context-aware {summary['frac_oracle_context']} (paper 0.96, target >= "
+        f"{TARGETS['frac_oracle_context']}), history-aware {summary['frac_oracle_history']} "
+        f"(target >= {TARGETS['frac_oracle_history']})"
+    )
+    print(
+        f"tail time vs baseline: context-aware {summary['tail_context']} (paper 0.11), +grouped SD "
+        f"{summary['tail_grouped_sd']}, history-aware {summary['tail_history']} (target <= {TARGETS['tail_max']})"
+    )
     print(f"wall {time.perf_counter() - t0:.1f} s")
     print("RESULT " + json.dumps({"quick": args.quick, "chunk_size": args.chunk_size, **summary, "workloads": rows}))
     return 0

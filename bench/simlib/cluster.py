@@ -79,10 +79,12 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
     instances: dict[str, Instance] = {}
     for k in range(spec.instances):
         iid = f"i{k:02d}"
-        core.add_worker(WorkerSpec(iid, total_pages=model.kv_tokens // PAGE, page_size=PAGE,
-                                   max_batch_size=model.max_batch))
-        instances[iid] = Instance(iid, model, timeline, speculative=rc.speculative,
-                                  engine_admission=rc.policy == "baseline")
+        core.add_worker(
+            WorkerSpec(iid, total_pages=model.kv_tokens // PAGE, page_size=PAGE, max_batch_size=model.max_batch)
+        )
+        instances[iid] = Instance(
+            iid, model, timeline, speculative=rc.speculative, engine_admission=rc.policy == "baseline"
+        )
     if rc.policy == "seer_history":
         for p in range(spec.prompts):
             core.set_history(f"p{p}", [int(x) for x in w.prev_lengths[p]])
@@ -98,11 +100,18 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
     start_times = np.full(n_req, -1.0)
     for p in range(spec.prompts):
         for s in range(G):
-            core.add_request(RequestInfo(
-                request_id=str(p * G + s), group_id=f"g{p}", prompt_key=f"p{p}", sample_index=s,
-                group_size=G, prompt_len=int(w.prompt_len[p]), max_tokens=spec.max_tokens,
-                true_length=int(w.lengths[p, s]),
-            ))
+            core.add_request(
+                RequestInfo(
+                    request_id=str(p * G + s),
+                    group_id=f"g{p}",
+                    prompt_key=f"p{p}",
+                    sample_index=s,
+                    group_size=G,
+                    prompt_len=int(w.prompt_len[p]),
+                    max_tokens=spec.max_tokens,
+                    true_length=int(w.lengths[p, s]),
+                )
+            )
     events: list[tuple[float, int, str]] = []
 
     def schedule(inst: Instance) -> None:
@@ -131,8 +140,14 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
                     cached = int(prompt_len[r]) if d.worker_id in group_insts[p] else 0
                     prefill = ctx - cached
             group_insts[p].add(d.worker_id)
-            slot = Slot(d.request_id, new, new == rem, int(prompt_len[r]), int(generated[r]),
-                        accepted_per_step(int(finished_in_group[p])))
+            slot = Slot(
+                d.request_id,
+                new,
+                new == rem,
+                int(prompt_len[r]),
+                int(generated[r]),
+                accepted_per_step(int(finished_in_group[p])),
+            )
             inst.add(slot, now, prefill, fetch)
             touched.add(d.worker_id)
         for iid in touched:
@@ -149,8 +164,9 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
             r = int(done.rid)
             generated[r] = done.generated + done.new_tokens
             last_inst[r] = iid
-            core.on_chunk_done(done.rid, iid, done.new_tokens if rc.policy != "baseline" else int(generated[r]),
-                               done.finished)
+            core.on_chunk_done(
+                done.rid, iid, done.new_tokens if rc.policy != "baseline" else int(generated[r]), done.finished
+            )
             if done.finished:
                 finish_times[r] = now
                 finished_in_group[r // G] += 1

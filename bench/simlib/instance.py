@@ -35,8 +35,9 @@ class Slot:
 
 
 class Instance:
-    def __init__(self, iid: str, model: InstanceModel, timeline: Timeline, *, speculative: bool,
-                 engine_admission: bool) -> None:
+    def __init__(
+        self, iid: str, model: InstanceModel, timeline: Timeline, *, speculative: bool, engine_admission: bool
+    ) -> None:
         self.iid = iid
         self.m = model
         self.timeline = timeline

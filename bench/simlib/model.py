@@ -52,12 +52,15 @@ class InstanceModel:
 # left after weights / KV bytes per token; fetch = KV bytes per token over a Mooncake-class RDMA pool.
 INSTANCE_MODELS: dict[str, InstanceModel] = {
     # Moonlight-16B-A3B (MLA, ~31 KB KV/token), one H800 per instance (~28 GB left for KV).
-    "moonlight": InstanceModel(a=0.010, b=0.000015, c=9.0e-9, prefill_tps=80_000, fetch_tps=800_000,
-                               kv_tokens=900_000, max_batch=256),
+    "moonlight": InstanceModel(
+        a=0.010, b=0.000015, c=9.0e-9, prefill_tps=80_000, fetch_tps=800_000, kv_tokens=900_000, max_batch=256
+    ),
     # Qwen2-VL-72B (GQA, ~320 KB KV/token), TP8 over 8 H800.
-    "qwen2-vl-72b": InstanceModel(a=0.010, b=0.00005, c=1.2e-8, prefill_tps=25_000, fetch_tps=150_000,
-                                  kv_tokens=1_200_000, max_batch=256),
+    "qwen2-vl-72b": InstanceModel(
+        a=0.010, b=0.00005, c=1.2e-8, prefill_tps=25_000, fetch_tps=150_000, kv_tokens=1_200_000, max_batch=256
+    ),
     # Kimi-K2 (1T MoE, 32B active, MLA ~70 KB KV/token), 32 H800 per instance.
-    "kimi-k2": InstanceModel(a=0.025, b=0.00002, c=2.0e-9, prefill_tps=200_000, fetch_tps=1_400_000,
-                             kv_tokens=8_000_000, max_batch=512),
+    "kimi-k2": InstanceModel(
+        a=0.025, b=0.00002, c=2.0e-9, prefill_tps=200_000, fetch_tps=1_400_000, kv_tokens=8_000_000, max_batch=512
+    ),
 }

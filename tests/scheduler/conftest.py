@@ -24,20 +24,45 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def make_core(policy: str, clock: Callable[[], float], workers: int = 2, pages: int = 10_000,
-              page_size: int = 16, batch: int = 64, **cfg: object) -> SchedulerCore:
+def make_core(
+    policy: str,
+    clock: Callable[[], float],
+    workers: int = 2,
+    pages: int = 10_000,
+    page_size: int = 16,
+    batch: int = 64,
+    **cfg: object,
+) -> SchedulerCore:
     core = SchedulerCore(SchedulerPolicyConfig(policy=policy, **cfg), clock=clock)  # type: ignore[arg-type]
     for k in range(workers):
         core.add_worker(WorkerSpec(f"w{k}", total_pages=pages, page_size=page_size, max_batch_size=batch))
     return core
 
 
-def add_group(core: SchedulerCore, gid: str, size: int, *, prompt_len: int = 32, max_tokens: int = 1000,
-              lengths: list[int] | None = None, key: str | None = None) -> list[str]:
+def add_group(
+    core: SchedulerCore,
+    gid: str,
+    size: int,
+    *,
+    prompt_len: int = 32,
+    max_tokens: int = 1000,
+    lengths: list[int] | None = None,
+    key: str | None = None,
+) -> list[str]:
     ids = []
     for i in range(size):
         rid = f"{gid}-{i}"
-        core.add_request(RequestInfo(rid, gid, key or f"key-{gid}", i, size, prompt_len, max_tokens,
-                                     true_length=None if lengths is None else lengths[i]))
+        core.add_request(
+            RequestInfo(
+                rid,
+                gid,
+                key or f"key-{gid}",
+                i,
+                size,
+                prompt_len,
+                max_tokens,
+                true_length=None if lengths is None else lengths[i],
+            )
+        )
         ids.append(rid)
     return ids

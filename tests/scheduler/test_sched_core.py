@@ -173,8 +173,9 @@ def test_batch_slots_bound_in_flight(clock: FakeClock) -> None:
 
 @pytest.mark.parametrize("threshold", [2, 10])
 def test_cache_aware_placement_and_kv_pull(clock: FakeClock, threshold: int) -> None:
-    core = make_core("seer", clock, workers=1, batch=100, chunk_size=600, load_imbalance_threshold=threshold,
-                     prefix_gap_margin=512)
+    core = make_core(
+        "seer", clock, workers=1, batch=100, chunk_size=600, load_imbalance_threshold=threshold, prefix_gap_margin=512
+    )
     add_group(core, "g", 1, max_tokens=5000)
     d = core.next_dispatches()[0]
     core.on_chunk_done(d.request_id, "w0", 600, finished=False)
@@ -298,10 +299,12 @@ def test_impossible_telemetry_quarantines_with_a_log_line(clock: FakeClock, capl
     assert "exceeds total_pages" in core.stats()["workers"]["w1"]["quarantine_reason"]
     add_group(core, "g", 4)
     assert {d.worker_id for d in core.next_dispatches()} == {"w0"}
-    for bad in ({"free_pages": -1, "running": 0, "waiting": 0},
-                {"free_pages": 5, "running": 0, "waiting": 0, "tokens_per_second": float("nan")},
-                {"free_pages": 5, "running": 10**6, "waiting": 0},
-                {"free_pages": 9000, "running": 0, "waiting": 0, "used_pages": 5000}):
+    for bad in (
+        {"free_pages": -1, "running": 0, "waiting": 0},
+        {"free_pages": 5, "running": 0, "waiting": 0, "tokens_per_second": float("nan")},
+        {"free_pages": 5, "running": 10**6, "waiting": 0},
+        {"free_pages": 9000, "running": 0, "waiting": 0, "used_pages": 5000},
+    ):
         core.update_worker("w0", **bad)  # type: ignore[arg-type]
         assert core.is_quarantined("w0"), bad
         core.remove_worker("w0")

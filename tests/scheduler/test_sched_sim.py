@@ -97,8 +97,9 @@ def test_every_policy_generates_every_token(small_runs: Runs) -> None:
 
 def test_policy_ordering_on_a_long_tail_workload(small_runs: Runs) -> None:
     r = small_runs.r
-    base, div, seer, hist, orc, sd = (r[k] for k in ("baseline", "divided", "seer", "seer_history", "oracle",
-                                                     "seer+sd"))
+    base, div, seer, hist, orc, sd = (
+        r[k] for k in ("baseline", "divided", "seer", "seer_history", "oracle", "seer+sd")
+    )
     assert base.preemptions > 0 and div.preemptions == 0
     assert div.makespan < base.makespan
     assert seer.tail_time < div.tail_time < base.tail_time
@@ -112,7 +113,7 @@ def test_bench_sim_main_writes_plots_and_result(tmp_path: Path, capsys: pytest.C
     assert sim.main(["--quick", "--workloads", "qwen2-vl-72b", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("RESULT ")
-    res = json.loads(out[-1][len("RESULT "):])
+    res = json.loads(out[-1][len("RESULT ") :])
     assert res["workloads"][0]["requests"] == 75 * 16
     png = tmp_path / "quick" / "sim_qwen2-vl-72b.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"

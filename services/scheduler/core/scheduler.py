@@ -170,17 +170,18 @@ class SchedulerCore:
             if wid == worker_id:
                 del self._group_worker[gid]
         if lost:
-            log.warning("worker removed with chunks in flight; re-queued",
-                        extra=kv(worker_id=worker_id, requeued=len(lost)))
+            log.warning(
+                "worker removed with chunks in flight; re-queued", extra=kv(worker_id=worker_id, requeued=len(lost))
+            )
         return lost
 
-    def update_worker(self, worker_id: str, *, free_pages: int, running: int, waiting: int,
-                      **extra: float) -> None:
+    def update_worker(self, worker_id: str, *, free_pages: int, running: int, waiting: int, **extra: float) -> None:
         w = self._workers.get(worker_id)
         if w is None:
             raise NotFound(f"unknown worker {worker_id}", field="worker_id")
-        apply_telemetry(w, free_pages, running, waiting, extra,
-                        self.cfg.use_worker_free_pages, self.cfg.quarantine_clear_reports)
+        apply_telemetry(
+            w, free_pages, running, waiting, extra, self.cfg.use_worker_free_pages, self.cfg.quarantine_clear_reports
+        )
 
     def is_quarantined(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
@@ -222,8 +223,11 @@ class SchedulerCore:
         # Largest context + chunk any worker with a free batch slot could take (tokens): a cheap
         # pre-check so that candidates that fit nowhere skip the O(workers) placement.
         room = max(
-            (w.free_pages() * w.spec.page_size for w in self._workers.values()
-             if not w.quarantined and w.load < w.spec.max_batch_size),
+            (
+                w.free_pages() * w.spec.page_size
+                for w in self._workers.values()
+                if not w.quarantined and w.load < w.spec.max_batch_size
+            ),
             default=0,
         )
         chosen: Dispatch | None = None
@@ -237,8 +241,9 @@ class SchedulerCore:
                     continue  # stale (re-keyed, dispatched or cancelled)
                 tries += 1
                 req = self._requests[rid]
-                need = req.info.prompt_len + req.generated + min(self.cfg.chunk_size,
-                                                                 req.info.max_tokens - req.generated)
+                need = (
+                    req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
+                )
                 chosen = self._try_place(req) if need <= room else None
                 if chosen is None:
                     skipped.append((q, entry))
@@ -266,8 +271,9 @@ class SchedulerCore:
                 wid = ids[self._rr % len(ids)]
                 self._rr += 1
                 self._group_worker[gid] = wid
-            out.append(self._dispatch(req, self._workers[wid], req.info.max_tokens - req.generated,
-                                      fetch_kv=False, pages=0))
+            out.append(
+                self._dispatch(req, self._workers[wid], req.info.max_tokens - req.generated, fetch_kv=False, pages=0)
+            )
         return out
 
     def _try_place(self, req: _Request) -> Dispatch | None:
@@ -302,8 +308,9 @@ class SchedulerCore:
             chosen = preferred
         here = self._cached_prefix(req, g, chosen.worker_id)
         fetch_kv = best_prefix - here > self.cfg.prefix_gap_margin
-        return self._dispatch(req, chosen, max_new, fetch_kv=fetch_kv,
-                              pages=pages_for(ctx + max_new, chosen.spec.page_size))
+        return self._dispatch(
+            req, chosen, max_new, fetch_kv=fetch_kv, pages=pages_for(ctx + max_new, chosen.spec.page_size)
+        )
 
     def _cached_prefix(self, req: _Request, g: GroupState, worker_id: str) -> int:
         if req.last_worker == worker_id:

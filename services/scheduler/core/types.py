@@ -31,9 +31,7 @@ class RequestInfo:
         if self.group_size < 1:
             raise InvalidArgument(f"must be >= 1, got {self.group_size}", field="group_size")
         if not 0 <= self.sample_index < self.group_size:
-            raise InvalidArgument(
-                f"must be in [0, {self.group_size}), got {self.sample_index}", field="sample_index"
-            )
+            raise InvalidArgument(f"must be in [0, {self.group_size}), got {self.sample_index}", field="sample_index")
         if self.prompt_len < 1:
             raise InvalidArgument(f"must be >= 1, got {self.prompt_len}", field="prompt_len")
         if self.max_tokens < 1:
@@ -41,9 +39,7 @@ class RequestInfo:
         if not 0 <= self.generated <= self.max_tokens:
             raise InvalidArgument(f"must be in [0, max_tokens], got {self.generated}", field="generated")
         if self.true_length is not None and not 0 <= self.true_length <= self.max_tokens:
-            raise InvalidArgument(
-                f"must be in [0, max_tokens], got {self.true_length}", field="true_length"
-            )
+            raise InvalidArgument(f"must be in [0, max_tokens], got {self.true_length}", field="true_length")
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,7 @@ class WorkerState:
 
     def can_admit(self, pages: int) -> bool:
         """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk."""
-        return (
-            not self.quarantined
-            and len(self.in_flight) < self.spec.max_batch_size
-            and self.free_pages() >= pages
-        )
+        return not self.quarantined and len(self.in_flight) < self.spec.max_batch_size and self.free_pages() >= pages
 
     def reserve(self, request_id: str, pages: int) -> None:
         self.in_flight[request_id] = pages
@@ -57,8 +53,7 @@ class WorkerState:
         self.reserved_pages -= self.in_flight.pop(request_id, 0)
 
 
-def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: int,
-                      extra: dict[str, float]) -> str:
+def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: int, extra: dict[str, float]) -> str:
     """Why a telemetry report cannot be true ("" when it is plausible)."""
     values: dict[str, float] = {"free_pages": free_pages, "running": running, "waiting": waiting, **extra}
     for name, value in values.items():
@@ -78,13 +73,19 @@ def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: 
     return ""
 
 
-def apply_telemetry(w: WorkerState, free_pages: int, running: int, waiting: int,
-                    extra: dict[str, float], use_free_pages: bool, clear_after: int) -> None:
+def apply_telemetry(
+    w: WorkerState,
+    free_pages: int,
+    running: int,
+    waiting: int,
+    extra: dict[str, float],
+    use_free_pages: bool,
+    clear_after: int,
+) -> None:
     problem = telemetry_problem(w.spec, free_pages, running, waiting, extra)
     if problem:
         if not w.quarantined:
-            log.warning("worker quarantined: impossible telemetry",
-                        extra=kv(worker_id=w.worker_id, reason=problem))
+            log.warning("worker quarantined: impossible telemetry", extra=kv(worker_id=w.worker_id, reason=problem))
         w.quarantined = True
         w.quarantine_reason = problem
         w.sane_reports = 0
