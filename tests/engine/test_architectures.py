@@ -4,6 +4,7 @@ Mistral and Llama models saved by transformers into a temp dir (no hub access)."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,13 +12,16 @@ import torch
 from services.worker.engine import GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+# A large init scale makes attention sharp, so a wrong rotary base or bias changes the argmax.
+TINY: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=0.3)
 
 
-def save_tiny(kind: str, path: Path) -> torch.nn.Module:
+def save_tiny(kind: str, path: Path) -> Any:
     import transformers
 
+    model: Any
     torch.manual_seed(0)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**TINY)
@@ -29,7 +33,8 @@ def save_tiny(kind: str, path: Path) -> torch.nn.Module:
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, rope_theta=5000.0))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **TINY, rope_parameters={"rope_type": "default", "rope_theta": 500.0}))
     model.eval()
     model.save_pretrained(str(path))
     return model

@@ -15,7 +15,7 @@ from services.worker.engines.reference import ReferenceEngine
 from services.worker.engines.reference.model_runner import DraftTree
 from services.worker.engines.reference.verifier import Verifier
 
-N = 320  # samples per arm
+N = 256  # samples per arm
 K = 3  # tokens compared (the draft covers the first K - 1, the last is the bonus token)
 PASS_P = 1e-3  # a lossless verifier fails with probability 0.1%
 CONTROL_P = 1e-6

@@ -38,7 +38,9 @@ class ModelConfig:
         model_type = str(d.get("model_type", "llama"))
         if model_type not in SUPPORTED_TYPES:
             raise ValueError(f"model_type: {model_type!r} is not a supported Llama-family type {SUPPORTED_TYPES}")
-        scaling = d.get("rope_scaling") or {}
+        # transformers 5 writes rope settings under rope_parameters; older configs at the top level.
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or rope
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             raise ValueError(f"rope_scaling: {d['rope_scaling']!r} is not supported by the reference engine")
         hidden = int(d["hidden_size"])
@@ -56,7 +58,7 @@ class ModelConfig:
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),

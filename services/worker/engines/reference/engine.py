@@ -255,6 +255,9 @@ class ReferenceEngine(Engine):
             if s.sampling.greedy:
                 tree = trees[i]
                 rows_argmax = argmax[g_off : g_off + n]
+                toks: list[int]
+                path: list[int]
+                rows: list[int]
                 if tree is None:
                     toks, path, rows = [rows_argmax[0]], [], [0]
                 else:

@@ -129,11 +129,10 @@ class LlamaModel:
         for li, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # [T, (H + 2 KV) D]
-            q = qkv[:, : H * D].view(T, H, D)
-            k = qkv[:, H * D : (H + KV) * D].view(T, KV, D)
+            qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+            qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k heads at once
+            q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, KV, D]
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]  # [slots, KV, D]
             k_cache.index_copy_(0, fb.write_slots, k)
             v_cache.index_copy_(0, fb.write_slots, v)
