@@ -23,9 +23,14 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    # Keepalive no more often than a default gRPC server tolerates (5 min): more frequent pings get
+    # the connection closed with GOAWAY "too_many_pings", failing in-flight streams.
+    ("grpc.keepalive_time_ms", 300_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    # Services restart (kill -9 tests, rolling updates); reconnect within a second, not minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -86,7 +91,13 @@ def channel(address: str) -> grpc.Channel:
 
     ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     interceptors = client_interceptors()
-    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
+    if not interceptors:
+        return ch
+    # OpenTelemetry's client interceptor implements its own grpcext interface, which
+    # grpc.intercept_channel rejects; its own intercept_channel wraps it.
+    from opentelemetry.instrumentation.grpc import grpcext
+
+    return grpcext.intercept_channel(ch, *interceptors)  # type: ignore[no-any-return]
 
 
 def wait_ready(ch: grpc.Channel, timeout: float) -> None:

@@ -14,8 +14,7 @@ import grpc
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from services.common import errors
-from services.common.grpcutil import CHANNEL_OPTIONS
-from services.common.telemetry import client_interceptors
+from services.common.grpcutil import channel as common_channel
 
 _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -31,26 +30,10 @@ _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
 }
 
 
-# gRPC's default reconnect backoff grows to minutes; after a buffer or worker restart the
-# scheduler must be back within about a second (the restarted peer is on the same address).
-RECONNECT_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
 def channel(address: str) -> grpc.Channel:
-    """Like services.common.grpcutil.channel (limits + tracing), with a short reconnect backoff."""
-    ch = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
-    interceptors = client_interceptors()
-    if not interceptors:
-        return ch
-    # OpenTelemetry's client interceptor implements its own interception API (grpcext), which
-    # grpc.intercept_channel rejects.
-    from opentelemetry.instrumentation.grpc import grpcext
-
-    return grpcext.intercept_channel(ch, *interceptors)  # type: ignore[no-any-return]
+    """services.common.grpcutil.channel: limits, tracing and a short reconnect backoff (a restarted
+    buffer or scheduler must be reachable again within about a second)."""
+    return common_channel(address)
 
 
 def translate(err: grpc.RpcError) -> errors.SeerError:

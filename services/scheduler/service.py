@@ -670,15 +670,17 @@ class Dispatcher:
             try:
                 resp = self._buffer.commit(commit, timeout=10.0)
                 break
-            except (Unavailable, Aborted) as e:
+            except Unavailable as e:
                 if self._stopping.is_set() or r.dropped or time.monotonic() > deadline:
                     log.warning("commit abandoned", extra=kv(error=str(e)))
                     self._finish_chunk(r, w, token, failed=True)
                     return
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-            except (FailedPrecondition, NotFound) as e:
-                # Our view of the request diverged from the buffer's: re-read the feed.
+            except (FailedPrecondition, NotFound, Aborted) as e:
+                # Our view of the request diverged from the buffer's (a gap, an unknown request, or
+                # this seq already committed with other tokens): retrying cannot succeed, re-read
+                # the feed.
                 log.warning("commit refused; resyncing with the buffer", extra=kv(error=str(e)))
                 self._hold_for_resync(r, w, token, commit, max_new)
                 return

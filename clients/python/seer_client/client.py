@@ -158,7 +158,10 @@ class SeerClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
             finally:
-                stream.cancel()
+                # A traced channel returns a plain generator, which has no cancel().
+                cancel = getattr(stream, "cancel", None)
+                if cancel is not None:
+                    cancel()
 
     def collect(self, batch_id: str, cursor: int = 0) -> list[RolloutResult]:
         return list(self.iter_results(batch_id, cursor))
