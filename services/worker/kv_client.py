@@ -64,6 +64,7 @@ class KVClientStats:
     stored_pages: int = 0  # pages the replicas did not have yet
     claimed_pages: int = 0  # pages already stored: only ownership sent, not the bytes
     put_failures: int = 0  # pages whose offload failed (replica down/slow, stale version)
+    offloads_dropped: int = 0  # offload_async calls dropped: max_pending_offloads were in flight
     fetch_calls: int = 0
     fetch_hits: int = 0  # fetch_prefix calls that returned at least one page
     fetched_pages: int = 0
@@ -111,10 +112,15 @@ class KVClient:
         addresses: Sequence[str],
         *,
         vnodes: int = 64,
-        rpc_timeout_s: float = 30.0,
+        rpc_timeout_s: float = 10.0,
         exists_timeout_s: float = 2.0,
+        max_pending_offloads: int = 8,
     ) -> None:
+        if max_pending_offloads < 1:
+            raise InvalidArgument(f"must be >= 1, got {max_pending_offloads}", field="max_pending_offloads")
         self.ring = HashRing(list(addresses), vnodes)
+        self.max_pending_offloads = max_pending_offloads
+        self._pending = 0  # offloads queued or running
         self.rpc_timeout_s = rpc_timeout_s
         self.exists_timeout_s = exists_timeout_s
         self._channels = {a: _channel(a) for a in self.ring.nodes}
@@ -234,8 +240,26 @@ class KVClient:
 
     def offload_async(self, pages: KVPages, request_id: str) -> Future[int]:
         """put_pages on the background offload thread; returns at once (the future never raises
-        for a replica that is down, only for a rejected layout)."""
-        return self._offload.submit(self.put_pages, pages, request_id)
+        for a replica that is down, only for a rejected layout). When max_pending_offloads are
+        already queued the offload is dropped (future result 0, counted in offloads_dropped)."""
+        with self._lock:
+            if self._pending >= self.max_pending_offloads:
+                # The store cannot keep up: holding more page copies would grow the worker's memory
+                # without bound. Dropping one is only a later miss (recompute), so drop and count it.
+                self._stats.offloads_dropped += 1
+                done: Future[int] = Future()
+                done.set_result(0)
+                return done
+            self._pending += 1
+
+        def run() -> int:
+            try:
+                return self.put_pages(pages, request_id)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+        return self._offload.submit(run)
 
     # ------------------------------------------------------------------ fetch
     def prefix_pages(self, hashes: Sequence[bytes], model_version: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -199,3 +200,21 @@ def test_unverified_put_of_bad_bytes_is_caught_by_the_reader(replicas: Make) -> 
         got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
         assert got is not None and got.pages == pages.pages[:5]
         assert kv.stats().checksum_failures == 1
+
+
+def test_offload_queue_is_bounded(replicas: Make) -> None:
+    r = replicas("a")
+    with KVClient([r.address], max_pending_offloads=1) as kv:
+        gate = threading.Event()
+        blocker = kv._offload.submit(gate.wait)  # the offload thread is busy
+        first = kv.offload_async(make_pages(TOKENS), "r1")  # queued behind it
+        dropped = kv.offload_async(make_pages(TOKENS), "r2")  # over the bound: dropped at once
+        assert dropped.done() and dropped.result() == 0
+        assert kv.stats().offloads_dropped == 1
+        gate.set()
+        blocker.result(timeout=10)
+        assert first.result(timeout=30) == 24
+        assert kv.offload_async(make_pages(TOKENS), "r3").result(timeout=30) == 0  # dedup: claimed only
+        assert kv.stats().claimed_pages == 24
+    with pytest.raises(InvalidArgument, match="max_pending_offloads"):
+        KVClient([r.address], max_pending_offloads=0)
