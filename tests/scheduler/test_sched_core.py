@@ -380,3 +380,13 @@ def test_one_decision_under_a_millisecond_with_10k_pending() -> None:
         core.on_chunk_done(d.request_id, d.worker_id, rng.randint(1, 512), finished=i % 3 == 0)
     assert core.pending_count() > 9000
     assert sum(cpu) / len(cpu) < 1e-3
+
+
+def test_small_workers_cap_the_imbalance_threshold(clock: FakeClock) -> None:
+    """With 16-slot workers the paper's threshold of 32 would put a whole group (its prompt cached
+    where its probe ran) on one worker; the cap (16 // 8 = 2) keeps the two within 3 requests."""
+    core = make_core("seer", clock, workers=2, batch=16, load_imbalance_threshold=32)
+    add_group(core, "g", 12)
+    ds = core.next_dispatches()
+    loads = [sum(d.worker_id == w for d in ds) for w in ("w0", "w1")]
+    assert sum(loads) == 12 and abs(loads[0] - loads[1]) <= 3

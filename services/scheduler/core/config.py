@@ -18,7 +18,8 @@ class SchedulerPolicyConfig:
     policy: str = "seer"
     # Max new tokens per dispatched chunk (divided rollout, DESIGN.md section 4).
     chunk_size: int = 512
-    # Cache-aware placement (Seer OSDI): go load-first when in-flight counts differ by more than this.
+    # Cache-aware placement (Seer OSDI): go load-first when in-flight counts differ by more than this
+    # (capped at max_batch_size // 8 of the cached worker, for small workers).
     load_imbalance_threshold: int = 32
     # ... and pull the KV from the pool when the move leaves a prefix gap over this many tokens.
     prefix_gap_margin: int = 512

@@ -303,7 +303,7 @@ class SchedulerCore:
         if (
             self.cfg.policy != "divided"
             and preferred is not None
-            and preferred.load - least.load <= self.cfg.load_imbalance_threshold
+            and preferred.load - least.load <= self._imbalance_threshold(preferred)
         ):
             chosen = preferred
         here = self._cached_prefix(req, g, chosen.worker_id)
@@ -311,6 +311,12 @@ class SchedulerCore:
         return self._dispatch(
             req, chosen, max_new, fetch_kv=fetch_kv, pages=pages_for(ctx + max_new, chosen.spec.page_size)
         )
+
+    def _imbalance_threshold(self, w: WorkerState) -> int:
+        """The paper's 32 in-flight requests is for batches of hundreds; small workers (a CPU
+        engine with 32 slots) would never reach it and pile a group onto one worker, so the
+        threshold is capped at an eighth of the worker's batch slots."""
+        return min(self.cfg.load_imbalance_threshold, max(1, w.spec.max_batch_size // 8))
 
     def _cached_prefix(self, req: _Request, g: GroupState, worker_id: str) -> int:
         if req.last_worker == worker_id:
