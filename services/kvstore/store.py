@@ -171,7 +171,9 @@ class KvStore:
         self._enforce_ssd_capacity()
 
     # ---------------------------------------------------------------- namespaces
-    def _namespace_for_put(self, name: str, layout: PageLayout) -> _Namespace:
+    def _check_put_target(self, name: str, layout: PageLayout) -> _Namespace | None:
+        """The namespace a Put goes to (None: a new one), after checking the stated layout against
+        it. Creates nothing, so a rejected Put leaves no trace."""
         if not name:
             raise InvalidArgument("must not be empty", field="namespace")
         if name in self._tombstones:
@@ -179,8 +181,11 @@ class KvStore:
         ns = self._namespaces.get(name)
         if ns is not None:
             ns.layout.check_same(layout)
-            return ns
-        layout.validate()
+        else:
+            layout.validate()
+        return ns
+
+    def _create_namespace(self, name: str, layout: PageLayout) -> _Namespace:
         ns = _Namespace(name, layout, next(self._seq))
         self._ssd.ensure_namespace(name)
         self._ssd.put_registry(name, json.dumps({"layout": layout.to_json(), "seq": ns.seq}).encode())
@@ -236,14 +241,14 @@ class KvStore:
         # SSD tier, the client) checks it before use.
         crc = zlib.crc32(data) if self.verify_put_checksums else checksum
         with self._lock:
-            ns = self._namespace_for_put(namespace, layout)
-            if len(data) != ns.layout.page_bytes:
+            found = self._check_put_target(namespace, layout)
+            if len(data) != layout.page_bytes:
                 raise InvalidArgument(
-                    f"{len(data)} bytes, but a page of layout {ns.layout} is {ns.layout.page_bytes} bytes",
-                    field="data",
+                    f"{len(data)} bytes, but a page of layout {layout} is {layout.page_bytes} bytes", field="data"
                 )
             if crc != checksum:
                 raise InvalidArgument(f"crc32 of data is {crc}, message says {checksum}", field="checksum")
+            ns = found if found is not None else self._create_namespace(namespace, layout)
             key: Key = (namespace, page_hash)
             entry = ns.entries.get(page_hash)
             if entry is not None:

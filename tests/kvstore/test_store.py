@@ -61,8 +61,11 @@ def test_bad_input_names_the_field(open_store: Open) -> None:
         store.put("new@v1", PageLayout("float13", 4, 2, 1, 8), h, data, crc(data), "r")
     with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
         list(store.get("m@v1", [h], PageLayout("float32", 8, 2, 1, 8)))
-    # Nothing bad was stored; the good page is still served.
-    assert store.stats().pages == 1
+    # Nothing bad was stored (not even the namespace of a rejected first Put); the good page is served.
+    with pytest.raises(InvalidArgument, match=r"^data:"):
+        store.put("fresh@v1", LAYOUT, h, data[:-1], crc(data[:-1]), "r")
+    assert store.stats().pages == 1 and store.stats().namespaces == 1
+    assert store.namespace_layout("fresh@v1") is None
 
 
 def test_dram_evicts_to_ssd_and_ssd_evicts_lru(open_store: Open) -> None:
