@@ -27,10 +27,16 @@ def _run_arm(model_dir: Path, tmp: Path, speculation: bool, seed: int) -> dict[s
     from seer_client import PromptGroup, Sampling, SeerClient
 
     from services.cli.up import Suite
+    from services.worker.adaptive import StepTimeTable
 
+    # A step-time table where drafts cost nothing, so the adaptive planner always drafts gamma_max:
+    # the test must exercise the verifier on every step it can, not only when speculation pays.
+    tmp.mkdir(parents=True, exist_ok=True)
+    table = tmp / "free_drafts.json"
+    StepTimeTable((1, 256), (0, 8), ((0.1, 0.1), (0.1, 0.1)), source="test").save(table)
     out: dict[str, list[list[int]]] = {}
     with Suite(workers=1, data_dir=tmp, base_port=0, speculation=speculation, model_dir=model_dir,
-               metrics=False) as suite:
+               metrics=False, extra_args={"worker-0": ["--spec-table", str(table)]}) as suite:
         client = SeerClient(suite.address)
         try:
             drafted = 0
