@@ -357,6 +357,47 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
         running.stop(0)
 
 
+def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
+                     table: Any, seed: int) -> dict[str, float]:
+    """The batch through the whole suite (`seer up` as subprocesses, one worker) and the public API:
+    submit -> all results; tokens per wall second from submit to the last result."""
+    import tempfile
+
+    from seer_client import PromptGroup, Sampling, SeerClient
+
+    from services.cli.up import Suite
+
+    with tempfile.TemporaryDirectory(prefix="bench-spec-suite-") as tmp:
+        table_path = Path(tmp) / "step_time.json"
+        table.save(table_path)
+        args = {"worker-0": ["--spec-table", str(table_path)]}
+        with Suite(workers=1, data_dir=Path(tmp) / "suite", base_port=0, speculation=speculate,
+                   model_dir=model_dir, metrics=False, extra_args=args) as suite:
+            client = SeerClient(suite.address)
+            try:
+                # Iteration 1 of the same prompt keys first (untimed): it becomes the draft
+                # server's history for the timed iteration, as in a real RL run.
+                groups = [PromptGroup(list(p), group, max_tokens, prompt_key=f"bench-{i}",
+                                      sampling=Sampling(temperature=data["temperature"], top_p=data["top_p"],
+                                                        seed=seed + i))
+                          for i, p in enumerate(data["prompts"])]
+                client.run_batch(f"bench-warm-{int(speculate)}", groups)
+                t0 = time.perf_counter()
+                results = client.run_batch(f"bench-timed-{int(speculate)}",
+                                           [PromptGroup(g.prompt, g.group_size, g.max_tokens, g.prompt_key,
+                                                        Sampling(temperature=g.sampling.temperature,
+                                                                 top_p=g.sampling.top_p, seed=seed + 100 + i))
+                                            for i, g in enumerate(groups)])
+                wall = time.perf_counter() - t0
+            finally:
+                client.close()
+    tokens = sum(len(r.token_ids) for r in results)
+    accepted = sum(int(r.stats.get("accepted_tokens", 0)) for r in results)
+    drafted = sum(int(r.stats.get("draft_tokens", 0)) for r in results)
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "accepted": accepted,
+            "draft_tokens": drafted}
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 
@@ -367,6 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=0)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--suite", action="store_true",
+                    help="also measure throughput through the whole suite (seer up + public API); slow")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     n_prompts = args.prompts or (2 if args.quick else 4)
@@ -421,6 +464,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             out(f"throughput T={temp} G={g}: no spec {base['tokens_per_s']:.1f} tok/s ({base['steps']} steps), "
                 f"spec {spec['tokens_per_s']:.1f} tok/s ({spec['steps']} steps, {spec['accepted']}/"
                 f"{spec['draft_tokens']} accepted) -> {ratio:.2f}x wall, {cpu_ratio:.2f}x per CPU second")
+    if args.suite and not args.skip_throughput:
+        for temp in (0.7, 1.0):
+            data = datasets[temp]
+            mt = min(max_tokens, 48 if args.quick else max_tokens)
+            base = suite_throughput(model_dir, data, 8, mt, False, table, seed=7000)
+            spec = suite_throughput(model_dir, data, 8, mt, True, table, seed=7000)
+            ratio = spec["tokens_per_s"] / base["tokens_per_s"]
+            result[f"suite_throughput_t{temp}"] = {"no_spec_tok_s": round(base["tokens_per_s"], 2),
+                                                   "spec_tok_s": round(spec["tokens_per_s"], 2),
+                                                   "ratio": round(ratio, 3), "accepted": spec["accepted"],
+                                                   "draft_tokens": spec["draft_tokens"]}
+            out(f"suite throughput T={temp} G=8: no spec {base['tokens_per_s']:.1f} tok/s, spec "
+                f"{spec['tokens_per_s']:.1f} tok/s ({spec['accepted']}/{spec['draft_tokens']} accepted) "
+                f"-> {ratio:.2f}x")
     out("RESULT " + json.dumps(result))
     return 0
 
