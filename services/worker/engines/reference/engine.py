@@ -1,7 +1,7 @@
 """ReferenceEngine: the Engine facade over block manager, scheduler, model runner and verifier.
 
-Between steps the engine holds no half-done work: a step schedules (admits waiting requests or
-decodes the running ones), runs one forward pass over the batch with every request's draft tree,
+Between steps the engine holds no half-done work: a step schedules (admits waiting requests, whose
+prefill joins the decode of the running ones), runs one forward pass with every request's draft tree,
 verifies, appends the emitted tokens, registers newly full pages in the prefix cache and frees the
 pages of finished requests (they stay cached for the next chunk or a sibling). Bad input raises
 ValueError naming the field before any state changes, so other requests keep running.
@@ -204,13 +204,12 @@ class ReferenceEngine(Engine):
                     except ValueError as e:
                         raise ValueError(f"drafts[{rid!r}].{e}") from None
         t0 = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, admitted = self.scheduler.schedule()
         if not seqs:
             return []
         trees = self._trees(seqs, drafts)
-        if is_prefill:
-            self._prefill_tokens += sum(len(s) - s.num_computed for s in seqs)
-            self._cached_tokens += sum(s.num_cached_at_admit for s in seqs)
+        self._prefill_tokens += sum(len(s) - s.num_computed for s in admitted)
+        self._cached_tokens += sum(s.num_cached_at_admit for s in admitted)
         logits, root_rows = self.runner.run(seqs, trees)  # [N, V]
         results = self._verify(seqs, trees, logits, root_rows)
         outputs: list[StepOutput] = []

@@ -32,19 +32,28 @@ class LayerWeights:
 
 
 @dataclass
+class AttnGroup:
+    """Requests whose attention is computed together (padded to a common [Qm, Km]). A step splits
+    short queries (decode, drafts) from long ones (prefill) so decodes do not pad to prefill size."""
+
+    token_index: torch.Tensor | None  # [Tg] long: the step's tokens of this group; None = all, in order
+    gather_slots: torch.Tensor  # [B * Km] long: cache slots of each request's keys (padding -> 0)
+    pad_index: torch.Tensor | None  # [Tg] long: token -> row in the padded [B * Qm]; None if Tg == B*Qm
+    attn_mask: torch.Tensor | None  # [B, 1, R * Qm, Km] bool (True = attend); None = attend to all
+    batch: int
+    q_max: int
+    k_max: int
+
+
+@dataclass
 class ForwardBatch:
     """Index tensors of one step (built once, used by every layer)."""
 
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     write_slots: torch.Tensor  # [T] long: cache slot (page * page_size + offset) of each token's KV
-    gather_slots: torch.Tensor  # [B * Km] long: cache slots of each request's keys (padding -> 0)
-    pad_index: torch.Tensor | None  # [T] long: token -> row in the padded [B * Qm]; None if T == B*Qm
-    attn_mask: torch.Tensor | None  # [B, 1, R * Qm, Km] bool (True = attend); None = attend to all
     logits_index: torch.Tensor  # [N] long: tokens whose logits are needed
-    batch: int
-    q_max: int
-    k_max: int
+    groups: list[AttnGroup]
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,8 +128,6 @@ class LlamaModel:
         kv_cache [layers, 2, slots, KV, D]."""
         cfg = self.cfg
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        R = H // KV
-        B, Qm, Km = fb.batch, fb.q_max, fb.k_max
         T = fb.input_ids.shape[0]
         eps = cfg.rms_norm_eps
         cos = self.cos[fb.positions].unsqueeze(1)  # [T, 1, D]
@@ -136,21 +143,15 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]  # [slots, KV, D]
             k_cache.index_copy_(0, fb.write_slots, k)
             v_cache.index_copy_(0, fb.write_slots, v)
-            # Keys of every request, gathered from its pages: [B, KV, Km, D].
-            kk = k_cache.index_select(0, fb.gather_slots).view(B, Km, KV, D).transpose(1, 2)
-            vv = v_cache.index_select(0, fb.gather_slots).view(B, Km, KV, D).transpose(1, 2)
-            if fb.pad_index is None:
-                qp = q.view(B, Qm, KV, R, D)
+            # All of the step's KV is written before any attention reads it (siblings admitted in
+            # the same step read the prompt pages their first sibling writes here).
+            if len(fb.groups) == 1 and fb.groups[0].token_index is None:
+                o = self._attend(q, k_cache, v_cache, fb.groups[0])
             else:
-                qp = q.new_zeros(B * Qm, H, D)
-                qp[fb.pad_index] = q
-                qp = qp.view(B, Qm, KV, R, D)
-            # GQA without copying K/V: the R query heads of a kv head become extra query rows.
-            qp = qp.permute(0, 2, 3, 1, 4).reshape(B, KV, R * Qm, D)
-            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=fb.attn_mask)  # [B, KV, R Qm, D]
-            o = o.view(B, KV, R, Qm, D).permute(0, 3, 1, 2, 4).reshape(B * Qm, H * D)
-            if fb.pad_index is not None:
-                o = o[fb.pad_index]
+                o = q.new_empty(T, H * D)
+                for grp in fb.groups:
+                    assert grp.token_index is not None
+                    o[grp.token_index] = self._attend(q[grp.token_index], k_cache, v_cache, grp)
             x = x + F.linear(o, lw.o)
             h = rms_norm(x, lw.post_norm, eps)
             gu = F.linear(h, lw.gate_up)  # [T, 2 I]
@@ -158,3 +159,23 @@ class LlamaModel:
             x = x + F.linear(F.silu(g) * u, lw.down)
         x = rms_norm(x[fb.logits_index], self.norm, eps)
         return F.linear(x, self.lm_head).float()  # [N, vocab]
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+        """q [Tg, H, D] -> attention output [Tg, H * D] over each request's gathered keys."""
+        H, KV, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        R = H // KV
+        B, Qm, Km = g.batch, g.q_max, g.k_max
+        # Keys of every request, gathered from its pages: [B, KV, Km, D].
+        kk = k_cache.index_select(0, g.gather_slots).view(B, Km, KV, D).transpose(1, 2)
+        vv = v_cache.index_select(0, g.gather_slots).view(B, Km, KV, D).transpose(1, 2)
+        if g.pad_index is None:
+            qp = q.reshape(B, Qm, KV, R, D)
+        else:
+            qp = q.new_zeros(B * Qm, H, D)
+            qp[g.pad_index] = q
+            qp = qp.view(B, Qm, KV, R, D)
+        # GQA without copying K/V: the R query heads of a kv head become extra query rows.
+        qp = qp.permute(0, 2, 3, 1, 4).reshape(B, KV, R * Qm, D)
+        o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=g.attn_mask)  # [B, KV, R Qm, D]
+        o = o.view(B, KV, R, Qm, D).permute(0, 3, 1, 2, 4).reshape(B * Qm, H * D)
+        return o if g.pad_index is None else o[g.pad_index]

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.engines.reference.model import ForwardBatch, LlamaModel
+from services.worker.engines.reference.model import AttnGroup, ForwardBatch, LlamaModel
 from services.worker.engines.reference.sequence import Sequence
+
+SHORT_QUERY = 32  # queries per request up to which a request attends in the decode group
 
 
 @dataclass
@@ -78,15 +80,10 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], trees: list[DraftTree | None]) -> tuple[torch.Tensor, list[int]]:
         """(logits [N, vocab], row offset of each sequence's root in the logits)."""
-        model = self.model
-        R = model.cfg.num_heads // model.cfg.num_kv_heads
-        B = len(seqs)
         ids: list[np.ndarray] = []
         pos: list[np.ndarray] = []
         wslots: list[np.ndarray] = []
-        gathers: list[np.ndarray] = []
         q_lens: list[int] = []
-        k_lens: list[int] = []
         logit_rows: list[int] = []
         root_rows: list[int] = []
         t_off = 0
@@ -106,42 +103,66 @@ class ModelRunner:
             ids.append(toks)
             pos.append(p)
             wslots.append(w)
-            gathers.append(self._slots(seq, np.arange(L + n, dtype=np.int64)))
             q = (L - c) + n
             q_lens.append(q)
-            k_lens.append(L + n)
             root_rows.append(len(logit_rows))
             logit_rows.extend(range(t_off + (L - c) - 1, t_off + q))
             t_off += q
-        Qm, Km = max(q_lens), max(k_lens)
+        # Short queries (decode + drafts) and long ones (prefill) attend in separate groups, so a
+        # decode in a step that also prefills pads to its own size, not to the prompt length.
+        short = [i for i, q in enumerate(q_lens) if q <= SHORT_QUERY]
+        long_ = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY]
+        parts = [short, long_] if short and long_ else [list(range(len(seqs)))]
+        starts = np.cumsum([0, *q_lens])
+        groups = [self._group(idx, seqs, trees, q_lens, starts, single=len(parts) == 1) for idx in parts]
+        dev = self.model.device
+        fb = ForwardBatch(
+            input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
+            positions=torch.from_numpy(np.concatenate(pos)).to(dev),
+            write_slots=torch.from_numpy(np.concatenate(wslots)).to(dev),
+            logits_index=torch.from_numpy(np.asarray(logit_rows, dtype=np.int64)).to(dev),
+            groups=groups,
+        )
+        return self.model.forward(fb, self.kv_cache), root_rows
+
+    def _group(self, idx: list[int], seqs: list[Sequence], trees: list[DraftTree | None], q_lens: list[int],
+               starts: np.ndarray, single: bool) -> AttnGroup:
+        R = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
+        g_seqs = [seqs[i] for i in idx]
+        g_trees = [trees[i] for i in idx]
+        g_q = [q_lens[i] for i in idx]
+        g_k = [len(s) + (len(t) if t is not None else 0) for s, t in zip(g_seqs, g_trees, strict=True)]
+        B, Qm, Km = len(idx), max(g_q), max(g_k)
         gather = np.zeros((B, Km), dtype=np.int64)
-        for b, g in enumerate(gathers):
-            gather[b, : len(g)] = g
+        for b, (seq, k) in enumerate(zip(g_seqs, g_k, strict=True)):
+            gather[b, :k] = self._slots(seq, np.arange(k, dtype=np.int64))
         pad_index = None
-        if any(q != Qm for q in q_lens):
-            pad_index = np.concatenate([b * Qm + np.arange(q, dtype=np.int64) for b, q in enumerate(q_lens)])
-        mask = self._mask(seqs, trees, q_lens, k_lens, Qm, Km)
+        if any(q != Qm for q in g_q):
+            pad_index = np.concatenate([b * Qm + np.arange(q, dtype=np.int64) for b, q in enumerate(g_q)])
+        mask = self._mask(g_seqs, g_trees, g_q, g_k, Qm, Km)
         if mask is not None and R > 1:
             # Query rows are ordered (head-in-group, query): repeat the mask per head of a group.
             mask = np.broadcast_to(mask[:, None, :, :], (B, R, Qm, Km)).reshape(B, R * Qm, Km)
-        dev = model.device
+        dev = self.model.device
+        token_index = None
+        if not single:
+            token_index = np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in idx])
 
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev)
+        def t(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
-        fb = ForwardBatch(
-            input_ids=t(np.concatenate(ids)),
-            positions=t(np.concatenate(pos)),
-            write_slots=t(np.concatenate(wslots)),
-            gather_slots=t(gather.reshape(-1)),
-            pad_index=None if pad_index is None else t(pad_index),
-            attn_mask=None if mask is None else t(np.ascontiguousarray(mask))[:, None],
-            logits_index=t(np.asarray(logit_rows, dtype=np.int64)),
+        gs = t(gather.reshape(-1))
+        assert gs is not None
+        am = t(mask)
+        return AttnGroup(
+            token_index=t(token_index),
+            gather_slots=gs,
+            pad_index=t(pad_index),
+            attn_mask=None if am is None else am[:, None],
             batch=B,
             q_max=Qm,
             k_max=Km,
         )
-        return model.forward(fb, self.kv_cache), root_rows
 
     def _mask(self, seqs: list[Sequence], trees: list[DraftTree | None], q_lens: list[int],
               k_lens: list[int], Qm: int, Km: int) -> np.ndarray | None:

@@ -3,7 +3,7 @@
 Requests join between steps: the waiting queue is admitted in FIFO order while the batch has room
 and the KV cache has pages for the request's whole call (prefix + max_new_tokens). A request that
 does not fit waits; nothing running is ever preempted (admission control, DESIGN.md section 4). A
-step either prefills newly admitted requests (several at once, varlen) or decodes every running one.
+step decodes every running request and prefills the newly admitted ones in the same forward pass.
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """(sequences of this step, is_prefill)."""
+    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(sequences of this step, the newly admitted ones among them).
+
+        A step runs every running request plus the newly admitted ones (their prefill): new
+        requests never stall the decoding of the others."""
         admitted: list[Sequence] = []
         budget = self.config.max_prefill_tokens
         while self.waiting and len(self.running) + len(admitted) < self.config.max_batch_size:
@@ -47,10 +50,8 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             admitted.append(seq)
             budget -= len(seq) - seq.num_computed
-        if admitted:
-            self.running.extend(admitted)
-            return admitted, True
-        return list(self.running), False
+        self.running.extend(admitted)
+        return list(self.running), admitted
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
