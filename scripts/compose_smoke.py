@@ -184,8 +184,13 @@ def python_rollout(address: str) -> dict[str, Any]:
         except SeerError as e:
             check("INVALID_ARGUMENT" in str(e) and "group_size" in str(e), f"bad input: {e}")
     tokens = sum(len(r.token_ids) for r in results)
+    # Engine statistics summed over responses: shows speculation and the KV pool at work (not checked:
+    # how much of either happens depends on timing).
+    stats = {k: round(sum(float(r.stats.get(k, 0)) for r in results), 2)
+             for k in ("prefill_tokens", "cached_tokens", "kv_loaded_tokens", "draft_tokens", "accepted_tokens",
+                       "steps")}
     return {"batch_id": batch_id, "responses": len(results), "tokens": tokens, "seconds": round(seconds, 2),
-            "first_result_s": round(first or 0.0, 2), "tokens_per_s": round(tokens / seconds, 1)}
+            "first_result_s": round(first or 0.0, 2), "tokens_per_s": round(tokens / seconds, 1), "stats": stats}
 
 
 def node_rollout(port: int) -> dict[str, Any]:
