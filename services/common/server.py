@@ -105,6 +105,11 @@ def start_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            # Tolerate client keepalive pings (clients ping at most every 5 min; be lenient so a
+            # third-party client with a shorter interval is not cut off with "too_many_pings").
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.max_ping_strikes", 0),
         ],
     )
     service_names = list(add_servicers(server))

@@ -27,16 +27,15 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from services.common.errors import InvalidArgument
-from services.common.grpcutil import CHANNEL_OPTIONS
+from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
-from services.common.telemetry import client_interceptors
 from services.kvstore.ring import HashRing
 from services.worker.engine import KVLayout, KVPages
 
@@ -86,26 +85,6 @@ def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
     )
 
 
-# A restarted replica should be used again within about a second, not after gRPC's default
-# reconnect backoff (up to 120 s); until then its pages are misses. Keepalive pings no more often
-# than a default gRPC server accepts (5 min): more frequent pings get the connection closed with
-# GOAWAY "too_many_pings", failing in-flight fetches.
-_OVERRIDES: dict[str, Any] = {
-    "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.keepalive_time_ms": 300_000,
-    "grpc.keepalive_permit_without_calls": 0,
-}
-_CHANNEL_OPTIONS = [(k, v) for k, v in CHANNEL_OPTIONS if k not in _OVERRIDES] + list(_OVERRIDES.items())
-
-
-def _channel(address: str) -> grpc.Channel:
-    ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-    interceptors = client_interceptors()
-    return grpc.intercept_channel(ch, *interceptors) if interceptors else ch
-
-
 class KVClient:
     def __init__(
         self,
@@ -123,7 +102,7 @@ class KVClient:
         self._pending = 0  # offloads queued or running
         self.rpc_timeout_s = rpc_timeout_s
         self.exists_timeout_s = exists_timeout_s
-        self._channels = {a: _channel(a) for a in self.ring.nodes}
+        self._channels = {a: channel(a) for a in self.ring.nodes}
         self._stubs = {a: kvstore_pb2_grpc.KvStoreServiceStub(ch) for a, ch in self._channels.items()}
         # One offload thread: offloads of a worker run in order and never block its decode loop.
         self._offload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")

@@ -5,13 +5,11 @@ scheduler and the worker (context carried in gRPC metadata); services export to 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import grpc
 import pytest
@@ -45,24 +43,8 @@ def console_spans(path: Path) -> list[dict[str, Any]]:
         i = end
 
 
-def common_channel_traces() -> bool:
-    """services.common.grpcutil.channel must accept OpenTelemetry's client interceptor (which uses
-    its own grpcext interception API); every service's outgoing calls go through it."""
-    from services.common.grpcutil import channel
-
-    with mock.patch.dict(os.environ, {"SEER_TRACING": "console"}):
-        try:
-            channel("127.0.0.1:1").close()
-        except TypeError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def traced_suite(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Suite]:
-    if not common_channel_traces():
-        pytest.xfail("services/common/grpcutil.channel passes OTel interceptors to grpc.intercept_channel, "
-                     "which rejects them (use opentelemetry.instrumentation.grpc.grpcext.intercept_channel)")
     s = Suite(workers=1, data_dir=tmp_path_factory.mktemp("traced"), model_dir=model_dir, tracing="console",
               policy="seer", chunk_size=8)
     s.start(timeout=300)
