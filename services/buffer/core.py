@@ -64,9 +64,14 @@ class OutOfRange(SeerError):
     code_name = "OUT_OF_RANGE"
 
 
-def derive_seed(base_seed: int, sample_index: int) -> int:
-    """A request's seed: a hash of the group's base seed and the sample index (uint64)."""
-    h = hashlib.blake2b(f"{base_seed}:{sample_index}".encode(), digest_size=8)
+def derive_seed(base_seed: int, batch_id: str, sample_index: int) -> int:
+    """A request's seed: a hash of the group's base seed, the batch and the sample index (uint64).
+
+    The batch id is mixed in because the engine keys its sampling randomness by (seed, position):
+    with a fixed trainer seed, last iteration's response i to the same prompt (a history draft)
+    would otherwise have been sampled with the very numbers that verify this iteration's request
+    i, and a draft correlated with the verifier's randomness is not lossless."""
+    h = hashlib.blake2b(f"{base_seed}:{batch_id}:{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -287,7 +292,7 @@ class BufferCore:
                 wb.put(keys.group_key(batch_id, gi), g.encode())
                 new_groups.append(g)
                 for si in range(vg.group_size):
-                    r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, si))
+                    r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, batch_id, si))
                     wb.put(keys.request_key(batch_id, gi, si), r.encode())
                     new_live.append(_Live(r))
             self._store.write(wb)
