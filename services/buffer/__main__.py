@@ -13,7 +13,7 @@ from services.common.server import serve_until_signal
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging("buffer")
-    cfg = config.load(BufferConfig, "buffer", argv, prog="python -m services.buffer")
+    cfg = config.load_or_exit(BufferConfig, "buffer", argv, prog="python -m services.buffer")
     running, _core = start(cfg)
     return serve_until_signal(running)
 

@@ -161,3 +161,21 @@ def to_env(cfg: Any, section: str) -> dict[str, str]:
             v = "true" if v else "false"
         out[env_name(section, f.name)] = str(v)
     return out
+
+
+def load_or_exit(
+    cls: type[T],
+    section: str,
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """`load` for a service's __main__: a bad key or value ends the process with one clear line on
+    stderr and exit code 2 (no traceback), so a wrong compose/Helm value fails at start."""
+    import sys
+
+    try:
+        return load(cls, section, argv, env, prog)
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"seer-{section}: configuration error: {e}\n")
+        raise SystemExit(2) from None

@@ -13,7 +13,7 @@ from services.draft.config import DraftConfig
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging("draft")
-    cfg = config.load(DraftConfig, "draft", argv, prog="python -m services.draft")
+    cfg = config.load_or_exit(DraftConfig, "draft", argv, prog="python -m services.draft")
     running, _store = start(cfg)
     return serve_until_signal(running)
 

@@ -15,7 +15,7 @@ from services.kvstore.server import serve
 
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("kvstore")
-    cfg = config.load(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
+    cfg = config.load_or_exit(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
     running, store = serve(cfg)
     metrics.register(store)
     announce_port(cfg.port_file or None, running.port)

@@ -17,11 +17,7 @@ log = get_logger("services.scheduler")
 
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("scheduler")
-    try:
-        cfg = config.load(SchedulerConfig, "scheduler", argv, prog="python -m services.scheduler")
-    except ValueError as e:
-        log.error("bad configuration: %s", e)
-        return 2
+    cfg = config.load_or_exit(SchedulerConfig, "scheduler", argv, prog="python -m services.scheduler")
     dispatcher = Dispatcher(cfg)
     running = start_server("scheduler", cfg, lambda server: add_to_server(dispatcher, server), on_stop=dispatcher.stop)
     dispatcher.start()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import sys
 from collections.abc import Sequence
 
 from services.common import config
@@ -18,13 +17,14 @@ from services.worker.server import add_servicer
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("worker")
     log = get_logger("services.worker")
-    try:
-        cfg = config.load(WorkerConfig, "worker", argv)
-    except (ValueError, OSError) as e:
-        sys.stderr.write(f"seer-worker: {e}\n")
-        return 2
+    cfg = config.load_or_exit(WorkerConfig, "worker", argv, prog="python -m services.worker")
     worker_id = cfg.worker_id or f"worker-{socket.gethostname()}-{cfg.port or 'auto'}"
-    worker = build_worker(cfg, worker_id).start()
+    try:
+        worker = build_worker(cfg, worker_id).start()
+    except (OSError, ValueError) as e:
+        # A missing model directory or a bad engine setting: one line, exit 2, not a traceback.
+        log.error("cannot start the engine: %s", e)
+        return 2
     registrar: Registrar | None = None
 
     def on_stop() -> None:
