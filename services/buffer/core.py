@@ -401,9 +401,15 @@ class BufferCore:
         n = len(c.token_ids)
         if len(c.logprobs) != n:
             raise InvalidArgument(f"{len(c.logprobs)} logprobs for {n} tokens", field="logprobs")
-        if c.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CHUNK):
-            raise InvalidArgument(f"must be STOP, LENGTH or CHUNK, got {c.finish_reason.name}",
+        if c.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CHUNK, FinishReason.ABORTED):
+            raise InvalidArgument(f"must be STOP, LENGTH, CHUNK or ABORTED, got {c.finish_reason.name}",
                                   field="finish_reason")
+        if c.finish_reason == FinishReason.ABORTED:
+            # The scheduler gave up on the request: it ends with what was committed before.
+            if n:
+                raise InvalidArgument(f"an ABORTED chunk ends the request and carries no tokens, got {n}",
+                                      field="token_ids")
+            return FinishReason.ABORTED
         vocab = self._model.vocab_size
         if n and (min(c.token_ids) < 0 or max(c.token_ids) >= vocab):  # C-speed check; the loop names the index
             for j, t in enumerate(c.token_ids):
@@ -464,6 +470,10 @@ class BufferCore:
                 new_batch.state = BatchState.COMPLETED
                 new_batch.finished_at = self._clock()
                 self._put_history(wb, new_batch, result)
+        if reason == FinishReason.ABORTED:
+            # The batch still completes; the trainer sees this response as failed (ABORTED).
+            log.error("request failed: the scheduler aborted it", extra=kv(
+                request_id=rec.request_id, seq=c.seq, generated=rec.generated, worker_id=c.worker_id))
         wb.put(keys.request_key(rec.batch_id, rec.group_index, rec.sample_index), new_rec.encode())
         wb.put(keys.batch_key(rec.batch_id), new_batch.encode())
         purged = self._purge_old(wb, new_batch) if new_batch.terminal else []
@@ -523,6 +533,8 @@ class BufferCore:
         """Adds the completed batch as the newest iteration of each of its prompt keys."""
         results = [RolloutResult.decode(v) for _k, v in self._store.scan(f"l/{batch.batch_id}/".encode())]
         results.append(last)
+        # An aborted response is cut short: its length would bias the next iteration's prior low.
+        results = [r for r in results if r.finish_reason != FinishReason.ABORTED]
         results.sort(key=lambda r: (r.group_index, r.sample_index))
         per_key: dict[str, HistoryIteration] = {}
         for r in results:

@@ -16,6 +16,14 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import errors
 from services.common.grpcutil import channel as common_channel
 
+
+class DeadlineExceeded(errors.SeerError):
+    """The call ran past its deadline. Not Unavailable: a slow chunk says nothing about its worker's
+    health (its other chunks are fine), so only that chunk is aborted and re-dispatched."""
+
+    code_name = "DEADLINE_EXCEEDED"
+
+
 _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -23,7 +31,7 @@ _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: errors.Aborted,
     grpc.StatusCode.ABORTED: errors.Aborted,
     grpc.StatusCode.DATA_LOSS: errors.DataLoss,

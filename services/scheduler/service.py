@@ -42,7 +42,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.core.config import SchedulerPolicyConfig
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
-from services.scheduler.links import BufferLink, WorkerLink
+from services.scheduler.links import BufferLink, DeadlineExceeded, WorkerLink
 
 log = get_logger(__name__)
 
@@ -58,8 +58,21 @@ WORKER_ACCEPT = Gauge(
 )
 
 # A chunk that fails this many times in a row for reasons other than a worker dying is dropped
-# (logged as an error) rather than retried forever.
+# (logged as an error) rather than retried forever; the buffer is told with an ABORTED commit so the
+# batch still completes.
 MAX_CHUNK_ATTEMPTS = 8
+
+
+@dataclass(frozen=True)
+class Resync:
+    """A committed-but-unconfirmed chunk (the commit was a duplicate or refused) waiting for a fresh
+    snapshot. `token` is the dispatch it belongs to: only that dispatch may be resolved by it."""
+
+    token: int
+    worker: WorkerState
+    old_len: int  # output length before the chunk
+    chunk_len: int
+    max_new: int
 
 
 @dataclass
@@ -76,9 +89,8 @@ class TrackedRequest:
     stream: object | None = None
     attempts: int = 0
     dropped: bool = False
-    # Set while a committed-but-unconfirmed chunk waits for a fresh snapshot (the commit was a
-    # duplicate or refused): (worker_id, output length before the chunk, chunk length, max_new).
-    resync: tuple[str, int, int, int] | None = None
+    # Set while a committed-but-unconfirmed chunk waits for a fresh snapshot (no thread owns it).
+    resync: Resync | None = None
 
 
 @dataclass
@@ -287,14 +299,14 @@ class Dispatcher:
         if state is None:
             return None
         requeued = self.core.remove_worker(worker_id) if state.active else []
-        # Chunks still streaming from it are cut off; their threads see the request moved on.
+        # Chunks still streaming from it are cut off; their threads see the request moved on. A
+        # chunk held for resync is given up too: the core re-queued it, and the snapshot must not
+        # resolve the request's next dispatch with this chunk's outcome (the dispatch's token
+        # changes, so a late commit or resolution of this one is dropped).
         for r in self._requests.values():
             if r.worker_id == worker_id and r.dispatch_token is not None:
                 self._cancel(r.stream)
-                r.dispatch_token = None
-                r.worker_id = ""
-                r.stream = None
-                self._in_flight -= 1
+                self._release_locked(r, None)
                 self._redispatched += 1
                 REDISPATCHED.inc()
         WORKERS.set(len(self._workers))
@@ -302,6 +314,16 @@ class Dispatcher:
         self._cond.notify_all()
         log.warning("worker removed", extra=kv(worker_id=worker_id, reason=reason, requeued=len(requeued)))
         return state
+
+    def _release_locked(self, r: TrackedRequest, w: WorkerState | None) -> None:
+        """The request's dispatch is over (done, failed, moved or parked): it no longer counts in
+        flight. `w` is the worker state it ran on (None = the worker was removed)."""
+        r.dispatch_token, r.worker_id, r.stream, r.resync = None, "", None, None
+        if w is not None:
+            w.in_flight -= 1
+        self._in_flight -= 1
+        IN_FLIGHT.set(self._in_flight)
+        PENDING.set(self.core.pending_count())
 
     def _liveness_loop(self) -> None:
         limit = 3 * self.cfg.heartbeat_interval
@@ -485,8 +507,10 @@ class Dispatcher:
                 r = self._requests[rid]
                 snap = by_id.get(rid)
                 if r.resync is not None:
-                    self._resolve_resync_locked(r, snap)
-                    continue
+                    if r.resync.token == r.dispatch_token:
+                        self._resolve_resync_locked(r, snap)
+                        continue
+                    r.resync = None  # a stale hold (its dispatch is gone): never resolve another with it
                 if r.dispatch_token is not None:
                     continue
                 if snap is None:
@@ -505,13 +529,10 @@ class Dispatcher:
     def _resolve_resync_locked(self, r: TrackedRequest, snap: buffer_pb2.WorkItem | None) -> None:
         """Completes a chunk whose commit outcome we could not trust, from the buffer's own state."""
         assert r.resync is not None
-        worker_id, old_len, chunk_len, max_new = r.resync
+        hold = r.resync
+        worker_id, old_len, chunk_len, max_new = hold.worker.worker_id, hold.old_len, hold.chunk_len, hold.max_new
         rid = r.item.request_id
-        r.resync, r.dispatch_token, r.worker_id, r.stream = None, None, "", None
-        w = self._workers.get(worker_id)
-        if w is not None:
-            w.in_flight -= 1
-        self._in_flight -= 1
+        self._release_locked(r, hold.worker)
         if snap is None:
             # The buffer no longer lists it: the chunk finished it (or its batch was cancelled).
             self.core.on_chunk_done(rid, worker_id, min(chunk_len, max_new), True)
@@ -529,6 +550,11 @@ class Dispatcher:
             r.dropped = True
             self.core.cancel_request(request_id)
             worker = self._workers.get(r.worker_id) if r.dispatch_token is not None else None
+            if r.resync is not None:
+                # Held for resync: no chunk thread owns it any more, and the snapshot walks only
+                # tracked requests, so its in-flight count comes down here.
+                self._release_locked(r, r.resync.worker)
+                worker = None
             self._dirty = True
             self._cond.notify_all()
         if worker is not None:
@@ -613,6 +639,16 @@ class Dispatcher:
                     logprobs.extend(ev.tokens.logprobs)
                 else:
                     done = ev.done
+        except DeadlineExceeded as e:
+            # Only this chunk is slow (chunk_timeout): its worker and its other chunks are fine.
+            # Stop it there and run it again; repeated timeouts count towards MAX_CHUNK_ATTEMPTS.
+            if not r.dropped:
+                log.warning("chunk past its deadline; aborting it and re-dispatching",
+                            extra=kv(worker_id=w.worker_id, error=str(e)))
+                with contextlib.suppress(SeerError):
+                    w.link.abort(d.request_id)
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
+            return
         except SeerError as e:
             if not r.dropped:
                 log.warning("chunk stream failed; re-dispatching", extra=kv(worker_id=w.worker_id, error=str(e)))
@@ -667,10 +703,16 @@ class Dispatcher:
         deadline = time.monotonic() + self.cfg.commit_timeout
         backoff = 0.05
         while True:
+            with self._cond:
+                if r.dispatch_token != token:
+                    # The worker was removed (the request re-queued) while we waited for the
+                    # buffer: the request's new dispatch owns its next chunk now; never commit this one.
+                    log.info("commit dropped: the request moved on", extra=kv(worker_id=w.worker_id))
+                    return
             try:
                 resp = self._buffer.commit(commit, timeout=10.0)
                 break
-            except Unavailable as e:
+            except (Unavailable, DeadlineExceeded) as e:
                 if self._stopping.is_set() or r.dropped or time.monotonic() > deadline:
                     log.warning("commit abandoned", extra=kv(error=str(e)))
                     self._finish_chunk(r, w, token, failed=True)
@@ -712,7 +754,11 @@ class Dispatcher:
         with self._cond:
             if r.dispatch_token != token:
                 return
-            r.resync = (w.worker_id, len(r.output), len(commit.token_ids), max_new)
+            if r.dropped or self._requests.get(r.item.request_id) is not r:
+                # Cancelled meanwhile: no snapshot will resolve an untracked request, so settle now.
+                self._finish_chunk(r, w, token, failed=False, drop=True)
+                return
+            r.resync = Resync(token, w, len(r.output), len(commit.token_ids), max_new)
         self._request_resync()
 
     def _finish_chunk(
@@ -728,12 +774,11 @@ class Dispatcher:
         count_attempt: bool = False,
     ) -> None:
         rid = r.item.request_id
+        abort_seq: int | None = None
         with self._cond:
             if r.dispatch_token != token:
                 return  # already accounted for (worker removed, request re-queued)
-            r.dispatch_token, r.worker_id, r.stream = None, "", None
-            w.in_flight -= 1
-            self._in_flight -= 1
+            self._release_locked(r, w)
             tracked = self._requests.get(rid) is r
             if not tracked or r.dropped:
                 pass
@@ -743,9 +788,11 @@ class Dispatcher:
             elif failed:
                 r.attempts += 1 if count_attempt else 0
                 if r.attempts >= MAX_CHUNK_ATTEMPTS:
-                    log.error("request dropped after repeated chunk failures", extra=kv(request_id=rid))
+                    log.error("request dropped after repeated chunk failures",
+                              extra=kv(request_id=rid, attempts=r.attempts, seq=r.next_seq))
                     self.core.cancel_request(rid)
                     del self._requests[rid]
+                    abort_seq = r.next_seq
                 else:
                     self.core.on_chunk_failed(rid, w.worker_id)
                     self._redispatched += 1
@@ -755,8 +802,40 @@ class Dispatcher:
                 if finished:
                     del self._requests[rid]
             IN_FLIGHT.set(self._in_flight)
+            PENDING.set(self.core.pending_count())
             self._dirty = True
             self._cond.notify_all()
+        if abort_seq is not None:
+            self._commit_abort(r.item, abort_seq)
+
+    def _commit_abort(self, item: buffer_pb2.WorkItem, seq: int) -> None:
+        """Fails a request we gave up on: an ABORTED commit (no tokens) at the next seq makes the
+        buffer end it with the tokens committed so far, so its batch completes and the trainer sees
+        finish_reason ABORTED (without it the batch would wait for the request forever)."""
+        if self._buffer is None:
+            return
+        commit = buffer_pb2.CommitChunkRequest(
+            request_id=item.request_id, seq=seq, finish_reason=common_pb2.FINISH_REASON_ABORTED,
+            policy_version=item.policy_version,
+        )
+        deadline = time.monotonic() + self.cfg.commit_timeout
+        backoff = 0.05
+        while True:
+            try:
+                resp = self._buffer.commit(commit, timeout=10.0)
+                log.error("request failed in the buffer (ABORTED)", extra=kv(
+                    request_id=item.request_id, seq=seq, duplicate=resp.duplicate, accepted=resp.accepted))
+                return
+            except (Unavailable, DeadlineExceeded) as e:
+                if self._stopping.is_set() or time.monotonic() > deadline:
+                    log.error("abort commit abandoned; the batch waits for this request",
+                              extra=kv(request_id=item.request_id, error=str(e)))
+                    return
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except SeerError as e:
+                log.error("abort commit refused", extra=kv(request_id=item.request_id, seq=seq, error=str(e)))
+                return
 
     # ---- stats -------------------------------------------------------------------------------
 
