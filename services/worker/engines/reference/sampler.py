@@ -23,6 +23,7 @@ import torch
 from services.worker.engine import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+NUCLEUS_HEAD = 256  # tokens examined by the top-p fast path before falling back to a full sort
 
 
 def _splitmix64(x: int) -> int:
@@ -53,15 +54,28 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     probs = torch.softmax(x, dim=-1)
     top_p = [p.top_p for p in params]
     if any(tp < 1.0 for tp in top_p):
-        sp, si = probs.sort(dim=-1, descending=True)
-        cum = sp.cumsum(-1)
         tps = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
-        # Keep a token when the mass before it is < top_p (the most likely token always stays).
-        drop = (cum - sp) >= tps
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _nucleus(probs, tps)
     return probs
+
+
+def _nucleus(probs: torch.Tensor, tps: torch.Tensor, head: int = NUCLEUS_HEAD) -> torch.Tensor:
+    """Keeps, per row, the most likely tokens while the mass before each is < top_p (the most
+    likely token always stays), renormalized. probs [N, V], tps [N, 1] -> [N, V].
+
+    A full sort of the vocabulary costs more than a decode step on CPU, so rows whose nucleus fits
+    in the `head` most likely tokens (the usual case) use topk; only the others are fully sorted.
+    Both paths select the same set."""
+    k = min(head, probs.shape[-1])
+    tv, ti = probs.topk(k, dim=-1)  # [N, k] descending
+    cum = tv.cumsum(-1)
+    out = torch.zeros_like(probs).scatter_(-1, ti, tv.masked_fill((cum - tv) >= tps, 0.0))
+    full = (cum[:, -1:] < tps)[:, 0].nonzero()[:, 0]  # rows whose nucleus is larger than the head
+    if len(full):
+        sp, si = probs[full].sort(dim=-1, descending=True)
+        c = sp.cumsum(-1)
+        out[full] = torch.zeros_like(sp).scatter_(-1, si, sp.masked_fill((c - sp) >= tps[full], 0.0))
+    return out / out.sum(-1, keepdim=True)
 
 
 def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
