@@ -29,8 +29,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.token_delay = token_delay
         # Die (stream error) after this many tokens of the next chunk; None = never.
         self.fail_after = stop_after
-        self.chunks: list[tuple[str, int, int]] = []  # (request_id, seq, tokens)
+        self.chunks: list[tuple[str, int, int]] = []  # (request_id, seq, tokens) of completed chunks
+        self.started: list[tuple[str, int]] = []  # (request_id, seq) of every RunChunk received
+        self.aborts: list[str] = []
         self.loads: list[int] = []
+        self.registrations = 0
+        # The next chunk waits this long (seconds) before its first token (a stuck chunk); None = no.
+        self.stall_next: float | None = None
+        # request_id -> first seq whose chunk comes back malformed (a logprob count that does not
+        # match its tokens), on every attempt: a request the scheduler can never complete.
+        self.broken: dict[str, int] = {}
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self._server)
@@ -43,6 +51,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self._beat.start()
 
     def _register(self) -> None:
+        self.registrations += 1
         self._scheduler.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
             worker_id=self.worker_id, address=f"127.0.0.1:{self.port}",
             capacity=scheduler_pb2.WorkerCapacity(total_kv_pages=4096, page_size=16, max_batch_size=8,
@@ -65,6 +74,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                  context: grpc.ServicerContext) -> Iterator[worker_pb2.RunChunkResponse]:
         start = len(request.output_token_ids)
         n = min(request.max_new_tokens, request.max_tokens - start)
+        with self._lock:
+            self.started.append((request.request_id, request.seq))
+            stall, self.stall_next = self.stall_next, None
+            broken = request.seq >= self.broken.get(request.request_id, 1 << 31)
+        if stall is not None:
+            end = time.monotonic() + stall
+            while context.is_active() and time.monotonic() < end:
+                time.sleep(0.01)
+            if not context.is_active():
+                return
         for i in range(n):
             with self._lock:
                 die = self.fail_after is not None and i >= self.fail_after
@@ -74,7 +93,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker died mid-chunk")
             time.sleep(self.token_delay)
             yield worker_pb2.RunChunkResponse(tokens=worker_pb2.TokenDelta(
-                token_ids=[token_at(request.request_id, start + i)], logprobs=[-0.5]))
+                token_ids=[token_at(request.request_id, start + i)], logprobs=[-0.5, -0.5] if broken else [-0.5]))
         with self._lock:
             self.chunks.append((request.request_id, request.seq, n))
         reason = common_pb2.FINISH_REASON_LENGTH if start + n >= request.max_tokens else common_pb2.FINISH_REASON_CHUNK
@@ -82,6 +101,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             finish_reason=reason, stats=common_pb2.ChunkStats(steps=n), policy_version=self.version))
 
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:
+        with self._lock:
+            self.aborts.append(request.request_id)
         return worker_pb2.AbortResponse(found=False)
 
     def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,

@@ -1,0 +1,222 @@
+"""Regression tests of the scheduler's fault paths (code review findings): the real buffer and the
+real scheduler (Dispatcher + gRPC server) in this process, with scripted workers over loopback gRPC.
+In-process so a test can hold the scheduler's next work-feed snapshot back (the only way to order a
+worker removal before a resync deterministically) and read its Prometheus gauges.
+
+- a chunk held for resync whose worker is removed before the snapshot (the request must not get
+  stuck on its next worker);
+- a chunk whose request is cancelled while its commit comes back duplicate (no in-flight leak; a
+  weight switch still drains);
+- a request that fails on every attempt (the buffer fails it, ABORTED; the batch completes);
+- a chunk past chunk_timeout (only that chunk is aborted and re-dispatched; the worker stays).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from e2e_fake_worker import FakeWorker, token_at
+from e2e_helpers import make_batch
+from prometheus_client import REGISTRY
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.buffer.app import start as start_buffer
+from services.buffer.config import BufferConfig
+from services.common.server import RunningServer, start_server
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.server import add_to_server
+from services.scheduler.service import MAX_CHUNK_ATTEMPTS, Dispatcher
+
+LENGTH, CHUNK = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_CHUNK
+ABORTED = common_pb2.FINISH_REASON_ABORTED
+
+
+class GatedDispatcher(Dispatcher):
+    """The real Dispatcher; while `hold` is set, a fresh work-feed snapshot waits for `release`."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        super().__init__(cfg)
+        self.hold = threading.Event()
+        self.release = threading.Event()
+        self.snapshot_waiting = threading.Event()
+        self.connected = threading.Event()  # the first snapshot (feed connected) was applied
+
+    def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
+        if self.hold.is_set():
+            self.snapshot_waiting.set()
+            self.release.wait(30)
+        super()._apply_snapshot(items)
+        self.connected.set()
+
+
+@dataclass
+class Local:
+    buffer: RunningServer
+    scheduler: RunningServer
+    dispatcher: GatedDispatcher
+    rollout: rollout_pb2_grpc.RolloutServiceStub
+    internal: buffer_pb2_grpc.BufferInternalServiceStub
+    workers: list[FakeWorker] = field(default_factory=list)
+
+    def worker(self, worker_id: str, **kw: Any) -> FakeWorker:
+        w = FakeWorker(worker_id, self.scheduler.address, **kw)
+        self.workers.append(w)
+        return w
+
+    def wait_workers(self, ids: set[str], timeout: float = 10) -> None:
+        wait_for(lambda: {w.worker_id for w in self.dispatcher.stats().workers if w.healthy} == ids, timeout)
+
+    def results(self, batch_id: str, timeout: float = 20) -> dict[str, rollout_pb2.RolloutResult]:
+        stream = self.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch_id), timeout=timeout)
+        out = {r.result.request_id: r.result for r in stream}
+        return out
+
+    def assert_settled(self) -> None:
+        """Nothing in flight, on every worker and in the Prometheus gauge (they must agree)."""
+        wait_for(lambda: self.dispatcher.stats().in_flight_chunks == 0, 5)
+        stats = self.dispatcher.stats()
+        assert stats.pending_requests == 0, stats
+        assert all(w.in_flight_chunks == 0 for w in stats.workers), stats.workers
+        assert REGISTRY.get_sample_value("seer_scheduler_in_flight_chunks") == 0
+
+
+def wait_for(cond: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def make_local(tmp_path: Path) -> Iterator[Callable[..., Local]]:
+    made: list[Local] = []
+    channels: list[grpc.Channel] = []
+
+    def make(**scheduler: Any) -> Local:
+        buffer, _core = start_buffer(BufferConfig(port=0, data_dir=str(tmp_path / "buffer"), model_dir="",
+                                                  grace_seconds=0.0))
+        values: dict[str, Any] = {"port": 0, "buffer_address": buffer.address, "policy": "divided", "chunk_size": 8,
+                                  "heartbeat_interval": 0.3, "grace_seconds": 0.0}
+        values.update(scheduler)
+        dispatcher = GatedDispatcher(SchedulerConfig(**values))
+        sched = start_server("scheduler", dispatcher.cfg, lambda s: add_to_server(dispatcher, s),
+                             on_stop=dispatcher.stop)
+        dispatcher.start()
+        assert dispatcher.connected.wait(10), "the scheduler did not connect to the buffer's work feed"
+        ch = grpc.insecure_channel(buffer.address)
+        channels.append(ch)
+        loc = Local(buffer, sched, dispatcher, rollout_pb2_grpc.RolloutServiceStub(ch),
+                    buffer_pb2_grpc.BufferInternalServiceStub(ch))
+        made.append(loc)
+        return loc
+
+    yield make
+    for loc in made:
+        loc.dispatcher.release.set()
+        for w in loc.workers:
+            w.close()
+        loc.scheduler.stop(0)
+        loc.buffer.stop(0)
+    for ch in channels:
+        ch.close()
+
+
+def expected(rid: str, n: int) -> list[int]:
+    return [token_at(rid, p) for p in range(n)]
+
+
+def commit_first_chunk(loc: Local, rid: str) -> None:
+    """Commits seq 0 exactly as a fake worker would produce it: the scheduler's own commit of that
+    chunk then comes back as a duplicate (as when its first attempt's ack was lost)."""
+    resp = loc.internal.CommitChunk(buffer_pb2.CommitChunkRequest(
+        request_id=rid, seq=0, token_ids=expected(rid, 8), logprobs=[-0.5] * 8, finish_reason=CHUNK,
+        policy_version=0, worker_id="lost-ack"), timeout=10)
+    assert resp.accepted and not resp.duplicate
+
+
+def test_worker_removed_while_its_chunk_waits_for_resync(make_local: Callable[..., Local]) -> None:
+    loc = make_local()
+    w1 = loc.worker("w1", token_delay=0.05)
+    loc.wait_workers({"w1"})
+    batch = make_batch(1, 1, max_tokens=16)
+    rid = f"{batch.batch_id}/0/0"
+    loc.dispatcher.hold.set()
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    commit_first_chunk(loc, rid)
+    # w1's commit is a duplicate: the chunk is held and the scheduler waits for a fresh snapshot.
+    assert loc.dispatcher.snapshot_waiting.wait(10)
+    assert w1.chunks == [(rid, 0, 8)]
+    # Before that snapshot lands, w1 dies; the request moves to w2 (still at seq 0: stale).
+    w2 = loc.worker("w2", token_delay=0.1)
+    w1.close()
+    wait_for(lambda: bool(w2.started), 10)
+    loc.dispatcher.hold.clear()
+    loc.dispatcher.release.set()  # the snapshot must not settle w2's dispatch with w1's chunk
+    results = loc.results(batch.batch_id)
+    assert list(results) == [rid]
+    assert list(results[rid].token_ids) == expected(rid, 16) and results[rid].finish_reason == LENGTH
+    loc.assert_settled()
+    assert [w.worker_id for w in loc.dispatcher.stats().workers] == ["w2"]
+
+
+def test_cancel_while_a_commit_comes_back_duplicate_leaks_nothing(make_local: Callable[..., Local]) -> None:
+    loc = make_local(drain_timeout=3.0)
+    w = loc.worker("w0", token_delay=0.1)
+    loc.wait_workers({"w0"})
+    batch = make_batch(1, 1, max_tokens=16)
+    rid = f"{batch.batch_id}/0/0"
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    commit_first_chunk(loc, rid)
+    wait_for(lambda: bool(w.started), 10)
+    loc.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id=batch.batch_id), timeout=10)
+    wait_for(lambda: bool(w.chunks), 10)  # the chunk ends after the cancel; its commit is a duplicate
+    loc.assert_settled()
+    # A weight switch drains in-flight chunks: a leaked count would time it out.
+    num, _seconds = loc.dispatcher.switch_weights(1, "")
+    assert num == 1 and w.loads == [1]
+
+
+def test_request_failing_every_attempt_is_aborted_and_the_batch_completes(make_local: Callable[..., Local]) -> None:
+    loc = make_local()
+    w = loc.worker("w0")
+    loc.wait_workers({"w0"})
+    batch = make_batch(1, 2, max_tokens=16)
+    bad, good = f"{batch.batch_id}/0/0", f"{batch.batch_id}/0/1"
+    w.broken[bad] = 1  # its first chunk commits, every attempt at the second is malformed
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert set(results) == {bad, good}
+    assert (list(results[bad].token_ids), results[bad].finish_reason) == (expected(bad, 8), ABORTED)
+    assert (list(results[good].token_ids), results[good].finish_reason) == (expected(good, 16), LENGTH)
+    assert w.started.count((bad, 1)) == MAX_CHUNK_ATTEMPTS
+    status = loc.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id=batch.batch_id), timeout=10)
+    assert status.state == rollout_pb2.BATCH_STATE_COMPLETED
+    loc.assert_settled()
+
+
+def test_chunk_past_its_deadline_is_redispatched_alone(make_local: Callable[..., Local]) -> None:
+    loc = make_local(chunk_timeout=1.0)
+    w = loc.worker("w0", token_delay=0.02)
+    loc.wait_workers({"w0"})
+    w.stall_next = 30.0  # the first chunk hangs; the others (8 tokens, ~0.2 s) run beside it
+    batch = make_batch(2, 2, max_tokens=64)
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert len(results) == 4
+    for rid, r in results.items():
+        assert list(r.token_ids) == expected(rid, 64) and r.finish_reason == LENGTH, rid
+    stalled = w.started[0][0]
+    # Only the slow chunk was stopped (Abort on the worker) and run again; the worker was never
+    # removed, so its chunks running beside the slow one were not cut off and it did not re-register.
+    assert w.aborts == [stalled]
+    stats = loc.dispatcher.stats()
+    assert stats.redispatched_chunks == 1
+    assert w.registrations == 1 and [v.worker_id for v in stats.workers] == ["w0"]
+    loc.assert_settled()
