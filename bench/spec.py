@@ -403,7 +403,8 @@ def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_toke
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.spec")
-    ap.add_argument("--quick", action="store_true", help="2 prompts, 64 tokens, a short throughput run")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 prompts, 64 tokens, a short throughput run (under 60 s once the rollouts are cached)")
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--prompts", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=0)
@@ -442,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.worker.engines.reference.engine import ReferenceEngine
 
         prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=16, num_threads=1)
-        table = measure(prof_engine, (1, 4, 16), (0, 2, 8), steps=2, log=False, clock="cpu")
+        table = measure(prof_engine, (1, 16) if args.quick else (1, 4, 16), (0, 2, 8), steps=1 if args.quick else 3,
+                        log=False, clock="cpu")
         del prof_engine
         result["step_time_table"] = table.to_dict()
         out("T(B, gamma) ms: " + "; ".join(
@@ -451,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for temp in (0.7, 1.0):
             data = datasets[temp]
             g = 8
-            mt = min(max_tokens, 48 if args.quick else max_tokens)
+            mt = min(max_tokens, 20 if args.quick else max_tokens)
             base = throughput(model_dir, data, g, mt, speculate=False, threads=1, table=table)
             spec = throughput(model_dir, data, g, mt, speculate=True, threads=1, table=table)
             ratio = spec["tokens_per_s"] / base["tokens_per_s"]
