@@ -83,3 +83,15 @@ def test_table_roundtrip_and_validation(tmp_path) -> None:  # type: ignore[no-un
         StepTimeTable((1, 2), (0,), ((0.1,),))
     with pytest.raises(ValueError, match="gammas"):
         StepTimeTable.from_dict({"batch_sizes": [1], "times_s": [[1.0]]})
+
+
+def test_min_gain_keeps_speculation_off_on_a_marginal_prediction() -> None:
+    # T = 0.1 s + 3 ms per token; B = 16, alpha_0 = 0.4: the best budget (gamma 1) predicts 1.057x.
+    table = _table(0.1, 0.003)
+    reqs = [(f"r{i}", False) for i in range(16)]
+    eager = AdaptiveSpeculation(table, gamma_max=8, min_gain=0.0, explore_interval=0)
+    careful = AdaptiveSpeculation(table, gamma_max=8, min_gain=0.1, explore_interval=0)
+    for s in (eager, careful):
+        _observe(s, 0.4)
+    assert sum(eager.plan(reqs).values()) > 0
+    assert sum(careful.plan(reqs).values()) == 0
