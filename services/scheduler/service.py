@@ -558,7 +558,9 @@ class Dispatcher:
             self._dirty = True
             self._cond.notify_all()
         if worker is not None:
-            with contextlib.suppress(SeerError):
+            # ValueError: the worker was removed meanwhile and its channel closed (this runs on the
+            # watch thread, which must survive it).
+            with contextlib.suppress(SeerError, ValueError):
                 worker.link.abort(request_id)
 
     # ---- dispatch ----------------------------------------------------------------------------
@@ -645,8 +647,11 @@ class Dispatcher:
             if not r.dropped:
                 log.warning("chunk past its deadline; aborting it and re-dispatching",
                             extra=kv(worker_id=w.worker_id, error=str(e)))
-                with contextlib.suppress(SeerError):
-                    w.link.abort(d.request_id)
+                with self._cond:
+                    registered = self._workers.get(w.worker_id) is w
+                if registered:  # a removed worker's link may be closed already
+                    with contextlib.suppress(SeerError, ValueError):
+                        w.link.abort(d.request_id)
             self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         except SeerError as e:
