@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AppendRequest(_message.Message):
-    __slots__ = ("group_id", "request_id", "offset", "token_ids", "finished")
+    __slots__ = ("group_id", "request_id", "offset", "token_ids", "finished", "truncate")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     request_id: str
     offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
-    def __init__(self, group_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    truncate: bool
+    def __init__(self, group_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("appended_tokens", "duplicate_tokens")
@@ -37,16 +39,18 @@ class GroupWatermark(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("request_id", "offset", "token_ids", "finished")
+    __slots__ = ("request_id", "offset", "token_ids", "finished", "truncate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
-    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    truncate: bool
+    def __init__(self, request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)
