@@ -10,6 +10,12 @@ Threads (DESIGN.md sections 2-3):
   from the last committed prefix (nothing lost, nothing duplicated).
 - liveness: a worker silent for 3 heartbeat intervals is removed and its chunks re-queued.
 
+A chunk past chunk_timeout is aborted on its worker and re-dispatched alone (the worker stays). A
+request whose chunk fails MAX_CHUNK_ATTEMPTS times for its own reasons is failed in the buffer with
+an ABORTED commit, so its batch still completes. Every dispatch has a token: a chunk whose request
+moved on (worker removed, request re-queued or cancelled) is never committed and never settles the
+request's next dispatch; the in-flight counters (and their gauge) come down exactly once per dispatch.
+
 The policy decisions live in services.scheduler.core (pure); this module only drives it. Every
 core call happens under one lock: the core is single-threaded by design.
 """
