@@ -521,7 +521,7 @@ class Dispatcher:
                     continue
                 if snap is None:
                     # Finished or cancelled while we were away: the buffer is authoritative.
-                    self.core.cancel_request(rid)
+                    self._forget_in_core_locked(rid)
                     del self._requests[rid]
                 elif snap.next_seq != r.next_seq or list(snap.output_token_ids) != r.output:
                     r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
@@ -548,13 +548,20 @@ class Dispatcher:
         new_tokens = max(0, min(len(r.output) - old_len, max_new))
         self.core.on_chunk_done(rid, worker_id, new_tokens, False)
 
+    def _forget_in_core_locked(self, request_id: str) -> None:
+        """Cancels a request in the core. On the watch thread a NotFound (a request the core already
+        forgot, e.g. one re-tracked from a snapshot after it was dropped) must not abort applying
+        the rest of the feed, or every reconnect would fail the same way."""
+        with contextlib.suppress(NotFound):
+            self.core.cancel_request(request_id)
+
     def _cancel_request(self, request_id: str) -> None:
         with self._cond:
             r = self._requests.pop(request_id, None)
             if r is None:
                 return
             r.dropped = True
-            self.core.cancel_request(request_id)
+            self._forget_in_core_locked(request_id)
             worker = self._workers.get(r.worker_id) if r.dispatch_token is not None else None
             if r.resync is not None:
                 # Held for resync: no chunk thread owns it any more, and the snapshot walks only
