@@ -150,6 +150,75 @@ class GroupIndex:
         self._extend(s, fresh)
         return len(fresh)
 
+    def truncate(self, request_id: str, offset: int) -> int:
+        """Drops the response's tokens at or after `offset`; returns how many were dropped.
+
+        Exact: every index entry those tokens created is removed (a list left with one occurrence
+        becomes a bare int again, the order of the others is kept), so the index is the same as if
+        they had never been appended. Truncating to 0 forgets the response entirely (a later
+        append starts a new sequence, as a first append would). Cost: k dict operations per
+        dropped token and level, like appending them. Used when a request resumes from its
+        committed output after a failed attempt (draft.proto AppendRequest.truncate).
+        """
+        if offset < 0:
+            raise InvalidArgument(f"must be >= 0, got {offset}", field="offset")
+        s = self._by_request.get(request_id)
+        if s is None:
+            return 0
+        seq = self._seqs[s]
+        base = self._bases[s]
+        cut = base + offset
+        old = len(seq)
+        if cut >= old:
+            return 0
+        hi = s << _POS_BITS
+        # Entries p in [max(k, cut + 1), old] have a k-gram or continuation in the dropped tail; the
+        # entry at p == cut stays (its continuation is the next append). Truncating to 0 also drops
+        # p == base, the lead's entry, which _new_seq adds again for a fresh sequence.
+        first = cut + 1 if offset else base
+        for k, table in zip(self.levels, self._tables, strict=True):
+            for p in range(max(k, first), old + 1):
+                key = hash(tuple(seq[p - k : p]))
+                v = table[key]
+                if type(v) is int:
+                    del table[key]
+                else:
+                    v.remove(hi | p)  # type: ignore[union-attr]
+                    if len(v) == 1:  # type: ignore[arg-type]
+                        table[key] = v[0]  # type: ignore[index]
+                self.entries -= 1
+        dropped = old - cut
+        self.indexed_tokens -= dropped
+        if offset:
+            del seq[cut:]
+        else:
+            self.indexed_tokens -= base
+            self._seqs[s] = []
+            del self._by_request[request_id]
+        return dropped
+
+    def replace_from(self, request_id: str, offset: int, token_ids: Sequence[int]) -> tuple[int, int]:
+        """Makes the response exactly its first `offset` tokens + token_ids with the least work:
+        the tokens already equal are kept, the rest of the old tail is truncated, the new tail
+        appended. Returns (dropped, appended); (0, 0) for a retry. A gap raises InvalidArgument."""
+        if offset < 0:
+            raise InvalidArgument(f"must be >= 0, got {offset}", field="offset")
+        have = self.length(request_id)
+        if offset > have:
+            raise InvalidArgument(
+                f"gap: request {request_id!r} has {have} tokens, append starts at {offset}", field="offset"
+            )
+        toks = [int(t) for t in token_ids]
+        existing = self.tokens_at(request_id, offset, len(toks))
+        same = 0
+        for a, b in zip(existing, toks, strict=False):  # existing may be shorter
+            if a != b:
+                break
+            same += 1
+        dropped = self.truncate(request_id, offset + same)
+        added = self.append(request_id, offset + same, toks[same:]) if same < len(toks) else 0
+        return dropped, added
+
     def add_history(self, token_ids: Sequence[int]) -> None:
         """Adds a response of an earlier iteration for the same prompt (RhymeRL HistoSpec)."""
         s = self._new_seq([*self._lead, *(int(t) for t in token_ids)], base=len(self._lead))
@@ -162,6 +231,14 @@ class GroupIndex:
     def tokens(self, request_id: str) -> list[int]:
         s = self._by_request.get(request_id)
         return [] if s is None else self._seqs[s][self._bases[s] :]
+
+    def tokens_at(self, request_id: str, offset: int, n: int) -> list[int]:
+        """Up to n tokens of the response from `offset` (without copying the whole response)."""
+        s = self._by_request.get(request_id)
+        if s is None:
+            return []
+        b = self._bases[s] + offset
+        return self._seqs[s][b : b + n]
 
     def request_ids(self) -> list[str]:
         return list(self._by_request)

@@ -25,7 +25,7 @@ def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
         watermark=d.watermark,
         appends=[
             draft_pb2.SequenceDelta(request_id=a.request_id, offset=a.offset, token_ids=a.token_ids,
-                                    finished=a.finished)
+                                    finished=a.finished, truncate=a.truncate)
             for a in d.appends
         ],
         prompt_token_ids=d.prompt_token_ids,
@@ -48,7 +48,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for i, m in enumerate(request_iterator):
             with log_context(group_id=m.group_id, request_id=m.request_id):
                 a, d = self.store.append(m.group_id, m.request_id, m.offset, m.token_ids, m.finished,
-                                         where=f"messages[{i}].")
+                                         where=f"messages[{i}].", truncate=m.truncate)
             appended += a
             duplicate += d
         APPENDED.inc(appended)

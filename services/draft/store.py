@@ -5,7 +5,11 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
 - register_group(group_id, prompt_key, prompt, ttl, group_size) creates the group's index with the
   prompt and the key's history. Re-registering with the same prompt refreshes the TTL.
 - append(group_id, request_id, offset, tokens, finished) is idempotent by offset (see GroupIndex).
-  Every append that adds tokens is also recorded in the group's log.
+  Every append that adds tokens is also recorded in the group's log. With truncate=True the
+  response becomes exactly its first `offset` tokens + tokens (a request resuming from its committed
+  output drops a failed attempt's extra tokens, which were sampled with the randomness the new
+  attempt verifies with); the log entry carries the truncate so mirrors replay it. A retried
+  truncate+append changes nothing and logs nothing.
 - sync([(group_id, watermark)]) returns per group the log entries after `watermark`. A group's
   watermark is 1 + the length of its log; 0 means "nothing yet", answered with the prompt, the
   history and the whole log. History seeded into a live group later arrives as a log entry with an
@@ -45,6 +49,7 @@ class SeqDelta:
     offset: int
     token_ids: tuple[int, ...]
     finished: bool = False
+    truncate: bool = False  # the response was cut to `offset` before token_ids
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class DraftStore:
 
     def append(
         self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False,
-        *, where: str = "",
+        *, where: str = "", truncate: bool = False,
     ) -> tuple[int, int]:
         """Returns (tokens appended, duplicate tokens skipped). `where` prefixes field names."""
         if not request_id:
@@ -198,6 +203,8 @@ class DraftStore:
             now = self._clock()
             self._sweep(now)
             g = self._get(group_id, f"{where}group_id")
+            if truncate:
+                return self._truncate_append(g, request_id, offset, token_ids, finished, where, now)
             have = g.index.length(request_id)
             if request_id in g.finished and offset + len(token_ids) > have:
                 raise FailedPrecondition(f"request {request_id!r} already finished at {have} tokens",
@@ -224,6 +231,46 @@ class DraftStore:
                 self._maybe_complete(g)
             g.expires_at = now + g.ttl_s
             return added, len(token_ids) - added
+
+    def _truncate_append(
+        self, g: _Group, request_id: str, offset: int, token_ids: Sequence[int], finished: bool, where: str,
+        now: float,
+    ) -> tuple[int, int]:
+        """append(truncate=True) under the lock: the response becomes tokens[:offset] + token_ids."""
+        index = g.index
+        have = index.length(request_id)
+        if offset > have:
+            raise InvalidArgument(f"gap: request {request_id!r} has {have} tokens, truncate+append starts at "
+                                  f"{offset}", field=f"{where}offset")
+        toks = [int(t) for t in token_ids]
+        existing = index.tokens_at(request_id, offset, len(toks))
+        same = 0
+        for a, b in zip(existing, toks, strict=False):
+            if a != b:
+                break
+            same += 1
+        cuts = offset + same < have
+        if cuts and g.completed:
+            raise FailedPrecondition(f"group {g.group_id!r} is complete (promoted to history); request "
+                                     f"{request_id!r} cannot be truncated", field=f"{where}truncate")
+        fresh = len(toks) - same
+        if fresh:
+            self._make_room(fresh * _APPEND_TOKEN_BYTES)
+        dropped, added = index.replace_from(request_id, offset + same, toks[same:])
+        if cuts:
+            g.finished.discard(request_id)  # the response continues from the truncated point
+        newly_finished = finished and request_id not in g.finished
+        if dropped or added or newly_finished:
+            g.log.append(SeqDelta(request_id, offset + same, tuple(toks[same:]), finished, truncate=bool(dropped)))
+            g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
+        if dropped:
+            log.info("response truncated", extra=kv(group_id=g.group_id, request_id=request_id,
+                                                    offset=offset + same, dropped=dropped))
+        if newly_finished:
+            g.finished.add(request_id)
+            self._maybe_complete(g)
+        g.expires_at = now + g.ttl_s
+        return added, len(toks) - added
 
     def _maybe_complete(self, g: _Group) -> None:
         if g.completed or g.group_size <= 0 or len(g.finished) < g.group_size or not g.prompt_key:
@@ -369,15 +416,21 @@ class DraftStore:
 
 
 def _coalesce(entries: Sequence[SeqDelta]) -> tuple[SeqDelta, ...]:
-    """Merges consecutive appends of one request (per-step appends are 1-3 tokens each)."""
+    """Merges consecutive appends of one request (per-step appends are 1-3 tokens each).
+
+    A truncate at an offset inside the previous entry of the request folds into it (cutting its
+    tokens): after the previous entry the response has exactly prev.offset + len(prev.token_ids)
+    tokens, so "prev, then cut to e.offset and append" equals one truncate at prev.offset."""
     out: list[SeqDelta] = []
     last: dict[str, int] = {}
     for e in entries:
         j = last.get(e.request_id)
         if e.request_id and j is not None:
             prev = out[j]
-            if prev.offset + len(prev.token_ids) == e.offset and not prev.finished:
-                out[j] = SeqDelta(e.request_id, prev.offset, prev.token_ids + e.token_ids, e.finished)
+            end = prev.offset + len(prev.token_ids)
+            if not prev.finished and (end == e.offset or (e.truncate and prev.offset <= e.offset <= end)):
+                out[j] = SeqDelta(e.request_id, prev.offset, prev.token_ids[: e.offset - prev.offset] + e.token_ids,
+                                  e.finished, prev.truncate or e.truncate)
                 continue
         last[e.request_id] = len(out)
         out.append(e)

@@ -340,6 +340,8 @@ class Worker:
                     self.engine.add_request(req)
                 except ValueError as e:
                     raise InvalidArgument(str(e)) from e
+                # Under the engine lock, before the request can be drafted for in a step.
+                self._draft_resume_locked(job)
                 self._active[job.request_id] = act
                 metrics.IN_FLIGHT.set(len(self._active))
                 self._wake.notify_all()
@@ -661,6 +663,7 @@ class Worker:
         job = act.job
         act.stats.wall_seconds = time.monotonic() - act.started
         self._active.pop(job.request_id, None)
+        self._draft_end_locked(job)
         metrics.IN_FLIGHT.set(len(self._active))
         metrics.CHUNKS.labels(finish=finish.value).inc()
         if self._kv is not None:
@@ -680,6 +683,7 @@ class Worker:
             return
         act.done = True
         self._active.pop(act.job.request_id, None)
+        self._draft_end_locked(act.job)
         metrics.IN_FLIGHT.set(len(self._active))
         act.events.put(ErrorEvent(error))
         self._wake.notify_all()
@@ -772,16 +776,43 @@ class Worker:
             if not known:
                 self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
                                            max(job.group_size, 1), int(self._group_ttl))
-            if job.output_token_ids:
-                # A request resuming here: its earlier chunks ran elsewhere, so the local mirror may
-                # lack them (a gap would make its later appends invalid). Appends are idempotent by
-                # offset, so re-sending what the mirror or the server already has is a no-op.
-                self._draft.append(job.group_id, job.request_id, 0, job.output_token_ids, False)
         except Exception:
             # Drafting degrades to nothing for this group; generation itself is unaffected.
             log.warning("draft register_group failed", exc_info=True)
             with self._locked():
                 self._registered_groups.pop(job.group_id, None)
+
+
+    def _draft_resume_locked(self, job: ChunkJob) -> None:
+        """The request's response in the draft index becomes exactly its committed output.
+
+        Resuming from the committed output is the truth: a failed or cancelled attempt of this
+        chunk may have streamed further tokens into the draft index, and the re-dispatched chunk
+        samples and verifies with the same (seed, position) randomness, so a draft made of those
+        tokens would bias the output (the engine's verification is lossless only for drafts
+        independent of its random numbers). Earlier chunks that ran elsewhere are filled in (a gap
+        would make the later appends invalid). Also for an empty output: the failed attempt may
+        have been the first chunk.
+        """
+        if self._draft is None or not job.group_id:
+            return
+        resume = getattr(self._draft, "resume", None)
+        try:
+            if resume is not None:
+                resume(job.group_id, job.request_id, job.output_token_ids)
+            elif job.output_token_ids:  # a DraftSource without truncation: fill in only
+                self._draft.append(job.group_id, job.request_id, 0, job.output_token_ids, False)
+        except Exception:
+            log.warning("draft resume failed", exc_info=True, extra=kv(request_id=job.request_id))
+
+    def _draft_end_locked(self, job: ChunkJob) -> None:
+        end = getattr(self._draft, "end", None) if job.group_id else None
+        if end is None:
+            return
+        try:
+            end(job.group_id, job.request_id)
+        except Exception:
+            log.warning("draft end failed", exc_info=True, extra=kv(request_id=job.request_id))
 
 
 def _replace(job: ChunkJob, **changes: object) -> ChunkJob:

@@ -6,6 +6,13 @@ streams the queued appends (Append, batched, coalesced per request) and pulls th
 from other workers (Sync with per-group watermarks, only deltas). Appends are idempotent by offset,
 so a resent batch, or our own tokens echoed back by Sync, never corrupt the mirror.
 
+Requests running on this worker are authoritative locally: `resume` makes the mirror's copy of a
+request exactly its committed output when a chunk starts (dropping what a failed attempt streamed;
+those tokens were sampled with the randomness the new attempt verifies with, so drafting from them
+would bias the output) and sends the same truncate to the server in order with the appends; until
+`end`, Sync deltas for that request are not applied (they can only be echoes of ours or a stale
+attempt's tokens), so a request never drafts from its own tokens at or beyond its current length.
+
 The draft server is an optimisation: when it is down the client keeps drafting from what it has
 (own tokens, earlier deltas), retries in the background, and re-registers groups the server lost.
 """
@@ -45,6 +52,7 @@ class _Mirror:
     own: set[str] = field(default_factory=set)  # requests this worker appended (re-sent if the server lost them)
     finished: set[str] = field(default_factory=set)
     history_loaded: bool = False
+    active: set[str] = field(default_factory=set)  # requests generating here now: deltas for them are skipped
 
 
 @dataclass
@@ -117,16 +125,23 @@ class DraftClient:
             return group_id in self._groups
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False) -> None:
+               finished: bool = False, truncate: bool = False) -> None:
         """Adds a request's new tokens to the mirror and queues them for the server. Never blocks
-        on the network; bad appends are logged and dropped (drafting is best effort)."""
+        on the network; bad appends are logged and dropped (drafting is best effort).
+
+        truncate=True first drops the request's tokens at or after `offset` (draft.proto
+        AppendRequest.truncate), locally at once and on the server in order with the appends."""
         toks = [int(t) for t in token_ids]
         with self._lock:
             m = self._groups.get(group_id)
             if m is None:
                 return
             try:
-                m.index.append(request_id, offset, toks)
+                if truncate:
+                    m.index.replace_from(request_id, offset, toks)
+                    m.finished.discard(request_id)
+                else:
+                    m.index.append(request_id, offset, toks)
             except InvalidArgument as e:
                 log.warning("draft append dropped: %s", e, extra=kv(group_id=group_id, request_id=request_id))
                 return
@@ -135,11 +150,40 @@ class DraftClient:
                 m.finished.add(request_id)
             if self._stub is not None:
                 self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
-                                                             token_ids=toks, finished=finished))
+                                                             token_ids=toks, finished=finished, truncate=truncate))
                 if len(self._pending) > _MAX_PENDING:
                     drop = len(self._pending) - _MAX_PENDING
                     del self._pending[:drop]
                     self._stats.dropped_messages += drop
+
+    def truncate(self, group_id: str, request_id: str, offset: int) -> None:
+        """Drops the request's tokens at or after `offset` (mirror now, server in order)."""
+        self.append(group_id, request_id, offset, (), truncate=True)
+
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int]) -> None:
+        """A chunk of the request starts here from its committed output: the mirror's copy becomes
+        exactly output_token_ids (what an earlier chunk elsewhere added is filled in, what a failed
+        attempt streamed beyond it is dropped), the server gets the same as one truncate+append
+        (a no-op there when it already agrees), and Sync deltas for the request are ignored until
+        `end`. Only the differing tail is re-indexed."""
+        self.append(group_id, request_id, 0, output_token_ids, truncate=True)
+        with self._lock:
+            m = self._groups.get(group_id)
+            if m is not None:
+                m.active.add(request_id)
+
+    def end(self, group_id: str, request_id: str) -> None:
+        """The request's chunk here is over: Sync deltas for it apply to the mirror again."""
+        with self._lock:
+            m = self._groups.get(group_id)
+            if m is not None:
+                m.active.discard(request_id)
+
+    def own_length(self, group_id: str, request_id: str) -> int:
+        """Tokens of the request in the mirror (tests: never beyond its current length)."""
+        with self._lock:
+            m = self._groups.get(group_id)
+            return 0 if m is None else m.index.length(request_id)
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
                 width: int = 1) -> Draft | None:
@@ -306,8 +350,13 @@ class DraftClient:
                     if not a.request_id:
                         m.index.add_history(a.token_ids)
                         continue
+                    if a.request_id in m.active:
+                        continue  # generating here: the local copy is the truth (see the module doc)
                     try:
-                        received += m.index.append(a.request_id, a.offset, a.token_ids)
+                        if a.truncate:
+                            received += m.index.replace_from(a.request_id, a.offset, a.token_ids)[1]
+                        else:
+                            received += m.index.append(a.request_id, a.offset, a.token_ids)
                     except InvalidArgument as e:
                         log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
                 m.watermark = d.watermark
@@ -315,7 +364,10 @@ class DraftClient:
 
 
 def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequest]:
-    """Merges contiguous appends of one request (one message per request per flush)."""
+    """Merges contiguous appends of one request (one message per request per flush). A truncate
+    inside the previous message of the request folds into it (cutting its tokens): applying the
+    previous message leaves exactly prev.offset + len(prev.token_ids) tokens, so "prev, then cut
+    and append" is one truncate+append at prev.offset."""
     out: list[draft_pb2.AppendRequest] = []
     last: dict[tuple[str, str], int] = {}
     for a in batch:
@@ -323,11 +375,14 @@ def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequ
         j = last.get(key)
         if j is not None:
             prev = out[j]
-            if prev.offset + len(prev.token_ids) == a.offset and not prev.finished:
+            end = prev.offset + len(prev.token_ids)
+            if not prev.finished and (end == a.offset or (a.truncate and prev.offset <= a.offset <= end)):
+                del prev.token_ids[a.offset - prev.offset :]
                 prev.token_ids.extend(a.token_ids)
                 prev.finished = a.finished
+                prev.truncate = prev.truncate or a.truncate
                 continue
         last[key] = len(out)
         out.append(draft_pb2.AppendRequest(group_id=a.group_id, request_id=a.request_id, offset=a.offset,
-                                           token_ids=a.token_ids, finished=a.finished))
+                                           token_ids=a.token_ids, finished=a.finished, truncate=a.truncate))
     return out
