@@ -135,7 +135,9 @@ class BlockManager:
         self._register(seq, seq.num_computed // self.page_size)
 
     def free_seq(self, seq: Sequence) -> None:
-        for p in seq.block_table:
+        # Tail pages first into the LRU so they are evicted first: a cached chain is only usable
+        # from its first page, so evicting page 0 first would strand the rest of the chain.
+        for p in reversed(seq.block_table):
             self.ref_count[p] -= 1
             if self.ref_count[p] == 0:
                 h = self.page_hash[p]

@@ -281,7 +281,8 @@ class ReferenceEngine(Engine):
                 continue
             assert probs is not None
             rows_p = probs[off : off + 1 + len(tree)]
-            toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].seed, seqs[i].next_output_position)
+            toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].verify_seed,
+                                                             seqs[i].next_output_position)
             lps = [float(torch.log(rows_p[r, t])) for r, t in zip(rows, toks, strict=True)]
             results[i] = (toks, path, lps)
         return results
