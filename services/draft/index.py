@@ -209,12 +209,7 @@ class GroupIndex:
                 f"gap: request {request_id!r} has {have} tokens, append starts at {offset}", field="offset"
             )
         toks = [int(t) for t in token_ids]
-        existing = self.tokens_at(request_id, offset, len(toks))
-        same = 0
-        for a, b in zip(existing, toks, strict=False):  # existing may be shorter
-            if a != b:
-                break
-            same += 1
+        same = common_prefix(self.tokens_at(request_id, offset, len(toks)), toks)
         dropped = self.truncate(request_id, offset + same)
         added = self.append(request_id, offset + same, toks[same:]) if same < len(toks) else 0
         return dropped, added
@@ -340,6 +335,18 @@ class GroupIndex:
             if prop.tokens or tried >= 2:
                 break
         return best
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix. The usual case on resume, one a prefix of the other, is a
+    single C-level list comparison (~100x faster than the loop for a long output)."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _children(conts: list[list[int]], lo: int, hi: int, d: int, top: int) -> tuple[int, list[tuple[int, int, int]]]:

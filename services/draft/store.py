@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.log import get_logger, kv
 from services.draft.history import HistoryStore
-from services.draft.index import DEFAULT_LEVELS, GroupIndex
+from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix
 
 log = get_logger(__name__)
 
@@ -243,12 +243,7 @@ class DraftStore:
             raise InvalidArgument(f"gap: request {request_id!r} has {have} tokens, truncate+append starts at "
                                   f"{offset}", field=f"{where}offset")
         toks = [int(t) for t in token_ids]
-        existing = index.tokens_at(request_id, offset, len(toks))
-        same = 0
-        for a, b in zip(existing, toks, strict=False):
-            if a != b:
-                break
-            same += 1
+        same = common_prefix(index.tokens_at(request_id, offset, len(toks)), toks)
         cuts = offset + same < have
         if cuts and g.completed:
             raise FailedPrecondition(f"group {g.group_id!r} is complete (promoted to history); request "
