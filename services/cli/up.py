@@ -184,7 +184,7 @@ class Suite:
         workers: int = 1,
         data_dir: str | os.PathLike[str] | None = None,
         base_port: int = 0,
-        policy: str = "baseline",
+        policy: str = "seer",
         speculation: bool = True,
         model_dir: str | os.PathLike[str] | None = None,
         chunk_size: int = 512,
@@ -410,7 +410,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="number of workers (default 1)")
     p.add_argument("--data-dir", default=None, help="state directory (default: a temporary one, removed on exit)")
     p.add_argument("--base-port", type=int, default=50051, help="first port (0 = any free ports)")
-    p.add_argument("--policy", default="baseline", help="scheduling policy")
+    p.add_argument("--policy", default="seer", help="scheduling policy")
     p.add_argument("--speculation", choices=["on", "off"], default="on")
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--model-dir", default=None, help="safetensors model dir (default: the embedded model)")

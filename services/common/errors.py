@@ -51,3 +51,10 @@ class DataLoss(SeerError):
 
 class OutOfRange(SeerError):
     code_name = "OUT_OF_RANGE"
+
+
+class DeadlineExceeded(SeerError):
+    """A call ran past its deadline. Not Unavailable: one slow call says nothing about the health
+    of the peer's other calls."""
+
+    code_name = "DEADLINE_EXCEEDED"

@@ -5,16 +5,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
-from services.scheduler.core.config import POLICIES
+from services.scheduler.core.config import POLICIES, SchedulerPolicyConfig
 
 
 @dataclass(frozen=True)
 class SchedulerConfig(ServiceConfig):
     buffer_address: str = field(default="", metadata={"help": "host:port of the buffer (work feed, commits)"})
-    policy: str = field(default="baseline", metadata={"help": "scheduling policy: " + ", ".join(POLICIES)})
+    policy: str = field(default="seer", metadata={"help": "scheduling policy: " + ", ".join(POLICIES)})
     chunk_size: int = field(default=512, metadata={"help": "max new tokens per dispatched chunk"})
+    load_imbalance_threshold: int = field(
+        default=32, metadata={"help": "go load-first when in-flight counts differ by more than this"}
+    )
+    prefix_gap_margin: int = field(
+        default=512, metadata={"help": "pull KV from the pool when a move leaves a prefix gap over this"}
+    )
+    starvation_seconds: float = field(default=30.0, metadata={"help": "anti-starvation wait before any priority"})
+    order: str = field(default="total", metadata={"help": "longest-first by estimated 'total' or 'remaining'"})
+    # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
-        default=1.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
+        default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
     )
     dispatch_threads: int = field(default=64, metadata={"help": "chunks that may run at once (all workers)"})
     commit_timeout: float = field(
@@ -26,12 +35,17 @@ class SchedulerConfig(ServiceConfig):
     )
     port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
 
+    def policy_config(self) -> SchedulerPolicyConfig:
+        return SchedulerPolicyConfig(
+            policy=self.policy, chunk_size=self.chunk_size, load_imbalance_threshold=self.load_imbalance_threshold,
+            prefix_gap_margin=self.prefix_gap_margin, starvation_seconds=self.starvation_seconds, order=self.order,
+        )
+
     def validate(self) -> None:
         super().validate()
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size: must be >= 1, got {self.chunk_size}")
+        self.policy_config().validate()
         if self.heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval: must be > 0, got {self.heartbeat_interval}")
         if self.dispatch_threads < 1:

@@ -16,13 +16,9 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import errors
 from services.common.grpcutil import channel as common_channel
 
-
-class DeadlineExceeded(errors.SeerError):
-    """The call ran past its deadline. Not Unavailable: a slow chunk says nothing about its worker's
-    health (its other chunks are fine), so only that chunk is aborted and re-dispatched."""
-
-    code_name = "DEADLINE_EXCEEDED"
-
+# A slow chunk says nothing about its worker's health (its other chunks are fine): only that chunk
+# is aborted and re-dispatched.
+DeadlineExceeded = errors.DeadlineExceeded
 
 _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,

@@ -46,7 +46,6 @@ from services.common.log import get_logger, kv, log_context
 from services.common.telemetry import Counter, Gauge, tracer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
-from services.scheduler.core.config import SchedulerPolicyConfig
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
 from services.scheduler.links import BufferLink, DeadlineExceeded, WorkerLink
 
@@ -142,7 +141,7 @@ class Dispatcher:
         worker_link: Callable[[str], WorkerLink] = WorkerLink,
     ) -> None:
         self.cfg = cfg
-        self.core = SchedulerCore(SchedulerPolicyConfig(policy=cfg.policy, chunk_size=cfg.chunk_size))
+        self.core = SchedulerCore(cfg.policy_config())
         self._buffer_link_factory = buffer_link
         self._worker_link_factory = worker_link
         self._buffer: BufferLink | None = buffer_link(cfg.buffer_address) if cfg.buffer_address else None
@@ -290,7 +289,8 @@ class Dispatcher:
             state.telemetry.CopyFrom(telemetry)
             if state.active:
                 self.core.update_worker(
-                    worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running, waiting=telemetry.waiting
+                    worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running, waiting=telemetry.waiting,
+                    used_pages=telemetry.used_kv_pages, tokens_per_second=telemetry.tokens_per_second,
                 )
                 self._dirty = True
                 self._cond.notify_all()
