@@ -149,8 +149,13 @@ class DraftClient:
             if finished:
                 m.finished.add(request_id)
             if self._stub is not None:
+                # While the request runs here our stream is the truth on the server too: sending it
+                # as truncate+append overwrites tokens a cancelled attempt elsewhere flushed late
+                # (that worker's plain appends never overwrite ours). A no-op when nothing differs.
+                wire_truncate = truncate or request_id in m.active
                 self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
-                                                             token_ids=toks, finished=finished, truncate=truncate))
+                                                             token_ids=toks, finished=finished,
+                                                             truncate=wire_truncate))
                 if len(self._pending) > _MAX_PENDING:
                     drop = len(self._pending) - _MAX_PENDING
                     del self._pending[:drop]

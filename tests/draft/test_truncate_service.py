@@ -149,3 +149,28 @@ def test_client_coalesces_truncates_in_order() -> None:
             A(group_id="g", request_id="r", offset=1, token_ids=[8])]
     (m,) = client_coalesce(msgs)
     assert (m.offset, list(m.token_ids), m.truncate) == (0, [1, 8], True)
+
+
+def test_active_request_overwrites_a_late_stale_append(draft_server: tuple[RunningServer, DraftStore]) -> None:
+    """A cancelled attempt elsewhere flushes its tokens after the new attempt's resume reached the
+    server: the running worker's next append (sent as truncate+append) puts the truth back."""
+    running, store = draft_server
+    c = DraftClient(running.address, sync_interval_s=10)  # ticks only when flushed
+    try:
+        c.register_group("g", "", [1, 2, 3], group_size=2)
+        c.append("g", "r", 0, [4, 5])
+        c.flush()
+        c.resume("g", "r", [4, 5])
+        c.flush()
+        store.append("g", "r", 2, [40, 41])  # the late, stale, plain append of the other worker
+        c.append("g", "r", 2, [6, 7])
+        c.flush()
+        assert store.index_of("g").tokens("r") == [4, 5, 6, 7]
+        assert c.own_length("g", "r") == 4 and c.propose("g", "r", [1, 2, 3, 4, 5, 6, 7], 3) is None
+        assert c.stats().append_errors == 0
+        c.end("g", "r")
+        c.append("g", "r", 4, [8])  # not running here any more: a plain append
+        c.flush()
+        assert store.index_of("g").tokens("r") == [4, 5, 6, 7, 8]
+    finally:
+        c.close()
