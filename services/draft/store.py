@@ -245,15 +245,18 @@ class DraftStore:
         toks = [int(t) for t in token_ids]
         same = common_prefix(index.tokens_at(request_id, offset, len(toks)), toks)
         cuts = offset + same < have
-        if cuts and g.completed:
+        # Cutting a finished response, or extending one, re-opens it: the attempt that finished was
+        # not committed and the new one may end elsewhere.
+        reopen = request_id in g.finished and (cuts or offset + len(toks) > have)
+        if reopen and g.completed:
             raise FailedPrecondition(f"group {g.group_id!r} is complete (promoted to history); request "
                                      f"{request_id!r} cannot be truncated", field=f"{where}truncate")
         fresh = len(toks) - same
         if fresh:
             self._make_room(fresh * _APPEND_TOKEN_BYTES)
         dropped, added = index.replace_from(request_id, offset + same, toks[same:])
-        if cuts:
-            g.finished.discard(request_id)  # the response continues from the truncated point
+        if reopen:
+            g.finished.discard(request_id)
         newly_finished = finished and request_id not in g.finished
         if dropped or added or newly_finished:
             g.log.append(SeqDelta(request_id, offset + same, tuple(toks[same:]), finished, truncate=bool(dropped)))

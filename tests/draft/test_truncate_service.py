@@ -74,6 +74,11 @@ def test_truncate_reopens_a_finished_response_unless_promoted() -> None:
     s.append("g", "a", 1, [9], truncate=True)  # a finished-but-uncommitted attempt was redone
     assert s.index_of("g").tokens("a") == [2, 9]
     s.append("g", "a", 2, [10], finished=True)  # not "already finished"
+    with pytest.raises(FailedPrecondition):
+        s.append("g", "a", 3, [11])  # a plain append after finished still is refused
+    s.append("g", "a", 3, [11], truncate=True)  # a resumed attempt that goes on re-opens it
+    assert s.index_of("g").tokens("a") == [2, 9, 10, 11]
+    s.append("g", "a", 4, [12], finished=True)
     s.append("g", "b", 0, [4], finished=True)  # the group completes: history
     with pytest.raises(FailedPrecondition):
         s.append("g", "a", 0, [], truncate=True)
