@@ -796,21 +796,16 @@ class Worker:
         """
         if self._draft is None or not job.group_id:
             return
-        resume = getattr(self._draft, "resume", None)
         try:
-            if resume is not None:
-                resume(job.group_id, job.request_id, job.output_token_ids)
-            elif job.output_token_ids:  # a DraftSource without truncation: fill in only
-                self._draft.append(job.group_id, job.request_id, 0, job.output_token_ids, False)
+            self._draft.resume(job.group_id, job.request_id, job.output_token_ids)
         except Exception:
             log.warning("draft resume failed", exc_info=True, extra=kv(request_id=job.request_id))
 
     def _draft_end_locked(self, job: ChunkJob) -> None:
-        end = getattr(self._draft, "end", None) if job.group_id else None
-        if end is None:
+        if self._draft is None or not job.group_id:
             return
         try:
-            end(job.group_id, job.request_id)
+            self._draft.end(job.group_id, job.request_id)
         except Exception:
             log.warning("draft end failed", exc_info=True, extra=kv(request_id=job.request_id))
 

@@ -128,6 +128,12 @@ class ChainDrafter:
             toks.append(last if i != self.wrong_at else 0)
         return Draft.chain(toks)
 
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int]) -> None:
+        pass  # proposals do not depend on appended tokens
+
+    def end(self, group_id: str, request_id: str) -> None:
+        pass
+
     def release_group(self, group_id: str) -> None:
         pass
 
