@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.buffer import codec
+from services.common.chunkstats import ChunkStats
 
 
 class FinishReason(enum.IntEnum):
@@ -68,32 +69,6 @@ class GroupSpec:
     max_tokens: int = 1
     sampling: Sampling = field(default_factory=Sampling)
     labels: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
-
-
-@dataclass
-class ChunkStats:
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    kv_loaded_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    steps: int = 0
-    wall_seconds: float = 0.0
-    kv_recomputed_pages: int = 0
-
-    def add(self, other: ChunkStats) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def to_meta(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def copy(self) -> ChunkStats:
-        return ChunkStats(**self.__dict__)
-
-    @classmethod
-    def from_meta(cls, d: dict[str, Any]) -> ChunkStats:
-        return cls(**d)
 
 
 @dataclass

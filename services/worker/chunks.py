@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from services.common.chunkstats import ChunkStats
 from services.worker.engine import SamplingParams
 
 
@@ -31,18 +32,6 @@ class ChunkJob:
     is_probe: bool = False
     group_size: int = 1
     fetch_kv: bool = False
-
-
-@dataclass
-class ChunkStats:
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    kv_loaded_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    steps: int = 0
-    wall_seconds: float = 0.0
-    kv_recomputed_pages: int = 0
 
 
 @dataclass(frozen=True)
