@@ -17,6 +17,11 @@ RESULT {json}.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from seer_client.types import PromptGroup
+
 import argparse
 import contextlib
 import json
@@ -55,10 +60,10 @@ class RealWorkload:
     max_tokens: int
     long_every: int  # every n-th group is a long (never-stopping) one
 
-    def prompt_groups(self, seed: int) -> list[object]:
+    def prompt_groups(self, seed: int) -> list[PromptGroup]:
         from seer_client.types import PromptGroup, Sampling
 
-        out = []
+        out: list[PromptGroup] = []
         for i in range(self.groups):
             topic = _TOPICS[i % len(_TOPICS)]
             long = i % self.long_every == self.long_every - 1
@@ -99,7 +104,7 @@ def switch_policy(suite: object, policy: str, workers: int) -> None:
     suite.wait_workers(workers, timeout=120)  # type: ignore[attr-defined]
 
 
-def run_batch(client: object, batch_id: str, groups: list[object]) -> dict[str, float]:
+def run_batch(client: object, batch_id: str, groups: list[PromptGroup]) -> dict[str, float]:
     t0 = time.monotonic()
     client.submit_batch(batch_id, groups)  # type: ignore[attr-defined]
     finish: list[float] = []

@@ -1,0 +1,23 @@
+"""The style gate: ruff and mypy clean over the whole tree (config in pyproject.toml)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_ruff_clean() -> None:
+    res = _run("ruff", "check", ".")
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+def test_mypy_clean() -> None:
+    res = _run("mypy", "services", "clients/python", "bench")
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
