@@ -53,3 +53,32 @@ def test_tiny_checkpoint_matches_hf(tmp_path: Path, kind: str) -> None:
             logits = model(torch.tensor([list(p) + got])).logits[0]
             expect = logits[len(p) - 1 : len(p) - 1 + len(got)].argmax(-1).tolist()
             assert got == expect, f"{kind} prompt {i}"
+
+
+def test_sliding_window_drafts_match_plain_decoding(tmp_path: Path) -> None:
+    """Mistral with a window shorter than the context: draft nodes must see exactly the keys plain
+    decoding sees at their own position (all-correct drafts give the plain greedy output)."""
+    import transformers
+
+    from services.worker.engine import Draft
+
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=6))
+    model.eval()
+    model.save_pretrained(str(tmp_path))
+    prompt = tuple(range(3, 3 + 29))
+    sp = SamplingParams(temperature=0.0, ignore_eos=True)
+    plain = ReferenceEngine.from_dir(tmp_path, num_pages=64, num_threads=1)
+    ref = plain.generate([GenerateRequest("plain", prompt, 24, sp)])["plain"].token_ids
+
+    eng = ReferenceEngine.from_dir(tmp_path, num_pages=64, num_threads=1)
+    eng.add_request(GenerateRequest("spec", prompt, 24, sp))
+    out: list[int] = []
+    accepted = 0
+    while eng.has_unfinished():
+        draft = Draft.chain(ref[len(out) : len(out) + 4]) if out else None
+        for o in eng.step({"spec": draft} if draft and draft.tokens else None):
+            out.extend(o.token_ids)
+            accepted += o.num_accepted
+    assert accepted > 0
+    assert out == ref

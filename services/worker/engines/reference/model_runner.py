@@ -181,7 +181,15 @@ class ModelRunner:
         keys = np.arange(Km, dtype=np.int64)
         mask = keys[None, None, :] <= limit[:, :, None]
         if self.window is not None:
-            mask &= keys[None, None, :] > limit[:, :, None] - self.window
+            # Sliding window (Mistral): bounded by each query's own position. A draft node at depth d
+            # sits at position L-1+d, not L-1, so it must not see the d oldest keys plain decoding
+            # would no longer see. (Within the tree, ancestors are closer than any window.)
+            pos = limit.copy()
+            for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
+                if tree is not None and len(tree):
+                    L, tail = len(seq), len(seq) - seq.num_computed
+                    pos[b, tail : tail + len(tree)] = L - 1 + np.asarray(tree.depth, dtype=np.int64)
+            mask &= keys[None, None, :] > pos[:, :, None] - self.window
         for b, (seq, tree) in enumerate(zip(seqs, trees, strict=True)):
             if tree is not None and len(tree):
                 L, tail, n = len(seq), len(seq) - seq.num_computed, len(tree)
