@@ -31,17 +31,6 @@ def layout_from_pb(msg: kvstore_pb2.PageLayout) -> PageLayout:
     )
 
 
-def layout_to_pb(layout: PageLayout) -> kvstore_pb2.PageLayout:
-    return kvstore_pb2.PageLayout(
-        dtype=layout.dtype,
-        page_size=layout.page_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        layout=layout.layout,
-    )
-
-
 def _prefixed(exc: SeerError, prefix: str) -> SeerError:
     """The same error with its field qualified by the message's position in the stream."""
     message = str(exc)

@@ -36,6 +36,7 @@ from services.common.errors import InvalidArgument
 from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
+from services.kvstore.layout import PageLayout
 from services.kvstore.ring import HashRing
 from services.worker.engine import KVLayout, KVPages
 
@@ -74,7 +75,8 @@ class KVClientStats:
     released_pages: int = 0
 
 
-def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
+def layout_to_pb(layout: KVLayout | PageLayout) -> kvstore_pb2.PageLayout:
+    """The engine's KVLayout or the store's PageLayout (same fields) as the wire message."""
     return kvstore_pb2.PageLayout(
         dtype=layout.dtype,
         page_size=layout.page_size,

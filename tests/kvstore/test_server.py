@@ -16,7 +16,7 @@ from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from services.common.grpcutil import channel
 from services.common.pagehash import chain_hashes
-from services.kvstore.server import layout_to_pb
+from services.worker.kv_client import layout_to_pb
 from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, Replica, crc
 
 Make = Callable[..., Replica]
