@@ -1,6 +1,6 @@
 """Load test of a real buffer process: submit, WatchWork snapshot, CommitChunk, StreamResults.
 
-    python -m services.buffer.loadtest [--quick] [--requests N] [--prompt-tokens P]
+    python -m bench.buffer_load [--quick] [--requests N] [--prompt-tokens P]
 
 Starts `python -m services.buffer` on a temporary data dir, drives it over gRPC from this process
 the way the scheduler and a trainer do, prints one line per phase and `RESULT {json}` last.
@@ -103,7 +103,7 @@ def run(requests: int, prompt_tokens: int, group_size: int, chunk_tokens: int, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.buffer.loadtest", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.buffer_load", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small run (well under 60 s)")
     p.add_argument("--requests", type=int, default=16384)
     p.add_argument("--prompt-tokens", type=int, default=512)
