@@ -11,8 +11,9 @@ Around each step the worker
   - appends every accepted token to the draft client so siblings can draft from it,
 and around each chunk it
   - fetches the request's missing prefix pages from the KV pool before the engine prefills it,
-  - exports and offloads the request's KV pages when the chunk ends with the request unfinished
-    (so the next chunk can run on any worker without re-prefill), and releases them when it ends.
+  - exports and offloads the request's new KV pages when the chunk ends with the request
+    unfinished (so the next chunk can run on any worker without re-prefill; pages an earlier chunk
+    offloaded or fetched are not sent again), and releases them when the request ends.
 
 The draft client, planner and KV client are injected (Protocols in services.worker.ports) so this module never
 imports grpc and tests can drive it with the real engine alone.
@@ -53,6 +54,7 @@ __all__ = [
 ]
 
 _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
+_MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LRU)
 
 
 def version_name(policy_version: int, family: str = "") -> str:
@@ -228,6 +230,12 @@ class Worker:
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
         self._throughput = _Throughput()
         self._offloads: set[Future[Any]] = set()
+        # Per request: (model version, N) = the request's prefix pages [0, N) are in the KV pool,
+        # owned by it (this worker offloaded them, or an earlier chunk's worker did and this one
+        # fetched them). The next offload exports from page N on, so a request run in many chunks
+        # sends each page once instead of its whole prefix after every chunk (issue 6).
+        self._offloaded: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._offloaded_lock = threading.Lock()  # offload callbacks run on the KV client's thread
         # Releases are RPCs: they run here, never under the engine lock.
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="kv-release") if kv_pool is not None else None
         # Worker-level counters the engine does not keep (per-position counts: the engine's).
@@ -329,6 +337,11 @@ class Worker:
                 stats = act.stats
                 if fetched is not None:
                     self._import_kv(fetched, prefix, stats)
+                    if job.output_token_ids:
+                        # A resumed request's stored prefix was offloaded under its own id by its
+                        # earlier chunks. (A first chunk's fetch finds its siblings' prompt pages,
+                        # which it must still claim as an owner: its watermark stays at 0.)
+                        self._mark_offloaded(job.request_id, fetched.model_version, fetched.end_page)
                 stats.cached_tokens = min(self.engine.cached_prefix_tokens(prefix), len(prefix))
                 if job.fetch_kv and self._kv is not None:
                     page = self.engine.kv_layout.page_size
@@ -460,6 +473,8 @@ class Worker:
                     raise InvalidArgument(str(e), field="source") from e
                 self._policy_version = version
                 metrics.POLICY_VERSION.set(version)
+                with self._offloaded_lock:
+                    self._offloaded.clear()  # pages of the old version are never reused
         finally:
             with self._locked():
                 self._loading = False
@@ -670,6 +685,8 @@ class Worker:
             if finish == ChunkFinish.CHUNK and self._kv_offload:
                 self._offload_locked(act)
             elif finish in (ChunkFinish.STOP, ChunkFinish.LENGTH):
+                with self._offloaded_lock:
+                    self._offloaded.pop(job.request_id, None)
                 self._release(job)
         act.events.put(DoneEvent(finish, act.stats, self._policy_version))
         self._wake.notify_all()  # LoadWeights waits for the drain
@@ -717,13 +734,34 @@ class Worker:
         stats.kv_loaded_tokens = max(0, after - before)
         self._kv_loaded_tokens += stats.kv_loaded_tokens
 
+    def offloaded_pages(self, request_id: str) -> int:
+        """Prefix pages of request_id known to be in the KV pool (offloaded or fetched here)."""
+        with self._offloaded_lock:
+            version, n = self._offloaded.get(request_id, ("", 0))
+        return n if version == self.engine.model_version else 0
+
+    def _mark_offloaded(self, request_id: str, version: str, end_page: int) -> None:
+        with self._offloaded_lock:
+            old_version, old = self._offloaded.pop(request_id, ("", 0))
+            self._offloaded[request_id] = (version, max(end_page, old if old_version == version else 0))
+            while len(self._offloaded) > _MAX_OFFLOAD_MARKS:
+                self._offloaded.popitem(last=False)
+
+    def _unmark_offloaded(self, request_id: str, version: str, first_page: int) -> None:
+        """An offload of pages from first_page on did not land: the next one starts there again."""
+        with self._offloaded_lock:
+            cur = self._offloaded.get(request_id)
+            if cur is not None and cur[0] == version and cur[1] > first_page:
+                self._offloaded[request_id] = (version, first_page)
+
     def _offload_locked(self, act: _Active) -> None:
         assert self._kv is not None
         job = act.job
+        start = self.offloaded_pages(job.request_id)
         try:
-            # Export under the lock (the engine may evict the pages after the next step); the
-            # transfer itself runs in the KV client's threads.
-            pages = self.engine.export_kv(job.prompt_token_ids + job.output_token_ids + tuple(act.tokens))
+            # Export under the lock (the engine may evict the pages after the next step), and only
+            # the pages not in the pool yet; the transfer itself runs in the KV client's threads.
+            pages = self.engine.export_kv(job.prompt_token_ids + job.output_token_ids + tuple(act.tokens), start)
         except Exception:
             log.warning("kv export failed", exc_info=True, extra=kv(request_id=job.request_id))
             return
@@ -734,14 +772,22 @@ class Worker:
         except Exception:
             log.warning("kv offload failed", exc_info=True, extra=kv(request_id=job.request_id))
             return
+        self._mark_offloaded(job.request_id, pages.model_version, pages.end_page)
         self._offloads.add(fut)
-        fut.add_done_callback(self._offload_done)
+        rid, version, first = job.request_id, pages.model_version, pages.first_page
+        fut.add_done_callback(lambda f: self._offload_done(f, rid, version, first))
 
-    def _offload_done(self, fut: Future[Any]) -> None:
+    def _offload_done(self, fut: Future[Any], request_id: str, version: str, first_page: int) -> None:
         self._offloads.discard(fut)
         exc = fut.exception()
         if exc is not None:
             log.warning("kv offload failed: %s", exc)
+            self._unmark_offloaded(request_id, version, first_page)
+        elif fut.result() == 0:
+            # No page was new to the store: either all were there already (a sibling with the same
+            # tokens) or the offload was dropped (the client's queue was full). Assume dropped: the
+            # next offload exports these pages again, and the store only takes the missing ones.
+            self._unmark_offloaded(request_id, version, first_page)
 
     def _release(self, job: ChunkJob) -> None:
         kv_pool, bg = self._kv, self._bg

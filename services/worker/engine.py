@@ -5,7 +5,8 @@ One engine instance serves many requests with continuous batching. The worker dr
     engine.add_request(req)            # token prefix (prompt + earlier output) + a new-token limit
     outs = engine.step(drafts)         # one scheduling step; drafts are optional, per request
     engine.abort(request_id)
-    pages = engine.export_kv(request_id)   # KV pages of a request, to move it elsewhere
+    pages = engine.export_kv(token_ids, start_page)  # cached KV pages of a token prefix, from
+                                           # page start_page on (what the KV pool lacks yet)
     engine.import_kv(pages)                # seed the prefix cache; the next add_request reuses them
     engine.load_weights(path, version)     # between steps; old-version pages are never reused
     engine.stats()
@@ -126,13 +127,26 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class KVPages:
-    """Full KV pages of a token prefix, portable between engine instances of the same model."""
+    """Full KV pages of a token prefix, portable between engine instances of the same model.
+
+    The pages may be a slice of the prefix: page_hashes[i] and pages[i] are those of page
+    first_page + i. token_ids always starts at token 0 (so an importer can recompute the chained
+    hashes, which depend on every earlier page): len(token_ids) == (first_page + len(pages)) *
+    page_size. A worker offloads a request's pages after every chunk; with first_page it sends only
+    the pages earlier chunks did not (issue 6), instead of the whole prefix every time.
+    """
 
     model_version: str
     layout: KVLayout
-    token_ids: tuple[int, ...]  # the tokens covered: len == len(page_hashes) * page_size
-    page_hashes: tuple[bytes, ...]  # services.common.pagehash.chain_hashes(token_ids, ...)
+    token_ids: tuple[int, ...]  # tokens of pages [0, first_page + len(page_hashes))
+    page_hashes: tuple[bytes, ...]  # chain_hashes(token_ids, ...)[first_page:]
     pages: tuple[bytes, ...]  # one buffer of layout.page_bytes per page
+    first_page: int = 0  # index (in the prefix) of pages[0]
+
+    @property
+    def end_page(self) -> int:
+        """Index one past the last page carried: the prefix pages [0, end_page) are covered."""
+        return self.first_page + len(self.page_hashes)
 
 
 @dataclass
@@ -185,7 +199,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
-        """Runs one step over the running batch; returns outputs of requests that made progress."""
+        """Runs one step over the running batch; returns outputs of requests that made progress.
+
+        Exception-safe: when it raises (bad drafts: ValueError naming the field; a failed forward
+        pass), no request has advanced and no page is left in the prefix cache without its KV, so
+        the caller may simply step again (requests admitted in the failed step wait again)."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:
@@ -199,13 +217,16 @@ class Engine(abc.ABC):
         """prompt + output tokens of a live request (the drafter's context)."""
 
     @abc.abstractmethod
-    def export_kv(self, token_ids: Sequence[int]) -> KVPages:
-        """The cached full pages of the longest cached prefix of token_ids."""
+    def export_kv(self, token_ids: Sequence[int], start_page: int = 0) -> KVPages:
+        """The cached full pages of the longest cached prefix of token_ids, from page start_page on
+        (first_page = min(start_page, cached pages)); only those pages' bytes are read."""
 
     @abc.abstractmethod
     def import_kv(self, pages: KVPages) -> int:
-        """Adds pages to the prefix cache; returns the number of tokens now cached. Rejects pages of
-        another model version or layout (ValueError naming the field)."""
+        """Adds pages to the prefix cache; returns the number of tokens of pages.token_ids now
+        cached. Rejects pages of another model version or layout (ValueError naming the field).
+        Pages with first_page > 0 are a continuation: the pages [0, first_page) must already be
+        cached in this engine, else ValueError naming first_page (nothing is imported)."""
 
     @abc.abstractmethod
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:

@@ -44,6 +44,7 @@ class FakeEngine(Engine):
         self.step_delay = 0.0  # seconds per step (a slow engine, without blocking forever)
         self.loaded: list[tuple[str | None, str]] = []
         self.seen_drafts: list[dict[str, Draft]] = []
+        self.exports: list[tuple[int, int]] = []  # (first_page, end_page) of every export_kv
 
     @property
     def vocab_size(self) -> int:
@@ -123,18 +124,23 @@ class FakeEngine(Engine):
     def request_tokens(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._seqs[request_id].tokens)
 
-    def export_kv(self, token_ids: Sequence[int]) -> KVPages:
+    def export_kv(self, token_ids: Sequence[int], start_page: int = 0) -> KVPages:
         hashes = chain_hashes(token_ids, 4, self._version)
         n = 0
         while n < len(hashes) and hashes[n] in self._cache:
             n += 1
+        first = min(start_page, n)
         layout = self.kv_layout
-        return KVPages(self._version, layout, tuple(token_ids[: 4 * n]), tuple(hashes[:n]),
-                       tuple(bytes(layout.page_bytes) for _ in range(n)))
+        self.exports.append((first, n))
+        return KVPages(self._version, layout, tuple(token_ids[: 4 * n]), tuple(hashes[first:n]),
+                       tuple(bytes(layout.page_bytes) for _ in range(n - first)), first_page=first)
 
     def import_kv(self, pages: KVPages) -> int:
         if pages.model_version != self._version:
             raise ValueError("model_version: mismatch")
+        before = chain_hashes(pages.token_ids, 4, self._version)[: pages.first_page]
+        if not all(h in self._cache for h in before):
+            raise ValueError(f"first_page: {pages.first_page}, but the pages before it are not cached")
         self._cache.update(pages.page_hashes)
         return len(pages.token_ids)
 

@@ -135,9 +135,15 @@ class BlockManager:
         self._register(seq, seq.num_computed // self.page_size)
 
     def free_seq(self, seq: Sequence) -> None:
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.block_array = np.zeros(0, dtype=np.int64)
+
+    def release(self, pages: Seq[int]) -> None:
+        """Drops one reference to each page (of a chain, in chain order)."""
         # Tail pages first into the LRU so they are evicted first: a cached chain is only usable
         # from its first page, so evicting page 0 first would strand the rest of the chain.
-        for p in reversed(seq.block_table):
+        for p in reversed(pages):
             self.ref_count[p] -= 1
             if self.ref_count[p] == 0:
                 h = self.page_hash[p]
@@ -146,8 +152,25 @@ class BlockManager:
                 else:
                     self.page_hash[p] = None
                     self.free.append(p)
-        seq.block_table = []
-        seq.block_array = np.zeros(0, dtype=np.int64)
+
+    def unallocate(self, seq: Sequence) -> None:
+        """Undoes allocate() for a sequence whose first step failed before its KV was written.
+
+        The pages allocate() registered for the prefix to be computed hold no KV (the forward pass
+        that would have filled them did not complete), so their hashes are dropped before the pages
+        are freed: a later request must never reuse them as cached. Pages seq reused from the cache
+        were computed earlier and stay cached. Siblings admitted in the same step that share these
+        pages must be unallocated too (they counted them as cached)."""
+        first_new = seq.num_cached_at_admit // self.page_size
+        for i in range(first_new, min(len(seq.page_hashes), len(seq.block_table))):
+            h, p = seq.page_hashes[i], seq.block_table[i]
+            if self.hash_to_page.get(h) == p:
+                del self.hash_to_page[h]
+                self.page_hash[p] = None
+        self.free_seq(seq)
+        seq.page_hashes = []
+        seq.num_computed = 0
+        seq.num_cached_at_admit = 0
 
     # ---- import -------------------------------------------------------------------------------
     def insert_cached(self, h: bytes) -> int | None:
@@ -162,9 +185,26 @@ class BlockManager:
         self.lru[p] = None
         return p
 
+    def drop_cached(self, page: int) -> None:
+        """Unregisters an unused cached page (its KV is not valid) and frees it."""
+        if self.ref_count[page] != 0:
+            raise RuntimeError(f"drop_cached: page {page} is in use")
+        h = self.page_hash[page]
+        if h is not None and self.hash_to_page.get(h) == page:
+            del self.hash_to_page[h]
+        self.page_hash[page] = None
+        if page in self.lru:
+            del self.lru[page]
+            self.free.append(page)
+
     def touch(self, page: int) -> None:
         if page in self.lru:
             self.lru.move_to_end(page)
+
+    def pin(self, pages: Seq[int]) -> None:
+        """Takes a reference to each page so no allocation evicts it (undo with release)."""
+        for p in pages:
+            self._acquire(p)
 
     def reset(self, model_version: str) -> None:
         """Drops every cached page (weights changed); only valid with no live sequences."""

@@ -207,11 +207,26 @@ class ReferenceEngine(Engine):
         seqs, admitted = self.scheduler.schedule()
         if not seqs:
             return []
-        trees = self._trees(seqs, drafts)
+        try:
+            trees = self._trees(seqs, drafts)
+            logits, root_rows = self.runner.run(seqs, trees)  # [N, V]
+            results = self._verify(seqs, trees, logits, root_rows)
+        except BaseException as e:
+            # Nothing is committed until _apply: roll back this step's admissions, whose pages were
+            # registered in the prefix cache before the forward pass that fills them (so a sibling
+            # in the same step shares them); left registered, a later request would reuse garbage
+            # KV. Running requests keep their state: the next step recomputes the same KV slots.
+            self.scheduler.unadmit(admitted)
+            e.add_note(
+                f"engine step failed: {len(seqs) - len(admitted)} running requests unchanged, "
+                f"{len(admitted)} newly admitted put back to waiting; the next step retries them"
+            )
+            log.warning("engine step failed; rolled back its admissions",
+                        extra={"fields": {"running": len(seqs) - len(admitted), "admitted": len(admitted),
+                                          "error": repr(e)}})
+            raise
         self._prefill_tokens += sum(len(s) - s.num_computed for s in admitted)
         self._cached_tokens += sum(s.num_cached_at_admit for s in admitted)
-        logits, root_rows = self.runner.run(seqs, trees)  # [N, V]
-        results = self._verify(seqs, trees, logits, root_rows)
         outputs: list[StepOutput] = []
         emitted = 0
         for seq, tree, (tokens, path, lps) in zip(seqs, trees, results, strict=True):
@@ -330,18 +345,22 @@ class ReferenceEngine(Engine):
     def cached_prefix_tokens(self, token_ids: Seq[int]) -> int:
         return len(self.blocks.cached_pages(self.blocks.hashes(token_ids))) * self.blocks.page_size
 
-    def export_kv(self, token_ids: Seq[int]) -> KVPages:
+    def export_kv(self, token_ids: Seq[int], start_page: int = 0) -> KVPages:
+        if start_page < 0:
+            raise ValueError(f"start_page: must be >= 0, got {start_page}")
         hashes = self.blocks.hashes(token_ids)
         pages = self.blocks.cached_pages(hashes)
         n = len(pages)
+        first = min(start_page, n)
         for p in pages:
             self.blocks.touch(p)
         return KVPages(
             model_version=self._version,
             layout=self._layout,
             token_ids=tuple(int(t) for t in token_ids[: n * self.blocks.page_size]),
-            page_hashes=tuple(hashes[:n]),
-            pages=tuple(self.runner.read_pages(pages)),
+            page_hashes=tuple(hashes[first:n]),
+            pages=tuple(self.runner.read_pages(pages[first:])),  # only the bytes that are sent
+            first_page=first,
         )
 
     def import_kv(self, pages: KVPages) -> int:
@@ -353,26 +372,52 @@ class ReferenceEngine(Engine):
                     f"layout.{name}: {getattr(pages.layout, name)!r} != engine's {getattr(self._layout, name)!r}"
                 )
         ps = self.blocks.page_size
-        if len(pages.token_ids) != len(pages.page_hashes) * ps:
-            raise ValueError(f"token_ids: {len(pages.token_ids)} tokens do not fill {len(pages.page_hashes)} pages")
+        first = pages.first_page
+        if first < 0:
+            raise ValueError(f"first_page: must be >= 0, got {first}")
+        if len(pages.token_ids) != pages.end_page * ps:
+            raise ValueError(
+                f"token_ids: {len(pages.token_ids)} tokens do not fill pages [0, {pages.end_page}) "
+                f"(first_page {first} + {len(pages.page_hashes)} pages)"
+            )
         if len(pages.pages) != len(pages.page_hashes):
             raise ValueError(f"pages: {len(pages.pages)} buffers for {len(pages.page_hashes)} hashes")
         self._check_ids(pages.token_ids, "token_ids")
         expect = chain_hashes(pages.token_ids, ps, self._version)
-        for i, (h, e) in enumerate(zip(pages.page_hashes, expect, strict=True)):
+        for i, (h, e) in enumerate(zip(pages.page_hashes, expect[first:], strict=True)):
             if h != e:
                 raise ValueError(f"page_hashes[{i}]: does not match the chained hash of the tokens")
         for i, buf in enumerate(pages.pages):
             if len(buf) != self._layout.page_bytes:
                 raise ValueError(f"pages[{i}]: {len(buf)} bytes, expected {self._layout.page_bytes}")
-        for h, buf in zip(pages.page_hashes, pages.pages, strict=True):
-            if h in self.blocks.hash_to_page:
-                continue
-            page = self.blocks.insert_cached(h)
-            if page is None:
-                break  # cache full of pages in use: keep the prefix imported so far
-            self.runner.write_page(page, buf)
-            self._imported_tokens += ps
+        # A continuation (first_page > 0) extends a chain this engine holds: without the pages
+        # before it the imported ones could never be reached (a cached prefix starts at page 0).
+        held = self.blocks.cached_pages(expect[:first])
+        if len(held) < first:
+            raise ValueError(
+                f"first_page: {first}, but only pages [0, {len(held)}) of the prefix are cached in this engine"
+            )
+        # Pinned while importing: inserting pages evicts cached ones, and evicting the chain's own
+        # earlier pages would strand the rest.
+        pinned = list(held)
+        try:
+            self.blocks.pin(held)
+            for h, buf in zip(pages.page_hashes, pages.pages, strict=True):
+                page = self.blocks.hash_to_page.get(h)
+                if page is None:
+                    page = self.blocks.insert_cached(h)
+                    if page is None:
+                        break  # cache full of pages in use: keep the prefix imported so far
+                    try:
+                        self.runner.write_page(page, buf)
+                    except BaseException:
+                        self.blocks.drop_cached(page)  # never leave a hash on a page without its KV
+                        raise
+                    self._imported_tokens += ps
+                self.blocks.pin([page])
+                pinned.append(page)
+        finally:
+            self.blocks.release(pinned)
         return self.cached_prefix_tokens(pages.token_ids)
 
     # ---- weights --------------------------------------------------------------------------------

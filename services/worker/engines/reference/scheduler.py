@@ -53,6 +53,18 @@ class Scheduler:
         self.running.extend(admitted)
         return list(self.running), admitted
 
+    def unadmit(self, admitted: list[Sequence]) -> None:
+        """Rolls back the admission of `admitted` (a step that failed before any of its KV was
+        committed): their pages are freed and unregistered and they wait again, at the head of the
+        queue in their original order. Requests running before the step are untouched: a failed
+        step changed nothing of theirs that the next step does not recompute."""
+        for seq in reversed(admitted):
+            if seq in self.running:
+                self.running.remove(seq)
+            self.blocks.unallocate(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
         self.blocks.free_seq(seq)

@@ -314,13 +314,17 @@ class SGLangEngine(Engine):
             live = self._live[request_id]
             return live.req.prompt_token_ids + live.req.output_token_ids + tuple(live.tokens)
 
-    def export_kv(self, token_ids: Sequence[int]) -> KVPages:
+    def export_kv(self, token_ids: Sequence[int], start_page: int = 0) -> KVPages:
         # HiCache writes pages through to the KV store itself; nothing to hand over.
+        if start_page < 0:
+            raise ValueError(f"start_page: must be >= 0, got {start_page}")
         return KVPages(self._version, self.kv_layout, (), (), ())
 
     def import_kv(self, pages_: KVPages) -> int:
         if pages_.model_version != self._version:
             raise ValueError(f"model_version: pages are of {pages_.model_version!r}, the engine runs {self._version!r}")
+        if pages_.first_page < 0:
+            raise ValueError(f"first_page: must be >= 0, got {pages_.first_page}")
         return 0  # HiCache prefetches stored prefixes from L3 on admission
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
