@@ -35,6 +35,10 @@ class KvStoreConfig(ServiceConfig):
     max_page_message_bytes: int = field(
         default=4 * 1024 * 1024, metadata={"help": "largest page (one Put/Get message) accepted"}
     )
+    tune_malloc: bool = field(
+        default=True,
+        metadata={"help": "raise glibc's mmap/trim thresholds: page buffers are reused (services/kvstore/memtune.py)"},
+    )
     port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
 
     def validate(self) -> None:

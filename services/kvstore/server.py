@@ -1,10 +1,14 @@
 """gRPC glue of the kvstore service: converts messages, calls services.kvstore.store, lets @rpc map
 typed errors to status codes. No logic here beyond message shape (per-message size limit, fields
-inherited within one Put stream)."""
+inherited within one Put stream).
+
+Put and Get carry pages: their messages are (de)serialized by services.kvstore.wire (same wire
+format, fewer page copies) instead of the generated classes; the other RPCs use the generated ones."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -16,6 +20,7 @@ from services.common.server import RunningServer, start_server
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.layout import PageLayout
 from services.kvstore.store import KvStore
+from services.kvstore.wire import PutMessage, decode_put, encode_get
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
 
@@ -46,9 +51,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         self.max_page_message_bytes = max_page_message_bytes
 
     @rpc
-    def Put(
-        self, request_iterator: Iterator[kvstore_pb2.PutRequest], context: grpc.ServicerContext
-    ) -> kvstore_pb2.PutResponse:
+    def Put(self, request_iterator: Iterator[PutMessage], context: grpc.ServicerContext) -> kvstore_pb2.PutResponse:
         # namespace, layout and request_id may be sent once, on the first message of the stream.
         namespace, request_id = "", ""
         layout: PageLayout | None = None
@@ -63,7 +66,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 )
             namespace = msg.namespace or namespace
             request_id = msg.request_id or request_id
-            if msg.HasField("layout"):
+            if msg.layout is not None:
                 layout = layout_from_pb(msg.layout)
             if layout is None:
                 raise InvalidArgument("required on the first message of the stream", field=f"{prefix}.layout")
@@ -81,13 +84,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         return kvstore_pb2.PutResponse(stored_pages=stored, stored_bytes=stored_bytes)
 
     @rpc
-    def Get(self, request: kvstore_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[kvstore_pb2.GetResponse]:
+    def Get(self, request: kvstore_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serialized GetResponses (services.kvstore.wire.encode_get)."""
         layout = layout_from_pb(request.layout) if request.HasField("layout") else None
         for page_hash, data, crc in self.store.get(request.namespace, list(request.page_hashes), layout):
-            if data is None:
-                yield kvstore_pb2.GetResponse(page_hash=page_hash, found=False)
-            else:
-                yield kvstore_pb2.GetResponse(page_hash=page_hash, data=data, checksum=crc, found=True)
+            yield encode_get(page_hash, data, crc)
 
     @rpc
     def Exists(self, request: kvstore_pb2.ExistsRequest, context: grpc.ServicerContext) -> kvstore_pb2.ExistsResponse:
@@ -119,6 +120,30 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         )
 
 
+def method_handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
+    """The generated registration, except that Put decodes and Get encodes with wire."""
+    pb = kvstore_pb2
+
+    def unary(fn: Any, request: Any, response: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Put": grpc.stream_unary_rpc_method_handler(
+                servicer.Put, request_deserializer=decode_put, response_serializer=pb.PutResponse.SerializeToString
+            ),
+            # The servicer yields bytes already serialized: no response serializer.
+            "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, request_deserializer=pb.GetRequest.FromString),
+            "Exists": unary(servicer.Exists, pb.ExistsRequest, pb.ExistsResponse),
+            "Release": unary(servicer.Release, pb.ReleaseRequest, pb.ReleaseResponse),
+            "GetKvStats": unary(servicer.GetKvStats, pb.GetKvStatsRequest, pb.GetKvStatsResponse),
+        },
+    )
+
+
 def open_store(cfg: KvStoreConfig) -> KvStore:
     return KvStore(
         cfg.data_dir,
@@ -138,7 +163,7 @@ def serve(cfg: KvStoreConfig, store: KvStore | None = None) -> tuple[RunningServ
     servicer = KvStoreServicer(store, cfg.max_page_message_bytes)
 
     def add(server: grpc.Server) -> Sequence[str]:
-        kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((method_handlers(servicer),))
         return [SERVICE_NAME]
 
     return start_server("kvstore", cfg, add, on_stop=store.close), store

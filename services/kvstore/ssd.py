@@ -86,11 +86,11 @@ class SsdTier:
         return list(self._cfs)
 
     # Pages.
-    def put(self, namespace: str, page_hash: bytes, data: bytes, meta: bytes) -> None:
+    def put(self, namespace: str, page_hash: bytes, data: bytes | memoryview, meta: bytes) -> None:
         self.ensure_namespace(namespace)
         wb = WriteBatch(raw_mode=True)
         wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
-        wb.put(_DATA + page_hash, data)
+        wb.put(_DATA + page_hash, data if isinstance(data, bytes) else bytes(data))  # rocksdict takes bytes only
         wb.put(_META + page_hash, meta)
         self._db.write(wb, self._page_write)
 

@@ -21,9 +21,9 @@ Put creates a new one, all but the newest `keep_versions` of that family are dro
 drop_column_family) and tombstoned, so a straggling worker on old weights cannot recreate them.
 `drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
 
-Checksums: crc32 (zlib) of every page is checked on Put (unless verify_put_checksums is off) and on
-every read from the SSD tier; a
-page that fails is deleted and reported as missing (counted in checksum_failures), never served.
+Checksums: crc32 (zlib's CRC-32, computed by services.kvstore.checksum) of every page is checked on
+Put (unless verify_put_checksums is off) and on every read from the SSD tier; a page that fails is
+deleted and reported as missing (counted in checksum_failures), never served.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ from dataclasses import dataclass, field
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
-from services.kvstore.dram import DramLru
+from services.kvstore.checksum import crc32
+from services.kvstore.dram import Buffer, DramLru
 from services.kvstore.layout import PageLayout
 from services.kvstore.ssd import SsdTier
 
@@ -229,7 +229,7 @@ class KvStore:
         namespace: str,
         layout: PageLayout,
         page_hash: bytes,
-        data: bytes,
+        data: Buffer,
         checksum: int,
         request_id: str = "",
     ) -> bool:
@@ -239,7 +239,7 @@ class KvStore:
         # The expensive part, outside the lock. Without put verification the writer's checksum is
         # stored as is: a page whose bytes do not match it is never used, since every reader (the
         # SSD tier, the client) checks it before use.
-        crc = zlib.crc32(data) if self.verify_put_checksums else checksum
+        crc = crc32(data) if self.verify_put_checksums else checksum
         with self._lock:
             found = self._check_put_target(namespace, layout)
             if len(data) != layout.page_bytes:
@@ -287,7 +287,7 @@ class KvStore:
             if entry.on_ssd:
                 self._ssd.put_meta(ns.name, page_hash, _encode_meta(entry))
 
-    def _demote(self, key: Key, data: bytes) -> None:
+    def _demote(self, key: Key, data: Buffer) -> None:
         ns = self._namespaces.get(key[0])
         entry = ns.entries.get(key[1]) if ns is not None else None
         if entry is None or entry.on_ssd:
@@ -295,7 +295,7 @@ class KvStore:
         self._demotions += 1
         self._write_ssd(key, entry, data)
 
-    def _write_ssd(self, key: Key, entry: _Entry, data: bytes) -> None:
+    def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
         self._ssd.put(key[0], key[1], data, _encode_meta(entry))
         entry.on_ssd = True
         self._ssd_lru[key] = entry.size
@@ -341,7 +341,7 @@ class KvStore:
         self._dram.get(key)
 
     # ---------------------------------------------------------------- reads
-    def get_page(self, namespace: str, page_hash: bytes) -> tuple[bytes, int] | None:
+    def get_page(self, namespace: str, page_hash: bytes) -> tuple[Buffer, int] | None:
         """(data, crc32) of a page, or None when missing (or corrupt on disk: then it is deleted)."""
         with self._lock:
             ns = self._namespaces.get(namespace)
@@ -360,7 +360,7 @@ class KvStore:
             except Exception:  # RocksDB reports on-disk corruption (blob/block checksum) as an error
                 log.warning("SSD read failed", exc_info=True, extra=kv(namespace=namespace, page=page_hash.hex()))
                 data = b""
-            bad = data is None or len(data) != entry.size or (self.verify_checksums and zlib.crc32(data) != entry.crc)
+            bad = data is None or len(data) != entry.size or (self.verify_checksums and crc32(data) != entry.crc)
             if bad:
                 self._checksum_failures += 1
                 self._misses += 1
@@ -378,7 +378,7 @@ class KvStore:
 
     def get(
         self, namespace: str, page_hashes: Sequence[bytes], layout: PageLayout | None = None
-    ) -> Iterator[tuple[bytes, bytes | None, int]]:
+    ) -> Iterator[tuple[bytes, Buffer | None, int]]:
         """(hash, data or None, crc32) per asked hash, in order. A stated layout must match."""
         self.check_layout(namespace, layout)
         for i, page_hash in enumerate(page_hashes):

@@ -23,7 +23,6 @@ each case is counted in stats().
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -36,13 +35,34 @@ from services.common.errors import InvalidArgument
 from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
+from services.kvstore.checksum import crc32
 from services.kvstore.layout import PageLayout
+from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.ring import HashRing
+from services.kvstore.wire import GetMessage, decode_get, encode_put
 from services.worker.engine import KVLayout, KVPages
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
+
+_SERVICE = "/" + kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
+_PUT_METHOD = _SERVICE + "/Put"
+_GET_METHOD = _SERVICE + "/Get"
+
+
+def split_even(items: Sequence[T], parts: int) -> list[Sequence[T]]:
+    """items cut into at most `parts` contiguous, non-empty runs of nearly equal length."""
+    parts = max(1, min(parts, len(items)))
+    q, r = divmod(len(items), parts)
+    out: list[Sequence[T]] = []
+    start = 0
+    for k in range(parts):
+        end = start + q + (1 if k < r else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
 
 # Status codes that mean "this replica cannot help right now": degrade to recompute.
 _DEGRADE = {
@@ -96,9 +116,17 @@ class KVClient:
         rpc_timeout_s: float = 10.0,
         exists_timeout_s: float = 2.0,
         max_pending_offloads: int = 8,
+        streams_per_replica: int = 2,
+        tune_malloc: bool = True,
     ) -> None:
         if max_pending_offloads < 1:
             raise InvalidArgument(f"must be >= 1, got {max_pending_offloads}", field="max_pending_offloads")
+        if streams_per_replica < 1:
+            raise InvalidArgument(f"must be >= 1, got {streams_per_replica}", field="streams_per_replica")
+        if tune_malloc:
+            # Page buffers churn through glibc's mmap/munmap otherwise (services/kvstore/memtune.py).
+            tune_malloc_for_pages()
+        self.streams_per_replica = streams_per_replica
         self.ring = HashRing(list(addresses), vnodes)
         self.max_pending_offloads = max_pending_offloads
         self._pending = 0  # offloads queued or running
@@ -106,6 +134,22 @@ class KVClient:
         self.exists_timeout_s = exists_timeout_s
         self._channels = {a: channel(a) for a in self.ring.nodes}
         self._stubs = {a: kvstore_pb2_grpc.KvStoreServiceStub(ch) for a, ch in self._channels.items()}
+        # Put and Get carry the pages: (de)serialized by services.kvstore.wire (same wire format as
+        # the generated classes, fewer page copies). Put takes requests already serialized.
+        self._put_rpc = {
+            a: ch.stream_unary(
+                _PUT_METHOD, request_serializer=None, response_deserializer=kvstore_pb2.PutResponse.FromString
+            )
+            for a, ch in self._channels.items()
+        }
+        self._get_rpc = {
+            a: ch.unary_stream(
+                _GET_METHOD,
+                request_serializer=kvstore_pb2.GetRequest.SerializeToString,
+                response_deserializer=decode_get,
+            )
+            for a, ch in self._channels.items()
+        }
         # One offload thread: offloads of a worker run in order and never block its decode loop.
         self._offload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
         # Fan-out to replicas in parallel (one call per replica per operation). Offloads have their
@@ -113,6 +157,10 @@ class KVClient:
         n = len(self.ring.nodes)
         self._io = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="kv-io")
         self._offload_io = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kv-offload-io")
+        # Extra Get streams within one replica's share (consumed here: decode, crc32, copy out).
+        self._get_io = ThreadPoolExecutor(
+            max_workers=max(1, 2 * n * (streams_per_replica - 1)), thread_name_prefix="kv-get-io"
+        )
         self._lock = threading.Lock()
         self._stats = KVClientStats()
 
@@ -176,30 +224,39 @@ class KVClient:
         layout = layout_to_pb(pages.layout)
         sent = [0]  # bytes actually sent (claims carry none)
 
-        def stream(indices: list[int], claimed: int) -> Iterator[kvstore_pb2.PutRequest]:
+        def stream(indices: Sequence[int], claims: int) -> Iterator[bytes]:
+            """Serialized PutRequests: the first `claims` pages as claims (no bytes), then pages."""
             for j, i in enumerate(indices):
-                msg = kvstore_pb2.PutRequest(page_hash=pages.page_hashes[i])
-                if j == 0:  # the store inherits namespace, layout and owner within one stream
-                    msg.namespace = pages.model_version
-                    msg.layout.CopyFrom(layout)
-                    msg.request_id = request_id
-                if j >= claimed:
-                    data = bytes(pages.pages[i])
-                    msg.data = data
-                    msg.checksum = zlib.crc32(data)
-                    sent[0] += len(data)
-                yield msg
+                # The store inherits namespace, layout and owner within one stream.
+                ns, lay, owner = (pages.model_version, layout, request_id) if j == 0 else ("", None, "")
+                data = b"" if j < claims else pages.pages[i]
+                if data:
+                    with self._lock:
+                        sent[0] += len(data)
+                crc = crc32(data) if data else 0
+                yield encode_put(pages.page_hashes[i], data, crc, namespace=ns, layout=lay, request_id=owner)
 
         def put(node: str, idx: list[int]) -> tuple[int, int]:
-            stub = self._stubs[node]
-            have = stub.Exists(
-                kvstore_pb2.ExistsRequest(
-                    namespace=pages.model_version, page_hashes=[pages.page_hashes[i] for i in idx]
-                ),
-                timeout=self.exists_timeout_s,
-            ).prefix_pages
-            resp = stub.Put(stream(idx, have), timeout=self.rpc_timeout_s)
-            return resp.stored_pages, have
+            have = (
+                self._stubs[node]
+                .Exists(
+                    kvstore_pb2.ExistsRequest(
+                        namespace=pages.model_version, page_hashes=[pages.page_hashes[i] for i in idx]
+                    ),
+                    timeout=self.exists_timeout_s,
+                )
+                .prefix_pages
+            )
+            # The new pages go in streams_per_replica concurrent streams (gRPC consumes each request
+            # iterator on its own thread: the crc32 and serialization of one stream overlap the
+            # transfer of another); the claims ride on the first.
+            parts = split_even(idx[have:], self.streams_per_replica) or [[]]
+            parts[0] = [*idx[:have], *parts[0]]
+            futures = [
+                self._put_rpc[node].future(stream(part, have if k == 0 else 0), timeout=self.rpc_timeout_s)
+                for k, part in enumerate(parts)
+            ]
+            return sum(f.result().stored_pages for f in futures), have
 
         groups = self._by_node(pages.page_hashes)
         calls = {node: (lambda node=node, idx=idx: put(node, idx)) for node, idx in groups.items()}
@@ -280,24 +337,47 @@ class KVClient:
         layout_pb = layout_to_pb(layout)
 
         # Per page: None = missing, False = failed its checksum, bytes = verified data. Each page is
-        # checked as it arrives (zlib releases the GIL), overlapping the transfer of the next one.
-        def get(node: str, idx: list[int]) -> dict[bytes, bytes | bool | None]:
+        # checked as it arrives (crc32 releases the GIL), overlapping the transfer of the next one.
+        def verified(msg: GetMessage) -> bytes | bool | None:
+            if not msg.found:
+                return None
+            if len(msg.data) != layout.page_bytes or crc32(msg.data) != msg.checksum:
+                return False
+            return bytes(msg.data)  # the one copy out of the received message, after the check
+
+        def get_part(node: str, part: Sequence[int]) -> dict[bytes, bytes | bool | None]:
             req = kvstore_pb2.GetRequest(
-                namespace=model_version, page_hashes=[wanted[i] for i in idx], layout=layout_pb
+                namespace=model_version, page_hashes=[wanted[i] for i in part], layout=layout_pb
             )
             out: dict[bytes, bytes | bool | None] = {}
             try:
-                for msg in self._stubs[node].Get(req, timeout=self.rpc_timeout_s):
-                    if not msg.found:
-                        out[msg.page_hash] = None
-                        continue
-                    data = msg.data  # each access of a protobuf bytes field is a fresh copy: take it once
-                    ok = len(data) == layout.page_bytes and zlib.crc32(data) == msg.checksum
-                    out[msg.page_hash] = data if ok else False
+                for msg in self._get_rpc[node](req, timeout=self.rpc_timeout_s):
+                    out[msg.page_hash] = verified(msg)
             except grpc.RpcError:
                 if not out:
                     raise
                 self._count(replica_errors=1)  # keep what arrived before the failure
+            return out
+
+        def get(node: str, idx: list[int]) -> dict[bytes, bytes | bool | None]:
+            # streams_per_replica concurrent streams: one consumed here, the others on _get_io, so
+            # the crc32 and copy of one stream's page overlap the transfer of another's.
+            parts = split_even(idx, self.streams_per_replica)
+            others = [self._get_io.submit(get_part, node, part) for part in parts[1:]]
+            results: list[dict[bytes, bytes | bool | None] | grpc.RpcError] = []
+            for k in range(len(parts)):
+                try:
+                    results.append(get_part(node, parts[0]) if k == 0 else others[k - 1].result())
+                except grpc.RpcError as exc:
+                    results.append(exc)
+            out: dict[bytes, bytes | bool | None] = {}
+            for res in results:
+                if isinstance(res, grpc.RpcError):
+                    if len(results) == 1 or all(isinstance(r, grpc.RpcError) for r in results):
+                        raise res
+                    self._count(replica_errors=1)  # a missing part ends the prefix there
+                else:
+                    out.update(res)
             return out
 
         got: dict[bytes, bytes | bool | None] = {}
@@ -369,6 +449,7 @@ class KVClient:
         self._offload.shutdown(wait=True)
         self._offload_io.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        self._get_io.shutdown(wait=True)
         for ch in self._channels.values():
             ch.close()
 
