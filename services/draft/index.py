@@ -72,6 +72,8 @@ class GroupIndex:
         self.levels: tuple[int, ...] = tuple(sorted(set(levels)))
         self.max_depth = max_depth
         self.max_spec_factor = max_spec_factor
+        # Draft length cap per level: max_spec_factor x match length (SuffixDecoding).
+        self._caps = [max(1, math.ceil(max_spec_factor * k)) for k in self.levels]
         self._tables: list[dict[int, int | list[int]]] = [{} for _ in self.levels]
         self._seqs: list[list[int]] = []
         self._bases: list[int] = []  # leading prompt-tail tokens of each sequence (not appended)
@@ -274,10 +276,12 @@ class GroupIndex:
         """Sorted continuations (up to `cap` tokens) of the occurrences of the context's last k-gram.
 
         Sorting puts continuations that share a prefix next to each other, so the walk below works on
-        index ranges and counts with C-level slicing and comparisons instead of per-token Python.
+        index ranges and C-level slicing and comparisons instead of per-token Python. This slicing
+        (one list per occurrence, ~0.3 us each here) is most of a proposal's cost.
         """
         k = self.levels[level]
-        v = self._tables[level].get(hash(tuple(context[len(context) - k :])))
+        n = len(context)
+        v = self._tables[level].get(hash(tuple(context[n - k :])))
         if v is None:
             return []
         seqs = self._seqs
@@ -308,30 +312,34 @@ class GroupIndex:
         the first level whose draft already reaches its length cap. `request_id` is accepted for
         interface symmetry (the request's own output is in the index like any sibling).
         """
-        del request_id
         if max_len <= 0 or not context:
             return EMPTY
-        max_len = min(max_len, self.max_depth)
+        if max_len > self.max_depth:
+            max_len = self.max_depth
         best = EMPTY
         n = len(context)
         tried = 0
-        for level in range(len(self.levels) - 1, -1, -1):
-            k = self.levels[level]
-            if n < k:
+        levels = self.levels
+        for level in range(len(levels) - 1, -1, -1):
+            if n < levels[level]:
                 continue
-            cap = min(max_len, max(1, math.ceil(self.max_spec_factor * k)))
+            cap = self._caps[level]
+            if cap > max_len:
+                cap = max_len
             conts = self._continuations(level, context, cap)
             if not conts:
                 continue
-            prop = (_linear(conts, cap, min_token_prob, k) if width <= 1
-                    else _tree(conts, cap, width, min_token_prob, k))
+            prop = (_linear(conts, cap, min_token_prob, levels[level]) if width <= 1
+                    else _tree(conts, cap, width, min_token_prob, levels[level]))
             if prop.score > best.score:
                 best = prop
             tried += 1
             # Longest match first (RhymeRL: last 7 tokens, then 4); a shorter match is only tried
             # when the longer one yields no draft, and at most two levels with occurrences are
             # evaluated. Measured on bench.spec rollouts: trying shorter levels after a non-empty
-            # draft (keeping the best score) changed acceptance by < 0.1% and doubled the tail.
+            # draft (keeping the best score) changed acceptance by < 0.1% and doubled the tail;
+            # backing off to a shorter level when the longest has few occurrences (PPM style)
+            # lowered acceptance (T = 0.7, G = 16, with history: 2.21 -> 2.14-2.18).
             if prop.tokens or tried >= 2:
                 break
         return best
@@ -371,15 +379,25 @@ def _children(conts: list[list[int]], lo: int, hi: int, d: int, top: int) -> tup
 
 
 def _linear(conts: list[list[int]], cap: int, min_prob: float, match_len: int) -> Proposal:
-    """Greedy most-frequent path over the sorted continuations."""
+    """Greedy most-frequent path over the sorted continuations.
+
+    conts[lo:hi] always share the d-token path prefix, so the children at depth d are contiguous
+    runs of equal conts[i][d]: one scan over at most MAX_CANDIDATES entries counts them (no Counter,
+    no bisect; ~4x cheaper on the forks that make the latency tail). Ties go to the smallest token
+    (the first run), as before.
+    """
     tokens: list[int] = []
     score = 0.0
     prob = 1.0
     lo, hi = 0, len(conts)
     d = 0
     while d < cap:
+        while lo < hi and len(conts[lo]) <= d:  # ended continuations (prefixes) sort first
+            lo += 1
+        if lo >= hi:
+            break
         first, last = conts[lo], conts[hi - 1]
-        if len(first) > d and first[d] == last[d]:
+        if first[d] == last[d]:
             # Sorted: the first and last continuation agree at d, so all do (ratio 1). Take the
             # whole common run at once.
             e = d + 1
@@ -390,16 +408,22 @@ def _linear(conts: list[list[int]], cap: int, min_prob: float, match_len: int) -
             score += prob * (e - d)
             d = e
             continue
-        total, runs = _children(conts, lo, hi, d, 1)
-        if not runs:
-            break
-        tok, a, b = runs[0]
-        prob *= (b - a) / total
+        best_a = best_n = 0
+        i = lo
+        while i < hi:
+            tok = conts[i][d]
+            j = i + 1
+            while j < hi and conts[j][d] == tok:
+                j += 1
+            if j - i > best_n:
+                best_a, best_n = i, j - i
+            i = j
+        prob *= best_n / (hi - lo)
         if prob < min_prob:
             break
-        tokens.append(tok)
+        tokens.append(conts[best_a][d])
         score += prob
-        lo, hi = a, b
+        lo, hi = best_a, best_a + best_n
         d += 1
     return Proposal(tuple(tokens), tuple(range(-1, len(tokens) - 1)), score, match_len)
 

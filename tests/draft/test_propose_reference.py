@@ -1,0 +1,114 @@
+"""GroupIndex.propose against a from-scratch reference over random token streams.
+
+The reference rebuilds everything per call from the raw sequences: the occurrences of each level's
+k-gram in the order they were indexed, the MAX_CANDIDATES most recent, the most frequent path with
+Counter counts (ties to the smallest token), the level fallback rules. The index's fast path (hash
+tables, sorted-range walk) must give exactly the same proposals, scores included.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from services.draft.index import MAX_CANDIDATES, GroupIndex
+
+LEVELS = (2, 4, 7)
+
+
+class _Reference:
+    def __init__(self, levels: tuple[int, ...] = LEVELS, max_spec_factor: float = 4.0) -> None:
+        self.levels = levels
+        self.factor = max_spec_factor
+        self.seqs: dict[str, list[int]] = {}
+        self.order: dict[int, list[tuple[str, int]]] = {k: [] for k in levels}  # (request, p) as indexed
+
+    def append(self, rid: str, toks: list[int]) -> None:
+        seq = self.seqs.setdefault(rid, [])
+        old = len(seq)
+        seq.extend(toks)
+        for k in self.levels:
+            for p in range(max(k, old + 1), len(seq) + 1):
+                self.order[k].append((rid, p))
+
+    def _conts(self, k: int, ctx: list[int], cap: int) -> list[list[int]]:
+        suffix = ctx[-k:]
+        occ = [(r, p) for r, p in self.order[k] if self.seqs[r][p - k : p] == suffix]
+        conts = [self.seqs[r][p : p + cap] for r, p in occ[-MAX_CANDIDATES:]]
+        return [c for c in conts if c]
+
+    @staticmethod
+    def _walk(conts: list[list[int]], cap: int, min_prob: float) -> tuple[list[int], float]:
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        live = conts
+        for d in range(cap):
+            live = [c for c in live if len(c) > d]
+            if not live:
+                break
+            counts = Counter(c[d] for c in live)
+            tok, n = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
+            prob *= n / len(live)
+            if prob < min_prob:
+                break
+            out.append(tok)
+            score += prob
+            live = [c for c in live if c[d] == tok]
+        return out, score
+
+    def propose(self, ctx: list[int], max_len: int, min_prob: float) -> tuple[tuple[int, ...], float, int]:
+        best: tuple[tuple[int, ...], float, int] = ((), 0.0, 0)
+        tried = 0
+        for k in sorted(self.levels, reverse=True):
+            if len(ctx) < k:
+                continue
+            cap = min(max_len, max(1, math.ceil(self.factor * k)))
+            conts = self._conts(k, ctx, cap)
+            if not conts:
+                continue
+            toks, score = self._walk(conts, cap, min_prob)
+            if score > best[1]:
+                best = (tuple(toks), score, k)
+            tried += 1
+            if toks or tried >= 2:
+                break
+        return best
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_propose_equals_from_scratch_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 6, 12])  # small vocabularies: many occurrences, forks and ties
+    idx = GroupIndex([], levels=LEVELS)
+    ref = _Reference()
+    base = [rng.randrange(vocab) for _ in range(120)]
+    streams = {f"r{i}": [t if rng.random() < 0.85 else rng.randrange(vocab) for t in base] for i in range(5)}
+    pos = dict.fromkeys(streams, 0)
+    checked = forks = 0
+    for _step in range(200):
+        rid = rng.choice(list(streams))
+        n = rng.randint(1, 4)
+        toks = streams[rid][pos[rid] : pos[rid] + n]
+        if toks:
+            idx.append(rid, pos[rid], toks)
+            ref.append(rid, toks)
+            pos[rid] += len(toks)
+        # Propose for a random request from its current output, as a decoding step would.
+        q = rng.choice(list(streams))
+        ctx = streams[q][: max(pos[q], 1)]
+        max_len = rng.randint(1, 10)
+        min_prob = rng.choice([0.0, 0.1, 0.3])
+        got = idx.propose(ctx, max_len, min_token_prob=min_prob)
+        want_toks, want_score, want_k = ref.propose(ctx, max_len, min_prob)
+        assert got.tokens == want_toks, (ctx[-8:], max_len, min_prob)
+        assert got.score == pytest.approx(want_score)
+        assert got.parents == tuple(range(-1, len(want_toks) - 1))
+        if want_toks:
+            assert got.match_len == want_k
+        checked += 1
+        forks += 0 < want_score < len(want_toks)  # a draft that went through a fork (prob < 1)
+    assert checked == 200
+    assert forks > 5  # the streams do exercise the counting path, not only common runs
