@@ -1,0 +1,144 @@
+"""Model-free, high-power statistical tests of the multi-draft speculative-sampling verifier
+(DESIGN.md section 4; issue 2 item 5 (b), (c)).
+
+Verifier.verify_sampling runs on synthetic target rows (small vocabulary, rows that depend on the
+path so the row taken matters) and draft trees whose tokens carry real mass: the top tokens as
+siblings, duplicated siblings, children whose token has p = 0, trees of depth 3, chains and sibling
+sets that cover the whole support. Over many seeds the first 1..K emitted tokens (continued by plain
+sampling when the verifier stops early) must follow the exact joint distribution prod_i p(t_i | t_<i)
+(chi-square goodness of fit, Bonferroni over 1..K, alpha = 1e-4). Each known mistake in the rule is
+a mutant verifier (tests/engine/verifier_cases.py) that must fail the same test on a case where it
+changes the distribution; the mutants fail with p-values around 1e-20 or smaller at these sizes, so
+the controls have ample margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+from scipy.stats import binomtest
+
+from services.worker.engine import SamplingParams
+from services.worker.engines.reference.verifier import Verifier
+from tests.engine.verifier_cases import MUTANTS, Case, R, SyntheticModel, T, build_case, lossless_p, run_trials
+
+ALPHA = 1e-4  # a lossless verifier fails a test with probability 1e-4
+N_REAL = 6000  # trials per case for the real verifier in the fast suite
+N_MUTANT = 2000  # trials per mutant (each fails with p < 1e-20 here: see the module docstring)
+N_SLOW = 50_000
+V = 16
+
+
+def tree_case() -> Case:
+    """Depth 3, three top-ranked siblings at the root, two or one below, leaves at depths 1-3."""
+    model = SyntheticModel(V, SamplingParams(temperature=1.0, top_k=6), seed=1,
+                           fixed={(): {3: .30, 5: .25, 7: .15, 1: .10, 2: .08, 11: .07, 13: .05}})
+    return build_case(model, [R(0, R(0, R(0)), R(1)), R(1, R(0), R(2, R(0))), R(2)])
+
+
+def dups_case() -> Case:
+    """Duplicated sibling tokens (adjacent and not, with different subtrees), a p = 0 sibling that
+    has a child, and a root sibling set 3, 3, 9, 5, 5."""
+    model = SyntheticModel(V, SamplingParams(temperature=1.0, top_k=6), seed=2,
+                           fixed={(): {3: .40, 5: .30, 7: .10, 1: .10, 2: .10}})
+    return build_case(model, [T(3, R(0), R(1)), T(3, R(0)), T(9, R(0)), T(5, R(0)), T(5)])
+
+
+def chain_case() -> Case:
+    """A chain of the most likely tokens, depth 3."""
+    model = SyntheticModel(V, SamplingParams(temperature=0.8, top_k=6), seed=3)
+    return build_case(model, [R(0, R(0, R(0)))])
+
+
+def cover_case() -> Case:
+    """Top-3 rows whose siblings cover the whole support (the residual is empty in exact arithmetic,
+    so every node accepts one child), in non-sorted order."""
+    model = SyntheticModel(V, SamplingParams(temperature=1.0, top_k=3), seed=4)
+    return build_case(model, [R(1, R(2), R(0), R(1)), R(0, R(0)), R(2, R(1), R(2), R(0))])
+
+
+def truncated_case() -> Case:
+    """V = 32, temperature 0.8, top-k 8, top-p 0.9 (target_probs): siblings and children include
+    tokens outside the nucleus (rank >= 8 has p = 0), one duplicated."""
+    model = SyntheticModel(32, SamplingParams(temperature=0.8, top_p=0.9, top_k=8), seed=5, scale=2.0)
+    return build_case(model, [R(12, R(0)), R(0, R(9), R(0), R(20)), R(10), R(1, R(15), R(1)), R(12), R(20)])
+
+
+CASES = {"tree": (tree_case, 3), "dups-zero": (dups_case, 2), "chain": (chain_case, 4),
+         "cover": (cover_case, 2), "truncated": (truncated_case, 2)}
+
+# Where each mistake changes the distribution. Mistakes 2, 4b and 6 are harmless on chains (one
+# sibling: nothing to renormalize, one uniform, no duplicates); 6 needs a duplicated token with mass;
+# 5 needs an accepted leaf and K >= 2 (the tree case has leaves at depth 1 and 2, K = 3).
+MUTANT_CASES = [
+    ("1-always-accept-first", "tree"),
+    ("1-always-accept-first", "chain"),
+    ("2-no-renormalize", "tree"),
+    ("2-no-renormalize", "dups-zero"),
+    ("3-residual-not-removed", "tree"),
+    ("4a-shared-uniform-stream0", "tree"),
+    ("4b-shared-uniform-stream1", "tree"),
+    ("4a-shared-uniform-stream0", "cover"),
+    ("5-bonus-from-parent", "tree"),
+    ("5-bonus-from-parent", "chain"),
+    ("6-retest-duplicates", "dups-zero"),
+]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_drafts_preserve_distribution(name: str) -> None:
+    make, k = CASES[name]
+    case = make()
+    trials = run_trials(Verifier(), case, range(N_REAL), k)
+    # Power precondition: drafts are accepted often, at more than one depth.
+    assert trials.accepted_depth[0] < 0.6 * N_REAL, dict(trials.accepted_depth)
+    p = lossless_p(trials, case.model, k)
+    assert p > ALPHA, f"{name}: emitted tokens differ from the target distribution (p={p:.2e})"
+
+
+@pytest.mark.parametrize(("mutant", "name"), MUTANT_CASES, ids=[f"{m}-{c}" for m, c in MUTANT_CASES])
+def test_mutant_fails_the_same_test(mutant: str, name: str) -> None:
+    make, k = CASES[name]
+    case = make()
+    trials = run_trials(MUTANTS[mutant](), case, range(50_000, 50_000 + N_MUTANT), k)
+    p = lossless_p(trials, case.model, k)
+    assert p < ALPHA, f"the test did not catch mutant {mutant} on {name} (p={p:.2e})"
+
+
+def chain_acceptance_p(verifier: Verifier, n: int) -> float:
+    """Bonferroni p-value of P(at least d drafts accepted) = prod_{i<=d} p_i(d_i) for every depth."""
+    case = chain_case()
+    trials = run_trials(verifier, case, range(100_000, 100_000 + n), 1)
+    ps = []
+    expected = 1.0
+    for d in range(len(case.tree)):
+        expected *= float(case.probs[d, case.tree.tokens[d]])  # chain: node d's parent row is row d
+        hits = sum(c for depth, c in trials.accepted_depth.items() if depth > d)
+        ps.append(binomtest(hits, n, expected).pvalue)
+    return min(1.0, len(ps) * min(ps))
+
+
+def test_chain_acceptance_rate_matches_target_probability() -> None:
+    assert chain_acceptance_p(Verifier(), N_REAL) > ALPHA
+    assert chain_acceptance_p(MUTANTS["1-always-accept-first"](), N_MUTANT) < ALPHA  # negative control
+
+
+def test_truncated_tokens_are_never_emitted() -> None:
+    """Drafts outside top-k/top-p (p = 0 after target_probs) are never accepted or emitted, at any
+    depth; accepting the first child blindly does emit them (the negative control)."""
+    case = truncated_case()
+    assert (case.probs[0, case.tree.tokens[0]] == 0).item()  # the first draft is a truncated token
+    good = run_trials(Verifier(), case, range(N_REAL), 2)
+    assert good.zero_prob == 0
+    bad = run_trials(MUTANTS["1-always-accept-first"](), case, range(N_MUTANT), 2)
+    assert bad.zero_prob > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_drafts_preserve_distribution_many_seeds(name: str) -> None:
+    make, k = CASES[name]
+    case = make()
+    trials = run_trials(Verifier(), case, range(1_000_000, 1_000_000 + N_SLOW), k)
+    assert trials.zero_prob == 0
+    p = lossless_p(trials, case.model, k)
+    assert p > ALPHA, f"{name}: emitted tokens differ from the target distribution (p={p:.2e})"

@@ -1,0 +1,301 @@
+"""Model-free harness for statistical tests of the speculative-sampling verifier.
+
+A synthetic "model" maps a token prefix to a target distribution (a row), so draft trees can be
+built whose rows are consistent (two nodes with the same path have the same row, as with a real
+model) and differ by path (the row after token a is not the row after token b), which is what makes
+path-dependent mistakes visible. A trial runs Verifier.verify_sampling once and, when it emitted
+fewer than K tokens, continues with plain sampling (stream 0 at the following positions, exactly as
+the engine's next step without drafts would); a lossless verifier makes the first K tokens follow
+the model's joint distribution prod_i row(t_<i)[t_i] exactly (DESIGN.md section 4).
+
+Mutants: one Verifier subclass per known mistake in the multi-draft rule; each must fail the same
+test that the real verifier passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from services.worker.engine import SamplingParams
+from services.worker.engines.reference.model_runner import DraftTree
+from services.worker.engines.reference.sampler import sample_rows, target_probs, uniform
+from services.worker.engines.reference.verifier import Verifier
+
+POSITION = 11  # output index of the first emitted token (any value works; fixed for reproducibility)
+MIN_EXPECTED = 5.0  # chi-square cells expected fewer times than this are pooled into one cell
+
+
+class SyntheticModel:
+    """prefix -> row [V] float32. Rows are target_probs() of seeded random logits (so top-k/top-p
+    truncation is the real one), unless a row is fixed explicitly for a prefix."""
+
+    def __init__(self, vocab: int, params: SamplingParams, seed: int = 0, scale: float = 1.5,
+                 fixed: dict[tuple[int, ...], dict[int, float]] | None = None) -> None:
+        self.vocab = vocab
+        self.params = params
+        self.seed = seed
+        self.scale = scale
+        self._cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._cdf: dict[tuple[int, ...], list[float]] = {}
+        for prefix, masses in (fixed or {}).items():
+            row = torch.zeros(vocab, dtype=torch.float64)
+            for tok, m in masses.items():
+                row[tok] = m
+            self._cache[prefix] = (row / row.sum()).to(torch.float32)
+
+    def row(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        got = self._cache.get(prefix)
+        if got is None:
+            rng = np.random.default_rng([self.seed, len(prefix), *prefix])
+            logits = torch.from_numpy(rng.normal(0.0, self.scale, self.vocab).astype(np.float32))
+            got = target_probs(logits[None], [self.params])[0]
+            self._cache[prefix] = got
+        return got
+
+    def sample(self, prefix: tuple[int, ...], u: float) -> int:
+        """Inverse-CDF draw from row(prefix) in plain Python (sample_rows' torch overhead would
+        dominate the trials; any exact sampler will do for the continuation)."""
+        cdf = self._cdf.get(prefix)
+        if cdf is None:
+            cdf = list(itertools.accumulate(self.row(prefix).double().tolist()))
+            self._cdf[prefix] = cdf
+        tok = bisect.bisect_right(cdf, u * cdf[-1])
+        while tok >= len(cdf) or cdf[tok] <= (cdf[tok - 1] if tok else 0.0):  # never a p = 0 token
+            tok -= 1
+        return tok
+
+    def joint(self, k: int) -> dict[tuple[int, ...], float]:
+        """Exact probability of every k-token sequence with non-zero probability."""
+        out: dict[tuple[int, ...], float] = {(): 1.0}
+        for _ in range(k):
+            nxt: dict[tuple[int, ...], float] = {}
+            for seq, pr in out.items():
+                row = self.row(seq).double()
+                for tok in torch.nonzero(row > 0)[:, 0].tolist():
+                    nxt[(*seq, tok)] = pr * float(row[tok])
+            out = nxt
+        return out
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A draft node spec: a literal token, or the token of the given rank (0 = most likely) in the
+    parent's row, so drafts carry real mass whatever the random rows are."""
+
+    tok: int | None = None
+    rank: int | None = None
+    kids: tuple[Spec, ...] = ()
+
+
+def T(tok: int, *kids: Spec) -> Spec:
+    return Spec(tok=tok, kids=kids)
+
+
+def R(rank: int, *kids: Spec) -> Spec:
+    return Spec(rank=rank, kids=kids)
+
+
+@dataclass
+class Case:
+    model: SyntheticModel
+    tree: DraftTree
+    probs: torch.Tensor  # [1 + n, V]: row 0 = model.row(()), row 1 + m = row after node m's path
+    paths: list[tuple[int, ...]] = field(default_factory=list)  # token path of each node
+
+
+def build_case(model: SyntheticModel, roots: list[Spec]) -> Case:
+    tokens: list[int] = []
+    parents: list[int] = []
+    paths: list[tuple[int, ...]] = []
+
+    def add(spec: Spec, parent: int, prefix: tuple[int, ...]) -> None:
+        if spec.tok is not None:
+            tok = spec.tok
+        else:
+            assert spec.rank is not None
+            tok = int(torch.argsort(model.row(prefix), descending=True, stable=True)[spec.rank])
+        m = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        paths.append((*prefix, tok))
+        for kid in spec.kids:
+            add(kid, m, paths[m])
+
+    for spec in roots:
+        add(spec, -1, ())
+    tree = DraftTree.build(tokens, parents)
+    probs = torch.stack([model.row(())] + [model.row(p) for p in paths])
+    return Case(model, tree, probs, paths)
+
+
+@dataclass
+class Trials:
+    seqs: Counter[tuple[int, ...]]  # first K tokens of every trial
+    accepted_depth: Counter[int]  # number of accepted draft nodes per trial
+    zero_prob: int  # verifier-emitted tokens whose row gives them probability 0
+
+
+def run_trials(verifier: Verifier, case: Case, seeds: range, k: int) -> Trials:
+    seqs: Counter[tuple[int, ...]] = Counter()
+    depth: Counter[int] = Counter()
+    zero = 0
+    rows = case.probs.tolist()
+    for s in seeds:
+        toks, path, used = verifier.verify_sampling(case.tree, case.probs, s, POSITION)
+        zero += sum(1 for t, r in zip(toks, used, strict=True) if rows[r][t] <= 0.0)
+        depth[len(path)] += 1
+        out = toks[:k]
+        while len(out) < k:  # the next steps, without drafts
+            out.append(case.model.sample(tuple(out), uniform(s, POSITION + len(out), 0)))
+        seqs[tuple(out)] += 1
+    return Trials(seqs, depth, zero)
+
+
+def gof_p(observed: Counter[tuple[int, ...]], expected_p: dict[tuple[int, ...], float]) -> float:
+    """Chi-square goodness of fit of observed sequences to exact probabilities; cells expected fewer
+    than MIN_EXPECTED times are pooled. An impossible sequence observed gives p = 0."""
+    n = sum(observed.values())
+    if any(expected_p.get(seq, 0.0) <= 0.0 for seq in observed):
+        return 0.0
+    obs: list[float] = []
+    exp: list[float] = []
+    pool_o, pool_e = 0.0, 0.0
+    for seq, pr in expected_p.items():
+        if pr * n >= MIN_EXPECTED:
+            obs.append(observed.get(seq, 0))
+            exp.append(pr * n)
+        else:
+            pool_o += observed.get(seq, 0)
+            pool_e += pr * n
+    if pool_e > 0.0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp_arr = np.asarray(exp) * (n / sum(exp))  # float rounding: sums must match exactly for scipy
+    return float(chisquare(np.asarray(obs), exp_arr).pvalue)
+
+
+def marginal(seqs: Counter[tuple[int, ...]], k: int) -> Counter[tuple[int, ...]]:
+    out: Counter[tuple[int, ...]] = Counter()
+    for seq, c in seqs.items():
+        out[seq[:k]] += c
+    return out
+
+
+def lossless_p(trials: Trials, model: SyntheticModel, k: int) -> float:
+    """THE test: Bonferroni-combined p-value of the goodness of fit of the first 1..k tokens."""
+    ps = [gof_p(marginal(trials.seqs, j), model.joint(j)) for j in range(1, k + 1)]
+    return min(1.0, k * min(ps))
+
+
+# ---- mutants: one per known mistake ------------------------------------------------------------
+
+
+def _try_children(tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int, *,
+                  renormalize: bool = True, stream: Callable[[int], int] = lambda j: 1 + j,
+                  skip_duplicates: bool = True) -> int | list[int]:
+    """Verifier.try_children with switches for the mistakes (defaults = the correct rule)."""
+    if not kids:
+        return []
+    pk = p[[tree.tokens[c] for c in kids]].tolist()
+    removed = 0.0
+    rejected: list[int] = []
+    for j, c in enumerate(kids):
+        tok = tree.tokens[c]
+        if skip_duplicates and tok in rejected:
+            continue
+        denom = (1.0 - removed) if renormalize else 1.0
+        accept_p = pk[j] / denom if denom > 0.0 else 0.0
+        if uniform(seed, pos, stream(j)) < accept_p:
+            return c
+        removed += pk[j]
+        rejected.append(tok)
+    return rejected
+
+
+class AlwaysAcceptFirst(Verifier):
+    """Mistake 1: accepts the first child at every node."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        return kids[0] if kids else []
+
+
+class NoRenormalize(Verifier):
+    """Mistake 2: accepts sibling j with p(d) instead of p(d) / (1 - removed mass). Equivalent on
+    chains (one sibling, removed = 0): needs a node with at least two children carrying mass."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        return _try_children(tree, kids, p, seed, pos, renormalize=False)
+
+
+class ResidualNotRemoved(Verifier):
+    """Mistake 3: after all siblings are rejected the token is drawn from p, rejected tokens included
+    (verify_sampling samples from the unmodified row when no rejected token is reported)."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        got = super().try_children(tree, kids, p, seed, pos)
+        return [] if isinstance(got, list) else got
+
+
+class SharedUniformStream0(Verifier):
+    """Mistake 4a: every sibling test uses stream 0, the same uniform that then draws the residual
+    token (the tests and the draw are correlated)."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        return _try_children(tree, kids, p, seed, pos, stream=lambda j: 0)
+
+
+class SharedUniformStream1(Verifier):
+    """Mistake 4b: every sibling test reuses one uniform (stream 1): after rejecting sibling 0
+    (u >= p0) sibling 1 is accepted only if p0 <= u < p1 / (1 - p0). Equivalent on chains."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        return _try_children(tree, kids, p, seed, pos, stream=lambda j: 1)
+
+
+class RetestDuplicates(Verifier):
+    """Mistake 6: a sibling whose token was already rejected is tested again (with its original
+    p(d)) instead of skipped, and its mass is removed twice. Harmless only when the duplicate's
+    token has p = 0; detectable when the duplicated token carries mass."""
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        return _try_children(tree, kids, p, seed, pos, skip_duplicates=False)
+
+
+class BonusFromParent(Verifier):
+    """Mistake 5: after the last accepted node (a leaf) the bonus token is drawn from the parent's
+    residual (its row with the rejected earlier siblings removed) instead of the leaf's own row.
+    Needs K >= 2 and an accepted leaf whose row differs from its parent's."""
+
+    def verify_sampling(self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int
+                        ) -> tuple[list[int], list[int], list[int]]:
+        tokens, path, rows = super().verify_sampling(tree, probs, seed, position)
+        if not path or tree.children[path[-1]]:
+            return tokens, path, rows
+        leaf = path[-1]
+        parent = tree.parents[leaf]
+        prow = 0 if parent < 0 else 1 + parent
+        kids = tree.root_children if parent < 0 else tree.children[parent]
+        p = probs[prow].clone()
+        p[[tree.tokens[c] for c in kids[: kids.index(leaf)]]] = 0.0  # the siblings rejected before
+        tokens[-1] = sample_rows(p[None], [uniform(seed, position + len(path), 0)])[0]
+        rows[-1] = prow
+        return tokens, path, rows
+
+
+MUTANTS: dict[str, type[Verifier]] = {
+    "1-always-accept-first": AlwaysAcceptFirst,
+    "2-no-renormalize": NoRenormalize,
+    "3-residual-not-removed": ResidualNotRemoved,
+    "4a-shared-uniform-stream0": SharedUniformStream0,
+    "4b-shared-uniform-stream1": SharedUniformStream1,
+    "5-bonus-from-parent": BonusFromParent,
+    "6-retest-duplicates": RetestDuplicates,
+}
