@@ -1,7 +1,9 @@
 """Llama-family transformer (Llama, SmolLM, Mistral, Qwen2 with q/k/v bias) over a paged KV cache.
 
 Plain PyTorch, no nn.Module machinery: weights are tensors (q/k/v and gate/up fused so each layer
-is four matmuls). Linear layers run on the flattened, unpadded tokens of the whole batch (varlen);
+is four matmuls). Linear layers run on the flattened, unpadded tokens of the whole batch (varlen)
+through kernels.linear (a C kernel for steps of a few tokens, where MKL's sgemm is slow on AVX2
+CPUs, such as verifying drafts; F.linear otherwise);
 attention pads queries to [B, q_max] and gathers each request's keys from the paged cache with one
 index tensor per step, reused by every layer. The attention mask is built by the model runner: a
 causal mask for the prefix tail, a tree mask (ancestors only) for draft tokens being verified.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.worker.engines.reference.kernels.linear import linear
 from services.worker.model.config import ModelConfig
 
 
@@ -135,7 +138,7 @@ class LlamaModel:
         x = self.embed[fb.input_ids]  # [T, hidden]
         for li, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # [T, (H + 2 KV) D]
+            qkv = linear(h, lw.qkv, lw.qkv_bias)  # [T, (H + 2 KV) D]
             qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
             qk = qk * cos + rotate_half(qk) * sin  # rotary on q and k heads at once
             q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, KV, D]
@@ -152,13 +155,13 @@ class LlamaModel:
                 for grp in fb.groups:
                     assert grp.token_index is not None
                     o[grp.token_index] = self._attend(q[grp.token_index], k_cache, v_cache, grp)
-            x = x + F.linear(o, lw.o)
+            x = x + linear(o, lw.o)
             h = rms_norm(x, lw.post_norm, eps)
-            gu = F.linear(h, lw.gate_up)  # [T, 2 I]
+            gu = linear(h, lw.gate_up)  # [T, 2 I]
             g, u = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, lw.down)
+            x = x + linear(F.silu(g) * u, lw.down)
         x = rms_norm(x[fb.logits_index], self.norm, eps)
-        return F.linear(x, self.lm_head).float()  # [N, vocab]
+        return linear(x, self.lm_head).float()  # [N, vocab]
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup) -> torch.Tensor:
         """q [Tg, H, D] -> attention output [Tg, H * D] over each request's gathered keys."""

@@ -1,0 +1,105 @@
+"""y = x @ w^T (+ b): the small-M C kernel (small_gemm.c) where it beats PyTorch, F.linear elsewhere.
+
+Where it wins (bench.engine --gemm, 1 thread, AVX2 Zen3, the SmolLM2-135M layer shapes qkv
+[960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536], lm_head [49152, 576]):
+MKL's gemv at M = 1 is bandwidth-bound and the kernel only matches it, so M = 1 stays on F.linear
+(plain decode bit-identical to before); for 2 <= M <= MAX_ROWS the kernel streams each weight once
+for all rows and was 1.5-6x faster than F.linear (MKL's small-M sgemm gets 5-20 GFLOPS here).
+Above MAX_ROWS MKL's blocked gemm catches up (measured crossover: see MAX_ROWS).
+
+Set SEER_SMALL_GEMM=0 to disable the kernel; `small_gemm_enabled(False)` does it for a block
+(benchmarks compare both in one run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from services.common.log import get_logger, kv
+from services.worker.engines.reference.kernels.build import load
+
+log = get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("small_gemm.c")
+MIN_ROWS = 2  # M = 1: MKL gemv is as fast and keeps greedy decoding bit-identical
+MAX_ROWS = 64  # calibrated crossover vs MKL sgemm (bench.engine --gemm)
+
+_lock = threading.Lock()
+_fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_tried = False
+_enabled = os.environ.get("SEER_SMALL_GEMM", "1") not in ("0", "false", "no", "off")
+
+
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    global _fn, _tried
+    if _tried:
+        return _fn
+    with _lock:
+        if not _tried:
+            try:
+                lib = load(SOURCE)
+                if lib.seer_small_gemm_abi() != 1:
+                    raise RuntimeError("ABI version mismatch")
+                fn = lib.seer_small_gemm
+                c_long, c_ptr = ctypes.c_long, ctypes.c_void_p
+                # (x, ldx, w, bias, y, ldy, M, N, K, threads)
+                fn.argtypes = [c_ptr, c_long, c_ptr, c_ptr, c_ptr, c_long, c_long, c_long, c_long, ctypes.c_int]
+                fn.restype = None
+                _fn = fn
+            except (OSError, RuntimeError, AttributeError) as e:
+                log.warning("small-M GEMM kernel unavailable; using F.linear", extra=kv(reason=str(e)))
+            _tried = True
+    return _fn
+
+
+def small_gemm_available() -> bool:
+    return _kernel() is not None
+
+
+@contextmanager
+def small_gemm_enabled(flag: bool) -> Iterator[None]:
+    global _enabled
+    prev, _enabled = _enabled, flag
+    try:
+        yield
+    finally:
+        _enabled = prev
+
+
+def small_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel itself: x [M, K], w [N, K] (contiguous), bias [N] -> [M, N], float32 CPU.
+    Raises RuntimeError when the kernel is unavailable."""
+    fn = _kernel()
+    if fn is None:
+        raise RuntimeError("small-M GEMM kernel unavailable")
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or (bias is not None and bias.shape != (N,)):
+        raise ValueError(f"small_gemm: shapes x {tuple(x.shape)}, w {tuple(w.shape)} do not match")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    fn(x.data_ptr(), x.stride(0), w.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), N,
+       M, N, K, torch.get_num_threads())
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [M, K]; the kernel for float32 CPU tensors with MIN_ROWS <= M <= MAX_ROWS."""
+    if (_enabled and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32
+            and w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
+            and (bias is None or bias.dtype == torch.float32) and _kernel() is not None):
+        return small_gemm(x, w, bias)
+    return F.linear(x, w, bias)

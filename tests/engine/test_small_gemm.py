@@ -1,0 +1,113 @@
+"""The small-M GEMM kernel against F.linear, its dispatch, and its build fallbacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.engines.reference.kernels import build
+from services.worker.engines.reference.kernels import linear as lin
+from services.worker.engines.reference.kernels.linear import small_gemm, small_gemm_available, small_gemm_enabled
+
+needs_kernel = pytest.mark.skipif(not small_gemm_available(), reason="no C compiler / AVX2 here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_f_linear_on_random_shapes(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(8):
+        M = int(torch.randint(1, 70, (1,), generator=g))
+        N = int(torch.randint(1, 300, (1,), generator=g))
+        K = int(torch.randint(1, 200, (1,), generator=g))  # mostly not multiples of 8: masked tails
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        b = torch.randn(N, generator=g) if seed % 2 else None
+        torch.testing.assert_close(small_gemm(x, w, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(960, 576), (576, 1536), (3072, 576)])
+def test_model_shapes_all_small_m(N: int, K: int) -> None:
+    w = torch.randn(N, K) / K**0.5
+    for M in range(1, 17):
+        x = torch.randn(M, K)
+        torch.testing.assert_close(small_gemm(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_strided_rows_and_threads() -> None:
+    big = torch.randn(5, 300)
+    x = big[:, 17:150]  # row stride 300, unit column stride: passed without a copy
+    w = torch.randn(77, 133)
+    want = F.linear(x, w)
+    prev = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            torch.testing.assert_close(small_gemm(x, w), want, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(prev)
+    xt = torch.randn(133, 5).t()  # column stride != 1: copied
+    torch.testing.assert_close(small_gemm(xt, w), F.linear(xt, w), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_shape_mismatch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="shapes"):
+        small_gemm(torch.randn(3, 8), torch.randn(4, 9))
+
+
+def test_dispatch_uses_f_linear_outside_its_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = lin.small_gemm
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(lin, "small_gemm", spy)
+    w = torch.randn(16, 24)
+    for M in (1, lin.MIN_ROWS, lin.MAX_ROWS, lin.MAX_ROWS + 1):
+        x = torch.randn(M, 24)
+        torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    lin.linear(torch.randn(4, 24, dtype=torch.float64), w.double())  # not float32: F.linear
+    with small_gemm_enabled(False):
+        lin.linear(torch.randn(4, 24), w)
+    expected = [lin.MIN_ROWS, lin.MAX_ROWS] if small_gemm_available() else []
+    assert calls == expected
+
+
+def test_build_reports_a_missing_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEER_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(build, "cpu_has_avx2_fma", lambda: True)
+    with pytest.raises(RuntimeError, match="could not run"):
+        build.build(lin.SOURCE)
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_build_reports_a_compile_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if build.compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("SEER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "cpu_has_avx2_fma", lambda: True)
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C\n")
+    with pytest.raises(RuntimeError, match="failed"):
+        build.build(bad)
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+@needs_kernel
+def test_build_is_cached_by_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEER_KERNEL_CACHE", str(tmp_path))
+    src = tmp_path / "k.c"
+    src.write_text("int f(void) { return 1; }\n")
+    first = build.build(src)
+    assert build.build(src) == first  # cached: same file, not rebuilt
+    src.write_text("int f(void) { return 2; }\n")
+    assert build.build(src) != first  # the key follows the source
