@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from services.common.pagehash import chain_hashes
+from services.kvstore.checksum import IMPLEMENTATION as CRC32_IMPL
 from services.kvstore.checksum import crc32
+from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.ssd import SsdTier
 from services.worker.engine import GenerateRequest, KVLayout, KVPages, SamplingParams
 from services.worker.kv_client import KVClient
@@ -66,10 +68,29 @@ def synthetic_pages(num_pages: int, layout: KVLayout, version: str, seed: int = 
     return KVPages(version, layout, tuple(tokens), tuple(hashes), pages)
 
 
+def _server_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of another process (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_port(proc: subprocess.Popen[bytes], port_file: str) -> str:
+    deadline = time.time() + 60
+    while not os.path.exists(port_file) or not Path(port_file).read_text().strip():
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"{proc.args!r} did not start")
+        time.sleep(0.05)
+    return f"127.0.0.1:{Path(port_file).read_text().strip()}"
+
+
 class KvStoreProcess:
     """`python -m services.kvstore` on a free loopback port, stopped with SIGTERM."""
 
     def __init__(self, data_dir: str, dram_bytes: int, ssd_bytes: int, extra: tuple[str, ...] = ()) -> None:
+        os.makedirs(data_dir, exist_ok=True)
         port_file = os.path.join(data_dir, "port")
         self.proc = subprocess.Popen(
             [
@@ -92,12 +113,10 @@ class KvStoreProcess:
             ],
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.time() + 60
-        while not os.path.exists(port_file):
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("kvstore did not start")
-            time.sleep(0.05)
-        self.address = f"127.0.0.1:{Path(port_file).read_text().strip()}"
+        self.address = _wait_port(self.proc, port_file)
+
+    def cpu_s(self) -> float:
+        return _server_cpu_s(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -107,12 +126,192 @@ class KvStoreProcess:
             self.proc.kill()
 
 
-def bench_throughput(total_bytes: int, repeat: int, workdir: str) -> dict[str, Any]:
+# ------------------------------------------------------------------------------ bare gRPC ceiling
+# The transport alone: a generic-handler server (no protobuf, no checksum, no store) that discards
+# what it is sent (Sink) or streams byte strings it holds (Source). Same message size (one page),
+# same process layout (a separate server process), same channel options and malloc tuning as the
+# kvstore path, so "our Put / bare" shows what the store and its protocol cost on top.
+_BARE_SERVICE = "seerbench.Bare"
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def serve_bare(port_file: str, page_bytes: int, pages: int) -> int:
+    """The bare server (run as `python -m bench.kv --serve-bare PORT_FILE ...`)."""
+    from concurrent import futures
+
+    import grpc
+
+    from services.common.grpcutil import MAX_MESSAGE_BYTES
+    from services.kvstore.memtune import tune_malloc_for_pages
+
+    tune_malloc_for_pages()
+    payload = [i.to_bytes(8, "little") + os.urandom(page_bytes - 8) for i in range(min(pages, 64))]
+
+    def sink(requests: Any, context: Any) -> bytes:
+        n = 0
+        for msg in requests:
+            n += len(msg)
+        return n.to_bytes(8, "little")
+
+    def source(request: bytes, context: Any) -> Any:
+        for i in range(int.from_bytes(request, "little")):
+            yield payload[i % len(payload)]
+
+    opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=opts)
+    handler = grpc.method_handlers_generic_handler(
+        _BARE_SERVICE,
+        {
+            "Sink": grpc.stream_unary_rpc_method_handler(sink, _identity, _identity),
+            "Source": grpc.unary_stream_rpc_method_handler(source, _identity, _identity),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    tmp = port_file + ".tmp"
+    Path(tmp).write_text(str(port))
+    os.replace(tmp, port_file)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(0)
+    return 0
+
+
+def bench_bare(pages: KVPages, repeat: int, streams: int, workdir: str) -> dict[str, Any]:
+    """One-way ceilings of Python gRPC here: client-streaming into a discarding server (Put-like) and
+    server-streaming out of one (Get-like), with `streams` concurrent streams."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from services.common.grpcutil import CHANNEL_OPTIONS
+
+    port_file = os.path.join(workdir, "bare-port")
+    page_bytes = len(pages.pages[0])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.kv", "--serve-bare", port_file, "--bare-page-bytes", str(page_bytes)],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        address = _wait_port(proc, port_file)
+        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        sink = ch.stream_unary(f"/{_BARE_SERVICE}/Sink", _identity, _identity)
+        source = ch.unary_stream(f"/{_BARE_SERVICE}/Source", _identity, _identity)
+        parts = [pages.pages[k::streams] for k in range(streams)]
+        nbytes = sum(len(p) for p in pages.pages)
+        pool = ThreadPoolExecutor(max_workers=streams)
+
+        def put_one(part: tuple[bytes, ...]) -> int:
+            return int.from_bytes(sink(iter(part), timeout=120), "little")
+
+        def get_one(part: tuple[bytes, ...]) -> int:
+            return sum(len(m) for m in source(len(part).to_bytes(8, "little"), timeout=120))
+
+        out: dict[str, Any] = {"streams": streams}
+        for name, fn in (("put", put_one), ("get", get_one)):
+            fn(parts[0][:2])  # warm up the connection and both ends
+            cpu = _Cpu(proc.pid)
+            best = float("inf")
+            for _ in range(repeat):
+                t = time.perf_counter()
+                moved = sum(pool.map(fn, parts))
+                best = min(best, time.perf_counter() - t)
+                assert moved == nbytes, f"bare {name} moved {moved} of {nbytes} bytes"
+            out[f"{name}_gbps"] = _gbps(nbytes, best)
+            out.update(cpu.per_gb(f"{name}_", nbytes * repeat))
+        pool.shutdown()
+        ch.close()
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class _Cpu:
+    """CPU seconds per GB moved, of this process (client) and the server process, since creation."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.client0 = time.process_time()
+        self.server0 = _server_cpu_s(server_pid)
+
+    def per_gb(self, prefix: str, nbytes: int) -> dict[str, float]:
+        client = time.process_time() - self.client0
+        server = _server_cpu_s(self.server_pid) - self.server0
+        return {
+            f"{prefix}client_cpu_s_per_gb": client / nbytes * GB,
+            f"{prefix}server_cpu_s_per_gb": server / nbytes * GB,
+        }
+
+
+def bench_kvstore(
+    layout: KVLayout,
+    n: int,
+    repeat: int,
+    workdir: str,
+    name: str,
+    streams: int,
+    dram: bool,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Put (put_pages) and Get (fetch_prefix) through a kvstore process; dram=False: the server
+    has no DRAM tier, so every Put lands in RocksDB and every Get reads (and crc-checks) from it."""
+    nbytes = n * layout.page_bytes
+    server = KvStoreProcess(
+        os.path.join(workdir, name),
+        dram_bytes=(repeat + 2) * nbytes if dram else 0,
+        ssd_bytes=(repeat + 2) * 4 * nbytes,
+        extra=extra,
+    )
+    out: dict[str, Any] = {}
+    try:
+        with KVClient([server.address], streams_per_replica=streams) as kv:
+            kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
+            t_put = float("inf")
+            batches = [synthetic_pages(n, layout, "bench@v1", seed=100 + i) for i in range(repeat)]
+            cpu = _Cpu(server.proc.pid)
+            for i, fresh in enumerate(batches):
+                # Fresh pages each time (a fresh owner of the same pages would only claim them).
+                t = time.perf_counter()
+                stored = kv.put_pages(fresh, f"put{i}")
+                t_put = min(t_put, time.perf_counter() - t)
+                assert stored == n, f"stored {stored} of {n}"
+            out.update(cpu.per_gb("put_", nbytes * repeat))
+            out["put_gbps"] = _gbps(nbytes, t_put)
+            last = batches[-1]
+            t_get = float("inf")
+            cpu = _Cpu(server.proc.pid)
+            for _ in range(repeat):
+                t = time.perf_counter()
+                got = kv.fetch_prefix(last.token_ids, "bench@v1", layout)
+                t_get = min(t_get, time.perf_counter() - t)
+                assert got is not None and got.pages == last.pages, "fetched pages differ from the stored ones"
+                del got
+            out.update(cpu.per_gb("get_", nbytes * repeat))
+            out["get_gbps"] = _gbps(nbytes, t_get)
+            stats = kv.store_stats()[server.address] or {}
+            out["dram_bytes"], out["ssd_bytes"] = stats.get("dram_bytes", 0), stats.get("ssd_bytes", 0)
+    finally:
+        server.stop()
+    return out
+
+
+def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) -> dict[str, Any]:
     layout = SMOLLM_LAYOUT
     n = max(8, total_bytes // layout.page_bytes)
     pages = synthetic_pages(n, layout, "bench@v1")
     nbytes = n * layout.page_bytes
-    out: dict[str, Any] = {"page_bytes": layout.page_bytes, "pages": n, "bytes": nbytes}
+    out: dict[str, Any] = {"page_bytes": layout.page_bytes, "pages": n, "bytes": nbytes, "streams": streams}
+    # The client process is tuned as KVClient does it (the first KVClient would do it anyway); the
+    # bare server and the kvstore server tune themselves.
+    out["malloc_tuned"] = tune_malloc_for_pages()
+    out["crc32_impl"] = CRC32_IMPL
 
     # 1. In-process memory copy of the same page buffers into one preallocated buffer: the ceiling
     # (no allocation or page faults, just memory bandwidth).
@@ -147,45 +346,37 @@ def bench_throughput(total_bytes: int, repeat: int, workdir: str) -> dict[str, A
     out["rocksdb_put_gbps"] = _gbps(nbytes, t_rput)
     out["rocksdb_get_gbps"] = _gbps(nbytes, t_rget)
 
-    # 3. A kvstore server process over loopback gRPC, through the worker's client.
-    server = KvStoreProcess(os.path.join(workdir, "svc"), dram_bytes=3 * nbytes, ssd_bytes=8 * nbytes)
-    try:
-        with KVClient([server.address]) as kv:
-            kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
-            t_put = float("inf")
-            for i in range(repeat):
-                # A fresh owner each time would dedup; fresh pages measure real stores.
-                fresh = synthetic_pages(n, layout, "bench@v1", seed=100 + i)
-                t = time.perf_counter()
-                stored = kv.put_pages(fresh, f"put{i}")
-                t_put = min(t_put, time.perf_counter() - t)
-                assert stored == n, f"stored {stored} of {n}"
-            got: list[KVPages | None] = []
-            t_get = _best(lambda: got.append(kv.fetch_prefix(fresh.token_ids, "bench@v1", layout)), repeat)
-            assert got[-1] is not None and got[-1].pages == fresh.pages
-    finally:
-        server.stop()
-    # 4. The same Put with the server trusting the writer's crc32 (--verify-put-checksums false):
-    # one crc pass instead of two; readers still verify end to end.
-    server = KvStoreProcess(
-        os.path.join(workdir, "svc-noverify"), 3 * nbytes, 8 * nbytes, ("--verify-put-checksums", "false")
+    # 3. The bare one-way gRPC ceiling (no store, no protobuf, no crc32).
+    bare = bench_bare(pages, repeat, streams, workdir)
+    out["bare"] = bare
+    out["bare_put_gbps"], out["bare_get_gbps"] = bare["put_gbps"], bare["get_gbps"]
+
+    # 4. A kvstore process over loopback gRPC, through the worker's client: DRAM tier (the default
+    # path: Put is acknowledged once the page is in DRAM), then RocksDB only (--dram-bytes 0).
+    dram = bench_kvstore(layout, n, repeat, workdir, "svc", streams, dram=True)
+    ssd_only = bench_kvstore(layout, n, repeat, workdir, "svc-ssd", streams, dram=False)
+    # 5. The DRAM path with the server trusting the writer's crc32 (--verify-put-checksums false).
+    noverify = bench_kvstore(
+        layout, n, repeat, workdir, "svc-noverify", streams, dram=True, extra=("--verify-put-checksums", "false")
     )
-    try:
-        with KVClient([server.address]) as kv:
-            kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
-            t_put_nv = float("inf")
-            for i in range(repeat):
-                fresh = synthetic_pages(n, layout, "bench@v1", seed=200 + i)
-                t = time.perf_counter()
-                kv.put_pages(fresh, f"put{i}")
-                t_put_nv = min(t_put_nv, time.perf_counter() - t)
-    finally:
-        server.stop()
-    out["grpc_put_noverify_gbps"] = _gbps(nbytes, t_put_nv)
-    out["grpc_put_gbps"] = _gbps(nbytes, t_put)
-    out["grpc_get_gbps"] = _gbps(nbytes, t_get)
-    for k in ("rocksdb_put", "rocksdb_get", "grpc_put", "grpc_put_noverify", "grpc_get"):
+    out["detail"] = {"dram": dram, "ssd": ssd_only, "noverify": noverify}
+    out["grpc_put_gbps"], out["grpc_get_gbps"] = dram["put_gbps"], dram["get_gbps"]
+    out["grpc_put_ssd_gbps"], out["grpc_get_ssd_gbps"] = ssd_only["put_gbps"], ssd_only["get_gbps"]
+    out["grpc_put_noverify_gbps"] = noverify["put_gbps"]
+    for k in (
+        "rocksdb_put",
+        "rocksdb_get",
+        "grpc_put",
+        "grpc_get",
+        "grpc_put_ssd",
+        "grpc_get_ssd",
+        "grpc_put_noverify",
+    ):
         out[f"{k}_vs_memcpy"] = out[f"{k}_gbps"] / out["memcpy_gbps"]
+    for k in ("grpc_put", "grpc_put_ssd", "grpc_put_noverify"):
+        out[f"{k}_vs_bare"] = out[f"{k}_gbps"] / out["bare_put_gbps"]
+    for k in ("grpc_get", "grpc_get_ssd"):
+        out[f"{k}_vs_bare"] = out[f"{k}_gbps"] / out["bare_get_gbps"]
     return out
 
 
@@ -254,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default=None, help="comma-separated context lengths for migration")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--no-migration", action="store_true", help="skip the engine part")
+    ap.add_argument("--streams", type=int, default=2, help="concurrent streams per replica (KVClient)")
+    ap.add_argument("--serve-bare", default=None, metavar="PORT_FILE", help=argparse.SUPPRESS)
+    ap.add_argument("--bare-page-bytes", type=int, default=SMOLLM_LAYOUT.page_bytes, help=argparse.SUPPRESS)
     ap.add_argument(
         "--threads",
         type=int,
@@ -261,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of the engines (1 is robust on a shared machine; 0 = torch's default)",
     )
     args = ap.parse_args(argv)
+    if args.serve_bare:
+        return serve_bare(args.serve_bare, args.bare_page_bytes, 64)
     mib = args.mib or (32 if args.quick else 512)
     repeat = args.repeat or (2 if args.quick else 3)
     contexts = [int(c) for c in (args.contexts or ("256,512" if args.quick else "1024,4096")).split(",")]
@@ -268,12 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"quick": args.quick, "engine_threads": args.threads, "contexts": contexts}
     t0 = time.perf_counter()
     try:
-        tp = bench_throughput(mib << 20, repeat, workdir)
+        tp = bench_throughput(mib << 20, repeat, workdir, args.streams)
         result["throughput"] = tp
-        print(f"pages: {tp['pages']} x {tp['page_bytes']} B = {tp['bytes'] / 1e6:.0f} MB")
-        for k in ("memcpy", "rocksdb_put", "rocksdb_get", "grpc_put", "grpc_put_noverify", "grpc_get"):
-            ratio = "" if k == "memcpy" else f"  ({tp[k + '_vs_memcpy']:.3f}x memcpy)"
+        print(
+            f"pages: {tp['pages']} x {tp['page_bytes']} B = {tp['bytes'] / 1e6:.0f} MB, {args.streams} streams, "
+            f"crc32 by {tp['crc32_impl']}, malloc tuned: {tp['malloc_tuned']}"
+        )
+        for k in ("memcpy", "rocksdb_put", "rocksdb_get", "bare_put", "bare_get"):
+            ratio = "" if k == "memcpy" else f"  ({tp[k + '_gbps'] / tp['memcpy_gbps']:.3f}x memcpy)"
             print(f"{k:>17}: {tp[k + '_gbps']:7.2f} GB/s{ratio}")
+        for k in ("grpc_put", "grpc_get", "grpc_put_ssd", "grpc_get_ssd", "grpc_put_noverify"):
+            print(
+                f"{k:>17}: {tp[k + '_gbps']:7.2f} GB/s  ({tp[k + '_vs_memcpy']:.3f}x memcpy, "
+                f"{tp[k + '_vs_bare']:.2f}x bare gRPC)"
+            )
         if not args.no_migration:
             mig = bench_migration(contexts, workdir, args.threads or None)
             result["migration"] = mig

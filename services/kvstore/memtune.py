@@ -40,8 +40,8 @@ def tune_malloc_for_pages(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_bytes: 
     global _applied
     if not 0 < mmap_threshold <= MAX_MMAP_THRESHOLD:
         raise ValueError(f"mmap_threshold: must be in (0, {MAX_MMAP_THRESHOLD}], got {mmap_threshold}")
-    if trim_bytes <= 0:
-        raise ValueError(f"trim_bytes: must be > 0, got {trim_bytes}")
+    if not 0 < trim_bytes < 2**31:  # mallopt takes a C int
+        raise ValueError(f"trim_bytes: must be in (0, 2**31), got {trim_bytes}")
     with _lock:
         if _applied is not None:
             return True

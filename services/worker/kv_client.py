@@ -53,6 +53,8 @@ _GET_METHOD = _SERVICE + "/Get"
 
 def split_even(items: Sequence[T], parts: int) -> list[Sequence[T]]:
     """items cut into at most `parts` contiguous, non-empty runs of nearly equal length."""
+    if not items:
+        return []
     parts = max(1, min(parts, len(items)))
     q, r = divmod(len(items), parts)
     out: list[Sequence[T]] = []

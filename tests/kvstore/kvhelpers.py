@@ -31,7 +31,7 @@ def make_pages(tokens: list[int], version: str = "m@v1", seed: int = 0) -> KVPag
     return KVPages(version, KV_LAYOUT, tuple(tokens[:n]), tuple(hashes), tuple(rnd))
 
 
-def crc(data: bytes) -> int:
+def crc(data: bytes | memoryview) -> int:
     return zlib.crc32(data)
 
 

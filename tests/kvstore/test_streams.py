@@ -1,0 +1,103 @@
+"""KVClient's concurrent streams per replica, and the page-path helpers (split, malloc tuning)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from services.kvstore.checksum import crc32
+from services.kvstore.memtune import MAX_MMAP_THRESHOLD, malloc_tuned, tune_malloc_for_pages
+from services.worker.engine import KVPages
+from services.worker.kv_client import KVClient, split_even
+from tests.kvstore.kvhelpers import KV_LAYOUT, LAYOUT, Replica, make_pages
+
+Make = Callable[..., Replica]
+
+TOKENS = list(range(2000, 2000 + 4 * 24))  # 24 full pages
+
+
+@pytest.mark.parametrize(("n", "parts"), [(0, 3), (1, 3), (5, 2), (24, 3), (7, 7), (3, 10), (10, 1)])
+def test_split_even_covers_all_items_in_order(n: int, parts: int) -> None:
+    items = list(range(n))
+    runs = split_even(items, parts)
+    assert [x for run in runs for x in run] == items
+    assert all(len(run) > 0 for run in runs)
+    assert len(runs) == min(parts, n) if n else runs == []
+    if runs:
+        assert max(map(len, runs)) - min(map(len, runs)) <= 1
+
+
+@pytest.mark.parametrize("streams", [1, 2, 5])
+def test_streams_round_trip_with_claims(replicas: Make, streams: int) -> None:
+    r = replicas("a")
+    full = make_pages(TOKENS)
+    first = KVPages(full.model_version, full.layout, full.token_ids[:40], full.page_hashes[:10], full.pages[:10])
+    with KVClient([r.address], streams_per_replica=streams) as kv:
+        assert kv.put_pages(first, "r1") == 10
+        # 10 pages are claimed (first stream), 14 new ones are split over the streams.
+        assert kv.put_pages(full, "r2") == 14
+        s = kv.stats()
+        assert s.claimed_pages == 10 and s.put_bytes == 24 * len(full.pages[0])
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        assert got is not None and got.pages == full.pages and got.page_hashes == full.page_hashes
+        assert all(isinstance(p, bytes) for p in got.pages)
+        # Both owners hold every page they sent or claimed.
+        assert kv.release("m@v1", "r1") == 10
+        assert kv.release("m@v1", "r2") == 24
+        assert r.store is not None and r.store.stats().pages == 0
+
+
+def test_bad_page_in_a_later_stream_ends_the_prefix_there(replicas: Make) -> None:
+    """Pages arrive over several streams; a page failing its crc32 in the last stream's share still
+    cuts the fetched prefix exactly there (and the store never serves it as good)."""
+    r = replicas("a", verify_put_checksums=False)
+    pages = make_pages(TOKENS)
+    with KVClient([r.address], streams_per_replica=3) as kv:
+        assert r.store is not None
+        for i, (h, d) in enumerate(zip(pages.page_hashes, pages.pages, strict=True)):
+            data = bytes(b ^ 0x5A for b in d) if i == 20 else d
+            r.store.put("m@v1", LAYOUT, h, data, crc32(d), "r1")
+        got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
+        assert got is not None and got.pages == pages.pages[:20]
+        assert kv.stats().checksum_failures == 1
+
+
+def test_put_checksum_mismatch_is_rejected_by_the_server(replicas: Make) -> None:
+    """The server still verifies each Put page's crc32 when it decodes with services.kvstore.wire."""
+    r = replicas("a")
+    pages = make_pages(TOKENS)
+    bad = list(pages.pages)
+    bad[3] = bytes(b ^ 1 for b in bad[3])
+    with KVClient([r.address], streams_per_replica=1) as kv:
+        # The client computes the crc of what it sends; make it disagree by corrupting after the fact.
+        original = kv._put_rpc[r.address]
+
+        def corrupting(requests: Iterator[bytes], timeout: float) -> grpc.Future:
+            def gen() -> Iterator[bytes]:
+                for k, raw in enumerate(requests):
+                    yield raw[:-1] + bytes([raw[-1] ^ 1]) if k == 3 else raw
+
+            return original.future(gen(), timeout=timeout)  # type: ignore[no-any-return]
+
+        class Rpc:
+            future = staticmethod(corrupting)
+
+        kv._put_rpc[r.address] = Rpc  # type: ignore[assignment]
+        with pytest.raises(Exception, match=r"requests\[3\]\.checksum"):
+            kv.put_pages(pages, "r1")
+        assert r.store is not None and r.store.stats().pages == 3  # the pages before it stay stored
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_malloc_tuning_applies_once_and_checks_its_arguments() -> None:
+    assert tune_malloc_for_pages() is True
+    assert tune_malloc_for_pages(trim_bytes=1 << 20) is True  # later calls keep the first setting
+    applied = malloc_tuned()
+    assert applied is not None and applied[0] <= MAX_MMAP_THRESHOLD
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        tune_malloc_for_pages(mmap_threshold=MAX_MMAP_THRESHOLD + 1)
+    with pytest.raises(ValueError, match="trim_bytes"):
+        tune_malloc_for_pages(trim_bytes=0)
