@@ -25,10 +25,12 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,126 +182,164 @@ def serve_bare(port_file: str, page_bytes: int, pages: int) -> int:
     return 0
 
 
-def bench_bare(pages: KVPages, repeat: int, streams: int, workdir: str) -> dict[str, Any]:
-    """One-way ceilings of Python gRPC here: client-streaming into a discarding server (Put-like) and
-    server-streaming out of one (Get-like), with `streams` concurrent streams."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import grpc
-
-    from services.common.grpcutil import CHANNEL_OPTIONS
-
-    port_file = os.path.join(workdir, "bare-port")
-    page_bytes = len(pages.pages[0])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.kv", "--serve-bare", port_file, "--bare-page-bytes", str(page_bytes)],
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        address = _wait_port(proc, port_file)
-        ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        sink = ch.stream_unary(f"/{_BARE_SERVICE}/Sink", _identity, _identity)
-        source = ch.unary_stream(f"/{_BARE_SERVICE}/Source", _identity, _identity)
-        parts = [pages.pages[k::streams] for k in range(streams)]
-        nbytes = sum(len(p) for p in pages.pages)
-        pool = ThreadPoolExecutor(max_workers=streams)
-
-        def put_one(part: tuple[bytes, ...]) -> int:
-            return int.from_bytes(sink(iter(part), timeout=120), "little")
-
-        def get_one(part: tuple[bytes, ...]) -> int:
-            return sum(len(m) for m in source(len(part).to_bytes(8, "little"), timeout=120))
-
-        out: dict[str, Any] = {"streams": streams}
-        for name, fn in (("put", put_one), ("get", get_one)):
-            fn(parts[0][:2])  # warm up the connection and both ends
-            cpu = _Cpu(proc.pid)
-            best = float("inf")
-            for _ in range(repeat):
-                t = time.perf_counter()
-                moved = sum(pool.map(fn, parts))
-                best = min(best, time.perf_counter() - t)
-                assert moved == nbytes, f"bare {name} moved {moved} of {nbytes} bytes"
-            out[f"{name}_gbps"] = _gbps(nbytes, best)
-            out.update(cpu.per_gb(f"{name}_", nbytes * repeat))
-        pool.shutdown()
-        ch.close()
-        return out
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 class _Cpu:
-    """CPU seconds per GB moved, of this process (client) and the server process, since creation."""
+    """CPU seconds of this process (the client) and a server process over the spans measured
+    (`with cpu:`), per GB moved."""
 
     def __init__(self, server_pid: int) -> None:
         self.server_pid = server_pid
-        self.client0 = time.process_time()
-        self.server0 = _server_cpu_s(server_pid)
+        self.client = self.server = 0.0
+        self.nbytes = 0
 
-    def per_gb(self, prefix: str, nbytes: int) -> dict[str, float]:
-        client = time.process_time() - self.client0
-        server = _server_cpu_s(self.server_pid) - self.server0
+    def span(self, nbytes: int) -> _Cpu:
+        self.nbytes += nbytes
+        return self
+
+    def __enter__(self) -> _Cpu:
+        self._c0, self._s0 = time.process_time(), _server_cpu_s(self.server_pid)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.client += time.process_time() - self._c0
+        self.server += _server_cpu_s(self.server_pid) - self._s0
+
+    def per_gb(self, prefix: str) -> dict[str, float]:
+        n = max(self.nbytes, 1)
         return {
-            f"{prefix}client_cpu_s_per_gb": client / nbytes * GB,
-            f"{prefix}server_cpu_s_per_gb": server / nbytes * GB,
+            f"{prefix}client_cpu_s_per_gb": self.client / n * GB,
+            f"{prefix}server_cpu_s_per_gb": self.server / n * GB,
         }
 
 
-def bench_kvstore(
-    layout: KVLayout,
-    n: int,
-    repeat: int,
-    workdir: str,
-    name: str,
-    streams: int,
-    dram: bool,
-    extra: tuple[str, ...] = (),
-) -> dict[str, Any]:
-    """Put (put_pages) and Get (fetch_prefix) through a kvstore process; dram=False: the server
-    has no DRAM tier, so every Put lands in RocksDB and every Get reads (and crc-checks) from it."""
-    nbytes = n * layout.page_bytes
-    server = KvStoreProcess(
-        os.path.join(workdir, name),
-        dram_bytes=(repeat + 2) * nbytes if dram else 0,
-        ssd_bytes=(repeat + 2) * 4 * nbytes,
-        extra=extra,
-    )
-    out: dict[str, Any] = {}
-    try:
-        with KVClient([server.address], streams_per_replica=streams) as kv:
-            kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
-            t_put = float("inf")
-            batches = [synthetic_pages(n, layout, "bench@v1", seed=100 + i) for i in range(repeat)]
-            cpu = _Cpu(server.proc.pid)
-            for i, fresh in enumerate(batches):
-                # Fresh pages each time (a fresh owner of the same pages would only claim them).
-                t = time.perf_counter()
-                stored = kv.put_pages(fresh, f"put{i}")
-                t_put = min(t_put, time.perf_counter() - t)
-                assert stored == n, f"stored {stored} of {n}"
-            out.update(cpu.per_gb("put_", nbytes * repeat))
-            out["put_gbps"] = _gbps(nbytes, t_put)
-            last = batches[-1]
-            t_get = float("inf")
-            cpu = _Cpu(server.proc.pid)
-            for _ in range(repeat):
-                t = time.perf_counter()
-                got = kv.fetch_prefix(last.token_ids, "bench@v1", layout)
-                t_get = min(t_get, time.perf_counter() - t)
-                assert got is not None and got.pages == last.pages, "fetched pages differ from the stored ones"
-                del got
-            out.update(cpu.per_gb("get_", nbytes * repeat))
-            out["get_gbps"] = _gbps(nbytes, t_get)
-            stats = kv.store_stats()[server.address] or {}
-            out["dram_bytes"], out["ssd_bytes"] = stats.get("dram_bytes", 0), stats.get("ssd_bytes", 0)
-    finally:
-        server.stop()
-    return out
+class BareGrpc:
+    """The bare server process and a client of it: one-way ceilings of Python gRPC here, client
+    streaming into a discarding server (Put-like) and server streaming out of one (Get-like), over
+    `streams` concurrent streams, page-sized messages."""
+
+    def __init__(self, pages: KVPages, streams: int, workdir: str) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import grpc
+
+        from services.common.grpcutil import CHANNEL_OPTIONS
+
+        port_file = os.path.join(workdir, "bare-port")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.kv",
+                "--serve-bare",
+                port_file,
+                "--bare-page-bytes",
+                str(len(pages.pages[0])),
+            ],
+            stderr=subprocess.DEVNULL,
+        )
+        address = _wait_port(self.proc, port_file)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._sink = self.channel.stream_unary(f"/{_BARE_SERVICE}/Sink", _identity, _identity)
+        self._source = self.channel.unary_stream(f"/{_BARE_SERVICE}/Source", _identity, _identity)
+        self.parts = [pages.pages[k::streams] for k in range(streams)]
+        self.nbytes = sum(len(p) for p in pages.pages)
+        self.pool = ThreadPoolExecutor(max_workers=streams)
+        self.put_cpu, self.get_cpu = _Cpu(self.proc.pid), _Cpu(self.proc.pid)
+        self._put_one(self.parts[0][:2])  # warm up the connection and both ends
+        self._get_one(self.parts[0][:2])
+
+    def _put_one(self, part: Sequence[bytes]) -> int:
+        return int.from_bytes(self._sink(iter(part), timeout=120), "little")
+
+    def _get_one(self, part: Sequence[bytes]) -> int:
+        return sum(len(m) for m in self._source(len(part).to_bytes(8, "little"), timeout=120))
+
+    def put(self) -> float:
+        t = time.perf_counter()
+        with self.put_cpu.span(self.nbytes):
+            moved = sum(self.pool.map(self._put_one, self.parts))
+        dt = time.perf_counter() - t
+        assert moved == self.nbytes, f"bare put moved {moved} of {self.nbytes} bytes"
+        return dt
+
+    def get(self) -> float:
+        t = time.perf_counter()
+        with self.get_cpu.span(self.nbytes):
+            moved = sum(self.pool.map(self._get_one, self.parts))
+        dt = time.perf_counter() - t
+        assert moved == self.nbytes, f"bare get moved {moved} of {self.nbytes} bytes"
+        return dt
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class StorePath:
+    """A kvstore process and the worker's KVClient: Put = put_pages, Get = fetch_prefix.
+
+    dram=False: the server has no DRAM tier, so every Put lands in RocksDB and every Get reads (and
+    crc-checks) from it. The first Put goes into the empty store ("cold": every page lands in memory
+    the server never touched, page faults included); each later Put comes after the previous
+    request released its pages, as finished rollouts do, so the store reuses that memory (steady
+    state). Get fetches the latest batch, and the result is dropped (imported, then freed)."""
+
+    def __init__(
+        self, layout: KVLayout, n: int, workdir: str, name: str, streams: int, dram: bool, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.layout, self.n = layout, n
+        self.nbytes = n * layout.page_bytes
+        self.tier = "dram" if dram else "rocksdb"
+        self.server = KvStoreProcess(
+            os.path.join(workdir, name),
+            dram_bytes=3 * self.nbytes if dram else 0,
+            ssd_bytes=8 * self.nbytes,
+            extra=extra,
+        )
+        self.kv = KVClient([self.server.address], streams_per_replica=streams)
+        self.kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
+        self.put_cpu, self.get_cpu = _Cpu(self.server.proc.pid), _Cpu(self.server.proc.pid)
+        self.puts = 0
+        self.pages = synthetic_pages(n, layout, "bench@v1", seed=100)
+        t = time.perf_counter()
+        self._put()
+        self.cold_put_s = time.perf_counter() - t
+
+    def _put(self) -> None:
+        stored = self.kv.put_pages(self.pages, f"put{self.puts}")
+        assert stored == self.n, f"stored {stored} of {self.n}"
+        self.puts += 1
+
+    def put(self) -> float:
+        self.kv.release("bench@v1", f"put{self.puts - 1}")
+        # Fresh pages each time (a fresh owner of the same pages would only claim them).
+        self.pages = synthetic_pages(self.n, self.layout, "bench@v1", seed=100 + self.puts)
+        t = time.perf_counter()
+        with self.put_cpu.span(self.nbytes):
+            self._put()
+        return time.perf_counter() - t
+
+    def get(self) -> float:
+        t = time.perf_counter()
+        with self.get_cpu.span(self.nbytes):
+            got = self.kv.fetch_prefix(self.pages.token_ids, "bench@v1", self.layout)
+        dt = time.perf_counter() - t
+        assert got is not None and got.pages == self.pages.pages, "fetched pages differ from the stored ones"
+        return dt
+
+    def close(self) -> dict[str, int]:
+        stats = self.kv.store_stats()[self.server.address] or {}
+        self.kv.close()
+        self.server.stop()
+        return {"dram_bytes": stats.get("dram_bytes", 0), "ssd_bytes": stats.get("ssd_bytes", 0)}
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) -> dict[str, Any]:
@@ -309,7 +349,7 @@ def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) 
     nbytes = n * layout.page_bytes
     out: dict[str, Any] = {"page_bytes": layout.page_bytes, "pages": n, "bytes": nbytes, "streams": streams}
     # The client process is tuned as KVClient does it (the first KVClient would do it anyway); the
-    # bare server and the kvstore server tune themselves.
+    # bare server and the kvstore servers tune themselves.
     out["malloc_tuned"] = tune_malloc_for_pages()
     out["crc32_impl"] = CRC32_IMPL
 
@@ -346,23 +386,60 @@ def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) 
     out["rocksdb_put_gbps"] = _gbps(nbytes, t_rput)
     out["rocksdb_get_gbps"] = _gbps(nbytes, t_rget)
 
-    # 3. The bare one-way gRPC ceiling (no store, no protobuf, no crc32).
-    bare = bench_bare(pages, repeat, streams, workdir)
-    out["bare"] = bare
-    out["bare_put_gbps"], out["bare_get_gbps"] = bare["put_gbps"], bare["get_gbps"]
-
-    # 4. A kvstore process over loopback gRPC, through the worker's client: DRAM tier (the default
-    # path: Put is acknowledged once the page is in DRAM), then RocksDB only (--dram-bytes 0).
-    dram = bench_kvstore(layout, n, repeat, workdir, "svc", streams, dram=True)
-    ssd_only = bench_kvstore(layout, n, repeat, workdir, "svc-ssd", streams, dram=False)
-    # 5. The DRAM path with the server trusting the writer's crc32 (--verify-put-checksums false).
-    noverify = bench_kvstore(
-        layout, n, repeat, workdir, "svc-noverify", streams, dram=True, extra=("--verify-put-checksums", "false")
-    )
-    out["detail"] = {"dram": dram, "ssd": ssd_only, "noverify": noverify}
-    out["grpc_put_gbps"], out["grpc_get_gbps"] = dram["put_gbps"], dram["get_gbps"]
-    out["grpc_put_ssd_gbps"], out["grpc_get_ssd_gbps"] = ssd_only["put_gbps"], ssd_only["get_gbps"]
-    out["grpc_put_noverify_gbps"] = noverify["put_gbps"]
+    # 3. Over loopback gRPC: the bare transport (no store, no protobuf, no crc32) and the kvstore
+    # paths, interleaved round by round so that each "x bare" ratio compares runs seconds apart
+    # (the machine is shared: its load drifts over a run). Each kvstore path: DRAM tier (default;
+    # Put is acknowledged once the page is in DRAM), RocksDB only (--dram-bytes 0), and DRAM with
+    # the server trusting the writer's crc32 (--verify-put-checksums false).
+    bare = BareGrpc(pages, streams, workdir)
+    paths = {
+        "": ("svc", True, ()),
+        "_ssd": ("svc-ssd", False, ()),
+        "_noverify": ("svc-noverify", True, ("--verify-put-checksums", "false")),
+    }
+    detail: dict[str, Any] = {}
+    bare_put: list[float] = []
+    bare_get: list[float] = []
+    try:
+        for suffix, (name, dram, extra) in paths.items():
+            path = StorePath(layout, n, workdir, name, streams, dram, extra)
+            try:
+                put_ratio, get_ratio, t_put, t_get = [], [], [], []
+                for _ in range(repeat):
+                    tb = bare.put()
+                    tk = path.put()
+                    bare_put.append(tb)
+                    t_put.append(tk)
+                    put_ratio.append(tb / tk)
+                    if suffix != "_noverify":  # the same Get as the DRAM path
+                        tb = bare.get()
+                        tk = path.get()
+                        bare_get.append(tb)
+                        t_get.append(tk)
+                        get_ratio.append(tb / tk)
+                d: dict[str, Any] = {"tier": path.tier, "put_cold_gbps": _gbps(nbytes, path.cold_put_s)}
+                d["put_gbps"] = _gbps(nbytes, min(t_put))
+                d["put_vs_bare_median"] = _median(put_ratio)
+                d.update(path.put_cpu.per_gb("put_"))
+                if t_get:
+                    d["get_gbps"] = _gbps(nbytes, min(t_get))
+                    d["get_vs_bare_median"] = _median(get_ratio)
+                    d.update(path.get_cpu.per_gb("get_"))
+            finally:
+                d.update(path.close())
+            detail[name] = d
+            out[f"grpc_put{suffix}_gbps"] = d["put_gbps"]
+            out[f"grpc_put{suffix}_vs_bare"] = d["put_vs_bare_median"]
+            out[f"grpc_put{suffix}_cold_gbps"] = d["put_cold_gbps"]
+            if "get_gbps" in d:
+                out[f"grpc_get{suffix}_gbps"] = d["get_gbps"]
+                out[f"grpc_get{suffix}_vs_bare"] = d["get_vs_bare_median"]
+    finally:
+        bare.close()
+    out["bare_put_gbps"] = _gbps(nbytes, min(bare_put))
+    out["bare_get_gbps"] = _gbps(nbytes, min(bare_get))
+    out["bare"] = {"streams": streams, **bare.put_cpu.per_gb("put_"), **bare.get_cpu.per_gb("get_")}
+    out["detail"] = detail
     for k in (
         "rocksdb_put",
         "rocksdb_get",
@@ -373,10 +450,6 @@ def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) 
         "grpc_put_noverify",
     ):
         out[f"{k}_vs_memcpy"] = out[f"{k}_gbps"] / out["memcpy_gbps"]
-    for k in ("grpc_put", "grpc_put_ssd", "grpc_put_noverify"):
-        out[f"{k}_vs_bare"] = out[f"{k}_gbps"] / out["bare_put_gbps"]
-    for k in ("grpc_get", "grpc_get_ssd"):
-        out[f"{k}_vs_bare"] = out[f"{k}_gbps"] / out["bare_get_gbps"]
     return out
 
 
@@ -476,8 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("grpc_put", "grpc_get", "grpc_put_ssd", "grpc_get_ssd", "grpc_put_noverify"):
             print(
                 f"{k:>17}: {tp[k + '_gbps']:7.2f} GB/s  ({tp[k + '_vs_memcpy']:.3f}x memcpy, "
-                f"{tp[k + '_vs_bare']:.2f}x bare gRPC)"
+                f"median {tp[k + '_vs_bare']:.2f}x bare gRPC of the same round)"
             )
+        print(f"{'grpc_put_cold':>17}: {tp['grpc_put_cold_gbps']:7.2f} GB/s  (first Put into the empty store)")
         if not args.no_migration:
             mig = bench_migration(contexts, workdir, args.threads or None)
             result["migration"] = mig
