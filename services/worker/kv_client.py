@@ -18,6 +18,12 @@ failure is a cache miss, never an error of the rollout and never wrong KV: a rep
 slow (UNAVAILABLE / DEADLINE_EXCEEDED) makes its pages missing; fetch_prefix stops at the first page
 that is missing or fails its crc32 and returns the prefix before it (the engine recomputes the rest);
 each case is counted in stats().
+
+Throughput (services/kvstore/README.md, "Page throughput"): Put and Get messages go through
+services.kvstore.wire (one page copy fewer each way than the generated classes), crc32 through
+services.kvstore.checksum (ISA-L when installed), a replica's share over `streams_per_replica`
+concurrent streams, and the constructor tunes glibc malloc for page-sized buffers
+(`tune_malloc=False` leaves the process as it is).
 """
 
 from __future__ import annotations
