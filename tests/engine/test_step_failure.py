@@ -140,3 +140,33 @@ def test_failed_decode_step_changes_nothing(fresh: ReferenceEngine, engine: Refe
     _drain(fresh, acc)
     assert len(calls) > 1
     assert acc == {"s": ref["ref-s"].token_ids, "g": ref["ref-g"].token_ids}
+
+
+def test_failure_while_committing_aborts_the_step(fresh: ReferenceEngine, prompts: list[tuple[int, ...]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past verification some requests may have advanced: their tokens could not reach the caller,
+    so the step's requests are aborted (and the error is not a ValueError a caller would retry)."""
+    reqs = [GenerateRequest(f"x{i}", prompts[i], NEW, GREEDY) for i in (4, 5)]
+    for r in reqs:
+        fresh.add_request(r)
+    fresh.step()
+    real = fresh._apply
+    calls: list[int] = []
+
+    def flaky(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # the first request has advanced already
+            raise ValueError("injected commit failure")
+        return real(*args)
+
+    monkeypatch.setattr(fresh, "_apply", flaky)
+    with pytest.raises(RuntimeError, match="2 requests were aborted") as info:
+        fresh.step()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not fresh.has_unfinished()
+    assert fresh.blocks.num_free == fresh.blocks.num_pages  # every page released (cached or free)
+    monkeypatch.undo()
+    # The engine keeps serving, and the committed pages of the aborted requests are reused.
+    before = fresh.stats().cached_tokens
+    out = fresh.generate([GenerateRequest("x-again", prompts[4], 2, GREEDY)])["x-again"]
+    assert len(out.token_ids) == 2 and fresh.stats().cached_tokens > before

@@ -4,7 +4,10 @@ Between steps the engine holds no half-done work: a step schedules (admits waiti
 prefill joins the decode of the running ones), runs one forward pass with every request's draft tree,
 verifies, appends the emitted tokens, registers newly full pages in the prefix cache and frees the
 pages of finished requests (they stay cached for the next chunk or a sibling). Bad input raises
-ValueError naming the field before any state changes, so other requests keep running.
+ValueError naming the field before any state changes, so other requests keep running. A step that
+throws before its results are committed (the forward pass, verification) changes nothing: the
+requests it admitted wait again and their pages, registered before the KV was written, are
+unregistered (issue 2); one that throws while committing aborts the step's requests.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from services.worker.engines.reference.model import LlamaModel
 from services.worker.engines.reference.model_runner import DraftTree, ModelRunner
 from services.worker.engines.reference.sampler import sample_rows, target_probs, uniform
 from services.worker.engines.reference.scheduler import Scheduler
-from services.worker.engines.reference.sequence import Sequence
+from services.worker.engines.reference.sequence import SeqStatus, Sequence
 from services.worker.engines.reference.verifier import Verifier
 from services.worker.model.config import ModelConfig
 from services.worker.model.loader import load_state_dict
@@ -229,10 +232,24 @@ class ReferenceEngine(Engine):
         self._cached_tokens += sum(s.num_cached_at_admit for s in admitted)
         outputs: list[StepOutput] = []
         emitted = 0
-        for seq, tree, (tokens, path, lps) in zip(seqs, trees, results, strict=True):
-            out = self._apply(seq, tree, tokens, path, lps)
-            emitted += len(out.token_ids)
-            outputs.append(out)
+        try:
+            for seq, tree, (tokens, path, lps) in zip(seqs, trees, results, strict=True):
+                out = self._apply(seq, tree, tokens, path, lps)
+                emitted += len(out.token_ids)
+                outputs.append(out)
+        except BaseException as e:
+            # Some requests have advanced, but their tokens would never reach the caller: a retry
+            # would silently drop them. Abort every request of the step instead (an engine bug,
+            # not an input error: never a ValueError that a caller might retry). Their registered
+            # pages hold KV the forward pass did write, so they stay cached.
+            for seq in seqs:
+                if seq.status == SeqStatus.RUNNING:
+                    self.scheduler.abort(seq.request_id)
+            log.error("engine step failed while committing; its requests were aborted",
+                      extra={"fields": {"requests": len(seqs), "error": repr(e)}})
+            raise RuntimeError(
+                f"engine step failed while committing its results ({e!r}); its {len(seqs)} requests were aborted"
+            ) from e
         self._steps += 1
         self._generated += emitted
         now = time.perf_counter()
