@@ -68,3 +68,31 @@ def test_chunk_moves_to_another_engine_without_reprefill(
         # Pages of this version are never served to an engine on the next version.
         assert kv.fetch_prefix(context, "smollm2@v2", worker_b.kv_layout) is None
         assert kv.release(version, "req-1") == len(pages.pages)
+
+
+def test_continuation_offload_sends_only_new_pages(model_dir: Path, replicas: Make, one_torch_thread: None) -> None:
+    """Chunk-end offloads with KVPages.first_page > 0 (only the pages earlier chunks did not offload)
+    add up in the store to the whole prefix, which another engine fetches and resumes from."""
+    r = replicas("a", dram_bytes=64 << 20)
+    version = "smollm2@v1"
+    worker_a = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version, num_threads=1)
+    worker_b = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version, num_threads=1)
+    prompt = tuple(range(3000, 3000 + 60))
+    ref = worker_a.generate([GenerateRequest("ref", prompt, 10, GREEDY)])["ref"].token_ids
+    with KVClient([r.address], streams_per_replica=2) as kv:
+        chunk1 = list(prompt) + ref[:2]  # 62 tokens: 3 full pages
+        first = worker_a.export_kv(chunk1)
+        assert first.first_page == 0 and kv.put_pages(first, "req") == 3
+        sent = kv.stats().put_bytes
+        chunk2 = list(prompt) + ref[:6]  # 66 tokens: 4 full pages, only page 3 is new
+        more = worker_a.export_kv(chunk2, start_page=first.end_page)
+        assert more.first_page == 3 and len(more.pages) == 1
+        assert kv.put_pages(more, "req") == 1
+        assert kv.stats().put_bytes - sent == len(more.pages[0])  # only the new page's bytes
+        fetched = kv.fetch_prefix(chunk2, version, worker_b.kv_layout)
+        assert fetched is not None and fetched.first_page == 0
+        assert fetched.pages == worker_a.export_kv(chunk2).pages
+        assert worker_b.import_kv(fetched) == 64
+        out = worker_b.generate([GenerateRequest("req", prompt, 4, GREEDY, output_token_ids=tuple(ref[:6]))])
+        assert out["req"].token_ids == ref[6:10]
+        assert kv.release(version, "req") == 4
