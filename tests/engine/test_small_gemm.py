@@ -79,6 +79,12 @@ def test_dispatch_uses_f_linear_outside_its_range(monkeypatch: pytest.MonkeyPatc
         lin.linear(torch.randn(4, 24), w)
     expected = [lin.MIN_ROWS, lin.MAX_ROWS] if small_gemm_available() else []
     assert calls == expected
+    calls.clear()
+    wide = torch.randn(lin.WIDE_WEIGHTS // 256, 256)  # an lm_head-sized weight: more rows allowed
+    for M in (lin.MAX_ROWS + 1, lin.MAX_ROWS_WIDE + 1):
+        x = torch.randn(M, 256)
+        torch.testing.assert_close(lin.linear(x, wide), F.linear(x, wide), rtol=1e-4, atol=1e-4)
+    assert calls == ([lin.MAX_ROWS + 1] if small_gemm_available() else [])
 
 
 def test_build_reports_a_missing_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

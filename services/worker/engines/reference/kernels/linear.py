@@ -1,11 +1,16 @@
 """y = x @ w^T (+ b): the small-M C kernel (small_gemm.c) where it beats PyTorch, F.linear elsewhere.
 
-Where it wins (bench.engine --gemm, 1 thread, AVX2 Zen3, the SmolLM2-135M layer shapes qkv
-[960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536], lm_head [49152, 576]):
+Where it wins (bench.engine section "gemm": 1 thread, AVX2 Zen3, weights streamed from memory as
+in the model, SmolLM2-135M shapes qkv [960, 576], o [576, 576], gate_up [3072, 576],
+down [576, 1536], lm_head [49152, 576]), F.linear time / kernel time:
+    M       2     4     8    16    32    48    64    96   128
+    qkv   1.9   1.7   1.6   1.5   1.3   1.2   1.1   1.1   0.9
+    gu    2.4   2.1   2.4   1.9   1.8   1.3   1.7   1.3   1.4
+    down  1.4   1.6   1.3   1.4   1.1   1.1   0.9   0.9   0.9
+    lm    2.7   -     2.8   2.6   2.2   -     1.9   1.7   1.2
 MKL's gemv at M = 1 is bandwidth-bound and the kernel only matches it, so M = 1 stays on F.linear
-(plain decode bit-identical to before); for 2 <= M <= MAX_ROWS the kernel streams each weight once
-for all rows and was 1.5-6x faster than F.linear (MKL's small-M sgemm gets 5-20 GFLOPS here).
-Above MAX_ROWS MKL's blocked gemm catches up (measured crossover: see MAX_ROWS).
+(plain decode bit-identical to before). Above 64 rows MKL's blocked gemm catches up on the layer
+shapes; the lm_head (memory-bound: 113 MB of weights) still gains up to 128 rows.
 
 Set SEER_SMALL_GEMM=0 to disable the kernel; `small_gemm_enabled(False)` does it for a block
 (benchmarks compare both in one run).
@@ -30,7 +35,9 @@ log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 MIN_ROWS = 2  # M = 1: MKL gemv is as fast and keeps greedy decoding bit-identical
-MAX_ROWS = 64  # calibrated crossover vs MKL sgemm (bench.engine --gemm)
+MAX_ROWS = 64  # crossover vs MKL sgemm on the layer shapes (table above)
+WIDE_WEIGHTS = 8 << 20  # elements: a weight this large (the lm_head) is memory-bound up to ...
+MAX_ROWS_WIDE = 128  # ... this many rows
 
 _lock = threading.Lock()
 _fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
@@ -97,8 +104,11 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for x [M, K]; the kernel for float32 CPU tensors with MIN_ROWS <= M <= MAX_ROWS."""
-    if (_enabled and MIN_ROWS <= x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32
+    """F.linear(x, w, bias) for x [M, K]; the kernel for float32 CPU tensors with MIN_ROWS <= M <= MAX_ROWS
+    (MAX_ROWS_WIDE for weights of at least WIDE_WEIGHTS elements)."""
+    m = x.shape[0]
+    if (_enabled and m >= MIN_ROWS and (m <= MAX_ROWS or (m <= MAX_ROWS_WIDE and w.numel() >= WIDE_WEIGHTS))
+            and x.dim() == 2 and x.dtype == torch.float32
             and w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
             and (bias is None or bias.dtype == torch.float32) and _kernel() is not None):
         return small_gemm(x, w, bias)

@@ -9,6 +9,7 @@
  *
  * Register budget (16 ymm): MB * NB accumulators + NB weight vectors + 1 x vector: 4 x 3 -> 16.
  * Per 8-wide K step: NB + MB loads and MB * NB FMAs (12 FMAs / 7 loads: FMA-bound, not load-bound).
+ * The next weight block is prefetched during the first pass over the current one.
  * Threads: OpenMP over weight blocks (contiguous ranges per thread); the library resolves to the
  * libgomp torch already loaded (same soname), so torch.set_num_threads governs both.
  */
@@ -28,12 +29,16 @@ static inline float hsum(__m256 v) {
  * accumulator arrays live in registers). kfull = K rounded down to 8; tail = mask of K % 8 lanes. */
 static inline __attribute__((always_inline)) void tile(
     const int mb, const int nb, const float *x, long ldx, const float *w, long K, long kfull,
-    __m256i tail, float *y, long ldy, const float *bias) {
+    __m256i tail, float *y, long ldy, const float *bias, const char *pf) {
     __m256 acc[MB][NB];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nb; j++) acc[i][j] = _mm256_setzero_ps();
     long k = 0;
     for (; k < kfull; k += 8) {
+        if (pf) {  /* next weight block: NB * 8 floats (96 bytes) of it per 8-wide step */
+            _mm_prefetch(pf + k * NB * 4, _MM_HINT_T0);
+            _mm_prefetch(pf + k * NB * 4 + 64, _MM_HINT_T0);
+        }
         __m256 wv[NB];
         for (int j = 0; j < nb; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
         for (int i = 0; i < mb; i++) {
@@ -53,7 +58,7 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < nb; j++) y[i * ldy + j] = hsum(acc[i][j]) + (bias ? bias[j] : 0.0f);
 }
 
-#define TILE(a, b) tile(a, b, xm, ldx, wn, K, kfull, tail, ym, ldy, bn)
+#define TILE(a, b) tile(a, b, xm, ldx, wn, K, kfull, tail, ym, ldy, bn, pf)
 #define ROWS(b)                            \
     switch (mb) {                          \
         case 4: TILE(4, b); break;         \
@@ -79,6 +84,10 @@ void seer_small_gemm(const float *x, long ldx, const float *w, const float *bias
         for (long m0 = 0; m0 < M; m0 += MB) {
             const long mb = M - m0 < MB ? M - m0 : MB;
             const float *xm = x + m0 * ldx;
+            /* The first pass over a block streams it from memory; prefetch the next block
+             * meanwhile (blocks are contiguous: short streams the hardware prefetcher ramps up
+             * on too late). Later passes read this block from L1. */
+            const char *pf = (m0 == 0 && b + 1 < nblocks) ? (const char *)(wn + NB * K) : 0;
             float *ym = y + m0 * ldy + n0;
             if (nb == 3) {
                 ROWS(3)
