@@ -224,18 +224,27 @@ def index_speed(data: dict[str, Any], quick: bool) -> dict[str, float]:
         r = rng.randrange(n_resp)
         ctxs.append(prompt + resps[r][: rng.randrange(16, length)])
     # Wall time and thread CPU time per call: on a shared machine the wall-clock tail is mostly time
-    # spent descheduled, which the CPU clock excludes.
+    # spent descheduled, which the CPU clock excludes. Width 1 runs three passes over the contexts
+    # (each call as cold as in the first pass: thousands of other contexts in between); besides the
+    # per-call percentiles, the p99 over contexts of each context's median CPU time is the
+    # drafter's own tail with the preemptions of a loaded 2-core box (a call interrupted by a
+    # context switch comes back to cold caches, 2-5x slower) filtered out.
     cpu: list[float] = []
-    for width in lat:
-        for ctx in ctxs:
-            t = time.perf_counter()
-            c = time.thread_time()
-            idx.propose(ctx, GAMMA, width=width)
-            if width == 1:
-                cpu.append(time.thread_time() - c)
-            lat[width].append(time.perf_counter() - t)
+    per_ctx: list[list[float]] = [[] for _ in ctxs]
+    for width, passes in ((1, 3), (4, 1)):
+        for _ in range(passes):
+            for i, ctx in enumerate(ctxs):
+                t = time.perf_counter()
+                c = time.thread_time()
+                idx.propose(ctx, GAMMA, width=width)
+                if width == 1:
+                    dc = time.thread_time() - c
+                    cpu.append(dc)
+                    per_ctx[i].append(dc)
+                lat[width].append(time.perf_counter() - t)
         lat[width].sort()
     cpu.sort()
+    med = sorted(statistics.median(x) for x in per_ctx)
     sample = [t for r in resps[:4] for t in r]
     return {
         "trie_depth16_ingest_tokens_per_s": trie_ingest_baseline(sample, 16),
@@ -244,6 +253,7 @@ def index_speed(data: dict[str, Any], quick: bool) -> dict[str, float]:
         "propose_p99_us": lat[1][int(len(lat[1]) * 0.99)] * 1e6,
         "propose_cpu_p50_us": cpu[len(cpu) // 2] * 1e6,
         "propose_cpu_p99_us": cpu[int(len(cpu) * 0.99)] * 1e6,
+        "propose_cpu_p99_of_context_medians_us": med[int(len(med) * 0.99)] * 1e6,
         "tree4_p50_us": lat[4][len(lat[4]) // 2] * 1e6,
         "tree4_p99_us": lat[4][int(len(lat[4]) * 0.99)] * 1e6,
         "load_average_1m": os.getloadavg()[0],
@@ -281,8 +291,11 @@ def trie_ingest_baseline(tokens: Sequence[int], depth: int) -> float:
 
 def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
                width: int = 1, seed_base: int = 5000, threads: int | None = None,
-               table: Any = None) -> dict[str, float]:
-    """One batch of n_prompts x group requests through the reference engine; returns tokens/s."""
+               table: Any = None, planner: Any = None) -> dict[str, float]:
+    """One batch of n_prompts x group requests through the reference engine; returns tokens/s.
+
+    `planner`: an AdaptiveSpeculation to keep across runs (a worker keeps one for its lifetime, so
+    its acceptance estimate is warm); a fresh one from `table` when None."""
     from services.draft.app import start
     from services.draft.config import DraftConfig
     from services.worker.adaptive import AdaptiveSpeculation
@@ -294,7 +307,8 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
     engine = ReferenceEngine.from_dir(model_dir, max_batch_size=len(prompts) * group, num_threads=threads)
     running, store = start(DraftConfig(port=0, grace_seconds=0.1))
     client = DraftClient(running.address, sync_interval_s=0.02)
-    planner = AdaptiveSpeculation(table, gamma_max=GAMMA)
+    if planner is None:
+        planner = AdaptiveSpeculation(table, gamma_max=GAMMA)
     try:
         reqs = []
         group_of: dict[str, str] = {}
@@ -313,7 +327,7 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
         probes = {f"p{p}-s0" for p in range(len(prompts))}
         done: set[str] = set()
         length = {r.request_id: 0 for r in reqs}
-        tokens = steps = proposed = accepted = 0
+        tokens = steps = proposed = accepted = spec_steps = 0
         t0, c0 = time.perf_counter(), time.thread_time()
         while engine.has_unfinished():
             drafts = {}
@@ -347,11 +361,12 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
                 if o.finished:
                     done.add(o.request_id)
             if drafts:
+                spec_steps += 1
                 planner.observe(prop_pos, acc_pos)
         wall = time.perf_counter() - t0
         cpu = time.thread_time() - c0
         return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": steps,
-                "tokens_per_cpu_s": tokens / cpu,
+                "tokens_per_cpu_s": tokens / cpu, "spec_steps": spec_steps,
                 "draft_tokens": proposed, "accepted": accepted}
     finally:
         client.close()
@@ -419,6 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also measure throughput through the whole suite (seer up + public API); slow")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--repeats", type=int, default=0, help="throughput runs per arm (default 1 quick, 3 full)")
+    ap.add_argument("--throughput-tokens", type=int, default=0,
+                    help="max tokens per request in the throughput runs (default 32 quick, --max-tokens full)")
+    ap.add_argument("--throughput-group", type=int, default=8, help="G in the throughput runs")
     args = ap.parse_args(list(argv) if argv is not None else None)
     n_prompts = args.prompts or (2 if args.quick else 4)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -446,40 +464,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     out("index: " + "  ".join(f"{k}={v:.1f}" for k, v in speed.items()))
     if not args.skip_throughput:
         # T(B, gamma) of this engine, measured here in thread CPU time (single-threaded engine), so
-        # the adaptive planner sees this machine's costs, not a default.
+        # the adaptive planner sees this machine's costs, not a default. gamma = 1 is a knot: on
+        # this CPU the first draft token costs far more than later ones (M = 1 -> 2 rows leaves
+        # the GEMV path), which linear interpolation between 0 and 2 would hide.
         from services.cli.profile import measure
+        from services.worker.adaptive import AdaptiveSpeculation
         from services.worker.engines.reference.engine import ReferenceEngine
 
-        prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=16, num_threads=1)
-        table = measure(prof_engine, (1, 16) if args.quick else (1, 4, 16), (0, 2, 8), steps=1 if args.quick else 3,
-                        log=False, clock="cpu")
+        bsizes = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
+        prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=max(bsizes), num_threads=1)
+        table = measure(prof_engine, bsizes, (0, 1, 2, 4, 8), steps=1 if args.quick else 2, log=False,
+                        clock="cpu")
         del prof_engine
         result["step_time_table"] = table.to_dict()
-        out("T(B, gamma) ms: " + "; ".join(
+        out("T(B, gamma) ms (gamma 0,1,2,4,8): " + "; ".join(
             f"B={b}: " + ",".join(f"{t * 1e3:.0f}" for t in row) for b, row in zip(table.batch_sizes, table.times_s,
                                                                                   strict=True)))
+        g = args.throughput_group
+        mt = args.throughput_tokens or min(max_tokens, 32 if args.quick else max_tokens)
         for temp in (0.7, 1.0):
             data = datasets[temp]
-            g = 8
-            mt = min(max_tokens, 20 if args.quick else max_tokens)
-            # Arms alternate (off, on, on, off, ...) and the medians are compared: one pair of runs
-            # of identical work differs by up to +-30% on this shared machine.
+            # One planner per temperature, kept across runs like a worker's, warmed by one untimed
+            # run (a worker has served earlier batches; a cold planner only has its prior).
+            planner = AdaptiveSpeculation(table, gamma_max=GAMMA)
+            throughput(model_dir, data, g, mt, speculate=True, threads=1, table=table, planner=planner,
+                       seed_base=9000)
+            # Arms alternate (off, on, on, off, ...): one pair of runs of identical work differs by
+            # up to +-30% on this shared machine; the per-pair ratios give the spread.
             runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
             for r in range(args.repeats):
                 for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                     runs[speculate].append(throughput(model_dir, data, g, mt, speculate=speculate, threads=1,
-                                                      table=table))
+                                                      table=table, planner=planner))
             base, spec = (_median_run(runs[False]), _median_run(runs[True]))
-            ratio = spec["tokens_per_s"] / base["tokens_per_s"]
-            cpu_ratio = spec["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
-            result[f"throughput_t{temp}"] = {"no_spec_tok_s": round(base["tokens_per_s"], 2),
+            pair = sorted(s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs[True], runs[False], strict=True))
+            pair_cpu = sorted(s["tokens_per_cpu_s"] / o["tokens_per_cpu_s"]
+                              for s, o in zip(runs[True], runs[False], strict=True))
+            ratio = statistics.median(pair)
+            cpu_ratio = statistics.median(pair_cpu)
+            result[f"throughput_t{temp}"] = {"group": g, "max_tokens": mt, "repeats": args.repeats,
+                                             "no_spec_tok_s": round(base["tokens_per_s"], 2),
                                              "spec_tok_s": round(spec["tokens_per_s"], 2), "ratio": round(ratio, 3),
-                                             "cpu_ratio": round(cpu_ratio, 3),
+                                             "ratio_min": round(pair[0], 3), "ratio_max": round(pair[-1], 3),
+                                             "cpu_ratio": round(cpu_ratio, 3), "cpu_ratio_min": round(pair_cpu[0], 3),
+                                             "cpu_ratio_max": round(pair_cpu[-1], 3),
                                              "spec_steps": spec["steps"], "no_spec_steps": base["steps"],
-                                             "draft_tokens": spec["draft_tokens"], "accepted": spec["accepted"]}
-            out(f"throughput T={temp} G={g}: no spec {base['tokens_per_s']:.1f} tok/s ({base['steps']} steps), "
-                f"spec {spec['tokens_per_s']:.1f} tok/s ({spec['steps']} steps, {spec['accepted']}/"
-                f"{spec['draft_tokens']} accepted) -> {ratio:.2f}x wall, {cpu_ratio:.2f}x per CPU second")
+                                             "steps_with_drafts": spec["spec_steps"],
+                                             "draft_tokens": spec["draft_tokens"], "accepted": spec["accepted"],
+                                             "alpha": [round(a, 2) for a in planner.acceptance()[:4]]}
+            out(f"throughput T={temp} G={g} {mt} tokens x{args.repeats}: no spec {base['tokens_per_s']:.1f} tok/s "
+                f"({base['steps']:.0f} steps), spec {spec['tokens_per_s']:.1f} tok/s ({spec['steps']:.0f} steps, "
+                f"{spec['spec_steps']:.0f} with drafts, {spec['accepted']:.0f}/{spec['draft_tokens']:.0f} accepted) "
+                f"-> median pair ratio {ratio:.2f}x wall [{pair[0]:.2f}-{pair[-1]:.2f}], "
+                f"{cpu_ratio:.2f}x per CPU second [{pair_cpu[0]:.2f}-{pair_cpu[-1]:.2f}]")
     if args.suite and not args.skip_throughput:
         for temp in (0.7, 1.0):
             data = datasets[temp]

@@ -17,8 +17,12 @@ per-position acceptance rates. Each step, for the current batch of B requests:
 
 alpha_i is tracked from what the engine verified: accepted_i / proposed_i with exponential decay (so
 the policy follows drift as the model or the data change) and a Beta prior (so a cold start drafts).
-While speculation is off no acceptance is observed; every `explore_interval` plans one request gets
-a short draft to keep the estimate fresh.
+While speculation is off no acceptance is observed; after `explore_interval` plans off, one request
+gets a short draft (`explore_gamma` tokens) to keep the estimate fresh, on a step where that costs
+at most `explore_max_cost` (5%) more than no draft (a large batch: one more row in a big matmul),
+or after 4 x explore_interval plans off whatever it costs. Without this a cold planner whose prior
+says "off" at the current batch size never learns that the drafts are good (measured in bench.spec:
+a fresh planner at B = 16 and the 0.5 prior drafted nothing in a whole run).
 """
 
 from __future__ import annotations
@@ -131,13 +135,17 @@ class AdaptiveSpeculation:
         prior_accept: float = 0.5,
         prior_weight: float = 4.0,
         decay: float = 0.998,
-        explore_interval: int = 64,
+        explore_interval: int = 16,
         min_gain: float = 0.1,
+        explore_gamma: int = 2,
+        explore_max_cost: float = 0.05,
     ) -> None:
         if gamma_max < 0:
             raise ValueError("gamma_max: must be >= 0")
         if probe_factor < 1.0:
             raise ValueError("probe_factor: must be >= 1")
+        if explore_gamma < 0 or explore_max_cost < 0:
+            raise ValueError("explore_gamma, explore_max_cost: must be >= 0")
         self.table = load_table(table)
         self.gamma_max = gamma_max
         self.probe_factor = probe_factor
@@ -146,6 +154,8 @@ class AdaptiveSpeculation:
         self.decay = decay
         self.explore_interval = explore_interval
         self.min_gain = min_gain
+        self.explore_gamma = explore_gamma
+        self.explore_max_cost = explore_max_cost
         self._proposed = [0.0] * gamma_max
         self._accepted = [0.0] * gamma_max
         self._off_streak = 0
@@ -226,11 +236,14 @@ class AdaptiveSpeculation:
             left -= min(left, len(members))
         if best_budget == 0:
             self._off_streak += 1
-            if self.explore_interval and self._off_streak >= self.explore_interval:
+            g = min(self.explore_gamma, self.gamma_max)
+            if (self.explore_interval and g > 0 and self._off_streak >= self.explore_interval
+                    and (self.table.time(n, g) <= (1.0 + self.explore_max_cost) * t0
+                         or self._off_streak >= 4 * self.explore_interval)):
                 self._off_streak = 0
                 rid = (probes or others)[0]
-                plan[rid] = min(2, self.gamma_max)
-                best_budget = plan[rid]
+                plan[rid] = g
+                best_budget = g
         else:
             self._off_streak = 0
         self.last_budget = best_budget

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import pytest
 
@@ -95,3 +96,44 @@ def test_min_gain_keeps_speculation_off_on_a_marginal_prediction() -> None:
         _observe(s, 0.4)
     assert sum(eager.plan(reqs).values()) > 0
     assert sum(careful.plan(reqs).values()) == 0
+
+
+def test_exploration_waits_for_a_cheap_step() -> None:
+    # B = 1 costs 2x with 2 draft tokens (the CPU small-M matmul cliff); at B = 64 (compute bound,
+    # every draft token costs a row) one request's 2 draft tokens cost ~3% more.
+    table = StepTimeTable((1, 64), (0, 1, 2), ((0.07, 0.13, 0.14), (0.30, 0.60, 0.90)))
+    spec = AdaptiveSpeculation(table, gamma_max=8, explore_interval=4, prior_accept=0.2)
+    one = [("r0", False)]
+    plans = [spec.plan(one) for _ in range(15)]
+    assert all(sum(p.values()) == 0 for p in plans)  # off, and exploring at B = 1 would cost ~2x
+    assert spec.plan(one)["r0"] == 2  # forced after 4 x explore_interval plans off
+    big = [(f"r{i}", i == 3) for i in range(64)]
+    plans = [spec.plan(big) for _ in range(4)]
+    assert [sum(p.values()) for p in plans] == [0, 0, 0, 2]
+    assert plans[3]["r3"] == 2  # the probe gets the exploring draft
+
+
+def test_cold_planner_learns_from_exploration() -> None:
+    # At B = 32 drafts pay only once alpha_0 > ~0.6, and the 0.5 prior says off: only exploration
+    # can show that they are accepted 90% of the time.
+    table = StepTimeTable((1, 32), (0, 1, 2), ((0.07, 0.08, 0.09), (0.30, 0.45, 0.60)))
+    spec = AdaptiveSpeculation(table, gamma_max=4, explore_interval=4)
+    reqs = [(f"r{i}", False) for i in range(32)]
+    assert sum(spec.plan(reqs).values()) == 0
+    rng = random.Random(0)
+    drafted = 0
+    for _ in range(200):
+        plan = spec.plan(reqs)
+        if not sum(plan.values()):
+            continue
+        drafted += 1
+        proposed, accepted = [0] * 4, [0] * 4
+        for n in plan.values():
+            ok = True
+            for i in range(n):
+                proposed[i] += 1
+                ok = ok and rng.random() < 0.9  # each token accepted w.p. 0.9 given its prefix was
+                accepted[i] += ok
+        spec.observe(proposed, accepted)
+    assert sum(spec.plan(reqs).values()) >= 32  # learnt: every request drafts
+    assert drafted > 100
