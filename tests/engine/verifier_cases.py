@@ -290,6 +290,22 @@ class BonusFromParent(Verifier):
         return tokens, path, rows
 
 
+class PositionNotAdvanced(Verifier):
+    """Mistake 7 (extra): the output position is not advanced after an accepted node, so every depth
+    reuses the uniforms of the first position: accepting a child and then its child are correlated
+    (P(both) = min(p, q) instead of p * q). Needs depth >= 2."""
+
+    first = 0
+
+    def verify_sampling(self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int
+                        ) -> tuple[list[int], list[int], list[int]]:
+        self.first = position
+        return super().verify_sampling(tree, probs, seed, position)
+
+    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
+        return super().try_children(tree, kids, p, seed, self.first)
+
+
 MUTANTS: dict[str, type[Verifier]] = {
     "1-always-accept-first": AlwaysAcceptFirst,
     "2-no-renormalize": NoRenormalize,
@@ -298,4 +314,5 @@ MUTANTS: dict[str, type[Verifier]] = {
     "4b-shared-uniform-stream1": SharedUniformStream1,
     "5-bonus-from-parent": BonusFromParent,
     "6-retest-duplicates": RetestDuplicates,
+    "7-position-not-advanced": PositionNotAdvanced,
 }
