@@ -437,6 +437,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--throughput-tokens", type=int, default=0,
                     help="max tokens per request in the throughput runs (default 32 quick, --max-tokens full)")
     ap.add_argument("--throughput-group", type=int, default=8, help="G in the throughput runs")
+    ap.add_argument("--skip-engine-throughput", action="store_true",
+                    help="no engine-level throughput runs (the step-time profile and --suite still run)")
+    ap.add_argument("--suite-repeats", type=int, default=1, help="suite runs per arm, alternating")
+    ap.add_argument("--suite-tokens", type=int, default=0, help="max tokens in the suite runs (default 48 quick)")
+    ap.add_argument("--temperatures", default="1.0,0.7", help="rollout temperatures (acceptance, throughput)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     n_prompts = args.prompts or (2 if args.quick else 4)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -450,7 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {"bench": "spec", "quick": args.quick, "prompts": n_prompts, "max_tokens": max_tokens,
                               "gamma_max": GAMMA}
     datasets = {}
-    for temp in (1.0, 0.7):
+    temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    for temp in temps:
         t0 = time.perf_counter()
         data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp, threads=args.threads or None)
         datasets[temp] = data
@@ -459,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             acc = acceptance(data, g)
             result[f"acceptance_t{temp}_g{g}"] = {k: round(v, 3) for k, v in acc.items()}
             out(f"  G={g:<2d} " + "  ".join(f"{k}={v:.3f}" for k, v in acc.items()))
-    speed = index_speed(datasets[1.0], args.quick)
+    speed = index_speed(datasets[1.0] if 1.0 in datasets else datasets[temps[0]], args.quick)
     result["index"] = {k: round(v, 2) for k, v in speed.items()}
     out("index: " + "  ".join(f"{k}={v:.1f}" for k, v in speed.items()))
     if not args.skip_throughput:
@@ -482,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                   strict=True)))
         g = args.throughput_group
         mt = args.throughput_tokens or min(max_tokens, 32 if args.quick else max_tokens)
-        for temp in (0.7, 1.0):
+        for temp in ([] if args.skip_engine_throughput else sorted(temps)):
             data = datasets[temp]
             # One planner per temperature, kept across runs like a worker's, warmed by one untimed
             # run (a worker has served earlier batches; a cold planner only has its prior).
@@ -518,19 +524,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"-> median pair ratio {ratio:.2f}x wall [{pair[0]:.2f}-{pair[-1]:.2f}], "
                 f"{cpu_ratio:.2f}x per CPU second [{pair_cpu[0]:.2f}-{pair_cpu[-1]:.2f}]")
     if args.suite and not args.skip_throughput:
-        for temp in (0.7, 1.0):
+        for temp in sorted(temps):
             data = datasets[temp]
-            mt = min(max_tokens, 48 if args.quick else max_tokens)
-            base = suite_throughput(model_dir, data, 8, mt, False, table, seed=7000)
-            spec = suite_throughput(model_dir, data, 8, mt, True, table, seed=7000)
-            ratio = spec["tokens_per_s"] / base["tokens_per_s"]
-            result[f"suite_throughput_t{temp}"] = {"no_spec_tok_s": round(base["tokens_per_s"], 2),
+            mt = args.suite_tokens or min(max_tokens, 48 if args.quick else max_tokens)
+            # Each arm is a fresh suite (its worker's planner is warmed by the untimed first
+            # iteration); arms alternate and the per-pair ratios give the spread.
+            sruns: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+            for r in range(args.suite_repeats):
+                for speculate in ((False, True) if r % 2 == 0 else (True, False)):
+                    sruns[speculate].append(suite_throughput(model_dir, data, 8, mt, speculate, table,
+                                                             seed=7000 + 1000 * r))
+            base, spec = _median_run(sruns[False]), _median_run(sruns[True])
+            pair = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(sruns[True], sruns[False], strict=True))
+            ratio = statistics.median(pair)
+            result[f"suite_throughput_t{temp}"] = {"max_tokens": mt, "repeats": args.suite_repeats,
+                                                   "no_spec_tok_s": round(base["tokens_per_s"], 2),
                                                    "spec_tok_s": round(spec["tokens_per_s"], 2),
-                                                   "ratio": round(ratio, 3), "accepted": spec["accepted"],
+                                                   "ratio": round(ratio, 3), "ratio_min": round(pair[0], 3),
+                                                   "ratio_max": round(pair[-1], 3), "accepted": spec["accepted"],
                                                    "draft_tokens": spec["draft_tokens"]}
-            out(f"suite throughput T={temp} G=8: no spec {base['tokens_per_s']:.1f} tok/s, spec "
-                f"{spec['tokens_per_s']:.1f} tok/s ({spec['accepted']}/{spec['draft_tokens']} accepted) "
-                f"-> {ratio:.2f}x")
+            out(f"suite throughput T={temp} G=8 {mt} tokens x{args.suite_repeats}: no spec "
+                f"{base['tokens_per_s']:.1f} tok/s, spec {spec['tokens_per_s']:.1f} tok/s "
+                f"({spec['accepted']:.0f}/{spec['draft_tokens']:.0f} accepted) -> median pair ratio {ratio:.2f}x "
+                f"[{pair[0]:.2f}-{pair[-1]:.2f}]")
     out("RESULT " + json.dumps(result))
     return 0
 
