@@ -32,6 +32,10 @@ class RunConfig:
     load_imbalance_threshold: int = 32
     prefix_gap_margin: int = 512
     order: str = "total"
+    admission_lookahead: int = 16
+    history_probes: bool = False
+    estimate_quantile: float = 0.9
+    estimate_min_samples: int = 16
 
 
 @dataclass
@@ -72,6 +76,10 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
         load_imbalance_threshold=rc.load_imbalance_threshold,
         prefix_gap_margin=rc.prefix_gap_margin,
         order=rc.order,
+        admission_lookahead=rc.admission_lookahead,
+        history_probes=rc.history_probes,
+        estimate_quantile=rc.estimate_quantile,
+        estimate_min_samples=rc.estimate_min_samples,
         use_worker_free_pages=False,
     )
     core = SchedulerCore(cfg, clock=lambda: now)

@@ -21,6 +21,13 @@ class SchedulerConfig(ServiceConfig):
     )
     starvation_seconds: float = field(default=30.0, metadata={"help": "anti-starvation wait before any priority"})
     order: str = field(default="total", metadata={"help": "longest-first by estimated 'total' or 'remaining'"})
+    estimate_quantile: float = field(
+        default=0.9,
+        metadata={"help": "learned correction of group estimates: quantile of sibling ratios (0 = plain max)"},
+    )
+    estimate_min_samples: int = field(
+        default=16, metadata={"help": "completed groups of a shape needed before the correction applies"}
+    )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
         default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
@@ -37,8 +44,14 @@ class SchedulerConfig(ServiceConfig):
 
     def policy_config(self) -> SchedulerPolicyConfig:
         return SchedulerPolicyConfig(
-            policy=self.policy, chunk_size=self.chunk_size, load_imbalance_threshold=self.load_imbalance_threshold,
-            prefix_gap_margin=self.prefix_gap_margin, starvation_seconds=self.starvation_seconds, order=self.order,
+            policy=self.policy,
+            chunk_size=self.chunk_size,
+            load_imbalance_threshold=self.load_imbalance_threshold,
+            prefix_gap_margin=self.prefix_gap_margin,
+            starvation_seconds=self.starvation_seconds,
+            order=self.order,
+            estimate_quantile=self.estimate_quantile,
+            estimate_min_samples=self.estimate_min_samples,
         )
 
     def validate(self) -> None:

@@ -33,6 +33,12 @@ class SchedulerPolicyConfig:
     use_worker_free_pages: bool = True
     # seer_history: still give probe priority to groups that already have a history prior.
     history_probes: bool = False
+    # Online-learned correction of group estimates (core/ratios.py): the finished maximum is
+    # multiplied by this quantile of (group max / max of the first k finished) over completed
+    # groups; 0 = the paper's plain maximum. Applies to seer and seer_history.
+    estimate_quantile: float = 0.9
+    # ... once at least this many completed groups of the same shape were observed.
+    estimate_min_samples: int = 16
     # A quarantined worker is trusted again after this many consecutive sane reports.
     quarantine_clear_reports: int = 3
 
@@ -51,6 +57,10 @@ class SchedulerPolicyConfig:
             raise InvalidArgument(f"{self.order!r} is not one of total, remaining", field="order")
         if self.admission_lookahead < 1:
             raise InvalidArgument("must be >= 1", field="admission_lookahead")
+        if not 0 <= self.estimate_quantile < 1:
+            raise InvalidArgument(f"must be in [0, 1), got {self.estimate_quantile}", field="estimate_quantile")
+        if self.estimate_min_samples < 1:
+            raise InvalidArgument("must be >= 1", field="estimate_min_samples")
         if self.quarantine_clear_reports < 1:
             raise InvalidArgument("must be >= 1", field="quarantine_clear_reports")
 

@@ -27,9 +27,14 @@ class GroupState:
     # Workers that ran a member: each holds the group's prompt prefix in its cache.
     workers: set[str] = field(default_factory=set)
 
-    def estimate(self) -> int:
-        """Expected length of the group's longest response (tokens)."""
+    def estimate(self, factor: float | None = None) -> int:
+        """Expected length of the group's longest response (tokens).
+
+        `factor` (>= 1, learned by SiblingRatios) corrects the finished maximum for the siblings
+        still running, which are the group's longer ones."""
         finished = max(self.finished_lengths) if self.finished_lengths else None
+        if finished is not None and factor is not None:
+            finished = min(self.max_tokens, round(finished * factor))
         if self.prior is not None:
             # History ranks are stable (RhymeRL: 2-4% change rank much), so the prior is a floor
             # that finished siblings can only raise.
@@ -38,12 +43,12 @@ class GroupState:
             return finished
         return self.max_tokens
 
-    def request_estimate(self, generated: int) -> int:
+    def request_estimate(self, generated: int, factor: float | None = None) -> int:
         """Estimated total length of one unfinished member that has generated `generated` tokens.
 
         A member already longer than the estimate has outgrown every finished sibling: it is the
         group's tail, its length is unknown, so it ranks as if it ran to max_tokens."""
-        est = self.estimate()
+        est = self.estimate(factor)
         return est if generated < est else self.max_tokens
 
 

@@ -29,6 +29,7 @@ from services.common.log import get_logger, kv
 from .config import SchedulerPolicyConfig
 from .groups import GroupState, history_prior
 from .queues import AgeQueue, Key, PendingQueue
+from .ratios import SiblingRatios
 from .types import Dispatch, RequestInfo, WorkerSpec
 from .workers import WorkerState, apply_telemetry, pages_for
 
@@ -60,6 +61,7 @@ class SchedulerCore:
         self._groups_by_key: dict[str, set[str]] = {}
         self._workers: dict[str, WorkerState] = {}
         self._history: dict[str, list[int]] = {}
+        self._ratios = SiblingRatios(cfg.estimate_quantile, cfg.estimate_min_samples)
         self._finished: OrderedDict[str, None] = OrderedDict()
         # request_id -> version of its live queue entries (pending requests only).
         self._live: dict[str, int] = {}
@@ -403,6 +405,8 @@ class SchedulerCore:
             return
         if len(g.members) == g.group_size and g.finished_lengths:
             self._history[g.prompt_key] = list(g.finished_lengths)
+            if len(g.finished_lengths) == g.group_size:
+                self._ratios.observe(g.finished_lengths, g.group_size)
         for m in g.members:
             self._requests.pop(m, None)
             self._finished[m] = None
@@ -432,7 +436,8 @@ class SchedulerCore:
             # Longest-first by group estimate (Algorithm 2); ties in enqueue order (FIFO). Measured
             # in bench.sim: breaking ties by most-generated-first (depth-first) or ranking by the
             # remaining estimate (order="remaining") was equal or worse on all three workloads.
-            est = self._groups[req.info.group_id].request_estimate(req.generated)
+            g = self._groups[req.info.group_id]
+            est = g.request_estimate(req.generated, self._factor(g))
             if self.cfg.order == "remaining":
                 return (-float(est - req.generated),)
             return (-float(est),)
@@ -442,6 +447,9 @@ class SchedulerCore:
                 return (-float(t - req.generated),)
             return (-float(t),)
         return (0.0,)  # baseline / divided: FIFO by enqueue order
+
+    def _factor(self, g: GroupState) -> float | None:
+        return self._ratios.factor(g.group_size, len(g.finished_lengths))
 
     def _enqueue(self, req: _Request, fresh: bool = True) -> None:
         """Queue the request's next chunk. `fresh=False` only re-keys it (estimate changed) and
@@ -481,7 +489,7 @@ class SchedulerCore:
         g = self._groups.get(group_id)
         if g is None:
             raise NotFound(f"unknown or finished group {group_id}", field="group_id")
-        return g.estimate()
+        return g.estimate(self._factor(g) if self.cfg.context_aware else None)
 
     def stats(self) -> dict[str, Any]:
         return {
