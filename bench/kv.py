@@ -20,6 +20,7 @@ The last line is `RESULT {json}`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -37,7 +38,7 @@ from typing import Any
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import IMPLEMENTATION as CRC32_IMPL
 from services.kvstore.checksum import crc32
-from services.kvstore.memtune import tune_malloc_for_pages
+from services.kvstore.memtune import malloc_tuned, tune_malloc_for_pages
 from services.kvstore.ssd import SsdTier
 from services.worker.engine import GenerateRequest, KVLayout, KVPages, SamplingParams
 from services.worker.kv_client import KVClient
@@ -149,7 +150,7 @@ def serve_bare(port_file: str, page_bytes: int, pages: int) -> int:
     from services.common.grpcutil import MAX_MESSAGE_BYTES
     from services.kvstore.memtune import tune_malloc_for_pages
 
-    tune_malloc_for_pages()
+    tune_malloc_for_pages(trim_bytes=512 << 20, arenas=1)  # as the kvstore server's defaults
     payload = [i.to_bytes(8, "little") + os.urandom(page_bytes - 8) for i in range(min(pages, 64))]
 
     def sink(requests: Any, context: Any) -> bytes:
@@ -342,7 +343,9 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) -> dict[str, Any]:
+def bench_throughput(
+    total_bytes: int, repeat: int, workdir: str, streams: int, client_arenas: int | None = None
+) -> dict[str, Any]:
     layout = SMOLLM_LAYOUT
     n = max(8, total_bytes // layout.page_bytes)
     pages = synthetic_pages(n, layout, "bench@v1")
@@ -350,7 +353,9 @@ def bench_throughput(total_bytes: int, repeat: int, workdir: str, streams: int) 
     out: dict[str, Any] = {"page_bytes": layout.page_bytes, "pages": n, "bytes": nbytes, "streams": streams}
     # The client process is tuned as KVClient does it (the first KVClient would do it anyway); the
     # bare server and the kvstore servers tune themselves.
-    out["malloc_tuned"] = tune_malloc_for_pages()
+    tune_malloc_for_pages(arenas=client_arenas)
+    tuning = malloc_tuned()
+    out["client_malloc"] = dataclasses.asdict(tuning) if tuning is not None else None
     out["crc32_impl"] = CRC32_IMPL
 
     # 1. In-process memory copy of the same page buffers into one preallocated buffer: the ceiling
@@ -519,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--no-migration", action="store_true", help="skip the engine part")
     ap.add_argument("--streams", type=int, default=2, help="concurrent streams per replica (KVClient)")
+    ap.add_argument(
+        "--malloc-arenas",
+        type=int,
+        default=None,
+        help="cap the client's glibc malloc arenas (KVClient(malloc_arenas=N); default: leave them)",
+    )
     ap.add_argument("--serve-bare", default=None, metavar="PORT_FILE", help=argparse.SUPPRESS)
     ap.add_argument("--bare-page-bytes", type=int, default=SMOLLM_LAYOUT.page_bytes, help=argparse.SUPPRESS)
     ap.add_argument(
@@ -537,11 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"quick": args.quick, "engine_threads": args.threads, "contexts": contexts}
     t0 = time.perf_counter()
     try:
-        tp = bench_throughput(mib << 20, repeat, workdir, args.streams)
+        tp = bench_throughput(mib << 20, repeat, workdir, args.streams, args.malloc_arenas)
         result["throughput"] = tp
         print(
             f"pages: {tp['pages']} x {tp['page_bytes']} B = {tp['bytes'] / 1e6:.0f} MB, {args.streams} streams, "
-            f"crc32 by {tp['crc32_impl']}, malloc tuned: {tp['malloc_tuned']}"
+            f"crc32 by {tp['crc32_impl']}, client malloc: {tp['client_malloc']}"
         )
         for k in ("memcpy", "rocksdb_put", "rocksdb_get", "bare_put", "bare_get"):
             ratio = "" if k == "memcpy" else f"  ({tp[k + '_gbps'] / tp['memcpy_gbps']:.3f}x memcpy)"

@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("kvstore")
     cfg = config.load_or_exit(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
     if cfg.tune_malloc:
-        tune_malloc_for_pages(trim_bytes=cfg.malloc_trim_bytes)
+        tune_malloc_for_pages(trim_bytes=cfg.malloc_trim_bytes, arenas=cfg.malloc_arenas)
     running, store = serve(cfg)
     metrics.register(store)
     announce_port(cfg.port_file or None, running.port)

@@ -39,6 +39,10 @@ class KvStoreConfig(ServiceConfig):
         default=True,
         metadata={"help": "raise glibc's mmap/trim thresholds: page buffers are reused (services/kvstore/memtune.py)"},
     )
+    malloc_arenas: int = field(
+        default=1,
+        metadata={"help": "with tune_malloc: glibc malloc arenas (1: freed page memory is reused by every thread)"},
+    )
     malloc_trim_bytes: int = field(
         default=512 * 1024 * 1024,
         metadata={"help": "with tune_malloc: freed memory kept for reuse before glibc returns it to the OS"},
@@ -57,6 +61,8 @@ class KvStoreConfig(ServiceConfig):
             raise ValueError(f"keep_versions: must be >= 1, got {self.keep_versions}")
         if self.min_blob_bytes < 0:
             raise ValueError(f"min_blob_bytes: must be >= 0, got {self.min_blob_bytes}")
+        if self.malloc_arenas < 1:
+            raise ValueError(f"malloc_arenas: must be >= 1, got {self.malloc_arenas}")
         if self.malloc_trim_bytes <= 0:
             raise ValueError(f"malloc_trim_bytes: must be > 0, got {self.malloc_trim_bytes}")
         if self.max_page_message_bytes <= 0:

@@ -126,6 +126,7 @@ class KVClient:
         max_pending_offloads: int = 8,
         streams_per_replica: int = 2,
         tune_malloc: bool = True,
+        malloc_arenas: int | None = None,
     ) -> None:
         if max_pending_offloads < 1:
             raise InvalidArgument(f"must be >= 1, got {max_pending_offloads}", field="max_pending_offloads")
@@ -133,7 +134,7 @@ class KVClient:
             raise InvalidArgument(f"must be >= 1, got {streams_per_replica}", field="streams_per_replica")
         if tune_malloc:
             # Page buffers churn through glibc's mmap/munmap otherwise (services/kvstore/memtune.py).
-            tune_malloc_for_pages()
+            tune_malloc_for_pages(arenas=malloc_arenas)
         self.streams_per_replica = streams_per_replica
         self.ring = HashRing(list(addresses), vnodes)
         self.max_pending_offloads = max_pending_offloads

@@ -96,8 +96,10 @@ def test_malloc_tuning_applies_once_and_checks_its_arguments() -> None:
     assert tune_malloc_for_pages() is True
     assert tune_malloc_for_pages(trim_bytes=1 << 20) is True  # later calls keep the first setting
     applied = malloc_tuned()
-    assert applied is not None and applied[0] <= MAX_MMAP_THRESHOLD
+    assert applied is not None and applied.mmap_threshold <= MAX_MMAP_THRESHOLD
     with pytest.raises(ValueError, match="mmap_threshold"):
         tune_malloc_for_pages(mmap_threshold=MAX_MMAP_THRESHOLD + 1)
     with pytest.raises(ValueError, match="trim_bytes"):
         tune_malloc_for_pages(trim_bytes=0)
+    with pytest.raises(ValueError, match="arenas"):
+        tune_malloc_for_pages(arenas=0)
