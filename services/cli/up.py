@@ -54,6 +54,8 @@ class ServiceProcess:
     metrics_port: int
     log_dir: Path
     env: dict[str, str]
+    # CPUs the process (and every thread it starts) may run on; empty = no restriction.
+    cpus: tuple[int, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     _files: list[IO[bytes]] = field(default_factory=list)
     _term_sent: bool = False
@@ -82,8 +84,16 @@ class ServiceProcess:
         self._files = [out, err]
         # A new session: Ctrl-C in the terminal reaches `seer up` only, which stops the services
         # in order instead of all of them at once.
+        cpus = self.cpus
+
+        def setup() -> None:
+            _die_with_parent()
+            if cpus:
+                # Before exec, so every thread the service starts inherits the mask.
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=err, env=self.env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=setup)
         self._term_sent = False
 
     def alive(self) -> bool:
@@ -196,7 +206,10 @@ class Suite:
         threads_per_worker: int | None = None,
         draft: bool = True,
         kvstore: bool = True,
+        cpu_affinity: Sequence[int] | None = None,
     ) -> None:
+        """cpu_affinity: pin worker i to CPU cpu_affinity[i % len(cpu_affinity)] (benchmarks: one
+        core per worker, so workers do not steal each other's cores); None = no pinning."""
         if workers < 0:
             raise ValueError(f"workers: must be >= 0, got {workers}")
         if not 0 <= base_port <= 65535 - 200:
@@ -214,6 +227,11 @@ class Suite:
         self.metrics = metrics
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.with_draft, self.with_kvstore = draft, kvstore
+        self.cpu_affinity = tuple(cpu_affinity or ())
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        for cpu in self.cpu_affinity:
+            if cpu not in allowed:
+                raise ValueError(f"cpu_affinity: CPU {cpu} is not available (allowed: {sorted(allowed)})")
         self.log_dir = self.data_dir / "logs"
         self.services: dict[str, ServiceProcess] = {}
         cpus = os.cpu_count() or 1
@@ -246,13 +264,20 @@ class Suite:
         return self.base_port + _METRICS_OFFSET + offset if self.base_port else free_port()
 
     def _add(
-        self, name: str, module: str, port: int, offset: int, args: list[str], env: Mapping[str, str] | None = None
+        self,
+        name: str,
+        module: str,
+        port: int,
+        offset: int,
+        args: list[str],
+        env: Mapping[str, str] | None = None,
+        cpus: tuple[int, ...] = (),
     ) -> None:
         mport = self._metrics_port(offset)
         child_env = dict(self._env)
         child_env.update(env or {})
         full = ["--port", str(port), "--metrics-port", str(mport), *args, *self.extra_args.get(name, [])]
-        self.services[name] = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env)
+        self.services[name] = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env, cpus)
 
     def _build(self) -> None:
         d = self.data_dir
@@ -285,8 +310,9 @@ class Suite:
             if self.model_dir:
                 args += ["--model-dir", self.model_dir]
             threads = str(self.threads_per_worker)
+            pin = (self.cpu_affinity[i % len(self.cpu_affinity)],) if self.cpu_affinity else ()
             self._add(f"worker-{i}", "services.worker", self._port(_WORKER0 + i), _WORKER0 + i, args,
-                      env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+                      env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}, cpus=pin)
 
     # ---- endpoints -----------------------------------------------------------------------------
 
