@@ -17,12 +17,14 @@ per-position acceptance rates. Each step, for the current batch of B requests:
 
 alpha_i is tracked from what the engine verified: accepted_i / proposed_i with exponential decay (so
 the policy follows drift as the model or the data change) and a Beta prior (so a cold start drafts).
-While speculation is off no acceptance is observed; after `explore_interval` plans off, one request
-gets a short draft (`explore_gamma` tokens) to keep the estimate fresh, on a step where that costs
-at most `explore_max_cost` (5%) more than no draft (a large batch: one more row in a big matmul),
-or after 4 x explore_interval plans off whatever it costs. Without this a cold planner whose prior
-says "off" at the current batch size never learns that the drafts are good (measured in bench.spec:
-a fresh planner at B = 16 and the 0.5 prior drafted nothing in a whole run).
+While speculation is off no acceptance is observed, so the planner explores: after
+`explore_interval` plans off (every plan while it has seen fewer than `explore_until` draft tokens
+at position 0: a cold estimate), one request (in turn, so a request without a match does not stall
+learning) gets a short draft (`explore_gamma` tokens), on a step where that costs at most
+`explore_max_cost` (5%) more than no draft (a large batch: a few more rows in a big matmul), or
+after 4 x explore_interval plans off whatever it costs. Without this a cold planner whose prior
+says "off" at the current batch size never learns that the drafts are good (measured in bench.spec
+and through the suite: a fresh planner at B = 16 and the 0.5 prior drafted nothing in a whole run).
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ class AdaptiveSpeculation:
         min_gain: float = 0.1,
         explore_gamma: int = 2,
         explore_max_cost: float = 0.05,
+        explore_until: float = 32.0,
     ) -> None:
         if gamma_max < 0:
             raise ValueError("gamma_max: must be >= 0")
@@ -156,6 +159,8 @@ class AdaptiveSpeculation:
         self.min_gain = min_gain
         self.explore_gamma = explore_gamma
         self.explore_max_cost = explore_max_cost
+        self.explore_until = explore_until
+        self._explore_turn = 0
         self._proposed = [0.0] * gamma_max
         self._accepted = [0.0] * gamma_max
         self._off_streak = 0
@@ -237,11 +242,14 @@ class AdaptiveSpeculation:
         if best_budget == 0:
             self._off_streak += 1
             g = min(self.explore_gamma, self.gamma_max)
-            if (self.explore_interval and g > 0 and self._off_streak >= self.explore_interval
+            cold = self._proposed[0] < self.explore_until if self.gamma_max else False
+            due = self._off_streak >= (1 if cold else self.explore_interval)
+            if (self.explore_interval and g > 0 and due
                     and (self.table.time(n, g) <= (1.0 + self.explore_max_cost) * t0
                          or self._off_streak >= 4 * self.explore_interval)):
                 self._off_streak = 0
-                rid = (probes or others)[0]
+                rid = requests[self._explore_turn % n][0]
+                self._explore_turn += 1
                 plan[rid] = g
                 best_budget = g
         else:

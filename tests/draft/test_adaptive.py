@@ -65,9 +65,11 @@ def test_explores_when_off() -> None:
     spec = AdaptiveSpeculation(_table(0.01, 0.002), gamma_max=8, explore_interval=3)
     _observe(spec, 0.1)
     reqs = [(f"r{i}", i == 5) for i in range(200)]
-    plans = [spec.plan(reqs) for _ in range(3)]
-    assert sum(plans[0].values()) == 0 and sum(plans[1].values()) == 0
-    assert plans[2]["r5"] > 0 and sum(plans[2].values()) == plans[2]["r5"]
+    plans = [spec.plan(reqs) for _ in range(6)]
+    assert [sum(p.values()) for p in plans] == [0, 0, 2, 0, 0, 2]
+    # One request per exploring step, in turn (a request without a match must not stall learning).
+    explored = [next(r for r, n in p.items() if n) for p in (plans[2], plans[5])]
+    assert explored[0] != explored[1]
 
 
 def test_table_roundtrip_and_validation(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -102,7 +104,7 @@ def test_exploration_waits_for_a_cheap_step() -> None:
     # B = 1 costs 2x with 2 draft tokens (the CPU small-M matmul cliff); at B = 64 (compute bound,
     # every draft token costs a row) one request's 2 draft tokens cost ~3% more.
     table = StepTimeTable((1, 64), (0, 1, 2), ((0.07, 0.13, 0.14), (0.30, 0.60, 0.90)))
-    spec = AdaptiveSpeculation(table, gamma_max=8, explore_interval=4, prior_accept=0.2)
+    spec = AdaptiveSpeculation(table, gamma_max=8, explore_interval=4, prior_accept=0.2, explore_until=0)
     one = [("r0", False)]
     plans = [spec.plan(one) for _ in range(15)]
     assert all(sum(p.values()) == 0 for p in plans)  # off, and exploring at B = 1 would cost ~2x
@@ -110,7 +112,18 @@ def test_exploration_waits_for_a_cheap_step() -> None:
     big = [(f"r{i}", i == 3) for i in range(64)]
     plans = [spec.plan(big) for _ in range(4)]
     assert [sum(p.values()) for p in plans] == [0, 0, 0, 2]
-    assert plans[3]["r3"] == 2  # the probe gets the exploring draft
+
+
+def test_cold_estimate_explores_every_cheap_step() -> None:
+    table = StepTimeTable((1, 64), (0, 1, 2), ((0.07, 0.13, 0.14), (0.30, 0.60, 0.90)))
+    spec = AdaptiveSpeculation(table, gamma_max=8, explore_interval=16, prior_accept=0.2, explore_until=8)
+    big = [(f"r{i}", False) for i in range(64)]
+    plans = [spec.plan(big) for _ in range(6)]
+    assert [sum(p.values()) for p in plans] == [2] * 6  # nothing observed yet: every plan explores
+    assert len({next(r for r, n in p.items() if n) for p in plans}) == 6  # a different request each
+    spec.observe([8, 8], [1, 0])  # now 8 observations at position 0 (rejected): warm
+    assert [sum(spec.plan(big).values()) for _ in range(16)] == [0] * 15 + [2]
+    assert [sum(spec.plan([("r0", False)]).values()) for _ in range(4)] == [0] * 4  # B = 1: too costly
 
 
 def test_cold_planner_learns_from_exploration() -> None:
@@ -119,7 +132,7 @@ def test_cold_planner_learns_from_exploration() -> None:
     table = StepTimeTable((1, 32), (0, 1, 2), ((0.07, 0.08, 0.09), (0.30, 0.45, 0.60)))
     spec = AdaptiveSpeculation(table, gamma_max=4, explore_interval=4)
     reqs = [(f"r{i}", False) for i in range(32)]
-    assert sum(spec.plan(reqs).values()) == 0
+    assert sum(spec.plan(reqs).values()) == 2  # off by the prior; one request explores
     rng = random.Random(0)
     drafted = 0
     for _ in range(200):
