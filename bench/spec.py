@@ -441,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="no engine-level throughput runs (the step-time profile and --suite still run)")
     ap.add_argument("--suite-repeats", type=int, default=1, help="suite runs per arm, alternating")
     ap.add_argument("--suite-tokens", type=int, default=0, help="max tokens in the suite runs (default 48 quick)")
+    ap.add_argument("--skip-acceptance", action="store_true", help="no offline acceptance replays")
+    ap.add_argument("--skip-index", action="store_true", help="no index speed section")
     ap.add_argument("--temperatures", default="1.0,0.7", help="rollout temperatures (acceptance, throughput)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     n_prompts = args.prompts or (2 if args.quick else 4)
@@ -461,13 +463,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp, threads=args.threads or None)
         datasets[temp] = data
         out(f"rollouts T={temp}: {n_prompts} prompts x 16 x 2 iterations ({time.perf_counter() - t0:.1f}s)")
-        for g in (8, 16):
+        for g in (() if args.skip_acceptance else (8, 16)):
             acc = acceptance(data, g)
             result[f"acceptance_t{temp}_g{g}"] = {k: round(v, 3) for k, v in acc.items()}
             out(f"  G={g:<2d} " + "  ".join(f"{k}={v:.3f}" for k, v in acc.items()))
-    speed = index_speed(datasets[1.0] if 1.0 in datasets else datasets[temps[0]], args.quick)
-    result["index"] = {k: round(v, 2) for k, v in speed.items()}
-    out("index: " + "  ".join(f"{k}={v:.1f}" for k, v in speed.items()))
+    if not args.skip_index:
+        speed = index_speed(datasets[1.0] if 1.0 in datasets else datasets[temps[0]], args.quick)
+        result["index"] = {k: round(v, 2) for k, v in speed.items()}
+        out("index: " + "  ".join(f"{k}={v:.1f}" for k, v in speed.items()))
     if not args.skip_throughput:
         # T(B, gamma) of this engine, measured here in thread CPU time (single-threaded engine), so
         # the adaptive planner sees this machine's costs, not a default. gamma = 1 is a knot: on
