@@ -247,6 +247,8 @@ class ReferenceEngine(Engine):
                     self.scheduler.abort(seq.request_id)
             log.error("engine step failed while committing; its requests were aborted",
                       extra={"fields": {"requests": len(seqs), "error": repr(e)}})
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt, SystemExit: as they are
             raise RuntimeError(
                 f"engine step failed while committing its results ({e!r}); its {len(seqs)} requests were aborted"
             ) from e
