@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.worker.engines.reference.kernels.linear import linear
+from services.worker.engines.reference.kernels.linear import linear, small_gemm_available
 from services.worker.model.config import ModelConfig
 
 
@@ -124,6 +124,8 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = get("lm_head.weight")
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            small_gemm_available()  # build (about a second, cached) now rather than in the first step
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
