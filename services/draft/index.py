@@ -293,9 +293,10 @@ class GroupIndex:
             seqs[c >> _POS_BITS][(c & _POS_MASK) : (c & _POS_MASK) + cap]
             for c in v[-MAX_CANDIDATES:]  # type: ignore[index]
         ]
-        conts = [c for c in conts if c]  # an occurrence at a sequence's end has no continuation yet
         conts.sort()
-        return conts
+        # An occurrence at a sequence's end has no continuation yet: the empty lists sort first and
+        # the walks skip them like any ended continuation; only "all empty" is no candidate at all.
+        return conts if conts[-1] else []
 
     def propose(
         self,
