@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.simlib.cluster import RunConfig, SimResult, simulate
 from bench.simlib.model import INSTANCE_MODELS
 from bench.simlib.plots import plot_runs
-from bench.simlib.workload import WORKLOADS, make_workload, rank_change_fraction
+from bench.simlib.workload import WORKLOADS, describe, make_workload, rank_change_fraction
 
 # Seer paper: ablation over veRL (Moonlight and Qwen2-VL-72B), fraction of oracle, tail vs veRL.
 PAPER = {
@@ -53,6 +53,7 @@ def run_workload(name: str, scale: float, chunk_size: int, seed: int, out: Path 
     base, oracle = results["baseline"], results["oracle"]
     row: dict[str, object] = {
         "workload": spec.name,
+        "model": describe(spec),
         "requests": w.num_requests,
         "instances": spec.instances,
         "mean_len": round(float(w.lengths.mean())),
@@ -83,6 +84,7 @@ def print_row(row: dict[str, object]) -> None:
         f"\n== {row['workload']}: {row['requests']} requests, {row['instances']} instances, "
         f"mean {row['mean_len']} tokens, baseline preemptions {row['baseline_preemptions']}"
     )
+    print(f"   {row['model']}; groups changing rank by >25%: {row['group_rank_changes']}")
     print(f"{'policy':14s} {'makespan s':>10s} {'speedup':>8s} {'paper':>10s} {'of oracle':>9s} {'tail/base':>9s}")
     paper = {"baseline": "1.00", **{k: v for k, v in PAPER.items() if k in ("divided", "seer", "seer+sd")}}
     for k in mk:
@@ -125,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         "tail_grouped_sd": mean("tail_vs_baseline", "seer+sd"),
         "tail_history": mean("tail_vs_baseline", "seer_history"),
     }
+    print(
+        "\noracle = longest-first by true total length (Seer section 5); tail = makespan - 90th "
+        "percentile finish (time spent on the last 10% of requests); anti-starvation off in all runs"
+    )
     print("\n== summary (mean over workloads) vs paper / targets")
     print(
         f"ablation speedup: divided {summary['speedup_divided']} (paper {PAPER['divided']}), "

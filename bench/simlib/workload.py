@@ -90,6 +90,17 @@ def make_workload(spec: WorkloadSpec, seed: int = 0) -> Workload:
     return Workload(spec, np.rint(prompt_len).astype(np.int64), lengths, prev)
 
 
+def describe(spec: WorkloadSpec) -> str:
+    """How the lengths and their iteration-to-iteration correlation are modelled (fixed parameters,
+    never tuned per policy)."""
+    return (
+        f"lengths: exp(m + mu_g + eps), group latent mu_g ~ N(0, {spec.s_group}), per sample eps ~ "
+        f"N(0, {spec.s_sample}), clipped to [{spec.min_len}, {spec.max_tokens}], m solved for mean "
+        f"{spec.mean_len}; previous iteration: mu_g + N(0, {spec.drift}) drift, fresh eps (history priors); "
+        f"prompts lognormal around {spec.prompt_mean} tokens"
+    )
+
+
 def rank_change_fraction(w: Workload, threshold: float = 0.25) -> float:
     """Fraction of groups whose max-length rank moves by more than `threshold` of the range
     between the previous and this iteration (RhymeRL's stability measure, at group level)."""
