@@ -1,18 +1,23 @@
 """Real measurement of the scheduling policies through the whole suite (issue 5, item 5).
 
-    python -m bench.sched_real [--quick] [--policies baseline,divided,seer,seer_history]
+    python -m bench.sched_real [--quick] [--reps N] [--policies baseline,divided,seer,seer_history]
 
 Starts the suite once (`services.cli.up.Suite`: buffer, scheduler, kvstore, draft, 2 workers on
-the embedded SmolLM2-135M, each worker pinned to its own core), then for each policy restarts only
-the scheduler with that policy and runs the same two iterations: a warm-up batch (its lengths
-become the history priors of seer_history) and the measured batch (same prompt keys, new seeds).
-Speculation is off so that only scheduling differs.
+the embedded SmolLM2-135M, worker i pinned to CPU i with one thread, so the two workers never share
+a core), runs one warm-up batch (model warm-up; its lengths become the history of every prompt
+key), then interleaved repetitions: in every repetition each policy in turn (the scheduler alone
+is restarted with that policy) runs the same measured batch (same prompts, same seeds; a new seed
+per repetition). Speculation is off so that only scheduling differs. Ratios are taken within a
+repetition (side by side, seconds apart); the summary gives their median and range over reps.
 
 Workload: group-correlated long tail that the scheduler cannot see in advance (every group has
-the same max_tokens): most groups stop at the first '.' or newline (short), a few never stop
-(ignore_eos: they run to max_tokens, the tail). Throughput = generated tokens / wall time of the
-measured batch; tail = time from the 90th-percentile finish to the last one. Last line:
-RESULT {json}.
+the same max_tokens): most groups stop at the first '.' or newline (short), every n-th group never
+stops (ignore_eos: it runs to max_tokens, the tail). With the defaults (10 groups, every 4th long)
+the two long groups are groups 3 and 7, which the baseline's round-robin placement puts on the
+same worker: the collision that random placement of two long groups over two workers makes half
+of the time (the other half the baseline is balanced and gains less). Workers take at most --max-batch requests at
+a time, so requests queue and the order matters. Throughput = generated tokens / wall time of the
+batch; tail = time from the 90th-percentile finish to the last one. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ if TYPE_CHECKING:
     from seer_client.types import PromptGroup
 
 import argparse
-import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -82,23 +87,11 @@ class RealWorkload:
         return out
 
 
-def pin_workers(suite: object) -> dict[str, int]:
-    """Pin every thread of each worker process to its own core (round-robin over the cores)."""
-    cores = sorted(os.sched_getaffinity(0))
-    pinned = {}
-    for k, name in enumerate(suite.worker_names):  # type: ignore[attr-defined]
-        pid = suite.services[name].pid  # type: ignore[attr-defined]
-        core = cores[k % len(cores)]
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):  # a thread that just exited
-                os.sched_setaffinity(int(tid), {core})
-        pinned[name] = core
-    return pinned
-
-
 def switch_policy(suite: object, policy: str, workers: int) -> None:
     s = suite.services["scheduler"]  # type: ignore[attr-defined]
     i = s.args.index("--policy")
+    if s.args[i + 1] == policy:
+        return
     s.args[i + 1] = policy
     suite.restart("scheduler")  # type: ignore[attr-defined]
     suite.wait_workers(workers, timeout=120)  # type: ignore[attr-defined]
@@ -128,22 +121,26 @@ def run_batch(client: object, batch_id: str, groups: list[PromptGroup]) -> dict[
     }
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sched_real")
-    ap.add_argument("--quick", action="store_true", help="a small workload (still starts the whole suite)")
+    ap.add_argument("--quick", action="store_true", help="a small workload, one repetition (under 60 s)")
     ap.add_argument("--policies", default="baseline,divided,seer,seer_history")
+    ap.add_argument("--reps", type=int, default=0, help="interleaved repetitions (default 1 quick, 3 full)")
     ap.add_argument("--groups", type=int, default=0)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0)
-    ap.add_argument("--chunk-size", type=int, default=32)
-    ap.add_argument("--long-every", type=int, default=0, help="every n-th group never stops (default 6/8)")
+    ap.add_argument("--chunk-size", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=4, help="max requests a worker decodes at once")
+    ap.add_argument("--long-every", type=int, default=0, help="every n-th group never stops (default 4)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument(
-        "--warmup",
-        choices=("all", "history"),
-        default="all",
-        help="run the warm-up batch for every policy, or only where it is the history prior",
-    )
     args = ap.parse_args(argv)
     from seer_client import SeerClient
 
@@ -151,13 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     from services.worker.model.prepare import ensure_model
 
     wl = RealWorkload(
-        groups=args.groups or (6 if args.quick else 16),
+        groups=args.groups or (4 if args.quick else 10),
         group_size=args.group_size,
-        max_tokens=args.max_tokens or (64 if args.quick else 192),
-        long_every=args.long_every or (6 if args.quick else 8),
+        max_tokens=args.max_tokens or (24 if args.quick else 96),
+        long_every=args.long_every or 4,
     )
+    reps = args.reps or (1 if args.quick else 3)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    results: dict[str, dict[str, float]] = {}
+    if not policies or reps < 1:
+        ap.error("need at least one policy and one repetition")
+    cores = sorted(os.sched_getaffinity(0))
+    pins = [cores[i % len(cores)] for i in range(args.workers)]
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
     model = ensure_model()
     t_start = time.monotonic()
     with Suite(
@@ -167,28 +169,30 @@ def main(argv: list[str] | None = None) -> int:
         model_dir=Path(model),
         chunk_size=args.chunk_size,
         threads_per_worker=1,
+        cpu_affinity=pins,
+        extra_args={f"worker-{i}": ["--max-batch-size", str(args.max_batch)] for i in range(args.workers)},
     ) as suite:
-        pinned = pin_workers(suite)
-        print(f"suite up in {time.monotonic() - t_start:.1f} s; workers pinned to cores {pinned}", flush=True)
-        for n, policy in enumerate(policies):
-            if n > 0:
+        print(f"suite up in {time.monotonic() - t_start:.1f} s; worker i pinned to CPU {pins}", flush=True)
+        with SeerClient(suite.address) as client:
+            run_batch(client, "warmup", wl.prompt_groups(seed=1))
+        for rep in range(reps):
+            for policy in policies:
                 switch_policy(suite, policy, args.workers)
-            with SeerClient(suite.address) as client:
-                if args.warmup == "all" or policy == "seer_history":
-                    run_batch(client, f"{policy}-warmup", wl.prompt_groups(seed=1))
-                res = run_batch(client, f"{policy}-measured", wl.prompt_groups(seed=2))
-                stats = suite.scheduler_stats()
-                res["dispatched_chunks"] = int(stats.dispatched_chunks)
-            results[policy] = res
-            print(f"{policy:13s} {json.dumps(res)}", flush=True)
-    base = results.get("baseline")
+                with SeerClient(suite.address) as client:
+                    res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep))
+                res["dispatched_chunks"] = int(suite.scheduler_stats().dispatched_chunks)
+                runs[policy].append(res)
+                print(f"rep {rep} {policy:13s} {json.dumps(res)}", flush=True)
     summary: dict[str, object] = {}
-    if base is not None:
-        for p, r in results.items():
-            summary[f"{p}_throughput_vs_baseline"] = round(r["throughput_tps"] / base["throughput_tps"], 3)
-            summary[f"{p}_tail_vs_baseline"] = round(r["tail_s"] / max(1e-9, base["tail_s"]), 3)
+    if "baseline" in runs:
+        for p, rs in runs.items():
+            thr = [r["throughput_tps"] / b["throughput_tps"] for r, b in zip(rs, runs["baseline"], strict=True)]
+            tail = [r["tail_s"] / max(1e-9, b["tail_s"]) for r, b in zip(rs, runs["baseline"], strict=True)]
+            summary[f"{p}_throughput_vs_baseline"] = spread(thr)
+            summary[f"{p}_tail_vs_baseline"] = spread(tail)
     for k, v in summary.items():
         print(f"{k}: {v}")
+    print(f"wall {time.monotonic() - t_start:.1f} s")
     print(
         "RESULT "
         + json.dumps(
@@ -196,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                 "quick": args.quick,
                 "workload": wl.__dict__,
                 "chunk_size": args.chunk_size,
+                "max_batch": args.max_batch,
                 "workers": args.workers,
-                "warmup": args.warmup,
+                "pinned_cpus": pins,
+                "reps": reps,
                 **summary,
-                "runs": results,
+                "runs": runs,
             }
         )
     )
