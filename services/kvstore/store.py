@@ -119,7 +119,11 @@ class KvStore:
             raise InvalidArgument(f"must be >= 1, got {keep_versions}", field="keep_versions")
         self._lock = threading.RLock()
         self._dram = DramLru(dram_bytes)
-        self._ssd = SsdTier(data_dir, min_blob_bytes=min_blob_bytes, wal=ssd_wal)
+        # The store checks every SSD read against the page's crc32 (verify_checksums): RocksDB's own
+        # (slower) check of the same bytes is then redundant.
+        self._ssd = SsdTier(
+            data_dir, min_blob_bytes=min_blob_bytes, wal=ssd_wal, verify_page_reads=not verify_checksums
+        )
         self.ssd_capacity_bytes = ssd_bytes
         self.keep_versions = keep_versions
         self.verify_checksums = verify_checksums
