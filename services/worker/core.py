@@ -55,6 +55,7 @@ __all__ = [
 
 _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
 _MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LRU)
+_MAX_STEP_FAILURES = 2  # engine step failures in a row that fail the running chunks
 
 
 def version_name(policy_version: int, family: str = "") -> str:
@@ -225,6 +226,7 @@ class Worker:
         self._wake = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
         self._loading = False  # LoadWeights in progress: refuse new chunks
+        self._step_failures = 0  # engine step failures in a row
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
@@ -534,20 +536,44 @@ class Worker:
                     return
                 try:
                     produced = self._step_locked()
+                    self._step_failures = 0
                     if time.monotonic() - self._snapshot_at > 0.1:
                         self._snapshot_locked()
-                except Exception as e:  # an engine bug must not kill the loop: fail what runs now
-                    log.exception("engine step failed; failing the running chunks")
-                    for act in list(self._active.values()):
-                        with contextlib.suppress(Exception):
-                            self.engine.abort(act.job.request_id)
-                        self._fail_locked(act, e)
+                except Exception as e:  # an engine failure must not kill the loop
+                    self._on_step_failure_locked(e)
             # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
             # waits for the engine, and do not spin while the engine has nothing runnable.
             if self._waiting:
                 time.sleep(0.0005)
             elif not produced:
                 time.sleep(0.002)
+
+    def _on_step_failure_locked(self, error: Exception) -> None:
+        """A failed step changed nothing in the engine (Engine.step is exception-safe), so one
+        failure is retried: a transient error (an allocation failure, say) then costs no chunk its
+        progress. A second failure in a row fails every running chunk (the buffer re-dispatches
+        them), so a persistent fault does not spin. Chunks whose request the engine dropped (a
+        failure while committing aborts the step's requests) fail at once."""
+        self._step_failures += 1
+        if self._step_failures >= _MAX_STEP_FAILURES:
+            log.exception("engine step failed again; failing the running chunks",
+                          extra=kv(failures=self._step_failures, chunks=len(self._active)))
+            self._step_failures = 0
+            doomed = list(self._active.values())
+        else:
+            log.warning("engine step failed; retrying it", exc_info=True, extra=kv(chunks=len(self._active)))
+            doomed = [a for a in self._active.values() if not self._engine_has(a.job.request_id)]
+        for act in doomed:
+            with contextlib.suppress(Exception):
+                self.engine.abort(act.job.request_id)
+            self._fail_locked(act, error)
+
+    def _engine_has(self, request_id: str) -> bool:
+        try:
+            self.engine.request_tokens(request_id)
+        except KeyError:
+            return False
+        return True
 
     def _step_locked(self) -> int:
         drafts = self._plan_drafts_locked() if self._speculation else {}

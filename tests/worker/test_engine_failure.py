@@ -1,47 +1,95 @@
-"""A forward pass that throws inside the worker's step loop: the chunks it was running fail (the
-buffer re-dispatches them), the loop keeps serving, the engine holds nothing of them, and the
-re-dispatched chunk generates what an undisturbed one does."""
+"""A forward pass that throws inside the worker's step loop. Engine.step is exception-safe (a failed
+step changes nothing), so the worker retries one failure and the chunks run on unharmed; a second
+failure in a row fails the running chunks (the buffer re-dispatches them), and the worker keeps
+serving. Glue over the fake engine, then the same over the real engine."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from worker_fake_engine import FakeEngine
 
-from services.worker.core import ChunkJob, ErrorEvent, Worker
+from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, ErrorEvent, TokensEvent, Worker
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
 
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
-def test_failed_step_fails_its_chunks_and_the_worker_keeps_serving(
-        ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
-    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
 
+def fake_job(rid: str) -> ChunkJob:
+    return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=5, max_tokens=5, sampling=GREEDY,
+                    policy_version=0)
+
+
+def test_one_failure_is_retried_two_fail_the_chunks() -> None:
+    eng = FakeEngine()
+    w = Worker(eng, speculation=False).start()
+    try:
+        eng.fail_steps = 1
+        for h in (w.submit(fake_job("a")), w.submit(fake_job("b"))):
+            events = list(h.events())
+            assert [t for e in events if isinstance(e, TokensEvent) for t in e.token_ids] == [4, 5, 6, 7, 8]
+            last = events[-1]
+            assert isinstance(last, DoneEvent) and last.finish == ChunkFinish.LENGTH
+        assert eng.fail_steps == 0
+        eng.fail_steps = 2
+        events = list(w.submit(fake_job("c")).events())
+        assert len(events) == 1 and isinstance(events[-1], ErrorEvent)
+        assert "injected" in str(events[-1].error)
+        assert not eng.has_unfinished() and w.in_flight == 0
+        assert w.run(fake_job("c"))[0] == [4, 5, 6, 7, 8]  # the re-dispatch runs normally
+    finally:
+        w.close()
+
+
+def _flaky(monkeypatch: pytest.MonkeyPatch, obj: Any, name: str, failures: int, exc: Exception) -> list[int]:
+    real = getattr(obj, name)
+    calls: list[int] = []
+
+    def flaky(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) <= failures:
+            raise exc
+        return real(*args)
+
+    monkeypatch.setattr(obj, name, flaky)
+    return calls
+
+
+def test_real_engine_failures(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
     def job(rid: str) -> ChunkJob:
         return ChunkJob(request_id=rid, prompt_token_ids=prompts[3], max_new_tokens=6, max_tokens=6,
-                        sampling=greedy, policy_version=0)
+                        sampling=GREEDY, policy_version=0)
 
     w = Worker(ref_engine, speculation=False).start()
     try:
         ref, _, _ = w.run(job("fail-ref"))
         registered = dict(ref_engine.blocks.hash_to_page)
-        real = ref_engine.runner.run
-        calls: list[int] = []
 
-        def flaky(*args: Any) -> Any:
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("injected forward failure")
-            return real(*args)
+        # One failed forward pass: retried, the chunk never notices.
+        calls = _flaky(monkeypatch, ref_engine.runner, "run", 1, RuntimeError("injected forward failure"))
+        out, _, done = w.run(job("fail-a"))
+        assert out == ref and done.finish == ChunkFinish.LENGTH and len(calls) > 1
+        monkeypatch.undo()
 
-        monkeypatch.setattr(ref_engine.runner, "run", flaky)
-        events = list(w.submit(job("fail-a")).events())
-        assert isinstance(events[-1], ErrorEvent) and "injected" in str(events[-1].error)
-        assert len(events) == 1  # no token was streamed
+        # Two in a row: the chunk fails; nothing of it stays in the engine.
+        calls = _flaky(monkeypatch, ref_engine.runner, "run", 2, RuntimeError("injected forward failure"))
+        events = list(w.submit(job("fail-b")).events())
+        assert len(events) == 1 and isinstance(events[-1], ErrorEvent) and "injected" in str(events[-1].error)
         assert not ref_engine.has_unfinished() and w.in_flight == 0
-        assert ref_engine.blocks.hash_to_page == registered
-        # The re-dispatched chunk runs normally and generates the undisturbed output.
-        again, _, _ = w.run(job("fail-a"))
-        assert again == ref and len(calls) > 1
+        monkeypatch.undo()
+
+        # A failure while committing: the engine dropped the request, so its chunk fails at once.
+        calls = _flaky(monkeypatch, ref_engine, "_apply", 1, RuntimeError("injected commit failure"))
+        events = list(w.submit(job("fail-c")).events())
+        assert isinstance(events[-1], ErrorEvent) and "aborted" in str(events[-1].error)
+        assert not ref_engine.has_unfinished() and w.in_flight == 0
+        monkeypatch.undo()
+
+        # The worker keeps serving; the re-dispatched chunks generate the undisturbed output.
+        assert w.run(job("fail-b"))[0] == ref and w.run(job("fail-c"))[0] == ref
+        assert set(registered.items()) <= set(ref_engine.blocks.hash_to_page.items())
     finally:
         w.close()

@@ -45,6 +45,7 @@ class FakeEngine(Engine):
         self.loaded: list[tuple[str | None, str]] = []
         self.seen_drafts: list[dict[str, Draft]] = []
         self.exports: list[tuple[int, int]] = []  # (first_page, end_page) of every export_kv
+        self.fail_steps = 0  # the next this many steps raise RuntimeError (before changing anything)
 
     @property
     def vocab_size(self) -> int:
@@ -80,6 +81,9 @@ class FakeEngine(Engine):
             self.step_gate.wait(5)
         if self.step_delay:
             time.sleep(self.step_delay)
+        if self.fail_steps > 0:
+            self.fail_steps -= 1
+            raise RuntimeError("injected step failure")
         self.steps += 1
         drafts = dict(drafts or {})
         self.seen_drafts.append(drafts)
