@@ -16,8 +16,15 @@ offline replay, index speed, and rollout throughput with speculation vs without,
    Ideal replay: the same replay with an oracle that, knowing the real continuation, picks the best
    of every continuation of a >= 2-token suffix match in the same tokens (the drafter's minimum).
 3. Index speed: propose p50/p99 for a group of 16 x 4K tokens, ingest tokens/s, bytes/token.
+   Besides per-call percentiles, the p99 over contexts of each context's median CPU time (three
+   passes) filters out preemptions on a loaded machine.
 4. Throughput: the same batch through the reference engine with the embedded draft client (a real
-   draft server on loopback, history seeded) and adaptive speculation, vs no speculation.
+   draft server on loopback, history seeded) and adaptive speculation, vs no speculation; T(B,
+   gamma) profiled first (gamma 0, 1, 2, 4, 8); one planner per temperature, warmed by an untimed
+   run and kept across runs (as a worker keeps it); arms alternate, median of per-pair ratios with
+   their range. --suite: the same through the whole suite (seer up + public API).
+   Sizing flags: --throughput-tokens, --throughput-group, --repeats, --suite-repeats, --suite-tokens,
+   --temperatures, --skip-acceptance, --skip-index, --skip-engine-throughput.
 Last line: RESULT {json}.
 """
 
