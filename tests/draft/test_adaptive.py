@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections import Counter
 
 import pytest
 
@@ -150,3 +151,21 @@ def test_cold_planner_learns_from_exploration() -> None:
         spec.observe(proposed, accepted)
     assert sum(spec.plan(reqs).values()) >= 32  # learnt: every request drafts
     assert drafted > 100
+
+
+def test_partial_budget_rotates_within_a_class() -> None:
+    # Drafts are cheap up to 1 token per request on average and steep beyond: the best budget (8)
+    # gives the 2 probes 2 tokens each and 4 of the 6 others 1. Over successive plans every other
+    # request must get its share (a closed batch ends with its slowest request), and the same 4
+    # first every time would leave 2 of them without any draft.
+    table = StepTimeTable((1, 8), (0, 1, 2, 4), ((0.07, 0.08, 0.085, 0.1), (0.10, 0.11, 0.30, 0.60)))
+    spec = AdaptiveSpeculation(table, gamma_max=4, explore_interval=0, min_gain=0.0)
+    _observe(spec, 0.7)
+    reqs = [(f"p{i}", True) for i in range(2)] + [(f"r{i}", False) for i in range(6)]
+    got = Counter[str]()
+    for _ in range(6):
+        plan = spec.plan(reqs)
+        assert sum(plan.values()) == 8 and plan["p0"] == plan["p1"] == 2
+        got.update({r: n for r, n in plan.items() if n and r.startswith("r")})
+    assert set(got) == {f"r{i}" for i in range(6)}
+    assert set(got.values()) == {4}
