@@ -1,12 +1,20 @@
 """KV store benchmark: page throughput (memory copy vs RocksDB vs loopback gRPC) and migration.
 
-    python -m bench.kv [--quick] [--contexts 1024,4096] [--mib 256] [--no-migration]
+    python -m bench.kv [--quick] [--contexts 1024,4096] [--mib 256] [--no-migration] [--streams 2]
+                       [--malloc-arenas N]
 
 Throughput: the same SmolLM2-135M float32 pages (30 layers x K/V x 16 tokens x 3 heads x 64 dims
 = 720 KiB) are (1) copied in process (the baseline), (2) written to / read from RocksDB directly
-(services.kvstore.ssd, blob files), (3) Put / fetched through a kvstore server process over
-loopback gRPC by the worker's KVClient (Put = put_pages; Get = fetch_prefix: Exists + streamed Get +
-crc32 check). Results are GB/s and ratios to the memory copy, all measured in this run.
+(services.kvstore.ssd, blob files, reads checked by our crc32 as the store does), (3) sent one way
+over bare loopback gRPC (generic handler, raw bytes, no store / protobuf / crc32: the transport's
+ceiling here), (4) Put / fetched through a kvstore server process over loopback gRPC by the
+worker's KVClient (Put = put_pages: Exists + streamed Put, acknowledged once stored; Get =
+fetch_prefix: Exists + streamed Get + crc32 check), with the DRAM tier, RocksDB only
+(--dram-bytes 0), and without server-side Put verification. (3) and (4) alternate round by round;
+each path is reported as GB/s (best round), as a ratio to the memory copy and as the median ratio
+to the bare transport of the same round, with client and server CPU seconds per GB. Put "cold" is
+the first Put into an empty store (fresh memory); the other Puts follow the release of the
+previous batch (steady state).
 
 Migration (DESIGN.md section 4, divided rollout): a request with C tokens of context ran on worker
 A; its next chunk runs on worker B. Re-prefill = B computes the whole context; via the store = B
