@@ -81,10 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall time, or the thread's CPU time (robust on a shared machine; use with --threads 1)")
-    ap.add_argument("--quick", action="store_true", help="batch sizes 1,4,16 and gammas 0,2,8")
+    ap.add_argument("--quick", action="store_true", help="batch sizes 1,4,16 and gammas 0,1,2,8")
     args = ap.parse_args(list(argv) if argv is not None else None)
     batch_sizes = _ints("1,4,16" if args.quick else args.batch_sizes)
-    gammas = _ints("0,2,8" if args.quick else args.gammas)
+    gammas = _ints("0,1,2,8" if args.quick else args.gammas)
     if not batch_sizes or batch_sizes[0] < 1:
         ap.error("--batch-sizes: need positive integers")
     if not gammas or gammas[0] < 0:
