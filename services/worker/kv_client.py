@@ -8,8 +8,9 @@ Use (DESIGN.md section 3, steps 3-4):
                             min_tokens=engine.cached_prefix_tokens(tokens))
     if pages is not None:
         engine.import_kv(pages)
-    # chunk end: offload in the background; the next decode step does not wait
-    kv.offload_async(engine.export_kv(tokens), request_id)
+    # chunk end: offload only the pages not stored yet (start_page = pages already offloaded),
+    # in the background; the next decode step does not wait
+    kv.offload_async(engine.export_kv(tokens, start_page=stored_pages), request_id)
     # request finished
     kv.release(engine.model_version, request_id)
 
