@@ -10,15 +10,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
-from worker_fake_engine import FakeEngine
+from worker_fake_engine import FakeEngine, FakePool
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, TokensEvent, Worker
-from services.worker.engine import Draft, KVLayout, KVPages, SamplingParams
+from services.worker.engine import Draft, SamplingParams
 
 
 def job(rid: str = "r0", prompt: Sequence[int] = (1, 2, 3), **kw: Any) -> ChunkJob:
@@ -211,43 +210,9 @@ def test_load_weights_drains_first(engine: FakeEngine, worker: Worker) -> None:
         worker.load_weights(0, None)
 
 
-class FakePool:
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
-        self.offloaded: list[tuple[KVPages, str]] = []
-        self.released: list[tuple[str, str]] = []
-        self.stored: dict[bytes, bytes] = {}
-
-    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]:
-        self.offloaded.append((pages, request_id))
-        self.stored.update(zip(pages.page_hashes, pages.pages, strict=True))
-        f: Future[Any] = Future()
-        f.set_result(len(pages.pages))
-        return f
-
-    def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
-                     min_tokens: int = 0) -> KVPages | None:
-        from services.common.pagehash import chain_hashes
-
-        hs = chain_hashes(token_ids, layout.page_size, model_version)
-        n = 0
-        while n < len(hs) and hs[n] in self.stored:
-            n += 1
-        if n * layout.page_size <= min_tokens:
-            return None
-        return KVPages(model_version, layout, tuple(token_ids[: n * 4]), tuple(hs[:n]),
-                       tuple(self.stored[h] for h in hs[:n]))
-
-    def release(self, model_version: str, request_id: str) -> None:
-        self.released.append((model_version, request_id))
-
-    def close(self) -> None:
-        pass
-
-
 def test_kv_offload_fetch_release() -> None:
     e1, e2 = FakeEngine(), FakeEngine()
-    pool = FakePool(e1)
+    pool = FakePool()
     w1 = Worker(e1, kv_pool=pool, speculation=False).start()
     w2 = Worker(e2, kv_pool=pool, speculation=False).start()
     try:

@@ -5,14 +5,12 @@ a first chunk still claims its siblings' prompt pages; an offload that did not l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
-from worker_fake_engine import FakeEngine
+from worker_fake_engine import FakeEngine, FakePool
 
-from services.common.pagehash import chain_hashes
 from services.worker.core import ChunkFinish, ChunkJob, Worker
-from services.worker.engine import KVLayout, KVPages, SamplingParams
+from services.worker.engine import SamplingParams
 
 PROMPT = tuple(range(1, 11))  # 10 tokens; the fake engine's pages hold 4
 
@@ -23,45 +21,6 @@ def job(rid: str = "r0", output: Sequence[int] = (), seq: int = 0, **kw: Any) ->
                                 policy_version=0, group_id="g0", seq=seq, fetch_kv=True)
     base.update(kw)
     return ChunkJob(**base)
-
-
-class Pool:
-    """Stores what it is sent; `fail_next` makes the next offload raise, `drop_next` return 0."""
-
-    def __init__(self) -> None:
-        self.stored: dict[bytes, bytes] = {}
-        self.sent: list[tuple[str, int, int]] = []  # (request id, first page, end page)
-        self.fail_next = self.drop_next = False
-
-    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]:
-        f: Future[Any] = Future()
-        if self.fail_next:
-            self.fail_next = False
-            f.set_exception(RuntimeError("replica down"))
-            return f
-        if self.drop_next:
-            self.drop_next = False
-            f.set_result(0)
-            return f
-        self.sent.append((request_id, pages.first_page, pages.end_page))
-        new = sum(h not in self.stored for h in pages.page_hashes)
-        self.stored.update(zip(pages.page_hashes, pages.pages, strict=True))
-        f.set_result(new)
-        return f
-
-    def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
-                     min_tokens: int = 0) -> KVPages | None:
-        hs = chain_hashes(token_ids, layout.page_size, model_version)
-        n = 0
-        while n < len(hs) and hs[n] in self.stored:
-            n += 1
-        if n * layout.page_size <= min_tokens:
-            return None
-        return KVPages(model_version, layout, tuple(token_ids[: n * 4]), tuple(hs[:n]),
-                       tuple(self.stored[h] for h in hs[:n]))
-
-    def release(self, model_version: str, request_id: str) -> None:
-        pass
 
     def close(self) -> None:
         pass
@@ -77,7 +36,7 @@ def _chunks(w: Worker, rid: str, n: int, start: Sequence[int] = ()) -> list[int]
 
 
 def test_each_chunk_exports_only_new_pages() -> None:
-    eng, pool = FakeEngine(), Pool()
+    eng, pool = FakeEngine(), FakePool()
     w = Worker(eng, kv_pool=pool, speculation=False).start()
     try:
         out = _chunks(w, "r0", 3)
@@ -93,7 +52,7 @@ def test_each_chunk_exports_only_new_pages() -> None:
 
 
 def test_resumed_request_starts_from_fetched_pages_first_chunk_from_zero() -> None:
-    pool = Pool()
+    pool = FakePool()
     e1, e2, e3 = FakeEngine(), FakeEngine(), FakeEngine()
     w1 = Worker(e1, kv_pool=pool, speculation=False).start()
     w2 = Worker(e2, kv_pool=pool, speculation=False).start()
@@ -116,7 +75,7 @@ def test_resumed_request_starts_from_fetched_pages_first_chunk_from_zero() -> No
 
 
 def test_offload_that_did_not_land_is_redone() -> None:
-    eng, pool = FakeEngine(), Pool()
+    eng, pool = FakeEngine(), FakePool()
     w = Worker(eng, kv_pool=pool, speculation=False).start()
     try:
         out = _chunks(w, "r0", 1)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.pagehash import chain_hashes
 from services.worker.engine import (
@@ -164,3 +166,50 @@ class FakeEngine(Engine):
         return EngineStats(total_pages=64, free_pages=64, page_size=4, running=len(self._seqs), waiting=0,
                            tokens_per_second=0.0, model_version=self._version, max_batch_size=8,
                            max_context=self._max_context)
+
+
+class FakePool:
+    """In-memory KV pool for glue tests (the KVClient surface the worker core uses): stores what it
+    is sent and returns how many pages were new; `fail_next` makes the next offload raise,
+    `drop_next` return 0 (the client's queue was full)."""
+
+    def __init__(self) -> None:
+        self.stored: dict[bytes, bytes] = {}
+        self.offloaded: list[tuple[KVPages, str]] = []
+        self.sent: list[tuple[str, int, int]] = []  # (request id, first page, end page)
+        self.released: list[tuple[str, str]] = []
+        self.fail_next = self.drop_next = False
+
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]:
+        f: Future[Any] = Future()
+        if self.fail_next:
+            self.fail_next = False
+            f.set_exception(RuntimeError("replica down"))
+            return f
+        if self.drop_next:
+            self.drop_next = False
+            f.set_result(0)
+            return f
+        self.offloaded.append((pages, request_id))
+        self.sent.append((request_id, pages.first_page, pages.end_page))
+        new = sum(h not in self.stored for h in pages.page_hashes)
+        self.stored.update(zip(pages.page_hashes, pages.pages, strict=True))
+        f.set_result(new)
+        return f
+
+    def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
+                     min_tokens: int = 0) -> KVPages | None:
+        hs = chain_hashes(token_ids, layout.page_size, model_version)
+        n = 0
+        while n < len(hs) and hs[n] in self.stored:
+            n += 1
+        if n * layout.page_size <= min_tokens:
+            return None
+        return KVPages(model_version, layout, tuple(token_ids[: n * layout.page_size]), tuple(hs[:n]),
+                       tuple(self.stored[h] for h in hs[:n]))
+
+    def release(self, model_version: str, request_id: str) -> None:
+        self.released.append((model_version, request_id))
+
+    def close(self) -> None:
+        pass
