@@ -35,6 +35,23 @@ def aligned_prompt(prompt: tuple[int, ...], page_size: int) -> tuple[int, ...]:
     return (198,) * pad + prompt
 
 
+def most_predictable(engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[int]]:
+    """The aligned prompt whose greedy (K - 1)-token continuation is most probable, and that
+    continuation: drafting it gives the highest acceptance, so the test has the most power. Chosen by
+    measured logprob rather than fixed, because padding and the CPU's rounding move the probabilities
+    (prompt 0 alone gave its greedy path 7%, and a CI machine accepted 12 drafts out of 256)."""
+    best: tuple[float, tuple[int, ...], list[int]] | None = None
+    for i, raw in enumerate(prompts):
+        prompt = aligned_prompt(raw, engine.kv_layout.page_size)
+        rid = f"stat-greedy-{i}"
+        g = engine.generate([GenerateRequest(rid, prompt, K - 1, SamplingParams(temperature=0.0))])[rid]
+        lp = sum(g.logprobs)  # logprobs are under the raw model distribution (temperature 1)
+        if best is None or lp > best[0]:
+            best = (lp, prompt, g.token_ids)
+    assert best is not None
+    return best[1], best[2]
+
+
 def sample(engine: ReferenceEngine, prompt: tuple[int, ...], params: SamplingParams, seeds: range,
            draft: Draft | None) -> Counter[tuple[int, ...]]:
     rids = [f"stat-{s}" for s in seeds]
@@ -70,10 +87,7 @@ def chi2_p(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]]) -> float:
 )
 def test_drafts_preserve_distribution(engine: ReferenceEngine, prompts: list[tuple[int, ...]],
                                       params: SamplingParams, tree: bool) -> None:
-    prompt = aligned_prompt(prompts[0], engine.kv_layout.page_size)
-    # Plausible drafts (the greedy continuation) so acceptance is high and the test has power.
-    g = engine.generate([GenerateRequest("stat-greedy", prompt, K - 1, SamplingParams(temperature=0.0))])
-    greedy = g["stat-greedy"].token_ids
+    prompt, greedy = most_predictable(engine, prompts)
     if tree:  # a wrong sibling first, then the greedy path
         draft = Draft(((greedy[0] + 1) % engine.vocab_size, greedy[0], greedy[1]), (-1, -1, 1))
     else:
@@ -81,7 +95,9 @@ def test_drafts_preserve_distribution(engine: ReferenceEngine, prompts: list[tup
     plain = sample(engine, prompt, params, range(10_000, 10_000 + N), None)
     spec = sample(engine, prompt, params, range(N), draft)
     accepted = sum(c for k, c in spec.items() if k[: K - 1] == tuple(greedy))
-    assert accepted > N // 20, "drafts are never accepted: the test would have no power"
+    # Expected about 0.29 * N at temperature 1.0 on this model; N // 8 leaves room for the few
+    # samples that flip between CPUs (MKL and the small-M kernel round differently per ISA).
+    assert accepted > N // 8, f"drafts accepted in only {accepted}/{N} samples: the test has no power"
     p = chi2_p(plain, spec)
     assert p > PASS_P, f"distribution with drafts differs from plain sampling (p={p:.2e})"
     if tree:  # the negative control: the same test on the same data size must fail
