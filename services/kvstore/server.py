@@ -15,18 +15,18 @@ from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from services.common.errors import InvalidArgument, ResourceExhausted, SeerError
 from services.common.grpcutil import rpc
+from services.common.kvlayout import KVLayout
 from services.common.log import log_context
 from services.common.server import RunningServer, start_server
 from services.kvstore.config import KvStoreConfig
-from services.kvstore.layout import PageLayout
 from services.kvstore.store import KvStore
 from services.kvstore.wire import PutMessage, decode_put, encode_get
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
 
 
-def layout_from_pb(msg: kvstore_pb2.PageLayout) -> PageLayout:
-    return PageLayout(
+def layout_from_pb(msg: kvstore_pb2.PageLayout) -> KVLayout:
+    return KVLayout(
         dtype=msg.dtype,
         page_size=msg.page_size,
         num_layers=msg.num_layers,
@@ -54,7 +54,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     def Put(self, request_iterator: Iterator[PutMessage], context: grpc.ServicerContext) -> kvstore_pb2.PutResponse:
         # namespace, layout and request_id may be sent once, on the first message of the stream.
         namespace, request_id = "", ""
-        layout: PageLayout | None = None
+        layout: KVLayout | None = None
         stored = stored_bytes = 0
         for i, msg in enumerate(request_iterator):
             prefix = f"requests[{i}]"

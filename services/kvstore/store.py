@@ -36,11 +36,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.kvlayout import KVLayout
 from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
 from services.kvstore.checksum import crc32
 from services.kvstore.dram import Buffer, DramLru
-from services.kvstore.layout import PageLayout
 from services.kvstore.ssd import SsdTier
 
 log = get_logger(__name__)
@@ -80,7 +80,7 @@ class _Entry:
 @dataclass
 class _Namespace:
     name: str
-    layout: PageLayout
+    layout: KVLayout
     seq: int  # creation order: later = newer version of its family
     entries: dict[bytes, _Entry] = field(default_factory=dict)
     by_owner: dict[str, set[bytes]] = field(default_factory=dict)
@@ -151,7 +151,7 @@ class KvStore:
                 self._tombstones.add(name)
                 self._ssd.drop_namespace(name)  # in case a crash hit between tombstone and drop
                 continue
-            ns = _Namespace(name, PageLayout.from_json(rec["layout"]), int(rec["seq"]))
+            ns = _Namespace(name, KVLayout.from_json(rec["layout"]), int(rec["seq"]))
             self._namespaces[name] = ns
             for page_hash, meta in self._ssd.iter_meta(name):
                 e = _decode_meta(meta)
@@ -175,7 +175,7 @@ class KvStore:
         self._enforce_ssd_capacity()
 
     # ---------------------------------------------------------------- namespaces
-    def _check_put_target(self, name: str, layout: PageLayout) -> _Namespace | None:
+    def _check_put_target(self, name: str, layout: KVLayout) -> _Namespace | None:
         """The namespace a Put goes to (None: a new one), after checking the stated layout against
         it. Creates nothing, so a rejected Put leaves no trace."""
         if not name:
@@ -189,7 +189,7 @@ class KvStore:
             layout.validate()
         return ns
 
-    def _create_namespace(self, name: str, layout: PageLayout) -> _Namespace:
+    def _create_namespace(self, name: str, layout: KVLayout) -> _Namespace:
         ns = _Namespace(name, layout, next(self._seq))
         self._ssd.ensure_namespace(name)
         self._ssd.put_registry(name, json.dumps({"layout": layout.to_json(), "seq": ns.seq}).encode())
@@ -231,7 +231,7 @@ class KvStore:
     def put(
         self,
         namespace: str,
-        layout: PageLayout,
+        layout: KVLayout,
         page_hash: bytes,
         data: Buffer,
         checksum: int,
@@ -381,7 +381,7 @@ class KvStore:
             return data, entry.crc
 
     def get(
-        self, namespace: str, page_hashes: Sequence[bytes], layout: PageLayout | None = None
+        self, namespace: str, page_hashes: Sequence[bytes], layout: KVLayout | None = None
     ) -> Iterator[tuple[bytes, Buffer | None, int]]:
         """(hash, data or None, crc32) per asked hash, in order. A stated layout must match."""
         self.check_layout(namespace, layout)
@@ -392,7 +392,7 @@ class KvStore:
             found = self.get_page(namespace, page_hash)
             yield (page_hash, None, 0) if found is None else (page_hash, found[0], found[1])
 
-    def check_layout(self, namespace: str, layout: PageLayout | None) -> None:
+    def check_layout(self, namespace: str, layout: KVLayout | None) -> None:
         if layout is None:
             return
         with self._lock:
@@ -460,7 +460,7 @@ class KvStore:
                 dropped_namespaces=self._dropped,
             )
 
-    def namespace_layout(self, namespace: str) -> PageLayout | None:
+    def namespace_layout(self, namespace: str) -> KVLayout | None:
         with self._lock:
             ns = self._namespaces.get(namespace)
             return ns.layout if ns is not None else None

@@ -22,6 +22,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.common.kvlayout import KVLayout
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # a stop/EOS token was sampled (and is included in the output)
@@ -106,23 +108,6 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     num_draft_tokens: int = 0  # proposed this step
     num_accepted: int = 0  # draft tokens accepted this step (the bonus token not counted)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    dtype: str  # "float32", "bfloat16", ...
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    layout: str = "layer,kv,token,head,dim"
-
-    @property
-    def page_bytes(self) -> int:
-        import numpy as np
-
-        itemsize = 2 if self.dtype in ("bfloat16", "float16") else np.dtype(self.dtype).itemsize
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 @dataclass(frozen=True)

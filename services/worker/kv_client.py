@@ -43,7 +43,6 @@ from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import crc32
-from services.kvstore.layout import PageLayout
 from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.ring import HashRing
 from services.kvstore.wire import GetMessage, decode_get, encode_put
@@ -104,8 +103,8 @@ class KVClientStats:
     released_pages: int = 0
 
 
-def layout_to_pb(layout: KVLayout | PageLayout) -> kvstore_pb2.PageLayout:
-    """The engine's KVLayout or the store's PageLayout (same fields) as the wire message."""
+def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
+    """The page layout as the wire message."""
     return kvstore_pb2.PageLayout(
         dtype=layout.dtype,
         page_size=layout.page_size,

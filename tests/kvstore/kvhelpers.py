@@ -6,17 +6,17 @@ import os
 import zlib
 from pathlib import Path
 
+from services.common.kvlayout import KVLayout
 from services.common.pagehash import chain_hashes
 from services.common.server import RunningServer
 from services.kvstore.config import KvStoreConfig
-from services.kvstore.layout import PageLayout
 from services.kvstore.server import serve
 from services.kvstore.store import KvStore
-from services.worker.engine import KVLayout, KVPages
+from services.worker.engine import KVPages
 
 # A small layout keeps tests fast: 2 layers x K/V x 4 tokens x 1 head x 8 dims x 4 bytes = 512 B.
 KV_LAYOUT = KVLayout(dtype="float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
-LAYOUT = PageLayout(dtype="float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
+LAYOUT = KVLayout(dtype="float32", page_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
 PAGE_BYTES = LAYOUT.page_bytes
 
 

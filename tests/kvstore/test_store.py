@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.kvlayout import KVLayout
 from services.common.pagehash import chain_hashes
-from services.kvstore.layout import PageLayout
 from services.kvstore.store import KvStore
 from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, crc
 
@@ -44,11 +44,11 @@ def test_bad_input_names_the_field(open_store: Open) -> None:
     _put_chain(store, 1)
     h = os.urandom(16)
     data = os.urandom(PAGE_BYTES)
-    other = PageLayout("float32", 4, 2, 2, 8)
+    other = KVLayout("float32", 4, 2, 2, 8)
     with pytest.raises(InvalidArgument, match=r"layout\.num_kv_heads"):
         store.put("m@v1", other, h, os.urandom(other.page_bytes), 0, "r")
     with pytest.raises(InvalidArgument, match=r"layout\.dtype"):
-        store.put("m@v1", PageLayout("bfloat16", 4, 2, 1, 8), h, data, crc(data), "r")
+        store.put("m@v1", KVLayout("bfloat16", 4, 2, 1, 8), h, data, crc(data), "r")
     with pytest.raises(InvalidArgument, match=r"^data:"):
         store.put("m@v1", LAYOUT, h, data[:-1], crc(data[:-1]), "r")
     with pytest.raises(InvalidArgument, match=r"^checksum:"):
@@ -58,9 +58,9 @@ def test_bad_input_names_the_field(open_store: Open) -> None:
     with pytest.raises(InvalidArgument, match=r"^namespace:"):
         store.put("", LAYOUT, h, data, crc(data), "r")
     with pytest.raises(InvalidArgument, match=r"layout\.dtype"):
-        store.put("new@v1", PageLayout("float13", 4, 2, 1, 8), h, data, crc(data), "r")
+        store.put("new@v1", KVLayout("float13", 4, 2, 1, 8), h, data, crc(data), "r")
     with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
-        list(store.get("m@v1", [h], PageLayout("float32", 8, 2, 1, 8)))
+        list(store.get("m@v1", [h], KVLayout("float32", 8, 2, 1, 8)))
     # Nothing bad was stored (not even the namespace of a rejected first Put); the good page is served.
     with pytest.raises(InvalidArgument, match=r"^data:"):
         store.put("fresh@v1", LAYOUT, h, data[:-1], crc(data[:-1]), "r")

@@ -1,6 +1,7 @@
-"""Page layout metadata of a namespace: what every page stored in it must agree on.
+"""KV page layout: the shape and dtype of one exported KV page, shared by the engines (which export
+and import pages) and the kvstore (which keys namespaces on it), so both agree on one definition.
 
-The first Put into a namespace fixes its layout; every later Put (and a Get that states a layout)
+In the kvstore, the first Put into a namespace fixes its layout; every later Put (and a Get that states a layout)
 is checked field by field, and a disagreement names the field (`layout.num_kv_heads`), so a worker
 with a different model config or dtype can never store or read pages that would decode as garbage.
 """
@@ -25,8 +26,8 @@ DTYPE_BYTES: dict[str, int] = {
 
 
 @dataclass(frozen=True)
-class PageLayout:
-    dtype: str
+class KVLayout:
+    dtype: str  # "float32", "bfloat16", ... (a key of DTYPE_BYTES)
     page_size: int
     num_layers: int
     num_kv_heads: int
@@ -48,7 +49,7 @@ class PageLayout:
             if value <= 0:
                 raise InvalidArgument(f"must be > 0, got {value}", field=f"{prefix}.{name}")
 
-    def check_same(self, other: PageLayout, prefix: str = "layout") -> None:
+    def check_same(self, other: KVLayout, prefix: str = "layout") -> None:
         """Raises InvalidArgument naming the first field where `other` disagrees with self."""
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
@@ -59,5 +60,5 @@ class PageLayout:
         return json.dumps(asdict(self), sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> PageLayout:
-        return PageLayout(**json.loads(text))
+    def from_json(text: str) -> KVLayout:
+        return KVLayout(**json.loads(text))
