@@ -34,12 +34,18 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.log import get_logger, kv
+
 DEFAULT_TABLE_PATH = Path(os.path.expanduser("~/.cache/seer/step_time.json"))
+_LOG_INTERVAL_S = 30.0
+
+log = get_logger(__name__)
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -169,6 +175,10 @@ class AdaptiveSpeculation:
         self._accepted = [0.0] * gamma_max
         self._off_streak = 0
         self.last_budget = 0
+        # Decisions per batch size: [plans, plans that drafted, draft tokens planned] (stats(), and
+        # an info log every 30 s: is it drafting at batch sizes where a verify costs more than it gains?).
+        self._by_batch: dict[int, list[int]] = {}
+        self._logged_at = time.monotonic()
 
     # ---- acceptance -----------------------------------------------------------------------------
 
@@ -269,4 +279,22 @@ class AdaptiveSpeculation:
         else:
             self._off_streak = 0
         self.last_budget = best_budget
+        row = self._by_batch.get(n)
+        if row is None:
+            row = self._by_batch[n] = [0, 0, 0]
+        row[0] += 1
+        if best_budget:
+            row[1] += 1
+            row[2] += best_budget
+        now = time.monotonic()
+        if now - self._logged_at >= _LOG_INTERVAL_S:
+            self._logged_at = now
+            log.info("speculation plans", extra=kv(alpha=[round(a, 3) for a in alpha[:4]], **self.stats()))
         return plan
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions so far by batch size: plans, plans that drafted, mean draft tokens per drafting
+        plan."""
+        return {"plans_by_batch": {b: {"plans": r[0], "drafting": r[1],
+                                       "mean_budget": round(r[2] / r[1], 2) if r[1] else 0.0}
+                                   for b, r in sorted(self._by_batch.items())}}

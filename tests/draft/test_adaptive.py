@@ -169,3 +169,16 @@ def test_partial_budget_rotates_within_a_class() -> None:
         got.update({r: n for r, n in plan.items() if n and r.startswith("r")})
     assert set(got) == {f"r{i}" for i in range(6)}
     assert set(got.values()) == {4}
+
+
+def test_stats_count_decisions_by_batch_size() -> None:
+    spec = AdaptiveSpeculation(_table(0.05, 0.0001), gamma_max=8, explore_interval=0)
+    _observe(spec, 0.8)
+    for _ in range(3):
+        spec.plan([(f"r{i}", False) for i in range(4)])
+    spec.table = _table(0.01, 0.002)  # compute-bound from now on: no drafts
+    _observe(spec, 0.2)
+    spec.plan([(f"r{i}", False) for i in range(64)])
+    by = spec.stats()["plans_by_batch"]
+    assert by[4] == {"plans": 3, "drafting": 3, "mean_budget": 32.0}
+    assert by[64] == {"plans": 1, "drafting": 0, "mean_budget": 0.0}

@@ -1,0 +1,79 @@
+"""The draft client does only the background work someone uses: no Sync for a group whose every
+response generates on this worker, and a longer tick while nothing is proposed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from services.common.server import RunningServer
+from services.draft.store import DraftStore
+from services.worker.draft_client import DraftClient
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_all_active_group_is_not_synced_until_one_ends(draft_server: tuple[RunningServer, DraftStore]) -> None:
+    running, store = draft_server
+    a = DraftClient(running.address, sync_interval_s=0.02)
+    b = DraftClient(running.address, sync_interval_s=0.02)
+    try:
+        prompt = [1, 2, 3]
+        a.register_group("g", "k", prompt, group_size=2)
+        b.register_group("g", "k", prompt, group_size=2)
+        a.flush()  # registered, first sync done (history and prompt)
+        a.resume("g", "r0", [])
+        a.resume("g", "r1", [])
+        a.append("g", "r0", 0, [4, 5])
+        # Tokens from another worker (say, a late attempt of a third response).
+        b.append("g", "rx", 0, [7, 8, 9, 10, 11])
+        b.flush()
+        assert store.index_of("g").tokens("rx") == [7, 8, 9, 10, 11]
+        syncs = a.stats().syncs
+        a.flush()
+        _wait(lambda: a.stats().skipped_group_syncs > 0)
+        # Both of the group's responses generate on A: A makes no Sync for it, so rx is not in A's mirror.
+        assert a.stats().syncs == syncs
+        assert a.propose("g", "r0", [*prompt, 7, 8], 3) is None
+        # Our own appends still reach the server.
+        _wait(lambda: store.index_of("g").tokens("r0") == [4, 5])
+        a.end("g", "r1")  # r1's chunk is over here: the group is synced again
+        a.flush()
+        d = a.propose("g", "r0", [*prompt, 7, 8], 3)
+        assert d is not None and d.tokens == (9, 10, 11)
+        assert a.stats().syncs > syncs
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tick_backs_off_while_nothing_is_proposed(draft_server: tuple[RunningServer, DraftStore]) -> None:
+    running, store = draft_server
+    c = DraftClient(running.address, sync_interval_s=0.02, idle_sync_interval_s=0.16)
+    try:
+        c.register_group("g", "k", [1, 2], group_size=4)
+        c.append("g", "r0", 0, [3, 4, 5])
+        _wait(lambda: c.tick_interval_s == 0.16)
+        # Appends still go out at the idle interval.
+        c.append("g", "r0", 3, [6])
+        _wait(lambda: store.index_of("g").tokens("r0") == [3, 4, 5, 6])
+        # The first proposal brings the short interval back at once.
+        assert c.propose("g", "r1", [1, 2, 3], 2) is not None
+        assert c.tick_interval_s == 0.02
+    finally:
+        c.close()
+
+
+def test_interval_arguments_are_checked() -> None:
+    for kw in ({"sync_interval_s": 0.0}, {"sync_interval_s": 0.5, "idle_sync_interval_s": 0.1}):
+        try:
+            DraftClient(None, **kw)  # type: ignore[arg-type]
+        except ValueError as e:
+            assert "sync_interval_s" in str(e)
+        else:
+            raise AssertionError(f"{kw} accepted")
