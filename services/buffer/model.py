@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.buffer.config import DEFAULT_MAX_CONTEXT, DEFAULT_VOCAB_SIZE, BufferConfig
-from services.common.log import get_logger
+from services.common.log import get_logger, kv
 from services.common.model_paths import default_model_dir
 
 log = get_logger(__name__)
@@ -67,6 +67,6 @@ def load_model_info(cfg: BufferConfig) -> ModelInfo:
         tokenizer=tok,
         model_dir=str(d or ""),
     )
-    log.info("model info", extra={"fields": {"model_dir": info.model_dir, "vocab_size": info.vocab_size,
-                                             "max_context": info.max_context, "tokenizer": tok is not None}})
+    log.info("model info", extra=kv(model_dir=info.model_dir, vocab_size=info.vocab_size,
+                                             max_context=info.max_context, tokenizer=tok is not None))
     return info

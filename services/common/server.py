@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.grpcutil import MAX_MESSAGE_BYTES
-from services.common.log import get_logger
+from services.common.log import get_logger, kv
 from services.common.telemetry import server_interceptors, setup_tracing, start_metrics_server
 
 log = get_logger(__name__)
@@ -125,7 +125,7 @@ def start_server(
     metrics_port = start_metrics_server(cfg.metrics_port)
     running = RunningServer(server, port, health_servicer, service_names, on_stop, cfg.grace_seconds, metrics_port)
     running.set_serving(True)
-    log.info("serving", extra={"fields": {"service": name, "port": port, "metrics_port": metrics_port}})
+    log.info("serving", extra=kv(service=name, port=port, metrics_port=metrics_port))
     return running
 
 

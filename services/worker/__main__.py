@@ -6,7 +6,7 @@ import socket
 from collections.abc import Sequence
 
 from services.common import config
-from services.common.log import get_logger, setup_logging
+from services.common.log import get_logger, kv, setup_logging
 from services.common.server import announce_port, serve_until_signal, start_server
 from services.worker.config import WorkerConfig
 from services.worker.factory import build_worker
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     advertise = cfg.advertise_address or f"{host}:{running.port}"
     if cfg.scheduler_address:
         registrar = Registrar(worker, cfg.scheduler_address, advertise).start()
-    log.info("worker ready", extra={"fields": {"worker_id": worker.worker_id, "address": advertise}})
+    log.info("worker ready", extra=kv(worker_id=worker.worker_id, address=advertise))
     return serve_until_signal(running)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.log import get_logger
+from services.common.log import get_logger, kv
 from services.common.model_paths import default_model_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -170,7 +170,7 @@ def prepare(model_dir: Path | None = None, *, force: bool = False, dtype: str = 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the services
     try:
-        log.info("converting model", extra={"fields": {"gguf": str(gguf_path), "target": str(target)}})
+        log.info("converting model", extra=kv(gguf=str(gguf_path), target=str(target)))
         convert(gguf_path, tmp, dtype=dtype)
         if force and target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"

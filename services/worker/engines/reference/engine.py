@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.common.log import get_logger
+from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
 from services.worker.engine import (
     Draft,
@@ -225,8 +225,8 @@ class ReferenceEngine(Engine):
                 f"{len(admitted)} newly admitted put back to waiting; the next step retries them"
             )
             log.warning("engine step failed; rolled back its admissions",
-                        extra={"fields": {"running": len(seqs) - len(admitted), "admitted": len(admitted),
-                                          "error": repr(e)}})
+                        extra=kv(running=len(seqs) - len(admitted), admitted=len(admitted),
+                                          error=repr(e)))
             raise
         self._prefill_tokens += sum(len(s) - s.num_computed for s in admitted)
         self._cached_tokens += sum(s.num_cached_at_admit for s in admitted)
@@ -246,7 +246,7 @@ class ReferenceEngine(Engine):
                 if seq.status == SeqStatus.RUNNING:
                     self.scheduler.abort(seq.request_id)
             log.error("engine step failed while committing; its requests were aborted",
-                      extra={"fields": {"requests": len(seqs), "error": repr(e)}})
+                      extra=kv(requests=len(seqs), error=repr(e)))
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt, SystemExit: as they are
             raise RuntimeError(
@@ -460,7 +460,7 @@ class ReferenceEngine(Engine):
         # Old pages are never reused: hashes include the version, and the cache is emptied.
         self.blocks.reset(version)
         self._version = version
-        log.info("weights loaded", extra={"fields": {"path": str(src), "model_version": version}})
+        log.info("weights loaded", extra=kv(path=str(src), model_version=version))
 
     # ---- stats ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.log import get_logger
+from services.common.log import get_logger, kv
 from services.worker.engine import (
     Draft,
     Engine,
@@ -220,7 +220,7 @@ class SGLangEngine(Engine):
                 if reason is not None:
                     return
         except Exception as e:  # surface as an aborted request; the worker reports it
-            log.warning("sglang generate failed: %s", e, extra={"fields": {"request_id": rid}})
+            log.warning("sglang generate failed: %s", e, extra=kv(request_id=rid))
             self._out.put((rid, [], [], FinishReason.ABORTED, 0))
 
     # -- Engine --------------------------------------------------------------------------------
