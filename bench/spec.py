@@ -380,50 +380,135 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
         running.stop(0)
 
 
+# Workloads of the suite runs: (prompt index, group size, max_tokens as a fraction of --suite-tokens).
+# "uniform": every group the same length (the batch stays large until the end: where speculation
+# cannot pay on this CPU). "longtail": an RL-like heavy tail: 8 groups of 4, max_tokens from 1/10 of
+# the longest to the longest, so the last group (1/8 of the requests) decodes alone for about half
+# of the steps (Seer: the last 10% of responses can take half the wall time); the batch runs
+# 32 -> 4 and the observed distribution is reported.
+LONGTAIL_FRACTIONS = (0.1, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 1.0)
+
+
+def suite_workload(name: str, prompts: Sequence[Sequence[int]], group: int,
+                   max_tokens: int) -> list[tuple[list[int], int, int]]:
+    """(prompt tokens, group size, max_tokens) per group."""
+    if name == "uniform":
+        return [(list(p), group, max_tokens) for p in prompts]
+    if name == "longtail":
+        if len(prompts) < len(LONGTAIL_FRACTIONS):
+            raise ValueError(f"longtail workload: needs {len(LONGTAIL_FRACTIONS)} prompts, got {len(prompts)}")
+        return [(list(prompts[i]), 4, max(8, round(f * max_tokens))) for i, f in enumerate(LONGTAIL_FRACTIONS)]
+    raise ValueError(f"--suite-workload: {name!r} is not uniform or longtail")
+
+
+_BATCH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))
+
+
+def _process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process (Linux /proc), 0 when unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class _BatchSampler:
+    """Polls the worker's GetWorkerStats (`running`) every 0.1 s: the time-weighted distribution of
+    the batch size while the timed batch runs."""
+
+    def __init__(self, address: str) -> None:
+        import threading
+
+        import grpc
+        from seer.v1 import worker_pb2, worker_pb2_grpc
+
+        self._channel = grpc.insecure_channel(address)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._req = worker_pb2.GetWorkerStatsRequest()
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import contextlib
+
+        import grpc
+
+        while not self._stop.wait(0.1):
+            with contextlib.suppress(grpc.RpcError):
+                self.samples.append(int(self._stub.GetWorkerStats(self._req, timeout=2.0).running))
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._channel.close()
+        busy = [b for b in self.samples if b > 0]
+        hist = {f"{lo}" if lo == hi else (f"{lo}-{hi}" if hi < 1 << 30 else f">{lo - 1}"):
+                sum(1 for b in busy if lo <= b <= hi) / max(1, len(busy)) for lo, hi in _BATCH_BUCKETS}
+        return {k: round(v, 3) for k, v in hist.items() if v}
+
+
 def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
-                     table: Any, seed: int) -> dict[str, float]:
+                     table: Any, seed: int, workload: Sequence[tuple[list[int], int, int]] | None = None,
+                     threads: int | None = None) -> dict[str, Any]:
     """The batch through the whole suite (`seer up` as subprocesses, one worker) and the public API:
-    submit -> all results; tokens per wall second from submit to the last result."""
+    submit -> all results; tokens per wall second from submit to the last result.
+
+    workload: (prompt, group size, max_tokens) per group (default: data's prompts x `group` x
+    `max_tokens`). threads: torch threads of the worker (None: the suite's default, all cores);
+    1 matches the step-time table, which is profiled single-threaded. Also returned: the worker's
+    and the draft server's CPU seconds during the timed batch and the observed batch sizes."""
     import tempfile
 
     from seer_client import PromptGroup, Sampling, SeerClient
 
     from services.cli.up import Suite
 
+    if workload is None:
+        workload = [(list(p), group, max_tokens) for p in data["prompts"]]
     with tempfile.TemporaryDirectory(prefix="bench-spec-suite-") as tmp:
         table_path = Path(tmp) / "step_time.json"
         table.save(table_path)
         args = {"worker-0": ["--spec-table", str(table_path)]}
         with Suite(workers=1, data_dir=Path(tmp) / "suite", base_port=0, speculation=speculate,
-                   model_dir=model_dir, metrics=False, extra_args=args) as suite:
+                   model_dir=model_dir, metrics=False, extra_args=args, threads_per_worker=threads) as suite:
             client = SeerClient(suite.address)
             try:
                 # Iteration 1 of the same prompt keys first (untimed): it becomes the draft
                 # server's history for the timed iteration, as in a real RL run.
-                groups = [PromptGroup(list(p), group, max_tokens, prompt_key=f"bench-{i}",
-                                      sampling=Sampling(temperature=data["temperature"], top_p=data["top_p"],
-                                                        seed=seed + i))
-                          for i, p in enumerate(data["prompts"])]
-                client.run_batch(f"bench-warm-{int(speculate)}", groups)
+                def groups(it: int) -> list[Any]:
+                    return [PromptGroup(list(p), g, mt, prompt_key=f"bench-{i}",
+                                        sampling=Sampling(temperature=data["temperature"], top_p=data["top_p"],
+                                                          seed=seed + 100 * it + i))
+                            for i, (p, g, mt) in enumerate(workload)]
+
+                client.run_batch(f"bench-warm-{int(speculate)}", groups(0))
+                pids = {n: suite.services[n].pid for n in ("worker-0", "draft") if n in suite.services}
+                cpu0 = {n: _process_cpu_s(pid) for n, pid in pids.items()}
+                sampler = _BatchSampler(suite.services["worker-0"].address)
                 t0 = time.perf_counter()
-                results = client.run_batch(f"bench-timed-{int(speculate)}",
-                                           [PromptGroup(g.prompt, g.group_size, g.max_tokens, g.prompt_key,
-                                                        Sampling(temperature=g.sampling.temperature,
-                                                                 top_p=g.sampling.top_p, seed=seed + 100 + i))
-                                            for i, g in enumerate(groups)])
+                results = client.run_batch(f"bench-timed-{int(speculate)}", groups(1))
                 wall = time.perf_counter() - t0
+                batch_hist = sampler.stop()
+                cpu = {n: _process_cpu_s(pid) - cpu0[n] for n, pid in pids.items()}
             finally:
                 client.close()
     tokens = sum(len(r.token_ids) for r in results)
     accepted = sum(int(r.stats.get("accepted_tokens", 0)) for r in results)
     drafted = sum(int(r.stats.get("draft_tokens", 0)) for r in results)
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "accepted": accepted,
-            "draft_tokens": drafted}
+            "draft_tokens": drafted, "worker_cpu_s": cpu.get("worker-0", 0.0), "draft_cpu_s": cpu.get("draft", 0.0),
+            "batch_hist": batch_hist}
 
 
-def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Per-key median over repeated runs of one arm."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per-key median over repeated runs of one arm (numeric keys)."""
+    return {k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, int | float)}
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -447,7 +532,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip-engine-throughput", action="store_true",
                     help="no engine-level throughput runs (the step-time profile and --suite still run)")
     ap.add_argument("--suite-repeats", type=int, default=1, help="suite runs per arm, alternating")
-    ap.add_argument("--suite-tokens", type=int, default=0, help="max tokens in the suite runs (default 48 quick)")
+    ap.add_argument("--suite-tokens", type=int, default=0,
+                    help="max tokens in the suite runs (longtail: of the longest group; "
+                         "default 48 quick, else --max-tokens)")
+    ap.add_argument("--suite-workload", choices=("longtail", "uniform"), default="longtail",
+                    help="longtail: 8 groups of 4, max_tokens 1/10..1 of --suite-tokens (an RL-like tail); "
+                         "uniform: the rollout prompts x 8, all --suite-tokens")
+    ap.add_argument("--suite-threads", type=int, default=1,
+                    help="torch threads of the suite's worker (1 = as the step-time table is profiled; 0 = all cores)")
     ap.add_argument("--skip-acceptance", action="store_true", help="no offline acceptance replays")
     ap.add_argument("--skip-index", action="store_true", help="no index speed section")
     ap.add_argument("--temperatures", default="1.0,0.7", help="rollout temperatures (acceptance, throughput)")
@@ -534,29 +626,48 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"-> median pair ratio {ratio:.2f}x wall [{pair[0]:.2f}-{pair[-1]:.2f}], "
                 f"{cpu_ratio:.2f}x per CPU second [{pair_cpu[0]:.2f}-{pair_cpu[-1]:.2f}]")
     if args.suite and not args.skip_throughput:
+        suite_threads = args.suite_threads or None
         for temp in sorted(temps):
             data = datasets[temp]
             mt = args.suite_tokens or min(max_tokens, 48 if args.quick else max_tokens)
+            prompts = data["prompts"] if args.suite_workload == "uniform" else _tokenize(model_dir, PROMPTS)
+            workload = suite_workload(args.suite_workload, prompts, 8, mt)
             # Each arm is a fresh suite (its worker's planner is warmed by the untimed first
             # iteration); arms alternate and the per-pair ratios give the spread.
-            sruns: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+            sruns: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
             for r in range(args.suite_repeats):
                 for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                     sruns[speculate].append(suite_throughput(model_dir, data, 8, mt, speculate, table,
-                                                             seed=7000 + 1000 * r))
+                                                             seed=7000 + 1000 * r, workload=workload,
+                                                             threads=suite_threads))
             base, spec = _median_run(sruns[False]), _median_run(sruns[True])
             pair = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(sruns[True], sruns[False], strict=True))
+            # Worker CPU seconds per token, no spec / spec: the same comparison without the time
+            # the worker spent descheduled by other load on the shared machine.
+            cpu_pair = sorted((b["worker_cpu_s"] / b["tokens"]) / (a["worker_cpu_s"] / a["tokens"])
+                              for a, b in zip(sruns[True], sruns[False], strict=True)
+                              if a["worker_cpu_s"] > 0 and b["worker_cpu_s"] > 0)
             ratio = statistics.median(pair)
-            result[f"suite_throughput_t{temp}"] = {"max_tokens": mt, "repeats": args.suite_repeats,
-                                                   "no_spec_tok_s": round(base["tokens_per_s"], 2),
-                                                   "spec_tok_s": round(spec["tokens_per_s"], 2),
-                                                   "ratio": round(ratio, 3), "ratio_min": round(pair[0], 3),
-                                                   "ratio_max": round(pair[-1], 3), "accepted": spec["accepted"],
-                                                   "draft_tokens": spec["draft_tokens"]}
-            out(f"suite throughput T={temp} G=8 {mt} tokens x{args.suite_repeats}: no spec "
+            cpu_ratio = statistics.median(cpu_pair) if cpu_pair else 0.0
+            hist_spec, hist_base = sruns[True][0]["batch_hist"], sruns[False][0]["batch_hist"]
+            wl = "; ".join(f"{g}x{m}" for _p, g, m in workload)
+            result[f"suite_throughput_t{temp}"] = {
+                "workload": args.suite_workload, "groups": wl, "max_tokens": mt, "repeats": args.suite_repeats,
+                "worker_threads": suite_threads or "all cores",
+                "no_spec_tok_s": round(base["tokens_per_s"], 2), "spec_tok_s": round(spec["tokens_per_s"], 2),
+                "ratio": round(ratio, 3), "ratio_min": round(pair[0], 3), "ratio_max": round(pair[-1], 3),
+                "pair_ratios": [round(x, 3) for x in pair],
+                "worker_cpu_per_token_ratio": round(cpu_ratio, 3),
+                "worker_cpu_s": {"no_spec": round(base["worker_cpu_s"], 2), "spec": round(spec["worker_cpu_s"], 2)},
+                "draft_server_cpu_s": {"no_spec": round(base["draft_cpu_s"], 2), "spec": round(spec["draft_cpu_s"], 2)},
+                "accepted": spec["accepted"], "draft_tokens": spec["draft_tokens"],
+                "batch_time_share_no_spec": hist_base, "batch_time_share_spec": hist_spec}
+            out(f"suite throughput T={temp} workload {args.suite_workload} (groups G x max_tokens: {wl}), "
+                f"worker threads {suite_threads or 'all'}, x{args.suite_repeats}: no spec "
                 f"{base['tokens_per_s']:.1f} tok/s, spec {spec['tokens_per_s']:.1f} tok/s "
                 f"({spec['accepted']:.0f}/{spec['draft_tokens']:.0f} accepted) -> median pair ratio {ratio:.2f}x "
-                f"[{pair[0]:.2f}-{pair[-1]:.2f}]")
+                f"[{pair[0]:.2f}-{pair[-1]:.2f}], worker CPU per token {cpu_ratio:.2f}x; "
+                f"share of time at batch size (no spec run 1): {hist_base}")
     out("RESULT " + json.dumps(result))
     return 0
 

@@ -30,13 +30,15 @@ def test_all_active_group_is_not_synced_until_one_ends(draft_server: tuple[Runni
         a.resume("g", "r0", [])
         a.resume("g", "r1", [])
         a.append("g", "r0", 0, [4, 5])
+        # A background tick that left the group out started after the resumes, so no tick that
+        # still included it is in flight (the background ticks are sequential).
+        _wait(lambda: a.stats().skipped_group_syncs > 0)
         # Tokens from another worker (say, a late attempt of a third response).
         b.append("g", "rx", 0, [7, 8, 9, 10, 11])
         b.flush()
         assert store.index_of("g").tokens("rx") == [7, 8, 9, 10, 11]
         syncs = a.stats().syncs
         a.flush()
-        _wait(lambda: a.stats().skipped_group_syncs > 0)
         # Both of the group's responses generate on A: A makes no Sync for it, so rx is not in A's mirror.
         assert a.stats().syncs == syncs
         assert a.propose("g", "r0", [*prompt, 7, 8], 3) is None
@@ -62,11 +64,20 @@ def test_tick_backs_off_while_nothing_is_proposed(draft_server: tuple[RunningSer
         # Appends still go out at the idle interval.
         c.append("g", "r0", 3, [6])
         _wait(lambda: store.index_of("g").tokens("r0") == [3, 4, 5, 6])
-        # The first proposal brings the short interval back at once.
-        assert c.propose("g", "r1", [1, 2, 3], 2) is not None
-        assert c.tick_interval_s == 0.02
     finally:
         c.close()
+
+
+def test_interval_doubles_while_idle_and_resets_on_a_proposal() -> None:
+    c = DraftClient(None, sync_interval_s=0.05, idle_sync_interval_s=0.3)  # no thread: ticks by hand
+    c.register_group("g", "k", [1, 2], group_size=2)
+    c.append("g", "r0", 0, [3, 4, 5])
+    assert [c._next_interval() for _ in range(4)] == [0.1, 0.2, 0.3, 0.3]
+    assert c.propose("g", "r1", [1, 2, 3], 2) is not None
+    assert c.tick_interval_s == 0.05  # at once, not only after the next tick
+    assert c._next_interval() == 0.05  # a tick with proposals keeps the short interval
+    assert c._next_interval() == 0.1
+    c.close()
 
 
 def test_interval_arguments_are_checked() -> None:
