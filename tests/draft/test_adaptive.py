@@ -182,3 +182,17 @@ def test_stats_count_decisions_by_batch_size() -> None:
     by = spec.stats()["plans_by_batch"]
     assert by[4] == {"plans": 3, "drafting": 3, "mean_budget": 32.0}
     assert by[64] == {"plans": 1, "drafting": 0, "mean_budget": 0.0}
+
+
+def test_noisy_table_is_made_monotone() -> None:
+    # A profile dip (more drafts measured cheaper) must not make a longer draft look free.
+    t = StepTimeTable((1, 4), (0, 2, 4), ((0.060, 0.080, 0.070), (0.050, 0.120, 0.200)))
+    assert t.time(1, 4) == pytest.approx(0.080)  # not 0.070
+    assert t.time(4, 0) == pytest.approx(0.060)  # a larger batch is not cheaper either
+    assert t.time(4, 16) == pytest.approx(0.200)
+    assert t.to_dict()["times_s"][0] == [0.060, 0.080, 0.070]  # the measurement itself is kept
+    # At B = 1 with alpha 0.3 the dip predicted 1.45 / 1.17 = 1.24x for 4 tokens (above min_gain);
+    # the monotone model predicts 1.14x: off.
+    spec = AdaptiveSpeculation(t, gamma_max=4, explore_interval=0)
+    _observe(spec, 0.3)
+    assert spec.plan([("r0", False)]) == {"r0": 0}
