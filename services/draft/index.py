@@ -54,6 +54,23 @@ class Proposal:
 
 
 EMPTY = Proposal()
+_new = object.__new__
+
+
+def _proposal(tokens: tuple[int, ...], parents: tuple[int, ...], score: float, match_len: int) -> Proposal:
+    """Proposal(...) without the frozen dataclass's per-field object.__setattr__ (2.7 -> 1.5 us; a
+    proposal costs ~15 us in all, and this runs once per request per decode step)."""
+    prop: Proposal = _new(Proposal)
+    prop.__dict__.update(tokens=tokens, parents=parents, score=score, match_len=match_len)
+    return prop
+
+
+# Parents of a chain of n tokens: (-1, 0, 1, ..., n - 2), built once per length.
+_CHAIN_PARENTS: list[tuple[int, ...]] = [tuple(range(-1, n - 1)) for n in range(257)]
+
+
+def _chain_parents(n: int) -> tuple[int, ...]:
+    return _CHAIN_PARENTS[n] if n < len(_CHAIN_PARENTS) else tuple(range(-1, n - 1))
 
 
 class GroupIndex:
@@ -289,10 +306,13 @@ class GroupIndex:
             p = v & _POS_MASK
             c = seqs[v >> _POS_BITS][p : p + cap]
             return [c] if c else []
-        conts = [
-            seqs[c >> _POS_BITS][(c & _POS_MASK) : (c & _POS_MASK) + cap]
-            for c in v[-MAX_CANDIDATES:]  # type: ignore[index]
-        ]
+        conts: list[list[int]] = []
+        add = conts.append
+        mask = _POS_MASK
+        codes: list[int] = v[-MAX_CANDIDATES:]  # type: ignore[index]
+        for code in codes:
+            q = code & mask
+            add(seqs[code >> _POS_BITS][q : q + cap])
         conts.sort()
         # An occurrence at a sequence's end has no continuation yet: the empty lists sort first and
         # the walks skip them like any ended continuation; only "all empty" is no candidate at all.
@@ -426,7 +446,7 @@ def _linear(conts: list[list[int]], cap: int, min_prob: float, match_len: int) -
         score += prob
         lo, hi = best_a, best_a + best_n
         d += 1
-    return Proposal(tuple(tokens), tuple(range(-1, len(tokens) - 1)), score, match_len)
+    return _proposal(tuple(tokens), _chain_parents(len(tokens)), score, match_len)
 
 
 def _tree(conts: list[list[int]], cap: int, width: int, min_prob: float, match_len: int) -> Proposal:
@@ -462,4 +482,4 @@ def _tree(conts: list[list[int]], cap: int, width: int, min_prob: float, match_l
         score -= neg_prob
         if d + 1 < cap:
             push_children(a, b, d + 1, -neg_prob, idx)
-    return Proposal(tuple(tokens), tuple(parents), score, match_len)
+    return _proposal(tuple(tokens), tuple(parents), score, match_len)
