@@ -44,7 +44,7 @@ from services.worker.engine import (
     KVPages,
     StepOutput,
 )
-from services.worker.ports import DraftSource, KVPool, SpecPlanner
+from services.worker.ports import DraftSource, KVPool, PutResult, SpecPlanner
 
 log = get_logger(__name__)
 
@@ -807,13 +807,20 @@ class Worker:
         self._offloads.discard(fut)
         exc = fut.exception()
         if exc is not None:
-            log.warning("kv offload failed: %s", exc)
+            log.warning("kv offload failed: %s", exc, extra=kv(request_id=request_id))
             self._unmark_offloaded(request_id, version, first_page)
-        elif fut.result() == 0:
-            # No page was new to the store: either all were there already (a sibling with the same
-            # tokens) or the offload was dropped (the client's queue was full). Assume dropped: the
-            # next offload exports these pages again, and the store only takes the missing ones.
-            self._unmark_offloaded(request_id, version, first_page)
+            return
+        res: PutResult = fut.result()
+        missing = res.first_unstored
+        if missing is not None:
+            # Dropped (queue full), or a replica failed: the next offload of this request exports
+            # again from the first page the store lacks (it only takes the missing ones), instead of
+            # leaving a gap that would end every later fetch of this prefix there.
+            log.info(
+                "kv offload incomplete; resending from the first missing page",
+                extra=kv(request_id=request_id, page=first_page + missing, dropped=res.dropped),
+            )
+            self._unmark_offloaded(request_id, version, first_page + missing)
 
     def _release(self, job: ChunkJob) -> None:
         kv_pool, bg = self._kv, self._bg

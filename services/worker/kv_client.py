@@ -47,6 +47,7 @@ from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.ring import HashRing
 from services.kvstore.wire import GetMessage, decode_get, encode_put
 from services.worker.engine import KVLayout, KVPages
+from services.worker.ports import PutResult
 
 log = get_logger(__name__)
 
@@ -220,7 +221,12 @@ class KVClient:
 
     # ------------------------------------------------------------------ offload
     def put_pages(self, pages: KVPages, request_id: str) -> int:
-        """Stores a request's pages (synchronously); returns how many were new to the store.
+        """Stores a request's pages (synchronously); returns how many were new to the store
+        (put_pages_result says which are missing after a replica failure)."""
+        return self.put_pages_result(pages, request_id).stored
+
+    def put_pages_result(self, pages: KVPages, request_id: str) -> PutResult:
+        """Stores a request's pages (synchronously).
 
         Each replica is first asked how much of its share is already stored (Exists): those pages
         are only claimed for request_id (a message without bytes), so offloading a longer context
@@ -229,7 +235,7 @@ class KVClient:
         if len(pages.pages) != len(pages.page_hashes):
             raise InvalidArgument(f"{len(pages.pages)} pages for {len(pages.page_hashes)} hashes", field="pages.pages")
         if not pages.pages:
-            return 0
+            return PutResult()
         layout = layout_to_pb(pages.layout)
         sent = [0]  # bytes actually sent (claims carry none)
 
@@ -270,12 +276,20 @@ class KVClient:
         groups = self._by_node(pages.page_hashes)
         calls = {node: (lambda node=node, idx=idx: put(node, idx)) for node, idx in groups.items()}
         stored = failed = claimed = 0
+        first_unstored: int | None = None
         for node, res in self._fan_out(calls, strict=True, pool=self._offload_io).items():
+            idx = groups[node]
+            missing: int | None
             if isinstance(res, grpc.RpcError):
-                failed += len(groups[node])
+                failed += len(idx)
+                missing = idx[0]
             else:
                 stored += res[0]
                 claimed += res[1]
+                # A shortfall (fewer stored than sent): which ones is not known, so from the first sent.
+                missing = idx[res[1]] if res[0] + res[1] < len(idx) else None
+            if missing is not None and (first_unstored is None or missing < first_unstored):
+                first_unstored = missing
         self._count(
             put_pages=len(pages.pages),
             put_bytes=sent[0],
@@ -283,25 +297,26 @@ class KVClient:
             claimed_pages=claimed,
             put_failures=failed,
         )
-        return stored
+        return PutResult(stored=stored, claimed=claimed, first_unstored=first_unstored)
 
-    def offload_async(self, pages: KVPages, request_id: str) -> Future[int]:
-        """put_pages on the background offload thread; returns at once (the future never raises
-        for a replica that is down, only for a rejected layout). When max_pending_offloads are
-        already queued the offload is dropped (future result 0, counted in offloads_dropped)."""
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[PutResult]:
+        """put_pages_result on the background offload thread; returns at once (the future never
+        raises for a replica that is down, only for a rejected layout). When max_pending_offloads
+        are already queued the offload is dropped (PutResult(dropped=True, first_unstored=0),
+        counted in offloads_dropped)."""
         with self._lock:
             if self._pending >= self.max_pending_offloads:
                 # The store cannot keep up: holding more page copies would grow the worker's memory
                 # without bound. Dropping one is only a later miss (recompute), so drop and count it.
                 self._stats.offloads_dropped += 1
-                done: Future[int] = Future()
-                done.set_result(0)
+                done: Future[PutResult] = Future()
+                done.set_result(PutResult(first_unstored=0 if pages.pages else None, dropped=True))
                 return done
             self._pending += 1
 
-        def run() -> int:
+        def run() -> PutResult:
             try:
-                return self.put_pages(pages, request_id)
+                return self.put_pages_result(pages, request_id)
             finally:
                 with self._lock:
                     self._pending -= 1

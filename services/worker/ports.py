@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.worker.engine import Draft, KVLayout, KVPages
@@ -43,8 +44,24 @@ class SpecPlanner(Protocol):
     def plan(self, requests: Sequence[tuple[str, bool]]) -> Mapping[str, int]: ...
 
 
+@dataclass(frozen=True)
+class PutResult:
+    """What one put_pages / offload_async did with the pages it was given.
+
+    first_unstored is what lets the worker resend exactly what is missing: the index (into the
+    pages given) of the first page that is not in the store after this call (a replica that failed
+    or stored less than it was sent), None when every page is stored. A caller that marked the pages
+    as offloaded must restart from there, or the pages after a failed replica's first one would
+    never be sent again, and every later fetch would stop at that gap."""
+
+    stored: int = 0  # pages new to the store
+    claimed: int = 0  # pages already stored: only ownership sent
+    first_unstored: int | None = None
+    dropped: bool = False  # offload_async only: the client's queue was full, nothing was sent
+
+
 class KVPool(Protocol):
-    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]: ...
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[PutResult]: ...
 
     def fetch_prefix(
         self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0

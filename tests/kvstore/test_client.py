@@ -40,7 +40,7 @@ def test_put_then_fetch_over_two_replicas(replicas: Make) -> None:
     a, b = replicas("a"), replicas("b")
     pages = make_pages(TOKENS)
     with KVClient([a.address, b.address]) as kv:
-        assert kv.offload_async(pages, "r1").result(timeout=30) == 24
+        assert kv.offload_async(pages, "r1").result(timeout=30).stored == 24
         assert a.store is not None and b.store is not None
         na, nb = a.store.stats().pages, b.store.stats().pages
         assert na + nb == 24 and na > 0 and nb > 0  # sharded over both
@@ -77,8 +77,10 @@ def test_replica_down_degrades_to_recompute(replicas: Make) -> None:
         else:
             assert got is not None and len(got.pages) == first_b
             assert got.pages == pages.pages[:first_b]
-        # Offload to a down replica loses only that share, counted; no exception.
-        assert kv.put_pages(make_pages(TOKENS, "m@v1"), "r2") >= 0
+        # Offload to a down replica loses only that share, counted; no exception. The result names
+        # the first page not stored (the down replica's first), so a worker resends from there.
+        res = kv.put_pages_result(make_pages(TOKENS, "m@v1"), "r2")
+        assert res.first_unstored == first_b and not res.dropped
         s = kv.stats()
         assert s.replica_errors >= 2 and s.put_failures > 0
         assert kv.store_stats()[b.address] is None
@@ -209,12 +211,13 @@ def test_offload_queue_is_bounded(replicas: Make) -> None:
         blocker = kv._offload.submit(gate.wait)  # the offload thread is busy
         first = kv.offload_async(make_pages(TOKENS), "r1")  # queued behind it
         dropped = kv.offload_async(make_pages(TOKENS), "r2")  # over the bound: dropped at once
-        assert dropped.done() and dropped.result() == 0
+        assert dropped.done() and dropped.result().dropped and dropped.result().first_unstored == 0
         assert kv.stats().offloads_dropped == 1
         gate.set()
         blocker.result(timeout=10)
-        assert first.result(timeout=30) == 24
-        assert kv.offload_async(make_pages(TOKENS), "r3").result(timeout=30) == 0  # dedup: claimed only
+        assert first.result(timeout=30).stored == 24 and first.result().first_unstored is None
+        again = kv.offload_async(make_pages(TOKENS), "r3").result(timeout=30)  # dedup: claimed only
+        assert again.stored == 0 and again.claimed == 24 and again.first_unstored is None
         assert kv.stats().claimed_pages == 24
     with pytest.raises(InvalidArgument, match="max_pending_offloads"):
         KVClient([r.address], max_pending_offloads=0)

@@ -45,7 +45,7 @@ def test_chunk_moves_to_another_engine_without_reprefill(
         context = list(prompt) + ref[:6]
         pages = worker_a.export_kv(context)
         assert len(pages.pages) == len(context) // 16
-        assert kv.offload_async(pages, "req-1").result(timeout=60) == len(pages.pages)
+        assert kv.offload_async(pages, "req-1").result(timeout=60).stored == len(pages.pages)
         assert a_store.store is not None and b_store.store is not None
         # Sharded by the ring: each replica holds exactly the pages the ring assigns it (with 4
         # pages and random ports, all may land on one replica; tests/kvstore/test_client.py covers

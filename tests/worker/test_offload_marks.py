@@ -93,3 +93,23 @@ def test_offload_that_did_not_land_is_redone() -> None:
         assert w.offloaded_pages("r0") == 10
     finally:
         w.close()
+
+
+def test_partial_offload_resends_from_the_first_missing_page() -> None:
+    """A replica down during one offload stores only part of it: the watermark must stop at the
+    first missing page (not at the end), so the next chunk resends from there and the pool ends up
+    with a prefix without gaps."""
+    eng, pool = FakeEngine(), FakePool()
+    w = Worker(eng, kv_pool=pool, speculation=False).start()
+    try:
+        out = _chunks(w, "r0", 1)  # pages [0, 4)
+        pool.partial_next = 1
+        out = _chunks(w, "r0", 1, out)  # pages [4, 6) sent; only page 4 stored
+        w.wait_offloads()
+        assert w.offloaded_pages("r0") == 5
+        _chunks(w, "r0", 1, out)
+        w.wait_offloads()
+        assert eng.exports[-1] == (5, 8) and pool.sent[-1] == ("r0", 5, 8)
+        assert w.offloaded_pages("r0") == 8
+    finally:
+        w.close()

@@ -10,7 +10,6 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from services.common.pagehash import chain_hashes
 from services.worker.engine import (
@@ -23,6 +22,7 @@ from services.worker.engine import (
     KVPages,
     StepOutput,
 )
+from services.worker.ports import PutResult
 
 
 @dataclass
@@ -170,8 +170,9 @@ class FakeEngine(Engine):
 
 class FakePool:
     """In-memory KV pool for glue tests (the KVClient surface the worker core uses): stores what it
-    is sent and returns how many pages were new; `fail_next` makes the next offload raise,
-    `drop_next` return 0 (the client's queue was full)."""
+    is sent and returns a PutResult; `fail_next` makes the next offload raise, `drop_next` drop it
+    (the client's queue was full), `partial_next = k` store only its first k pages (a replica that
+    holds the rest is down)."""
 
     def __init__(self) -> None:
         self.stored: dict[bytes, bytes] = {}
@@ -179,22 +180,25 @@ class FakePool:
         self.sent: list[tuple[str, int, int]] = []  # (request id, first page, end page)
         self.released: list[tuple[str, str]] = []
         self.fail_next = self.drop_next = False
+        self.partial_next: int | None = None
 
-    def offload_async(self, pages: KVPages, request_id: str) -> Future[Any]:
-        f: Future[Any] = Future()
+    def offload_async(self, pages: KVPages, request_id: str) -> Future[PutResult]:
+        f: Future[PutResult] = Future()
         if self.fail_next:
             self.fail_next = False
             f.set_exception(RuntimeError("replica down"))
             return f
         if self.drop_next:
             self.drop_next = False
-            f.set_result(0)
+            f.set_result(PutResult(first_unstored=0, dropped=True))
             return f
         self.offloaded.append((pages, request_id))
         self.sent.append((request_id, pages.first_page, pages.end_page))
-        new = sum(h not in self.stored for h in pages.page_hashes)
-        self.stored.update(zip(pages.page_hashes, pages.pages, strict=True))
-        f.set_result(new)
+        k, self.partial_next = (len(pages.pages) if self.partial_next is None else self.partial_next), None
+        hashes, data = pages.page_hashes[:k], pages.pages[:k]
+        new = sum(h not in self.stored for h in hashes)
+        self.stored.update(zip(hashes, data, strict=True))
+        f.set_result(PutResult(stored=new, claimed=k - new, first_unstored=k if k < len(pages.pages) else None))
         return f
 
     def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
