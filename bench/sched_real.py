@@ -11,13 +11,16 @@ per repetition). Speculation is off so that only scheduling differs. Ratios are 
 repetition (side by side, seconds apart); the summary gives their median and range over reps.
 
 Workload: group-correlated long tail that the scheduler cannot see in advance (every group has
-the same max_tokens): most groups stop at the first '.' or newline (short), every n-th group never
-stops (ignore_eos: it runs to max_tokens, the tail). With the defaults (10 groups, every 4th long)
-the two long groups are groups 3 and 7, which the baseline's round-robin placement puts on the
-same worker: the collision that random placement of two long groups over two workers makes half
-of the time (the other half the baseline is balanced and gains less). Workers take at most --max-batch requests at
-a time, so requests queue and the order matters. Throughput = generated tokens / wall time of the
-batch; tail = time from the 90th-percentile finish to the last one. Last line: RESULT {json}.
+the same max_tokens): most prompts stop at the first '.' or newline (short), every n-th prompt
+never stops (ignore_eos: it runs to max_tokens, the tail); long-ness belongs to the prompt key, so
+the warm-up's history predicts it. The submission order is shuffled per repetition and stratified:
+in even repetitions the baseline's round-robin puts the long groups on the same worker (the
+collision random placement makes half of the time), in odd ones it spreads them; the summary gives
+both strata and the pooled tail ratio (sum of tails over repetitions / sum of baseline tails), so
+the result does not hang on placement luck or on a few seconds of noise in one tail. Workers take
+at most --max-batch requests at a time, so requests queue and the order matters. Throughput =
+generated tokens / wall time of the batch; tail = time from the 90th-percentile finish to the last
+one. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -63,15 +67,46 @@ class RealWorkload:
     groups: int
     group_size: int
     max_tokens: int
-    long_every: int  # every n-th group is a long (never-stopping) one
+    long_every: int  # every n-th prompt is a long (never-stopping) one
 
-    def prompt_groups(self, seed: int) -> list[PromptGroup]:
+    def is_long(self, i: int) -> bool:
+        """Long-ness belongs to the prompt (its key), as in RL data: the history of a key predicts it."""
+        return i % self.long_every == self.long_every - 1
+
+    def submission_order(self, rep: int, workers: int) -> list[int]:
+        """Prompt indices in the order of submission for repetition `rep`: shuffled (seeded), with
+        the long prompts landing on the same round-robin worker in even repetitions and spread in
+        odd ones, so that the baseline's placement luck is stratified, not drawn."""
+        order = list(range(self.groups))
+        random.Random(rep).shuffle(order)
+        want_collide = rep % 2 == 0
+        if workers > 1 and self.collides(order, workers) != want_collide:
+            longs = [p for p, i in enumerate(order) if self.is_long(i)]
+            if len(longs) >= 2:
+                # Move the last long prompt to a position with the wanted residue (swap with a short one).
+                target = longs[0] % workers
+                for p in range(len(order)):
+                    if self.is_long(order[p]):
+                        continue
+                    if (p % workers == target) == want_collide:
+                        order[p], order[longs[-1]] = order[longs[-1]], order[p]
+                        if self.collides(order, workers) == want_collide:
+                            break
+                        order[p], order[longs[-1]] = order[longs[-1]], order[p]
+        return order
+
+    def collides(self, order: list[int], workers: int) -> bool:
+        """Whether the baseline's round-robin puts every long prompt on the same worker."""
+        longs = [p for p, i in enumerate(order) if self.is_long(i)]
+        return len(longs) >= 2 and len({p % workers for p in longs}) == 1
+
+    def prompt_groups(self, seed: int, order: list[int] | None = None) -> list[PromptGroup]:
         from seer_client.types import PromptGroup, Sampling
 
         out: list[PromptGroup] = []
-        for i in range(self.groups):
+        for i in order if order is not None else range(self.groups):
             topic = _TOPICS[i % len(_TOPICS)]
-            long = i % self.long_every == self.long_every - 1
+            long = self.is_long(i)
             sampling = Sampling(
                 temperature=1.0, seed=seed * 1000 + i, ignore_eos=long, stop_token_ids=() if long else _SHORT
             )
@@ -133,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sched_real")
     ap.add_argument("--quick", action="store_true", help="a small workload, one repetition (under 60 s)")
     ap.add_argument("--policies", default="baseline,divided,seer,seer_history")
-    ap.add_argument("--reps", type=int, default=0, help="interleaved repetitions (default 1 quick, 3 full)")
+    ap.add_argument("--reps", type=int, default=0, help="interleaved repetitions (default 1 quick, 4 full)")
     ap.add_argument("--groups", type=int, default=0)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0)
@@ -153,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens or (24 if args.quick else 96),
         long_every=args.long_every or 4,
     )
-    reps = args.reps or (1 if args.quick else 3)
+    reps = args.reps or (1 if args.quick else 4)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or reps < 1:
         ap.error("need at least one policy and one repetition")
@@ -176,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         with SeerClient(suite.address) as client:
             run_batch(client, "warmup", wl.prompt_groups(seed=1))
         for rep in range(reps):
+            order = wl.submission_order(rep, args.workers)
             for policy in policies:
                 switch_policy(suite, policy, args.workers)
                 with SeerClient(suite.address) as client:
-                    res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep))
+                    res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep, order=order))
                 res["dispatched_chunks"] = int(suite.scheduler_stats().dispatched_chunks)
+                res["long_collide"] = wl.collides(order, args.workers)
                 runs[policy].append(res)
                 print(f"rep {rep} {policy:13s} {json.dumps(res)}", flush=True)
     summary: dict[str, object] = {}
@@ -190,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
             tail = [r["tail_s"] / max(1e-9, b["tail_s"]) for r, b in zip(rs, runs["baseline"], strict=True)]
             summary[f"{p}_throughput_vs_baseline"] = spread(thr)
             summary[f"{p}_tail_vs_baseline"] = spread(tail)
+            # Pooled over repetitions (sum of tails / sum of baseline tails): robust to the few
+            # seconds of noise on a single short tail.
+            summary[f"{p}_tail_vs_baseline_pooled"] = round(
+                sum(r["tail_s"] for r in rs) / max(1e-9, sum(b["tail_s"] for b in runs["baseline"])), 3
+            )
+            for name, want in (("collide", True), ("spread", False)):
+                sel = [i for i, b in enumerate(runs["baseline"]) if b["long_collide"] == want]
+                if sel:
+                    summary[f"{p}_throughput_vs_baseline_{name}"] = spread([thr[i] for i in sel])
+                    summary[f"{p}_tail_vs_baseline_{name}"] = spread([tail[i] for i in sel])
     for k, v in summary.items():
         print(f"{k}: {v}")
     print(f"wall {time.monotonic() - t_start:.1f} s")

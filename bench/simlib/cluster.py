@@ -36,6 +36,11 @@ class RunConfig:
     history_probes: bool = False
     estimate_quantile: float = 0.9
     estimate_min_samples: int = 16
+    history_estimate: str = "scaled"
+    # What the oracle policy ranks by (bounds, simulator only): "true" (each request's own length,
+    # the paper's oracle), "group_max" (its group's true maximum: perfect group estimates),
+    # "prev_group_max" (its group's maximum in the previous iteration: the history-oracle).
+    oracle_rank: str = "true"
 
 
 @dataclass
@@ -52,6 +57,17 @@ class SimResult:
     wall_seconds: float
     prefill_tokens: int = 0
     fetch_tokens: int = 0
+    # [requests] seconds spent queued between chunks (after the first dispatch), and chunks run.
+    wait_times: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    chunks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [requests] instance index of the last chunk.
+    last_instance: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [requests] the longest single wait between chunks, and the group estimate the core had
+    # when that wait began (0 where it never waited).
+    max_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    est_at_max_wait: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [instances] time the instance finished its last chunk.
+    instance_idle_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -80,6 +96,7 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
         history_probes=rc.history_probes,
         estimate_quantile=rc.estimate_quantile,
         estimate_min_samples=rc.estimate_min_samples,
+        history_estimate=rc.history_estimate,
         use_worker_free_pages=False,
     )
     core = SchedulerCore(cfg, clock=lambda: now)
@@ -106,6 +123,18 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
     finished_in_group = np.zeros(spec.prompts, dtype=np.int64)
     finish_times = np.zeros(n_req)
     start_times = np.full(n_req, -1.0)
+    pending_since = np.zeros(n_req)
+    wait_times = np.zeros(n_req)
+    chunks = np.zeros(n_req, dtype=np.int64)
+    idle_at = {iid: 0.0 for iid in instances}
+    max_wait = np.zeros(n_req)
+    est_at_enq = np.zeros(n_req, dtype=np.int64)
+    est_at_max_wait = np.zeros(n_req, dtype=np.int64)
+    rank_len = {
+        "true": w.lengths,
+        "group_max": np.repeat(w.lengths.max(axis=1, keepdims=True), G, axis=1),
+        "prev_group_max": np.repeat(w.prev_lengths.max(axis=1, keepdims=True), G, axis=1),
+    }[rc.oracle_rank]  # [prompts, G]
     for p in range(spec.prompts):
         for s in range(G):
             core.add_request(
@@ -117,7 +146,7 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
                     group_size=G,
                     prompt_len=int(w.prompt_len[p]),
                     max_tokens=spec.max_tokens,
-                    true_length=int(w.lengths[p, s]),
+                    true_length=int(rank_len[p, s]),
                 )
             )
     events: list[tuple[float, int, str]] = []
@@ -136,6 +165,12 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
             p = r // G
             if start_times[r] < 0:
                 start_times[r] = now
+            else:
+                waited = now - pending_since[r]
+                wait_times[r] += waited
+                if waited > max_wait[r]:
+                    max_wait[r], est_at_max_wait[r] = waited, est_at_enq[r]
+            chunks[r] += 1
             inst = instances[d.worker_id]
             rem = int(true_len[r] - generated[r])
             new = min(d.max_new_tokens, rem)
@@ -172,9 +207,13 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
             r = int(done.rid)
             generated[r] = done.generated + done.new_tokens
             last_inst[r] = iid
+            pending_since[r] = now
+            idle_at[iid] = now
             core.on_chunk_done(
                 done.rid, iid, done.new_tokens if rc.policy != "baseline" else int(generated[r]), done.finished
             )
+            if not done.finished and rc.policy != "baseline":
+                est_at_enq[r] = core.group_estimate(f"g{r // G}")
             if done.finished:
                 finish_times[r] = now
                 finished_in_group[r // G] += 1
@@ -194,4 +233,10 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
         wall_seconds=time.perf_counter() - wall0,
         prefill_tokens=sum(i.prefill_tokens for i in instances.values()),
         fetch_tokens=sum(i.fetch_tokens for i in instances.values()),
+        wait_times=wait_times,
+        chunks=chunks,
+        max_wait=max_wait,
+        est_at_max_wait=est_at_max_wait,
+        last_instance=np.array([int(x[1:]) if x else -1 for x in last_inst], dtype=np.int64),
+        instance_idle_at=np.array([idle_at[iid] for iid in sorted(instances)]),
     )

@@ -28,6 +28,10 @@ class SchedulerConfig(ServiceConfig):
     estimate_min_samples: int = field(
         default=16, metadata={"help": "completed groups of a shape needed before the correction applies"}
     )
+    history_estimate: str = field(
+        default="scaled",
+        metadata={"help": "seer_history: 'scaled' (prior follows this iteration's finished siblings) or 'floor'"},
+    )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
         default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
@@ -52,6 +56,7 @@ class SchedulerConfig(ServiceConfig):
             order=self.order,
             estimate_quantile=self.estimate_quantile,
             estimate_min_samples=self.estimate_min_samples,
+            history_estimate=self.history_estimate,
         )
 
     def validate(self) -> None:

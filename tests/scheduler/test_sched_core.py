@@ -129,6 +129,30 @@ def test_seer_history_ranks_groups_from_the_first_dispatch(clock: FakeClock) -> 
     assert core.group_estimate("a") == 120
 
 
+@pytest.mark.parametrize("mode", ["floor", "scaled"])
+def test_history_prior_refined_by_finished_siblings(clock: FakeClock, mode: str) -> None:
+    """floor: finished siblings only raise the prior; scaled: the prior follows this iteration's
+    drift (the first finishers against the previous iteration's shortest)."""
+    core = make_core("seer_history", clock, workers=1, chunk_size=1000, estimate_quantile=0, history_estimate=mode)
+    core.set_history("key-up", [100, 200, 300, 400])
+    core.set_history("key-down", [100, 200, 300, 400])
+    add_group(core, "up", 4)
+    add_group(core, "down", 4)
+    assert core.group_estimate("up") == core.group_estimate("down") == 400  # the prior, before any finish
+    done = {d.request_id: d for d in core.next_dispatches()}
+    core.on_chunk_done("up-0", done["up-0"].worker_id, 150, finished=True)  # 1.5x the previous shortest
+    core.on_chunk_done("down-0", done["down-0"].worker_id, 50, finished=True)  # half of it
+    if mode == "floor":
+        assert core.group_estimate("up") == 400 and core.group_estimate("down") == 400
+    else:
+        assert core.group_estimate("up") == 600 and core.group_estimate("down") == 200
+        core.on_chunk_done("down-1", done["down-1"].worker_id, 390, finished=True)  # (50 + 390) / (100 + 200)
+        assert core.group_estimate("down") == 587
+        # A finished sibling is a hard lower bound of the group's longest response.
+        core.on_chunk_done("up-1", done["up-1"].worker_id, 990, finished=True)
+        assert core.group_estimate("up") == 1000  # (150 + 990) / 300 x 400 = 1520, capped at max_tokens
+
+
 def test_history_recorded_when_a_group_finishes(clock: FakeClock) -> None:
     core = make_core("seer", clock, workers=1, chunk_size=1000)
     add_group(core, "g", 2, key="k")

@@ -23,6 +23,22 @@ def test_long_groups_never_stop_short_groups_stop() -> None:
     assert len({g.prompt_key for g in groups}) == 8  # stable keys: history priors apply
 
 
+def test_submission_order_stratifies_the_baselines_placement_luck() -> None:
+    wl = sched_real.RealWorkload(groups=10, group_size=4, max_tokens=16, long_every=4)
+    for rep in range(8):
+        order = wl.submission_order(rep, workers=2)
+        assert sorted(order) == list(range(10))
+        longs = [p for p, i in enumerate(order) if wl.is_long(i)]
+        assert len(longs) == 2
+        # Even repetitions: both long groups on one round-robin worker; odd: one on each.
+        assert ((longs[0] - longs[1]) % 2 == 0) == (rep % 2 == 0) == wl.collides(order, 2)
+    assert wl.submission_order(3, 2) == wl.submission_order(3, 2)  # seeded
+    assert len({tuple(wl.submission_order(r, 2)) for r in range(8)}) == 8  # shuffled per repetition
+    # Long-ness follows the prompt key through the shuffle (the warm-up's history stays valid).
+    groups = wl.prompt_groups(seed=1, order=wl.submission_order(0, 2))
+    assert all(g.sampling.ignore_eos == wl.is_long(int(g.prompt_key.split("-")[1])) for g in groups)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin 2 workers")
 def test_quick_run_reports_ratios_for_every_policy(capsys: pytest.CaptureFixture[str]) -> None:

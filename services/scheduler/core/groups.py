@@ -24,6 +24,12 @@ class GroupState:
     finished_lengths: list[int] = field(default_factory=list)
     probe_id: str | None = None
     prior: int | None = None
+    # The previous iteration's lengths for the prompt key, ascending (seer_history).
+    prior_lengths: list[int] | None = None
+    # How finished siblings refine the prior: "floor" (the prior is a floor they can only raise)
+    # or "scaled" (the prior is rescaled by how this iteration's finished lengths compare with
+    # the previous iteration's shortest ones).
+    history_estimate: str = "floor"
     # Workers that ran a member: each holds the group's prompt prefix in its cache.
     workers: set[str] = field(default_factory=set)
 
@@ -36,12 +42,26 @@ class GroupState:
         if finished is not None and factor is not None:
             finished = min(self.max_tokens, round(finished * factor))
         if self.prior is not None:
+            if self.history_estimate == "scaled" and self.finished_lengths and self.prior_lengths:
+                return min(self.max_tokens, max(self._scaled_prior(), finished or 0))
             # History ranks are stable (RhymeRL: 2-4% change rank much), so the prior is a floor
             # that finished siblings can only raise.
             return min(self.max_tokens, max(self.prior, finished or 0))
         if finished is not None:
             return finished
         return self.max_tokens
+
+    def _scaled_prior(self) -> int:
+        """The prior times this iteration's drift: the k finished siblings (the group's shortest
+        this time) against the k shortest of the previous iteration (RhymeRL: lengths of one
+        prompt move together from step to step; a whole-group drift shows in its first finishers)."""
+        assert self.prior is not None and self.prior_lengths
+        k = min(len(self.finished_lengths), len(self.prior_lengths))
+        now = sum(sorted(self.finished_lengths)[:k])
+        before = sum(self.prior_lengths[:k])
+        if before <= 0:
+            return self.prior
+        return round(self.prior * now / before)
 
     def request_estimate(self, generated: int, factor: float | None = None) -> int:
         """Estimated total length of one unfinished member that has generated `generated` tokens.

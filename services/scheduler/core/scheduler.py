@@ -92,8 +92,9 @@ class SchedulerCore:
         g = self._groups.get(r.group_id)
         if g is None:
             g = GroupState(r.group_id, r.prompt_key, r.group_size, r.max_tokens)
+            g.history_estimate = self.cfg.history_estimate
             if r.prompt_key in self._history and self.cfg.policy == "seer_history":
-                g.prior = history_prior(self._history[r.prompt_key], r.max_tokens)
+                self._set_prior(g, self._history[r.prompt_key])
             self._groups[r.group_id] = g
             self._groups_by_key.setdefault(r.prompt_key, set()).add(r.group_id)
         else:
@@ -137,8 +138,16 @@ class SchedulerCore:
             return
         for gid in self._groups_by_key.get(prompt_key, ()):
             g = self._groups[gid]
-            g.prior = None if prior is None else min(prior, g.max_tokens)
+            self._set_prior(g, lengths if prior is not None else None)
             self._rekey_group(g)
+
+    @staticmethod
+    def _set_prior(g: GroupState, lengths: Sequence[int] | None) -> None:
+        if not lengths:
+            g.prior, g.prior_lengths = None, None
+            return
+        g.prior = history_prior(lengths, g.max_tokens)
+        g.prior_lengths = sorted(min(n, g.max_tokens) for n in lengths)
 
     def history(self, prompt_key: str) -> list[int] | None:
         h = self._history.get(prompt_key)
