@@ -10,9 +10,23 @@ import torch.nn.functional as F
 
 from services.worker.engines.reference.kernels import build
 from services.worker.engines.reference.kernels import linear as lin
-from services.worker.engines.reference.kernels.linear import small_gemm, small_gemm_available, small_gemm_enabled
+from services.worker.engines.reference.kernels.linear import (
+    small_gemm,
+    small_gemm_available,
+    small_gemm_enabled,
+    small_gemm_error,
+)
 
-needs_kernel = pytest.mark.skipif(not small_gemm_available(), reason="no C compiler / AVX2 here")
+# Skipped only where the kernel's prerequisites are missing: a build or load failure on a machine
+# that has them must fail the tests (test_kernel_builds_where_it_can), not skip them.
+CAN_BUILD = build.cpu_has_avx2_fma() and build.compiler() is not None
+needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler / AVX2 here")
+
+
+@needs_kernel
+def test_kernel_builds_where_it_can() -> None:
+    build.load(lin.SOURCE)  # raises with the compiler's stderr
+    assert small_gemm_available(), small_gemm_error()
 
 
 @needs_kernel
@@ -56,9 +70,17 @@ def test_strided_rows_and_threads() -> None:
 
 
 @needs_kernel
-def test_shape_mismatch_is_an_error() -> None:
+def test_bad_operands_are_errors() -> None:
     with pytest.raises(ValueError, match="shapes"):
         small_gemm(torch.randn(3, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="bias shape"):
+        small_gemm(torch.randn(3, 8), torch.randn(4, 8), torch.randn(5))
+    with pytest.raises(ValueError, match="2-D"):
+        small_gemm(torch.randn(2, 3, 8), torch.randn(4, 8))
+    with pytest.raises(TypeError, match="w must be float32"):
+        small_gemm(torch.randn(3, 8), torch.randn(4, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="x must be float32"):
+        small_gemm(torch.randn(3, 8, dtype=torch.float64), torch.randn(4, 8))
 
 
 def test_dispatch_uses_f_linear_outside_its_range(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +92,7 @@ def test_dispatch_uses_f_linear_outside_its_range(monkeypatch: pytest.MonkeyPatc
         return real(x, w, b)
 
     monkeypatch.setattr(lin, "small_gemm", spy)
+    monkeypatch.setattr(lin, "_enabled", True)  # whatever SEER_SMALL_GEMM says in this environment
     w = torch.randn(16, 24)
     for M in (1, lin.MIN_ROWS, lin.MAX_ROWS, lin.MAX_ROWS + 1):
         x = torch.randn(M, 24)
@@ -117,3 +140,17 @@ def test_build_is_cached_by_source(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert build.build(src) == first  # cached: same file, not rebuilt
     src.write_text("int f(void) { return 2; }\n")
     assert build.build(src) != first  # the key follows the source
+
+
+@needs_kernel
+def test_unusable_cache_falls_back_to_a_private_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SEER_KERNEL_CACHE", str(blocker / "cache"))  # cannot be created
+    lib = build.load(lin.SOURCE)
+    assert lib.seer_small_gemm_abi() == 1
+
+
+def test_cc_with_arguments_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "ccache  gcc -m64")
+    assert build.compiler() == ["ccache", "gcc", "-m64"]

@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -23,8 +24,15 @@ from services.common.log import get_logger, kv
 
 log = get_logger(__name__)
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c99")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99")
+# OpenMP only with GCC: its libgomp is the runtime torch itself loads, so torch.set_num_threads
+# governs both; clang would link a second runtime (libomp) whose pool spins against torch's.
+OPENMP = ("-fopenmp",)
 BUILD_TIMEOUT_S = 120.0
+
+
+class CacheUnusable(RuntimeError):
+    """The cache directory cannot be created or written (read-only home, another user's dir)."""
 
 
 def cache_dir() -> Path:
@@ -46,48 +54,84 @@ def cpu_has_avx2_fma() -> bool:
     return False
 
 
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def compiler() -> list[str] | None:
+    """The C compiler's argv: $CC split as a shell would ("ccache gcc"), else cc or gcc."""
+    env = os.environ.get("CC")
+    if env and shlex.split(env):
+        return shlex.split(env)
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
-def _compiler_version(cc: str) -> str:
+def _compiler_version(cc: list[str]) -> str:
     try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
 
 
-def build(source: Path) -> Path:
-    """Path of the shared library built from `source` (built now unless cached). Raises
-    RuntimeError with the reason when it cannot be built."""
+def _flags(version: str) -> tuple[str, ...]:
+    return FLAGS + (OPENMP if "Free Software Foundation" in version else ())
+
+
+def _compile(cc: list[str], flags: tuple[str, ...], source: Path, out_dir: Path, target: Path) -> None:
+    """Compiles into a temporary name in out_dir and renames it to target (atomic for readers)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out_dir)
+    except OSError as e:
+        raise CacheUnusable(f"cannot write the kernel cache {out_dir}: {e}") from e
+    os.close(fd)
+    try:
+        proc = subprocess.run([*cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users sharing the cache could not load it
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{' '.join(cc)} could not run: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build(source: Path, out_dir: Path | None = None) -> Path:
+    """Path of the shared library built from `source` into out_dir (default: cache_dir()), built
+    now unless cached. Raises RuntimeError with the reason when it cannot be built."""
     if not cpu_has_avx2_fma():
         raise RuntimeError("CPU lacks AVX2/FMA (or is not x86-64)")
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = source.read_bytes()
-    key = hashlib.sha256(src + "\0".join((cc, *FLAGS, _compiler_version(cc))).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
+    version = _compiler_version(cc)
+    flags = _flags(version)
+    # The key covers everything the binary depends on, so a cache shared between machines or
+    # compilers never hands one the other's library.
+    ident = "\0".join((*cc, *flags, version, platform.machine(), *platform.libc_ver()))
+    key = hashlib.sha256(source.read_bytes() + ident.encode()).hexdigest()[:16]
+    out_dir = out_dir if out_dir is not None else cache_dir()
     target = out_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=out_dir)
-    os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"{cc} could not run: {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CacheUnusable(f"cannot create the kernel cache {out_dir}: {e}") from e
+    _compile(cc, flags, source, out_dir, target)
     log.info("kernel built", extra=kv(source=source.name, path=str(target)))
     return target
 
 
 def load(source: Path) -> ctypes.CDLL:
-    return ctypes.CDLL(str(build(source)))
+    """The built library, loaded. A cache that cannot be written or whose library cannot be loaded
+    (another user's file, a noexec mount, a stale build) does not cost the kernel: it is built
+    again into a private temporary directory."""
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except (OSError, CacheUnusable) as first:
+        log.warning("kernel cache unusable; building privately", extra=kv(source=source.name, reason=str(first)))
+        private = Path(tempfile.mkdtemp(prefix="seer-kernels-"))
+        try:
+            return ctypes.CDLL(str(build(source, private)))
+        except OSError as e:
+            raise RuntimeError(f"built {source.name} but cannot load it: {e}") from e

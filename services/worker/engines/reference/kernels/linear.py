@@ -43,11 +43,12 @@ MAX_ROWS_WIDE = 128  # ... this many rows
 _lock = threading.Lock()
 _fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _tried = False
+_error: str | None = None  # why the kernel is unavailable (tests and logs show it)
 _enabled = os.environ.get("SEER_SMALL_GEMM", "1") not in ("0", "false", "no", "off")
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _fn, _tried
+    global _fn, _tried, _error
     if _tried:
         return _fn
     with _lock:
@@ -63,6 +64,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
                 fn.restype = None
                 _fn = fn
             except (OSError, RuntimeError, AttributeError) as e:
+                _error = str(e)
                 log.warning("small-M GEMM kernel unavailable; using F.linear", extra=kv(reason=str(e)))
             _tried = True
     return _fn
@@ -70,6 +72,12 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 def small_gemm_available() -> bool:
     return _kernel() is not None
+
+
+def small_gemm_error() -> str | None:
+    """Why the kernel is unavailable (None when it is available)."""
+    _kernel()
+    return _error
 
 
 @contextmanager
@@ -87,11 +95,19 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     Raises RuntimeError when the kernel is unavailable."""
     fn = _kernel()
     if fn is None:
-        raise RuntimeError("small-M GEMM kernel unavailable")
+        raise RuntimeError(f"small-M GEMM kernel unavailable: {_error}")
+    # The C side reads raw float32 memory: anything else would be garbage or an out-of-bounds read.
+    for name, t in (("x", x), ("w", w), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise TypeError(f"small_gemm: {name} must be float32 on CPU, got {t.dtype} on {t.device}")
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"small_gemm: x and w must be 2-D, got x {tuple(x.shape)}, w {tuple(w.shape)}")
     M, K = x.shape
     N = w.shape[0]
-    if w.shape[1] != K or (bias is not None and bias.shape != (N,)):
+    if w.shape[1] != K:
         raise ValueError(f"small_gemm: shapes x {tuple(x.shape)}, w {tuple(w.shape)} do not match")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"small_gemm: bias shape {tuple(bias.shape)} != ({N},)")
     if x.stride(1) != 1:
         x = x.contiguous()
     if not w.is_contiguous():
