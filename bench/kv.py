@@ -309,18 +309,23 @@ class StorePath:
             ssd_bytes=8 * self.nbytes,
             extra=extra,
         )
-        self.kv = KVClient([self.server.address], streams_per_replica=streams)
-        self.kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
-        self.put_cpu, self.get_cpu = _Cpu(self.server.proc.pid), _Cpu(self.server.proc.pid)
-        self.puts = 0
-        self.pages = synthetic_pages(n, layout, "bench@v1", seed=100)
-        t = time.perf_counter()
-        self._put()
-        self.cold_put_s = time.perf_counter() - t
+        try:  # a failure here must not leave the server process behind
+            self.kv = KVClient([self.server.address], streams_per_replica=streams)
+            self.kv.put_pages(synthetic_pages(2, layout, "bench@v1", seed=1), "warmup")
+            self.put_cpu, self.get_cpu = _Cpu(self.server.proc.pid), _Cpu(self.server.proc.pid)
+            self.puts = 0
+            self.pages = synthetic_pages(n, layout, "bench@v1", seed=100)
+            t = time.perf_counter()
+            self._put()
+            self.cold_put_s = time.perf_counter() - t
+        except BaseException:
+            self.server.stop()
+            raise
 
     def _put(self) -> None:
         stored = self.kv.put_pages(self.pages, f"put{self.puts}")
-        assert stored == self.n, f"stored {stored} of {self.n}"
+        if stored != self.n:
+            raise RuntimeError(f"the store took {stored} of {self.n} pages")
         self.puts += 1
 
     def put(self) -> float:
@@ -337,7 +342,8 @@ class StorePath:
         with self.get_cpu.span(self.nbytes):
             got = self.kv.fetch_prefix(self.pages.token_ids, "bench@v1", self.layout)
         dt = time.perf_counter() - t
-        assert got is not None and got.pages == self.pages.pages, "fetched pages differ from the stored ones"
+        if got is None or got.pages != self.pages.pages:
+            raise RuntimeError("fetched pages differ from the stored ones")
         return dt
 
     def close(self) -> dict[str, int]:
@@ -440,7 +446,8 @@ def bench_throughput(
                     d["get_vs_bare_median"] = _median(get_ratio)
                     d.update(path.get_cpu.per_gb("get_"))
             finally:
-                d.update(path.close())
+                closed = path.close()  # first: on an error above, d may not exist
+            d.update(closed)
             detail[name] = d
             out[f"grpc_put{suffix}_gbps"] = d["put_gbps"]
             out[f"grpc_put{suffix}_vs_bare"] = d["put_vs_bare_median"]

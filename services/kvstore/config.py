@@ -63,7 +63,7 @@ class KvStoreConfig(ServiceConfig):
             raise ValueError(f"min_blob_bytes: must be >= 0, got {self.min_blob_bytes}")
         if self.malloc_arenas < 1:
             raise ValueError(f"malloc_arenas: must be >= 1, got {self.malloc_arenas}")
-        if self.malloc_trim_bytes <= 0:
-            raise ValueError(f"malloc_trim_bytes: must be > 0, got {self.malloc_trim_bytes}")
+        if not 0 < self.malloc_trim_bytes < 2**31:  # glibc's M_TRIM_THRESHOLD is an int
+            raise ValueError(f"malloc_trim_bytes: must be in (0, 2**31), got {self.malloc_trim_bytes}")
         if self.max_page_message_bytes <= 0:
             raise ValueError(f"max_page_message_bytes: must be > 0, got {self.max_page_message_bytes}")

@@ -133,6 +133,8 @@ class KVClient:
             raise InvalidArgument(f"must be >= 1, got {max_pending_offloads}", field="max_pending_offloads")
         if streams_per_replica < 1:
             raise InvalidArgument(f"must be >= 1, got {streams_per_replica}", field="streams_per_replica")
+        if malloc_arenas is not None and malloc_arenas < 1:
+            raise InvalidArgument(f"must be >= 1, got {malloc_arenas}", field="malloc_arenas")
         if tune_malloc:
             # Page buffers churn through glibc's mmap/munmap otherwise (services/kvstore/memtune.py).
             tune_malloc_for_pages(arenas=malloc_arenas)
