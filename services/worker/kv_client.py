@@ -351,14 +351,20 @@ class KVClient:
     def fetch_prefix(
         self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
     ) -> KVPages | None:
-        """The longest stored, verified KV prefix of token_ids; None when it would not cover more
-        than min_tokens (e.g. what the local prefix cache already holds)."""
+        """The longest stored, verified KV prefix of token_ids beyond min_tokens (what the caller's
+        prefix cache already holds): the pages from page min_tokens // page_size on (KVPages with
+        that first_page, which import_kv continues from the caller's cached pages), so a chunk that
+        resumes where part of its prefix is cached transfers only the rest. None when nothing past
+        min_tokens is stored."""
+        if min_tokens < 0:
+            raise InvalidArgument(f"must be >= 0, got {min_tokens}", field="min_tokens")
         self._count(fetch_calls=1)
         hashes = chain_hashes(token_ids, layout.page_size, model_version)
-        n = self.prefix_pages(hashes, model_version)
-        if n == 0 or n * layout.page_size <= min_tokens:
+        start = min(min_tokens // layout.page_size, len(hashes))
+        n = self.prefix_pages(hashes[start:], model_version)  # pages stored from `start` on
+        if n == 0 or (start + n) * layout.page_size <= min_tokens:
             return None
-        wanted = hashes[:n]
+        wanted = hashes[start : start + n]
         groups = self._by_node(wanted)
         layout_pb = layout_to_pb(layout)
 
@@ -416,25 +422,30 @@ class KVClient:
             page = got.get(h)
             if page is None:
                 self._count(missing_pages=1)
-                log.info("kv prefix page missing; recomputing from here", extra=kv(page=len(pages), of_pages=n))
+                log.info(
+                    "kv prefix page missing; recomputing from here",
+                    extra=kv(page=start + len(pages), of_pages=start + n),
+                )
                 break
             if not isinstance(page, bytes):  # False: failed its checksum
                 self._count(checksum_failures=1)
                 log.warning(
-                    "kv prefix page failed its checksum; recomputing from here", extra=kv(page=len(pages), of_pages=n)
+                    "kv prefix page failed its checksum; recomputing from here",
+                    extra=kv(page=start + len(pages), of_pages=start + n),
                 )
                 break
             pages.append(page)
-        if not pages or len(pages) * layout.page_size <= min_tokens:
+        if not pages or (start + len(pages)) * layout.page_size <= min_tokens:
             return None
         k = len(pages)
         self._count(fetch_hits=1, fetched_pages=k, fetched_bytes=sum(len(p) for p in pages))
         return KVPages(
             model_version=model_version,
             layout=layout,
-            token_ids=tuple(token_ids[: k * layout.page_size]),
+            token_ids=tuple(token_ids[: (start + k) * layout.page_size]),
             page_hashes=tuple(wanted[:k]),
             pages=tuple(pages),
+            first_page=start,
         )
 
     # ------------------------------------------------------------------ release / stats

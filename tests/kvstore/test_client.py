@@ -52,6 +52,15 @@ def test_put_then_fetch_over_two_replicas(replicas: Make) -> None:
         longer = kv.fetch_prefix([*TOKENS[:96], 7, 7, 7, 7], "m@v1", KV_LAYOUT)
         assert longer is not None and len(longer.pages) == 24
         assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT, min_tokens=96) is None
+        # Only the pages past what is cached locally are transferred (a continuation from page 10).
+        sent_before = kv.stats().fetched_pages
+        tail = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT, min_tokens=42)
+        assert tail is not None and tail.first_page == 10 and tail.end_page == 24
+        assert tail.pages == pages.pages[10:] and tail.page_hashes == pages.page_hashes[10:]
+        assert tail.token_ids == tuple(TOKENS[: 24 * 4])
+        assert kv.stats().fetched_pages - sent_before == 14
+        with pytest.raises(InvalidArgument, match="min_tokens"):
+            kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT, min_tokens=-1)
         # Version v pages are never served for v+1.
         assert kv.fetch_prefix(TOKENS, "m@v2", KV_LAYOUT) is None
         per_replica = kv.store_stats()
@@ -59,7 +68,7 @@ def test_put_then_fetch_over_two_replicas(replicas: Make) -> None:
         assert kv.release("m@v1", "r1") == 24
         assert kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT) is None
         s = kv.stats()
-        assert s.stored_pages == 24 and s.fetched_pages == 48 and s.fetch_calls == 5 and s.fetch_hits == 2
+        assert s.stored_pages == 24 and s.fetched_pages == 62 and s.fetch_calls == 6 and s.fetch_hits == 3
         assert s.missing_pages == 0 and s.replica_errors == 0
 
 

@@ -95,4 +95,14 @@ def test_continuation_offload_sends_only_new_pages(model_dir: Path, replicas: Ma
         assert worker_b.import_kv(fetched) == 64
         out = worker_b.generate([GenerateRequest("req", prompt, 4, GREEDY, output_token_ids=tuple(ref[:6]))])
         assert out["req"].token_ids == ref[6:10]
+        # A third engine holding the first chunk's pages fetches only the rest and continues them.
+        worker_c = engine_mod.ReferenceEngine.from_dir(model_dir, num_pages=48, model_version=version, num_threads=1)
+        worker_c.import_kv(first)
+        have = worker_c.cached_prefix_tokens(chunk2)
+        assert have == 48
+        rest = kv.fetch_prefix(chunk2, version, worker_c.kv_layout, min_tokens=have)
+        assert rest is not None and rest.first_page == 3 and len(rest.pages) == 1
+        assert worker_c.import_kv(rest) == 64  # the cached prefix it extends, in tokens
+        out = worker_c.generate([GenerateRequest("req", prompt, 4, GREEDY, output_token_ids=tuple(ref[:6]))])
+        assert out["req"].token_ids == ref[6:10]
         assert kv.release(version, "req") == 4
