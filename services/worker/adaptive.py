@@ -21,13 +21,13 @@ alpha_i is tracked from what the engine verified: accepted_i / proposed_i with e
 the policy follows drift as the model or the data change) and a Beta prior (so a cold start drafts).
 While speculation is off no acceptance is observed, so the planner explores: after
 `explore_interval` plans off (every plan while it has seen fewer than `explore_until` draft tokens
-at position 0: a cold estimate), one request (in turn, so a request without a match does not stall
-learning) gets a short draft (`explore_gamma` tokens), on a step where that costs at most
-`explore_max_cost` (10%) more than no draft (a large batch: a few more rows in a big matmul; on
-this CPU two more rows at B = 16 cost ~7%), or after 4 x explore_interval plans off whatever it
-costs. Without this a cold planner whose prior
-says "off" at the current batch size never learns that the drafts are good (measured in bench.spec
-and through the suite: a fresh planner at B = 16 and the 0.5 prior drafted nothing in a whole run).
+at position 0: a cold estimate, for at most 4 x explore_until such attempts), one request (in
+turn, so a request without a match does not stall learning) gets a short draft (`explore_gamma`
+tokens), on a step where that costs at most `explore_max_cost` (10%) more than no draft (a large
+batch: a few more rows in a big matmul; on this CPU two more rows at B = 16 cost ~7%), or after
+4 x explore_interval plans off whatever it costs. Without this a cold planner whose prior says
+"off" at the current batch size never learns that the drafts are good (measured in bench.spec and
+through the suite: a fresh planner at B = 16 and the 0.5 prior drafted nothing in a whole run).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from services.common.log import get_logger, kv
 
 DEFAULT_TABLE_PATH = Path(os.path.expanduser("~/.cache/seer/step_time.json"))
 _LOG_INTERVAL_S = 30.0
+_COLD_ATTEMPTS = 4  # cold exploration (every cheap plan) ends after this many x explore_until attempts
 
 log = get_logger(__name__)
 
@@ -186,8 +187,9 @@ class AdaptiveSpeculation:
         self._accepted = [0.0] * gamma_max
         self._off_streak = 0
         self.last_budget = 0
-        # Decisions per batch size: [plans, plans that drafted, draft tokens planned] (stats(), and
-        # an info log every 30 s: is it drafting at batch sizes where a verify costs more than it gains?).
+        self._cold_explorations = 0
+        # Decisions per batch size: [plans, plans that drafted, their draft tokens, explorations]
+        # (stats(), and an info log every 30 s: does it draft where a verify costs more than it gains?).
         self._by_batch: dict[int, list[int]] = {}
         self._logged_at = time.monotonic()
 
@@ -274,27 +276,37 @@ class AdaptiveSpeculation:
             for rid in members[:left]:
                 plan[rid] += 1
             left -= min(left, len(members))
+        explored = False
         if best_budget == 0:
             self._off_streak += 1
             g = min(self.explore_gamma, self.gamma_max)
-            cold = self._proposed[0] < self.explore_until if self.gamma_max else False
+            # Cold: few drafts observed yet, explore every cheap plan. Bounded by attempts: an
+            # exploring request often has no draft at all (no match; at T = 1.0 in the suite most
+            # of them), so the observations may never come, and a planner stuck cold explored on
+            # 12 of 14 plans at B = 11 (bench.spec --suite), each such step costing 10-25% more.
+            cold = (self._proposed[0] < self.explore_until
+                    and self._cold_explorations < _COLD_ATTEMPTS * self.explore_until)
             due = self._off_streak >= (1 if cold else self.explore_interval)
             if (self.explore_interval and g > 0 and due
                     and (self.table.time(n, g) <= (1.0 + self.explore_max_cost) * t0
                          or self._off_streak >= 4 * self.explore_interval)):
                 self._off_streak = 0
+                self._cold_explorations += cold
                 rid = requests[self._explore_turn % n][0]
                 self._explore_turn += 1
                 plan[rid] = g
                 best_budget = g
+                explored = True
         else:
             self._off_streak = 0
         self.last_budget = best_budget
         row = self._by_batch.get(n)
         if row is None:
-            row = self._by_batch[n] = [0, 0, 0]
+            row = self._by_batch[n] = [0, 0, 0, 0]
         row[0] += 1
-        if best_budget:
+        if explored:
+            row[3] += 1
+        elif best_budget:
             row[1] += 1
             row[2] += best_budget
         now = time.monotonic()
@@ -304,8 +316,8 @@ class AdaptiveSpeculation:
         return plan
 
     def stats(self) -> dict[str, Any]:
-        """Decisions so far by batch size: plans, plans that drafted, mean draft tokens per drafting
-        plan."""
+        """Decisions so far by batch size: plans, plans that drafted by the model, their mean draft
+        tokens, and plans that explored (one request, explore_gamma tokens, while the model says off)."""
         return {"plans_by_batch": {b: {"plans": r[0], "drafting": r[1],
-                                       "mean_budget": round(r[2] / r[1], 2) if r[1] else 0.0}
+                                       "mean_budget": round(r[2] / r[1], 2) if r[1] else 0.0, "explored": r[3]}
                                    for b, r in sorted(self._by_batch.items())}}

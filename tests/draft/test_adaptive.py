@@ -180,8 +180,12 @@ def test_stats_count_decisions_by_batch_size() -> None:
     _observe(spec, 0.2)
     spec.plan([(f"r{i}", False) for i in range(64)])
     by = spec.stats()["plans_by_batch"]
-    assert by[4] == {"plans": 3, "drafting": 3, "mean_budget": 32.0}
-    assert by[64] == {"plans": 1, "drafting": 0, "mean_budget": 0.0}
+    assert by[4] == {"plans": 3, "drafting": 3, "mean_budget": 32.0, "explored": 0}
+    assert by[64] == {"plans": 1, "drafting": 0, "mean_budget": 0.0, "explored": 0}
+    explorer = AdaptiveSpeculation(_table(0.01, 0.002), gamma_max=8, explore_interval=1, explore_until=0)
+    _observe(explorer, 0.1)
+    explorer.plan([(f"r{i}", False) for i in range(64)])
+    assert explorer.stats()["plans_by_batch"][64] == {"plans": 1, "drafting": 0, "mean_budget": 0.0, "explored": 1}
 
 
 def test_noisy_table_is_made_monotone() -> None:
@@ -196,3 +200,15 @@ def test_noisy_table_is_made_monotone() -> None:
     spec = AdaptiveSpeculation(t, gamma_max=4, explore_interval=0)
     _observe(spec, 0.3)
     assert spec.plan([("r0", False)]) == {"r0": 0}
+
+
+def test_cold_exploration_is_bounded_when_explorations_bring_no_drafts() -> None:
+    # Exploring requests that have no draft (no match) bring no observations: the planner must not
+    # stay cold, exploring on every plan, forever (suite: 12 of 14 plans at B = 11 explored).
+    table = StepTimeTable((1, 64), (0, 1, 2), ((0.07, 0.13, 0.14), (0.30, 0.60, 0.90)))
+    spec = AdaptiveSpeculation(table, gamma_max=8, explore_interval=16, prior_accept=0.2, explore_until=8)
+    big = [(f"r{i}", False) for i in range(64)]
+    first = [sum(spec.plan(big).values()) for _ in range(32)]
+    assert first == [2] * 32  # cold: every cheap plan explores, 4 x explore_until attempts
+    later = [sum(spec.plan(big).values()) for _ in range(64)]
+    assert later == ([0] * 15 + [2]) * 4  # then every explore_interval plans only
