@@ -540,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "uniform: the rollout prompts x 8, all --suite-tokens")
     ap.add_argument("--suite-threads", type=int, default=1,
                     help="torch threads of the suite's worker (1 = as the step-time table is profiled; 0 = all cores)")
+    ap.add_argument("--step-table", default="",
+                    help="T(B, gamma) JSON (seer profile --clock cpu --threads 1) instead of profiling here")
     ap.add_argument("--skip-acceptance", action="store_true", help="no offline acceptance replays")
     ap.add_argument("--skip-index", action="store_true", help="no index speed section")
     ap.add_argument("--temperatures", default="1.0,0.7", help="rollout temperatures (acceptance, throughput)")
@@ -576,14 +578,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # this CPU the first draft token costs far more than later ones (M = 1 -> 2 rows leaves
         # the GEMV path), which linear interpolation between 0 and 2 would hide.
         from services.cli.profile import measure
-        from services.worker.adaptive import AdaptiveSpeculation
+        from services.worker.adaptive import AdaptiveSpeculation, StepTimeTable
         from services.worker.engines.reference.engine import ReferenceEngine
 
         bsizes = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32)
-        prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=max(bsizes), num_threads=1)
-        table = measure(prof_engine, bsizes, (0, 1, 2, 4, 8), steps=1 if args.quick else 2, log=False,
-                        clock="cpu")
-        del prof_engine
+        if args.step_table:
+            table = StepTimeTable.load(args.step_table)
+        else:
+            prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=max(bsizes), num_threads=1)
+            table = measure(prof_engine, bsizes, (0, 1, 2, 4, 8), steps=1 if args.quick else 3, log=False,
+                            clock="cpu")
+            del prof_engine
         result["step_time_table"] = table.to_dict()
         out("T(B, gamma) ms (gamma 0,1,2,4,8): " + "; ".join(
             f"B={b}: " + ",".join(f"{t * 1e3:.0f}" for t in row) for b, row in zip(table.batch_sizes, table.times_s,
