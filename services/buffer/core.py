@@ -198,6 +198,7 @@ class BufferCore:
         self._live: dict[str, _Live] = {}
         self._live_by_batch: dict[str, set[str]] = {}
         self._policy_version = 0
+        self._policy_source = ""
         self._recover()
 
     # ---- startup -------------------------------------------------------------------------------
@@ -206,6 +207,8 @@ class BufferCore:
         """Rebuilds the in-memory index from RocksDB (after a restart or a kill -9)."""
         raw = self._store.get(keys.POLICY_VERSION_KEY)
         self._policy_version = int(raw) if raw else 0
+        src = self._store.get(keys.POLICY_SOURCE_KEY)
+        self._policy_source = src.decode() if src else ""
         for _k, v in self._store.scan(b"b/"):
             b = BatchRecord.decode(v)
             self._batches[b.batch_id] = b
@@ -262,6 +265,12 @@ class BufferCore:
     def policy_version(self) -> int:
         with self._lock:
             return self._policy_version
+
+    def policy(self) -> tuple[int, str]:
+        """(version, source): the policy batches run at and the directory its weights come from
+        (the last non-empty UpdateWeights source; "" = the workers' initial weights)."""
+        with self._lock:
+            return self._policy_version, self._policy_source
 
     def submit_batch(self, batch_id: str, groups: list[GroupSpec]) -> SubmitOutcome:
         valid = validate_batch(batch_id, groups, self._model, self._max_requests)
@@ -685,8 +694,11 @@ class BufferCore:
                 self._check_open()
                 wb = self._store.new_batch()
                 wb.put(keys.POLICY_VERSION_KEY, str(version).encode())
+                if source:  # empty: the same weights under a new version; the source stays
+                    wb.put(keys.POLICY_SOURCE_KEY, source.encode())
                 self._store.write(wb)
                 self._policy_version = version
+                self._policy_source = source or self._policy_source
         finally:
             with self._lock:
                 self._switching = False

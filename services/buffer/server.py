@@ -95,7 +95,9 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
                   ) -> Iterator[buffer_pb2.WatchWorkResponse]:
         snapshot, sub = self.core.watch(request.watcher_id)
         encoder = convert.WorkItemEncoder()
+        version, source = self.core.policy()
         try:
+            yield buffer_pb2.WatchWorkResponse(policy=buffer_pb2.PolicyState(version=version, source=source))
             for item in snapshot:
                 yield encoder.added(item)
             yield buffer_pb2.WatchWorkResponse(snapshot_done=True)

@@ -69,6 +69,8 @@ def history_key(prompt_key: str) -> bytes:
 
 
 POLICY_VERSION_KEY = b"m/policy_version"
+# The weights directory of the current policy (the last non-empty UpdateWeights source).
+POLICY_SOURCE_KEY = b"m/policy_source"
 
 
 class Store:

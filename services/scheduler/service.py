@@ -262,12 +262,24 @@ class Dispatcher:
         try:
             state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
         except SeerError as e:
-            log.error("catch-up weight load failed", extra=kv(worker_id=state.worker_id, error=str(e)))
+            # Forget the worker: its next heartbeat is answered "unknown", it registers again and
+            # the catch-up is retried (parked here, it would never serve again).
+            log.error("catch-up weight load failed; the worker must register again",
+                      extra=kv(worker_id=state.worker_id, error=str(e)))
+            with self._cond:
+                if self._workers.get(state.worker_id) is state:
+                    self._remove_worker_locked(state.worker_id, reason="catch-up weight load failed")
+                    gone = True
+                else:
+                    gone = False
+            if gone:
+                state.link.close()
             return
         with self._cond:
             if self._workers.get(state.worker_id) is state:
                 state.policy_version = version
-                self._activate_locked(state, spec)
+                if not state.active:  # a weight switch meanwhile may have activated it already
+                    self._activate_locked(state, spec)
 
     def _recycle_stale_worker(self, w: WorkerState, version: int) -> None:
         """Take a worker behind the batch's version out of placement until it has loaded it."""
@@ -383,10 +395,15 @@ class Dispatcher:
             for t in threads:
                 t.join()
             with self._cond:
-                self._version, self._source = version, source
+                if len(errors) < len(workers) or not workers:
+                    # An empty source relabels the current weights: a worker catching up later
+                    # must still load the directory they came from.
+                    self._version, self._source = version, source or self._source
                 for w in workers:
                     if w.worker_id not in errors:
                         w.policy_version = version
+                        if not w.active and w.spec is not None and self._workers.get(w.worker_id) is w:
+                            self._activate_locked(w, w.spec)  # it was waiting to catch up: done
                 # A worker that could not load the version must not serve it: drop it (it can
                 # register again and catch up).
                 for wid in errors:
@@ -424,6 +441,8 @@ class Dispatcher:
                             self._add_items([ev.added])
                     elif kind == "cancelled_request_id":
                         self._cancel_request(ev.cancelled_request_id)
+                    elif kind == "policy":
+                        self._adopt_policy(ev.policy.version, ev.policy.source)
                     elif kind == "snapshot_done":
                         self._apply_snapshot(snapshot)
                         snapshot, in_snapshot, backoff = [], False, 0.1
@@ -439,6 +458,21 @@ class Dispatcher:
             if self._stopping.wait(backoff):
                 return
             backoff = min(backoff * 2, 1.0)
+
+    def _adopt_policy(self, version: int, source: str) -> None:
+        """The buffer's policy (sent first in each snapshot): after a restart this scheduler learns
+        the version batches run at and where its weights come from, so a worker that registers
+        behind it catches up with the right weights, not its own under a new label."""
+        with self._cond:
+            if self._version is not None and self._version > version:
+                return  # a switch this scheduler did and the buffer has not recorded yet
+            self._version, self._source = version, source or (self._source if self._version == version else "")
+            behind = [w for w in self._workers.values() if w.active and w.policy_version < version]
+        for w in behind:
+            self._recycle_stale_worker(w, version)
+        if behind:
+            log.info("workers behind the buffer's policy; catching them up",
+                     extra=kv(version=version, workers=[w.worker_id for w in behind]))
 
     def _request_resync(self) -> None:
         """Reconnect the work feed: the fresh snapshot corrects any request we lost track of."""
@@ -680,7 +714,17 @@ class Dispatcher:
                         self._remove_worker_locked(w.worker_id, reason=f"chunk stream failed: {e}")
                 if gone:
                     w.link.close()
-            self._finish_chunk(r, w, token, failed=True)
+                self._finish_chunk(r, w, token, failed=True)
+                return
+            if isinstance(e, FailedPrecondition) and "policy_version" in str(e) and not r.dropped:
+                # The worker refused the chunk: it serves an older version (e.g. it restarted and
+                # registered at its default while the buffer is at N). Take it out of placement
+                # until it has caught up, as when it reports an old version after a chunk.
+                self._recycle_stale_worker(w, r.item.policy_version)
+            # Anything but a vanished worker (Unavailable) or a cancellation counts towards
+            # MAX_CHUNK_ATTEMPTS: an error a worker gives every time (INVALID_ARGUMENT,
+            # ALREADY_EXISTS, ...) must end the request as ABORTED, not loop forever.
+            self._finish_chunk(r, w, token, failed=True, count_attempt=not isinstance(e, Aborted))
             return
         reason = done.finish_reason if done is not None else common_pb2.FINISH_REASON_UNSPECIFIED
         if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):

@@ -88,7 +88,8 @@ def snapshot(internal: buffer_pb2_grpc.BufferInternalServiceStub) -> list[buffer
         for ev in stream:
             if ev.HasField("snapshot_done"):
                 break
-            items.append(ev.added)
+            if ev.HasField("added"):
+                items.append(ev.added)
     finally:
         stream.cancel()
     return items
@@ -179,3 +180,14 @@ class BufferProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+def policy_event(internal: buffer_pb2_grpc.BufferInternalServiceStub) -> buffer_pb2.PolicyState:
+    """The PolicyState event that opens every WatchWork snapshot."""
+    stream = internal.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id="test"), timeout=10)
+    try:
+        first = next(iter(stream))
+    finally:
+        stream.cancel()
+    assert first.HasField("policy"), first
+    return first.policy

@@ -43,6 +43,8 @@ def test_watch_snapshot_then_live_events(buf: BufferHandle) -> None:
         for w in watchers:
             snap = {}
             ev = w.next()
+            assert ev.HasField("policy") and ev.policy.version == 0  # the snapshot opens with it
+            ev = w.next()
             while not ev.HasField("snapshot_done"):
                 snap[ev.added.request_id] = ev.added
                 ev = w.next()

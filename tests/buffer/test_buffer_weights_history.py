@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-from buffer_helpers import BufferHandle, commit, expect_error, finish_all, group, snapshot, submit
+from buffer_helpers import BufferHandle, commit, expect_error, finish_all, group, policy_event, snapshot, submit
 from seer.v1 import buffer_pb2, rollout_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 FP = grpc.StatusCode.FAILED_PRECONDITION
@@ -41,10 +41,15 @@ def test_update_weights_rules(buf: BufferHandle) -> None:
 
 def test_policy_version_survives_restart(make_buffer: Callable[..., BufferHandle]) -> None:
     h = make_buffer()
-    _update(h, 3)
+    assert (policy_event(h.internal).version, policy_event(h.internal).source) == (0, "")
+    _update(h, 3, "/ckpt/3")
+    _update(h, 4)  # an empty source relabels the same weights: the source stays
+    assert (policy_event(h.internal).version, policy_event(h.internal).source) == (4, "/ckpt/3")
     h.stop()
     h2 = make_buffer()
-    assert submit(h2.rollout, "after", [group()]).policy_version == 3
+    assert submit(h2.rollout, "after", [group()]).policy_version == 4
+    # A scheduler restarting after this learns where version 4's weights come from.
+    assert (policy_event(h2.internal).version, policy_event(h2.internal).source) == (4, "/ckpt/3")
 
 
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):

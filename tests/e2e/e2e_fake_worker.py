@@ -23,7 +23,7 @@ def token_at(request_id: str, position: int) -> int:
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, worker_id: str, scheduler_address: str, *, token_delay: float = 0.005,
-                 stop_after: int | None = None) -> None:
+                 stop_after: int | None = None, strict_version: bool = False, failing_loads: int = 0) -> None:
         self.worker_id = worker_id
         self.version = 0
         self.token_delay = token_delay
@@ -33,6 +33,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.started: list[tuple[str, int]] = []  # (request_id, seq) of every RunChunk received
         self.aborts: list[str] = []
         self.loads: list[int] = []
+        self.sources: list[str] = []  # LoadWeights sources, in order
+        # Refuse chunks of another policy version with FAILED_PRECONDITION, as the real worker does.
+        self.strict_version = strict_version
+        self.failing_loads = failing_loads  # this many LoadWeights calls fail (INTERNAL) first
+        # request_id -> status code every RunChunk of that request is refused with.
+        self.refuse: dict[str, grpc.StatusCode] = {}
         self.registrations = 0
         # The next chunk waits this long (seconds) before its first token (a stuck chunk); None = no.
         self.stall_next: float | None = None
@@ -76,6 +82,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         n = min(request.max_new_tokens, request.max_tokens - start)
         with self._lock:
             self.started.append((request.request_id, request.seq))
+            refuse = self.refuse.get(request.request_id)
+            stale = self.strict_version and request.policy_version != self.version
+        if refuse is not None:
+            context.abort(refuse, "request_id: refused by the fake worker")
+        if stale:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"policy_version: chunk wants policy version {request.policy_version}, "
+                          f"worker serves {self.version}")
+        with self._lock:
             stall, self.stall_next = self.stall_next, None
             broken = request.seq >= self.broken.get(request.request_id, 1 << 31)
         if stall is not None:
@@ -107,8 +122,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,
                     context: grpc.ServicerContext) -> worker_pb2.LoadWeightsResponse:
+        with self._lock:
+            fail = self.failing_loads > 0
+            self.failing_loads -= 1 if fail else 0
+        if fail:
+            context.abort(grpc.StatusCode.INTERNAL, "fake weight load failed")
         self.version = request.version
         self.loads.append(request.version)
+        self.sources.append(request.source)
         return worker_pb2.LoadWeightsResponse(version=request.version, seconds=0.0)
 
     def GetWorkerStats(self, request: worker_pb2.GetWorkerStatsRequest,

@@ -126,6 +126,14 @@ def test_update_weights_flows_to_workers_and_results(suite, workers, rollout_stu
     while workers[-1].loads != [1] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert workers[-1].loads == [1]
+    # One whose catch-up load fails is forgotten, registers again and catches up then (parked, it
+    # would never serve).
+    flaky = FakeWorker("flaky", suite.scheduler_address, strict_version=True, failing_loads=1)
+    workers.append(flaky)
+    deadline = time.monotonic() + 15
+    while flaky.loads != [1] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert flaky.loads == [1] and flaky.registrations >= 2
 
 
 def test_bad_register_is_invalid_argument(suite):
@@ -177,6 +185,33 @@ def test_scheduler_kill9_mid_batch_completes(suite, workers, rollout_stub_factor
     suite.restart("scheduler", timeout=60)
     rest = collect(stub, batch.batch_id, timeout=60, cursor=1)
     check_results([first, *rest], 6, {0: 4, 1: 60, 2: 60})
+
+
+def test_restarted_scheduler_catches_up_workers_with_the_policys_weights(suite, workers, rollout_stub_factory):
+    """The buffer tells a restarted scheduler the policy (version and weights directory) on its work
+    feed: a worker that registers on version 0 loads version 1 from the right source before it
+    serves, and a strict worker never refuses a chunk for its version."""
+    workers.append(FakeWorker("w0", suite.scheduler_address, strict_version=True))
+    suite.wait_workers(1, timeout=10)
+    stub = rollout_stub_factory(suite.address)
+    stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=1, source="/ckpt/1"), timeout=30)
+    stub.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=2), timeout=30)  # relabel: same weights
+    assert workers[0].sources == ["/ckpt/1", ""]
+    suite.services["scheduler"].signal(signal.SIGKILL)
+    suite.services["scheduler"].wait(10)
+    suite.restart("scheduler", timeout=60)
+    late = FakeWorker("late", suite.scheduler_address, strict_version=True)  # still on version 0
+    workers.append(late)
+    suite.wait_workers(2, timeout=10)
+    deadline = time.monotonic() + 10
+    while late.loads != [2] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (late.loads, late.sources) == ([2], ["/ckpt/1"])
+    batch = make_batch(2, 2, max_tokens=8)
+    stub.SubmitBatch(batch, timeout=10)
+    results = collect(stub, batch.batch_id, timeout=60)
+    check_results(results, 4, 8)
+    assert {r.result.policy_version for r in results} == {2}
 
 
 def test_stale_worker_after_scheduler_restart_catches_up(suite, workers, rollout_stub_factory):

@@ -220,3 +220,21 @@ def test_chunk_past_its_deadline_is_redispatched_alone(make_local: Callable[...,
     assert stats.redispatched_chunks == 1
     assert w.registrations == 1 and [v.worker_id for v in stats.workers] == ["w0"]
     loc.assert_settled()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS])
+def test_request_refused_on_every_attempt_is_aborted(make_local: Callable[..., Local], code: grpc.StatusCode) -> None:
+    """A worker error that repeats on every attempt (not UNAVAILABLE) counts towards the attempt
+    limit: the request ends ABORTED instead of being re-dispatched forever."""
+    loc = make_local()
+    w = loc.worker("w0")
+    loc.wait_workers({"w0"})
+    batch = make_batch(1, 2, max_tokens=16)
+    bad, good = f"{batch.batch_id}/0/0", f"{batch.batch_id}/0/1"
+    w.refuse[bad] = code
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert (list(results[bad].token_ids), results[bad].finish_reason) == ([], ABORTED)
+    assert (list(results[good].token_ids), results[good].finish_reason) == (expected(good, 16), LENGTH)
+    assert w.started.count((bad, 0)) == MAX_CHUNK_ATTEMPTS
+    loc.assert_settled()

@@ -44,14 +44,24 @@ class WatchWorkRequest(_message.Message):
     def __init__(self, watcher_id: _Optional[str] = ...) -> None: ...
 
 class WatchWorkResponse(_message.Message):
-    __slots__ = ("added", "cancelled_request_id", "snapshot_done")
+    __slots__ = ("added", "cancelled_request_id", "snapshot_done", "policy")
     ADDED_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     added: WorkItem
     cancelled_request_id: str
     snapshot_done: bool
-    def __init__(self, added: _Optional[_Union[WorkItem, _Mapping]] = ..., cancelled_request_id: _Optional[str] = ..., snapshot_done: _Optional[bool] = ...) -> None: ...
+    policy: PolicyState
+    def __init__(self, added: _Optional[_Union[WorkItem, _Mapping]] = ..., cancelled_request_id: _Optional[str] = ..., snapshot_done: _Optional[bool] = ..., policy: _Optional[_Union[PolicyState, _Mapping]] = ...) -> None: ...
+
+class PolicyState(_message.Message):
+    __slots__ = ("version", "source")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    source: str
+    def __init__(self, version: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
     __slots__ = ("request_id", "seq", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "stats")
