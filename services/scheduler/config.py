@@ -32,6 +32,18 @@ class SchedulerConfig(ServiceConfig):
         default="scaled",
         metadata={"help": "seer_history: 'scaled' (prior follows this iteration's finished siblings) or 'floor'"},
     )
+    admission_lookahead: int = field(
+        default=16, metadata={"help": "queued candidates one decision may skip when the best does not fit"}
+    )
+    use_worker_free_pages: bool = field(
+        default=True, metadata={"help": "also subtract KV usage workers report beyond our reservations"}
+    )
+    history_probes: bool = field(
+        default=False, metadata={"help": "seer_history: still give probe priority to groups with a history prior"}
+    )
+    quarantine_clear_reports: int = field(
+        default=3, metadata={"help": "consecutive sane reports before a quarantined worker is trusted again"}
+    )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
         default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
@@ -57,12 +69,20 @@ class SchedulerConfig(ServiceConfig):
             estimate_quantile=self.estimate_quantile,
             estimate_min_samples=self.estimate_min_samples,
             history_estimate=self.history_estimate,
+            admission_lookahead=self.admission_lookahead,
+            use_worker_free_pages=self.use_worker_free_pages,
+            history_probes=self.history_probes,
+            quarantine_clear_reports=self.quarantine_clear_reports,
         )
 
     def validate(self) -> None:
         super().validate()
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.policy == "oracle":
+            # The oracle knows every response's true length: only the simulator has that. Over
+            # real workers it would silently schedule by max_tokens.
+            raise ValueError("policy: 'oracle' needs true lengths and runs only in the simulator (bench.sim)")
         self.policy_config().validate()
         if self.heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval: must be > 0, got {self.heartbeat_interval}")
