@@ -22,7 +22,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
                    "config": {"max_batch_size": 256, "dtype": "bfloat16", "speculation": True}},
         "kvstore": {"replicas": 3, "persistence": {"size": "500Gi", "storageClassName": "local-nvme"}},
-        "draft": {"replicas": 2},
         "scheduler": {"config": {"policy": "seer_history", "chunk_size": 8192}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     },
@@ -134,6 +133,24 @@ def test_disabled_components_are_not_wired(chart: Any) -> None:
     assert env["SEER_WORKER_SCHEDULER_ADDRESS"] == "seer-scheduler.rollout.svc:50052"
 
 
+def test_buffer_reads_the_workers_model(chart: Any) -> None:
+    """The buffer tokenizes prompt_text and bounds token ids with the served model: it gets the same
+    model.dir as the workers, and the model volume when there is one."""
+    objects = render(chart, VALUE_SETS["model-volume"])
+    buffer = _by_kind(objects, "StatefulSet")["seer-buffer"]
+    worker = _by_kind(objects, "Deployment")["seer-worker"]
+    assert _env(buffer)["SEER_BUFFER_MODEL_DIR"] == _env(worker)["SEER_WORKER_MODEL_DIR"] == "/models/qwen2-7b"
+    for obj in (buffer, worker):
+        pod = obj["spec"]["template"]["spec"]
+        assert any(v["name"] == "model" and "persistentVolumeClaim" in v for v in pod["volumes"])
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert any(m["name"] == "model" and m["mountPath"] == "/models" and m["readOnly"] for m in mounts)
+    defaults = render(chart)
+    buffer = _by_kind(defaults, "StatefulSet")["seer-buffer"]
+    assert _env(buffer)["SEER_BUFFER_MODEL_DIR"] == "/opt/seer/models/SmolLM2-135M-Instruct"
+    assert not any(v["name"] == "model" for v in buffer["spec"]["template"]["spec"]["volumes"])
+
+
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_env_names_are_real_config_fields(chart: Any, name: str) -> None:
     """Every SEER_<SERVICE>_* variable the chart sets is a field of that service's config dataclass
@@ -156,6 +173,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"worker": {"replicas": 0}}, "/worker/replicas"),
     ({"scheduler": {"replicas": 0}}, "/scheduler/replicas"),
     ({"buffer": {"replicas": 2}}, "/buffer/replicas"),
+    ({"draft": {"replicas": 2}}, "/draft/replicas"),
     ({"model": {"dir": ""}}, "/model/dir"),
     ({"model": {"dir": "models/smol"}}, "/model/dir"),
     ({"worker": {"enabled": False}}, "worker.enabled"),

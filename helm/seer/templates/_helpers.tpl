@@ -64,6 +64,8 @@ user's `config` map (which may not override the wiring: that fails at render).
 {{- $wired := dict "host" "0.0.0.0" "port" (toString $svc.port) "metrics_port" (toString $svc.metricsPort) -}}
 {{- if eq $c "buffer" -}}
 {{- $_ := set $wired "data_dir" "/var/lib/seer/buffer" -}}
+{{- /* The buffer tokenizes prompt_text and checks token ids against the workers' model. */ -}}
+{{- $_ := set $wired "model_dir" $root.Values.model.dir -}}
 {{- if $root.Values.scheduler.enabled -}}{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}{{- end -}}
 {{- else if eq $c "scheduler" -}}
 {{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}

@@ -10,6 +10,8 @@ Called with (dict "root" $ "component" "<name>" "stateful" <bool>).
 {{- $svc := index $root.Values $c -}}
 {{- $name := include "seer.name" . -}}
 {{- $isWorker := eq $c "worker" -}}
+{{- /* The model volume: workers load it, the buffer reads its tokenizer and config. */ -}}
+{{- $modelVolume := and (or $isWorker (eq $c "buffer")) $root.Values.worker.modelVolume -}}
 apiVersion: v1
 kind: Service
 metadata:
@@ -126,9 +128,9 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- end }}
-            {{- if and $isWorker $svc.modelVolume }}
+            {{- if $modelVolume }}
             - name: model
-              mountPath: {{ $svc.modelMountPath }}
+              mountPath: {{ $root.Values.worker.modelMountPath }}
               readOnly: true
             {{- end }}
       volumes:
@@ -140,9 +142,9 @@ spec:
             medium: Memory
             sizeLimit: {{ $svc.shm.sizeLimit }}
         {{- end }}
-        {{- if and $isWorker $svc.modelVolume }}
+        {{- if $modelVolume }}
         - name: model
-          {{- toYaml $svc.modelVolume | nindent 10 }}
+          {{- toYaml $root.Values.worker.modelVolume | nindent 10 }}
         {{- end }}
   {{- if .stateful }}
   volumeClaimTemplates:
