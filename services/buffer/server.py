@@ -54,7 +54,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @rpc
     def SubmitBatch(self, request: rollout_pb2.SubmitBatchRequest, context: grpc.ServicerContext
                     ) -> rollout_pb2.SubmitBatchResponse:
-        with log_context(request_id=request.batch_id):
+        with log_context(batch_id=request.batch_id):
             out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups])
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
@@ -70,18 +70,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @rpc
     def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext
                  ) -> rollout_pb2.GetBatchResponse:
-        return convert.batch_to_pb(self.core.get_batch(request.batch_id, request.include_requests))
+        with log_context(batch_id=request.batch_id):
+            return convert.batch_to_pb(self.core.get_batch(request.batch_id, request.include_requests))
 
     @rpc
     def CancelBatch(self, request: rollout_pb2.CancelBatchRequest, context: grpc.ServicerContext
                     ) -> rollout_pb2.CancelBatchResponse:
-        state, n = self.core.cancel_batch(request.batch_id)
+        with log_context(batch_id=request.batch_id):
+            state, n = self.core.cancel_batch(request.batch_id)
         return rollout_pb2.CancelBatchResponse(state=int(state), num_cancelled=n)
 
     @rpc
     def UpdateWeights(self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.ServicerContext
                       ) -> rollout_pb2.UpdateWeightsResponse:
-        out = self.core.update_weights(int(request.version), request.source, self.switch)
+        with log_context(policy_version=int(request.version)):
+            out = self.core.update_weights(int(request.version), request.source, self.switch)
         return rollout_pb2.UpdateWeightsResponse(version=out.version, num_workers=out.num_workers,
                                                  seconds=out.seconds)
 

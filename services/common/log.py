@@ -20,7 +20,7 @@ _context: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def log_context(**fields: Any) -> Iterator[None]:
-    """Binds fields (request_id=..., group_id=...) to every log record in this context."""
+    """Binds fields (request_id=..., group_id=..., batch_id=...) to every log record in this context."""
     current = dict(_context.get() or {})
     current.update({k: v for k, v in fields.items() if v is not None and v != ""})
     token = _context.set(current)
