@@ -29,6 +29,7 @@ class RunConfig:
     chunk_size: int = 4096
     speculative: bool = False
     starvation_seconds: float = 1e9
+    starvation_chunks: float = 0.0
     load_imbalance_threshold: int = 32
     prefix_gap_margin: int = 512
     order: str = "total"
@@ -89,6 +90,7 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
         policy=rc.policy,
         chunk_size=rc.chunk_size,
         starvation_seconds=rc.starvation_seconds,
+        starvation_chunks=rc.starvation_chunks,
         load_imbalance_threshold=rc.load_imbalance_threshold,
         prefix_gap_margin=rc.prefix_gap_margin,
         order=rc.order,

@@ -20,6 +20,10 @@ class SchedulerConfig(ServiceConfig):
         default=512, metadata={"help": "pull KV from the pool when a move leaves a prefix gap over this"}
     )
     starvation_seconds: float = field(default=30.0, metadata={"help": "anti-starvation wait before any priority"})
+    starvation_chunks: float = field(
+        default=0.0,
+        metadata={"help": "resume a request paused mid-response after this many chunk durations (0 = off)"},
+    )
     order: str = field(default="total", metadata={"help": "longest-first by estimated 'total' or 'remaining'"})
     estimate_quantile: float = field(
         default=0.9,
@@ -65,6 +69,7 @@ class SchedulerConfig(ServiceConfig):
             load_imbalance_threshold=self.load_imbalance_threshold,
             prefix_gap_margin=self.prefix_gap_margin,
             starvation_seconds=self.starvation_seconds,
+            starvation_chunks=self.starvation_chunks,
             order=self.order,
             estimate_quantile=self.estimate_quantile,
             estimate_min_samples=self.estimate_min_samples,

@@ -366,6 +366,32 @@ def test_anti_starvation(clock: FakeClock) -> None:
     assert core.stats()["starvation_dispatches"] == 1
 
 
+@pytest.mark.parametrize("chunks", [0.0, 1.0])
+def test_paused_request_resumes_after_a_chunk_length_wait(clock: FakeClock, chunks: float) -> None:
+    """starvation_chunks: a request paused mid-response is resumed ahead of the order once it has
+    waited longer than that many measured chunk durations; a request never started is not."""
+    core = make_core("oracle", clock, workers=1, batch=1, chunk_size=10, starvation_chunks=chunks)
+    add_group(core, "g", 1, lengths=[50])
+    add_group(core, "f", 1, lengths=[5])  # never started: waits from t = 0
+    assert core.next_dispatches()[0].request_id == "g-0"
+    clock.t = 5.0
+    add_group(core, "h", 1, lengths=[500])  # outranks g from now on
+    clock.t = 10.0
+    core.on_chunk_done("g-0", "w0", 10, finished=False)  # a full chunk: 1 s per token
+    assert core.next_dispatches()[0].request_id == "h-0"  # g is paused at t = 10
+    assert core.paused_threshold() == (None if chunks == 0 else pytest.approx(10.0))
+    clock.t = 19.0
+    core.on_chunk_done("h-0", "w0", 10, finished=False)  # 0.9 s per token: the EMA moves to 0.99 s
+    assert core.next_dispatches()[0].request_id == "h-0"  # g waited 9 s, under the threshold
+    clock.t = 29.0
+    core.on_chunk_done("h-0", "w0", 10, finished=False)
+    d = core.next_dispatches()[0]  # g waited 19 s; f (never started) 29 s, under starvation_seconds
+    if chunks == 0:
+        assert d.request_id == "h-0" and core.stats()["starvation_dispatches"] == 0
+    else:
+        assert d.request_id == "g-0" and core.stats()["starvation_dispatches"] == 1
+
+
 def test_cancel(clock: FakeClock) -> None:
     core = make_core("seer", clock, workers=1, batch=1)
     add_group(core, "g", 2)

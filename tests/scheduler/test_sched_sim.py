@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bench import sim
+from bench.simlib.analysis import longest_alone_seconds, tail_report
 from bench.simlib.cluster import RunConfig, SimResult, simulate
 from bench.simlib.instance import Instance, Slot
 from bench.simlib.model import INSTANCE_MODELS, InstanceModel, accepted_per_step
@@ -117,3 +118,54 @@ def test_bench_sim_main_writes_plots_and_result(tmp_path: Path, capsys: pytest.C
     assert res["workloads"][0]["requests"] == 75 * 16
     png = tmp_path / "quick" / "sim_qwen2-vl-72b.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_records_chunks_waits_and_idle_times(small_runs: Runs) -> None:
+    w = small_runs.w
+    lengths = w.lengths.reshape(-1)
+    for name in ("divided", "seer", "seer_history", "oracle"):
+        r = small_runs.r[name]
+        # Every chunk of a chunked policy produces min(chunk, remaining) tokens.
+        assert (r.chunks == -(-lengths // 4096)).all(), name
+        assert (r.wait_times >= 0).all() and (r.max_wait <= r.wait_times + 1e-9).all()
+        # A request is queued only between its chunks: never longer than it was alive.
+        assert (r.wait_times <= r.finish_times - r.start_times + 1e-6).all()
+        assert r.instance_idle_at.max() == pytest.approx(r.makespan)
+    seer = small_runs.r["seer"]
+    paused = seer.max_wait > 0
+    assert paused.any() and (seer.est_at_max_wait[paused] > 0).all()
+
+
+def test_tail_report_and_its_floor(small_runs: Runs) -> None:
+    w, m, r = small_runs.w, small_runs.m, small_runs.r
+    floor = longest_alone_seconds(w, m)
+    # The floor is a sum of per-step times of the longest response at batch 1.
+    n = int(w.lengths.max())
+    g = int(np.argmax(w.lengths.max(axis=1)))
+    assert floor == pytest.approx(sum(m.step_time(1, int(w.prompt_len[g]) + j) for j in range(n)), rel=1e-6)
+    for name in ("divided", "seer", "oracle"):
+        rep = tail_report(w, m, r[name], r["baseline"])
+        assert rep["tail_requests"] >= 0.1 * w.num_requests - 1
+        assert 0 <= rep["tail_group_longest_frac"] <= 1 and 0 <= rep["tail_started_after_10pct_frac"] <= 1
+        assert rep["tail_vs_baseline"] == pytest.approx(r[name].tail_time / r["baseline"].tail_time, abs=1e-3)
+        assert r[name].makespan > floor
+
+
+def test_oracle_bounds_rank_by_group_or_previous_lengths() -> None:
+    """The bound runs change only what the oracle ranks by, never what is generated."""
+    # No length reaches max_tokens in this draw (no ties at the top).
+    spec = dataclasses.replace(WORKLOADS["qwen2-vl-72b"], prompts=24, group_size=8, instances=1)
+    w = make_workload(spec, seed=0)
+    m = dataclasses.replace(INSTANCE_MODELS["qwen2-vl-72b"], max_batch=8)  # 8 slots = one group at a time
+    runs = {k: simulate(w, m, RunConfig("oracle", oracle_rank=k)) for k in ("true", "group_max", "prev_group_max")}
+    for r in runs.values():
+        assert r.total_tokens == w.total_tokens and (r.finish_times > 0).all()
+    first = {k: set(np.nonzero(r.start_times == 0)[0].tolist()) for k, r in runs.items()}
+    top = np.argsort(w.lengths.reshape(-1))[::-1]
+    assert first["true"] == set(top[:8].tolist())  # the 8 longest requests
+    g = int(np.argmax(w.lengths.max(axis=1)))
+    assert first["group_max"] == set(range(8 * g, 8 * g + 8))  # the group with the longest response
+    h = int(np.argmax(w.prev_lengths.max(axis=1)))
+    assert first["prev_group_max"] == set(range(8 * h, 8 * h + 8))  # the longest group last iteration
+    with pytest.raises(KeyError):
+        simulate(w, m, RunConfig("oracle", oracle_rank="future"))

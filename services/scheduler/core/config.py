@@ -25,6 +25,9 @@ class SchedulerPolicyConfig:
     prefix_gap_margin: int = 512
     # Anti-starvation: a chunk waiting longer than this is served before any priority order.
     starvation_seconds: float = 30.0
+    # Anti-starvation of requests paused mid-response: resumed first after waiting this many times
+    # the measured duration of a full chunk (0 = off).
+    starvation_chunks: float = 0.0
     # Longest-first by the estimated "total" length (Seer Algorithm 2) or by "remaining" length.
     order: str = "total"
     # Admission: how many queued candidates one decision may skip when the best does not fit.
@@ -56,6 +59,8 @@ class SchedulerPolicyConfig:
             raise InvalidArgument("must be >= 0", field="prefix_gap_margin")
         if not (self.starvation_seconds > 0) or math.isnan(self.starvation_seconds):
             raise InvalidArgument("must be > 0", field="starvation_seconds")
+        if not self.starvation_chunks >= 0:
+            raise InvalidArgument(f"must be >= 0, got {self.starvation_chunks}", field="starvation_chunks")
         if self.order not in ("total", "remaining"):
             raise InvalidArgument(f"{self.order!r} is not one of total, remaining", field="order")
         if self.admission_lookahead < 1:
