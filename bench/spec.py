@@ -22,9 +22,17 @@ offline replay, index speed, and rollout throughput with speculation vs without,
    draft server on loopback, history seeded) and adaptive speculation, vs no speculation; T(B,
    gamma) profiled first (gamma 0, 1, 2, 4, 8); one planner per temperature, warmed by an untimed
    run and kept across runs (as a worker keeps it); arms alternate, median of per-pair ratios with
-   their range. --suite: the same through the whole suite (seer up + public API).
+   their range. --suite: through the whole suite (seer up + public API, one worker with 1 torch
+   thread as the table is profiled; --suite-threads 0 = all cores), arms alternating, each a fresh
+   suite whose untimed first iteration is the draft server's history. Workload (--suite-workload):
+   "longtail" (default), 8 groups of 4 with max_tokens 1/10 .. 1 of --suite-tokens, an RL-like tail
+   (the last group decodes alone for about half of the steps); "uniform", the rollout prompts x 8.
+   Reported: tokens/s per arm, the median per-pair ratio with the pairs, worker CPU seconds per
+   token (no spec / spec: the comparison without time spent descheduled on a loaded machine), the
+   draft server's CPU, and the share of time at each batch size (GetWorkerStats polled every 0.1 s).
    Sizing flags: --throughput-tokens, --throughput-group, --repeats, --suite-repeats, --suite-tokens,
-   --temperatures, --skip-acceptance, --skip-index, --skip-engine-throughput.
+   --temperatures, --skip-acceptance, --skip-index, --skip-engine-throughput; --step-table reuses a
+   profiled T(B, gamma) instead of profiling.
 Last line: RESULT {json}.
 """
 
