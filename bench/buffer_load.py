@@ -62,7 +62,8 @@ def run(requests: int, prompt_tokens: int, group_size: int, chunk_tokens: int, t
             for ev in stream:
                 if ev.HasField("snapshot_done"):
                     break
-                items.append(ev.added.request_id)
+                if ev.HasField("added"):  # the snapshot opens with the policy event
+                    items.append(ev.added.request_id)
             stream.cancel()
             dt = time.perf_counter() - t
             out["snapshot_items_per_second"] = round(len(items) / dt, 1)

@@ -209,6 +209,11 @@ class BufferCore:
         self._policy_version = int(raw) if raw else 0
         src = self._store.get(keys.POLICY_SOURCE_KEY)
         self._policy_source = src.decode() if src else ""
+        if src is None and self._policy_version > 0:
+            # Recorded by a buffer that did not keep sources: a scheduler catching a worker up can
+            # only reload the worker's own weights under this version (the behaviour before).
+            log.warning("policy weights source unknown (recorded before sources were kept)",
+                        extra=kv(policy_version=self._policy_version))
         for _k, v in self._store.scan(b"b/"):
             b = BatchRecord.decode(v)
             self._batches[b.batch_id] = b
@@ -694,8 +699,9 @@ class BufferCore:
                 self._check_open()
                 wb = self._store.new_batch()
                 wb.put(keys.POLICY_VERSION_KEY, str(version).encode())
-                if source:  # empty: the same weights under a new version; the source stays
-                    wb.put(keys.POLICY_SOURCE_KEY, source.encode())
+                # Always written (a missing key means "unknown"); an empty source relabels the
+                # current weights, so the source stays.
+                wb.put(keys.POLICY_SOURCE_KEY, (source or self._policy_source).encode())
                 self._store.write(wb)
                 self._policy_version = version
                 self._policy_source = source or self._policy_source

@@ -231,21 +231,34 @@ class Dispatcher:
             state = WorkerState(worker_id, address, link, capacity, engine, policy_version, time.monotonic(),
                                 spec=spec)
             self._workers[worker_id] = state
-            target = self._target_version_locked()
-            needs_load = target is not None and policy_version < target
-            if not needs_load:
+            target = self._catch_up_target_locked()
+            needs_load = target is not None and policy_version < target[0]
+            ahead = target is not None and policy_version > target[0]
+            if not needs_load and not ahead:
                 self._activate_locked(state, spec)
         if stale is not None:
             stale.link.close()
         log.info("worker registered", extra=kv(worker_id=worker_id, address=address, engine=engine,
                                                  policy_version=policy_version, catch_up=needs_load))
+        if ahead:
+            # Its chunks would be refused (a batch's tokens all come from the batch's version) and
+            # weights cannot be loaded backwards: it serves once the suite switches to its version.
+            log.error("worker is ahead of the suite's policy version; not placing chunks on it",
+                      extra=kv(worker_id=worker_id, policy_version=policy_version,
+                               suite_version=target[0] if target else None))
         if needs_load:
-            assert target is not None
-            threading.Thread(target=self._catch_up, args=(state, spec, target), daemon=True).start()
+            self._start_catch_up(state)
         return self.cfg.heartbeat_interval
 
-    def _target_version_locked(self) -> int | None:
-        return self._version if self._version is not None else self._seen_version
+    def _catch_up_target_locked(self) -> tuple[int, str] | None:
+        """(version, weights source) a worker behind must load; None when the version is unknown."""
+        if self._version is not None:
+            return self._version, self._source
+        if self._seen_version is not None:
+            # Only work items told the version (a buffer that sends no policy event): its source is
+            # unknown, so the worker reloads its own weights under it, as before policy events.
+            return self._seen_version, ""
+        return None
 
     def _activate_locked(self, state: WorkerState, spec: WorkerSpec) -> None:
         self.core.add_worker(spec)
@@ -254,43 +267,54 @@ class Dispatcher:
         self._dirty = True
         self._cond.notify_all()
 
-    def _catch_up(self, state: WorkerState, spec: WorkerSpec, version: int) -> None:
-        """A worker behind the suite's policy version (it registered after a weight switch) loads
-        the current version before it serves. An unknown source ("") reloads its weights as it."""
-        source = self._source
-        log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
-        try:
-            state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
-        except SeerError as e:
-            # Forget the worker: its next heartbeat is answered "unknown", it registers again and
-            # the catch-up is retried (parked here, it would never serve again).
-            log.error("catch-up weight load failed; the worker must register again",
-                      extra=kv(worker_id=state.worker_id, error=str(e)))
+    def _start_catch_up(self, state: WorkerState) -> None:
+        threading.Thread(target=self._catch_up, args=(state,), daemon=True).start()
+
+    def _catch_up(self, state: WorkerState) -> None:
+        """An inactive worker behind the suite's policy version loads it, then serves. The target
+        (version and weights source, read together under the lock) is re-read after each load: a
+        switch or the buffer's policy may have moved it meanwhile."""
+        while True:
             with self._cond:
-                if self._workers.get(state.worker_id) is state:
-                    self._remove_worker_locked(state.worker_id, reason="catch-up weight load failed")
-                    gone = True
-                else:
-                    gone = False
-            if gone:
-                state.link.close()
-            return
-        with self._cond:
-            if self._workers.get(state.worker_id) is state:
-                state.policy_version = version
-                if not state.active:  # a weight switch meanwhile may have activated it already
-                    self._activate_locked(state, spec)
+                if self._workers.get(state.worker_id) is not state or state.active or state.spec is None:
+                    return  # gone, or a weight switch activated it meanwhile
+                target = self._catch_up_target_locked()
+                if target is None or state.policy_version > target[0]:
+                    return  # unknown version, or ahead: a later switch to its version activates it
+                if state.policy_version == target[0]:
+                    self._activate_locked(state, state.spec)
+                    return
+                version, source = target
+            log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
+            try:
+                state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
+            except SeerError as e:
+                with self._cond:
+                    # Forget it (unless a switch activated it meanwhile): its next heartbeat is
+                    # answered "unknown", it registers again and the catch-up is retried; parked
+                    # here, it would never serve again.
+                    gone = self._workers.get(state.worker_id) is state and not state.active
+                    if gone:
+                        self._remove_worker_locked(state.worker_id, reason="catch-up weight load failed")
+                if gone:
+                    log.error("catch-up weight load failed; the worker must register again",
+                              extra=kv(worker_id=state.worker_id, version=version, error=str(e)))
+                    state.link.close()
+                return
+            with self._cond:
+                if self._workers.get(state.worker_id) is state and not state.active:
+                    state.policy_version = max(state.policy_version, version)
 
     def _recycle_stale_worker(self, w: WorkerState, version: int) -> None:
-        """Take a worker behind the batch's version out of placement until it has loaded it."""
+        """Take a worker behind the batch's version out of placement until it has caught up."""
         with self._cond:
             if self._workers.get(w.worker_id) is not w or not w.active or w.spec is None:
                 return
+            w.policy_version = min(w.policy_version, version - 1)  # it said so: behind `version`
             self._remove_worker_locked(w.worker_id, reason=f"policy version behind {version}")
             w.active, w.in_flight = False, 0
             self._workers[w.worker_id] = w
-            spec = w.spec
-        threading.Thread(target=self._catch_up, args=(w, spec, version), daemon=True).start()
+        self._start_catch_up(w)
 
     def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry) -> bool:
         with self._cond:
@@ -465,7 +489,10 @@ class Dispatcher:
         behind it catches up with the right weights, not its own under a new label."""
         with self._cond:
             if self._version is not None and self._version > version:
-                return  # a switch this scheduler did and the buffer has not recorded yet
+                # A switch this scheduler did that the buffer has not recorded yet. Its source is
+                # empty only when it relabelled the weights: then they are still the buffer's.
+                self._source = self._source or source
+                return
             self._version, self._source = version, source or (self._source if self._version == version else "")
             behind = [w for w in self._workers.values() if w.active and w.policy_version < version]
         for w in behind:
@@ -716,15 +743,18 @@ class Dispatcher:
                     w.link.close()
                 self._finish_chunk(r, w, token, failed=True)
                 return
-            if isinstance(e, FailedPrecondition) and "policy_version" in str(e) and not r.dropped:
-                # The worker refused the chunk: it serves an older version (e.g. it restarted and
-                # registered at its default while the buffer is at N). Take it out of placement
-                # until it has caught up, as when it reports an old version after a chunk.
-                self._recycle_stale_worker(w, r.item.policy_version)
             # Anything but a vanished worker (Unavailable) or a cancellation counts towards
             # MAX_CHUNK_ATTEMPTS: an error a worker gives every time (INVALID_ARGUMENT,
-            # ALREADY_EXISTS, ...) must end the request as ABORTED, not loop forever.
+            # ALREADY_EXISTS, a version refusal that catching up does not cure...) must end the
+            # request as ABORTED, not loop forever. Counted first: recycling the worker below
+            # releases the dispatch, after which _finish_chunk would count nothing.
             self._finish_chunk(r, w, token, failed=True, count_attempt=not isinstance(e, Aborted))
+            if (isinstance(e, FailedPrecondition) and "policy_version" in str(e) and not r.dropped
+                    and w.policy_version <= r.item.policy_version):
+                # The worker refused the chunk for its version: it serves an older one (e.g. it
+                # restarted and registered at its default while the buffer is at N). Out of
+                # placement until it has caught up, as when it reports an old version after a chunk.
+                self._recycle_stale_worker(w, r.item.policy_version)
             return
         reason = done.finish_reason if done is not None else common_pb2.FINISH_REASON_UNSPECIFIED
         if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):
@@ -739,9 +769,9 @@ class Dispatcher:
             # Every token of a response must come from the batch's policy version: drop the chunk.
             log.error("worker ran a different policy version", extra=kv(
                 worker_id=w.worker_id, worker_version=done.policy_version, request_version=r.item.policy_version))
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True)  # first: see above
             if done.policy_version < r.item.policy_version:
                 self._recycle_stale_worker(w, r.item.policy_version)
-            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         commit = buffer_pb2.CommitChunkRequest(
             request_id=req.request_id,

@@ -766,10 +766,14 @@ class Worker:
             version, n = self._offloaded.get(request_id, ("", 0))
         return n if version == self.engine.model_version else 0
 
-    def _mark_offloaded(self, request_id: str, version: str, end_page: int) -> None:
+    def _mark_offloaded(self, request_id: str, version: str, end_page: int, start_page: int = 0) -> None:
+        """Pages [start_page, end_page) of request_id are (being) stored. If the mark is below
+        start_page (an earlier offload failed meanwhile and was unmarked), it stays there: jumping
+        to end_page would hide the gap for good."""
         with self._offloaded_lock:
             old_version, old = self._offloaded.pop(request_id, ("", 0))
-            self._offloaded[request_id] = (version, max(end_page, old if old_version == version else 0))
+            old = old if old_version == version else 0
+            self._offloaded[request_id] = (version, max(end_page, old) if old >= start_page else old)
             while len(self._offloaded) > _MAX_OFFLOAD_MARKS:
                 self._offloaded.popitem(last=False)
 
@@ -798,7 +802,7 @@ class Worker:
         except Exception:
             log.warning("kv offload failed", exc_info=True, extra=kv(request_id=job.request_id))
             return
-        self._mark_offloaded(job.request_id, pages.model_version, pages.end_page)
+        self._mark_offloaded(job.request_id, pages.model_version, pages.end_page, pages.first_page)
         self._offloads.add(fut)
         rid, version, first = job.request_id, pages.model_version, pages.first_page
         fut.add_done_callback(lambda f: self._offload_done(f, rid, version, first))

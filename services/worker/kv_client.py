@@ -286,10 +286,11 @@ class KVClient:
                 failed += len(idx)
                 missing = idx[0]
             else:
+                # A replica answers for every message or fails the call: fewer "stored" than sent
+                # means a sibling stored some of them meanwhile, not that they are missing.
                 stored += res[0]
                 claimed += res[1]
-                # A shortfall (fewer stored than sent): which ones is not known, so from the first sent.
-                missing = idx[res[1]] if res[0] + res[1] < len(idx) else None
+                missing = None
             if missing is not None and (first_unstored is None or missing < first_unstored):
                 first_unstored = missing
         self._count(

@@ -145,10 +145,14 @@ def test_buffer_reads_the_workers_model(chart: Any) -> None:
         assert any(v["name"] == "model" and "persistentVolumeClaim" in v for v in pod["volumes"])
         mounts = pod["containers"][0]["volumeMounts"]
         assert any(m["name"] == "model" and m["mountPath"] == "/models" and m["readOnly"] for m in mounts)
+    # Without a volume the buffer keeps its image's tokenizer (a custom worker image's model is not
+    # in the buffer image), unless buffer.config.model_dir says otherwise.
     defaults = render(chart)
     buffer = _by_kind(defaults, "StatefulSet")["seer-buffer"]
-    assert _env(buffer)["SEER_BUFFER_MODEL_DIR"] == "/opt/seer/models/SmolLM2-135M-Instruct"
+    assert "SEER_BUFFER_MODEL_DIR" not in _env(buffer)
     assert not any(v["name"] == "model" for v in buffer["spec"]["template"]["spec"]["volumes"])
+    own = render(chart, {"buffer": {"config": {"model_dir": "/tok"}}})
+    assert _env(_by_kind(own, "StatefulSet")["seer-buffer"])["SEER_BUFFER_MODEL_DIR"] == "/tok"
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))

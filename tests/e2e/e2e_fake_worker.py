@@ -23,9 +23,12 @@ def token_at(request_id: str, position: int) -> int:
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, worker_id: str, scheduler_address: str, *, token_delay: float = 0.005,
-                 stop_after: int | None = None, strict_version: bool = False, failing_loads: int = 0) -> None:
+                 stop_after: int | None = None, strict_version: bool = False, failing_loads: int = 0,
+                 version: int = 0, ignore_loads: bool = False) -> None:
         self.worker_id = worker_id
-        self.version = 0
+        self.version = version
+        self.ignore_loads = ignore_loads  # a broken worker: loads "succeed" but its version stays
+        self._loading = False
         self.token_delay = token_delay
         # Die (stream error) after this many tokens of the next chunk; None = never.
         self.fail_after = stop_after
@@ -122,14 +125,25 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
     def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,
                     context: grpc.ServicerContext) -> worker_pb2.LoadWeightsResponse:
+        # As the real worker: one load at a time, never backwards.
         with self._lock:
             fail = self.failing_loads > 0
             self.failing_loads -= 1 if fail else 0
+            busy, older = self._loading, request.version < self.version
+            self._loading = self._loading or not (fail or older)
+        if busy:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "version: another LoadWeights is in progress")
+        if older:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"version: version {request.version} is older than the served version {self.version}")
         if fail:
             context.abort(grpc.StatusCode.INTERNAL, "fake weight load failed")
-        self.version = request.version
-        self.loads.append(request.version)
-        self.sources.append(request.source)
+        with self._lock:
+            if not self.ignore_loads:
+                self.version = request.version
+            self.loads.append(request.version)
+            self.sources.append(request.source)
+            self._loading = False
         return worker_pb2.LoadWeightsResponse(version=request.version, seconds=0.0)
 
     def GetWorkerStats(self, request: worker_pb2.GetWorkerStatsRequest,

@@ -238,3 +238,36 @@ def test_request_refused_on_every_attempt_is_aborted(make_local: Callable[..., L
     assert (list(results[good].token_ids), results[good].finish_reason) == (expected(good, 16), LENGTH)
     assert w.started.count((bad, 0)) == MAX_CHUNK_ATTEMPTS
     loc.assert_settled()
+
+
+def test_worker_that_never_gets_the_version_cannot_loop_a_request(make_local: Callable[..., Local]) -> None:
+    """A worker whose weight loads "succeed" but that keeps refusing the batch's version: each refusal
+    counts as an attempt, so the request ends ABORTED after MAX_CHUNK_ATTEMPTS (it used to be
+    recycled, caught up and dispatched again forever)."""
+    loc = make_local()
+    loc.rollout.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=1), timeout=30)
+    w = loc.worker("w0", strict_version=True, ignore_loads=True)
+    loc.wait_workers({"w0"})
+    batch = make_batch(1, 1, max_tokens=8)
+    rid = f"{batch.batch_id}/0/0"
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert results[rid].finish_reason == ABORTED and not list(results[rid].token_ids)
+    assert w.started.count((rid, 0)) == MAX_CHUNK_ATTEMPTS
+    loc.assert_settled()
+
+
+def test_worker_ahead_of_the_suite_is_not_placed(make_local: Callable[..., Local]) -> None:
+    """A worker registering on a later version than the suite's (e.g. a switch the buffer never
+    recorded) is kept out of placement instead of refusing every chunk; the batch runs elsewhere."""
+    loc = make_local()
+    ahead = loc.worker("ahead", strict_version=True, version=3)
+    ok = loc.worker("ok", strict_version=True)
+    loc.wait_workers({"ok"})
+    batch = make_batch(2, 2, max_tokens=8)
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert all(r.finish_reason == LENGTH for r in results.values())
+    assert not ahead.started and ahead.loads == []
+    assert len(ok.chunks) >= 4
+    loc.assert_settled()

@@ -113,3 +113,17 @@ def test_partial_offload_resends_from_the_first_missing_page() -> None:
         assert w.offloaded_pages("r0") == 8
     finally:
         w.close()
+
+
+def test_a_later_offload_does_not_jump_over_a_gap() -> None:
+    """Offload B (pages from 10) is marked, then an earlier offload A fails and unmarks to page 3:
+    B's completion must not move the mark past the gap [3, 10) (it would never be resent)."""
+    w = Worker(FakeEngine(), kv_pool=FakePool(), speculation=False)
+    w._mark_offloaded("r", "v", 10, 0)  # A: pages [0, 10)
+    w._mark_offloaded("r", "v", 20, 10)  # B: pages [10, 20)
+    w._unmark_offloaded("r", "v", 3)  # A failed from page 3
+    assert w._offloaded["r"] == ("v", 3)
+    w._mark_offloaded("r", "v", 30, 20)  # C: pages [20, 30) while the gap is open
+    assert w._offloaded["r"] == ("v", 3)
+    w._mark_offloaded("r", "v", 30, 3)  # the resend from the gap
+    assert w._offloaded["r"] == ("v", 30)

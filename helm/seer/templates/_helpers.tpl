@@ -64,8 +64,9 @@ user's `config` map (which may not override the wiring: that fails at render).
 {{- $wired := dict "host" "0.0.0.0" "port" (toString $svc.port) "metrics_port" (toString $svc.metricsPort) -}}
 {{- if eq $c "buffer" -}}
 {{- $_ := set $wired "data_dir" "/var/lib/seer/buffer" -}}
-{{- /* The buffer tokenizes prompt_text and checks token ids against the workers' model. */ -}}
-{{- $_ := set $wired "model_dir" $root.Values.model.dir -}}
+{{- /* The buffer tokenizes prompt_text and checks token ids against the workers' model: with a
+model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or buffer.config.model_dir). */ -}}
+{{- if $root.Values.worker.modelVolume -}}{{- $_ := set $wired "model_dir" $root.Values.model.dir -}}{{- end -}}
 {{- if $root.Values.scheduler.enabled -}}{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}{{- end -}}
 {{- else if eq $c "scheduler" -}}
 {{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}

@@ -82,14 +82,18 @@ def _compile(cc: list[str], flags: tuple[str, ...], source: Path, out_dir: Path,
         raise CacheUnusable(f"cannot write the kernel cache {out_dir}: {e}") from e
     os.close(fd)
     try:
-        proc = subprocess.run([*cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
+        try:
+            proc = subprocess.run([*cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise RuntimeError(f"{' '.join(cc)} could not run: {e}") from e
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cc)} failed: {proc.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users sharing the cache could not load it
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"{' '.join(cc)} could not run: {e}") from e
+        try:
+            os.chmod(tmp, 0o755)  # mkstemp makes it 0600: other users sharing the cache could not load it
+            os.replace(tmp, target)
+        except OSError as e:
+            raise CacheUnusable(f"cannot write the kernel cache {out_dir}: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -132,6 +136,8 @@ def load(source: Path) -> ctypes.CDLL:
         log.warning("kernel cache unusable; building privately", extra=kv(source=source.name, reason=str(first)))
         private = Path(tempfile.mkdtemp(prefix="seer-kernels-"))
         try:
-            return ctypes.CDLL(str(build(source, private)))
+            return ctypes.CDLL(str(build(source, private)))  # the mapping outlives the file
         except OSError as e:
             raise RuntimeError(f"built {source.name} but cannot load it: {e}") from e
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
