@@ -11,7 +11,10 @@ from services.scheduler.core.config import POLICIES, SchedulerPolicyConfig
 @dataclass(frozen=True)
 class SchedulerConfig(ServiceConfig):
     buffer_address: str = field(default="", metadata={"help": "host:port of the buffer (work feed, commits)"})
-    policy: str = field(default="seer", metadata={"help": "scheduling policy: " + ", ".join(POLICIES)})
+    policy: str = field(
+        default="seer",
+        metadata={"help": "scheduling policy: " + ", ".join(p for p in POLICIES if p != "oracle")},
+    )
     chunk_size: int = field(default=512, metadata={"help": "max new tokens per dispatched chunk"})
     load_imbalance_threshold: int = field(
         default=32, metadata={"help": "go load-first when in-flight counts differ by more than this"}
