@@ -172,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=0)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=0)
-    ap.add_argument("--chunk-size", type=int, default=16)
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=0,
+        help="max new tokens per chunk (default max_tokens // 3: a long response runs in 3 chunks; smaller "
+        "chunks add per-chunk round trips that compete with the workers for the 2 cores)",
+    )
     ap.add_argument("--max-batch", type=int, default=4, help="max requests a worker decodes at once")
     ap.add_argument("--long-every", type=int, default=0, help="every n-th group never stops (default 4)")
     ap.add_argument("--workers", type=int, default=2)
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         long_every=args.long_every or 4,
     )
     reps = args.reps or (1 if args.quick else 4)
+    chunk_size = args.chunk_size or max(1, wl.max_tokens // 3)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies or reps < 1:
         ap.error("need at least one policy and one repetition")
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         policy=policies[0],
         speculation=False,
         model_dir=Path(model),
-        chunk_size=args.chunk_size,
+        chunk_size=chunk_size,
         threads_per_worker=1,
         cpu_affinity=pins,
         extra_args={f"worker-{i}": ["--max-batch-size", str(args.max_batch)] for i in range(args.workers)},
@@ -246,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "quick": args.quick,
                 "workload": wl.__dict__,
-                "chunk_size": args.chunk_size,
+                "chunk_size": chunk_size,
                 "max_batch": args.max_batch,
                 "workers": args.workers,
                 "pinned_cpus": pins,
