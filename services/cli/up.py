@@ -73,7 +73,12 @@ class ServiceProcess:
         return self.log_dir / f"{self.name}.log"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", self.module, *self.args]
+        # Through services.cli.launch: the child sets up die-with-parent and its CPU mask itself
+        # (no preexec_fn: see that module for why).
+        launch = [sys.executable, "-m", "services.cli.launch", "--parent-pid", str(os.getpid())]
+        if self.cpus:
+            launch += ["--cpus", ",".join(str(c) for c in self.cpus)]
+        return [*launch, "--", self.module, *self.args]
 
     def start(self) -> None:
         if self.alive():
@@ -84,16 +89,7 @@ class ServiceProcess:
         self._files = [out, err]
         # A new session: Ctrl-C in the terminal reaches `seer up` only, which stops the services
         # in order instead of all of them at once.
-        cpus = self.cpus
-
-        def setup() -> None:
-            _die_with_parent()
-            if cpus:
-                # Before exec, so every thread the service starts inherits the mask.
-                os.sched_setaffinity(0, cpus)
-
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=err, env=self.env, start_new_session=True,
-                                     preexec_fn=setup)
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=err, env=self.env, start_new_session=True)
         self._term_sent = False
 
     def alive(self) -> bool:
@@ -155,16 +151,6 @@ class ServiceProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when `seer up` (or the test holding a Suite) dies, so a
-    crashed parent never leaves a suite running (Linux; elsewhere a no-op)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def health_status(address: str, timeout: float = 1.0) -> str:
