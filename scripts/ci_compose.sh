@@ -20,9 +20,19 @@ if ((${#need[@]})); then
 fi
 
 started_dockerd=""
+# Stop a dockerd started here however the script ends (set -e exits included).
+stop_dockerd() {
+  if [[ -n "$started_dockerd" && -z "${KEEP_DOCKERD:-}" ]]; then
+    kill "$started_dockerd" 2>/dev/null || true
+  fi
+}
+trap stop_dockerd EXIT
 if ! docker info >/dev/null 2>&1; then
   step "starting dockerd"
-  dockerd >/tmp/dockerd.log 2>&1 &
+  # Without our descriptors beyond stdio: a long-lived dockerd holding, say, a caller's flock(1)
+  # descriptor would keep that lock held after this script ends.
+  (for fd in /proc/self/fd/*; do n=${fd##*/}; { [[ $n -gt 2 ]] && eval "exec $n>&-"; } || true; done; exec dockerd) \
+    >/tmp/dockerd.log 2>&1 &
   started_dockerd=$!
   for _ in $(seq 1 60); do
     docker info >/dev/null 2>&1 && break
@@ -39,7 +49,4 @@ step "compose smoke"
 rc=0
 .venv/bin/python scripts/compose_smoke.py || rc=$?
 step "done (rc=$rc)"
-if [[ -n "$started_dockerd" && -z "${KEEP_DOCKERD:-}" ]]; then
-  kill "$started_dockerd" 2>/dev/null || true
-fi
 exit $rc
