@@ -11,6 +11,7 @@ does the setup itself, before importing anything of gRPC, then runs the module a
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import runpy
@@ -31,26 +32,18 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if "--" not in argv or argv.index("--") + 1 >= len(argv):
-        sys.exit("usage: python -m services.cli.launch [--parent-pid PID] [--cpus 0,1] -- MODULE [ARGS...]")
-    split = argv.index("--")
-    opts, (module, *args) = argv[:split], argv[split + 1 :]
-    parent_pid, cpus = 0, ""
-    it = iter(opts)
-    for flag in it:
-        value = next(it, None)
-        if value is None or flag not in ("--parent-pid", "--cpus"):
-            sys.exit(f"launch: bad option {flag!r}")
-        if flag == "--parent-pid":
-            parent_pid = int(value)
-        else:
-            cpus = value
-    die_with_parent(parent_pid)
-    if cpus:
+    ap = argparse.ArgumentParser(prog="python -m services.cli.launch")
+    ap.add_argument("--parent-pid", type=int, default=0, help="die with this process")
+    ap.add_argument("--cpus", default="", help="comma-separated CPUs to pin to")
+    ap.add_argument("module", help="the service module, run as __main__")
+    ap.add_argument("args", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    if args.cpus:
         # Before the service starts any thread, so every thread inherits the mask.
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    sys.argv = [args.module, *args.args]
+    runpy.run_module(args.module, run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

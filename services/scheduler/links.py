@@ -7,6 +7,7 @@ knowing gRPC.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -40,11 +41,20 @@ def channel(address: str) -> grpc.Channel:
     return common_channel(address)
 
 
+# A Seer service's status details start with the offending field ("policy_version: ...", see
+# services.common.errors.SeerError): the typed error carries it again, so callers test the field,
+# not the text.
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
 def translate(err: grpc.RpcError) -> errors.SeerError:
     code = err.code() if hasattr(err, "code") else None
-    details = err.details() if hasattr(err, "details") else str(err)
+    details = (err.details() if hasattr(err, "details") else str(err)) or ""
     cls = _CODES.get(code, errors.SeerError) if code is not None else errors.SeerError
-    return cls(f"{code.name if code else 'UNKNOWN'}: {details}")
+    out = cls(f"{code.name if code else 'UNKNOWN'}: {details}")
+    m = _FIELD.match(details)
+    out.field = m.group(1) if m else None
+    return out
 
 
 class Stream:

@@ -749,7 +749,7 @@ class Dispatcher:
             # request as ABORTED, not loop forever. Counted first: recycling the worker below
             # releases the dispatch, after which _finish_chunk would count nothing.
             self._finish_chunk(r, w, token, failed=True, count_attempt=not isinstance(e, Aborted))
-            if (isinstance(e, FailedPrecondition) and "policy_version" in str(e) and not r.dropped
+            if (isinstance(e, FailedPrecondition) and e.field == "policy_version" and not r.dropped
                     and w.policy_version <= r.item.policy_version):
                 # The worker refused the chunk for its version: it serves an older one (e.g. it
                 # restarted and registered at its default while the buffer is at N). Out of

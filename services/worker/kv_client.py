@@ -278,21 +278,16 @@ class KVClient:
         groups = self._by_node(pages.page_hashes)
         calls = {node: (lambda node=node, idx=idx: put(node, idx)) for node, idx in groups.items()}
         stored = failed = claimed = 0
-        first_unstored: int | None = None
+        failed_first: list[int] = []  # per failed replica, the first page it held
         for node, res in self._fan_out(calls, strict=True, pool=self._offload_io).items():
-            idx = groups[node]
-            missing: int | None
+            # A replica answers for every message or fails the call: fewer "stored" than sent
+            # means a sibling stored some of them meanwhile, not that they are missing.
             if isinstance(res, grpc.RpcError):
-                failed += len(idx)
-                missing = idx[0]
+                failed += len(groups[node])
+                failed_first.append(groups[node][0])
             else:
-                # A replica answers for every message or fails the call: fewer "stored" than sent
-                # means a sibling stored some of them meanwhile, not that they are missing.
                 stored += res[0]
                 claimed += res[1]
-                missing = None
-            if missing is not None and (first_unstored is None or missing < first_unstored):
-                first_unstored = missing
         self._count(
             put_pages=len(pages.pages),
             put_bytes=sent[0],
@@ -300,7 +295,7 @@ class KVClient:
             claimed_pages=claimed,
             put_failures=failed,
         )
-        return PutResult(stored=stored, claimed=claimed, first_unstored=first_unstored)
+        return PutResult(stored=stored, claimed=claimed, first_unstored=min(failed_first, default=None))
 
     def offload_async(self, pages: KVPages, request_id: str) -> Future[PutResult]:
         """put_pages_result on the background offload thread; returns at once (the future never
