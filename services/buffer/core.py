@@ -58,6 +58,7 @@ from services.common.log import get_logger, kv, log_context
 log = get_logger(__name__)
 
 MAX_HISTORY_KEYS = 100_000
+MAX_HISTORY_TOKEN_KEYS = 64  # GetHistory with tokens: keeps one reply far below the message limit
 
 
 class OutOfRange(SeerError):
@@ -569,13 +570,22 @@ class BufferCore:
 
     def history_lengths(self, prompt_keys: list[str]) -> list[tuple[str, list[int], int]]:
         """(key, lengths, policy_version) of the newest iteration of each known key."""
-        if len(prompt_keys) > MAX_HISTORY_KEYS:
-            raise InvalidArgument(f"at most {MAX_HISTORY_KEYS} keys per call", field="prompt_keys")
+        return [(key, it.lengths, it.policy_version) for key, it in self.newest_history(prompt_keys)]
+
+    def newest_history(self, prompt_keys: list[str], *, with_tokens: bool = False
+                       ) -> list[tuple[str, HistoryIteration]]:
+        """The newest kept iteration of each known key (keys without history are left out). With
+        tokens (the draft service's refill after its restart) a call takes fewer keys: each
+        iteration carries every response of the prompt's group."""
+        limit = MAX_HISTORY_TOKEN_KEYS if with_tokens else MAX_HISTORY_KEYS
+        if len(prompt_keys) > limit:
+            raise InvalidArgument(f"at most {limit} keys per call{' with tokens' if with_tokens else ''}",
+                                  field="prompt_keys")
         out = []
         for key in dict.fromkeys(prompt_keys):
             its = self.history(key)
             if its:
-                out.append((key, its[0].lengths, its[0].policy_version))
+                out.append((key, its[0]))
         return out
 
     # ---- results -------------------------------------------------------------------------------

@@ -126,9 +126,12 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
     @rpc
     def GetHistory(self, request: buffer_pb2.GetHistoryRequest, context: grpc.ServicerContext
                    ) -> buffer_pb2.GetHistoryResponse:
+        tokens = request.include_tokens
         return buffer_pb2.GetHistoryResponse(histories=[
-            buffer_pb2.PromptHistory(prompt_key=k, lengths=lengths, policy_version=v)
-            for k, lengths, v in self.core.history_lengths(list(request.prompt_keys))
+            buffer_pb2.PromptHistory(
+                prompt_key=k, lengths=it.lengths, policy_version=it.policy_version,
+                responses=[buffer_pb2.TokenIds(token_ids=t) for t in it.token_ids] if tokens else [])
+            for k, it in self.core.newest_history(list(request.prompt_keys), with_tokens=tokens)
         ])
 
 

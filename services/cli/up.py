@@ -269,9 +269,10 @@ class Suite:
         d = self.data_dir
         if self.with_kvstore:
             self._add("kvstore", "services.kvstore", self._port(_KVSTORE), _KVSTORE, ["--data-dir", str(d / "kvstore")])
-        if self.with_draft:
-            self._add("draft", "services.draft", self._port(_DRAFT), _DRAFT, [])
         buffer_port = self._port(_BUFFER)
+        if self.with_draft:
+            self._add("draft", "services.draft", self._port(_DRAFT), _DRAFT,
+                      ["--buffer-address", f"127.0.0.1:{buffer_port}"])
         scheduler_port = self._port(_SCHEDULER)
         self._add("scheduler", "services.scheduler", scheduler_port, _SCHEDULER, [
             "--buffer-address", f"127.0.0.1:{buffer_port}",

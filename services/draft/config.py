@@ -24,6 +24,14 @@ class DraftConfig(ServiceConfig):
         default=DEFAULT_LEVELS, metadata={"help": "n-gram lengths of the suffix index (comma-separated)"}
     )
     port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
+    buffer_address: str = field(
+        default="",
+        metadata={"help": "buffer host:port: refill a prompt key's history from it when a group registers without "
+                          "any (after a restart of this server); empty = off"},
+    )
+    history_refill_retry_seconds: float = field(
+        default=60.0, metadata={"help": "ask the buffer again for a key with no history after this long"}
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -37,6 +45,8 @@ class DraftConfig(ServiceConfig):
             raise ValueError("max_append_tokens: must be >= 1")
         if self.max_response_tokens < 1:
             raise ValueError("max_response_tokens: must be >= 1")
+        if self.history_refill_retry_seconds < 0:
+            raise ValueError("history_refill_retry_seconds: must be >= 0")
         if not self.levels or any(k < 1 or k > 64 for k in self.levels):
             raise ValueError("levels: n-gram lengths must be in [1, 64]")
 

@@ -10,6 +10,7 @@ from seer.v1 import draft_pb2, draft_pb2_grpc
 from services.common.grpcutil import rpc
 from services.common.log import log_context
 from services.common.telemetry import Counter, Gauge
+from services.draft.backfill import HistoryBackfill
 from services.draft.store import DraftStore, GroupDelta
 
 APPENDED = Counter("seer_draft_appended_tokens_total", "Tokens newly appended to group indexes")
@@ -35,8 +36,9 @@ def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, store: DraftStore) -> None:
+    def __init__(self, store: DraftStore, backfill: HistoryBackfill | None = None) -> None:
         self.store = store
+        self.backfill = backfill
 
     @rpc
     def Append(self, request_iterator: Iterator[draft_pb2.AppendRequest], context: grpc.ServicerContext
@@ -75,6 +77,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             created, history = self.store.register_group(
                 request.group_id, request.prompt_key, request.prompt_token_ids, request.ttl_seconds,
                 request.group_size)
+        if created and self.backfill is not None:
+            self.backfill.on_register(request.prompt_key, history)
         return draft_pb2.RegisterGroupResponse(created=created, history_responses=history)
 
     @rpc
@@ -89,9 +93,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             bytes_per_token=s.bytes_per_token, evicted_history=s.evicted_history, expired_groups=s.expired_groups)
 
 
-def add_servicers(store: DraftStore) -> Callable[[grpc.Server], list[str]]:
+def add_servicers(store: DraftStore, backfill: HistoryBackfill | None = None) -> Callable[[grpc.Server], list[str]]:
     def _add(server: grpc.Server) -> list[str]:
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(store), server)
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(DraftServicer(store, backfill), server)
         return [draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name]
 
     return _add

@@ -91,6 +91,8 @@ def test_default_topology(chart: Any) -> None:
     assert all(s["spec"]["clusterIP"] == "None" for s in services.values()), "client-side balancing needs headless"
     pdbs = _by_kind(objects, "PodDisruptionBudget")
     assert "seer-worker" in pdbs
+    # A restarted draft server refills its history drafts from the buffer.
+    assert _env(deps["seer-draft"])["SEER_DRAFT_BUFFER_ADDRESS"] == "seer-buffer.rollout.svc:50051"
     assert not _by_kind(objects, "ServiceMonitor")
     for obj in [*sts.values(), *deps.values()]:
         pod = obj["spec"]["template"]["spec"]

@@ -70,6 +70,9 @@ model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or 
 {{- if $root.Values.scheduler.enabled -}}{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}{{- end -}}
 {{- else if eq $c "scheduler" -}}
 {{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}
+{{- else if eq $c "draft" -}}
+{{- /* A restarted draft server refills its history drafts from the buffer's durable history. */ -}}
+{{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}
 {{- else if eq $c "kvstore" -}}
 {{- $_ := set $wired "data_dir" "/var/lib/seer/kvstore" -}}
 {{- else if eq $c "worker" -}}

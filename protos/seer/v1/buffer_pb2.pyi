@@ -98,20 +98,30 @@ class CommitChunkResponse(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., next_seq: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., request_finished: _Optional[bool] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class GetHistoryRequest(_message.Message):
-    __slots__ = ("prompt_keys",)
+    __slots__ = ("prompt_keys", "include_tokens")
     PROMPT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, prompt_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    include_tokens: bool
+    def __init__(self, prompt_keys: _Optional[_Iterable[str]] = ..., include_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptHistory(_message.Message):
-    __slots__ = ("prompt_key", "lengths", "policy_version")
+    __slots__ = ("prompt_key", "lengths", "policy_version", "responses")
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
     prompt_key: str
     lengths: _containers.RepeatedScalarFieldContainer[int]
     policy_version: int
-    def __init__(self, prompt_key: _Optional[str] = ..., lengths: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    responses: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, prompt_key: _Optional[str] = ..., lengths: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class GetHistoryResponse(_message.Message):
     __slots__ = ("histories",)

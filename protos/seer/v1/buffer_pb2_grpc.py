@@ -73,7 +73,8 @@ class BufferInternalServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetHistory(self, request, context):
-        """Lengths of the previous iteration's responses per prompt key (history priors, RhymeRL).
+        """Lengths of the previous iteration's responses per prompt key (history priors, RhymeRL), and on
+        request their tokens (the draft service refills its history drafts from here after a restart).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
