@@ -231,15 +231,21 @@ class SpecRun:
             eng.add_request(r)
         outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         steps = drafted = accepted = decode_steps = spec_steps = 0
+        # The planner learns each decode step's cost, on the clock the targets use (thread CPU
+        # time at one thread: the machine is shared), as the worker core reports its steps.
+        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         t0, c0 = time.perf_counter(), time.thread_time()
         while eng.has_unfinished():
+            s0 = clock()
             drafts = self._drafts(reqs, outs, planner if mode == "adaptive" else None) if mode != "off" else {}
             res = eng.step(drafts or None)
             steps += 1
             spec_steps += bool(drafts)
             proposed_pos, accepted_pos = [0] * GAMMA, [0] * GAMMA
+            prefill = False
             for o in res:
                 own = outs[o.request_id]
+                prefill = prefill or not own or not o.token_ids
                 if own:  # the first output of a request comes from its prefill step
                     decode_steps += 1
                 self.index.append(o.request_id, len(own), o.token_ids)
@@ -253,8 +259,11 @@ class SpecRun:
                         proposed_pos[i] += 1
                     for i in range(min(o.num_accepted, GAMMA)):
                         accepted_pos[i] += 1
-            if mode == "adaptive" and planner is not None and drafts:
-                planner.observe(proposed_pos, accepted_pos)  # its own drafts only, as in the worker
+            if mode == "adaptive" and planner is not None:
+                if drafts:
+                    planner.observe(proposed_pos, accepted_pos)  # its own drafts only, as in the worker
+                if res and not prefill:
+                    planner.observe_step(len(res), sum(len(o.token_ids) for o in res), clock() - s0)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         tokens = sum(len(v) for v in outs.values())
         decode_tokens = tokens - len(reqs)
@@ -275,8 +284,12 @@ MODES = ("off", "forced", "adaptive")
 
 
 def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: float, n: int,
-               table: StepTimeTable, group: int = 8, batches: Sequence[int] = (1, 8)) -> dict[str, Any]:
+               table: StepTimeTable, group: int = 8, batches: Sequence[int] = (1, 8),
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per batch: the ratios of forced and adaptive speculation to none; and the adaptive planner's
+    stats (its decisions, measured cost corrections and guard verdicts)."""
     res: dict[str, Any] = {}
+    planners: dict[str, Any] = {}
     # Siblings (no speculation): the finished responses of each group.
     sib: list[list[list[int]]] = []
     for p, prompt in enumerate(prompts):
@@ -331,7 +344,8 @@ def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: f
         row["adaptive_spec_step_frac"] = statistics.fmean(spec_frac)
         row["ideal_accepted_len"] = ideal_tok / max(ideal_steps, 1)
         res[f"b{batch}"] = row
-    return res
+        planners[f"b{batch}"] = planner.stats()
+    return res, planners
 
 
 def decode_section(args: argparse.Namespace, engine: ReferenceEngine, model_dir: Path, prompts: list[list[int]],
@@ -379,8 +393,9 @@ def spec_section(engine: ReferenceEngine, prompts: list[list[int]], quick: bool,
     result["spec"] = {}
     for temp in temps:
         out(f"== speculation, temperature {temp}, 8 samples per prompt, {spec_n} tokens ==")
-        sb = spec_bench(engine, spec_prompts, temp, spec_n, table, batches=batches)
+        sb, planners = spec_bench(engine, spec_prompts, temp, spec_n, table, batches=batches)
         result["spec"][str(temp)] = {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in sb.items()}
+        result.setdefault("spec_planner", {})[str(temp)] = planners
         for k, v in sb.items():
             out(f"  {k}: no-spec {v['tok_s_nospec']:.1f} tok/s (ideal accepted len {v['ideal_accepted_len']:.2f})")
             out(f"      forced:   accepted len {v['accepted_len']:.2f}, {v['tok_s_spec']:.1f} tok/s = "
@@ -388,6 +403,7 @@ def spec_section(engine: ReferenceEngine, prompts: list[list[int]], quick: bool,
             out(f"      adaptive: accepted len {v['accepted_len_adaptive']:.2f}, {v['tok_s_adaptive']:.1f} tok/s = "
                 f"{v['speedup_adaptive']:.2f}x wall, {v['cpu_speedup_adaptive']:.2f}x cpu, "
                 f"drafted in {v['adaptive_spec_step_frac'] * 100:.0f}% of steps")
+            out(f"      planner: {json.dumps(planners[k])}")
 
 
 # ---- main -----------------------------------------------------------------------------------------

@@ -1,24 +1,43 @@
-"""Adaptive speculation (Seer Algorithm 1, marginal-benefit-aware draft budgets).
+"""Adaptive speculation (Seer Algorithm 1, marginal-benefit-aware draft budgets), closed loop.
 
-Inputs: an offline-profiled step time T(B, gamma) (`seer profile`, StepTimeTable) and online
-per-position acceptance rates. Each step, for the current batch of B requests:
+Inputs: an offline-profiled step time T(B, gamma) (`seer profile`, StepTimeTable), online
+per-position acceptance rates, and (closed loop) the measured time of every engine step. Each step,
+for the current batch of B requests:
 
-1. Every (request, draft position i) is an increment whose expected gain is alpha_i, the probability
-   that draft position i is accepted (all of 0..i accepted; non-increasing in i). Probe requests
-   count their gain `probe_factor` (2) times: finishing a probe early sharpens the group's length
-   estimate for context-aware scheduling, so the greedy budget goes to them first.
-2. Increments are taken greedily by weighted gain. For every prefix of that order (total draft
-   budget G) the expected tokens per step are B + sum(alpha) and the step time is T(B, G); the
+1. Every (request, draft position i) is an increment whose expected gain is avail_i x alpha_i:
+   alpha_i is the probability that draft position i is accepted (all of 0..i accepted;
+   non-increasing in i), avail_i the probability that a planned position i comes back as a draft
+   at all (the suffix index may have no match, or a shorter one). Probe requests count their gain
+   `probe_factor` (2) times: finishing a probe early sharpens the group's length estimate for
+   context-aware scheduling, so the greedy budget goes to them first.
+2. Increments are taken greedily by weighted gain. For every prefix of that order the expected
+   tokens per step are B + sum(avail x alpha) and the step time is the corrected model below; the
    budget G* that maximises tokens per second wins. G* = 0 turns speculation off, which is what
    happens at large B where a verify step costs more than the accepted tokens pay back.
 3. Each request gets the number of its increments inside G* (at most gamma_max = 8). G* > 0 only
-   when its predicted tokens/s beats no speculation by `min_gain` (30%): the model is optimistic
-   (measured in bench.spec: predicted ~1.2x where the CPU engine gave 0.9-1.0x; at B = 4, T = 1.0,
-   predicted 1.18x, measured 0.92x per CPU second, 0.87x wall: in a closed batch the slowest
-   request sets the time, and tokens accepted by the others do not shorten it; a draft for only
-   part of the batch costs more than the table's interpolation: B = 8, one request with 2 draft
-   tokens, +20-24% measured vs +7-11% modelled, as every query is padded to the longest). 20% let
-   it draft at B = 4, T = 1.0 on a predicted 1.205x (alpha_0 0.35) and the suite ran 0.81x.
+   when its predicted tokens/s beats no speculation by a margin: `min_gain` (30%) while the
+   batch-size bucket's costs are unmeasured (the open-loop table was measured 15-25% optimistic),
+   shrinking to `calibrated_min_gain` as drafting steps of that bucket are timed.
+
+Closing the loop (the worker core reports every decode step through observe_step):
+
+- Cost. The table's time of a plan is T(B, G + pad_cost x (B x gmax - G)): a verify step pads every
+  request's query to the longest draft (gmax), and a padded row costs a fraction of a real one
+  (attention only; the reference engine: B = 8, one request with 2 draft tokens, +20-24% measured
+  vs +7-11% interpolated, i.e. pad_cost ~0.15). Per batch-size bucket (1, 2, 3-4, 5-8, ...) the
+  planner keeps decayed sums of measured vs table time: c0 = measured / T(B, 0) over plain steps,
+  and rho = measured relative extra cost / the table's relative extra cost over drafting steps
+  (t / (c0 T(B, 0)) - 1 vs T(B, G_eff) / T(B, 0) - 1, with G_eff from the draft tokens that
+  actually came). Plans use 1 + rho x (T(B, G_eff) / T(B, 0) - 1) in units of a plain step, so
+  the table's clock and machine do not matter, only its shape. Samples are clipped (a step
+  descheduled on a shared machine must not swing the estimate) and decayed (drift).
+- Benefit. avail_i is learned from what was planned vs the draft depth that came back.
+- Guard ("never slower than no speculation" by measurement, not by model). Per bucket, the
+  realised speedup of the planner's drafting steps, sum(tokens / B) / sum(t / (c0 T(B, 0))), is
+  judged every `guard_steps` drafting steps; below `guard_min_speedup` drafting is off in that
+  bucket for guard_backoff x 2^k plans (k grows with each failed verdict, shrinks with each passed
+  one). One plan in `control_interval` that would draft runs plain instead, so c0 stays measured
+  where the planner always drafts.
 
 alpha_i is tracked from what the engine verified: accepted_i / proposed_i with exponential decay (so
 the policy follows drift as the model or the data change) and a Beta prior (so a cold start drafts).
@@ -26,11 +45,14 @@ While speculation is off no acceptance is observed, so the planner explores: aft
 `explore_interval` plans off (every plan while it has seen fewer than `explore_until` draft tokens
 at position 0: a cold estimate, for at most 4 x explore_until such attempts), one request (in
 turn, so a request without a match does not stall learning) gets a short draft (`explore_gamma`
-tokens), on a step where that costs at most `explore_max_cost` (10%) more than no draft (a large
-batch: a few more rows in a big matmul; on this CPU two more rows at B = 16 cost ~7%), or after
-4 x explore_interval plans off whatever it costs. Without this a cold planner whose prior says
-"off" at the current batch size never learns that the drafts are good (measured in bench.spec and
-through the suite: a fresh planner at B = 16 and the 0.5 prior drafted nothing in a whole run).
+tokens). With step timings, exploration spends a credit that grows by `explore_budget` (3%) of
+every step's measured time and is charged each exploring step's measured extra time, so
+exploration costs at most that share of the run. Without timings (a caller that never reports
+steps) the open-loop rule stays: explore on a step where that costs at most `explore_max_cost`
+(10%) more than no draft, or after 4 x explore_interval plans off whatever it costs. Without
+exploration a cold planner whose prior says "off" at the current batch size never learns that the
+drafts are good (measured in bench.spec and through the suite: a fresh planner at B = 16 and the
+0.5 prior drafted nothing in a whole run).
 """
 
 from __future__ import annotations
@@ -151,6 +173,58 @@ def load_table(table: StepTimeTable | Mapping[str, Any] | str | os.PathLike[str]
     return StepTimeTable.builtin()
 
 
+def _shape(batch: int, draft_tokens: float, gmax: float) -> int:
+    """0: a partial plan (under half of the padded [B, gmax] verify rows are real drafts), 1: full."""
+    return int(draft_tokens >= 0.5 * batch * gmax)
+
+
+def _bucket(batch: int) -> int:
+    """Batch-size bucket: 1, 2, 3-4, 5-8, 9-16, ... (step costs change smoothly in log B)."""
+    return max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class _Cell:
+    """What the planner measured in one batch-size bucket. Sums of plain and of drafting steps decay
+    per new sample of their own kind: evidence that drafting costs more must not fade while the
+    planner, convinced by it, stops drafting."""
+
+    plain_meas: float = 0.0  # seconds of plain steps (no draft token verified)
+    plain_pred: float = 0.0  # their table time T(B, 0)
+    plain_steps: float = 0.0
+    # Drafting steps, by shape (_shape: 0 = partial, most requests without a draft; 1 = full): the
+    # measured relative extra cost t / (c0 T(B, 0)) - 1, the table's T(B, G_eff) / T(B, 0) - 1, and
+    # the (decayed) count of such steps, the evidence behind rho. The shapes are kept apart: a
+    # padded one-request exploration says little about every request drafting one token.
+    extra_meas: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    extra_pred: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    drafted: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # Guard: the planner's own drafting steps since the last verdict (explorations excluded).
+    gain_tokens: float = 0.0  # sum of tokens / B
+    gain_time: float = 0.0  # sum of t / (c0 T(B, 0)): plain steps' worth of time
+    gain_steps: int = 0
+    level: int = 0  # failed verdicts not yet made up by passed ones
+    off_until: int = 0  # plan number until which drafting is off here
+    drafting_plans: int = 0  # plans that would draft (every control_interval-th runs plain)
+    verdicts: list[int] = field(default_factory=lambda: [0, 0])  # [passed, failed]
+
+
+
+@dataclass
+class _Pending:
+    """The plan of the step in flight, completed by observe() and observe_step()."""
+
+    batch: int
+    kind: str  # plain | draft | explore | guarded (the guard said off) | control
+    planned: list[int]  # requests planned to reach draft position i
+    proposed: list[int]  # requests whose draft reached position i (observe)
+
+
+_PRIOR_STEPS = 3.0  # pseudo-steps of the priors c0 = global c0 and rho = 1
+_PRIOR_EXTRA = 0.1  # the relative extra cost one prior pseudo-step of rho stands for
+_MAX_LEVEL = 6  # guard: off periods grow to guard_backoff x 2^6 plans at most
+
+
 class AdaptiveSpeculation:
     def __init__(
         self,
@@ -166,6 +240,15 @@ class AdaptiveSpeculation:
         explore_gamma: int = 2,
         explore_max_cost: float = 0.1,
         explore_until: float = 32.0,
+        calibrated_min_gain: float = 0.05,
+        calibration_steps: float = 8.0,
+        pad_cost: float = 0.15,
+        cost_decay: float = 0.97,
+        explore_budget: float = 0.03,
+        guard_steps: int = 16,
+        guard_min_speedup: float = 1.0,
+        guard_backoff: int = 64,
+        control_interval: int = 32,
     ) -> None:
         if gamma_max < 0:
             raise ValueError("gamma_max: must be >= 0")
@@ -173,6 +256,16 @@ class AdaptiveSpeculation:
             raise ValueError("probe_factor: must be >= 1")
         if explore_gamma < 0 or explore_max_cost < 0:
             raise ValueError("explore_gamma, explore_max_cost: must be >= 0")
+        if min_gain < 0 or calibrated_min_gain < 0:
+            raise ValueError("min_gain, calibrated_min_gain: must be >= 0")
+        if pad_cost < 0:
+            raise ValueError("pad_cost: must be >= 0")
+        if not 0.0 < cost_decay <= 1.0:
+            raise ValueError("cost_decay: must be in (0, 1]")
+        if not 0.0 <= explore_budget < 1.0:
+            raise ValueError("explore_budget: must be in [0, 1)")
+        if guard_steps < 1 or guard_backoff < 1 or control_interval < 0 or calibration_steps < 0:
+            raise ValueError("guard_steps, guard_backoff: must be >= 1; control_interval, calibration_steps: >= 0")
         self.table = load_table(table)
         self.gamma_max = gamma_max
         self.probe_factor = probe_factor
@@ -184,30 +277,54 @@ class AdaptiveSpeculation:
         self.explore_gamma = explore_gamma
         self.explore_max_cost = explore_max_cost
         self.explore_until = explore_until
+        self.calibrated_min_gain = calibrated_min_gain
+        self.calibration_steps = calibration_steps
+        self.pad_cost = pad_cost
+        self.cost_decay = cost_decay
+        self.explore_budget = explore_budget
+        self.guard_steps = guard_steps
+        self.guard_min_speedup = guard_min_speedup
+        self.guard_backoff = guard_backoff
+        self.control_interval = control_interval
         self._explore_turn = 0
         self._turn = 0
         self._proposed = [0.0] * gamma_max
         self._accepted = [0.0] * gamma_max
+        self._planned = [0.0] * gamma_max  # availability: positions planned / proposed (decayed)
+        self._came = [0.0] * gamma_max
         self._off_streak = 0
         self.last_budget = 0
         self._cold_explorations = 0
-        # Decisions per batch size: [plans, plans that drafted, their draft tokens, explorations]
-        # (stats(), and an info log every 30 s: does it draft where a verify costs more than it gains?).
+        # Closed loop: set by the first observe_step (a caller that never reports steps keeps the
+        # open-loop behaviour).
+        self._timed = False
+        self._cells: dict[int, _Cell] = {}
+        self._c0_meas = 0.0  # all buckets' plain steps: the prior of a bucket without its own
+        self._c0_pred = 0.0
+        self._c0_steps = 0.0
+        self._credit = 0.0  # exploration credit, seconds
+        self._plan_no = 0
+        self._pending: _Pending | None = None
+        # Decisions per batch size: [plans, plans that drafted, their draft tokens, explorations,
+        # guard-off plans, control plans] (stats(), and an info log every 30 s).
         self._by_batch: dict[int, list[int]] = {}
         self._logged_at = time.monotonic()
 
-    # ---- acceptance -----------------------------------------------------------------------------
+    # ---- acceptance and availability ------------------------------------------------------------
 
     def observe(self, proposed_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None:
         """Counts of one step (or several): draft position i was proposed / accepted (with all
         positions before it) this many times."""
         d = self.decay
+        pend = self._pending
         for i in range(self.gamma_max):
             p = proposed_per_position[i] if i < len(proposed_per_position) else 0
             a = accepted_per_position[i] if i < len(accepted_per_position) else 0
             if p or a:
                 self._proposed[i] = self._proposed[i] * d + p
                 self._accepted[i] = self._accepted[i] * d + min(a, p)
+            if pend is not None and p:
+                pend.proposed[i] += p
 
     def acceptance(self) -> list[float]:
         """alpha_i = P(draft position i accepted), smoothed toward a geometric prior, non-increasing."""
@@ -220,16 +337,129 @@ class AdaptiveSpeculation:
             out.append(prev)
         return out
 
+    def availability(self) -> list[float]:
+        """avail_i = P(a planned draft position i comes back as a draft token), prior 1 (weight 2),
+        non-increasing."""
+        out: list[float] = []
+        prev = 1.0
+        for i in range(self.gamma_max):
+            prev = min(prev, (self._came[i] + 2.0) / (self._planned[i] + 2.0))
+            out.append(prev)
+        return out
+
+    # ---- step timings (closed loop) -------------------------------------------------------------
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        """One decode step (no prefill in it) of `batch` requests finished: it emitted `tokens`
+        tokens in `seconds` (the draft positions it verified came through observe() before)."""
+        pend, self._pending = self._pending, None
+        if pend is None or batch < 1 or not seconds > 0:
+            return
+        self._timed = True
+        self._settle(pend)
+        cell = self._cells.setdefault(_bucket(batch), _Cell())
+        d = self.cost_decay
+        t0 = self.table.time(batch, 0)
+        real = sum(pend.proposed)
+        c0 = self._c0(cell)
+        if real == 0:  # nothing verified (planned off, or no draft came): a plain step
+            r = min(max(seconds / t0, 0.5 * c0), 2.0 * c0)
+            cell.plain_meas = cell.plain_meas * d + r * t0
+            cell.plain_pred = cell.plain_pred * d + t0
+            cell.plain_steps = cell.plain_steps * d + 1.0
+            self._c0_meas = self._c0_meas * d + r * t0
+            self._c0_pred = self._c0_pred * d + t0
+            self._c0_steps = self._c0_steps * d + 1.0
+        else:
+            gmax = max(i + 1 for i, p in enumerate(pend.proposed) if p)
+            x_pred = max(self._table_time(batch, real, gmax) / t0 - 1.0, 0.0)
+            x_meas = min(max(seconds / (c0 * t0), 0.5), 3.0) - 1.0
+            sh = _shape(batch, real, gmax)
+            cell.extra_meas[sh] = cell.extra_meas[sh] * d + x_meas
+            cell.extra_pred[sh] = cell.extra_pred[sh] * d + x_pred
+            cell.drafted[sh] = cell.drafted[sh] * d + 1.0
+        base = c0 * t0  # seconds of a plain step here
+        if pend.kind == "explore":
+            self._credit -= max(seconds - base, 0.0)
+        self._credit = min(self._credit + self.explore_budget * seconds, max(base, seconds))
+        if pend.kind == "draft":
+            cell.gain_tokens += tokens / batch
+            cell.gain_time += min(seconds / base, 3.0)
+            cell.gain_steps += 1
+            if cell.gain_steps >= self.guard_steps:
+                self._verdict(cell, batch)
+
+    def _settle(self, pend: _Pending) -> None:
+        """Availability from a finished plan: planned positions vs the draft depths that came."""
+        d = self.decay
+        for i, n in enumerate(pend.planned):
+            if n:
+                self._planned[i] = self._planned[i] * d + n
+                self._came[i] = self._came[i] * d + min(pend.proposed[i], n)
+
+    def _verdict(self, cell: _Cell, batch: int) -> None:
+        speedup = cell.gain_tokens / cell.gain_time if cell.gain_time > 0 else 1.0
+        if speedup < self.guard_min_speedup:
+            cell.off_until = self._plan_no + self.guard_backoff * (1 << cell.level)
+            cell.level = min(cell.level + 1, _MAX_LEVEL)
+            cell.verdicts[1] += 1
+            log.info("speculation guard: drafting measured slower than plain steps; off",
+                     extra=kv(batch=batch, speedup=round(speedup, 3), off_plans=cell.off_until - self._plan_no))
+        else:
+            cell.level = max(cell.level - 1, 0)
+            cell.verdicts[0] += 1
+        cell.gain_tokens = cell.gain_time = 0.0
+        cell.gain_steps = 0
+
+    def _c0(self, cell: _Cell | None) -> float:
+        """Measured / table time of a plain step in this bucket. Prior: _PRIOR_STEPS pseudo-steps
+        of the all-buckets ratio (itself with a prior of 1), in the bucket's own units."""
+        g = 1.0
+        if self._c0_steps:
+            w = _PRIOR_STEPS * self._c0_pred / self._c0_steps
+            g = (self._c0_meas + w) / (self._c0_pred + w)
+        if cell is None or not cell.plain_steps:
+            return g
+        w = _PRIOR_STEPS * cell.plain_pred / cell.plain_steps
+        return (cell.plain_meas + g * w) / (cell.plain_pred + w)
+
+    def _rho(self, cell: _Cell | None, shape: int) -> float:
+        """Measured / table relative extra cost of drafting in this bucket and plan shape. Prior:
+        the other shape's ratio where that was measured, else 1."""
+        if cell is None:
+            return 1.0
+        w = _PRIOR_STEPS * _PRIOR_EXTRA
+        other = 1 - shape
+        prior = (cell.extra_meas[other] + w) / (cell.extra_pred[other] + w) if cell.drafted[other] else 1.0
+        return min(max((cell.extra_meas[shape] + prior * w) / (cell.extra_pred[shape] + w), 0.25), 8.0)
+
+    def _table_time(self, batch: int, draft_tokens: float, gmax: float) -> float:
+        """The table's step time with every query padded to the longest draft (gmax tokens).
+        Padding is part of the closed-loop model only: without step timings the planner is the
+        open-loop model of session 3 (pinned by tests/draft/test_adaptive.py)."""
+        pad = max(batch * gmax - draft_tokens, 0.0) if self._timed else 0.0
+        return self.table.time(batch, draft_tokens + self.pad_cost * pad)
+
     # ---- planning -------------------------------------------------------------------------------
 
     def plan(self, requests: Sequence[tuple[str, bool]]) -> dict[str, int]:
         """(request_id, is_probe) -> draft length for this step; 0 = no speculation."""
         n = len(requests)
         plan = {rid: 0 for rid, _ in requests}
+        if self._pending is not None:
+            # The last step was not timed (a prefill step): keep its availability. A caller that
+            # never times steps may not report every step's drafts either: no availability then.
+            if self._timed:
+                self._settle(self._pending)
+            self._pending = None
         if not n or self.gamma_max == 0:
             self.last_budget = 0
             return plan
+        self._plan_no += 1
         alpha = self.acceptance()
+        avail = self.availability()
+        cell = self._cells.get(_bucket(n)) if self._timed else None
+        rho = (self._rho(cell, 0), self._rho(cell, 1))
         probes = [rid for rid, is_probe in requests if is_probe]
         others = [rid for rid, is_probe in requests if not is_probe]
         # A budget that ends inside a class goes to a different part of it each plan: the same
@@ -246,15 +476,20 @@ class AdaptiveSpeculation:
         chunks: list[tuple[float, int, list[str]]] = []
         for i, a in enumerate(alpha):
             if probes:
-                chunks.append((a * self.probe_factor, i, probes))
+                chunks.append((a * avail[i] * self.probe_factor, i, probes))
             if others:
-                chunks.append((a, i, others))
+                chunks.append((a * avail[i], i, others))
         chunks.sort(key=lambda c: (-c[0], c[1]))
         t0 = self.table.time(n, 0)
-        best_rate, best_budget = n / t0, 0
-        budget, expected = 0, float(n)
+
+        def cost(real: float, gmax: int) -> float:  # in plain steps (c0 T(B, 0))
+            return 1.0 + rho[_shape(n, real, gmax)] * max(self._table_time(n, real, gmax) / t0 - 1.0, 0.0)
+
+        best_rate, best_budget = float(n), 0
+        budget, expected, real, gmax = 0, float(n), 0.0, 0
         for _w, i, members in chunks:
-            a = alpha[i]
+            a, av = alpha[i], avail[i]
+            gmax = max(gmax, i + 1)
             # Evaluate a few points inside a chunk too: E and T are both linear there, but T may
             # bend at table knots.
             step = max(1, len(members) // 4)
@@ -263,14 +498,29 @@ class AdaptiveSpeculation:
                 inc = min(step, len(members) - taken)
                 taken += inc
                 budget += inc
-                expected += inc * a
-                rate = expected / self.table.time(n, budget)
+                real += inc * av
+                expected += inc * av * a
+                rate = expected / cost(real, gmax)
                 if rate > best_rate:
                     best_rate, best_budget = rate, budget
-        # The step-time model misses costs (batch shrinkage, drafts that come out shorter than
-        # planned, verification overheads); speculate only on a clear predicted gain.
-        if best_rate < (1.0 + self.min_gain) * n / t0:
+        # The step-time model misses costs until measured (batch shrinkage, drafts that come out
+        # shorter than planned, verification overheads); speculate only on a clear predicted gain,
+        # a margin that shrinks as this bucket's drafting steps are timed.
+        # Evidence: this bucket's timed drafting steps of either shape (an unmeasured shape's rho
+        # starts from the measured one's).
+        seen = sum(cell.drafted) if cell else 0.0
+        evidence = seen / (seen + self.calibration_steps) if seen else 0.0
+        margin = self.min_gain + (self.calibrated_min_gain - self.min_gain) * evidence
+        if best_rate < (1.0 + margin) * n:
             best_budget = 0
+        kind = "draft" if best_budget else "plain"
+        if best_budget and cell is not None:
+            if self._plan_no < cell.off_until:  # the guard measured drafting slower here
+                best_budget, kind = 0, "guarded"
+            else:
+                cell.drafting_plans += 1
+                if self.control_interval and cell.drafting_plans % self.control_interval == 0:
+                    best_budget, kind = 0, "control"
         # Hand out the best budget in the same greedy order.
         left = best_budget
         for _w, _i, members in chunks:
@@ -279,48 +529,88 @@ class AdaptiveSpeculation:
             for rid in members[:left]:
                 plan[rid] += 1
             left -= min(left, len(members))
-        explored = False
-        if best_budget == 0:
+        if best_budget == 0 and kind != "control":
             self._off_streak += 1
-            g = min(self.explore_gamma, self.gamma_max)
-            # Cold: few drafts observed yet, explore every cheap plan. Bounded by attempts: an
-            # exploring request often has no draft at all (no match; at T = 1.0 in the suite most
-            # of them), so the observations may never come, and a planner stuck cold explored on
-            # 12 of 14 plans at B = 11 (bench.spec --suite), each such step costing 10-25% more.
-            cold = (self._proposed[0] < self.explore_until
-                    and self._cold_explorations < _COLD_ATTEMPTS * self.explore_until)
-            due = self._off_streak >= (1 if cold else self.explore_interval)
-            if (self.explore_interval and g > 0 and due
-                    and (self.table.time(n, g) <= (1.0 + self.explore_max_cost) * t0
-                         or self._off_streak >= 4 * self.explore_interval)):
-                self._off_streak = 0
-                self._cold_explorations += cold
-                rid = requests[self._explore_turn % n][0]
-                self._explore_turn += 1
-                plan[rid] = g
-                best_budget = g
-                explored = True
-        else:
+            explored = self._explore(requests, plan, t0, cell)
+            if explored:
+                best_budget, kind = explored, "explore"
+        elif best_budget:
             self._off_streak = 0
         self.last_budget = best_budget
+        planned = [0] * self.gamma_max
+        for v in plan.values():
+            for i in range(min(v, self.gamma_max)):
+                planned[i] += 1
+        self._pending = _Pending(n, kind, planned, [0] * self.gamma_max)
+        self._count(n, kind, best_budget, alpha)
+        return plan
+
+    def _explore(self, requests: Sequence[tuple[str, bool]], plan: dict[str, int], t0: float,
+                 cell: _Cell | None) -> int:
+        """Give one request (in turn) a short draft while speculation is off, if due and affordable;
+        returns its length (0: no exploration)."""
+        n = len(requests)
+        g = min(self.explore_gamma, self.gamma_max)
+        if not self.explore_interval or g <= 0:
+            return 0
+        # Cold: few drafts observed yet, explore every plan it may. Bounded by attempts: an
+        # exploring request often has no draft at all (no match; at T = 1.0 in the suite most
+        # of them), so the observations may never come, and a planner stuck cold explored on
+        # 12 of 14 plans at B = 11 (bench.spec --suite), each such step costing 10-25% more.
+        cold = (self._proposed[0] < self.explore_until
+                and self._cold_explorations < _COLD_ATTEMPTS * self.explore_until)
+        if self._off_streak < (1 if cold else self.explore_interval):
+            return 0
+        if self._timed:
+            # Affordable: the credit (explore_budget of all timed steps) covers its predicted extra.
+            rho = self._rho(cell, _shape(n, g, g))
+            extra = rho * max(self._table_time(n, g, g) / t0 - 1.0, 0.0) * self._c0(cell) * t0
+            if self._credit < extra:
+                return 0
+        elif not (self.table.time(n, g) <= (1.0 + self.explore_max_cost) * t0
+                  or self._off_streak >= 4 * self.explore_interval):
+            return 0
+        self._off_streak = 0
+        self._cold_explorations += cold
+        rid = requests[self._explore_turn % n][0]
+        self._explore_turn += 1
+        plan[rid] = g
+        return g
+
+    def _count(self, n: int, kind: str, budget: int, alpha: Sequence[float]) -> None:
         row = self._by_batch.get(n)
         if row is None:
-            row = self._by_batch[n] = [0, 0, 0, 0]
+            row = self._by_batch[n] = [0, 0, 0, 0, 0, 0]
         row[0] += 1
-        if explored:
+        if kind == "explore":
             row[3] += 1
-        elif best_budget:
+        elif kind == "draft":
             row[1] += 1
-            row[2] += best_budget
+            row[2] += budget
+        elif kind == "guarded":
+            row[4] += 1
+        elif kind == "control":
+            row[5] += 1
         now = time.monotonic()
         if now - self._logged_at >= _LOG_INTERVAL_S:
             self._logged_at = now
             log.info("speculation plans", extra=kv(alpha=[round(a, 3) for a in alpha[:4]], **self.stats()))
-        return plan
 
     def stats(self) -> dict[str, Any]:
         """Decisions so far by batch size: plans, plans that drafted by the model, their mean draft
-        tokens, and plans that explored (one request, explore_gamma tokens, while the model says off)."""
-        return {"plans_by_batch": {b: {"plans": r[0], "drafting": r[1],
-                                       "mean_budget": round(r[2] / r[1], 2) if r[1] else 0.0, "explored": r[3]}
-                                   for b, r in sorted(self._by_batch.items())}}
+        tokens, plans that explored (one request, explore_gamma tokens, while the model says off),
+        and (with step timings) plans the guard kept plain and control plans; and per batch-size
+        bucket the measured cost corrections and guard verdicts."""
+        out: dict[str, Any] = {"plans_by_batch": {
+            b: {"plans": r[0], "drafting": r[1], "mean_budget": round(r[2] / r[1], 2) if r[1] else 0.0,
+                "explored": r[3], **({"guarded": r[4], "control": r[5]} if self._timed else {})}
+            for b, r in sorted(self._by_batch.items())}}
+        if self._timed:
+            out["cost_by_bucket"] = {
+                f"{(1 << k) // 2 + 1}-{1 << k}" if k > 1 else str(1 << k): {
+                    "c0": round(self._c0(c), 3), "rho_partial": round(self._rho(c, 0), 3),
+                    "rho_full": round(self._rho(c, 1), 3), "drafted": [round(x, 1) for x in c.drafted],
+                    "guard_passed": c.verdicts[0], "guard_failed": c.verdicts[1], "guard_level": c.level}
+                for k, c in sorted(self._cells.items())}
+            out["explore_credit_s"] = round(self._credit, 4)
+        return out

@@ -45,6 +45,31 @@ class WorkerConfig(ServiceConfig):
         default="", metadata={"help": "JSON step-time table T(B, gamma) from `seer profile` (empty = built-in)"}
     )
     group_ttl_seconds: float = field(default=3600.0, metadata={"help": "TTL of groups registered on the draft server"})
+    # Adaptive speculation (services/worker/adaptive.py, Seer Algorithm 1 with a closed cost loop).
+    spec_min_gain: float = field(
+        default=0.3, metadata={"help": "predicted speedup margin to draft while a batch size's costs are unmeasured"}
+    )
+    spec_calibrated_min_gain: float = field(
+        default=0.05, metadata={"help": "the margin once drafting steps at that batch size are timed"}
+    )
+    spec_pad_cost: float = field(
+        default=0.15, metadata={"help": "cost of a padded verify row (shorter draft) as a fraction of a draft token"}
+    )
+    spec_explore_budget: float = field(
+        default=0.03, metadata={"help": "max share of step time spent exploring drafts while speculation is off"}
+    )
+    spec_guard_steps: int = field(
+        default=16, metadata={"help": "drafting steps per guard verdict (measured speedup below 1 turns drafting off)"}
+    )
+    spec_guard_backoff: int = field(
+        default=64, metadata={"help": "plans off after the guard's first failed verdict (doubles per failure)"}
+    )
+    spec_control_interval: int = field(
+        default=32, metadata={"help": "one plain step per this many drafting plans (keeps the plain cost measured)"}
+    )
+    spec_step_clock: str = field(
+        default="wall", metadata={"help": "step time the planner learns from: wall | thread (loop thread CPU time)"}
+    )
 
     kv_addresses: tuple[str, ...] = field(
         default=(), metadata={"help": "comma-separated KVStoreService addresses (empty = no KV pool)"}
@@ -54,6 +79,13 @@ class WorkerConfig(ServiceConfig):
     drain_timeout_seconds: float = field(
         default=300.0, metadata={"help": "max wait for in-flight chunks before LoadWeights"}
     )
+
+    def planner_options(self) -> dict[str, float | int]:
+        """Keyword arguments of AdaptiveSpeculation from this config (gamma_max and the table aside)."""
+        return {"min_gain": self.spec_min_gain, "calibrated_min_gain": self.spec_calibrated_min_gain,
+                "pad_cost": self.spec_pad_cost, "explore_budget": self.spec_explore_budget,
+                "guard_steps": self.spec_guard_steps, "guard_backoff": self.spec_guard_backoff,
+                "control_interval": self.spec_control_interval}
 
     def validate(self) -> None:
         super().validate()
@@ -79,6 +111,18 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("draft_width: must be >= 1")
         if self.multipath_max_batch < 0:
             raise ValueError("multipath_max_batch: must be >= 0")
+        if self.spec_min_gain < 0 or self.spec_calibrated_min_gain < 0:
+            raise ValueError("spec_min_gain, spec_calibrated_min_gain: must be >= 0")
+        if self.spec_pad_cost < 0:
+            raise ValueError("spec_pad_cost: must be >= 0")
+        if not 0 <= self.spec_explore_budget < 1:
+            raise ValueError("spec_explore_budget: must be in [0, 1)")
+        if self.spec_guard_steps < 1 or self.spec_guard_backoff < 1:
+            raise ValueError("spec_guard_steps, spec_guard_backoff: must be >= 1")
+        if self.spec_control_interval < 0:
+            raise ValueError("spec_control_interval: must be >= 0")
+        if self.spec_step_clock not in ("wall", "thread"):
+            raise ValueError(f"spec_step_clock: {self.spec_step_clock!r} is not wall or thread")
         if self.group_ttl_seconds <= 0:
             raise ValueError("group_ttl_seconds: must be > 0")
         if self.drain_timeout_seconds <= 0:

@@ -202,6 +202,7 @@ class Worker:
         kv_offload: bool = True,
         engine_name: str = "reference",
         model_family: str = "",
+        step_clock: str = "wall",
     ) -> None:
         self.engine = engine
         self.engine_name = engine_name
@@ -210,6 +211,14 @@ class Worker:
         self._policy_version = policy_version
         self._draft = draft
         self._planner = planner
+        # The planner closes its cost loop with the time of every decode step, when it can take it.
+        # Wall time by default: it is what throughput is, on any engine (a GPU, a multi-threaded
+        # CPU engine); the planner's estimates are robust to a descheduled step. "thread" (the loop
+        # thread's CPU time) suits a single-threaded CPU engine on a shared machine.
+        if step_clock not in ("wall", "thread"):
+            raise ValueError(f"step_clock: {step_clock!r} is not wall or thread")
+        self._step_observer = getattr(planner, "observe_step", None)
+        self._clock = time.perf_counter if step_clock == "wall" else time.thread_time
         self._kv = kv_pool
         self._speculation = speculation and gamma_max > 0
         self._gamma_max = gamma_max
@@ -576,6 +585,7 @@ class Worker:
         return True
 
     def _step_locked(self) -> int:
+        started = self._clock()
         drafts = self._plan_drafts_locked() if self._speculation else {}
         try:
             outs = self.engine.step(drafts or None)
@@ -587,6 +597,8 @@ class Worker:
             drafts = {}
             outs = self.engine.step(None)
         self._observe_acceptance(outs, drafts)
+        if self._step_observer is not None and self._speculation:
+            self._observe_step(outs, self._clock() - started)
         produced = 0
         for out in outs:
             act = self._active.get(out.request_id)
@@ -662,6 +674,22 @@ class Worker:
                 self._planner.observe(proposed, accepted)
             except Exception:
                 log.warning("planner.observe failed", exc_info=True)
+
+    def _observe_step(self, outs: Sequence[StepOutput], seconds: float) -> None:
+        """Step time to the planner (plan, drafts and verify), for decode steps only: a step that
+        prefilled (a chunk's first step) costs far more and says nothing about drafting."""
+        live = [a for a in self._active.values() if not a.done]
+        if not outs or len(outs) != len(live):
+            return  # a request did not step (prefilling in parts, or waiting for KV)
+        for out in outs:
+            act = self._active.get(out.request_id)
+            if act is None or act.generated == 0 or not out.token_ids:
+                return
+        assert self._step_observer is not None
+        try:
+            self._step_observer(len(outs), sum(len(o.token_ids) for o in outs), seconds)
+        except Exception:
+            log.warning("planner.observe_step failed", exc_info=True)
 
     def _deliver_locked(self, act: _Active, out: StepOutput) -> None:
         job = act.job

@@ -39,9 +39,20 @@ class DraftSource(Protocol):
 
 
 class SpecPlanner(Protocol):
+    """Sizes each step's drafts (services.worker.adaptive). Per step the worker calls plan(), then
+    observe() with the verified draft positions (only when drafts were verified), then, if the
+    planner has it, observe_step(batch, tokens, seconds) for a decode step (TimedSpecPlanner)."""
+
     def observe(self, proposed_per_position: Sequence[int], accepted_per_position: Sequence[int]) -> None: ...
 
     def plan(self, requests: Sequence[tuple[str, bool]]) -> Mapping[str, int]: ...
+
+
+class TimedSpecPlanner(SpecPlanner, Protocol):
+    """A planner that closes its cost loop on measured step times (optional for a SpecPlanner)."""
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        """A decode step of `batch` requests (no prefill) emitted `tokens` tokens in `seconds`."""
 
 
 @dataclass(frozen=True)
