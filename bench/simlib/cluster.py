@@ -34,6 +34,7 @@ class RunConfig:
     prefix_gap_margin: int = 512
     order: str = "total"
     admission_lookahead: int = 16
+    kv_aging: float = 16.0
     history_probes: bool = False
     estimate_quantile: float = 0.9
     estimate_min_samples: int = 16
@@ -95,6 +96,7 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
         prefix_gap_margin=rc.prefix_gap_margin,
         order=rc.order,
         admission_lookahead=rc.admission_lookahead,
+        kv_aging=rc.kv_aging,
         history_probes=rc.history_probes,
         estimate_quantile=rc.estimate_quantile,
         estimate_min_samples=rc.estimate_min_samples,

@@ -39,6 +39,13 @@ class SchedulerConfig(ServiceConfig):
         default="scaled",
         metadata={"help": "seer_history: 'scaled' (prior follows this iteration's finished siblings) or 'floor'"},
     )
+    kv_aging: float = field(
+        default=16.0,
+        metadata={
+            "help": "KV-bound with every waiting request started: estimate tokens a paused request gains "
+            "per token-time it waits (0 = off)"
+        },
+    )
     admission_lookahead: int = field(
         default=16, metadata={"help": "queued candidates one decision may skip when the best does not fit"}
     )
@@ -78,6 +85,7 @@ class SchedulerConfig(ServiceConfig):
             estimate_min_samples=self.estimate_min_samples,
             history_estimate=self.history_estimate,
             admission_lookahead=self.admission_lookahead,
+            kv_aging=self.kv_aging,
             use_worker_free_pages=self.use_worker_free_pages,
             history_probes=self.history_probes,
             quarantine_clear_reports=self.quarantine_clear_reports,

@@ -30,6 +30,9 @@ class SchedulerPolicyConfig:
     starvation_chunks: float = 0.0
     # Longest-first by the estimated "total" length (Seer Algorithm 2) or by "remaining" length.
     order: str = "total"
+    # While the cluster is KV-bound and every waiting request has started (core/pressure.py), a
+    # paused request's estimate grows by this many tokens per token-time it waits (0 = off).
+    kv_aging: float = 16.0
     # Admission: how many queued candidates one decision may skip when the best does not fit.
     admission_lookahead: int = 16
     # Subtract KV usage the worker reports beyond our own reservations (e.g. another tenant).
@@ -63,6 +66,8 @@ class SchedulerPolicyConfig:
             raise InvalidArgument(f"must be >= 0, got {self.starvation_chunks}", field="starvation_chunks")
         if self.order not in ("total", "remaining"):
             raise InvalidArgument(f"{self.order!r} is not one of total, remaining", field="order")
+        if not self.kv_aging >= 0 or math.isinf(self.kv_aging):
+            raise InvalidArgument(f"must be a finite number >= 0, got {self.kv_aging}", field="kv_aging")
         if self.admission_lookahead < 1:
             raise InvalidArgument("must be >= 1", field="admission_lookahead")
         if not 0 <= self.estimate_quantile < 1:

@@ -5,11 +5,16 @@ anti-starvation. Both are O(log n) per operation so one decision stays well unde
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Key = tuple[float, ...]
+
+# One sequence over all queues: entries of different queues with equal keys compare in enqueue
+# order, so merging two queues by their heads keeps the FIFO tie-break of a single queue.
+_SEQ = itertools.count()
 
 
 @dataclass
@@ -18,14 +23,19 @@ class PendingQueue:
     request's current version (re-keying pushes a new entry and bumps the version)."""
 
     heap: list[tuple[Key, int, str, int]] = field(default_factory=list)
-    _seq: int = 0
 
     def push(self, key: Key, request_id: str, version: int) -> None:
-        self._seq += 1
-        heapq.heappush(self.heap, (key, self._seq, request_id, version))
+        heapq.heappush(self.heap, (key, next(_SEQ), request_id, version))
 
     def pop(self) -> tuple[Key, int, str, int] | None:
         return heapq.heappop(self.heap) if self.heap else None
+
+    def peek_live(self, live: dict[str, int]) -> tuple[Key, int, str, int] | None:
+        """The best live entry (stale entries at the head are dropped), without removing it."""
+        heap = self.heap
+        while heap and live.get(heap[0][2]) != heap[0][3]:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     def restore(self, entry: tuple[Key, int, str, int]) -> None:
         heapq.heappush(self.heap, entry)

@@ -28,6 +28,7 @@ from services.common.log import get_logger, kv
 
 from .config import SchedulerPolicyConfig
 from .groups import GroupState, history_prior
+from .pressure import BindingResource
 from .queues import AgeQueue, Key, PendingQueue
 from .ratios import SiblingRatios
 from .types import Dispatch, RequestInfo, WorkerSpec
@@ -48,6 +49,7 @@ class _Request:
     last_worker: str | None = None  # the worker that ran its previous chunk (holds its KV prefix)
     version: int = 0  # version of its live priority-queue entries
     enq: int = 0  # enqueue count: identifies its live anti-starvation entry
+    enqueued_at: float = 0.0  # clock time its current wait began
     chunks: int = 0
     dispatched_at: float = 0.0  # clock time its in-flight chunk was dispatched
 
@@ -67,7 +69,14 @@ class SchedulerCore:
         # request_id -> version of its live queue entries (pending requests only).
         self._live: dict[str, int] = {}
         self._probe_q = PendingQueue()
-        self._main_q = PendingQueue()
+        # Non-probe chunks, split by whether the request has started (generated > 0): one
+        # priority order over both, merged by their heads; the started ones age while the cluster
+        # is KV-bound with every waiting request started (see _aging).
+        self._fresh_q = PendingQueue()
+        self._started_q = PendingQueue()
+        self._fresh_live: set[str] = set()  # pending requests that have not started
+        self._binding = BindingResource()
+        self._age_unit: float | None = None  # seconds per token of the first full chunk (frozen)
         self._age_q = AgeQueue()
         self._paused_q = AgeQueue()  # the same, for requests paused mid-response only
         self._in_flight = 0
@@ -84,6 +93,7 @@ class SchedulerCore:
             "finished_requests": 0,
             "stale_reports": 0,
             "admission_skips": 0,
+            "contention_switches": 0,
         }
 
     # ---- requests -------------------------------------------------------------------------
@@ -128,6 +138,7 @@ class SchedulerCore:
         if req.state == "in_flight":
             self._release(req)
         self._live.pop(request_id, None)
+        self._fresh_live.discard(request_id)
         req.state = "cancelled"
         self._retire(req)
 
@@ -210,16 +221,77 @@ class SchedulerCore:
         if not self.cfg.chunked:
             return self._baseline_dispatches(limit)
         now = self.clock()
+        kv_refused: bool | None = None  # why the decisions stopped, if for lack of a resource
         while (limit is None or len(out) < limit) and self._live:
             if not any(w.load < w.spec.max_batch_size and not w.quarantined for w in self._workers.values()):
+                kv_refused = False  # batch-bound: no free slot
                 break
             d = self._starving(now) or self._next_by_priority()
             if d is None:
+                kv_refused = True  # a slot is free, but no queued candidate fits the free KV
                 break
             out.append(d)
-        self._probe_q.compact(self._live)
-        self._main_q.compact(self._live)
+        if (
+            kv_refused is not None
+            and self.cfg.chunked
+            and self._binding.observe(kv_refused, len(self._fresh_live), len(self._live))
+        ):
+            self._counters["contention_switches"] += 1
+            log.info(
+                "contention among started requests" if self._binding.started_contention else "contention ended",
+                extra=kv(kv_bound=self._binding.kv_bound, level=round(self._binding.level, 3)),
+            )
+            if self.cfg.kv_aging > 0:
+                for rid in list(self._live):  # O(pending), once per switch (rare: hysteresis)
+                    req = self._requests[rid]
+                    if req.generated > 0:
+                        self._enqueue(req, fresh=False)
+        for q in (self._probe_q, self._fresh_q, self._started_q):
+            q.compact(self._live)
         return out
+
+    def kv_bound(self) -> bool:
+        """Whether the cluster is KV-bound now (pressure.py)."""
+        return self._binding.kv_bound
+
+    def _aging(self) -> float:
+        """Tokens of estimate a paused request gains per token-time it waits (0: no aging).
+
+        Aging applies while the cluster is KV-bound and (nearly) every waiting request has
+        already started (pressure.py). Then longest-first no longer decides which requests start
+        early (its purpose: Seer section 4.2); it only decides which started request waits for
+        KV at each chunk boundary, and strict ranking by estimates starves the requests that
+        rank low by error until the KV drains, when they run as the tail (bench.sim, Kimi-K2:
+        median queued 60% of the makespan). With aging, a request that waited w token-times
+        ranks as if its estimate were `kv_aging * w` tokens longer, which bounds that wait."""
+        if self.cfg.kv_aging <= 0 or not self.cfg.context_aware or not self._binding.started_contention:
+            return 0.0
+        if self._age_unit is None:
+            self._age_unit = self._chunk_token_s
+        return 0.0 if not self._age_unit else self.cfg.kv_aging / self._age_unit
+
+    def _pop_candidate(self) -> tuple[PendingQueue, tuple[Key, int, str, int]] | None:
+        """The next live candidate: probes first; then the better head of the fresh and started
+        queues (the order of one queue; a started head's key is aged up to now)."""
+        live = self._live
+        if self._probe_q.peek_live(live) is not None:
+            q = self._probe_q
+        else:
+            started, fresh = self._started_q.peek_live(live), self._fresh_q.peek_live(live)
+            if started is None and fresh is None:
+                return None
+            if started is None:
+                q = self._fresh_q
+            elif fresh is None:
+                q = self._started_q
+            else:
+                # Started keys hold -(estimate + rate * (now - enqueued_at)) without the common
+                # "- rate * now", which is added here to compare with a fresh (unaged) key.
+                aged = started[0][0] - self._aging() * self.clock()
+                q = self._started_q if (aged, started[1]) < (fresh[0][0], fresh[1]) else self._fresh_q
+        entry = q.pop()
+        assert entry is not None
+        return q, entry
 
     def _starving(self, now: float) -> Dispatch | None:
         for q, limit in ((self._age_q, self.cfg.starvation_seconds), (self._paused_q, self.paused_threshold())):
@@ -260,25 +332,18 @@ class SchedulerCore:
             default=0,
         )
         chosen: Dispatch | None = None
-        for q in (self._probe_q, self._main_q):
-            while chosen is None and tries < self.cfg.admission_lookahead:
-                entry = q.pop()
-                if entry is None:
-                    break
-                rid, version = entry[2], entry[3]
-                if self._live.get(rid) != version:
-                    continue  # stale (re-keyed, dispatched or cancelled)
-                tries += 1
-                req = self._requests[rid]
-                need = (
-                    req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
-                )
-                chosen = self._try_place(req) if need <= room else None
-                if chosen is None:
-                    skipped.append((q, entry))
-                    self._counters["admission_skips"] += 1
-            if chosen is not None:
+        while chosen is None and tries < self.cfg.admission_lookahead:
+            cand = self._pop_candidate()
+            if cand is None:
                 break
+            q, entry = cand
+            tries += 1
+            req = self._requests[entry[2]]
+            need = req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
+            chosen = self._try_place(req) if need <= room else None
+            if chosen is None:
+                skipped.append((q, entry))
+                self._counters["admission_skips"] += 1
         for q, entry in skipped:
             q.restore(entry)
         return chosen
@@ -286,13 +351,10 @@ class SchedulerCore:
     def _baseline_dispatches(self, limit: int | None) -> list[Dispatch]:
         out: list[Dispatch] = []
         while limit is None or len(out) < limit:
-            entry = self._main_q.pop()
-            if entry is None:
+            cand = self._pop_candidate()
+            if cand is None:
                 break
-            rid, version = entry[2], entry[3]
-            if self._live.get(rid) != version:
-                continue
-            req = self._requests[rid]
+            req = self._requests[cand[1][2]]
             gid = req.info.group_id
             wid = self._group_worker.get(gid)
             if wid is None or wid not in self._workers:
@@ -358,6 +420,7 @@ class SchedulerCore:
         rid = req.info.request_id
         probe = self._is_active_probe(req)
         del self._live[rid]
+        self._fresh_live.discard(rid)
         req.state, req.worker, req.max_new = "in_flight", w.worker_id, max_new
         req.dispatched_at = self.clock()
         w.reserve(rid, pages)
@@ -426,6 +489,7 @@ class SchedulerCore:
     def _finish(self, req: _Request) -> None:
         req.state = "done"
         self._live.pop(req.info.request_id, None)
+        self._fresh_live.discard(req.info.request_id)
         self._counters["finished_requests"] += 1
         g = self._groups[req.info.group_id]
         g.finished_lengths.append(req.generated)
@@ -473,6 +537,11 @@ class SchedulerCore:
             # remaining estimate (order="remaining") was equal or worse on all three workloads.
             g = self._groups[req.info.group_id]
             est = g.request_estimate(req.generated, self._factor(g))
+            rate = self._aging() if req.generated > 0 else 0.0
+            if rate:
+                # Aged: -(est + rate * (now - enqueued_at)) = -est + rate * enqueued_at - rate * now;
+                # the last term is common to all started requests and added when comparing.
+                return (-float(est) + rate * req.enqueued_at,)
             if self.cfg.order == "remaining":
                 return (-float(est - req.generated),)
             return (-float(est),)
@@ -493,13 +562,18 @@ class SchedulerCore:
         req.state = "pending"
         req.version += 1
         self._live[rid] = req.version
+        if req.generated == 0:
+            self._fresh_live.add(rid)
         if self._is_active_probe(req):
             # Probes: smallest generated length first (Seer Algorithm 2).
             self._probe_q.push((float(req.generated),), rid, req.version)
+        elif req.generated > 0:
+            self._started_q.push(self._key(req), rid, req.version)
         else:
-            self._main_q.push(self._key(req), rid, req.version)
+            self._fresh_q.push(self._key(req), rid, req.version)
         if fresh:
             req.enq += 1
+            req.enqueued_at = self.clock()
             self._age_q.push(self.clock(), rid, req.enq)
             if req.generated > 0 and self.cfg.starvation_chunks > 0:
                 self._paused_q.push(self.clock(), rid, req.enq)
@@ -535,6 +609,9 @@ class SchedulerCore:
             "in_flight_chunks": self._in_flight,
             "active_groups": len(self._groups),
             **self._counters,
+            "kv_bound": self._binding.kv_bound,
+            "kv_pressure": round(self._binding.level, 3),
+            "started_contention": self._binding.started_contention,
             "workers": {
                 wid: {
                     "in_flight": w.load,
