@@ -85,22 +85,27 @@ def _tokenize(model_dir: Path, texts: Sequence[str]) -> list[list[int]]:
 
 
 def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: int, temperature: float,
-                      top_p: float = 1.0, threads: int | None = None) -> dict[str, Any]:
-    """Two iterations x n_prompts x group responses, cached."""
+                      top_p: float = 1.0, threads: int | None = None, prompt_offset: int = 0) -> dict[str, Any]:
+    """Two iterations x n_prompts x group responses (PROMPTS[prompt_offset:][:n_prompts]), cached.
+    A nonzero offset picks a held-out set of prompts (tune the drafter on one set, report both)."""
+    if prompt_offset < 0 or prompt_offset + n_prompts > len(PROMPTS):
+        raise ValueError(f"prompts {prompt_offset}..{prompt_offset + n_prompts - 1} out of range (have {len(PROMPTS)})")
     key = f"t{temperature}_p{top_p}_n{n_prompts}_g{group}_m{max_tokens}"
+    key += f"_o{prompt_offset}" if prompt_offset else ""
     path = CACHE / f"rollouts_{key}.json"
     if path.exists():
         return json.loads(path.read_text())  # type: ignore[no-any-return]
     from services.worker.engine import GenerateRequest, SamplingParams
     from services.worker.engines.reference.engine import ReferenceEngine
 
-    prompts = _tokenize(model_dir, PROMPTS[:n_prompts])
+    prompts = _tokenize(model_dir, PROMPTS[prompt_offset : prompt_offset + n_prompts])
     engine = ReferenceEngine.from_dir(model_dir, max_batch_size=n_prompts * group, num_threads=threads)
     iters = []
     t0 = time.perf_counter()
     for it in range(2):
         reqs = [GenerateRequest(f"i{it}-p{p}-s{s}", tuple(prompts[p]), max_tokens,
-                                SamplingParams(temperature=temperature, top_p=top_p, seed=1000 * it + 37 * p + s))
+                                SamplingParams(temperature=temperature, top_p=top_p,
+                                               seed=1000 * it + 37 * (p + prompt_offset) + s))
                 for p in range(n_prompts) for s in range(group)]
         res = engine.generate(reqs)
         out(f"  generated iteration {it} at T={temperature}: {sum(len(r.token_ids) for r in res.values())} tokens "
@@ -528,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="2 prompts, 64 tokens, a short throughput run (under 60 s once the rollouts are cached)")
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--prompts", type=int, default=0)
+    ap.add_argument("--prompt-offset", type=int, default=0,
+                    help="first rollout prompt (4 = the held-out set PROMPTS[4:8]; cached separately)")
     ap.add_argument("--max-tokens", type=int, default=0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--suite", action="store_true",
@@ -563,13 +570,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.worker.model.prepare import ensure_model
 
         model_dir = ensure_model()
-    result: dict[str, Any] = {"bench": "spec", "quick": args.quick, "prompts": n_prompts, "max_tokens": max_tokens,
+    result: dict[str, Any] = {"bench": "spec", "quick": args.quick, "prompts": n_prompts,
+                              "prompt_offset": args.prompt_offset, "max_tokens": max_tokens,
                               "gamma_max": GAMMA}
     datasets = {}
     temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     for temp in temps:
         t0 = time.perf_counter()
-        data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp, threads=args.threads or None)
+        data = generate_rollouts(model_dir, n_prompts, 16, max_tokens, temp, threads=args.threads or None,
+                                 prompt_offset=args.prompt_offset)
         datasets[temp] = data
         out(f"rollouts T={temp}: {n_prompts} prompts x 16 x 2 iterations ({time.perf_counter() - t0:.1f}s)")
         for g in (() if args.skip_acceptance else (8, 16)):
