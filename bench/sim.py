@@ -41,7 +41,8 @@ RUNS: list[tuple[str, RunConfig]] = [
     ("seer_history", RunConfig("seer_history")),
     ("oracle", RunConfig("oracle")),
 ]
-# Variants and bounds (not plotted): seer ranked by estimated remaining length (LRPT); seer that
+# Variants and bounds (not plotted): seer and seer_history without aging of paused requests under KV
+# contention (kv_aging 0: the order of session 3); seer ranked by estimated remaining length (LRPT); seer that
 # resumes a request paused mid-response after half a chunk's duration (starvation_chunks); the oracle
 # by true remaining length (LRPT: the paper's oracle ranks by total length, which is not the best
 # schedule with full knowledge); the oracle ranking every member by its group's true maximum (what
@@ -49,6 +50,8 @@ RUNS: list[tuple[str, RunConfig]] = [
 # history-oracle ranking by the previous iteration's exact group maximum (the ceiling of any
 # policy that knows last iteration's lengths and nothing of this one).
 BOUNDS: list[tuple[str, RunConfig]] = [
+    ("seer-no-aging", RunConfig("seer", kv_aging=0.0)),
+    ("history-no-aging", RunConfig("seer_history", kv_aging=0.0)),
     ("seer-lrpt", RunConfig("seer", order="remaining")),
     ("seer-resume", RunConfig("seer", starvation_chunks=0.5)),
     ("oracle-lrpt", RunConfig("oracle", order="remaining")),
@@ -194,7 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("\n== per workload (targets hold for each): fraction of oracle / tail vs baseline")
     cols = [
-        k for k in ("seer", "seer-lrpt", "seer-resume", "seer_history", "history-oracle", "group-oracle", "oracle-lrpt")
+        k
+        for k in (
+            "seer",
+            "seer-no-aging",
+            "seer-lrpt",
+            "seer-resume",
+            "seer_history",
+            "history-no-aging",
+            "history-oracle",
+            "group-oracle",
+            "oracle-lrpt",
+        )
     ]
     print(f"{'workload':14s} " + " ".join(f"{c:>15s}" for c in cols))
     for wname, v in per_workload.items():
@@ -207,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         "history-oracle: ranks by the previous iteration's exact group maximum (the ceiling of history "
         "priors under the modelled correlation); group-oracle: ranks by this iteration's true group maximum "
         "(perfect group estimates); oracle-lrpt: true remaining length first; seer-resume: seer resuming a "
-        "request paused mid-response after half a chunk's duration"
+        "request paused mid-response after half a chunk's duration; *-no-aging: kv_aging 0 (paused requests do "
+        "not age under KV contention among started requests)"
     )
     print(f"wall {time.perf_counter() - t0:.1f} s")
     summary["per_workload"] = per_workload  # type: ignore[assignment]

@@ -241,11 +241,8 @@ class SchedulerCore:
                 "contention among started requests" if self._binding.started_contention else "contention ended",
                 extra=kv(kv_bound=self._binding.kv_bound, level=round(self._binding.level, 3)),
             )
-            if self.cfg.kv_aging > 0:
-                for rid in list(self._live):  # O(pending), once per switch (rare: hysteresis)
-                    req = self._requests[rid]
-                    if req.generated > 0:
-                        self._enqueue(req, fresh=False)
+            if self.cfg.kv_aging > 0 and self._age_unit:
+                self._rekey_started()
         for q in (self._probe_q, self._fresh_q, self._started_q):
             q.compact(self._live)
         return out
@@ -266,9 +263,15 @@ class SchedulerCore:
         ranks as if its estimate were `kv_aging * w` tokens longer, which bounds that wait."""
         if self.cfg.kv_aging <= 0 or not self.cfg.context_aware or not self._binding.started_contention:
             return 0.0
-        if self._age_unit is None:
-            self._age_unit = self._chunk_token_s
         return 0.0 if not self._age_unit else self.cfg.kv_aging / self._age_unit
+
+    def _rekey_started(self) -> None:
+        """Re-key every pending started request (aging turned on or off): O(pending), once per
+        switch, which the hysteresis keeps rare."""
+        for rid in list(self._live):
+            req = self._requests[rid]
+            if req.generated > 0:
+                self._enqueue(req, fresh=False)
 
     def _pop_candidate(self) -> tuple[PendingQueue, tuple[Key, int, str, int]] | None:
         """The next live candidate: probes first; then the better head of the fresh and started
@@ -450,6 +453,12 @@ class SchedulerCore:
             self._chunk_token_s = (
                 per_token if self._chunk_token_s is None else 0.9 * self._chunk_token_s + 0.1 * per_token
             )
+            if self._age_unit is None and per_token > 0:
+                # The unit of aging: one token-time of the first full chunk, frozen so that the
+                # aged keys already queued stay comparable.
+                self._age_unit = per_token
+                if self._aging():
+                    self._rekey_started()
         req.generated += new_tokens
         req.chunks += 1
         req.last_worker = worker_id
