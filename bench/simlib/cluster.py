@@ -34,7 +34,7 @@ class RunConfig:
     prefix_gap_margin: int = 512
     order: str = "total"
     admission_lookahead: int = 16
-    kv_aging: float = 16.0
+    kv_aging: float = 12.0
     history_probes: bool = False
     estimate_quantile: float = 0.9
     estimate_min_samples: int = 16

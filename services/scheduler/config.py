@@ -40,7 +40,7 @@ class SchedulerConfig(ServiceConfig):
         metadata={"help": "seer_history: 'scaled' (prior follows this iteration's finished siblings) or 'floor'"},
     )
     kv_aging: float = field(
-        default=16.0,
+        default=12.0,
         metadata={
             "help": "KV-bound with every waiting request started: estimate tokens a paused request gains "
             "per token-time it waits (0 = off)"

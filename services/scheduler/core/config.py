@@ -32,7 +32,7 @@ class SchedulerPolicyConfig:
     order: str = "total"
     # While the cluster is KV-bound and every waiting request has started (core/pressure.py), a
     # paused request's estimate grows by this many tokens per token-time it waits (0 = off).
-    kv_aging: float = 16.0
+    kv_aging: float = 12.0
     # Admission: how many queued candidates one decision may skip when the best does not fit.
     admission_lookahead: int = 16
     # Subtract KV usage the worker reports beyond our own reservations (e.g. another tenant).
