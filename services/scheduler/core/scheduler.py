@@ -10,7 +10,9 @@ Policies:
 - divided: chunks of `chunk_size` tokens, FIFO, least-loaded placement, admission control.
 - seer (Seer Algorithm 2): one probe per group served first, smallest generated length first; the
   others longest-first by group estimate (max length of finished siblings, else max_tokens);
-  anti-starvation; cache-aware placement.
+  anti-starvation; cache-aware placement. While the cluster is KV-bound and every waiting request
+  has started (pressure.py), paused requests age (`kv_aging`), so that estimate errors do not
+  starve them until the KV drains.
 - seer_history: seer with the previous iteration's lengths per prompt key as priors (RhymeRL).
 - oracle: longest-first by the true lengths (simulator only).
 """
@@ -261,7 +263,9 @@ class SchedulerCore:
         rank low by error until the KV drains, when they run as the tail (bench.sim, Kimi-K2:
         median queued 60% of the makespan). With aging, a request that waited w token-times
         ranks as if its estimate were `kv_aging * w` tokens longer, which bounds that wait."""
-        if self.cfg.kv_aging <= 0 or not self.cfg.context_aware or not self._binding.started_contention:
+        if self.cfg.kv_aging <= 0 or self.cfg.policy not in ("seer", "seer_history"):
+            return 0.0
+        if not self._binding.started_contention:
             return 0.0
         return 0.0 if not self._age_unit else self.cfg.kv_aging / self._age_unit
 
@@ -544,6 +548,7 @@ class SchedulerCore:
             # Longest-first by group estimate (Algorithm 2); ties in enqueue order (FIFO). Measured
             # in bench.sim: breaking ties by most-generated-first (depth-first) or ranking by the
             # remaining estimate (order="remaining") was equal or worse on all three workloads.
+            # Started requests age under KV contention (_aging).
             g = self._groups[req.info.group_id]
             est = g.request_estimate(req.generated, self._factor(g))
             rate = self._aging() if req.generated > 0 else 0.0
