@@ -132,6 +132,16 @@ def switch_policy(suite: object, policy: str, workers: int) -> None:
     suite.wait_workers(workers, timeout=120)  # type: ignore[attr-defined]
 
 
+def contention_events(suite: object) -> int:
+    """How many times the scheduler has logged entering KV contention among started requests (the
+    state in which seer ages paused requests, services/scheduler/core/pressure.py) so far."""
+    path = suite.services["scheduler"].stderr_path  # type: ignore[attr-defined]
+    try:
+        return path.read_text(errors="replace").count("contention among started requests")
+    except OSError:
+        return 0
+
+
 def run_batch(client: object, batch_id: str, groups: list[PromptGroup]) -> dict[str, float]:
     t0 = time.monotonic()
     client.submit_batch(batch_id, groups)  # type: ignore[attr-defined]
@@ -221,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
             order = wl.submission_order(rep, args.workers)
             for policy in policies:
                 switch_policy(suite, policy, args.workers)
+                before = contention_events(suite)
                 with SeerClient(suite.address) as client:
                     res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep, order=order))
                 res["dispatched_chunks"] = int(suite.scheduler_stats().dispatched_chunks)
+                # 0 where the workers were never KV-bound with every waiting request started: then
+                # seer's order is Algorithm 2's, unchanged by kv_aging.
+                res["kv_contention_events"] = contention_events(suite) - before
                 res["long_collide"] = wl.collides(order, args.workers)
                 runs[policy].append(res)
                 print(f"rep {rep} {policy:13s} {json.dumps(res)}", flush=True)
