@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.spec import CACHE, GAMMA, _accepted, _lcp
-from services.draft.index import _POS_BITS, _POS_MASK, GroupIndex
+from services.draft.index import _POS_BITS, _POS_MASK, GroupIndex, _key
 
 
 def _occurrences(idx: GroupIndex, ctx: Sequence[int], max_back: int = 64) -> list[tuple[int, int, int]]:
     """Every occurrence of the context's last 2 tokens with a continuation: (seq, pos, backward
     match length m >= 2)."""
-    v = idx._tables[idx.levels.index(2)].get(hash(tuple(ctx[-2:])))
+    v = idx._tables[idx.levels.index(2)].get(_key(ctx, 2))
     if v is None:
         return []
     codes = [v] if type(v) is int else v

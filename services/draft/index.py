@@ -5,17 +5,21 @@ sibling response (including the request's own output) and history responses of t
 from earlier iterations.
 
 Structure (chosen by measurement, see services/draft/README.md): for each level k in `levels`
-(default 2, 4, 7), a dict maps the hash of a k-gram to the positions right after its occurrences
+(default 1, 2, 4), a dict maps the hash of a k-gram to the positions right after its occurrences
 (`seq << 32 | pos`; a bare int while there is one occurrence, a list after). Ingest is a few dict
 operations per token (~1.5 M tokens/s on this machine), drafting is one dict lookup per level plus
 a walk over the candidate continuations, with no per-token tree nodes. Responses are stored with the
 prompt's last tokens in front, so the first tokens of a response match across siblings too.
 
-Drafting follows SuffixDecoding (Oliaro et al. 2024), RhymeRL's history matching (longest of the
-last 7, then 4 tokens) and Seer's multi-path drafts: among the occurrences of the longest matched
-suffix, prob(child) = prob(parent) * count(child) / count(parent); a draft's score is the sum of its
-token probabilities (expected accepted tokens); expansion stops below `min_token_prob`; the draft
-length is capped at `max_spec_factor` (4) x match length. width > 1 expands best-first into a top-k tree.
+Drafting follows SuffixDecoding (Oliaro et al. 2024), RhymeRL's history matching (longest match
+first, shorter ones as fall-backs) and Seer's multi-path drafts: among the occurrences of the longest
+matched suffix, prob(child) = prob(parent) * count(child) / count(parent); a draft's score is the sum
+of its token probabilities (expected accepted tokens); expansion stops below `min_token_prob`; the
+draft length is capped at `max_spec_factor` (4) x match length. width > 1 expands best-first into a
+top-k tree. Level 1 is PPM's order-1 escape: when no longer suffix drafts (a third of the steps of a
+grouped + history replay have no 2-token match at all), the last token's most frequent continuation.
+Levels (1, 2, 4) instead of (2, 4, 7) + 1: the 7-gram level added < 0.5% acceptance on bench.spec's
+rollouts, and three levels keep ingest where it was (bench.spec_analysis, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from services.common.errors import InvalidArgument
 
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
-DEFAULT_LEVELS: tuple[int, ...] = (2, 4, 7)
+DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 4)
 # Occurrences of one n-gram considered per proposal (the most recent ones): bounds the walk for very
 # frequent n-grams (e.g. "the" in the prompt), which are also the least predictive.
 MAX_CANDIDATES = 16
@@ -122,10 +126,12 @@ class GroupIndex:
         # Positions inside the prompt-tail lead would duplicate the prompt's own entries.
         start = max(old + 1, self._bases[s])
         for k, table in zip(self.levels, self._tables, strict=True):
-            get = table.get
             # Entry p = the k-gram seq[p-k:p], continuation at p. p == old was indexed by the last call.
-            for p in range(max(k, start), new + 1):
-                key = hash(tuple(seq[p - k : p]))
+            lo = k if k > start else start
+            get = table.get
+            for p in range(lo, new + 1):
+                # Level 1 is keyed by the token itself (no tuple, no hash call).
+                key = seq[p - 1] if k == 1 else hash(tuple(seq[p - k : p]))
                 v = get(key)
                 if v is None:
                     table[key] = hi | p
@@ -133,7 +139,8 @@ class GroupIndex:
                     table[key] = [v, hi | p]
                 else:
                     v.append(hi | p)  # type: ignore[union-attr]
-                self.entries += 1
+            if new >= lo:
+                self.entries += new + 1 - lo
         self.indexed_tokens += new - old
 
     def append(self, request_id: str, offset: int, token_ids: Sequence[int]) -> int:
@@ -160,7 +167,7 @@ class GroupIndex:
                     f"overlap with different tokens for request {request_id!r} at offset {offset}",
                     field="token_ids",
                 )
-        fresh = [int(t) for t in token_ids[overlap:]]
+        fresh = list(map(int, token_ids[overlap:]))
         if not fresh:
             return 0
         if s is None:
@@ -197,7 +204,7 @@ class GroupIndex:
         first = cut + 1 if offset else base
         for k, table in zip(self.levels, self._tables, strict=True):
             for p in range(max(k, first), old + 1):
-                key = hash(tuple(seq[p - k : p]))
+                key = seq[p - 1] if k == 1 else hash(tuple(seq[p - k : p]))
                 v = table[key]
                 if type(v) is int:
                     del table[key]
@@ -275,7 +282,7 @@ class GroupIndex:
         tokens, uncapped: the candidate set of the ideal offline replay in bench.spec."""
         if k not in self.levels or len(context) < k:
             return []
-        v = self._tables[self.levels.index(k)].get(hash(tuple(context[len(context) - k :])))
+        v = self._tables[self.levels.index(k)].get(_key(context, k))
         if v is None:
             return []
         codes = [v] if type(v) is int else v
@@ -298,7 +305,7 @@ class GroupIndex:
         """
         k = self.levels[level]
         n = len(context)
-        v = self._tables[level].get(hash(tuple(context[n - k :])))
+        v = self._tables[level].get(context[n - 1] if k == 1 else hash(tuple(context[n - k :])))
         if v is None:
             return []
         seqs = self._seqs
@@ -342,28 +349,42 @@ class GroupIndex:
         tried = 0
         levels = self.levels
         for level in range(len(levels) - 1, -1, -1):
-            if n < levels[level]:
+            k = levels[level]
+            if n < k or (k == 1 and best.tokens):
                 continue
+            if k > 1 and tried >= 2:
+                continue  # only the order-1 escape is left to try
             cap = self._caps[level]
             if cap > max_len:
                 cap = max_len
             conts = self._continuations(level, context, cap)
             if not conts:
                 continue
-            prop = (_linear(conts, cap, min_token_prob, levels[level]) if width <= 1
-                    else _tree(conts, cap, width, min_token_prob, levels[level]))
+            prop = (_linear(conts, cap, min_token_prob, k) if width <= 1
+                    else _tree(conts, cap, width, min_token_prob, k))
             if prop.score > best.score:
                 best = prop
             tried += 1
-            # Longest match first (RhymeRL: last 7 tokens, then 4); a shorter match is only tried
-            # when the longer one yields no draft, and at most two levels with occurrences are
+            # Longest match first (RhymeRL: the last 7, then 4 tokens); a shorter match is only tried
+            # when the longer one yields no draft, and at most two levels >= 2 with occurrences are
             # evaluated. Measured on bench.spec rollouts: trying shorter levels after a non-empty
             # draft (keeping the best score) changed acceptance by < 0.1% and doubled the tail;
             # backing off to a shorter level when the longest has few occurrences (PPM style)
-            # lowered acceptance (T = 0.7, G = 16, with history: 2.21 -> 2.14-2.18).
-            if prop.tokens or tried >= 2:
+            # lowered acceptance (T = 0.7, G = 16, with history: 2.21 -> 2.14-2.18), and so did
+            # mixing all match depths with weights growing with the match length (bench.spec_variants).
+            # A level of 1 is PPM's order-1 escape: tried whenever no longer match drafted. A third
+            # of the steps of a grouped + history replay have no 2-token match at all, and the most
+            # frequent continuation of the last token alone still gives accepted tokens there
+            # (T = 0.7, G = 16: 1.91 -> 2.03 per step).
+            if prop.tokens:
                 break
         return best
+
+
+def _key(tokens: Sequence[int], k: int) -> int:
+    """Table key of the last k tokens: the token itself for k == 1, else the hash of the k-gram."""
+    n = len(tokens)
+    return int(tokens[n - 1]) if k == 1 else hash(tuple(tokens[n - k :]))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

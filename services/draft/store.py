@@ -39,7 +39,14 @@ log = get_logger(__name__)
 _MAX_TOKEN_ID = (1 << 31) - 1
 _LOG_ENTRY_BYTES = 120  # a SeqDelta object and its tuple, calibrated with tracemalloc
 _LOG_TOKEN_BYTES = 36
-_APPEND_TOKEN_BYTES = 200  # index entries (3 levels) + token slot + log copy
+# Reserved per appended token before the append: index entries (GroupIndex.memory_bytes: 45 bytes per
+# level) + token slot + log copy + margin (200 with 3 levels).
+_ENTRY_BYTES = 45
+_APPEND_TOKEN_FIXED_BYTES = 65
+
+
+def append_token_bytes(levels: tuple[int, ...]) -> int:
+    return _APPEND_TOKEN_FIXED_BYTES + _ENTRY_BYTES * len(levels)
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
 
 
@@ -214,7 +221,7 @@ class DraftStore:
                                       field=f"{where}offset")
             new_tokens = max(0, offset + len(token_ids) - have)
             if new_tokens:
-                self._make_room(new_tokens * _APPEND_TOKEN_BYTES)
+                self._make_room(new_tokens * append_token_bytes(self.limits.levels))
             try:
                 added = g.index.append(request_id, offset, token_ids)
             except InvalidArgument as e:
@@ -253,7 +260,7 @@ class DraftStore:
                                      f"{request_id!r} cannot be truncated", field=f"{where}truncate")
         fresh = len(toks) - same
         if fresh:
-            self._make_room(fresh * _APPEND_TOKEN_BYTES)
+            self._make_room(fresh * append_token_bytes(self.limits.levels))
         dropped, added = index.replace_from(request_id, offset + same, toks[same:])
         if reopen:
             g.finished.discard(request_id)

@@ -132,3 +132,26 @@ def test_empty_cases() -> None:
     assert idx.propose([1, 2, 3], 4).tokens == ()
     with pytest.raises(InvalidArgument):
         GroupIndex([], levels=())
+
+
+def test_order1_escape_drafts_when_no_longer_match() -> None:
+    """No occurrence of the last 2 tokens: the default levels fall back to the last token alone
+    (PPM's order-1 escape), with its most frequent continuation and a draft of at most
+    max_spec_factor x 1 tokens; an index without level 1 proposes nothing there."""
+    prompt = [90, 91]
+    seqs = {"a": [5, 6, 7, 8, 9, 10], "b": [4, 6, 7, 8, 9, 10], "c": [3, 6, 1, 2, 3, 4]}
+    with_escape = GroupIndex(prompt)
+    without = GroupIndex(prompt, levels=(2, 4, 7))
+    assert 1 in with_escape.levels
+    for rid, toks in seqs.items():
+        with_escape.append(rid, 0, toks)
+        without.append(rid, 0, toks)
+    ctx = [*prompt, 99, 6]  # (99, 6) never occurred; 6 did, 3 times
+    assert without.propose(ctx, 8).tokens == ()
+    prop = with_escape.propose(ctx, 8, min_token_prob=0.1)
+    assert prop.match_len == 1
+    assert prop.tokens == (7, 8, 9, 10)  # 2 of 3 continue with 7; capped at 4 x 1 tokens
+    assert prop.score == pytest.approx(4 * 2 / 3)
+    # A 2-token match, when there is one, still wins over the escape.
+    assert with_escape.propose([*prompt, 8, 3, 6], 8).match_len == 2
+    assert with_escape.propose([*prompt, 8, 3, 6], 8).tokens[:2] == (1, 2)
