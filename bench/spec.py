@@ -169,7 +169,7 @@ def replay(prompt: list[int], responses: list[list[int]], history: list[list[int
                 idx = own[r]
                 acc = max((_lcp(c, future) for c in idx.all_continuations(ctx, ideal_min_match, gamma)), default=0)
             else:
-                acc = _accepted(own[r].propose(ctx, gamma, width=width), future)
+                acc = _accepted(own[r].propose(ctx, gamma, width=width, request_id=f"r{r}"), future)
             advance[r] = min(acc + 1, len(responses[r]) - pos[r])
         for r, a in advance.items():
             own[r].append(f"r{r}", pos[r], responses[r][pos[r] : pos[r] + a])

@@ -155,3 +155,24 @@ def test_order1_escape_drafts_when_no_longer_match() -> None:
     # A 2-token match, when there is one, still wins over the escape.
     assert with_escape.propose([*prompt, 8, 3, 6], 8).match_len == 2
     assert with_escape.propose([*prompt, 8, 3, 6], 8).tokens[:2] == (1, 2)
+
+
+def test_source_weights_at_a_fork() -> None:
+    """At a fork, the requesting response's own occurrences count OWN_WEIGHT times and history
+    occurrences HISTORY_WEIGHT times; without request_id all count once."""
+    from services.draft.index import HISTORY_WEIGHT, OWN_WEIGHT
+
+    assert OWN_WEIGHT > 2 and HISTORY_WEIGHT < 1
+    idx = GroupIndex([90, 91])
+    idx.append("me", 0, [1, 2, 7, 8, 5, 1, 2])  # (1, 2) -> 7 once, in my own output
+    idx.append("s1", 0, [1, 2, 3, 4])  # (1, 2) -> 3 in two siblings
+    idx.append("s2", 0, [1, 2, 3, 4])
+    ctx = [90, 91, 1, 2, 7, 8, 5, 1, 2]
+    assert idx.propose(ctx, 2, min_token_prob=0.0).tokens[0] == 3  # plain counts: 2 vs 1
+    mine = idx.propose(ctx, 2, min_token_prob=0.0, request_id="me")
+    assert mine.tokens[0] == 7
+    assert mine.score == pytest.approx(2 * OWN_WEIGHT / (OWN_WEIGHT + 2))
+    # Three history responses saying 9 lose against the two siblings saying 3 (1.5 < 2).
+    for _ in range(3):
+        idx.add_history([1, 2, 9, 9])
+    assert idx.propose([90, 91, 5, 1, 2], 1, min_token_prob=0.0).tokens == (3,)

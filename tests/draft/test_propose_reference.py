@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
 
 import pytest
 
-from services.draft.index import MAX_CANDIDATES, GroupIndex
+from services.draft.index import HISTORY_WEIGHT, MAX_CANDIDATES, OWN_WEIGHT, GroupIndex
 
 LEVELS = (2, 4, 7)
 
@@ -24,6 +23,7 @@ class _Reference:
         self.levels = levels
         self.factor = max_spec_factor
         self.seqs: dict[str, list[int]] = {}
+        self.history: set[str] = set()
         self.order: dict[int, list[tuple[str, int]]] = {k: [] for k in levels}  # (request, p) as indexed
 
     def append(self, rid: str, toks: list[int]) -> None:
@@ -34,32 +34,42 @@ class _Reference:
             for p in range(max(k, old + 1), len(seq) + 1):
                 self.order[k].append((rid, p))
 
-    def _conts(self, k: int, ctx: list[int], cap: int) -> list[list[int]]:
+    def add_history(self, name: str, toks: list[int]) -> None:
+        self.history.add(name)
+        self.append(name, toks)
+
+    def _weight(self, rid: str, own: str | None) -> float:
+        return OWN_WEIGHT if rid == own else HISTORY_WEIGHT if rid in self.history else 1.0
+
+    def _conts(self, k: int, ctx: list[int], cap: int, own: str | None) -> list[tuple[list[int], float]]:
         suffix = ctx[-k:]
         occ = [(r, p) for r, p in self.order[k] if self.seqs[r][p - k : p] == suffix]
-        conts = [self.seqs[r][p : p + cap] for r, p in occ[-MAX_CANDIDATES:]]
-        return [c for c in conts if c]
+        conts = [(self.seqs[r][p : p + cap], self._weight(r, own)) for r, p in occ[-MAX_CANDIDATES:]]
+        return [(c, w) for c, w in conts if c]
 
     @staticmethod
-    def _walk(conts: list[list[int]], cap: int, min_prob: float) -> tuple[list[int], float]:
+    def _walk(conts: list[tuple[list[int], float]], cap: int, min_prob: float) -> tuple[list[int], float]:
         out: list[int] = []
         prob, score = 1.0, 0.0
         live = conts
         for d in range(cap):
-            live = [c for c in live if len(c) > d]
+            live = [(c, w) for c, w in live if len(c) > d]
             if not live:
                 break
-            counts = Counter(c[d] for c in live)
+            counts: dict[int, float] = {}
+            for c, w in live:
+                counts[c[d]] = counts.get(c[d], 0.0) + w
             tok, n = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
-            prob *= n / len(live)
+            prob *= n / sum(w for _c, w in live)
             if prob < min_prob:
                 break
             out.append(tok)
             score += prob
-            live = [c for c in live if c[d] == tok]
+            live = [(c, w) for c, w in live if c[d] == tok]
         return out, score
 
-    def propose(self, ctx: list[int], max_len: int, min_prob: float) -> tuple[tuple[int, ...], float, int]:
+    def propose(self, ctx: list[int], max_len: int, min_prob: float,
+                own: str | None = None) -> tuple[tuple[int, ...], float, int]:
         best: tuple[tuple[int, ...], float, int] = ((), 0.0, 0)
         tried = 0
         for k in sorted(self.levels, reverse=True):
@@ -70,7 +80,7 @@ class _Reference:
             if k > 1 and tried >= 2:
                 continue
             cap = min(max_len, max(1, math.ceil(self.factor * k)))
-            conts = self._conts(k, ctx, cap)
+            conts = self._conts(k, ctx, cap, own)
             if not conts:
                 continue
             toks, score = self._walk(conts, cap, min_prob)
@@ -92,6 +102,11 @@ def test_propose_equals_from_scratch_reference(seed: int, levels: tuple[int, ...
     base = [rng.randrange(vocab) for _ in range(120)]
     streams = {f"r{i}": [t if rng.random() < 0.85 else rng.randrange(vocab) for t in base] for i in range(5)}
     pos = dict.fromkeys(streams, 0)
+    # Two history responses (an earlier iteration): their occurrences count HISTORY_WEIGHT times.
+    for h in range(2):
+        toks = [t if rng.random() < 0.8 else rng.randrange(vocab) for t in base]
+        idx.add_history(toks)
+        ref.add_history(f"h{h}", toks)
     checked = forks = 0
     for _step in range(200):
         rid = rng.choice(list(streams))
@@ -106,8 +121,10 @@ def test_propose_equals_from_scratch_reference(seed: int, levels: tuple[int, ...
         ctx = streams[q][: max(pos[q], 1)]
         max_len = rng.randint(1, 10)
         min_prob = rng.choice([0.0, 0.1, 0.3])
-        got = idx.propose(ctx, max_len, min_token_prob=min_prob)
-        want_toks, want_score, want_k = ref.propose(ctx, max_len, min_prob)
+        # Half the proposals name the requesting response: its own occurrences count OWN_WEIGHT times.
+        own = q if rng.random() < 0.5 else None
+        got = idx.propose(ctx, max_len, min_token_prob=min_prob, request_id=own)
+        want_toks, want_score, want_k = ref.propose(ctx, max_len, min_prob, own)
         assert got.tokens == want_toks, (ctx[-8:], max_len, min_prob)
         assert got.score == pytest.approx(want_score)
         assert got.parents == tuple(range(-1, len(want_toks) - 1))
