@@ -73,7 +73,7 @@ def analyse(data: dict[str, Any], group: int, history: bool) -> dict[str, Any]:
             for r in live:
                 ctx = prompt + responses[r][: pos[r]]
                 fut = responses[r][pos[r] : pos[r] + GAMMA]
-                prop = idx.propose(ctx, GAMMA)
+                prop = idx.propose(ctx, GAMMA, request_id=f"r{r}")
                 a_on = _accepted(prop, fut)
                 occ = _occurrences(idx, ctx)
                 own = idx._by_request.get(f"r{r}")
