@@ -30,7 +30,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import accumulate, islice
 from operator import itemgetter
 
 from services.common.errors import InvalidArgument
@@ -330,28 +330,25 @@ class GroupIndex:
             c = seqs[v >> _POS_BITS][p : p + cap]
             return ([c] if c else []), None
         mask = _POS_MASK
+        bits = _POS_BITS
         codes: list[int] = v[-MAX_CANDIDATES:]  # type: ignore[index]
-        weights = self._weights
-        own_w = self.own_weight
-        conts: list[list[int]] = []
-        add = conts.append
-        ws: list[float] = []
-        addw = ws.append
-        for code in codes:
-            s = code >> _POS_BITS
-            q = code & mask
-            add(seqs[s][q : q + cap])
-            addw(own_w if s == own else weights[s])
+        conts = [seqs[c >> bits][(c & mask) : (c & mask) + cap] for c in codes]
         # An occurrence at a sequence's end has no continuation yet: the empty lists sort first and
         # the walks skip them like any ended continuation; only "all empty" is no candidate at all.
+        if own < 0 and not self._history:
+            conts.sort()
+            return (conts if conts[-1] else []), None
+        weights = self._weights
+        own_w = self.own_weight
+        ws = [own_w if c >> bits == own else weights[c >> bits] for c in codes]
         if ws.count(1.0) == len(ws):
             conts.sort()
             return (conts if conts[-1] else []), None
-        order = sorted(range(len(conts)), key=conts.__getitem__)
-        conts = [conts[i] for i in order]
-        if not conts[-1]:
+        order = sorted(range(len(conts)), key=conts.__getitem__)  # stable: equal ones by recency
+        last = conts[order[-1]]
+        if not last:
             return [], None
-        return conts, [ws[i] for i in order]
+        return [conts[i] for i in order], [ws[i] for i in order]
 
     def propose(
         self,
@@ -475,6 +472,7 @@ def _linear(conts: list[list[int]], ws: list[float] | None, cap: int, min_prob: 
     prob = 1.0
     lo, hi = 0, len(conts)
     d = 0
+    cum: list[float] | None = None
     while d < cap:
         while lo < hi and len(conts[lo]) <= d:  # ended continuations (prefixes) sort first
             lo += 1
@@ -505,17 +503,19 @@ def _linear(conts: list[list[int]], ws: list[float] | None, cap: int, min_prob: 
                 i = j
             prob *= best_n / (hi - lo)
         else:
+            if cum is None:
+                cum = [0.0, *accumulate(ws)]  # weight of conts[i:j] = cum[j] - cum[i]
             best_w = 0.0
             while i < hi:
                 tok = conts[i][d]
                 j = i + 1
                 while j < hi and conts[j][d] == tok:
                     j += 1
-                w = sum(ws[i:j])
+                w = cum[j] - cum[i]
                 if w > best_w:
                     best_a, best_n, best_w = i, j - i, w
                 i = j
-            prob *= best_w / sum(ws[lo:hi])
+            prob *= best_w / (cum[hi] - cum[lo])
         if prob < min_prob:
             break
         tokens.append(conts[best_a][d])
