@@ -28,16 +28,23 @@ Closing the loop (the worker core reports every decode step through observe_step
   planner keeps decayed sums of measured vs table time: c0 = measured / T(B, 0) over plain steps,
   and rho = measured relative extra cost / the table's relative extra cost over drafting steps
   (t / (c0 T(B, 0)) - 1 vs T(B, G_eff) / T(B, 0) - 1, with G_eff from the draft tokens that
-  actually came). Plans use 1 + rho x (T(B, G_eff) / T(B, 0) - 1) in units of a plain step, so
-  the table's clock and machine do not matter, only its shape. Samples are clipped (a step
-  descheduled on a shared machine must not swing the estimate) and decayed (drift).
+  actually came), kept apart for partial plans (under half of the padded rows real: explorations,
+  a budget for a few requests) and full ones, each the other's prior. Plans use
+  1 + rho x (T(B, G_eff) / T(B, 0) - 1) in units of a plain step, so the table's clock and machine
+  do not matter, only its shape. Samples are clipped (a step descheduled on a shared machine must
+  not swing the estimate) and decayed per sample of their kind (drift; evidence that drafting
+  costs more does not fade while the planner, convinced, stops drafting). Without step timings
+  (a caller that never reports them) the planner is the open-loop model: no padding term, no
+  availability, no guard.
 - Benefit. avail_i is learned from what was planned vs the draft depth that came back.
-- Guard ("never slower than no speculation" by measurement, not by model). Per bucket, the
-  realised speedup of the planner's drafting steps, sum(tokens / B) / sum(t / (c0 T(B, 0))), is
-  judged every `guard_steps` drafting steps; below `guard_min_speedup` drafting is off in that
-  bucket for guard_backoff x 2^k plans (k grows with each failed verdict, shrinks with each passed
-  one). One plan in `control_interval` that would draft runs plain instead, so c0 stays measured
-  where the planner always drafts.
+- Guard ("never slower than no speculation" by measurement, not by model: for errors no
+  correction above can see, e.g. accepted tokens that do not shorten anything). Per bucket, the
+  realised speedup of the planner's drafting steps, R = sum(tokens / B) / sum(t / (c0 T(B, 0)))
+  over a decayed window of ~4 x `guard_steps` drafting steps, is judged every `guard_steps` of
+  them; R + its standard error below `guard_min_speedup` (1.0) turns drafting off in that bucket
+  for guard_backoff x 2^k plans (k grows with each failed verdict, shrinks with each passed one),
+  so a true loss costs a bounded, shrinking share of the run. One plan in `control_interval`
+  that would draft runs plain instead, so c0 stays measured where the planner always drafts.
 
 alpha_i is tracked from what the engine verified: accepted_i / proposed_i with exponential decay (so
 the policy follows drift as the model or the data change) and a Beta prior (so a cold start drafts).
@@ -45,7 +52,7 @@ While speculation is off no acceptance is observed, so the planner explores: aft
 `explore_interval` plans off (every plan while it has seen fewer than `explore_until` draft tokens
 at position 0: a cold estimate, for at most 4 x explore_until such attempts), one request (in
 turn, so a request without a match does not stall learning) gets a short draft (`explore_gamma`
-tokens). With step timings, exploration spends a credit that grows by `explore_budget` (3%) of
+tokens). With step timings, exploration spends a credit that grows by `explore_budget` (2%) of
 every step's measured time and is charged each exploring step's measured extra time, so
 exploration costs at most that share of the run. Without timings (a caller that never reports
 steps) the open-loop rule stays: explore on a step where that costs at most `explore_max_cost`
@@ -246,7 +253,7 @@ class AdaptiveSpeculation:
         calibration_steps: float = 8.0,
         pad_cost: float = 0.15,
         cost_decay: float = 0.97,
-        explore_budget: float = 0.03,
+        explore_budget: float = 0.02,
         guard_steps: int = 16,
         guard_min_speedup: float = 1.0,
         guard_backoff: int = 64,
@@ -445,7 +452,9 @@ class AdaptiveSpeculation:
             return 1.0
         w = _PRIOR_STEPS * _PRIOR_EXTRA
         other = 1 - shape
-        prior = (cell.extra_meas[other] + w) / (cell.extra_pred[other] + w) if cell.drafted[other] else 1.0
+        # Only pessimism carries over: a partial plan's rho < 1 (its padding over-modelled) made
+        # full plans at B = 8 look 34% cheaper than they were, and the planner drafted at a loss.
+        prior = max((cell.extra_meas[other] + w) / (cell.extra_pred[other] + w), 1.0) if cell.drafted[other] else 1.0
         return min(max((cell.extra_meas[shape] + prior * w) / (cell.extra_pred[shape] + w), 0.25), 8.0)
 
     def _table_time(self, batch: int, draft_tokens: float, gmax: float) -> float:
@@ -500,24 +509,29 @@ class AdaptiveSpeculation:
         def cost(real: float, gmax: int) -> float:  # in plain steps (c0 T(B, 0))
             return 1.0 + rho[_shape(n, real, gmax)] * max(self._table_time(n, real, gmax) / t0 - 1.0, 0.0)
 
-        best_rate, best_budget = float(n), 0
-        budget, expected, real, gmax = 0, float(n), 0.0, 0
-        for _w, i, members in chunks:
-            a, av = alpha[i], avail[i]
-            gmax = max(gmax, i + 1)
-            # Evaluate a few points inside a chunk too: E and T are both linear there, but T may
-            # bend at table knots.
-            step = max(1, len(members) // 4)
-            taken = 0
-            while taken < len(members):
-                inc = min(step, len(members) - taken)
-                taken += inc
-                budget += inc
-                real += inc * av
-                expected += inc * av * a
-                rate = expected / cost(real, gmax)
-                if rate > best_rate:
-                    best_rate, best_budget = rate, budget
+        def best(alpha: Sequence[float], avail: Sequence[float]) -> tuple[float, int]:
+            """(tokens per plain step's time, draft budget) of the best prefix of the greedy order."""
+            best_rate, best_budget = float(n), 0
+            budget, expected, real, gmax = 0, float(n), 0.0, 0
+            for _w, i, members in chunks:
+                a, av = alpha[i], avail[i]
+                gmax = max(gmax, i + 1)
+                # Evaluate a few points inside a chunk too: E and T are both linear there, but T
+                # may bend at table knots.
+                step = max(1, len(members) // 4)
+                taken = 0
+                while taken < len(members):
+                    inc = min(step, len(members) - taken)
+                    taken += inc
+                    budget += inc
+                    real += inc * av
+                    expected += inc * av * a
+                    rate = expected / cost(real, gmax)
+                    if rate > best_rate:
+                        best_rate, best_budget = rate, budget
+            return best_rate, best_budget
+
+        best_rate, best_budget = best(alpha, avail)
         # The step-time model misses costs until measured (batch shrinkage, drafts that come out
         # shorter than planned, verification overheads); speculate only on a clear predicted gain,
         # a margin that shrinks as this bucket's drafting steps are timed.
@@ -546,7 +560,14 @@ class AdaptiveSpeculation:
             left -= min(left, len(members))
         if best_budget == 0 and kind != "control":
             self._off_streak += 1
-            explored = self._explore(requests, plan, t0, cell)
+            # Exploring is worth its cost only if what it may learn can change the decision: with
+            # acceptance and availability at their upper confidence bounds the model would draft
+            # here once its costs are measured (the calibrated margin: exploring measures them);
+            # a warm planner that saw alpha_0 0.2 at B = 8 stops paying for explorations. Every
+            # 8 x explore_interval plans off it explores anyway (drift).
+            worth = (not self._timed
+                     or best(*self._optimistic(alpha, avail))[0] >= (1.0 + self.calibrated_min_gain) * n)
+            explored = self._explore(requests, plan, t0, cell, worth)
             if explored:
                 best_budget, kind = explored, "explore"
         elif best_budget:
@@ -560,8 +581,17 @@ class AdaptiveSpeculation:
         self._count(n, kind, best_budget, alpha)
         return plan
 
+    def _optimistic(self, alpha: Sequence[float], avail: Sequence[float]) -> tuple[list[float], list[float]]:
+        """alpha_i and avail_i at two standard errors above their estimates (from their counts)."""
+
+        def up(p: float, n: float) -> float:
+            return min(1.0, p + 2.0 * math.sqrt(p * (1.0 - p) / n)) if n > 0 else 1.0
+
+        return ([up(a, self._proposed[i] + self.prior_weight) for i, a in enumerate(alpha)],
+                [up(a, self._planned[i] + 2.0) for i, a in enumerate(avail)])
+
     def _explore(self, requests: Sequence[tuple[str, bool]], plan: dict[str, int], t0: float,
-                 cell: _Cell | None) -> int:
+                 cell: _Cell | None, worth: bool) -> int:
         """Give one request (in turn) a short draft while speculation is off, if due and affordable;
         returns its length (0: no exploration)."""
         n = len(requests)
@@ -577,6 +607,8 @@ class AdaptiveSpeculation:
         if self._off_streak < (1 if cold else self.explore_interval):
             return 0
         if self._timed:
+            if not worth and self._off_streak < 8 * max(self.explore_interval, 1):
+                return 0
             # Affordable: the credit (explore_budget of all timed steps) covers its predicted extra.
             rho = self._rho(cell, _shape(n, g, g))
             extra = rho * max(self._table_time(n, g, g) / t0 - 1.0, 0.0) * self._c0(cell) * t0

@@ -56,7 +56,7 @@ class WorkerConfig(ServiceConfig):
         default=0.15, metadata={"help": "cost of a padded verify row (shorter draft) as a fraction of a draft token"}
     )
     spec_explore_budget: float = field(
-        default=0.03, metadata={"help": "max share of step time spent exploring drafts while speculation is off"}
+        default=0.02, metadata={"help": "max share of step time spent exploring drafts while speculation is off"}
     )
     spec_guard_steps: int = field(
         default=16, metadata={"help": "drafting steps per guard verdict (measured speedup below 1 turns drafting off)"}

@@ -215,7 +215,7 @@ def test_calibrated_margin_lets_a_measured_modest_gain_through() -> None:
     cold = simulate(untimed, truth, batch=4, steps=300, accept=0.6, seed=11, timed=False)
     warm = simulate(timed, truth, batch=4, steps=300, accept=0.6, seed=11)
     assert cold.model_steps < 0.05 * cold.steps
-    assert warm.model_steps > 0.5 * warm.steps
+    assert warm.model_steps > 0.4 * warm.steps
     assert warm.speedup > 1.05 and warm.speedup > cold.speedup
 
 
