@@ -5,7 +5,7 @@ sibling response (including the request's own output) and history responses of t
 from earlier iterations.
 
 Structure (chosen by measurement, see services/draft/README.md): for each level k in `levels`
-(default 1, 2, 4), a dict maps the hash of a k-gram to the positions right after its occurrences
+(default 1, 2, 4, 7), a dict maps the hash of a k-gram to the positions right after its occurrences
 (`seq << 32 | pos`; a bare int while there is one occurrence, a list after). Ingest is a few dict
 operations per token (~1.5 M tokens/s on this machine), drafting is one dict lookup per level plus
 a walk over the candidate continuations, with no per-token tree nodes. Responses are stored with the
@@ -18,8 +18,10 @@ of its token probabilities (expected accepted tokens); expansion stops below `mi
 draft length is capped at `max_spec_factor` (4) x match length. width > 1 expands best-first into a
 top-k tree. Level 1 is PPM's order-1 escape: when no longer suffix drafts (a third of the steps of a
 grouped + history replay have no 2-token match at all), the last token's most frequent continuation.
-Levels (1, 2, 4) instead of (2, 4, 7) + 1: the 7-gram level added < 0.5% acceptance on bench.spec's
-rollouts, and three levels keep ingest where it was (bench.spec_analysis, docs/benchmarks.md).
+Its table is keyed by the token itself, so the fourth level costs less ingest than the others (2-token
+appends as fast as before with three levels, measured side by side). At forks, counts are
+source-aware: the requesting response's own occurrences count OWN_WEIGHT times, history ones
+HISTORY_WEIGHT times (bench.spec_variants).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from services.common.errors import InvalidArgument
 
 _POS_BITS = 32
 _POS_MASK = (1 << _POS_BITS) - 1
-DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 4)
+DEFAULT_LEVELS: tuple[int, ...] = (1, 2, 4, 7)
 # Occurrences of one n-gram considered per proposal (the most recent ones): bounds the walk for very
 # frequent n-grams (e.g. "the" in the prompt), which are also the least predictive.
 MAX_CANDIDATES = 16
