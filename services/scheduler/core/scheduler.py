@@ -243,7 +243,7 @@ class SchedulerCore:
                 "contention among started requests" if self._binding.started_contention else "contention ended",
                 extra=kv(kv_bound=self._binding.kv_bound, level=round(self._binding.level, 3)),
             )
-            if self.cfg.kv_aging > 0 and self._age_unit:
+            if self._ages():
                 self._rekey_started()
         for q in (self._probe_q, self._fresh_q, self._started_q):
             q.compact(self._live)
@@ -263,11 +263,13 @@ class SchedulerCore:
         rank low by error until the KV drains, when they run as the tail (bench.sim, Kimi-K2:
         median queued 60% of the makespan). With aging, a request that waited w token-times
         ranks as if its estimate were `kv_aging * w` tokens longer, which bounds that wait."""
-        if self.cfg.kv_aging <= 0 or self.cfg.policy not in ("seer", "seer_history"):
+        if not self._ages() or not self._binding.started_contention:
             return 0.0
-        if not self._binding.started_contention:
-            return 0.0
-        return 0.0 if not self._age_unit else self.cfg.kv_aging / self._age_unit
+        return self.cfg.kv_aging / self._age_unit if self._age_unit else 0.0
+
+    def _ages(self) -> bool:
+        """Whether this policy ages paused requests at all (the estimate-ranked ones)."""
+        return self.cfg.kv_aging > 0 and self.cfg.policy in ("seer", "seer_history")
 
     def _rekey_started(self) -> None:
         """Re-key every pending started request (aging turned on or off): O(pending), once per
@@ -551,14 +553,13 @@ class SchedulerCore:
             # Started requests age under KV contention (_aging).
             g = self._groups[req.info.group_id]
             est = g.request_estimate(req.generated, self._factor(g))
+            rank = est - req.generated if self.cfg.order == "remaining" else est
             rate = self._aging() if req.generated > 0 else 0.0
             if rate:
-                # Aged: -(est + rate * (now - enqueued_at)) = -est + rate * enqueued_at - rate * now;
+                # Aged: -(rank + rate * (now - enqueued_at)) = -rank + rate * enqueued_at - rate * now;
                 # the last term is common to all started requests and added when comparing.
-                return (-float(est) + rate * req.enqueued_at,)
-            if self.cfg.order == "remaining":
-                return (-float(est - req.generated),)
-            return (-float(est),)
+                return (-float(rank) + rate * req.enqueued_at,)
+            return (-float(rank),)
         if policy == "oracle":
             t = req.info.max_tokens if req.info.true_length is None else req.info.true_length
             if self.cfg.order == "remaining":
