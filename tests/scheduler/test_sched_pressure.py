@@ -51,12 +51,12 @@ def test_bad_kv_aging_names_the_field() -> None:
         assert e.value.field == "kv_aging"
 
 
-def _kv_bound_core(clock: FakeClock, kv_aging: float) -> SchedulerCore:
+def _kv_bound_core(clock: FakeClock, kv_aging: float, policy: str = "seer") -> SchedulerCore:
     """One worker with free batch slots whose KV holds two of the three started requests: h1, h2
     (groups estimated at 900 tokens) and l (a group estimated at 300)."""
     # Requests need (prompt 2000 + generated + chunk 100) / 16 = 138-182 pages: two fit in 380, never three.
     core = make_core(
-        "seer", clock, workers=1, pages=380, batch=64, chunk_size=100, kv_aging=kv_aging, starvation_seconds=1e9
+        policy, clock, workers=1, pages=380, batch=64, chunk_size=100, kv_aging=kv_aging, starvation_seconds=1e9
     )
     for gid, top in (("h1", 900), ("h2", 900), ("l", 300)):
         # A finished sibling sets the group's estimate (it ran to max_tokens); the other member has
@@ -103,3 +103,14 @@ def test_started_request_ranked_low_ages_ahead_under_kv_contention(clock: FakeCl
     st = core.stats()
     assert st["kv_bound"] is False or st["started_contention"] is True
     assert st["contention_switches"] >= 1
+
+
+def test_divided_keeps_its_fifo_order_under_kv_contention(clock: FakeClock) -> None:
+    """Aging is part of the estimate-ranked policies only: divided's order is the same with it."""
+    rounds = []
+    for aging in (0.0, 12.0):
+        clock.t = 0.0
+        core = _kv_bound_core(clock, aging, policy="divided")
+        rounds.append(_run(core, clock))
+        assert core.stats()["contention_switches"] >= 1  # the detector saw the contention
+    assert rounds[0] == rounds[1]
