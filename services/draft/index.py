@@ -107,6 +107,7 @@ class GroupIndex:
         # Draft length cap per level: max_spec_factor x match length (SuffixDecoding).
         self._caps = [max(1, math.ceil(max_spec_factor * k)) for k in self.levels]
         self._tables: list[dict[int, int | list[int]]] = [{} for _ in self.levels]
+        self._level_tables = tuple(zip(self.levels, self._tables, strict=True))  # the ingest loop's pairs
         self._seqs: list[list[int]] = []
         self._bases: list[int] = []  # leading prompt-tail tokens of each sequence (not appended)
         self._weights: list[float] = []  # count weight of each sequence's occurrences (by source)
@@ -139,23 +140,38 @@ class GroupIndex:
             return
         hi = s << _POS_BITS
         # Positions inside the prompt-tail lead would duplicate the prompt's own entries.
-        start = max(old + 1, self._bases[s])
-        for k, table in zip(self.levels, self._tables, strict=True):
+        base = self._bases[s]
+        start = old + 1 if old >= base else base
+        entries = 0
+        for k, table in self._level_tables:
             # Entry p = the k-gram seq[p-k:p], continuation at p. p == old was indexed by the last call.
             lo = k if k > start else start
             get = table.get
-            for p in range(lo, new + 1):
-                # Level 1 is keyed by the token itself (no tuple, no hash call).
-                key = seq[p - 1] if k == 1 else hash(tuple(seq[p - k : p]))
-                v = get(key)
-                if v is None:
-                    table[key] = hi | p
-                elif type(v) is int:
-                    table[key] = [v, hi | p]
-                else:
-                    v.append(hi | p)  # type: ignore[union-attr]
+            if k == 1:
+                # Level 1 is keyed by the token itself (no tuple, no hash call). The insertion is
+                # written out twice so that neither loop pays a per-token branch.
+                for p in range(lo, new + 1):
+                    key = seq[p - 1]
+                    v = get(key)
+                    if v is None:
+                        table[key] = hi | p
+                    elif type(v) is int:
+                        table[key] = [v, hi | p]
+                    else:
+                        v.append(hi | p)  # type: ignore[union-attr]
+            else:
+                for p in range(lo, new + 1):
+                    key = hash(tuple(seq[p - k : p]))
+                    v = get(key)
+                    if v is None:
+                        table[key] = hi | p
+                    elif type(v) is int:
+                        table[key] = [v, hi | p]
+                    else:
+                        v.append(hi | p)  # type: ignore[union-attr]
             if new >= lo:
-                self.entries += new + 1 - lo
+                entries += new + 1 - lo
+        self.entries += entries
         self.indexed_tokens += new - old
 
     def append(self, request_id: str, offset: int, token_ids: Sequence[int]) -> int:
