@@ -14,7 +14,13 @@ offline replay, index speed, and rollout throughput with speculation vs without,
    verifier accepts draft token d with probability p(d), which is the probability that the sample
    equals d. Sources: self only, grouped (G = 8, 16), grouped + history, tree (top-4).
    Ideal replay: the same replay with an oracle that, knowing the real continuation, picks the best
-   of every continuation of a >= 2-token suffix match in the same tokens (the drafter's minimum).
+   of every continuation of a >= 2-token suffix match in the same tokens (the issue's definition;
+   the drafter's order-1 escape also drafts from 1-token matches, which this oracle does not use, so
+   a ratio above 1 is possible). --ideal-min1 adds the oracle over >= 1-token matches for
+   grouped + history. The drafter is told which response it drafts for (request_id: its own
+   occurrences weigh more). --prompt-offset 4 takes the held-out prompts PROMPTS[4:8] (cached
+   separately): tune on one set, report both. bench.spec_analysis splits the lost tokens,
+   bench.spec_variants compares scoring rules, bench.spec_ceiling gives the model's own greedy draft.
 3. Index speed: propose p50/p99 for a group of 16 x 4K tokens, ingest tokens/s, bytes/token.
    Besides per-call percentiles, the p99 over contexts of each context's median CPU time (three
    passes) filters out preemptions on a loaded machine.
