@@ -6,8 +6,9 @@ For each policy: fill the core with `pending` requests (groups of 8, lengths and
 random) over `workers` workers, then time single decisions (next_dispatches(limit=1)) each followed
 by the chunk outcome, so the queue stays at its size while estimates change. Reports p50/p99/max.
 Then, for seer and seer_history, decision rounds while the workers are KV-bound with every waiting
-request started (paused requests age, services/scheduler/core/pressure.py), and the one-off cost
-of the round that switches into that state (it re-keys every pending request).
+request started (paused requests age, services/scheduler/core/pressure.py), and the cost of the
+round that switches into that state (a switch of queue: the aged keys are kept as requests are
+queued, and those queued before the aging unit was known are keyed 128 per decision).
 Last line: RESULT {json}.
 """
 
@@ -74,8 +75,7 @@ def measure_kv_bound(policy: str, pending: int, workers: int, decisions: int, se
     in which seer ages paused requests): each round follows one chunk's completion and dispatches
     what fits (next_dispatches() without a limit), so it includes the admission lookahead over
     candidates that do not fit and the detector's observations. The switch into contention
-    (re-keying every pending request once) happens during the warm-up rounds, which are timed
-    separately (`switch_round_ms`)."""
+    happens during the warm-up rounds, which are timed separately (`switch_round_ms`)."""
     rng = random.Random(seed)
     core = SchedulerCore(SchedulerPolicyConfig(policy=policy, chunk_size=512, starvation_seconds=1e9))
     # About 16 requests' KV per worker (pages of 16 tokens): most of the pending ones wait for KV.

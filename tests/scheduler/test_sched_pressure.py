@@ -114,3 +114,44 @@ def test_divided_keeps_its_fifo_order_under_kv_contention(clock: FakeClock) -> N
         rounds.append(_run(core, clock))
         assert core.stats()["contention_switches"] >= 1  # the detector saw the contention
     assert rounds[0] == rounds[1]
+
+
+def test_aging_never_rekeys_every_pending_request_in_one_decision(
+        clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decision stays under 1 ms at 10,000 pending (issue 5, item 6), the one that turns aging on
+    included: the aged keys of requests queued before the aging unit was known are computed a
+    bounded number per decision, and the switch itself only changes which queue is read. (Counted
+    calls, not time: the bound must hold on any machine.)"""
+    from services.scheduler.core import scheduler as sched_mod
+
+    n = 3000
+    core = make_core("seer", clock, workers=1, pages=400, batch=64, chunk_size=100, kv_aging=12.0,
+                     starvation_seconds=1e9)
+    for i in range(n):  # a restarted scheduler: every request resumes at once, already started
+        core.add_request(RequestInfo(f"r{i}", f"g{i // 4}", f"k{i // 4}", i % 4, 4, 2000, 5000,
+                                     generated=100 + i % 7))
+    calls = {"n": 0}
+    real = sched_mod.SchedulerCore._aged_key
+
+    def counting(self: SchedulerCore, req: object, rate: float) -> object:
+        calls["n"] += 1
+        return real(self, req, rate)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sched_mod.SchedulerCore, "_aged_key", counting)
+    per_call: list[int] = []
+    ds = core.next_dispatches()
+    assert ds  # KV for two requests on this worker
+    for _ in range(60):
+        clock.t += 100.0
+        before = calls["n"]
+        for d in ds:  # full chunks: the first one fixes the aging unit
+            core.on_chunk_done(d.request_id, d.worker_id, d.max_new_tokens, False)
+        ds = core.next_dispatches()
+        per_call.append(calls["n"] - before)
+    bound = sched_mod._AGED_FILL_PER_DECISION + 8  # plus the few requests queued in that round
+    assert max(per_call) <= bound, per_call
+    # Every started request except the groups' probes (their own queue) was keyed into the aged
+    # queue in the end, and aging then applies.
+    assert sum(per_call) >= n - n // 4 - 10
+    assert core.stats()["started_contention"] is True
+    assert core._aging() > 0
