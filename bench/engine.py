@@ -219,7 +219,7 @@ class SpecRun:
                 ctx = self.engine.request_tokens(rid)
             except KeyError:
                 continue
-            p = self.index.propose(ctx, lengths[rid])
+            p = self.index.propose(ctx, lengths[rid], request_id=rid)
             if p.tokens:
                 drafts[rid] = Draft(p.tokens, p.parents)
         return drafts
