@@ -65,6 +65,10 @@ def version_name(policy_version: int, family: str = "") -> str:
     return f"{family}@v{policy_version}" if family else f"v{policy_version}"
 
 
+class _StaleFetch(Exception):
+    """Fetched continuation pages no longer attach to the prefix cached in the engine."""
+
+
 @dataclass
 class _Active:
     job: ChunkJob
@@ -135,6 +139,7 @@ class WorkerStats:
     kv_recomputed_pages: int
     prefill_tokens: int
     cached_tokens: int
+    kv_refetches: int = 0  # continuations fetched again: the engine evicted what they attach to
 
 
 class _Throughput:
@@ -252,6 +257,7 @@ class Worker:
         # Worker-level counters the engine does not keep (per-position counts: the engine's).
         self._kv_loaded_tokens = 0
         self._kv_recomputed_pages = 0
+        self._kv_refetches = 0
         self._proposed_pos: list[int] = []
         self._accepted_pos: list[int] = []
 
@@ -333,42 +339,21 @@ class Worker:
                 group_id=job.group_id,
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
-            with self._locked():
-                if self._stop.is_set():
-                    raise Unavailable("worker is shutting down")
-                if self._loading:
-                    raise Unavailable("worker is loading weights; retry after the switch")
-                if job.policy_version != self._policy_version:
-                    raise FailedPrecondition(
-                        f"chunk wants policy version {job.policy_version}, worker serves {self._policy_version}",
-                        field="policy_version",
-                    )
-                if job.request_id in self._active:
-                    raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
-                stats = act.stats
-                if fetched is not None:
-                    self._import_kv(fetched, prefix, stats)
-                    if job.output_token_ids:
-                        # A resumed request's stored prefix was offloaded under its own id by its
-                        # earlier chunks. (A first chunk's fetch finds its siblings' prompt pages,
-                        # which it must still claim as an owner: its watermark stays at 0.)
-                        self._mark_offloaded(job.request_id, fetched.model_version, fetched.end_page)
-                stats.cached_tokens = min(self.engine.cached_prefix_tokens(prefix), len(prefix))
-                if job.fetch_kv and self._kv is not None:
-                    page = self.engine.kv_layout.page_size
-                    missing = len(prefix) // page - stats.cached_tokens // page
-                    stats.kv_recomputed_pages = max(0, missing)
-                    self._kv_recomputed_pages += stats.kv_recomputed_pages
-                stats.prefill_tokens = len(prefix) - stats.cached_tokens
+            # A continuation (pages from first_page on) attaches to the prefix pages cached here when
+            # it was fetched; if the engine evicted them meanwhile, import would reject it and the
+            # whole prefix would be recomputed. Fetch once more, from what is cached now.
+            refetched = False
+            while True:
                 try:
-                    self.engine.add_request(req)
-                except ValueError as e:
-                    raise InvalidArgument(str(e)) from e
-                # Under the engine lock, before the request can be drafted for in a step.
-                self._draft_resume_locked(job)
-                self._active[job.request_id] = act
-                metrics.IN_FLIGHT.set(len(self._active))
-                self._wake.notify_all()
+                    self._start(job, req, act, prefix, fetched, check_attach=not refetched)
+                    break
+                except _StaleFetch:
+                    refetched = True
+                    log.info("kv prefix pages evicted between fetch and import; fetching again",
+                             extra=kv(first_page=fetched.first_page if fetched else 0))
+                    self._kv_refetches += 1
+                    fetched = self._fetch_kv(job, prefix)
+            stats = act.stats
             log.debug("chunk started", extra=kv(seq=job.seq, prefix=len(prefix), cached=stats.cached_tokens,
                                                 kv_loaded=stats.kv_loaded_tokens, max_new=job.max_new_tokens))
             return ChunkHandle(self, act)
@@ -386,6 +371,49 @@ class Worker:
             else:
                 return tokens, logprobs, ev
         raise AssertionError("unreachable")
+
+    def _start(self, job: ChunkJob, req: GenerateRequest, act: _Active, prefix: tuple[int, ...],
+               fetched: KVPages | None, *, check_attach: bool) -> None:
+        """Admits the chunk under the engine lock: imports the fetched pages, adds the request.
+        Raises _StaleFetch (check_attach) when `fetched` no longer attaches to the pages cached here."""
+        with self._locked():
+            if self._stop.is_set():
+                raise Unavailable("worker is shutting down")
+            if self._loading:
+                raise Unavailable("worker is loading weights; retry after the switch")
+            if job.policy_version != self._policy_version:
+                raise FailedPrecondition(
+                    f"chunk wants policy version {job.policy_version}, worker serves {self._policy_version}",
+                    field="policy_version",
+                )
+            if job.request_id in self._active:
+                raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
+            if fetched is not None and check_attach and not self._attaches(fetched, prefix):
+                raise _StaleFetch
+            stats = act.stats
+            if fetched is not None:
+                self._import_kv(fetched, prefix, stats)
+                if job.output_token_ids:
+                    # A resumed request's stored prefix was offloaded under its own id by its
+                    # earlier chunks. (A first chunk's fetch finds its siblings' prompt pages,
+                    # which it must still claim as an owner: its watermark stays at 0.)
+                    self._mark_offloaded(job.request_id, fetched.model_version, fetched.end_page)
+            stats.cached_tokens = min(self.engine.cached_prefix_tokens(prefix), len(prefix))
+            if job.fetch_kv and self._kv is not None:
+                page = self.engine.kv_layout.page_size
+                missing = len(prefix) // page - stats.cached_tokens // page
+                stats.kv_recomputed_pages = max(0, missing)
+                self._kv_recomputed_pages += stats.kv_recomputed_pages
+            stats.prefill_tokens = len(prefix) - stats.cached_tokens
+            try:
+                self.engine.add_request(req)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from e
+            # Under the engine lock, before the request can be drafted for in a step.
+            self._draft_resume_locked(job)
+            self._active[job.request_id] = act
+            metrics.IN_FLIGHT.set(len(self._active))
+            self._wake.notify_all()
 
     def _validate(self, job: ChunkJob) -> ChunkJob:
         if not job.request_id:
@@ -525,6 +553,7 @@ class Worker:
             proposed_per_position=proposed,
             kv_loaded_tokens=self._kv_loaded_tokens,
             kv_recomputed_pages=self._kv_recomputed_pages,
+            kv_refetches=self._kv_refetches,
             prefill_tokens=es.prefill_tokens,
             cached_tokens=es.cached_tokens,
         )
@@ -776,6 +805,10 @@ class Worker:
             # The pool is an optimization: recompute rather than fail the chunk.
             log.warning("kv fetch failed; recomputing the prefix", exc_info=True)
             return None
+
+    def _attaches(self, pages: KVPages, prefix: tuple[int, ...]) -> bool:
+        """Whether the engine still caches the pages before pages.first_page (engine lock held)."""
+        return self.engine.cached_prefix_tokens(prefix) >= pages.first_page * pages.layout.page_size
 
     def _import_kv(self, pages: KVPages, prefix: tuple[int, ...], stats: ChunkStats) -> None:
         before = self.engine.cached_prefix_tokens(prefix)

@@ -57,3 +57,57 @@ def test_chunk_moves_with_kv_from_the_pool(ref_engine: ReferenceEngine, model_di
         running.stop(1.0)
     # The finished request released its pages (asynchronously, before close returned).
     assert kv_b.stats().released_pages > 0
+
+
+def test_continuation_refetched_when_its_base_pages_were_evicted(
+        ref_engine: ReferenceEngine, model_dir: Path, tmp_path: Path, prompts: list[tuple[int, ...]]) -> None:
+    """Worker b caches the prompt's pages, so its fetch asks the pool only for the pages after them
+    (a continuation). If b's engine evicts those cached pages before the import (other requests
+    needed the space), the continuation cannot attach: the worker fetches again from what is
+    cached now instead of recomputing the whole prefix."""
+    running, _store = serve(KvStoreConfig(port=0, data_dir=str(tmp_path / "kv"), dram_bytes=64 << 20,
+                                          ssd_bytes=256 << 20, grace_seconds=1.0))
+    other = ReferenceEngine.from_dir(model_dir, num_pages=256, max_batch_size=4)
+    kv_a, kv_b = KVClient([running.address]), KVClient([running.address])
+    wa = Worker(ref_engine, worker_id="a", kv_pool=kv_a, speculation=False).start()
+    wb = Worker(other, worker_id="b", kv_pool=kv_b, speculation=False).start()
+    prompt = prompts[2] + prompts[0]
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+
+    def job(rid: str, **kw: object) -> ChunkJob:
+        base: dict[str, object] = dict(request_id=rid, prompt_token_ids=prompt, max_new_tokens=40, max_tokens=80,
+                                       sampling=greedy, policy_version=0, group_id="g", fetch_kv=True)
+        base.update(kw)
+        return ChunkJob(**base)  # type: ignore[arg-type]
+
+    fetches: list[int] = []
+    fetch = wb._fetch_kv
+
+    def fetch_then_evict(j: ChunkJob, prefix: tuple[int, ...]) -> object:
+        got = fetch(j, prefix)
+        fetches.append(got.first_page if got is not None else -1)
+        if len(fetches) == 1:
+            with wb._locked():  # every cached page is unused here: drop them all
+                for page in list(other.blocks.lru):
+                    other.blocks.drop_cached(page)
+        return got
+
+    try:
+        first, _, _ = wa.run(job("moved"))
+        wa.wait_offloads()
+        # b holds the prompt's pages (a sibling ran there), not the 40 generated tokens.
+        wb.run(job("sibling", max_new_tokens=1, max_tokens=1, fetch_kv=False))
+        wb._fetch_kv = fetch_then_evict  # type: ignore[method-assign,assignment]
+        second, _, done = wb.run(job("moved", output_token_ids=tuple(first), seq=1))
+        prefix = len(prompt) + len(first)
+        assert fetches[0] > 0, "the first fetch must be a continuation of b's cached pages"
+        assert fetches[1:] == [0], "the second fetch starts from page 0: nothing is cached any more"
+        assert wb.stats().kv_refetches == 1
+        assert done.stats.kv_loaded_tokens >= (prefix - 1) // 16 * 16 - 16
+        assert done.stats.prefill_tokens == prefix - done.stats.cached_tokens <= 32
+        whole, _, _ = wa.run(job("whole", max_new_tokens=80, fetch_kv=False))
+        assert first + second == whole
+    finally:
+        wa.close()
+        wb.close()
+        running.stop(1.0)
