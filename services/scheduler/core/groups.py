@@ -32,6 +32,9 @@ class GroupState:
     history_estimate: str = "floor"
     # Workers that ran a member: each holds the group's prompt prefix in its cache.
     workers: set[str] = field(default_factory=set)
+    prompt_len: int = 0
+    # Expected KV demand of the whole group from its prior (kv_demand; 0: no prior).
+    kv_demand: int = 0
 
     def estimate(self, factor: float | None = None) -> int:
         """Expected length of the group's longest response (tokens).
@@ -81,3 +84,16 @@ def history_prior(lengths: Sequence[int], max_tokens: int | None = None) -> int 
         return None
     prior = max(lengths)
     return prior if max_tokens is None else min(prior, max_tokens)
+
+
+def kv_demand(lengths: Sequence[int], group_size: int, prompt_len: int, max_tokens: int) -> int:
+    """Expected KV occupancy of a group, in token-steps x 2 (an integer, so that sums of many
+    groups add and subtract exactly), from the previous iteration's lengths for its prompt key.
+
+    A response of n tokens holds its prompt plus what it has generated at each of its n decode
+    steps: n * (prompt + n / 2) token-steps. Scaled to `group_size` members when the history has
+    a different count."""
+    if not lengths:
+        return 0
+    total = sum(n * (2 * prompt_len + n) for n in (min(x, max_tokens) for x in lengths))
+    return round(total * group_size / len(lengths))

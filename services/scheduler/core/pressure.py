@@ -11,6 +11,12 @@ Within the KV-bound mode, "contention among started requests" is latched when (n
 waiting request has already started (paused at a chunk boundary, prefix paid): the order no longer
 decides which requests start early (what longest-first is for, Seer section 4.2) but only which
 started request waits for KV. It is left only when the cluster stops being KV-bound.
+
+Also within the KV-bound mode, "bound by KV demand" is latched when the expected KV demand of the
+requests known (from the previous iteration's lengths, seer_history) exceeds what the KV can serve
+within the longest response: then the KV throughput, not the critical path, bounds the makespan,
+and longest-first has nothing left to protect (scheduler.py serves FIFO, like divided). It is also
+left only when the cluster stops being KV-bound.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class BindingResource:
     kv_bound: bool = False
     started_contention: bool = False
     switches: int = 0
+    demand_bound: bool = False
 
     def observe(self, kv_refused: bool, fresh: int, waiting: int) -> bool:
         """Record why one decision stopped (`kv_refused`: a slot was free but nothing fitted) and
@@ -48,3 +55,14 @@ class BindingResource:
         elif fresh <= self.fresh_share * waiting:
             self.started_contention = True
         return self.started_contention != before
+
+    def observe_demand(self, ratio: float | None) -> bool:
+        """Record the expected KV demand over what the KV serves within the longest response
+        (`ratio`; None: unknown, no history); return whether `demand_bound` changed. Call after
+        `observe`, which decides whether the cluster is KV-bound."""
+        before = self.demand_bound
+        if not self.kv_bound:
+            self.demand_bound = False
+        elif ratio is not None and ratio > 1.0:
+            self.demand_bound = True
+        return self.demand_bound != before
