@@ -307,6 +307,7 @@ def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: f
         toks = dict.fromkeys(MODES, 0)
         acc_lens: dict[str, list[float]] = {m: [] for m in MODES}
         spec_frac: list[float] = []
+        per_prompt: dict[str, list[float]] = {"forced": [], "adaptive": []}  # CPU-time ratio to "off"
         ideal_tok = ideal_steps = 0
         # One planner per setting, as one worker would keep: it learns the acceptance across prompts.
         planner = AdaptiveSpeculation(table, gamma_max=GAMMA)
@@ -320,7 +321,13 @@ def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: f
                                         SamplingParams(temperature=temperature, top_p=1.0, ignore_eos=True, seed=sd))
                         for i, sd in enumerate(seeds)]
 
-            runs = {m: SpecRun(engine, prompt, siblings).run(mk(m), m, planner) for m in MODES}
+            # The arms' order rotates over prompts: whichever runs first or last in a row of
+            # three is not always the same arm (warm caches, a neighbour's burst).
+            order = MODES[p % len(MODES):] + MODES[: p % len(MODES)]
+            runs = {m: SpecRun(engine, prompt, siblings).run(mk(m), m, planner) for m in order}
+            for m in ("forced", "adaptive"):
+                off = runs["off"]["tokens"] / runs["off"]["cpu_s"]
+                per_prompt[m].append(runs[m]["tokens"] / runs[m]["cpu_s"] / off)
             for m, r in runs.items():
                 wall[m] += r["wall_s"]
                 cpu[m] += r["cpu_s"]
@@ -342,6 +349,9 @@ def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: f
             row[f"cpu_speedup_{tag}"] = (toks[m] / cpu[m]) / (toks["off"] / cpu["off"])
             row[f"accepted_len_{tag}" if tag != "spec" else "accepted_len"] = statistics.fmean(acc_lens[m])
         row["adaptive_spec_step_frac"] = statistics.fmean(spec_frac)
+        for m in ("forced", "adaptive"):
+            row[f"cpu_speedup_{m}_per_prompt_min"] = min(per_prompt[m])
+            row[f"cpu_speedup_{m}_per_prompt_max"] = max(per_prompt[m])
         row["ideal_accepted_len"] = ideal_tok / max(ideal_steps, 1)
         res[f"b{batch}"] = row
         planners[f"b{batch}"] = planner.stats()
@@ -402,7 +412,8 @@ def spec_section(engine: ReferenceEngine, prompts: list[list[int]], quick: bool,
                 f"{v['speedup']:.2f}x wall, {v['cpu_speedup_spec']:.2f}x cpu")
             out(f"      adaptive: accepted len {v['accepted_len_adaptive']:.2f}, {v['tok_s_adaptive']:.1f} tok/s = "
                 f"{v['speedup_adaptive']:.2f}x wall, {v['cpu_speedup_adaptive']:.2f}x cpu, "
-                f"drafted in {v['adaptive_spec_step_frac'] * 100:.0f}% of steps")
+                f"drafted in {v['adaptive_spec_step_frac'] * 100:.0f}% of steps; per prompt (cpu) "
+                f"[{v['cpu_speedup_adaptive_per_prompt_min']:.2f}-{v['cpu_speedup_adaptive_per_prompt_max']:.2f}]")
             out(f"      planner: {json.dumps(planners[k])}")
 
 

@@ -513,11 +513,14 @@ def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_toke
             client = SeerClient(suite.address)
             try:
                 # Iteration 1 of the same prompt keys first (untimed): it becomes the draft
-                # server's history for the timed iteration, as in a real RL run.
+                # server's history for the timed iteration, as in a real RL run. EOS is ignored so
+                # both arms do the same work (lengths = max_tokens): with EOS, speculation draws
+                # different samples (lossless, not identical), and which group's stragglers end
+                # the batch can decide more of a pair's ratio than speculation does.
                 def groups(it: int) -> list[Any]:
                     return [PromptGroup(list(p), g, mt, prompt_key=f"bench-{i}",
                                         sampling=Sampling(temperature=data["temperature"], top_p=data["top_p"],
-                                                          seed=seed + 100 * it + i))
+                                                          seed=seed + 100 * it + i, ignore_eos=True))
                             for i, (p, g, mt) in enumerate(workload)]
 
                 client.run_batch(f"bench-warm-{int(speculate)}", groups(0))
@@ -705,6 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "worker_cpu_s": {"no_spec": round(base["worker_cpu_s"], 2), "spec": round(spec["worker_cpu_s"], 2)},
                 "draft_server_cpu_s": {"no_spec": round(base["draft_cpu_s"], 2), "spec": round(spec["draft_cpu_s"], 2)},
                 "accepted": spec["accepted"], "draft_tokens": spec["draft_tokens"],
+                "tokens": {"no_spec": base["tokens"], "spec": spec["tokens"]},
                 "batch_time_share_no_spec": hist_base, "batch_time_share_spec": hist_spec}
             out(f"suite throughput T={temp} workload {args.suite_workload} (groups G x max_tokens: {wl}), "
                 f"worker threads {suite_threads or 'all'}, x{args.suite_repeats}: no spec "
