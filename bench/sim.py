@@ -48,7 +48,8 @@ RUNS: list[tuple[str, RunConfig]] = [
 # schedule with full knowledge); the oracle ranking every member by its group's true maximum (what
 # perfect group estimates give: the ceiling of Algorithm 2's group-level ranking); the
 # history-oracle ranking by the previous iteration's exact group maximum (the ceiling of any
-# policy that knows last iteration's lengths and nothing of this one).
+# longest-first ranking by last iteration's lengths; seer_history can beat it where those lengths
+# say the KV demand binds, not the critical path, and it serves FIFO there).
 BOUNDS: list[tuple[str, RunConfig]] = [
     ("seer-no-aging", RunConfig("seer", kv_aging=0.0)),
     ("history-no-aging", RunConfig("seer_history", kv_aging=0.0)),
@@ -218,8 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(f"{wname:14s} " + " ".join(f"{x:>15s}" for x in cells))
     print(
-        "history-oracle: ranks by the previous iteration's exact group maximum (the ceiling of history "
-        "priors under the modelled correlation); group-oracle: ranks by this iteration's true group maximum "
+        "history-oracle: ranks by the previous iteration's exact group maximum (the ceiling of ranking by "
+        "history priors under the modelled correlation; seer_history serves FIFO instead while KV-bound where "
+        "the history's KV demand exceeds what the KV serves within the longest response); "
+        "group-oracle: ranks by this iteration's true group maximum "
         "(perfect group estimates); oracle-lrpt: true remaining length first; seer-resume: seer resuming a "
         "request paused mid-response after half a chunk's duration; *-no-aging: kv_aging 0 (paused requests do "
         "not age under KV contention among started requests)"
