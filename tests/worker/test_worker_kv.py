@@ -4,8 +4,12 @@ generates exactly what one uninterrupted run would (greedy)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from services.common.server import RunningServer
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.server import serve
 from services.worker.core import ChunkFinish, ChunkJob, Worker
@@ -14,14 +18,36 @@ from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.kv_client import KVClient
 
 
-def test_chunk_moves_with_kv_from_the_pool(ref_engine: ReferenceEngine, model_dir: Path, tmp_path: Path,
-                                           prompts: list[tuple[int, ...]]) -> None:
+@dataclass
+class Pool:
+    """Two workers on two engines sharing one real KV store."""
+
+    wa: Worker
+    wb: Worker
+    other: ReferenceEngine  # wb's engine
+    kv_a: KVClient
+    kv_b: KVClient
+    running: RunningServer
+
+    def close(self) -> None:
+        self.wa.close()
+        self.wb.close()
+        self.running.stop(1.0)
+
+
+@pytest.fixture
+def pool(ref_engine: ReferenceEngine, model_dir: Path, tmp_path: Path) -> Pool:
     running, _store = serve(KvStoreConfig(port=0, data_dir=str(tmp_path / "kv"), dram_bytes=64 << 20,
                                           ssd_bytes=256 << 20, grace_seconds=1.0))
     other = ReferenceEngine.from_dir(model_dir, num_pages=256, max_batch_size=4)
     kv_a, kv_b = KVClient([running.address]), KVClient([running.address])
     wa = Worker(ref_engine, worker_id="a", kv_pool=kv_a, speculation=False).start()
     wb = Worker(other, worker_id="b", kv_pool=kv_b, speculation=False).start()
+    return Pool(wa, wb, other, kv_a, kv_b, running)
+
+
+def test_chunk_moves_with_kv_from_the_pool(pool: Pool, prompts: list[tuple[int, ...]]) -> None:
+    wa, wb, other, kv_a, kv_b = pool.wa, pool.wb, pool.other, pool.kv_a, pool.kv_b
     prompt = prompts[2] + prompts[0]  # > 2 pages of 16 tokens
     greedy = SamplingParams(temperature=0.0)
 
@@ -52,25 +78,17 @@ def test_chunk_moves_with_kv_from_the_pool(ref_engine: ReferenceEngine, model_di
         _, _, d3 = wb.run(job("fresh", prompt_token_ids=prompts[1], max_new_tokens=2, max_tokens=2))
         assert d3.stats.kv_loaded_tokens == 0
     finally:
-        wa.close()
-        wb.close()
-        running.stop(1.0)
+        pool.close()
     # The finished request released its pages (asynchronously, before close returned).
     assert kv_b.stats().released_pages > 0
 
 
-def test_continuation_refetched_when_its_base_pages_were_evicted(
-        ref_engine: ReferenceEngine, model_dir: Path, tmp_path: Path, prompts: list[tuple[int, ...]]) -> None:
+def test_continuation_refetched_when_its_base_pages_were_evicted(pool: Pool, prompts: list[tuple[int, ...]]) -> None:
     """Worker b caches the prompt's pages, so its fetch asks the pool only for the pages after them
     (a continuation). If b's engine evicts those cached pages before the import (other requests
     needed the space), the continuation cannot attach: the worker fetches again from what is
     cached now instead of recomputing the whole prefix."""
-    running, _store = serve(KvStoreConfig(port=0, data_dir=str(tmp_path / "kv"), dram_bytes=64 << 20,
-                                          ssd_bytes=256 << 20, grace_seconds=1.0))
-    other = ReferenceEngine.from_dir(model_dir, num_pages=256, max_batch_size=4)
-    kv_a, kv_b = KVClient([running.address]), KVClient([running.address])
-    wa = Worker(ref_engine, worker_id="a", kv_pool=kv_a, speculation=False).start()
-    wb = Worker(other, worker_id="b", kv_pool=kv_b, speculation=False).start()
+    wa, wb, other = pool.wa, pool.wb, pool.other
     prompt = prompts[2] + prompts[0]
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -108,6 +126,4 @@ def test_continuation_refetched_when_its_base_pages_were_evicted(
         whole, _, _ = wa.run(job("whole", max_new_tokens=80, fetch_kv=False))
         assert first + second == whole
     finally:
-        wa.close()
-        wb.close()
-        running.stop(1.0)
+        pool.close()
