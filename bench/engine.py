@@ -325,8 +325,8 @@ def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: f
             # three is not always the same arm (warm caches, a neighbour's burst).
             order = MODES[p % len(MODES):] + MODES[: p % len(MODES)]
             runs = {m: SpecRun(engine, prompt, siblings).run(mk(m), m, planner) for m in order}
+            off = runs["off"]["tokens"] / runs["off"]["cpu_s"]
             for m in ("forced", "adaptive"):
-                off = runs["off"]["tokens"] / runs["off"]["cpu_s"]
                 per_prompt[m].append(runs[m]["tokens"] / runs[m]["cpu_s"] / off)
             for m, r in runs.items():
                 wall[m] += r["wall_s"]

@@ -65,10 +65,6 @@ def version_name(policy_version: int, family: str = "") -> str:
     return f"{family}@v{policy_version}" if family else f"v{policy_version}"
 
 
-class _StaleFetch(Exception):
-    """Fetched continuation pages no longer attach to the prefix cached in the engine."""
-
-
 @dataclass
 class _Active:
     job: ChunkJob
@@ -342,17 +338,10 @@ class Worker:
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
             # it was fetched; if the engine evicted them meanwhile, import would reject it and the
             # whole prefix would be recomputed. Fetch once more, from what is cached now.
-            refetched = False
-            while True:
-                try:
-                    self._start(job, req, act, prefix, fetched, check_attach=not refetched)
-                    break
-                except _StaleFetch:
-                    refetched = True
-                    log.info("kv prefix pages evicted between fetch and import; fetching again",
-                             extra=kv(first_page=fetched.first_page if fetched else 0))
-                    self._kv_refetches += 1
-                    fetched = self._fetch_kv(job, prefix)
+            if not self._start(job, req, act, prefix, fetched, check_attach=True):
+                log.info("kv prefix pages evicted between fetch and import; fetching again",
+                         extra=kv(first_page=fetched.first_page if fetched else 0))
+                self._start(job, req, act, prefix, self._fetch_kv(job, prefix), check_attach=False)
             stats = act.stats
             log.debug("chunk started", extra=kv(seq=job.seq, prefix=len(prefix), cached=stats.cached_tokens,
                                                 kv_loaded=stats.kv_loaded_tokens, max_new=job.max_new_tokens))
@@ -373,9 +362,10 @@ class Worker:
         raise AssertionError("unreachable")
 
     def _start(self, job: ChunkJob, req: GenerateRequest, act: _Active, prefix: tuple[int, ...],
-               fetched: KVPages | None, *, check_attach: bool) -> None:
+               fetched: KVPages | None, *, check_attach: bool) -> bool:
         """Admits the chunk under the engine lock: imports the fetched pages, adds the request.
-        Raises _StaleFetch (check_attach) when `fetched` no longer attaches to the pages cached here."""
+        Returns False, admitting nothing, when `check_attach` and `fetched` no longer attaches to
+        the pages cached here."""
         with self._locked():
             if self._stop.is_set():
                 raise Unavailable("worker is shutting down")
@@ -389,7 +379,8 @@ class Worker:
             if job.request_id in self._active:
                 raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
             if fetched is not None and check_attach and not self._attaches(fetched, prefix):
-                raise _StaleFetch
+                self._kv_refetches += 1
+                return False
             stats = act.stats
             if fetched is not None:
                 self._import_kv(fetched, prefix, stats)
@@ -414,6 +405,7 @@ class Worker:
             self._active[job.request_id] = act
             metrics.IN_FLIGHT.set(len(self._active))
             self._wake.notify_all()
+        return True
 
     def _validate(self, job: ChunkJob) -> ChunkJob:
         if not job.request_id:
