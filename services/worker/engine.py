@@ -125,7 +125,9 @@ class KVPages:
     layout: KVLayout
     token_ids: tuple[int, ...]  # tokens of pages [0, first_page + len(page_hashes))
     page_hashes: tuple[bytes, ...]  # chain_hashes(token_ids, ...)[first_page:]
-    pages: tuple[bytes, ...]  # one buffer of layout.page_bytes per page
+    # One buffer of layout.page_bytes per page: bytes, or (fetched from the KV store) a read-only
+    # memoryview into the received message, which saves a copy of every fetched byte.
+    pages: tuple[bytes | memoryview, ...]
     first_page: int = 0  # index (in the prefix) of pages[0]
 
     @property

@@ -366,18 +366,20 @@ class KVClient:
 
         # Per page: None = missing, False = failed its checksum, bytes = verified data. Each page is
         # checked as it arrives (crc32 releases the GIL), overlapping the transfer of the next one.
-        def verified(msg: GetMessage) -> bytes | bool | None:
+        def verified(msg: GetMessage) -> memoryview | bool | None:
             if not msg.found:
                 return None
             if len(msg.data) != layout.page_bytes or crc32(msg.data) != msg.checksum:
                 return False
-            return bytes(msg.data)  # the one copy out of the received message, after the check
+            # No copy: the view keeps the received message alive, which is the page plus a few
+            # dozen bytes of header, and the importer copies it into its KV cache.
+            return msg.data
 
-        def get_part(node: str, part: Sequence[int]) -> dict[bytes, bytes | bool | None]:
+        def get_part(node: str, part: Sequence[int]) -> dict[bytes, memoryview | bool | None]:
             req = kvstore_pb2.GetRequest(
                 namespace=model_version, page_hashes=[wanted[i] for i in part], layout=layout_pb
             )
-            out: dict[bytes, bytes | bool | None] = {}
+            out: dict[bytes, memoryview | bool | None] = {}
             try:
                 for msg in self._get_rpc[node](req, timeout=self.rpc_timeout_s):
                     out[msg.page_hash] = verified(msg)
@@ -387,18 +389,18 @@ class KVClient:
                 self._count(replica_errors=1)  # keep what arrived before the failure
             return out
 
-        def get(node: str, idx: list[int]) -> dict[bytes, bytes | bool | None]:
+        def get(node: str, idx: list[int]) -> dict[bytes, memoryview | bool | None]:
             # streams_per_replica concurrent streams: one consumed here, the others on _get_io, so
             # the crc32 and copy of one stream's page overlap the transfer of another's.
             parts = split_even(idx, self.streams_per_replica)
             others = [self._get_io.submit(get_part, node, part) for part in parts[1:]]
-            results: list[dict[bytes, bytes | bool | None] | grpc.RpcError] = []
+            results: list[dict[bytes, memoryview | bool | None] | grpc.RpcError] = []
             for k in range(len(parts)):
                 try:
                     results.append(get_part(node, parts[0]) if k == 0 else others[k - 1].result())
                 except grpc.RpcError as exc:
                     results.append(exc)
-            out: dict[bytes, bytes | bool | None] = {}
+            out: dict[bytes, memoryview | bool | None] = {}
             for res in results:
                 if isinstance(res, grpc.RpcError):
                     if len(results) == 1 or all(isinstance(r, grpc.RpcError) for r in results):
@@ -408,12 +410,12 @@ class KVClient:
                     out.update(res)
             return out
 
-        got: dict[bytes, bytes | bool | None] = {}
+        got: dict[bytes, memoryview | bool | None] = {}
         calls = {node: (lambda node=node, idx=idx: get(node, idx)) for node, idx in groups.items()}
         for res in self._fan_out(calls).values():
             if not isinstance(res, grpc.RpcError):
                 got.update(res)
-        pages: list[bytes] = []
+        pages: list[memoryview] = []
         for h in wanted:
             page = got.get(h)
             if page is None:
@@ -423,7 +425,7 @@ class KVClient:
                     extra=kv(page=start + len(pages), of_pages=start + n),
                 )
                 break
-            if not isinstance(page, bytes):  # False: failed its checksum
+            if not isinstance(page, memoryview):  # False: failed its checksum
                 self._count(checksum_failures=1)
                 log.warning(
                     "kv prefix page failed its checksum; recomputing from here",

@@ -43,7 +43,7 @@ def test_streams_round_trip_with_claims(replicas: Make, streams: int) -> None:
         assert s.claimed_pages == 10 and s.put_bytes == 24 * len(full.pages[0])
         got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
         assert got is not None and got.pages == full.pages and got.page_hashes == full.page_hashes
-        assert all(isinstance(p, bytes) for p in got.pages)
+        assert all(isinstance(p, memoryview) for p in got.pages)
         # Both owners hold every page they sent or claimed.
         assert kv.release("m@v1", "r1") == 10
         assert kv.release("m@v1", "r2") == 24

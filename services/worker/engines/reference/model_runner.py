@@ -9,6 +9,7 @@ Logits are returned for the last tail token (the root of the draft tree) and for
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,11 +221,16 @@ class ModelRunner:
             out.append(t.cpu().numpy().tobytes())
         return out
 
-    def write_page(self, page: int, data: bytes) -> None:
+    def write_page(self, page: int, data: bytes | memoryview) -> None:
         view = self.page_view()
         shape = view[:, :, page].shape
+        dtype = torch.int16 if self.kv_cache.dtype == torch.bfloat16 else self.kv_cache.dtype
+        with warnings.catch_warnings():
+            # `data` is read-only (bytes, or a view into a received message) and torch warns that
+            # its tensor could write to it; this one is only read, by the copy into the cache
+            # below, so no defensive copy of the page is made first.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            arr = torch.frombuffer(data, dtype=dtype)
         if self.kv_cache.dtype == torch.bfloat16:
-            arr = torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16)
-        else:
-            arr = torch.frombuffer(bytearray(data), dtype=self.kv_cache.dtype)
+            arr = arr.view(torch.bfloat16)
         view[:, :, page] = arr.view(shape).to(self.kv_cache.device)
