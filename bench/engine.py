@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from bench.spec import PROMPTS, _tokenize, replay
+from bench.spec import PROMPTS, replay, tokenize_prompts
 from services.cli.profile import measure
 from services.common.model_paths import default_model_dir
 from services.draft.index import GroupIndex
@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quick = args.quick
     batches = (1, 8) if quick else (1, 8, 32)
     n = args.max_tokens or (16 if quick else 64)
-    prompts = _tokenize(model_dir, PROMPTS)
+    prompts = tokenize_prompts(model_dir, PROMPTS)
     engine = ReferenceEngine.from_dir(model_dir, max_batch_size=64, num_threads=args.threads)
     # Thread CPU time measures the step's compute without the time other tenants take; it equals
     # the step's cost only when the engine runs in the calling thread (one thread).

@@ -249,7 +249,8 @@ class BareGrpc:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._sink = self.channel.stream_unary(f"/{_BARE_SERVICE}/Sink", _identity, _identity)
         self._source = self.channel.unary_stream(f"/{_BARE_SERVICE}/Source", _identity, _identity)
-        self.parts = [pages.pages[k::streams] for k in range(streams)]
+        # Raw messages must be bytes (bytes(b) of bytes is b itself: no copy).
+        self.parts = [[bytes(p) for p in pages.pages[k::streams]] for k in range(streams)]
         self.nbytes = sum(len(p) for p in pages.pages)
         self.pool = ThreadPoolExecutor(max_workers=streams)
         self.put_cpu, self.get_cpu = _Cpu(self.proc.pid), _Cpu(self.proc.pid)

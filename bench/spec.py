@@ -81,7 +81,7 @@ def out(msg: str) -> None:
 # ---- rollouts -------------------------------------------------------------------------------------
 
 
-def _tokenize(model_dir: Path, texts: Sequence[str]) -> list[list[int]]:
+def tokenize_prompts(model_dir: Path, texts: Sequence[str]) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -104,7 +104,7 @@ def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: i
     from services.worker.engine import GenerateRequest, SamplingParams
     from services.worker.engines.reference.engine import ReferenceEngine
 
-    prompts = _tokenize(model_dir, PROMPTS[prompt_offset : prompt_offset + n_prompts])
+    prompts = tokenize_prompts(model_dir, PROMPTS[prompt_offset : prompt_offset + n_prompts])
     engine = ReferenceEngine.from_dir(model_dir, max_batch_size=n_prompts * group, num_threads=threads)
     iters = []
     t0 = time.perf_counter()
@@ -127,7 +127,7 @@ def generate_rollouts(model_dir: Path, n_prompts: int, group: int, max_tokens: i
 # ---- offline acceptance ---------------------------------------------------------------------------
 
 
-def _accepted(prop: Proposal, future: Sequence[int]) -> int:
+def draft_accepted(prop: Proposal, future: Sequence[int]) -> int:
     """Draft tokens equal to the real continuation along the best matching path."""
     if not prop.tokens:
         return 0
@@ -143,7 +143,7 @@ def _accepted(prop: Proposal, future: Sequence[int]) -> int:
     return best
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -173,9 +173,10 @@ def replay(prompt: list[int], responses: list[list[int]], history: list[list[int
             future = responses[r][pos[r] : pos[r] + gamma]
             if ideal:
                 idx = own[r]
-                acc = max((_lcp(c, future) for c in idx.all_continuations(ctx, ideal_min_match, gamma)), default=0)
+                conts = idx.all_continuations(ctx, ideal_min_match, gamma)
+                acc = max((common_prefix_len(c, future) for c in conts), default=0)
             else:
-                acc = _accepted(own[r].propose(ctx, gamma, width=width, request_id=f"r{r}"), future)
+                acc = draft_accepted(own[r].propose(ctx, gamma, width=width, request_id=f"r{r}"), future)
             advance[r] = min(acc + 1, len(responses[r]) - pos[r])
         for r, a in advance.items():
             own[r].append(f"r{r}", pos[r], responses[r][pos[r] : pos[r] + a])
@@ -677,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for temp in sorted(temps):
             data = datasets[temp]
             mt = args.suite_tokens or min(max_tokens, 48 if args.quick else max_tokens)
-            prompts = data["prompts"] if args.suite_workload == "uniform" else _tokenize(model_dir, PROMPTS)
+            prompts = data["prompts"] if args.suite_workload == "uniform" else tokenize_prompts(model_dir, PROMPTS)
             workload = suite_workload(args.suite_workload, prompts, 8, mt)
             # Each arm is a fresh suite (its worker's planner is warmed by the untimed first
             # iteration); arms alternate and the per-pair ratios give the spread.

@@ -26,11 +26,11 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from bench.spec import CACHE, GAMMA, _accepted, _lcp
+from bench.spec import CACHE, GAMMA, common_prefix_len, draft_accepted
 from services.draft.index import _POS_BITS, _POS_MASK, GroupIndex, _key
 
 
-def _occurrences(idx: GroupIndex, ctx: Sequence[int], max_back: int = 64) -> list[tuple[int, int, int]]:
+def occurrences(idx: GroupIndex, ctx: Sequence[int], max_back: int = 64) -> list[tuple[int, int, int]]:
     """Every occurrence of the context's last 2 tokens with a continuation: (seq, pos, backward
     match length m >= 2)."""
     v = idx._tables[idx.levels.index(2)].get(_key(ctx, 2))
@@ -74,13 +74,13 @@ def analyse(data: dict[str, Any], group: int, history: bool) -> dict[str, Any]:
                 ctx = prompt + responses[r][: pos[r]]
                 fut = responses[r][pos[r] : pos[r] + GAMMA]
                 prop = idx.propose(ctx, GAMMA, request_id=f"r{r}")
-                a_on = _accepted(prop, fut)
-                occ = _occurrences(idx, ctx)
+                a_on = draft_accepted(prop, fut)
+                occ = occurrences(idx, ctx)
                 own = idx._by_request.get(f"r{r}")
                 best = (0, -1, 0)
                 by_m = dict.fromkeys(min_ms, 0)
                 for s, q, m in occ:
-                    lcp = _lcp(idx._seqs[s][q : q + GAMMA], fut)
+                    lcp = common_prefix_len(idx._seqs[s][q : q + GAMMA], fut)
                     if lcp > best[0]:
                         best = (lcp, s, m)
                     for mm in min_ms:

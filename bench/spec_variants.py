@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from bench.spec import CACHE, GAMMA, _accepted, _lcp
-from bench.spec_analysis import _occurrences
+from bench.spec import CACHE, GAMMA, common_prefix_len, draft_accepted
+from bench.spec_analysis import occurrences
 from services.draft.index import GroupIndex
 
 DEFAULT_VARIANTS: list[dict[str, Any]] = [
@@ -51,7 +51,7 @@ def _bigrams(tokens: Sequence[int]) -> set[tuple[int, int]]:
 
 
 def weighted_draft(idx: GroupIndex, ctx: Sequence[int], gamma: int, v: dict[str, Any], own: int) -> list[int]:
-    occ = _occurrences(idx, ctx, 32)
+    occ = occurrences(idx, ctx, 32)
     if v.get("deepest"):
         deep = max((m for _s, _q, m in occ), default=0)
         level = max((k for k in idx.levels if 2 <= k <= deep), default=2)
@@ -116,10 +116,10 @@ def replay_variant(data: dict[str, Any], group: int, history: bool, v: dict[str,
                 rid = f"r{r}"
                 prop = idx.propose(ctx, GAMMA, request_id=rid)
                 if v.get("index"):
-                    acc = _accepted(prop, fut)
+                    acc = draft_accepted(prop, fut)
                 else:
                     d = weighted_draft(idx, ctx, GAMMA, v, idx._by_request.get(rid, -1))
-                    acc = _lcp(d, fut) if d else _accepted(prop, fut)
+                    acc = common_prefix_len(d, fut) if d else draft_accepted(prop, fut)
                 adv[r] = min(acc + 1, len(responses[r]) - pos[r])
             for r, a in adv.items():
                 idx.append(f"r{r}", pos[r], responses[r][pos[r] : pos[r] + a])
