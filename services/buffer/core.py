@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +91,7 @@ class WorkItem:
     sampling: Sampling  # seed = this request's own (already derived) seed
     policy_version: int
     next_seq: int
+    trace_context: Mapping[str, str] = field(default_factory=dict)  # the batch's (BatchRecord)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,12 @@ class BufferCore:
         with self._lock:
             return self._policy_version, self._policy_source
 
-    def submit_batch(self, batch_id: str, groups: list[GroupSpec]) -> SubmitOutcome:
+    def submit_batch(
+        self, batch_id: str, groups: list[GroupSpec], trace_context: Mapping[str, str] | None = None
+    ) -> SubmitOutcome:
+        """Stores a batch and feeds its requests to the watchers. trace_context: the submitter's
+        trace context (W3C keys), handed on with every work item of the batch; a resubmission keeps
+        the first one."""
         valid = validate_batch(batch_id, groups, self._model, self._max_requests)
         digest = content_hash(batch_id, groups)
         with self._lock:
@@ -294,7 +300,8 @@ class BufferCore:
             version = self._policy_version
             batch = BatchRecord(batch_id=batch_id, content_hash=digest, policy_version=version,
                                 created_at=self._clock(), num_groups=len(valid),
-                                num_requests=sum(g.group_size for g in valid))
+                                num_requests=sum(g.group_size for g in valid),
+                                trace_context=dict(trace_context or {}))
             wb = self._store.new_batch()
             wb.put(keys.batch_key(batch_id), batch.encode())
             new_groups, new_live = [], []
@@ -338,6 +345,7 @@ class BufferCore:
             max_tokens=g.max_tokens,
             sampling=Sampling(s.temperature, s.top_p, s.top_k, r.seed, s.stop_token_ids, s.ignore_eos),
             policy_version=self._batches[r.batch_id].policy_version, next_seq=r.next_seq,
+            trace_context=self._batches[r.batch_id].trace_context,
         )
 
     def watch(self, watcher_id: str) -> tuple[list[WorkItem], Subscription]:

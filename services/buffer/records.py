@@ -84,13 +84,16 @@ class BatchRecord:
     num_cancelled: int = 0
     generated_tokens: int = 0
     finished_at: float = 0.0  # wall clock when the batch became COMPLETED or CANCELLED (retention order)
+    # The submitter's trace context (W3C keys), persisted so work items still carry it after a
+    # restart; records written before it existed decode to {}.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
         return self.state != BatchState.RUNNING
 
     def copy(self) -> BatchRecord:
-        return dataclasses.replace(self)
+        return dataclasses.replace(self, trace_context=dict(self.trace_context))
 
     def encode(self) -> bytes:
         d = dict(self.__dict__)

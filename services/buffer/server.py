@@ -17,6 +17,7 @@ from services.buffer.events import Added
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.grpcutil import channel, rpc
 from services.common.log import log_context
+from services.common.telemetry import current_trace_context
 
 # How often a blocked stream re-checks that its client is still there.
 POLL_SECONDS = 0.5
@@ -55,7 +56,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def SubmitBatch(self, request: rollout_pb2.SubmitBatchRequest, context: grpc.ServicerContext
                     ) -> rollout_pb2.SubmitBatchResponse:
         with log_context(batch_id=request.batch_id):
-            out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups])
+            out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups],
+                                         trace_context=current_trace_context())
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
                                                policy_version=out.policy_version)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -64,6 +65,28 @@ def client_interceptors() -> list[Any]:
     return [client_interceptor(filter_=filters.negate(filters.any_of(*[filters.service_name(s) for s in _EXCLUDED])))]
 
 
+def current_trace_context() -> dict[str, str]:
+    """The active span's context as W3C trace-context keys ({} when tracing is off), to hand on
+    through a message rather than gRPC metadata (a batch's work items are dispatched long after
+    the SubmitBatch call that carried the trainer's context)."""
+    if tracing_mode() == "none":
+        return {}
+    from opentelemetry.propagate import inject
+
+    carrier: dict[str, str] = {}
+    inject(carrier)
+    return carrier
+
+
+def context_from(carrier: Mapping[str, str]) -> Any:
+    """The OpenTelemetry context of a carrier from current_trace_context (None when empty)."""
+    if not carrier:
+        return None
+    from opentelemetry.propagate import extract
+
+    return extract(dict(carrier))
+
+
 def tracer(name: str) -> Any:
     from opentelemetry import trace
 
@@ -85,6 +108,8 @@ __all__ = [
     "Gauge",
     "Histogram",
     "client_interceptors",
+    "context_from",
+    "current_trace_context",
     "server_interceptors",
     "setup_tracing",
     "start_metrics_server",

@@ -43,7 +43,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.log import get_logger, kv, log_context
-from services.common.telemetry import Counter, Gauge, tracer
+from services.common.telemetry import Counter, Gauge, context_from, tracer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
@@ -956,14 +956,9 @@ class Dispatcher:
 
 
 def _trace_parent(item: buffer_pb2.WorkItem) -> Any:
-    """The submitting trainer's trace context, when the work item carries one (a W3C traceparent
-    map; requested as WorkItem.trace_context), so a dispatch joins the SubmitBatch trace."""
-    carrier = dict(getattr(item, "trace_context", None) or {})
-    if not carrier:
-        return None
-    from opentelemetry.propagate import extract
-
-    return extract(carrier)
+    """The trace context the buffer captured at SubmitBatch (WorkItem.trace_context), so a
+    dispatch joins the submitting trainer's trace; None (a new trace) when it carries none."""
+    return context_from(item.trace_context)
 
 
 def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.buffer import codec
+from services.buffer.convert import WorkItemEncoder
 from services.buffer.core import BufferCore, Commit
 from services.buffer.model import ModelInfo
 from services.buffer.records import (
@@ -130,3 +131,27 @@ def test_records_round_trip() -> None:
     assert decode_history(encode_history(hist)) == hist
     with pytest.raises(ValueError):
         codec.decode(b"nope")
+
+
+def test_trace_context_rides_on_every_work_item_and_survives_a_restart(tmp_path: Path) -> None:
+    """The submitter's trace context is stored with the batch and handed on with each of its work
+    items (so the scheduler's dispatch spans join the trainer's trace), also after a restart; a
+    resubmission keeps the first context, and a batch without one hands on none."""
+    parent = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    core = _core(tmp_path / "db")
+    core.submit_batch("t", [GroupSpec(prompt_token_ids=(1, 2), group_size=2, max_tokens=4)], trace_context=parent)
+    core.submit_batch("t", [GroupSpec(prompt_token_ids=(1, 2), group_size=2, max_tokens=4)],
+                      trace_context={"traceparent": "00-ffffffffffffffffffffffffffffffff-b7ad6b7169203331-01"})
+    core.submit_batch("u", [GroupSpec(prompt_token_ids=(3,), group_size=1, max_tokens=4)])
+    items, sub = core.watch("w")
+    core.unwatch(sub)
+    by_batch = {(w.batch_id, w.request_id): dict(w.trace_context) for w in items}
+    assert by_batch == {("t", "t/0/0"): parent, ("t", "t/0/1"): parent, ("u", "u/0/0"): {}}
+    pb = WorkItemEncoder().encode(next(w for w in items if w.batch_id == "t"))
+    assert dict(pb.trace_context) == parent
+    core.close()
+    again = _core(tmp_path / "db")
+    items, sub = again.watch("w")
+    again.unwatch(sub)
+    assert {w.request_id: dict(w.trace_context) for w in items}["t/0/1"] == parent
+    again.close()

@@ -88,8 +88,9 @@ def test_trace_spans_trainer_buffer_scheduler_worker(traced_suite: Suite, export
         batch_id = f"traced-{uuid.uuid4().hex[:8]}"
         group = PromptGroup(prompt="Question: What is 2 plus 3?\nAnswer:", group_size=2, max_tokens=12,
                             prompt_key="t0", sampling=Sampling(temperature=0.0))
-        with tracer.start_as_current_span("trainer.rollout"):
+        with tracer.start_as_current_span("trainer.rollout") as rollout:
             sub = client.submit_batch(batch_id, [group])
+            rollout_trace = f"0x{rollout.get_span_context().trace_id:032x}"
         # Streams through the OTel-intercepted channel come back as plain generators, which the
         # client cannot cancel; read the results on an untraced channel.
         with SeerClient(traced_suite.address) as plain:
@@ -107,6 +108,14 @@ def test_trace_spans_trainer_buffer_scheduler_worker(traced_suite: Suite, export
     assert any("UpdateWeights" in n for n in found.get("buffer", set())), found
     assert any("SwitchWeights" in n for n in found.get("scheduler", set())), found
     assert any("LoadWeights" in n for n in found.get("worker-0", set())), found
+
+    # The rollout's trace goes on past SubmitBatch: the buffer hands the trainer's context on with
+    # every work item (WorkItem.trace_context), so the scheduler's dispatches of this batch and the
+    # worker's RunChunk calls they make belong to the trainer's trace.
+    rollout_found = services_of(traced_suite, rollout_trace)
+    assert any("SubmitBatch" in n for n in rollout_found.get("buffer", set())), rollout_found
+    assert "scheduler.dispatch" in rollout_found.get("scheduler", set()), rollout_found
+    assert any("RunChunk" in n for n in rollout_found.get("worker-0", set())), rollout_found
 
     # Every chunk dispatch is a scheduler span whose trace continues into the worker's RunChunk.
     sched = [s for s in console_spans(traced_suite.services["scheduler"].stdout_path)
