@@ -57,13 +57,13 @@ def run(requests: int, prompt_tokens: int, group_size: int, chunk_tokens: int, t
             print(f"submit      {requests} requests in {out['submit_seconds']} s", flush=True)
 
             t = time.perf_counter()
-            items = []
+            items: list[str] = []
             stream = internal.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id="load"), timeout=600)
             for ev in stream:
                 if ev.HasField("snapshot_done"):
                     break
                 if ev.HasField("added"):  # the snapshot opens with the policy event
-                    items.append(ev.added.request_id)
+                    items.extend(it.request_id for it in ev.added.items)
             stream.cancel()
             dt = time.perf_counter() - t
             out["snapshot_items_per_second"] = round(len(items) / dt, 1)

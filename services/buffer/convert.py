@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from seer.v1 import buffer_pb2, common_pb2, rollout_pb2
 
 from services.buffer.core import BatchStatus, Commit, WorkItem
@@ -83,12 +85,21 @@ class WorkItemEncoder:
         return t
 
     def encode(self, w: WorkItem) -> buffer_pb2.WorkItem:
-        return self.added(w).added
+        msg = buffer_pb2.WorkItem()
+        self._fill(msg, w)
+        return msg
 
-    def added(self, w: WorkItem) -> buffer_pb2.WatchWorkResponse:
-        """The WatchWork event for w (built in place: constructing the event from a message copies it)."""
+    def added(self, items: Sequence[WorkItem]) -> buffer_pb2.WatchWorkResponse:
+        """The WatchWork event for items, in order (built in place: constructing the event from
+        messages would copy each of them once more)."""
         resp = buffer_pb2.WatchWorkResponse()
-        msg = resp.added
+        batch = resp.added
+        batch.SetInParent()
+        for w in items:
+            self._fill(batch.items.add(), w)
+        return resp
+
+    def _fill(self, msg: buffer_pb2.WorkItem, w: WorkItem) -> None:
         msg.CopyFrom(self._template(w))
         msg.request_id = w.request_id
         msg.sample_index = w.sample_index
@@ -97,7 +108,6 @@ class WorkItemEncoder:
         if len(w.output_token_ids):
             msg.output_token_ids.extend(w.output_token_ids.tolist())
         msg.next_seq = w.next_seq
-        return resp
 
 
 def result_to_pb(r: RolloutResult) -> rollout_pb2.RolloutResult:

@@ -2,14 +2,23 @@
 
 Subscribing takes the snapshot and registers the queue under the same lock as publishing, so a
 watcher sees every request exactly once: in the snapshot or as a later event.
+
+A stream sends work items in batches (`batches`, `coalesce`): one gRPC stream message per item cost
+about 200 us per item, most of a 2,048-request snapshot's time.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+# Limits of one WatchWork message: items, and token ids (prompt + output: ~1 MiB encoded). A single
+# item over the token limit still goes alone (its context is bounded by the model's).
+FEED_BATCH_ITEMS = 512
+FEED_BATCH_TOKENS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,35 @@ class Cancelled:
 Event = Added | Cancelled
 
 
+def batches(items: Iterable[Any], max_items: int = FEED_BATCH_ITEMS, max_tokens: int = FEED_BATCH_TOKENS
+            ) -> Iterator[list[Any]]:
+    """core.WorkItems in order, cut into messages of at most max_items and max_tokens token ids."""
+    batch: list[Any] = []
+    tokens = 0
+    for it in items:
+        n = len(it.prompt_token_ids) + len(it.output_token_ids)
+        if batch and (len(batch) >= max_items or tokens + n > max_tokens):
+            yield batch
+            batch, tokens = [], 0
+        batch.append(it)
+        tokens += n
+    if batch:
+        yield batch
+
+
+def coalesce(events: Sequence[Event]) -> Iterator[list[Any] | Cancelled]:
+    """Queued events as stream messages, order kept: runs of Added become item batches."""
+    run: list[Any] = []
+    for e in events:
+        if isinstance(e, Added):
+            run.append(e.item)
+            continue
+        yield from batches(run)
+        run = []
+        yield e
+    yield from batches(run)
+
+
 class Subscription:
     def __init__(self, hub: WatchHub, watcher_id: str) -> None:
         self.watcher_id = watcher_id
@@ -37,6 +75,13 @@ class Subscription:
     def get(self, timeout: float) -> Event | None:
         try:
             return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self) -> Event | None:
+        """The next event if one is queued (a stream batches what is already there)."""
+        try:
+            return self._q.get_nowait()
         except queue.Empty:
             return None
 

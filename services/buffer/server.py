@@ -13,7 +13,7 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, 
 from services.buffer import convert
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore, SwitchFn
-from services.buffer.events import Added
+from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, batches, coalesce
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.grpcutil import channel, rpc
 from services.common.log import log_context
@@ -103,17 +103,23 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
         version, source = self.core.policy()
         try:
             yield buffer_pb2.WatchWorkResponse(policy=buffer_pb2.PolicyState(version=version, source=source))
-            for item in snapshot:
-                yield encoder.added(item)
+            for items in batches(snapshot):
+                yield encoder.added(items)
             yield buffer_pb2.WatchWorkResponse(snapshot_done=True)
             while context.is_active():
                 event = sub.get(POLL_SECONDS)
                 if event is None:
                     continue
-                if isinstance(event, Added):
-                    yield encoder.added(event.item)
-                else:
-                    yield buffer_pb2.WatchWorkResponse(cancelled_request_id=event.request_id)
+                # What else is already queued goes in the same messages (a submitted batch arrives
+                # as one burst of events).
+                queued = [event]
+                while len(queued) < FEED_BATCH_ITEMS and (more := sub.get_nowait()) is not None:
+                    queued.append(more)
+                for msg in coalesce(queued):
+                    if isinstance(msg, Cancelled):
+                        yield buffer_pb2.WatchWorkResponse(cancelled_request_id=msg.request_id)
+                    else:
+                        yield encoder.added(msg)
         finally:
             self.core.unwatch(sub)
 

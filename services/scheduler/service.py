@@ -460,9 +460,9 @@ class Dispatcher:
                     kind = ev.WhichOneof("event")
                     if kind == "added":
                         if in_snapshot:
-                            snapshot.append(ev.added)
+                            snapshot.extend(ev.added.items)
                         else:
-                            self._add_items([ev.added])
+                            self._add_items(list(ev.added.items))
                     elif kind == "cancelled_request_id":
                         self._cancel_request(ev.cancelled_request_id)
                     elif kind == "policy":

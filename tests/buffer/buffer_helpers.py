@@ -89,7 +89,7 @@ def snapshot(internal: buffer_pb2_grpc.BufferInternalServiceStub) -> list[buffer
             if ev.HasField("snapshot_done"):
                 break
             if ev.HasField("added"):
-                items.append(ev.added)
+                items.extend(ev.added.items)
     finally:
         stream.cancel()
     return items

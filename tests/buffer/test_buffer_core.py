@@ -155,3 +155,21 @@ def test_trace_context_rides_on_every_work_item_and_survives_a_restart(tmp_path:
     again.unwatch(sub)
     assert {w.request_id: dict(w.trace_context) for w in items}["t/0/1"] == parent
     again.close()
+
+
+def test_feed_batches_keep_order_and_limits() -> None:
+    """WatchWork messages: items in order, at most max_items and max_tokens token ids each (an item
+    over the token limit goes alone), and a cancellation flushes the items queued before it."""
+    from types import SimpleNamespace
+
+    from services.buffer.events import Added, Cancelled, batches, coalesce
+
+    def item(name: str, n: int) -> SimpleNamespace:
+        return SimpleNamespace(name=name, prompt_token_ids=[0] * n, output_token_ids=[])
+
+    items = [item(f"i{k}", n) for k, n in enumerate([3, 3, 3, 9, 1, 1, 1, 1, 1])]
+    cut = [[it.name for it in b] for b in batches(items, max_items=3, max_tokens=6)]
+    assert cut == [["i0", "i1"], ["i2"], ["i3"], ["i4", "i5", "i6"], ["i7", "i8"]]
+    events = [Added(items[0]), Added(items[1]), Cancelled("x"), Added(items[4]), Cancelled("y")]
+    msgs = [m.request_id if isinstance(m, Cancelled) else [it.name for it in m] for m in coalesce(events)]
+    assert msgs == [["i0", "i1"], "x", ["i4"], "y"]

@@ -46,7 +46,7 @@ def test_watch_snapshot_then_live_events(buf: BufferHandle) -> None:
             assert ev.HasField("policy") and ev.policy.version == 0  # the snapshot opens with it
             ev = w.next()
             while not ev.HasField("snapshot_done"):
-                snap[ev.added.request_id] = ev.added
+                snap.update((it.request_id, it) for it in ev.added.items)
                 ev = w.next()
             assert sorted(snap) == ["w1/0/0", "w1/0/1"]
             # The resume point of a partly generated request.
@@ -54,8 +54,8 @@ def test_watch_snapshot_then_live_events(buf: BufferHandle) -> None:
         submit(buf.rollout, "w2", [group(group_size=1)])
         buf.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="w1"))
         for w in watchers:
-            added = w.next()
-            assert added.added.request_id == "w2/0/0" and added.added.next_seq == 0
+            added = list(w.next().added.items)
+            assert [(it.request_id, it.next_seq) for it in added] == [("w2/0/0", 0)]
             cancelled = {w.next().cancelled_request_id for _ in range(2)}
             assert cancelled == {"w1/0/0", "w1/0/1"}
     finally:

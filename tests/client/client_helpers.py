@@ -61,19 +61,20 @@ def play_scheduler(address: str, length: int = 4, chunk: int = 2, stop: threadin
                 return
             if not ev.HasField("added"):
                 continue
-            it: Any = ev.added
-            if gate is not None:
-                gate.acquire()
-                if stop is not None and stop.is_set():
-                    return
-            pos, seq = len(it.output_token_ids), it.next_seq
-            while pos < length:
-                n = min(chunk, length - pos)
-                reason = common_pb2.FINISH_REASON_STOP if pos + n == length else common_pb2.FINISH_REASON_CHUNK
-                stub.CommitChunk(buffer_pb2.CommitChunkRequest(
-                    request_id=it.request_id, seq=seq, token_ids=answer_tokens(it.request_id, n),
-                    logprobs=[-0.25] * n, finish_reason=reason, policy_version=it.policy_version))
-                pos, seq = pos + n, seq + 1
+            it: Any
+            for it in ev.added.items:
+                if gate is not None:
+                    gate.acquire()
+                    if stop is not None and stop.is_set():
+                        return
+                pos, seq = len(it.output_token_ids), it.next_seq
+                while pos < length:
+                    n = min(chunk, length - pos)
+                    reason = common_pb2.FINISH_REASON_STOP if pos + n == length else common_pb2.FINISH_REASON_CHUNK
+                    stub.CommitChunk(buffer_pb2.CommitChunkRequest(
+                        request_id=it.request_id, seq=seq, token_ids=answer_tokens(it.request_id, n),
+                        logprobs=[-0.25] * n, finish_reason=reason, policy_version=it.policy_version))
+                    pos, seq = pos + n, seq + 1
     except grpc.RpcError:
         return
     finally:

@@ -52,17 +52,23 @@ class WatchWorkRequest(_message.Message):
     watcher_id: str
     def __init__(self, watcher_id: _Optional[str] = ...) -> None: ...
 
+class WorkItemBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[WorkItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[WorkItem, _Mapping]]] = ...) -> None: ...
+
 class WatchWorkResponse(_message.Message):
     __slots__ = ("added", "cancelled_request_id", "snapshot_done", "policy")
     ADDED_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
-    added: WorkItem
+    added: WorkItemBatch
     cancelled_request_id: str
     snapshot_done: bool
     policy: PolicyState
-    def __init__(self, added: _Optional[_Union[WorkItem, _Mapping]] = ..., cancelled_request_id: _Optional[str] = ..., snapshot_done: _Optional[bool] = ..., policy: _Optional[_Union[PolicyState, _Mapping]] = ...) -> None: ...
+    def __init__(self, added: _Optional[_Union[WorkItemBatch, _Mapping]] = ..., cancelled_request_id: _Optional[str] = ..., snapshot_done: _Optional[bool] = ..., policy: _Optional[_Union[PolicyState, _Mapping]] = ...) -> None: ...
 
 class PolicyState(_message.Message):
     __slots__ = ("version", "source")
