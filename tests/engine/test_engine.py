@@ -9,6 +9,7 @@ import pytest
 
 from services.worker.engine import Draft, FinishReason, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
+from tests.engine.device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -105,7 +106,7 @@ def test_kv_export_import_skips_prefill(model_dir: Path, engine: ReferenceEngine
     pages = engine.export_kv(prefix)
     assert len(pages.pages) == len(prefix) // 16 >= 2
     assert all(len(b) == pages.layout.page_bytes for b in pages.pages)
-    other = ReferenceEngine.from_dir(model_dir, num_pages=256)
+    other = ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=256)
     assert other.import_kv(pages) == len(pages.token_ids)
     before = other.stats()
     assert before.imported_tokens == len(pages.token_ids)
@@ -126,7 +127,7 @@ def test_kv_export_import_skips_prefill(model_dir: Path, engine: ReferenceEngine
 
 
 def test_weight_reload_new_version(model_dir: Path, engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
-    eng = ReferenceEngine.from_dir(model_dir, num_pages=128, model_version="v1")
+    eng = ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=128, model_version="v1")
     p = prompts[4]
     a = eng.generate([GenerateRequest("a", p, 5, GREEDY)])["a"].token_ids
     assert eng.cached_prefix_tokens(p) > 0

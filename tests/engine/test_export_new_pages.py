@@ -14,13 +14,14 @@ from tokenizers import Tokenizer
 from services.worker.engine import GenerateRequest, KVPages, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 from tests.engine.conftest import chat
+from tests.engine.device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def other(model_dir: Path) -> Iterator[ReferenceEngine]:
-    eng = ReferenceEngine.from_dir(model_dir, num_pages=128, max_batch_size=4, num_threads=1)
+    eng = ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=128, max_batch_size=4, num_threads=1)
     yield eng
     assert not eng.has_unfinished()
 
@@ -109,7 +110,7 @@ def test_import_continuation_into_a_full_cache_keeps_its_chain(model_dir: Path, 
     ctx = _context(engine, tokenizer, "Eviction test: describe a quiet morning in a small harbour town.", "ev-a")
     full = engine.export_kv(ctx)
     n = len(full.pages)
-    small = ReferenceEngine.from_dir(model_dir, num_pages=n, max_batch_size=1, num_threads=1)
+    small = ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=n, max_batch_size=1, num_threads=1)
     head = KVPages(full.model_version, full.layout, full.token_ids[:16], full.page_hashes[:1], full.pages[:1])
     assert small.import_kv(head) == 16
     # Fill the rest of the cache with an unrelated chain: every page is now cached and unused, the

@@ -8,6 +8,7 @@ import torch
 
 from services.worker.engine import GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
+from tests.engine.device import DEVICE
 
 # 64 new tokens on 5 prompts in float32, as the issue asks.
 
@@ -20,12 +21,12 @@ def hf_greedy_check(model_dir: Path, prompts: list[tuple[int, ...]], outputs: li
     exactly our tokens (induction over positions)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(DEVICE)
     model.eval()
     out = []
     with torch.inference_mode():
         for p, o in zip(prompts, outputs, strict=True):
-            ids = torch.tensor([list(p) + o])
+            ids = torch.tensor([list(p) + o], device=DEVICE)
             logits = model(ids).logits[0]  # [len, vocab]
             out.append(logits[len(p) - 1 : len(p) - 1 + len(o)].argmax(-1).tolist())
     return out

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 from tests.engine.conftest import chat
+from tests.engine.device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 NEW = 10  # tokens per request
@@ -23,7 +24,7 @@ NEW = 10  # tokens per request
 @pytest.fixture(scope="module")
 def fresh(model_dir: Path) -> Iterator[ReferenceEngine]:
     """An engine of its own (each test admits prompts it has never seen in the failing step)."""
-    eng = ReferenceEngine.from_dir(model_dir, num_pages=96, max_batch_size=8, num_threads=1)
+    eng = ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=96, max_batch_size=8, num_threads=1)
     yield eng
     assert not eng.has_unfinished()
 

@@ -284,6 +284,7 @@ class ReferenceEngine(Engine):
         results: list[tuple[list[int], list[int], list[float]]] = [([], [], [])] * len(seqs)
         g_off = s_off = 0
         s_offsets: dict[int, int] = {}
+        greedy_done: list[tuple[int, list[int], list[int], list[int]]] = []  # (seq, tokens, path, lp rows)
         for i, (s, n) in enumerate(zip(seqs, n_rows, strict=True)):
             if s.sampling.greedy:
                 tree = trees[i]
@@ -295,13 +296,22 @@ class ReferenceEngine(Engine):
                     toks, path, rows = [rows_argmax[0]], [], [0]
                 else:
                     toks, path, rows = self.verifier.verify_greedy(tree, rows_argmax)
-                assert greedy_lp is not None
-                lps = [float(greedy_lp[g_off + r, t]) for r, t in zip(rows, toks, strict=True)]
-                results[i] = (toks, path, lps)
+                greedy_done.append((i, toks, path, [g_off + r for r in rows]))
                 g_off += n
             else:
                 s_offsets[i] = s_off
                 s_off += n
+        if greedy_done:
+            # The logprobs of every greedy token in one gather: one device sync per step, not one
+            # per token (on a GPU each sync costs a round trip).
+            assert greedy_lp is not None
+            lp_rows = [r for _i, _t, _p, rs in greedy_done for r in rs]
+            lp_toks = [t for _i, ts, _p, _rs in greedy_done for t in ts]
+            flat = greedy_lp[lp_rows, lp_toks].tolist()
+            k = 0
+            for i, toks, path, rs in greedy_done:
+                results[i] = (toks, path, flat[k : k + len(rs)])
+                k += len(rs)
         if plain:
             assert probs is not None
             sub = probs[[s_offsets[i] for i in plain]]
@@ -309,16 +319,30 @@ class ReferenceEngine(Engine):
             chosen = sub[torch.arange(len(plain)), torch.tensor(toks)].log().tolist()
             for i, t, lp in zip(plain, toks, chosen, strict=True):
                 results[i] = ([t], [], [lp])
-        for i, off in s_offsets.items():
-            tree = trees[i]
-            if tree is None:
-                continue
+        tree_rows = {i: (off, 1 + len(tr)) for i, off in s_offsets.items() if (tr := trees[i]) is not None}
+        if tree_rows:
             assert probs is not None
-            rows_p = probs[off : off + 1 + len(tree)]
-            toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].verify_seed,
-                                                             seqs[i].next_output_position)
-            lps = [float(torch.log(rows_p[r, t])) for r, t in zip(rows, toks, strict=True)]
-            results[i] = (toks, path, lps)
+            # The verifier walks a tree node by node in Python, reading a few probabilities at a
+            # time: on a GPU every read would be a device sync (several per node). The rows of
+            # every tree come to the host in one copy instead [sum(1 + n), V]; on the CPU this is
+            # the tensor itself.
+            host = probs
+            local = {i: off for i, (off, _n) in tree_rows.items()}
+            if probs.device.type != "cpu":
+                sel = [r for off, n in tree_rows.values() for r in range(off, off + n)]
+                host = probs[sel].cpu()
+                k = 0
+                for i, (_off, n) in tree_rows.items():
+                    local[i] = k
+                    k += n
+            for i, (_off, n) in tree_rows.items():
+                tree = trees[i]
+                assert tree is not None
+                rows_p = host[local[i] : local[i] + n]
+                toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].verify_seed,
+                                                                 seqs[i].next_output_position)
+                lps = torch.log(rows_p[rows, toks]).tolist()
+                results[i] = (toks, path, lps)
         return results
 
     def _apply(self, seq: Sequence, tree: DraftTree | None, tokens: list[int], path: list[int],
