@@ -37,7 +37,10 @@ class SchedulerConfig(ServiceConfig):
     )
     history_estimate: str = field(
         default="scaled",
-        metadata={"help": "seer_history: 'scaled' (prior follows this iteration's finished siblings) or 'floor'"},
+        metadata={
+            "help": "seer_history: 'scaled' (prior follows this iteration's finished siblings), 'floor' or "
+            "'posterior' (expected maximum from the history's mean log length and this iteration's siblings)"
+        },
     )
     kv_aging: float = field(
         default=12.0,

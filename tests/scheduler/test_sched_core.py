@@ -10,6 +10,7 @@ import pytest
 
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.scheduler.core import RequestInfo, SchedulerCore, SchedulerPolicyConfig, WorkerSpec
+from services.scheduler.core.groups import posterior_max
 
 from .conftest import FakeClock, add_group, make_core
 
@@ -151,6 +152,38 @@ def test_history_prior_refined_by_finished_siblings(clock: FakeClock, mode: str)
         # A finished sibling is a hard lower bound of the group's longest response.
         core.on_chunk_done("up-1", done["up-1"].worker_id, 990, finished=True)
         assert core.group_estimate("up") == 1000  # (150 + 990) / 300 x 400 = 1520, capped at max_tokens
+
+
+@pytest.mark.parametrize("mode", ["scaled", "posterior"])
+def test_history_posterior_ranks_by_the_typical_length_not_one_outlier(clock: FakeClock, mode: str) -> None:
+    """posterior: a group ranks by the expected maximum from its history's mean log length, so one
+    long outlier last iteration (group a: fifteen at 100 and one at 1000) does not put it ahead of
+    a group whose every response was long (b: all 800). scaled/floor rank by the previous maximum."""
+    core = make_core("seer_history", clock, workers=1, batch=1, estimate_quantile=0, history_estimate=mode)
+    core.set_history("key-a", [100] * 15 + [1000])
+    core.set_history("key-b", [800] * 16)
+    add_group(core, "a", 16, max_tokens=4000)
+    add_group(core, "b", 16, max_tokens=4000)
+    first = core.next_dispatches()[0].request_id
+    if mode == "scaled":
+        assert first.startswith("a") and core.group_estimate("a") == 1000
+    else:
+        assert first.startswith("b")
+        est_a, est_b = core.group_estimate("a"), core.group_estimate("b")
+        assert 150 < est_a < 400 and est_b > 800 > est_a  # pooled log-sd 0.41: exp(mean log + 0.41 x 1.77)
+
+
+def test_history_posterior_uses_finished_and_running_siblings() -> None:
+    """Finished siblings are exact samples of the group's log-mean and running ones lower bounds
+    (censored): both move the expected maximum; it is never below a finished or running length."""
+    prior = [1000] * 4 + [1200] * 4
+    base = posterior_max(prior, [], [], 8, 100_000, log_sd=0.25)
+    assert posterior_max(prior, [2000, 2100], [], 8, 100_000, log_sd=0.25) > base
+    assert posterior_max(prior, [500, 520], [], 8, 100_000, log_sd=0.25) < base
+    assert posterior_max(prior, [], [3000], 8, 100_000, log_sd=0.25) > base  # one sibling ran past 3000
+    assert posterior_max(prior, [], [9000], 8, 100_000, log_sd=0.25) >= 9000
+    assert posterior_max(prior, [1000] * 8, [], 8, 100_000, log_sd=0.25) == 1000  # all finished: their max
+    assert posterior_max(prior, [], [], 8, 1100, log_sd=0.25) == 1100  # capped at max_tokens
 
 
 def test_history_recorded_when_a_group_finishes(clock: FakeClock) -> None:

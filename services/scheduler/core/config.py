@@ -46,7 +46,9 @@ class SchedulerPolicyConfig:
     # ... once at least this many completed groups of the same shape were observed.
     estimate_min_samples: int = 16
     # seer_history: "floor" (finished siblings can only raise the prior) or "scaled" (the prior is
-    # rescaled by this iteration's finished siblings against the previous iteration's shortest).
+    # rescaled by this iteration's finished siblings against the previous iteration's shortest) or
+    # "posterior" (expected maximum of a log-normal group whose log-mean has the history's mean log
+    # as prior, updated by finished and censored running siblings: groups.posterior_max).
     history_estimate: str = "scaled"
     # A quarantined worker is trusted again after this many consecutive sane reports.
     quarantine_clear_reports: int = 3
@@ -74,8 +76,10 @@ class SchedulerPolicyConfig:
             raise InvalidArgument(f"must be in [0, 1), got {self.estimate_quantile}", field="estimate_quantile")
         if self.estimate_min_samples < 1:
             raise InvalidArgument("must be >= 1", field="estimate_min_samples")
-        if self.history_estimate not in ("floor", "scaled"):
-            raise InvalidArgument(f"{self.history_estimate!r} is not one of floor, scaled", field="history_estimate")
+        if self.history_estimate not in ("floor", "scaled", "posterior"):
+            raise InvalidArgument(
+                f"{self.history_estimate!r} is not one of floor, scaled, posterior", field="history_estimate"
+            )
         if self.quarantine_clear_reports < 1:
             raise InvalidArgument("must be >= 1", field="quarantine_clear_reports")
 

@@ -8,8 +8,10 @@ early (Seer section 4.2).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from services.common.errors import InvalidArgument
 
@@ -35,6 +37,11 @@ class GroupState:
     prompt_len: int = 0
     # Expected KV demand of the whole group from its prior (kv_demand; 0: no prior).
     kv_demand: int = 0
+    # history_estimate="posterior": the spread of log lengths within a group (pooled over the
+    # history's groups by the core; 0: unknown, then this group's own history's), and the lower
+    # bounds of started unfinished members (tokens generated at their last chunk boundary).
+    log_sd: float = 0.0
+    running: dict[str, int] = field(default_factory=dict)
 
     def estimate(self, factor: float | None = None) -> int:
         """Expected length of the group's longest response (tokens).
@@ -45,6 +52,15 @@ class GroupState:
         if finished is not None and factor is not None:
             finished = min(self.max_tokens, round(finished * factor))
         if self.prior is not None:
+            if self.history_estimate == "posterior" and self.prior_lengths:
+                return posterior_max(
+                    self.prior_lengths,
+                    self.finished_lengths,
+                    list(self.running.values()),
+                    self.group_size,
+                    self.max_tokens,
+                    self.log_sd,
+                )
             if self.history_estimate == "scaled" and self.finished_lengths and self.prior_lengths:
                 return min(self.max_tokens, max(self._scaled_prior(), finished or 0))
             # History ranks are stable (RhymeRL: 2-4% change rank much), so the prior is a floor
@@ -73,6 +89,67 @@ class GroupState:
         group's tail, its length is unknown, so it ranks as if it ran to max_tokens."""
         est = self.estimate(factor)
         return est if generated < est else self.max_tokens
+
+
+def _expected_max_z(n: int) -> float:
+    """E[max of n standard normals] (Blom's approximation; 0 for n <= 1)."""
+    if n <= 1:
+        return 0.0
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def log_spread(lengths: Sequence[int]) -> tuple[float, int]:
+    """Sum of squared deviations of log lengths from their mean, and its degrees of freedom."""
+    xs = [math.log(max(1, n)) for n in lengths]
+    if len(xs) < 2:
+        return 0.0, 0
+    mu = sum(xs) / len(xs)
+    return sum((x - mu) ** 2 for x in xs), len(xs) - 1
+
+
+def posterior_max(
+    prior_lengths: Sequence[int],
+    finished: Sequence[int],
+    running: Sequence[int],
+    group_size: int,
+    max_tokens: int,
+    log_sd: float = 0.0,
+) -> int:
+    """Expected longest response of a group (history_estimate="posterior").
+
+    Model: log lengths of one group are theta + N(0, s^2). The previous iteration's lengths give
+    theta a normal prior (their mean log, variance 2 s^2 / n: the history counts as half its size,
+    for the drift between iterations). This iteration's finished siblings are exact samples and the
+    started unfinished ones are right-censored at what they generated; theta's posterior mean comes
+    from a few EM steps (the censored ones contribute E[x | x > bound]). Previous lengths at
+    max_tokens count as max_tokens (treating them as censored too: Moonlight seed 1 0.949 -> 0.940
+    of the oracle). The expected maximum over the unfinished members is then exp(theta + s' z(n)),
+    z(n) the expected maximum of n standard normals (s' adds theta's posterior variance), and
+    at least the finished maximum and every bound."""
+    s = log_sd
+    if s <= 0:
+        ss, dof = log_spread(prior_lengths)
+        s = math.sqrt(ss / dof) if dof else 0.25
+    s = max(s, 1e-3)
+    norm = NormalDist()
+    logs = [math.log(max(1, n)) for n in prior_lengths]
+    mu0 = sum(logs) / len(logs)
+    prec0 = len(logs) / (2 * s * s)
+    xs = [math.log(max(1, n)) for n in finished]
+    cs = [math.log(max(1, n)) for n in running if n > 0]
+    theta = mu0
+    for _ in range(4 if cs else 1):
+        total = prec0 * mu0 + sum(xs) / (s * s)
+        for c in cs:
+            a = (c - theta) / s
+            tail = max(1e-12, 1 - norm.cdf(a))
+            total += (theta + s * norm.pdf(a) / tail) / (s * s)
+        theta = total / (prec0 + (len(xs) + len(cs)) / (s * s))
+    post_var = 1 / (prec0 + (len(xs) + len(cs)) / (s * s))
+    unfinished = max(0, group_size - len(finished))
+    est = math.exp(theta + math.sqrt(s * s + post_var) * _expected_max_z(unfinished)) if unfinished else 0.0
+    est = max(est, max(finished, default=0), max(running, default=0))
+    return min(max_tokens, round(est))
 
 
 def history_prior(lengths: Sequence[int], max_tokens: int | None = None) -> int | None:

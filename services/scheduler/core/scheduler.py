@@ -32,7 +32,7 @@ from services.common.errors import AlreadyExists, InvalidArgument, NotFound
 from services.common.log import get_logger, kv
 
 from .config import SchedulerPolicyConfig
-from .groups import GroupState, history_prior, kv_demand
+from .groups import GroupState, history_prior, kv_demand, log_spread
 from .pressure import BindingResource
 from .queues import AgeQueue, Key, PendingQueue
 from .ratios import SiblingRatios
@@ -72,6 +72,9 @@ class SchedulerCore:
         self._groups_by_key: dict[str, set[str]] = {}
         self._workers: dict[str, WorkerState] = {}
         self._history: dict[str, list[int]] = {}
+        # Pooled spread of log lengths within the history's groups (history_estimate="posterior"):
+        # sum of squared deviations and degrees of freedom over every set_history call.
+        self._log_ss, self._log_dof = 0.0, 0
         self._ratios = SiblingRatios(cfg.estimate_quantile, cfg.estimate_min_samples)
         self._finished: OrderedDict[str, None] = OrderedDict()
         # request_id -> version of its live queue entries (pending requests only).
@@ -164,6 +167,7 @@ class SchedulerCore:
             self._release(req)
         self._live.pop(request_id, None)
         self._fresh_live.discard(request_id)
+        self._groups[req.info.group_id].running.pop(request_id, None)
         req.state = "cancelled"
         self._retire(req)
 
@@ -173,6 +177,10 @@ class SchedulerCore:
             self._history.pop(prompt_key, None)
         else:
             self._history[prompt_key] = list(lengths)
+            if self.cfg.history_estimate == "posterior":
+                ss, dof = log_spread(lengths)
+                self._log_ss += ss
+                self._log_dof += dof
         if self.cfg.policy != "seer_history":
             return
         for gid in self._groups_by_key.get(prompt_key, ()):
@@ -181,11 +189,12 @@ class SchedulerCore:
             self._set_demand(g)
             self._rekey_group(g)
 
-    @staticmethod
-    def _set_prior(g: GroupState, lengths: Sequence[int] | None) -> None:
+    def _set_prior(self, g: GroupState, lengths: Sequence[int] | None) -> None:
         if not lengths:
             g.prior, g.prior_lengths = None, None
             return
+        if self._log_dof:
+            g.log_sd = (self._log_ss / self._log_dof) ** 0.5
         g.prior = history_prior(lengths, g.max_tokens)
         g.prior_lengths = sorted(min(n, g.max_tokens) for n in lengths)
 
@@ -556,6 +565,9 @@ class SchedulerCore:
         if finished or req.generated >= req.info.max_tokens:
             self._finish(req)
         else:
+            g = self._groups[req.info.group_id]
+            if g.history_estimate == "posterior" and g.prior is not None:
+                g.running[request_id] = req.generated
             self._enqueue(req)
 
     def on_chunk_failed(self, request_id: str, worker_id: str) -> None:
@@ -592,6 +604,7 @@ class SchedulerCore:
         self._fresh_live.discard(req.info.request_id)
         self._counters["finished_requests"] += 1
         g = self._groups[req.info.group_id]
+        g.running.pop(req.info.request_id, None)
         g.finished_lengths.append(req.generated)
         self._rekey_group(g)
         self._retire(req)
