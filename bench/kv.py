@@ -5,11 +5,11 @@
 
 Throughput: the same SmolLM2-135M float32 pages (30 layers x K/V x 16 tokens x 3 heads x 64 dims
 = 720 KiB) are (1) copied in process (the baseline), (2) written to / read from RocksDB directly
-(services.kvstore.ssd, blob files, reads checked by our crc32 as the store does), (3) sent one way
-over bare loopback gRPC (generic handler, raw bytes, no store / protobuf / crc32: the transport's
+(services.kvstore.ssd, blob files, reads checked by our checksum as the store does), (3) sent one way
+over bare loopback gRPC (generic handler, raw bytes, no store / protobuf / checksum: the transport's
 ceiling here), (4) Put / fetched through a kvstore server process over loopback gRPC by the
 worker's KVClient (Put = put_pages: Exists + streamed Put, acknowledged once stored; Get =
-fetch_prefix: Exists + streamed Get + crc32 check), with the DRAM tier, RocksDB only
+fetch_prefix: Exists + streamed Get + checksum check), with the DRAM tier, RocksDB only
 (--dram-bytes 0), and without server-side Put verification. (3) and (4) alternate round by round;
 each path is reported as GB/s (best round), as a ratio to the memory copy and as the median ratio
 to the bare transport of the same round, with client and server CPU seconds per GB. Put "cold" is
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from services.common.pagehash import chain_hashes
-from services.kvstore.checksum import IMPLEMENTATION as CRC32_IMPL
-from services.kvstore.checksum import crc32
+from services.kvstore.checksum import ALGORITHM as CHECKSUM
+from services.kvstore.checksum import page_checksum
 from services.kvstore.memtune import malloc_tuned, tune_malloc_for_pages
 from services.kvstore.ssd import SsdTier
 from services.worker.engine import GenerateRequest, KVLayout, KVPages, SamplingParams
@@ -293,7 +293,7 @@ class StorePath:
     """A kvstore process and the worker's KVClient: Put = put_pages, Get = fetch_prefix.
 
     dram=False: the server has no DRAM tier, so every Put lands in RocksDB and every Get reads (and
-    crc-checks) from it. The first Put goes into the empty store ("cold": every page lands in memory
+    checks the checksums) from it. The first Put goes into the empty store ("cold": every page lands in memory
     the server never touched, page faults included); each later Put comes after the previous
     request released its pages, as finished rollouts do, so the store reuses that memory (steady
     state). Get fetches the latest batch, and the result is dropped (imported, then freed)."""
@@ -371,7 +371,7 @@ def bench_throughput(
     tune_malloc_for_pages(arenas=client_arenas)
     tuning = malloc_tuned()
     out["client_malloc"] = dataclasses.asdict(tuning) if tuning is not None else None
-    out["crc32_impl"] = CRC32_IMPL
+    out["checksum"] = CHECKSUM
 
     # 1. In-process memory copy of the same page buffers into one preallocated buffer: the ceiling
     # (no allocation or page faults, just memory bandwidth).
@@ -388,7 +388,7 @@ def bench_throughput(
     out["memcpy_gbps"] = _gbps(nbytes, t_copy)
 
     # 2. RocksDB directly (blob files), as the SSD tier writes and reads pages.
-    # As the store reads pages: its own crc32 check instead of RocksDB's (software crc32c) one.
+    # As the store reads pages: its own checksum (XXH3) instead of RocksDB's (software crc32c) one.
     ssd = SsdTier(os.path.join(workdir, "rocks"), verify_page_reads=False)
     meta = b"{}"
 
@@ -399,7 +399,7 @@ def bench_throughput(
     def rocks_get() -> None:
         for h in pages.page_hashes:
             data = ssd.get("bench@v1", h)
-            assert data is not None and crc32(data) >= 0
+            assert data is not None and page_checksum(data) >= 0
 
     t_rput = _best(rocks_put, 1)
     t_rget = _best(rocks_get, repeat)
@@ -407,11 +407,11 @@ def bench_throughput(
     out["rocksdb_put_gbps"] = _gbps(nbytes, t_rput)
     out["rocksdb_get_gbps"] = _gbps(nbytes, t_rget)
 
-    # 3. Over loopback gRPC: the bare transport (no store, no protobuf, no crc32) and the kvstore
+    # 3. Over loopback gRPC: the bare transport (no store, no protobuf, no checksum) and the kvstore
     # paths, interleaved round by round so that each "x bare" ratio compares runs seconds apart
     # (the machine is shared: its load drifts over a run). Each kvstore path: DRAM tier (default;
     # Put is acknowledged once the page is in DRAM), RocksDB only (--dram-bytes 0), and DRAM with
-    # the server trusting the writer's crc32 (--verify-put-checksums false).
+    # the server trusting the writer's checksum (--verify-put-checksums false).
     bare = BareGrpc(pages, streams, workdir)
     paths = {
         "": ("svc", True, ()),
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         result["throughput"] = tp
         print(
             f"pages: {tp['pages']} x {tp['page_bytes']} B = {tp['bytes'] / 1e6:.0f} MB, {args.streams} streams, "
-            f"crc32 by {tp['crc32_impl']}, client malloc: {tp['client_malloc']}"
+            f"checksum {tp['checksum']}, client malloc: {tp['client_malloc']}"
         )
         for k in ("memcpy", "rocksdb_put", "rocksdb_get", "bare_put", "bare_get"):
             ratio = "" if k == "memcpy" else f"  ({tp[k + '_gbps'] / tp['memcpy_gbps']:.3f}x memcpy)"

@@ -1,40 +1,25 @@
-"""CRC-32 of page bytes: the checksum field of the kvstore protocol (zlib's CRC-32, IEEE polynomial).
+"""The page checksum of the kvstore protocol: XXH3-64 (seed 0) of the page bytes.
 
-zlib's crc32 runs at ~1.2-1.5 GB/s on this CPU (Zen3, zlib 1.2.13 has no PCLMUL path), and a page
-is checksummed up to three times per round trip (client Put, server Put, client Get): at 1 GB/s
-of transfer that alone would eat most of the time. ISA-L (the `isal` wheel) computes the same
-CRC-32 with carry-less multiplication at ~4-5 GB/s; zlib-ng likewise. The fastest one importable
-is used; values are identical, so writers and readers may use different implementations. All of
-them release the GIL for large buffers, so a check overlaps the transfer of the next page.
+A page is hashed up to three times per round trip (client Put, server Put, client Get), so at
+~1 GB/s of transfer the hash is a visible share of the CPU that bounds it. Measured on this 2-core
+machine (720 KiB pages, in cache): zlib CRC-32 3.2 GB/s, ISA-L CRC-32 11.8 GB/s, XXH3-64 37.7 GB/s.
+In a fetch loop against a real kvstore (2 streams, 180 pages, medians of 6 interleaved rounds) the
+client's Get went 1.11 GB/s with ISA-L CRC-32 -> 1.19 GB/s with XXH3 -> 1.30 GB/s with no hash at
+all. XXH3 is not cryptographic; it guards against corruption and torn writes (a wrong page would be
+silently wrong KV), not against a malicious writer, which the store does not defend against anyway.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable
+import xxhash
 
 Buffer = bytes | bytearray | memoryview
 
-
-def _pick() -> tuple[str, Callable[[Buffer], int]]:
-    try:
-        from isal import isal_zlib
-
-        return "isal", isal_zlib.crc32
-    except ImportError:
-        pass
-    try:
-        from zlib_ng import zlib_ng
-
-        return "zlib-ng", zlib_ng.crc32
-    except ImportError:
-        pass
-    return "zlib", zlib.crc32
+# Stored with every page's metadata on the SSD tier, so a record written under another algorithm is
+# recognised (and dropped) rather than failing as corrupt.
+ALGORITHM = "xxh3_64"
 
 
-IMPLEMENTATION, _crc32 = _pick()
-
-
-def crc32(data: Buffer) -> int:
-    """CRC-32 (zlib's) of data, as an unsigned 32-bit int."""
-    return _crc32(data) & 0xFFFFFFFF
+def page_checksum(data: Buffer) -> int:
+    """XXH3-64 of data as an unsigned 64-bit int (the protocol's `checksum` field, fixed64)."""
+    return xxhash.xxh3_64_intdigest(data)

@@ -18,11 +18,13 @@ class KvStoreConfig(ServiceConfig):
         default=1,
         metadata={"help": "namespaces kept per model family ('name@version'); a newer one drops older ones"},
     )
-    verify_checksums: bool = field(default=True, metadata={"help": "verify crc32 of pages read from the SSD tier"})
+    verify_checksums: bool = field(
+        default=True, metadata={"help": "verify the checksum of pages read from the SSD tier"}
+    )
     verify_put_checksums: bool = field(
         default=True,
         metadata={
-            "help": "verify crc32 of every Put page (off: trust the writer's checksum; readers verify end to end)"
+            "help": "verify every Put page's checksum (off: trust the writer's checksum; readers verify end to end)"
         },
     )
     ssd_wal: bool = field(

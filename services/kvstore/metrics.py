@@ -27,7 +27,7 @@ _COUNTERS = {
     "evictions": "pages evicted for capacity",
     "demotions": "pages demoted from DRAM to SSD",
     "promotions": "pages promoted from SSD to DRAM",
-    "checksum_failures": "pages that failed crc32 on read (deleted)",
+    "checksum_failures": "pages that failed their checksum on read (deleted)",
     "released_pages": "page ownerships released",
     "dropped_namespaces": "namespaces dropped on a version change",
 }

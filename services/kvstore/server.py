@@ -87,8 +87,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     def Get(self, request: kvstore_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serialized GetResponses (services.kvstore.wire.encode_get)."""
         layout = layout_from_pb(request.layout) if request.HasField("layout") else None
-        for page_hash, data, crc in self.store.get(request.namespace, list(request.page_hashes), layout):
-            yield encode_get(page_hash, data, crc)
+        for page_hash, data, checksum in self.store.get(request.namespace, list(request.page_hashes), layout):
+            yield encode_get(page_hash, data, checksum)
 
     @rpc
     def Exists(self, request: kvstore_pb2.ExistsRequest, context: grpc.ServicerContext) -> kvstore_pb2.ExistsResponse:

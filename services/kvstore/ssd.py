@@ -3,7 +3,7 @@
 Layout on disk:
 - one column family per namespace (model version), named "ns:<namespace>", holding
   b"d" + page_hash -> page bytes (large: stored in blob files, so compaction does not rewrite them)
-  b"m" + page_hash -> small JSON metadata (crc32, size, access sequence, owners)
+  b"m" + page_hash -> small JSON metadata (checksum algorithm, checksum, size, access sequence, owners)
   Dropping a namespace is one drop_column_family: no per-page deletes, the blob files go with it.
 - the default column family holds the namespace registry: b"ns/" + name -> JSON record.
 
@@ -41,7 +41,7 @@ class SsdTier:
         self._page_write.disable_wal = not wal  # type: ignore[method-assign,assignment]  # a property at runtime
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
-        # that checks every page against its own crc32 (the store does by default) turns them off.
+        # that checks every page against its own checksum (the store does by default) turns them off.
         self._page_read = ReadOptions()
         self._page_read.set_verify_checksums(verify_page_reads)
         self._opts = Options(raw_mode=True)

@@ -21,7 +21,7 @@ Put creates a new one, all but the newest `keep_versions` of that family are dro
 drop_column_family) and tombstoned, so a straggling worker on old weights cannot recreate them.
 `drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
 
-Checksums: crc32 (zlib's CRC-32, computed by services.kvstore.checksum) of every page is checked on
+Checksums: the XXH3-64 of every page (services.kvstore.checksum) is checked on
 Put (unless verify_put_checksums is off) and on every read from the SSD tier; a page that fails is
 deleted and reported as missing (counted in checksum_failures), never served.
 """
@@ -39,7 +39,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.kvlayout import KVLayout
 from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
-from services.kvstore.checksum import crc32
+from services.kvstore.checksum import ALGORITHM, page_checksum
 from services.kvstore.dram import Buffer, DramLru
 from services.kvstore.ssd import SsdTier
 
@@ -71,7 +71,7 @@ class KvStats:
 @dataclass
 class _Entry:
     size: int
-    crc: int
+    checksum: int
     owners: set[str]
     on_ssd: bool = False
     seq: int = 0  # last access, for the SSD tier's LRU order after a restart
@@ -92,12 +92,17 @@ def family_of(namespace: str) -> str | None:
 
 
 def _encode_meta(e: _Entry) -> bytes:
-    return json.dumps([e.crc, e.size, e.seq, sorted(e.owners)]).encode("utf-8")
+    return json.dumps([ALGORITHM, e.checksum, e.size, e.seq, sorted(e.owners)]).encode("utf-8")
 
 
-def _decode_meta(raw: bytes) -> _Entry:
-    crc, size, seq, owners = json.loads(raw)
-    return _Entry(size=int(size), crc=int(crc), owners=set(owners), on_ssd=True, seq=int(seq))
+def _decode_meta(raw: bytes) -> _Entry | None:
+    """The entry, or None for a record whose checksum is of another algorithm (written by an
+    earlier release: [crc32, size, seq, owners]): its page cannot be verified, so it is dropped."""
+    rec = json.loads(raw)
+    if len(rec) != 5 or rec[0] != ALGORITHM:
+        return None
+    _algorithm, checksum, size, seq, owners = rec
+    return _Entry(size=int(size), checksum=int(checksum), owners=set(owners), on_ssd=True, seq=int(seq))
 
 
 class KvStore:
@@ -119,7 +124,7 @@ class KvStore:
             raise InvalidArgument(f"must be >= 1, got {keep_versions}", field="keep_versions")
         self._lock = threading.RLock()
         self._dram = DramLru(dram_bytes)
-        # The store checks every SSD read against the page's crc32 (verify_checksums): RocksDB's own
+        # The store checks every SSD read against the page's checksum (verify_checksums): RocksDB's own
         # (slower) check of the same bytes is then redundant.
         self._ssd = SsdTier(
             data_dir, min_blob_bytes=min_blob_bytes, wal=ssd_wal, verify_page_reads=not verify_checksums
@@ -142,7 +147,7 @@ class KvStore:
     # ---------------------------------------------------------------- recovery
     def _recover(self) -> None:
         """Rebuilds the in-memory index from the SSD tier's registry and page metadata."""
-        max_seq = 0
+        max_seq = stale = 0
         pages: list[tuple[int, Key, int]] = []
         for name, raw in self._ssd.registry().items():
             rec = json.loads(raw)
@@ -153,8 +158,12 @@ class KvStore:
                 continue
             ns = _Namespace(name, KVLayout.from_json(rec["layout"]), int(rec["seq"]))
             self._namespaces[name] = ns
-            for page_hash, meta in self._ssd.iter_meta(name):
+            for page_hash, meta in list(self._ssd.iter_meta(name)):
                 e = _decode_meta(meta)
+                if e is None:
+                    stale += 1
+                    self._ssd.delete(name, page_hash)
+                    continue
                 ns.entries[page_hash] = e
                 for owner in e.owners:
                     ns.by_owner.setdefault(owner, set()).add(page_hash)
@@ -172,6 +181,8 @@ class KvStore:
                 "recovered SSD tier",
                 extra=kv(namespaces=len(self._namespaces), pages=len(pages), ssd_bytes=self._ssd_bytes),
             )
+        if stale:
+            log.warning("dropped SSD pages checksummed by another algorithm", extra=kv(pages=stale, want=ALGORITHM))
         self._enforce_ssd_capacity()
 
     # ---------------------------------------------------------------- namespaces
@@ -243,22 +254,26 @@ class KvStore:
         # The expensive part, outside the lock. Without put verification the writer's checksum is
         # stored as is: a page whose bytes do not match it is never used, since every reader (the
         # SSD tier, the client) checks it before use.
-        crc = crc32(data) if self.verify_put_checksums else checksum
+        actual = page_checksum(data) if self.verify_put_checksums else checksum
         with self._lock:
             found = self._check_put_target(namespace, layout)
             if len(data) != layout.page_bytes:
                 raise InvalidArgument(
                     f"{len(data)} bytes, but a page of layout {layout} is {layout.page_bytes} bytes", field="data"
                 )
-            if crc != checksum:
-                raise InvalidArgument(f"crc32 of data is {crc}, message says {checksum}", field="checksum")
+            if actual != checksum:
+                raise InvalidArgument(
+                    f"{ALGORITHM} of data is {actual:#018x}, message says {checksum:#018x}", field="checksum"
+                )
             ns = found if found is not None else self._create_namespace(namespace, layout)
             key: Key = (namespace, page_hash)
             entry = ns.entries.get(page_hash)
             if entry is not None:
                 self._add_owner(ns, page_hash, entry, request_id)
                 return False
-            entry = _Entry(size=len(data), crc=crc, owners={request_id} if request_id else set(), seq=next(self._seq))
+            entry = _Entry(
+                size=len(data), checksum=actual, owners={request_id} if request_id else set(), seq=next(self._seq)
+            )
             ns.entries[page_hash] = entry
             if request_id:
                 ns.by_owner.setdefault(request_id, set()).add(page_hash)
@@ -346,7 +361,7 @@ class KvStore:
 
     # ---------------------------------------------------------------- reads
     def get_page(self, namespace: str, page_hash: bytes) -> tuple[Buffer, int] | None:
-        """(data, crc32) of a page, or None when missing (or corrupt on disk: then it is deleted)."""
+        """(data, checksum) of a page, or None when missing (or corrupt on disk: then it is deleted)."""
         with self._lock:
             ns = self._namespaces.get(namespace)
             entry = ns.entries.get(page_hash) if ns is not None else None
@@ -358,13 +373,17 @@ class KvStore:
             data = self._dram.get(key)
             if data is not None:
                 self._hits += 1
-                return data, entry.crc
+                return data, entry.checksum
             try:
                 data = self._ssd.get(namespace, page_hash)
             except Exception:  # RocksDB reports on-disk corruption (blob/block checksum) as an error
                 log.warning("SSD read failed", exc_info=True, extra=kv(namespace=namespace, page=page_hash.hex()))
                 data = b""
-            bad = data is None or len(data) != entry.size or (self.verify_checksums and crc32(data) != entry.crc)
+            bad = (
+                data is None
+                or len(data) != entry.size
+                or (self.verify_checksums and page_checksum(data) != entry.checksum)
+            )
             if bad:
                 self._checksum_failures += 1
                 self._misses += 1
@@ -378,12 +397,12 @@ class KvStore:
                 for evicted_key, evicted in self._dram.put(key, data):
                     self._demote(evicted_key, evicted)  # type: ignore[arg-type]
                 self._enforce_ssd_capacity()
-            return data, entry.crc
+            return data, entry.checksum
 
     def get(
         self, namespace: str, page_hashes: Sequence[bytes], layout: KVLayout | None = None
     ) -> Iterator[tuple[bytes, Buffer | None, int]]:
-        """(hash, data or None, crc32) per asked hash, in order. A stated layout must match."""
+        """(hash, data or None, checksum) per asked hash, in order. A stated layout must match."""
         self.check_layout(namespace, layout)
         for i, page_hash in enumerate(page_hashes):
             if len(page_hash) != HASH_BYTES:

@@ -11,6 +11,10 @@ of the page bytes, which decide throughput at ~1 GB/s:
   access; here `data` is a memoryview into the received bytes (no copy). The view keeps the
   received message alive, which is the page plus a few dozen bytes.
 
+- echo: GetResponse is numbered to be wire-compatible with PutRequest (kvstore.proto), so a page
+  that arrived by Put is answered with the very bytes of its PutRequest (`echo_frame`): the server
+  then sends every page with no copy of its own (gRPC still copies it into its send buffer).
+
 Pure (no gRPC): the server and the client install these as (de)serializers of Put and Get.
 """
 
@@ -23,8 +27,9 @@ from seer.v1 import kvstore_pb2
 
 # Field numbers and wire types (kvstore.proto; protobuf encoding spec).
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-_PUT_DATA_TAG = bytes([(4 << 3) | _LEN])  # PutRequest.data = 4
-_GET_DATA_TAG = bytes([(2 << 3) | _LEN])  # GetResponse.data = 2
+# PutRequest.data = 4 = GetResponse.data (the two messages share their page fields' numbers).
+_DATA_TAG = bytes([(4 << 3) | _LEN])
+_PAGE_HASH, _DATA, _CHECKSUM = 3, 4, 7  # in both messages
 
 
 class DecodeError(ValueError):
@@ -142,7 +147,7 @@ def encode_put(
     ).SerializeToString()
     if not len(data):
         return head
-    return b"".join((head, _PUT_DATA_TAG, _varint(len(data)), data))
+    return b"".join((head, _DATA_TAG, _varint(len(data)), data))
 
 
 def decode_put(raw: bytes) -> PutMessage:
@@ -159,40 +164,63 @@ def decode_put(raw: bytes) -> PutMessage:
         elif number == 2:
             layout = layout if layout is not None else kvstore_pb2.PageLayout()
             layout.MergeFromString(bytes(_as_view(value, number)))
-        elif number == 3:
+        elif number == _PAGE_HASH:
             page_hash = bytes(_as_view(value, number))
-        elif number == 4:
+        elif number == _DATA:
             data = _as_view(value, number)
-        elif number == 5:
-            checksum = _as_int(value, number) & 0xFFFFFFFF
+        elif number == _CHECKSUM:
+            checksum = _as_int(value, number) & 0xFFFFFFFFFFFFFFFF
         elif number == 6:
             request_id = _text(_as_view(value, number), number)
     return PutMessage(namespace, layout, page_hash, data, checksum, request_id)
 
 
 # ---------------------------------------------------------------------------- GetResponse
+def echo_frame(data: bytes | memoryview, page_hash: bytes, checksum: int) -> bytes | None:
+    """The received PutRequest that stored this page, when `data` is a view into it (decode_put's
+    views are: the store keeps them as they came): a valid GetResponse for the page as it is. None
+    when data is not such a view, or the frame it views is not a Put of this very page."""
+    frame = data.obj if isinstance(data, memoryview) else None
+    if not isinstance(frame, bytes):
+        return None
+    try:
+        msg = decode_put(frame)
+    except DecodeError:
+        return None
+    # The store took `data` from this frame's last data field, which decode_put also returns; the
+    # hash, checksum and length confirm the frame is the Put of this page.
+    if msg.page_hash != page_hash or msg.checksum != checksum or len(msg.data) != len(data):
+        return None
+    return frame
+
+
 def encode_get(page_hash: bytes, data: bytes | memoryview | None, checksum: int = 0) -> bytes:
-    """A serialized GetResponse: found with its data, or (data None) found=false."""
+    """A serialized GetResponse: found with its data (the stored Put frame itself when there is
+    one, see echo_frame), or (data None) missing."""
     if data is None:
-        return kvstore_pb2.GetResponse(page_hash=page_hash, found=False).SerializeToString()
-    head = kvstore_pb2.GetResponse(page_hash=page_hash, checksum=checksum, found=True).SerializeToString()
+        return kvstore_pb2.GetResponse(page_hash=page_hash, missing=True).SerializeToString()
+    frame = echo_frame(data, page_hash, checksum)
+    if frame is not None:
+        return frame
+    head = kvstore_pb2.GetResponse(page_hash=page_hash, checksum=checksum).SerializeToString()
     if not len(data):
         return head
-    return b"".join((head, _GET_DATA_TAG, _varint(len(data)), data))
+    return b"".join((head, _DATA_TAG, _varint(len(data)), data))
 
 
 def decode_get(raw: bytes) -> GetMessage:
+    """A GetResponse from its bytes; PutRequest's fields in an echoed frame are skipped as unknown."""
     page_hash = b""
     data = _EMPTY
     checksum = 0
-    found = False
+    missing = False
     for number, _wire_type, value in _fields(raw):
-        if number == 1:
+        if number == _PAGE_HASH:
             page_hash = bytes(_as_view(value, number))
-        elif number == 2:
+        elif number == _DATA:
             data = _as_view(value, number)
-        elif number == 3:
-            checksum = _as_int(value, number) & 0xFFFFFFFF
-        elif number == 4:
-            found = _as_int(value, number) != 0
-    return GetMessage(page_hash, data, checksum, found)
+        elif number == _CHECKSUM:
+            checksum = _as_int(value, number) & 0xFFFFFFFFFFFFFFFF
+        elif number == 8:
+            missing = _as_int(value, number) != 0
+    return GetMessage(page_hash, data, checksum, not missing)

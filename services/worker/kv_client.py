@@ -17,12 +17,12 @@ Use (DESIGN.md section 3, steps 3-4):
 Pages are placed by a consistent-hash ring over their page hash (services.kvstore.ring). Every
 failure is a cache miss, never an error of the rollout and never wrong KV: a replica that is down or
 slow (UNAVAILABLE / DEADLINE_EXCEEDED) makes its pages missing; fetch_prefix stops at the first page
-that is missing or fails its crc32 and returns the prefix before it (the engine recomputes the rest);
+that is missing or fails its checksum and returns the prefix before it (the engine recomputes the rest);
 each case is counted in stats().
 
 Throughput (services/kvstore/README.md, "Page throughput"): Put and Get messages go through
-services.kvstore.wire (one page copy fewer each way than the generated classes), crc32 through
-services.kvstore.checksum (ISA-L when installed), a replica's share over `streams_per_replica`
+services.kvstore.wire (one page copy fewer each way than the generated classes; the server answers a Get with the
+stored Put frame), page checksums by XXH3 (services.kvstore.checksum), a replica's share over `streams_per_replica`
 concurrent streams, and the constructor tunes glibc malloc for page-sized buffers
 (`tune_malloc=False` leaves the process as it is).
 """
@@ -42,7 +42,7 @@ from services.common.errors import InvalidArgument
 from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
-from services.kvstore.checksum import crc32
+from services.kvstore.checksum import page_checksum
 from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.ring import HashRing
 from services.kvstore.wire import GetMessage, decode_get, encode_put
@@ -99,7 +99,7 @@ class KVClientStats:
     fetched_pages: int = 0
     fetched_bytes: int = 0
     missing_pages: int = 0  # a fetch stopped at a page the store no longer had (recompute from there)
-    checksum_failures: int = 0  # a fetch stopped at a page whose bytes failed crc32 (recompute)
+    checksum_failures: int = 0  # a fetch stopped at a page whose bytes failed their checksum (recompute)
     replica_errors: int = 0  # RPCs that failed and were degraded to a miss
     released_pages: int = 0
 
@@ -169,7 +169,7 @@ class KVClient:
         n = len(self.ring.nodes)
         self._io = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="kv-io")
         self._offload_io = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kv-offload-io")
-        # Extra Get streams within one replica's share (consumed here: decode, crc32, copy out).
+        # Extra Get streams within one replica's share (consumed here: decode, checksum).
         self._get_io = ThreadPoolExecutor(
             max_workers=max(1, 2 * n * (streams_per_replica - 1)), thread_name_prefix="kv-get-io"
         )
@@ -250,8 +250,8 @@ class KVClient:
                 if data:
                     with self._lock:
                         sent[0] += len(data)
-                crc = crc32(data) if data else 0
-                yield encode_put(pages.page_hashes[i], data, crc, namespace=ns, layout=lay, request_id=owner)
+                checksum = page_checksum(data) if data else 0
+                yield encode_put(pages.page_hashes[i], data, checksum, namespace=ns, layout=lay, request_id=owner)
 
         def put(node: str, idx: list[int]) -> tuple[int, int]:
             have = (
@@ -265,7 +265,7 @@ class KVClient:
                 .prefix_pages
             )
             # The new pages go in streams_per_replica concurrent streams (gRPC consumes each request
-            # iterator on its own thread: the crc32 and serialization of one stream overlap the
+            # iterator on its own thread: the checksum and serialization of one stream overlap the
             # transfer of another); the claims ride on the first.
             parts = split_even(idx[have:], self.streams_per_replica) or [[]]
             parts[0] = [*idx[:have], *parts[0]]
@@ -365,11 +365,11 @@ class KVClient:
         layout_pb = layout_to_pb(layout)
 
         # Per page: None = missing, False = failed its checksum, bytes = verified data. Each page is
-        # checked as it arrives (crc32 releases the GIL), overlapping the transfer of the next one.
+        # checked as it arrives (XXH3 at ~35 GB/s), overlapping the transfer of the next one.
         def verified(msg: GetMessage) -> memoryview | bool | None:
             if not msg.found:
                 return None
-            if len(msg.data) != layout.page_bytes or crc32(msg.data) != msg.checksum:
+            if len(msg.data) != layout.page_bytes or page_checksum(msg.data) != msg.checksum:
                 return False
             # No copy: the view keeps the received message alive, which is the page plus a few
             # dozen bytes of header, and the importer copies it into its KV cache.
@@ -391,7 +391,7 @@ class KVClient:
 
         def get(node: str, idx: list[int]) -> dict[bytes, memoryview | bool | None]:
             # streams_per_replica concurrent streams: one consumed here, the others on _get_io, so
-            # the crc32 and copy of one stream's page overlap the transfer of another's.
+            # the checksum of one stream's page overlaps the transfer of another's.
             parts = split_even(idx, self.streams_per_replica)
             others = [self._get_io.submit(get_part, node, part) for part in parts[1:]]
             results: list[dict[bytes, memoryview | bool | None] | grpc.RpcError] = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 
 from services.common.kvlayout import KVLayout
@@ -29,10 +28,6 @@ def make_pages(tokens: list[int], version: str = "m@v1", seed: int = 0) -> KVPag
     ]
     n = len(hashes) * KV_LAYOUT.page_size
     return KVPages(version, KV_LAYOUT, tuple(tokens[:n]), tuple(hashes), tuple(rnd))
-
-
-def crc(data: bytes | memoryview) -> int:
-    return zlib.crc32(data)
 
 
 class Replica:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
 import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.pagehash import chain_hashes
+from services.kvstore.checksum import page_checksum
 from services.kvstore.ring import HashRing
 from services.worker.engine import KVLayout, KVPages
 from services.worker.kv_client import KVClient
@@ -201,13 +201,13 @@ def test_unverified_put_of_bad_bytes_is_caught_by_the_reader(replicas: Make) -> 
     pages = make_pages(TOKENS)
     with KVClient([r.address]) as kv:
         kv.put_pages(pages, "r1")
-        # A writer whose bytes changed after the checksum was taken: page 5 goes in with a bad crc.
+        # A writer whose bytes changed after the checksum was taken: page 5 goes in with a bad checksum.
         assert r.store is not None
         bad = bytes(b ^ 0xFF for b in pages.pages[5])
         assert r.store.release("m@v1", "r1") == 24
         for i, (h, d) in enumerate(zip(pages.page_hashes, pages.pages, strict=True)):
             data = bad if i == 5 else d
-            r.store.put("m@v1", LAYOUT, h, data, zlib.crc32(d), "r1")
+            r.store.put("m@v1", LAYOUT, h, data, page_checksum(d), "r1")
         got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
         assert got is not None and got.pages == pages.pages[:5]
         assert kv.stats().checksum_failures == 1

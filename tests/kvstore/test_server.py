@@ -16,8 +16,9 @@ from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from services.common.grpcutil import channel
 from services.common.pagehash import chain_hashes
+from services.kvstore.checksum import page_checksum
 from services.worker.kv_client import layout_to_pb
-from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, Replica, crc
+from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, Replica
 
 Make = Callable[..., Replica]
 
@@ -29,7 +30,7 @@ def _stub(r: Replica) -> kvstore_pb2_grpc.KvStoreServiceStub:
 def _requests(pages: list[tuple[bytes, bytes]], ns: str = "m@v1", rid: str = "r1") -> Iterator[kvstore_pb2.PutRequest]:
     for h, d in pages:
         yield kvstore_pb2.PutRequest(
-            namespace=ns, layout=layout_to_pb(LAYOUT), page_hash=h, data=d, checksum=crc(d), request_id=rid
+            namespace=ns, layout=layout_to_pb(LAYOUT), page_hash=h, data=d, checksum=page_checksum(d), request_id=rid
         )
 
 
@@ -48,8 +49,8 @@ def test_put_get_exists_release_stats(replicas: Make) -> None:
     missing = os.urandom(16)
     got = list(stub.Get(kvstore_pb2.GetRequest(namespace="m@v1", page_hashes=[*hashes, missing]), timeout=10))
     assert [g.page_hash for g in got] == [*hashes, missing]
-    assert [g.data for g in got[:4]] == [d for _, d in pages] and all(g.found for g in got[:4])
-    assert not got[4].found
+    assert [g.data for g in got[:4]] == [d for _, d in pages] and not any(g.missing for g in got[:4])
+    assert got[4].missing
     assert stub.Exists(kvstore_pb2.ExistsRequest(namespace="m@v1", page_hashes=hashes), timeout=5).prefix_pages == 4
     st = stub.GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=5)
     assert (st.pages, st.hits, st.misses, st.namespaces) == (4, 4, 1, 1)
@@ -65,7 +66,7 @@ def test_bad_layout_is_invalid_argument_naming_the_field(replicas: Make) -> None
     bad = kvstore_pb2.PageLayout(dtype="float32", page_size=4, num_layers=2, num_kv_heads=3, head_dim=8)
     msgs = [
         next(_requests([(h0, d0)])),
-        kvstore_pb2.PutRequest(namespace="m@v1", layout=bad, page_hash=h1, data=d1, checksum=crc(d1)),
+        kvstore_pb2.PutRequest(namespace="m@v1", layout=bad, page_hash=h1, data=d1, checksum=page_checksum(d1)),
     ]
     with pytest.raises(grpc.RpcError) as err:
         stub.Put(iter(msgs), timeout=10)
@@ -78,7 +79,10 @@ def test_bad_layout_is_invalid_argument_naming_the_field(replicas: Make) -> None
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "layout.num_kv_heads" in str(err.value.details())
     with pytest.raises(grpc.RpcError) as err:
-        stub.Put(iter([kvstore_pb2.PutRequest(namespace="m@v1", page_hash=h1, data=d1, checksum=crc(d1))]), timeout=5)
+        stub.Put(
+            iter([kvstore_pb2.PutRequest(namespace="m@v1", page_hash=h1, data=d1, checksum=page_checksum(d1))]),
+            timeout=5,
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "requests[0].layout" in str(err.value.details())
 
@@ -93,7 +97,11 @@ def test_oversized_page_is_resource_exhausted(replicas: Make) -> None:
             iter(
                 [
                     kvstore_pb2.PutRequest(
-                        namespace="m@v1", layout=layout_to_pb(LAYOUT), page_hash=h, data=big, checksum=crc(big)
+                        namespace="m@v1",
+                        layout=layout_to_pb(LAYOUT),
+                        page_hash=h,
+                        data=big,
+                        checksum=page_checksum(big),
                     )
                 ]
             ),
@@ -171,7 +179,7 @@ def test_process_sigterm_flushes_and_restart_keeps_pages(tmp_path: Path) -> None
         got = list(stub.Get(kvstore_pb2.GetRequest(namespace="m@v1", page_hashes=[h for h, _ in asked]), timeout=10))
         assert [g.data for g in got[:3]] == [d for _, d in pages]  # flushed by the graceful stop
         for g, (_h, d) in zip(got[3:], more, strict=True):
-            assert not g.found or (g.data == d and g.checksum == crc(d))
+            assert g.missing or (g.data == d and g.checksum == page_checksum(d))
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

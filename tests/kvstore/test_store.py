@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -10,8 +12,9 @@ import pytest
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.kvlayout import KVLayout
 from services.common.pagehash import chain_hashes
+from services.kvstore.checksum import page_checksum
 from services.kvstore.store import KvStore
-from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, crc
+from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES
 
 Open = Callable[..., KvStore]
 
@@ -20,7 +23,7 @@ def _put_chain(store: KvStore, n: int, version: str = "m@v1", owner: str = "r1")
     hashes = chain_hashes(list(range(n * LAYOUT.page_size)), LAYOUT.page_size, version)
     pages = [(h, os.urandom(PAGE_BYTES)) for h in hashes]
     for h, data in pages:
-        store.put(version, LAYOUT, h, data, crc(data), owner)
+        store.put(version, LAYOUT, h, data, page_checksum(data), owner)
     return pages
 
 
@@ -30,7 +33,7 @@ def test_put_get_exists_roundtrip(open_store: Open) -> None:
     hashes = [h for h, _ in pages]
     got = list(store.get("m@v1", hashes))
     assert [d for _, d, _ in got] == [d for _, d in pages]
-    assert all(c == crc(d) for _, d, c in got if d is not None)
+    assert all(c == page_checksum(d) for _, d, c in got if d is not None)
     assert store.exists("m@v1", hashes) == 5
     # A hole in the chain bounds the prefix.
     assert store.exists("m@v1", [*hashes[:2], os.urandom(16), *hashes[3:]]) == 2
@@ -48,22 +51,22 @@ def test_bad_input_names_the_field(open_store: Open) -> None:
     with pytest.raises(InvalidArgument, match=r"layout\.num_kv_heads"):
         store.put("m@v1", other, h, os.urandom(other.page_bytes), 0, "r")
     with pytest.raises(InvalidArgument, match=r"layout\.dtype"):
-        store.put("m@v1", KVLayout("bfloat16", 4, 2, 1, 8), h, data, crc(data), "r")
+        store.put("m@v1", KVLayout("bfloat16", 4, 2, 1, 8), h, data, page_checksum(data), "r")
     with pytest.raises(InvalidArgument, match=r"^data:"):
-        store.put("m@v1", LAYOUT, h, data[:-1], crc(data[:-1]), "r")
+        store.put("m@v1", LAYOUT, h, data[:-1], page_checksum(data[:-1]), "r")
     with pytest.raises(InvalidArgument, match=r"^checksum:"):
-        store.put("m@v1", LAYOUT, h, data, crc(data) ^ 1, "r")
+        store.put("m@v1", LAYOUT, h, data, page_checksum(data) ^ 1, "r")
     with pytest.raises(InvalidArgument, match=r"^page_hash:"):
-        store.put("m@v1", LAYOUT, b"short", data, crc(data), "r")
+        store.put("m@v1", LAYOUT, b"short", data, page_checksum(data), "r")
     with pytest.raises(InvalidArgument, match=r"^namespace:"):
-        store.put("", LAYOUT, h, data, crc(data), "r")
+        store.put("", LAYOUT, h, data, page_checksum(data), "r")
     with pytest.raises(InvalidArgument, match=r"layout\.dtype"):
-        store.put("new@v1", KVLayout("float13", 4, 2, 1, 8), h, data, crc(data), "r")
+        store.put("new@v1", KVLayout("float13", 4, 2, 1, 8), h, data, page_checksum(data), "r")
     with pytest.raises(InvalidArgument, match=r"layout\.page_size"):
         list(store.get("m@v1", [h], KVLayout("float32", 8, 2, 1, 8)))
     # Nothing bad was stored (not even the namespace of a rejected first Put); the good page is served.
     with pytest.raises(InvalidArgument, match=r"^data:"):
-        store.put("fresh@v1", LAYOUT, h, data[:-1], crc(data[:-1]), "r")
+        store.put("fresh@v1", LAYOUT, h, data[:-1], page_checksum(data[:-1]), "r")
     assert store.stats().pages == 1 and store.stats().namespaces == 1
     assert store.namespace_layout("fresh@v1") is None
 
@@ -83,7 +86,7 @@ def test_dram_evicts_to_ssd_and_ssd_evicts_lru(open_store: Open) -> None:
     for h, d in zip(
         chain_hashes(list(range(100, 108)), 4, "m@v1"), (os.urandom(PAGE_BYTES) for _ in range(2)), strict=False
     ):
-        store.put("m@v1", LAYOUT, h, d, crc(d), "r2")
+        store.put("m@v1", LAYOUT, h, d, page_checksum(d), "r2")
     s = store.stats()
     assert s.ssd_bytes == 6 * PAGE_BYTES and s.evictions == 2 and s.pages == 8
     hashes = [h for h, _ in pages]
@@ -94,7 +97,7 @@ def test_release_keeps_pages_other_owners_share(open_store: Open) -> None:
     store = open_store()
     shared = _put_chain(store, 2, owner="a")
     for h, data in shared:  # a sibling offloads the same prompt pages
-        assert store.put("m@v1", LAYOUT, h, data, crc(data), "b") is False
+        assert store.put("m@v1", LAYOUT, h, data, page_checksum(data), "b") is False
     assert store.release("m@v1", "a") == 2
     assert store.exists("m@v1", [h for h, _ in shared]) == 2
     assert store.release("m@v1", "b") == 2
@@ -117,6 +120,23 @@ def test_restart_keeps_ssd_tier_and_ownership(open_store: Open) -> None:
     assert again.stats().pages == 0
 
 
+def test_restart_drops_pages_checksummed_by_another_algorithm(open_store: Open) -> None:
+    """A page whose metadata was written by an earlier release (a CRC-32 in the old 4-field
+    record) cannot be verified with XXH3: recovery drops it instead of failing every read of it."""
+    store = open_store("db", dram_bytes=0)
+    pages = _put_chain(store, 3, owner="r1")
+    old_hash, old_data = pages[1]
+    store.raw_ssd().put_meta("m@v1", old_hash, json.dumps([zlib.crc32(old_data), PAGE_BYTES, 2, ["r1"]]).encode())
+    store.close()
+    again = open_store("db", dram_bytes=0)
+    hashes = [h for h, _ in pages]
+    assert again.exists("m@v1", hashes) == 1  # page 0 only: page 1 is gone, so the chain stops there
+    assert again.exists("m@v1", hashes[2:]) == 1
+    assert again.get_page("m@v1", old_hash) is None
+    assert again.raw_ssd().get("m@v1", old_hash) is None  # deleted from RocksDB, not just hidden
+    assert again.stats().pages == 2 and again.stats().checksum_failures == 0
+
+
 def test_new_version_drops_old_namespace(open_store: Open) -> None:
     store = open_store()
     v1 = _put_chain(store, 3, version="m@v1")
@@ -133,7 +153,7 @@ def test_new_version_drops_old_namespace(open_store: Open) -> None:
     # A straggler on the old weights cannot recreate the dropped namespace.
     h, data = v1[0]
     with pytest.raises(FailedPrecondition, match="namespace"):
-        store.put("m@v1", LAYOUT, h, data, crc(data), "late")
+        store.put("m@v1", LAYOUT, h, data, page_checksum(data), "late")
 
 
 def test_keep_versions_two(open_store: Open) -> None:
@@ -159,7 +179,7 @@ def test_corrupt_page_on_disk_is_never_served(open_store: Open) -> None:
     del cf
     got = list(store.get("m@v1", [h for h, _ in pages]))
     assert got[0][1] == pages[0][1]
-    assert got[1][1] is None  # failed crc32: dropped, reported missing
+    assert got[1][1] is None  # failed its checksum: dropped, reported missing
     assert got[2][1] == pages[2][1]
     s = store.stats()
     assert s.checksum_failures == 1
@@ -196,7 +216,7 @@ def test_claim_adds_an_owner_without_bytes(open_store: Open) -> None:
 
 @pytest.mark.parametrize("store_verifies", [True, False])
 def test_bit_flip_in_a_blob_file_is_never_served(open_store: Open, tmp_path: object, store_verifies: bool) -> None:
-    """A byte flipped on disk inside a page's blob record: with the store's own crc32 check on,
+    """A byte flipped on disk inside a page's blob record: with the store's own checksum check on,
     RocksDB's (slower) check is off and the store catches it; with it off, RocksDB's catches it."""
     store = open_store("db", dram_bytes=0, verify_checksums=store_verifies)
     pages = _put_chain(store, 3)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from services.kvstore.checksum import crc32
+from services.kvstore.checksum import page_checksum
 from services.kvstore.memtune import MAX_MMAP_THRESHOLD, malloc_tuned, tune_malloc_for_pages
 from services.worker.engine import KVPages
 from services.worker.kv_client import KVClient, split_even
@@ -51,7 +51,7 @@ def test_streams_round_trip_with_claims(replicas: Make, streams: int) -> None:
 
 
 def test_bad_page_in_a_later_stream_ends_the_prefix_there(replicas: Make) -> None:
-    """Pages arrive over several streams; a page failing its crc32 in the last stream's share still
+    """Pages arrive over several streams; a page failing its checksum in the last stream's share still
     cuts the fetched prefix exactly there (and the store never serves it as good)."""
     r = replicas("a", verify_put_checksums=False)
     pages = make_pages(TOKENS)
@@ -59,20 +59,20 @@ def test_bad_page_in_a_later_stream_ends_the_prefix_there(replicas: Make) -> Non
         assert r.store is not None
         for i, (h, d) in enumerate(zip(pages.page_hashes, pages.pages, strict=True)):
             data = bytes(b ^ 0x5A for b in d) if i == 20 else d
-            r.store.put("m@v1", LAYOUT, h, data, crc32(d), "r1")
+            r.store.put("m@v1", LAYOUT, h, data, page_checksum(d), "r1")
         got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
         assert got is not None and got.pages == pages.pages[:20]
         assert kv.stats().checksum_failures == 1
 
 
 def test_put_checksum_mismatch_is_rejected_by_the_server(replicas: Make) -> None:
-    """The server still verifies each Put page's crc32 when it decodes with services.kvstore.wire."""
+    """The server still verifies each Put page's checksum when it decodes with services.kvstore.wire."""
     r = replicas("a")
     pages = make_pages(TOKENS)
     bad = list(pages.pages)
     bad[3] = bytes(b ^ 1 for b in bad[3])
     with KVClient([r.address], streams_per_replica=1) as kv:
-        # The client computes the crc of what it sends; make it disagree by corrupting after the fact.
+        # The client computes the checksum of what it sends; make it disagree by corrupting after the fact.
         original = kv._put_rpc[r.address]
 
         def corrupting(requests: Iterator[bytes], timeout: float) -> grpc.Future:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import zlib
 
 import pytest
+import xxhash
 from seer.v1 import kvstore_pb2
 
-from services.kvstore.checksum import IMPLEMENTATION, crc32
-from services.kvstore.wire import DecodeError, decode_get, decode_put, encode_get, encode_put
+from services.kvstore.checksum import page_checksum
+from services.kvstore.wire import DecodeError, decode_get, decode_put, echo_frame, encode_get, encode_put
 
 LAYOUT_PB = kvstore_pb2.PageLayout(
     dtype="float32", page_size=16, num_layers=30, num_kv_heads=3, head_dim=64, layout="layer,kv,token,head,dim"
@@ -20,9 +20,9 @@ LAYOUT_PB = kvstore_pb2.PageLayout(
 def test_encode_put_parses_as_the_generated_message(size: int) -> None:
     data = os.urandom(size)
     h = os.urandom(32)
-    raw = encode_put(h, data, 0xFFFF_FFFF, namespace="m@v1", layout=LAYOUT_PB, request_id="req-1")
+    raw = encode_put(h, data, 0xFFFF_FFFF_FFFF_FFFF, namespace="m@v1", layout=LAYOUT_PB, request_id="req-1")
     msg = kvstore_pb2.PutRequest.FromString(raw)
-    assert msg.page_hash == h and msg.data == data and msg.checksum == 0xFFFF_FFFF
+    assert msg.page_hash == h and msg.data == data and msg.checksum == 0xFFFF_FFFF_FFFF_FFFF
     assert msg.namespace == "m@v1" and msg.request_id == "req-1" and msg.layout == LAYOUT_PB
     # A later message of the stream: only hash, data, checksum.
     later = kvstore_pb2.PutRequest.FromString(encode_put(h, data, 7))
@@ -57,7 +57,7 @@ def test_decode_skips_unknown_fields_and_keeps_the_last_scalar() -> None:
         + bytes([(18 << 3) | 2, 1])
         + b"\x03xyz"  # bytes field 18
     )
-    later_checksum = bytes([(5 << 3) | 0, 9])
+    later_checksum = bytes([(7 << 3) | 1]) + (9).to_bytes(8, "little")  # fixed64 field 7, again
     raw = base + unknown + later_checksum
     # The generated parser agrees on what this means.
     ref = kvstore_pb2.PutRequest.FromString(raw)
@@ -69,7 +69,8 @@ def test_decode_skips_unknown_fields_and_keeps_the_last_scalar() -> None:
     "raw",
     [
         bytes([(4 << 3) | 2, 10]) + b"short",  # length beyond the end
-        bytes([(5 << 3) | 0, 0x80]),  # truncated varint
+        bytes([(6 << 3) | 2, 0x80]),  # truncated varint (a length)
+        bytes([(7 << 3) | 1, 1, 2, 3]),  # truncated fixed64
         bytes([(4 << 3) | 0, 5]),  # data as a number
         bytes([(1 << 3) | 2, 2]) + b"\xff\xfe",  # namespace not UTF-8
         bytes([(3 << 3) | 3]),  # group wire type
@@ -86,21 +87,55 @@ def test_get_response_both_directions(size: int) -> None:
     data = os.urandom(size)
     h = os.urandom(32)
     ref = kvstore_pb2.GetResponse.FromString(encode_get(h, data, 42))
-    assert (ref.page_hash, ref.data, ref.checksum, ref.found) == (h, data, 42, True)
+    assert (ref.page_hash, ref.data, ref.checksum, ref.missing) == (h, data, 42, False)
     missing = kvstore_pb2.GetResponse.FromString(encode_get(h, None))
-    assert missing.page_hash == h and not missing.found and missing.data == b""
-    raw = kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=42, found=True).SerializeToString()
+    assert missing.page_hash == h and missing.missing and missing.data == b""
+    raw = kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=42).SerializeToString()
     msg = decode_get(raw)
     assert (msg.page_hash, bytes(msg.data), msg.checksum, msg.found) == (h, data, 42, True)
-    assert not decode_get(kvstore_pb2.GetResponse(page_hash=h).SerializeToString()).found
+    assert not decode_get(kvstore_pb2.GetResponse(page_hash=h, missing=True).SerializeToString()).found
 
 
-def test_crc32_matches_zlib_for_every_buffer_type() -> None:
+@pytest.mark.parametrize("first_of_stream", [True, False])
+def test_a_stored_put_frame_is_echoed_as_a_valid_get_response(first_of_stream: bool) -> None:
+    """The server answers with the bytes of the PutRequest that stored the page (no copy): they are
+    the very object received, and both the generated class and decode_get read them as the page."""
+    data = os.urandom(737_280)
+    h = os.urandom(32)
+    extra = {"namespace": "m@v1", "layout": LAYOUT_PB, "request_id": "req-7"} if first_of_stream else {}
+    frame = encode_put(h, data, page_checksum(data), **extra)  # type: ignore[arg-type]
+    stored = decode_put(frame).data  # what the store keeps
+    out = encode_get(h, stored, page_checksum(data))
+    assert out is frame
+    ref = kvstore_pb2.GetResponse.FromString(out)
+    assert (ref.page_hash, ref.data, ref.checksum, ref.missing) == (h, data, page_checksum(data), False)
+    msg = decode_get(out)
+    assert (msg.page_hash, bytes(msg.data), msg.checksum, msg.found) == (h, data, page_checksum(data), True)
+
+
+def test_echo_only_for_the_put_of_that_very_page() -> None:
+    data = os.urandom(4096)
+    h = os.urandom(32)
+    stored = decode_put(encode_put(h, data, page_checksum(data))).data
+    assert echo_frame(stored, h, page_checksum(data)) is not None
+    assert echo_frame(stored, os.urandom(32), page_checksum(data)) is None  # another page's hash
+    assert echo_frame(stored, h, page_checksum(data) ^ 1) is None  # another checksum
+    assert echo_frame(stored[:-1], h, page_checksum(data)) is None  # a part of the page
+    assert echo_frame(data, h, page_checksum(data)) is None  # plain bytes (an SSD read)
+    assert echo_frame(memoryview(b"\xff" * 16), h, 0) is None  # a view into bytes that are no frame
+    # Re-encoded when not echoable: the same GetResponse content.
+    got = kvstore_pb2.GetResponse.FromString(encode_get(h, data, page_checksum(data)))
+    assert (got.page_hash, got.data, got.checksum) == (h, data, page_checksum(data))
+
+
+def test_checksum_is_xxh3_64_for_every_buffer_type() -> None:
     data = os.urandom(737_280 + 3)
-    want = zlib.crc32(data)
-    assert crc32(data) == want
-    assert crc32(memoryview(data)) == want
-    assert crc32(bytearray(data)) == want
-    assert crc32(memoryview(data)[5:1000]) == zlib.crc32(data[5:1000])
-    assert crc32(b"") == 0
-    assert IMPLEMENTATION in ("isal", "zlib-ng", "zlib")
+    want = xxhash.xxh3_64_intdigest(data)
+    assert page_checksum(data) == want
+    assert page_checksum(memoryview(data)) == want
+    assert page_checksum(bytearray(data)) == want
+    assert page_checksum(memoryview(data)[5:1000]) == xxhash.xxh3_64_intdigest(data[5:1000])
+    assert page_checksum(b"") == 0x2D06800538D394C2  # XXH3-64 of the empty input (xxHash's test vector)
+    flipped = bytearray(data)
+    flipped[12345] ^= 1
+    assert page_checksum(flipped) != want

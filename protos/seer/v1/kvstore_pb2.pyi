@@ -23,20 +23,20 @@ class PageLayout(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace", "layout", "page_hash", "data", "checksum", "request_id")
+    __slots__ = ("namespace", "layout", "page_hash", "data", "request_id", "checksum")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: PageLayout
     page_hash: bytes
     data: bytes
-    checksum: int
     request_id: str
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    checksum: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., request_id: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored_pages", "stored_bytes")
@@ -57,16 +57,16 @@ class GetRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
-    __slots__ = ("page_hash", "data", "checksum", "found")
+    __slots__ = ("page_hash", "data", "checksum", "missing")
     PAGE_HASH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    FOUND_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     page_hash: bytes
     data: bytes
     checksum: int
-    found: bool
-    def __init__(self, page_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
+    missing: bool
+    def __init__(self, page_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., missing: _Optional[bool] = ...) -> None: ...
 
 class ExistsRequest(_message.Message):
     __slots__ = ("namespace", "page_hashes")

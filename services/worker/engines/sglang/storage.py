@@ -19,7 +19,6 @@ This module imports sglang and torch at import time: only SGLang loads it.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 )
 
 from services.common.grpcutil import channel
+from services.kvstore.checksum import page_checksum
 from services.kvstore.ring import HashRing
 from services.worker.engines.sglang.pages import VersionFile, namespace, page_hash, page_layout
 
@@ -90,7 +90,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=self._layout())
             try:
                 for i, msg in zip(idx, self._stubs[node].Get(req, timeout=_TIMEOUT_S), strict=False):
-                    if msg.found and zlib.crc32(msg.data) == msg.checksum:
+                    if not msg.missing and page_checksum(msg.data) == msg.checksum:
                         found[i] = msg.data
             except grpc.RpcError as e:
                 log.warning("seer hicache get failed on %s: %s", node, e.code())
@@ -103,7 +103,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             def stream(idx: list[int] = idx) -> Iterator[kvstore_pb2.PutRequest]:
                 for i in idx:
                     yield kvstore_pb2.PutRequest(namespace=ns, layout=layout, page_hash=hashes[i], data=datas[i],
-                                                 checksum=zlib.crc32(datas[i]))
+                                                 checksum=page_checksum(datas[i]))
             try:
                 self._stubs[node].Put(stream(), timeout=_TIMEOUT_S)
                 for i in idx:
