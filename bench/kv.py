@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import random
 import shutil
 import signal
@@ -198,7 +199,7 @@ class _Cpu:
     def __init__(self, server_pid: int) -> None:
         self.server_pid = server_pid
         self.client = self.server = 0.0
-        self.nbytes = 0
+        self.nbytes = self.faults = 0
 
     def span(self, nbytes: int) -> _Cpu:
         self.nbytes += nbytes
@@ -206,17 +207,20 @@ class _Cpu:
 
     def __enter__(self) -> _Cpu:
         self._c0, self._s0 = time.process_time(), _server_cpu_s(self.server_pid)
+        self._f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         return self
 
     def __exit__(self, *_exc: object) -> None:
         self.client += time.process_time() - self._c0
         self.server += _server_cpu_s(self.server_pid) - self._s0
+        self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self._f0
 
     def per_gb(self, prefix: str) -> dict[str, float]:
         n = max(self.nbytes, 1)
         return {
             f"{prefix}client_cpu_s_per_gb": self.client / n * GB,
             f"{prefix}server_cpu_s_per_gb": self.server / n * GB,
+            f"{prefix}client_page_faults_per_gb": self.faults / n * GB,
         }
 
 

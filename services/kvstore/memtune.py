@@ -9,6 +9,17 @@ PutRequest ran at 0.15 GB/s untuned against 3 GB/s tuned (bench numbers in servi
 Raising both thresholds keeps those buffers in the heap, where the next page reuses them. Both are
 needed: a higher mmap threshold alone just moves the churn to heap trimming.
 
+Threads other than the first allocate from their own arenas, chains of heaps of at most 64 MiB,
+and glibc (heap_trim in malloc/arena.c) unmaps a thread arena's newest heap as soon as it is
+entirely free, whatever the trim threshold, unless the free space left in the heap before it is
+below the top pad (M_TOP_PAD, default 128 KiB). So the pages a worker's fetch threads received,
+imported and freed were page-faulted in again on the next fetch: 16.7K faults per 134 MB fetch and
+0.3-0.9 GB/s, against ~0 faults and 0.9-1.2 GB/s with a 64 MiB top pad, which keeps every heap
+(same script, alternating processes, 2 streams). Capping the arenas at 1 avoids it as well, but
+slowed the engine's decode by 7-12% (2 torch threads, batch 8 and 32: one malloc lock for all
+threads). The top pad also makes the main heap grow in steps of up to 64 MiB of address space, which
+costs nothing until touched.
+
 Cost: up to `trim_bytes` of freed memory stays mapped in the process instead of going back to
 the OS. Outside glibc (musl, macOS) this does nothing.
 """
@@ -26,10 +37,13 @@ log = get_logger(__name__)
 
 # mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
-# glibc caps M_MMAP_THRESHOLD at HEAP_MAX_SIZE / 2 = 32 MiB on 64-bit; a larger value is refused.
-MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
+# A thread arena's heap size limit on 64-bit glibc. glibc caps M_MMAP_THRESHOLD at half of it; a
+# larger value is refused.
+HEAP_MAX_SIZE = 64 * 1024 * 1024
+MAX_MMAP_THRESHOLD = HEAP_MAX_SIZE // 2
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,7 @@ class MallocTuning:
     mmap_threshold: int
     trim_bytes: int
     arenas: int | None  # None: glibc's default (8 per core)
+    top_pad: int = 0
 
 
 _lock = threading.Lock()
@@ -44,18 +59,18 @@ _applied: MallocTuning | None = None
 
 
 def tune_malloc_for_pages(
-    mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_bytes: int = 256 * 1024 * 1024, arenas: int | None = None
+    mmap_threshold: int = MAX_MMAP_THRESHOLD,
+    trim_bytes: int = 256 * 1024 * 1024,
+    arenas: int | None = None,
+    top_pad: int = HEAP_MAX_SIZE,
 ) -> bool:
-    """Raises glibc's mmap and trim thresholds (once per process; later calls are no-ops).
+    """Raises glibc's mmap and trim thresholds and its top pad (once per process; later calls are
+    no-ops). top_pad: HEAP_MAX_SIZE keeps thread arenas' heaps mapped once free (module docstring).
 
     arenas: also caps glibc's malloc arenas (threads that have not allocated yet share them). A
-    thread's own arena is a chain of 64 MiB heaps, and glibc unmaps a heap as soon as all of it is
-    free whatever the trim threshold: pages received on such a thread, kept a while and freed
-    (a fetch imported into the engine) page-fault back in on the next fetch. arenas=1 puts every
-    thread on the main heap, where the trim threshold holds (measured on a 256 MiB fetch: 125-280K
-    page faults per GB without, ~0 with). Costs malloc lock contention between threads that
-    allocate a lot at once, so the kvstore server (Python, under the GIL) caps it, and a worker
-    chooses (KVClient(malloc_arenas=...)).
+    single arena means no thread arena heaps to lose (the top pad is the cheaper fix for that) at
+    the cost of malloc lock contention between threads that allocate a lot at once, so the kvstore
+    server (Python, under the GIL) caps it, and a worker chooses (KVClient(malloc_arenas=...)).
 
     True when glibc accepted the settings (now or earlier)."""
     global _applied
@@ -65,6 +80,8 @@ def tune_malloc_for_pages(
         raise ValueError(f"trim_bytes: must be in (0, 2**31), got {trim_bytes}")
     if arenas is not None and arenas < 1:
         raise ValueError(f"arenas: must be >= 1, got {arenas}")
+    if not 0 <= top_pad < 2**31:
+        raise ValueError(f"top_pad: must be in [0, 2**31), got {top_pad}")
     with _lock:
         if _applied is not None:
             return True
@@ -76,14 +93,18 @@ def tune_malloc_for_pages(
             return False  # not glibc: nothing to tune
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         mallopt.restype = ctypes.c_int
-        ok = mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1 and mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+        ok = (
+            mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1
+            and mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+            and mallopt(_M_TOP_PAD, top_pad) == 1
+        )
         if ok and arenas is not None:
             ok = mallopt(_M_ARENA_MAX, arenas) == 1
         if ok:
-            _applied = MallocTuning(mmap_threshold, trim_bytes, arenas)
+            _applied = MallocTuning(mmap_threshold, trim_bytes, arenas, top_pad)
             log.info(
                 "malloc tuned for page buffers",
-                extra=kv(mmap_threshold=mmap_threshold, trim_bytes=trim_bytes, arenas=arenas),
+                extra=kv(mmap_threshold=mmap_threshold, trim_bytes=trim_bytes, arenas=arenas, top_pad=top_pad),
             )
         return ok
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
@@ -9,7 +10,7 @@ import grpc
 import pytest
 
 from services.kvstore.checksum import page_checksum
-from services.kvstore.memtune import MAX_MMAP_THRESHOLD, malloc_tuned, tune_malloc_for_pages
+from services.kvstore.memtune import HEAP_MAX_SIZE, MAX_MMAP_THRESHOLD, malloc_tuned, tune_malloc_for_pages
 from services.worker.engine import KVPages
 from services.worker.kv_client import KVClient, split_even
 from tests.kvstore.kvhelpers import KV_LAYOUT, LAYOUT, Replica, make_pages
@@ -103,3 +104,39 @@ def test_malloc_tuning_applies_once_and_checks_its_arguments() -> None:
         tune_malloc_for_pages(trim_bytes=0)
     with pytest.raises(ValueError, match="arenas"):
         tune_malloc_for_pages(arenas=0)
+
+
+_FAULT_PROBE = """
+import resource, sys, threading
+from services.kvstore.memtune import tune_malloc_for_pages
+assert tune_malloc_for_pages(top_pad=int(sys.argv[1]))
+faults = []
+def work():
+    # 140 page-sized buffers (~100 MB: more than one 64 MiB heap of this thread's arena), freed,
+    # then the same again, as a fetch thread receives, imports and frees pages chunk after chunk.
+    for _ in range(3):
+        f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        bufs = [b"\\x01" * 737_280 for _ in range(140)]
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
+        del bufs
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(max(faults[1:]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt, RUSAGE_THREAD")
+@pytest.mark.parametrize("top_pad", [HEAP_MAX_SIZE, 128 * 1024])
+def test_thread_arena_keeps_freed_page_buffers_mapped(top_pad: int) -> None:
+    """With the default top pad, a thread arena's heap is unmapped once all of it is free, so the
+    next round of page buffers on that thread faults fresh memory in (the negative control);
+    with a 64 MiB top pad the second and third rounds reuse the mapped memory."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULT_PROBE, str(top_pad)], capture_output=True, text=True, timeout=60, check=True
+    )
+    faults = int(out.stdout.strip())
+    if top_pad == HEAP_MAX_SIZE:
+        assert faults < 500, faults
+    else:
+        assert faults > 4000, faults  # ~8.8K: the freed heap's ~36 MB faulted in again
