@@ -31,8 +31,8 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import random
+import resource
 import shutil
 import signal
 import statistics
