@@ -20,8 +20,11 @@ slowed the engine's decode by 7-12% (2 torch threads, batch 8 and 32: one malloc
 threads). The top pad also makes the main heap grow in steps of up to 64 MiB of address space, which
 costs nothing until touched.
 
-Cost: up to `trim_bytes` of freed memory stays mapped in the process instead of going back to
-the OS. Outside glibc (musl, macOS) this does nothing.
+Cost: freed memory stays mapped in the process instead of going back to the OS: up to
+`trim_bytes` at the top of the main heap, and all of a thread arena's heaps once they have grown
+(each new thread arena also maps its first 64 MiB writable at once; untouched, that is address
+space, not resident memory, unless the kernel runs with strict overcommit). Outside glibc (musl,
+macOS) this does nothing.
 """
 
 from __future__ import annotations

@@ -96,13 +96,17 @@ def _encode_meta(e: _Entry) -> bytes:
 
 
 def _decode_meta(raw: bytes) -> _Entry | None:
-    """The entry, or None for a record whose checksum is of another algorithm (written by an
-    earlier release: [crc32, size, seq, owners]): its page cannot be verified, so it is dropped."""
-    rec = json.loads(raw)
-    if len(rec) != 5 or rec[0] != ALGORITHM:
+    """The entry, or None for a record that cannot be used: one whose checksum is of another
+    algorithm (an earlier release wrote [crc32, size, seq, owners]), so its page cannot be
+    verified, or one that does not parse. Such pages are dropped rather than stopping recovery."""
+    try:
+        rec = json.loads(raw)
+        if not isinstance(rec, list) or len(rec) != 5 or rec[0] != ALGORITHM:
+            return None
+        _algorithm, checksum, size, seq, owners = rec
+        return _Entry(size=int(size), checksum=int(checksum), owners=set(owners), on_ssd=True, seq=int(seq))
+    except (ValueError, TypeError):
         return None
-    _algorithm, checksum, size, seq, owners = rec
-    return _Entry(size=int(size), checksum=int(checksum), owners=set(owners), on_ssd=True, seq=int(seq))
 
 
 class KvStore:
@@ -182,7 +186,10 @@ class KvStore:
                 extra=kv(namespaces=len(self._namespaces), pages=len(pages), ssd_bytes=self._ssd_bytes),
             )
         if stale:
-            log.warning("dropped SSD pages checksummed by another algorithm", extra=kv(pages=stale, want=ALGORITHM))
+            log.warning(
+                "dropped SSD pages with unusable metadata (another checksum algorithm, or corrupt)",
+                extra=kv(pages=stale, want=ALGORITHM),
+            )
         self._enforce_ssd_capacity()
 
     # ---------------------------------------------------------------- namespaces

@@ -30,6 +30,10 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 # PutRequest.data = 4 = GetResponse.data (the two messages share their page fields' numbers).
 _DATA_TAG = bytes([(4 << 3) | _LEN])
 _PAGE_HASH, _DATA, _CHECKSUM = 3, 4, 7  # in both messages
+# Wire type per field number (kvstore.proto). A field of another number, or of a known number but
+# another wire type, is an unknown field and skipped, as protobuf parsers do.
+_PUT_SCHEMA = {1: _LEN, 2: _LEN, _PAGE_HASH: _LEN, _DATA: _LEN, 6: _LEN, _CHECKSUM: _I64}
+_GET_SCHEMA = {_PAGE_HASH: _LEN, _DATA: _LEN, _CHECKSUM: _I64, 8: _VARINT}
 
 
 class DecodeError(ValueError):
@@ -109,15 +113,13 @@ def _fields(raw: bytes | memoryview) -> Iterator[tuple[int, int, int | memoryvie
         yield number, wire_type, value
 
 
-def _as_view(value: int | memoryview, number: int) -> memoryview:
-    if not isinstance(value, memoryview):
-        raise DecodeError(f"field {number}: expected length-delimited, got a number")
+def _view(value: int | memoryview) -> memoryview:
+    assert isinstance(value, memoryview)  # the schema checked the wire type
     return value
 
 
-def _as_int(value: int | memoryview, number: int) -> int:
-    if isinstance(value, memoryview):
-        raise DecodeError(f"field {number}: expected a number, got length-delimited")
+def _int(value: int | memoryview) -> int:
+    assert not isinstance(value, memoryview)
     return value
 
 
@@ -158,20 +160,22 @@ def decode_put(raw: bytes) -> PutMessage:
     data = _EMPTY
     checksum = 0
     layout: kvstore_pb2.PageLayout | None = None
-    for number, _wire_type, value in _fields(raw):
+    for number, wire_type, value in _fields(raw):
+        if _PUT_SCHEMA.get(number) != wire_type:
+            continue
         if number == 1:
-            namespace = _text(_as_view(value, number), number)
+            namespace = _text(_view(value), number)
         elif number == 2:
             layout = layout if layout is not None else kvstore_pb2.PageLayout()
-            layout.MergeFromString(bytes(_as_view(value, number)))
+            layout.MergeFromString(bytes(_view(value)))
         elif number == _PAGE_HASH:
-            page_hash = bytes(_as_view(value, number))
+            page_hash = bytes(_view(value))
         elif number == _DATA:
-            data = _as_view(value, number)
+            data = _view(value)
         elif number == _CHECKSUM:
-            checksum = _as_int(value, number) & 0xFFFFFFFFFFFFFFFF
+            checksum = _int(value)
         elif number == 6:
-            request_id = _text(_as_view(value, number), number)
+            request_id = _text(_view(value), number)
     return PutMessage(namespace, layout, page_hash, data, checksum, request_id)
 
 
@@ -179,17 +183,27 @@ def decode_put(raw: bytes) -> PutMessage:
 def echo_frame(data: bytes | memoryview, page_hash: bytes, checksum: int) -> bytes | None:
     """The received PutRequest that stored this page, when `data` is a view into it (decode_put's
     views are: the store keeps them as they came): a valid GetResponse for the page as it is. None
-    when data is not such a view, or the frame it views is not a Put of this very page."""
+    when data is not such a view, or the frame it views is not a Put of this very page, or it holds
+    any field beyond PutRequest's own (one could mean something else in a GetResponse)."""
     frame = data.obj if isinstance(data, memoryview) else None
     if not isinstance(frame, bytes):
         return None
+    got_hash, got_checksum, got_len = b"", 0, 0
     try:
-        msg = decode_put(frame)
+        for number, wire_type, value in _fields(frame):
+            if _PUT_SCHEMA.get(number) != wire_type:
+                return None
+            if number == _PAGE_HASH:
+                got_hash = bytes(_view(value))
+            elif number == _CHECKSUM:
+                got_checksum = _int(value)
+            elif number == _DATA:
+                got_len = len(_view(value))
     except DecodeError:
         return None
-    # The store took `data` from this frame's last data field, which decode_put also returns; the
+    # The store took `data` from this frame's last data field (decode_put keeps the last); the
     # hash, checksum and length confirm the frame is the Put of this page.
-    if msg.page_hash != page_hash or msg.checksum != checksum or len(msg.data) != len(data):
+    if got_hash != page_hash or got_checksum != checksum or got_len != len(data):
         return None
     return frame
 
@@ -214,13 +228,15 @@ def decode_get(raw: bytes) -> GetMessage:
     data = _EMPTY
     checksum = 0
     missing = False
-    for number, _wire_type, value in _fields(raw):
+    for number, wire_type, value in _fields(raw):
+        if _GET_SCHEMA.get(number) != wire_type:
+            continue
         if number == _PAGE_HASH:
-            page_hash = bytes(_as_view(value, number))
+            page_hash = bytes(_view(value))
         elif number == _DATA:
-            data = _as_view(value, number)
+            data = _view(value)
         elif number == _CHECKSUM:
-            checksum = _as_int(value, number) & 0xFFFFFFFFFFFFFFFF
+            checksum = _int(value)
         elif number == 8:
-            missing = _as_int(value, number) != 0
+            missing = _int(value) != 0
     return GetMessage(page_hash, data, checksum, not missing)

@@ -122,11 +122,15 @@ def test_restart_keeps_ssd_tier_and_ownership(open_store: Open) -> None:
 
 def test_restart_drops_pages_checksummed_by_another_algorithm(open_store: Open) -> None:
     """A page whose metadata was written by an earlier release (a CRC-32 in the old 4-field
-    record) cannot be verified with XXH3: recovery drops it instead of failing every read of it."""
+    record) cannot be verified with XXH3: recovery drops it instead of failing every read of it;
+    so are pages whose metadata does not parse, rather than stopping the store's start."""
     store = open_store("db", dram_bytes=0)
     pages = _put_chain(store, 3, owner="r1")
     old_hash, old_data = pages[1]
     store.raw_ssd().put_meta("m@v1", old_hash, json.dumps([zlib.crc32(old_data), PAGE_BYTES, 2, ["r1"]]).encode())
+    for broken in (b"null", b"{}", b"[1, 2", json.dumps(["xxh3_64", "x", 1, 2, []]).encode()):
+        h = os.urandom(16)
+        store.raw_ssd().put("m@v1", h, os.urandom(PAGE_BYTES), broken)  # unreadable metadata: dropped too
     store.close()
     again = open_store("db", dram_bytes=0)
     hashes = [h for h, _ in pages]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -104,12 +105,14 @@ def test_malloc_tuning_applies_once_and_checks_its_arguments() -> None:
         tune_malloc_for_pages(trim_bytes=0)
     with pytest.raises(ValueError, match="arenas"):
         tune_malloc_for_pages(arenas=0)
+    with pytest.raises(ValueError, match="top_pad"):
+        tune_malloc_for_pages(top_pad=-1)
 
 
 _FAULT_PROBE = """
 import resource, sys, threading
 from services.kvstore.memtune import tune_malloc_for_pages
-assert tune_malloc_for_pages(top_pad=int(sys.argv[1]))
+assert tune_malloc_for_pages() if sys.argv[1] == "default" else tune_malloc_for_pages(top_pad=int(sys.argv[1]))
 faults = []
 def work():
     # 140 page-sized buffers (~100 MB: more than one 64 MiB heap of this thread's arena), freed,
@@ -126,17 +129,17 @@ print(max(faults[1:]))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt, RUSAGE_THREAD")
-@pytest.mark.parametrize("top_pad", [HEAP_MAX_SIZE, 128 * 1024])
-def test_thread_arena_keeps_freed_page_buffers_mapped(top_pad: int) -> None:
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc, RUSAGE_THREAD")
+@pytest.mark.parametrize("top_pad", ["default", str(HEAP_MAX_SIZE), str(128 * 1024)])
+def test_thread_arena_keeps_freed_page_buffers_mapped(top_pad: str) -> None:
     """With the default top pad, a thread arena's heap is unmapped once all of it is free, so the
     next round of page buffers on that thread faults fresh memory in (the negative control);
     with a 64 MiB top pad the second and third rounds reuse the mapped memory."""
     out = subprocess.run(
-        [sys.executable, "-c", _FAULT_PROBE, str(top_pad)], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", _FAULT_PROBE, top_pad], capture_output=True, text=True, timeout=60, check=True
     )
     faults = int(out.stdout.strip())
-    if top_pad == HEAP_MAX_SIZE:
+    if top_pad != str(128 * 1024):  # the default tuning is the 64 MiB pad
         assert faults < 500, faults
     else:
         assert faults > 4000, faults  # ~8.8K: the freed heap's ~36 MB faulted in again

@@ -71,7 +71,6 @@ def test_decode_skips_unknown_fields_and_keeps_the_last_scalar() -> None:
         bytes([(4 << 3) | 2, 10]) + b"short",  # length beyond the end
         bytes([(6 << 3) | 2, 0x80]),  # truncated varint (a length)
         bytes([(7 << 3) | 1, 1, 2, 3]),  # truncated fixed64
-        bytes([(4 << 3) | 0, 5]),  # data as a number
         bytes([(1 << 3) | 2, 2]) + b"\xff\xfe",  # namespace not UTF-8
         bytes([(3 << 3) | 3]),  # group wire type
         bytes([0 << 3 | 0, 0]),  # field number 0
@@ -80,6 +79,23 @@ def test_decode_skips_unknown_fields_and_keeps_the_last_scalar() -> None:
 def test_malformed_put_is_a_decode_error(raw: bytes) -> None:
     with pytest.raises(DecodeError):
         decode_put(raw)
+
+
+def test_a_known_field_with_another_wire_type_is_skipped_as_protobuf_does() -> None:
+    """protobuf parses a known field number sent with another wire type as an unknown field; the
+    codec must agree, or a checksum sent as a varint would verify here and read 0 elsewhere."""
+    h = os.urandom(32)
+    raw = (
+        kvstore_pb2.PutRequest(page_hash=h, data=b"abc", checksum=11).SerializeToString()
+        + bytes([(4 << 3) | 0, 5])  # data as a varint
+        + bytes([(7 << 3) | 0, 9])  # checksum as a varint
+    )
+    ref = kvstore_pb2.PutRequest.FromString(raw)
+    msg = decode_put(raw)
+    assert (msg.page_hash, bytes(msg.data), msg.checksum) == (ref.page_hash, ref.data, ref.checksum) == (h, b"abc", 11)
+    get_raw = kvstore_pb2.GetResponse(page_hash=h).SerializeToString() + bytes([(8 << 3) | 2, 1, 1])  # missing as LEN
+    assert not kvstore_pb2.GetResponse.FromString(get_raw).missing
+    assert decode_get(get_raw).found
 
 
 @pytest.mark.parametrize("size", [0, 200, 737_280])
@@ -126,6 +142,18 @@ def test_echo_only_for_the_put_of_that_very_page() -> None:
     # Re-encoded when not echoable: the same GetResponse content.
     got = kvstore_pb2.GetResponse.FromString(encode_get(h, data, page_checksum(data)))
     assert (got.page_hash, got.data, got.checksum) == (h, data, page_checksum(data))
+
+
+def test_a_frame_with_fields_beyond_put_request_is_not_echoed() -> None:
+    """A field PutRequest does not define (8 is GetResponse.missing) or a known one with another
+    wire type could read differently as a GetResponse: such a frame is re-encoded, not echoed."""
+    data = os.urandom(4096)
+    h = os.urandom(32)
+    for extra in (bytes([(8 << 3) | 0, 1]), bytes([(8 << 3) | 2, 1, 1]), bytes([(6 << 3) | 0, 1])):
+        stored = decode_put(encode_put(h, data, page_checksum(data)) + extra).data
+        assert echo_frame(stored, h, page_checksum(data)) is None
+        got = kvstore_pb2.GetResponse.FromString(encode_get(h, stored, page_checksum(data)))
+        assert (got.page_hash, got.data, got.missing) == (h, data, False)
 
 
 def test_checksum_is_xxh3_64_for_every_buffer_type() -> None:

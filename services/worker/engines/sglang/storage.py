@@ -56,6 +56,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._stubs = {a: kvstore_pb2_grpc.KvStoreServiceStub(channel(a)) for a in self.ring.nodes}
         self.mem_pool_host: Any = None
         self._layout_pb: kvstore_pb2.PageLayout | None = None
+        self._page_bytes = 0
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -74,6 +75,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._layout_pb = kvstore_pb2.PageLayout(dtype=lay.dtype, page_size=lay.page_size,
                                                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                                                      head_dim=lay.head_dim, layout=lay.layout)
+            self._page_bytes = lay.page_bytes
         return self._layout_pb
 
     def _by_node(self, hashes: Sequence[bytes]) -> dict[str, list[int]]:
@@ -90,7 +92,8 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=self._layout())
             try:
                 for i, msg in zip(idx, self._stubs[node].Get(req, timeout=_TIMEOUT_S), strict=False):
-                    if not msg.missing and page_checksum(msg.data) == msg.checksum:
+                    ok = not msg.missing and len(msg.data) == self._page_bytes
+                    if ok and page_checksum(msg.data) == msg.checksum:
                         found[i] = msg.data
             except grpc.RpcError as e:
                 log.warning("seer hicache get failed on %s: %s", node, e.code())
