@@ -110,6 +110,7 @@ def test_grouped_drafts_accept_sibling_tokens(ref_engine: ReferenceEngine, promp
                draft_width=2 if adaptive else 1).start()
     try:
         first, _, d1 = w.run(job("s0", prompts[2], max_new_tokens=16, max_tokens=16, group_id="grp"))
+        after_first = planner.acceptance()[0] if planner is not None else 0.0
         second, _, d2 = w.run(job("s1", prompts[2], max_new_tokens=16, max_tokens=16, group_id="grp"))
     finally:
         w.close()
@@ -120,7 +121,10 @@ def test_grouped_drafts_accept_sibling_tokens(ref_engine: ReferenceEngine, promp
     st = w.stats()
     assert st.proposed_per_position and st.accepted_per_position[0] > 0
     if planner is not None:
-        assert planner.acceptance()[0] > 0.5  # it observed the high acceptance
+        # It observed the second sibling's high acceptance. Not an absolute level: how many tree
+        # drafts (two candidates at position 0, at most one accepted) the timing-driven planner
+        # made in the first run decides where the estimate starts (0.38 once under load).
+        assert planner.acceptance()[0] > after_first
 
 
 def test_load_weights_new_version(model_dir: Path, prompts: list[tuple[int, ...]]) -> None:
