@@ -125,8 +125,9 @@ class KVPages:
     layout: KVLayout
     token_ids: tuple[int, ...]  # tokens of pages [0, first_page + len(page_hashes))
     page_hashes: tuple[bytes, ...]  # chain_hashes(token_ids, ...)[first_page:]
-    # One buffer of layout.page_bytes per page: bytes, or (fetched from the KV store) a read-only
-    # memoryview into the received message, which saves a copy of every fetched byte.
+    # One buffer of layout.page_bytes per page: bytes or a flat byte memoryview. The reference
+    # engine exports views of the page's contiguous copy, and pages fetched from the KV store are
+    # read-only views into the received messages: each saves a copy of every page byte.
     pages: tuple[bytes | memoryview, ...]
     first_page: int = 0  # index (in the prefix) of pages[0]
 

@@ -210,15 +210,17 @@ class ModelRunner:
         rows = self.kv_cache.index_select(2, src)  # gather first: src and dst may overlap
         self.kv_cache.index_copy_(2, dst, rows)
 
-    def read_pages(self, pages: list[int]) -> list[bytes]:
-        """Bytes of each page in layout layer,kv,token,head,dim."""
+    def read_pages(self, pages: list[int]) -> list[memoryview]:
+        """Bytes of each page in layout layer,kv,token,head,dim: a flat byte view of a fresh
+        contiguous copy (the gather out of the strided cache is the only copy; `tobytes()` after
+        it was a second one, on the decode path since export runs under the engine lock)."""
         view = self.page_view()
         out = []
         for p in pages:
-            t = view[:, :, p].contiguous()
+            t = view[:, :, p].contiguous()  # [layers, 2, page, kv_heads, head_dim], a copy
             if t.dtype == torch.bfloat16:
-                t = t.view(torch.int16)
-            out.append(t.cpu().numpy().tobytes())
+                t = t.view(torch.int16)  # numpy has no bfloat16; the bytes are the same
+            out.append(t.cpu().numpy().data.cast("B"))
         return out
 
     def write_page(self, page: int, data: bytes | memoryview) -> None:
