@@ -10,7 +10,6 @@ of the page bytes, which decide throughput at ~1 GB/s:
 - decode: the generated path copies the received string into an arena and again on every `.data`
   access; here `data` is a memoryview into the received bytes (no copy). The view keeps the
   received message alive, which is the page plus a few dozen bytes.
-
 - echo: GetResponse is numbered to be wire-compatible with PutRequest (kvstore.proto), so a page
   that arrived by Put is answered with the very bytes of its PutRequest (`echo_frame`): the server
   then sends every page with no copy of its own (gRPC still copies it into its send buffer).
@@ -27,13 +26,15 @@ from seer.v1 import kvstore_pb2
 
 # Field numbers and wire types (kvstore.proto; protobuf encoding spec).
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
-# PutRequest.data = 4 = GetResponse.data (the two messages share their page fields' numbers).
-_DATA_TAG = bytes([(4 << 3) | _LEN])
+# The two messages share their page fields' numbers.
 _PAGE_HASH, _DATA, _CHECKSUM = 3, 4, 7  # in both messages
+_DATA_TAG = bytes([(_DATA << 3) | _LEN])
+_NAMESPACE, _LAYOUT, _REQUEST_ID = 1, 2, 6  # PutRequest only
+_MISSING = 8  # GetResponse only
 # Wire type per field number (kvstore.proto). A field of another number, or of a known number but
 # another wire type, is an unknown field and skipped, as protobuf parsers do.
-_PUT_SCHEMA = {1: _LEN, 2: _LEN, _PAGE_HASH: _LEN, _DATA: _LEN, 6: _LEN, _CHECKSUM: _I64}
-_GET_SCHEMA = {_PAGE_HASH: _LEN, _DATA: _LEN, _CHECKSUM: _I64, 8: _VARINT}
+_PUT_SCHEMA = {_NAMESPACE: _LEN, _LAYOUT: _LEN, _PAGE_HASH: _LEN, _DATA: _LEN, _REQUEST_ID: _LEN, _CHECKSUM: _I64}
+_GET_SCHEMA = {_PAGE_HASH: _LEN, _DATA: _LEN, _CHECKSUM: _I64, _MISSING: _VARINT}
 
 
 class DecodeError(ValueError):
@@ -163,9 +164,9 @@ def decode_put(raw: bytes) -> PutMessage:
     for number, wire_type, value in _fields(raw):
         if _PUT_SCHEMA.get(number) != wire_type:
             continue
-        if number == 1:
+        if number == _NAMESPACE:
             namespace = _text(_view(value), number)
-        elif number == 2:
+        elif number == _LAYOUT:
             layout = layout if layout is not None else kvstore_pb2.PageLayout()
             layout.MergeFromString(bytes(_view(value)))
         elif number == _PAGE_HASH:
@@ -174,7 +175,7 @@ def decode_put(raw: bytes) -> PutMessage:
             data = _view(value)
         elif number == _CHECKSUM:
             checksum = _int(value)
-        elif number == 6:
+        elif number == _REQUEST_ID:
             request_id = _text(_view(value), number)
     return PutMessage(namespace, layout, page_hash, data, checksum, request_id)
 
@@ -237,6 +238,6 @@ def decode_get(raw: bytes) -> GetMessage:
             data = _view(value)
         elif number == _CHECKSUM:
             checksum = _int(value)
-        elif number == 8:
+        elif number == _MISSING:
             missing = _int(value) != 0
     return GetMessage(page_hash, data, checksum, not missing)
