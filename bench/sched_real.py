@@ -6,8 +6,10 @@ Starts the suite once (`services.cli.up.Suite`: buffer, scheduler, kvstore, draf
 the embedded SmolLM2-135M, worker i pinned to CPU i with one thread, so the two workers never share
 a core), runs one warm-up batch (model warm-up; its lengths become the history of every prompt
 key), then interleaved repetitions: in every repetition each policy in turn (the scheduler alone
-is restarted with that policy) runs the same measured batch (same prompts, same seeds; a new seed
-per repetition). Speculation is off so that only scheduling differs. Ratios are taken within a
+is restarted with that policy) runs the same measured batch (same prompts, same base seeds and one
+seed scope per repetition, so every arm samples the same responses and does the same work; a new
+seed per repetition; seer_history runs first so its priors are another sample's, see arm_order).
+Speculation is off so that only scheduling differs. Ratios are taken within a
 repetition (side by side, seconds apart); the summary gives their median and range over reps.
 
 Workload: group-correlated long tail that the scheduler cannot see in advance (every group has
@@ -142,9 +144,9 @@ def contention_events(suite: object) -> int:
         return 0
 
 
-def run_batch(client: object, batch_id: str, groups: list[PromptGroup]) -> dict[str, float]:
+def run_batch(client: object, batch_id: str, groups: list[PromptGroup], seed_scope: str = "") -> dict[str, float]:
     t0 = time.monotonic()
-    client.submit_batch(batch_id, groups)  # type: ignore[attr-defined]
+    client.submit_batch(batch_id, groups, seed_scope=seed_scope)  # type: ignore[attr-defined]
     finish: list[float] = []
     tokens = 0
     lengths: list[int] = []
@@ -164,6 +166,15 @@ def run_batch(client: object, batch_id: str, groups: list[PromptGroup]) -> dict[
         "mean_len": round(tokens / len(finish), 1),
         "max_len": max(lengths),
     }
+
+
+def arm_order(policies: list[str]) -> list[str]:
+    """The arms of one repetition, seer_history first. All arms of a repetition share a seed scope
+    (the same samples, so the same work: only the schedule differs), and a finished batch becomes
+    its prompt keys' history. Run after another arm of its repetition, seer_history's priors would
+    be this very batch's lengths (an oracle); run first, they come from the previous repetition
+    (or the warm-up), another sample of the same prompts, as a previous RL iteration would be."""
+    return sorted(policies, key=lambda p: p != "seer_history")
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -229,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             run_batch(client, "warmup", wl.prompt_groups(seed=1))
         for rep in range(reps):
             order = wl.submission_order(rep, args.workers)
-            for policy in policies:
+            for policy in arm_order(policies):
                 switch_policy(suite, policy, args.workers)
                 before = contention_events(suite)
                 with SeerClient(suite.address) as client:
-                    res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep, order=order))
+                    res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep, order=order),
+                                    seed_scope=f"rep-{rep}")
                 res["dispatched_chunks"] = int(suite.scheduler_stats().dispatched_chunks)
                 # 0 where the workers were never KV-bound with every waiting request started: then
                 # seer's order is Algorithm 2's, unchanged by kv_aging.
@@ -258,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                 if sel:
                     summary[f"{p}_throughput_vs_baseline_{name}"] = spread([thr[i] for i in sel])
                     summary[f"{p}_tail_vs_baseline_{name}"] = spread([tail[i] for i in sel])
+    # With one seed scope per repetition the arms sample the same responses: a repetition whose arms
+    # generated different token counts had a sample flip (float rounding) and compares unequal work.
+    summary["reps_with_equal_work"] = sum(
+        len({runs[p][r]["tokens"] for p in policies}) == 1 for r in range(reps))
     for k, v in summary.items():
         print(f"{k}: {v}")
     print(f"wall {time.monotonic() - t_start:.1f} s")

@@ -67,11 +67,16 @@ class OutOfRange(SeerError):
 
 def derive_seed(base_seed: int, batch_id: str, sample_index: int) -> int:
     """A request's seed: a hash of the group's base seed, the batch and the sample index (uint64).
+    `batch_id` is the batch's seed scope: its id unless the submitter named another scope.
 
-    The batch id is mixed in because the engine keys its sampling randomness by (seed, position):
-    with a fixed trainer seed, last iteration's response i to the same prompt (a history draft)
-    would otherwise have been sampled with the very numbers that verify this iteration's request
-    i, and a draft correlated with the verifier's randomness is not lossless."""
+    The batch id is mixed in because the engine keys the randomness of undrafted steps by
+    (seed, position): with a fixed trainer seed, last iteration's response i to the same prompt
+    would have been sampled with the very numbers this iteration's request i samples with. History
+    drafts made from it would then let whether (and what) a step drafts depend on those numbers,
+    and lossless speculation needs drafts independent of the sampling randomness. (The verifier's
+    own numbers are fresh per call: services/worker/engines/reference/sequence.py, `verify_seed`.)
+    A seed scope shared by two batches opts out on purpose: reruns and A/B runs of one batch,
+    which must not serve as each other's history."""
     h = hashlib.blake2b(f"{base_seed}:{batch_id}:{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
@@ -280,13 +285,16 @@ class BufferCore:
             return self._policy_version, self._policy_source
 
     def submit_batch(
-        self, batch_id: str, groups: list[GroupSpec], trace_context: Mapping[str, str] | None = None
+        self, batch_id: str, groups: list[GroupSpec], trace_context: Mapping[str, str] | None = None,
+        seed_scope: str = "",
     ) -> SubmitOutcome:
         """Stores a batch and feeds its requests to the watchers. trace_context: the submitter's
         trace context (W3C keys), handed on with every work item of the batch; a resubmission keeps
-        the first one."""
-        valid = validate_batch(batch_id, groups, self._model, self._max_requests)
-        digest = content_hash(batch_id, groups)
+        the first one. seed_scope: what request seeds are derived from instead of the batch id
+        (batches with one scope and the same base seeds sample alike; "" = the batch id)."""
+        valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
+        digest = content_hash(batch_id, groups, seed_scope)
+        scope = seed_scope or batch_id
         with self._lock:
             self._check_open()
             existing = self._batches.get(batch_id)
@@ -314,7 +322,7 @@ class BufferCore:
                 wb.put(keys.group_key(batch_id, gi), g.encode())
                 new_groups.append(g)
                 for si in range(vg.group_size):
-                    r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, batch_id, si))
+                    r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, scope, si))
                     wb.put(keys.request_key(batch_id, gi, si), r.encode())
                     new_live.append(_Live(r))
             self._store.write(wb)

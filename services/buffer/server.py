@@ -57,7 +57,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     ) -> rollout_pb2.SubmitBatchResponse:
         with log_context(batch_id=request.batch_id):
             out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups],
-                                         trace_context=current_trace_context())
+                                         trace_context=current_trace_context(), seed_scope=request.seed_scope)
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
                                                policy_version=out.policy_version)

@@ -29,9 +29,9 @@ class ValidGroup:
     labels: dict[str, str]
 
 
-def content_hash(batch_id: str, groups: list[GroupSpec]) -> str:
+def content_hash(batch_id: str, groups: list[GroupSpec], seed_scope: str = "") -> str:
     """Canonical hash of a submission as sent (idempotency key content, independent of tokenizer)."""
-    doc = {
+    doc: dict[str, object] = {
         "batch_id": batch_id,
         "groups": [
             {
@@ -42,6 +42,9 @@ def content_hash(batch_id: str, groups: list[GroupSpec]) -> str:
             for g in groups
         ],
     }
+    if seed_scope:
+        # Only when set: batches stored before the field existed keep their hash.
+        doc["seed_scope"] = seed_scope
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
     return hashlib.sha256(raw).hexdigest()
 
@@ -54,6 +57,12 @@ def default_prompt_key(tokens: tuple[int, ...]) -> str:
 def validate_batch_id(batch_id: str) -> None:
     if not BATCH_ID_RE.match(batch_id):
         raise InvalidArgument(f"must match [A-Za-z0-9._:-]{{1,128}}, got {batch_id[:140]!r}", field="batch_id")
+
+
+def validate_seed_scope(seed_scope: str) -> None:
+    if seed_scope and not BATCH_ID_RE.match(seed_scope):
+        raise InvalidArgument(f"must be empty or match [A-Za-z0-9._:-]{{1,128}}, got {seed_scope[:140]!r}",
+                              field="seed_scope")
 
 
 def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
@@ -121,8 +130,9 @@ def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
 
 
 def validate_batch(batch_id: str, groups: list[GroupSpec], model: ModelInfo,
-                   max_requests: int) -> list[ValidGroup]:
+                   max_requests: int, seed_scope: str = "") -> list[ValidGroup]:
     validate_batch_id(batch_id)
+    validate_seed_scope(seed_scope)
     if not groups:
         raise InvalidArgument("a batch needs at least one group", field="groups")
     total = sum(max(g.group_size, 0) for g in groups)

@@ -76,8 +76,9 @@ def group(**kw: Any) -> rollout_pb2.PromptGroup:
 
 
 def submit(stub: rollout_pb2_grpc.RolloutServiceStub, batch_id: str,
-           groups: Iterable[rollout_pb2.PromptGroup]) -> rollout_pb2.SubmitBatchResponse:
-    return stub.SubmitBatch(rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=list(groups)), timeout=10)
+           groups: Iterable[rollout_pb2.PromptGroup], seed_scope: str = "") -> rollout_pb2.SubmitBatchResponse:
+    return stub.SubmitBatch(rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=list(groups),
+                                                           seed_scope=seed_scope), timeout=10)
 
 
 def snapshot(internal: buffer_pb2_grpc.BufferInternalServiceStub) -> list[buffer_pb2.WorkItem]:

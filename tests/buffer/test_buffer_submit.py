@@ -134,8 +134,8 @@ def test_seeds_are_derived_per_sample_and_persisted(make_buffer: Callable[..., B
     after = {i.request_id: i.sampling.seed for i in snapshot(h2.internal)}
     for rid, seed in before.items():
         assert after[rid] == seed  # the drawn seed of the unseeded group survived the restart
-    # Same base seed in another batch -> other request seeds: history drafts from the previous
-    # iteration must not share the verifier's randomness (see services.buffer.core.derive_seed).
+    # Same base seed in another batch -> other request seeds: a trainer that passes one seed every
+    # iteration must still get fresh random numbers per iteration (services.buffer.core.derive_seed).
     again = [after[f"seeded-again/0/{s}"] for s in range(3)]
     assert len(set(again)) == 3
     assert not set(again) & {before[f"seeded/0/{s}"] for s in range(3)}
@@ -143,6 +143,31 @@ def test_seeds_are_derived_per_sample_and_persisted(make_buffer: Callable[..., B
     from services.buffer.core import derive_seed
 
     assert again == [derive_seed(1234, "seeded-again", s) for s in range(3)]
+
+
+def test_seed_scope_reproduces_samples_across_batch_ids(buf: BufferHandle) -> None:
+    from services.buffer.core import derive_seed
+
+    seeded = group(group_size=3, sampling=common_pb2.SamplingParams(temperature=1.0, seed=77))
+    submit(buf.rollout, "arm-a", [seeded], seed_scope="rep-0")
+    submit(buf.rollout, "arm-b", [seeded], seed_scope="rep-0")
+    submit(buf.rollout, "arm-c", [seeded])
+    seeds = {i.request_id: i.sampling.seed for i in snapshot(buf.internal)}
+    a, b, c = ([seeds[f"{bid}/0/{s}"] for s in range(3)] for bid in ("arm-a", "arm-b", "arm-c"))
+    assert a == b == [derive_seed(77, "rep-0", s) for s in range(3)]  # same scope: same samples
+    assert not set(a) & set(c)  # no scope: the batch id keys the seeds, as before
+    assert c == [derive_seed(77, "arm-c", s) for s in range(3)]
+    # The scope is part of the submission: a resubmission must repeat it.
+    assert submit(buf.rollout, "arm-a", [seeded], seed_scope="rep-0").already_submitted
+    msg = expect_error(lambda: submit(buf.rollout, "arm-a", [seeded], seed_scope="rep-1"),
+                       grpc.StatusCode.ALREADY_EXISTS, "batch_id")
+    assert "different content" in msg
+    expect_error(lambda: submit(buf.rollout, "arm-a", [seeded]), grpc.StatusCode.ALREADY_EXISTS, "batch_id")
+    # A bad scope names the field, and nothing is stored.
+    for bad in ("a/b", "x" * 129):
+        expect_error(lambda bad=bad: submit(buf.rollout, "arm-d", [seeded], seed_scope=bad), IA, "seed_scope")
+    expect_error(lambda: buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="arm-d")),
+                 grpc.StatusCode.NOT_FOUND, "batch_id")
 
 
 def test_oversized_message_is_refused_by_grpc(buf: BufferHandle) -> None:

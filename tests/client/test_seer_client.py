@@ -74,6 +74,16 @@ def test_idempotent_submit_and_errors_name_the_field(buffer: Buffer) -> None:
         with pytest.raises(SeerError) as e:
             list(client.iter_results("missing"))
         assert e.value.code == "NOT_FOUND"
+        # The seed scope is part of the submission the client sends.
+        seeded = [PromptGroup(prompt=[1, 2], group_size=2, max_tokens=4, sampling=Sampling(seed=3))]
+        assert not client.submit_batch("scoped", seeded, seed_scope="rep-0").already_submitted
+        assert client.submit_batch("scoped", seeded, seed_scope="rep-0").already_submitted
+        with pytest.raises(SeerError) as e:
+            client.submit_batch("scoped", seeded, seed_scope="rep-1")
+        assert e.value.code == "ALREADY_EXISTS"
+        with pytest.raises(SeerError) as e:
+            client.submit_batch("scoped-bad", seeded, seed_scope="a b")
+        assert e.value.code == "INVALID_ARGUMENT" and "seed_scope" in e.value.message
 
 
 def test_iter_results_resumes_across_a_buffer_restart(buffer: Buffer) -> None:

@@ -129,9 +129,14 @@ class SeerClient:
 
     # ---- API -----------------------------------------------------------------------------------
 
-    def submit_batch(self, batch_id: str, groups: Iterable[PromptGroup]) -> SubmitResult:
-        """Idempotent: resubmitting the same batch is a no-op (already_submitted=True)."""
-        req = rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=[_group_pb(g) for g in groups])
+    def submit_batch(self, batch_id: str, groups: Iterable[PromptGroup], *, seed_scope: str = "") -> SubmitResult:
+        """Idempotent: resubmitting the same batch is a no-op (already_submitted=True).
+
+        seed_scope: request seeds are derived from it instead of the batch id, so two batches with
+        the same scope and seeded groups draw the same samples (reruns, A/B runs). Never reuse one
+        across RL iterations."""
+        req = rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=[_group_pb(g) for g in groups],
+                                             seed_scope=seed_scope)
         resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout))
         return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version)
 
@@ -167,9 +172,10 @@ class SeerClient:
         return list(self.iter_results(batch_id, cursor))
 
     def run_batch(self, batch_id: str, groups: Sequence[PromptGroup],
-                  on_result: Callable[[RolloutResult], None] | None = None) -> list[RolloutResult]:
+                  on_result: Callable[[RolloutResult], None] | None = None, *,
+                  seed_scope: str = "") -> list[RolloutResult]:
         """Submits (idempotently) and returns every result; on_result sees each as it arrives."""
-        self.submit_batch(batch_id, groups)
+        self.submit_batch(batch_id, groups, seed_scope=seed_scope)
         out = []
         for r in self.iter_results(batch_id):
             if on_result is not None:

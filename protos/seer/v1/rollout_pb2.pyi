@@ -58,12 +58,14 @@ class PromptGroup(_message.Message):
     def __init__(self, prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "groups")
+    __slots__ = ("batch_id", "groups", "seed_scope")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_SCOPE_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedCompositeFieldContainer[PromptGroup]
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ...) -> None: ...
+    seed_scope: str
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ..., seed_scope: _Optional[str] = ...) -> None: ...
 
 class SubmitBatchResponse(_message.Message):
     __slots__ = ("batch_id", "num_requests", "already_submitted", "policy_version")
