@@ -243,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             for policy in arm_order(policies):
                 switch_policy(suite, policy, args.workers)
                 before = contention_events(suite)
+                chunks_before = int(suite.scheduler_stats().dispatched_chunks)
                 with SeerClient(suite.address) as client:
                     res = run_batch(client, f"{policy}-{rep}", wl.prompt_groups(seed=100 + rep, order=order),
                                     seed_scope=f"rep-{rep}")
-                res["dispatched_chunks"] = int(suite.scheduler_stats().dispatched_chunks)
+                # The counter runs since the scheduler started (the warm-up, or an earlier
+                # repetition when the policy did not change): this batch's chunks only.
+                res["dispatched_chunks"] = int(suite.scheduler_stats().dispatched_chunks) - chunks_before
                 # 0 where the workers were never KV-bound with every waiting request started: then
                 # seer's order is Algorithm 2's, unchanged by kv_aging.
                 res["kv_contention_events"] = contention_events(suite) - before
