@@ -8,7 +8,8 @@ a core), runs one warm-up batch (model warm-up; its lengths become the history o
 key), then interleaved repetitions: in every repetition each policy in turn (the scheduler alone
 is restarted with that policy) runs the same measured batch (same prompts, same base seeds and one
 seed scope per repetition, so every arm samples the same responses and does the same work; a new
-seed per repetition; seer_history runs first so its priors are another sample's, see arm_order).
+seed per repetition; seer_history runs first so its priors are another sample's, and the other
+arms rotate, see arm_order).
 Speculation is off so that only scheduling differs. Ratios are taken within a
 repetition (side by side, seconds apart); the summary gives their median and range over reps.
 
@@ -150,10 +151,13 @@ def run_batch(client: object, batch_id: str, groups: list[PromptGroup], seed_sco
     finish: list[float] = []
     tokens = 0
     lengths: list[int] = []
+    kv = dict.fromkeys(("prefill_tokens", "cached_tokens", "kv_loaded_tokens"), 0)
     for r in client.iter_results(batch_id):  # type: ignore[attr-defined]
         finish.append(time.monotonic() - t0)
         tokens += len(r.token_ids)
         lengths.append(len(r.token_ids))
+        for k in kv:
+            kv[k] += int(r.stats.get(k, 0))
     finish.sort()
     makespan = finish[-1]
     t90 = finish[max(0, int(0.9 * len(finish)) - 1)]
@@ -165,16 +169,26 @@ def run_batch(client: object, batch_id: str, groups: list[PromptGroup], seed_sco
         "requests": len(finish),
         "mean_len": round(tokens / len(finish), 1),
         "max_len": max(lengths),
+        # Where resumed contexts came from: computed, found in the worker's prefix cache, or
+        # loaded from the KV store. Arms of one repetition sample the same tokens, so pages an
+        # earlier arm left cached can serve a later one (arm_order rotates who comes later).
+        **kv,
     }
 
 
-def arm_order(policies: list[str]) -> list[str]:
-    """The arms of one repetition, seer_history first. All arms of a repetition share a seed scope
-    (the same samples, so the same work: only the schedule differs), and a finished batch becomes
-    its prompt keys' history. Run after another arm of its repetition, seer_history's priors would
-    be this very batch's lengths (an oracle); run first, they come from the previous repetition
-    (or the warm-up), another sample of the same prompts, as a previous RL iteration would be."""
-    return sorted(policies, key=lambda p: p != "seer_history")
+def arm_order(policies: list[str], rep: int) -> list[str]:
+    """The arms of repetition `rep`: seer_history first, the others rotated by `rep`.
+
+    All arms of a repetition share a seed scope (the same samples, so the same work: only the
+    schedule differs), and a finished batch becomes its prompt keys' history. Run after another
+    arm of its repetition, seer_history's priors would be this very batch's lengths (an oracle);
+    run first, they come from the previous repetition (or the warm-up), another sample of the same
+    prompts, as a previous RL iteration would be. The others rotate because identical samples give
+    identical KV pages: a later arm may find pages an earlier one left in a prefix cache or the KV
+    store, and no policy should always be the one that does."""
+    rest = [p for p in policies if p != "seer_history"]
+    k = rep % len(rest) if rest else 0
+    return [p for p in policies if p == "seer_history"] + rest[k:] + rest[:k]
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -225,9 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
     model = ensure_model()
     t_start = time.monotonic()
+    # The warm-up runs under a policy without priors: a scheduler fetches a key's history once,
+    # so one started as seer_history would have fetched "none yet" for every key before it.
+    start_policy = next((p for p in policies if p != "seer_history"), "divided")
     with Suite(
         workers=args.workers,
-        policy=policies[0],
+        policy=start_policy,
         speculation=False,
         model_dir=Path(model),
         chunk_size=chunk_size,
@@ -240,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             run_batch(client, "warmup", wl.prompt_groups(seed=1))
         for rep in range(reps):
             order = wl.submission_order(rep, args.workers)
-            for policy in arm_order(policies):
+            for policy in arm_order(policies, rep):
                 switch_policy(suite, policy, args.workers)
                 before = contention_events(suite)
                 chunks_before = int(suite.scheduler_stats().dispatched_chunks)

@@ -293,6 +293,8 @@ class BufferCore:
         the first one. seed_scope: what request seeds are derived from instead of the batch id
         (batches with one scope and the same base seeds sample alike; "" = the batch id)."""
         valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
+        if seed_scope == batch_id:
+            seed_scope = ""  # the default, spelled out: the same seeds, so the same submission
         digest = content_hash(batch_id, groups, seed_scope)
         scope = seed_scope or batch_id
         with self._lock:

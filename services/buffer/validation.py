@@ -12,7 +12,8 @@ from services.buffer.model import ModelInfo
 from services.buffer.records import GroupSpec, Sampling
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
-BATCH_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# fullmatch, not match with "$": "$" also matches before a trailing newline.
+BATCH_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_GROUP_SIZE = 1024
 MAX_PROMPT_KEY_CHARS = 512
 MAX_LABEL_BYTES = 64 * 1024
@@ -55,12 +56,12 @@ def default_prompt_key(tokens: tuple[int, ...]) -> str:
 
 
 def validate_batch_id(batch_id: str) -> None:
-    if not BATCH_ID_RE.match(batch_id):
+    if not BATCH_ID_RE.fullmatch(batch_id):
         raise InvalidArgument(f"must match [A-Za-z0-9._:-]{{1,128}}, got {batch_id[:140]!r}", field="batch_id")
 
 
 def validate_seed_scope(seed_scope: str) -> None:
-    if seed_scope and not BATCH_ID_RE.match(seed_scope):
+    if seed_scope and not BATCH_ID_RE.fullmatch(seed_scope):
         raise InvalidArgument(f"must be empty or match [A-Za-z0-9._:-]{{1,128}}, got {seed_scope[:140]!r}",
                               field="seed_scope")
 

@@ -47,6 +47,7 @@ BAD_CASES: list[tuple[str, Callable[[], Any], grpc.StatusCode, str]] = [
     ("empty batch id", lambda: ("", [group()]), IA, "batch_id"),
     ("bad charset", lambda: ("a/b", [group()]), IA, "batch_id"),
     ("too long", lambda: ("x" * 129, [group()]), IA, "batch_id"),
+    ("trailing newline", lambda: ("b\n", [group()]), IA, "batch_id"),
     ("no groups", lambda: ("b", []), IA, "groups"),
     ("group size 0", lambda: ("b", [group(), group(group_size=0)]), IA, "groups[1].group_size"),
     ("group size 1025", lambda: ("b", [group(group_size=1025)]), IA, "groups[0].group_size"),
@@ -163,8 +164,10 @@ def test_seed_scope_reproduces_samples_across_batch_ids(buf: BufferHandle) -> No
                        grpc.StatusCode.ALREADY_EXISTS, "batch_id")
     assert "different content" in msg
     expect_error(lambda: submit(buf.rollout, "arm-a", [seeded]), grpc.StatusCode.ALREADY_EXISTS, "batch_id")
+    # The batch id spelled out as the scope is the default: the same submission.
+    assert submit(buf.rollout, "arm-c", [seeded], seed_scope="arm-c").already_submitted
     # A bad scope names the field, and nothing is stored.
-    for bad in ("a/b", "x" * 129):
+    for bad in ("a/b", "x" * 129, "rep-0\n"):
         expect_error(lambda bad=bad: submit(buf.rollout, "arm-d", [seeded], seed_scope=bad), IA, "seed_scope")
     expect_error(lambda: buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="arm-d")),
                  grpc.StatusCode.NOT_FOUND, "batch_id")

@@ -31,14 +31,14 @@ def suite(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def test_seed_scope_reproduces_a_batch_under_another_id(suite: Suite) -> None:
     """Two batches with one scope sample the same responses, though their chunks ran in other
     batches and places; without the scope (the negative control) the batch id keys the seeds and
-    the samples differ. top_p cuts the nearly flat tail of the distribution, where float rounding
+    the samples differ. top_p and top_k cut the nearly flat tail of the distribution, where float rounding
     of a differently composed batch could move a sample to a neighbouring token."""
     tag = uuid.uuid4().hex[:8]
 
     def batch() -> list[PromptGroup]:
         return [PromptGroup(prompt=f"Question: What is {7 + i} plus {5 * i + 3}?\nAnswer:", group_size=3,
                             max_tokens=16, prompt_key=f"scope-{i}",
-                            sampling=Sampling(temperature=0.8, top_p=0.9, seed=11 + i))
+                            sampling=Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=11 + i))
                 for i in range(3)]
 
     runs = {}

@@ -133,8 +133,9 @@ class SeerClient:
         """Idempotent: resubmitting the same batch is a no-op (already_submitted=True).
 
         seed_scope: request seeds are derived from it instead of the batch id, so two batches with
-        the same scope and seeded groups draw the same samples (reruns, A/B runs). Never reuse one
-        across RL iterations."""
+        the same scope, seeded groups and weights draw the same samples (reruns, A/B runs). Share
+        one only with speculation off or between batches with other prompt keys, and never across
+        RL iterations (see SubmitBatchRequest.seed_scope)."""
         req = rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=[_group_pb(g) for g in groups],
                                              seed_scope=seed_scope)
         resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout))
