@@ -65,9 +65,9 @@ class OutOfRange(SeerError):
     code_name = "OUT_OF_RANGE"
 
 
-def derive_seed(base_seed: int, batch_id: str, sample_index: int) -> int:
-    """A request's seed: a hash of the group's base seed, the batch and the sample index (uint64).
-    `batch_id` is the batch's seed scope: its id unless the submitter named another scope.
+def derive_seed(base_seed: int, scope: str, sample_index: int) -> int:
+    """A request's seed: a hash of the group's base seed, the batch's seed scope (its id unless the
+    submitter named another) and the sample index (uint64).
 
     The batch id is mixed in because the engine keys the randomness of undrafted steps by
     (seed, position): with a fixed trainer seed, last iteration's response i to the same prompt
@@ -77,7 +77,7 @@ def derive_seed(base_seed: int, batch_id: str, sample_index: int) -> int:
     own numbers are fresh per call: services/worker/engines/reference/sequence.py, `verify_seed`.)
     A seed scope shared by two batches opts out on purpose: reruns and A/B runs of one batch,
     which must not serve as each other's history."""
-    h = hashlib.blake2b(f"{base_seed}:{batch_id}:{sample_index}".encode(), digest_size=8)
+    h = hashlib.blake2b(f"{base_seed}:{scope}:{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 
 

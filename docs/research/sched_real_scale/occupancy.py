@@ -1,11 +1,11 @@
 # ruff: noqa
 # Research script of session 8, not part of the bench.
 """Slot occupancy, per-token slot time and resume gaps per batch, from the workers' "chunk done"
-log lines (ts, wall) of a suite run by trace_cpu.py: python occupancy.py [LOG_DIR]"""
+log lines (ts, wall) of a suite run by trace.py LOG_DIR: python occupancy.py LOG_DIR"""
 import sys
 import json, glob, collections
 recs = []
-for f in glob.glob((sys.argv[1] if len(sys.argv) > 1 else '/tmp/s8/suite_logs2') + '/logs/worker-*.log'):
+for f in glob.glob(sys.argv[1] + '/logs/worker-*.log'):
     w = f.split('/')[-1][:-4]
     for l in open(f):
         if '"chunk done"' in l:
