@@ -47,6 +47,7 @@ import torch
 
 from bench.spec import PROMPTS, replay, tokenize_prompts
 from services.cli.profile import measure
+from services.common.memtune import malloc_tuned
 from services.common.model_paths import default_model_dir
 from services.draft.index import GroupIndex
 from services.worker.adaptive import AdaptiveSpeculation, StepTimeTable
@@ -450,6 +451,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm-timeout", type=float, default=900.0)
     ap.add_argument("--device", default="cpu", help="torch device of our engine and HF (cpu | cuda | cuda:N)")
+    ap.add_argument("--no-tune-malloc", action="store_true",
+                    help="leave glibc malloc untuned (the engine tunes it by default; for A/B runs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     global _WALL_CLOCK
@@ -462,7 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = (1, 8) if quick else (1, 8, 32)
     n = args.max_tokens or (16 if quick else 64)
     prompts = tokenize_prompts(model_dir, PROMPTS)
-    engine = ReferenceEngine.from_dir(model_dir, device=args.device, max_batch_size=64, num_threads=args.threads)
+    # The engine tunes glibc malloc for the whole process (services/common/memtune.py), so HF's
+    # `generate` below runs on the same allocator settings as ours.
+    engine = ReferenceEngine.from_dir(model_dir, device=args.device, max_batch_size=64, num_threads=args.threads,
+                                      tune_malloc=not args.no_tune_malloc)
     # Thread CPU time measures the step's compute without the time other tenants take; it equals
     # the step's cost only when the engine runs in the calling thread (one thread) on the CPU.
     clock = "cpu" if args.threads == 1 and not _WALL_CLOCK else "wall"
@@ -470,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(torch.device(args.device)) if args.device != "cpu" else "cpu"
     result: dict[str, Any] = {"quick": quick, "max_tokens": n, "threads": args.threads, "clock": clock,
                               "device": args.device, "device_name": device_name,
-                              "small_gemm": kernel,
+                              "small_gemm": kernel, "malloc_tuned": malloc_tuned() is not None,
                               "small_gemm_rows": [kernel_linear.MIN_ROWS, kernel_linear.MAX_ROWS,
                                                   kernel_linear.MAX_ROWS_WIDE]}
 

@@ -44,10 +44,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.memtune import malloc_tuned, tune_malloc
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import ALGORITHM as CHECKSUM
 from services.kvstore.checksum import page_checksum
-from services.kvstore.memtune import malloc_tuned, tune_malloc_for_pages
 from services.kvstore.ssd import SsdTier
 from services.worker.engine import GenerateRequest, KVLayout, KVPages, SamplingParams
 from services.worker.kv_client import KVClient
@@ -157,9 +157,9 @@ def serve_bare(port_file: str, page_bytes: int, pages: int) -> int:
     import grpc
 
     from services.common.grpcutil import MAX_MESSAGE_BYTES
-    from services.kvstore.memtune import tune_malloc_for_pages
+    from services.common.memtune import tune_malloc
 
-    tune_malloc_for_pages(trim_bytes=512 << 20, arenas=1)  # as the kvstore server's defaults
+    tune_malloc(trim_bytes=512 << 20, arenas=1)  # as the kvstore server's defaults
     payload = [i.to_bytes(8, "little") + os.urandom(page_bytes - 8) for i in range(min(pages, 64))]
 
     def sink(requests: Any, context: Any) -> bytes:
@@ -372,7 +372,7 @@ def bench_throughput(
     out: dict[str, Any] = {"page_bytes": layout.page_bytes, "pages": n, "bytes": nbytes, "streams": streams}
     # The client process is tuned as KVClient does it (the first KVClient would do it anyway); the
     # bare server and the kvstore servers tune themselves.
-    tune_malloc_for_pages(arenas=client_arenas)
+    tune_malloc(arenas=client_arenas)
     tuning = malloc_tuned()
     out["client_malloc"] = dataclasses.asdict(tuning) if tuning is not None else None
     out["checksum"] = CHECKSUM

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from services.common import config
 from services.common.log import setup_logging
+from services.common.memtune import tune_malloc
 from services.common.server import announce_port, serve_until_signal
 from services.kvstore import metrics
 from services.kvstore.config import KvStoreConfig
-from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.server import serve
 
 
@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("kvstore")
     cfg = config.load_or_exit(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
     if cfg.tune_malloc:
-        tune_malloc_for_pages(trim_bytes=cfg.malloc_trim_bytes, arenas=cfg.malloc_arenas)
+        tune_malloc(trim_bytes=cfg.malloc_trim_bytes, arenas=cfg.malloc_arenas)
     running, store = serve(cfg)
     metrics.register(store)
     announce_port(cfg.port_file or None, running.port)

@@ -39,7 +39,7 @@ class KvStoreConfig(ServiceConfig):
     )
     tune_malloc: bool = field(
         default=True,
-        metadata={"help": "raise glibc's mmap/trim thresholds: page buffers are reused (services/kvstore/memtune.py)"},
+        metadata={"help": "raise glibc's mmap/trim thresholds: page buffers are reused (services/common/memtune.py)"},
     )
     malloc_arenas: int = field(
         default=1,

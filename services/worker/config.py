@@ -31,6 +31,10 @@ class WorkerConfig(ServiceConfig):
     max_batch_size: int = field(default=32, metadata={"help": "max requests decoded in one step"})
     policy_version: int = field(default=0, metadata={"help": "policy version of the weights at start"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default)"})
+    tune_malloc: bool = field(
+        default=True,
+        metadata={"help": "tune glibc malloc so per-step tensors reuse memory (services/common/memtune.py)"},
+    )
 
     speculation: bool = field(default=True, metadata={"help": "grouped speculative decoding on/off"})
     draft_address: str = field(

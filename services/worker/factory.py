@@ -53,6 +53,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         max_batch_size=cfg.max_batch_size,
         model_version=version,
         num_threads=cfg.num_threads or None,
+        tune_malloc=cfg.tune_malloc,
     )
 
 

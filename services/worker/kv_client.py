@@ -38,12 +38,12 @@ from typing import TypeVar
 import grpc
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
+from services.common import memtune
 from services.common.errors import InvalidArgument
 from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import page_checksum
-from services.kvstore.memtune import tune_malloc_for_pages
 from services.kvstore.ring import HashRing
 from services.kvstore.wire import GetMessage, decode_get, encode_put
 from services.worker.engine import KVLayout, KVPages
@@ -136,8 +136,8 @@ class KVClient:
         if malloc_arenas is not None and malloc_arenas < 1:
             raise InvalidArgument(f"must be >= 1, got {malloc_arenas}", field="malloc_arenas")
         if tune_malloc:
-            # Page buffers churn through glibc's mmap/munmap otherwise (services/kvstore/memtune.py).
-            tune_malloc_for_pages(arenas=malloc_arenas)
+            # Page buffers churn through glibc's mmap/munmap otherwise (services/common/memtune.py).
+            memtune.tune_malloc(arenas=malloc_arenas)
         self.streams_per_replica = streams_per_replica
         self.ring = HashRing(list(addresses), vnodes)
         self.max_pending_offloads = max_pending_offloads

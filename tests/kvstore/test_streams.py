@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from services.common.memtune import HEAP_MAX_SIZE, MAX_MMAP_THRESHOLD, malloc_tuned, tune_malloc
 from services.kvstore.checksum import page_checksum
-from services.kvstore.memtune import HEAP_MAX_SIZE, MAX_MMAP_THRESHOLD, malloc_tuned, tune_malloc_for_pages
 from services.worker.engine import KVPages
 from services.worker.kv_client import KVClient, split_even
 from tests.kvstore.kvhelpers import KV_LAYOUT, LAYOUT, Replica, make_pages
@@ -95,24 +95,24 @@ def test_put_checksum_mismatch_is_rejected_by_the_server(replicas: Make) -> None
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_malloc_tuning_applies_once_and_checks_its_arguments() -> None:
-    assert tune_malloc_for_pages() is True
-    assert tune_malloc_for_pages(trim_bytes=1 << 20) is True  # later calls keep the first setting
+    assert tune_malloc() is True
+    assert tune_malloc(trim_bytes=1 << 20) is True  # later calls keep the first setting
     applied = malloc_tuned()
     assert applied is not None and applied.mmap_threshold <= MAX_MMAP_THRESHOLD
     with pytest.raises(ValueError, match="mmap_threshold"):
-        tune_malloc_for_pages(mmap_threshold=MAX_MMAP_THRESHOLD + 1)
+        tune_malloc(mmap_threshold=MAX_MMAP_THRESHOLD + 1)
     with pytest.raises(ValueError, match="trim_bytes"):
-        tune_malloc_for_pages(trim_bytes=0)
+        tune_malloc(trim_bytes=0)
     with pytest.raises(ValueError, match="arenas"):
-        tune_malloc_for_pages(arenas=0)
+        tune_malloc(arenas=0)
     with pytest.raises(ValueError, match="top_pad"):
-        tune_malloc_for_pages(top_pad=-1)
+        tune_malloc(top_pad=-1)
 
 
 _FAULT_PROBE = """
 import resource, sys, threading
-from services.kvstore.memtune import tune_malloc_for_pages
-assert tune_malloc_for_pages() if sys.argv[1] == "default" else tune_malloc_for_pages(top_pad=int(sys.argv[1]))
+from services.common.memtune import tune_malloc
+assert tune_malloc() if sys.argv[1] == "default" else tune_malloc(top_pad=int(sys.argv[1]))
 faults = []
 def work():
     # 140 page-sized buffers (~100 MB: more than one 64 MiB heap of this thread's arena), freed,

@@ -21,6 +21,9 @@ class EngineConfig:
     max_draft_tokens: int = 64  # per request per step; longer drafts are trimmed (drafts are optional)
     model_version: str = "v0"
     num_threads: int | None = None  # torch.set_num_threads when set
+    # Tune glibc malloc for the process at start (services/common/memtune.py): untuned, the
+    # [rows, vocab] tensors of every step are page-faulted in fresh. Process-wide and applied once.
+    tune_malloc: bool = True
 
     def validate(self) -> None:
         if self.page_size <= 0:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.common import memtune
 from services.common.log import get_logger, kv
 from services.common.pagehash import chain_hashes
 from services.worker.engine import (
@@ -58,6 +59,8 @@ class ReferenceEngine(Engine):
         cfg.validate()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.tune_malloc:
+            memtune.tune_malloc()
         self.model_dir = Path(model_dir)
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
         if mc.num_heads % mc.num_kv_heads:
@@ -100,11 +103,12 @@ class ReferenceEngine(Engine):
         model_version: str = "v0",
         num_threads: int | None = None,
         verifier: Verifier | None = None,
+        tune_malloc: bool = True,
     ) -> ReferenceEngine:
         kw = {} if kv_memory_bytes is None else {"kv_memory_bytes": kv_memory_bytes}
         cfg = EngineConfig(device=device, dtype=dtype, page_size=page_size, num_pages=num_pages,
                            max_batch_size=max_batch_size, model_version=model_version,
-                           num_threads=num_threads, **kw)  # type: ignore[arg-type]
+                           num_threads=num_threads, tune_malloc=tune_malloc, **kw)  # type: ignore[arg-type]
         return cls(model_dir, cfg, verifier)
 
     # ---- properties -----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""glibc malloc tuning for processes that move KV pages (the kvstore server, a worker's KVClient).
+"""glibc malloc tuning for processes that churn large buffers: the kvstore server, a worker's
+KVClient (KV pages) and the reference engine (per-step tensors).
 
 Why: glibc serves every allocation above its mmap threshold (128 KiB at start, adjusted
 dynamically) with a fresh mmap and gives it back with munmap on free, and it trims the top of the
@@ -8,6 +9,12 @@ page-faults fresh zero-filled memory in: on this VM building and serializing one
 PutRequest ran at 0.15 GB/s untuned against 3 GB/s tuned (bench numbers in services/kvstore/README.md).
 Raising both thresholds keeps those buffers in the heap, where the next page reuses them. Both are
 needed: a higher mmap threshold alone just moves the churn to heap trimming.
+
+The engine has the same problem with its per-step tensors on the CPU: the logits of a step and
+the target distributions computed from them are [rows, vocab] float32, 4.7 MiB for a batch of 8
+with 2-token drafts (49,152 tokens of vocabulary), several per step. Untuned, a drafted step at
+batch 8 page-faulted 4.5K-9.9K pages (18-40 MiB of fresh zeroed memory) and a plain step at batch
+32 up to 21K; tuned, none (tests/engine/test_engine_malloc.py, docs/benchmarks.md).
 
 Threads other than the first allocate from their own arenas, chains of heaps of at most 64 MiB,
 and glibc (heap_trim in malloc/arena.c) unmaps a thread arena's newest heap as soon as it is
@@ -61,7 +68,7 @@ _lock = threading.Lock()
 _applied: MallocTuning | None = None
 
 
-def tune_malloc_for_pages(
+def tune_malloc(
     mmap_threshold: int = MAX_MMAP_THRESHOLD,
     trim_bytes: int = 256 * 1024 * 1024,
     arenas: int | None = None,
@@ -106,7 +113,7 @@ def tune_malloc_for_pages(
         if ok:
             _applied = MallocTuning(mmap_threshold, trim_bytes, arenas, top_pad)
             log.info(
-                "malloc tuned for page buffers",
+                "malloc tuned for large buffers",
                 extra=kv(mmap_threshold=mmap_threshold, trim_bytes=trim_bytes, arenas=arenas, top_pad=top_pad),
             )
         return ok
