@@ -13,7 +13,7 @@ needed: a higher mmap threshold alone just moves the churn to heap trimming.
 The engine has the same problem with its per-step tensors on the CPU: the logits of a step and
 the target distributions computed from them are [rows, vocab] float32, 4.7 MiB for a batch of 8
 with 2-token drafts (49,152 tokens of vocabulary), several per step. Untuned, a drafted step at
-batch 8 page-faulted 4.5K-9.9K pages (18-40 MiB of fresh zeroed memory) and a plain step at batch
+batch 8 page-faulted 4.5K-18K pages (18-70 MiB of fresh zeroed memory) and a plain step at batch
 32 up to 21K; tuned, none (tests/engine/test_engine_malloc.py, docs/benchmarks.md).
 
 Threads other than the first allocate from their own arenas, chains of heaps of at most 64 MiB,
