@@ -11,7 +11,8 @@ speculation with drafts from sibling responses, in one run on the same prompts a
    engine: decode tok/s = B * (N - 1) / (t(N) - t(1)), where t(n) is the wall time to generate n
    tokens for the batch; the prefill cancels out, so the three engines are compared on decoding
    alone. All run float32 on the same converted model directory with the same thread count; ours
-   also runs with the kernel disabled (F.linear everywhere) to show the kernel's gain.
+   also runs with the GEMM kernel disabled (F.linear everywhere) and with the paged attention
+   kernel disabled (gather + SDPA) to show each kernel's gain.
    vLLM runs in its own virtualenv (scripts/setup_vllm_cpu.sh); if that is absent or fails, its
    rows are skipped with the reason printed.
 2. Speculation (8 samples per prompt, temperature 1.0 and 0.7): drafts come from the suffix index
@@ -54,6 +55,7 @@ from services.worker.adaptive import AdaptiveSpeculation, StepTimeTable
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.engines.reference.kernels import linear as kernel_linear
+from services.worker.engines.reference.kernels.attention import paged_attention_available, paged_attention_enabled
 from services.worker.engines.reference.kernels.linear import small_gemm, small_gemm_available, small_gemm_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,6 +384,11 @@ def decode_section(args: argparse.Namespace, engine: ReferenceEngine, model_dir:
         with small_gemm_enabled(False):
             ours_fl = ours_throughput(engine, prompts, batches, n)
         result["ours_f_linear"] = {b: round(v["decode_tok_s"], 1) for b, v in ours_fl.items()}
+    ours_sdpa: dict[str, Any] | None = None
+    if args.device == "cpu" and paged_attention_available():
+        with paged_attention_enabled(False):
+            ours_sdpa = ours_throughput(engine, prompts, batches, n)
+        result["ours_sdpa"] = {b: round(v["decode_tok_s"], 1) for b, v in ours_sdpa.items()}
     hf: dict[str, Any] | None = None
     if not args.no_hf:
         hf = hf_throughput(model_dir, prompts, batches, n, args.device)
@@ -396,14 +403,15 @@ def decode_section(args: argparse.Namespace, engine: ReferenceEngine, model_dir:
             result["vllm"] = {b: round(v["decode_tok_s"], 1) for b, v in vllm.items()}
         else:
             result["vllm_skipped"] = why
-    out(f"{'batch':>6} {'ours tok/s':>11} {'F.linear':>9} {'HF tok/s':>9} {'vLLM tok/s':>11} {'ours/HF':>8} "
-        f"{'ours/vLLM':>10}")
+    out(f"{'batch':>6} {'ours tok/s':>11} {'F.linear':>9} {'SDPA':>7} {'HF tok/s':>9} {'vLLM tok/s':>11} "
+        f"{'ours/HF':>8} {'ours/vLLM':>10}")
     for b in map(str, batches):
         o = ours[b]["decode_tok_s"]
         fl = ours_fl[b]["decode_tok_s"] if ours_fl else float("nan")
+        sd = ours_sdpa[b]["decode_tok_s"] if ours_sdpa else float("nan")
         h = hf[b]["decode_tok_s"] if hf else float("nan")
         v = vllm[b]["decode_tok_s"] if vllm else float("nan")
-        out(f"{b:>6} {o:>11.1f} {fl:>9.1f} {h:>9.1f} {v:>11.1f} {o / h:>8.2f} {o / v:>10.2f}")
+        out(f"{b:>6} {o:>11.1f} {fl:>9.1f} {sd:>7.1f} {h:>9.1f} {v:>11.1f} {o / h:>8.2f} {o / v:>10.2f}")
         result.setdefault("ours_vs_hf", {})[b] = round(o / h, 3) if hf else None
         result.setdefault("ours_vs_vllm", {})[b] = round(o / v, 3) if vllm else None
 

@@ -4,8 +4,10 @@ Plain PyTorch, no nn.Module machinery: weights are tensors (q/k/v and gate/up fu
 is four matmuls). Linear layers run on the flattened, unpadded tokens of the whole batch (varlen)
 through kernels.linear (a C kernel for steps of a few tokens, where MKL's sgemm is slow on AVX2
 CPUs, such as verifying drafts; F.linear otherwise);
-attention pads queries to [B, q_max] and gathers each request's keys from the paged cache with one
-index tensor per step, reused by every layer. The attention mask is built by the model runner: a
+decode and draft queries attend with a C kernel straight over the pages (kernels/attention.py,
+float32 CPU); otherwise (prefill, GPU, other dtypes) attention pads queries to [B, q_max] and
+gathers each request's keys from the paged cache with one index tensor per step, reused by every
+layer. The attention mask is built by the model runner: a
 causal mask for the prefix tail, a tree mask (ancestors only) for draft tokens being verified.
 
 Shapes: T = tokens in the step, B = requests, Qm = max queries per request, Km = max keys per
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.worker.engines.reference.kernels.attention import PagedQueries, paged_attention
 from services.worker.engines.reference.kernels.linear import linear, small_gemm_available
 from services.worker.model.config import ModelConfig
 
@@ -36,11 +39,13 @@ class LayerWeights:
 
 @dataclass
 class AttnGroup:
-    """Requests whose attention is computed together (padded to a common [Qm, Km]). A step splits
-    short queries (decode, drafts) from long ones (prefill) so decodes do not pad to prefill size."""
+    """Requests whose attention is computed together. A step splits short queries (decode, drafts)
+    from long ones (prefill). Short ones on float32 CPU go to the paged kernel (`paged`: no padding,
+    keys read in place); otherwise the group is padded to a common [Qm, Km] for SDPA."""
 
     token_index: torch.Tensor | None  # [Tg] long: the step's tokens of this group; None = all, in order
-    gather_slots: torch.Tensor  # [B * Km] long: cache slots of each request's keys (padding -> 0)
+    paged: PagedQueries | None  # set: the kernel path, and the fields below are unused
+    gather_slots: torch.Tensor | None  # [B * Km] long: cache slots of each request's keys (padding -> 0)
     pad_index: torch.Tensor | None  # [Tg] long: token -> row in the padded [B * Qm]; None if Tg == B*Qm
     attn_mask: torch.Tensor | None  # [B, 1, R * Qm, Km] bool (True = attend); None = attend to all
     batch: int
@@ -166,7 +171,10 @@ class LlamaModel:
         return linear(x, self.lm_head).float()  # [N, vocab]
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttnGroup) -> torch.Tensor:
-        """q [Tg, H, D] -> attention output [Tg, H * D] over each request's gathered keys."""
+        """q [Tg, H, D] -> attention output [Tg, H * D] over each request's keys."""
+        if g.paged is not None:
+            return paged_attention(q, k_cache, v_cache, g.paged)
+        assert g.gather_slots is not None
         H, KV, D = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         R = H // KV
         B, Qm, Km = g.batch, g.q_max, g.k_max

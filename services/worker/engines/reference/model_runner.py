@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker.engines.reference.kernels.attention import MAX_TREE, PagedQueries, use_paged_attention
 from services.worker.engines.reference.model import AttnGroup, ForwardBatch, LlamaModel
 from services.worker.engines.reference.sequence import Sequence
 
@@ -115,7 +116,20 @@ class ModelRunner:
         long_ = [i for i, q in enumerate(q_lens) if q > SHORT_QUERY]
         parts = [short, long_] if short and long_ else [list(range(len(seqs)))]
         starts = np.cumsum([0, *q_lens])
-        groups = [self._group(idx, seqs, trees, q_lens, starts, single=len(parts) == 1) for idx in parts]
+        model = self.model
+        kernel = use_paged_attention(model.device, model.dtype, model.cfg.head_dim)
+        groups = []
+        for idx in parts:
+            token_index = None
+            if len(parts) > 1:
+                token_index = torch.from_numpy(
+                    np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in idx])).to(model.device)
+            # The kernel describes a query's tree ancestors with one 64-bit mask, so a longer tree
+            # (possible only beyond SHORT_QUERY anyway) takes the SDPA path.
+            if kernel and all(q_lens[i] <= SHORT_QUERY and q_lens[i] <= MAX_TREE for i in idx):
+                groups.append(self._paged_group(idx, seqs, trees, token_index))
+            else:
+                groups.append(self._group(idx, seqs, trees, q_lens, token_index))
         dev = self.model.device
         fb = ForwardBatch(
             input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
@@ -126,8 +140,57 @@ class ModelRunner:
         )
         return self.model.forward(fb, self.kv_cache), root_rows
 
+    def _paged_group(self, idx: list[int], seqs: list[Sequence], trees: list[DraftTree | None],
+                     token_index: torch.Tensor | None) -> AttnGroup:
+        """The kernel's description of a short-query group: per request its key slots by position,
+        per query the visible prefix [lo, hi) and, for draft nodes, the ancestor bits over the
+        tree's keys (which follow the prefix at positions L, L + 1, ...)."""
+        R = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
+        slots: list[np.ndarray] = []
+        koff: list[int] = []
+        qoff = [0]
+        lo: list[np.ndarray] = []
+        hi: list[np.ndarray] = []
+        xmask: list[np.ndarray] = []
+        k_total = max_rows = max_keys = 0
+        for i in idx:
+            seq, tree = seqs[i], trees[i]
+            L, c = len(seq), seq.num_computed
+            n = len(tree) if tree is not None else 0
+            slots.append(self._slots(seq, np.arange(L + n, dtype=np.int64)))
+            koff.append(k_total)
+            k_total += L + n
+            # The uncomputed tail (a decode's last token, or a few resumed tokens): causal.
+            pos = np.arange(c, L, dtype=np.int64)
+            q_hi = pos + 1
+            bits = np.zeros(L - c, dtype=np.uint64)
+            if tree is not None and n:
+                pos = np.concatenate([pos, L - 1 + np.asarray(tree.depth, dtype=np.int64)])
+                q_hi = np.concatenate([q_hi, np.full(n, L, dtype=np.int64)])
+                anc = tree.ancestor_mask().astype(np.uint64)  # [n, n]: node i sees node j
+                bits = np.concatenate([bits, (anc << np.arange(n, dtype=np.uint64)).sum(axis=1, dtype=np.uint64)])
+            q_lo = np.maximum(pos - self.window + 1, 0) if self.window is not None else np.zeros_like(pos)
+            lo.append(q_lo)
+            hi.append(q_hi)
+            xmask.append(bits)
+            qoff.append(qoff[-1] + len(pos))
+            max_rows = max(max_rows, len(pos) * R)
+            max_keys = max(max_keys, max(int(q_hi.max()), L + n) - int(q_lo.min()))
+        dev = self.model.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        pq = PagedQueries(
+            slots=t(np.concatenate(slots)), koff=t(np.asarray(koff, dtype=np.int64)),
+            qoff=t(np.asarray(qoff, dtype=np.int64)), lo=t(np.concatenate(lo)), hi=t(np.concatenate(hi)),
+            xmask=t(np.concatenate(xmask).view(np.int64)), max_rows=max_rows, max_keys=max_keys,
+        )
+        return AttnGroup(token_index=token_index, paged=pq, gather_slots=None, pad_index=None, attn_mask=None,
+                         batch=len(idx), q_max=0, k_max=0)
+
     def _group(self, idx: list[int], seqs: list[Sequence], trees: list[DraftTree | None], q_lens: list[int],
-               starts: np.ndarray, single: bool) -> AttnGroup:
+               token_index: torch.Tensor | None) -> AttnGroup:
         R = self.model.cfg.num_heads // self.model.cfg.num_kv_heads
         g_seqs = [seqs[i] for i in idx]
         g_trees = [trees[i] for i in idx]
@@ -145,9 +208,6 @@ class ModelRunner:
             # Query rows are ordered (head-in-group, query): repeat the mask per head of a group.
             mask = np.broadcast_to(mask[:, None, :, :], (B, R, Qm, Km)).reshape(B, R * Qm, Km)
         dev = self.model.device
-        token_index = None
-        if not single:
-            token_index = np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in idx])
 
         def t(a: np.ndarray | None) -> torch.Tensor | None:
             return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(dev)
@@ -156,7 +216,8 @@ class ModelRunner:
         assert gs is not None
         am = t(mask)
         return AttnGroup(
-            token_index=t(token_index),
+            token_index=token_index,
+            paged=None,
             gather_slots=gs,
             pad_index=t(pad_index),
             attn_mask=None if am is None else am[:, None],

@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from services.common.log import get_logger, kv
@@ -141,3 +142,37 @@ def load(source: Path) -> ctypes.CDLL:
             raise RuntimeError(f"built {source.name} but cannot load it: {e}") from e
         finally:
             shutil.rmtree(private, ignore_errors=True)
+
+
+class LazyKernel:
+    """One exported function of a kernel source, built and loaded at first use (thread-safe), or
+    None with the reason in `error` when it cannot be (the caller falls back to PyTorch)."""
+
+    def __init__(self, source: Path, symbol: str, abi: int, argtypes: list[type], restype: type | None) -> None:
+        self.source, self.symbol, self.abi = source, symbol, abi
+        self.argtypes, self.restype = argtypes, restype
+        self.error: str | None = None
+        self._fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+        if self._tried:
+            return self._fn
+        with self._lock:
+            if not self._tried:
+                try:
+                    lib = load(self.source)
+                    got = getattr(lib, f"{self.symbol}_abi")()
+                    if got != self.abi:
+                        raise RuntimeError(f"ABI version mismatch: {self.source.name} has {got}, expected {self.abi}")
+                    fn = getattr(lib, self.symbol)
+                    fn.argtypes = self.argtypes
+                    fn.restype = self.restype
+                    self._fn = fn
+                except (OSError, RuntimeError, AttributeError) as e:
+                    self.error = str(e)
+                    log.warning("kernel unavailable; using PyTorch",
+                                extra=kv(source=self.source.name, reason=str(e)))
+                self._tried = True
+        return self._fn

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,10 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.common.log import get_logger, kv
-from services.worker.engines.reference.kernels.build import load
-
-log = get_logger(__name__)
+from services.worker.engines.reference.kernels.build import LazyKernel
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 MIN_ROWS = 2  # M = 1: MKL gemv is as fast and keeps greedy decoding bit-identical
@@ -40,34 +36,15 @@ MAX_ROWS = 64  # crossover vs MKL sgemm on the layer shapes (table above)
 WIDE_WEIGHTS = 8 << 20  # elements: a weight this large (the lm_head) is memory-bound up to ...
 MAX_ROWS_WIDE = 128  # ... this many rows
 
-_lock = threading.Lock()
-_fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-_tried = False
-_error: str | None = None  # why the kernel is unavailable (tests and logs show it)
+_c_long, _c_ptr = ctypes.c_long, ctypes.c_void_p
+# (x, ldx, w, bias, y, ldy, M, N, K, threads)
+_KERNEL = LazyKernel(SOURCE, "seer_small_gemm", 1,
+                     [_c_ptr, _c_long, _c_ptr, _c_ptr, _c_ptr, _c_long, _c_long, _c_long, _c_long, ctypes.c_int], None)
 _enabled = os.environ.get("SEER_SMALL_GEMM", "1") not in ("0", "false", "no", "off")
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _fn, _tried, _error
-    if _tried:
-        return _fn
-    with _lock:
-        if not _tried:
-            try:
-                lib = load(SOURCE)
-                if lib.seer_small_gemm_abi() != 1:
-                    raise RuntimeError("ABI version mismatch")
-                fn = lib.seer_small_gemm
-                c_long, c_ptr = ctypes.c_long, ctypes.c_void_p
-                # (x, ldx, w, bias, y, ldy, M, N, K, threads)
-                fn.argtypes = [c_ptr, c_long, c_ptr, c_ptr, c_ptr, c_long, c_long, c_long, c_long, ctypes.c_int]
-                fn.restype = None
-                _fn = fn
-            except (OSError, RuntimeError, AttributeError) as e:
-                _error = str(e)
-                log.warning("small-M GEMM kernel unavailable; using F.linear", extra=kv(reason=str(e)))
-            _tried = True
-    return _fn
+    return _KERNEL.get()
 
 
 def small_gemm_available() -> bool:
@@ -77,7 +54,7 @@ def small_gemm_available() -> bool:
 def small_gemm_error() -> str | None:
     """Why the kernel is unavailable (None when it is available)."""
     _kernel()
-    return _error
+    return _KERNEL.error
 
 
 @contextmanager
@@ -95,7 +72,7 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     Raises RuntimeError when the kernel is unavailable."""
     fn = _kernel()
     if fn is None:
-        raise RuntimeError(f"small-M GEMM kernel unavailable: {_error}")
+        raise RuntimeError(f"small-M GEMM kernel unavailable: {_KERNEL.error}")
     # The C side reads raw float32 memory: anything else would be garbage or an out-of-bounds read.
     for name, t in (("x", x), ("w", w), ("bias", bias)):
         if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
