@@ -25,7 +25,9 @@
 
 int seer_paged_attn_abi(void) { return 2; }
 
-#define SB 4 /* rows per block in the score pass */
+#define SB 3 /* rows per block in the score pass ... */
+#define KB 3 /* ... times keys per step: SB * KB accumulators + KB key loads + 1 query load <= 16 ymm */
+#define PF 8 /* keys fetched ahead */
 #define PB 3 /* rows per block in the value pass (PB * 4 chunk accumulators + 4 loads <= 16 ymm) */
 
 /* e^x for x <= 0 (scores minus the row maximum): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
@@ -69,21 +71,43 @@ static inline int visible(const Row *w, long j) {
     return i >= 0 && i < 64 && ((w->xmask >> i) & 1ULL);
 }
 
-/* Scores of nb rows (nb <= SB, a constant after inlining) against keys klo .. klo + n: s[i * n + j]. */
+/* Scores of nb rows (nb <= SB) against kb keys (kb <= KB) starting at key index j (both constants
+ * after inlining): nb x kb independent accumulators, so the FMA chains along D overlap (one chain
+ * per (row, key) would wait out the FMA latency at every step). */
+static inline __attribute__((always_inline)) void score_tile(const int nb, const int kb, const Row *rows,
+                                                              const float *kc, const long *keys, long klo, long j,
+                                                              long n, long stride, long D, float scale, float *s) {
+    const float *kp[KB];
+    for (int k = 0; k < kb; k++) kp[k] = kc + keys[klo + j + k] * stride;
+    if (j + kb + PF <= n) { /* keys lie in scattered pages: fetch ahead of the hardware prefetcher */
+        for (int k = 0; k < kb; k++) {
+            const char *nx = (const char *)(kc + keys[klo + j + k + PF] * stride);
+            for (long b = 0; b < D * 4; b += 64) _mm_prefetch(nx + b, _MM_HINT_T0);
+        }
+    }
+    __m256 acc[SB][KB];
+    for (int i = 0; i < nb; i++)
+        for (int k = 0; k < kb; k++) acc[i][k] = _mm256_setzero_ps();
+    for (long c = 0; c < D; c += 8) {
+        __m256 kv[KB];
+        for (int k = 0; k < kb; k++) kv[k] = _mm256_loadu_ps(kp[k] + c);
+        for (int i = 0; i < nb; i++) {
+            const __m256 qv = _mm256_loadu_ps(rows[i].q + c);
+            for (int k = 0; k < kb; k++) acc[i][k] = _mm256_fmadd_ps(qv, kv[k], acc[i][k]);
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int k = 0; k < kb; k++)
+            s[i * n + j + k] = visible(&rows[i], klo + j + k) ? hsum(acc[i][k]) * scale : -INFINITY;
+}
+
+/* Scores of nb rows against keys klo .. klo + n: s[i * n + j]. */
 static inline __attribute__((always_inline)) void scores(const int nb, const Row *rows, const float *kc,
                                                           const long *keys, long klo, long n, long stride,
                                                           long D, float scale, float *s) {
-    for (long j = 0; j < n; j++) {
-        const float *kp = kc + keys[klo + j] * stride;
-        __m256 acc[SB];
-        for (int i = 0; i < nb; i++) acc[i] = _mm256_setzero_ps();
-        for (long c = 0; c < D; c += 8) {
-            const __m256 kv = _mm256_loadu_ps(kp + c);
-            for (int i = 0; i < nb; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[i].q + c), kv, acc[i]);
-        }
-        for (int i = 0; i < nb; i++)
-            s[i * n + j] = visible(&rows[i], klo + j) ? hsum(acc[i]) * scale : -INFINITY;
-    }
+    long j = 0;
+    for (; j + KB <= n; j += KB) score_tile(nb, KB, rows, kc, keys, klo, j, n, stride, D, scale, s);
+    for (; j < n; j++) score_tile(nb, 1, rows, kc, keys, klo, j, n, stride, D, scale, s);
 }
 
 /* out of nb rows (nb <= PB) for cb 8-wide chunks (cb 4 or 1) starting at float c0. */
@@ -95,6 +119,10 @@ static inline __attribute__((always_inline)) void values(const int nb, const int
         for (int k = 0; k < cb; k++) acc[i][k] = _mm256_setzero_ps();
     for (long j = 0; j < n; j++) {
         const float *vp = vc + keys[klo + j] * stride + c0;
+        if (j + PF < n) { /* keys lie in scattered pages: fetch ahead of the hardware prefetcher */
+            const char *nx = (const char *)(vc + keys[klo + j + PF] * stride + c0);
+            for (int b = 0; b < cb * 32; b += 64) _mm_prefetch(nx + b, _MM_HINT_T0);
+        }
         __m256 vv[4];
         for (int k = 0; k < cb; k++) vv[k] = _mm256_loadu_ps(vp + 8 * k);
         for (int i = 0; i < nb; i++) {
@@ -115,7 +143,6 @@ static void item(Row *rows, long nrows, const float *kc, const float *vc, const 
         const long nb = nrows - r0 < SB ? nrows - r0 : SB;
         float *sb = s + r0 * n;
         switch (nb) {
-            case 4: scores(4, rows + r0, kc, keys, klo, n, stride, D, scale, sb); break;
             case 3: scores(3, rows + r0, kc, keys, klo, n, stride, D, scale, sb); break;
             case 2: scores(2, rows + r0, kc, keys, klo, n, stride, D, scale, sb); break;
             default: scores(1, rows + r0, kc, keys, klo, n, stride, D, scale, sb); break;
