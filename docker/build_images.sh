@@ -3,7 +3,8 @@
 #   1. the base image: BASE_IMAGE if given (e.g. python:3.11-slim where a registry is reachable),
 #      else the local debootstrap base seer-base:bookworm (docker/build_base_image.sh);
 #   2. the wheelhouse on the host (docker/build_wheelhouse.sh) unless SKIP_WHEELHOUSE=1;
-#   3. the converted embedded model (services.worker.model.prepare.ensure_model);
+#   3. the converted embedded model (services.worker.model.prepare.ensure_model) and the engine's C
+#      kernels, prebuilt on the host (the worker image has no compiler);
 #   4. one `docker build --target <service>` per image over a staging context in docker/.build/.
 #   SERVICES="buffer worker"  build a subset; TAG=dev image tag.
 # Measured here (2 shared cores, warm pip cache): see docker/README.md.
@@ -48,6 +49,12 @@ cp -al "$model_dir"/. "$CTX/model/" 2>/dev/null || cp -a "$model_dir"/. "$CTX/mo
 for f in "$model_dir"/*; do
   [[ "$f" == *.safetensors ]] || cp -a "$f" "$CTX/tokenizer/"
 done
+# The engine's C kernels, built here: the worker image has no compiler (SEER_KERNEL_PREBUILT).
+# Without them (no compiler / no AVX2 on this host) the worker falls back to PyTorch.
+mkdir -p "$CTX/kernels"
+(cd "$ROOT" && "$PY" -c 'import sys; from pathlib import Path
+from services.worker.engines.reference.kernels.build import prebuild; prebuild(Path(sys.argv[1]))' "$CTX/kernels") \
+  || echo "kernels: not prebuilt; the worker image will use PyTorch's GEMM and attention" >&2
 
 for svc in $SERVICES; do
   s=$(date +%s)

@@ -154,3 +154,22 @@ def test_unusable_cache_falls_back_to_a_private_build(tmp_path: Path, monkeypatc
 def test_cc_with_arguments_is_split(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "ccache  gcc -m64")
     assert build.compiler() == ["ccache", "gcc", "-m64"]
+
+
+@needs_kernel
+def test_prebuilt_kernels_load_without_a_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker image has no compiler: libraries prebuilt on the host (SEER_KERNEL_PREBUILT) load
+    there, and only for exactly the source they were built from."""
+    pre = tmp_path / "pre"
+    built = build.prebuild(pre)
+    assert {p.name for p in built} == {build.prebuilt_name(s) for s in Path(build.__file__).parent.glob("*.c")}
+    monkeypatch.setenv("SEER_KERNEL_PREBUILT", str(pre))
+    monkeypatch.setenv("SEER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    lib = build.load(lin.SOURCE)
+    assert lib.seer_small_gemm_abi() == 1
+    assert not (tmp_path / "cache").exists()  # nothing was compiled
+    other = tmp_path / "k.c"
+    other.write_text("int f(void) { return 1; }\n")  # no prebuilt library for this source
+    with pytest.raises(RuntimeError, match="could not run"):
+        build.load(other)

@@ -1,5 +1,9 @@
 """Builds the C kernels of this package with the system compiler at first use and loads them.
 
+Where no compiler exists (the worker container image), SEER_KERNEL_PREBUILT names a directory of
+libraries built on another machine by `prebuild` (docker/build_images.sh), keyed by the source's
+hash.
+
 Not torch.utils.cpp_extension: that needs ninja and the Python headers and takes a minute; one
 `cc -O3 -shared` of a plain C file takes about a second. The shared library is cached in
 ~/.cache/seer/kernels (SEER_KERNEL_CACHE overrides) under a hash of the source, the flags and the
@@ -127,10 +131,47 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
     return target
 
 
+def prebuilt_name(source: Path) -> str:
+    """File name of `source`'s library in a prebuilt directory: keyed by the source alone, since
+    the machine that uses it may have no compiler to ask for a version."""
+    return f"{source.stem}-{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}.so"
+
+
+def prebuild(out_dir: Path) -> list[Path]:
+    """Builds every kernel source of this package into out_dir under prebuilt names (container
+    images: the worker image has no compiler; docker/build_images.sh runs this on the host)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    built = []
+    for source in sorted(Path(__file__).parent.glob("*.c")):
+        lib = build(source, out_dir)
+        target = out_dir / prebuilt_name(source)
+        os.replace(lib, target)
+        built.append(target)
+    return built
+
+
+def _prebuilt(source: Path) -> Path | None:
+    """SEER_KERNEL_PREBUILT: a directory of libraries built elsewhere for this source, if any."""
+    d = os.environ.get("SEER_KERNEL_PREBUILT")
+    if not d:
+        return None
+    p = Path(d) / prebuilt_name(source)
+    return p if p.exists() else None
+
+
 def load(source: Path) -> ctypes.CDLL:
-    """The built library, loaded. A cache that cannot be written or whose library cannot be loaded
+    """The built library, loaded: a prebuilt one (SEER_KERNEL_PREBUILT) when it exists for exactly
+    this source, else built here. A cache that cannot be written or whose library cannot be loaded
     (another user's file, a noexec mount, a stale build) does not cost the kernel: it is built
     again into a private temporary directory."""
+    pre = _prebuilt(source)
+    if pre is not None:
+        if not cpu_has_avx2_fma():
+            raise RuntimeError("CPU lacks AVX2/FMA (or is not x86-64)")
+        try:
+            return ctypes.CDLL(str(pre))
+        except OSError as e:
+            log.warning("prebuilt kernel unusable; building here", extra=kv(path=str(pre), reason=str(e)))
     try:
         return ctypes.CDLL(str(build(source)))
     except (OSError, CacheUnusable) as first:
@@ -176,3 +217,4 @@ class LazyKernel:
                                 extra=kv(source=self.source.name, reason=str(e)))
                 self._tried = True
         return self._fn
+
