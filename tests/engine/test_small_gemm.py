@@ -173,3 +173,16 @@ def test_prebuilt_kernels_load_without_a_compiler(tmp_path: Path, monkeypatch: p
     other.write_text("int f(void) { return 1; }\n")  # no prebuilt library for this source
     with pytest.raises(RuntimeError, match="could not run"):
         build.load(other)
+
+
+def test_kernel_sources_ship_in_the_wheel() -> None:
+    """An installed wheel (the container images) compiles or looks up kernels by their .c source:
+    without it the engine silently runs the PyTorch fallbacks, as the images did until session 10."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = data["services.worker.engines.reference.kernels"]
+    sources = [p.name for p in Path(build.__file__).parent.glob("*.c")]
+    assert sources and all(any(fnmatch.fnmatch(s, pat) for pat in patterns) for s in sources)
