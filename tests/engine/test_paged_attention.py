@@ -13,7 +13,6 @@ import torch
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 from services.worker.engines.reference import model as model_mod
-from services.worker.engines.reference.kernels import build
 from services.worker.engines.reference.kernels.attention import (
     PagedQueries,
     paged_attention,
@@ -21,9 +20,7 @@ from services.worker.engines.reference.kernels.attention import (
     paged_attention_enabled,
     paged_attention_error,
 )
-
-CAN_BUILD = build.cpu_has_avx2_fma() and build.compiler() is not None
-needs_kernel = pytest.mark.skipif(not CAN_BUILD, reason="no C compiler / AVX2 here")
+from tests.engine.device import needs_kernel
 
 
 @needs_kernel

@@ -23,9 +23,7 @@ does it for a block (benchmarks compare both in one run).
 from __future__ import annotations
 
 import ctypes
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +37,8 @@ MAX_TREE = 64  # draft nodes per request a query's visibility mask can describe 
 _c_long, _c_ptr = ctypes.c_long, ctypes.c_void_p
 # (q, k_cache, v_cache, out, slots, koff, qoff, lo, hi, xmask, B, H, KV, D, scale, max_rows, max_keys, threads)
 _KERNEL = LazyKernel(SOURCE, "seer_paged_attn", 2,
-                     [_c_ptr] * 10 + [_c_long] * 4 + [ctypes.c_float, _c_long, _c_long, ctypes.c_int], ctypes.c_int)
-_enabled = os.environ.get("SEER_PAGED_ATTN", "1") not in ("0", "false", "no", "off")
+                     [_c_ptr] * 10 + [_c_long] * 4 + [ctypes.c_float, _c_long, _c_long, ctypes.c_int], ctypes.c_int,
+                     "SEER_PAGED_ATTN")
 
 
 @dataclass(frozen=True)
@@ -61,28 +59,22 @@ class PagedQueries:
 
 
 def paged_attention_available() -> bool:
-    return _KERNEL.get() is not None
+    return _KERNEL.available()
 
 
 def paged_attention_error() -> str | None:
     """Why the kernel is unavailable (None when it is available)."""
-    _KERNEL.get()
-    return _KERNEL.error
+    return _KERNEL.why_unavailable()
 
 
-@contextmanager
-def paged_attention_enabled(flag: bool) -> Iterator[None]:
-    global _enabled
-    prev, _enabled = _enabled, flag
-    try:
-        yield
-    finally:
-        _enabled = prev
+def paged_attention_enabled(flag: bool) -> AbstractContextManager[None]:
+    """Turns the kernel on or off for a block (benchmarks compare both in one run)."""
+    return _KERNEL.enabled_as(flag)
 
 
 def use_paged_attention(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a step on this cache should take the kernel path (decided per step)."""
-    return (_enabled and device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
+    return (_KERNEL.enabled and device.type == "cpu" and dtype == torch.float32 and head_dim % 8 == 0
             and _KERNEL.get() is not None)
 
 

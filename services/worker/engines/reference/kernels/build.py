@@ -23,6 +23,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from services.common.log import get_logger, kv
@@ -187,11 +189,15 @@ def load(source: Path) -> ctypes.CDLL:
 
 class LazyKernel:
     """One exported function of a kernel source, built and loaded at first use (thread-safe), or
-    None with the reason in `error` when it cannot be (the caller falls back to PyTorch)."""
+    None with the reason in `error` when it cannot be (the caller falls back to PyTorch).
+    `enabled` (from the environment variable `env`, default on) is the caller's switch; benchmarks
+    flip it for a block with `enabled_as`."""
 
-    def __init__(self, source: Path, symbol: str, abi: int, argtypes: list[type], restype: type | None) -> None:
+    def __init__(self, source: Path, symbol: str, abi: int, argtypes: list[type], restype: type | None,
+                 env: str) -> None:
         self.source, self.symbol, self.abi = source, symbol, abi
         self.argtypes, self.restype = argtypes, restype
+        self.enabled = os.environ.get(env, "1").lower() not in ("0", "false", "no", "off")
         self.error: str | None = None
         self._fn: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
         self._tried = False
@@ -218,3 +224,19 @@ class LazyKernel:
                 self._tried = True
         return self._fn
 
+
+    def available(self) -> bool:
+        return self.get() is not None
+
+    def why_unavailable(self) -> str | None:
+        """Why the kernel is unavailable (None when it is available)."""
+        self.get()
+        return self.error
+
+    @contextmanager
+    def enabled_as(self, flag: bool) -> Iterator[None]:
+        prev, self.enabled = self.enabled, flag
+        try:
+            yield
+        finally:
+            self.enabled = prev

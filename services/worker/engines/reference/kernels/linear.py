@@ -20,9 +20,7 @@ Set SEER_SMALL_GEMM=0 to disable the kernel; `small_gemm_enabled(False)` does it
 from __future__ import annotations
 
 import ctypes
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -39,8 +37,8 @@ MAX_ROWS_WIDE = 128  # ... this many rows
 _c_long, _c_ptr = ctypes.c_long, ctypes.c_void_p
 # (x, ldx, w, bias, y, ldy, M, N, K, threads)
 _KERNEL = LazyKernel(SOURCE, "seer_small_gemm", 1,
-                     [_c_ptr, _c_long, _c_ptr, _c_ptr, _c_ptr, _c_long, _c_long, _c_long, _c_long, ctypes.c_int], None)
-_enabled = os.environ.get("SEER_SMALL_GEMM", "1") not in ("0", "false", "no", "off")
+                     [_c_ptr, _c_long, _c_ptr, _c_ptr, _c_ptr, _c_long, _c_long, _c_long, _c_long, ctypes.c_int], None,
+                     "SEER_SMALL_GEMM")
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -48,23 +46,17 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def small_gemm_available() -> bool:
-    return _kernel() is not None
+    return _KERNEL.available()
 
 
 def small_gemm_error() -> str | None:
     """Why the kernel is unavailable (None when it is available)."""
-    _kernel()
-    return _KERNEL.error
+    return _KERNEL.why_unavailable()
 
 
-@contextmanager
-def small_gemm_enabled(flag: bool) -> Iterator[None]:
-    global _enabled
-    prev, _enabled = _enabled, flag
-    try:
-        yield
-    finally:
-        _enabled = prev
+def small_gemm_enabled(flag: bool) -> AbstractContextManager[None]:
+    """Turns the kernel on or off for a block (benchmarks compare both in one run)."""
+    return _KERNEL.enabled_as(flag)
 
 
 def small_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,7 +93,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear(x, w, bias) for x [M, K]; the kernel for float32 CPU tensors with MIN_ROWS <= M <= MAX_ROWS
     (MAX_ROWS_WIDE for weights of at least WIDE_WEIGHTS elements)."""
     m = x.shape[0]
-    if (_enabled and m >= MIN_ROWS and (m <= MAX_ROWS or (m <= MAX_ROWS_WIDE and w.numel() >= WIDE_WEIGHTS))
+    if (_KERNEL.enabled and m >= MIN_ROWS and (m <= MAX_ROWS or (m <= MAX_ROWS_WIDE and w.numel() >= WIDE_WEIGHTS))
             and x.dim() == 2 and x.dtype == torch.float32
             and w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
             and (bias is None or bias.dtype == torch.float32) and _kernel() is not None):
