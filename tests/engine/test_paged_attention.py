@@ -147,9 +147,10 @@ def test_query_order_within_a_request_does_not_matter_to_others() -> None:
 def test_bad_calls_are_errors() -> None:
     g = torch.Generator().manual_seed(3)
     q, kc, vc, pq, _ = _case(g, 9, 3, 64, None, 4)
-    small = PagedQueries(**{**pq.__dict__, "max_keys": 1})
-    with pytest.raises(RuntimeError, match="max_rows / max_keys"):
-        paged_attention(q, kc, vc, small)
+    for field in ("max_keys", "max_rows"):  # checked before the kernel writes its row table
+        small = PagedQueries(**{**pq.__dict__, field: 1})
+        with pytest.raises(RuntimeError, match="max_rows / max_keys"):
+            paged_attention(q, kc, vc, small)
     with pytest.raises(TypeError, match="q must be"):
         paged_attention(q.double(), kc, vc, pq)
     with pytest.raises(ValueError, match="does not match"):

@@ -220,21 +220,25 @@ int seer_paged_attn(const float *q, const float *kc, const float *vc, float *out
         for (long w = 0; w < B * KV; w++) {
             if (!s || !rows) continue;
             const long b = w / KV, g = w % KV;
-            long klo = -1, khi = 0, nrows = 0;
+            long klo = -1, khi = 0;
+            const long nrows = (qoff[b + 1] - qoff[b]) * R;
             for (long t = qoff[b]; t < qoff[b + 1]; t++) {
                 const long top = hi[t] + (xmask[t] ? 64 - __builtin_clzll(xmask[t]) : 0);
                 klo = klo < 0 || lo[t] < klo ? lo[t] : klo;
                 khi = top > khi ? top : khi;
-                for (long r = 0; r < R; r++) {
-                    const long off = (t * H + g * R + r) * D;
-                    rows[nrows++] = (Row){q + off, out + off, lo[t], hi[t], xmask[t]};
-                }
             }
+            /* Checked before anything is written: the caller's bounds size rows and the scratch. */
             if (nrows > max_rows || khi - klo > max_keys) {
 #pragma omp atomic write
-                failed = 2; /* the caller's bounds are wrong: report, never overrun the scratch */
+                failed = 2;
                 continue;
             }
+            long i = 0;
+            for (long t = qoff[b]; t < qoff[b + 1]; t++)
+                for (long r = 0; r < R; r++) {
+                    const long off = (t * H + g * R + r) * D;
+                    rows[i++] = (Row){q + off, out + off, lo[t], hi[t], xmask[t]};
+                }
             if (nrows == 0) continue;
             item(rows, nrows, kc + g * D, vc + g * D, slots + koff[b], klo, khi, KV * D, D, scale, s);
         }
