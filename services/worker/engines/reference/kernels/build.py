@@ -134,9 +134,10 @@ def build(source: Path, out_dir: Path | None = None) -> Path:
 
 
 def prebuilt_name(source: Path) -> str:
-    """File name of `source`'s library in a prebuilt directory: keyed by the source alone, since
-    the machine that uses it may have no compiler to ask for a version."""
-    return f"{source.stem}-{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}.so"
+    """File name of `source`'s library in a prebuilt directory: keyed by the source and this
+    module's flags (not the compiler's version: the machine that uses it may have no compiler)."""
+    ident = "\0".join((*FLAGS, *OPENMP)).encode()
+    return f"{source.stem}-{hashlib.sha256(source.read_bytes() + ident).hexdigest()[:16]}.so"
 
 
 def prebuild(out_dir: Path) -> list[Path]:
