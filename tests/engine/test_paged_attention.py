@@ -151,6 +151,10 @@ def test_bad_calls_are_errors() -> None:
         small = PagedQueries(**{**pq.__dict__, field: 1})
         with pytest.raises(RuntimeError, match="max_rows / max_keys"):
             paged_attention(q, kc, vc, small)
+    with pytest.raises(TypeError, match="lo must be"):
+        PagedQueries(**{**pq.__dict__, "lo": pq.lo.int()})
+    with pytest.raises(ValueError, match="qoff must hold"):
+        PagedQueries(**{**pq.__dict__, "qoff": pq.qoff[:-1]})
     with pytest.raises(TypeError, match="q must be"):
         paged_attention(q.double(), kc, vc, pq)
     with pytest.raises(ValueError, match="does not match"):

@@ -57,6 +57,18 @@ class PagedQueries:
     max_rows: int  # most query rows of one request (queries x heads per kv head)
     max_keys: int  # widest key span of one request
 
+    def __post_init__(self) -> None:
+        # Checked once per step here, not in every layer's call: the C side reads these raw.
+        for name in ("slots", "koff", "qoff", "lo", "hi", "xmask"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
+                raise TypeError(f"PagedQueries: {name} must be a contiguous 1-D int64 CPU tensor")
+        n = self.lo.shape[0]
+        if not (self.hi.shape[0] == self.xmask.shape[0] == n):
+            raise ValueError("PagedQueries: lo, hi and xmask must have one entry per query")
+        if self.qoff.shape[0] != self.koff.shape[0] + 1 or int(self.qoff[-1]) != n:
+            raise ValueError("PagedQueries: qoff must hold len(koff) + 1 offsets ending at the query count")
+
 
 def paged_attention_available() -> bool:
     return _KERNEL.available()
@@ -94,14 +106,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     KV = k_cache.shape[1]
     if k_cache.shape != v_cache.shape or k_cache.shape[2] != D or H % KV:
         raise ValueError(f"paged_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)}")
-    for name in ("slots", "koff", "qoff", "lo", "hi", "xmask"):
-        t = getattr(pq, name)
-        if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
-            raise TypeError(f"paged_attention: {name} must be a contiguous 1-D int64 CPU tensor")
-    if not (pq.lo.shape[0] == pq.hi.shape[0] == pq.xmask.shape[0] == T):
+    if pq.lo.shape[0] != T:
         raise ValueError(f"paged_attention: {T} queries but visibility for {pq.lo.shape[0]}")
-    if pq.qoff.shape[0] != pq.koff.shape[0] + 1 or int(pq.qoff[-1]) != T:
-        raise ValueError("paged_attention: qoff must hold len(koff) + 1 offsets ending at the query count")
     q = q.contiguous()
     out = torch.empty((T, H, D), dtype=torch.float32)
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), pq.slots.data_ptr(),
