@@ -1,13 +1,15 @@
 """y = x @ w^T (+ b): the small-M C kernel (small_gemm.c) where it beats PyTorch, F.linear elsewhere.
 
 Where it wins (`python -m bench.engine --threads 1 --only gemm`: 1 thread, AVX2 Zen3, weights
-streamed from memory as in the model), F.linear time / kernel time, median of 7:
+streamed from memory as in the model), F.linear time / kernel time, median of repeats (session 11,
+with the next weight block's prefetch spread over every pass: at M = 8-16 the kernel now streams
+the weights at the memory bus's rate, 12-14 GB/s here, where it reached 7-10 before):
     M        2     3     4     6     8    12    16    24    32    48    64    96
-    qkv    1.6   2.1   1.5   1.6   1.9   1.5   1.6   1.3   1.3   1.5   1.4   1.1   [960, 576]
-    o      1.5   1.9   1.8   1.8   1.5   1.4   1.3   1.3   1.2   1.2   1.1   1.2   [576, 576]
-    gu     2.2   3.3   2.3   1.8   2.3   2.3   1.7   1.7   1.6   1.7   1.7   1.4   [3072, 576]
-    down   1.3   1.5   1.7   1.4   1.0   1.0   1.5   1.2   1.2   1.0   1.1   0.9   [576, 1536]
-    lm     2.5   4.2   2.4   2.8   2.8   2.4   2.1   2.1   2.0   1.8   1.7   1.5   [49152, 576]
+    qkv    1.6   1.9   1.8   2.0   1.9   2.2   1.9   1.5   1.3   1.2   1.2   1.1   [960, 576]
+    o      1.4   1.8   1.7   1.8   1.9   1.9   1.6   1.3   1.2   1.2   1.2   1.0   [576, 576]
+    gu     2.3   2.6   2.1   2.3   2.6   2.1   1.9   1.5   1.3   1.3   1.1   1.0   [3072, 576]
+    down   1.3   1.8   1.6   1.7   1.6   1.5   1.5   1.2   1.2   1.0   0.9   0.8   [576, 1536]
+    lm     2.8   3.9   2.7   3.1   2.9   2.8   2.4   2.1   1.8   1.5   1.5   1.2   [49152, 576]
 At M = 1 MKL's gemv is bandwidth-bound and the kernel only matches it (0.9-1.3x), so M = 1 stays
 on F.linear (plain decode bit-identical to before). Around 64-96 rows MKL's blocked gemm catches up
 on the layer shapes (down first: its x rows [M, 1536] outgrow L1); the lm_head (113 MB of weights,
