@@ -49,6 +49,16 @@ def test_model_shapes_all_small_m(N: int, K: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("M,N,K", [(0, 8, 64), (3, 0, 64), (3, 8, 0), (0, 0, 0)])
+def test_empty_operands(M: int, N: int, K: int) -> None:
+    # The prefetch is shared over ceil(M / 4) passes of K / 8 steps: M = 0 or K = 0 once divided
+    # by zero (SIGFPE, the whole process gone) in the first version of that change.
+    x, w, b = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
+    torch.testing.assert_close(small_gemm(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(small_gemm(x, w), F.linear(x, w))
+
+
+@needs_kernel
 def test_strided_rows_and_threads() -> None:
     big = torch.randn(5, 300)
     x = big[:, 17:150]  # row stride 300, unit column stride: passed without a copy

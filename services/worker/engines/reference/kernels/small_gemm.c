@@ -81,8 +81,9 @@ void seer_small_gemm(const float *x, long ldx, const float *w, const float *bias
     const long nblocks = (N + NB - 1) / NB;
     /* The next block (NB * K floats) is prefetched in `passes` equal shares, one per pass over the
      * current block, each spread over that pass's K / 8 steps (at most 128 bytes a step: two lines). */
+    if (M <= 0 || N <= 0) return;  /* nothing to write (and no pass to share the prefetch over) */
     const long passes = (M + MB - 1) / MB;
-    const long ksteps = (K + 7) / 8;
+    const long ksteps = K > 0 ? (K + 7) / 8 : 1;  /* K = 0: y = bias (or 0), no loads at all */
     const long share = (NB * K * 4 + passes - 1) / passes;
     long pf_step = (share + ksteps - 1) / ksteps;
     if (pf_step > 128) pf_step = 128;
