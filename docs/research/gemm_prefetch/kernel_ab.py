@@ -4,17 +4,19 @@
 
     PYTHONPATH=$PWD python docs/research/gemm_prefetch/kernel_ab.py OLD.c [NEW.c [M,M,...]]
 """
-import ctypes, subprocess, sys, tempfile, time, torch
+import ctypes, sys, tempfile, time, torch
+from pathlib import Path
+from services.worker.engines.reference.kernels import build
 torch.set_num_threads(1)
-def load(src, out):
-    subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99", "-fopenmp", src, "-o", out], check=True)
-    f = ctypes.CDLL(out).seer_small_gemm
+def load(src, out_dir):
+    # The project's own build (same flags as the engine's kernel), into a scratch directory.
+    f = ctypes.CDLL(str(build.build(Path(src), Path(out_dir)))).seer_small_gemm
     f.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     return f
 old_src = sys.argv[1]
 new_src = sys.argv[2] if len(sys.argv) > 2 else "services/worker/engines/reference/kernels/small_gemm.c"
 tmp = tempfile.mkdtemp()
-fa, fb = load(old_src, f"{tmp}/old.so"), load(new_src, f"{tmp}/new.so")
+fa, fb = load(old_src, tmp), load(new_src, tmp)
 shapes = {"qkv": (960, 576), "o": (576, 576), "gu": (3072, 576), "down": (576, 1536), "lm": (49152, 576)}
 Ms = [int(a) for a in (sys.argv[3].split(",") if len(sys.argv) > 3 else "2,4,8,12,16,24,32,48,64".split(","))]
 tot = {}

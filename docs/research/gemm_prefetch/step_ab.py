@@ -7,19 +7,19 @@ process, for plain decode and drafted steps.
     git show f53ba86:services/worker/engines/reference/kernels/small_gemm.c > /tmp/old_gemm.c
     PYTHONPATH=$PWD python docs/research/gemm_prefetch/step_ab.py /tmp/old_gemm.c BATCH CONTEXT
 """
-import ctypes, statistics, subprocess, sys, tempfile, time, torch
+import ctypes, statistics, sys, tempfile, time, torch
+from pathlib import Path
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
-from services.worker.engines.reference.kernels import linear
+from services.worker.engines.reference.kernels import build, linear
 from services.worker.model.prepare import ensure_model
 
 old_src, B, ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 eng = ReferenceEngine.from_dir(ensure_model(), device="cpu", max_batch_size=64, num_threads=1)
 new_fn = linear._KERNEL.get()
 assert new_fn is not None, linear._KERNEL.error
-so = tempfile.mktemp(suffix=".so")
-subprocess.run(["cc", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c99", "-fopenmp", old_src, "-o", so], check=True)
-old_fn = ctypes.CDLL(so).seer_small_gemm
+# The project's own build (same flags as the engine's kernel), into a scratch directory.
+old_fn = ctypes.CDLL(str(build.build(Path(old_src), Path(tempfile.mkdtemp())))).seer_small_gemm
 old_fn.argtypes, old_fn.restype = new_fn.argtypes, new_fn.restype
 sp = SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True, seed=1)
 for i in range(B):

@@ -20,6 +20,9 @@ from services.worker.engines.reference.model import AttnGroup, ForwardBatch, Lla
 from services.worker.engines.reference.sequence import Sequence
 
 SHORT_QUERY = 32  # queries per request up to which a request attends in the decode group
+# The paged kernel describes a query's draft-tree ancestors with one 64-bit mask: every short query
+# group must fit it (a longer tree is a long query and takes the SDPA path).
+assert SHORT_QUERY <= MAX_TREE, "SHORT_QUERY must not exceed the paged kernel's MAX_TREE"
 
 
 @dataclass
@@ -124,9 +127,7 @@ class ModelRunner:
             if len(parts) > 1:
                 token_index = torch.from_numpy(
                     np.concatenate([np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in idx])).to(model.device)
-            # The kernel describes a query's tree ancestors with one 64-bit mask, so a longer tree
-            # (possible only beyond SHORT_QUERY anyway) takes the SDPA path.
-            if kernel and all(q_lens[i] <= SHORT_QUERY and q_lens[i] <= MAX_TREE for i in idx):
+            if kernel and all(q_lens[i] <= SHORT_QUERY for i in idx):
                 groups.append(self._paged_group(idx, seqs, trees, token_index))
             else:
                 groups.append(self._group(idx, seqs, trees, q_lens, token_index))
