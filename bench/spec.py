@@ -12,7 +12,8 @@ offline replay, index speed, and rollout throughput with speculation vs without,
    path) equal to the real continuation plus the bonus token. Accepted tokens are appended back.
    Equality with an independent sample is the greedy-match proxy of speculative sampling: the
    verifier accepts draft token d with probability p(d), which is the probability that the sample
-   equals d. Sources: self only, grouped (G = 8, 16), grouped + history, tree (top-4).
+   equals d. Sources: self only, grouped (G = 8, 16), grouped + history, and top-2 / top-4 trees
+   from each (`treeK` = grouped + history; the worker drafts trees while its batch is small).
    Ideal replay: the same replay with an oracle that, knowing the real continuation, picks the best
    of every continuation of a >= 2-token suffix match in the same tokens (the issue's definition;
    the drafter's order-1 escape also drafts from 1-token matches, which this oracle does not use, so
@@ -193,6 +194,13 @@ def acceptance(data: dict[str, Any], group: int, ideal_min1: bool = False) -> di
         "grouped": dict(siblings=True, hist=False, width=1),
         "grouped_history": dict(siblings=True, hist=True, width=1),
         "tree4": dict(siblings=True, hist=True, width=4),
+        # Trees from every source: the worker drafts multi-path trees (draft_width, default 2)
+        # whenever the batch is small (multipath_max_batch), so these are the online drafter there.
+        "self_tree4": dict(siblings=False, hist=False, width=4),
+        "grouped_tree4": dict(siblings=True, hist=False, width=4),
+        "tree2": dict(siblings=True, hist=True, width=2),
+        "self_tree2": dict(siblings=False, hist=False, width=2),
+        "grouped_tree2": dict(siblings=True, hist=False, width=2),
     }
     res: dict[str, float] = {}
     for name, c in cases.items():
@@ -209,6 +217,10 @@ def acceptance(data: dict[str, Any], group: int, ideal_min1: bool = False) -> di
             res[f"{name}{'_ideal' if ideal else ''}"] = tok / max(st, 1)
     for name in ("self", "grouped", "grouped_history"):
         res[f"{name}_vs_ideal"] = res[name] / res[f"{name}_ideal"]
+    # The same linear ideal against the tree drafters of each source (treeK = grouped + history).
+    for w in (2, 4):
+        for name, tree in (("self", f"self_tree{w}"), ("grouped", f"grouped_tree{w}"), ("grouped_history", f"tree{w}")):
+            res[f"{tree}_vs_ideal"] = res[tree] / res[f"{name}_ideal"]
     if ideal_min1:
         # The oracle over 1-token matches too (the drafter's order-1 escape drafts from those):
         # the ratio to this ideal is the like-for-like one for a drafter with a level of 1.
