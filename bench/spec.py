@@ -30,7 +30,8 @@ offline replay, index speed, and rollout throughput with speculation vs without,
    gamma) profiled first (gamma 0, 1, 2, 4, 8); one planner per temperature, warmed by an untimed
    run and kept across runs (as a worker keeps it); arms alternate, median of per-pair ratios with
    their range. --suite: through the whole suite (seer up + public API, one worker with 1 torch
-   thread as the table is profiled; --suite-threads 0 = all cores), arms alternating, each a fresh
+   thread as the table is profiled; --suite-threads 0 = all cores; pinned alone to the last CPU,
+   the other services and the client on the rest, unless --no-suite-pin), arms alternating, each a fresh
    suite whose untimed first iteration is the draft server's history. Workload (--suite-workload):
    "longtail" (default), 8 groups of 4 with max_tokens 1/10 .. 1 of --suite-tokens, an RL-like tail
    (the last group decodes alone for about half of the steps); "uniform", the rollout prompts x 8.
@@ -499,16 +500,28 @@ class _BatchSampler:
         return {k: round(v, 3) for k, v in hist.items() if v}
 
 
+def suite_cpus(pin: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(worker CPUs, CPUs of everything else) for the suite runs: the worker alone on the last
+    allowed CPU, the other services and this process on the rest. The draft server, buffer and
+    scheduler otherwise share the worker's core now and then; on this 2-core machine that moved
+    per-pair ratios by more than speculation does. ((), ()) = no pinning (pin off, or one CPU)."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(allowed) < 2:
+        return (), ()
+    return (allowed[-1],), tuple(allowed[:-1])
+
+
 def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
                      table: Any, seed: int, workload: Sequence[tuple[list[int], int, int]] | None = None,
-                     threads: int | None = None) -> dict[str, Any]:
+                     threads: int | None = None, pin: bool = False) -> dict[str, Any]:
     """The batch through the whole suite (`seer up` as subprocesses, one worker) and the public API:
     submit -> all results; tokens per wall second from submit to the last result.
 
     workload: (prompt, group size, max_tokens) per group (default: data's prompts x `group` x
     `max_tokens`). threads: torch threads of the worker (None: the suite's default, all cores);
-    1 matches the step-time table, which is profiled single-threaded. Also returned: the worker's
-    and the draft server's CPU seconds during the timed batch and the observed batch sizes."""
+    1 matches the step-time table, which is profiled single-threaded. pin: the worker alone on one
+    core (suite_cpus). Also returned: the worker's and the draft server's CPU seconds during the
+    timed batch and the observed batch sizes."""
     import tempfile
 
     from seer_client import PromptGroup, Sampling, SeerClient
@@ -521,9 +534,14 @@ def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_toke
         table_path = Path(tmp) / "step_time.json"
         table.save(table_path)
         args = {"worker-0": ["--spec-table", str(table_path)]}
+        worker_cpus, other_cpus = suite_cpus(pin)
+        own_cpus = os.sched_getaffinity(0) if other_cpus else set()
         with Suite(workers=1, data_dir=Path(tmp) / "suite", base_port=0, speculation=speculate,
-                   model_dir=model_dir, metrics=False, extra_args=args, threads_per_worker=threads) as suite:
+                   model_dir=model_dir, metrics=False, extra_args=args, threads_per_worker=threads,
+                   cpu_affinity=worker_cpus, service_cpus=other_cpus) as suite:
             client = SeerClient(suite.address)
+            if other_cpus:
+                os.sched_setaffinity(0, other_cpus)  # the client's threads too
             try:
                 # Iteration 1 of the same prompt keys first (untimed): it becomes the draft
                 # server's history for the timed iteration, as in a real RL run. EOS is ignored so
@@ -547,6 +565,8 @@ def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_toke
                 cpu = {n: _process_cpu_s(pid) - cpu0[n] for n, pid in pids.items()}
             finally:
                 client.close()
+                if own_cpus:
+                    os.sched_setaffinity(0, own_cpus)
     tokens = sum(len(r.token_ids) for r in results)
     accepted = sum(int(r.stats.get("accepted_tokens", 0)) for r in results)
     drafted = sum(int(r.stats.get("draft_tokens", 0)) for r in results)
@@ -591,6 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "uniform: the rollout prompts x 8, all --suite-tokens")
     ap.add_argument("--suite-threads", type=int, default=1,
                     help="torch threads of the suite's worker (1 = as the step-time table is profiled; 0 = all cores)")
+    ap.add_argument("--suite-pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="suite runs: the worker alone on the last CPU, the other services and the client on "
+                         "the rest (default; no effect with one CPU)")
     ap.add_argument("--step-table", default="",
                     help="T(B, gamma) JSON (seer profile --clock cpu --threads 1) instead of profiling here")
     ap.add_argument("--skip-acceptance", action="store_true", help="no offline acceptance replays")
@@ -699,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                     sruns[speculate].append(suite_throughput(model_dir, data, 8, mt, speculate, table,
                                                              seed=7000 + 1000 * r, workload=workload,
-                                                             threads=suite_threads))
+                                                             threads=suite_threads, pin=args.suite_pin))
             base, spec = _median_run(sruns[False]), _median_run(sruns[True])
             pair = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(sruns[True], sruns[False], strict=True))
             # Worker CPU seconds per token, no spec / spec: the same comparison without the time
@@ -713,7 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             wl = "; ".join(f"{g}x{m}" for _p, g, m in workload)
             result[f"suite_throughput_t{temp}"] = {
                 "workload": args.suite_workload, "groups": wl, "max_tokens": mt, "repeats": args.suite_repeats,
-                "worker_threads": suite_threads or "all cores",
+                "worker_threads": suite_threads or "all cores", "worker_cpus": list(suite_cpus(args.suite_pin)[0]),
                 "no_spec_tok_s": round(base["tokens_per_s"], 2), "spec_tok_s": round(spec["tokens_per_s"], 2),
                 "ratio": round(ratio, 3), "ratio_min": round(pair[0], 3), "ratio_max": round(pair[-1], 3),
                 "pair_ratios": [round(x, 3) for x in pair],

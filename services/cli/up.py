@@ -193,9 +193,13 @@ class Suite:
         draft: bool = True,
         kvstore: bool = True,
         cpu_affinity: Sequence[int] | None = None,
+        service_cpus: Sequence[int] | None = None,
     ) -> None:
         """cpu_affinity: pin worker i to CPU cpu_affinity[i % len(cpu_affinity)] (benchmarks: one
-        core per worker, so workers do not steal each other's cores); None = no pinning."""
+        core per worker, so workers do not steal each other's cores); None = no pinning.
+        service_cpus: the CPUs every other service (buffer, scheduler, draft, kvstore) may run on;
+        None = no restriction. Benchmarks that compare worker-side costs keep those processes off
+        the worker's core (bench.spec --suite: their CPU otherwise lands on the timed worker)."""
         if workers < 0:
             raise ValueError(f"workers: must be >= 0, got {workers}")
         if not 0 <= base_port <= 65535 - 200:
@@ -214,10 +218,12 @@ class Suite:
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.with_draft, self.with_kvstore = draft, kvstore
         self.cpu_affinity = tuple(cpu_affinity or ())
+        self.service_cpus = tuple(service_cpus or ())
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        for cpu in self.cpu_affinity:
-            if cpu not in allowed:
-                raise ValueError(f"cpu_affinity: CPU {cpu} is not available (allowed: {sorted(allowed)})")
+        for name, pinned in (("cpu_affinity", self.cpu_affinity), ("service_cpus", self.service_cpus)):
+            for cpu in pinned:
+                if cpu not in allowed:
+                    raise ValueError(f"{name}: CPU {cpu} is not available (allowed: {sorted(allowed)})")
         self.log_dir = self.data_dir / "logs"
         self.services: dict[str, ServiceProcess] = {}
         cpus = os.cpu_count() or 1
@@ -263,6 +269,8 @@ class Suite:
         child_env = dict(self._env)
         child_env.update(env or {})
         full = ["--port", str(port), "--metrics-port", str(mport), *args, *self.extra_args.get(name, [])]
+        if not cpus and module != "services.worker":
+            cpus = self.service_cpus
         self.services[name] = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env, cpus)
 
     def _build(self) -> None:

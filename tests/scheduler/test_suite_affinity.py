@@ -43,9 +43,20 @@ def test_suite_assigns_one_cpu_per_worker(tmp_path: Path) -> None:
     assert unpinned.services["worker-0"].cpus == ()
 
 
+def test_service_cpus_pin_every_other_service(tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    s = Suite(workers=2, data_dir=tmp_path, cpu_affinity=cpus[-1:], service_cpus=cpus[:1], model_dir=sys.prefix)
+    assert [s.services[n].cpus for n in s.worker_names] == [(cpus[-1],), (cpus[-1],)]
+    others = [n for n in s.services if n not in s.worker_names]
+    assert sorted(others) == ["buffer", "draft", "kvstore", "scheduler"]
+    assert all(s.services[n].cpus == (cpus[0],) for n in others)
+
+
 def test_unavailable_cpu_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cpu_affinity"):
         Suite(workers=1, data_dir=tmp_path, cpu_affinity=[max(os.sched_getaffinity(0)) + 1000])
+    with pytest.raises(ValueError, match="service_cpus"):
+        Suite(workers=1, data_dir=tmp_path, service_cpus=[max(os.sched_getaffinity(0)) + 1000])
 
 
 def test_service_dies_with_its_parent(tmp_path: Path) -> None:
