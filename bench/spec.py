@@ -513,15 +513,17 @@ def suite_cpus(pin: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
                      table: Any, seed: int, workload: Sequence[tuple[list[int], int, int]] | None = None,
-                     threads: int | None = None, pin: bool = False) -> dict[str, Any]:
+                     threads: int | None = None,
+                     pins: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> dict[str, Any]:
     """The batch through the whole suite (`seer up` as subprocesses, one worker) and the public API:
     submit -> all results; tokens per wall second from submit to the last result.
 
     workload: (prompt, group size, max_tokens) per group (default: data's prompts x `group` x
     `max_tokens`). threads: torch threads of the worker (None: the suite's default, all cores);
-    1 matches the step-time table, which is profiled single-threaded. pin: the worker alone on one
-    core (suite_cpus). Also returned: the worker's and the draft server's CPU seconds during the
-    timed batch and the observed batch sizes."""
+    1 matches the step-time table, which is profiled single-threaded. pins: (worker CPUs, CPUs of
+    the other services and this process), from suite_cpus; ((), ()) = no pinning. Also returned:
+    the worker's and the draft server's CPU seconds during the timed batch and the observed batch
+    sizes."""
     import tempfile
 
     from seer_client import PromptGroup, Sampling, SeerClient
@@ -534,7 +536,7 @@ def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_toke
         table_path = Path(tmp) / "step_time.json"
         table.save(table_path)
         args = {"worker-0": ["--spec-table", str(table_path)]}
-        worker_cpus, other_cpus = suite_cpus(pin)
+        worker_cpus, other_cpus = pins
         own_cpus = os.sched_getaffinity(0) if other_cpus else set()
         with Suite(workers=1, data_dir=Path(tmp) / "suite", base_port=0, speculation=speculate,
                    model_dir=model_dir, metrics=False, extra_args=args, threads_per_worker=threads,
@@ -710,6 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{cpu_ratio:.2f}x per CPU second [{pair_cpu[0]:.2f}-{pair_cpu[-1]:.2f}]")
     if args.suite and not args.skip_throughput:
         suite_threads = args.suite_threads or None
+        pins = suite_cpus(args.suite_pin)
         for temp in sorted(temps):
             data = datasets[temp]
             mt = args.suite_tokens or min(max_tokens, 48 if args.quick else max_tokens)
@@ -722,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                     sruns[speculate].append(suite_throughput(model_dir, data, 8, mt, speculate, table,
                                                              seed=7000 + 1000 * r, workload=workload,
-                                                             threads=suite_threads, pin=args.suite_pin))
+                                                             threads=suite_threads, pins=pins))
             base, spec = _median_run(sruns[False]), _median_run(sruns[True])
             pair = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(sruns[True], sruns[False], strict=True))
             # Worker CPU seconds per token, no spec / spec: the same comparison without the time
@@ -736,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             wl = "; ".join(f"{g}x{m}" for _p, g, m in workload)
             result[f"suite_throughput_t{temp}"] = {
                 "workload": args.suite_workload, "groups": wl, "max_tokens": mt, "repeats": args.suite_repeats,
-                "worker_threads": suite_threads or "all cores", "worker_cpus": list(suite_cpus(args.suite_pin)[0]),
+                "worker_threads": suite_threads or "all cores", "worker_cpus": list(pins[0]),
                 "no_spec_tok_s": round(base["tokens_per_s"], 2), "spec_tok_s": round(spec["tokens_per_s"], 2),
                 "ratio": round(ratio, 3), "ratio_min": round(pair[0], 3), "ratio_max": round(pair[-1], 3),
                 "pair_ratios": [round(x, 3) for x in pair],

@@ -263,13 +263,14 @@ class Suite:
         offset: int,
         args: list[str],
         env: Mapping[str, str] | None = None,
-        cpus: tuple[int, ...] = (),
+        cpus: tuple[int, ...] | None = None,
     ) -> None:
+        """cpus: the service's CPU mask; None = service_cpus (the workers pass their own pin)."""
         mport = self._metrics_port(offset)
         child_env = dict(self._env)
         child_env.update(env or {})
         full = ["--port", str(port), "--metrics-port", str(mport), *args, *self.extra_args.get(name, [])]
-        if not cpus and module != "services.worker":
+        if cpus is None:
             cpus = self.service_cpus
         self.services[name] = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env, cpus)
 
