@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AppendRequest(_message.Message):
-    __slots__ = ("group_id", "request_id", "offset", "token_ids", "finished", "truncate")
+    __slots__ = ("group_id", "request_id", "offset", "token_ids", "finished", "truncate", "epoch")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     request_id: str
     offset: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     truncate: bool
-    def __init__(self, group_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., truncate: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, group_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., truncate: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("appended_tokens", "duplicate_tokens")
@@ -31,12 +33,14 @@ class AppendResponse(_message.Message):
     def __init__(self, appended_tokens: _Optional[int] = ..., duplicate_tokens: _Optional[int] = ...) -> None: ...
 
 class GroupWatermark(_message.Message):
-    __slots__ = ("group_id", "watermark")
+    __slots__ = ("group_id", "watermark", "incarnation")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     watermark: int
-    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
     __slots__ = ("request_id", "offset", "token_ids", "finished", "truncate")
@@ -59,20 +63,24 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
-    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone")
+    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     watermark: int
     appends: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     history: _containers.RepeatedCompositeFieldContainer[TokenSequence]
     gone: bool
-    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    reset: bool
+    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("groups",)

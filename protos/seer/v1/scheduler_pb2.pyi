@@ -19,18 +19,20 @@ class WorkerCapacity(_message.Message):
     def __init__(self, total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "capacity", "engine", "policy_version")
+    __slots__ = ("worker_id", "address", "capacity", "engine", "policy_version", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     capacity: WorkerCapacity
     engine: str
     policy_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("heartbeat_interval_seconds",)
