@@ -6,23 +6,27 @@ per iteration; the store evicts the globally oldest iteration first when over it
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
 
-# Bytes of one stored history token (a tuple slot plus, for ids >= 256, an int object), calibrated
-# with tracemalloc; the index adds its own entries when a group loads the history.
-HISTORY_TOKEN_BYTES = 36
-HISTORY_RESPONSE_BYTES = 64
+# Responses are stored as array('i') (4 bytes a token, no int objects): as tuples, the int objects
+# were shared with the indexes of live groups of the key, so evicting history freed a fraction of
+# what it was accounted for. Bytes of one response besides its tokens: the array object and the
+# list slot (tracemalloc: tests/draft/test_store.py).
+HISTORY_TOKEN_BYTES = 4
+HISTORY_RESPONSE_BYTES = 96
 
 
 @dataclass
 class _Iteration:
     iteration: int
     seq: int  # global insertion order: the eviction order
-    responses: list[tuple[int, ...]] = field(default_factory=list)
+    responses: list[array[int]] = field(default_factory=list)
     tokens: int = 0
+    batches: set[int] = field(default_factory=set)  # _batch_key of every add: a retried add is a no-op
 
     @property
     def memory_bytes(self) -> int:
@@ -42,10 +46,15 @@ class HistoryStore:
         self.evicted = 0
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """Adds responses for (key, iteration); returns the ones added. Iterations older than the
-        newest `keep_iterations` of the key are dropped."""
+        """Adds responses for (key, iteration); returns the ones added. Idempotent: the same
+        responses added again for the same (key, iteration) add nothing (a retried SeedHistory),
+        and no empty iteration is created (it would count as the newest and push out real ones).
+        Iterations older than the newest `keep_iterations` of the key are dropped."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
+        added = [tuple(int(t) for t in r) for r in responses if len(r)]
+        if not added or self.has(prompt_key, iteration, added):
+            return []
         iters = self._keys.setdefault(prompt_key, {})
         it = iters.get(iteration)
         if it is None:
@@ -53,23 +62,30 @@ class HistoryStore:
                 return []  # older than everything kept: nothing to do
             self._counter += 1
             it = iters[iteration] = _Iteration(iteration, self._counter)
-        added = [tuple(int(t) for t in r) for r in responses if len(r)]
+        it.batches.add(_batch_key(added))
         before = it.memory_bytes
-        it.responses.extend(added)
+        it.responses.extend(array("i", r) for r in added)
         it.tokens += sum(len(r) for r in added)
         self.memory_bytes += it.memory_bytes - before
         while len(iters) > self.keep_iterations:
             self._drop(prompt_key, min(iters))
         return added
 
+    def has(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> bool:
+        """Whether exactly these responses were added for (key, iteration) already."""
+        it = self._keys.get(prompt_key, {}).get(iteration)
+        if it is None:
+            return False
+        return _batch_key([tuple(int(t) for t in r) for r in responses if len(r)]) in it.batches
+
     def next_iteration(self, prompt_key: str) -> int:
         iters = self._keys.get(prompt_key)
         return max(iters) + 1 if iters else 0
 
     def responses(self, prompt_key: str) -> list[tuple[int, ...]]:
-        """All kept responses of a key, newest iteration first."""
+        """All kept responses of a key, newest iteration first (as tuples: copies)."""
         iters = self._keys.get(prompt_key, {})
-        return [r for i in sorted(iters, reverse=True) for r in iters[i].responses]
+        return [tuple(r) for i in sorted(iters, reverse=True) for r in iters[i].responses]
 
     def count(self, prompt_key: str) -> int:
         return sum(len(it.responses) for it in self._keys.get(prompt_key, {}).values())
@@ -100,3 +116,9 @@ class HistoryStore:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
+
+
+def _batch_key(responses: Sequence[tuple[int, ...]]) -> int:
+    """Identifies one add's responses (order included): Python's hash of int tuples is not salted,
+    so it is stable within the process, which is all the store needs."""
+    return hash(tuple(responses))

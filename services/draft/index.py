@@ -277,6 +277,11 @@ class GroupIndex:
                           weight=self.history_weight)
         self._history.append(s)
 
+    def history_tokens(self, n: int | None = None) -> list[tuple[int, ...]]:
+        """The first n history responses added (all when None), as added (copies)."""
+        ids = self._history if n is None else self._history[:n]
+        return [tuple(self._seqs[s][self._bases[s] :]) for s in ids]
+
     def length(self, request_id: str) -> int:
         s = self._by_request.get(request_id)
         return 0 if s is None else len(self._seqs[s]) - self._bases[s]

@@ -32,6 +32,9 @@ def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
         prompt_token_ids=d.prompt_token_ids,
         history=[draft_pb2.TokenSequence(token_ids=h) for h in d.history],
         gone=d.gone,
+        incarnation=d.incarnation,
+        reset=d.reset,
+        expired=d.expired,
     )
 
 
@@ -50,7 +53,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for i, m in enumerate(request_iterator):
             with log_context(group_id=m.group_id, request_id=m.request_id):
                 a, d = self.store.append(m.group_id, m.request_id, m.offset, m.token_ids, m.finished,
-                                         where=f"messages[{i}].", truncate=m.truncate)
+                                         where=f"messages[{i}].", truncate=m.truncate, epoch=m.epoch)
             appended += a
             duplicate += d
         APPENDED.inc(appended)
@@ -59,7 +62,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @rpc
     def Sync(self, request: draft_pb2.SyncRequest, context: grpc.ServicerContext) -> draft_pb2.SyncResponse:
-        deltas = self.store.sync([(g.group_id, g.watermark) for g in request.groups])
+        deltas = self.store.sync([(g.group_id, g.watermark) for g in request.groups],
+                                 [g.incarnation for g in request.groups])
         SYNCED.inc(sum(len(a.token_ids) for d in deltas for a in d.appends))
         return draft_pb2.SyncResponse(groups=[delta_to_pb(d) for d in deltas])
 

@@ -4,25 +4,36 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
 
 - register_group(group_id, prompt_key, prompt, ttl, group_size) creates the group's index with the
   prompt and the key's history. Re-registering with the same prompt refreshes the TTL.
-- append(group_id, request_id, offset, tokens, finished) is idempotent by offset (see GroupIndex).
+- append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
+  `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
+  the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
+  retried message of an abandoned attempt never overwrites a newer attempt's tokens; 0 = unordered.
   Every append that adds tokens is also recorded in the group's log. With truncate=True the
   response becomes exactly its first `offset` tokens + tokens (a request resuming from its committed
   output drops a failed attempt's extra tokens, which were sampled with the randomness the new
   attempt verifies with); the log entry carries the truncate so mirrors replay it. A retried
   truncate+append changes nothing and logs nothing.
-- sync([(group_id, watermark)]) returns per group the log entries after `watermark`. A group's
-  watermark is 1 + the length of its log; 0 means "nothing yet", answered with the prompt, the
-  history and the whole log. History seeded into a live group later arrives as a log entry with an
-  empty request_id.
+- sync([(group_id, watermark)], incarnations) returns per group the log entries after `watermark`.
+  A group's watermark is 1 + the length of its log; 0 means "nothing yet", answered with the prompt,
+  the history and the whole log. History seeded into a live group later arrives as a log entry with
+  an empty request_id. Every group has a random incarnation, new each time it is created: a
+  watermark of another incarnation (the server restarted, or the group expired and was registered
+  again; its log may be shorter or longer than the watermark) is answered as watermark 0 with
+  reset=True, so the mirror rebuilds instead of applying a foreign log from its middle.
+- seed_history(key, iteration, responses) is idempotent (the same responses for the same key and
+  iteration load once).
 - A group whose `group_size` responses are all finished has its responses promoted to history for
   its prompt key (the next iteration's drafts, RhymeRL) and becomes evictable under memory pressure.
 - Memory is bounded by `memory_budget_bytes`: over budget, the oldest history iteration goes first,
-  then completed groups, oldest first; when nothing is left to evict, new groups and appends are
-  refused with RESOURCE_EXHAUSTED (drafting degrades; generation never depends on the draft server).
+  then completed groups, oldest first (never the group being written); when nothing is left to
+  evict, new groups, history and appends are refused with RESOURCE_EXHAUSTED (drafting degrades;
+  generation never depends on the draft server). A completed group that was evicted or expired
+  cannot be registered again (its responses are history; a worker still mirroring it must drop it).
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +42,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.log import get_logger, kv
-from services.draft.history import HistoryStore
+from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES, HistoryStore
 from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix
 
 log = get_logger(__name__)
@@ -48,6 +59,7 @@ _APPEND_TOKEN_FIXED_BYTES = 65
 def append_token_bytes(levels: tuple[int, ...]) -> int:
     return _APPEND_TOKEN_FIXED_BYTES + _ENTRY_BYTES * len(levels)
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
+_EPOCH_BYTES = 100  # a request's entry in _Group.epochs
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,9 @@ class GroupDelta:
     prompt_token_ids: tuple[int, ...] = ()  # only when the caller's watermark was 0
     history: tuple[tuple[int, ...], ...] = ()  # only when the caller's watermark was 0
     gone: bool = False
+    incarnation: int = 0
+    reset: bool = False  # the caller's watermark was of another incarnation: this is the whole group
+    expired: bool = False  # with gone: expired or evicted here (not lost in a restart)
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class DraftStats:
     bytes_per_token: float
     evicted_history: int
     expired_groups: int
+    evicted_groups: int = 0
 
 
 @dataclass
@@ -91,11 +107,15 @@ class _Group:
     created: float
     index: GroupIndex
     history_iteration: int
-    history: tuple[tuple[int, ...], ...] = ()  # what the index loaded at creation (the wm=0 reply)
+    incarnation: int
+    # History responses the index loaded at creation (the wm=0 reply rebuilds them from the index:
+    # holding the history store's tuples here would keep evicted history alive, unaccounted).
+    history_count: int = 0
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
     finished: set[str] = field(default_factory=set)
     completed: bool = False
+    epochs: dict[str, int] = field(default_factory=dict)  # request -> newest attempt epoch seen
 
     @property
     def watermark(self) -> int:
@@ -103,7 +123,7 @@ class _Group:
 
     @property
     def memory_bytes(self) -> int:
-        return self.index.memory_bytes() + self.log_bytes
+        return self.index.memory_bytes() + self.log_bytes + len(self.epochs) * _EPOCH_BYTES
 
 
 @dataclass(frozen=True)
@@ -133,7 +153,7 @@ class DraftStore:
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
         self._history = HistoryStore(self.limits.history_iterations)
-        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._expired: OrderedDict[str, bool] = OrderedDict()  # tombstones: group id -> was completed
         self._expired_count = 0
         self._evicted_groups = 0
         self._next_sweep = 0.0
@@ -167,14 +187,21 @@ class DraftStore:
                 g.ttl_s = ttl
                 g.expires_at = now + ttl
                 return False, g.index.num_history
-            self._make_room(0)
-            index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
+            if self._expired.get(group_id):
+                # Registering it again would promote the same responses to history a second time
+                # (as a new iteration, pushing out a real older one).
+                raise FailedPrecondition(f"group {group_id!r} completed earlier (its responses are history) and "
+                                         "was evicted or expired; it cannot be registered again", field="group_id")
             history = self._history.responses(prompt_key) if prompt_key else []
+            tokens = len(prompt_token_ids) + sum(len(r) for r in history)
+            self._make_room(tokens * append_token_bytes(self.limits.levels))
+            history = self._history.responses(prompt_key) if prompt_key else []  # eviction may have taken some
+            index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
             for r in history:
                 index.add_history(r)
             iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
             self._groups[group_id] = _Group(group_id, prompt_key, group_size, ttl, now + ttl, now, index, iteration,
-                                            tuple(history))
+                                            _incarnation(), len(history))
             self._expired.pop(group_id, None)
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
                                                   history=len(history), ttl_s=ttl))
@@ -192,7 +219,7 @@ class DraftStore:
 
     def append(
         self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False,
-        *, where: str = "", truncate: bool = False,
+        *, where: str = "", truncate: bool = False, epoch: int = 0,
     ) -> tuple[int, int]:
         """Returns (tokens appended, duplicate tokens skipped). `where` prefixes field names."""
         if not request_id:
@@ -205,39 +232,60 @@ class DraftStore:
         if offset + len(token_ids) > self.limits.max_response_tokens:
             raise InvalidArgument(f"response would exceed {self.limits.max_response_tokens} tokens",
                                   field=f"{where}offset")
+        if epoch < 0:
+            raise InvalidArgument("must be >= 0", field=f"{where}epoch")
         _check_tokens(token_ids, f"{where}token_ids")
         with self._lock:
             now = self._clock()
             self._sweep(now)
             g = self._get(group_id, f"{where}group_id")
+            current = g.epochs.get(request_id, 0)
+            if epoch and epoch < current:
+                raise FailedPrecondition(f"stale attempt of request {request_id!r}: epoch {epoch} < {current}, the "
+                                         "newest attempt's", field=f"{where}epoch")
             if truncate:
-                return self._truncate_append(g, request_id, offset, token_ids, finished, where, now)
-            have = g.index.length(request_id)
-            if request_id in g.finished and offset + len(token_ids) > have:
-                raise FailedPrecondition(f"request {request_id!r} already finished at {have} tokens",
-                                         field=f"{where}offset")
-            if offset > have:
-                raise InvalidArgument(f"gap: request {request_id!r} has {have} tokens, append starts at {offset}",
-                                      field=f"{where}offset")
-            new_tokens = max(0, offset + len(token_ids) - have)
-            if new_tokens:
-                self._make_room(new_tokens * append_token_bytes(self.limits.levels))
-            try:
-                added = g.index.append(request_id, offset, token_ids)
-            except InvalidArgument as e:
-                raise InvalidArgument(str(e).split(": ", 1)[-1], field=f"{where}{e.field or 'token_ids'}") from None
-            newly_finished = finished and request_id not in g.finished
-            if added or newly_finished:
-                start = offset + len(token_ids) - added
-                entry = SeqDelta(request_id, start, tuple(int(t) for t in token_ids[len(token_ids) - added:]),
-                                 finished)
-                g.log.append(entry)
-                g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
-            if newly_finished:
-                g.finished.add(request_id)
-                self._maybe_complete(g)
-            g.expires_at = now + g.ttl_s
-            return added, len(token_ids) - added
+                result = self._truncate_append(g, request_id, offset, token_ids, finished, where, now)
+            else:
+                result = self._plain_append(g, request_id, offset, token_ids, finished, where, now)
+            if epoch > current:
+                g.epochs[request_id] = epoch
+            return result
+
+    def _plain_append(
+        self, g: _Group, request_id: str, offset: int, token_ids: Sequence[int], finished: bool, where: str,
+        now: float,
+    ) -> tuple[int, int]:
+        """append(truncate=False) under the lock."""
+        have = g.index.length(request_id)
+        if request_id in g.finished and offset + len(token_ids) > have:
+            raise FailedPrecondition(f"request {request_id!r} already finished at {have} tokens",
+                                     field=f"{where}offset")
+        if finished and offset + len(token_ids) < have:
+            # "Finished here" while the response is longer: a reordered message, not the end.
+            raise FailedPrecondition(f"request {request_id!r} has {have} tokens; a final append must end there, "
+                                     f"this one ends at {offset + len(token_ids)}", field=f"{where}finished")
+        if offset > have:
+            raise InvalidArgument(f"gap: request {request_id!r} has {have} tokens, append starts at {offset}",
+                                  field=f"{where}offset")
+        new_tokens = max(0, offset + len(token_ids) - have)
+        if new_tokens:
+            self._make_room(new_tokens * append_token_bytes(self.limits.levels), keep=g)
+        try:
+            added = g.index.append(request_id, offset, token_ids)
+        except InvalidArgument as e:
+            raise InvalidArgument(str(e).split(": ", 1)[-1], field=f"{where}{e.field or 'token_ids'}") from None
+        newly_finished = finished and request_id not in g.finished
+        if added or newly_finished:
+            start = offset + len(token_ids) - added
+            entry = SeqDelta(request_id, start, tuple(int(t) for t in token_ids[len(token_ids) - added:]),
+                             finished)
+            g.log.append(entry)
+            g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
+        if newly_finished:
+            g.finished.add(request_id)
+            self._maybe_complete(g)
+        g.expires_at = now + g.ttl_s
+        return added, len(token_ids) - added
 
     def _truncate_append(
         self, g: _Group, request_id: str, offset: int, token_ids: Sequence[int], finished: bool, where: str,
@@ -252,15 +300,16 @@ class DraftStore:
         toks = [int(t) for t in token_ids]
         same = common_prefix(index.tokens_at(request_id, offset, len(toks)), toks)
         cuts = offset + same < have
-        # Cutting a finished response, or extending one, re-opens it: the attempt that finished was
-        # not committed and the new one may end elsewhere.
-        reopen = request_id in g.finished and (cuts or offset + len(toks) > have)
+        # Cutting a finished response, extending one, or saying it is not finished re-opens it: the
+        # attempt that finished was not committed and the new one may end elsewhere. (A cut and a
+        # re-append of the same tokens, coalesced into one message, is the last case.)
+        reopen = request_id in g.finished and (cuts or offset + len(toks) > have or not finished)
         if reopen and g.completed:
             raise FailedPrecondition(f"group {g.group_id!r} is complete (promoted to history); request "
                                      f"{request_id!r} cannot be truncated", field=f"{where}truncate")
         fresh = len(toks) - same
         if fresh:
-            self._make_room(fresh * append_token_bytes(self.limits.levels))
+            self._make_room(fresh * append_token_bytes(self.limits.levels), keep=g)
         dropped, added = index.replace_from(request_id, offset + same, toks[same:])
         if reopen:
             g.finished.discard(request_id)
@@ -285,6 +334,7 @@ class DraftStore:
         self._history.add(g.prompt_key, g.history_iteration, responses)
         log.info("group complete; responses promoted to history",
                  extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=g.history_iteration))
+        self._evict(keep=g)  # the new history counts against the budget at once
 
     # ---- history --------------------------------------------------------------------------------
 
@@ -301,11 +351,19 @@ class DraftStore:
             _check_tokens(r, f"responses[{i}].token_ids")
             total += len(r)
         with self._lock:
-            self._make_room(total * 40)
+            if self._history.has(prompt_key, iteration, responses):
+                return 0  # a retry: loaded already
+            # Room for the stored copy and for the copy indexed (and logged) by every live group
+            # of the key, before anything is added: nothing is half-seeded when the budget is full.
+            live = [g for g in self._groups.values() if g.prompt_key == prompt_key and not g.completed]
+            per_copy = total * (append_token_bytes(self.limits.levels) + _LOG_TOKEN_BYTES) + len(responses) * (
+                _LOG_ENTRY_BYTES + 120)
+            stored = total * HISTORY_TOKEN_BYTES + len(responses) * HISTORY_RESPONSE_BYTES
+            self._make_room(stored + len(live) * per_copy)
             added = self._history.add(prompt_key, iteration, responses)
             # Live groups of this key get the new responses too (as history log entries).
-            for g in self._groups.values():
-                if g.prompt_key == prompt_key and not g.completed:
+            for g in live:
+                if g.group_id in self._groups:
                     for r in added:
                         g.index.add_history(r)
                         g.log.append(SeqDelta("", 0, r, True))
@@ -315,7 +373,11 @@ class DraftStore:
 
     # ---- sync -----------------------------------------------------------------------------------
 
-    def sync(self, watermarks: Sequence[tuple[str, int]]) -> list[GroupDelta]:
+    def sync(self, watermarks: Sequence[tuple[str, int]], incarnations: Sequence[int] | None = None
+             ) -> list[GroupDelta]:
+        """incarnations[i]: the incarnation watermarks[i] belongs to (0 or None = unknown: trusted)."""
+        if incarnations is not None and len(incarnations) != len(watermarks):
+            raise InvalidArgument("one incarnation per watermark", field="groups")
         seen: set[str] = set()
         for i, (gid, wm) in enumerate(watermarks):
             if not gid:
@@ -331,15 +393,19 @@ class DraftStore:
             for i, (gid, wm) in enumerate(watermarks):
                 g = self._groups.get(gid)
                 if g is None:
-                    out.append(GroupDelta(gid, 0, gone=True))
+                    out.append(GroupDelta(gid, 0, gone=True, expired=gid in self._expired))
                     continue
-                if wm > g.watermark:
+                inc = incarnations[i] if incarnations is not None else 0
+                reset = bool(inc) and inc != g.incarnation
+                if not reset and wm > g.watermark:
                     raise InvalidArgument(f"watermark {wm} is ahead of the group's {g.watermark}",
                                           field=f"groups[{i}].watermark")
-                if wm == 0:
-                    out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt, g.history))
+                if wm == 0 or reset:
+                    out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt,
+                                          tuple(g.index.history_tokens(g.history_count)), incarnation=g.incarnation,
+                                          reset=reset))
                 else:
-                    out.append(GroupDelta(gid, g.watermark, _coalesce(g.log[wm - 1 :])))
+                    out.append(GroupDelta(gid, g.watermark, _coalesce(g.log[wm - 1 :]), incarnation=g.incarnation))
         return out
 
     # ---- memory ---------------------------------------------------------------------------------
@@ -347,33 +413,35 @@ class DraftStore:
     def _memory(self) -> int:
         return self._history.memory_bytes + sum(g.memory_bytes for g in self._groups.values())
 
-    def _make_room(self, extra: int) -> None:
-        """Evicts until `extra` more bytes fit; ResourceExhausted when they cannot."""
+    def _make_room(self, extra: int, keep: _Group | None = None) -> None:
+        """Evicts (never `keep`) until `extra` more bytes fit; ResourceExhausted when they cannot."""
         budget = self.limits.memory_budget_bytes
-        self._evict(extra)
+        self._evict(extra, keep)
         if self._memory() + extra > budget:
             raise ResourceExhausted(
                 f"draft memory budget {budget} bytes is full ({self._memory()} used, no history or completed "
                 "group left to evict)", field="memory_budget_bytes")
 
-    def _evict(self, extra: int = 0) -> None:
-        """Oldest history iteration first, then completed groups, oldest first."""
+    def _evict(self, extra: int = 0, keep: _Group | None = None) -> None:
+        """Oldest history iteration first, then completed groups, oldest first; never `keep` (the
+        group an append is writing: evicting it would index the tokens into an orphan)."""
         budget = self.limits.memory_budget_bytes
         while self._memory() + extra > budget:
             if self._history.evict_oldest():
                 continue
-            done = [g for g in self._groups.values() if g.completed]
+            done = [g for g in self._groups.values() if g.completed and g is not keep]
             if not done:
                 return
             oldest = min(done, key=lambda g: g.created)
             del self._groups[oldest.group_id]
-            self._tombstone(oldest.group_id)
+            self._tombstone(oldest.group_id, completed=True)
             self._evicted_groups += 1
+            log.info("completed group evicted", extra=kv(group_id=oldest.group_id, prompt_key=oldest.prompt_key))
 
     # ---- expiry ---------------------------------------------------------------------------------
 
-    def _tombstone(self, group_id: str) -> None:
-        self._expired[group_id] = None
+    def _tombstone(self, group_id: str, completed: bool) -> None:
+        self._expired[group_id] = completed
         while len(self._expired) > _TOMBSTONES:
             self._expired.popitem(last=False)
 
@@ -383,8 +451,7 @@ class DraftStore:
         self._next_sweep = now + 0.5
         dead = [gid for gid, g in self._groups.items() if g.expires_at <= now]
         for gid in dead:
-            del self._groups[gid]
-            self._tombstone(gid)
+            self._tombstone(gid, self._groups.pop(gid).completed)
             self._expired_count += 1
         if dead:
             log.info("groups expired", extra=kv(count=len(dead)))
@@ -412,12 +479,18 @@ class DraftStore:
                 bytes_per_token=mem / tokens if tokens else 0.0,
                 evicted_history=self._history.evicted,
                 expired_groups=self._expired_count,
+                evicted_groups=self._evicted_groups,
             )
 
     def index_of(self, group_id: str) -> GroupIndex:
         """The live index of a group (tests and the in-process simulator)."""
         with self._lock:
             return self._get(group_id, "group_id").index
+
+
+def _incarnation() -> int:
+    """A random nonzero 63-bit id for a new group (fits proto uint64 and a Python int cheaply)."""
+    return secrets.randbits(63) | 1
 
 
 def _coalesce(entries: Sequence[SeqDelta]) -> tuple[SeqDelta, ...]:

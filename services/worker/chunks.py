@@ -32,6 +32,7 @@ class ChunkJob:
     is_probe: bool = False
     group_size: int = 1
     fetch_kv: bool = False
+    dispatch_epoch: int = 0  # orders the request's attempts (RunChunkRequest.dispatch_epoch; 0 = unordered)
 
 
 @dataclass(frozen=True)

@@ -904,8 +904,15 @@ class Worker:
                 self._registered_groups.move_to_end(job.group_id)
             else:
                 self._registered_groups[job.group_id] = None
-                while len(self._registered_groups) > _MAX_GROUPS:
-                    evicted.append(self._registered_groups.popitem(last=False)[0])
+                # Least recently started first, but never a group with a chunk running here: its
+                # mirror is what the running request drafts from and appends to.
+                busy = {a.job.group_id for a in self._active.values()}
+                for gid in list(self._registered_groups):
+                    if len(self._registered_groups) <= _MAX_GROUPS:
+                        break
+                    if gid not in busy and gid != job.group_id:
+                        del self._registered_groups[gid]
+                        evicted.append(gid)
         try:
             for gid in evicted:
                 self._draft.release_group(gid)
@@ -933,7 +940,7 @@ class Worker:
         if self._draft is None or not job.group_id:
             return
         try:
-            self._draft.resume(job.group_id, job.request_id, job.output_token_ids)
+            self._draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch)
         except Exception:
             log.warning("draft resume failed", exc_info=True, extra=kv(request_id=job.request_id))
 

@@ -13,8 +13,18 @@ would bias the output) and sends the same truncate to the server in order with t
 `end`, Sync deltas for that request are not applied (they can only be echoes of ours or a stale
 attempt's tokens), so a request never drafts from its own tokens at or beyond its current length.
 
+Attempts are ordered by the scheduler's dispatch epoch (`resume(..., epoch)`): every append of the
+request carries it, and the server refuses an append older than the newest epoch it has seen for
+the request, so a late or retried message of an abandoned attempt (this worker's or another's)
+never overwrites a newer attempt's tokens. Epoch 0 (a caller without one) is unordered.
+
 The draft server is an optimisation: when it is down the client keeps drafting from what it has
 (own tokens, earlier deltas), retries in the background, and re-registers groups the server lost.
+Every group on the server has an incarnation; a mirror whose incarnation is not the server's (the
+server restarted, or the group was created again) is rebuilt from the server's whole group, and
+this worker's own responses are sent again. A group the server dropped while nothing of it runs
+here (expired or evicted after completion) is released, never re-created: re-creating it would
+promote its responses to history a second time.
 
 Background cost (measured through the suite, bench.spec --suite: +11% worker CPU and a draft-server
 process at ~4% of a core with the planner drafting nothing): two RPCs every 50 ms, each Sync carrying
@@ -29,6 +39,7 @@ back the worker's own tokens. So the client does only the work someone uses:
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +55,7 @@ from services.worker.engine import Draft
 
 log = get_logger(__name__)
 
+_SYNC_GROUPS_PER_RPC = 64  # a Sync of every group at watermark 0 at once could exceed the message limit
 # Tick interval while nothing is proposed: appends reach other workers at most this late then, which
 # costs them little (they draft from everything else meanwhile) and saves ~8 RPCs a second here.
 _IDLE_SYNC_INTERVAL_S = 0.4
@@ -66,6 +78,8 @@ class _Mirror:
     finished: set[str] = field(default_factory=set)
     history_loaded: bool = False
     active: set[str] = field(default_factory=set)  # requests generating here now: deltas for them are skipped
+    incarnation: int = 0  # the server's group incarnation this mirror follows (0: not synced yet)
+    epochs: dict[str, int] = field(default_factory=dict)  # request -> this worker's newest attempt epoch
 
 
 @dataclass
@@ -78,6 +92,8 @@ class DraftClientStats:
     sent_tokens: int = 0
     received_tokens: int = 0
     dropped_messages: int = 0
+    stale_messages: int = 0  # appends the server refused as an older attempt's
+    resets: int = 0  # mirrors rebuilt (server restart, group re-created)
     proposals: int = 0
     proposed_tokens: int = 0
     skipped_group_syncs: int = 0  # groups left out of a Sync: all their responses generate here
@@ -155,51 +171,62 @@ class DraftClient:
 
         truncate=True first drops the request's tokens at or after `offset` (draft.proto
         AppendRequest.truncate), locally at once and on the server in order with the appends."""
-        toks = [int(t) for t in token_ids]
         with self._lock:
-            m = self._groups.get(group_id)
-            if m is None:
-                return
-            try:
-                if truncate:
-                    m.index.replace_from(request_id, offset, toks)
-                    m.finished.discard(request_id)
-                else:
-                    m.index.append(request_id, offset, toks)
-            except InvalidArgument as e:
-                log.warning("draft append dropped: %s", e, extra=kv(group_id=group_id, request_id=request_id))
-                return
-            m.own.add(request_id)
-            if finished:
-                m.finished.add(request_id)
-            if self._stub is not None:
-                # While the request runs here our stream is the truth on the server too: sending it
-                # as truncate+append overwrites tokens a cancelled attempt elsewhere flushed late
-                # (that worker's plain appends never overwrite ours). A no-op when nothing differs.
-                wire_truncate = truncate or request_id in m.active
-                self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
-                                                             token_ids=toks, finished=finished,
-                                                             truncate=wire_truncate))
-                if len(self._pending) > _MAX_PENDING:
-                    drop = len(self._pending) - _MAX_PENDING
-                    del self._pending[:drop]
-                    self._stats.dropped_messages += drop
+            self._append_locked(group_id, request_id, offset, [int(t) for t in token_ids], finished, truncate)
+
+    def _append_locked(self, group_id: str, request_id: str, offset: int, toks: list[int], finished: bool,
+                       truncate: bool) -> None:
+        m = self._groups.get(group_id)
+        if m is None:
+            return
+        try:
+            if truncate:
+                m.index.replace_from(request_id, offset, toks)
+                m.finished.discard(request_id)
+            else:
+                m.index.append(request_id, offset, toks)
+        except InvalidArgument as e:
+            log.warning("draft append dropped: %s", e, extra=kv(group_id=group_id, request_id=request_id))
+            return
+        m.own.add(request_id)
+        if finished:
+            m.finished.add(request_id)
+        if self._stub is not None:
+            # While the request runs here our stream is the truth on the server too: sending it
+            # as truncate+append overwrites tokens a cancelled attempt elsewhere flushed late
+            # (that worker's plain appends never overwrite ours). A no-op when nothing differs.
+            wire_truncate = truncate or request_id in m.active
+            self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
+                                                         token_ids=toks, finished=finished,
+                                                         truncate=wire_truncate,
+                                                         epoch=m.epochs.get(request_id, 0)))
+            if len(self._pending) > _MAX_PENDING:
+                drop = len(self._pending) - _MAX_PENDING
+                del self._pending[:drop]
+                self._stats.dropped_messages += drop
 
     def truncate(self, group_id: str, request_id: str, offset: int) -> None:
         """Drops the request's tokens at or after `offset` (mirror now, server in order)."""
         self.append(group_id, request_id, offset, (), truncate=True)
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int]) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
         """A chunk of the request starts here from its committed output: the mirror's copy becomes
         exactly output_token_ids (what an earlier chunk elsewhere added is filled in, what a failed
         attempt streamed beyond it is dropped), the server gets the same as one truncate+append
         (a no-op there when it already agrees), and Sync deltas for the request are ignored until
-        `end`. Only the differing tail is re-indexed."""
-        self.append(group_id, request_id, 0, output_token_ids, truncate=True)
+        `end`. Only the differing tail is re-indexed. epoch: this attempt's dispatch epoch (stamped
+        on every append of the request from here on; 0 = unordered).
+
+        One critical section: a Sync applied between the truncate and marking the request active
+        could put a stale attempt's tokens back into its own copy (it would then draft from them)."""
         with self._lock:
             m = self._groups.get(group_id)
-            if m is not None:
-                m.active.add(request_id)
+            if m is None:
+                return
+            if epoch:
+                m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
+            self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True)
+            m.active.add(request_id)
 
     def end(self, group_id: str, request_id: str) -> None:
         """The request's chunk here is over: Sync deltas for it apply to the mirror again."""
@@ -307,6 +334,13 @@ class DraftClient:
                                                    group_size=m.group_size),
                     timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Completed on the server earlier, then evicted or expired: nothing to draft for.
+                    with self._lock:
+                        if self._groups.get(gid) is m:
+                            del self._groups[gid]
+                    log.info("draft group completed earlier; mirror released", extra=kv(group_id=gid))
+                    continue
                 log.warning("draft RegisterGroup failed: %s", e.code().name, extra=kv(group_id=gid))
                 continue
             with self._lock:
@@ -337,27 +371,85 @@ class DraftClient:
                 return
             log.warning("draft Append refused (%s: %s); resending one by one", code.name, e.details())
         # A refused message stops the stream; the ones before it were applied. Resend each alone.
-        for a in batch:
+        retry: list[draft_pb2.AppendRequest] = []
+        for k, a in enumerate(batch):
             try:
                 self._stub.Append(iter([a]), timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:
-                    with self._lock:  # the server lost the group: re-register, then resend everything
-                        m = self._groups.get(a.group_id)
-                        if m is not None:
-                            m.registered = False
-                            m.watermark = 0
-                            self._requeue_own(a.group_id, m)
-                    continue
-                log.warning("draft append dropped (%s: %s)", e.code().name, e.details(),
-                            extra=kv(group_id=a.group_id, request_id=a.request_id))
+                code = e.code()
+                if code in _RETRY_CODES:
+                    retry.extend(batch[k:])  # the server is going away: keep this and the rest, in order
+                    break
+                self._on_refused(a, code, e.details() or "")
+        if retry:
+            with self._lock:
+                self._pending[:0] = retry
 
-    def _requeue_own(self, gid: str, m: _Mirror) -> None:
+    def _on_refused(self, a: draft_pb2.AppendRequest, code: grpc.StatusCode, details: str) -> None:
+        """One append the server refused for good (not a transient error)."""
+        with self._lock:
+            m = self._groups.get(a.group_id)
+            if m is None:
+                return
+            if code == grpc.StatusCode.NOT_FOUND:
+                # The server lost the group (restart) or expired it: see _lost_locked.
+                self._lost_locked(a.group_id, m, expired="expired" in details)
+                return
+            if code == grpc.StatusCode.FAILED_PRECONDITION and "stale attempt" in details:
+                self._stats.stale_messages += 1  # a newer attempt elsewhere owns the request now
+                log.info("draft append of an older attempt refused", extra=kv(group_id=a.group_id,
+                                                                              request_id=a.request_id))
+                return
+            if code == grpc.StatusCode.INVALID_ARGUMENT and "gap" in details and a.offset > 0 \
+                    and a.request_id in m.own and m.index.length(a.request_id):
+                # The server is missing the start of our response (an earlier message was dropped, or
+                # the group was re-created with another worker's copy first): send all of it.
+                self._pending.append(self._whole_locked(a.group_id, m, a.request_id))
+                return
+        log.warning("draft append dropped (%s: %s)", code.name, details,
+                    extra=kv(group_id=a.group_id, request_id=a.request_id))
+
+    def _whole_locked(self, gid: str, m: _Mirror, rid: str) -> draft_pb2.AppendRequest:
+        """This worker's whole copy of a response as one message (caller holds the lock). A truncate
+        while the request runs here (our copy is the truth); a plain append otherwise (it must not
+        overwrite what a newer attempt elsewhere sent)."""
+        return draft_pb2.AppendRequest(group_id=gid, request_id=rid, offset=0, token_ids=m.index.tokens(rid),
+                                       finished=rid in m.finished, truncate=rid in m.active,
+                                       epoch=m.epochs.get(rid, 0))
+
+    def _requeue_own(self, gid: str, m: _Mirror, rids: Sequence[str] | None = None) -> None:
         """Queues this worker's whole sequences of a group again (caller holds the lock)."""
-        for rid in sorted(m.own):
+        for rid in sorted(m.own if rids is None else rids):
+            if m.index.length(rid) or rid in m.finished:
+                self._pending.append(self._whole_locked(gid, m, rid))
+
+    def _fresh_index_locked(self, m: _Mirror, keep: Sequence[str]) -> GroupIndex:
+        """A new index with the prompt and this worker's copies of `keep` (caller holds the lock)."""
+        index = GroupIndex(m.prompt, levels=self.levels)
+        for rid in keep:
             toks = m.index.tokens(rid)
-            self._pending.append(draft_pb2.AppendRequest(group_id=gid, request_id=rid, offset=0, token_ids=toks,
-                                                         finished=rid in m.finished))
+            if toks:
+                index.append(rid, 0, toks)
+        return index
+
+    def _lost_locked(self, gid: str, m: _Mirror, expired: bool) -> None:
+        """The server has no such group (gone, NOT_FOUND). Lost in a server restart, or needed by a
+        request running here: re-registered and our responses resent. Expired or evicted (after
+        completing) with nothing of it running here: the mirror is released; re-creating it would
+        promote the same responses to history again (the server refuses that for a completed group)."""
+        if expired and not m.active:
+            del self._groups[gid]
+            log.info("draft group gone on the server; mirror released", extra=kv(group_id=gid))
+            return
+        # Start over: the new registration's first Sync brings the history and the siblings again
+        # (kept, they would be loaded twice); our own copies stay.
+        m.index = self._fresh_index_locked(m, sorted(m.own))
+        m.registered = False
+        m.watermark = 0
+        m.incarnation = 0
+        m.history_loaded = False
+        self._stats.resets += 1
+        self._requeue_own(gid, m)
 
     def _sync(self) -> None:
         assert self._stub is not None
@@ -371,24 +463,36 @@ class DraftClient:
                 if mirror.history_loaded and mirror.watermark > 0 and 0 < mirror.group_size <= len(mirror.active):
                     self._stats.skipped_group_syncs += 1
                     continue
-                marks.append((gid, mirror.watermark))
-        if not marks:
-            return
-        req = draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id=g, watermark=w) for g, w in marks])
+                marks.append((gid, mirror.watermark, mirror.incarnation))
+        # In slices: one reply carrying every group from watermark 0 (after a server restart) could
+        # exceed the message size limit, and then no group would ever sync again. A slice whose
+        # reply is still too large is halved (down to one group).
+        todo = [marks[k : k + _SYNC_GROUPS_PER_RPC] for k in range(0, len(marks), _SYNC_GROUPS_PER_RPC)]
+        while todo:
+            part = todo.pop()
+            if not self._sync_some(part) and len(part) > 1:
+                todo += [part[: len(part) // 2], part[len(part) // 2 :]]
+
+    def _sync_some(self, marks: Sequence[tuple[str, int, int]]) -> bool:
+        """One Sync RPC; False when its reply was too large (RESOURCE_EXHAUSTED)."""
+        assert self._stub is not None
+        req = draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id=g, watermark=w, incarnation=i)
+                                            for g, w, i in marks])
         try:
             resp = self._stub.Sync(req, timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
             self._stats.sync_errors += 1
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                # A watermark ahead of the server (it restarted and the group was re-created):
-                # start these groups over.
+                # A watermark ahead of a server that does not know incarnations: start over the
+                # group the error names (all of this slice when it names none).
+                bad = _named_group(e.details() or "", len(marks))
                 with self._lock:
-                    for gid, _w in marks:
+                    for j, (gid, _w, _i) in enumerate(marks):
                         m = self._groups.get(gid)
-                        if m is not None:
-                            m.watermark = 0
-            log.warning("draft Sync failed: %s", e.code().name)
-            return
+                        if m is not None and (bad is None or bad == j):
+                            self._restart_mirror_locked(m, sorted(m.own))
+            log.warning("draft Sync failed: %s", e.code().name, extra=kv(groups=len(marks)))
+            return e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
         self._stats.syncs += 1
         received = 0
         with self._lock:
@@ -397,10 +501,13 @@ class DraftClient:
                 if m is None:
                     continue
                 if d.gone:
-                    m.registered = False
-                    m.watermark = 0
-                    self._requeue_own(d.group_id, m)
+                    self._lost_locked(d.group_id, m, d.expired)
                     continue
+                old: GroupIndex | None = None
+                if d.reset:
+                    # Another incarnation of the group: rebuild from its whole state (below, as
+                    # for watermark 0); the responses running here keep our copy (the truth).
+                    old = self._restart_mirror_locked(m, sorted(m.active & m.own))
                 if m.watermark == 0 and not m.history_loaded:
                     for h in d.history:
                         m.index.add_history(h.token_ids)
@@ -412,14 +519,37 @@ class DraftClient:
                     if a.request_id in m.active:
                         continue  # generating here: the local copy is the truth (see the module doc)
                     try:
-                        if a.truncate:
-                            received += m.index.replace_from(a.request_id, a.offset, a.token_ids)[1]
-                        else:
-                            received += m.index.append(a.request_id, a.offset, a.token_ids)
+                        # The server's log is the truth for a response not running here, so every
+                        # delta replaces from its offset: a copy of ours from an abandoned attempt
+                        # (tokens beyond what the newer attempt sent) gives way instead of refusing
+                        # the newer tokens as an overlap. A no-op cut when the copies agree.
+                        received += m.index.replace_from(a.request_id, a.offset, a.token_ids)[1]
                     except InvalidArgument as e:
                         log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
                 m.watermark = d.watermark
+                m.incarnation = d.incarnation
+                if old is not None:
+                    # Our responses the new incarnation lacks come back from our old copy; they and
+                    # those running here (our copy is the truth) go to the server again.
+                    lacking = [r for r in sorted(m.own) if r not in m.active and not m.index.length(r)]
+                    for r in lacking:
+                        toks = old.tokens(r)
+                        if toks:
+                            m.index.append(r, 0, toks)
+                    self._requeue_own(d.group_id, m, sorted(m.active & m.own) + lacking)
             self._stats.received_tokens += received
+        return True
+
+    def _restart_mirror_locked(self, m: _Mirror, keep: Sequence[str]) -> GroupIndex:
+        """The mirror starts over from watermark 0 with the prompt and our copies of `keep`; returns
+        the old index. Caller holds the lock."""
+        old = m.index
+        m.index = self._fresh_index_locked(m, keep)
+        m.watermark = 0
+        m.incarnation = 0
+        m.history_loaded = False
+        self._stats.resets += 1
+        return old
 
 
 def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequest]:
@@ -435,7 +565,8 @@ def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequ
         if j is not None:
             prev = out[j]
             end = prev.offset + len(prev.token_ids)
-            if not prev.finished and (end == a.offset or (a.truncate and prev.offset <= a.offset <= end)):
+            if not prev.finished and prev.epoch == a.epoch and (
+                    end == a.offset or (a.truncate and prev.offset <= a.offset <= end)):
                 del prev.token_ids[a.offset - prev.offset :]
                 prev.token_ids.extend(a.token_ids)
                 prev.finished = a.finished
@@ -443,5 +574,15 @@ def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequ
                 continue
         last[key] = len(out)
         out.append(draft_pb2.AppendRequest(group_id=a.group_id, request_id=a.request_id, offset=a.offset,
-                                           token_ids=a.token_ids, finished=a.finished, truncate=a.truncate))
+                                           token_ids=a.token_ids, finished=a.finished, truncate=a.truncate,
+                                           epoch=a.epoch))
     return out
+
+
+def _named_group(details: str, n: int) -> int | None:
+    """The index i of "groups[i]" in an error's details (the server names the bad watermark), if any."""
+    hit = re.search(r"groups\[(\d+)\]", details)
+    if hit is None:
+        return None
+    i = int(hit.group(1))
+    return i if i < n else None

@@ -26,7 +26,8 @@ class DraftSource(Protocol):
         self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1
     ) -> Draft | None: ...
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int]) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int],
+               epoch: int = 0) -> None:
         """A chunk starts: the request's response becomes exactly its committed output (tokens of a
         failed attempt beyond it are dropped; they must never be drafted from)."""
 

@@ -51,6 +51,7 @@ def job_from_proto(req: worker_pb2.RunChunkRequest) -> ChunkJob:
         is_probe=bool(req.is_probe),
         group_size=int(req.group_size),
         fetch_kv=bool(req.fetch_kv),
+        dispatch_epoch=int(req.dispatch_epoch),
     )
 
 

@@ -136,8 +136,8 @@ def test_history_promotion_and_seed() -> None:
 
 def test_memory_budget_evicts_history_first_then_refuses() -> None:
     s = DraftStore(StoreLimits(memory_budget_bytes=100_000))
-    s.seed_history("old", 0, [list(range(1000))])
-    s.seed_history("new", 0, [list(range(1000))])
+    s.seed_history("old", 0, [list(range(10_000))])
+    s.seed_history("new", 0, [list(range(10_000))])
     s.register_group("g", "k", [1], 60, 1)
     s.append("g", "a", 0, list(range(300)))
     st = s.stats()

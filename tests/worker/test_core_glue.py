@@ -127,7 +127,7 @@ class ChainDrafter:
             toks.append(last if i != self.wrong_at else 0)
         return Draft.chain(toks)
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int]) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
         pass  # proposals do not depend on appended tokens
 
     def end(self, group_id: str, request_id: str) -> None:

@@ -63,7 +63,7 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
-    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset")
+    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GroupDelta(_message.Message):
     GONE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     watermark: int
     appends: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
@@ -80,7 +81,8 @@ class GroupDelta(_message.Message):
     gone: bool
     incarnation: int
     reset: bool
-    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ...) -> None: ...
+    expired: bool
+    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("groups",)

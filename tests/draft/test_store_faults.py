@@ -1,0 +1,173 @@
+"""The draft store under retries, reordering, restarts and memory pressure (issue 4, items 2 and 8):
+attempt epochs, group incarnations, the memory budget on every path, idempotent history seeding.
+Pure core, no server."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import pytest
+
+from services.common.errors import FailedPrecondition, ResourceExhausted
+from services.draft.store import DraftStore, StoreLimits
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_stale_attempt_cannot_overwrite_a_newer_one() -> None:
+    s = DraftStore()
+    s.register_group("g", "k", [1, 2, 3])
+    s.append("g", "r", 0, [10, 11, 12], truncate=True, epoch=5)  # attempt 5 (worker A)
+    s.append("g", "r", 0, [10, 11, 12], truncate=True, epoch=9)  # attempt 9 resumes (worker B) ...
+    s.append("g", "r", 3, [23, 24], truncate=True, epoch=9)
+    with pytest.raises(FailedPrecondition) as e:  # ... and A's late message arrives
+        s.append("g", "r", 3, [13, 14], truncate=True, epoch=5)
+    assert e.value.field == "epoch" and "stale attempt" in str(e.value)
+    with pytest.raises(FailedPrecondition):
+        s.append("g", "r", 5, [15], epoch=5)  # plain appends of the old attempt too
+    assert s.index_of("g").tokens("r") == [10, 11, 12, 23, 24]
+    # The log replays B's version only: a mirror syncing from 0 sees no trace of A's late message.
+    (d,) = s.sync([("g", 0)])
+    assert [(a.offset, a.token_ids) for a in d.appends] == [(0, (10, 11, 12, 23, 24))]
+    s.append("g", "r", 5, [25], truncate=True, epoch=9)
+    assert s.index_of("g").tokens("r") == [10, 11, 12, 23, 24, 25]
+
+
+def test_watermark_of_another_incarnation_gets_the_whole_group() -> None:
+    clock = Clock()
+    s = DraftStore(clock=clock)
+    s.register_group("g", "k", [1, 2, 3], ttl_seconds=10)
+    for i in range(5):
+        s.append("g", "a", i, [100 + i])
+    (d,) = s.sync([("g", 0)])
+    wm, inc = d.watermark, d.incarnation
+    assert inc != 0
+    clock.t += 11
+    s.expire_now()
+    (gone,) = s.sync([("g", wm)], [inc])
+    assert gone.gone and gone.expired
+    s.register_group("g", "k", [1, 2, 3], ttl_seconds=10)  # created again (not completed: allowed)
+    for i in range(8):
+        s.append("g", "b", i, [200 + i])
+    (d2,) = s.sync([("g", wm)], [inc])  # the old mirror's watermark 6 is inside the new log of 9
+    assert d2.reset and d2.incarnation not in (0, inc)
+    assert d2.prompt_token_ids == (1, 2, 3) and [a.offset for a in d2.appends] == [0]
+    (d3,) = s.sync([("g", d2.watermark)], [d2.incarnation])
+    assert not d3.reset and d3.appends == ()
+    # A watermark ahead of the log is a reset too (not an error) when the incarnation differs.
+    (d4,) = s.sync([("g", 50)], [inc])
+    assert d4.reset
+
+
+def test_gone_tells_expired_from_unknown() -> None:
+    s = DraftStore()
+    (d,) = s.sync([("never", 3)])
+    assert d.gone and not d.expired
+
+
+def test_completed_group_is_not_registered_again_after_eviction() -> None:
+    clock = Clock()
+    s = DraftStore(clock=clock)
+    s.register_group("g", "key", [1, 2, 3], ttl_seconds=1, group_size=1)
+    s.append("g", "r0", 0, [10, 11, 12, 13], finished=True)
+    assert s._history.responses("key") == [(10, 11, 12, 13)]
+    clock.t += 2
+    s.expire_now()
+    with pytest.raises(FailedPrecondition) as e:
+        s.register_group("g", "key", [1, 2, 3], ttl_seconds=1, group_size=1)
+    assert e.value.field == "group_id"
+    assert s._history.responses("key") == [(10, 11, 12, 13)]  # one iteration, not two
+
+
+def test_append_never_evicts_its_own_group() -> None:
+    # A completed group (evictable) still takes a straggler's appends (beyond group_size); under
+    # memory pressure the append must be refused or fit, never index into an evicted orphan.
+    for budget in range(20_000, 120_000, 5_000):
+        s = DraftStore(StoreLimits(memory_budget_bytes=budget))
+        try:
+            s.register_group("g", "k", [1, 2, 3], group_size=1)
+            s.append("g", "r0", 0, list(range(10, 40)), finished=True)
+            s.append("g", "r1", 0, list(range(10, 20)))
+        except ResourceExhausted:
+            continue
+        try:
+            s.append("g", "r1", 10, list(range(20, 120)))
+        except ResourceExhausted:
+            continue
+        assert s.stats().groups == 1
+        assert s.index_of("g").tokens("r1") == list(range(10, 120))
+
+
+def test_register_group_is_bounded_by_the_budget() -> None:
+    s = DraftStore(StoreLimits(memory_budget_bytes=1 << 20))
+    with pytest.raises(ResourceExhausted):
+        s.register_group("g", "k", list(range(50_000)))
+    assert s.stats().memory_bytes <= 1 << 20 and s.stats().groups == 0
+
+
+def test_seed_history_into_live_groups_is_bounded() -> None:
+    s = DraftStore(StoreLimits(memory_budget_bytes=4 << 20))
+    for i in range(8):
+        s.register_group(f"g{i}", "k", [1, 2, 3])
+    with pytest.raises(ResourceExhausted):
+        s.seed_history("k", 0, [list(range(5000)) for _ in range(4)])
+    st = s.stats()
+    assert st.memory_bytes <= st.memory_budget_bytes
+    assert all(s.index_of(f"g{i}").num_history == 0 for i in range(8))  # nothing half-seeded
+
+
+def test_seed_history_is_idempotent_and_ignores_empty_seeds() -> None:
+    s = DraftStore(StoreLimits(history_iterations=1))
+    s.register_group("g", "k", [1, 2, 3])
+    assert s.seed_history("k", 0, [[5, 6, 7]]) == 1
+    assert s.seed_history("k", 0, [[5, 6, 7]]) == 0  # a retry after a deadline
+    assert s._history.responses("k") == [(5, 6, 7)]
+    assert s.index_of("g").num_history == 1
+    assert s.seed_history("k", 1, []) == 0  # nothing: no empty iteration pushes out iteration 0
+    assert s._history.responses("k") == [(5, 6, 7)]
+    assert s.seed_history("k", 0, [[5, 6, 7], [8]]) == 2  # other responses still load
+
+
+def test_evicted_history_frees_what_it_was_accounted() -> None:
+    tracemalloc.start()
+    try:
+        s = DraftStore(StoreLimits(memory_budget_bytes=1 << 30))
+        s.seed_history("k", 0, [list(range(1000, 6_000)) for _ in range(4)])
+        s.register_group("g", "k", [1, 2, 3])  # its index shares nothing with the stored history
+        gc.collect()
+        rep0, b0 = s.stats().memory_bytes, tracemalloc.get_traced_memory()[0]
+        with s._lock:
+            assert s._history.evict_oldest()
+        gc.collect()
+        freed = b0 - tracemalloc.get_traced_memory()[0]
+        reported = rep0 - s.stats().memory_bytes
+    finally:
+        tracemalloc.stop()
+    assert reported > 0 and 0.5 * reported <= freed <= 2 * reported
+
+
+def test_final_append_must_end_at_the_response_end() -> None:
+    s = DraftStore()
+    s.register_group("g", "k", [1])
+    s.append("g", "r", 0, [5, 6, 7, 8])
+    with pytest.raises(FailedPrecondition) as e:
+        s.append("g", "r", 0, [5, 6], finished=True)  # a reordered old message, not the end
+    assert e.value.field == "finished"
+    s.append("g", "r", 2, [7, 8], finished=True)
+    assert "r" in s._groups["g"].finished
+
+
+def test_truncate_not_finished_reopens_a_finished_response() -> None:
+    # "cut, then re-append the same tokens" coalesced into one truncate message must re-open.
+    s = DraftStore()
+    s.register_group("g", "k", [1], group_size=2)
+    s.append("g", "r", 0, [5, 6, 7], finished=True)
+    s.append("g", "r", 1, [6, 7], truncate=True)
+    assert "r" not in s._groups["g"].finished

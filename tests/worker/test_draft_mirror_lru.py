@@ -1,0 +1,43 @@
+"""The worker keeps at most _MAX_GROUPS draft mirrors, least recently started first, but never
+releases the mirror of a group with a chunk running here (its request drafts from it and appends to
+it; released, its tokens would never reach the server and drafting would stop in the long tail)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from services.worker import core as core_mod
+from services.worker.core import ChunkJob, Worker
+from services.worker.draft_client import DraftClient
+from services.worker.engine import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_fake_engine import FakeEngine  # noqa: E402
+
+
+def _job(gid: str) -> ChunkJob:
+    return ChunkJob(request_id="r-" + gid, prompt_token_ids=(1, 2, 3), max_new_tokens=6, max_tokens=40,
+                    sampling=SamplingParams(temperature=0.0, seed=7), policy_version=0, group_id=gid,
+                    prompt_key="", group_size=1)
+
+
+def test_mirror_of_a_running_request_survives_the_lru() -> None:
+    client = DraftClient(None)
+    w = Worker(FakeEngine(), draft=client, gamma_max=4)
+    try:
+        w._register_group(_job("long"))
+        w._active["r-long"] = SimpleNamespace(job=_job("long"))  # type: ignore[assignment]  # its chunk runs
+        client.append("long", "r-long", 0, [4, 5, 6])
+        w._register_group(_job("idle"))  # started and finished: evictable
+        for i in range(core_mod._MAX_GROUPS):
+            w._register_group(_job(f"g{i}"))
+        assert client.has_group("long")
+        assert not client.has_group("idle")
+        client.append("long", "r-long", 3, [7, 8])
+        assert client.own_length("long", "r-long") == 5
+        assert len(w._registered_groups) == core_mod._MAX_GROUPS
+    finally:
+        w._active.clear()
+        client.close()
