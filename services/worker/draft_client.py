@@ -463,7 +463,7 @@ class DraftClient:
                 if mirror.history_loaded and mirror.watermark > 0 and 0 < mirror.group_size <= len(mirror.active):
                     self._stats.skipped_group_syncs += 1
                     continue
-                marks.append((gid, mirror.watermark, mirror.incarnation))
+                marks.append((gid, mirror.watermark, mirror.incarnation, mirror))
         # In slices: one reply carrying every group from watermark 0 (after a server restart) could
         # exceed the message size limit, and then no group would ever sync again. A slice whose
         # reply is still too large is halved (down to one group).
@@ -473,11 +473,11 @@ class DraftClient:
             if not self._sync_some(part) and len(part) > 1:
                 todo += [part[: len(part) // 2], part[len(part) // 2 :]]
 
-    def _sync_some(self, marks: Sequence[tuple[str, int, int]]) -> bool:
+    def _sync_some(self, marks: Sequence[tuple[str, int, int, _Mirror]]) -> bool:
         """One Sync RPC; False when its reply was too large (RESOURCE_EXHAUSTED)."""
         assert self._stub is not None
         req = draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id=g, watermark=w, incarnation=i)
-                                            for g, w, i in marks])
+                                            for g, w, i, _m in marks])
         try:
             resp = self._stub.Sync(req, timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
@@ -487,19 +487,20 @@ class DraftClient:
                 # group the error names (all of this slice when it names none).
                 bad = _named_group(e.details() or "", len(marks))
                 with self._lock:
-                    for j, (gid, _w, _i) in enumerate(marks):
+                    for j, (gid, _w, _i, sent) in enumerate(marks):
                         m = self._groups.get(gid)
-                        if m is not None and (bad is None or bad == j):
+                        if m is sent and (bad is None or bad == j):
                             self._restart_mirror_locked(m, sorted(m.own))
             log.warning("draft Sync failed: %s", e.code().name, extra=kv(groups=len(marks)))
             return e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
         self._stats.syncs += 1
         received = 0
         with self._lock:
+            asked = {gid: m for gid, _w, _i, m in marks}
             for d in resp.groups:
                 m = self._groups.get(d.group_id)
-                if m is None:
-                    continue
+                if m is None or m is not asked.get(d.group_id):
+                    continue  # released (or released and registered again) while the Sync was out
                 if d.gone:
                     self._lost_locked(d.group_id, m, d.expired)
                     continue

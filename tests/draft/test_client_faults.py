@@ -83,7 +83,7 @@ def test_resume_is_atomic_with_respect_to_sync() -> None:
             t.join(0.3)
             racer.append(t)
 
-        c._append_locked = racing_append  # type: ignore[method-assign]
+        c._append_locked = racing_append  # type: ignore[method-assign,assignment]
         c.resume("g", "r", [4, 5])
         c._append_locked = original  # type: ignore[method-assign]
         racer[0].join(5)
@@ -246,4 +246,37 @@ def test_oversized_sync_reply_is_split(small_messages: int) -> None:
     finally:
         a.close()
         b.close()
+        running.stop(0.2)
+
+
+def test_sync_reply_for_a_released_and_reregistered_group_is_not_applied() -> None:
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    store.seed_history("key", 0, [[50, 51, 52]])
+    c = manual(running.address)
+    try:
+        c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+        c.flush()
+        real: Any = c._stub
+
+        class Racing:
+            def Sync(self, req: Any, timeout: float | None = None) -> Any:
+                out = real.Sync(req, timeout=timeout)
+                c.release_group("g")  # meanwhile the worker released the group and started it again
+                c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+                return out
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        c._stub = Racing()  # type: ignore[assignment]
+        with c._lock:
+            c._groups["g"].registered = True  # skip RegisterGroup: only the Sync races
+        c._sync()
+        c._stub = real
+        fresh = c._groups["g"]
+        assert fresh.watermark == 0 and not fresh.history_loaded  # the old mirror's reply was dropped
+        c.flush()
+        assert c._groups["g"].index.num_history == 1  # the fresh mirror loads the history itself
+    finally:
+        c.close()
         running.stop(0.2)
