@@ -87,6 +87,10 @@ class HistoryStore:
         iters = self._keys.get(prompt_key, {})
         return [tuple(r) for i in sorted(iters, reverse=True) for r in iters[i].responses]
 
+    def tokens(self, prompt_key: str) -> int:
+        """Tokens of all kept responses of a key."""
+        return sum(it.tokens for it in self._keys.get(prompt_key, {}).values())
+
     def count(self, prompt_key: str) -> int:
         return sum(len(it.responses) for it in self._keys.get(prompt_key, {}).values())
 

@@ -192,10 +192,9 @@ class DraftStore:
                 # (as a new iteration, pushing out a real older one).
                 raise FailedPrecondition(f"group {group_id!r} completed earlier (its responses are history) and "
                                          "was evicted or expired; it cannot be registered again", field="group_id")
-            history = self._history.responses(prompt_key) if prompt_key else []
-            tokens = len(prompt_token_ids) + sum(len(r) for r in history)
+            tokens = len(prompt_token_ids) + (self._history.tokens(prompt_key) if prompt_key else 0)
             self._make_room(tokens * append_token_bytes(self.limits.levels))
-            history = self._history.responses(prompt_key) if prompt_key else []  # eviction may have taken some
+            history = self._history.responses(prompt_key) if prompt_key else []  # after any eviction
             index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
             for r in history:
                 index.add_history(r)
