@@ -453,6 +453,12 @@ class BufferCore:
         if total > max_tokens:
             raise InvalidArgument(f"{live.rec.generated} tokens committed + {n} exceeds max_tokens {max_tokens}",
                                   field="token_ids")
+        if c.finish_reason == FinishReason.LENGTH and total != max_tokens:
+            # LENGTH says the response reached max_tokens: a worker turns the engine's LENGTH at a
+            # chunk's own limit into CHUNK, and never starts a chunk its context cannot hold (the
+            # engine refuses it), so an early LENGTH would silently truncate the response.
+            raise InvalidArgument(f"LENGTH after {total} tokens, short of max_tokens {max_tokens}",
+                                  field="finish_reason")
         if c.finish_reason == FinishReason.CHUNK:
             if n == 0:
                 raise InvalidArgument("an unfinished chunk must carry at least one token", field="token_ids")

@@ -20,7 +20,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.RegisterWorkerResponse:
         with log_context(worker_id=request.worker_id):
             interval = self.dispatcher.register_worker(
-                request.worker_id, request.address, request.capacity, request.engine, request.policy_version
+                request.worker_id,
+                request.address,
+                request.capacity,
+                request.engine,
+                request.policy_version,
+                request.incarnation,
             )
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_seconds=interval)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from typing import Any
 
 from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
 
+from services.common.chunkstats import ChunkStats
 from services.common.errors import (
     Aborted,
     FailedPrecondition,
@@ -45,7 +47,7 @@ from services.common.errors import (
 from services.common.log import get_logger, kv, log_context
 from services.common.telemetry import Counter, Gauge, context_from, tracer
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import SchedulerCore, chunk_stats_problem
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
 from services.scheduler.links import BufferLink, DeadlineExceeded, WorkerLink
 
@@ -96,6 +98,8 @@ class TrackedRequest:
     dropped: bool = False
     # Set while a committed-but-unconfirmed chunk waits for a fresh snapshot (no thread owns it).
     resync: Resync | None = None
+    # RunChunkRequest.dispatch_epoch of its latest dispatch (_chunk_request).
+    last_epoch: int = 0
 
 
 @dataclass
@@ -111,6 +115,7 @@ class WorkerState:
     in_flight: int = 0
     active: bool = False  # added to the core (after any catch-up weight load)
     spec: WorkerSpec | None = None
+    incarnation: str = ""  # RegisterWorkerRequest.incarnation ("" = unknown)
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,15 @@ class Dispatcher:
         self._requests: dict[str, TrackedRequest] = {}
         self._workers: dict[str, WorkerState] = {}
         self._history_keys: set[str] = set()
+        # Requests we gave up on (failed in the buffer with an ABORTED commit, or meant to be): a
+        # snapshot that still lists one gets the abort again instead of tracking it (the core has
+        # settled it and would never run it). Forgotten once the buffer no longer lists it.
+        self._abandoned: set[str] = set()
+        self._aborting: set[str] = set()  # those whose abort commit is being sent now
+        # worker_id -> quarantine reason of a quarantined worker taken out of the core (removed,
+        # re-registered, recycled for its version): applied again when it is activated, so that
+        # registering again is no way out of quarantine.
+        self._quarantine_carry: dict[str, str] = {}
         self._in_flight = 0
         self._dispatched = 0
         self._redispatched = 0
@@ -214,22 +228,50 @@ class Dispatcher:
     # ---- workers -----------------------------------------------------------------------------
 
     def register_worker(
-        self, worker_id: str, address: str, capacity: scheduler_pb2.WorkerCapacity, engine: str, policy_version: int
+        self,
+        worker_id: str,
+        address: str,
+        capacity: scheduler_pb2.WorkerCapacity,
+        engine: str,
+        policy_version: int,
+        incarnation: str = "",
     ) -> float:
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
         if not address or ":" not in address:
             raise InvalidArgument(f"{address!r} is not host:port", field="address")
+        _check_capacity(capacity)
         spec = WorkerSpec(worker_id, capacity.total_kv_pages, capacity.page_size, capacity.max_batch_size)
         spec.validate()
         stale: WorkerState | None = None
         with self._cond:
+            old = self._workers.get(worker_id)
+            if (
+                old is not None
+                and incarnation
+                and old.incarnation == incarnation
+                and old.address == address
+                and old.spec == spec
+                and old.policy_version == policy_version
+            ):
+                # The same worker process reconnecting (its Registrar registers again after any
+                # failed Heartbeat RPC): its chunks in flight keep running, its quarantine stays.
+                old.last_seen = time.monotonic()
+                old.engine = engine
+                reconnected = True
+            else:
+                reconnected = False
+        if reconnected:
+            log.info("worker reconnected", extra=kv(worker_id=worker_id, address=address, incarnation=incarnation))
+            return self.cfg.heartbeat_interval
+        with self._cond:
             if worker_id in self._workers:
-                # A restarted worker registers again: whatever ran on its old incarnation is gone.
+                # A restarted worker (or one that cannot say it is the same process) registers
+                # again: whatever ran on its old incarnation is gone.
                 stale = self._remove_worker_locked(worker_id, reason="re-registered")
             link = self._worker_link_factory(address)
             state = WorkerState(worker_id, address, link, capacity, engine, policy_version, time.monotonic(),
-                                spec=spec)
+                                spec=spec, incarnation=incarnation)
             self._workers[worker_id] = state
             target = self._catch_up_target_locked()
             needs_load = target is not None and policy_version < target[0]
@@ -262,6 +304,11 @@ class Dispatcher:
 
     def _activate_locked(self, state: WorkerState, spec: WorkerSpec) -> None:
         self.core.add_worker(spec)
+        reason = self._quarantine_carry.pop(state.worker_id, "")
+        if reason:
+            log.warning("worker registered again while quarantined; it stays quarantined",
+                        extra=kv(worker_id=state.worker_id, reason=reason))
+            self.core.quarantine_worker(state.worker_id, reason)
         state.active = True
         WORKERS.set(len(self._workers))
         self._dirty = True
@@ -340,6 +387,10 @@ class Dispatcher:
         state = self._workers.pop(worker_id, None)
         if state is None:
             return None
+        if state.active:
+            reason = self.core.quarantine_reason(worker_id)
+            if reason:
+                self._quarantine_carry[worker_id] = reason
         requeued = self.core.remove_worker(worker_id) if state.active else []
         # Chunks still streaming from it are cut off; their threads see the request moved on. A
         # chunk held for resync is given up too: the core re-queued it, and the snapshot must not
@@ -535,41 +586,67 @@ class Dispatcher:
 
     def _add_items(self, items: list[buffer_pb2.WorkItem]) -> None:
         history = self._fetch_history(items)
+        aborts: list[buffer_pb2.WorkItem] = []
         with self._cond:
             for key, lengths in history.items():
                 self.core.set_history(key, lengths)
             for item in items:
                 if item.request_id in self._requests:
                     continue
-                self._track_locked(item)
+                abort = self._track_locked(item)
+                if abort is not None:
+                    aborts.append(abort)
             self._dirty = True
             self._cond.notify_all()
+        self._send_aborts([(item, item.next_seq) for item in aborts], resync_on_refusal=False)
 
-    def _track_locked(self, item: buffer_pb2.WorkItem) -> None:
+    def _track_locked(self, item: buffer_pb2.WorkItem) -> buffer_pb2.WorkItem | None:
+        """Track a work item. Returns it instead when it must be failed in the buffer (an ABORTED
+        commit at its next_seq, sent by the caller outside the lock): a request we gave up on
+        that the buffer still lists (the first abort was abandoned or refused), or one the core
+        has already settled and would never run (tracked, it would hang its batch)."""
+        rid = item.request_id
+        if rid in self._abandoned:
+            if rid in self._aborting:
+                return None  # its abort is on its way
+            self._aborting.add(rid)
+            log.warning("a request given up on is still listed; sending its abort again",
+                        extra=kv(request_id=rid, seq=item.next_seq))
+            return item
         output = list(item.output_token_ids)
         info = self._info(item, min(len(output), item.max_tokens))
         try:
             info.validate()
         except InvalidArgument as e:
-            log.error("unschedulable work item", extra=kv(request_id=item.request_id, error=str(e)))
-            return
+            log.error("unschedulable work item", extra=kv(request_id=rid, error=str(e)))
+            return None
         try:
-            self.core.add_request(info)
+            added = self.core.add_request(info)
         except SeerError as e:
             # E.g. a group whose members disagree on group_size: refuse the item, keep the feed.
-            log.error("work item refused by the scheduler core", extra=kv(request_id=item.request_id, error=str(e)))
-            return
-        self._requests[item.request_id] = TrackedRequest(item=item, output=output, next_seq=item.next_seq)
+            log.error("work item refused by the scheduler core", extra=kv(request_id=rid, error=str(e)))
+            return None
+        if not added:
+            log.error("work item already settled by the scheduler core; failing it in the buffer",
+                      extra=kv(request_id=rid, seq=item.next_seq, generated=len(output), max_tokens=item.max_tokens))
+            self._abandoned.add(rid)
+            self._aborting.add(rid)
+            return item
+        self._requests[rid] = TrackedRequest(item=item, output=output, next_seq=item.next_seq)
         if self._seen_version is None or item.policy_version > self._seen_version:
             self._seen_version = item.policy_version
+        return None
 
     def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
         """A fresh snapshot replaces our state; chunks in flight stay in flight."""
         history = self._fetch_history(items)
+        aborts: list[buffer_pb2.WorkItem] = []
         with self._cond:
             for key, lengths in history.items():
                 self.core.set_history(key, lengths)
             by_id = {i.request_id: i for i in items}
+            # A request given up on that the buffer no longer lists is settled there.
+            self._abandoned = {rid for rid in self._abandoned if rid in by_id or rid in self._aborting}
             for rid in list(self._requests):
                 r = self._requests[rid]
                 snap = by_id.get(rid)
@@ -585,13 +662,33 @@ class Dispatcher:
                     self._forget_in_core_locked(rid)
                     del self._requests[rid]
                 elif snap.next_seq != r.next_seq or list(snap.output_token_ids) != r.output:
+                    old_len = len(r.output)
                     r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
+                    if len(r.output) != old_len:
+                        # E.g. a late commit of a chunk the core re-queued landed: the core must
+                        # count what the buffer holds (KV reservations, estimates, group lengths).
+                        self._resync_core_locked(r)
             for item in items:
                 if item.request_id not in self._requests:
-                    self._track_locked(item)
+                    abort = self._track_locked(item)
+                    if abort is not None:
+                        aborts.append(abort)
             self._dirty = True
             self._cond.notify_all()
+        # The seq of each abort is the buffer's own next_seq: an abort refused for a stale seq is
+        # right this time.
+        self._send_aborts([(item, item.next_seq) for item in aborts], resync_on_refusal=False)
         log.info("work snapshot applied", extra=kv(requests=len(items)))
+
+    def _resync_core_locked(self, r: TrackedRequest) -> None:
+        rid = r.item.request_id
+        try:
+            self.core.resync_generated(rid, min(len(r.output), r.item.max_tokens))
+        except SeerError as e:
+            # Only an inconsistent feed gets here (e.g. an unfinished request at max_tokens): keep
+            # applying the rest of the snapshot.
+            log.error("could not resync the core's generated count", extra=kv(
+                request_id=rid, output=len(r.output), max_tokens=r.item.max_tokens, error=str(e)))
 
     def _resolve_resync_locked(self, r: TrackedRequest, snap: buffer_pb2.WorkItem | None) -> None:
         """Completes a chunk whose commit outcome we could not trust, from the buffer's own state."""
@@ -663,13 +760,44 @@ class Dispatcher:
                     self._dispatched += 1
                     DISPATCHED.inc()
                     started.append((d, r, w, self._next_token))
+                aborts = self._take_unschedulable_locked()
                 PENDING.set(self.core.pending_count())
                 IN_FLIGHT.set(self._in_flight)
             for d, r, w, token in started:
                 self._pool.submit(self._run_chunk, d, r, w, token)
+            self._send_aborts(aborts, resync_on_refusal=True)
+
+    def _take_unschedulable_locked(self) -> list[tuple[buffer_pb2.WorkItem, int]]:
+        """Requests the core dropped because no trusted worker can hold them: failed in the
+        buffer (ABORTED), or their batches would wait for them forever."""
+        aborts: list[tuple[buffer_pb2.WorkItem, int]] = []
+        for u in self.core.take_unschedulable():
+            r = self._requests.pop(u.request_id, None)
+            if r is None:
+                continue
+            r.dropped = True
+            log.error("request fits on no worker; failing it", extra=kv(
+                request_id=u.request_id, need_tokens=u.need_tokens, largest_kv_tokens=u.largest_kv_tokens,
+                prompt_tokens=len(r.item.prompt_token_ids), generated=len(r.output), max_tokens=r.item.max_tokens,
+                chunk_size=self.cfg.chunk_size))
+            self._abandoned.add(u.request_id)
+            self._aborting.add(u.request_id)
+            aborts.append((r.item, r.next_seq))
+        return aborts
+
+    def _send_aborts(self, aborts: list[tuple[buffer_pb2.WorkItem, int]], *, resync_on_refusal: bool) -> None:
+        """Send abort commits on the pool (each may retry up to commit_timeout)."""
+        for item, seq in aborts:
+            try:
+                self._pool.submit(self._commit_abort, item, seq, resync_on_refusal=resync_on_refusal)
+            except RuntimeError:  # the pool is shut down: stopping
+                return
 
     def _chunk_request(self, d: Dispatch, r: TrackedRequest) -> worker_pb2.RunChunkRequest:
         item = r.item
+        # Strictly increasing over the request's dispatches; the clock part (microseconds) keeps it
+        # increasing across a scheduler restart, which forgets last_epoch.
+        r.last_epoch = max(r.last_epoch + 1, time.time_ns() // 1000)
         return worker_pb2.RunChunkRequest(
             request_id=item.request_id,
             batch_id=item.batch_id,
@@ -686,6 +814,7 @@ class Dispatcher:
             is_probe=d.is_probe,
             group_size=item.group_size,
             fetch_kv=d.fetch_kv,
+            dispatch_epoch=r.last_epoch,
         )
 
     def _run_chunk(self, d: Dispatch, r: TrackedRequest, w: WorkerState, token: int) -> None:
@@ -760,9 +889,26 @@ class Dispatcher:
         if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):
             self._finish_chunk(r, w, token, failed=True)
             return
-        if len(tokens) > req.max_new_tokens or len(logprobs) != len(tokens):
+        # LENGTH means the response reached max_tokens (the worker turns the engine's LENGTH at a
+        # chunk's own limit into CHUNK); anything else would end the response short.
+        early_length = (reason == common_pb2.FINISH_REASON_LENGTH
+                        and len(req.output_token_ids) + len(tokens) != req.max_tokens)
+        if len(tokens) > req.max_new_tokens or len(logprobs) != len(tokens) or early_length:
             log.error("worker returned a malformed chunk", extra=kv(
-                worker_id=w.worker_id, tokens=len(tokens), logprobs=len(logprobs), max_new=req.max_new_tokens))
+                worker_id=w.worker_id, tokens=len(tokens), logprobs=len(logprobs), max_new=req.max_new_tokens,
+                finish_reason=common_pb2.FinishReason.Name(reason), generated=len(req.output_token_ids),
+                max_tokens=req.max_tokens))
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
+            return
+        problem = chunk_stats_problem(
+            {f.name: getattr(done.stats, f.name) for f in dataclasses.fields(ChunkStats)}, len(tokens))
+        if problem:
+            # A worker that reports impossible stats cannot be trusted with its tokens either: the
+            # chunk runs again elsewhere and the worker gets no chunks until its telemetry is sane.
+            log.warning("worker quarantined: impossible chunk stats", extra=kv(worker_id=w.worker_id, reason=problem))
+            with self._cond:
+                if self._workers.get(w.worker_id) is w and w.active:
+                    self.core.quarantine_worker(w.worker_id, f"impossible chunk stats: {problem}")
             self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         if done.policy_version != r.item.policy_version:
@@ -885,6 +1031,8 @@ class Dispatcher:
                     self.core.cancel_request(rid)
                     del self._requests[rid]
                     abort_seq = r.next_seq
+                    self._abandoned.add(rid)
+                    self._aborting.add(rid)
                 else:
                     self.core.on_chunk_failed(rid, w.worker_id)
                     self._redispatched += 1
@@ -898,36 +1046,52 @@ class Dispatcher:
             self._dirty = True
             self._cond.notify_all()
         if abort_seq is not None:
-            self._commit_abort(r.item, abort_seq)
+            self._commit_abort(r.item, abort_seq, resync_on_refusal=True)
 
-    def _commit_abort(self, item: buffer_pb2.WorkItem, seq: int) -> None:
+    def _commit_abort(self, item: buffer_pb2.WorkItem, seq: int, *, resync_on_refusal: bool) -> None:
         """Fails a request we gave up on: an ABORTED commit (no tokens) at the next seq makes the
         buffer end it with the tokens committed so far, so its batch completes and the trainer sees
-        finish_reason ABORTED (without it the batch would wait for the request forever)."""
-        if self._buffer is None:
-            return
-        commit = buffer_pb2.CommitChunkRequest(
-            request_id=item.request_id, seq=seq, finish_reason=common_pb2.FINISH_REASON_ABORTED,
-            policy_version=item.policy_version,
-        )
-        deadline = time.monotonic() + self.cfg.commit_timeout
-        backoff = 0.05
-        while True:
-            try:
-                resp = self._buffer.commit(commit, timeout=10.0)
-                log.error("request failed in the buffer (ABORTED)", extra=kv(
-                    request_id=item.request_id, seq=seq, duplicate=resp.duplicate, accepted=resp.accepted))
+        finish_reason ABORTED (without it the batch would wait for the request forever).
+
+        The request is in _abandoned (and _aborting) meanwhile. When the abort does not get
+        through, it stays abandoned: the next snapshot that lists it sends the abort again, at the
+        buffer's next_seq. `resync_on_refusal`: ask for that snapshot now when the buffer refused
+        the abort (our seq may be stale); not for an abort whose seq came from a snapshot."""
+        rid = item.request_id
+        settled = False
+        try:
+            if self._buffer is None:
                 return
-            except (Unavailable, DeadlineExceeded) as e:
-                if self._stopping.is_set() or time.monotonic() > deadline:
-                    log.error("abort commit abandoned; the batch waits for this request",
-                              extra=kv(request_id=item.request_id, error=str(e)))
+            commit = buffer_pb2.CommitChunkRequest(
+                request_id=rid, seq=seq, finish_reason=common_pb2.FINISH_REASON_ABORTED,
+                policy_version=item.policy_version,
+            )
+            deadline = time.monotonic() + self.cfg.commit_timeout
+            backoff = 0.05
+            while True:
+                try:
+                    resp = self._buffer.commit(commit, timeout=10.0)
+                    settled = True
+                    log.error("request failed in the buffer (ABORTED)", extra=kv(
+                        request_id=rid, seq=seq, duplicate=resp.duplicate, accepted=resp.accepted))
                     return
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
-            except SeerError as e:
-                log.error("abort commit refused", extra=kv(request_id=item.request_id, seq=seq, error=str(e)))
-                return
+                except (Unavailable, DeadlineExceeded) as e:
+                    if self._stopping.is_set() or time.monotonic() > deadline:
+                        log.error("abort commit abandoned; sent again when the buffer lists the request",
+                                  extra=kv(request_id=rid, error=str(e)))
+                        return
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                except SeerError as e:
+                    log.error("abort commit refused", extra=kv(request_id=rid, seq=seq, error=str(e)))
+                    if resync_on_refusal and not self._stopping.is_set():
+                        self._request_resync()
+                    return
+        finally:
+            with self._cond:
+                self._aborting.discard(rid)
+                if settled:
+                    self._abandoned.discard(rid)
 
     # ---- stats -------------------------------------------------------------------------------
 
@@ -963,3 +1127,13 @@ def _trace_parent(item: buffer_pb2.WorkItem) -> Any:
 
 def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:
     yield from stream  # type: ignore[misc]
+
+
+def _check_capacity(capacity: scheduler_pb2.WorkerCapacity) -> None:
+    """RegisterWorkerRequest.capacity, with the request's own field paths in errors."""
+    for name in ("total_kv_pages", "page_size", "max_batch_size"):
+        value = getattr(capacity, name)
+        if value < 1:
+            raise InvalidArgument(f"must be >= 1, got {value}", field=f"capacity.{name}")
+    if capacity.max_context < 0:
+        raise InvalidArgument(f"must be >= 0 (0 = unknown), got {capacity.max_context}", field="capacity.max_context")

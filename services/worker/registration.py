@@ -4,10 +4,15 @@ The worker registers (RegisterWorker) and then heartbeats at the interval the sc
 When the scheduler answers known=false (it restarted, or declared the worker gone) the worker
 registers again; when the scheduler is unreachable it keeps retrying with backoff. Registration is
 best effort: the worker serves RunChunk whether or not the scheduler is up.
+
+Every RegisterWorker carries this process's incarnation (drawn once at start): the scheduler tells
+a reconnect of the same process (after a failed Heartbeat RPC: its chunks keep running) from a
+restarted worker (its chunks in flight are gone and re-dispatched).
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 
@@ -19,6 +24,9 @@ from services.common.log import get_logger, kv
 from services.worker.core import Worker
 
 log = get_logger(__name__)
+
+# RegisterWorkerRequest.incarnation of this worker process.
+INCARNATION = secrets.token_hex(8)
 
 
 def telemetry(worker: Worker) -> scheduler_pb2.WorkerTelemetry:
@@ -49,6 +57,7 @@ def register_request(worker: Worker, address: str) -> scheduler_pb2.RegisterWork
         ),
         engine=worker.engine_name,
         policy_version=worker.policy_version,
+        incarnation=INCARNATION,
     )
 
 
@@ -93,7 +102,8 @@ class Registrar:
         self.registrations += 1
         self.registered.set()
         interval = resp.heartbeat_interval_seconds if resp.heartbeat_interval_seconds > 0 else 2.0
-        log.info("registered with the scheduler", extra=kv(address=self._address, heartbeat_s=interval))
+        log.info("registered with the scheduler",
+                 extra=kv(address=self._address, heartbeat_s=interval, incarnation=INCARNATION))
         return float(interval)
 
     def _run(self) -> None:

@@ -146,7 +146,7 @@ def test_bad_register_is_invalid_argument(suite):
                 worker_id="x", address="127.0.0.1:1", capacity=scheduler_pb2.WorkerCapacity(
                     total_kv_pages=0, page_size=16, max_batch_size=4)), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "total_pages" in (e.value.details() or "")
+        assert "capacity.total_kv_pages" in (e.value.details() or "")
 
 
 def test_cancel_mid_batch_stops_dispatch(suite, workers, rollout_stub_factory):

@@ -213,12 +213,17 @@ def test_admission_control_needs_pages_for_context_plus_chunk(clock: FakeClock) 
     assert len(core.next_dispatches()) == 1
 
 
-def test_admission_skips_a_candidate_that_fits_nowhere(clock: FakeClock) -> None:
-    core = make_core("oracle", clock, workers=1, pages=20, page_size=16, chunk_size=100)
-    core.add_request(RequestInfo("big", "big", "k1", 0, 1, 500, 1000, true_length=900))  # 600 tokens
+def test_admission_skips_a_candidate_that_fits_nowhere_now(clock: FakeClock) -> None:
+    # 40 pages (640 tokens); "first" holds 8 of them, so "big" (600 tokens, 38 pages) fits the
+    # worker but not its free KV now: skipped (not failed: it runs once "first" is done).
+    core = make_core("oracle", clock, workers=1, pages=40, page_size=16, chunk_size=100)
+    core.add_request(RequestInfo("first", "first", "k0", 0, 1, 16, 1000, true_length=1000))
+    assert [d.request_id for d in core.next_dispatches(limit=1)] == ["first"]
+    core.add_request(RequestInfo("big", "big", "k1", 0, 1, 500, 1000, true_length=900))
     core.add_request(RequestInfo("small", "small", "k2", 0, 1, 16, 1000, true_length=10))
     assert [d.request_id for d in core.next_dispatches()] == ["small"]
     assert core.stats()["admission_skips"] >= 1 and core.pending_count() == 1
+    assert core.take_unschedulable() == []
 
 
 def test_batch_slots_bound_in_flight(clock: FakeClock) -> None:

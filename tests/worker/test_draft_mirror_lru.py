@@ -4,17 +4,14 @@ it; released, its tokens would never reach the server and drafting would stop in
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
+
+from worker_fake_engine import FakeEngine
 
 from services.worker import core as core_mod
 from services.worker.core import ChunkJob, Worker
 from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent))
-from worker_fake_engine import FakeEngine  # noqa: E402
 
 
 def _job(gid: str) -> ChunkJob:

@@ -3,10 +3,11 @@ control, cache-aware placement and worker state (no grpc; the service and bench/
 
 from __future__ import annotations
 
+from .chunkcheck import chunk_stats_problem
 from .config import POLICIES, SchedulerPolicyConfig
 from .groups import GroupState, history_prior
 from .scheduler import SchedulerCore
-from .types import Dispatch, RequestInfo, WorkerSpec
+from .types import Dispatch, RequestInfo, Unschedulable, WorkerSpec
 from .workers import pages_for, telemetry_problem
 
 __all__ = [
@@ -16,7 +17,9 @@ __all__ = [
     "RequestInfo",
     "SchedulerCore",
     "SchedulerPolicyConfig",
+    "Unschedulable",
     "WorkerSpec",
+    "chunk_stats_problem",
     "history_prior",
     "pages_for",
     "telemetry_problem",

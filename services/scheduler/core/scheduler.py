@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.log import get_logger, kv
 
 from .config import SchedulerPolicyConfig
@@ -36,7 +36,7 @@ from .groups import GroupState, history_prior, kv_demand, log_spread
 from .pressure import BindingResource
 from .queues import AgeQueue, Key, PendingQueue
 from .ratios import SiblingRatios
-from .types import Dispatch, RequestInfo, WorkerSpec
+from .types import Dispatch, RequestInfo, Unschedulable, WorkerSpec
 from .workers import WorkerState, apply_telemetry, pages_for
 
 log = get_logger(__name__)
@@ -108,6 +108,8 @@ class SchedulerCore:
         self._rr = 0  # baseline round-robin cursor
         self._chunk_token_s: float | None = None  # EMA of seconds per token of a full chunk
         self._group_worker: dict[str, str] = {}  # baseline placement of each group
+        # Requests dropped because no trusted worker can hold them, until the driver takes them.
+        self._unschedulable: list[Unschedulable] = []
         self._counters = {
             "dispatched_chunks": 0,
             "redispatched_chunks": 0,
@@ -120,14 +122,18 @@ class SchedulerCore:
             "admission_skips": 0,
             "contention_switches": 0,
             "demand_switches": 0,
+            "unschedulable_requests": 0,
         }
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, r: RequestInfo) -> None:
+    def add_request(self, r: RequestInfo) -> bool:
+        """Track a request. Returns whether it is now queued to run: False for a re-delivery of a
+        request already known or settled (idempotent) and for one that has nothing left to
+        generate. A driver must not wait for a request this returned False for: it never runs."""
         r.validate()
         if r.request_id in self._requests or r.request_id in self._finished:
-            return  # re-delivery from the work feed: idempotent
+            return False  # re-delivery from the work feed: idempotent
         g = self._groups.get(r.group_id)
         if g is None:
             g = GroupState(r.group_id, r.prompt_key, r.group_size, r.max_tokens)
@@ -154,8 +160,9 @@ class SchedulerCore:
         self._requests[r.request_id] = req
         if r.generated >= r.max_tokens:
             self._finish(req)
-        else:
-            self._enqueue(req)
+            return False
+        self._enqueue(req)
+        return True
 
     def cancel_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -170,6 +177,30 @@ class SchedulerCore:
         self._groups[req.info.group_id].running.pop(request_id, None)
         req.state = "cancelled"
         self._retire(req)
+
+    def resync_generated(self, request_id: str, generated: int) -> None:
+        """The driver learnt the request's true generated count from elsewhere (a fresh snapshot
+        of the buffer, e.g. after a late commit of a chunk the core had re-queued): take it, so
+        that KV reservations, estimates and the group's lengths follow the buffer. Only for a
+        queued request (an in-flight chunk settles through on_chunk_done)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise NotFound(f"unknown or settled request {request_id}", field="request_id")
+        if req.state != "pending":
+            raise FailedPrecondition(f"request {request_id} is {req.state}, not queued", field="request_id")
+        if not 0 <= generated < req.info.max_tokens:
+            # A response at max_tokens is finished in the buffer and would not be listed.
+            raise InvalidArgument(f"must be in [0, {req.info.max_tokens}), got {generated}", field="generated")
+        if generated == req.generated:
+            return
+        req.generated = generated
+        if generated > 0:
+            self._fresh_live.discard(request_id)
+        g = self._groups[req.info.group_id]
+        if request_id in g.running:
+            g.running[request_id] = generated
+        if request_id in self._live:
+            self._enqueue(req, fresh=False)  # re-keyed: the estimate and queue depend on it
 
     def set_history(self, prompt_key: str, lengths: Sequence[int]) -> None:
         prior = history_prior(lengths)  # validates
@@ -241,7 +272,11 @@ class SchedulerCore:
             if old.spec == w:
                 return  # re-registration with the same capacity
             self.remove_worker(w.worker_id)
-        self._workers[w.worker_id] = WorkerState(spec=w)
+        state = WorkerState(spec=w)
+        if old is not None and old.quarantined:
+            # A new capacity does not make its telemetry trustworthy again.
+            state.quarantined, state.quarantine_reason = True, old.quarantine_reason
+        self._workers[w.worker_id] = state
 
     def remove_worker(self, worker_id: str) -> list[str]:
         """Forget a worker. Its in-flight chunks are re-queued here (same chunk, same generated
@@ -276,6 +311,24 @@ class SchedulerCore:
     def is_quarantined(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
         return w is not None and w.quarantined
+
+    def quarantine_reason(self, worker_id: str) -> str:
+        """Why the worker is quarantined ("" when it is trusted or unknown)."""
+        w = self._workers.get(worker_id)
+        return w.quarantine_reason if w is not None and w.quarantined else ""
+
+    def quarantine_worker(self, worker_id: str, reason: str) -> None:
+        """Stop trusting a worker for a reason its driver found (impossible chunk results, or a
+        quarantine carried over a re-registration). It is trusted again like after impossible
+        telemetry: after quarantine_clear_reports consecutive sane telemetry reports."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise NotFound(f"unknown worker {worker_id}", field="worker_id")
+        if not reason:
+            raise InvalidArgument("must not be empty", field="reason")
+        if not w.quarantined:
+            log.warning("worker quarantined", extra=kv(worker_id=worker_id, reason=reason))
+        w.quarantined, w.quarantine_reason, w.sane_reports = True, reason, 0
 
     # ---- decisions ------------------------------------------------------------------------
 
@@ -401,7 +454,10 @@ class SchedulerCore:
             oldest = q.oldest(self._waiting_since)
             if oldest is None or limit is None or now - oldest[0] <= limit:
                 continue
-            d = self._try_place(self._requests[oldest[1]])
+            req = self._requests[oldest[1]]
+            if self._drop_if_unschedulable(req, self._largest_kv_tokens()):
+                return None  # the priority order decides now; the next decision looks again
+            d = self._try_place(req)
             if d is not None:
                 self._counters["starvation_dispatches"] += 1
                 return d
@@ -434,15 +490,20 @@ class SchedulerCore:
             ),
             default=0,
         )
+        largest = self._largest_kv_tokens()
         chosen: Dispatch | None = None
         while chosen is None and tries < self.cfg.admission_lookahead:
             cand = self._pop_candidate()
             if cand is None:
                 break
             q, entry = cand
-            tries += 1
             req = self._requests[entry[2]]
-            need = req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
+            if self._drop_if_unschedulable(req, largest):
+                # Not a skip: a request that can never be placed must not use up the lookahead
+                # (admission_lookahead of them at the head would block every request behind them).
+                continue
+            tries += 1
+            need = self._need_tokens(req)
             chosen = self._try_place(req) if need <= room else None
             if chosen is None:
                 skipped.append((q, entry))
@@ -451,23 +512,56 @@ class SchedulerCore:
             q.restore(entry)
         return chosen
 
+    def _need_tokens(self, req: _Request) -> int:
+        """KV (tokens) its next chunk needs: context + the chunk."""
+        return req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
+
+    def _largest_kv_tokens(self) -> int | None:
+        """The largest whole KV (tokens) of a registered worker, quarantined ones included (a
+        quarantine is lifted after sane reports, so such a worker may hold the request later); None
+        when no worker is registered (one may come: nothing is unschedulable for lack of workers)."""
+        return max((w.spec.total_pages * w.spec.page_size for w in self._workers.values()), default=None)
+
+    def _drop_if_unschedulable(self, req: _Request, largest: int | None) -> bool:
+        """Drop a request whose next chunk exceeds the whole KV of every registered worker: it would
+        wait forever. The driver learns of it through take_unschedulable() and fails it."""
+        need = self._need_tokens(req)
+        if largest is None or need <= largest:
+            return False
+        rid = req.info.request_id
+        self._live.pop(rid, None)
+        self._fresh_live.discard(rid)
+        self._groups[req.info.group_id].running.pop(rid, None)
+        req.state = "cancelled"
+        self._retire(req)
+        self._unschedulable.append(Unschedulable(rid, need, largest))
+        self._counters["unschedulable_requests"] += 1
+        return True
+
+    def take_unschedulable(self) -> list[Unschedulable]:
+        """The requests dropped as unschedulable since the last call (the driver fails them)."""
+        out, self._unschedulable = self._unschedulable, []
+        return out
+
     def _baseline_dispatches(self, limit: int | None) -> list[Dispatch]:
         out: list[Dispatch] = []
-        while limit is None or len(out) < limit:
+        # Quarantined workers are not trusted with chunks under any policy.
+        trusted = sorted(wid for wid, w in self._workers.items() if not w.quarantined)
+        while trusted and (limit is None or len(out) < limit):
             cand = self._pop_candidate()
             if cand is None:
                 break
             req = self._requests[cand[1][2]]
             gid = req.info.group_id
             wid = self._group_worker.get(gid)
-            if wid is None or wid not in self._workers:
-                ids = sorted(self._workers)
-                wid = ids[self._rr % len(ids)]
+            placed = self._workers.get(wid) if wid is not None else None
+            if placed is None or placed.quarantined:
+                # New group, or its worker is gone or quarantined: the rest of the group moves.
+                wid = trusted[self._rr % len(trusted)]
                 self._rr += 1
                 self._group_worker[gid] = wid
-            out.append(
-                self._dispatch(req, self._workers[wid], req.info.max_tokens - req.generated, fetch_kv=False, pages=0)
-            )
+                placed = self._workers[wid]
+            out.append(self._dispatch(req, placed, req.info.max_tokens - req.generated, fetch_kv=False, pages=0))
         return out
 
     def _try_place(self, req: _Request) -> Dispatch | None:

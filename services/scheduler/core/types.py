@@ -72,3 +72,13 @@ class Dispatch:
     # The worker should pull the request's KV prefix from the KV store (the request moved and the
     # prefix gap exceeds the margin) instead of re-prefilling it from tokens.
     fetch_kv: bool
+
+
+@dataclass(frozen=True)
+class Unschedulable:
+    """A request no trusted worker can ever hold: its context plus its next chunk exceeds the whole
+    KV of every trusted worker. The core drops it; the driver fails it (it would wait forever)."""
+
+    request_id: str
+    need_tokens: int  # context + next chunk
+    largest_kv_tokens: int  # the largest trusted worker's whole KV (total_pages * page_size)
