@@ -494,52 +494,58 @@ class DraftClient:
             log.warning("draft Sync failed: %s", e.code().name, extra=kv(groups=len(marks)))
             return e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
         self._stats.syncs += 1
-        received = 0
-        with self._lock:
-            asked = {gid: m for gid, _w, _i, m in marks}
-            for d in resp.groups:
+        # One group at a time under the lock: propose() (the decode path) takes the same lock, and
+        # a reply of many groups from watermark 0 would otherwise stall a decode step for all of it.
+        asked = {gid: m for gid, _w, _i, m in marks}
+        for d in resp.groups:
+            with self._lock:
                 m = self._groups.get(d.group_id)
                 if m is None or m is not asked.get(d.group_id):
                     continue  # released (or released and registered again) while the Sync was out
-                if d.gone:
-                    self._lost_locked(d.group_id, m, d.expired)
-                    continue
-                old: GroupIndex | None = None
-                if d.reset:
-                    # Another incarnation of the group: rebuild from its whole state (below, as
-                    # for watermark 0); the responses running here keep our copy (the truth).
-                    old = self._restart_mirror_locked(m, sorted(m.active & m.own))
-                if m.watermark == 0 and not m.history_loaded:
-                    for h in d.history:
-                        m.index.add_history(h.token_ids)
-                    m.history_loaded = True
-                for a in d.appends:
-                    if not a.request_id:
-                        m.index.add_history(a.token_ids)
-                        continue
-                    if a.request_id in m.active:
-                        continue  # generating here: the local copy is the truth (see the module doc)
-                    try:
-                        # The server's log is the truth for a response not running here, so every
-                        # delta replaces from its offset: a copy of ours from an abandoned attempt
-                        # (tokens beyond what the newer attempt sent) gives way instead of refusing
-                        # the newer tokens as an overlap. A no-op cut when the copies agree.
-                        received += m.index.replace_from(a.request_id, a.offset, a.token_ids)[1]
-                    except InvalidArgument as e:
-                        log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
-                m.watermark = d.watermark
-                m.incarnation = d.incarnation
-                if old is not None:
-                    # Our responses the new incarnation lacks come back from our old copy; they and
-                    # those running here (our copy is the truth) go to the server again.
-                    lacking = [r for r in sorted(m.own) if r not in m.active and not m.index.length(r)]
-                    for r in lacking:
-                        toks = old.tokens(r)
-                        if toks:
-                            m.index.append(r, 0, toks)
-                    self._requeue_own(d.group_id, m, sorted(m.active & m.own) + lacking)
-            self._stats.received_tokens += received
+                self._stats.received_tokens += self._apply_locked(d, m)
         return True
+
+    def _apply_locked(self, d: draft_pb2.GroupDelta, m: _Mirror) -> int:
+        """Applies one group's Sync reply to its mirror; returns the tokens added. Caller holds the lock."""
+        if d.gone:
+            self._lost_locked(d.group_id, m, d.expired)
+            return 0
+        received = 0
+        old: GroupIndex | None = None
+        if d.reset:
+            # Another incarnation of the group: rebuild from its whole state (below, as for
+            # watermark 0); the responses running here keep our copy (the truth).
+            old = self._restart_mirror_locked(m, sorted(m.active & m.own))
+        if m.watermark == 0 and not m.history_loaded:
+            for h in d.history:
+                m.index.add_history(h.token_ids)
+            m.history_loaded = True
+        for a in d.appends:
+            if not a.request_id:
+                m.index.add_history(a.token_ids)
+                continue
+            if a.request_id in m.active:
+                continue  # generating here: the local copy is the truth (see the module doc)
+            try:
+                # The server's log is the truth for a response not running here, so every delta
+                # replaces from its offset: a copy of ours from an abandoned attempt (tokens beyond
+                # what the newer attempt sent) gives way instead of refusing the newer tokens as an
+                # overlap. A no-op cut when the copies agree.
+                received += m.index.replace_from(a.request_id, a.offset, a.token_ids)[1]
+            except InvalidArgument as e:
+                log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
+        m.watermark = d.watermark
+        m.incarnation = d.incarnation
+        if old is not None:
+            # Our responses the new incarnation lacks come back from our old copy; they and those
+            # running here (our copy is the truth) go to the server again.
+            lacking = [r for r in sorted(m.own) if r not in m.active and not m.index.length(r)]
+            for r in lacking:
+                toks = old.tokens(r)
+                if toks:
+                    m.index.append(r, 0, toks)
+            self._requeue_own(d.group_id, m, sorted(m.active & m.own) + lacking)
+        return received
 
     def _restart_mirror_locked(self, m: _Mirror, keep: Sequence[str]) -> GroupIndex:
         """The mirror starts over from watermark 0 with the prompt and our copies of `keep`; returns
