@@ -14,20 +14,17 @@ no healthy worker can break (services/worker/core.py fills the stats per chunk):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
+
+from services.scheduler.core.workers import counts_problem
 
 
 def chunk_stats_problem(stats: Mapping[str, float], tokens: int) -> str:
     """Why a chunk's stats cannot be true ("" when they are plausible). `tokens`: the tokens the
     chunk streamed."""
-    for name, value in stats.items():
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            return f"{name} is not a number: {value!r}"
-        if math.isnan(value) or math.isinf(value):
-            return f"{name} is not finite: {value}"
-        if value < 0:
-            return f"{name} is negative: {value}"
+    problem = counts_problem(stats)
+    if problem:
+        return problem
     draft, accepted = stats.get("draft_tokens", 0), stats.get("accepted_tokens", 0)
     if accepted > draft:
         return f"accepted_tokens {accepted} exceeds draft_tokens {draft}"

@@ -4,6 +4,7 @@ quarantine of workers whose telemetry is impossible (not trusted, not dispatched
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.log import get_logger, kv
@@ -53,9 +54,9 @@ class WorkerState:
         self.reserved_pages -= self.in_flight.pop(request_id, 0)
 
 
-def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: int, extra: dict[str, float]) -> str:
-    """Why a telemetry report cannot be true ("" when it is plausible)."""
-    values: dict[str, float] = {"free_pages": free_pages, "running": running, "waiting": waiting, **extra}
+def counts_problem(values: Mapping[str, float]) -> str:
+    """The first value that is not a finite non-negative number, said ("" when none): what any count
+    or duration a worker reports must be."""
     for name, value in values.items():
         if not isinstance(value, int | float) or isinstance(value, bool):
             return f"{name} is not a number: {value!r}"
@@ -63,6 +64,14 @@ def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: 
             return f"{name} is not finite: {value}"
         if value < 0:
             return f"{name} is negative: {value}"
+    return ""
+
+
+def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: int, extra: dict[str, float]) -> str:
+    """Why a telemetry report cannot be true ("" when it is plausible)."""
+    problem = counts_problem({"free_pages": free_pages, "running": running, "waiting": waiting, **extra})
+    if problem:
+        return problem
     if free_pages > spec.total_pages:
         return f"free_pages {free_pages} exceeds total_pages {spec.total_pages}"
     used = extra.get("used_pages")
