@@ -20,7 +20,7 @@ from services.common.log import log_context
 from services.common.server import RunningServer, start_server
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.store import KvStore
-from services.kvstore.wire import PutMessage, decode_put, encode_get
+from services.kvstore.wire import BadFrame, PutMessage, decode_put_frame, encode_get
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
 
@@ -51,13 +51,18 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         self.max_page_message_bytes = max_page_message_bytes
 
     @rpc
-    def Put(self, request_iterator: Iterator[PutMessage], context: grpc.ServicerContext) -> kvstore_pb2.PutResponse:
+    def Put(
+        self, request_iterator: Iterator[PutMessage | BadFrame], context: grpc.ServicerContext
+    ) -> kvstore_pb2.PutResponse:
         # namespace, layout and request_id may be sent once, on the first message of the stream.
         namespace, request_id = "", ""
         layout: KVLayout | None = None
-        stored = stored_bytes = 0
+        stored = stored_bytes = claimed = 0
+        first_unclaimed = -1
         for i, msg in enumerate(request_iterator):
             prefix = f"requests[{i}]"
+            if isinstance(msg, BadFrame):
+                raise InvalidArgument(f"malformed PutRequest: {msg.reason}", field=prefix)
             data = msg.data
             if len(data) > self.max_page_message_bytes:
                 raise ResourceExhausted(
@@ -74,14 +79,24 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                 try:
                     if not data:
                         # A claim: the client saw the page stored (Exists) and only adds its owner.
+                        # A claim can find nothing (released or evicted since the Exists): say
+                        # so, or the client would count the page as stored and never resend it.
                         self.store.check_layout(namespace, layout)
-                        self.store.claim(namespace, msg.page_hash, request_id)
+                        if self.store.claim(namespace, msg.page_hash, request_id):
+                            claimed += 1
+                        elif first_unclaimed < 0:
+                            first_unclaimed = i
                     elif self.store.put(namespace, layout, msg.page_hash, data, msg.checksum, request_id):
                         stored += 1
                         stored_bytes += len(data)
                 except SeerError as exc:
                     raise _prefixed(exc, prefix) from exc
-        return kvstore_pb2.PutResponse(stored_pages=stored, stored_bytes=stored_bytes)
+        return kvstore_pb2.PutResponse(
+            stored_pages=stored,
+            stored_bytes=stored_bytes,
+            claimed_pages=claimed,
+            first_unclaimed=max(first_unclaimed, 0),
+        )
 
     @rpc
     def Get(self, request: kvstore_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -133,7 +148,9 @@ def method_handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
         SERVICE_NAME,
         {
             "Put": grpc.stream_unary_rpc_method_handler(
-                servicer.Put, request_deserializer=decode_put, response_serializer=pb.PutResponse.SerializeToString
+                servicer.Put,
+                request_deserializer=decode_put_frame,
+                response_serializer=pb.PutResponse.SerializeToString,
             ),
             # The servicer yields bytes already serialized: no response serializer.
             "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, request_deserializer=pb.GetRequest.FromString),

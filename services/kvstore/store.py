@@ -16,9 +16,11 @@ Ownership: every Put names its request; a page shared by several requests (a gro
 prompt) is deleted by Release only when its last owner releases it. Pages put without a request
 are evicted by capacity only.
 
-Versions: a namespace "family@version" supersedes the older namespaces of the same family: when a
-Put creates a new one, all but the newest `keep_versions` of that family are dropped (one
-drop_column_family) and tombstoned, so a straggling worker on old weights cannot recreate them.
+Versions: a namespace "family@v<N>" supersedes the lower versions of the same family (ordered by
+N; names without a "v<N>" tail by creation order, below numbered ones): when a Put creates a new
+one, all but the highest `keep_versions` of that family are dropped (one drop_column_family) and
+tombstoned, so a straggling worker on old weights cannot recreate them; a Put that would create a
+version lower than the family's highest is refused, so it cannot drop a newer one.
 `drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
 
 Checksums: the XXH3-64 of every page (services.kvstore.checksum) is checked on
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -81,14 +84,48 @@ class _Entry:
 class _Namespace:
     name: str
     layout: KVLayout
-    seq: int  # creation order: later = newer version of its family
+    seq: int  # creation order: orders the versions of a family whose names carry no "v<N>"
     entries: dict[bytes, _Entry] = field(default_factory=dict)
     by_owner: dict[str, set[bytes]] = field(default_factory=dict)
 
 
+_VERSION_RE = re.compile(r"v(\d{1,18})")
+
+
 def family_of(namespace: str) -> str | None:
-    """'smollm2-135m@v3' -> 'smollm2-135m'; None when the name carries no version."""
+    """'smollm2-135m@v3' -> 'smollm2-135m'; None when the name carries no version. Everything before
+    the last "@" is the family: a worker puts its weights identity there
+    ('smollm2-135m@3f9a0c2e1b7d@v3', services.worker.core.version_name), so versions of other weights
+    never supersede each other."""
     return namespace.rsplit("@", 1)[0] if "@" in namespace else None
+
+
+def version_of(namespace: str) -> int | None:
+    """The N of a 'family@v<N>' name; None when the name has no such suffix (ordered by creation)."""
+    if "@" not in namespace:
+        return None
+    m = _VERSION_RE.fullmatch(namespace.rsplit("@", 1)[1])
+    return int(m.group(1)) if m else None
+
+
+# Bytes a page's buffer may pin beyond the page itself and still be kept as it is in DRAM (a Put
+# frame's header: namespace and request_id are capped by MAX_NAME_BYTES, the rest is small).
+MAX_FRAME_OVERHEAD = 4096
+MAX_NAME_BYTES = 256  # namespace / request_id: they become RocksDB names and are held per page
+
+
+def _check_name(value: str, field_name: str, *, required: bool = True) -> None:
+    """A namespace or request id is a short printable name: it becomes a column family name and
+    metadata, and an unbounded one would let a Put's header outweigh its page in the DRAM budget."""
+    if not value:
+        if required:
+            raise InvalidArgument("must not be empty", field=field_name)
+        return
+    size = len(value.encode("utf-8"))
+    if size > MAX_NAME_BYTES:
+        raise InvalidArgument(f"{size} bytes, at most {MAX_NAME_BYTES}", field=field_name)
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise InvalidArgument("must not contain NUL or control characters", field=field_name)
 
 
 def _encode_meta(e: _Entry) -> bytes:
@@ -196,16 +233,35 @@ class KvStore:
     def _check_put_target(self, name: str, layout: KVLayout) -> _Namespace | None:
         """The namespace a Put goes to (None: a new one), after checking the stated layout against
         it. Creates nothing, so a rejected Put leaves no trace."""
-        if not name:
-            raise InvalidArgument("must not be empty", field="namespace")
+        _check_name(name, "namespace")
         if name in self._tombstones:
             raise FailedPrecondition(f"{name!r} was superseded by a newer model version and dropped", field="namespace")
         ns = self._namespaces.get(name)
         if ns is not None:
             ns.layout.check_same(layout)
         else:
+            newest = self._newest_version(name)
+            version = version_of(name)
+            if newest is not None and version is not None and version < newest:
+                # A straggler still on older weights: creating its namespace would make it the
+                # family's newest by creation order and drop the live one, so refuse it instead.
+                raise FailedPrecondition(
+                    f"{name!r} is older than the family's newest version v{newest}", field="namespace"
+                )
             layout.validate()
         return ns
+
+    def _newest_version(self, name: str) -> int | None:
+        """The highest parsed version among the live and dropped namespaces of name's family."""
+        family = family_of(name)
+        if family is None:
+            return None
+        versions = [
+            v
+            for n in itertools.chain(self._namespaces, self._tombstones)
+            if family_of(n) == family and (v := version_of(n)) is not None
+        ]
+        return max(versions, default=None)
 
     def _create_namespace(self, name: str, layout: KVLayout) -> _Namespace:
         ns = _Namespace(name, layout, next(self._seq))
@@ -215,9 +271,17 @@ class KvStore:
         log.info("namespace created", extra=kv(namespace=name, page_bytes=layout.page_bytes))
         family = family_of(name)
         if family is not None:
-            same = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=lambda n: n.seq)
+            # Newest = highest version number (names that do not parse sort by creation order,
+            # below every parsed one); only versions below the one just created are dropped, so a
+            # late namespace can never take a newer one down with it.
+            def order(n: _Namespace) -> tuple[int, int]:
+                v = version_of(n.name)
+                return (0, n.seq) if v is None else (1, v)
+
+            same = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=order)
             for old in same[: max(0, len(same) - self.keep_versions)]:
-                self._drop_locked(old.name)
+                if order(old) < order(ns):
+                    self._drop_locked(old.name)
         return ns
 
     def drop_namespace(self, name: str) -> int:
@@ -258,6 +322,13 @@ class KvStore:
         """Stores one page (or adds request_id as an owner of the stored one). True when new."""
         if len(page_hash) != HASH_BYTES:
             raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
+        _check_name(request_id, "request_id", required=False)
+        frame = data.obj if isinstance(data, memoryview) else None
+        if isinstance(frame, bytes | bytearray) and len(frame) - len(data) > MAX_FRAME_OVERHEAD:
+            # The DRAM tier keeps `data` as a view (wire.decode_put), which pins the whole received
+            # frame: one padded with large fields would hold far more memory than the page counts
+            # for in the DRAM budget. Keep a copy of the page alone (it is then not echoed).
+            data = bytes(data)
         # The expensive part, outside the lock. Without put verification the writer's checksum is
         # stored as is: a page whose bytes do not match it is never used, since every reader (the
         # SSD tier, the client) checks it before use.
@@ -274,29 +345,57 @@ class KvStore:
                 )
             ns = found if found is not None else self._create_namespace(namespace, layout)
             key: Key = (namespace, page_hash)
+            owners = {request_id} if request_id else set()
             entry = ns.entries.get(page_hash)
             if entry is not None:
-                self._add_owner(ns, page_hash, entry, request_id)
-                return False
-            entry = _Entry(
-                size=len(data), checksum=actual, owners={request_id} if request_id else set(), seq=next(self._seq)
-            )
-            ns.entries[page_hash] = entry
-            if request_id:
-                ns.by_owner.setdefault(request_id, set()).add(page_hash)
+                if self.verify_put_checksums or self._stored_copy_ok(key, entry) or page_checksum(data) != checksum:
+                    self._add_owner(ns, page_hash, entry, request_id)
+                    return False
+                # Unverified Puts can store a page whose bytes do not match its checksum (and the
+                # DRAM tier never checks): every reader would reject it until capacity evicts it.
+                # A good copy arriving for it replaces it, keeping its owners.
+                self._checksum_failures += 1
+                log.warning(
+                    "stored page failed its checksum; replaced by the new Put",
+                    extra=kv(namespace=namespace, page=page_hash.hex()),
+                )
+                owners |= entry.owners
+                self._remove(key)
+            entry = _Entry(size=len(data), checksum=actual, owners=owners, seq=next(self._seq))
+            # Indexed only once a tier holds the page: a failed SSD write leaves no entry behind.
             if self._dram.fits(len(data)):
-                for evicted_key, evicted in self._dram.put(key, data):
+                evicted_pages = self._dram.put(key, data)
+                self._index(ns, page_hash, entry)
+                for evicted_key, evicted in evicted_pages:
                     self._demote(evicted_key, evicted)  # type: ignore[arg-type]
             else:
                 self._write_ssd(key, entry, data)
+                self._index(ns, page_hash, entry)
             self._enforce_ssd_capacity()
             return True
+
+    def _index(self, ns: _Namespace, page_hash: bytes, entry: _Entry) -> None:
+        ns.entries[page_hash] = entry
+        for owner in entry.owners:
+            ns.by_owner.setdefault(owner, set()).add(page_hash)
+
+    def _stored_copy_ok(self, key: Key, entry: _Entry) -> bool:
+        """Whether the stored bytes of a page match its checksum (a Put without verification may
+        have stored bad ones). An unreadable copy counts as bad."""
+        data = self._dram.get(key)
+        if data is None and entry.on_ssd:
+            try:
+                data = self._ssd.get(*key)
+            except Exception:  # RocksDB reports on-disk corruption as an error
+                data = None
+        return data is not None and len(data) == entry.size and page_checksum(data) == entry.checksum
 
     def claim(self, namespace: str, page_hash: bytes, request_id: str) -> bool:
         """Makes request_id an owner of an already stored page without its bytes being sent again
         (a chunk-end offload re-offers the context's earlier pages). False when not stored."""
         if len(page_hash) != HASH_BYTES:
             raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
+        _check_name(request_id, "request_id", required=False)
         with self._lock:
             ns = self._namespaces.get(namespace)
             entry = ns.entries.get(page_hash) if ns is not None else None
@@ -318,8 +417,18 @@ class KvStore:
         entry = ns.entries.get(key[1]) if ns is not None else None
         if entry is None or entry.on_ssd:
             return  # dropped meanwhile, or already on SSD (a promoted page): nothing to write
+        try:
+            self._write_ssd(key, entry, data)
+        except Exception:
+            # RocksDB refused the write (disk full, I/O error). The page already left DRAM, so no
+            # tier holds it: drop it from the index too, or Exists and claims would report a ghost.
+            log.warning(
+                "demotion to SSD failed; page evicted", exc_info=True, extra=kv(namespace=key[0], page=key[1].hex())
+            )
+            self._remove(key)
+            self._evictions += 1
+            return
         self._demotions += 1
-        self._write_ssd(key, entry, data)
 
     def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
         self._ssd.put(key[0], key[1], data, _encode_meta(entry))
@@ -450,7 +559,8 @@ class KvStore:
             if ns is None:
                 return 0
             owned = ns.by_owner.get(request_id, set())
-            targets = list(owned) if not page_hashes else [h for h in page_hashes if h in owned]
+            # dict.fromkeys: a hash listed twice is released once (the second would find it gone).
+            targets = list(owned) if not page_hashes else [h for h in dict.fromkeys(page_hashes) if h in owned]
             for page_hash in targets:
                 entry = ns.entries[page_hash]
                 entry.owners.discard(request_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from google.protobuf import message as protobuf_message
 from seer.v1 import kvstore_pb2
 
 # Field numbers and wire types (kvstore.proto; protobuf encoding spec).
@@ -178,6 +179,22 @@ def decode_put(raw: bytes) -> PutMessage:
         elif number == _REQUEST_ID:
             request_id = _text(_view(value), number)
     return PutMessage(namespace, layout, page_hash, data, checksum, request_id)
+
+
+@dataclass(frozen=True)
+class BadFrame:
+    """A Put message that did not decode (decode_put_frame): the servicer answers it with
+    INVALID_ARGUMENT naming its position, instead of gRPC's INTERNAL for a deserializer error."""
+
+    reason: str
+
+
+def decode_put_frame(raw: bytes) -> PutMessage | BadFrame:
+    """decode_put for the gRPC handler: a malformed message becomes a BadFrame, not an exception."""
+    try:
+        return decode_put(raw)
+    except (DecodeError, protobuf_message.DecodeError) as exc:
+        return BadFrame(str(exc) or type(exc).__name__)
 
 
 # ---------------------------------------------------------------------------- GetResponse

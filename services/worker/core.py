@@ -22,6 +22,7 @@ imports grpc and tests can drive it with the real engine alone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
@@ -58,11 +60,45 @@ _MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LR
 _MAX_STEP_FAILURES = 2  # engine step failures in a row that fail the running chunks
 
 
-def version_name(policy_version: int, family: str = "") -> str:
-    """The engine's model version string, also the KV store namespace: "<family>@v<N>". Every worker
-    of a deployment must agree on it; the store drops a family's older versions when a newer one
-    appears (so pages of old weights are never served and their space comes back)."""
-    return f"{family}@v{policy_version}" if family else f"v{policy_version}"
+def version_name(policy_version: int, family: str = "", weights: str = "") -> str:
+    """The engine's model version string, also the KV store namespace and part of every page hash:
+    "<family>@v<N>", or "<family>@<weights>@v<N>" once weights were loaded from a named source
+    (`weights` = weights_id(source)). Every worker of a deployment must agree on it; the store
+    drops a family's older versions when a newer one appears (so pages of old weights are never
+    served and their space comes back).
+
+    The weights id is there because the policy version alone does not name the weights: a new
+    training run on the same kvstore volume restarts at v0, and a LoadWeights may reload one version
+    from another source. Without it such weights would share a namespace (and page hashes) with
+    others and be served their KV. It sits before the last "@", so it is part of the store's family
+    (versions of other weights neither supersede nor block each other) and the "v<N>" tail stays
+    what engines parse."""
+    base = f"{family}@{weights}" if family and weights else family or weights
+    return f"{base}@v{policy_version}" if base else f"v{policy_version}"
+
+
+def weights_id(source: str) -> str:
+    """A short digest naming the weights at `source` (a file, or a directory of weight files) by
+    content, not by place: per file its name, size and 64 KiB read from its middle (trained weights
+    differ everywhere, so a sample separates two checkpoints; the same checkpoint copied to another
+    node or path gets the same id, so workers loading their own copies still share KV). A few
+    reads per LoadWeights. A source that is not a readable file or directory (a name the engine
+    resolves itself) is named by the string."""
+    h = hashlib.blake2b(digest_size=6)
+    path = Path(source)
+    try:
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] if path.is_file() else []
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"\0{f.name}\0{size}\0".encode())
+            with f.open("rb") as fh:
+                fh.seek(max(0, size // 2 - 32768))
+                h.update(fh.read(65536))
+    except OSError:
+        files = []  # unreadable: the engine's load reports it
+    if not files:
+        h.update(source.encode("utf-8"))
+    return h.hexdigest()
 
 
 @dataclass
@@ -203,11 +239,16 @@ class Worker:
         kv_offload: bool = True,
         engine_name: str = "reference",
         model_family: str = "",
+        weights_source: str = "",
         step_clock: str = "wall",
     ) -> None:
         self.engine = engine
         self.engine_name = engine_name
         self.model_family = model_family
+        # Where the loaded weights came from: the engine's model directory at start (the factory
+        # names the engine's version with its weights_id too), then the last LoadWeights source.
+        # A reload without a source reloads those, so it keeps naming them (see version_name).
+        self._weights_source = weights_source
         self.worker_id = worker_id
         self._policy_version = policy_version
         self._draft = draft
@@ -496,13 +537,16 @@ class Worker:
                     if left <= 0:
                         raise Unavailable(f"{len(self._active)} chunks still running after {drain_timeout:.0f}s")
                     self._wake.wait(min(left, 0.5))
+                src = source or self._weights_source
+                name = version_name(version, self.model_family, weights_id(src) if src else "")
                 try:
-                    self.engine.load_weights(source or None, version_name(version, self.model_family))
+                    self.engine.load_weights(source or None, name)
                 except FileNotFoundError as e:
                     raise InvalidArgument(str(e), field="source") from e
                 except ValueError as e:
                     raise InvalidArgument(str(e), field="source") from e
                 self._policy_version = version
+                self._weights_source = src
                 metrics.POLICY_VERSION.set(version)
                 with self._offloaded_lock:
                     self._offloaded.clear()  # pages of the old version are never reused

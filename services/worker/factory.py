@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.common.log import get_logger, kv
 from services.worker.config import WorkerConfig
-from services.worker.core import DraftSource, KVPool, SpecPlanner, Worker, version_name
+from services.worker.core import DraftSource, KVPool, SpecPlanner, Worker, version_name, weights_id
 from services.worker.engine import Engine
 
 log = get_logger(__name__)
@@ -34,7 +34,8 @@ def model_family(cfg: WorkerConfig) -> str:
 
 def build_engine(cfg: WorkerConfig) -> Engine:
     model_dir = resolve_model_dir(cfg)
-    version = version_name(cfg.policy_version, model_family(cfg))
+    # Named by the weights too (core.weights_id), as a LoadWeights names its source's.
+    version = version_name(cfg.policy_version, model_family(cfg), weights_id(str(model_dir)))
     if cfg.engine == "sglang":
         from services.worker.engines.sglang.engine import SGLangEngine
 
@@ -83,7 +84,10 @@ def build_kv(cfg: WorkerConfig) -> KVPool | None:
 
 
 def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None) -> Worker:
-    engine = engine or build_engine(cfg)
+    source = ""
+    if engine is None:
+        engine = build_engine(cfg)
+        source = str(resolve_model_dir(cfg))
     worker = Worker(
         engine,
         worker_id=worker_id,
@@ -101,6 +105,7 @@ def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None
         kv_offload=cfg.kv_offload,
         engine_name=cfg.engine,
         model_family=model_family(cfg),
+        weights_source=source,
     )
     log.info("worker built", extra=kv(worker_id=worker_id, engine=cfg.engine, speculation=cfg.speculation,
                                       draft=cfg.draft_address or "-", kv=",".join(cfg.kv_addresses) or "-"))

@@ -253,7 +253,8 @@ class KVClient:
                 checksum = page_checksum(data) if data else 0
                 yield encode_put(pages.page_hashes[i], data, checksum, namespace=ns, layout=lay, request_id=owner)
 
-        def put(node: str, idx: list[int]) -> tuple[int, int]:
+        def put(node: str, idx: list[int]) -> tuple[int, int, int | None]:
+            """(pages stored, pages claimed, first page of idx whose claim found nothing or None)."""
             have = (
                 self._stubs[node]
                 .Exists(
@@ -273,12 +274,17 @@ class KVClient:
                 self._put_rpc[node].future(stream(part, have if k == 0 else 0), timeout=self.rpc_timeout_s)
                 for k, part in enumerate(parts)
             ]
-            return sum(f.result().stored_pages for f in futures), have
+            results = [f.result() for f in futures]
+            first = results[0]
+            # A claim finds nothing when the page went (released or evicted) after our Exists: that
+            # page is not stored, whatever Exists said, and the caller must send it again.
+            lost = idx[first.first_unclaimed] if first.claimed_pages < have else None
+            return sum(r.stored_pages for r in results), first.claimed_pages, lost
 
         groups = self._by_node(pages.page_hashes)
         calls = {node: (lambda node=node, idx=idx: put(node, idx)) for node, idx in groups.items()}
         stored = failed = claimed = 0
-        failed_first: list[int] = []  # per failed replica, the first page it held
+        failed_first: list[int] = []  # per failed replica the first page it held; per lost claim its page
         for node, res in self._fan_out(calls, strict=True, pool=self._offload_io).items():
             # A replica answers for every message or fails the call: fewer "stored" than sent
             # means a sibling stored some of them meanwhile, not that they are missing.
@@ -288,6 +294,8 @@ class KVClient:
             else:
                 stored += res[0]
                 claimed += res[1]
+                if res[2] is not None:
+                    failed_first.append(res[2])
         self._count(
             put_pages=len(pages.pages),
             put_bytes=sent[0],

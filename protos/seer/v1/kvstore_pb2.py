@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15seer/v1/kvstore.proto\x12\x07seer.v1\"z\n\nPageLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x0e\n\x06layout\x18\x06 \x01(\t\"\xa0\x01\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.seer.v1.PageLayout\x12\x11\n\tpage_hash\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\tR\x07missing\"9\n\x0bPutResponse\x12\x14\n\x0cstored_pages\x18\x01 \x01(\x05\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x03\"Y\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x0c\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.seer.v1.PageLayout\"\x88\x01\n\x0bGetResponse\x12\x11\n\tpage_hash\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06\x12\x0f\n\x07missing\x18\x08 \x01(\x08J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\tnamespaceR\x06layoutR\nrequest_id\"7\n\rExistsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x0c\"&\n\x0e\x45xistsResponse\x12\x14\n\x0cprefix_pages\x18\x01 \x01(\x05\"L\n\x0eReleaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0bpage_hashes\x18\x03 \x03(\x0c\")\n\x0fReleaseResponse\x12\x16\n\x0ereleased_pages\x18\x01 \x01(\x05\"\x13\n\x11GetKvStatsRequest\"\xc8\x01\n\x12GetKvStatsResponse\x12\x12\n\ndram_bytes\x18\x01 \x01(\x03\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x03\x12\x11\n\tssd_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12ssd_capacity_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\x11\n\tevictions\x18\x07 \x01(\x03\x12\x12\n\nnamespaces\x18\x08 \x01(\x05\x12\r\n\x05pages\x18\t \x01(\x03\x32\xb8\x02\n\x0eKvStoreService\x12\x32\n\x03Put\x12\x13.seer.v1.PutRequest\x1a\x14.seer.v1.PutResponse(\x01\x12\x32\n\x03Get\x12\x13.seer.v1.GetRequest\x1a\x14.seer.v1.GetResponse0\x01\x12\x39\n\x06\x45xists\x12\x16.seer.v1.ExistsRequest\x1a\x17.seer.v1.ExistsResponse\x12<\n\x07Release\x12\x17.seer.v1.ReleaseRequest\x1a\x18.seer.v1.ReleaseResponse\x12\x45\n\nGetKvStats\x12\x1a.seer.v1.GetKvStatsRequest\x1a\x1b.seer.v1.GetKvStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15seer/v1/kvstore.proto\x12\x07seer.v1\"z\n\nPageLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x0e\n\x06layout\x18\x06 \x01(\t\"\xa0\x01\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.seer.v1.PageLayout\x12\x11\n\tpage_hash\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06J\x04\x08\x05\x10\x06J\x04\x08\x08\x10\tR\x07missing\"i\n\x0bPutResponse\x12\x14\n\x0cstored_pages\x18\x01 \x01(\x05\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x03\x12\x15\n\rclaimed_pages\x18\x03 \x01(\x05\x12\x17\n\x0f\x66irst_unclaimed\x18\x04 \x01(\x05\"Y\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x0c\x12#\n\x06layout\x18\x03 \x01(\x0b\x32\x13.seer.v1.PageLayout\"\x88\x01\n\x0bGetResponse\x12\x11\n\tpage_hash\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x06\x12\x0f\n\x07missing\x18\x08 \x01(\x08J\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\tnamespaceR\x06layoutR\nrequest_id\"7\n\rExistsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0bpage_hashes\x18\x02 \x03(\x0c\"&\n\x0e\x45xistsResponse\x12\x14\n\x0cprefix_pages\x18\x01 \x01(\x05\"L\n\x0eReleaseRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0bpage_hashes\x18\x03 \x03(\x0c\")\n\x0fReleaseResponse\x12\x16\n\x0ereleased_pages\x18\x01 \x01(\x05\"\x13\n\x11GetKvStatsRequest\"\xc8\x01\n\x12GetKvStatsResponse\x12\x12\n\ndram_bytes\x18\x01 \x01(\x03\x12\x1b\n\x13\x64ram_capacity_bytes\x18\x02 \x01(\x03\x12\x11\n\tssd_bytes\x18\x03 \x01(\x03\x12\x1a\n\x12ssd_capacity_bytes\x18\x04 \x01(\x03\x12\x0c\n\x04hits\x18\x05 \x01(\x03\x12\x0e\n\x06misses\x18\x06 \x01(\x03\x12\x11\n\tevictions\x18\x07 \x01(\x03\x12\x12\n\nnamespaces\x18\x08 \x01(\x05\x12\r\n\x05pages\x18\t \x01(\x03\x32\xb8\x02\n\x0eKvStoreService\x12\x32\n\x03Put\x12\x13.seer.v1.PutRequest\x1a\x14.seer.v1.PutResponse(\x01\x12\x32\n\x03Get\x12\x13.seer.v1.GetRequest\x1a\x14.seer.v1.GetResponse0\x01\x12\x39\n\x06\x45xists\x12\x16.seer.v1.ExistsRequest\x1a\x17.seer.v1.ExistsResponse\x12<\n\x07Release\x12\x17.seer.v1.ReleaseRequest\x1a\x18.seer.v1.ReleaseResponse\x12\x45\n\nGetKvStats\x12\x1a.seer.v1.GetKvStatsRequest\x1a\x1b.seer.v1.GetKvStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREQUEST']._serialized_start=159
   _globals['_PUTREQUEST']._serialized_end=319
   _globals['_PUTRESPONSE']._serialized_start=321
-  _globals['_PUTRESPONSE']._serialized_end=378
-  _globals['_GETREQUEST']._serialized_start=380
-  _globals['_GETREQUEST']._serialized_end=469
-  _globals['_GETRESPONSE']._serialized_start=472
-  _globals['_GETRESPONSE']._serialized_end=608
-  _globals['_EXISTSREQUEST']._serialized_start=610
-  _globals['_EXISTSREQUEST']._serialized_end=665
-  _globals['_EXISTSRESPONSE']._serialized_start=667
-  _globals['_EXISTSRESPONSE']._serialized_end=705
-  _globals['_RELEASEREQUEST']._serialized_start=707
-  _globals['_RELEASEREQUEST']._serialized_end=783
-  _globals['_RELEASERESPONSE']._serialized_start=785
-  _globals['_RELEASERESPONSE']._serialized_end=826
-  _globals['_GETKVSTATSREQUEST']._serialized_start=828
-  _globals['_GETKVSTATSREQUEST']._serialized_end=847
-  _globals['_GETKVSTATSRESPONSE']._serialized_start=850
-  _globals['_GETKVSTATSRESPONSE']._serialized_end=1050
-  _globals['_KVSTORESERVICE']._serialized_start=1053
-  _globals['_KVSTORESERVICE']._serialized_end=1365
+  _globals['_PUTRESPONSE']._serialized_end=426
+  _globals['_GETREQUEST']._serialized_start=428
+  _globals['_GETREQUEST']._serialized_end=517
+  _globals['_GETRESPONSE']._serialized_start=520
+  _globals['_GETRESPONSE']._serialized_end=656
+  _globals['_EXISTSREQUEST']._serialized_start=658
+  _globals['_EXISTSREQUEST']._serialized_end=713
+  _globals['_EXISTSRESPONSE']._serialized_start=715
+  _globals['_EXISTSRESPONSE']._serialized_end=753
+  _globals['_RELEASEREQUEST']._serialized_start=755
+  _globals['_RELEASEREQUEST']._serialized_end=831
+  _globals['_RELEASERESPONSE']._serialized_start=833
+  _globals['_RELEASERESPONSE']._serialized_end=874
+  _globals['_GETKVSTATSREQUEST']._serialized_start=876
+  _globals['_GETKVSTATSREQUEST']._serialized_end=895
+  _globals['_GETKVSTATSRESPONSE']._serialized_start=898
+  _globals['_GETKVSTATSRESPONSE']._serialized_end=1098
+  _globals['_KVSTORESERVICE']._serialized_start=1101
+  _globals['_KVSTORESERVICE']._serialized_end=1413
 # @@protoc_insertion_point(module_scope)

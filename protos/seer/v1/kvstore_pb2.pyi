@@ -39,12 +39,16 @@ class PutRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., page_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ..., request_id: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored_pages", "stored_bytes")
+    __slots__ = ("stored_pages", "stored_bytes", "claimed_pages", "first_unclaimed")
     STORED_PAGES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLAIMED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_UNCLAIMED_FIELD_NUMBER: _ClassVar[int]
     stored_pages: int
     stored_bytes: int
-    def __init__(self, stored_pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ...) -> None: ...
+    claimed_pages: int
+    first_unclaimed: int
+    def __init__(self, stored_pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., claimed_pages: _Optional[int] = ..., first_unclaimed: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "page_hashes", "layout")

@@ -79,6 +79,15 @@ def parse_policy_version(model_version: str) -> int:
     return int(tail[1:])
 
 
+def _family_of(model_version: str) -> str:
+    """'family@v3' -> 'family'; 'family@<weights id>@v3' -> 'family-<weights id>' (the KV namespace
+    and HiCache's extra key take one '@' before the version); 'v3' -> 'model'. The weights id is
+    the one the engine started with: SGLang's HiCache backend runs in its own process and learns
+    only the policy version afterwards (pages.VersionFile), so a LoadWeights from another source
+    keeps the starting family (the reference engine renames; see core.version_name)."""
+    return model_version.rsplit("@", 1)[0].replace("@", "-") if "@" in model_version else "model"
+
+
 def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file: str) -> dict[str, Any]:
     """sglang.Engine(**kwargs) for a worker config (SGLang's ServerArgs field names)."""
     kw: dict[str, Any] = {
@@ -150,7 +159,7 @@ class SGLangEngine(Engine):
         self._mc = ModelConfig.from_dir(model_dir)
         self._model_dir = model_dir
         self._version = model_version
-        self._family = model_version.rsplit("@", 1)[0] if "@" in model_version else "model"
+        self._family = _family_of(model_version)
         self._version_file = pages.VersionFile(version_file)
         self._version_file.write(parse_policy_version(model_version))
         self._page_size = int(server_args.get("page_size", 16))
@@ -171,7 +180,7 @@ class SGLangEngine(Engine):
 
     @classmethod
     def from_config(cls, cfg: WorkerConfig, model_dir: Path, model_version: str) -> SGLangEngine:
-        family = model_version.rsplit("@", 1)[0] if "@" in model_version else "model"
+        family = _family_of(model_version)
         version_file = os.path.join(tempfile.mkdtemp(prefix="seer-sglang-"), "policy_version")
         env = {plugin.ENV_DRAFT_ADDRESS: cfg.draft_address, plugin.ENV_DRAFT_WIDTH: str(cfg.draft_width),
                plugin.ENV_GROUP_TTL: str(cfg.group_ttl_seconds)}
