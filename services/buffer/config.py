@@ -35,6 +35,11 @@ class BufferConfig(ServiceConfig):
         default="", metadata={"help": "SchedulerService host:port for UpdateWeights ('' = record only)"}
     )
     switch_timeout_seconds: float = field(default=600.0, metadata={"help": "deadline of SwitchWeights"})
+    max_streams: int = field(
+        default=0,
+        metadata={"help": "open StreamResults + WatchWork streams at most; more are RESOURCE_EXHAUSTED "
+                          "(0 = max_workers - 8, or half of max_workers up to 16)"},
+    )
     sync_writes: bool = field(
         default=False,
         metadata={"help": "fsync every commit (survives power loss; process crashes are safe without it)"},
@@ -57,3 +62,20 @@ class BufferConfig(ServiceConfig):
             raise ValueError("history_iterations: must be >= 1")
         if self.switch_timeout_seconds <= 0:
             raise ValueError("switch_timeout_seconds: must be > 0")
+        if self.max_workers < 2:
+            raise ValueError("max_workers: must be >= 2 (a waiting stream holds one handler thread)")
+        if self.max_streams < 0:
+            raise ValueError("max_streams: must be >= 0 (0 = derived from max_workers)")
+        if self.max_streams and self.max_streams >= self.max_workers:
+            raise ValueError(f"max_streams: must be below max_workers ({self.max_workers}); a stream holds a "
+                             "handler thread, and unary calls (CommitChunk) need threads of their own")
+
+    def stream_limit(self) -> int:
+        """The effective max_streams. Each open stream holds one handler thread while it waits, so
+        the limit leaves threads free for the unary calls that produce what the streams wait for
+        (CommitChunk, SubmitBatch): without one, enough waiting streams deadlock the buffer."""
+        if self.max_streams:
+            return self.max_streams
+        if self.max_workers > 16:
+            return self.max_workers - 8
+        return max(1, self.max_workers // 2)

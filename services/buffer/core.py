@@ -43,7 +43,7 @@ from services.buffer.records import (
     encode_history,
 )
 from services.buffer.store import Store
-from services.buffer.validation import content_hash, validate_batch, validate_batch_id
+from services.buffer.validation import content_hash, validate_batch, validate_batch_id, validate_seed_scope
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -199,6 +199,8 @@ class BufferCore:
         self._cond = threading.Condition(self._lock)
         self._hub = WatchHub()
         self._switching = False
+        self._switch_target = 0  # the version being switched to while _switching
+        self._switch_workers = 0  # workers that loaded the current version (0 after a restart)
         self._closed = False
         self._batches: dict[str, BatchRecord] = {}
         self._groups: dict[tuple[str, int], GroupRecord] = {}  # groups of running batches
@@ -292,19 +294,25 @@ class BufferCore:
         trace context (W3C keys), handed on with every work item of the batch; a resubmission keeps
         the first one. seed_scope: what request seeds are derived from instead of the batch id
         (batches with one scope and the same base seeds sample alike; "" = the batch id)."""
-        valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
+        validate_batch_id(batch_id)  # format checks only: they do not depend on the buffer's limits
+        validate_seed_scope(seed_scope)
         if seed_scope == batch_id:
             seed_scope = ""  # the default, spelled out: the same seeds, so the same submission
         digest = content_hash(batch_id, groups, seed_scope)
+        # A stored batch is looked up before the content is validated: it was valid when accepted,
+        # and a retry after a restart with other limits (max_context, max_requests_per_batch, model)
+        # must still get already_submitted, not an error about a batch that is running.
+        existing = self._existing(batch_id, digest)
+        if existing is not None:
+            return existing
+        valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
         scope = seed_scope or batch_id
         with self._lock:
             self._check_open()
-            existing = self._batches.get(batch_id)
+            # Again under the lock: the same batch may have been stored by a concurrent call.
+            existing = self._existing(batch_id, digest)
             if existing is not None:
-                if existing.content_hash != digest:
-                    raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content",
-                                        field="batch_id")
-                return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version)
+                return existing
             if self._switching:
                 raise Unavailable("a weight update is in progress; retry shortly")
             version = self._policy_version
@@ -341,6 +349,17 @@ class BufferCore:
         log.info("batch submitted", extra=kv(batch_id=batch_id, groups=len(valid),
                                              requests=batch.num_requests, policy_version=version))
         return SubmitOutcome(batch_id, batch.num_requests, False, version)
+
+    def _existing(self, batch_id: str, digest: str) -> SubmitOutcome | None:
+        """The outcome of resubmitting a stored batch (same content), or None when it is new."""
+        with self._lock:
+            self._check_open()
+            existing = self._batches.get(batch_id)
+        if existing is None:
+            return None
+        if existing.content_hash != digest:
+            raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content", field="batch_id")
+        return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version)
 
     # ---- work feed -----------------------------------------------------------------------------
 
@@ -715,7 +734,16 @@ class BufferCore:
         with self._lock:
             self._check_open()
             if self._switching:
-                raise FailedPrecondition("another weight update is in progress", field="version")
+                raise FailedPrecondition(f"a weight update to version {self._switch_target} is in progress; "
+                                         "retry when it ends", field="version")
+            if version == self._policy_version and version > 0 and source in ("", self._policy_source):
+                # A repeat of the update that made this version current: its caller may have timed
+                # out while the switch went on, and the retry must not be refused as "not newer".
+                log.info("policy version already current", extra=kv(version=version, source=source))
+                return WeightsOutcome(version, self._switch_workers, 0.0)
+            if version == self._policy_version and version > 0:
+                raise InvalidArgument(f"version {version} is current with source {self._policy_source!r}; "
+                                      f"a new source needs a new version", field="source")
             if version <= self._policy_version:
                 raise InvalidArgument(f"must be greater than the current version {self._policy_version}, "
                                       f"got {version}", field="version")
@@ -725,7 +753,7 @@ class BufferCore:
                 raise FailedPrecondition(
                     f"{len(running)} batch(es) of version {self._policy_version} still running "
                     f"(e.g. {running[0]!r}); wait for them or cancel them", field="version")
-            self._switching = True
+            self._switching, self._switch_target = True, version
         t0 = time.monotonic()
         try:
             workers = switch(version, source) if switch is not None else 0
@@ -739,6 +767,7 @@ class BufferCore:
                 self._store.write(wb)
                 self._policy_version = version
                 self._policy_source = source or self._policy_source
+                self._switch_workers = workers
         finally:
             with self._lock:
                 self._switching = False

@@ -5,22 +5,64 @@ Servicers only convert messages and call the core; `@rpc` maps the core's typed 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import grpc
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from services.buffer import convert
+from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore, SwitchFn
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, batches, coalesce
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.grpcutil import channel, rpc
 from services.common.log import log_context
 from services.common.telemetry import current_trace_context
 
 # How often a blocked stream re-checks that its client is still there.
 POLL_SECONDS = 0.5
+
+
+class StreamSlots:
+    """Bounds the open long-lived streams (StreamResults, WatchWork) below the handler threads.
+
+    A sync gRPC server runs each call on a thread of its pool, and a stream keeps that thread while
+    it waits for results or work. Unbounded, enough waiting streams take every thread, and the
+    CommitChunk that would wake them queues behind them: a deadlock until clients give up. A stream
+    over the limit is refused at once with RESOURCE_EXHAUSTED (clients retry it with backoff), so
+    unary calls always find a thread. The last `watch_reserve` slots are WatchWork's alone:
+    result streams filling every slot would otherwise lock out the scheduler whose commits they
+    wait for (the same deadlock one level up)."""
+
+    def __init__(self, limit: int, watch_reserve: int | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"max_streams: must be >= 1, got {limit}")
+        self.limit = limit
+        self.watch_reserve = min(4, limit // 2) if watch_reserve is None else watch_reserve
+        self._lock = threading.Lock()
+        self._open = 0
+
+    @contextmanager
+    def hold(self, method: str) -> Iterator[None]:
+        cap = self.limit if method == "WatchWork" else self.limit - self.watch_reserve
+        with self._lock:
+            admitted = self._open < cap
+            if admitted:
+                self._open += 1
+        if not admitted:
+            metrics.STREAMS_REFUSED.labels(method=method).inc()
+            raise ResourceExhausted(f"too many open streams: {method} is admitted while fewer than {cap} "
+                                    f"are open (max_streams {self.limit}, the last {self.watch_reserve} kept "
+                                    "for WatchWork); retry with backoff")
+        metrics.STREAMS.inc()
+        try:
+            yield
+        finally:
+            metrics.STREAMS.dec()
+            with self._lock:
+                self._open -= 1
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -48,9 +90,10 @@ def scheduler_switch(address: str, timeout: float) -> SwitchFn:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, core: BufferCore, switch: SwitchFn | None) -> None:
+    def __init__(self, core: BufferCore, switch: SwitchFn | None, streams: StreamSlots | None = None) -> None:
         self.core = core
         self.switch = switch
+        self.streams = streams or StreamSlots(BufferConfig().stream_limit())
 
     @rpc
     def SubmitBatch(self, request: rollout_pb2.SubmitBatchRequest, context: grpc.ServicerContext
@@ -65,9 +108,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @rpc
     def StreamResults(self, request: rollout_pb2.StreamResultsRequest, context: grpc.ServicerContext
                       ) -> Iterator[rollout_pb2.StreamResultsResponse]:
-        for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
-                                             POLL_SECONDS):
-            yield rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r))
+        with self.streams.hold("StreamResults"):
+            # Headers now, not with the first result: they tell a client that the stream was
+            # accepted (SeerClient restarts its retry window then), which may be long before a result.
+            context.send_initial_metadata(())
+            for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
+                                                 POLL_SECONDS):
+                yield rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r))
 
     @rpc
     def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext
@@ -92,12 +139,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
-    def __init__(self, core: BufferCore) -> None:
+    def __init__(self, core: BufferCore, streams: StreamSlots | None = None) -> None:
         self.core = core
+        self.streams = streams or StreamSlots(BufferConfig().stream_limit())
 
     @rpc
     def WatchWork(self, request: buffer_pb2.WatchWorkRequest, context: grpc.ServicerContext
                   ) -> Iterator[buffer_pb2.WatchWorkResponse]:
+        with self.streams.hold("WatchWork"):
+            yield from self._watch(request, context)
+
+    def _watch(self, request: buffer_pb2.WatchWorkRequest, context: grpc.ServicerContext
+               ) -> Iterator[buffer_pb2.WatchWorkResponse]:
         snapshot, sub = self.core.watch(request.watcher_id)
         encoder = convert.WorkItemEncoder()
         version, source = self.core.policy()
@@ -147,9 +200,12 @@ def add_servicers(core: BufferCore, cfg: BufferConfig) -> Callable[[grpc.Server]
     """Returns the `add_servicers` callback for services.common.server.start_server."""
     switch = scheduler_switch(cfg.scheduler_address, cfg.switch_timeout_seconds) if cfg.scheduler_address else None
 
+    # One limit for both services: they share the server's thread pool.
+    streams = StreamSlots(cfg.stream_limit())
+
     def add(server: grpc.Server) -> Sequence[str]:
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(core, switch), server)
-        buffer_pb2_grpc.add_BufferInternalServiceServicer_to_server(BufferInternalServicer(core), server)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(core, switch, streams), server)
+        buffer_pb2_grpc.add_BufferInternalServiceServicer_to_server(BufferInternalServicer(core, streams), server)
         return [
             rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,
             buffer_pb2.DESCRIPTOR.services_by_name["BufferInternalService"].full_name,

@@ -4,6 +4,8 @@ Submits one batch through the public API (the Python client, RolloutService), sh
 while results stream in, and prints a summary: responses, tokens, throughput, the time taken by the
 last 10% of responses (the tail), per-response latency p50/p99 and the mean accepted length per
 step (tokens per engine step, the bonus token included: 1.0 = no speculation benefit).
+`--timeout T` (default 3600 s from submission) holds also while no result arrives: then the batch
+is cancelled and the exit status is 1.
 
 FILE is JSON lines: {"prompt": "...", "prompt_key": "...", "answer": "..."} (or "prompt_token_ids"
 instead of "prompt"; other string fields become labels echoed into the results), or plain text, one
@@ -118,7 +120,7 @@ def summarize(results: Sequence[Any], wall_seconds: float) -> dict[str, Any]:
 def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, progress: bool = True,
         on_result: Callable[[Any], None] | None = None, timeout: float = 3600.0) -> tuple[list[Any], float]:
     """Submits `groups` as one batch and collects every result; returns (results, wall seconds)."""
-    from seer_client import SeerClient
+    from seer_client import SeerClient, SeerError, SeerTimeout
 
     batch_id = batch_id or f"rollout-{uuid.uuid4().hex[:12]}"
     total = sum(g.group_size for g in groups)
@@ -133,17 +135,27 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
         client.wait_ready(timeout=60)
         t0 = time.monotonic()
         client.submit_batch(batch_id, groups)
-        for r in client.iter_results(batch_id):
-            results.append(r)
-            if on_result is not None:
-                on_result(r)
-            tokens += len(r.token_ids)
+        try:
+            # The deadline rides on the stream: checked per result it would never fire while no
+            # result arrives (no scheduler, stuck workers), the very case it is for.
+            for r in client.iter_results(batch_id, timeout=max(0.0, timeout - (time.monotonic() - t0))):
+                results.append(r)
+                if on_result is not None:
+                    on_result(r)
+                tokens += len(r.token_ids)
+                if bar is not None:
+                    bar.set_postfix(tokens=tokens, refresh=False)
+                    bar.update(1)
+        except SeerTimeout:
             if bar is not None:
-                bar.set_postfix(tokens=tokens, refresh=False)
-                bar.update(1)
-            if time.monotonic() - t0 > timeout:
-                client.cancel_batch(batch_id)
-                raise TimeoutError(f"batch {batch_id} not done after {timeout}s")
+                bar.close()
+            try:
+                n = client.cancel_batch(batch_id)
+                outcome = f"cancelled it ({n} unfinished responses)"
+            except SeerError as e:
+                outcome = f"cancelling it failed: {e}"
+            raise TimeoutError(f"batch {batch_id} not done after {timeout}s ({len(results)} of {total} "
+                               f"responses); {outcome}") from None
         wall = time.monotonic() - t0
     if bar is not None:
         bar.close()
@@ -204,7 +216,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--batch-id", default=None)
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the ChatML turn of the instruct model")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds from submission; then the batch is cancelled and the exit status is 1")
     p.add_argument("--json", action="store_true", help="print the summary as JSON only")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(list(argv))

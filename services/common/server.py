@@ -24,6 +24,13 @@ from services.common.telemetry import server_interceptors, setup_tracing, start_
 
 log = get_logger(__name__)
 
+# Server-side keepalive: the server pings each connection every KEEPALIVE_TIME_MS and closes it when
+# no ack comes within KEEPALIVE_TIMEOUT_MS. Without it a client that vanished without a FIN (a killed
+# node, a network partition) keeps its streams open forever: each waiting stream holds a handler
+# thread (services/buffer: StreamResults, WatchWork) and a slot of the buffer's max_streams.
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -105,6 +112,14 @@ def start_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # Recent gRPC cores time an unacknowledged ping out by this one (default 1 min), not by
+            # keepalive_timeout_ms alone: without it a dead peer is noticed a minute later.
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            # gRPC stops sending pings after 2 without data by default: a stream quiet for minutes
+            # (a long generation) would then lose its dead-peer detection.
+            ("grpc.http2.max_pings_without_data", 0),
             # Tolerate client keepalive pings (clients ping at most every 5 min; be lenient so a
             # third-party client with a shorter interval is not cut off with "too_many_pings").
             ("grpc.keepalive_permit_without_calls", 1),

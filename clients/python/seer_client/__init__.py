@@ -11,6 +11,7 @@ from seer_client.types import (
     RolloutResult,
     Sampling,
     SeerError,
+    SeerTimeout,
     SubmitResult,
     WeightsUpdate,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "Sampling",
     "SeerClient",
     "SeerError",
+    "SeerTimeout",
     "SubmitResult",
     "WeightsUpdate",
     "by_group",

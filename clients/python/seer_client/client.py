@@ -22,6 +22,7 @@ from seer_client.types import (
     RolloutResult,
     Sampling,
     SeerError,
+    SeerTimeout,
     SubmitResult,
     WeightsUpdate,
 )
@@ -34,8 +35,17 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A restarted buffer is back within a second or two; gRPC's default reconnect backoff (1 s
+    # growing to 2 min) would keep failing calls fast with UNAVAILABLE long after it is back.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# UpdateWeights waits for the whole switch (the buffer's switch_timeout_seconds, 600 s by default,
+# for the scheduler to drain chunks and the workers to load the weights), then records the version.
+# A shorter deadline reports a failure for a switch that goes on and succeeds.
+UPDATE_WEIGHTS_TIMEOUT = 660.0
 _FINISH = {0: "unspecified", 1: "stop", 2: "length", 3: "aborted", 4: "chunk"}
 _REQUEST_STATE = {0: "unspecified", 1: "pending", 2: "running", 3: "finished", 4: "cancelled"}
 _BATCH_STATE = {0: "unspecified", 1: "running", 2: "completed", 3: "cancelled"}
@@ -73,6 +83,16 @@ def _result(resp: rollout_pb2.StreamResultsResponse) -> RolloutResult:
         num_chunks=r.num_chunks, latency_seconds=r.latency_seconds, labels=dict(r.labels), text=r.text,
         stats={f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}, cursor=int(resp.cursor),
     )
+
+
+def _accepted(stream: Any) -> bool:
+    """Whether the buffer accepted a result stream: it sends headers at once (a refused or failed
+    call ends without them). A traced channel's plain generator cannot tell: False."""
+    initial_metadata = getattr(stream, "initial_metadata", None)
+    if initial_metadata is None:
+        return False
+    initial_metadata()  # blocks until headers arrive or the call ends
+    return not bool(stream.done())
 
 
 class SeerClient:
@@ -141,33 +161,63 @@ class SeerClient:
         resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout))
         return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version)
 
-    def iter_results(self, batch_id: str, cursor: int = 0) -> Iterator[RolloutResult]:
+    def iter_results(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None
+                     ) -> Iterator[RolloutResult]:
         """Finished responses in completion order, from `cursor` on, until the batch is done.
 
         Survives dropped streams and buffer restarts: it reconnects and resumes from the cursor of the
-        last result it yielded (each result exactly once). Gives up after `retry_seconds` without
-        progress.
+        last result it yielded (each result exactly once). Gives up when the buffer has been
+        unreachable for `retry_seconds` (counted from the first failure since the stream last made
+        progress, so a long quiet generation does not use the window up). A buffer at its stream
+        limit (RESOURCE_EXHAUSTED before accepting the stream) is retried the same way.
+
+        timeout: seconds for the whole iteration (None = until the batch is done); when they run out
+        SeerTimeout (a SeerError and a TimeoutError, code DEADLINE_EXCEEDED) is raised. The batch is
+        not cancelled.
         """
-        delay, deadline = 0.05, time.monotonic() + self.retry_seconds
+        end = None if timeout is None else time.monotonic() + timeout
+        delay = 0.05
+        failing_since: float | None = None  # the first failure since the last progress
         while True:
-            stream: Any = self._stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor))
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise self._timed_out(batch_id, timeout, cursor)
+            stream: Any = self._stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor),
+                                                   timeout=remaining)
+            accepted = False
             try:
+                accepted = _accepted(stream)
+                if accepted:
+                    failing_since = None
                 for resp in stream:
                     result = _result(resp)
                     cursor = result.cursor
-                    delay, deadline = 0.05, time.monotonic() + self.retry_seconds
+                    delay, failing_since = 0.05, None
                     yield result
                 return
             except grpc.RpcError as e:
-                if e.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
+                code = e.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and end is not None:
+                    raise self._timed_out(batch_id, timeout, cursor) from None
+                # RESOURCE_EXHAUSTED before the buffer accepted the stream is its stream limit (a
+                # transient state); after, it is a message over the size limit, which a retry repeats.
+                refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                if (code not in _RETRYABLE and not refused) or now + delay > failing_since + self.retry_seconds:
                     raise _error(e) from None
-                time.sleep(delay)
+                time.sleep(delay if end is None else max(0.0, min(delay, end - now)))
                 delay = min(delay * 2, 2.0)
             finally:
                 # A traced channel returns a plain generator, which has no cancel().
                 cancel = getattr(stream, "cancel", None)
                 if cancel is not None:
                     cancel()
+
+    def _timed_out(self, batch_id: str, timeout: float | None, cursor: int) -> SeerTimeout:
+        return SeerTimeout("DEADLINE_EXCEEDED",
+                           f"batch {batch_id!r}: results not complete after {timeout}s (cursor {cursor})")
 
     def collect(self, batch_id: str, cursor: int = 0) -> list[RolloutResult]:
         return list(self.iter_results(batch_id, cursor))
@@ -201,8 +251,13 @@ class SeerClient:
         req = rollout_pb2.CancelBatchRequest(batch_id=batch_id)
         return int(self._call(lambda: self._stub.CancelBatch(req, timeout=self.timeout)).num_cancelled)
 
-    def update_weights(self, version: int, source: str = "", timeout: float = 600.0) -> WeightsUpdate:
-        """Moves the suite to policy `version` (not retried: a repeat would be refused as not newer)."""
+    def update_weights(self, version: int, source: str = "", timeout: float = UPDATE_WEIGHTS_TIMEOUT
+                       ) -> WeightsUpdate:
+        """Moves the suite to policy `version`.
+
+        Safe to call again after a failure or a timeout: the version that is already current with the
+        same source (or source "") is success. Not retried automatically: a repeat during the switch
+        is FAILED_PRECONDITION. `timeout` should exceed the buffer's switch_timeout_seconds."""
         req = rollout_pb2.UpdateWeightsRequest(version=version, source=source)
         resp = self._call(lambda: self._stub.UpdateWeights(req, timeout=timeout), retry=False)
         return WeightsUpdate(resp.version, resp.num_workers, resp.seconds)

@@ -96,3 +96,7 @@ class SeerError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class SeerTimeout(SeerError, TimeoutError):
+    """A time limit given to the client ran out (code "DEADLINE_EXCEEDED"); also a TimeoutError."""
