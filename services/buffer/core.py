@@ -69,14 +69,12 @@ def derive_seed(base_seed: int, scope: str, sample_index: int) -> int:
     """A request's seed: a hash of the group's base seed, the batch's seed scope (its id unless the
     submitter named another) and the sample index (uint64).
 
-    The batch id is mixed in because the engine keys the randomness of undrafted steps by
-    (seed, position): with a fixed trainer seed, last iteration's response i to the same prompt
-    would have been sampled with the very numbers this iteration's request i samples with. History
-    drafts made from it would then let whether (and what) a step drafts depend on those numbers,
-    and lossless speculation needs drafts independent of the sampling randomness. (The verifier's
-    own numbers are fresh per call: services/worker/engines/reference/sequence.py, `verify_seed`.)
-    A seed scope shared by two batches opts out on purpose: reruns and A/B runs of one batch,
-    which must not serve as each other's history."""
+    The batch id is mixed in because the engine keys its randomness by (seed, position): with a
+    fixed trainer seed, this iteration's request i would sample exactly last iteration's response i
+    to the same prompt (RL wants fresh samples each iteration). (Speculation no longer depends on
+    it: the verifier draws each position as plain sampling does, so no draft can bias the output;
+    services/worker/engines/reference/verifier.py.) A seed scope shared by two batches opts out on
+    purpose: reruns and A/B runs of one batch, which then sample the same responses."""
     h = hashlib.blake2b(f"{base_seed}:{scope}:{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 

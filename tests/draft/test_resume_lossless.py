@@ -2,11 +2,14 @@
 
 The reference engine's randomness at an output position depends only on (seed, position). A failed
 attempt streamed its sample d into the draft index; the re-dispatched chunk (same seed, same
-position) must not get d as its draft: verifying d with the very random numbers that produced it
-biases the output (the reviewer measured 0.224/0.554/0.221 for a uniform 1/3 target). Here the real
-GroupIndex (with the worker's resume, `replace_from(request, 0, committed)`) supplies the draft and
-the real reference Verifier decides; a chi-square test checks the output distribution, and the same
-test on the unfixed path (no resume) must detect the bias, so it has power.
+position) may get d as its draft. Under the multi-draft residual rule the engine used until session
+13 (accept tests with other streams of the same (seed, position), residual drawn with stream 0),
+verifying d with the very numbers that produced it biased the output (the reviewer measured
+0.224/0.554/0.221 for a uniform 1/3 target), which the worker's resume (the request's copy cut back
+to its committed output) prevented. The verifier now draws every position exactly as plain sampling
+does, so no draft, this one included, can change the output. Here the real GroupIndex supplies the
+draft and the real Verifier decides; a chi-square test checks the output distribution with and
+without resume, and the old rule without resume (a mutant kept in this file) must be detected.
 """
 
 from __future__ import annotations
@@ -27,10 +30,33 @@ PROMPT = [100, 101, 102]
 N = 3000
 
 
-def _rerun_first_tokens(resume: bool) -> list[int]:
+class ResidualRule(Verifier):
+    """The rule before session 13 (the mutant): sibling j is accepted with p_res(d_j) tested on the
+    uniform (seed, position, 1 + j); if every sibling is rejected, the token is drawn from the
+    residual with (seed, position, 0), the number plain sampling uses."""
+
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        removed = 0.0
+        rejected: list[int] = []
+        for j, c in enumerate(kids):
+            tok = tree.tokens[c]
+            if tok in rejected:
+                continue
+            pk = float(p[tok])
+            if uniform(seed, pos, 1 + j) < (pk / (1.0 - removed) if removed < 1.0 else 0.0):
+                return tok, c
+            removed += pk
+            rejected.append(tok)
+        q = p.clone()
+        if rejected:
+            q[rejected] = 0.0
+        return sample_rows(q[None], [uniform(seed, pos, 0)])[0], None
+
+
+def _rerun_first_tokens(resume: bool, ver: Verifier | None = None) -> list[int]:
     p = torch.tensor([1 / 3, 1 / 3, 1 / 3], dtype=torch.float64)
     probs = torch.stack([p, p])  # [1 + draft nodes, V] target rows
-    ver = Verifier()
+    ver = ver or Verifier()
     out = []
     for seed in range(N):
         idx = GroupIndex(PROMPT)
@@ -55,5 +81,12 @@ def test_resumed_chunk_samples_the_target_distribution() -> None:
     assert _uniform_p(_rerun_first_tokens(resume=True)) > 1e-3
 
 
-def test_without_resume_the_bias_is_detected() -> None:
-    assert _uniform_p(_rerun_first_tokens(resume=False)) < 1e-6
+def test_a_failed_attempts_draft_cannot_bias_the_output() -> None:
+    got = _rerun_first_tokens(resume=False)
+    p = torch.tensor([1 / 3, 1 / 3, 1 / 3], dtype=torch.float64)
+    assert got == [sample_rows(p[None], [uniform(seed, 0, 0)])[0] for seed in range(N)]  # plain sampling's
+    assert _uniform_p(got) > 1e-3
+
+
+def test_the_old_rule_without_resume_is_detected() -> None:
+    assert _uniform_p(_rerun_first_tokens(resume=False, ver=ResidualRule())) < 1e-6

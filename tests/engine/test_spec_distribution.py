@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+import torch
 from scipy.stats import chi2_contingency
 
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
@@ -24,8 +25,8 @@ CONTROL_P = 1e-6
 class AlwaysAcceptVerifier(Verifier):
     """Biased on purpose: accepts the first child at every node."""
 
-    def try_children(self, tree: DraftTree, kids: list[int], p: object, seed: int, pos: int) -> int | list[int]:
-        return kids[0] if kids else []
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        return (tree.tokens[kids[0]], kids[0]) if kids else super().draw(tree, kids, p, seed, pos)
 
 
 def aligned_prompt(prompt: tuple[int, ...], page_size: int) -> tuple[int, ...]:
@@ -109,3 +110,36 @@ def test_drafts_preserve_distribution(engine: ReferenceEngine, prompts: list[tup
             engine.verifier = good
         p_bad = chi2_p(plain, biased)
         assert p_bad < CONTROL_P, f"the test did not catch an always-accept verifier (p={p_bad:.2e})"
+
+
+def test_seeded_output_is_the_same_with_drafts_and_in_chunks(engine: ReferenceEngine,
+                                                             prompts: list[tuple[int, ...]]) -> None:
+    """The verifier draws every position with plain sampling's numbers, so a seeded request gives
+    the same tokens with drafts (right, wrong, tree) as without, and cut into chunks (resumed from
+    its output) as uninterrupted. A verifier drawing with other numbers fails this (the mutant
+    'other stream' in tests/engine/test_verifier_stats.py)."""
+    prompt, greedy = most_predictable(engine, prompts)
+    params = SamplingParams(temperature=1.0, ignore_eos=True)
+    seeds = range(30_000, 30_016)
+    n = 6
+    plain = {s: engine.generate([GenerateRequest(f"pl-{s}", prompt, n, replace(params, seed=s))])[f"pl-{s}"].token_ids
+             for s in seeds}
+    wrong = (greedy[0] + 1) % engine.vocab_size
+    for name, draft in [("chain", Draft.chain(greedy)), ("tree", Draft((wrong, greedy[0], greedy[1]), (-1, -1, 1)))]:
+        for s in seeds:
+            rid = f"{name}-{s}"
+            engine.add_request(GenerateRequest(rid, prompt, n, replace(params, seed=s)))
+            got: list[int] = []
+            while engine.has_unfinished():
+                for o in engine.step({rid: draft}):
+                    got.extend(o.token_ids)
+            assert got == plain[s], f"{name} drafts changed seed {s}'s output"
+    for s in seeds:  # two chunks, the second resumed from the first one's output, drafting
+        first = engine.generate([GenerateRequest(f"c1-{s}", prompt, 2, replace(params, seed=s))])[f"c1-{s}"].token_ids
+        rid = f"c2-{s}"
+        engine.add_request(GenerateRequest(rid, prompt, n - 2, replace(params, seed=s), output_token_ids=tuple(first)))
+        rest: list[int] = []
+        while engine.has_unfinished():
+            for o in engine.step({rid: Draft.chain(plain[s][2:5])}):
+                rest.extend(o.token_ids)
+        assert first + rest == plain[s], f"seed {s}: chunked with drafts differs from uninterrupted"

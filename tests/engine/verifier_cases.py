@@ -8,8 +8,9 @@ fewer than K tokens, continues with plain sampling (stream 0 at the following po
 the engine's next step without drafts would); a lossless verifier makes the first K tokens follow
 the model's joint distribution prod_i row(t_<i)[t_i] exactly (DESIGN.md section 4).
 
-Mutants: one Verifier subclass per known mistake in the multi-draft rule; each must fail the same
-test that the real verifier passes.
+Mutants: one Verifier subclass per known mistake; each must fail the test that the real verifier
+passes: the distribution test, or (for a mistake that keeps every token's distribution) the
+exactness test against plain seeded sampling.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -198,102 +198,55 @@ def lossless_p(trials: Trials, model: SyntheticModel, k: int) -> float:
 # ---- mutants: one per known mistake ------------------------------------------------------------
 
 
-def _try_children(tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int, *,
-                  renormalize: bool = True, stream: Callable[[int], int] = lambda j: 1 + j,
-                  skip_duplicates: bool = True) -> int | list[int]:
-    """Verifier.try_children with switches for the mistakes (defaults = the correct rule)."""
-    if not kids:
-        return []
-    pk = p[[tree.tokens[c] for c in kids]].tolist()
-    removed = 0.0
-    rejected: list[int] = []
-    for j, c in enumerate(kids):
-        tok = tree.tokens[c]
-        if skip_duplicates and tok in rejected:
-            continue
-        denom = (1.0 - removed) if renormalize else 1.0
-        accept_p = pk[j] / denom if denom > 0.0 else 0.0
-        if uniform(seed, pos, stream(j)) < accept_p:
-            return c
-        removed += pk[j]
-        rejected.append(tok)
-    return rejected
+def plain_tokens(case: Case, seed: int, n: int) -> list[int]:
+    """What plain seeded sampling emits for the first n positions (the engine's undrafted steps:
+    sample_rows at (seed, position, stream 0)); the verifier must emit exactly these."""
+    out: list[int] = []
+    for _ in range(n):
+        row = case.model.row(tuple(out))
+        out.append(sample_rows(row[None], [uniform(seed, POSITION + len(out), 0)])[0])
+    return out
 
 
 class AlwaysAcceptFirst(Verifier):
     """Mistake 1: accepts the first child at every node."""
 
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        return kids[0] if kids else []
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        return (tree.tokens[kids[0]], kids[0]) if kids else super().draw(tree, kids, p, seed, pos)
 
 
-class NoRenormalize(Verifier):
-    """Mistake 2: accepts sibling j with p(d) instead of p(d) / (1 - removed mass). Equivalent on
-    chains (one sibling, removed = 0): needs a node with at least two children carrying mass."""
+class AcceptTestThenPlainDraw(Verifier):
+    """Mistake 2: the classic rejection rule done halfway: the first child is accepted with
+    probability p(token) (its own uniform, stream 1), and after a rejection the token is drawn from
+    p itself, rejected token included: that token comes out with p + (1 - p) p."""
 
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        return _try_children(tree, kids, p, seed, pos, renormalize=False)
-
-
-class ResidualNotRemoved(Verifier):
-    """Mistake 3: after all siblings are rejected the token is drawn from p, rejected tokens included
-    (verify_sampling samples from the unmodified row when no rejected token is reported)."""
-
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        got = super().try_children(tree, kids, p, seed, pos)
-        return [] if isinstance(got, list) else got
-
-
-class SharedUniformStream0(Verifier):
-    """Mistake 4a: every sibling test uses stream 0, the same uniform that then draws the residual
-    token (the tests and the draw are correlated)."""
-
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        return _try_children(tree, kids, p, seed, pos, stream=lambda j: 0)
-
-
-class SharedUniformStream1(Verifier):
-    """Mistake 4b: every sibling test reuses one uniform (stream 1): after rejecting sibling 0
-    (u >= p0) sibling 1 is accepted only if p0 <= u < p1 / (1 - p0). Equivalent on chains."""
-
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        return _try_children(tree, kids, p, seed, pos, stream=lambda j: 1)
-
-
-class RetestDuplicates(Verifier):
-    """Mistake 6: a sibling whose token was already rejected is tested again (with its original
-    p(d)) instead of skipped, and its mass is removed twice. Harmless only when the duplicate's
-    token has p = 0; detectable when the duplicated token carries mass."""
-
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        return _try_children(tree, kids, p, seed, pos, skip_duplicates=False)
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        if kids and uniform(seed, pos, 1) < float(p[tree.tokens[kids[0]]]):
+            return tree.tokens[kids[0]], kids[0]
+        tok = sample_rows(p[None], [uniform(seed, pos, 0)])[0]
+        return tok, None
 
 
 class BonusFromParent(Verifier):
-    """Mistake 5: after the last accepted node (a leaf) the bonus token is drawn from the parent's
-    residual (its row with the rejected earlier siblings removed) instead of the leaf's own row.
-    Needs K >= 2 and an accepted leaf whose row differs from its parent's."""
+    """Mistake 3: after the last accepted node (a leaf) the bonus token is drawn from the parent's row
+    instead of the leaf's own. Needs K >= 2 and an accepted leaf whose row differs from its parent's."""
 
     def verify_sampling(self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int
                         ) -> tuple[list[int], list[int], list[int]]:
         tokens, path, rows = super().verify_sampling(tree, probs, seed, position)
         if not path or tree.children[path[-1]]:
             return tokens, path, rows
-        leaf = path[-1]
-        parent = tree.parents[leaf]
+        parent = tree.parents[path[-1]]
         prow = 0 if parent < 0 else 1 + parent
-        kids = tree.root_children if parent < 0 else tree.children[parent]
-        p = probs[prow].clone()
-        p[[tree.tokens[c] for c in kids[: kids.index(leaf)]]] = 0.0  # the siblings rejected before
-        tokens[-1] = sample_rows(p[None], [uniform(seed, position + len(path), 0)])[0]
+        tokens[-1] = sample_rows(probs[prow][None], [uniform(seed, position + len(path), 0)])[0]
         rows[-1] = prow
         return tokens, path, rows
 
 
 class PositionNotAdvanced(Verifier):
-    """Mistake 7 (extra): the output position is not advanced after an accepted node, so every depth
-    reuses the uniforms of the first position: accepting a child and then its child are correlated
-    (P(both) = min(p, q) instead of p * q). Needs depth >= 2."""
+    """Mistake 4: the output position is not advanced after an accepted node, so every depth reuses
+    the uniform of the first position: the tokens of consecutive positions are correlated (and no
+    longer those of plain sampling). Needs depth >= 2."""
 
     first = 0
 
@@ -302,17 +255,25 @@ class PositionNotAdvanced(Verifier):
         self.first = position
         return super().verify_sampling(tree, probs, seed, position)
 
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        return super().try_children(tree, kids, p, seed, self.first)
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        return super().draw(tree, kids, p, seed, self.first)
+
+
+class OtherStream(Verifier):
+    """Mistake 5: the verifier draws with another stream than plain sampling (stream 1). Every token
+    still follows p, so no distribution test sees it; but a seeded request then gives other tokens
+    with drafts than without, and a chunked run other tokens than an uninterrupted one (the
+    exactness test catches it)."""
+
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        tok = sample_rows(p[None], [uniform(seed, pos, 1)])[0]
+        return tok, next((c for c in kids if tree.tokens[c] == tok), None)
 
 
 MUTANTS: dict[str, type[Verifier]] = {
     "1-always-accept-first": AlwaysAcceptFirst,
-    "2-no-renormalize": NoRenormalize,
-    "3-residual-not-removed": ResidualNotRemoved,
-    "4a-shared-uniform-stream0": SharedUniformStream0,
-    "4b-shared-uniform-stream1": SharedUniformStream1,
-    "5-bonus-from-parent": BonusFromParent,
-    "6-retest-duplicates": RetestDuplicates,
-    "7-position-not-advanced": PositionNotAdvanced,
+    "2-accept-test-then-plain-draw": AcceptTestThenPlainDraw,
+    "3-bonus-from-parent": BonusFromParent,
+    "4-position-not-advanced": PositionNotAdvanced,
+    "5-other-stream": OtherStream,
 }

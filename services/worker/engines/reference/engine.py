@@ -343,7 +343,7 @@ class ReferenceEngine(Engine):
                 tree = trees[i]
                 assert tree is not None
                 rows_p = host[local[i] : local[i] + n]
-                toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].verify_seed,
+                toks, path, rows = self.verifier.verify_sampling(tree, rows_p, seqs[i].seed,
                                                                  seqs[i].next_output_position)
                 lps = torch.log(rows_p[rows, toks]).tolist()
                 results[i] = (toks, path, lps)

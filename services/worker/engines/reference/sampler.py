@@ -10,8 +10,8 @@ residual used inside the verifier); for greedy, the raw model log-softmax of the
 
 Randomness is counter based: the uniform for (seed, output position, stream) is a fixed hash, so the
 token at position t depends only on the seed, t and the context: a run cut into chunks or resumed on
-another worker samples exactly what an uninterrupted run samples. Stream 0 draws the token from p;
-stream 1 + j is the acceptance test of the j-th draft sibling tried at that position.
+another worker samples exactly what an uninterrupted run samples, with or without drafts (the
+verifier draws every position with the same stream-0 numbers; verifier.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,12 +37,6 @@ class Sequence:
     num_cached_at_admit: int = 0
     num_generated: int = 0  # in this call
     finish_reason: FinishReason | None = None
-    # Keys the verifier's randomness, drawn fresh for every call: verification must be independent
-    # of how a draft was made. A draft from a failed earlier attempt of this request (same seed,
-    # same positions) was sampled with the (seed, position) numbers of plain sampling; verifying it
-    # with those same numbers would bias the output toward it. Steps without a draft keep plain
-    # (seed, position) sampling, so chunked runs still equal uninterrupted ones.
-    verify_seed: int = field(default_factory=lambda: secrets.randbits(63))
 
     @classmethod
     def from_request(cls, req: GenerateRequest, seed: int, eos_ids: tuple[int, ...]) -> Sequence:

@@ -7,12 +7,17 @@ the distribution after draft node m. Both walks start at the root and return the
 Greedy: at each node the target token is the argmax; descend into the child carrying it, otherwise
 emit the argmax and stop. Output equals plain greedy decoding exactly.
 
-Sampling (point-mass drafts, SpecInfer / multi-draft speculative sampling): at a node with target p,
-try the children in order; child c is accepted with probability p_res(c) where p_res is p with every
-rejected sibling's token zeroed and renormalized (min(1, p/q) with q a point mass on c). If all
-children are rejected, the token is drawn from the final residual; after the last accepted node
-the bonus token is drawn from p. By induction over siblings the emitted token at every position is
-distributed exactly as p, so speculation changes speed, never the distribution.
+Sampling: at every node the token of this position is drawn exactly as plain sampling draws it, by
+inverse CDF of the target p at the counter-based uniform (seed, position, stream 0) (sampler.py);
+descend into the child carrying it, otherwise emit it and stop. The output therefore IS plain seeded
+sampling, token for token, whatever was drafted: speculation changes speed, never the tokens. A
+draft token is accepted exactly when the sample equals it, with probability p(token), and a node's
+siblings together with probability sum of p over their distinct tokens: the acceptance of the
+multi-draft residual rule (SpecInfer; point-mass drafts), which this replaced in session 13. That
+rule drew the accept tests from other random numbers, so a seeded request gave other tokens with
+speculation than without, and a request cut into chunks other tokens than uninterrupted (review
+finding); with this rule drafts made from any source (even a failed attempt's tokens, sampled with
+these very numbers) cannot bias the output.
 """
 
 from __future__ import annotations
@@ -52,39 +57,17 @@ class Verifier:
         pos = position
         while True:
             row = 0 if node < 0 else 1 + node
-            accepted = self.try_children(tree, kids, probs[row], seed, pos)
+            tok, child = self.draw(tree, kids, probs[row], seed, pos)
+            tokens.append(tok)
             rows.append(row)
-            if isinstance(accepted, int) and accepted >= 0:
-                tokens.append(tree.tokens[accepted])
-                path.append(accepted)
-                node, kids = accepted, tree.children[accepted]
-                pos += 1
-                continue
-            rejected = accepted if isinstance(accepted, list) else []
-            p = probs[row]
-            if rejected:
-                p = p.clone()
-                p[rejected] = 0.0
-                if float(p.sum()) <= 0.0:  # only reachable through float rounding
-                    p = probs[row]
-            tokens.append(sample_rows(p[None], [uniform(seed, pos, 0)])[0])
-            return tokens, path, rows
+            if child is None:
+                return tokens, path, rows
+            path.append(child)
+            node, kids = child, tree.children[child]
+            pos += 1
 
-    def try_children(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> int | list[int]:
-        """The accepted child, or the list of rejected tokens when none is accepted."""
-        if not kids:
-            return []
-        pk = p[[tree.tokens[c] for c in kids]].tolist()
-        removed = 0.0
-        rejected: list[int] = []
-        for j, c in enumerate(kids):
-            tok = tree.tokens[c]
-            if tok in rejected:
-                continue  # its residual probability is already 0
-            denom = 1.0 - removed
-            accept_p = pk[j] / denom if denom > 0.0 else 0.0
-            if uniform(seed, pos, 1 + j) < accept_p:
-                return c
-            removed += pk[j]
-            rejected.append(tok)
-        return rejected
+    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+        """(the token at output position `pos`, drawn as plain sampling draws it; the child carrying
+        that token, None when no child does). p [V]."""
+        tok = sample_rows(p[None], [uniform(seed, pos, 0)])[0]
+        return tok, next((c for c in kids if tree.tokens[c] == tok), None)
