@@ -430,7 +430,11 @@ class Worker:
                     # earlier chunks. (A first chunk's fetch finds its siblings' prompt pages,
                     # which it must still claim as an owner: its watermark stays at 0.)
                     self._mark_offloaded(job.request_id, fetched.model_version, fetched.end_page)
-            stats.cached_tokens = min(self.engine.cached_prefix_tokens(prefix), len(prefix))
+            # The engine computes at least the last token (its logits start the chunk), so a prefix
+            # of whole cached pages reuses one page less: count what it can actually reuse.
+            ps = self.engine.kv_layout.page_size
+            reusable = (len(prefix) - 1) // ps * ps if prefix else 0
+            stats.cached_tokens = min(self.engine.cached_prefix_tokens(prefix), reusable)
             if job.fetch_kv and self._kv is not None:
                 page = self.engine.kv_layout.page_size
                 missing = len(prefix) // page - stats.cached_tokens // page
@@ -683,7 +687,13 @@ class Worker:
         if not acts:
             return {}
         if self._planner is not None:
-            lengths = dict(self._planner.plan([(a.job.request_id, a.job.is_probe) for a in acts]))
+            try:
+                lengths = dict(self._planner.plan([(a.job.request_id, a.job.is_probe) for a in acts]))
+            except Exception:
+                # Speculation is optional: a planner fault must not count as an engine step failure
+                # (two in a row fail every running chunk). This step runs without drafts.
+                log.warning("speculation planner failed; stepping without drafts", exc_info=True)
+                return {}
         else:
             lengths = {a.job.request_id: self._gamma_max for a in acts}
         # Multi-path drafts (top-k branches at forks) only pay when the batch is small: in the

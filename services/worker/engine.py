@@ -31,6 +31,9 @@ class FinishReason(enum.Enum):
     ABORTED = "aborted"
 
 
+MIN_TEMPERATURE = 1e-5  # smallest positive sampling temperature (float32 logits / T stay finite)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
@@ -47,6 +50,10 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # logits / temperature overflows float32 below ~1e-38 (NaN probabilities, garbage
+            # tokens); any temperature this small is greedy in effect: ask for 0.
+            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

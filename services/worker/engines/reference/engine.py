@@ -483,7 +483,13 @@ class ReferenceEngine(Engine):
             self.model_config.vocab_size,
         ):
             raise ValueError(f"path: {src} holds a model of another shape")
-        self.model.load(load_state_dict(src))
+        try:
+            state = load_state_dict(src)
+        except (OSError, ValueError):
+            raise
+        except Exception as e:  # e.g. safetensors' own error for a corrupt file: a bad source, not a crash
+            raise ValueError(f"path: {src}: unreadable weights ({type(e).__name__}: {e})") from e
+        self.model.load(state)
         self.model_dir = src
         # Old pages are never reused: hashes include the version, and the cache is emptied.
         self.blocks.reset(version)

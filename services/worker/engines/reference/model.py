@@ -122,13 +122,16 @@ class LlamaModel:
                 gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
                 down=get(p + "mlp.down_proj.weight").contiguous(),
             ))
-        self.layers = layers
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = get("lm_head.weight")
+        # Every tensor is read before any is swapped in: a checkpoint missing one (LoadWeights of a
+        # bad source) must leave the running weights whole, not new layers with old embeddings.
+        embed = get("model.embed_tokens.weight")
+        norm = get("model.norm.weight")
+        lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else get("lm_head.weight")
+        if self.layers and (embed.shape != self.embed.shape or len(layers) != len(self.layers) or any(
+                a.qkv.shape != b.qkv.shape or a.gate_up.shape != b.gate_up.shape or a.down.shape != b.down.shape
+                for a, b in zip(layers, self.layers, strict=True))):
+            raise ValueError("weights: shapes differ from the running model's (another architecture)")
+        self.layers, self.embed, self.norm, self.lm_head = layers, embed, norm, lm_head
         if self.device.type == "cpu" and self.dtype == torch.float32:
             small_gemm_available()  # build (about a second, cached) now rather than in the first step
 
