@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from services.buffer.model import ModelInfo
 from services.buffer.records import GroupSpec, Sampling
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.common.sampling_limits import MIN_TEMPERATURE
 
 # fullmatch, not match with "$": "$" also matches before a trailing newline.
 BATCH_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -77,6 +78,11 @@ def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
 def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise InvalidArgument(f"must be finite and >= 0, got {s.temperature}", field=f"{field}.temperature")
+    if 0 < s.temperature < MIN_TEMPERATURE:
+        # The workers refuse it (float32 logits / temperature overflow): refuse it at submission,
+        # not after every chunk attempt failed.
+        raise InvalidArgument(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}",
+                              field=f"{field}.temperature")
     if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
         raise InvalidArgument(f"must be in (0, 1] (0 = off), got {s.top_p}", field=f"{field}.top_p")
     if s.top_k < 0:

@@ -23,15 +23,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.kvlayout import KVLayout
+from services.common.sampling_limits import MIN_TEMPERATURE
 
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # a stop/EOS token was sampled (and is included in the output)
     LENGTH = "length"  # the call's max_new_tokens was reached
     ABORTED = "aborted"
-
-
-MIN_TEMPERATURE = 1e-5  # smallest positive sampling temperature (float32 logits / T stay finite)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 from buffer_helpers import LENGTH, BufferHandle, commit, expect_error, group, snapshot, submit
 
 
@@ -20,3 +21,15 @@ def test_length_short_of_max_tokens_is_refused_naming_finish_reason(buf: BufferH
     expect_error(lambda: commit(buf.internal, rid, 1, [8], reason=LENGTH), grpc.StatusCode.INVALID_ARGUMENT,
                  "finish_reason")
     assert commit(buf.internal, rid, 1, [8, 9, 10, 11, 12], reason=LENGTH).request_finished
+
+
+def test_a_temperature_too_small_for_the_workers_is_refused_at_submission() -> None:
+    from services.buffer.records import Sampling
+    from services.buffer.validation import _validate_sampling
+    from services.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument) as e:
+        _validate_sampling(Sampling(temperature=1e-9), 49152, "groups[0].sampling")
+    assert e.value.field == "groups[0].sampling.temperature"
+    _validate_sampling(Sampling(temperature=0.0), 49152, "groups[0].sampling")
+    _validate_sampling(Sampling(temperature=0.7), 49152, "groups[0].sampling")
