@@ -222,3 +222,16 @@ def test_sglang_signatures() -> None:
         assert hasattr(sglang.Engine, name) or hasattr(
             __import__("sglang.srt.managers.tokenizer_manager", fromlist=["TokenizerManager"]).TokenizerManager, name
         ), name
+
+
+def test_kv_pool_pages_from_the_scheduler_info_or_a_fallback_the_scheduler_accepts() -> None:
+    """A worker registering 0 KV pages is refused by the scheduler (capacity.total_kv_pages), so
+    the SGLang engine must report its pool (review finding: it reported 0)."""
+    from types import SimpleNamespace
+
+    from services.worker.engines.sglang.engine import kv_pool_pages
+
+    assert kv_pool_pages(SimpleNamespace(scheduler_info={"max_total_num_tokens": 160_000}), 16, 4096, 8) == 10_000
+    later = SimpleNamespace(_scheduler_init_result=SimpleNamespace(scheduler_infos=[{"max_total_num_tokens": 3200}]))
+    assert kv_pool_pages(later, 32, 4096, 8) == 100
+    assert kv_pool_pages(SimpleNamespace(), 16, 4096, 8) == 4096 * 8 // 16  # unknown: every slot at full context

@@ -88,6 +88,24 @@ def _family_of(model_version: str) -> str:
     return model_version.rsplit("@", 1)[0].replace("@", "-") if "@" in model_version else "model"
 
 
+def kv_pool_pages(sgl: Any, page_size: int, max_context: int, max_batch: int) -> int:
+    """SGLang's KV pool in pages: max_total_num_tokens (the scheduler's init info: Engine.scheduler_info
+    in SGLang 0.4-0.5, _scheduler_init_result.scheduler_infos[0] later) / page_size. The scheduler
+    refuses a worker registering 0 pages, so when neither is there it falls back to room for every
+    batch slot at the full context (optimistic: SGLang retracts requests itself when it runs out)."""
+    info: Any = getattr(sgl, "scheduler_info", None)
+    if not isinstance(info, Mapping):
+        sir = getattr(sgl, "_scheduler_init_result", None)
+        infos = getattr(sir, "scheduler_infos", None) or [{}]
+        info = infos[0] if isinstance(infos[0], Mapping) else {}
+    tokens = int(info.get("max_total_num_tokens") or 0)
+    if tokens <= 0:
+        log.warning("SGLang's KV pool size is unknown; assuming every batch slot holds a full context",
+                    extra=kv(max_context=max_context, max_batch=max_batch))
+        tokens = max_context * max(1, max_batch)
+    return max(1, tokens // page_size)
+
+
 def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file: str) -> dict[str, Any]:
     """sglang.Engine(**kwargs) for a worker config (SGLang's ServerArgs field names)."""
     kw: dict[str, Any] = {
@@ -177,6 +195,7 @@ class SGLangEngine(Engine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
         self._thread.start()
         self._sgl = self._call(self._create(dict(server_args)))
+        self._total_pages = kv_pool_pages(self._sgl, self._page_size, self.max_context, self._max_batch)
 
     @classmethod
     def from_config(cls, cfg: WorkerConfig, model_dir: Path, model_version: str) -> SGLangEngine:
@@ -365,11 +384,17 @@ class SGLangEngine(Engine):
             self._model_dir = Path(path)
 
     def stats(self) -> EngineStats:
+        ps = self._page_size
         with self._lock:
             running = len(self._live)
+            # SGLang does not expose its pool's free pages here: estimate them from the live
+            # requests' contexts (its radix cache holds the rest, and it evicts that on demand).
+            used = sum(-(-(len(v.req.prompt_token_ids) + len(v.req.output_token_ids) + len(v.tokens)) // ps)
+                       for v in self._live.values())
         elapsed = max(time.monotonic() - self._t0, 1e-6)
         return EngineStats(
-            total_pages=0, free_pages=0, page_size=self._page_size, running=running, waiting=0,
+            total_pages=self._total_pages, free_pages=max(0, self._total_pages - used), page_size=ps,
+            running=running, waiting=0,
             tokens_per_second=self._stats["generated"] / elapsed, model_version=self._version,
             prefill_tokens=self._stats["prefill"], cached_tokens=self._stats["cached"],
             generated_tokens=self._stats["generated"], steps=self._stats["steps"],
