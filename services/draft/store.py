@@ -192,9 +192,14 @@ class DraftStore:
                 # (as a new iteration, pushing out a real older one).
                 raise FailedPrecondition(f"group {group_id!r} completed earlier (its responses are history) and "
                                          "was evicted or expired; it cannot be registered again", field="group_id")
-            tokens = len(prompt_token_ids) + (self._history.tokens(prompt_key) if prompt_key else 0)
-            self._make_room(tokens * append_token_bytes(self.limits.levels))
-            history = self._history.responses(prompt_key) if prompt_key else []  # after any eviction
+            # Room for the prompt and the key's history as indexed; eviction (oldest history first)
+            # may take some of that very history, so the need is taken again after it: the group
+            # then registers with what is left rather than being refused for history now gone.
+            per_token = append_token_bytes(self.limits.levels)
+            self._evict((len(prompt_token_ids) + (self._history.tokens(prompt_key) if prompt_key else 0)) * per_token)
+            self._make_room((len(prompt_token_ids) + (self._history.tokens(prompt_key) if prompt_key else 0))
+                            * per_token)
+            history = self._history.responses(prompt_key) if prompt_key else []
             index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
             for r in history:
                 index.add_history(r)

@@ -63,9 +63,11 @@ _MAX_STEP_FAILURES = 2  # engine step failures in a row that fail the running ch
 def version_name(policy_version: int, family: str = "", weights: str = "") -> str:
     """The engine's model version string, also the KV store namespace and part of every page hash:
     "<family>@v<N>", or "<family>@<weights>@v<N>" once weights were loaded from a named source
-    (`weights` = weights_id(source)). Every worker of a deployment must agree on it; the store
-    drops a family's older versions when a newer one appears (so pages of old weights are never
-    served and their space comes back).
+    (`weights` = weights_id(source)). Every worker of a deployment must agree on it; within one
+    family (everything before the last "@") the store drops older versions when a newer one
+    appears, so pages of old weights are never served. Each checkpoint is its own family, so a
+    new checkpoint does not drop the previous one's pages: they are never read again and leave by
+    Release and LRU eviction (services/kvstore/README.md).
 
     The weights id is there because the policy version alone does not name the weights: a new
     training run on the same kvstore volume restarts at v0, and a LoadWeights may reload one version
@@ -953,7 +955,9 @@ class Worker:
             return
         evicted: list[str] = []
         with self._locked():
-            known = job.group_id in self._registered_groups
+            # The draft client may have released the mirror on its own (the server expired the
+            # group while nothing of it ran here): then register it again.
+            known = job.group_id in self._registered_groups and self._draft.has_group(job.group_id)
             if known:
                 self._registered_groups.move_to_end(job.group_id)
             else:

@@ -36,6 +36,9 @@ class DraftSource(Protocol):
 
     def release_group(self, group_id: str) -> None: ...
 
+    def has_group(self, group_id: str) -> bool:
+        """Whether a mirror of the group is kept (the client may release one on its own)."""
+
     def close(self) -> None: ...
 
 

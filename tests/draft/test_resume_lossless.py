@@ -35,7 +35,8 @@ class ResidualRule(Verifier):
     uniform (seed, position, 1 + j); if every sibling is rejected, the token is drawn from the
     residual with (seed, position, 0), the number plain sampling uses."""
 
-    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+    def accept(self, tree: DraftTree, kids: list[int], tok: int, p: torch.Tensor, seed: int, pos: int
+               ) -> tuple[int, int | None]:
         removed = 0.0
         rejected: list[int] = []
         for j, c in enumerate(kids):

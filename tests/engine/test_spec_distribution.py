@@ -25,8 +25,9 @@ CONTROL_P = 1e-6
 class AlwaysAcceptVerifier(Verifier):
     """Biased on purpose: accepts the first child at every node."""
 
-    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
-        return (tree.tokens[kids[0]], kids[0]) if kids else super().draw(tree, kids, p, seed, pos)
+    def accept(self, tree: DraftTree, kids: list[int], tok: int, p: torch.Tensor, seed: int, pos: int
+               ) -> tuple[int, int | None]:
+        return (tree.tokens[kids[0]], kids[0]) if kids else (tok, None)
 
 
 def aligned_prompt(prompt: tuple[int, ...], page_size: int) -> tuple[int, ...]:

@@ -211,8 +211,9 @@ def plain_tokens(case: Case, seed: int, n: int) -> list[int]:
 class AlwaysAcceptFirst(Verifier):
     """Mistake 1: accepts the first child at every node."""
 
-    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
-        return (tree.tokens[kids[0]], kids[0]) if kids else super().draw(tree, kids, p, seed, pos)
+    def accept(self, tree: DraftTree, kids: list[int], tok: int, p: torch.Tensor, seed: int, pos: int
+               ) -> tuple[int, int | None]:
+        return (tree.tokens[kids[0]], kids[0]) if kids else (tok, None)
 
 
 class AcceptTestThenPlainDraw(Verifier):
@@ -220,11 +221,11 @@ class AcceptTestThenPlainDraw(Verifier):
     probability p(token) (its own uniform, stream 1), and after a rejection the token is drawn from
     p itself, rejected token included: that token comes out with p + (1 - p) p."""
 
-    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
+    def accept(self, tree: DraftTree, kids: list[int], tok: int, p: torch.Tensor, seed: int, pos: int
+               ) -> tuple[int, int | None]:
         if kids and uniform(seed, pos, 1) < float(p[tree.tokens[kids[0]]]):
             return tree.tokens[kids[0]], kids[0]
-        tok = sample_rows(p[None], [uniform(seed, pos, 0)])[0]
-        return tok, None
+        return tok, None  # tok: the plain draw from p
 
 
 class BonusFromParent(Verifier):
@@ -248,15 +249,8 @@ class PositionNotAdvanced(Verifier):
     the uniform of the first position: the tokens of consecutive positions are correlated (and no
     longer those of plain sampling). Needs depth >= 2."""
 
-    first = 0
-
-    def verify_sampling(self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int
-                        ) -> tuple[list[int], list[int], list[int]]:
-        self.first = position
-        return super().verify_sampling(tree, probs, seed, position)
-
-    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
-        return super().draw(tree, kids, p, seed, self.first)
+    def row_position(self, tree: DraftTree, row: int, position: int) -> int:
+        return position
 
 
 class OtherStream(Verifier):
@@ -265,9 +259,8 @@ class OtherStream(Verifier):
     with drafts than without, and a chunked run other tokens than an uninterrupted one (the
     exactness test catches it)."""
 
-    def draw(self, tree: DraftTree, kids: list[int], p: torch.Tensor, seed: int, pos: int) -> tuple[int, int | None]:
-        tok = sample_rows(p[None], [uniform(seed, pos, 1)])[0]
-        return tok, next((c for c in kids if tree.tokens[c] == tok), None)
+    def uniform(self, seed: int, pos: int) -> float:
+        return uniform(seed, pos, 1)
 
 
 MUTANTS: dict[str, type[Verifier]] = {

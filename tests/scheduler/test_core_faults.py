@@ -206,3 +206,15 @@ def test_plausible_chunk_stats_pass() -> None:
 )
 def test_impossible_chunk_stats_are_named(change: dict[str, float], tokens: int, word: str) -> None:
     assert word in chunk_stats_problem({**_HEALTHY, **change}, tokens)
+
+
+def test_a_request_only_an_absent_worker_holds_waits_for_it(clock: FakeClock) -> None:
+    """The big worker restarts (removed, registered again): a request only it can hold waits."""
+    core = SchedulerCore(SchedulerPolicyConfig(policy="divided", chunk_size=64), clock=clock)
+    core.add_worker(WorkerSpec("small", total_pages=100, page_size=16, max_batch_size=32))
+    core.add_worker(WorkerSpec("big", total_pages=1000, page_size=16, max_batch_size=32))
+    core.remove_worker("big")
+    core.add_request(_req("r0", prompt_len=6000, max_tokens=500))
+    assert core.next_dispatches() == [] and core.take_unschedulable() == []
+    core.add_worker(WorkerSpec("big", total_pages=1000, page_size=16, max_batch_size=32))
+    assert [d.request_id for d in core.next_dispatches()] == ["r0"]

@@ -136,6 +136,9 @@ class ChainDrafter:
     def release_group(self, group_id: str) -> None:
         pass
 
+    def has_group(self, group_id: str) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 

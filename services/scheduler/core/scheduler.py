@@ -108,8 +108,12 @@ class SchedulerCore:
         self._rr = 0  # baseline round-robin cursor
         self._chunk_token_s: float | None = None  # EMA of seconds per token of a full chunk
         self._group_worker: dict[str, str] = {}  # baseline placement of each group
-        # Requests dropped because no trusted worker can hold them, until the driver takes them.
+        # Requests dropped because no worker can hold them, until the driver takes them.
         self._unschedulable: list[Unschedulable] = []
+        # The largest whole KV (tokens) of any worker ever registered: a worker that restarts,
+        # misses heartbeats or is still catching up on weights is gone from _workers for a while,
+        # and a request only it can hold must wait for it, not fail.
+        self._max_kv_seen = 0
         self._counters = {
             "dispatched_chunks": 0,
             "redispatched_chunks": 0,
@@ -273,6 +277,7 @@ class SchedulerCore:
                 return  # re-registration with the same capacity
             self.remove_worker(w.worker_id)
         state = WorkerState(spec=w)
+        self._max_kv_seen = max(self._max_kv_seen, w.total_pages * w.page_size)
         if old is not None and old.quarantined:
             # A new capacity does not make its telemetry trustworthy again.
             state.quarantined, state.quarantine_reason = True, old.quarantine_reason
@@ -517,10 +522,10 @@ class SchedulerCore:
         return req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
 
     def _largest_kv_tokens(self) -> int | None:
-        """The largest whole KV (tokens) of a registered worker, quarantined ones included (a
-        quarantine is lifted after sane reports, so such a worker may hold the request later); None
-        when no worker is registered (one may come: nothing is unschedulable for lack of workers)."""
-        return max((w.spec.total_pages * w.spec.page_size for w in self._workers.values()), default=None)
+        """The largest whole KV (tokens) of any worker registered now or before (quarantined ones
+        included: a quarantine is lifted after sane reports; and one that left may come back);
+        None when no worker was ever registered (nothing is unschedulable for lack of workers)."""
+        return self._max_kv_seen or None
 
     def _drop_if_unschedulable(self, req: _Request, largest: int | None) -> bool:
         """Drop a request whose next chunk exceeds the whole KV of every registered worker: it would

@@ -76,9 +76,10 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Unschedulable:
-    """A request no trusted worker can ever hold: its context plus its next chunk exceeds the whole
-    KV of every trusted worker. The core drops it; the driver fails it (it would wait forever)."""
+    """A request no worker can ever hold: its context plus its next chunk exceeds the whole KV of
+    every worker registered so far (now or before). The core drops it; the driver fails it (it
+    would wait forever)."""
 
     request_id: str
     need_tokens: int  # context + next chunk
-    largest_kv_tokens: int  # the largest trusted worker's whole KV (total_pages * page_size)
+    largest_kv_tokens: int  # the largest worker's whole KV seen (total_pages * page_size)
