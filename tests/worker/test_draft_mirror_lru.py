@@ -38,3 +38,15 @@ def test_mirror_of_a_running_request_survives_the_lru() -> None:
     finally:
         w._active.clear()
         client.close()
+
+
+def test_a_mirror_the_client_released_is_registered_again() -> None:
+    client = DraftClient(None)
+    w = Worker(FakeEngine(), draft=client, gamma_max=4)
+    try:
+        w._register_group(_job("g"))
+        client.release_group("g")  # e.g. the server expired it while nothing of it ran here
+        w._register_group(_job("g"))  # a later chunk of the group starts here
+        assert client.has_group("g")
+    finally:
+        client.close()
