@@ -215,7 +215,7 @@ class DraftStore:
         g = self._groups.get(group_id)
         if g is None:
             if group_id in self._expired:
-                raise NotFound(f"group {group_id!r} expired", field=field_name)
+                raise NotFound(f"group {group_id!r} expired or was evicted", field=field_name)
             raise NotFound(f"group {group_id!r} is not registered", field=field_name)
         return g
 
