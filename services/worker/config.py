@@ -49,6 +49,9 @@ class WorkerConfig(ServiceConfig):
         default="", metadata={"help": "JSON step-time table T(B, gamma) from `seer profile` (empty = built-in)"}
     )
     group_ttl_seconds: float = field(default=3600.0, metadata={"help": "TTL of groups registered on the draft server"})
+    draft_mirror_budget_mb: int = field(
+        default=1024, metadata={"help": "memory for the local draft mirrors; least recently used idle groups go first"}
+    )
     # Adaptive speculation (services/worker/adaptive.py, Seer Algorithm 1 with a closed cost loop).
     spec_min_gain: float = field(
         default=0.3, metadata={"help": "predicted speedup margin to draft while a batch size's costs are unmeasured"}
@@ -129,6 +132,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError(f"spec_step_clock: {self.spec_step_clock!r} is not wall or thread")
         if self.group_ttl_seconds <= 0:
             raise ValueError("group_ttl_seconds: must be > 0")
+        if self.draft_mirror_budget_mb < 1:
+            raise ValueError("draft_mirror_budget_mb: must be >= 1")
         if self.drain_timeout_seconds <= 0:
             raise ValueError("drain_timeout_seconds: must be > 0")
         for i, a in enumerate(self.kv_addresses):

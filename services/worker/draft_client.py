@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -94,6 +95,8 @@ class DraftClientStats:
     dropped_messages: int = 0
     stale_messages: int = 0  # appends the server refused as an older attempt's
     resets: int = 0  # mirrors rebuilt (server restart, group re-created)
+    evicted_mirrors: int = 0  # idle mirrors released to stay within memory_budget_bytes
+    memory_bytes: int = 0  # the mirrors' indexes (GroupIndex.memory_bytes)
     proposals: int = 0
     proposed_tokens: int = 0
     skipped_group_syncs: int = 0  # groups left out of a Sync: all their responses generate here
@@ -109,9 +112,15 @@ class DraftClient:
         rpc_timeout_s: float = 5.0,
         levels: Sequence[int] = DEFAULT_LEVELS,
         min_token_prob: float = 0.1,
+        memory_budget_bytes: int = 1 << 30,
     ) -> None:
         """idle_sync_interval_s: the tick interval while nothing is proposed (None: the larger of
-        sync_interval_s and 0.4 s)."""
+        sync_interval_s and 0.4 s). memory_budget_bytes: the mirrors' indexes are kept under it by
+        releasing the least recently used groups with nothing running here (checked every tick
+        and at registration; a group with a chunk running is never released)."""
+        if memory_budget_bytes < 1:
+            raise ValueError("memory_budget_bytes: must be >= 1")
+        self.memory_budget_bytes = memory_budget_bytes
         if idle_sync_interval_s is None:
             idle_sync_interval_s = max(sync_interval_s, _IDLE_SYNC_INTERVAL_S)
         if sync_interval_s <= 0 or idle_sync_interval_s < sync_interval_s:
@@ -125,7 +134,7 @@ class DraftClient:
         self.levels = tuple(levels)
         self.min_token_prob = min_token_prob
         self._lock = threading.Lock()
-        self._groups: dict[str, _Mirror] = {}
+        self._groups: OrderedDict[str, _Mirror] = OrderedDict()  # least recently used first
         self._pending: list[draft_pb2.AppendRequest] = []
         self._stats = DraftClientStats()
         self._stop = threading.Event()
@@ -153,6 +162,7 @@ class DraftClient:
             prompt = tuple(int(t) for t in prompt_token_ids)
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
                                              group_size, int(ttl_seconds))
+            self._enforce_budget_locked()
         self._wake.set()
 
     def release_group(self, group_id: str) -> None:
@@ -223,6 +233,7 @@ class DraftClient:
             m = self._groups.get(group_id)
             if m is None:
                 return
+            self._groups.move_to_end(group_id)  # recently used: released last
             if epoch:
                 m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
             self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True)
@@ -267,7 +278,27 @@ class DraftClient:
         with self._lock:
             s = DraftClientStats(**vars(self._stats))
             s.groups = len(self._groups)
+            s.memory_bytes = sum(m.index.memory_bytes() for m in self._groups.values())
             return s
+
+    def _enforce_budget_locked(self) -> None:
+        """Releases least recently used mirrors with nothing running here until the mirrors fit
+        memory_budget_bytes (a mirror holds its group's responses and history: unbounded, 1,024
+        groups of 16 x 4K tokens with history would take several GB). Caller holds the lock."""
+        total = sum(m.index.memory_bytes() for m in self._groups.values())
+        if total <= self.memory_budget_bytes:
+            return
+        unsent = {a.group_id for a in self._pending}  # released, their queued tokens would be lost
+        for gid in list(self._groups):
+            m = self._groups[gid]
+            if m.active or gid in unsent:
+                continue
+            total -= m.index.memory_bytes()
+            del self._groups[gid]
+            self._stats.evicted_mirrors += 1
+            log.info("draft mirror released for memory", extra=kv(group_id=gid, budget=self.memory_budget_bytes))
+            if total <= self.memory_budget_bytes:
+                return
 
     def flush(self, timeout: float = 5.0) -> None:
         """Sends queued appends and syncs once now (tests, and before a worker stops)."""
@@ -321,6 +352,8 @@ class DraftClient:
         self._register_pending()
         self._tick_appends_only()
         self._sync()
+        with self._lock:
+            self._enforce_budget_locked()
 
     def _register_pending(self) -> None:
         assert self._stub is not None

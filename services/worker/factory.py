@@ -63,7 +63,7 @@ def build_draft(cfg: WorkerConfig) -> DraftSource | None:
         return None
     from services.worker.draft_client import DraftClient
 
-    return DraftClient(cfg.draft_address or None)
+    return DraftClient(cfg.draft_address or None, memory_budget_bytes=cfg.draft_mirror_budget_mb << 20)
 
 
 def build_planner(cfg: WorkerConfig) -> SpecPlanner | None:
