@@ -460,7 +460,7 @@ class SchedulerCore:
             if oldest is None or limit is None or now - oldest[0] <= limit:
                 continue
             req = self._requests[oldest[1]]
-            if self._drop_if_unschedulable(req, self._largest_kv_tokens()):
+            if self._drop_if_unschedulable(req):
                 return None  # the priority order decides now; the next decision looks again
             d = self._try_place(req)
             if d is not None:
@@ -495,7 +495,6 @@ class SchedulerCore:
             ),
             default=0,
         )
-        largest = self._largest_kv_tokens()
         chosen: Dispatch | None = None
         while chosen is None and tries < self.cfg.admission_lookahead:
             cand = self._pop_candidate()
@@ -503,7 +502,7 @@ class SchedulerCore:
                 break
             q, entry = cand
             req = self._requests[entry[2]]
-            if self._drop_if_unschedulable(req, largest):
+            if self._drop_if_unschedulable(req):
                 # Not a skip: a request that can never be placed must not use up the lookahead
                 # (admission_lookahead of them at the head would block every request behind them).
                 continue
@@ -521,25 +520,15 @@ class SchedulerCore:
         """KV (tokens) its next chunk needs: context + the chunk."""
         return req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
 
-    def _largest_kv_tokens(self) -> int | None:
-        """The largest whole KV (tokens) of any worker registered now or before (quarantined ones
-        included: a quarantine is lifted after sane reports; and one that left may come back);
-        None when no worker was ever registered (nothing is unschedulable for lack of workers)."""
-        return self._max_kv_seen or None
-
-    def _drop_if_unschedulable(self, req: _Request, largest: int | None) -> bool:
-        """Drop a request whose next chunk exceeds the whole KV of every registered worker: it would
-        wait forever. The driver learns of it through take_unschedulable() and fails it."""
+    def _drop_if_unschedulable(self, req: _Request) -> bool:
+        """Drop a request whose next chunk exceeds the whole KV of every worker registered so far
+        (_max_kv_seen; none yet: nothing is unschedulable for lack of workers): it would wait
+        forever. The driver learns of it through take_unschedulable() and fails it."""
         need = self._need_tokens(req)
-        if largest is None or need <= largest:
+        if not self._max_kv_seen or need <= self._max_kv_seen:
             return False
-        rid = req.info.request_id
-        self._live.pop(rid, None)
-        self._fresh_live.discard(rid)
-        self._groups[req.info.group_id].running.pop(rid, None)
-        req.state = "cancelled"
-        self._retire(req)
-        self._unschedulable.append(Unschedulable(rid, need, largest))
+        self.cancel_request(req.info.request_id)
+        self._unschedulable.append(Unschedulable(req.info.request_id, need, self._max_kv_seen))
         self._counters["unschedulable_requests"] += 1
         return True
 
