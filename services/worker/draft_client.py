@@ -476,12 +476,8 @@ class DraftClient:
             return
         # Start over: the new registration's first Sync brings the history and the siblings again
         # (kept, they would be loaded twice); our own copies stay.
-        m.index = self._fresh_index_locked(m, sorted(m.own))
+        self._restart_mirror_locked(m, sorted(m.own))
         m.registered = False
-        m.watermark = 0
-        m.incarnation = 0
-        m.history_loaded = False
-        self._stats.resets += 1
         self._requeue_own(gid, m)
 
     def _sync(self) -> None:
