@@ -94,7 +94,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.GetDraftStatsResponse(
             groups=s.groups, history_keys=s.history_keys, indexed_tokens=s.indexed_tokens,
             memory_bytes=s.memory_bytes, memory_budget_bytes=s.memory_budget_bytes,
-            bytes_per_token=s.bytes_per_token, evicted_history=s.evicted_history, expired_groups=s.expired_groups)
+            bytes_per_token=s.bytes_per_token, evicted_history=s.evicted_history, expired_groups=s.expired_groups,
+            evicted_groups=s.evicted_groups)
 
 
 def add_servicers(store: DraftStore, backfill: HistoryBackfill | None = None) -> Callable[[grpc.Server], list[str]]:

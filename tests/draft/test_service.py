@@ -101,3 +101,29 @@ def test_expired_group(draft_stub: draft_pb2_grpc.DraftServiceStub) -> None:
     (d,) = s.Sync(draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id="short", watermark=2)])).groups
     assert d.gone
     assert s.GetDraftStats(draft_pb2.GetDraftStatsRequest()).expired_groups == 1
+
+
+def test_stats_report_groups_evicted_for_memory() -> None:
+    # A completed group evicted to fit a new one must show in GetDraftStats (it was counted in the
+    # store but never reported, so an operator could not tell eviction from expiry).
+    from services.draft.app import start
+    from services.draft.config import DraftConfig
+
+    running, store = start(DraftConfig(port=0, grace_seconds=0.5, memory_budget_mb=1))
+    ch = grpc.insecure_channel(running.address)
+    try:
+        s = draft_pb2_grpc.DraftServiceStub(ch)
+        n = 0
+        while s.GetDraftStats(draft_pb2.GetDraftStatsRequest()).evicted_groups == 0:
+            gid = f"g{n}"
+            s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=f"k{n}", prompt_token_ids=[1, 2],
+                                                           ttl_seconds=600, group_size=1))
+            s.Append(iter([A(group_id=gid, request_id="a", offset=0, token_ids=list(range(3000)), finished=True)]))
+            n += 1
+            assert n < 200, "a 1 MB budget never evicted a completed group"
+        st = s.GetDraftStats(draft_pb2.GetDraftStatsRequest())
+        assert st.evicted_groups == store.stats().evicted_groups >= 1
+        assert st.memory_bytes <= st.memory_budget_bytes
+    finally:
+        ch.close()
+        running.stop(0.2)

@@ -139,7 +139,7 @@ class GetDraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDraftStatsResponse(_message.Message):
-    __slots__ = ("groups", "history_keys", "indexed_tokens", "memory_bytes", "memory_budget_bytes", "bytes_per_token", "evicted_history", "expired_groups")
+    __slots__ = ("groups", "history_keys", "indexed_tokens", "memory_bytes", "memory_budget_bytes", "bytes_per_token", "evicted_history", "expired_groups", "evicted_groups")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_KEYS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class GetDraftStatsResponse(_message.Message):
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EVICTED_HISTORY_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     groups: int
     history_keys: int
     indexed_tokens: int
@@ -156,4 +157,5 @@ class GetDraftStatsResponse(_message.Message):
     bytes_per_token: float
     evicted_history: int
     expired_groups: int
-    def __init__(self, groups: _Optional[int] = ..., history_keys: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., bytes_per_token: _Optional[float] = ..., evicted_history: _Optional[int] = ..., expired_groups: _Optional[int] = ...) -> None: ...
+    evicted_groups: int
+    def __init__(self, groups: _Optional[int] = ..., history_keys: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., bytes_per_token: _Optional[float] = ..., evicted_history: _Optional[int] = ..., expired_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ...) -> None: ...
