@@ -59,7 +59,14 @@ class SchedulerConfig(ServiceConfig):
         default=False, metadata={"help": "seer_history: still give probe priority to groups with a history prior"}
     )
     quarantine_clear_reports: int = field(
-        default=3, metadata={"help": "consecutive sane reports before a quarantined worker is trusted again"}
+        default=3,
+        metadata={"help": "consecutive sane reports before a quarantined worker is trusted again (first offence)"},
+    )
+    quarantine_max_reports: int = field(
+        default=96, metadata={"help": "cap of the sane period, which doubles with each repeat quarantine offence"}
+    )
+    quarantine_decay_reports: int = field(
+        default=900, metadata={"help": "consecutive sane reports while trusted that forgive one quarantine offence"}
     )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
@@ -92,6 +99,8 @@ class SchedulerConfig(ServiceConfig):
             use_worker_free_pages=self.use_worker_free_pages,
             history_probes=self.history_probes,
             quarantine_clear_reports=self.quarantine_clear_reports,
+            quarantine_max_reports=self.quarantine_max_reports,
+            quarantine_decay_reports=self.quarantine_decay_reports,
         )
 
     def validate(self) -> None:

@@ -80,6 +80,9 @@ class Resync:
     old_len: int  # output length before the chunk
     chunk_len: int
     max_new: int
+    # The chunk ended the response (its finish reason is not CHUNK): only then does a snapshot that
+    # no longer lists the request mean that this chunk finished it.
+    final: bool = False
 
 
 @dataclass
@@ -116,6 +119,9 @@ class WorkerState:
     active: bool = False  # added to the core (after any catch-up weight load)
     spec: WorkerSpec | None = None
     incarnation: str = ""  # RegisterWorkerRequest.incarnation ("" = unknown)
+    # Registered (or caught up) while a weight switch was in progress: it is brought to the
+    # switch's outcome when the switch ends, not activated on the version being replaced.
+    await_switch: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,7 +247,8 @@ class Dispatcher:
         if not address or ":" not in address:
             raise InvalidArgument(f"{address!r} is not host:port", field="address")
         _check_capacity(capacity)
-        spec = WorkerSpec(worker_id, capacity.total_kv_pages, capacity.page_size, capacity.max_batch_size)
+        spec = WorkerSpec(worker_id, capacity.total_kv_pages, capacity.page_size, capacity.max_batch_size,
+                          max_context=capacity.max_context)
         spec.validate()
         stale: WorkerState | None = None
         with self._cond:
@@ -276,12 +283,21 @@ class Dispatcher:
             target = self._catch_up_target_locked()
             needs_load = target is not None and policy_version < target[0]
             ahead = target is not None and policy_version > target[0]
-            if not needs_load and not ahead:
+            switching = self._paused
+            if switching:
+                # A weight switch is in progress: the version it replaces is about to be stale and
+                # this worker is not among those it loads. Activated now, it would be placed on and
+                # refuse (or run at the old version) chunks of the new version, each costing the
+                # request an attempt, then be recycled. The switch's end catches it up instead.
+                state.await_switch = True
+                needs_load = ahead = False
+            elif not needs_load and not ahead:
                 self._activate_locked(state, spec)
         if stale is not None:
             stale.link.close()
         log.info("worker registered", extra=kv(worker_id=worker_id, address=address, engine=engine,
-                                                 policy_version=policy_version, catch_up=needs_load))
+                                                 policy_version=policy_version, catch_up=needs_load,
+                                                 awaits_weight_switch=switching))
         if ahead:
             # Its chunks would be refused (a batch's tokens all come from the batch's version) and
             # weights cannot be loaded backwards: it serves once the suite switches to its version.
@@ -303,12 +319,13 @@ class Dispatcher:
         return None
 
     def _activate_locked(self, state: WorkerState, spec: WorkerSpec) -> None:
+        state.await_switch = False
         self.core.add_worker(spec)
         reason = self._quarantine_carry.pop(state.worker_id, "")
         if reason:
             log.warning("worker registered again while quarantined; it stays quarantined",
                         extra=kv(worker_id=state.worker_id, reason=reason))
-            self.core.quarantine_worker(state.worker_id, reason)
+            self.core.quarantine_worker(state.worker_id, reason, offence=False)  # not a new offence
         state.active = True
         WORKERS.set(len(self._workers))
         self._dirty = True
@@ -325,6 +342,11 @@ class Dispatcher:
             with self._cond:
                 if self._workers.get(state.worker_id) is not state or state.active or state.spec is None:
                     return  # gone, or a weight switch activated it meanwhile
+                if self._paused:
+                    # A switch is in progress: its target is not the version to activate on; the
+                    # switch's end resumes this catch-up (_take_awaiting_switch_locked).
+                    state.await_switch = True
+                    return
                 target = self._catch_up_target_locked()
                 if target is None or state.policy_version > target[0]:
                     return  # unknown version, or ahead: a later switch to its version activates it
@@ -480,10 +502,11 @@ class Dispatcher:
                         if not w.active and w.spec is not None and self._workers.get(w.worker_id) is w:
                             self._activate_locked(w, w.spec)  # it was waiting to catch up: done
                 # A worker that could not load the version must not serve it: drop it (it can
-                # register again and catch up).
-                for wid in errors:
-                    if wid in self._workers:
-                        self._remove_worker_locked(wid, reason="weight load failed")
+                # register again and catch up). Only the registration that was asked to load: one
+                # that registered again meanwhile (a new state) awaits the switch's end instead.
+                for w in workers:
+                    if w.worker_id in errors and self._workers.get(w.worker_id) is w:
+                        self._remove_worker_locked(w.worker_id, reason="weight load failed")
             if errors and len(errors) == len(workers):
                 raise Unavailable(f"no worker loaded version {version}: {errors}")
             loaded = len(workers) - len(errors)
@@ -493,8 +516,19 @@ class Dispatcher:
         finally:
             with self._cond:
                 self._paused = False
+                waiting = self._take_awaiting_switch_locked()
                 self._dirty = True
                 self._cond.notify_all()
+            for w in waiting:
+                self._start_catch_up(w)  # to the version the switch left (its new one, or the old)
+
+    def _take_awaiting_switch_locked(self) -> list[WorkerState]:
+        """Workers that registered (or finished a catch-up) during the switch that just ended: each
+        is caught up to the version it left, then activated."""
+        waiting = [w for w in self._workers.values() if w.await_switch and not w.active]
+        for w in waiting:
+            w.await_switch = False
+        return waiting
 
     # ---- work feed ---------------------------------------------------------------------------
 
@@ -698,9 +732,19 @@ class Dispatcher:
         rid = r.item.request_id
         self._release_locked(r, hold.worker)
         if snap is None:
-            # The buffer no longer lists it: the chunk finished it (or its batch was cancelled).
-            self.core.on_chunk_done(rid, worker_id, min(chunk_len, max_new), True)
             del self._requests[rid]
+            if hold.final:
+                # The buffer no longer lists it and the chunk ended the response: the chunk finished it.
+                self.core.on_chunk_done(rid, worker_id, min(chunk_len, max_new), True)
+                return
+            # A chunk that does not end the response, and the buffer no longer lists the request: it
+            # left for another reason (e.g. its batch was cancelled while the feed reconnected, so no
+            # cancel event came), with a length we do not know. Recorded as finished at
+            # old_len + chunk_len, it would become a made-up length in its group's finished lengths
+            # (its siblings' estimate) and in its prompt's history (the next iteration's prior).
+            log.info("request gone from the buffer while its chunk waited for resync; forgotten",
+                     extra=kv(request_id=rid, worker_id=worker_id, output=old_len, chunk=chunk_len))
+            self._forget_in_core_locked(rid)
             return
         r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
         new_tokens = max(0, min(len(r.output) - old_len, max_new))
@@ -777,7 +821,8 @@ class Dispatcher:
                 continue
             r.dropped = True
             log.error("request fits on no worker; failing it", extra=kv(
-                request_id=u.request_id, need_tokens=u.need_tokens, largest_kv_tokens=u.largest_kv_tokens,
+                request_id=u.request_id, reason=u.reason, need_tokens=u.need_tokens,
+                largest_kv_tokens=u.largest_kv_tokens, largest_max_context=u.largest_context_tokens,
                 prompt_tokens=len(r.item.prompt_token_ids), generated=len(r.output), max_tokens=r.item.max_tokens,
                 chunk_size=self.cfg.chunk_size))
             self._abandoned.add(u.request_id)
@@ -905,7 +950,8 @@ class Dispatcher:
         if problem:
             # A worker that reports impossible stats cannot be trusted with its tokens either: the
             # chunk runs again elsewhere and the worker gets no chunks until its telemetry is sane.
-            log.warning("worker quarantined: impossible chunk stats", extra=kv(worker_id=w.worker_id, reason=problem))
+            # (The core logs the quarantine with the worker's offence count.)
+            log.warning("impossible chunk stats", extra=kv(worker_id=w.worker_id, reason=problem))
             with self._cond:
                 if self._workers.get(w.worker_id) is w and w.active:
                     self.core.quarantine_worker(w.worker_id, f"impossible chunk stats: {problem}")
@@ -996,7 +1042,8 @@ class Dispatcher:
                 # Cancelled meanwhile: no snapshot will resolve an untracked request, so settle now.
                 self._finish_chunk(r, w, token, failed=False, drop=True)
                 return
-            r.resync = Resync(token, w, len(r.output), len(commit.token_ids), max_new)
+            r.resync = Resync(token, w, len(r.output), len(commit.token_ids), max_new,
+                              final=commit.finish_reason != common_pb2.FINISH_REASON_CHUNK)
         self._request_resync()
 
     def _finish_chunk(

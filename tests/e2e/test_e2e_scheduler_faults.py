@@ -8,11 +8,15 @@ worker removal before a resync deterministically) and read its Prometheus gauges
 - a chunk whose request is cancelled while its commit comes back duplicate (no in-flight leak; a
   weight switch still drains);
 - a request that fails on every attempt (the buffer fails it, ABORTED; the batch completes);
-- a chunk past chunk_timeout (only that chunk is aborted and re-dispatched; the worker stays).
+- a chunk past chunk_timeout (only that chunk is aborted and re-dispatched; the worker stays);
+- a worker's max_context (no chunk past it is placed there; a request past every worker's context is
+  failed, not refused MAX_CHUNK_ATTEMPTS times);
+- a worker registering during a weight switch (caught up to the new version before it is placed on).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +29,7 @@ import pytest
 from e2e_fake_worker import FakeWorker, token_at
 from e2e_helpers import make_batch
 from prometheus_client import REGISTRY
-from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, worker_pb2
 
 from services.buffer.app import start as start_buffer
 from services.buffer.config import BufferConfig
@@ -94,16 +98,26 @@ def wait_for(cond: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.02)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture
 def make_local(tmp_path: Path) -> Iterator[Callable[..., Local]]:
     made: list[Local] = []
     channels: list[grpc.Channel] = []
 
-    def make(**scheduler: Any) -> Local:
+    def make(*, switch_through_buffer: bool = False, **scheduler: Any) -> Local:
+        # switch_through_buffer: the buffer's UpdateWeights calls this scheduler's SwitchWeights (on a
+        # port picked here, since the buffer starts first).
+        port = free_port() if switch_through_buffer else 0
         buffer, _core = start_buffer(BufferConfig(port=0, data_dir=str(tmp_path / "buffer"), model_dir="",
-                                                  grace_seconds=0.0))
-        values: dict[str, Any] = {"port": 0, "buffer_address": buffer.address, "policy": "divided", "chunk_size": 8,
-                                  "heartbeat_interval": 0.3, "grace_seconds": 0.0}
+                                                  grace_seconds=0.0,
+                                                  scheduler_address=f"127.0.0.1:{port}" if port else ""))
+        values: dict[str, Any] = {"port": port, "buffer_address": buffer.address, "policy": "divided",
+                                  "chunk_size": 8, "heartbeat_interval": 0.3, "grace_seconds": 0.0}
         values.update(scheduler)
         dispatcher = GatedDispatcher(SchedulerConfig(**values))
         sched = start_server("scheduler", dispatcher.cfg, lambda s: add_to_server(dispatcher, s),
@@ -270,4 +284,130 @@ def test_worker_ahead_of_the_suite_is_not_placed(make_local: Callable[..., Local
     assert all(r.finish_reason == LENGTH for r in results.values())
     assert not ahead.started and ahead.loads == []
     assert len(ok.chunks) >= 4
+    loc.assert_settled()
+
+
+# ---- session 14: a worker's max_context ----------------------------------------------------------
+
+
+class ContextWorker(FakeWorker):
+    """A FakeWorker that registers `max_context` and refuses a chunk past it the way the real worker
+    does (services/worker/core.py: prompt + output + max_new_tokens > max_context is INVALID_ARGUMENT
+    naming max_new_tokens)."""
+
+    def __init__(self, worker_id: str, scheduler_address: str, *, max_context: int, **kw: Any) -> None:
+        self.max_context = max_context
+        self.over_context: list[tuple[str, int]] = []  # (request_id, seq) of chunks refused for it
+        super().__init__(worker_id, scheduler_address, **kw)
+
+    def _register(self) -> None:
+        self.registrations += 1
+        self._scheduler.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, address=f"127.0.0.1:{self.port}",
+            capacity=scheduler_pb2.WorkerCapacity(total_kv_pages=4096, page_size=16, max_batch_size=8,
+                                                  max_context=self.max_context),
+            engine="fake", policy_version=self.version), timeout=5)
+
+    def RunChunk(self, request: worker_pb2.RunChunkRequest,
+                 context: grpc.ServicerContext) -> Iterator[worker_pb2.RunChunkResponse]:
+        done = len(request.output_token_ids)
+        new = min(request.max_new_tokens, request.max_tokens - done)
+        total = len(request.prompt_token_ids) + done + new
+        if total > self.max_context:
+            with self._lock:
+                self.started.append((request.request_id, request.seq))
+                self.over_context.append((request.request_id, request.seq))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_new_tokens: {total} exceeds the context limit {self.max_context}")
+        yield from super().RunChunk(request, context)
+
+
+def test_chunks_are_never_placed_past_a_workers_max_context(make_local: Callable[..., Local]) -> None:
+    """Two workers, one with a short context: every request completes and the short one never gets
+    a chunk whose context (prompt + output + chunk) exceeds its max_context."""
+    loc = make_local()
+    short = ContextWorker("short", loc.scheduler.address, max_context=30, token_delay=0.002)
+    loc.workers.append(short)
+    long = loc.worker("long", token_delay=0.002)
+    loc.wait_workers({"short", "long"})
+    batch = make_batch(4, 2, max_tokens=48)
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert len(results) == 8
+    for rid, r in results.items():
+        assert list(r.token_ids) == expected(rid, 48) and r.finish_reason == LENGTH, rid
+    assert short.over_context == []
+    assert short.chunks, "the short worker took the chunks that fit it"
+    assert long.chunks
+    loc.assert_settled()
+
+
+def test_a_request_past_every_max_context_is_failed_without_a_refused_chunk(
+    make_local: Callable[..., Local]
+) -> None:
+    """Only short workers: a request's chunks run while they fit; the first that fits no worker's
+    context fails the request (ABORTED, with what was committed) instead of being refused by the
+    worker MAX_CHUNK_ATTEMPTS times."""
+    loc = make_local()
+    short = ContextWorker("short", loc.scheduler.address, max_context=30, token_delay=0.002)
+    loc.workers.append(short)
+    loc.wait_workers({"short"})
+    batch = make_batch(1, 2, max_tokens=48)
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert len(results) == 2
+    for rid, r in results.items():
+        # 6 prompt + 24 output = 30: the next chunk (8) fits no worker.
+        assert (list(r.token_ids), r.finish_reason) == (expected(rid, 24), ABORTED), rid
+    assert short.over_context == []
+    loc.assert_settled()
+
+
+# ---- session 14: a worker registering during a weight switch -------------------------------------
+
+
+class SlowLoadWorker(FakeWorker):
+    """A FakeWorker whose LoadWeights waits for `go` (a weight switch held in its load phase)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.loading = threading.Event()
+        self.go = threading.Event()
+        super().__init__(*args, **kw)
+
+    def LoadWeights(self, request: worker_pb2.LoadWeightsRequest,
+                    context: grpc.ServicerContext) -> worker_pb2.LoadWeightsResponse:
+        self.loading.set()
+        self.go.wait(20)
+        return super().LoadWeights(request, context)
+
+
+def test_a_worker_registering_during_a_weight_switch_serves_the_new_version(
+    make_local: Callable[..., Local]
+) -> None:
+    """A worker that registers while SwitchWeights loads the other workers, on the old version, is
+    brought to the new version before it gets a chunk: none of its chunks is refused for its version
+    (each refusal used to cost the request an attempt), and nothing is lost."""
+    loc = make_local(switch_through_buffer=True)
+    old = SlowLoadWorker("old", loc.scheduler.address, strict_version=True)
+    loc.workers.append(old)
+    loc.wait_workers({"old"})
+    switch = threading.Thread(
+        target=lambda: loc.rollout.UpdateWeights(rollout_pb2.UpdateWeightsRequest(version=1), timeout=30))
+    switch.start()
+    assert old.loading.wait(10)
+    late = loc.worker("late", strict_version=True)  # registers at version 0 mid-switch
+    old.go.set()
+    switch.join(30)
+    assert not switch.is_alive()
+    loc.wait_workers({"old", "late"})
+    batch = make_batch(4, 2, max_tokens=32)
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id)
+    assert len(results) == 8
+    for rid, r in results.items():
+        assert list(r.token_ids) == expected(rid, 32) and r.finish_reason == LENGTH, rid
+    assert late.loads == [1] and late.version == 1
+    # Every chunk it was sent ran (a refusal for its version would be started but not completed).
+    assert len(late.started) == len(late.chunks) > 0
+    assert late.registrations == 1
     loc.assert_settled()

@@ -50,8 +50,12 @@ class SchedulerPolicyConfig:
     # "posterior" (expected maximum of a log-normal group whose log-mean has the history's mean log
     # as prior, updated by finished and censored running siblings: groups.posterior_max).
     history_estimate: str = "scaled"
-    # A quarantined worker is trusted again after this many consecutive sane reports.
+    # A quarantined worker is trusted again after this many consecutive sane reports (first
+    # offence); each repeat offence doubles it, up to quarantine_max_reports; after
+    # quarantine_decay_reports consecutive sane reports while trusted, one offence is forgiven.
     quarantine_clear_reports: int = 3
+    quarantine_max_reports: int = 96
+    quarantine_decay_reports: int = 900
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -82,6 +86,14 @@ class SchedulerPolicyConfig:
             )
         if self.quarantine_clear_reports < 1:
             raise InvalidArgument("must be >= 1", field="quarantine_clear_reports")
+        if self.quarantine_max_reports < self.quarantine_clear_reports:
+            raise InvalidArgument(
+                f"must be >= quarantine_clear_reports ({self.quarantine_clear_reports}), got "
+                f"{self.quarantine_max_reports}",
+                field="quarantine_max_reports",
+            )
+        if self.quarantine_decay_reports < 1:
+            raise InvalidArgument("must be >= 1", field="quarantine_decay_reports")
 
     @property
     def chunked(self) -> bool:

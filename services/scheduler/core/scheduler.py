@@ -37,7 +37,7 @@ from .pressure import BindingResource
 from .queues import AgeQueue, Key, PendingQueue
 from .ratios import SiblingRatios
 from .types import Dispatch, RequestInfo, Unschedulable, WorkerSpec
-from .workers import WorkerState, apply_telemetry, pages_for
+from .workers import OffenceRecord, QuarantineRule, WorkerState, apply_telemetry, pages_for, quarantine
 
 log = get_logger(__name__)
 
@@ -71,6 +71,11 @@ class SchedulerCore:
         self._groups: dict[str, GroupState] = {}
         self._groups_by_key: dict[str, set[str]] = {}
         self._workers: dict[str, WorkerState] = {}
+        # Quarantine history by worker id, kept across removal and re-registration (workers.py).
+        self._offences: dict[str, OffenceRecord] = {}
+        self._quarantine_rule = QuarantineRule(
+            cfg.quarantine_clear_reports, cfg.quarantine_max_reports, cfg.quarantine_decay_reports
+        )
         self._history: dict[str, list[int]] = {}
         # Pooled spread of log lengths within the history's groups (history_estimate="posterior"):
         # sum of squared deviations and degrees of freedom over every set_history call.
@@ -114,6 +119,10 @@ class SchedulerCore:
         # misses heartbeats or is still catching up on weights is gone from _workers for a while,
         # and a request only it can hold must wait for it, not fail.
         self._max_kv_seen = 0
+        # The same for what a worker can hold at all (its KV capped by its max_context), and the
+        # largest max_context declared (for the error line only).
+        self._max_room_seen = 0
+        self._max_context_seen = 0
         self._counters = {
             "dispatched_chunks": 0,
             "redispatched_chunks": 0,
@@ -276,8 +285,10 @@ class SchedulerCore:
             if old.spec == w:
                 return  # re-registration with the same capacity
             self.remove_worker(w.worker_id)
-        state = WorkerState(spec=w)
-        self._max_kv_seen = max(self._max_kv_seen, w.total_pages * w.page_size)
+        state = WorkerState(spec=w, record=self._offences.setdefault(w.worker_id, OffenceRecord()))
+        self._max_kv_seen = max(self._max_kv_seen, w.kv_tokens)
+        self._max_room_seen = max(self._max_room_seen, w.room_tokens())
+        self._max_context_seen = max(self._max_context_seen, w.max_context)
         if old is not None and old.quarantined:
             # A new capacity does not make its telemetry trustworthy again.
             state.quarantined, state.quarantine_reason = True, old.quarantine_reason
@@ -309,9 +320,7 @@ class SchedulerCore:
         w = self._workers.get(worker_id)
         if w is None:
             raise NotFound(f"unknown worker {worker_id}", field="worker_id")
-        apply_telemetry(
-            w, free_pages, running, waiting, extra, self.cfg.use_worker_free_pages, self.cfg.quarantine_clear_reports
-        )
+        apply_telemetry(w, free_pages, running, waiting, extra, self.cfg.use_worker_free_pages, self._quarantine_rule)
 
     def is_quarantined(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
@@ -322,18 +331,17 @@ class SchedulerCore:
         w = self._workers.get(worker_id)
         return w.quarantine_reason if w is not None and w.quarantined else ""
 
-    def quarantine_worker(self, worker_id: str, reason: str) -> None:
-        """Stop trusting a worker for a reason its driver found (impossible chunk results, or a
-        quarantine carried over a re-registration). It is trusted again like after impossible
-        telemetry: after quarantine_clear_reports consecutive sane telemetry reports."""
+    def quarantine_worker(self, worker_id: str, reason: str, *, offence: bool = True) -> None:
+        """Stop trusting a worker for a reason its driver found (impossible chunk results; with
+        offence=False a quarantine carried over a re-registration, which is no new offence). It is
+        trusted again like after impossible telemetry: after consecutive sane telemetry reports,
+        quarantine_clear_reports for a first offence, doubled per repeat (workers.QuarantineRule)."""
         w = self._workers.get(worker_id)
         if w is None:
             raise NotFound(f"unknown worker {worker_id}", field="worker_id")
         if not reason:
             raise InvalidArgument("must not be empty", field="reason")
-        if not w.quarantined:
-            log.warning("worker quarantined", extra=kv(worker_id=worker_id, reason=reason))
-        w.quarantined, w.quarantine_reason, w.sane_reports = True, reason, 0
+        quarantine(w, reason, self._quarantine_rule, offence=offence)
 
     # ---- decisions ------------------------------------------------------------------------
 
@@ -489,7 +497,7 @@ class SchedulerCore:
         # pre-check so that candidates that fit nowhere skip the O(workers) placement.
         room = max(
             (
-                w.free_pages() * w.spec.page_size
+                min(w.free_pages() * w.spec.page_size, w.spec.max_context or w.spec.kv_tokens)
                 for w in self._workers.values()
                 if not w.quarantined and w.load < w.spec.max_batch_size
             ),
@@ -517,18 +525,23 @@ class SchedulerCore:
         return chosen
 
     def _need_tokens(self, req: _Request) -> int:
-        """KV (tokens) its next chunk needs: context + the chunk."""
-        return req.info.prompt_len + req.generated + min(self.cfg.chunk_size, req.info.max_tokens - req.generated)
+        """KV (tokens) its next chunk needs: context + the chunk (baseline: the rest of the
+        response, its one dispatch). It is also what the worker checks against its max_context."""
+        left = req.info.max_tokens - req.generated
+        return req.info.prompt_len + req.generated + (min(self.cfg.chunk_size, left) if self.cfg.chunked else left)
 
     def _drop_if_unschedulable(self, req: _Request) -> bool:
-        """Drop a request whose next chunk exceeds the whole KV of every worker registered so far
-        (_max_kv_seen; none yet: nothing is unschedulable for lack of workers): it would wait
-        forever. The driver learns of it through take_unschedulable() and fails it."""
+        """Drop a request whose next chunk exceeds what every worker registered so far can hold
+        (_max_room_seen: the whole KV, capped by max_context; none yet: nothing is unschedulable
+        for lack of workers): it would wait forever, or be refused by its worker on every attempt.
+        The driver learns of it through take_unschedulable() and fails it."""
         need = self._need_tokens(req)
-        if not self._max_kv_seen or need <= self._max_kv_seen:
+        if not self._max_room_seen or need <= self._max_room_seen:
             return False
         self.cancel_request(req.info.request_id)
-        self._unschedulable.append(Unschedulable(req.info.request_id, need, self._max_kv_seen))
+        self._unschedulable.append(
+            Unschedulable(req.info.request_id, need, self._max_kv_seen, self._max_context_seen, self._max_room_seen)
+        )
         self._counters["unschedulable_requests"] += 1
         return True
 
@@ -541,21 +554,37 @@ class SchedulerCore:
         out: list[Dispatch] = []
         # Quarantined workers are not trusted with chunks under any policy.
         trusted = sorted(wid for wid, w in self._workers.items() if not w.quarantined)
+        skipped: list[tuple[PendingQueue, tuple[Key, int, str, int]]] = []
         while trusted and (limit is None or len(out) < limit):
             cand = self._pop_candidate()
             if cand is None:
                 break
             req = self._requests[cand[1][2]]
+            if self._drop_if_unschedulable(req):
+                continue
+            # No KV admission here (the engine queues and preempts), but a worker refuses a request
+            # past its max_context or its whole KV outright: only those that can run it are candidates.
+            need = self._need_tokens(req)
+            fitting = [
+                wid
+                for wid in trusted
+                if self._workers[wid].fits_context(need) and need <= self._workers[wid].spec.kv_tokens
+            ]
+            if not fitting:
+                skipped.append(cand)  # only a worker that is away now can run it: wait for it
+                continue
             gid = req.info.group_id
             wid = self._group_worker.get(gid)
             placed = self._workers.get(wid) if wid is not None else None
-            if placed is None or placed.quarantined:
-                # New group, or its worker is gone or quarantined: the rest of the group moves.
-                wid = trusted[self._rr % len(trusted)]
+            if placed is None or placed.quarantined or wid not in fitting:
+                # New group, or its worker is gone, quarantined or too small: the rest of the group moves.
+                wid = fitting[self._rr % len(fitting)]
                 self._rr += 1
                 self._group_worker[gid] = wid
                 placed = self._workers[wid]
             out.append(self._dispatch(req, placed, req.info.max_tokens - req.generated, fetch_kv=False, pages=0))
+        for q, entry in skipped:
+            q.restore(entry)
         return out
 
     def _try_place(self, req: _Request) -> Dispatch | None:
@@ -571,7 +600,7 @@ class SchedulerCore:
         for w in self._workers.values():
             prefix = self._cached_prefix(req, g, w.worker_id)
             best_prefix = max(best_prefix, prefix)
-            if not w.can_admit(pages_for(ctx + max_new, w.spec.page_size)):
+            if not w.fits_context(ctx + max_new) or not w.can_admit(pages_for(ctx + max_new, w.spec.page_size)):
                 continue
             if least is None or (w.load, -w.free_pages()) < (least.load, -least.free_pages()):
                 least = w
@@ -581,6 +610,12 @@ class SchedulerCore:
                 preferred, preferred_prefix = w, prefix
         if least is None:
             return None
+        if req.last_worker is not None and req.last_worker not in self._workers:
+            # The worker that ran its previous chunk is gone (died, restarted, recycled), but it
+            # offloaded the request's KV (prompt + generated) to the KV pool when that chunk ended:
+            # moving away from a dead worker is a move like any other, and pulling the prefix beats
+            # re-prefilling it (a worker that finds nothing in the pool recomputes it anyway).
+            best_prefix = max(best_prefix, info.prompt_len + req.generated)
         chosen = least
         if (
             self.cfg.policy != "divided"

@@ -48,6 +48,19 @@ class WorkerSpec:
     total_pages: int
     page_size: int
     max_batch_size: int
+    # The longest context (prompt + output + chunk) the worker's engine accepts; 0 = unknown (no
+    # limit assumed). A chunk past it is refused by the worker (INVALID_ARGUMENT), so placement
+    # skips such workers.
+    max_context: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.total_pages * self.page_size
+
+    def room_tokens(self) -> int:
+        """The longest context + chunk this worker can ever run: its whole KV, capped by its
+        max_context when it has one."""
+        return min(self.kv_tokens, self.max_context) if self.max_context else self.kv_tokens
 
     def validate(self) -> None:
         if not self.worker_id:
@@ -58,6 +71,8 @@ class WorkerSpec:
             raise InvalidArgument(f"must be >= 1, got {self.page_size}", field="page_size")
         if self.max_batch_size < 1:
             raise InvalidArgument(f"must be >= 1, got {self.max_batch_size}", field="max_batch_size")
+        if self.max_context < 0:
+            raise InvalidArgument(f"must be >= 0 (0 = unknown), got {self.max_context}", field="max_context")
 
 
 @dataclass(frozen=True)
@@ -76,10 +91,24 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Unschedulable:
-    """A request no worker can ever hold: its context plus its next chunk exceeds the whole KV of
-    every worker registered so far (now or before). The core drops it; the driver fails it (it
-    would wait forever)."""
+    """A request no worker can ever hold: its context plus its next chunk exceeds, on every worker
+    registered so far (now or before), the whole KV or the max_context. The core drops it; the
+    driver fails it (it would wait forever, or be refused by the worker on every attempt)."""
 
     request_id: str
     need_tokens: int  # context + next chunk
     largest_kv_tokens: int  # the largest worker's whole KV seen (total_pages * page_size)
+    # The largest max_context any worker declared (0: none declared one).
+    largest_context_tokens: int = 0
+    # The most any worker seen could hold (its KV capped by its max_context): need_tokens is over it.
+    largest_room_tokens: int = 0
+
+    @property
+    def reason(self) -> str:
+        """Which limit it is past, said."""
+        if self.need_tokens > self.largest_kv_tokens:
+            return f"context + next chunk ({self.need_tokens} tokens) exceeds the KV of every worker"
+        return (
+            f"context + next chunk ({self.need_tokens} tokens) exceeds what every worker holds"
+            f" (KV capped by max_context: at most {self.largest_room_tokens} tokens)"
+        )

@@ -1,5 +1,7 @@
 """Worker state as the scheduler sees it: capacity, our own KV reservations, telemetry, and the
-quarantine of workers whose telemetry is impossible (not trusted, not dispatched to)."""
+quarantine of workers whose telemetry or chunk results are impossible (not trusted, not dispatched
+to). Repeat offences escalate: each one doubles the sane period needed to be trusted again (up to a
+cap), and a long clean period forgives one offence."""
 
 from __future__ import annotations
 
@@ -19,6 +21,31 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 @dataclass
+class OffenceRecord:
+    """A worker's quarantine history. Kept by worker id across removal and re-registration (a worker
+    that lies, is removed and registers again is the same offender)."""
+
+    offences: int = 0
+    # Consecutive sane reports while trusted since its last offence or forgiveness.
+    clean_reports: int = 0
+
+
+@dataclass(frozen=True)
+class QuarantineRule:
+    """How long a quarantine lasts: `clear_after` sane reports for a first offence, doubled for each
+    repeat, capped at `max_reports`; `decay_reports` clean reports while trusted forgive one."""
+
+    clear_after: int = 3
+    max_reports: int = 96
+    decay_reports: int = 900
+
+    def needed(self, offences: int) -> int:
+        """Consecutive sane reports that release a worker with this many offences."""
+        doublings = min(max(offences - 1, 0), 30)
+        return max(self.clear_after, min(self.max_reports, self.clear_after << doublings))
+
+
+@dataclass
 class WorkerState:
     spec: WorkerSpec
     # request_id -> KV pages reserved for its in-flight chunk (context + max_new_tokens).
@@ -30,6 +57,7 @@ class WorkerState:
     quarantine_reason: str = ""
     sane_reports: int = 0
     telemetry: dict[str, float] = field(default_factory=dict)
+    record: OffenceRecord = field(default_factory=OffenceRecord)
 
     @property
     def worker_id(self) -> str:
@@ -45,6 +73,11 @@ class WorkerState:
     def can_admit(self, pages: int) -> bool:
         """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk."""
         return not self.quarantined and len(self.in_flight) < self.spec.max_batch_size and self.free_pages() >= pages
+
+    def fits_context(self, tokens: int) -> bool:
+        """Whether a chunk whose context + max_new is `tokens` is within the worker's max_context
+        (0 = unknown: assumed so). The worker refuses one past it, on every attempt."""
+        return not self.spec.max_context or tokens <= self.spec.max_context
 
     def reserve(self, request_id: str, pages: int) -> None:
         self.in_flight[request_id] = pages
@@ -82,6 +115,26 @@ def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: 
     return ""
 
 
+def quarantine(w: WorkerState, reason: str, rule: QuarantineRule, *, offence: bool = True) -> None:
+    """Stop trusting `w`. A new offence (a trusted worker caught now; not a quarantine carried over a
+    re-registration, nor another bad report while quarantined) raises the sane period it needs.
+    Why escalate: a worker that lies only in its chunk stats has sane telemetry, so a fixed period
+    would release it every few heartbeats and each lie would cost a chunk attempt forever."""
+    if offence and not w.quarantined:
+        w.record.offences += 1
+        w.record.clean_reports = 0
+        log.warning(
+            "worker quarantined",
+            extra=kv(
+                worker_id=w.worker_id,
+                reason=reason,
+                offences=w.record.offences,
+                sane_reports_needed=rule.needed(w.record.offences),
+            ),
+        )
+    w.quarantined, w.quarantine_reason, w.sane_reports = True, reason, 0
+
+
 def apply_telemetry(
     w: WorkerState,
     free_pages: int,
@@ -89,24 +142,32 @@ def apply_telemetry(
     waiting: int,
     extra: dict[str, float],
     use_free_pages: bool,
-    clear_after: int,
+    rule: QuarantineRule,
 ) -> None:
     problem = telemetry_problem(w.spec, free_pages, running, waiting, extra)
     if problem:
-        if not w.quarantined:
-            log.warning("worker quarantined: impossible telemetry", extra=kv(worker_id=w.worker_id, reason=problem))
-        w.quarantined = True
-        w.quarantine_reason = problem
-        w.sane_reports = 0
+        quarantine(w, f"impossible telemetry: {problem}", rule)
         return
     w.telemetry = {"free_pages": free_pages, "running": running, "waiting": waiting, **extra}
     if w.quarantined:
         w.sane_reports += 1
-        if w.sane_reports < clear_after:
+        if w.sane_reports < rule.needed(w.record.offences):
             return
-        log.info("worker released from quarantine", extra=kv(worker_id=w.worker_id))
+        log.info(
+            "worker released from quarantine",
+            extra=kv(worker_id=w.worker_id, offences=w.record.offences, sane_reports=w.sane_reports),
+        )
         w.quarantined = False
         w.quarantine_reason = ""
+    elif w.record.offences:
+        w.record.clean_reports += 1
+        if w.record.clean_reports >= rule.decay_reports:
+            w.record.offences -= 1
+            w.record.clean_reports = 0
+            log.info(
+                "worker quarantine offence forgiven after a clean period",
+                extra=kv(worker_id=w.worker_id, offences=w.record.offences),
+            )
     if use_free_pages:
         used = w.spec.total_pages - free_pages
         w.external_pages = max(0, used - w.reserved_pages)
