@@ -49,7 +49,27 @@ class KvStoreConfig(ServiceConfig):
         default=512 * 1024 * 1024,
         metadata={"help": "with tune_malloc: freed memory kept for reuse before glibc returns it to the OS"},
     )
+    max_page_streams: int = field(
+        default=0,
+        metadata={
+            "help": "Put+Get streams served at once, more are refused with RESOURCE_EXHAUSTED "
+            "(0 = max_workers minus max(2, max_workers // 8), kept for Exists/Release/GetKvStats)"
+        },
+    )
+    put_idle_timeout_seconds: float = field(
+        default=30.0, metadata={"help": "cancel a Put stream that sends no message for this long (0 = never)"}
+    )
+    release_tombstone_seconds: float = field(
+        default=600.0,
+        metadata={"help": "after a request's Release, refuse its late Puts for this long (0 = off)"},
+    )
     port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
+
+    def page_stream_limit(self) -> int:
+        """The effective max_page_streams: each open stream holds a handler thread."""
+        if self.max_page_streams:
+            return self.max_page_streams
+        return max(1, self.max_workers - max(2, self.max_workers // 8))
 
     def validate(self) -> None:
         super().validate()
@@ -67,5 +87,17 @@ class KvStoreConfig(ServiceConfig):
             raise ValueError(f"malloc_arenas: must be >= 1, got {self.malloc_arenas}")
         if not 0 < self.malloc_trim_bytes < 2**31:  # glibc's M_TRIM_THRESHOLD is an int
             raise ValueError(f"malloc_trim_bytes: must be in (0, 2**31), got {self.malloc_trim_bytes}")
+        if self.max_page_streams < 0:
+            raise ValueError(f"max_page_streams: must be >= 0 (0 = derived), got {self.max_page_streams}")
+        if self.max_page_streams and self.max_page_streams >= self.max_workers:
+            raise ValueError(
+                f"max_page_streams: must be below max_workers ({self.max_workers}): a stream holds a handler "
+                f"thread, so {self.max_page_streams} streams would leave none for Exists/Release, got "
+                f"{self.max_page_streams}"
+            )
+        if self.put_idle_timeout_seconds < 0:
+            raise ValueError(f"put_idle_timeout_seconds: must be >= 0, got {self.put_idle_timeout_seconds}")
+        if self.release_tombstone_seconds < 0:
+            raise ValueError(f"release_tombstone_seconds: must be >= 0, got {self.release_tombstone_seconds}")
         if self.max_page_message_bytes <= 0:
             raise ValueError(f"max_page_message_bytes: must be > 0, got {self.max_page_message_bytes}")

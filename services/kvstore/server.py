@@ -3,11 +3,22 @@ typed errors to status codes. No logic here beyond message shape (per-message si
 inherited within one Put stream).
 
 Put and Get carry pages: their messages are (de)serialized by services.kvstore.wire (same wire
-format, fewer page copies) instead of the generated classes; the other RPCs use the generated ones."""
+format, fewer page copies) instead of the generated classes; the other RPCs use the generated ones.
+
+Page streams and handler threads: a sync gRPC server runs each call on a thread of its pool, and a
+Put or Get stream keeps its thread for as long as it lasts. Unbounded, enough open streams (idle
+clients, or clients that stopped reading) take every thread, and Exists / Release / GetKvStats queue
+behind them until the streams end, which an idle client without a deadline never does. So at most
+`max_page_streams` Put+Get streams run at once (more are refused at once with RESOURCE_EXHAUSTED: a
+miss for the client), keeping threads for the unary calls, and a Put stream that sends nothing for
+`put_idle_timeout_seconds` is cancelled (its slot and thread come back)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -16,13 +27,101 @@ from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.errors import InvalidArgument, ResourceExhausted, SeerError
 from services.common.grpcutil import rpc
 from services.common.kvlayout import KVLayout
-from services.common.log import log_context
+from services.common.log import get_logger, kv, log_context
 from services.common.server import RunningServer, start_server
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.store import KvStore
 from services.kvstore.wire import BadFrame, PutMessage, decode_put_frame, encode_get
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStoreService"].full_name
+
+log = get_logger(__name__)
+
+
+class _Stream:
+    """One open Put stream as the idle watchdog sees it."""
+
+    __slots__ = ("context", "last")
+
+    def __init__(self, context: grpc.ServicerContext, now: float) -> None:
+        self.context = context
+        self.last = now  # when its last message arrived (a float store: no lock needed to update)
+
+
+class PageStreams:
+    """Admission of page streams (Put, Get) and the idle watchdog of Put streams; see the module
+    docstring. The watchdog is one thread, started with the first Put stream: per message a stream
+    only stores a timestamp."""
+
+    def __init__(self, limit: int, put_idle_timeout_s: float) -> None:
+        if limit < 1:
+            raise ValueError(f"max_page_streams: must be >= 1, got {limit}")
+        self.limit = limit
+        self.put_idle_timeout_s = put_idle_timeout_s
+        self._lock = threading.Lock()
+        self._open = 0
+        self._puts: set[_Stream] = set()
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self.refused = self.idle_cancelled = 0
+
+    @contextmanager
+    def hold(self, method: str) -> Iterator[None]:
+        with self._lock:
+            admitted = self._open < self.limit
+            if admitted:
+                self._open += 1
+            else:
+                self.refused += 1
+        if not admitted:
+            raise ResourceExhausted(
+                f"{self.limit} page streams are open (max_page_streams); {method} refused, retry later"
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    def watch_put(self, context: grpc.ServicerContext, requests: Iterator[Any]) -> Iterator[Any]:
+        """requests, with the stream cancelled when no message arrives for put_idle_timeout_s."""
+        if self.put_idle_timeout_s <= 0:
+            yield from requests
+            return
+        stream = _Stream(context, time.monotonic())
+        with self._lock:
+            self._puts.add(stream)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="kvstore-put-idle", daemon=True)
+                self._watchdog.start()
+        try:
+            for msg in requests:
+                stream.last = time.monotonic()
+                yield msg
+        finally:
+            with self._lock:
+                self._puts.discard(stream)
+
+    def _watch(self) -> None:
+        period = min(1.0, self.put_idle_timeout_s / 4)
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                idle = [s for s in self._puts if now - s.last > self.put_idle_timeout_s]
+                for s in idle:
+                    self._puts.discard(s)
+                self.idle_cancelled += len(idle)
+            for s in idle:
+                # The handler's thread is blocked reading the next message: cancelling the call
+                # ends that read (with an RpcError) and so frees the thread and the slot.
+                log.warning(
+                    "Put stream idle; cancelled",
+                    extra=kv(idle_s=round(now - s.last, 1), timeout_s=self.put_idle_timeout_s, peer=s.context.peer()),
+                )
+                s.context.cancel()
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def layout_from_pb(msg: kvstore_pb2.PageLayout) -> KVLayout:
@@ -46,14 +145,26 @@ def _prefixed(exc: SeerError, prefix: str) -> SeerError:
 
 
 class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
-    def __init__(self, store: KvStore, max_page_message_bytes: int) -> None:
+    def __init__(
+        self,
+        store: KvStore,
+        max_page_message_bytes: int,
+        *,
+        max_page_streams: int = 56,
+        put_idle_timeout_s: float = 30.0,
+    ) -> None:
         self.store = store
         self.max_page_message_bytes = max_page_message_bytes
+        self.streams = PageStreams(max_page_streams, put_idle_timeout_s)
 
     @rpc
     def Put(
         self, request_iterator: Iterator[PutMessage | BadFrame], context: grpc.ServicerContext
     ) -> kvstore_pb2.PutResponse:
+        with self.streams.hold("Put"):
+            return self._put(self.streams.watch_put(context, request_iterator))
+
+    def _put(self, request_iterator: Iterator[PutMessage | BadFrame]) -> kvstore_pb2.PutResponse:
         # namespace, layout and request_id may be sent once, on the first message of the stream.
         namespace, request_id = "", ""
         layout: KVLayout | None = None
@@ -102,8 +213,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
     def Get(self, request: kvstore_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serialized GetResponses (services.kvstore.wire.encode_get)."""
         layout = layout_from_pb(request.layout) if request.HasField("layout") else None
-        for page_hash, data, checksum in self.store.get(request.namespace, list(request.page_hashes), layout):
-            yield encode_get(page_hash, data, checksum)
+        with self.streams.hold("Get"):
+            for page_hash, data, checksum in self.store.get(request.namespace, list(request.page_hashes), layout):
+                yield encode_get(page_hash, data, checksum)
 
     @rpc
     def Exists(self, request: kvstore_pb2.ExistsRequest, context: grpc.ServicerContext) -> kvstore_pb2.ExistsResponse:
@@ -171,16 +283,26 @@ def open_store(cfg: KvStoreConfig) -> KvStore:
         verify_put_checksums=cfg.verify_put_checksums,
         min_blob_bytes=cfg.min_blob_bytes,
         ssd_wal=cfg.ssd_wal,
+        release_tombstone_s=cfg.release_tombstone_seconds,
     )
 
 
 def serve(cfg: KvStoreConfig, store: KvStore | None = None) -> tuple[RunningServer, KvStore]:
     """Starts the service (tests and __main__); stopping the server closes the store."""
     store = store if store is not None else open_store(cfg)
-    servicer = KvStoreServicer(store, cfg.max_page_message_bytes)
+    servicer = KvStoreServicer(
+        store,
+        cfg.max_page_message_bytes,
+        max_page_streams=cfg.page_stream_limit(),
+        put_idle_timeout_s=cfg.put_idle_timeout_seconds,
+    )
 
     def add(server: grpc.Server) -> Sequence[str]:
         server.add_generic_rpc_handlers((method_handlers(servicer),))
         return [SERVICE_NAME]
 
-    return start_server("kvstore", cfg, add, on_stop=store.close), store
+    def stop() -> None:
+        servicer.streams.close()
+        store.close()
+
+    return start_server("kvstore", cfg, add, on_stop=stop), store

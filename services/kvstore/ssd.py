@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
 
 from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
@@ -57,9 +56,13 @@ class SsdTier:
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
         self._cfs: dict[str, Rdict] = {}
-        for name in existing:
-            if name.startswith("ns:"):
-                self._cfs[name[3:]] = self._db.get_column_family(name)
+        try:
+            for name in existing:
+                if name.startswith("ns:"):
+                    self._cfs[name[3:]] = self._db.get_column_family(name)
+        except BaseException:
+            self.close()  # else the LOCK stays held by this process: a retry could not open it
+            raise
 
     # Namespace registry (default column family).
     def registry(self) -> dict[str, bytes]:
@@ -121,20 +124,27 @@ class SsdTier:
         wb.delete(_META + page_hash)
         self._db.write(wb, self._page_write)
 
-    def iter_meta(self, namespace: str) -> Iterator[tuple[bytes, bytes]]:
-        """(page_hash, metadata) of every page of a namespace (reads only the small meta values)."""
+    def iter_meta(self, namespace: str) -> list[tuple[bytes, bytes]]:
+        """(page_hash, metadata) of every page of a namespace (reads only the small meta values).
+
+        A list, not a generator: a generator suspended in a failed recovery would keep its
+        column-family handle (and so the DB's LOCK) alive in the exception's traceback."""
         cf = self._cfs.get(namespace)
         if cf is None:
-            return
+            return []
+        out: list[tuple[bytes, bytes]] = []
         it = cf.iter()
-        it.seek(_META)
-        while it.valid():
-            key = it.key()
-            if not key.startswith(_META):
-                break
-            yield key[len(_META) :], it.value()
-            it.next()
-        del it
+        try:
+            it.seek(_META)
+            while it.valid():
+                key = it.key()
+                if not key.startswith(_META):
+                    break
+                out.append((key[len(_META) :], it.value()))
+                it.next()
+        finally:
+            del it
+        return out
 
     def raw_column_family(self, namespace: str) -> Rdict | None:
         """The namespace's column family (tests use it to corrupt a page on disk)."""
@@ -150,5 +160,7 @@ class SsdTier:
     def close(self) -> None:
         # rocksdict releases the DB lock only when no column-family handle is alive.
         self._cfs.clear()
-        self._db.close()
-        gc.collect()
+        try:
+            self._db.close()
+        finally:
+            gc.collect()

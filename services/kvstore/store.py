@@ -23,6 +23,15 @@ tombstoned, so a straggling worker on old weights cannot recreate them; a Put th
 version lower than the family's highest is refused, so it cannot drop a newer one.
 `drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
 
+Late offloads: a Release of a whole request (no page hashes: the request finished) leaves a
+tombstone of (namespace, request_id) for `release_tombstone_s`: a Put or claim by that request
+arriving later (an offload still queued on a worker the request left) is refused with
+FAILED_PRECONDITION naming request_id instead of re-creating pages no one will ever release. Other
+requests' Puts of the same pages are not affected (the tombstone names the request, not the pages).
+
+SSD write failures of a Put: disk full is RESOURCE_EXHAUSTED, any other RocksDB error UNAVAILABLE,
+both naming `data` (the replica cannot take the page now; the client counts a failed offload).
+
 Checksums: the XXH3-64 of every page (services.kvstore.checksum) is checked on
 Put (unless verify_put_checksums is off) and on every read from the SSD tier; a page that fails is
 deleted and reported as missing (counted in checksum_failures), never served.
@@ -30,15 +39,17 @@ deleted and reported as missing (counted in checksum_failures), never served.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, SeerError, Unavailable
 from services.common.kvlayout import KVLayout
 from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
@@ -69,6 +80,7 @@ class KvStats:
     checksum_failures: int = 0
     released_pages: int = 0
     dropped_namespaces: int = 0
+    late_puts: int = 0  # Puts / claims refused: their request was released whole just before
 
 
 @dataclass
@@ -128,6 +140,25 @@ def _check_name(value: str, field_name: str, *, required: bool = True) -> None:
         raise InvalidArgument("must not contain NUL or control characters", field=field_name)
 
 
+# RocksDB statuses (rocksdict raises them as plain Exceptions carrying RocksDB's message) and OS
+# errors that mean the disk is full rather than failing.
+_DISK_FULL = ("no space left on device", "space limit reached", "disk quota exceeded")
+
+
+def ssd_write_error(exc: BaseException, field: str) -> SeerError:
+    """A failed SSD tier write as the store's typed error: disk full -> ResourceExhausted (frees up
+    as pages are released or evicted), any other storage error -> Unavailable (this replica cannot
+    store now; another attempt or replica may). Both are a miss for the client, never a rejection
+    of the page itself."""
+    message = str(exc) or type(exc).__name__
+    full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        m in message.lower() for m in _DISK_FULL
+    )
+    if full:
+        return ResourceExhausted(f"SSD tier is full: {message}", field=field)
+    return Unavailable(f"SSD tier write failed: {message}", field=field)
+
+
 def _encode_meta(e: _Entry) -> bytes:
     return json.dumps([ALGORITHM, e.checksum, e.size, e.seq, sorted(e.owners)]).encode("utf-8")
 
@@ -158,11 +189,20 @@ class KvStore:
         verify_put_checksums: bool = True,
         min_blob_bytes: int = 64 * 1024,
         ssd_wal: bool = False,
+        release_tombstone_s: float = 600.0,
+        max_release_tombstones: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ssd_bytes <= 0:
             raise InvalidArgument(f"must be > 0, got {ssd_bytes}", field="ssd_bytes")
         if keep_versions < 1:
             raise InvalidArgument(f"must be >= 1, got {keep_versions}", field="keep_versions")
+        if release_tombstone_s < 0:
+            raise InvalidArgument(f"must be >= 0, got {release_tombstone_s}", field="release_tombstone_s")
+        if max_release_tombstones < 0:
+            raise InvalidArgument(f"must be >= 0, got {max_release_tombstones}", field="max_release_tombstones")
+        if min_blob_bytes < 0:
+            raise InvalidArgument(f"must be >= 0, got {min_blob_bytes}", field="min_blob_bytes")
         self._lock = threading.RLock()
         self._dram = DramLru(dram_bytes)
         # The store checks every SSD read against the page's checksum (verify_checksums): RocksDB's own
@@ -182,8 +222,25 @@ class KvStore:
         self._hits = self._misses = self._evictions = 0
         self._demotions = self._promotions = self._checksum_failures = 0
         self._released = self._dropped = 0
+        # (namespace, request_id) of requests released whole -> when the tombstone expires; oldest
+        # first. Bounded in time (a late offload comes within its client's queue and RPC timeouts)
+        # and in count (memory); an expired or pushed-out one only lets a late Put through again.
+        self.release_tombstone_s = release_tombstone_s
+        self.max_release_tombstones = max_release_tombstones
+        self._clock = clock
+        self._released_requests: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._late_puts = 0
         self._closed = False
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:
+            # Whatever failed (a record that does not parse, an I/O error), RocksDB is open and holds
+            # its LOCK for this process until every handle is gone; the exception's traceback keeps
+            # this half-built store alive, so a retry of the open in this process would fail on the
+            # lock instead of the real error. Close it now.
+            self._ssd.close()
+            self._closed = True
+            raise
 
     # ---------------------------------------------------------------- recovery
     def _recover(self) -> None:
@@ -199,7 +256,7 @@ class KvStore:
                 continue
             ns = _Namespace(name, KVLayout.from_json(rec["layout"]), int(rec["seq"]))
             self._namespaces[name] = ns
-            for page_hash, meta in list(self._ssd.iter_meta(name)):
+            for page_hash, meta in self._ssd.iter_meta(name):
                 e = _decode_meta(meta)
                 if e is None:
                     stale += 1
@@ -335,6 +392,7 @@ class KvStore:
         actual = page_checksum(data) if self.verify_put_checksums else checksum
         with self._lock:
             found = self._check_put_target(namespace, layout)
+            self._check_not_released(namespace, request_id)
             if len(data) != layout.page_bytes:
                 raise InvalidArgument(
                     f"{len(data)} bytes, but a page of layout {layout} is {layout.page_bytes} bytes", field="data"
@@ -369,10 +427,44 @@ class KvStore:
                 for evicted_key, evicted in evicted_pages:
                     self._demote(evicted_key, evicted)  # type: ignore[arg-type]
             else:
-                self._write_ssd(key, entry, data)
+                try:
+                    self._write_ssd(key, entry, data)
+                except Exception as exc:
+                    raise ssd_write_error(exc, "data") from exc
                 self._index(ns, page_hash, entry)
             self._enforce_ssd_capacity()
             return True
+
+    def _check_not_released(self, namespace: str, request_id: str) -> None:
+        """Refuses a Put or claim of a request released whole a moment ago (lock held): it is an
+        offload that was still under way on a worker the request already left, and the pages it
+        would (re)create or own would have no owner left to release them."""
+        if not request_id or not self._released_requests:
+            return
+        now = self._clock()
+        while self._released_requests:  # expire the oldest first
+            oldest, expires = next(iter(self._released_requests.items()))
+            if expires > now:
+                break
+            del self._released_requests[oldest]
+        until = self._released_requests.get((namespace, request_id))
+        if until is None:
+            return
+        self._late_puts += 1
+        raise FailedPrecondition(
+            f"request {request_id!r} was released {self.release_tombstone_s - (until - now):.1f} s ago; "
+            "a late offload cannot store or own its pages",
+            field="request_id",
+        )
+
+    def _tombstone_request(self, namespace: str, request_id: str) -> None:
+        if self.release_tombstone_s <= 0 or self.max_release_tombstones <= 0:
+            return
+        key = (namespace, request_id)
+        self._released_requests.pop(key, None)
+        self._released_requests[key] = self._clock() + self.release_tombstone_s
+        while len(self._released_requests) > self.max_release_tombstones:
+            self._released_requests.popitem(last=False)
 
     def _index(self, ns: _Namespace, page_hash: bytes, entry: _Entry) -> None:
         ns.entries[page_hash] = entry
@@ -397,6 +489,7 @@ class KvStore:
             raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
         _check_name(request_id, "request_id", required=False)
         with self._lock:
+            self._check_not_released(namespace, request_id)
             ns = self._namespaces.get(namespace)
             entry = ns.entries.get(page_hash) if ns is not None else None
             if ns is None or entry is None:
@@ -555,6 +648,10 @@ class KvStore:
         if not request_id:
             raise InvalidArgument("must not be empty", field="request_id")
         with self._lock:
+            if not page_hashes:
+                # The request is over (a whole release): refuse its offloads still in flight. Also
+                # where it owns nothing here: its late offload may be the first to reach this replica.
+                self._tombstone_request(namespace, request_id)
             ns = self._namespaces.get(namespace)
             if ns is None:
                 return 0
@@ -594,6 +691,7 @@ class KvStore:
                 checksum_failures=self._checksum_failures,
                 released_pages=self._released,
                 dropped_namespaces=self._dropped,
+                late_puts=self._late_puts,
             )
 
     def namespace_layout(self, namespace: str) -> KVLayout | None:

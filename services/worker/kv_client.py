@@ -81,8 +81,12 @@ _DEGRADE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.DATA_LOSS,
-    # A namespace superseded by a newer weight version: the pages are useless anyway.
+    # A namespace superseded by a newer weight version (the pages are useless anyway), or a late
+    # offload of a request already released (no one would release its pages).
     grpc.StatusCode.FAILED_PRECONDITION,
+    # The replica's SSD tier is full, or all its page streams are busy: it cannot take pages now.
+    # (A page over its message limit is refused so too: a deployment mismatch, logged per call.)
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -34,7 +34,8 @@ class Replica:
     """One kvstore server; stop() + start() is a restart on the same data dir and port."""
 
     def __init__(self, data_dir: Path, **cfg: object) -> None:
-        self.cfg = KvStoreConfig(data_dir=str(data_dir), grace_seconds=0.0, max_workers=8, min_blob_bytes=256, **cfg)  # type: ignore[arg-type]
+        params: dict[str, object] = {"grace_seconds": 0.0, "max_workers": 8, "min_blob_bytes": 256, **cfg}
+        self.cfg = KvStoreConfig(data_dir=str(data_dir), **params)  # type: ignore[arg-type]
         self.running: RunningServer | None = None
         self.store: KvStore | None = None
         self.start()

@@ -207,7 +207,7 @@ def test_unverified_put_of_bad_bytes_is_caught_by_the_reader(replicas: Make) -> 
         assert r.store.release("m@v1", "r1") == 24
         for i, (h, d) in enumerate(zip(pages.page_hashes, pages.pages, strict=True)):
             data = bad if i == 5 else d
-            r.store.put("m@v1", LAYOUT, h, data, page_checksum(d), "r1")
+            r.store.put("m@v1", LAYOUT, h, data, page_checksum(d), "r2")  # r1 is released: refused
         got = kv.fetch_prefix(TOKENS, "m@v1", KV_LAYOUT)
         assert got is not None and got.pages == pages.pages[:5]
         assert kv.stats().checksum_failures == 1

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from seer.v1 import kvstore_pb2
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import page_checksum
 from services.kvstore.store import KvStore
@@ -171,7 +171,7 @@ def test_failed_direct_ssd_write_indexes_nothing(open_store: Open, monkeypatch: 
         raise OSError("IO error")
 
     monkeypatch.setattr(store.raw_ssd(), "put", failing_put)
-    with pytest.raises(OSError):
+    with pytest.raises(Unavailable):  # typed (test_review14: the status codes)
         _put(store, "m@v1", 0)
     assert store.exists("m@v1", [_h("m@v1", 0)]) == 0 and store.stats().pages == 0
 
