@@ -14,6 +14,7 @@ of their prompt keys (lengths for the scheduler's priors, tokens for history dra
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import threading
 import time
@@ -59,6 +60,9 @@ log = get_logger(__name__)
 
 MAX_HISTORY_KEYS = 100_000
 MAX_HISTORY_TOKEN_KEYS = 64  # GetHistory with tokens: keeps one reply far below the message limit
+# Batches deleted by retention that are remembered (id -> results), so a reader coming back to one
+# is told what it lost instead of "unknown batch" (in memory: a restart forgets them).
+MAX_REMEMBERED_DELETIONS = 10_000
 
 
 class OutOfRange(SeerError):
@@ -154,7 +158,14 @@ class WeightsOutcome:
     seconds: float
 
 
+class SwitchNotStarted(Unavailable):
+    """The scheduler did not start the switch (it was not reached, or another switch was running):
+    nothing was loaded, the old version stays in force; the caller may retry."""
+
+
 # (version, source) -> number of workers that loaded it; raises a SeerError on failure.
+# InvalidArgument, FailedPrecondition and SwitchNotStarted mean the scheduler switched nothing (the
+# old version stays in force); any other error leaves the outcome unknown (see update_weights).
 SwitchFn = Callable[[int, str], int]
 
 
@@ -206,6 +217,13 @@ class BufferCore:
         self._live_by_batch: dict[str, set[str]] = {}
         self._policy_version = 0
         self._policy_source = ""
+        # (version, source) of an UpdateWeights whose outcome is unknown (stored: POLICY_INTENT_KEY).
+        self._intent: tuple[int, str] | None = None
+        # batch id -> open result readers (iter_results): retention keeps these batches until the
+        # last reader is gone, so a slow reader is never cut off in the middle of its batch.
+        self._readers: dict[str, int] = {}
+        self._deleted: dict[str, int] = {}  # batch id -> results it had, of batches retention deleted
+        self._next_submit_seq = 1
         self._recover()
 
     # ---- startup -------------------------------------------------------------------------------
@@ -221,9 +239,18 @@ class BufferCore:
             # only reload the worker's own weights under this version (the behaviour before).
             log.warning("policy weights source unknown (recorded before sources were kept)",
                         extra=kv(policy_version=self._policy_version))
+        raw_intent = self._store.get(keys.POLICY_INTENT_KEY)
+        if raw_intent is not None:
+            d = json.loads(raw_intent)
+            self._intent = int(d["version"]), str(d["source"])
+            log.warning("a weight update did not complete before the restart; submissions wait for its retry",
+                        extra=kv(policy_version=self._policy_version, pending_version=self._intent[0]))
         for _k, v in self._store.scan(b"b/"):
             b = BatchRecord.decode(v)
             self._batches[b.batch_id] = b
+        self._next_submit_seq = 1 + max((b.submit_seq for b in self._batches.values()), default=0)
+        # Pending work in submission order (the snapshot's, so the scheduler's FIFO), not key order.
+        for b in sorted(self._batches.values(), key=lambda b: (b.submit_seq, b.created_at, b.batch_id)):
             if b.terminal:
                 continue
             for _gk, gv in self._store.scan(f"g/{b.batch_id}/".encode()):
@@ -313,11 +340,19 @@ class BufferCore:
                 return existing
             if self._switching:
                 raise Unavailable("a weight update is in progress; retry shortly")
+            if self._intent is not None:
+                # A batch must run at the version the workers serve, and that is unknown: labelled
+                # with the old one, its chunks would be refused by workers that loaded the new one.
+                v, src = self._intent
+                raise FailedPrecondition(
+                    f"the weight update to version {v} (source {src!r}) did not complete and its outcome is "
+                    f"unknown: the workers may serve version {v} or {self._policy_version}; call "
+                    f"UpdateWeights(version={v}) again (or move to a newer version) before submitting")
             version = self._policy_version
             batch = BatchRecord(batch_id=batch_id, content_hash=digest, policy_version=version,
                                 created_at=self._clock(), num_groups=len(valid),
                                 num_requests=sum(g.group_size for g in valid),
-                                trace_context=dict(trace_context or {}))
+                                trace_context=dict(trace_context or {}), submit_seq=self._next_submit_seq)
             wb = self._store.new_batch()
             wb.put(keys.batch_key(batch_id), batch.encode())
             new_groups, new_live = [], []
@@ -334,7 +369,9 @@ class BufferCore:
                     wb.put(keys.request_key(batch_id, gi, si), r.encode())
                     new_live.append(_Live(r))
             self._store.write(wb)
+            self._next_submit_seq += 1
             self._batches[batch_id] = batch
+            self._deleted.pop(batch_id, None)  # a deleted batch's id used again: a new batch
             for g in new_groups:
                 self._groups[(batch_id, g.group_index)] = g
             for live in new_live:
@@ -562,13 +599,17 @@ class BufferCore:
     # ---- retention -----------------------------------------------------------------------------
 
     def _purge_old(self, wb: Any, just_finished: BatchRecord) -> list[str]:
-        """Adds deletions of the oldest finished batches beyond `retain_batches` to wb."""
+        """Adds deletions of the oldest finished batches beyond `retain_batches` to wb.
+
+        A batch with a connected result reader is skipped (the limit is exceeded meanwhile): its
+        reader gets every result, and the batch goes at the first finished batch after it left."""
         if self._retain <= 0:
             return []
         finished = [b for b in self._batches.values() if b.terminal and b.batch_id != just_finished.batch_id]
         excess = len(finished) + 1 - self._retain
         if excess <= 0:
             return []
+        finished = [b for b in finished if b.batch_id not in self._readers]
         finished.sort(key=lambda b: (b.finished_at, b.created_at))
         purged = [b.batch_id for b in finished[:excess]]
         for bid in purged:
@@ -579,7 +620,12 @@ class BufferCore:
 
     def _forget_batches(self, batch_ids: list[str]) -> None:
         for bid in batch_ids:
-            self._batches.pop(bid, None)
+            b = self._batches.pop(bid, None)
+            if b is not None:
+                self._deleted.pop(bid, None)  # re-inserted: the newest deletion is evicted last
+                self._deleted[bid] = b.num_results
+        while len(self._deleted) > MAX_REMEMBERED_DELETIONS:
+            del self._deleted[next(iter(self._deleted))]
         if batch_ids:
             log.info("old batches deleted", extra=kv(batches=batch_ids[:10], count=len(batch_ids)))
 
@@ -631,10 +677,16 @@ class BufferCore:
 
     # ---- results -------------------------------------------------------------------------------
 
-    def _batch(self, batch_id: str) -> BatchRecord:
+    def _batch(self, batch_id: str, cursor: int | None = None) -> BatchRecord:
         b = self._batches.get(batch_id)
         if b is None:
-            raise NotFound(f"unknown batch {batch_id!r}", field="batch_id")
+            n = self._deleted.get(batch_id)
+            if n is None:
+                raise NotFound(f"unknown batch {batch_id!r}", field="batch_id")
+            lost = f"; results [{cursor}, {n}) were not read and are lost" if cursor is not None and cursor < n else ""
+            raise NotFound(f"batch {batch_id!r} was deleted by retention with its {n} results (finished "
+                           f"batches beyond retain_batches {self._retain} are deleted, oldest first){lost}",
+                           field="batch_id")
         return b
 
     def read_results(self, batch_id: str, cursor: int, limit: int = 256
@@ -643,7 +695,9 @@ class BufferCore:
         page: list[tuple[int, RolloutResult]] = []
         with self._lock:  # also keeps close() from closing the store under the scan
             self._check_open()
-            b = self._batch(batch_id)
+            if batch_id not in self._batches and self._deleted.get(batch_id) == cursor:
+                return [], True  # deleted after its reader had every result: nothing is lost
+            b = self._batch(batch_id, cursor)
             if cursor > b.num_results:
                 raise OutOfRange(f"{cursor} is beyond the {b.num_results} results available", field="cursor")
             end_index, terminal = b.num_results, b.terminal
@@ -663,18 +717,28 @@ class BufferCore:
 
     def iter_results(self, batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
                      poll_seconds: float = 0.5) -> Iterator[tuple[int, RolloutResult]]:
-        """Results from cursor on, waiting for new ones, until the batch is complete or cancelled."""
-        while True:
-            page, done = self.read_results(batch_id, cursor)
-            for idx, r in page:
-                yield idx, r
-                cursor = idx + 1
-            if done:
-                return
-            if not page:
-                if not is_active():
+        """Results from cursor on, waiting for new ones, until the batch is complete or cancelled.
+
+        While the generator is open the batch is exempt from retention (see _purge_old)."""
+        with self._lock:
+            self._readers[batch_id] = self._readers.get(batch_id, 0) + 1
+        try:
+            while True:
+                page, done = self.read_results(batch_id, cursor)
+                for idx, r in page:
+                    yield idx, r
+                    cursor = idx + 1
+                if done:
                     return
-                self.wait_results(batch_id, cursor, poll_seconds)
+                if not page:
+                    if not is_active():
+                        return
+                    self.wait_results(batch_id, cursor, poll_seconds)
+        finally:
+            with self._lock:
+                left = self._readers.pop(batch_id, 1) - 1
+                if left > 0:
+                    self._readers[batch_id] = left
 
     # ---- batch status and cancellation ---------------------------------------------------------
 
@@ -728,18 +792,33 @@ class BufferCore:
     # ---- weights -------------------------------------------------------------------------------
 
     def update_weights(self, version: int, source: str, switch: SwitchFn | None) -> WeightsOutcome:
-        """Moves to a new policy version once no batch of the current one runs (batches never mix)."""
+        """Moves to a new policy version once no batch of the current one runs (batches never mix).
+
+        The scheduler switches the workers before the buffer records the version, so the two can
+        disagree when the call fails in between (the scheduler's reply lost to the deadline, the
+        buffer's own write failing, a crash). The update's intent is therefore stored before the
+        scheduler is called: while it is unresolved (also after a restart) submissions are refused,
+        and a retry of the update (or a newer one) calls the scheduler again and resolves it."""
         with self._lock:
             self._check_open()
             if self._switching:
                 raise FailedPrecondition(f"a weight update to version {self._switch_target} is in progress; "
                                          "retry when it ends", field="version")
-            if version == self._policy_version and version > 0 and source in ("", self._policy_source):
+            previous_intent = self._intent
+            if previous_intent is not None:
+                pv, psrc = previous_intent
+                if version < pv:
+                    raise FailedPrecondition(
+                        f"the weight update to version {pv} did not complete (the workers may serve it): "
+                        f"retry it or move to a newer version, got {version}", field="version")
+                if version == pv and not source:
+                    source = psrc  # the caller's retry of the pending update: its weights
+            elif version == self._policy_version and version > 0 and source in ("", self._policy_source):
                 # A repeat of the update that made this version current: its caller may have timed
                 # out while the switch went on, and the retry must not be refused as "not newer".
                 log.info("policy version already current", extra=kv(version=version, source=source))
                 return WeightsOutcome(version, self._switch_workers, 0.0)
-            if version == self._policy_version and version > 0:
+            if version == self._policy_version and version > 0 and previous_intent is None:
                 raise InvalidArgument(f"version {version} is current with source {self._policy_source!r}; "
                                       f"a new source needs a new version", field="source")
             if version <= self._policy_version:
@@ -751,10 +830,12 @@ class BufferCore:
                 raise FailedPrecondition(
                     f"{len(running)} batch(es) of version {self._policy_version} still running "
                     f"(e.g. {running[0]!r}); wait for them or cancel them", field="version")
+            if switch is not None:
+                self._write_intent((version, source))
             self._switching, self._switch_target = True, version
         t0 = time.monotonic()
         try:
-            workers = switch(version, source) if switch is not None else 0
+            workers = self._switch(version, source, switch, previous_intent)
             with self._lock:
                 self._check_open()
                 wb = self._store.new_batch()
@@ -762,13 +843,46 @@ class BufferCore:
                 # Always written (a missing key means "unknown"); an empty source relabels the
                 # current weights, so the source stays.
                 wb.put(keys.POLICY_SOURCE_KEY, (source or self._policy_source).encode())
+                wb.delete(keys.POLICY_INTENT_KEY)
                 self._store.write(wb)
                 self._policy_version = version
                 self._policy_source = source or self._policy_source
                 self._switch_workers = workers
+                self._intent = None
         finally:
             with self._lock:
                 self._switching = False
         seconds = time.monotonic() - t0
         log.info("policy version updated", extra=kv(version=version, workers=workers, seconds=seconds))
         return WeightsOutcome(version, workers, seconds)
+
+    def _switch(self, version: int, source: str, switch: SwitchFn | None,
+                previous_intent: tuple[int, str] | None) -> int:
+        """Calls the scheduler; on a failure, settles what is pending (see SwitchFn)."""
+        if switch is None:
+            return 0
+        try:
+            return switch(version, source)
+        except (InvalidArgument, FailedPrecondition, SwitchNotStarted):
+            # Refused before any worker loaded anything: this update did not happen. An older
+            # unresolved one still may have.
+            with self._lock:
+                if not self._closed:
+                    self._write_intent(previous_intent)
+            raise
+        except SeerError as e:
+            log.error("weight switch outcome unknown; submissions wait for a retry of the update",
+                      extra=kv(version=version, source=source, error=str(e)))
+            raise Unavailable(f"{e}; the outcome is unknown (the workers may already serve version {version}): "
+                              f"batches are refused until UpdateWeights(version={version}) is retried and "
+                              "succeeds") from e
+
+    def _write_intent(self, intent: tuple[int, str] | None) -> None:
+        """Stores (or deletes) the unresolved update; the caller holds the lock."""
+        wb = self._store.new_batch()
+        if intent is None:
+            wb.delete(keys.POLICY_INTENT_KEY)
+        else:
+            wb.put(keys.POLICY_INTENT_KEY, json.dumps({"version": intent[0], "source": intent[1]}).encode())
+        self._store.write(wb)
+        self._intent = intent

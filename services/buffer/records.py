@@ -87,6 +87,10 @@ class BatchRecord:
     # The submitter's trace context (W3C keys), persisted so work items still carry it after a
     # restart; records written before it existed decode to {}.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # Submission order (1, 2, ...): a restart lists pending work in it, not in batch-id (key) order,
+    # because the scheduler queues requests FIFO in the order it learns of them. 0 = a record
+    # written before it existed (ordered by created_at, ahead of every numbered one).
+    submit_seq: int = 0
 
     @property
     def terminal(self) -> bool:

@@ -6,6 +6,7 @@ Servicers only convert messages and call the core; `@rpc` maps the core's typed 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -14,7 +15,7 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, 
 
 from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
-from services.buffer.core import BufferCore, SwitchFn
+from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, batches, coalesce
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.grpcutil import channel, rpc
@@ -23,6 +24,8 @@ from services.common.telemetry import current_trace_context
 
 # How often a blocked stream re-checks that its client is still there.
 POLL_SECONDS = 0.5
+# How long UpdateWeights waits to connect to the scheduler before it reports it unreachable.
+SWITCH_CONNECT_SECONDS = 10.0
 
 
 class StreamSlots:
@@ -66,14 +69,34 @@ class StreamSlots:
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
-    """SwitchFn calling SchedulerService.SwitchWeights; scheduler errors become typed errors."""
+    """SwitchFn calling SchedulerService.SwitchWeights; scheduler errors become typed errors.
+
+    The core needs to know whether a failed call may have switched the workers (core.SwitchFn):
+    INVALID_ARGUMENT and FAILED_PRECONDITION are the scheduler's refusals before any load, ABORTED
+    is its "another switch is in progress", and a scheduler the buffer cannot connect to was never
+    asked (SwitchNotStarted). Anything else (the deadline, a connection lost during the call,
+    INTERNAL, the scheduler's UNAVAILABLE) leaves the outcome unknown."""
 
     def switch(version: int, source: str) -> int:
+        deadline = time.monotonic() + timeout
+        # Connect first on a plain channel: a call that fails before the connection exists was
+        # never sent, which UNAVAILABLE alone cannot tell from a connection lost during the switch.
+        # Bounded apart from the switch's deadline: a scheduler that is down is reported in
+        # seconds (the trainer retries), not after the whole switch timeout.
+        wait = min(timeout, SWITCH_CONNECT_SECONDS)
+        probe = grpc.insecure_channel(address)
+        try:
+            grpc.channel_ready_future(probe).result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            raise SwitchNotStarted(f"scheduler SwitchWeights failed: the scheduler at {address} was not "
+                                   f"reached in {wait}s; nothing was switched") from None
+        finally:
+            probe.close()
         ch = channel(address)
         try:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(ch)
             resp = stub.SwitchWeights(scheduler_pb2.SwitchWeightsRequest(version=version, source=source),
-                                      timeout=timeout)
+                                      timeout=max(0.001, deadline - time.monotonic()))
             return int(resp.num_workers)
         except grpc.RpcError as e:
             code, detail = e.code(), e.details()
@@ -82,6 +105,8 @@ def scheduler_switch(address: str, timeout: float) -> SwitchFn:
                 raise InvalidArgument(msg, field="source") from None
             if code == grpc.StatusCode.FAILED_PRECONDITION:
                 raise FailedPrecondition(msg) from None
+            if code == grpc.StatusCode.ABORTED:
+                raise SwitchNotStarted(msg) from None
             raise Unavailable(msg) from None
         finally:
             ch.close()
@@ -110,7 +135,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                       ) -> Iterator[rollout_pb2.StreamResultsResponse]:
         with self.streams.hold("StreamResults"):
             # Headers now, not with the first result: they tell a client that the stream was
-            # accepted (SeerClient restarts its retry window then), which may be long before a result.
+            # accepted (SeerClient stops counting its retry window then), which may be long before a result.
             context.send_initial_metadata(())
             for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
                                                  POLL_SECONDS):

@@ -3,6 +3,8 @@
 Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matches another batch):
 
     m/policy_version                      current policy version (decimal)
+    m/policy_source                       weights directory of the current policy
+    m/policy_intent                       an UpdateWeights whose outcome is unknown (JSON)
     b/<batch_id>                          BatchRecord
     g/<batch_id>/<group:06d>              GroupRecord
     r/<batch_id>/<group:06d>/<sample:04d> RequestRecord
@@ -71,6 +73,10 @@ def history_key(prompt_key: str) -> bytes:
 POLICY_VERSION_KEY = b"m/policy_version"
 # The weights directory of the current policy (the last non-empty UpdateWeights source).
 POLICY_SOURCE_KEY = b"m/policy_source"
+# A weight update whose outcome is unknown (JSON {"version", "source"}): written before the buffer
+# asks the scheduler to switch, deleted with the write of the new version (or when the scheduler
+# refused outright). While it exists the workers may serve either version.
+POLICY_INTENT_KEY = b"m/policy_intent"
 
 
 class Store:

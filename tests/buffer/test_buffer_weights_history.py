@@ -84,10 +84,24 @@ def test_update_weights_asks_the_scheduler(make_buffer: Callable[..., BufferHand
     h = make_buffer(scheduler_address=address)
     resp = _update(h, 2, "/weights/step2")
     assert (resp.version, resp.num_workers, fake.calls) == (2, 3, [(2, "/weights/step2")])
+    # Refused by the scheduler before any load (drain timeout; another switch in progress): the
+    # version is unchanged and batches go on at it.
+    for code, expect in ((FP, FP), (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)):
+        fake.fail = code
+        expect_error(lambda: _update(h, 3), expect, "SwitchWeights")
+        assert policy_event(h.internal).version == 2
+        submit(h.rollout, f"b-{code.name}", [group(group_size=1)])
+        h.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id=f"b-{code.name}"))
+    # A failure that may have come after the workers loaded it (INTERNAL, a lost reply): the outcome
+    # is unknown, so batches wait for the update's retry (tests/buffer/test_weights_switch_converge.py).
     fake.fail = grpc.StatusCode.INTERNAL
-    expect_error(lambda: _update(h, 3), grpc.StatusCode.UNAVAILABLE, "SwitchWeights")
-    # A failed switch leaves the version unchanged.
-    assert submit(h.rollout, "b", [group()]).policy_version == 2
+    msg = expect_error(lambda: _update(h, 3, "/weights/step3"), grpc.StatusCode.UNAVAILABLE, "SwitchWeights")
+    assert "outcome is unknown" in msg
+    expect_error(lambda: submit(h.rollout, "b", [group()]), FP)
+    fake.fail = None
+    assert _update(h, 3).version == 3  # "" = the pending update's source
+    assert fake.calls[-1] == (3, "/weights/step3")
+    assert submit(h.rollout, "b", [group()]).policy_version == 3
 
 
 def test_unreachable_scheduler_is_unavailable(make_buffer: Callable[..., BufferHandle]) -> None:

@@ -1,6 +1,6 @@
-"""SeerClient.iter_results: the retry window starts at the first failure after the stream last made
-progress (a result, or the buffer accepting the stream), a buffer at its stream limit is retried,
-and an optional timeout bounds the whole iteration."""
+"""SeerClient.iter_results: the retry window counts the time spent failing since the last result
+(not the time in accepted streams), a buffer at its stream limit is retried, and an optional
+timeout bounds the whole iteration."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def test_a_restart_after_a_quiet_spell_is_retried(buffer: Buffer) -> None:
 
         def restarts() -> None:
             # Two quiet spells longer than retry_seconds, each ended by a restart, and no result
-            # between them: the stream accepted after the first restart is the progress that
-            # starts a new window for the second.
+            # between them: only the short outages count towards the window, not the time in the
+            # accepted streams.
             for _ in range(2):
                 time.sleep(1.8)
                 buffer.stop()

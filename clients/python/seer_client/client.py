@@ -166,10 +166,13 @@ class SeerClient:
         """Finished responses in completion order, from `cursor` on, until the batch is done.
 
         Survives dropped streams and buffer restarts: it reconnects and resumes from the cursor of the
-        last result it yielded (each result exactly once). Gives up when the buffer has been
-        unreachable for `retry_seconds` (counted from the first failure since the stream last made
-        progress, so a long quiet generation does not use the window up). A buffer at its stream
-        limit (RESOURCE_EXHAUSTED before accepting the stream) is retried the same way.
+        last result it yielded (each result exactly once). Gives up (SeerError with the last failure's
+        code, naming the cursor) once the failures since the last new result add up to
+        `retry_seconds`: the time from each failure until a stream is accepted again. Time in an
+        accepted stream does not count (a long quiet generation between two restarts does not use
+        the window up), but an accepted stream is not progress either: a buffer that accepts every
+        stream and then fails it exhausts the window instead of being retried forever. A buffer at
+        its stream limit (RESOURCE_EXHAUSTED before accepting the stream) is retried the same way.
 
         timeout: seconds for the whole iteration (None = until the batch is done); when they run out
         SeerTimeout (a SeerError and a TimeoutError, code DEADLINE_EXCEEDED) is raised. The batch is
@@ -177,7 +180,12 @@ class SeerClient:
         """
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.05
-        failing_since: float | None = None  # the first failure since the last progress
+        # The retry window: seconds spent failing since the last new result (closed spells) plus
+        # the spell in progress (from its first failure until a stream is accepted again). Only a
+        # result resets it: an accepted stream that fails again without one is no progress.
+        down = 0.0
+        failing_since: float | None = None
+        failures = 0
         while True:
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
@@ -187,12 +195,13 @@ class SeerClient:
             accepted = False
             try:
                 accepted = _accepted(stream)
-                if accepted:
+                if accepted and failing_since is not None:
+                    down += time.monotonic() - failing_since
                     failing_since = None
                 for resp in stream:
                     result = _result(resp)
                     cursor = result.cursor
-                    delay, failing_since = 0.05, None
+                    delay, down, failing_since, failures = 0.05, 0.0, None, 0
                     yield result
                 return
             except grpc.RpcError as e:
@@ -202,11 +211,17 @@ class SeerClient:
                 # RESOURCE_EXHAUSTED before the buffer accepted the stream is its stream limit (a
                 # transient state); after, it is a message over the size limit, which a retry repeats.
                 refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted
+                if code not in _RETRYABLE and not refused:
+                    raise _error(e) from None
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
-                if (code not in _RETRYABLE and not refused) or now + delay > failing_since + self.retry_seconds:
-                    raise _error(e) from None
+                failures += 1
+                if down + (now - failing_since) + delay > self.retry_seconds:
+                    raise SeerError(code.name, f"batch {batch_id!r}: no new result after {failures} failed "
+                                               f"stream(s) over {down + now - failing_since:.1f}s of retries "
+                                               f"(retry_seconds {self.retry_seconds}, cursor {cursor}): "
+                                               f"{e.details() or ''}") from None
                 time.sleep(delay if end is None else max(0.0, min(delay, end - now)))
                 delay = min(delay * 2, 2.0)
             finally:

@@ -1,0 +1,98 @@
+"""Retention never cuts a connected reader: a finished batch that a StreamResults reader is still
+reading is kept (deleted once the reader is gone), and a reader that comes back after its batch was
+deleted gets an error naming the lost results, never a silent gap."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from buffer_helpers import BufferHandle, expect_error, finish_all, group, snapshot, submit
+from seer.v1 import rollout_pb2
+
+from services.buffer.core import BufferCore, Commit
+from services.buffer.model import ModelInfo
+from services.buffer.records import FinishReason, GroupSpec, Sampling
+from services.buffer.store import Store
+from services.common.errors import NotFound
+
+
+def _core(path: Path, retain: int) -> BufferCore:
+    return BufferCore(Store(path), ModelInfo(vocab_size=1000, max_context=4096, tokenizer=None), retain_batches=retain)
+
+
+def _run(core: BufferCore, batch_id: str, groups: int, size: int) -> None:
+    core.submit_batch(batch_id, [GroupSpec(prompt_key=f"{batch_id}-{g}", prompt_token_ids=(1, 2), group_size=size,
+                                           max_tokens=4, sampling=Sampling(seed=g)) for g in range(groups)])
+    for g in range(groups):
+        for s in range(size):
+            assert core.commit_chunk(Commit(f"{batch_id}/{g}/{s}", 0, [7], [-0.5], FinishReason.STOP, 0)).accepted
+
+
+def test_a_slow_reader_gets_every_result_of_a_batch_retention_would_delete(tmp_path: Path) -> None:
+    core = _core(tmp_path / "db", retain=1)
+    _run(core, "a", 3, 100)  # 300 results: more than one page (256) of the reader
+    it = core.iter_results("a")
+    first = next(it)
+    assert first[0] == 0
+    _run(core, "b", 1, 1)  # "a" is now beyond retain_batches=1, but its reader is connected
+    rest = [idx for idx, _r in it]  # before: NotFound "unknown batch 'a'" after the first page
+    assert [first[0], *rest] == list(range(300))
+    it.close()
+    # The reader is gone: the next finished batch applies retention to "a" as usual.
+    _run(core, "c", 1, 1)
+    with pytest.raises(NotFound) as e:
+        core.read_results("a", 256)
+    assert "deleted by retention" in str(e.value) and "300 results" in str(e.value) and e.value.field == "batch_id"
+    assert core.get_batch("c").num_requests == 1
+    core.close()
+
+
+def test_a_reader_cut_between_pages_is_told_what_was_lost(tmp_path: Path) -> None:
+    """A reader that reconnects (cursor 256) after retention deleted its batch learns which results
+    it lost, not just "unknown batch"."""
+    core = _core(tmp_path / "db", retain=1)
+    _run(core, "a", 3, 100)
+    page, done = core.read_results("a", 0)
+    assert len(page) == 256 and not done
+    _run(core, "b", 1, 1)  # no reader connected: "a" is deleted
+    with pytest.raises(NotFound) as e:
+        core.read_results("a", 256)
+    msg = str(e.value)
+    assert "'a'" in msg and "deleted by retention" in msg and "[256, 300)" in msg, msg
+    core.close()
+
+
+def test_a_reader_that_had_every_result_may_come_back_after_the_deletion(tmp_path: Path) -> None:
+    core = _core(tmp_path / "db", retain=1)
+    _run(core, "a", 1, 2)
+    assert [i for i, _r in core.iter_results("a")] == [0, 1]
+    _run(core, "b", 1, 1)
+    assert core.read_results("a", 2) == ([], True)  # it lost nothing: the stream just ends
+    core.close()
+
+
+def test_a_cancelled_stream_releases_its_batch_to_retention(make_buffer: Callable[..., BufferHandle]) -> None:
+    """Over gRPC: a reader waiting for results holds its batch; once it goes away (cancel), the
+    batch is subject to retention again."""
+    h = make_buffer(retain_batches=1)
+    submit(h.rollout, "a", [group(group_size=2)])
+    items = snapshot(h.internal)
+    finish_all(h.internal, items[:1])
+    stream = h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="a"), timeout=10)
+    next(stream)  # the server now waits for a's second result, holding the batch
+    assert h.core._readers == {"a": 1}
+    stream.cancel()
+    deadline = time.monotonic() + 5
+    while h.core._readers and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not h.core._readers  # released (no leak that would keep "a" forever)
+    finish_all(h.internal, items[1:])
+    submit(h.rollout, "b", [group(group_size=1)])
+    finish_all(h.internal, snapshot(h.internal))
+    msg = expect_error(lambda: h.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="a")),
+                       grpc.StatusCode.NOT_FOUND, "batch_id")
+    assert "deleted by retention with its 2 results" in msg
