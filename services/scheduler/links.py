@@ -115,9 +115,13 @@ class WorkerLink:
         except grpc.RpcError as e:
             raise translate(e) from e
 
-    def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+    def abort(self, request_id: str, timeout: float = 5.0, *, dispatch_epoch: int = 0) -> bool:
+        """Aborts the request's chunk on the worker; with dispatch_epoch (the attempt's
+        RunChunkRequest.dispatch_epoch) only that attempt or an older one: a late abort never kills
+        a newer dispatch of the request. False when the worker ran no such chunk."""
         try:
-            return bool(self._stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=timeout).found)
+            req = worker_pb2.AbortRequest(request_id=request_id, dispatch_epoch=dispatch_epoch)
+            return bool(self._stub.Abort(req, timeout=timeout).found)
         except grpc.RpcError as e:
             raise translate(e) from e
 

@@ -35,14 +35,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if callable(shutdown):
             shutdown()
 
-    running = start_server("worker", cfg, add_servicer(worker, cfg.drain_timeout_seconds), on_stop=on_stop)
+    running = start_server("worker", cfg, add_servicer(worker, cfg.drain_timeout_seconds, cfg.stream_limit()),
+                           on_stop=on_stop)
     if not cfg.worker_id and not cfg.port:
         worker.worker_id = f"worker-{socket.gethostname()}-{running.port}"
     announce_port(cfg.port_file or None, running.port)
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else socket.gethostname()
     advertise = cfg.advertise_address or f"{host}:{running.port}"
     if cfg.scheduler_address:
-        registrar = Registrar(worker, cfg.scheduler_address, advertise).start()
+        registrar = Registrar(worker, cfg.scheduler_address, advertise, max_streams=cfg.stream_limit()).start()
     log.info("worker ready", extra=kv(worker_id=worker.worker_id, address=advertise))
     return serve_until_signal(running)
 

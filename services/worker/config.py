@@ -86,6 +86,22 @@ class WorkerConfig(ServiceConfig):
     drain_timeout_seconds: float = field(
         default=300.0, metadata={"help": "max wait for in-flight chunks before LoadWeights"}
     )
+    max_streams: int = field(
+        default=0,
+        metadata={"help": "open RunChunk streams at most; more are RESOURCE_EXHAUSTED, and registration "
+                          "advertises at most this many concurrent chunks (0 = max_workers - 8, or half of "
+                          "max_workers up to 16)"},
+    )
+
+    def stream_limit(self) -> int:
+        """The effective max_streams. A RunChunk stream holds a handler thread for its whole chunk:
+        unbounded, enough chunks take every thread, and the Abort, GetWorkerStats (heartbeats) and
+        LoadWeights calls queue behind them. The same rule as the buffer's (BufferConfig.stream_limit)."""
+        if self.max_streams:
+            return self.max_streams
+        if self.max_workers > 16:
+            return self.max_workers - 8
+        return max(1, self.max_workers // 2)
 
     def planner_options(self) -> dict[str, float | int]:
         """Keyword arguments of AdaptiveSpeculation from this config (gamma_max and the table aside)."""
@@ -136,6 +152,13 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("draft_mirror_budget_mb: must be >= 1")
         if self.drain_timeout_seconds <= 0:
             raise ValueError("drain_timeout_seconds: must be > 0")
+        if self.max_workers < 2:
+            raise ValueError("max_workers: must be >= 2 (a RunChunk stream holds one handler thread)")
+        if self.max_streams < 0:
+            raise ValueError("max_streams: must be >= 0 (0 = derived from max_workers)")
+        if self.max_streams and self.max_streams >= self.max_workers:
+            raise ValueError(f"max_streams: must be below max_workers ({self.max_workers}); a stream holds a "
+                             "handler thread, and Abort, GetWorkerStats and LoadWeights need threads of their own")
         for i, a in enumerate(self.kv_addresses):
             if ":" not in a:
                 raise ValueError(f"kv_addresses[{i}]: {a!r} is not host:port")

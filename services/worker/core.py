@@ -26,7 +26,7 @@ import hashlib
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +57,8 @@ __all__ = [
 
 _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
 _MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LRU)
-_MAX_STEP_FAILURES = 2  # engine step failures in a row that fail the running chunks
+_MAX_STEP_FAILURES = 2  # engine step failures in a row that start isolating the failing chunks
+_MAX_IDLE_PROBE_STEPS = 4  # isolation: steps a group may wait for the engine to admit it
 
 
 def version_name(policy_version: int, family: str = "", weights: str = "") -> str:
@@ -427,10 +428,17 @@ class Worker:
             stats = act.stats
             if fetched is not None:
                 self._import_kv(fetched, prefix, stats)
-                if job.output_token_ids:
-                    # A resumed request's stored prefix was offloaded under its own id by its
-                    # earlier chunks. (A first chunk's fetch finds its siblings' prompt pages,
-                    # which it must still claim as an owner: its watermark stays at 0.)
+                if job.output_token_ids and len(job.output_token_ids) + job.max_new_tokens < job.max_tokens:
+                    # A resumed request's stored prefix is normally its own (its earlier chunks
+                    # offloaded it), but where one of those offloads was dropped or lost a
+                    # replica the fetch found a sibling's pages, which would go with that
+                    # sibling's Release. Offloading the fetched pages claims them for this request;
+                    # the store has every one, so only claims travel, no page bytes. Not for the
+                    # response's last chunk: nothing fetches this prefix after it, and it releases
+                    # its pages at the end. (A first chunk's fetch finds its siblings' prompt pages,
+                    # which it claims at its first offload: its watermark stays at 0.)
+                    self._send_offload_locked(job.request_id, fetched)
+                elif job.output_token_ids:
                     self._mark_offloaded(job.request_id, fetched.model_version, fetched.end_page)
             # The engine computes at least the last token (its logits start the chunk), so a prefix
             # of whole cached pages reuses one page less: count what it can actually reuse.
@@ -495,11 +503,18 @@ class Worker:
 
     # -- abort -------------------------------------------------------------------------------
 
-    def abort(self, request_id: str) -> bool:
-        """Aborts a running chunk by request id; False when none runs here."""
+    def abort(self, request_id: str, dispatch_epoch: int = 0) -> bool:
+        """Aborts a running chunk by request id; False when none runs here. With a dispatch_epoch
+        (the RunChunkRequest.dispatch_epoch of the attempt meant; 0 = any attempt), an abort older
+        than the running attempt is ignored (False): it was sent for an abandoned attempt (a chunk
+        past its deadline, say), and the request has been dispatched here again since."""
         with self._locked():
             act = self._active.get(request_id)
             if act is None:
+                return False
+            if dispatch_epoch and act.job.dispatch_epoch and dispatch_epoch < act.job.dispatch_epoch:
+                log.info("abort of an earlier attempt ignored", extra=kv(
+                    request_id=request_id, abort_epoch=dispatch_epoch, running_epoch=act.job.dispatch_epoch))
                 return False
             return self._abort_locked(act)
 
@@ -614,13 +629,17 @@ class Worker:
                     self._wake.wait(0.5)
                 if self._stop.is_set():
                     return
+                started = self._clock()
+                drafts = self._plan_drafts_locked() if self._speculation else {}
                 try:
-                    produced = self._step_locked()
-                    self._step_failures = 0
-                    if time.monotonic() - self._snapshot_at > 0.1:
-                        self._snapshot_locked()
+                    outs, drafts = self._engine_step_locked(drafts)
                 except Exception as e:  # an engine failure must not kill the loop
                     self._on_step_failure_locked(e)
+                else:
+                    # The engine committed the step: from here on nothing is retried, and a fault
+                    # of ours fails at most the chunk whose output it was handling.
+                    self._step_failures = 0
+                    produced = self._after_step_locked(outs, drafts, self._clock() - started)
             # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
             # waits for the engine, and do not spin while the engine has nothing runnable.
             if self._waiting:
@@ -628,25 +647,166 @@ class Worker:
             elif not produced:
                 time.sleep(0.002)
 
+    def _engine_step_locked(self, drafts: dict[str, Draft]) -> tuple[list[StepOutput], dict[str, Draft]]:
+        """engine.step and nothing else: what raises here is an engine step failure (Engine.step is
+        exception-safe: nothing advanced). Returns the outputs and the drafts actually used."""
+        try:
+            return self.engine.step(drafts or None), drafts
+        except ValueError:
+            if not drafts:
+                raise
+            # A malformed draft is the drafter's bug; speculation is optional, so step without it.
+            log.warning("engine rejected drafts; stepping without them", exc_info=True)
+            return self.engine.step(None), {}
+
+    def _after_step_locked(self, outs: Sequence[StepOutput], drafts: Mapping[str, Draft],
+                           seconds: float | None) -> int:
+        """Everything after a committed step; never raises. The observers and the accounting are
+        the worker's business only: a fault there is logged and the chunks go on. seconds: the
+        step's time for the planner's cost loop (None: not a representative step, not observed)."""
+        try:
+            self._observe_acceptance(outs, drafts)
+            if self._step_observer is not None and self._speculation and seconds is not None:
+                self._observe_step(outs, seconds)
+        except Exception:
+            log.warning("step observers failed", exc_info=True)
+        produced = self._deliver_outs_locked(outs)
+        try:
+            if produced:
+                self._throughput.add(produced)
+                metrics.TOKENS.inc(produced)
+            if time.monotonic() - self._snapshot_at > 0.1:
+                self._snapshot_locked()
+        except Exception:
+            log.warning("step accounting failed", exc_info=True)
+        return produced
+
+    def _deliver_outs_locked(self, outs: Sequence[StepOutput]) -> int:
+        """Hands a committed step's outputs to their chunks; returns the tokens delivered. Each output
+        is delivered on its own: a fault while handling one fails that chunk (its stream ends in an
+        error and the scheduler runs it again from its committed output) and no other."""
+        produced = 0
+        for out in outs:
+            act = self._active.get(out.request_id)
+            if act is None or act.done:
+                continue  # aborted between the step and now
+            try:
+                self._deliver_locked(act, out)
+            except Exception as e:
+                log.error("delivering a step's output failed; failing its chunk", exc_info=True,
+                          extra=kv(request_id=out.request_id))
+                # The engine has gone on with tokens the chunk's stream may lack: it cannot continue.
+                with contextlib.suppress(Exception):
+                    self.engine.abort(out.request_id)
+                self._fail_locked(act, e)
+                continue
+            produced += len(out.token_ids)
+        return produced
+
     def _on_step_failure_locked(self, error: Exception) -> None:
         """A failed step changed nothing in the engine (Engine.step is exception-safe), so one
         failure is retried: a transient error (an allocation failure, say) then costs no chunk its
-        progress. A second failure in a row fails every running chunk (the buffer re-dispatches
-        them), so a persistent fault does not spin. Chunks whose request the engine dropped (a
-        failure while committing aborts the step's requests) fail at once."""
+        progress. A second failure in a row looks for the request(s) whose presence makes the step
+        fail (_isolate_locked) and fails only those; the others keep their progress. Chunks whose
+        request the engine dropped (a failure while committing aborts the step's requests) fail at
+        once."""
         self._step_failures += 1
-        if self._step_failures >= _MAX_STEP_FAILURES:
-            log.exception("engine step failed again; failing the running chunks",
-                          extra=kv(failures=self._step_failures, chunks=len(self._active)))
-            self._step_failures = 0
-            doomed = list(self._active.values())
-        else:
+        for act in [a for a in self._active.values() if not self._engine_has(a.job.request_id)]:
+            self._fail_locked(act, error)
+        if self._step_failures < _MAX_STEP_FAILURES:
             log.warning("engine step failed; retrying it", exc_info=True, extra=kv(chunks=len(self._active)))
-            doomed = [a for a in self._active.values() if not self._engine_has(a.job.request_id)]
-        for act in doomed:
+            return
+        self._step_failures = 0
+        log.error("engine step failed again; looking for the chunks that make it fail", exc_info=True,
+                  extra=kv(chunks=len(self._active)))
+        self._isolate_locked(error)
+
+    def _isolate_locked(self, error: Exception) -> None:
+        """Steps the running chunks in smaller and smaller groups until every group either steps
+        or is one chunk that fails alone (adaptive group testing: about 2 log2(n) steps for one
+        culprit among n, at most 2n - 1 when every step fails). A fault that follows a request
+        (input the engine cannot run) then fails that request's chunk only.
+
+        The Engine interface has no pause: a chunk is taken out of the engine by aborting its
+        request and put back by adding it again after the tokens it has delivered (a resumed
+        request: a re-prefill, mostly from the prefix cache). Sampling at an output position
+        depends only on (seed, position), so a seeded chunk produces the same tokens as if it had
+        never left. Runs under the engine lock (new chunks wait): a rare path, bounded in steps."""
+        suspects = [a for a in self._active.values() if not a.done]
+        if len(suspects) <= 1:
+            for act in suspects:
+                with contextlib.suppress(Exception):
+                    self.engine.abort(act.job.request_id)
+                self._fail_locked(act, error)
+            return
+        for act in suspects:
             with contextlib.suppress(Exception):
                 self.engine.abort(act.job.request_id)
-            self._fail_locked(act, error)
+        groups: deque[list[_Active]] = deque([suspects])
+        culprits = 0
+        while groups:
+            group = [a for a in groups.popleft() if not a.done]
+            if not group:
+                continue
+            failed, group_error = self._try_group_locked(group)
+            if not failed:
+                continue
+            if len(failed) == 1:
+                culprits += 1
+                log.error("a chunk makes every engine step fail; failing it", exc_info=group_error,
+                          extra=kv(request_id=failed[0].job.request_id))
+                self._fail_locked(failed[0], group_error or error)
+                continue
+            mid = len(failed) // 2
+            groups.appendleft(failed[mid:])
+            groups.appendleft(failed[:mid])
+        log.info("engine step failure isolated", extra=kv(suspects=len(suspects), failed=culprits))
+
+    def _try_group_locked(self, group: list[_Active]) -> tuple[list[_Active], Exception | None]:
+        """Puts `group` back into the engine and steps until each of its chunks has stepped once
+        (the engine may admit them over several steps); the chunks cleared before stay in the
+        batch. Returns the chunks of the group that had not stepped when a step failed (taken out
+        of the engine again) and that failure, or ([], None) when the group stepped."""
+        pending: dict[str, _Active] = {}
+        for act in group:
+            try:
+                self.engine.add_request(self._resume_request(act))
+            except Exception as e:  # cannot even be admitted again: this chunk alone
+                self._fail_locked(act, e)
+                continue
+            pending[act.job.request_id] = act
+        idle = 0
+        while pending and idle < _MAX_IDLE_PROBE_STEPS:
+            try:
+                outs = self.engine.step(None)
+            except Exception as e:
+                for rid in pending:
+                    with contextlib.suppress(Exception):
+                        self.engine.abort(rid)
+                return list(pending.values()), e
+            self._after_step_locked(outs, {}, None)  # re-prefills: no step time for the planner
+            stepped = [o.request_id for o in outs if o.request_id in pending]
+            for rid in stepped:
+                del pending[rid]
+            for rid in [rid for rid, a in pending.items() if a.done]:
+                del pending[rid]  # aborted meanwhile
+            idle = 0 if stepped else idle + 1
+        # Left pending: the engine did not schedule them (no free pages, say). They stay in; if
+        # they are what fails, the next failures find them.
+        return [], None
+
+    @staticmethod
+    def _resume_request(act: _Active) -> GenerateRequest:
+        """The engine request that continues `act` after the tokens it has delivered."""
+        job = act.job
+        return GenerateRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            max_new_tokens=job.max_new_tokens - act.generated,
+            sampling=job.sampling,
+            output_token_ids=job.output_token_ids + tuple(act.tokens),
+            group_id=job.group_id,
+        )
 
     def _engine_has(self, request_id: str) -> bool:
         try:
@@ -655,47 +815,23 @@ class Worker:
             return False
         return True
 
-    def _step_locked(self) -> int:
-        started = self._clock()
-        drafts = self._plan_drafts_locked() if self._speculation else {}
-        try:
-            outs = self.engine.step(drafts or None)
-        except ValueError:
-            if not drafts:
-                raise
-            # A malformed draft is the drafter's bug; speculation is optional, so step without it.
-            log.warning("engine rejected drafts; stepping without them", exc_info=True)
-            drafts = {}
-            outs = self.engine.step(None)
-        self._observe_acceptance(outs, drafts)
-        if self._step_observer is not None and self._speculation:
-            self._observe_step(outs, self._clock() - started)
-        produced = 0
-        for out in outs:
-            act = self._active.get(out.request_id)
-            if act is None or act.done:
-                continue  # aborted between the step and now
-            produced += len(out.token_ids)
-            self._deliver_locked(act, out)
-        if produced:
-            self._throughput.add(produced)
-            metrics.TOKENS.inc(produced)
-        return produced
-
     def _plan_drafts_locked(self) -> dict[str, Draft]:
+        """Drafts for the next step; {} on any fault (speculation is optional, and a fault of the
+        drafter must not count as an engine step failure)."""
+        try:
+            return self._plan_drafts_inner_locked()
+        except Exception:
+            log.warning("draft planning failed; stepping without drafts", exc_info=True)
+            return {}
+
+    def _plan_drafts_inner_locked(self) -> dict[str, Draft]:
         if self._draft is None:
             return {}
         acts = [a for a in self._active.values() if not a.done]
         if not acts:
             return {}
         if self._planner is not None:
-            try:
-                lengths = dict(self._planner.plan([(a.job.request_id, a.job.is_probe) for a in acts]))
-            except Exception:
-                # Speculation is optional: a planner fault must not count as an engine step failure
-                # (two in a row fail every running chunk). This step runs without drafts.
-                log.warning("speculation planner failed; stepping without drafts", exc_info=True)
-                return {}
+            lengths = dict(self._planner.plan([(a.job.request_id, a.job.is_probe) for a in acts]))
         else:
             lengths = {a.job.request_id: self._gamma_max for a in acts}
         # Multi-path drafts (top-k branches at forks) only pay when the batch is small: in the
@@ -809,16 +945,21 @@ class Worker:
         job = act.job
         act.stats.wall_seconds = time.monotonic() - act.started
         self._active.pop(job.request_id, None)
-        self._draft_end_locked(job)
-        metrics.IN_FLIGHT.set(len(self._active))
-        metrics.CHUNKS.labels(finish=finish.value).inc()
-        if self._kv is not None:
-            if finish == ChunkFinish.CHUNK and self._kv_offload:
-                self._offload_locked(act)
-            elif finish in (ChunkFinish.STOP, ChunkFinish.LENGTH):
-                with self._offloaded_lock:
-                    self._offloaded.pop(job.request_id, None)
-                self._release(job)
+        try:
+            self._draft_end_locked(job)
+            metrics.IN_FLIGHT.set(len(self._active))
+            metrics.CHUNKS.labels(finish=finish.value).inc()
+            if self._kv is not None:
+                if finish == ChunkFinish.CHUNK and self._kv_offload:
+                    self._offload_locked(act)
+                elif finish in (ChunkFinish.STOP, ChunkFinish.LENGTH):
+                    with self._offloaded_lock:
+                        self._offloaded.pop(job.request_id, None)
+                    self._release(job)
+        except Exception:
+            # Bookkeeping and optimizations (drafts, metrics, the KV pool): the chunk itself is
+            # complete and off the worker, so it must still end, or its stream would wait forever.
+            log.warning("chunk end bookkeeping failed", exc_info=True, extra=kv(request_id=job.request_id))
         act.events.put(DoneEvent(finish, act.stats, self._policy_version))
         self._wake.notify_all()  # LoadWeights waits for the drain
         log.info("chunk done", extra=kv(request_id=job.request_id, group_id=job.group_id, seq=job.seq,
@@ -831,8 +972,11 @@ class Worker:
             return
         act.done = True
         self._active.pop(act.job.request_id, None)
-        self._draft_end_locked(act.job)
-        metrics.IN_FLIGHT.set(len(self._active))
+        try:
+            self._draft_end_locked(act.job)
+            metrics.IN_FLIGHT.set(len(self._active))
+        except Exception:
+            log.warning("chunk end bookkeeping failed", exc_info=True, extra=kv(request_id=act.job.request_id))
         act.events.put(ErrorEvent(error))
         self._wake.notify_all()
 
@@ -906,15 +1050,21 @@ class Worker:
             return
         if not pages.pages:
             return
+        self._send_offload_locked(job.request_id, pages)
+
+    def _send_offload_locked(self, request_id: str, pages: KVPages) -> None:
+        """Queues pages of request_id for the store and raises its watermark; a failed or partial
+        offload lowers it again (_offload_done)."""
+        assert self._kv is not None
         try:
-            fut = self._kv.offload_async(pages, job.request_id)
+            fut = self._kv.offload_async(pages, request_id)
         except Exception:
-            log.warning("kv offload failed", exc_info=True, extra=kv(request_id=job.request_id))
+            log.warning("kv offload failed", exc_info=True, extra=kv(request_id=request_id))
             return
-        self._mark_offloaded(job.request_id, pages.model_version, pages.end_page, pages.first_page)
+        self._mark_offloaded(request_id, pages.model_version, pages.end_page, pages.first_page)
         self._offloads.add(fut)
-        rid, version, first = job.request_id, pages.model_version, pages.first_page
-        fut.add_done_callback(lambda f: self._offload_done(f, rid, version, first))
+        version, first = pages.model_version, pages.first_page
+        fut.add_done_callback(lambda f: self._offload_done(f, request_id, version, first))
 
     def _offload_done(self, fut: Future[Any], request_id: str, version: str, first_page: int) -> None:
         self._offloads.discard(fut)

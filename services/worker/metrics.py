@@ -12,3 +12,5 @@ PROPOSED = Counter("seer_worker_draft_proposed", "draft tokens proposed, by draf
 ACCEPTED = Counter("seer_worker_draft_accepted", "draft tokens accepted, by draft position", ["position"])
 FREE_PAGES = Gauge("seer_worker_free_kv_pages", "free KV cache pages of the engine")
 POLICY_VERSION = Gauge("seer_worker_policy_version", "policy version the engine serves")
+STREAMS = Gauge("seer_worker_open_streams", "open RunChunk streams")
+STREAMS_REFUSED = Counter("seer_worker_refused_streams_total", "RunChunk streams refused at max_streams")

@@ -44,15 +44,19 @@ def telemetry(worker: Worker) -> scheduler_pb2.WorkerTelemetry:
     )
 
 
-def register_request(worker: Worker, address: str) -> scheduler_pb2.RegisterWorkerRequest:
+def register_request(worker: Worker, address: str, max_streams: int = 0) -> scheduler_pb2.RegisterWorkerRequest:
+    """max_streams: the server's RunChunk stream limit (0 = none). The scheduler keeps at most
+    max_batch_size chunks on a worker, so advertising more than the streams it may open would get
+    the excess refused (RESOURCE_EXHAUSTED) time after time."""
     s = worker.stats().engine
+    batch = min(s.max_batch_size, max_streams) if max_streams else s.max_batch_size
     return scheduler_pb2.RegisterWorkerRequest(
         worker_id=worker.worker_id,
         address=address,
         capacity=scheduler_pb2.WorkerCapacity(
             total_kv_pages=s.total_pages,
             page_size=s.page_size,
-            max_batch_size=s.max_batch_size,
+            max_batch_size=batch,
             max_context=s.max_context or worker.engine.max_context,
         ),
         engine=worker.engine_name,
@@ -73,8 +77,10 @@ class Registrar:
         rpc_timeout: float = 5.0,
         max_backoff: float = 5.0,
         stub_factory: Callable[[grpc.Channel], scheduler_pb2_grpc.SchedulerServiceStub] | None = None,
+        max_streams: int = 0,
     ) -> None:
         self._worker = worker
+        self._max_streams = max_streams
         self._address = advertise_address
         self._channel = channel(scheduler_address)
         self._stub = (stub_factory or scheduler_pb2_grpc.SchedulerServiceStub)(self._channel)
@@ -98,7 +104,8 @@ class Registrar:
         self._channel.close()
 
     def _register(self) -> float:
-        resp = self._stub.RegisterWorker(register_request(self._worker, self._address), timeout=self._rpc_timeout)
+        req = register_request(self._worker, self._address, self._max_streams)
+        resp = self._stub.RegisterWorker(req, timeout=self._rpc_timeout)
         self.registrations += 1
         self.registered.set()
         interval = resp.heartbeat_interval_seconds if resp.heartbeat_interval_seconds > 0 else 2.0

@@ -1,18 +1,25 @@
 """WorkerService over gRPC: converts messages, calls services.worker.core, lets @rpc map errors.
 
 RunChunk is a server stream: token deltas as the engine produces them, then one done message. A
-stream the caller cancels (or whose deadline passes) aborts the request in the engine.
+stream the caller cancels (or whose deadline passes) aborts the request in the engine. Each stream
+holds a handler thread for its whole chunk, so at most `max_streams` run at once (StreamSlots):
+the threads left over serve Abort, GetWorkerStats and LoadWeights however many chunks queue.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import grpc
 from seer.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from services.common.errors import ResourceExhausted
 from services.common.grpcutil import rpc
 from services.common.log import log_context
+from services.worker import metrics
+from services.worker.config import WorkerConfig
 from services.worker.core import ChunkFinish, ChunkJob, ChunkStats, ErrorEvent, TokensEvent, Worker, WorkerStats
 from services.worker.engine import SamplingParams
 
@@ -88,16 +95,54 @@ def worker_stats_to_proto(s: WorkerStats) -> worker_pb2.GetWorkerStatsResponse:
     )
 
 
+class StreamSlots:
+    """Bounds the open RunChunk streams below the server's handler threads.
+
+    A sync gRPC server runs each call on a thread of its pool, and a RunChunk stream keeps its
+    thread until the chunk ends. Unbounded, more chunks than threads take every thread, and Abort,
+    GetWorkerStats and LoadWeights queue behind them until chunks end. A stream over the limit is
+    refused at once with RESOURCE_EXHAUSTED naming max_streams (the scheduler re-dispatches it), so
+    the unary calls always find a thread. The buffer's StreamSlots and the kvstore's PageStreams
+    bound their streams the same way."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_streams: must be >= 1, got {limit}")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open = 0
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        with self._lock:
+            admitted = self._open < self.limit
+            if admitted:
+                self._open += 1
+        if not admitted:
+            metrics.STREAMS_REFUSED.inc()
+            raise ResourceExhausted(f"{self.limit} RunChunk streams are open on this worker; retry later "
+                                    "or elsewhere", field="max_streams")
+        metrics.STREAMS.inc()
+        try:
+            yield
+        finally:
+            metrics.STREAMS.dec()
+            with self._lock:
+                self._open -= 1
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, worker: Worker, drain_timeout_seconds: float = 300.0) -> None:
+    def __init__(self, worker: Worker, drain_timeout_seconds: float = 300.0,
+                 streams: StreamSlots | None = None) -> None:
         self.worker = worker
         self.drain_timeout = drain_timeout_seconds
+        self.streams = streams or StreamSlots(WorkerConfig().stream_limit())
 
     @rpc
     def RunChunk(
         self, request: worker_pb2.RunChunkRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.RunChunkResponse]:
-        with log_context(request_id=request.request_id, group_id=request.group_id):
+        with self.streams.hold(), log_context(request_id=request.request_id, group_id=request.group_id):
             handle = self.worker.submit(job_from_proto(request))
             # Runs when the RPC ends for any reason; after a normal end the chunk is done and
             # cancel() is a no-op, after a cancellation or deadline it aborts the request.
@@ -123,7 +168,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @rpc
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:
         with log_context(request_id=request.request_id):
-            return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
+            return worker_pb2.AbortResponse(
+                found=self.worker.abort(request.request_id, int(request.dispatch_epoch)))
 
     @rpc
     def LoadWeights(
@@ -139,11 +185,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_stats_to_proto(self.worker.stats())
 
 
-def add_servicer(worker: Worker, drain_timeout_seconds: float = 300.0) -> Callable[[grpc.Server], Sequence[str]]:
-    """The `add_servicers` callback for services.common.server.start_server."""
+def add_servicer(worker: Worker, drain_timeout_seconds: float = 300.0,
+                 max_streams: int = 0) -> Callable[[grpc.Server], Sequence[str]]:
+    """The `add_servicers` callback for services.common.server.start_server. max_streams: the
+    server's WorkerConfig.stream_limit() (0 = that of the default config, 64 handler threads)."""
 
     def _add(server: grpc.Server) -> Sequence[str]:
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, drain_timeout_seconds), server)
+        slots = StreamSlots(max_streams or WorkerConfig().stream_limit())
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, drain_timeout_seconds, slots),
+                                                            server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]
 
     return _add

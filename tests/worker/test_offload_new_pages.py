@@ -52,10 +52,12 @@ def test_each_page_is_offloaded_once(ref_engine: ReferenceEngine, model_dir: Pat
         stored = full_pages(out)
         assert stored >= full_pages([]) + 3  # every chunk added a page
         a, b = kv_a.stats(), kv_b.stats()
-        # Each page went into a Put stream exactly once, with its bytes; none was re-sent or claimed.
-        assert a.put_pages + b.put_pages == stored
+        # Each page went into a Put stream with its bytes exactly once, none was re-sent. The only
+        # claims are b's of the prefix it fetched (so a sibling's Release cannot take it away).
         assert a.put_bytes + b.put_bytes == stored * ref_engine.kv_layout.page_bytes
-        assert a.claimed_pages == b.claimed_pages == 0 and a.put_failures == b.put_failures == 0
+        assert a.claimed_pages == 0 and b.claimed_pages == b.fetched_pages > 0
+        assert a.put_pages + b.put_pages == stored + b.claimed_pages
+        assert a.put_failures == b.put_failures == 0
         assert a.stored_pages + b.stored_pages == stored
         store_stats = kv_a.store_stats()[running.address]
         assert store_stats is not None and store_stats["pages"] == stored
@@ -69,7 +71,8 @@ def test_each_page_is_offloaded_once(ref_engine: ReferenceEngine, model_dir: Pat
         assert cached == stored * PAGE and prefill == prefix - stored * PAGE < PAGE
         assert ref_engine.stats().prefill_tokens - prefill_before == prefill
         out += toks
-        assert kv_a.stats().put_pages + kv_b.stats().put_pages == stored  # a finished chunk offloads nothing
+        # The last chunk neither offloads nor claims what it fetched.
+        assert kv_a.stats().put_pages + kv_b.stats().put_pages == stored + b.claimed_pages
 
     finally:
         wa.close()

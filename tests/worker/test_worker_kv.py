@@ -127,3 +127,35 @@ def test_continuation_refetched_when_its_base_pages_were_evicted(pool: Pool, pro
         assert first + second == whole
     finally:
         pool.close()
+
+
+def test_a_moved_request_claims_the_sibling_pages_it_fetched(pool: Pool, prompts: list[tuple[int, ...]]) -> None:
+    """A resumed request whose own offload was dropped fetches its sibling's prompt pages on the
+    next worker. It must become an owner of them: otherwise the sibling's Release drops the prefix
+    under it and every later move of the request recomputes it."""
+    wa, wb, other, kv_a, kv_b = pool.wa, pool.wb, pool.other, pool.kv_a, pool.kv_b
+    prompt = prompts[2] + prompts[0]  # > 2 pages of 16 tokens
+    greedy = SamplingParams(temperature=0.0)
+
+    def job(rid: str, **kw: object) -> ChunkJob:
+        base: dict[str, object] = dict(request_id=rid, prompt_token_ids=prompt, max_new_tokens=4, max_tokens=40,
+                                       sampling=greedy, policy_version=0, group_id="g", fetch_kv=True)
+        base.update(kw)
+        return ChunkJob(**base)  # type: ignore[arg-type]
+
+    try:
+        wa.run(job("sibling", fetch_kv=False))  # a CHUNK end: its prompt pages are offloaded
+        wa.wait_offloads()
+        kv_a.max_pending_offloads, kv_a._pending = 1, 1  # the moved request's own offload is dropped
+        first, _, _ = wa.run(job("moved", fetch_kv=False))
+        kv_a._pending = 0
+        assert kv_a.stats().offloads_dropped == 1
+        wb.run(job("moved", output_token_ids=tuple(first), seq=1))
+        wb.wait_offloads()
+        version, layout = other.model_version, other.kv_layout
+        assert kv_b.fetch_prefix(prompt, version, layout) is not None
+        kv_a.release(version, "sibling")
+        got = kv_b.fetch_prefix(prompt + tuple(first), version, layout)
+        assert got is not None and got.end_page >= len(prompt) // 16, "the moved request's prefix went with its sibling"
+    finally:
+        pool.close()

@@ -68,10 +68,12 @@ class RunChunkResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenDelta, _Mapping]] = ..., done: _Optional[_Union[ChunkDone, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "dispatch_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    dispatch_epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
