@@ -41,6 +41,7 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     SeerError,
     Unavailable,
 )
@@ -68,6 +69,9 @@ WORKER_ACCEPT = Gauge(
 # (logged as an error) rather than retried forever; the buffer is told with an ABORTED commit so the
 # batch still completes.
 MAX_CHUNK_ATTEMPTS = 8
+# How long a chunk refused for a full worker (RESOURCE_EXHAUSTED: no stream slot) keeps its slot
+# reserved before it is placed again.
+_BUSY_BACKOFF_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -508,7 +512,9 @@ class Dispatcher:
                     if w.worker_id in errors and self._workers.get(w.worker_id) is w:
                         self._remove_worker_locked(w.worker_id, reason="weight load failed")
             if errors and len(errors) == len(workers):
-                raise Unavailable(f"no worker loaded version {version}: {errors}")
+                # Nothing switched (the version in force is unchanged): a refusal, not an outage,
+                # so the buffer keeps the old version in force instead of holding submissions.
+                raise FailedPrecondition(f"no worker loaded version {version}: {errors}", field="version")
             loaded = len(workers) - len(errors)
             seconds = time.monotonic() - t0
             log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3)))
@@ -776,6 +782,8 @@ class Dispatcher:
             # ValueError: the worker was removed meanwhile and its channel closed (this runs on the
             # watch thread, which must survive it).
             with contextlib.suppress(SeerError, ValueError):
+                # Any attempt (epoch 0): a cancelled request has no newer attempt to protect, and
+                # the attempt running may be newer than the last epoch this thread read.
                 worker.link.abort(request_id)
 
     # ---- dispatch ----------------------------------------------------------------------------
@@ -899,7 +907,7 @@ class Dispatcher:
                     registered = self._workers.get(w.worker_id) is w
                 if registered:  # a removed worker's link may be closed already
                     with contextlib.suppress(SeerError, ValueError):
-                        w.link.abort(d.request_id)
+                        w.link.abort(d.request_id, dispatch_epoch=req.dispatch_epoch)
             self._finish_chunk(r, w, token, failed=True, count_attempt=True)
             return
         except SeerError as e:
@@ -915,6 +923,15 @@ class Dispatcher:
                         self._remove_worker_locked(w.worker_id, reason=f"chunk stream failed: {e}")
                 if gone:
                     w.link.close()
+                self._finish_chunk(r, w, token, failed=True)
+                return
+            if isinstance(e, ResourceExhausted) and e.field == "max_streams" and not r.dropped:
+                # The worker has no stream slot free (its max_streams): busy, not broken, so the
+                # attempt is not counted (any other RESOURCE_EXHAUSTED, e.g. a message over gRPC's
+                # size limit, may come every time and is counted below). The slot stays reserved
+                # for a moment first, so the request is not placed straight back on the same full
+                # worker.
+                self._stopping.wait(_BUSY_BACKOFF_S)
                 self._finish_chunk(r, w, token, failed=True)
                 return
             # Anything but a vanished worker (Unavailable) or a cancellation counts towards

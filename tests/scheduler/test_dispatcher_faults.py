@@ -90,6 +90,7 @@ class FakeWorkers:
     def __init__(self) -> None:
         self.script: Script = lambda wid, req: chunk_events(req)
         self.requests: list[tuple[str, worker_pb2.RunChunkRequest]] = []
+        self.aborts: list[tuple[str, int]] = []  # (request_id, dispatch_epoch)
         self.gate = threading.Event()
         self.gate.set()
 
@@ -114,7 +115,8 @@ class FakeWorkerLink:
     def load_weights(self, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
         return worker_pb2.LoadWeightsResponse()
 
-    def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+    def abort(self, request_id: str, timeout: float = 5.0, *, dispatch_epoch: int = 0) -> bool:
+        self.workers.aborts.append((request_id, dispatch_epoch))
         return False
 
     def close(self) -> None:
@@ -438,3 +440,56 @@ def test_the_worker_sends_one_incarnation_per_process() -> None:
     first = registration.register_request(worker, "w:1")  # type: ignore[arg-type]
     again = registration.register_request(worker, "w:1")  # type: ignore[arg-type]
     assert len(first.incarnation) == 16 and first.incarnation == again.incarnation == registration.INCARNATION
+
+
+def test_a_cancelled_request_is_aborted_whatever_its_attempt(rig: Callable[..., Rig]) -> None:
+    # Epoch 0 (any attempt): the attempt running may be newer than the epoch the cancelling thread
+    # read, and a cancelled request has no newer attempt to protect.
+    t = rig()
+    t.register("w0")
+    t.workers.gate.clear()  # the chunk stays running
+    t.run()
+    t.d._add_items([item("a")])
+    wait_for(lambda: len(t.workers.requests) == 1)
+    t.d._cancel_request("a")
+    assert t.workers.aborts == [("a", 0)]
+
+
+def test_a_full_worker_is_busy_not_broken(rig: Callable[..., Rig]) -> None:
+    # RESOURCE_EXHAUSTED (no stream slot on the worker) more often than MAX_CHUNK_ATTEMPTS must not
+    # abort the request: the refusals are not counted as attempts.
+    from services.common.errors import ResourceExhausted
+
+    t = rig()
+    t.register("w0")
+    refusals = MAX_CHUNK_ATTEMPTS + 1
+
+    def script(wid: str, req: worker_pb2.RunChunkRequest) -> Iterator[worker_pb2.RunChunkResponse]:
+        if len(t.workers.requests) <= refusals:
+            raise ResourceExhausted("56 RunChunk streams are open", field="max_streams")
+        yield from chunk_events(req)
+
+    t.workers.script = script
+    t.run()
+    t.d._add_items([item("a", max_tokens=8)])
+    wait_for(lambda: [c.finish_reason for c in t.buffer.of("a")] == [LENGTH], timeout=15)
+    assert len(t.workers.requests) == refusals + 1
+
+
+def test_a_switch_no_worker_took_is_a_refusal_not_an_outage(rig: Callable[..., Rig]) -> None:
+    # Nothing switched, so the caller (the buffer) must keep the old version in force: a refusal
+    # naming `version`. UNAVAILABLE would read as "outcome unknown" and hold every submission.
+    from services.common.errors import FailedPrecondition, Unavailable
+
+    t = rig()
+    t.register("w0")
+
+    def refuse(self: FakeWorkerLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+        raise Unavailable("no such checkpoint on this node")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FakeWorkerLink, "load_weights", refuse)
+        with pytest.raises(FailedPrecondition) as e:
+            t.d.switch_weights(3, "/missing")
+    assert e.value.field == "version" and "no worker loaded version 3" in str(e.value)
+    assert t.d._version is None  # no version was ever put in force
