@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
+from services.common.streams import default_stream_limit
 
 # The embedded SmolLM2 values, used when no model directory is configured.
 DEFAULT_VOCAB_SIZE = 49152
@@ -76,6 +77,4 @@ class BufferConfig(ServiceConfig):
         (CommitChunk, SubmitBatch): without one, enough waiting streams deadlock the buffer."""
         if self.max_streams:
             return self.max_streams
-        if self.max_workers > 16:
-            return self.max_workers - 8
-        return max(1, self.max_workers // 2)
+        return default_stream_limit(self.max_workers)

@@ -5,10 +5,8 @@ Servicers only convert messages and call the core; `@rpc` maps the core's typed 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 
 import grpc
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -17,9 +15,10 @@ from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, batches, coalesce
-from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.grpcutil import channel, rpc
 from services.common.log import log_context
+from services.common.streams import StreamSlots
 from services.common.telemetry import current_trace_context
 
 # How often a blocked stream re-checks that its client is still there.
@@ -28,44 +27,14 @@ POLL_SECONDS = 0.5
 SWITCH_CONNECT_SECONDS = 10.0
 
 
-class StreamSlots:
-    """Bounds the open long-lived streams (StreamResults, WatchWork) below the handler threads.
-
-    A sync gRPC server runs each call on a thread of its pool, and a stream keeps that thread while
-    it waits for results or work. Unbounded, enough waiting streams take every thread, and the
-    CommitChunk that would wake them queues behind them: a deadlock until clients give up. A stream
-    over the limit is refused at once with RESOURCE_EXHAUSTED (clients retry it with backoff), so
-    unary calls always find a thread. The last `watch_reserve` slots are WatchWork's alone:
-    result streams filling every slot would otherwise lock out the scheduler whose commits they
-    wait for (the same deadlock one level up)."""
-
-    def __init__(self, limit: int, watch_reserve: int | None = None) -> None:
-        if limit < 1:
-            raise ValueError(f"max_streams: must be >= 1, got {limit}")
-        self.limit = limit
-        self.watch_reserve = min(4, limit // 2) if watch_reserve is None else watch_reserve
-        self._lock = threading.Lock()
-        self._open = 0
-
-    @contextmanager
-    def hold(self, method: str) -> Iterator[None]:
-        cap = self.limit if method == "WatchWork" else self.limit - self.watch_reserve
-        with self._lock:
-            admitted = self._open < cap
-            if admitted:
-                self._open += 1
-        if not admitted:
-            metrics.STREAMS_REFUSED.labels(method=method).inc()
-            raise ResourceExhausted(f"too many open streams: {method} is admitted while fewer than {cap} "
-                                    f"are open (max_streams {self.limit}, the last {self.watch_reserve} kept "
-                                    "for WatchWork); retry with backoff")
-        metrics.STREAMS.inc()
-        try:
-            yield
-        finally:
-            metrics.STREAMS.dec()
-            with self._lock:
-                self._open -= 1
+def stream_slots(limit: int, watch_reserve: int | None = None) -> StreamSlots:
+    """Admission of StreamResults and WatchWork streams (services.common.streams). A stream waits on
+    its thread for results or work, and the CommitChunk that would wake it needs a thread too. The
+    last `watch_reserve` slots are WatchWork's alone: result streams filling every slot would
+    otherwise lock out the scheduler whose commits they wait for (the same deadlock one level up)."""
+    reserve = min(4, limit // 2) if watch_reserve is None else watch_reserve
+    return StreamSlots(limit, "max_streams", reserve=reserve, reserved_for=frozenset({"WatchWork"}),
+                       on_open=metrics.STREAMS.inc, on_refused=lambda m: metrics.STREAMS_REFUSED.labels(method=m).inc())
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -118,7 +87,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, core: BufferCore, switch: SwitchFn | None, streams: StreamSlots | None = None) -> None:
         self.core = core
         self.switch = switch
-        self.streams = streams or StreamSlots(BufferConfig().stream_limit())
+        self.streams = streams or stream_slots(BufferConfig().stream_limit())
 
     @rpc
     def SubmitBatch(self, request: rollout_pb2.SubmitBatchRequest, context: grpc.ServicerContext
@@ -166,7 +135,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
     def __init__(self, core: BufferCore, streams: StreamSlots | None = None) -> None:
         self.core = core
-        self.streams = streams or StreamSlots(BufferConfig().stream_limit())
+        self.streams = streams or stream_slots(BufferConfig().stream_limit())
 
     @rpc
     def WatchWork(self, request: buffer_pb2.WatchWorkRequest, context: grpc.ServicerContext
@@ -226,7 +195,7 @@ def add_servicers(core: BufferCore, cfg: BufferConfig) -> Callable[[grpc.Server]
     switch = scheduler_switch(cfg.scheduler_address, cfg.switch_timeout_seconds) if cfg.scheduler_address else None
 
     # One limit for both services: they share the server's thread pool.
-    streams = StreamSlots(cfg.stream_limit())
+    streams = stream_slots(cfg.stream_limit())
 
     def add(server: grpc.Server) -> Sequence[str]:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(core, switch, streams), server)

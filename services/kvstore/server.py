@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ from services.common.grpcutil import rpc
 from services.common.kvlayout import KVLayout
 from services.common.log import get_logger, kv, log_context
 from services.common.server import RunningServer, start_server
+from services.common.streams import StreamSlots
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.store import KvStore
 from services.kvstore.wire import BadFrame, PutMessage, decode_put_frame, encode_get
@@ -54,34 +55,25 @@ class PageStreams:
     only stores a timestamp."""
 
     def __init__(self, limit: int, put_idle_timeout_s: float) -> None:
-        if limit < 1:
-            raise ValueError(f"max_page_streams: must be >= 1, got {limit}")
-        self.limit = limit
+        self.slots = StreamSlots(limit, "max_page_streams")
         self.put_idle_timeout_s = put_idle_timeout_s
         self._lock = threading.Lock()
-        self._open = 0
         self._puts: set[_Stream] = set()
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        self.refused = self.idle_cancelled = 0
+        self.idle_cancelled = 0
 
-    @contextmanager
-    def hold(self, method: str) -> Iterator[None]:
-        with self._lock:
-            admitted = self._open < self.limit
-            if admitted:
-                self._open += 1
-            else:
-                self.refused += 1
-        if not admitted:
-            raise ResourceExhausted(
-                f"{self.limit} page streams are open (max_page_streams); {method} refused, retry later"
-            )
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._open -= 1
+    @property
+    def limit(self) -> int:
+        return self.slots.limit
+
+    @property
+    def refused(self) -> int:
+        return self.slots.refused
+
+    def hold(self, method: str) -> AbstractContextManager[None]:
+        """Admission of one Put or Get stream (services.common.streams)."""
+        return self.slots.hold(method)
 
     def watch_put(self, context: grpc.ServicerContext, requests: Iterator[Any]) -> Iterator[Any]:
         """requests, with the stream cancelled when no message arrives for put_idle_timeout_s."""

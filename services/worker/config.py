@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
+from services.common.streams import default_stream_limit
 
 ENGINES = ("reference", "sglang")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -96,12 +97,10 @@ class WorkerConfig(ServiceConfig):
     def stream_limit(self) -> int:
         """The effective max_streams. A RunChunk stream holds a handler thread for its whole chunk:
         unbounded, enough chunks take every thread, and the Abort, GetWorkerStats (heartbeats) and
-        LoadWeights calls queue behind them. The same rule as the buffer's (BufferConfig.stream_limit)."""
+        LoadWeights calls queue behind them (services.common.streams)."""
         if self.max_streams:
             return self.max_streams
-        if self.max_workers > 16:
-            return self.max_workers - 8
-        return max(1, self.max_workers // 2)
+        return default_stream_limit(self.max_workers)
 
     def planner_options(self) -> dict[str, float | int]:
         """Keyword arguments of AdaptiveSpeculation from this config (gamma_max and the table aside)."""

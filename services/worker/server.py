@@ -8,16 +8,14 @@ the threads left over serve Abort, GetWorkerStats and LoadWeights however many c
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 
 import grpc
 from seer.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from services.common.errors import ResourceExhausted
 from services.common.grpcutil import rpc
 from services.common.log import log_context
+from services.common.streams import StreamSlots
 from services.worker import metrics
 from services.worker.config import WorkerConfig
 from services.worker.core import ChunkFinish, ChunkJob, ChunkStats, ErrorEvent, TokensEvent, Worker, WorkerStats
@@ -95,40 +93,12 @@ def worker_stats_to_proto(s: WorkerStats) -> worker_pb2.GetWorkerStatsResponse:
     )
 
 
-class StreamSlots:
-    """Bounds the open RunChunk streams below the server's handler threads.
-
-    A sync gRPC server runs each call on a thread of its pool, and a RunChunk stream keeps its
-    thread until the chunk ends. Unbounded, more chunks than threads take every thread, and Abort,
-    GetWorkerStats and LoadWeights queue behind them until chunks end. A stream over the limit is
-    refused at once with RESOURCE_EXHAUSTED naming max_streams (the scheduler re-dispatches it), so
-    the unary calls always find a thread. The buffer's StreamSlots and the kvstore's PageStreams
-    bound their streams the same way."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise ValueError(f"max_streams: must be >= 1, got {limit}")
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._open = 0
-
-    @contextmanager
-    def hold(self) -> Iterator[None]:
-        with self._lock:
-            admitted = self._open < self.limit
-            if admitted:
-                self._open += 1
-        if not admitted:
-            metrics.STREAMS_REFUSED.inc()
-            raise ResourceExhausted(f"{self.limit} RunChunk streams are open on this worker; retry later "
-                                    "or elsewhere", field="max_streams")
-        metrics.STREAMS.inc()
-        try:
-            yield
-        finally:
-            metrics.STREAMS.dec()
-            with self._lock:
-                self._open -= 1
+def stream_slots(limit: int) -> StreamSlots:
+    """Admission of RunChunk streams (services.common.streams): a stream holds a handler thread for
+    its whole chunk, and Abort, GetWorkerStats and LoadWeights must still find one. A refused
+    chunk names max_streams; the scheduler re-dispatches it without counting an attempt."""
+    return StreamSlots(limit, "max_streams", on_open=metrics.STREAMS.inc,
+                       on_refused=lambda _m: metrics.STREAMS_REFUSED.inc())
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -136,13 +106,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                  streams: StreamSlots | None = None) -> None:
         self.worker = worker
         self.drain_timeout = drain_timeout_seconds
-        self.streams = streams or StreamSlots(WorkerConfig().stream_limit())
+        self.streams = streams or stream_slots(WorkerConfig().stream_limit())
 
     @rpc
     def RunChunk(
         self, request: worker_pb2.RunChunkRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.RunChunkResponse]:
-        with self.streams.hold(), log_context(request_id=request.request_id, group_id=request.group_id):
+        with self.streams.hold("RunChunk"), log_context(request_id=request.request_id, group_id=request.group_id):
             handle = self.worker.submit(job_from_proto(request))
             # Runs when the RPC ends for any reason; after a normal end the chunk is done and
             # cancel() is a no-op, after a cancellation or deadline it aborts the request.
@@ -191,7 +161,7 @@ def add_servicer(worker: Worker, drain_timeout_seconds: float = 300.0,
     server's WorkerConfig.stream_limit() (0 = that of the default config, 64 handler threads)."""
 
     def _add(server: grpc.Server) -> Sequence[str]:
-        slots = StreamSlots(max_streams or WorkerConfig().stream_limit())
+        slots = stream_slots(max_streams or WorkerConfig().stream_limit())
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker, drain_timeout_seconds, slots),
                                                             server)
         return [worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name]

@@ -1,0 +1,96 @@
+"""Admission of long-lived gRPC streams below a sync server's handler threads.
+
+A sync gRPC server runs each call on a thread of its pool, and a stream keeps that thread for as
+long as it lasts. Unbounded, enough open streams take every thread, and the unary calls queue behind
+them: the buffer's CommitChunk that would wake its waiting result streams (a deadlock), a worker's
+Abort, heartbeat and LoadWeights, the kvstore's Exists and Release. So each service admits at most
+`limit` streams at once and refuses the next at once with RESOURCE_EXHAUSTED naming its option
+(clients retry with backoff, or elsewhere), and the unary calls always find a thread.
+
+Used by the buffer (StreamResults, WatchWork; the last slots kept for WatchWork), the worker
+(RunChunk) and the kvstore (Put, Get).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from services.common.errors import ResourceExhausted
+
+
+def default_stream_limit(max_workers: int) -> int:
+    """Streams a server with `max_workers` handler threads admits when not configured: 8 threads
+    kept for unary calls on a large pool (56 of the default 64), half of a small one."""
+    if max_workers > 16:
+        return max_workers - 8
+    return max(1, max_workers // 2)
+
+
+class StreamSlots:
+    """A counter of open streams with a cap; `hold(method)` is the admission of one stream.
+
+    `reserve` slots at the top are kept for the methods in `reserved_for`: every other method is
+    admitted only while fewer than limit - reserve streams are open. on_open(+1 / -1) and
+    on_refused(method) feed the service's own metrics."""
+
+    def __init__(
+        self,
+        limit: int,
+        option: str,
+        *,
+        reserve: int = 0,
+        reserved_for: frozenset[str] = frozenset(),
+        on_open: Callable[[int], None] | None = None,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"{option}: must be >= 1, got {limit}")
+        if reserve < 0 or (reserve and reserve >= limit):
+            raise ValueError(f"{option}: a reserve of {reserve} leaves no slot of {limit} for other streams")
+        self.limit = limit
+        self.option = option
+        self.reserve = reserve
+        self.reserved_for = reserved_for
+        self._on_open = on_open
+        self._on_refused = on_refused
+        self._lock = threading.Lock()
+        self._open = 0
+        self.refused = 0
+
+    @property
+    def open(self) -> int:
+        with self._lock:
+            return self._open
+
+    def cap(self, method: str) -> int:
+        return self.limit if method in self.reserved_for else self.limit - self.reserve
+
+    @contextmanager
+    def hold(self, method: str) -> Iterator[None]:
+        cap = self.cap(method)
+        with self._lock:
+            admitted = self._open < cap
+            if admitted:
+                self._open += 1
+            else:
+                self.refused += 1
+        if not admitted:
+            if self._on_refused is not None:
+                self._on_refused(method)
+            kept = f", the last {self.reserve} kept for {', '.join(sorted(self.reserved_for))}" if self.reserve else ""
+            raise ResourceExhausted(
+                f"{method} refused: {cap} streams are open ({self.option} {self.limit}{kept}); retry with backoff "
+                "or elsewhere",
+                field=self.option,
+            )
+        if self._on_open is not None:
+            self._on_open(1)
+        try:
+            yield
+        finally:
+            if self._on_open is not None:
+                self._on_open(-1)
+            with self._lock:
+                self._open -= 1
