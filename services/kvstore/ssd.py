@@ -81,6 +81,9 @@ class SsdTier:
     def put_registry(self, namespace: str, record: bytes) -> None:
         self._db.put(_REGISTRY + namespace.encode("utf-8"), record)
 
+    def delete_registry(self, namespace: str) -> None:
+        self._db.delete(_REGISTRY + namespace.encode("utf-8"))
+
     # Namespaces (column families).
     def ensure_namespace(self, namespace: str) -> None:
         if namespace not in self._cfs:

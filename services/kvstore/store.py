@@ -248,13 +248,24 @@ class KvStore:
         max_seq = stale = 0
         pages: list[tuple[int, Key, int]] = []
         for name, raw in self._ssd.registry().items():
-            rec = json.loads(raw)
-            max_seq = max(max_seq, int(rec["seq"]))
-            if rec.get("dropped"):
+            try:
+                rec = json.loads(raw)
+                seq = int(rec["seq"])
+                layout = None if rec.get("dropped") else KVLayout.from_json(rec["layout"])
+            except (ValueError, KeyError, TypeError) as exc:
+                # One unreadable record (corrupt, or written by another version) must not keep the
+                # whole store from opening: its namespace is unusable without its layout, so it goes
+                # like an orphan column family (dropped below). Only a cache is lost.
+                log.warning("dropped a namespace whose registry record does not parse",
+                            extra=kv(namespace=name, error=str(exc)))
+                self._ssd.delete_registry(name)
+                continue
+            max_seq = max(max_seq, seq)
+            if layout is None:
                 self._tombstones.add(name)
                 self._ssd.drop_namespace(name)  # in case a crash hit between tombstone and drop
                 continue
-            ns = _Namespace(name, KVLayout.from_json(rec["layout"]), int(rec["seq"]))
+            ns = _Namespace(name, layout, seq)
             self._namespaces[name] = ns
             for page_hash, meta in self._ssd.iter_meta(name):
                 e = _decode_meta(meta)

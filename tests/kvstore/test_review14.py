@@ -17,6 +17,7 @@ from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import page_checksum
+from services.kvstore.ssd import SsdTier
 from services.kvstore.store import KvStore
 from services.kvstore.wire import encode_put
 from services.worker.engine import KVPages
@@ -148,12 +149,16 @@ def test_idle_put_stream_is_cut_after_the_idle_timeout(replicas: Make) -> None:
 
 
 # ---------------------------------------------------------------- 3: a failed open
-def test_failed_open_releases_the_rocksdb_lock(tmp_path: Path) -> None:
+def test_failed_open_releases_the_rocksdb_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = str(tmp_path / "db")
     store = KvStore(path, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
     _put(store, "m@v1")
-    store.raw_ssd().put_registry("x@v1", b"{not json")  # a registry record that does not parse
     store.close()
+
+    def unreadable(self: object) -> dict[str, bytes]:
+        raise OSError("IO error: registry unreadable")
+
+    monkeypatch.setattr(SsdTier, "registry", unreadable)
     errors: list[BaseException] = []  # kept alive, as a caller logging and retrying would
     for _ in range(2):
         try:
@@ -163,6 +168,24 @@ def test_failed_open_releases_the_rocksdb_lock(tmp_path: Path) -> None:
     assert len(errors) == 2
     assert "lock" not in str(errors[1]).lower(), errors[1]
     assert type(errors[1]) is type(errors[0])
+
+
+def test_a_registry_record_that_does_not_parse_is_dropped_not_fatal(tmp_path: Path) -> None:
+    # Before: json.loads raised in recovery and the store could never open again on that disk.
+    path = str(tmp_path / "db")
+    store = KvStore(path, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
+    _put(store, "m@v1")
+    _put(store, "x@v1")
+    store.raw_ssd().put_registry("x@v1", b"{not json")
+    store.close()
+    store = KvStore(path, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
+    try:
+        assert store.stats().pages == 1  # m@v1's page; x@v1 went with its record
+        assert "x@v1" not in store.raw_ssd().registry() and "x@v1" not in store.raw_ssd().namespaces()
+        _put(store, "x@v1")  # the namespace can be used again
+        assert store.stats().pages == 2
+    finally:
+        store.close()
 
 
 def test_failed_recovery_midway_releases_the_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
