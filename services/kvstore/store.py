@@ -221,7 +221,7 @@ class KvStore:
         self._seq = itertools.count(1)
         self._hits = self._misses = self._evictions = 0
         self._demotions = self._promotions = self._checksum_failures = 0
-        self._released = self._dropped = 0
+        self._released = self._dropped = self._meta_write_failures = 0
         # (namespace, request_id) of requests released whole -> when the tombstone expires; oldest
         # first. Bounded in time (a late offload comes within its client's queue and RPC timeouts)
         # and in count (memory); an expired or pushed-out one only lets a late Put through again.
@@ -514,7 +514,19 @@ class KvStore:
             entry.owners.add(request_id)
             ns.by_owner.setdefault(request_id, set()).add(page_hash)
             if entry.on_ssd:
-                self._ssd.put_meta(ns.name, page_hash, _encode_meta(entry))
+                self._write_meta(ns.name, page_hash, entry)
+
+    def _write_meta(self, namespace: str, page_hash: bytes, entry: _Entry) -> None:
+        """Persists a page's owner list. The in-memory index is the truth while the store runs; the
+        record only matters at the next recovery, where a stale one costs a page kept too long or
+        dropped too early (a cache miss). So a failed write (disk full, I/O error) is logged, not
+        raised: raising would fail a claim or a Release half done, as INTERNAL."""
+        try:
+            self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
+        except Exception:
+            self._meta_write_failures += 1
+            log.warning("SSD owner record write failed; the index in memory stays correct", exc_info=True,
+                        extra=kv(namespace=namespace, page=page_hash.hex(), failures=self._meta_write_failures))
 
     def _demote(self, key: Key, data: Buffer) -> None:
         ns = self._namespaces.get(key[0])
@@ -676,7 +688,7 @@ class KvStore:
                 if not entry.owners:
                     self._remove((namespace, page_hash))
                 elif entry.on_ssd:
-                    self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
+                    self._write_meta(namespace, page_hash, entry)
             if not owned:
                 ns.by_owner.pop(request_id, None)
             self._released += len(targets)

@@ -291,3 +291,27 @@ def test_fetched_sibling_pages_must_be_claimed_to_survive_its_release(replicas: 
         assert res.claimed == 10 and res.stored == 0 and kv.stats().put_bytes == sent
         kv.release("m@v1", "sibling2")
         assert kv.prefix_pages(full.page_hashes, "m@v1") == 10
+
+
+def test_a_failed_owner_record_write_does_not_fail_claims_or_releases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a claim or Release whose SSD owner record write failed raised half done (INTERNAL),
+    # leaving the rest of a Release unprocessed.
+    store = KvStore(str(tmp_path / "db"), dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
+    try:
+        for i in range(3):
+            _put(store, "m@v1", i, "a")
+            _put(store, "m@v1", i, "b")  # a second owner: release writes its record, not a delete
+
+        def broken(self: object, namespace: str, page_hash: bytes, meta: bytes) -> None:
+            raise OSError("IO error: disk gone")
+
+        monkeypatch.setattr(SsdTier, "put_meta", broken)
+        assert store.claim("m@v1", _h("m@v1", 0), "c")
+        assert store.release("m@v1", "a") == 3  # every page, not just up to the first failure
+        assert store.release("m@v1", "b") == 3
+        assert store.stats().pages == 1  # page 0: still c's
+        assert store.release("m@v1", "c") == 1 and store.stats().pages == 0
+    finally:
+        store.close()
