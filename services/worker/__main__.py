@@ -18,6 +18,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("worker")
     log = get_logger("services.worker")
     cfg = config.load_or_exit(WorkerConfig, "worker", argv, prog="python -m services.worker")
+    sized = cfg.sized_for_batch()
+    if sized.max_workers != cfg.max_workers:
+        log.info("handler threads raised to hold a RunChunk stream per batch slot",
+                 extra=kv(max_batch_size=cfg.max_batch_size, max_workers=sized.max_workers))
+        cfg = sized
     worker_id = cfg.worker_id or f"worker-{socket.gethostname()}-{cfg.port or 'auto'}"
     try:
         worker = build_worker(cfg, worker_id).start()

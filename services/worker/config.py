@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
@@ -91,7 +92,7 @@ class WorkerConfig(ServiceConfig):
         default=0,
         metadata={"help": "open RunChunk streams at most; more are RESOURCE_EXHAUSTED, and registration "
                           "advertises at most this many concurrent chunks (0 = max_workers - 8, or half of "
-                          "max_workers up to 16)"},
+                          "max_workers up to 16; max_workers is then raised until every batch slot has one)"},
     )
 
     def stream_limit(self) -> int:
@@ -101,6 +102,17 @@ class WorkerConfig(ServiceConfig):
         if self.max_streams:
             return self.max_streams
         return default_stream_limit(self.max_workers)
+
+    def sized_for_batch(self) -> WorkerConfig:
+        """This config with enough handler threads for max_batch_size concurrent chunks when the
+        stream limit is derived (max_streams 0): a GPU engine batching 256 requests must not be
+        capped at the 56 streams of the default 64 threads. An explicit max_streams is kept."""
+        if self.max_streams or self.stream_limit() >= self.max_batch_size:
+            return self
+        threads = self.max_workers
+        while default_stream_limit(threads) < self.max_batch_size:
+            threads += 1
+        return dataclasses.replace(self, max_workers=threads)
 
     def planner_options(self) -> dict[str, float | int]:
         """Keyword arguments of AdaptiveSpeculation from this config (gamma_max and the table aside)."""

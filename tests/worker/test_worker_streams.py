@@ -158,3 +158,14 @@ def test_abort_of_unknown_request_is_not_an_error(served: Any) -> None:
             list(link.run_chunk(worker_pb2.RunChunkRequest(request_id=""), timeout=5))
     finally:
         link.close()
+
+
+def test_a_large_batch_gets_the_threads_for_its_streams() -> None:
+    # A derived stream limit (56 of 64 threads) below max_batch_size would cap a GPU engine's
+    # concurrency silently: the server gets enough threads instead. An explicit limit is kept.
+    big = WorkerConfig(max_batch_size=256).sized_for_batch()
+    assert big.stream_limit() >= 256 and big.max_workers == 264
+    assert WorkerConfig(max_batch_size=32).sized_for_batch() == WorkerConfig(max_batch_size=32)
+    explicit = WorkerConfig(max_batch_size=256, max_streams=40)
+    assert explicit.sized_for_batch() is explicit
+    big.validate()
