@@ -426,6 +426,7 @@ class Worker:
                 self._kv_refetches += 1
                 return False
             stats = act.stats
+            claim = False
             if fetched is not None:
                 self._import_kv(fetched, prefix, stats)
                 if job.output_token_ids and len(job.output_token_ids) + job.max_new_tokens < job.max_tokens:
@@ -436,8 +437,9 @@ class Worker:
                     # the store has every one, so only claims travel, no page bytes. Not for the
                     # response's last chunk: nothing fetches this prefix after it, and it releases
                     # its pages at the end. (A first chunk's fetch finds its siblings' prompt pages,
-                    # which it claims at its first offload: its watermark stays at 0.)
-                    self._send_offload_locked(job.request_id, fetched)
+                    # which it claims at its first offload: its watermark stays at 0.) Sent once
+                    # the request is admitted: a refused chunk must not leave claims behind.
+                    claim = True
                 elif job.output_token_ids:
                     self._mark_offloaded(job.request_id, fetched.model_version, fetched.end_page)
             # The engine computes at least the last token (its logits start the chunk), so a prefix
@@ -455,6 +457,8 @@ class Worker:
                 self.engine.add_request(req)
             except ValueError as e:
                 raise InvalidArgument(str(e)) from e
+            if claim and fetched is not None:
+                self._send_offload_locked(job.request_id, fetched)
             # Under the engine lock, before the request can be drafted for in a step.
             self._draft_resume_locked(job)
             self._active[job.request_id] = act
@@ -760,6 +764,12 @@ class Worker:
             mid = len(failed) // 2
             groups.appendleft(failed[mid:])
             groups.appendleft(failed[:mid])
+        # A step that failed while committing aborts every request in it (Engine.step), also
+        # chunks of groups that had passed: they are active here but gone from the engine, and no
+        # later step would ever end them. They fail now (the scheduler runs them again).
+        for act in [a for a in self._active.values() if not a.done]:
+            if not self._engine_has(act.job.request_id):
+                self._fail_locked(act, error)
         log.info("engine step failure isolated", extra=kv(suspects=len(suspects), failed=culprits))
 
     def _try_group_locked(self, group: list[_Active]) -> tuple[list[_Active], Exception | None]:

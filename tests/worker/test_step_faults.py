@@ -224,3 +224,36 @@ def test_broken_engine_still_fails_every_chunk(ref_engine: ReferenceEngine, prom
         assert not ref_engine.has_unfinished() and w.in_flight == 0
     finally:
         w.close()
+
+
+def test_a_commit_fault_while_isolating_ends_every_chunk(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails while committing aborts every request in it (Engine.step), including chunks
+    of groups that had already passed the group test. Those used to stay active with no terminal
+    event: hung until the scheduler's deadline, and counted in flight."""
+    real_run, real_apply = ref_engine.runner.run, ref_engine._apply
+    forward_faults = [0]
+
+    def run(seqs: list[Any], trees: list[Any]) -> Any:
+        if any(s.request_id == "r2" for s in seqs) and forward_faults[0] < 2:
+            forward_faults[0] += 1
+            raise RuntimeError("forward fault of r2")  # rolled back; two in a row start the isolation
+        return real_run(seqs, trees)
+
+    def apply(seq: Any, *a: Any) -> Any:
+        if seq.request_id == "r2" and forward_faults[0] >= 2:
+            raise RuntimeError("commit fault of r2")  # the engine aborts every request of the step
+        return real_apply(seq, *a)
+
+    monkeypatch.setattr(ref_engine.runner, "run", run)
+    monkeypatch.setattr(ref_engine, "_apply", apply)
+    w = Worker(ref_engine, speculation=False).start()
+    try:
+        handles = submit_together(w, jobs_for(prompts))
+        ends = {h.request_id: drain(h, timeout=10)[1] for h in handles}
+        assert all(end is not None for end in ends.values()), ends
+        assert isinstance(ends["r2"], ErrorEvent)
+        assert w.in_flight == 0
+    finally:
+        monkeypatch.undo()
+        w.close()
