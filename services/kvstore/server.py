@@ -15,6 +15,7 @@ miss for the client), keeping threads for the unary calls, and a Put stream that
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -86,9 +87,17 @@ class PageStreams:
             if self._watchdog is None:
                 self._watchdog = threading.Thread(target=self._watch, name="kvstore-put-idle", daemon=True)
                 self._watchdog.start()
+        it = iter(requests)
         try:
-            for msg in requests:
-                stream.last = time.monotonic()
+            while True:
+                stream.last = time.monotonic()  # from here the stream waits on its client
+                try:
+                    msg = next(it)
+                except StopIteration:
+                    return
+                # The server stores the message now (the store lock, a RocksDB write stall): not the
+                # client's idle time, so the watchdog leaves the stream alone until the next read.
+                stream.last = math.inf
                 yield msg
         finally:
             with self._lock:

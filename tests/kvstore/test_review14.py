@@ -148,6 +148,22 @@ def test_idle_put_stream_is_cut_after_the_idle_timeout(replicas: Make) -> None:
         hold.set()
 
 
+def test_a_busy_put_stream_is_not_idle(replicas: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The server's own time storing a message (a RocksDB stall, the store lock) is not the client's
+    # idle time: a store slower than the timeout used to cancel a client sending continuously.
+    r = replicas("a", max_workers=4, put_idle_timeout_seconds=0.5)
+    real = KvStore.put
+
+    def slow(self: KvStore, *a: object, **k: object) -> bool:
+        time.sleep(1.2)
+        return real(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(KvStore, "put", slow)
+    with KVClient([r.address], tune_malloc=False) as kv:
+        res = kv.put_pages_result(make_pages(list(range(8))), "r1")
+    assert res.first_unstored is None and res.stored == 2
+
+
 # ---------------------------------------------------------------- 3: a failed open
 def test_failed_open_releases_the_rocksdb_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = str(tmp_path / "db")
