@@ -479,12 +479,15 @@ class Dispatcher:
                     self._cond.wait(min(left, 0.5))
                 workers = [w for w in self._workers.values()]
             errors: dict[str, str] = {}
+            refused: set[str] = set()  # workers that refused the load (they loaded nothing)
 
             def load(w: WorkerState) -> None:
                 try:
                     w.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
                 except SeerError as e:
                     errors[w.worker_id] = str(e)
+                    if isinstance(e, (InvalidArgument, FailedPrecondition, NotFound)):
+                        refused.add(w.worker_id)
 
             # Each load runs in a copy of this context, so the trace of the caller (trainer ->
             # buffer -> SwitchWeights) continues into every worker's LoadWeights.
@@ -512,9 +515,15 @@ class Dispatcher:
                     if w.worker_id in errors and self._workers.get(w.worker_id) is w:
                         self._remove_worker_locked(w.worker_id, reason="weight load failed")
             if errors and len(errors) == len(workers):
-                # Nothing switched (the version in force is unchanged): a refusal, not an outage,
-                # so the buffer keeps the old version in force instead of holding submissions.
-                raise FailedPrecondition(f"no worker loaded version {version}: {errors}", field="version")
+                if refused == set(errors):
+                    # Every worker refused (a bad source, say): nothing switched, the version in
+                    # force is unchanged. A refusal, so the buffer keeps the old version in force
+                    # instead of holding submissions.
+                    raise FailedPrecondition(f"no worker loaded version {version}: {errors}", field="version")
+                # A deadline or a lost connection: a worker may still be loading, and may come back
+                # on the new version. The outcome is unknown (the buffer holds submissions until
+                # the update is retried).
+                raise Unavailable(f"no worker confirmed loading version {version}: {errors}")
             loaded = len(workers) - len(errors)
             seconds = time.monotonic() - t0
             log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3)))

@@ -479,13 +479,13 @@ def test_a_full_worker_is_busy_not_broken(rig: Callable[..., Rig]) -> None:
 def test_a_switch_no_worker_took_is_a_refusal_not_an_outage(rig: Callable[..., Rig]) -> None:
     # Nothing switched, so the caller (the buffer) must keep the old version in force: a refusal
     # naming `version`. UNAVAILABLE would read as "outcome unknown" and hold every submission.
-    from services.common.errors import FailedPrecondition, Unavailable
+    from services.common.errors import FailedPrecondition
 
     t = rig()
     t.register("w0")
 
     def refuse(self: FakeWorkerLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
-        raise Unavailable("no such checkpoint on this node")
+        raise InvalidArgument("no such checkpoint on this node", field="source")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FakeWorkerLink, "load_weights", refuse)
@@ -493,3 +493,18 @@ def test_a_switch_no_worker_took_is_a_refusal_not_an_outage(rig: Callable[..., R
             t.d.switch_weights(3, "/missing")
     assert e.value.field == "version" and "no worker loaded version 3" in str(e.value)
     assert t.d._version is None  # no version was ever put in force
+
+
+def test_a_switch_whose_loads_were_lost_is_an_unknown_outcome(rig: Callable[..., Rig]) -> None:
+    # A deadline or a dropped connection: the worker may still finish loading the new version, so
+    # the buffer must hold submissions (UNAVAILABLE), not keep the old version in force.
+    t = rig()
+    t.register("w0")
+
+    def lost(self: FakeWorkerLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+        raise Unavailable("connection reset")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FakeWorkerLink, "load_weights", lost)
+        with pytest.raises(Unavailable):
+            t.d.switch_weights(3, "/ckpt/3")
