@@ -167,6 +167,9 @@ class SwitchNotStarted(Unavailable):
 # InvalidArgument, FailedPrecondition and SwitchNotStarted mean the scheduler switched nothing (the
 # old version stays in force); any other error leaves the outcome unknown (see update_weights).
 SwitchFn = Callable[[int, str], int]
+# () -> the policy version the scheduler's workers serve, None when it knows none; raises a
+# SeerError when the scheduler cannot be asked.
+VersionProbe = Callable[[], int | None]
 
 
 @dataclass
@@ -838,17 +841,8 @@ class BufferCore:
             workers = self._switch(version, source, switch, previous_intent)
             with self._lock:
                 self._check_open()
-                wb = self._store.new_batch()
-                wb.put(keys.POLICY_VERSION_KEY, str(version).encode())
-                # Always written (a missing key means "unknown"); an empty source relabels the
-                # current weights, so the source stays.
-                wb.put(keys.POLICY_SOURCE_KEY, (source or self._policy_source).encode())
-                wb.delete(keys.POLICY_INTENT_KEY)
-                self._store.write(wb)
-                self._policy_version = version
-                self._policy_source = source or self._policy_source
+                self._commit_version_locked(version, source)
                 self._switch_workers = workers
-                self._intent = None
         finally:
             with self._lock:
                 self._switching = False
@@ -876,6 +870,48 @@ class BufferCore:
             raise Unavailable(f"{e}; the outcome is unknown (the workers may already serve version {version}): "
                               f"batches are refused until UpdateWeights(version={version}) is retried and "
                               "succeeds") from e
+
+    def _commit_version_locked(self, version: int, source: str) -> None:
+        """Records `version` as the one in force and clears the intent, in one write."""
+        wb = self._store.new_batch()
+        wb.put(keys.POLICY_VERSION_KEY, str(version).encode())
+        # Always written (a missing key means "unknown"); an empty source relabels the current
+        # weights, so the source stays.
+        wb.put(keys.POLICY_SOURCE_KEY, (source or self._policy_source).encode())
+        wb.delete(keys.POLICY_INTENT_KEY)
+        self._store.write(wb)
+        self._policy_version = version
+        self._policy_source = source or self._policy_source
+        self._intent = None
+
+    def reconcile_intent(self, scheduler_version: VersionProbe) -> bool:
+        """Settles an update whose outcome is unknown from the version the scheduler reports, so
+        submissions need not wait for the trainer's retry (after a lost reply, or a restart between
+        the scheduler's switch and the buffer's write). Only a scheduler at the intended version
+        settles it: its workers serve that version. Any other answer, or none, leaves the intent (a
+        restarted scheduler adopts the buffer's old version, while workers may have loaded the new
+        one; only a retry of the update settles that). Returns True when no intent is left."""
+        with self._lock:
+            intent = self._intent
+            if intent is None or self._switching:
+                return intent is None
+        try:
+            version = scheduler_version()
+        except SeerError as e:
+            log.info("cannot ask the scheduler for its policy version", extra=kv(error=str(e)))
+            return False
+        with self._lock:
+            self._check_open()
+            if self._intent != intent or self._switching or version != intent[0]:
+                return self._intent is None
+            self._commit_version_locked(*intent)
+        log.warning("weight update of unknown outcome settled: the scheduler serves its version",
+                    extra=kv(policy_version=intent[0]))
+        return True
+
+    def pending_intent(self) -> tuple[int, str] | None:
+        with self._lock:
+            return self._intent
 
     def _write_intent(self, intent: tuple[int, str] | None) -> None:
         """Stores (or deletes) the unresolved update; the caller holds the lock."""

@@ -13,7 +13,7 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, 
 
 from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
-from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted
+from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, VersionProbe
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, batches, coalesce
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.grpcutil import channel, rpc
@@ -83,16 +83,38 @@ def scheduler_switch(address: str, timeout: float) -> SwitchFn:
     return switch
 
 
+def scheduler_version(address: str, timeout: float) -> VersionProbe:
+    """VersionProbe reading GetSchedulerStats.policy_version (None when unset)."""
+
+    def probe() -> int | None:
+        ch = channel(address)
+        try:
+            resp = scheduler_pb2_grpc.SchedulerServiceStub(ch).GetSchedulerStats(
+                scheduler_pb2.GetSchedulerStatsRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise Unavailable(f"scheduler GetSchedulerStats failed: {e.code().name}: {e.details()}") from None
+        finally:
+            ch.close()
+        return int(resp.policy_version) if resp.HasField("policy_version") else None
+
+    return probe
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, core: BufferCore, switch: SwitchFn | None, streams: StreamSlots | None = None) -> None:
+    def __init__(self, core: BufferCore, switch: SwitchFn | None, streams: StreamSlots | None = None,
+                 version_probe: VersionProbe | None = None) -> None:
         self.core = core
         self.switch = switch
         self.streams = streams or stream_slots(BufferConfig().stream_limit())
+        self.version_probe = version_probe
 
     @rpc
     def SubmitBatch(self, request: rollout_pb2.SubmitBatchRequest, context: grpc.ServicerContext
                     ) -> rollout_pb2.SubmitBatchResponse:
         with log_context(batch_id=request.batch_id):
+            if self.version_probe is not None and self.core.pending_intent() is not None:
+                # An update of unknown outcome refuses submissions; the scheduler may know it.
+                self.core.reconcile_intent(self.version_probe)
             out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups],
                                          trace_context=current_trace_context(), seed_scope=request.seed_scope)
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
@@ -193,12 +215,13 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
 def add_servicers(core: BufferCore, cfg: BufferConfig) -> Callable[[grpc.Server], Sequence[str]]:
     """Returns the `add_servicers` callback for services.common.server.start_server."""
     switch = scheduler_switch(cfg.scheduler_address, cfg.switch_timeout_seconds) if cfg.scheduler_address else None
+    probe = scheduler_version(cfg.scheduler_address, SWITCH_CONNECT_SECONDS) if cfg.scheduler_address else None
 
     # One limit for both services: they share the server's thread pool.
     streams = stream_slots(cfg.stream_limit())
 
     def add(server: grpc.Server) -> Sequence[str]:
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(core, switch, streams), server)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(core, switch, streams, probe), server)
         buffer_pb2_grpc.add_BufferInternalServiceServicer_to_server(BufferInternalServicer(core, streams), server)
         return [
             rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name,

@@ -48,6 +48,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> scheduler_pb2.GetSchedulerStatsResponse:
         s = self.dispatcher.stats()
         return scheduler_pb2.GetSchedulerStatsResponse(
+            policy_version=s.policy_version,
             policy=s.policy,
             pending_requests=s.pending_requests,
             in_flight_chunks=s.in_flight_chunks,

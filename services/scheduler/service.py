@@ -146,6 +146,7 @@ class SchedulerStats:
     dispatched_chunks: int
     redispatched_chunks: int
     workers: list[WorkerView]
+    policy_version: int | None = None
 
 
 class Dispatcher:
@@ -1189,6 +1190,7 @@ class Dispatcher:
                 dispatched_chunks=self._dispatched,
                 redispatched_chunks=self._redispatched,
                 workers=workers,
+                policy_version=self._version,
             )
 
 

@@ -81,12 +81,13 @@ def test_a_lost_switch_reply_is_resolved_by_the_retry_before_any_batch_runs(tmp_
         update = rollout_pb2.UpdateWeightsRequest(version=1, source="/ckpt/1")
         expect_error(lambda: stub.UpdateWeights(update, timeout=10), grpc.StatusCode.UNAVAILABLE)
         _wait(lambda: worker.version == 1)  # the switch went on and succeeded behind the deadline
+        _wait(lambda: dispatcher.stats().policy_version == 1)
         assert core.policy() == (0, "")
-        msg = expect_error(lambda: stub.SubmitBatch(_batch("b1"), timeout=10), grpc.StatusCode.FAILED_PRECONDITION)
-        assert "version 1" in msg and "UpdateWeights" in msg, msg
-        # The retry completes the update; the batch then runs at the workers' version.
-        assert stub.UpdateWeights(update, timeout=10).version == 1
+        # The next submission asks the scheduler (GetSchedulerStats.policy_version), which serves
+        # version 1: the update is settled without the trainer's retry, and the batch runs at 1.
         assert stub.SubmitBatch(_batch("b1"), timeout=10).policy_version == 1
+        assert core.policy() == (1, "/ckpt/1")
+        assert stub.UpdateWeights(update, timeout=10).version == 1  # the trainer's retry: already current
         results = list(stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="b1"), timeout=20))
         assert [(r.result.finish_reason, r.result.policy_version) for r in results] == [(LENGTH, 1)] * 2
     finally:
@@ -196,3 +197,31 @@ def _wait(cond: Callable[[], bool], timeout: float = 10) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_an_unknown_outcome_is_settled_only_by_a_scheduler_at_the_new_version(tmp_path: Path) -> None:
+    """reconcile_intent: the scheduler's version settles the intent only when it is the intended
+    one. The old version (a restarted scheduler adopts the buffer's, while workers may have loaded
+    the new one), no version, or no answer leave submissions refused until the update is retried."""
+    core, _store = _core(tmp_path / "db")
+
+    def lost(version: int, source: str) -> int:
+        raise Unavailable("the reply was lost")
+
+    with pytest.raises(Unavailable):
+        core.update_weights(1, "/ckpt/1", lost)
+
+    def down() -> int | None:
+        raise Unavailable("scheduler unreachable")
+
+    for probe in (lambda: 0, lambda: None, down):
+        assert not core.reconcile_intent(probe)
+        with pytest.raises(FailedPrecondition):
+            core.submit_batch("b1", _groups())
+    assert core.reconcile_intent(lambda: 1)
+    assert core.policy() == (1, "/ckpt/1") and core.pending_intent() is None
+    assert core.submit_batch("b1", _groups()).policy_version == 1
+    core.close()
+    core, _store = _core(tmp_path / "db")  # the settled version was stored
+    assert core.policy() == (1, "/ckpt/1") and core.pending_intent() is None
+    core.close()

@@ -111,17 +111,19 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ...) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
-    __slots__ = ("policy", "pending_requests", "in_flight_chunks", "dispatched_chunks", "redispatched_chunks", "workers")
+    __slots__ = ("policy", "pending_requests", "in_flight_chunks", "dispatched_chunks", "redispatched_chunks", "workers", "policy_version")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     DISPATCHED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     REDISPATCHED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     policy: str
     pending_requests: int
     in_flight_chunks: int
     dispatched_chunks: int
     redispatched_chunks: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, policy: _Optional[str] = ..., pending_requests: _Optional[int] = ..., in_flight_chunks: _Optional[int] = ..., dispatched_chunks: _Optional[int] = ..., redispatched_chunks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, policy: _Optional[str] = ..., pending_requests: _Optional[int] = ..., in_flight_chunks: _Optional[int] = ..., dispatched_chunks: _Optional[int] = ..., redispatched_chunks: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
