@@ -245,6 +245,17 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             evictions=s.evictions,
             namespaces=s.namespaces,
             pages=s.pages,
+            dram_pages=s.dram_pages,
+            ssd_pages=s.ssd_pages,
+            demotions=s.demotions,
+            promotions=s.promotions,
+            checksum_failures=s.checksum_failures,
+            released_pages=s.released_pages,
+            dropped_namespaces=s.dropped_namespaces,
+            late_puts=s.late_puts,
+            meta_write_failures=s.meta_write_failures,
+            refused_streams=self.streams.refused,
+            idle_put_streams_cancelled=self.streams.idle_cancelled,
         )
 
 

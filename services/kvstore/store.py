@@ -81,6 +81,7 @@ class KvStats:
     released_pages: int = 0
     dropped_namespaces: int = 0
     late_puts: int = 0  # Puts / claims refused: their request was released whole just before
+    meta_write_failures: int = 0  # SSD owner-record writes that failed (logged, not raised)
 
 
 @dataclass
@@ -715,6 +716,7 @@ class KvStore:
                 released_pages=self._released,
                 dropped_namespaces=self._dropped,
                 late_puts=self._late_puts,
+                meta_write_failures=self._meta_write_failures,
             )
 
     def namespace_layout(self, namespace: str) -> KVLayout | None:

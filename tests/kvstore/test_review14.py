@@ -90,6 +90,10 @@ def test_late_offload_over_grpc_is_refused_and_counted(replicas: Make) -> None:
         res = kv.put_pages_result(pages, "r1")  # late: a refused Put is a failed offload, not an error
         assert res.stored == 0 and res.first_unstored == 0
         assert r.store is not None and r.store.stats().pages == 0
+    ch = grpc.insecure_channel(r.address)
+    st = kvstore_pb2_grpc.KvStoreServiceStub(ch).GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=5)
+    ch.close()
+    assert st.late_puts >= 1 and st.released_pages == 4  # an operator sees what was refused
 
 
 # ---------------------------------------------------------------- 2: idle Put streams
@@ -127,6 +131,8 @@ def test_idle_put_streams_do_not_starve_other_rpcs(replicas: Make) -> None:
         refused = [f for f in futures if f.done()]
         assert refused and all(f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED for f in refused)
         assert "max_page_streams" in refused[0].exception().details()
+        st = stub.GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=2)
+        assert st.refused_streams == len(refused)
         ch.close()
     finally:
         hold.set()
@@ -144,6 +150,10 @@ def test_idle_put_stream_is_cut_after_the_idle_timeout(replicas: Make) -> None:
         # The slot came back: a full Put works.
         with KVClient([r.address], tune_malloc=False) as kv:
             assert kv.put_pages(make_pages(list(range(8))), "r1") == 2
+        ch = grpc.insecure_channel(r.address)
+        st = kvstore_pb2_grpc.KvStoreServiceStub(ch).GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=5)
+        ch.close()
+        assert st.idle_put_streams_cancelled == 1
     finally:
         hold.set()
 
@@ -329,5 +339,6 @@ def test_a_failed_owner_record_write_does_not_fail_claims_or_releases(
         assert store.release("m@v1", "b") == 3
         assert store.stats().pages == 1  # page 0: still c's
         assert store.release("m@v1", "c") == 1 and store.stats().pages == 0
+        assert store.stats().meta_write_failures >= 4  # c's claim, then a's three records
     finally:
         store.close()
