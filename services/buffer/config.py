@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
-from services.common.streams import default_stream_limit
+from services.common.streams import check_stream_limit, default_stream_limit
 
 # The embedded SmolLM2 values, used when no model directory is configured.
 DEFAULT_VOCAB_SIZE = 49152
@@ -63,13 +63,7 @@ class BufferConfig(ServiceConfig):
             raise ValueError("history_iterations: must be >= 1")
         if self.switch_timeout_seconds <= 0:
             raise ValueError("switch_timeout_seconds: must be > 0")
-        if self.max_workers < 2:
-            raise ValueError("max_workers: must be >= 2 (a waiting stream holds one handler thread)")
-        if self.max_streams < 0:
-            raise ValueError("max_streams: must be >= 0 (0 = derived from max_workers)")
-        if self.max_streams and self.max_streams >= self.max_workers:
-            raise ValueError(f"max_streams: must be below max_workers ({self.max_workers}); a stream holds a "
-                             "handler thread, and unary calls (CommitChunk) need threads of their own")
+        check_stream_limit("max_streams", self.max_streams, self.max_workers, "unary calls (CommitChunk)")
 
     def stream_limit(self) -> int:
         """The effective max_streams. Each open stream holds one handler thread while it waits, so

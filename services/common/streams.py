@@ -28,6 +28,18 @@ def default_stream_limit(max_workers: int) -> int:
     return max(1, max_workers // 2)
 
 
+def check_stream_limit(option: str, configured: int, max_workers: int, unary: str) -> None:
+    """Validates a configured stream limit (0 = derived) against the server's handler threads;
+    `unary` names the calls that need threads of their own (for the message)."""
+    if max_workers < 2:
+        raise ValueError(f"max_workers: must be >= 2 (a stream holds one handler thread), got {max_workers}")
+    if configured < 0:
+        raise ValueError(f"{option}: must be >= 0 (0 = derived from max_workers), got {configured}")
+    if configured and configured >= max_workers:
+        raise ValueError(f"{option}: must be below max_workers ({max_workers}): a stream holds a handler thread, "
+                         f"and {unary} need threads of their own, got {configured}")
+
+
 class StreamSlots:
     """A counter of open streams with a cap; `hold(method)` is the admission of one stream.
 
@@ -59,17 +71,9 @@ class StreamSlots:
         self._open = 0
         self.refused = 0
 
-    @property
-    def open(self) -> int:
-        with self._lock:
-            return self._open
-
-    def cap(self, method: str) -> int:
-        return self.limit if method in self.reserved_for else self.limit - self.reserve
-
     @contextmanager
     def hold(self, method: str) -> Iterator[None]:
-        cap = self.cap(method)
+        cap = self.limit if method in self.reserved_for else self.limit - self.reserve
         with self._lock:
             admitted = self._open < cap
             if admitted:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
+from services.common.streams import check_stream_limit
 
 GiB = 1024**3
 
@@ -87,14 +88,7 @@ class KvStoreConfig(ServiceConfig):
             raise ValueError(f"malloc_arenas: must be >= 1, got {self.malloc_arenas}")
         if not 0 < self.malloc_trim_bytes < 2**31:  # glibc's M_TRIM_THRESHOLD is an int
             raise ValueError(f"malloc_trim_bytes: must be in (0, 2**31), got {self.malloc_trim_bytes}")
-        if self.max_page_streams < 0:
-            raise ValueError(f"max_page_streams: must be >= 0 (0 = derived), got {self.max_page_streams}")
-        if self.max_page_streams and self.max_page_streams >= self.max_workers:
-            raise ValueError(
-                f"max_page_streams: must be below max_workers ({self.max_workers}): a stream holds a handler "
-                f"thread, so {self.max_page_streams} streams would leave none for Exists/Release, got "
-                f"{self.max_page_streams}"
-            )
+        check_stream_limit("max_page_streams", self.max_page_streams, self.max_workers, "Exists and Release")
         if self.put_idle_timeout_seconds < 0:
             raise ValueError(f"put_idle_timeout_seconds: must be >= 0, got {self.put_idle_timeout_seconds}")
         if self.release_tombstone_seconds < 0:

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from services.common.server import ServiceConfig
-from services.common.streams import default_stream_limit
+from services.common.streams import check_stream_limit, default_stream_limit
 
 ENGINES = ("reference", "sglang")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -163,13 +163,8 @@ class WorkerConfig(ServiceConfig):
             raise ValueError("draft_mirror_budget_mb: must be >= 1")
         if self.drain_timeout_seconds <= 0:
             raise ValueError("drain_timeout_seconds: must be > 0")
-        if self.max_workers < 2:
-            raise ValueError("max_workers: must be >= 2 (a RunChunk stream holds one handler thread)")
-        if self.max_streams < 0:
-            raise ValueError("max_streams: must be >= 0 (0 = derived from max_workers)")
-        if self.max_streams and self.max_streams >= self.max_workers:
-            raise ValueError(f"max_streams: must be below max_workers ({self.max_workers}); a stream holds a "
-                             "handler thread, and Abort, GetWorkerStats and LoadWeights need threads of their own")
+        check_stream_limit("max_streams", self.max_streams, self.max_workers,
+                           "Abort, GetWorkerStats and LoadWeights")
         for i, a in enumerate(self.kv_addresses):
             if ":" not in a:
                 raise ValueError(f"kv_addresses[{i}]: {a!r} is not host:port")

@@ -715,8 +715,7 @@ class Worker:
         request the engine dropped (a failure while committing aborts the step's requests) fail at
         once."""
         self._step_failures += 1
-        for act in [a for a in self._active.values() if not self._engine_has(a.job.request_id)]:
-            self._fail_locked(act, error)
+        self._fail_dropped_locked(error)
         if self._step_failures < _MAX_STEP_FAILURES:
             log.warning("engine step failed; retrying it", exc_info=True, extra=kv(chunks=len(self._active)))
             return
@@ -724,6 +723,13 @@ class Worker:
         log.error("engine step failed again; looking for the chunks that make it fail", exc_info=True,
                   extra=kv(chunks=len(self._active)))
         self._isolate_locked(error)
+
+    def _fail_dropped_locked(self, error: Exception) -> None:
+        """Fails the chunks whose request the engine no longer has (a step that fails while
+        committing aborts every request in it, Engine.step): no later step would ever end them. The
+        scheduler runs them again from their committed output."""
+        for act in [a for a in self._active.values() if not a.done and not self._engine_has(a.job.request_id)]:
+            self._fail_locked(act, error)
 
     def _isolate_locked(self, error: Exception) -> None:
         """Steps the running chunks in smaller and smaller groups until every group either steps
@@ -764,12 +770,9 @@ class Worker:
             mid = len(failed) // 2
             groups.appendleft(failed[mid:])
             groups.appendleft(failed[:mid])
-        # A step that failed while committing aborts every request in it (Engine.step), also
-        # chunks of groups that had passed: they are active here but gone from the engine, and no
-        # later step would ever end them. They fail now (the scheduler runs them again).
-        for act in [a for a in self._active.values() if not a.done]:
-            if not self._engine_has(act.job.request_id):
-                self._fail_locked(act, error)
+        # A step that failed while committing aborts every request in it, also chunks of groups
+        # that had passed the test.
+        self._fail_dropped_locked(error)
         log.info("engine step failure isolated", extra=kv(suspects=len(suspects), failed=culprits))
 
     def _try_group_locked(self, group: list[_Active]) -> tuple[list[_Active], Exception | None]:
