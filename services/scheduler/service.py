@@ -126,6 +126,10 @@ class WorkerState:
     # Registered (or caught up) while a weight switch was in progress: it is brought to the
     # switch's outcome when the switch ends, not activated on the version being replaced.
     await_switch: bool = False
+    # A catch-up LoadWeights is running on it. A worker takes one load at a time and refuses a
+    # second with FAILED_PRECONDITION, so a weight switch leaves it to its catch-up loop (which
+    # re-reads the target after each load) instead of loading it too and dropping it as refused.
+    catching_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -359,11 +363,13 @@ class Dispatcher:
                     self._activate_locked(state, state.spec)
                     return
                 version, source = target
+                state.catching_up = True
             log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
             try:
                 state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
             except SeerError as e:
                 with self._cond:
+                    state.catching_up = False
                     # Forget it (unless a switch activated it meanwhile): its next heartbeat is
                     # answered "unknown", it registers again and the catch-up is retried; parked
                     # here, it would never serve again.
@@ -376,6 +382,7 @@ class Dispatcher:
                     state.link.close()
                 return
             with self._cond:
+                state.catching_up = False
                 if self._workers.get(state.worker_id) is state and not state.active:
                     state.policy_version = max(state.policy_version, version)
 
@@ -478,7 +485,15 @@ class Dispatcher:
                     if left <= 0:
                         raise FailedPrecondition(f"{self._in_flight} chunks still in flight after drain timeout")
                     self._cond.wait(min(left, 0.5))
-                workers = [w for w in self._workers.values()]
+                workers = []
+                for w in self._workers.values():
+                    if w.catching_up:
+                        # Its catch-up load is running: a second load would be refused and the
+                        # worker dropped. The catch-up ends in the paused check (await_switch) or,
+                        # if it outlasts the switch, loads the switch's outcome itself.
+                        w.await_switch = True
+                    else:
+                        workers.append(w)
             errors: dict[str, str] = {}
             refused: set[str] = set()  # workers that refused the load (they loaded nothing)
 
@@ -541,7 +556,9 @@ class Dispatcher:
     def _take_awaiting_switch_locked(self) -> list[WorkerState]:
         """Workers that registered (or finished a catch-up) during the switch that just ended: each
         is caught up to the version it left, then activated."""
-        waiting = [w for w in self._workers.values() if w.await_switch and not w.active]
+        # One still catching up is left to its running catch-up loop (a second one would race it
+        # for the worker's single load slot); the loop re-reads the target after its load.
+        waiting = [w for w in self._workers.values() if w.await_switch and not w.active and not w.catching_up]
         for w in waiting:
             w.await_switch = False
         return waiting

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, Unavailable
 
 from .test_dispatcher_faults import FakeBuffer, FakeWorkerLink, FakeWorkers, Rig, chunk_events, item, wait_for
 
@@ -167,3 +167,91 @@ def test_a_chunk_stats_liar_is_quarantined_longer_each_time(make_rig: Callable[.
         needed.append(n)
     assert needed == [3, 6, 12]
     assert t.buffer.of("a") == []  # no lying chunk was committed
+
+
+# ---- session 15: a catch-up load still running when a switch starts -----------------------------
+
+
+class OneLoadWorkers(FakeWorkers):
+    """Links that behave as the real worker does for LoadWeights: one load at a time per worker
+    (a second is refused with FAILED_PRECONDITION, field version). A load of `slow_version` blocks
+    until `go`."""
+
+    def __init__(self, slow_version: int) -> None:
+        super().__init__()
+        self.slow_version = slow_version
+        self.slow_started = threading.Event()
+        self.go = threading.Event()
+        self.busy: set[str] = set()
+        self.loads: list[tuple[str, int]] = []
+        self.refused: list[tuple[str, int]] = []
+        self.guard = threading.Lock()
+
+    def __call__(self, address: str) -> FakeWorkerLink:
+        return OneLoadLink(self, address.split(":")[0])
+
+
+class OneLoadLink(FakeWorkerLink):
+    def __init__(self, workers: OneLoadWorkers, worker_id: str) -> None:
+        super().__init__(workers, worker_id)
+        self.ow = workers
+
+    def load_weights(self, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+        with self.ow.guard:
+            if self.worker_id in self.ow.busy:
+                self.ow.refused.append((self.worker_id, version))
+                raise FailedPrecondition("another LoadWeights is in progress", field="version")
+            self.ow.busy.add(self.worker_id)
+        try:
+            if version == self.ow.slow_version and self.worker_id == "late":
+                self.ow.slow_started.set()
+                self.ow.go.wait(10)
+            self.ow.loads.append((self.worker_id, version))
+            return worker_pb2.LoadWeightsResponse()
+        finally:
+            with self.ow.guard:
+                self.ow.busy.discard(self.worker_id)
+
+
+@pytest.mark.parametrize("release", ["during", "after"])
+def test_a_switch_does_not_load_a_worker_whose_catch_up_is_running(make_rig: Callable[..., Rig],
+                                                                     release: str) -> None:
+    """A worker registering behind the suite's version is caught up by its own LoadWeights. A
+    switch starting meanwhile used to load it too: the worker refused the second load (one at a
+    time), and the switch dropped it as a failed load. Now the switch leaves it to its catch-up,
+    which then brings it to the switch's version, whether its first load ends during the switch
+    or after it."""
+    workers = OneLoadWorkers(slow_version=1)
+    t = make_rig(workers=workers)
+    t.register("w0")
+    assert t.d.switch_weights(1, "/ckpt/1")[0] == 1
+    t.register("late")  # at version 0: catching up to 1, its load blocked
+    assert workers.slow_started.wait(5)
+    late = t.d._workers["late"]
+    out: list[tuple[int, float]] = []
+    if release == "during":
+        # The switch's loads run while the catch-up's is still blocked; release it before the
+        # switch has ended by blocking the switch's own load on w0 until the catch-up is done.
+        orig = OneLoadLink.load_weights
+
+        def w0_waits(self: OneLoadLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+            if self.worker_id == "w0" and version == 2:
+                workers.go.set()
+                wait_for(lambda: ("late", 1) in workers.loads and not late.catching_up)
+            return orig(self, version, source, timeout)
+
+        OneLoadLink.load_weights = w0_waits  # type: ignore[method-assign]
+        try:
+            out.append(t.d.switch_weights(2, "/ckpt/2"))
+        finally:
+            OneLoadLink.load_weights = orig  # type: ignore[method-assign]
+    else:
+        out.append(t.d.switch_weights(2, "/ckpt/2"))
+        workers.go.set()
+    assert out[0][0] == 1  # w0; the worker catching up was not asked
+    wait_for(lambda: late.active)
+    assert t.d._workers["late"] is late  # never dropped and registered again
+    assert workers.refused == []
+    assert [v for wid, v in workers.loads if wid == "late"] == [1, 2]
+    assert late.policy_version == 2 and not late.await_switch
+    assert {w.worker_id for w in t.d.stats().workers if w.healthy} == {"w0", "late"}
