@@ -61,7 +61,8 @@ log = get_logger(__name__)
 MAX_HISTORY_KEYS = 100_000
 MAX_HISTORY_TOKEN_KEYS = 64  # GetHistory with tokens: keeps one reply far below the message limit
 # Batches deleted by retention that are remembered (id -> results), so a reader coming back to one
-# is told what it lost instead of "unknown batch" (in memory: a restart forgets them).
+# is told what it lost instead of "unknown batch". Stored (keys.deleted_key), so a restart between
+# the deletion and the reader's return does not turn it into "unknown batch".
 MAX_REMEMBERED_DELETIONS = 10_000
 
 
@@ -225,7 +226,9 @@ class BufferCore:
         # batch id -> open result readers (iter_results): retention keeps these batches until the
         # last reader is gone, so a slow reader is never cut off in the middle of its batch.
         self._readers: dict[str, int] = {}
-        self._deleted: dict[str, int] = {}  # batch id -> results it had, of batches retention deleted
+        # batch id -> results it had, of batches retention deleted; oldest deletion first.
+        self._deleted: dict[str, int] = {}
+        self._next_deletion_seq = 1
         self._next_submit_seq = 1
         self._recover()
 
@@ -252,6 +255,13 @@ class BufferCore:
             b = BatchRecord.decode(v)
             self._batches[b.batch_id] = b
         self._next_submit_seq = 1 + max((b.submit_seq for b in self._batches.values()), default=0)
+        deletions: list[tuple[int, str, int]] = []  # (deletion seq, batch id, results)
+        for k, v in self._store.scan(b"d/"):
+            seq, results = v.split()
+            deletions.append((int(seq), k[2:].decode(), int(results)))
+        for _seq, bid, n in sorted(deletions):
+            self._deleted[bid] = n
+        self._next_deletion_seq = 1 + max((d[0] for d in deletions), default=0)
         # Pending work in submission order (the snapshot's, so the scheduler's FIFO), not key order.
         for b in sorted(self._batches.values(), key=lambda b: (b.submit_seq, b.created_at, b.batch_id)):
             if b.terminal:
@@ -358,6 +368,8 @@ class BufferCore:
                                 trace_context=dict(trace_context or {}), submit_seq=self._next_submit_seq)
             wb = self._store.new_batch()
             wb.put(keys.batch_key(batch_id), batch.encode())
+            if batch_id in self._deleted:
+                wb.delete(keys.deleted_key(batch_id))  # the id used again: a new batch
             new_groups, new_live = [], []
             for gi, vg in enumerate(valid):
                 base_seed = vg.sampling.seed if vg.sampling.seed is not None else secrets.randbits(64)
@@ -619,6 +631,14 @@ class BufferCore:
             for begin, end in keys.batch_ranges(bid):
                 wb.delete_range(begin, end)
             wb.delete(keys.batch_key(bid))
+            wb.put(keys.deleted_key(bid), f"{self._next_deletion_seq} {self._batches[bid].num_results}".encode())
+            self._next_deletion_seq += 1
+        # The remembered deletions _forget_batches will evict (the oldest beyond the limit), in
+        # the same write, so the store remembers exactly what memory does.
+        gone = set(purged)
+        remembered = [bid for bid in self._deleted if bid not in gone] + purged
+        for bid in remembered[:max(0, len(remembered) - MAX_REMEMBERED_DELETIONS)]:
+            wb.delete(keys.deleted_key(bid))
         return purged
 
     def _forget_batches(self, batch_ids: list[str]) -> None:

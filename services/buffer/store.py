@@ -66,6 +66,12 @@ def result_key(batch_id: str, index: int) -> bytes:
     return f"l/{batch_id}/{index:010d}".encode()
 
 
+def deleted_key(batch_id: str) -> bytes:
+    """A batch retention deleted: value "<deletion seq> <results it had>" (the seq orders eviction
+    of the oldest remembered deletions across restarts)."""
+    return f"d/{batch_id}".encode()
+
+
 def history_key(prompt_key: str) -> bytes:
     return b"h/" + prompt_key.encode()
 

@@ -96,3 +96,48 @@ def test_a_cancelled_stream_releases_its_batch_to_retention(make_buffer: Callabl
     msg = expect_error(lambda: h.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="a")),
                        grpc.StatusCode.NOT_FOUND, "batch_id")
     assert "deleted by retention with its 2 results" in msg
+
+
+def test_a_deletion_is_remembered_across_a_restart(tmp_path: Path) -> None:
+    """A reader coming back after the buffer restarted is still told what retention took (before:
+    the deletions were kept in memory only, and the restart turned them into "unknown batch")."""
+    core = _core(tmp_path / "db", retain=1)
+    _run(core, "a", 1, 3)
+    _run(core, "b", 1, 1)  # "a" deleted
+    core.close()
+    core = _core(tmp_path / "db", retain=1)
+    with pytest.raises(NotFound) as e:
+        core.read_results("a", 1)
+    assert "deleted by retention with its 3 results" in str(e.value) and "[1, 3)" in str(e.value)
+    # The id used again is a new batch, and stays one after another restart.
+    _run(core, "a", 1, 2)  # this finishes "a" again: "b" is deleted now
+    core.close()
+    core = _core(tmp_path / "db", retain=1)
+    assert core.get_batch("a").num_requests == 2
+    with pytest.raises(NotFound) as e:
+        core.get_batch("b")
+    assert "deleted by retention with its 1 results" in str(e.value)
+    core.close()
+
+
+def test_the_oldest_remembered_deletions_are_evicted_in_the_store_too(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.buffer.core as core_module
+
+    monkeypatch.setattr(core_module, "MAX_REMEMBERED_DELETIONS", 2)
+    core = _core(tmp_path / "db", retain=1)
+    for bid in ("a", "b", "c", "d"):
+        _run(core, bid, 1, 1)  # a, b and c deleted in that order; only b and c remembered
+    assert list(core._deleted) == ["b", "c"]
+    core.close()
+    core = _core(tmp_path / "db", retain=1)
+    assert list(core._deleted) == ["b", "c"]  # the same ones, in the same order
+    _run(core, "e", 1, 1)  # d deleted: b, the oldest, is evicted
+    assert list(core._deleted) == ["c", "d"]
+    core.close()
+    core = _core(tmp_path / "db", retain=1)
+    assert list(core._deleted) == ["c", "d"]
+    with pytest.raises(NotFound) as e:
+        core.get_batch("a")
+    assert "deleted by retention" not in str(e.value)  # forgotten: plain unknown batch
+    core.close()
