@@ -60,6 +60,10 @@ class KvStoreConfig(ServiceConfig):
     put_idle_timeout_seconds: float = field(
         default=30.0, metadata={"help": "cancel a Put stream that sends no message for this long (0 = never)"}
     )
+    get_stall_timeout_seconds: float = field(
+        default=30.0,
+        metadata={"help": "cancel a Get stream whose client takes no message for this long (0 = never)"},
+    )
     release_tombstone_seconds: float = field(
         default=600.0,
         metadata={"help": "after a request's Release, refuse its late Puts for this long (0 = off)"},
@@ -91,6 +95,8 @@ class KvStoreConfig(ServiceConfig):
         check_stream_limit("max_page_streams", self.max_page_streams, self.max_workers, "Exists and Release")
         if self.put_idle_timeout_seconds < 0:
             raise ValueError(f"put_idle_timeout_seconds: must be >= 0, got {self.put_idle_timeout_seconds}")
+        if self.get_stall_timeout_seconds < 0:
+            raise ValueError(f"get_stall_timeout_seconds: must be >= 0, got {self.get_stall_timeout_seconds}")
         if self.release_tombstone_seconds < 0:
             raise ValueError(f"release_tombstone_seconds: must be >= 0, got {self.release_tombstone_seconds}")
         if self.max_page_message_bytes <= 0:

@@ -10,8 +10,11 @@ Put or Get stream keeps its thread for as long as it lasts. Unbounded, enough op
 clients, or clients that stopped reading) take every thread, and Exists / Release / GetKvStats queue
 behind them until the streams end, which an idle client without a deadline never does. So at most
 `max_page_streams` Put+Get streams run at once (more are refused at once with RESOURCE_EXHAUSTED: a
-miss for the client), keeping threads for the unary calls, and a Put stream that sends nothing for
-`put_idle_timeout_seconds` is cancelled (its slot and thread come back)."""
+miss for the client), keeping threads for the unary calls, a Put stream that sends nothing for
+`put_idle_timeout_seconds` is cancelled, and so is a Get stream whose client takes no message for
+`get_stall_timeout_seconds` (gRPC's send of a page waits on the client's flow-control window, so a
+client that stopped reading holds the thread until its own deadline, or for ever without one). Both
+count only time spent waiting on the client, never the server's own store work."""
 
 from __future__ import annotations
 
@@ -41,28 +44,34 @@ log = get_logger(__name__)
 
 
 class _Stream:
-    """One open Put stream as the idle watchdog sees it."""
+    """One open Put or Get stream as the watchdog sees it."""
 
-    __slots__ = ("context", "last")
+    __slots__ = ("context", "kind", "last", "timeout")
 
-    def __init__(self, context: grpc.ServicerContext, now: float) -> None:
+    def __init__(self, context: grpc.ServicerContext, kind: str, timeout: float, now: float) -> None:
         self.context = context
-        self.last = now  # when its last message arrived (a float store: no lock needed to update)
+        self.kind = kind  # "Put" or "Get"
+        self.timeout = timeout
+        # Since when it waits on its client (inf while the server works): a float store, no lock
+        # needed to update.
+        self.last = now
 
 
 class PageStreams:
-    """Admission of page streams (Put, Get) and the idle watchdog of Put streams; see the module
-    docstring. The watchdog is one thread, started with the first Put stream: per message a stream
-    only stores a timestamp."""
+    """Admission of page streams (Put, Get) and the watchdog of idle Put and stalled Get streams;
+    see the module docstring. The watchdog is one thread, started with the first watched stream:
+    per message a stream only stores a timestamp."""
 
-    def __init__(self, limit: int, put_idle_timeout_s: float) -> None:
+    def __init__(self, limit: int, put_idle_timeout_s: float, get_stall_timeout_s: float = 30.0) -> None:
         self.slots = StreamSlots(limit, "max_page_streams")
         self.put_idle_timeout_s = put_idle_timeout_s
+        self.get_stall_timeout_s = get_stall_timeout_s
         self._lock = threading.Lock()
-        self._puts: set[_Stream] = set()
+        self._watched: set[_Stream] = set()
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
-        self.idle_cancelled = 0
+        self.idle_cancelled = 0  # Put streams
+        self.stalled_cancelled = 0  # Get streams
 
     @property
     def limit(self) -> int:
@@ -76,17 +85,25 @@ class PageStreams:
         """Admission of one Put or Get stream (services.common.streams)."""
         return self.slots.hold(method)
 
+    def _add(self, context: grpc.ServicerContext, kind: str, timeout: float, now: float) -> _Stream:
+        stream = _Stream(context, kind, timeout, now)
+        with self._lock:
+            self._watched.add(stream)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="kvstore-stream-watchdog", daemon=True)
+                self._watchdog.start()
+        return stream
+
+    def _discard(self, stream: _Stream) -> None:
+        with self._lock:
+            self._watched.discard(stream)
+
     def watch_put(self, context: grpc.ServicerContext, requests: Iterator[Any]) -> Iterator[Any]:
         """requests, with the stream cancelled when no message arrives for put_idle_timeout_s."""
         if self.put_idle_timeout_s <= 0:
             yield from requests
             return
-        stream = _Stream(context, time.monotonic())
-        with self._lock:
-            self._puts.add(stream)
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch, name="kvstore-put-idle", daemon=True)
-                self._watchdog.start()
+        stream = self._add(context, "Put", self.put_idle_timeout_s, time.monotonic())
         it = iter(requests)
         try:
             while True:
@@ -100,24 +117,44 @@ class PageStreams:
                 stream.last = math.inf
                 yield msg
         finally:
-            with self._lock:
-                self._puts.discard(stream)
+            self._discard(stream)
+
+    def watch_get(self, context: grpc.ServicerContext, messages: Iterator[bytes]) -> Iterator[bytes]:
+        """messages, with the stream cancelled when gRPC cannot hand one to the client for
+        get_stall_timeout_s (it stopped reading: its flow-control window stays full)."""
+        if self.get_stall_timeout_s <= 0:
+            yield from messages
+            return
+        stream = self._add(context, "Get", self.get_stall_timeout_s, math.inf)
+        try:
+            for msg in messages:  # reading the store: the server's time, not watched
+                # gRPC sends it before it asks for the next one: from here the stream waits on
+                # the client taking it.
+                stream.last = time.monotonic()
+                yield msg
+                stream.last = math.inf
+        finally:
+            self._discard(stream)
 
     def _watch(self) -> None:
-        period = min(1.0, self.put_idle_timeout_s / 4)
+        timeouts = [t for t in (self.put_idle_timeout_s, self.get_stall_timeout_s) if t > 0]
+        period = min(1.0, min(timeouts) / 4)
         while not self._stop.wait(period):
             now = time.monotonic()
             with self._lock:
-                idle = [s for s in self._puts if now - s.last > self.put_idle_timeout_s]
-                for s in idle:
-                    self._puts.discard(s)
-                self.idle_cancelled += len(idle)
-            for s in idle:
-                # The handler's thread is blocked reading the next message: cancelling the call
-                # ends that read (with an RpcError) and so frees the thread and the slot.
+                late = [s for s in self._watched if now - s.last > s.timeout]
+                for s in late:
+                    self._watched.discard(s)
+                self.idle_cancelled += sum(s.kind == "Put" for s in late)
+                self.stalled_cancelled += sum(s.kind == "Get" for s in late)
+            for s in late:
+                # A Put handler's thread is blocked reading the next message, a Get's in gRPC's
+                # send of the last one: cancelling the call ends either wait (the Put's read with an
+                # RpcError, the Get's send as failed) and so frees the thread and the slot.
                 log.warning(
-                    "Put stream idle; cancelled",
-                    extra=kv(idle_s=round(now - s.last, 1), timeout_s=self.put_idle_timeout_s, peer=s.context.peer()),
+                    "Put stream idle; cancelled" if s.kind == "Put" else "Get stream stalled (the client takes no "
+                    "messages); cancelled",
+                    extra=kv(waited_s=round(now - s.last, 1), timeout_s=s.timeout, peer=s.context.peer()),
                 )
                 s.context.cancel()
 
@@ -153,10 +190,11 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         *,
         max_page_streams: int = 56,
         put_idle_timeout_s: float = 30.0,
+        get_stall_timeout_s: float = 30.0,
     ) -> None:
         self.store = store
         self.max_page_message_bytes = max_page_message_bytes
-        self.streams = PageStreams(max_page_streams, put_idle_timeout_s)
+        self.streams = PageStreams(max_page_streams, put_idle_timeout_s, get_stall_timeout_s)
 
     @rpc
     def Put(
@@ -215,8 +253,10 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         """Serialized GetResponses (services.kvstore.wire.encode_get)."""
         layout = layout_from_pb(request.layout) if request.HasField("layout") else None
         with self.streams.hold("Get"):
-            for page_hash, data, checksum in self.store.get(request.namespace, list(request.page_hashes), layout):
-                yield encode_get(page_hash, data, checksum)
+            pages = self.store.get(request.namespace, list(request.page_hashes), layout)
+            yield from self.streams.watch_get(
+                context, (encode_get(page_hash, data, checksum) for page_hash, data, checksum in pages)
+            )
 
     @rpc
     def Exists(self, request: kvstore_pb2.ExistsRequest, context: grpc.ServicerContext) -> kvstore_pb2.ExistsResponse:
@@ -256,6 +296,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             meta_write_failures=s.meta_write_failures,
             refused_streams=self.streams.refused,
             idle_put_streams_cancelled=self.streams.idle_cancelled,
+            stalled_get_streams_cancelled=self.streams.stalled_cancelled,
         )
 
 
@@ -307,6 +348,7 @@ def serve(cfg: KvStoreConfig, store: KvStore | None = None) -> tuple[RunningServ
         cfg.max_page_message_bytes,
         max_page_streams=cfg.page_stream_limit(),
         put_idle_timeout_s=cfg.put_idle_timeout_seconds,
+        get_stall_timeout_s=cfg.get_stall_timeout_seconds,
     )
 
     def add(server: grpc.Server) -> Sequence[str]:
