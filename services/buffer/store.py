@@ -11,6 +11,7 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
     c/<batch_id>/<group:06d>/<sample:04d>/<seq:08d>   ChunkRecord (while the request is unfinished)
     l/<batch_id>/<index:010d>             RolloutResult (the batch's append-only results log)
     h/<prompt_key>                        history iterations of a prompt key
+    d/<batch_id>                          a batch retention deleted: "<deletion seq> <results>"
 
 Every state change is one WriteBatch, so a crash (even kill -9) leaves either all of it or none.
 Calls block; the gRPC server runs them in its handler threads.

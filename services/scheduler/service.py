@@ -346,45 +346,69 @@ class Dispatcher:
     def _catch_up(self, state: WorkerState) -> None:
         """An inactive worker behind the suite's policy version loads it, then serves. The target
         (version and weights source, read together under the lock) is re-read after each load: a
-        switch or the buffer's policy may have moved it meanwhile."""
-        while True:
-            with self._cond:
-                if self._workers.get(state.worker_id) is not state or state.active or state.spec is None:
-                    return  # gone, or a weight switch activated it meanwhile
-                if self._paused:
-                    # A switch is in progress: its target is not the version to activate on; the
-                    # switch's end resumes this catch-up (_take_awaiting_switch_locked).
-                    state.await_switch = True
-                    return
-                target = self._catch_up_target_locked()
-                if target is None or state.policy_version > target[0]:
-                    return  # unknown version, or ahead: a later switch to its version activates it
-                if state.policy_version == target[0]:
-                    self._activate_locked(state, state.spec)
-                    return
-                version, source = target
-                state.catching_up = True
-            log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
-            try:
-                state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
-            except SeerError as e:
+        switch or the buffer's policy may have moved it meanwhile.
+
+        `catching_up` is held from the first check to the last, and cleared under the lock in the
+        same critical section that decides to stop: a switch ending between two loads must see the
+        loop as running (it goes on to the switch's version itself), and one ending after the loop
+        parked the worker for it must see it as parked (the switch's end resumes it)."""
+        with self._cond:
+            if state.catching_up:
+                return  # a catch-up of this registration runs: it re-reads the target after its load
+            state.catching_up = True
+        try:
+            while True:
                 with self._cond:
-                    state.catching_up = False
-                    # Forget it (unless a switch activated it meanwhile): its next heartbeat is
-                    # answered "unknown", it registers again and the catch-up is retried; parked
-                    # here, it would never serve again.
-                    gone = self._workers.get(state.worker_id) is state and not state.active
+                    step = self._catch_up_step_locked(state)
+                    if step is None:
+                        self._end_catch_up_locked(state)
+                        return
+                    version, source = step
+                log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
+                try:
+                    state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
+                except SeerError as e:
+                    with self._cond:
+                        self._end_catch_up_locked(state)
+                        # Forget it (unless a switch activated it meanwhile): its next heartbeat is
+                        # answered "unknown", it registers again and the catch-up is retried; parked
+                        # here, it would never serve again.
+                        gone = self._workers.get(state.worker_id) is state and not state.active
+                        if gone:
+                            self._remove_worker_locked(state.worker_id, reason="catch-up weight load failed")
                     if gone:
-                        self._remove_worker_locked(state.worker_id, reason="catch-up weight load failed")
-                if gone:
-                    log.error("catch-up weight load failed; the worker must register again",
-                              extra=kv(worker_id=state.worker_id, version=version, error=str(e)))
-                    state.link.close()
-                return
+                        log.error("catch-up weight load failed; the worker must register again",
+                                  extra=kv(worker_id=state.worker_id, version=version, error=str(e)))
+                        state.link.close()
+                    return
+                with self._cond:
+                    if self._workers.get(state.worker_id) is state and not state.active:
+                        state.policy_version = max(state.policy_version, version)
+        except BaseException:
             with self._cond:
-                state.catching_up = False
-                if self._workers.get(state.worker_id) is state and not state.active:
-                    state.policy_version = max(state.policy_version, version)
+                self._end_catch_up_locked(state)
+            raise
+
+    def _catch_up_step_locked(self, state: WorkerState) -> tuple[int, str] | None:
+        """The (version, source) the catch-up loads next, or None when it stops here."""
+        if self._workers.get(state.worker_id) is not state or state.active or state.spec is None:
+            return None  # gone, or a weight switch activated it meanwhile
+        if self._paused:
+            # A switch is in progress: its target is not the version to activate on; the switch's
+            # end resumes this catch-up (_take_awaiting_switch_locked).
+            state.await_switch = True
+            return None
+        target = self._catch_up_target_locked()
+        if target is None or state.policy_version > target[0]:
+            return None  # unknown version, or ahead: a later switch to its version activates it
+        if state.policy_version == target[0]:
+            self._activate_locked(state, state.spec)
+            return None
+        return target
+
+    def _end_catch_up_locked(self, state: WorkerState) -> None:
+        state.catching_up = False
+        self._cond.notify_all()  # a switch may be waiting for the catch-ups to end
 
     def _recycle_stale_worker(self, w: WorkerState, version: int) -> None:
         """Take a worker behind the batch's version out of placement until it has caught up."""
@@ -480,20 +504,32 @@ class Dispatcher:
         try:
             deadline = t0 + self.cfg.drain_timeout
             with self._cond:
-                while self._in_flight > 0:
+                # Running catch-up loads are drained too: a worker takes one load at a time and
+                # refuses a second (FAILED_PRECONDITION), so loading it now would drop it. Each
+                # catch-up stops after its current load (it sees the pause) and the worker is
+                # loaded below with the others.
+                while self._in_flight > 0 or any(w.catching_up for w in self._workers.values()):
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise FailedPrecondition(f"{self._in_flight} chunks still in flight after drain timeout")
+                        if self._in_flight > 0:
+                            raise FailedPrecondition(f"{self._in_flight} chunks still in flight after drain timeout")
+                        break  # only catch-ups still loading: they are left to themselves (below)
                     self._cond.wait(min(left, 0.5))
-                workers = []
+                workers, loading = [], []
                 for w in self._workers.values():
                     if w.catching_up:
-                        # Its catch-up load is running: a second load would be refused and the
-                        # worker dropped. The catch-up ends in the paused check (await_switch) or,
-                        # if it outlasts the switch, loads the switch's outcome itself.
+                        # Its catch-up load outlasted the drain: the catch-up ends in the paused
+                        # check (await_switch) or, if it outlasts the switch, loads the switch's
+                        # outcome itself.
                         w.await_switch = True
+                        loading.append(w.worker_id)
                     else:
                         workers.append(w)
+                if loading and not workers:
+                    # Nobody could be asked: nothing switched and the source is unchecked, so
+                    # it must not become the suite's version (the catch-ups would then load it).
+                    raise FailedPrecondition(f"every worker is still loading weights to catch up ({loading}); "
+                                             f"retry the switch to version {version}", field="version")
             errors: dict[str, str] = {}
             refused: set[str] = set()  # workers that refused the load (they loaded nothing)
 

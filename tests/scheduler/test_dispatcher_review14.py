@@ -12,6 +12,7 @@ links of test_dispatcher_faults (no gRPC, no model): the real Dispatcher and dis
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -213,45 +214,80 @@ class OneLoadLink(FakeWorkerLink):
                 self.ow.busy.discard(self.worker_id)
 
 
-@pytest.mark.parametrize("release", ["during", "after"])
-def test_a_switch_does_not_load_a_worker_whose_catch_up_is_running(make_rig: Callable[..., Rig],
-                                                                     release: str) -> None:
-    """A worker registering behind the suite's version is caught up by its own LoadWeights. A
-    switch starting meanwhile used to load it too: the worker refused the second load (one at a
-    time), and the switch dropped it as a failed load. Now the switch leaves it to its catch-up,
-    which then brings it to the switch's version, whether its first load ends during the switch
-    or after it."""
-    workers = OneLoadWorkers(slow_version=1)
-    t = make_rig(workers=workers)
-    t.register("w0")
-    assert t.d.switch_weights(1, "/ckpt/1")[0] == 1
-    t.register("late")  # at version 0: catching up to 1, its load blocked
+def _catching_up(t: Rig, workers: OneLoadWorkers, version_in_force: bool = True) -> Any:
+    """w0 at version 1 (when version_in_force), then `late` registering at 0: its catch-up load of
+    version 1 is blocked until workers.go."""
+    if version_in_force:
+        t.register("w0")
+        assert t.d.switch_weights(1, "/ckpt/1")[0] == 1
+    else:
+        with t.d._cond:
+            t.d._version, t.d._source = 1, "/ckpt/1"
+    t.register("late")
     assert workers.slow_started.wait(5)
     late = t.d._workers["late"]
+    assert late.catching_up
+    return late
+
+
+def test_a_switch_waits_for_a_running_catch_up_then_loads_the_worker(make_rig: Callable[..., Rig]) -> None:
+    """A switch starting while a worker's catch-up load runs used to load it too: the worker refused
+    the second load (one at a time) and the switch dropped it. Now the switch drains catch-ups as
+    it drains chunks, then loads that worker with the others."""
+    workers = OneLoadWorkers(slow_version=1)
+    t = make_rig(workers=workers)
+    late = _catching_up(t, workers)
     out: list[tuple[int, float]] = []
-    if release == "during":
-        # The switch's loads run while the catch-up's is still blocked; release it before the
-        # switch has ended by blocking the switch's own load on w0 until the catch-up is done.
-        orig = OneLoadLink.load_weights
-
-        def w0_waits(self: OneLoadLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
-            if self.worker_id == "w0" and version == 2:
-                workers.go.set()
-                wait_for(lambda: ("late", 1) in workers.loads and not late.catching_up)
-            return orig(self, version, source, timeout)
-
-        OneLoadLink.load_weights = w0_waits  # type: ignore[method-assign]
-        try:
-            out.append(t.d.switch_weights(2, "/ckpt/2"))
-        finally:
-            OneLoadLink.load_weights = orig  # type: ignore[method-assign]
-    else:
-        out.append(t.d.switch_weights(2, "/ckpt/2"))
-        workers.go.set()
-    assert out[0][0] == 1  # w0; the worker catching up was not asked
-    wait_for(lambda: late.active)
-    assert t.d._workers["late"] is late  # never dropped and registered again
-    assert workers.refused == []
+    switch = threading.Thread(target=lambda: out.append(t.d.switch_weights(2, "/ckpt/2")))
+    switch.start()
+    wait_for(lambda: t.d._paused)
+    time.sleep(0.2)
+    assert not out and ("w0", 2) not in workers.loads  # waiting for the catch-up
+    workers.go.set()
+    switch.join(10)
+    assert out and out[0][0] == 2  # both loaded it
+    assert workers.refused == [] and t.d._workers["late"] is late and late.active
     assert [v for wid, v in workers.loads if wid == "late"] == [1, 2]
-    assert late.policy_version == 2 and not late.await_switch
-    assert {w.worker_id for w in t.d.stats().workers if w.healthy} == {"w0", "late"}
+    assert late.policy_version == 2 and not late.await_switch and not late.catching_up
+
+
+def test_a_catch_up_that_outlasts_the_drain_is_left_to_itself(make_rig: Callable[..., Rig]) -> None:
+    workers = OneLoadWorkers(slow_version=1)
+    t = make_rig(workers=workers, drain_timeout=0.3)
+    late = _catching_up(t, workers)
+    assert t.d.switch_weights(2, "/ckpt/2")[0] == 1  # w0; the worker still loading was not asked
+    assert late.await_switch
+    workers.go.set()
+    # Its catch-up goes on to the switch's version itself, never racing a second catch-up.
+    wait_for(lambda: late.active)
+    assert workers.refused == [] and t.d._workers["late"] is late
+    assert [v for wid, v in workers.loads if wid == "late"] == [1, 2] and late.policy_version == 2
+
+
+def test_a_switch_with_every_worker_catching_up_is_refused(make_rig: Callable[..., Rig]) -> None:
+    """No worker could be asked, so nothing checked the source: the version stays as it was (it used
+    to become the suite's version, and each catch-up then loaded an unchecked source)."""
+    workers = OneLoadWorkers(slow_version=1)
+    t = make_rig(workers=workers, drain_timeout=0.3)
+    late = _catching_up(t, workers, version_in_force=False)
+    with pytest.raises(FailedPrecondition) as e:
+        t.d.switch_weights(2, "/bad")
+    assert e.value.field == "version" and "catch up" in str(e.value)
+    assert t.d._version == 1 and t.d._source == "/ckpt/1"
+    workers.go.set()
+    wait_for(lambda: late.active)
+    assert late.policy_version == 1 and workers.loads == [("late", 1)]
+
+
+def test_a_second_catch_up_of_the_same_registration_does_not_load(make_rig: Callable[..., Rig]) -> None:
+    """catching_up is held for the whole catch-up, so a second one started meanwhile (e.g. by a
+    switch ending between two of the first one's loads) leaves the worker to the first."""
+    workers = OneLoadWorkers(slow_version=1)
+    t = make_rig(workers=workers)
+    late = _catching_up(t, workers)
+    t.d._start_catch_up(late)
+    time.sleep(0.2)
+    workers.go.set()
+    wait_for(lambda: late.active)
+    assert workers.refused == [] and t.d._workers["late"] is late
+    assert [v for wid, v in workers.loads if wid == "late"] == [1]
