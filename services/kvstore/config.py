@@ -93,11 +93,8 @@ class KvStoreConfig(ServiceConfig):
         if not 0 < self.malloc_trim_bytes < 2**31:  # glibc's M_TRIM_THRESHOLD is an int
             raise ValueError(f"malloc_trim_bytes: must be in (0, 2**31), got {self.malloc_trim_bytes}")
         check_stream_limit("max_page_streams", self.max_page_streams, self.max_workers, "Exists and Release")
-        if self.put_idle_timeout_seconds < 0:
-            raise ValueError(f"put_idle_timeout_seconds: must be >= 0, got {self.put_idle_timeout_seconds}")
-        if self.get_stall_timeout_seconds < 0:
-            raise ValueError(f"get_stall_timeout_seconds: must be >= 0, got {self.get_stall_timeout_seconds}")
-        if self.release_tombstone_seconds < 0:
-            raise ValueError(f"release_tombstone_seconds: must be >= 0, got {self.release_tombstone_seconds}")
+        for name in ("put_idle_timeout_seconds", "get_stall_timeout_seconds", "release_tombstone_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_page_message_bytes <= 0:
             raise ValueError(f"max_page_message_bytes: must be > 0, got {self.max_page_message_bytes}")

@@ -126,9 +126,9 @@ class WorkerState:
     # Registered (or caught up) while a weight switch was in progress: it is brought to the
     # switch's outcome when the switch ends, not activated on the version being replaced.
     await_switch: bool = False
-    # A catch-up LoadWeights is running on it. A worker takes one load at a time and refuses a
-    # second with FAILED_PRECONDITION, so a weight switch leaves it to its catch-up loop (which
-    # re-reads the target after each load) instead of loading it too and dropping it as refused.
+    # Its catch-up loop runs (_catch_up, set from its first check to its last). A worker takes one
+    # load at a time and refuses a second with FAILED_PRECONDITION, so a weight switch drains these
+    # before loading, and no second catch-up of the same registration starts a load.
     catching_up: bool = False
 
 
@@ -592,8 +592,8 @@ class Dispatcher:
     def _take_awaiting_switch_locked(self) -> list[WorkerState]:
         """Workers that registered (or finished a catch-up) during the switch that just ended: each
         is caught up to the version it left, then activated."""
-        # One still catching up is left to its running catch-up loop (a second one would race it
-        # for the worker's single load slot); the loop re-reads the target after its load.
+        # One still catching up is left to its running loop, which re-reads the target after its
+        # load (another catch-up of it would only return at once).
         waiting = [w for w in self._workers.values() if w.await_switch and not w.active and not w.catching_up]
         for w in waiting:
             w.await_switch = False
