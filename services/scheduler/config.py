@@ -68,6 +68,11 @@ class SchedulerConfig(ServiceConfig):
     quarantine_decay_reports: int = field(
         default=900, metadata={"help": "consecutive sane reports while trusted that forgive one quarantine offence"}
     )
+    worker_failure_limit: int = field(
+        default=3,
+        metadata={"help": "quarantine a worker on which chunks of this many requests failed in a row by its "
+                          "fault (not the last trusted one; 0 = off)"},
+    )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
         default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
@@ -101,6 +106,7 @@ class SchedulerConfig(ServiceConfig):
             quarantine_clear_reports=self.quarantine_clear_reports,
             quarantine_max_reports=self.quarantine_max_reports,
             quarantine_decay_reports=self.quarantine_decay_reports,
+            worker_failure_limit=self.worker_failure_limit,
         )
 
     def validate(self) -> None:

@@ -38,6 +38,7 @@ from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
 from services.common.chunkstats import ChunkStats
 from services.common.errors import (
     Aborted,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -971,7 +972,8 @@ class Dispatcher:
                 if registered:  # a removed worker's link may be closed already
                     with contextlib.suppress(SeerError, ValueError):
                         w.link.abort(d.request_id, dispatch_epoch=req.dispatch_epoch)
-            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True,
+                               worker_fault=f"past the chunk deadline ({self.cfg.chunk_timeout:g} s)")
             return
         except SeerError as e:
             if not r.dropped:
@@ -1002,7 +1004,8 @@ class Dispatcher:
             # ALREADY_EXISTS, a version refusal that catching up does not cure...) must end the
             # request as ABORTED, not loop forever. Counted first: recycling the worker below
             # releases the dispatch, after which _finish_chunk would count nothing.
-            self._finish_chunk(r, w, token, failed=True, count_attempt=not isinstance(e, Aborted))
+            self._finish_chunk(r, w, token, failed=True, count_attempt=not isinstance(e, Aborted),
+                               worker_fault=str(e) if _worker_fault(e) else "")
             if (isinstance(e, FailedPrecondition) and e.field == "policy_version" and not r.dropped
                     and w.policy_version <= r.item.policy_version):
                 # The worker refused the chunk for its version: it serves an older one (e.g. it
@@ -1023,7 +1026,7 @@ class Dispatcher:
                 worker_id=w.worker_id, tokens=len(tokens), logprobs=len(logprobs), max_new=req.max_new_tokens,
                 finish_reason=common_pb2.FinishReason.Name(reason), generated=len(req.output_token_ids),
                 max_tokens=req.max_tokens))
-            self._finish_chunk(r, w, token, failed=True, count_attempt=True)
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault="a malformed chunk")
             return
         problem = chunk_stats_problem(
             {f.name: getattr(done.stats, f.name) for f in dataclasses.fields(ChunkStats)}, len(tokens))
@@ -1137,13 +1140,19 @@ class Dispatcher:
         finished: bool = False,
         drop: bool = False,
         count_attempt: bool = False,
+        worker_fault: str = "",
     ) -> None:
+        """worker_fault: the error, when the chunk failed by the worker's fault (not the request's,
+        nor a cancellation): counted towards quarantining a worker whose chunks keep failing
+        (SchedulerCore.on_worker_fault)."""
         rid = r.item.request_id
         abort_seq: int | None = None
         with self._cond:
             if r.dispatch_token != token:
                 return  # already accounted for (worker removed, request re-queued)
             self._release_locked(r, w)
+            if failed and worker_fault and not r.dropped and self._workers.get(w.worker_id) is w and w.active:
+                self.core.on_worker_fault(w.worker_id, rid, worker_fault)
             tracked = self._requests.get(rid) is r
             if not tracked or r.dropped:
                 pass
@@ -1251,6 +1260,14 @@ def _trace_parent(item: buffer_pb2.WorkItem) -> Any:
     """The trace context the buffer captured at SubmitBatch (WorkItem.trace_context), so a
     dispatch joins the submitting trainer's trace; None (a new trace) when it carries none."""
     return context_from(item.trace_context)
+
+
+def _worker_fault(e: SeerError) -> bool:
+    """Whether a chunk's error is the worker's, not the request's: INTERNAL / UNKNOWN (an engine
+    failure: plain SeerError), DATA_LOSS, RESOURCE_EXHAUSTED other than a full stream table
+    (handled before: busy). Not INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION (a
+    request the worker cannot run, or a version it does not serve yet), nor a cancellation."""
+    return type(e) is SeerError or isinstance(e, DataLoss | ResourceExhausted)
 
 
 def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:

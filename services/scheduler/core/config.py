@@ -56,6 +56,13 @@ class SchedulerPolicyConfig:
     quarantine_clear_reports: int = 3
     quarantine_max_reports: int = 96
     quarantine_decay_reports: int = 900
+    # A worker on which chunks of this many different requests failed in a row (errors of the
+    # worker, not of the request: workers.py) is quarantined like one that reports impossible
+    # numbers, unless no other worker is trusted; 0 = off. Why: a worker whose engine is broken
+    # (a CUDA fault, a hung device) fails every chunk at once, so it always looks free and
+    # least-loaded placement sends it most chunks; each failure costs a request one of its
+    # attempts, and the requests run out of attempts within a second.
+    worker_failure_limit: int = 3
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -94,6 +101,9 @@ class SchedulerPolicyConfig:
             )
         if self.quarantine_decay_reports < 1:
             raise InvalidArgument("must be >= 1", field="quarantine_decay_reports")
+        if self.worker_failure_limit < 0:
+            raise InvalidArgument(f"must be >= 0 (0 = off), got {self.worker_failure_limit}",
+                                  field="worker_failure_limit")
 
     @property
     def chunked(self) -> bool:

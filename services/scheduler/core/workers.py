@@ -1,7 +1,7 @@
 """Worker state as the scheduler sees it: capacity, our own KV reservations, telemetry, and the
-quarantine of workers whose telemetry or chunk results are impossible (not trusted, not dispatched
-to). Repeat offences escalate: each one doubles the sane period needed to be trusted again (up to a
-cap), and a long clean period forgives one offence."""
+quarantine of workers whose telemetry or chunk results are impossible, or whose chunks keep failing
+(not trusted, not dispatched to). Repeat offences escalate: each one doubles the sane period needed
+to be trusted again (up to a cap), and a long clean period forgives one offence."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ class WorkerState:
     sane_reports: int = 0
     telemetry: dict[str, float] = field(default_factory=dict)
     record: OffenceRecord = field(default_factory=OffenceRecord)
+    # Requests whose chunks failed here by the worker's fault since its last completed chunk (kept
+    # through a quarantine: released, the worker is on probation until a chunk completes).
+    failed_streak: set[str] = field(default_factory=set)
 
     @property
     def worker_id(self) -> str:

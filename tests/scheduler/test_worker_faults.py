@@ -1,0 +1,254 @@
+"""A worker whose chunks keep failing by its own fault (a broken engine: a CUDA fault, a hung
+device) is quarantined, so it cannot eat the requests' attempts.
+
+Why this matters: such a worker fails every chunk at once, so it always looks free, and
+least-loaded placement sends it most chunks. Before the fix, next to one healthy worker, 37 of 40
+requests of a batch ran out of their 8 attempts (ABORTED) within a second, 441 of 499 dispatches
+going to the broken worker.
+
+Core level (pure, fake clock): the streak counts different requests, a completed chunk clears it,
+the last trusted worker is never quarantined, a released worker is on probation. Dispatcher level
+(the real Dispatcher and dispatch loop with scripted links, no gRPC): which errors count, and the
+whole batch completing beside a broken worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from seer.v1 import worker_pb2
+
+from services.common.errors import (
+    Aborted,
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SeerError,
+    Unavailable,
+)
+from services.scheduler.core import RequestInfo, SchedulerCore, SchedulerPolicyConfig, WorkerSpec
+from services.scheduler.service import MAX_CHUNK_ATTEMPTS, _worker_fault
+
+from .conftest import FakeClock
+from .test_dispatcher_faults import ABORTED, FakeWorkerLink, FakeWorkers, Rig, chunk_events, item, rig, wait_for
+
+__all__ = ["rig"]  # the fixture, imported for the tests below
+
+CUDA_FAULT = "INTERNAL: RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def _req(rid: str, max_tokens: int = 64) -> RequestInfo:
+    return RequestInfo(rid, f"g-{rid}", f"k-{rid}", 0, 1, 8, max_tokens)
+
+
+def _core(clock: FakeClock, **cfg: object) -> SchedulerCore:
+    """Workers "other" (one slot, kept busy by a request that never ends: it stays trusted and
+    takes nothing else) and "w1", where every later dispatch goes."""
+    core = SchedulerCore(SchedulerPolicyConfig(policy="divided", chunk_size=8, **cfg), clock=clock)  # type: ignore[arg-type]
+    core.add_worker(WorkerSpec("other", total_pages=10_000, page_size=16, max_batch_size=1))
+    core.add_request(_req("busy"))
+    assert [d.worker_id for d in core.next_dispatches()] == ["other"]
+    core.add_worker(WorkerSpec("w1", total_pages=10_000, page_size=16, max_batch_size=64))
+    return core
+
+
+def _place(core: SchedulerCore, *rids: str) -> None:
+    for rid in rids:
+        core.add_request(_req(rid))
+    assert {(d.request_id, d.worker_id) for d in core.next_dispatches()} == {(rid, "w1") for rid in rids}
+
+
+def _fail(core: SchedulerCore, rid: str) -> bool:
+    """The chunk of `rid` on w1 fails by the worker's fault, as the driver reports it; the request
+    is then cancelled so that it is not placed again. Whether w1 was quarantined now."""
+    quarantined = core.on_worker_fault("w1", rid, CUDA_FAULT)
+    core.on_chunk_failed(rid, "w1")
+    core.cancel_request(rid)
+    return quarantined
+
+
+# ---- core ---------------------------------------------------------------------------------------
+
+
+def test_chunks_of_different_requests_failing_in_a_row_quarantine_the_worker(clock: FakeClock) -> None:
+    core = _core(clock, worker_failure_limit=3)
+    _place(core, "a", "b", "c")
+    assert core.on_worker_fault("w1", "a", CUDA_FAULT) is False
+    assert core.on_worker_fault("w1", "a", CUDA_FAULT) is False  # the same request again: still one
+    assert core.on_worker_fault("w1", "b", CUDA_FAULT) is False
+    assert not core.is_quarantined("w1")
+    assert core.on_worker_fault("w1", "c", CUDA_FAULT) is True
+    assert core.is_quarantined("w1")
+    assert "chunks of 3 requests failed in a row" in core.quarantine_reason("w1")
+    assert CUDA_FAULT in core.quarantine_reason("w1")
+    assert core.stats()["worker_fault_quarantines"] == 1
+    # Nothing is placed there any more.
+    for rid in ("a", "b", "c"):
+        core.on_chunk_failed(rid, "w1")
+    assert core.next_dispatches() == []  # "other" is full and w1 quarantined
+
+
+def test_a_completed_chunk_clears_the_streak(clock: FakeClock) -> None:
+    core = _core(clock, worker_failure_limit=3)
+    _place(core, "a", "b", "ok")
+    _fail(core, "a")
+    _fail(core, "b")
+    core.on_chunk_done("ok", "w1", 8, False)  # the worker works: the failures were not all of it
+    core.cancel_request("ok")
+    _place(core, "c", "d")
+    _fail(core, "c")
+    _fail(core, "d")
+    assert not core.is_quarantined("w1")
+
+
+def test_the_last_trusted_worker_is_never_quarantined_for_failures(clock: FakeClock) -> None:
+    core = _core(clock, worker_failure_limit=2)
+    _place(core, "a", "b")
+    core.quarantine_worker("other", "impossible telemetry")
+    _fail(core, "a")
+    assert _fail(core, "b") is False
+    assert not core.is_quarantined("w1")  # the requests run out of attempts instead of waiting for ever
+
+
+def test_a_released_worker_is_on_probation_until_a_chunk_completes(clock: FakeClock) -> None:
+    core = _core(clock, worker_failure_limit=2, quarantine_clear_reports=2)
+    _place(core, "a", "b")
+    _fail(core, "a")
+    _fail(core, "b")
+    assert core.is_quarantined("w1")
+    for _ in range(2):  # sane heartbeats release it
+        core.update_worker("w1", free_pages=10, running=0, waiting=0)
+    assert not core.is_quarantined("w1")
+    # One more failure of any request quarantines it again, for longer (a repeat offence).
+    _place(core, "c")
+    assert _fail(core, "c") is True
+    for _ in range(3):
+        core.update_worker("w1", free_pages=10, running=0, waiting=0)
+    assert core.is_quarantined("w1")  # 4 sane reports needed now
+    core.update_worker("w1", free_pages=10, running=0, waiting=0)
+    assert not core.is_quarantined("w1")
+    _place(core, "ok", "d")
+    core.on_chunk_done("ok", "w1", 8, False)  # it works again: the probation ends
+    assert _fail(core, "d") is False
+    assert not core.is_quarantined("w1")
+
+
+def test_worker_failure_limit_zero_turns_it_off(clock: FakeClock) -> None:
+    core = _core(clock, worker_failure_limit=0)
+    _place(core, "a", "b", "c", "d")
+    for rid in ("a", "b", "c", "d"):
+        core.on_worker_fault("w1", rid, CUDA_FAULT)
+    assert not core.is_quarantined("w1")
+    with pytest.raises(InvalidArgument) as e:
+        _core(clock, worker_failure_limit=-1)
+    assert e.value.field == "worker_failure_limit"
+
+
+# ---- which chunk errors are the worker's --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("error", "worker_fault"), [
+    (SeerError(CUDA_FAULT), True),  # INTERNAL / UNKNOWN
+    (DataLoss("DATA_LOSS: x"), True),
+    (ResourceExhausted("RESOURCE_EXHAUSTED: out of memory"), True),
+    (InvalidArgument("INVALID_ARGUMENT: prompt_token_ids: out of vocabulary"), False),
+    (NotFound("NOT_FOUND: x"), False),
+    (AlreadyExists("ALREADY_EXISTS: request_id: running"), False),
+    (FailedPrecondition("FAILED_PRECONDITION: policy_version: behind"), False),
+    (Aborted("CANCELLED: x"), False),
+    (Unavailable("UNAVAILABLE: x"), False),  # handled apart: the worker is removed
+])
+def test_only_the_workers_own_errors_count(error: SeerError, worker_fault: bool) -> None:
+    assert _worker_fault(error) is worker_fault
+
+
+# ---- the dispatcher: a batch beside a broken worker ---------------------------------------------
+
+
+class BrokenWorkers(FakeWorkers):
+    """Worker links whose chunks fail with `error(request)` on the workers in `broken`."""
+
+    def __init__(self, broken: set[str], error: Callable[[worker_pb2.RunChunkRequest], SeerError | None]) -> None:
+        super().__init__()
+        self.broken, self.error = broken, error
+
+    def __call__(self, address: str) -> FakeWorkerLink:
+        return BrokenLink(self, address.split(":")[0])
+
+
+class BrokenLink(FakeWorkerLink):
+    def run_chunk(self, req: worker_pb2.RunChunkRequest, timeout: float) -> Iterator[worker_pb2.RunChunkResponse]:
+        workers = self.workers
+        assert isinstance(workers, BrokenWorkers)
+        workers.requests.append((self.worker_id, req))
+        error = workers.error(req) if self.worker_id in workers.broken else None
+        events = chunk_events(req)
+
+        def stream() -> Iterator[worker_pb2.RunChunkResponse]:
+            if error is not None:
+                raise error  # at once, as a broken engine does
+            yield from events
+
+        return stream()
+
+
+def _rig(rig: Callable[..., Rig], broken: set[str], error: Callable[[worker_pb2.RunChunkRequest], SeerError | None],
+         workers: tuple[str, ...] = ("good", "bad"), **cfg: object) -> tuple[Rig, BrokenWorkers]:
+    t = rig(**cfg)
+    links = BrokenWorkers(broken, error)
+    t.workers = t.d._worker_link_factory = links  # type: ignore[assignment]
+    for wid in workers:
+        t.register(wid)
+    t.run()
+    return t, links
+
+
+def _aborted(t: Rig, rids: list[str]) -> list[str]:
+    return [rid for rid in rids if any(c.finish_reason == ABORTED for c in t.buffer.of(rid))]
+
+
+def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(rig: Callable[..., Rig]) -> None:
+    t, links = _rig(rig, {"bad"}, lambda req: SeerError(CUDA_FAULT))
+    rids = [f"r{i}" for i in range(40)]
+    t.d._add_items([item(rid, max_tokens=32) for rid in rids])
+    wait_for(lambda: not t.d._requests, timeout=30)
+    assert _aborted(t, rids) == []
+    assert all(sum(len(c.token_ids) for c in t.buffer.of(rid)) == 32 for rid in rids)
+    assert t.d.core.is_quarantined("bad") and not t.d.core.is_quarantined("good")
+    assert CUDA_FAULT in t.d.core.quarantine_reason("bad")
+    on_bad = sum(wid == "bad" for wid, _ in links.requests)
+    # The 3 failures of the limit, plus the chunks already placed there while they came back (at
+    # most its batch of 8).
+    assert on_bad <= 3 + 8, on_bad
+
+
+def test_one_request_that_fails_everywhere_quarantines_no_worker(rig: Callable[..., Rig]) -> None:
+    t, links = _rig(rig, {"good", "bad"}, lambda req: SeerError(CUDA_FAULT) if req.request_id == "poison" else None)
+    rids = ["poison"] + [f"r{i}" for i in range(10)]
+    t.d._add_items([item(rid, max_tokens=32) for rid in rids])
+    wait_for(lambda: not t.d._requests, timeout=30)
+    assert _aborted(t, rids) == ["poison"]
+    assert sum(req.request_id == "poison" for _, req in links.requests) == MAX_CHUNK_ATTEMPTS
+    assert not t.d.core.is_quarantined("good") and not t.d.core.is_quarantined("bad")
+
+
+def test_request_errors_quarantine_no_worker(rig: Callable[..., Rig]) -> None:
+    # Every chunk on "bad" is refused as the request's fault: not counted against the worker.
+    t, _ = _rig(rig, {"bad"}, lambda req: InvalidArgument("INVALID_ARGUMENT: prompt_token_ids: out of vocabulary"))
+    t.d._add_items([item(f"r{i}", max_tokens=32) for i in range(6)])
+    wait_for(lambda: not t.d._requests, timeout=30)
+    assert not t.d.core.is_quarantined("bad")
+
+
+def test_a_sole_broken_worker_is_not_quarantined_and_the_requests_fail(rig: Callable[..., Rig]) -> None:
+    t, links = _rig(rig, {"bad"}, lambda req: SeerError(CUDA_FAULT), workers=("bad",))
+    rids = ["a", "b"]
+    t.d._add_items([item(rid, max_tokens=32) for rid in rids])
+    wait_for(lambda: not t.d._requests, timeout=30)
+    assert _aborted(t, rids) == rids  # ABORTED after their attempts, as before: the trainer sees it
+    assert len(links.requests) == 2 * MAX_CHUNK_ATTEMPTS
+    assert not t.d.core.is_quarantined("bad")
