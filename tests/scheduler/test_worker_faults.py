@@ -7,7 +7,8 @@ requests of a batch ran out of their 8 attempts (ABORTED) within a second, 441 o
 going to the broken worker.
 
 Core level (pure, fake clock): the streak counts different requests, a completed chunk clears it,
-the last trusted worker is never quarantined, a released worker is on probation. Dispatcher level
+the last trusted worker is never quarantined, a released worker is on probation (one chunk at a
+time, quarantined again at its next failure) until a chunk completes. Dispatcher level
 (the real Dispatcher and dispatch loop with scripted links, no gRPC): which errors count, and the
 whole batch completing beside a broken worker.
 """
@@ -123,16 +124,22 @@ def test_a_released_worker_is_on_probation_until_a_chunk_completes(clock: FakeCl
     for _ in range(2):  # sane heartbeats release it
         core.update_worker("w1", free_pages=10, running=0, waiting=0)
     assert not core.is_quarantined("w1")
-    # One more failure of any request quarantines it again, for longer (a repeat offence).
-    _place(core, "c")
+    # On probation it runs one chunk at a time (half-open), and one more failure of any request
+    # quarantines it again, for longer (a repeat offence).
+    core.add_request(_req("c"))
+    core.add_request(_req("c2"))
+    assert [(d.request_id, d.worker_id) for d in core.next_dispatches()] == [("c", "w1")]
     assert _fail(core, "c") is True
+    core.cancel_request("c2")
     for _ in range(3):
         core.update_worker("w1", free_pages=10, running=0, waiting=0)
     assert core.is_quarantined("w1")  # 4 sane reports needed now
     core.update_worker("w1", free_pages=10, running=0, waiting=0)
     assert not core.is_quarantined("w1")
-    _place(core, "ok", "d")
+    _place(core, "ok")
     core.on_chunk_done("ok", "w1", 8, False)  # it works again: the probation ends
+    core.cancel_request("ok")
+    _place(core, "d", "e")  # its whole batch again
     assert _fail(core, "d") is False
     assert not core.is_quarantined("w1")
 

@@ -357,7 +357,7 @@ class SchedulerCore:
         now = self.clock()
         kv_refused: bool | None = None  # why the decisions stopped, if for lack of a resource
         while (limit is None or len(out) < limit) and self._live:
-            if not any(w.load < w.spec.max_batch_size and not w.quarantined for w in self._workers.values()):
+            if not any(w.load < w.slots and not w.quarantined for w in self._workers.values()):
                 kv_refused = False  # batch-bound: no free slot
                 break
             d = self._starving(now) or self._next_by_priority()
@@ -500,7 +500,7 @@ class SchedulerCore:
             (
                 min(w.free_pages() * w.spec.page_size, w.spec.max_context or w.spec.kv_tokens)
                 for w in self._workers.values()
-                if not w.quarantined and w.load < w.spec.max_batch_size
+                if not w.quarantined and w.load < w.slots
             ),
             default=0,
         )
@@ -673,6 +673,7 @@ class SchedulerCore:
         w = self._workers.get(worker_id)
         if w is not None:
             w.failed_streak.clear()  # it completed a chunk: whatever failed before was not all of it
+            w.probation = False
         if new_tokens == req.max_new and new_tokens > 0:
             # A full chunk: how long one token of a chunk takes on this cluster now (EMA), the
             # unit of the anti-starvation threshold.
@@ -716,7 +717,9 @@ class SchedulerCore:
         a request an attempt). Different requests, so one request that fails everywhere is not
         taken for a broken worker. Never the last trusted worker: when every worker fails, the
         requests run out of attempts and fail as before, rather than wait for a worker that may
-        never come. Returns whether the worker was quarantined now."""
+        never come. Once released (sane heartbeats) it is on probation until a chunk completes
+        there: one chunk at a time, and one more failure quarantines it again (the streak is
+        kept), for twice as long. Returns whether the worker was quarantined now."""
         w = self._workers.get(worker_id)
         if w is None or not self.cfg.worker_failure_limit:
             return False
@@ -727,6 +730,7 @@ class SchedulerCore:
             return False
         self._counters["worker_fault_quarantines"] += 1
         quarantine(w, f"chunks of {len(w.failed_streak)} requests failed in a row: {error}", self._quarantine_rule)
+        w.probation = True
         return True
 
     def _in_flight_on(self, request_id: str, worker_id: str) -> _Request | None:

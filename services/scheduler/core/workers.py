@@ -61,6 +61,10 @@ class WorkerState:
     # Requests whose chunks failed here by the worker's fault since its last completed chunk (kept
     # through a quarantine: released, the worker is on probation until a chunk completes).
     failed_streak: set[str] = field(default_factory=set)
+    # Quarantined for failing chunks, and no chunk completed since: one chunk at a time (a
+    # circuit breaker's half-open state), so a worker still broken when released costs one request
+    # one attempt, not one per batch slot.
+    probation: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -70,12 +74,17 @@ class WorkerState:
     def load(self) -> int:
         return len(self.in_flight)
 
+    @property
+    def slots(self) -> int:
+        """Chunks it may run at once: its batch, or one while on probation."""
+        return 1 if self.probation else self.spec.max_batch_size
+
     def free_pages(self) -> int:
         return self.spec.total_pages - self.reserved_pages - self.external_pages
 
     def can_admit(self, pages: int) -> bool:
         """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk."""
-        return not self.quarantined and len(self.in_flight) < self.spec.max_batch_size and self.free_pages() >= pages
+        return not self.quarantined and len(self.in_flight) < self.slots and self.free_pages() >= pages
 
     def fits_context(self, tokens: int) -> bool:
         """Whether a chunk whose context + max_new is `tokens` is within the worker's max_context
