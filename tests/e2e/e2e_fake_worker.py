@@ -42,6 +42,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.failing_loads = failing_loads  # this many LoadWeights calls fail (INTERNAL) first
         # request_id -> status code every RunChunk of that request is refused with.
         self.refuse: dict[str, grpc.StatusCode] = {}
+        # Every RunChunk is refused with this status (a broken engine: every step fails); None = no.
+        self.refuse_all: grpc.StatusCode | None = None
         self.registrations = 0
         # The next chunk waits this long (seconds) before its first token (a stuck chunk); None = no.
         self.stall_next: float | None = None
@@ -85,7 +87,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         n = min(request.max_new_tokens, request.max_tokens - start)
         with self._lock:
             self.started.append((request.request_id, request.seq))
-            refuse = self.refuse.get(request.request_id)
+            refuse = self.refuse.get(request.request_id, self.refuse_all)
             stale = self.strict_version and request.policy_version != self.version
         if refuse is not None:
             context.abort(refuse, "request_id: refused by the fake worker")

@@ -11,7 +11,8 @@ worker removal before a resync deterministically) and read its Prometheus gauges
 - a chunk past chunk_timeout (only that chunk is aborted and re-dispatched; the worker stays);
 - a worker's max_context (no chunk past it is placed there; a request past every worker's context is
   failed, not refused MAX_CHUNK_ATTEMPTS times);
-- a worker registering during a weight switch (caught up to the new version before it is placed on).
+- a worker registering during a weight switch (caught up to the new version before it is placed on);
+- a worker whose every chunk fails (quarantined; the batch completes on the other worker).
 """
 
 from __future__ import annotations
@@ -251,6 +252,32 @@ def test_request_refused_on_every_attempt_is_aborted(make_local: Callable[..., L
     assert (list(results[bad].token_ids), results[bad].finish_reason) == ([], ABORTED)
     assert (list(results[good].token_ids), results[good].finish_reason) == (expected(good, 16), LENGTH)
     assert w.started.count((bad, 0)) == MAX_CHUNK_ATTEMPTS
+    loc.assert_settled()
+
+
+def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(make_local: Callable[..., Local]) -> None:
+    """A worker whose every chunk fails at once (INTERNAL: a broken engine) looks free and drew most
+    dispatches, so the batch's requests used up their attempts there and came back ABORTED. Now it
+    is quarantined after chunks of 3 requests failed in a row; released by its sane heartbeats, it
+    gets one chunk at a time, fails it and is quarantined again, for longer."""
+    loc = make_local()
+    good = loc.worker("good", token_delay=0.02)
+    bad = loc.worker("bad")
+    bad.refuse_all = grpc.StatusCode.INTERNAL
+    loc.wait_workers({"good", "bad"})
+    batch = make_batch(4, 4, max_tokens=24)
+    loc.rollout.SubmitBatch(batch, timeout=10)
+    results = loc.results(batch.batch_id, timeout=60)
+    assert len(results) == 16
+    for rid, r in results.items():
+        assert (list(r.token_ids), r.finish_reason) == (expected(rid, 24), LENGTH), rid
+    assert len(good.chunks) == 16 * 3
+    # The limit's 3 failures, the chunks placed there before they came back (its batch of 8), then
+    # one per release (every 3, 6, 12... heartbeats of 0.3 s).
+    assert len(bad.started) <= 3 + 8 + 4, bad.started
+    assert loc.dispatcher.core.is_quarantined("bad")
+    assert "requests failed in a row" in loc.dispatcher.core.quarantine_reason("bad")
+    assert not loc.dispatcher.core.is_quarantined("good")
     loc.assert_settled()
 
 
