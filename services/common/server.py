@@ -66,6 +66,7 @@ class RunningServer:
         self._on_stop = on_stop
         self._grace = grace
         self._stopped = threading.Event()
+        self._stopping = False
         self._stop_lock = threading.Lock()
 
     @property
@@ -73,6 +74,10 @@ class RunningServer:
         return f"127.0.0.1:{self.port}"
 
     def set_serving(self, serving: bool) -> None:
+        """The health status of every service name. SERVING is ignored once stop() began (e.g. a
+        worker whose engine recovers while the process drains must not look ready again)."""
+        if serving and self._stopping:
+            return
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
             self.health.set(name, status)
@@ -83,6 +88,7 @@ class RunningServer:
             if self._stopped.is_set():
                 return
             log.info("stopping: health NOT_SERVING, draining in-flight calls")
+            self._stopping = True
             self.set_serving(False)
             self.server.stop(self._grace if grace is None else grace).wait()
             if self._on_stop is not None:

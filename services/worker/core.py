@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,7 @@ from services.worker.engine import (
     FinishReason,
     GenerateRequest,
     KVPages,
+    SamplingParams,
     StepOutput,
 )
 from services.worker.ports import DraftSource, KVPool, PutResult, SpecPlanner
@@ -59,6 +60,10 @@ _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are
 _MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LRU)
 _MAX_STEP_FAILURES = 2  # engine step failures in a row that start isolating the failing chunks
 _MAX_IDLE_PROBE_STEPS = 4  # isolation: steps a group may wait for the engine to admit it
+# The request that checks whether the engine itself works (_canary_locked): token ids every
+# vocabulary has, and an id no chunk can have (request ids come from the buffer, "<batch>/<g>/<i>").
+_CANARY_ID = "seer-canary"
+_CANARY_PROMPT = (1, 2, 3, 4)
 
 
 def version_name(policy_version: int, family: str = "", weights: str = "") -> str:
@@ -281,6 +286,11 @@ class Worker:
         self._active: dict[str, _Active] = {}
         self._loading = False  # LoadWeights in progress: refuse new chunks
         self._step_failures = 0  # engine step failures in a row
+        # False from an isolation in which every chunk failed alone until a step succeeds (see
+        # _isolate_locked): the engine, not a request, is broken. Listeners (the gRPC health
+        # status, so Kubernetes' liveness probe restarts the process) hear every change.
+        self.engine_healthy = True
+        self._health_listeners: list[Callable[[bool], None]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
@@ -643,6 +653,8 @@ class Worker:
                     # The engine committed the step: from here on nothing is retried, and a fault
                     # of ours fails at most the chunk whose output it was handling.
                     self._step_failures = 0
+                    if not self.engine_healthy:
+                        self._set_engine_health_locked(True)
                     produced = self._after_step_locked(outs, drafts, self._clock() - started)
             # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
             # waits for the engine, and do not spin while the engine has nothing runnable.
@@ -770,10 +782,61 @@ class Worker:
             mid = len(failed) // 2
             groups.appendleft(failed[mid:])
             groups.appendleft(failed[:mid])
+        if all(a.done for a in suspects):
+            # Every chunk failed alone (or could not even be admitted again). Either they all carry
+            # the fault (a group of siblings with one prompt the engine cannot run) or the engine is
+            # broken (a CUDA fault corrupts the context, a device is gone) and every later chunk
+            # would fail the same way. A canary request tells the two apart.
+            canary_error = self._canary_locked()
+            if canary_error is not None:
+                self._set_engine_health_locked(False, canary_error)
+            else:
+                log.info("every chunk failed alone, but a canary request stepped: their own fault",
+                         extra=kv(suspects=len(suspects)))
         # A step that failed while committing aborts every request in it, also chunks of groups
         # that had passed the test.
         self._fail_dropped_locked(error)
         log.info("engine step failure isolated", extra=kv(suspects=len(suspects), failed=culprits))
+
+    def _canary_locked(self) -> Exception | None:
+        """Runs a one-token greedy request of a fixed short prompt alone in the engine (empty
+        after an isolation); None when it produced its token, else the failure."""
+        req = GenerateRequest(request_id=_CANARY_ID, prompt_token_ids=_CANARY_PROMPT, max_new_tokens=1,
+                              sampling=SamplingParams(temperature=0.0, ignore_eos=True))
+        try:
+            self.engine.add_request(req)
+            for _ in range(_MAX_IDLE_PROBE_STEPS):
+                if any(out.request_id == _CANARY_ID and out.token_ids for out in self.engine.step(None)):
+                    return None
+            return RuntimeError(f"the canary request produced no token in {_MAX_IDLE_PROBE_STEPS} steps")
+        except Exception as e:
+            return e
+        finally:
+            with contextlib.suppress(Exception):
+                self.engine.abort(_CANARY_ID)
+
+    def on_engine_health(self, listener: Callable[[bool], None]) -> None:
+        """Calls listener(engine_healthy) now and at every change (under the engine lock: keep it
+        short, e.g. setting a gRPC health status)."""
+        with self._locked():
+            self._health_listeners.append(listener)
+            listener(self.engine_healthy)
+
+    def _set_engine_health_locked(self, healthy: bool, error: Exception | None = None) -> None:
+        if healthy == self.engine_healthy:
+            return
+        self.engine_healthy = healthy
+        metrics.ENGINE_HEALTHY.set(1 if healthy else 0)
+        if healthy:
+            log.info("engine steps again; healthy")
+        else:
+            log.error("every chunk failed alone: the engine is broken, not a request; health NOT_SERVING "
+                      "until a step succeeds", extra=kv(error=str(error)))
+        for listener in self._health_listeners:
+            try:
+                listener(healthy)
+            except Exception:
+                log.warning("engine health listener failed", exc_info=True)
 
     def _try_group_locked(self, group: list[_Active]) -> tuple[list[_Active], Exception | None]:
         """Puts `group` back into the engine and steps until each of its chunks has stepped once

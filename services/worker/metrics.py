@@ -14,3 +14,6 @@ FREE_PAGES = Gauge("seer_worker_free_kv_pages", "free KV cache pages of the engi
 POLICY_VERSION = Gauge("seer_worker_policy_version", "policy version the engine serves")
 STREAMS = Gauge("seer_worker_open_streams", "open RunChunk streams")
 STREAMS_REFUSED = Counter("seer_worker_refused_streams_total", "RunChunk streams refused at max_streams")
+ENGINE_HEALTHY = Gauge("seer_worker_engine_healthy",
+                       "0 while the engine is broken (every chunk and a canary failed) until a step succeeds")
+ENGINE_HEALTHY.set(1)

@@ -214,13 +214,46 @@ def test_broken_engine_still_fails_every_chunk(ref_engine: ReferenceEngine, prom
 
     monkeypatch.setattr(ref_engine.runner, "run", run)
     w = Worker(ref_engine, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
     try:
         handles = submit_together(w, jobs_for(prompts))
         for h in handles:
             toks, end = drain(h)
             assert toks == [] and isinstance(end, ErrorEvent) and "injected" in str(end.error)
-        # Two tries, then at most 2n - 1 group steps to single every request out.
-        assert len(calls) <= 2 + 2 * len(prompts) - 1
+        # Two tries, then at most 2n - 1 group steps to single every request out, then the canary.
+        assert len(calls) <= 2 + 2 * len(prompts) - 1 + 1
+        assert not ref_engine.has_unfinished() and w.in_flight == 0
+        # Every chunk failed alone and so did the canary: the engine is broken (health NOT_SERVING,
+        # so an orchestrator restarts the process).
+        assert heard == [True, False] and not w.engine_healthy
+        monkeypatch.undo()  # the device comes back: the next step that succeeds makes it healthy
+        assert w.run(jobs_for(prompts)[0])[0]
+        assert heard == [True, False, True] and w.engine_healthy
+    finally:
+        w.close()
+
+
+def test_every_chunk_poisoned_is_not_a_broken_engine(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every running chunk fails alone (a group of siblings of one prompt the engine cannot run),
+    but the engine runs a canary request: their fault, so the worker stays healthy."""
+    real = ref_engine.runner.run
+
+    def run(seqs: list[Any], trees: list[Any]) -> Any:
+        if any(s.request_id.startswith("r") for s in seqs):
+            raise RuntimeError("injected fault of the group")
+        return real(seqs, trees)
+
+    monkeypatch.setattr(ref_engine.runner, "run", run)
+    w = Worker(ref_engine, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+    try:
+        for h in submit_together(w, jobs_for(prompts)):
+            toks, end = drain(h)
+            assert toks == [] and isinstance(end, ErrorEvent)
+        assert heard == [True] and w.engine_healthy
         assert not ref_engine.has_unfinished() and w.in_flight == 0
     finally:
         w.close()
