@@ -77,7 +77,13 @@ class SchedulerConfig(ServiceConfig):
     heartbeat_interval: float = field(
         default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
     )
-    dispatch_threads: int = field(default=64, metadata={"help": "chunks that may run at once (all workers)"})
+    # 0 by default: a fixed pool (it was 64) capped the whole cluster's batch, since each running
+    # chunk holds a thread for its stream (8 GPU workers x 256 slots ran 64 chunks), and the
+    # chunks queued behind it counted as in flight.
+    dispatch_threads: int = field(
+        default=0,
+        metadata={"help": "chunks that may run at once over all workers (0 = as many as the workers' batch slots)"},
+    )
     commit_timeout: float = field(
         default=120.0, metadata={"help": "seconds to keep retrying a chunk commit while the buffer is down"}
     )
@@ -120,8 +126,9 @@ class SchedulerConfig(ServiceConfig):
         self.policy_config().validate()
         if self.heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval: must be > 0, got {self.heartbeat_interval}")
-        if self.dispatch_threads < 1:
-            raise ValueError(f"dispatch_threads: must be >= 1, got {self.dispatch_threads}")
+        if self.dispatch_threads < 0:
+            raise ValueError(f"dispatch_threads: must be >= 0 (0 = no limit but the workers' batch slots), "
+                             f"got {self.dispatch_threads}")
         for name in ("commit_timeout", "chunk_timeout", "drain_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")

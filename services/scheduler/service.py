@@ -73,6 +73,10 @@ MAX_CHUNK_ATTEMPTS = 8
 # How long a chunk refused for a full worker (RESOURCE_EXHAUSTED: no stream slot) keeps its slot
 # reserved before it is placed again.
 _BUSY_BACKOFF_S = 0.2
+# Dispatch pool: besides the chunk threads a dispatch_threads cap allows, room for abort commits
+# (each retries up to commit_timeout); without a cap, a bound only a runaway would reach.
+_ABORT_THREADS = 16
+_UNCAPPED_THREADS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,11 @@ class Dispatcher:
         # seen a switch itself (it restarted after one); the buffer only admits batches at it.
         self._seen_version: int | None = None
         self._source = ""
-        self._pool = ThreadPoolExecutor(max_workers=cfg.dispatch_threads, thread_name_prefix="chunk")
+        # One thread per running chunk (its RunChunk stream) plus abort commits. Threads start on
+        # demand, so without a cap the workers' batch slots (the core's admission) bound them.
+        self._pool = ThreadPoolExecutor(
+            max_workers=cfg.dispatch_threads + _ABORT_THREADS if cfg.dispatch_threads else _UNCAPPED_THREADS,
+            thread_name_prefix="chunk")
         self._threads: list[threading.Thread] = []
         self._tracer = tracer("seer.scheduler")
         self.watcher_id = f"scheduler-{uuid.uuid4().hex[:8]}"
@@ -861,7 +869,10 @@ class Dispatcher:
                     continue
                 self._dirty = False
                 started: list[tuple[Dispatch, TrackedRequest, WorkerState, int]] = []
-                for d in self.core.next_dispatches():
+                # With dispatch_threads, never more chunks than threads: one queued behind the pool
+                # would count as in flight (a batch slot taken, KV reserved) without running.
+                room = self.cfg.dispatch_threads - self._in_flight if self.cfg.dispatch_threads else None
+                for d in self.core.next_dispatches(room) if room is None or room > 0 else ():
                     r = self._requests.get(d.request_id)
                     w = self._workers.get(d.worker_id)
                     if r is None or w is None or r.dispatch_token is not None:

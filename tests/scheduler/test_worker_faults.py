@@ -10,11 +10,14 @@ Core level (pure, fake clock): the streak counts different requests, a completed
 the last trusted worker is never quarantined, a released worker is on probation (one chunk at a
 time, quarantined again at its next failure) until a chunk completes. Dispatcher level
 (the real Dispatcher and dispatch loop with scripted links, no gRPC): which errors count, and the
-whole batch completing beside a broken worker.
+whole batch completing beside a broken worker. Also the dispatch pool: every chunk counted in
+flight is running.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -259,3 +262,60 @@ def test_a_sole_broken_worker_is_not_quarantined_and_the_requests_fail(rig: Call
     assert _aborted(t, rids) == rids  # ABORTED after their attempts, as before: the trainer sees it
     assert len(links.requests) == 2 * MAX_CHUNK_ATTEMPTS
     assert not t.d.core.is_quarantined("bad")
+
+
+# ---- the dispatch pool ---------------------------------------------------------------------------
+
+
+class GatedWorkers(FakeWorkers):
+    """Worker links whose chunk streams block on `gate`, counting how many are open at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.clear()
+        self.lock = threading.Lock()
+        self.open = 0
+
+    def __call__(self, address: str) -> FakeWorkerLink:
+        return GatedLink(self, address.split(":")[0])
+
+
+class GatedLink(FakeWorkerLink):
+    def run_chunk(self, req: worker_pb2.RunChunkRequest, timeout: float) -> Iterator[worker_pb2.RunChunkResponse]:
+        workers = self.workers
+        assert isinstance(workers, GatedWorkers)
+        events = chunk_events(req)
+
+        def stream() -> Iterator[worker_pb2.RunChunkResponse]:
+            with workers.lock:
+                workers.open += 1
+            try:
+                workers.gate.wait(10)
+                yield from events
+            finally:
+                with workers.lock:
+                    workers.open -= 1
+
+        return stream()
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_chunks_counted_in_flight_are_running(rig: Callable[..., Rig], threads: int) -> None:
+    """Each running chunk holds a dispatch thread. The pool was a fixed 64 threads for the whole
+    cluster (8 GPU workers x 256 slots ran 64 chunks), and chunks queued behind it counted as in
+    flight. Now dispatch_threads 0 runs as many as the workers' slots (2 x 8 here), and a cap
+    dispatches no more than it can run."""
+    t = rig(dispatch_threads=threads)
+    links = GatedWorkers()
+    t.workers = t.d._worker_link_factory = links  # type: ignore[assignment]
+    t.register("w0")
+    t.register("w1")
+    t.run()
+    t.d._add_items([item(f"r{i}", max_tokens=8) for i in range(40)])
+    want = threads or 16
+    wait_for(lambda: links.open == want)
+    time.sleep(0.2)  # nothing more starts, and nothing more is counted
+    assert links.open == want and t.d.stats().in_flight_chunks == want
+    links.gate.set()
+    wait_for(lambda: not t.d._requests, timeout=30)
+    assert all(sum(len(c.token_ids) for c in t.buffer.of(f"r{i}")) == 8 for i in range(40))
