@@ -21,10 +21,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                    "gpu": {"enabled": True, "count": 1},
                    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
                    "config": {"max_batch_size": 256, "dtype": "bfloat16", "speculation": True}},
-        "kvstore": {"replicas": 3, "persistence": {"size": "500Gi", "storageClassName": "local-nvme"}},
+        # Unquoted byte counts: YAML numbers reach the templates as float64 (see the env test).
+        "kvstore": {"replicas": 3, "persistence": {"size": "500Gi", "storageClassName": "local-nvme"},
+                    "config": {"ssd_bytes": 107374182400, "dram_bytes": 34359738368}},
         "scheduler": {"config": {"policy": "seer_history", "chunk_size": 8192}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     },
+    "no-draft-replicas": {"draft": {"replicas": 0}, "kvstore": {"persistence": {"size": "1.5Ti"}}},
     "minimal-no-draft-no-kv": {
         "draft": {"enabled": False},
         "kvstore": {"enabled": False},
@@ -133,6 +136,54 @@ def test_disabled_components_are_not_wired(chart: Any) -> None:
     env = _env(_by_kind(objects, "Deployment")["seer-worker"])
     assert "SEER_WORKER_DRAFT_ADDRESS" not in env and "SEER_WORKER_KV_ADDRESSES" not in env
     assert env["SEER_WORKER_SCHEDULER_ADDRESS"] == "seer-scheduler.rollout.svc:50052"
+    # draft.replicas 0 disables it too (the schema says so): no address of a Service without pods.
+    env = _env(_by_kind(render(chart, VALUE_SETS["no-draft-replicas"]), "Deployment")["seer-worker"])
+    assert "SEER_WORKER_DRAFT_ADDRESS" not in env
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_env_loads_into_its_service_config(chart: Any, name: str) -> None:
+    """Every workload's SEER_* environment is accepted by its service's own config loader (a value
+    the service refuses would crash-loop the pod). Numbers from a values file are float64 in the
+    templates: toString rendered 107374182400 as 1.073741824e+11, which an int field refuses."""
+    from services.common.config import load
+    from services.common.server import ServiceConfig
+
+    objects = render(chart, VALUE_SETS[name])
+    loaded = 0
+    for obj in [*_by_kind(objects, "StatefulSet").values(), *_by_kind(objects, "Deployment").values()]:
+        service = obj["metadata"]["name"].removeprefix("seer-")
+        module = __import__(f"services.{service}.config", fromlist=["_"])
+        (cls,) = [c for c in vars(module).values()
+                  if isinstance(c, type) and issubclass(c, ServiceConfig) and c is not ServiceConfig]
+        env = {k: v.replace("$(POD_NAME)", "seer-worker-0").replace("$(POD_IP)", "10.0.0.5")
+               for k, v in _env(obj).items()}
+        cfg = load(cls, service, argv=[], env=env)
+        if service == "kvstore":
+            claim = obj["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+            assert 2.5 * cfg.ssd_bytes <= _quantity(claim), (cfg.ssd_bytes, claim)  # README: ~2.4x under churn
+        loaded += 1
+    assert loaded >= 3
+
+
+def _quantity(q: str) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    for unit, mult in units.items():
+        if q.endswith(unit):
+            return float(q[: -len(unit)]) * mult
+    return float(q)
+
+
+def test_kvstore_ssd_budget_follows_its_volume(chart: Any) -> None:
+    """Unset, ssd_bytes is 0.4 x the volume (RocksDB's files reach ~2.4x ssd_bytes under churn:
+    services/kvstore/README.md); the default 50Gi volume with the service's own 32 GiB default
+    would overflow it. Set, it must fit (BAD_VALUES)."""
+    env = _env(_by_kind(render(chart), "StatefulSet")["seer-kvstore"])
+    assert env["SEER_KVSTORE_SSD_BYTES"] == str(int(0.4 * 50 * 2**30))
+    env = _env(_by_kind(render(chart, VALUE_SETS["no-draft-replicas"]), "StatefulSet")["seer-kvstore"])
+    assert env["SEER_KVSTORE_SSD_BYTES"] == str(int(0.4 * 1.5 * 2**40))
+    env = _env(_by_kind(render(chart, VALUE_SETS["gpu-production"]), "StatefulSet")["seer-kvstore"])
+    assert env["SEER_KVSTORE_SSD_BYTES"] == "107374182400"
 
 
 def test_buffer_reads_the_workers_model(chart: Any) -> None:
@@ -190,6 +241,12 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"worker": {"config": {"Max-Batch": 3}}}, "Max-Batch"),
     ({"kvstore": {"persistence": {"size": "lots"}}}, "/kvstore/persistence/size"),
     ({"model": {"dir": "/data/m"}, "worker": {"modelVolume": {"emptyDir": {}}}}, "worker.modelMountPath"),
+    ({"model": {"dir": "/models-big/m"}, "worker": {"modelVolume": {"emptyDir": {}}}}, "worker.modelMountPath"),
+    ({"worker": {"gpu": {"enabled": True}}}, "worker.image.repository"),
+    ({"worker": {"config": {"worker_id": "w"}}}, "worker.config.worker_id"),
+    ({"worker": {"config": {"advertise_address": "w:1"}}}, "worker.config.advertise_address"),
+    ({"kvstore": {"config": {"ssd_bytes": 34359738368}}}, "kvstore.config.ssd_bytes"),
+    ({"kvstore": {"config": {"ssd_bytes": "34359738368"}}}, "kvstore.config.ssd_bytes"),
 ]
 
 

@@ -41,6 +41,13 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- printf "%s.%s.svc:%v" (include "seer.name" .) .root.Release.Namespace $svc.port -}}
 {{- end -}}
 
+{{/* Bytes of a Kubernetes quantity ("50Gi", "1.5T", "500M"; the schema's pattern). */}}
+{{- define "seer.quantityBytes" -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" . -}}
+{{- $units := dict "" 1.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 "P" 1000000000000000.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 -}}
+{{- mulf (float64 $num) (index $units (trimPrefix $num .)) | int64 -}}
+{{- end -}}
+
 {{/* Every kvstore replica by its stable StatefulSet DNS name: pages shard by page-key hash. */}}
 {{- define "seer.kvAddresses" -}}
 {{- $name := include "seer.name" (dict "root" .root "component" "kvstore") -}}
@@ -75,12 +82,18 @@ model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or 
 {{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}
 {{- else if eq $c "kvstore" -}}
 {{- $_ := set $wired "data_dir" "/var/lib/seer/kvstore" -}}
+{{- /* The SSD budget follows the volume: RocksDB's files reach ~2.4x ssd_bytes under churn
+(services/kvstore/README.md), so 0.4 x persistence.size unless config.ssd_bytes says otherwise
+(seer.validate checks that one against the volume). */ -}}
+{{- if not (hasKey $svc.config "ssd_bytes") -}}
+{{- $_ := set $wired "ssd_bytes" (toString (int64 (mulf (float64 (include "seer.quantityBytes" $svc.persistence.size)) 0.4))) -}}
+{{- end -}}
 {{- else if eq $c "worker" -}}
 {{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}
 {{- $_ := set $wired "model_dir" $root.Values.model.dir -}}
 {{- $_ := set $wired "engine" $svc.engine -}}
 {{- if $svc.gpu.enabled -}}{{- $_ := set $wired "device" "cuda" -}}{{- end -}}
-{{- if $root.Values.draft.enabled -}}{{- $_ := set $wired "draft_address" (include "seer.address" (dict "root" $root "component" "draft")) -}}{{- end -}}
+{{- if and $root.Values.draft.enabled (gt (int $root.Values.draft.replicas) 0) -}}{{- $_ := set $wired "draft_address" (include "seer.address" (dict "root" $root "component" "draft")) -}}{{- end -}}
 {{- if $root.Values.kvstore.enabled -}}{{- $_ := set $wired "kv_addresses" (include "seer.kvAddresses" (dict "root" $root)) -}}{{- end -}}
 {{- end -}}
 {{- range $k, $v := $svc.config -}}
@@ -109,8 +122,11 @@ model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or 
   value: {{ index $wired $k | toString | quote }}
 {{- end }}
 {{- range $k := keys $svc.config | sortAlpha }}
+{{- $val := index $svc.config $k }}
 - name: {{ printf "%s%s" $prefix (upper $k) }}
-  value: {{ index $svc.config $k | toString | quote }}
+  {{- /* Numbers from a values file are float64: toString would write 107374182400 as
+  1.073741824e+11, which an int field refuses; toJson writes 107374182400 (and 0.9, true). */}}
+  value: {{ (kindIs "string" $val) | ternary $val (toJson $val) | quote }}
 {{- end }}
 {{- with $root.Values.global.extraEnv }}
 {{ toYaml . }}
@@ -169,7 +185,22 @@ not the first rollout. values.schema.json covers types and ranges; these cover r
 {{- if and (eq $v.worker.engine "sglang") (not $v.worker.gpu.enabled) -}}
 {{- fail "worker.engine: sglang needs a GPU; set worker.gpu.enabled=true (and the seer-worker-gpu image) or use engine=reference" -}}
 {{- end -}}
-{{- if and $v.worker.modelVolume (not (hasPrefix $v.worker.modelMountPath $v.model.dir)) -}}
+{{- if and $v.worker.modelVolume (not (hasPrefix (printf "%s/" (trimSuffix "/" $v.worker.modelMountPath)) $v.model.dir)) -}}
 {{- fail (printf "model.dir: %q is not under worker.modelMountPath %q where worker.modelVolume is mounted" $v.model.dir $v.worker.modelMountPath) -}}
+{{- end -}}
+{{- if and $v.worker.gpu.enabled (eq $v.worker.image.repository "seer-worker") -}}
+{{- fail "worker.image.repository: worker.gpu.enabled needs the CUDA image (seer-worker-gpu); seer-worker holds a CPU-only torch and the worker would exit at start with device cuda" -}}
+{{- end -}}
+{{- range $k := list "worker_id" "advertise_address" -}}
+{{- if hasKey $v.worker.config $k -}}
+{{- fail (printf "worker.config.%s: set by the chart (SEER_WORKER_%s: the pod's name / IP, one per replica); remove it" $k (upper $k)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.kvstore.enabled (hasKey $v.kvstore.config "ssd_bytes") -}}
+{{- $ssd := float64 (toJson (index $v.kvstore.config "ssd_bytes") | trimAll "\"") -}}
+{{- $vol := float64 (include "seer.quantityBytes" $v.kvstore.persistence.size) -}}
+{{- if gt (mulf $ssd 2.5) $vol -}}
+{{- fail (printf "kvstore.config.ssd_bytes: %.0f needs a volume of about 2.5x (%.0f bytes: RocksDB's files reach ~2.4x ssd_bytes under churn, services/kvstore/README.md); kvstore.persistence.size is %s (%.0f bytes). Raise the size or leave ssd_bytes unset (0.4 x the volume)" $ssd (mulf $ssd 2.5) $v.kvstore.persistence.size $vol) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
