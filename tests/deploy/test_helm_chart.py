@@ -118,6 +118,10 @@ def test_worker_gpu_values(chart: Any) -> None:
     assert shm["emptyDir"]["medium"] == "Memory"
     assert any(m["mountPath"] == "/dev/shm" for m in container["volumeMounts"])
     assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 300
+    # A read-only root filesystem, but a writable $HOME for the JIT caches (Triton, inductor).
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    home = next(m for m in container["volumeMounts"] if m["mountPath"] == "/home/seer")
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == home["name"])
     env = _env(worker)
     assert env["SEER_WORKER_DEVICE"] == "cuda"
     assert env["SEER_WORKER_ENGINE"] == "sglang"

@@ -120,6 +120,13 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- if $isWorker }}
+            {{- /* The root filesystem is read-only: JIT caches under $HOME (Triton's ~/.triton,
+            torch inductor, FlashInfer; SGLang compiles kernels at start) need a writable home.
+            The images keep nothing there (models are under /opt/seer). */}}
+            - name: home
+              mountPath: /home/seer
+            {{- end }}
             {{- if .stateful }}
             - name: data
               mountPath: /var/lib/seer/{{ $c }}
@@ -136,6 +143,10 @@ spec:
       volumes:
         - name: tmp
           emptyDir: {}
+        {{- if $isWorker }}
+        - name: home
+          emptyDir: {}
+        {{- end }}
         {{- if and $isWorker $svc.shm.enabled }}
         - name: dshm
           emptyDir:
