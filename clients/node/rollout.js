@@ -3,6 +3,12 @@
 // buffer), streams every result as it finishes, checks each one, and prints a summary.
 //
 //   npm install && node rollout.js --address localhost:50051 [--groups 2] [--group-size 2] [--max-tokens 16]
+//                                  [--retry-seconds 60]
+//
+// A buffer restart (or a dropped connection) is survived the way the Python client does it: calls
+// that fail UNAVAILABLE are retried with backoff, and the result stream is reopened from the cursor
+// of the last result received (the stream is resumable by cursor), for at most --retry-seconds of
+// failures since the last progress. SubmitBatch is idempotent by batch id, so retrying it is safe.
 //
 // The protos are loaded at run time from protos/seer/v1 (the same files the Python code is generated
 // from), so this client needs no code generation step. Exit code 0 = every response was received and
@@ -16,7 +22,9 @@ const protoLoader = require('@grpc/proto-loader');
 const PROTO_ROOT = process.env.SEER_PROTO_ROOT || path.resolve(__dirname, '..', '..', 'protos');
 
 function parseArgs(argv) {
-  const opts = { address: 'localhost:50051', groups: 2, groupSize: 2, maxTokens: 16, timeout: 600, batchId: '' };
+  const opts = {
+    address: 'localhost:50051', groups: 2, groupSize: 2, maxTokens: 16, timeout: 600, batchId: '', retrySeconds: 60,
+  };
   for (let i = 0; i < argv.length; i += 2) {
     const key = argv[i];
     const value = argv[i + 1];
@@ -28,6 +36,7 @@ function parseArgs(argv) {
       case '--max-tokens': opts.maxTokens = parseInt(value, 10); break;
       case '--timeout': opts.timeout = parseFloat(value); break;
       case '--batch-id': opts.batchId = value; break;
+      case '--retry-seconds': opts.retrySeconds = parseFloat(value); break;
       default: throw new Error(`unknown option ${key}`);
     }
   }
@@ -46,10 +55,67 @@ function loadRolloutService() {
   return grpc.loadPackageDefinition(def).seer.v1.RolloutService;
 }
 
-function unary(client, method, request, deadline) {
-  return new Promise((resolve, reject) => {
-    client[method](request, { deadline }, (err, reply) => (err ? reject(err) : resolve(reply)));
-  });
+const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
+
+// Retries while the failures (UNAVAILABLE only: the service is away, e.g. restarting) add up to less
+// than retrySeconds; any other status is the answer. backoff: 50 ms doubling to 2 s.
+class Retry {
+  constructor(retrySeconds) {
+    this.windowMs = retrySeconds * 1000;
+    this.reset();
+  }
+
+  reset() {
+    this.failingSince = null;
+    this.delayMs = 50;
+  }
+
+  async wait(err) {
+    if (err.code !== grpc.status.UNAVAILABLE) throw err;
+    const now = Date.now();
+    if (this.failingSince === null) this.failingSince = now;
+    if (now - this.failingSince + this.delayMs > this.windowMs) throw err;
+    console.error(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
+    await sleep(this.delayMs);
+    this.delayMs = Math.min(this.delayMs * 2, 2000);
+  }
+}
+
+async function unary(client, method, request, deadline, retrySeconds) {
+  const retry = new Retry(retrySeconds);
+  for (;;) {
+    try {
+      return await new Promise((resolve, reject) => {
+        client[method](request, { deadline: deadline() }, (err, reply) => (err ? reject(err) : resolve(reply)));
+      });
+    } catch (err) {
+      await retry.wait(err);
+    }
+  }
+}
+
+// Every result of the batch from `cursor` on, in completion order; onResult(msg) for each. A stream
+// that fails UNAVAILABLE is reopened from the cursor of the last result received.
+async function streamResults(client, batchId, deadline, retrySeconds, onResult) {
+  const retry = new Retry(retrySeconds);
+  let cursor = 0;
+  for (;;) {
+    try {
+      await new Promise((resolve, reject) => {
+        const stream = client.StreamResults({ batch_id: batchId, cursor }, { deadline: deadline() });
+        stream.on('data', (msg) => {
+          cursor = msg.cursor;
+          retry.reset(); // progress: the retry window starts again
+          onResult(msg);
+        });
+        stream.on('error', reject);
+        stream.on('end', resolve);
+      });
+      return;
+    } catch (err) {
+      await retry.wait(err);
+    }
+  }
 }
 
 // A mix of the two prompt forms the API accepts: text (tokenized by the buffer) and token ids.
@@ -97,48 +163,43 @@ async function main() {
   const RolloutService = loadRolloutService();
   const client = new RolloutService(opts.address, grpc.credentials.createInsecure());
   const deadline = () => new Date(Date.now() + opts.timeout * 1000);
+  const call = (method, request) => unary(client, method, request, deadline, opts.retrySeconds);
   const batchId = opts.batchId || `node-${Date.now()}`;
   const groups = makeGroups(opts.groups, opts.groupSize, opts.maxTokens);
   const start = Date.now();
 
-  const submitted = await unary(client, 'SubmitBatch', { batch_id: batchId, groups }, deadline());
+  const submitted = await call('SubmitBatch', { batch_id: batchId, groups });
   const expected = opts.groups * opts.groupSize;
   if (submitted.num_requests !== expected) {
     throw new Error(`SubmitBatch: num_requests ${submitted.num_requests}, expected ${expected}`);
   }
   // Idempotent by batch id: the same batch again creates nothing.
-  const again = await unary(client, 'SubmitBatch', { batch_id: batchId, groups }, deadline());
+  const again = await call('SubmitBatch', { batch_id: batchId, groups });
   if (!again.already_submitted) throw new Error('SubmitBatch: resubmission was not recognized');
 
   const seen = new Set();
   const problems = [];
   let tokens = 0;
   let firstResultSeconds = null;
-  await new Promise((resolve, reject) => {
-    const stream = client.StreamResults({ batch_id: batchId, cursor: 0 }, { deadline: deadline() });
-    stream.on('data', (msg) => {
-      const r = msg.result;
-      if (firstResultSeconds === null) firstResultSeconds = (Date.now() - start) / 1000;
-      problems.push(...checkResult(r, groups, seen));
-      seen.add(r.request_id);
-      tokens += r.token_ids.length;
-      const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
-      console.log(`result ${msg.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
-        + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
-    });
-    stream.on('error', reject);
-    stream.on('end', resolve);
+  await streamResults(client, batchId, deadline, opts.retrySeconds, (msg) => {
+    const r = msg.result;
+    if (firstResultSeconds === null) firstResultSeconds = (Date.now() - start) / 1000;
+    problems.push(...checkResult(r, groups, seen));
+    seen.add(r.request_id);
+    tokens += r.token_ids.length;
+    const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
+    console.log(`result ${msg.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
+      + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
   });
   if (seen.size !== expected) problems.push(`stream ended after ${seen.size} of ${expected} results`);
 
-  const batch = await unary(client, 'GetBatch', { batch_id: batchId, include_requests: false }, deadline());
+  const batch = await call('GetBatch', { batch_id: batchId, include_requests: false });
   if (batch.state !== 'BATCH_STATE_COMPLETED') problems.push(`GetBatch: state ${batch.state}`);
   if (batch.num_finished !== expected) problems.push(`GetBatch: num_finished ${batch.num_finished}`);
 
   // Bad input gets INVALID_ARGUMENT naming the field; the service keeps serving.
   try {
-    await unary(client, 'SubmitBatch', { batch_id: `${batchId}-bad`, groups: [{ ...groups[0], group_size: 0 }] },
-      deadline());
+    await call('SubmitBatch', { batch_id: `${batchId}-bad`, groups: [{ ...groups[0], group_size: 0 }] });
     problems.push('SubmitBatch with group_size 0 was accepted');
   } catch (err) {
     if (err.code !== grpc.status.INVALID_ARGUMENT || !/group_size/.test(err.details)) {

@@ -1,0 +1,118 @@
+"""The Node.js client (clients/node/rollout.js) against a real buffer (real gRPC, RocksDB) that is
+restarted while the client streams results: the client retries UNAVAILABLE and reopens the result
+stream from the cursor of the last result, so it gets every result once. Negative control: with no
+retry window the same restart ends the client with an error. A thread plays the scheduler
+(CommitChunk), so no model runs; the buffer tokenizes the client's prompt_text groups with the
+embedded model's tokenizer.
+
+Skipped where node/npm are not installed; `npm ci` fetches @grpc/grpc-js from the npm registry once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from client_helpers import Buffer
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+@pytest.fixture(scope="module")
+def node_client() -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node/npm not installed")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            pytest.skip(f"npm ci failed (no npm registry?): {proc.stderr[-500:]}")
+    return NODE_DIR / "rollout.js"
+
+
+@pytest.fixture
+def tok_buffer(tmp_path: Path, model_dir: Path) -> Iterator[Buffer]:
+    """A restartable buffer that tokenizes prompt_text with the embedded model's tokenizer."""
+    import dataclasses
+
+    b = Buffer(tmp_path / "db")
+    b.cfg = dataclasses.replace(b.cfg, model_dir=str(model_dir))
+    b.start()
+    yield b
+    b.stop()
+
+
+def _finish(address: str, request_id: str) -> None:
+    with grpc.insecure_channel(address) as ch:
+        buffer_pb2_grpc.BufferInternalServiceStub(ch).CommitChunk(buffer_pb2.CommitChunkRequest(
+            request_id=request_id, seq=0, token_ids=[7, 8], logprobs=[-0.5, -0.25], finish_reason=STOP), timeout=5)
+
+
+def _submitted(address: str, batch_id: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            rollout_pb2_grpc.RolloutServiceStub(ch).GetBatch(rollout_pb2.GetBatchRequest(batch_id=batch_id), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+def _run(script: Path, buffer: Buffer, batch_id: str, retry_seconds: float) -> tuple[int, list[str]]:
+    proc = subprocess.Popen(
+        ["node", str(script), "--address", buffer.address, "--groups", "2", "--group-size", "2",
+         "--max-tokens", "16", "--batch-id", batch_id, "--timeout", "60", "--retry-seconds", str(retry_seconds)],
+        cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    out: list[str] = []
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+
+    def wait_results(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while sum(line.startswith("result ") for line in out) < n:
+            assert time.monotonic() < deadline, out
+            with contextlib.suppress(queue.Empty):
+                out.append(lines.get(timeout=0.1))
+
+    deadline = time.monotonic() + 30
+    while not _submitted(buffer.address, batch_id):
+        assert time.monotonic() < deadline and proc.poll() is None, "the node client did not submit"
+        time.sleep(0.1)
+    _finish(buffer.address, f"{batch_id}/0/0")
+    _finish(buffer.address, f"{batch_id}/0/1")
+    wait_results(2)
+    buffer.stop()  # the client is streaming: its stream fails UNAVAILABLE
+    time.sleep(1.0)
+    buffer.start()
+    _finish(buffer.address, f"{batch_id}/1/0")
+    _finish(buffer.address, f"{batch_id}/1/1")
+    rc = proc.wait(timeout=60)
+    reader.join(5)
+    while not lines.empty():
+        out.append(lines.get())
+    return rc, out
+
+
+def test_the_node_client_resumes_its_stream_across_a_buffer_restart(node_client: Path, tok_buffer: Buffer) -> None:
+    rc, out = _run(node_client, tok_buffer, "node-resume", retry_seconds=30)
+    summary = json.loads(out[-1].removeprefix("RESULT "))
+    assert rc == 0 and summary["ok"] and summary["responses"] == 4, out
+    assert sum(line.startswith("result ") for line in out) == 4  # each result once
+    assert any(line.startswith("retrying after 14") for line in out)  # it did see the restart
+
+
+def test_without_a_retry_window_the_restart_ends_the_node_client(node_client: Path, tok_buffer: Buffer) -> None:
+    rc, out = _run(node_client, tok_buffer, "node-no-retry", retry_seconds=0)
+    summary = json.loads(out[-1].removeprefix("RESULT "))
+    assert rc == 1 and not summary["ok"], out
