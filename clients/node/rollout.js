@@ -57,8 +57,18 @@ function loadRolloutService() {
 
 const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
 
-// Retries while the failures (UNAVAILABLE only: the service is away, e.g. restarting) add up to less
-// than retrySeconds; any other status is the answer. backoff: 50 ms doubling to 2 s.
+// A transport break, not an answer: UNAVAILABLE (the service is away, e.g. restarting), or the
+// INTERNAL that grpc-js reports when the server's HTTP/2 session ends under a stream ("Received
+// RST_STREAM with code 2 triggered by internal client error: Session closed with error code 2", seen
+// when the buffer stops; grpc/grpc-node#2672). An INTERNAL of the service itself names an exception
+// ("ExceptionType: message") and is the answer.
+function transient(err) {
+  return err.code === grpc.status.UNAVAILABLE
+    || (err.code === grpc.status.INTERNAL && /RST_STREAM|Session closed/.test(err.details || ''));
+}
+
+// Retries while the transient failures add up to less than retrySeconds; any other status is the
+// answer. backoff: 50 ms doubling to 2 s.
 class Retry {
   constructor(retrySeconds) {
     this.windowMs = retrySeconds * 1000;
@@ -71,7 +81,7 @@ class Retry {
   }
 
   async wait(err) {
-    if (err.code !== grpc.status.UNAVAILABLE) throw err;
+    if (!transient(err)) throw err;
     const now = Date.now();
     if (this.failingSince === null) this.failingSince = now;
     if (now - this.failingSince + this.delayMs > this.windowMs) throw err;

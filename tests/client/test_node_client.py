@@ -109,7 +109,9 @@ def test_the_node_client_resumes_its_stream_across_a_buffer_restart(node_client:
     summary = json.loads(out[-1].removeprefix("RESULT "))
     assert rc == 0 and summary["ok"] and summary["responses"] == 4, out
     assert sum(line.startswith("result ") for line in out) == 4  # each result once
-    assert any(line.startswith("retrying after 14") for line in out)  # it did see the restart
+    # It did see the restart: UNAVAILABLE (14), or grpc-js' INTERNAL (13) for a session the
+    # stopping server closed under the stream.
+    assert any(line.startswith(("retrying after 14", "retrying after 13")) for line in out), out
 
 
 def test_without_a_retry_window_the_restart_ends_the_node_client(node_client: Path, tok_buffer: Buffer) -> None:
