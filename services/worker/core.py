@@ -64,6 +64,7 @@ _MAX_IDLE_PROBE_STEPS = 4  # isolation: steps a group may wait for the engine to
 # vocabulary has, and an id no chunk can have (request ids come from the buffer, "<batch>/<g>/<i>").
 _CANARY_ID = "seer-canary"
 _CANARY_PROMPT = (1, 2, 3, 4)
+_CANARY_TIMEOUT_S = 30.0
 
 
 def version_name(policy_version: int, family: str = "", weights: str = "") -> str:
@@ -805,10 +806,13 @@ class Worker:
                               sampling=SamplingParams(temperature=0.0, ignore_eos=True))
         try:
             self.engine.add_request(req)
-            for _ in range(_MAX_IDLE_PROBE_STEPS):
+            # By time, not steps: a step of an engine that runs in another process (SGLang) returns
+            # nothing while the token is on its way, where the reference engine's produces it.
+            deadline = time.monotonic() + _CANARY_TIMEOUT_S
+            while time.monotonic() < deadline:
                 if any(out.request_id == _CANARY_ID and out.token_ids for out in self.engine.step(None)):
                     return None
-            return RuntimeError(f"the canary request produced no token in {_MAX_IDLE_PROBE_STEPS} steps")
+            return RuntimeError(f"the canary request produced no token in {_CANARY_TIMEOUT_S:g} s")
         except Exception as e:
             return e
         finally:

@@ -93,3 +93,32 @@ def test_real_engine_failures(ref_engine: ReferenceEngine, prompts: list[tuple[i
         assert set(registered.items()) <= set(ref_engine.blocks.hash_to_page.items())
     finally:
         w.close()
+
+
+class _AsyncEngine(FakeEngine):
+    """An engine whose tokens arrive some steps after the request (as SGLang's, which runs in
+    another process: a step returns what has come so far)."""
+
+    def __init__(self, silent_steps: int) -> None:
+        super().__init__()
+        self.silent_steps = silent_steps
+
+    def step(self, drafts: Any = None) -> Any:
+        if self.silent_steps > 0:
+            self.silent_steps -= 1
+            return []
+        return super().step(drafts)
+
+
+def test_the_canary_waits_for_an_engine_whose_tokens_come_later() -> None:
+    """The canary that tells a broken engine from chunks that all carry the fault is bounded by
+    time, not steps: 4 empty steps are normal for an engine in another process."""
+    w = Worker(_AsyncEngine(silent_steps=20), speculation=False)
+    with w._lock:
+        assert w._canary_locked() is None
+    broken = FakeEngine()
+    broken.fail_steps = 1
+    w = Worker(broken, speculation=False)
+    with w._lock:
+        assert "injected" in str(w._canary_locked())
+    assert not broken.has_unfinished()  # the canary is gone from the engine either way
