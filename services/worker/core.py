@@ -756,48 +756,55 @@ class Worker:
         depends only on (seed, position), so a seeded chunk produces the same tokens as if it had
         never left. Runs under the engine lock (new chunks wait): a rare path, bounded in steps."""
         suspects = [a for a in self._active.values() if not a.done]
-        if len(suspects) <= 1:
-            for act in suspects:
-                with contextlib.suppress(Exception):
-                    self.engine.abort(act.job.request_id)
-                self._fail_locked(act, error)
-            return
         for act in suspects:
             with contextlib.suppress(Exception):
                 self.engine.abort(act.job.request_id)
-        groups: deque[list[_Active]] = deque([suspects])
-        culprits = 0
+        culprits: list[tuple[_Active, Exception]] = []  # chunks that fail alone, with their failure
+        engine_stepped = False  # a step succeeded meanwhile: the engine runs other requests
+        if len(suspects) == 1:
+            culprits.append((suspects[0], error))
+        groups: deque[list[_Active]] = deque([suspects] if len(suspects) > 1 else [])
         while groups:
             group = [a for a in groups.popleft() if not a.done]
             if not group:
                 continue
-            failed, group_error = self._try_group_locked(group)
-            if not failed:
-                continue
+            failed, group_error, stepped = self._try_group_locked(group)
+            engine_stepped = engine_stepped or stepped
             if len(failed) == 1:
-                culprits += 1
-                log.error("a chunk makes every engine step fail; failing it", exc_info=group_error,
-                          extra=kv(request_id=failed[0].job.request_id))
-                self._fail_locked(failed[0], group_error or error)
-                continue
-            mid = len(failed) // 2
-            groups.appendleft(failed[mid:])
-            groups.appendleft(failed[:mid])
-        if all(a.done for a in suspects):
-            # Every chunk failed alone (or could not even be admitted again). Either they all carry
-            # the fault (a group of siblings with one prompt the engine cannot run) or the engine is
-            # broken (a CUDA fault corrupts the context, a device is gone) and every later chunk
-            # would fail the same way. A canary request tells the two apart.
-            canary_error = self._canary_locked()
-            if canary_error is not None:
-                self._set_engine_health_locked(False, canary_error)
-            else:
-                log.info("every chunk failed alone, but a canary request stepped: their own fault",
-                         extra=kv(suspects=len(suspects)))
+                culprits.append((failed[0], group_error or error))
+            elif failed:
+                mid = len(failed) // 2
+                groups.appendleft(failed[mid:])
+                groups.appendleft(failed[:mid])
+        if culprits:
+            self._fail_culprits_locked(culprits, engine_stepped)
         # A step that failed while committing aborts every request in it, also chunks of groups
         # that had passed the test.
         self._fail_dropped_locked(error)
-        log.info("engine step failure isolated", extra=kv(suspects=len(suspects), failed=culprits))
+        log.info("engine step failure isolated", extra=kv(suspects=len(suspects), failed=len(culprits)))
+
+    def _fail_culprits_locked(self, culprits: list[tuple[_Active, Exception]], engine_stepped: bool) -> None:
+        """Fails the chunks that fail alone, saying whose fault it is. The scheduler counts a
+        worker's own failures (INTERNAL) towards quarantining it, a request's (INVALID_ARGUMENT)
+        only towards that request's attempts. When no step succeeded meanwhile (one chunk ran, or
+        every chunk failed alone), the culprits all carry the fault (siblings of one prompt the
+        engine cannot run) or the engine is broken (a CUDA fault corrupts the context, a device is
+        gone) and every later chunk would fail the same way: a canary request, run alone in the
+        now empty engine, tells the two apart."""
+        broken: Exception | None = None
+        if not engine_stepped:
+            broken = self._canary_locked()
+            if broken is not None:
+                self._set_engine_health_locked(False, broken)
+        for act, e in culprits:
+            if broken is not None:
+                self._fail_locked(act, e)
+                continue
+            log.error("a chunk makes every engine step fail while the engine runs others; failing it", exc_info=e,
+                      extra=kv(request_id=act.job.request_id, group_id=act.job.group_id))
+            self._fail_locked(act, InvalidArgument(
+                f"the engine cannot run this request: every step it is in fails, alone, while the engine "
+                f"runs others ({type(e).__name__}: {e})"))
 
     def _canary_locked(self) -> Exception | None:
         """Runs a one-token greedy request of a fixed short prompt alone in the engine (empty
@@ -842,11 +849,12 @@ class Worker:
             except Exception:
                 log.warning("engine health listener failed", exc_info=True)
 
-    def _try_group_locked(self, group: list[_Active]) -> tuple[list[_Active], Exception | None]:
+    def _try_group_locked(self, group: list[_Active]) -> tuple[list[_Active], Exception | None, bool]:
         """Puts `group` back into the engine and steps until each of its chunks has stepped once
         (the engine may admit them over several steps); the chunks cleared before stay in the
         batch. Returns the chunks of the group that had not stepped when a step failed (taken out
-        of the engine again) and that failure, or ([], None) when the group stepped."""
+        of the engine again) and that failure, or ([], None) when the group stepped; and whether
+        any engine step succeeded."""
         pending: dict[str, _Active] = {}
         for act in group:
             try:
@@ -856,6 +864,7 @@ class Worker:
                 continue
             pending[act.job.request_id] = act
         idle = 0
+        stepped_once = False
         while pending and idle < _MAX_IDLE_PROBE_STEPS:
             try:
                 outs = self.engine.step(None)
@@ -863,7 +872,8 @@ class Worker:
                 for rid in pending:
                     with contextlib.suppress(Exception):
                         self.engine.abort(rid)
-                return list(pending.values()), e
+                return list(pending.values()), e, stepped_once
+            stepped_once = True
             self._after_step_locked(outs, {}, None)  # re-prefills: no step time for the planner
             stepped = [o.request_id for o in outs if o.request_id in pending]
             for rid in stepped:
@@ -873,7 +883,7 @@ class Worker:
             idle = 0 if stepped else idle + 1
         # Left pending: the engine did not schedule them (no free pages, say). They stay in; if
         # they are what fails, the next failures find them.
-        return [], None
+        return [], None, stepped_once
 
     @staticmethod
     def _resume_request(act: _Active) -> GenerateRequest:
@@ -1001,7 +1011,16 @@ class Worker:
                 except Exception:
                     log.warning("draft append failed", exc_info=True, extra=kv(request_id=job.request_id))
         if out.finished:
-            self._finish_locked(act, self._finish_reason(act, out))
+            finish = self._finish_reason(act, out)
+            if finish == ChunkFinish.ABORTED:
+                # Not one of ours: those end the chunk in _abort_locked, and the engine forgets the
+                # request. The engine gave up on it (SGLang reports a failed generate so), which is a
+                # failed attempt: an ABORTED chunk is no failure to the scheduler (it aborts chunks
+                # itself), so an engine that gives up on everything would cost nothing and be fed
+                # for ever.
+                self._fail_locked(act, RuntimeError("the engine aborted the request (a failed generate)"))
+                return
+            self._finish_locked(act, finish)
 
     def _response_complete(self, act: _Active, out: StepOutput) -> bool:
         return self._finish_reason(act, out) in (ChunkFinish.STOP, ChunkFinish.LENGTH)

@@ -11,7 +11,7 @@ import pytest
 from worker_fake_engine import FakeEngine
 
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, ErrorEvent, TokensEvent, Worker
-from services.worker.engine import SamplingParams
+from services.worker.engine import FinishReason, SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -122,3 +122,28 @@ def test_the_canary_waits_for_an_engine_whose_tokens_come_later() -> None:
     with w._lock:
         assert "injected" in str(w._canary_locked())
     assert not broken.has_unfinished()  # the canary is gone from the engine either way
+
+
+class _GivingUpEngine(FakeEngine):
+    """An engine that gives up on every request (SGLang reports a failed generate as ABORTED)."""
+
+    def step(self, drafts: Any = None) -> Any:
+        outs = super().step(drafts)
+        for o in outs:
+            o.finished, o.finish_reason = True, FinishReason.ABORTED
+            self.abort(o.request_id)
+        return outs
+
+
+def test_an_engine_that_aborts_a_request_fails_its_chunk() -> None:
+    """ABORTED is what the scheduler's own aborts end in, so it costs no attempt: a chunk the
+    engine gave up on must fail instead, or an engine that gives up on everything is fed for ever
+    (and never quarantined)."""
+    w = Worker(_GivingUpEngine(), speculation=False).start()
+    try:
+        events = list(w.submit(fake_job("a")).events())
+        assert isinstance(events[-1], ErrorEvent) and "engine aborted" in str(events[-1].error)
+        assert w.in_flight == 0
+    finally:
+        w.close()
+

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from services.common.errors import InvalidArgument
 from services.worker import core
 from services.worker.core import ChunkFinish, ChunkHandle, ChunkJob, DoneEvent, ErrorEvent, TokensEvent, Worker
 from services.worker.engine import SamplingParams
@@ -193,6 +194,9 @@ def test_poisoned_request_fails_alone(ref_engine: ReferenceEngine, prompts: list
         results = {h.request_id: drain(h) for h in handles}
         toks, end = results.pop("r2")
         assert isinstance(end, ErrorEvent) and "injected fault of r2" in str(end.error)
+        # The request's fault, not the worker's (INVALID_ARGUMENT: the scheduler does not count it
+        # towards quarantining the worker).
+        assert isinstance(end.error, InvalidArgument) and "cannot run this request" in str(end.error)
         assert len(toks) == from_output
         for rid, (toks, end) in results.items():
             assert_complete(toks, end, refs[rid])
@@ -221,6 +225,7 @@ def test_broken_engine_still_fails_every_chunk(ref_engine: ReferenceEngine, prom
         for h in handles:
             toks, end = drain(h)
             assert toks == [] and isinstance(end, ErrorEvent) and "injected" in str(end.error)
+            assert not isinstance(end.error, InvalidArgument)  # the engine's fault (INTERNAL)
         # Two tries, then at most 2n - 1 group steps to single every request out, then the canary.
         assert len(calls) <= 2 + 2 * len(prompts) - 1 + 1
         assert not ref_engine.has_unfinished() and w.in_flight == 0
@@ -252,7 +257,7 @@ def test_every_chunk_poisoned_is_not_a_broken_engine(ref_engine: ReferenceEngine
     try:
         for h in submit_together(w, jobs_for(prompts)):
             toks, end = drain(h)
-            assert toks == [] and isinstance(end, ErrorEvent)
+            assert toks == [] and isinstance(end, ErrorEvent) and isinstance(end.error, InvalidArgument)
         assert heard == [True] and w.engine_healthy
         assert not ref_engine.has_unfinished() and w.in_flight == 0
     finally:
@@ -290,3 +295,33 @@ def test_a_commit_fault_while_isolating_ends_every_chunk(ref_engine: ReferenceEn
     finally:
         monkeypatch.undo()
         w.close()
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_one_chunk_alone_gets_the_canarys_verdict(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]],
+                                                  monkeypatch: pytest.MonkeyPatch, broken: bool) -> None:
+    """One chunk running alone whose steps fail: the engine is broken (every step fails, the canary
+    too: NOT_SERVING) or the request carries the fault (the canary steps: INVALID_ARGUMENT, healthy).
+    With one chunk at a time (low load, or a worker on the scheduler's probation) the broken engine
+    was never noticed."""
+    real = ref_engine.runner.run
+
+    def run(seqs: list[Any], trees: list[Any]) -> Any:
+        if broken or any(s.request_id == "r0" for s in seqs):
+            raise RuntimeError("injected fault")
+        return real(seqs, trees)
+
+    monkeypatch.setattr(ref_engine.runner, "run", run)
+    w = Worker(ref_engine, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+    try:
+        toks, end = drain(w.submit(jobs_for(prompts)[0]))
+        assert toks == [] and isinstance(end, ErrorEvent) and "injected" in str(end.error)
+        assert isinstance(end.error, InvalidArgument) is not broken
+        assert heard == ([True, False] if broken else [True])
+        assert not ref_engine.has_unfinished() and w.in_flight == 0
+    finally:
+        monkeypatch.undo()
+        w.close()
+
