@@ -73,8 +73,8 @@ MAX_CHUNK_ATTEMPTS = 8
 # How long a chunk refused for a full worker (RESOURCE_EXHAUSTED: no stream slot) keeps its slot
 # reserved before it is placed again.
 _BUSY_BACKOFF_S = 0.2
-# Dispatch pool: besides the chunk threads a dispatch_threads cap allows, room for abort commits
-# (each retries up to commit_timeout); without a cap, a bound only a runaway would reach.
+# Threads of the abort-commit pool; the chunk pool without a dispatch_threads cap (a bound only a
+# runaway would reach: threads start on demand).
 _ABORT_THREADS = 16
 _UNCAPPED_THREADS = 1 << 16
 
@@ -197,11 +197,13 @@ class Dispatcher:
         # seen a switch itself (it restarted after one); the buffer only admits batches at it.
         self._seen_version: int | None = None
         self._source = ""
-        # One thread per running chunk (its RunChunk stream) plus abort commits. Threads start on
-        # demand, so without a cap the workers' batch slots (the core's admission) bound them.
-        self._pool = ThreadPoolExecutor(
-            max_workers=cfg.dispatch_threads + _ABORT_THREADS if cfg.dispatch_threads else _UNCAPPED_THREADS,
-            thread_name_prefix="chunk")
+        # One thread per running chunk (its RunChunk stream). Threads start on demand, so without a
+        # cap the workers' batch slots (the core's admission) bound them. Abort commits (each may
+        # retry up to commit_timeout) have their own pool: on a chunk's thread they would keep it
+        # busy after its dispatch stopped counting in flight.
+        self._pool = ThreadPoolExecutor(max_workers=cfg.dispatch_threads or _UNCAPPED_THREADS,
+                                        thread_name_prefix="chunk")
+        self._abort_pool = ThreadPoolExecutor(max_workers=_ABORT_THREADS, thread_name_prefix="abort")
         self._threads: list[threading.Thread] = []
         self._tracer = tracer("seer.scheduler")
         self.watcher_id = f"scheduler-{uuid.uuid4().hex[:8]}"
@@ -231,6 +233,7 @@ class Dispatcher:
         for t in self._threads:
             t.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._abort_pool.shutdown(wait=True, cancel_futures=True)  # after the chunks: they may add aborts
         with self._cond:
             for w in self._workers.values():
                 w.link.close()
@@ -917,7 +920,7 @@ class Dispatcher:
         """Send abort commits on the pool (each may retry up to commit_timeout)."""
         for item, seq in aborts:
             try:
-                self._pool.submit(self._commit_abort, item, seq, resync_on_refusal=resync_on_refusal)
+                self._abort_pool.submit(self._commit_abort, item, seq, resync_on_refusal=resync_on_refusal)
             except RuntimeError:  # the pool is shut down: stopping
                 return
 
@@ -1163,7 +1166,7 @@ class Dispatcher:
                 return  # already accounted for (worker removed, request re-queued)
             self._release_locked(r, w)
             if failed and worker_fault and not r.dropped and self._workers.get(w.worker_id) is w and w.active:
-                self.core.on_worker_fault(w.worker_id, rid, worker_fault)
+                self.core.on_worker_fault(w.worker_id, rid, worker_fault, r.item.group_id)
             tracked = self._requests.get(rid) is r
             if not tracked or r.dropped:
                 pass
@@ -1193,7 +1196,7 @@ class Dispatcher:
             self._dirty = True
             self._cond.notify_all()
         if abort_seq is not None:
-            self._commit_abort(r.item, abort_seq, resync_on_refusal=True)
+            self._send_aborts([(r.item, abort_seq)], resync_on_refusal=True)
 
     def _commit_abort(self, item: buffer_pb2.WorkItem, seq: int, *, resync_on_refusal: bool) -> None:
         """Fails a request we gave up on: an ABORTED commit (no tokens) at the next seq makes the

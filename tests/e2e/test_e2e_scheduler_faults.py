@@ -258,7 +258,7 @@ def test_request_refused_on_every_attempt_is_aborted(make_local: Callable[..., L
 def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(make_local: Callable[..., Local]) -> None:
     """A worker whose every chunk fails at once (INTERNAL: a broken engine) looks free and drew most
     dispatches, so the batch's requests used up their attempts there and came back ABORTED. Now it
-    is quarantined after chunks of 3 requests failed in a row; released by its sane heartbeats, it
+    is quarantined after chunks of 3 groups failed in a row; released by its sane heartbeats, it
     gets one chunk at a time, fails it and is quarantined again, for longer."""
     loc = make_local()
     good = loc.worker("good", token_delay=0.02)
@@ -276,7 +276,7 @@ def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(make_local: C
     # one per release (every 3, 6, 12... heartbeats of 0.3 s).
     assert len(bad.started) <= 3 + 8 + 4, bad.started
     assert loc.dispatcher.core.is_quarantined("bad")
-    assert "requests failed in a row" in loc.dispatcher.core.quarantine_reason("bad")
+    assert "groups failed in a row" in loc.dispatcher.core.quarantine_reason("bad")
     assert not loc.dispatcher.core.is_quarantined("good")
     loc.assert_settled()
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from seer.v1 import worker_pb2
+from seer.v1 import common_pb2, worker_pb2
 
 from services.common.errors import (
     Aborted,
@@ -87,13 +87,52 @@ def test_chunks_of_different_requests_failing_in_a_row_quarantine_the_worker(clo
     assert not core.is_quarantined("w1")
     assert core.on_worker_fault("w1", "c", CUDA_FAULT) is True
     assert core.is_quarantined("w1")
-    assert "chunks of 3 requests failed in a row" in core.quarantine_reason("w1")
+    assert "chunks of 3 groups failed in a row" in core.quarantine_reason("w1")
     assert CUDA_FAULT in core.quarantine_reason("w1")
     assert core.stats()["worker_fault_quarantines"] == 1
     # Nothing is placed there any more.
     for rid in ("a", "b", "c"):
         core.on_chunk_failed(rid, "w1")
     assert core.next_dispatches() == []  # "other" is full and w1 quarantined
+
+
+def test_one_group_failing_is_not_a_broken_worker(clock: FakeClock) -> None:
+    """Siblings share one prompt: a prompt the engine cannot run fails every one of them, on any
+    worker. The streak counts groups, so one such group quarantines nobody (it quarantined 2 of 3
+    healthy workers when it counted requests; found by review)."""
+    core = _core(clock, worker_failure_limit=3)
+    _place(core, "a", "b", "c", "d")
+    for rid in ("a", "b", "c", "d"):
+        assert core.on_worker_fault("w1", rid, CUDA_FAULT, group_id="poisoned") is False
+    assert not core.is_quarantined("w1")
+    # ... and the core's own record of the request's group is used when the driver gives none.
+    for rid in ("a", "b", "c", "d"):
+        core.on_chunk_failed(rid, "w1")
+        core.cancel_request(rid)
+    for rid in ("e", "f", "g"):
+        core.add_request(RequestInfo(rid, "poisoned-2", "k", 0, 3, 8, 64))
+    assert len(core.next_dispatches()) == 3
+    for rid in ("e", "f", "g"):
+        assert core.on_worker_fault("w1", rid, CUDA_FAULT) is False
+    assert not core.is_quarantined("w1")
+
+
+def test_probation_survives_a_re_registration(clock: FakeClock) -> None:
+    """The quarantine is kept by worker id across removal and re-registration, and so are the
+    probation and the streak: released, a re-registered worker still runs one chunk at a time."""
+    core = _core(clock, worker_failure_limit=2, quarantine_clear_reports=1)
+    _place(core, "a", "b")
+    _fail(core, "a")
+    assert _fail(core, "b") is True
+    core.remove_worker("w1")
+    core.add_worker(WorkerSpec("w1", total_pages=10_000, page_size=16, max_batch_size=64))
+    core.quarantine_worker("w1", "carried over", offence=False)  # as the service carries it
+    core.update_worker("w1", free_pages=10, running=0, waiting=0)
+    assert not core.is_quarantined("w1")
+    core.add_request(_req("c"))
+    core.add_request(_req("d"))
+    assert [(d.request_id, d.worker_id) for d in core.next_dispatches()] == [("c", "w1")]
+    assert _fail(core, "c") is True  # the streak was kept too
 
 
 def test_a_completed_chunk_clears_the_streak(clock: FakeClock) -> None:
@@ -284,7 +323,7 @@ class GatedLink(FakeWorkerLink):
     def run_chunk(self, req: worker_pb2.RunChunkRequest, timeout: float) -> Iterator[worker_pb2.RunChunkResponse]:
         workers = self.workers
         assert isinstance(workers, GatedWorkers)
-        events = chunk_events(req)
+        events = workers.script(self.worker_id, req)
 
         def stream() -> Iterator[worker_pb2.RunChunkResponse]:
             with workers.lock:
@@ -319,3 +358,27 @@ def test_chunks_counted_in_flight_are_running(rig: Callable[..., Rig], threads: 
     links.gate.set()
     wait_for(lambda: not t.d._requests, timeout=30)
     assert all(sum(len(c.token_ids) for c in t.buffer.of(f"r{i}")) == 8 for i in range(40))
+
+
+
+def test_a_capped_pool_runs_only_chunks(rig: Callable[..., Rig]) -> None:
+    """A request given up on sends its ABORTED commit (retried up to commit_timeout) after its
+    dispatch stopped counting in flight. On the chunk pool it held a thread, so with a cap the next
+    chunk counted in flight sat queued (found by review). Abort commits have their own pool."""
+    t = rig(dispatch_threads=1, commit_timeout=5.0)
+    links = GatedWorkers()
+    t.workers = t.d._worker_link_factory = links  # type: ignore[assignment]
+    refused = {"bad"}
+    links.script = lambda wid, req: (
+        [worker_pb2.RunChunkResponse(tokens=worker_pb2.TokenDelta(token_ids=[7], logprobs=[-0.5, -0.5])),
+         worker_pb2.RunChunkResponse(done=worker_pb2.ChunkDone(finish_reason=common_pb2.FINISH_REASON_CHUNK))]
+        if req.request_id in refused else chunk_events(req))
+    t.buffer.aborts_unavailable = True  # the abort commit of "bad" keeps retrying
+    links.gate.set()
+    t.register("w0")
+    t.run()
+    t.d._add_items([item("bad", max_tokens=8)])
+    wait_for(lambda: "bad" in t.d._aborting)  # 8 malformed attempts, then its abort commit retries
+    t.d._add_items([item("good", max_tokens=8)])
+    wait_for(lambda: sum(len(c.token_ids) for c in t.buffer.of("good")) == 8, timeout=4)
+

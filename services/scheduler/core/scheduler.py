@@ -672,8 +672,8 @@ class SchedulerCore:
         self._release(req)
         w = self._workers.get(worker_id)
         if w is not None:
-            w.failed_streak.clear()  # it completed a chunk: whatever failed before was not all of it
-            w.probation = False
+            w.record.failed_groups.clear()  # it completed a chunk: what failed before was not all of it
+            w.record.probation = False
         if new_tokens == req.max_new and new_tokens > 0:
             # A full chunk: how long one token of a chunk takes on this cluster now (EMA), the
             # unit of the anti-starvation threshold.
@@ -707,30 +707,33 @@ class SchedulerCore:
         self._counters["redispatched_chunks"] += 1
         self._enqueue(req)
 
-    def on_worker_fault(self, worker_id: str, request_id: str, error: str) -> bool:
+    def on_worker_fault(self, worker_id: str, request_id: str, error: str, group_id: str = "") -> bool:
         """A chunk of `request_id` failed on `worker_id` with an error of the worker, not of the
         request (an engine failure, a hung step past the chunk deadline, a malformed result; the
         driver decides which errors those are). Called besides on_chunk_failed, also for a request
-        the driver gives up on. When chunks of `worker_failure_limit` different requests failed
-        there in a row (no chunk completed in between), the worker is quarantined: a broken engine
-        fails every chunk at once, looks free and would draw most dispatches (each failure costs
-        a request an attempt). Different requests, so one request that fails everywhere is not
-        taken for a broken worker. Never the last trusted worker: when every worker fails, the
-        requests run out of attempts and fail as before, rather than wait for a worker that may
-        never come. Once released (sane heartbeats) it is on probation until a chunk completes
-        there: one chunk at a time, and one more failure quarantines it again (the streak is
-        kept), for twice as long. Returns whether the worker was quarantined now."""
+        the driver gives up on. When chunks of `worker_failure_limit` different groups failed there
+        in a row (no chunk completed in between), the worker is quarantined: a broken engine fails
+        every chunk at once, looks free and would draw most dispatches (each failure costs a
+        request an attempt). Different groups (the request's own group_id, else the core's record
+        of it, else the request id), so that one prompt the engine cannot run, which fails all of
+        its siblings on any worker, is not taken for a broken worker. Never the last trusted
+        worker: when every worker fails, the requests run out of attempts and fail as before,
+        rather than wait for a worker that may never come. Once released (sane heartbeats) it is
+        on probation until a chunk completes there: one chunk at a time, and one more failure
+        quarantines it again (the streak is kept, across re-registrations too), for twice as long.
+        Returns whether the worker was quarantined now."""
         w = self._workers.get(worker_id)
         if w is None or not self.cfg.worker_failure_limit:
             return False
-        w.failed_streak.add(request_id)
-        if w.quarantined or len(w.failed_streak) < self.cfg.worker_failure_limit:
+        req = self._requests.get(request_id)
+        w.record.failed_groups.add(group_id or (req.info.group_id if req is not None else request_id))
+        if w.quarantined or len(w.record.failed_groups) < self.cfg.worker_failure_limit:
             return False
         if not any(not o.quarantined for wid, o in self._workers.items() if wid != worker_id):
             return False
         self._counters["worker_fault_quarantines"] += 1
-        quarantine(w, f"chunks of {len(w.failed_streak)} requests failed in a row: {error}", self._quarantine_rule)
-        w.probation = True
+        quarantine(w, f"chunks of {len(w.record.failed_groups)} groups failed in a row: {error}", self._quarantine_rule)
+        w.record.probation = True
         return True
 
     def _in_flight_on(self, request_id: str, worker_id: str) -> _Request | None:

@@ -28,6 +28,15 @@ class OffenceRecord:
     offences: int = 0
     # Consecutive sane reports while trusted since its last offence or forgiveness.
     clean_reports: int = 0
+    # Groups whose chunks failed on it by its own fault since its last completed chunk (kept through
+    # a quarantine and a re-registration: released, the worker is on probation until a chunk
+    # completes). Groups, not requests: siblings share one prompt, so one prompt the engine cannot
+    # run fails all of them, on any worker.
+    failed_groups: set[str] = field(default_factory=set)
+    # Quarantined for failing chunks, and no chunk completed since: one chunk at a time (a circuit
+    # breaker's half-open state), so a worker still broken when released costs one request one
+    # attempt, not one per batch slot.
+    probation: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,13 +67,6 @@ class WorkerState:
     sane_reports: int = 0
     telemetry: dict[str, float] = field(default_factory=dict)
     record: OffenceRecord = field(default_factory=OffenceRecord)
-    # Requests whose chunks failed here by the worker's fault since its last completed chunk (kept
-    # through a quarantine: released, the worker is on probation until a chunk completes).
-    failed_streak: set[str] = field(default_factory=set)
-    # Quarantined for failing chunks, and no chunk completed since: one chunk at a time (a
-    # circuit breaker's half-open state), so a worker still broken when released costs one request
-    # one attempt, not one per batch slot.
-    probation: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -77,7 +79,7 @@ class WorkerState:
     @property
     def slots(self) -> int:
         """Chunks it may run at once: its batch, or one while on probation."""
-        return 1 if self.probation else self.spec.max_batch_size
+        return 1 if self.record.probation else self.spec.max_batch_size
 
     def free_pages(self) -> int:
         return self.spec.total_pages - self.reserved_pages - self.external_pages
