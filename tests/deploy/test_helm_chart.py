@@ -178,6 +178,14 @@ def _quantity(q: str) -> float:
     return float(q)
 
 
+def test_a_model_volume_may_be_the_model_dir_itself(chart: Any) -> None:
+    """model.dir equal to the mount path (the volume's root is the model) renders; only a dir that
+    merely shares the mount's prefix (/models-big under /models) fails (BAD_VALUES)."""
+    for d in ("/models", "/models/"):
+        objects = render(chart, {"model": {"dir": d}, "worker": {"modelVolume": {"emptyDir": {}}}})
+        assert _env(_by_kind(objects, "Deployment")["seer-worker"])["SEER_WORKER_MODEL_DIR"] == d
+
+
 def test_kvstore_ssd_budget_follows_its_volume(chart: Any) -> None:
     """Unset, ssd_bytes is 0.4 x the volume (RocksDB's files reach ~2.4x ssd_bytes under churn:
     services/kvstore/README.md); the default 50Gi volume with the service's own 32 GiB default
@@ -251,6 +259,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"worker": {"config": {"advertise_address": "w:1"}}}, "worker.config.advertise_address"),
     ({"kvstore": {"config": {"ssd_bytes": 34359738368}}}, "kvstore.config.ssd_bytes"),
     ({"kvstore": {"config": {"ssd_bytes": "34359738368"}}}, "kvstore.config.ssd_bytes"),
+    ({"kvstore": {"config": {"ssd_bytes": "10Gi"}}}, "kvstore.config.ssd_bytes: a whole number"),
 ]
 
 

@@ -185,7 +185,8 @@ not the first rollout. values.schema.json covers types and ranges; these cover r
 {{- if and (eq $v.worker.engine "sglang") (not $v.worker.gpu.enabled) -}}
 {{- fail "worker.engine: sglang needs a GPU; set worker.gpu.enabled=true (and the seer-worker-gpu image) or use engine=reference" -}}
 {{- end -}}
-{{- if and $v.worker.modelVolume (not (hasPrefix (printf "%s/" (trimSuffix "/" $v.worker.modelMountPath)) $v.model.dir)) -}}
+{{- $mount := trimSuffix "/" $v.worker.modelMountPath -}}
+{{- if and $v.worker.modelVolume (not (or (eq (trimSuffix "/" $v.model.dir) $mount) (hasPrefix (printf "%s/" $mount) $v.model.dir))) -}}
 {{- fail (printf "model.dir: %q is not under worker.modelMountPath %q where worker.modelVolume is mounted" $v.model.dir $v.worker.modelMountPath) -}}
 {{- end -}}
 {{- if and $v.worker.gpu.enabled (eq $v.worker.image.repository "seer-worker") -}}
@@ -197,7 +198,11 @@ not the first rollout. values.schema.json covers types and ranges; these cover r
 {{- end -}}
 {{- end -}}
 {{- if and $v.kvstore.enabled (hasKey $v.kvstore.config "ssd_bytes") -}}
-{{- $ssd := float64 (toJson (index $v.kvstore.config "ssd_bytes") | trimAll "\"") -}}
+{{- $raw := toJson (index $v.kvstore.config "ssd_bytes") | trimAll "\"" -}}
+{{- if not (regexMatch "^[0-9]+$" $raw) -}}
+{{- fail (printf "kvstore.config.ssd_bytes: a whole number of bytes (got %s; a quantity like 100Gi is the volume's unit, kvstore.persistence.size)" $raw) -}}
+{{- end -}}
+{{- $ssd := float64 $raw -}}
 {{- $vol := float64 (include "seer.quantityBytes" $v.kvstore.persistence.size) -}}
 {{- if gt (mulf $ssd 2.5) $vol -}}
 {{- fail (printf "kvstore.config.ssd_bytes: %.0f needs a volume of about 2.5x (%.0f bytes: RocksDB's files reach ~2.4x ssd_bytes under churn, services/kvstore/README.md); kvstore.persistence.size is %s (%.0f bytes). Raise the size or leave ssd_bytes unset (0.4 x the volume)" $ssd (mulf $ssd 2.5) $v.kvstore.persistence.size $vol) -}}
