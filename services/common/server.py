@@ -68,6 +68,9 @@ class RunningServer:
         self._stopped = threading.Event()
         self._stopping = False
         self._stop_lock = threading.Lock()
+        # Orders set_serving against stop's NOT_SERVING (not _stop_lock: stop holds that for the
+        # whole drain, while a caller of set_serving may hold a worker's engine lock).
+        self._serving_lock = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -76,11 +79,12 @@ class RunningServer:
     def set_serving(self, serving: bool) -> None:
         """The health status of every service name. SERVING is ignored once stop() began (e.g. a
         worker whose engine recovers while the process drains must not look ready again)."""
-        if serving and self._stopping:
-            return
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self.service_names]:
-            self.health.set(name, status)
+        with self._serving_lock:
+            if serving and self._stopping:
+                return
+            for name in ["", *self.service_names]:
+                self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> None:
         """Idempotent graceful stop: NOT_SERVING, drain, on_stop."""
@@ -88,7 +92,8 @@ class RunningServer:
             if self._stopped.is_set():
                 return
             log.info("stopping: health NOT_SERVING, draining in-flight calls")
-            self._stopping = True
+            with self._serving_lock:
+                self._stopping = True
             self.set_serving(False)
             self.server.stop(self._grace if grace is None else grace).wait()
             if self._on_stop is not None:
