@@ -28,6 +28,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from services.common.log import get_logger, kv
+
+log = get_logger(__name__)
+
 # Offsets from --base-port; metrics ports are base + 100 + offset.
 _BUFFER, _SCHEDULER, _DRAFT, _KVSTORE, _WORKER0 = 0, 1, 2, 3, 10
 _METRICS_OFFSET = 100
@@ -35,6 +39,10 @@ _METRICS_OFFSET = 100
 
 class SuiteError(RuntimeError):
     """The suite could not start (a service exited or never became healthy); names the service."""
+
+
+# Relaunches of a service that exited because its port was taken (see Suite._relaunch_after_port_clash).
+_PORT_CLASH_RETRIES = 3
 
 
 def free_port() -> int:
@@ -353,10 +361,14 @@ class Suite:
     def wait_healthy(self, names: Sequence[str] | None = None, timeout: float = 300.0) -> None:
         pending = list(names or self.services)
         deadline = time.monotonic() + timeout
+        relaunched: dict[str, int] = {}
         while pending:
             for name in list(pending):
                 s = self.services[name]
                 if not s.alive():
+                    if relaunched.get(name, 0) < _PORT_CLASH_RETRIES and self._relaunch_after_port_clash(s):
+                        relaunched[name] = relaunched.get(name, 0) + 1
+                        continue
                     raise SuiteError(f"{name}: exited with code {s.returncode} before becoming healthy\n{s.tail()}")
                 if health_status(s.address) == "SERVING":
                     pending.remove(name)
@@ -364,6 +376,26 @@ class Suite:
                 if time.monotonic() > deadline:
                     raise SuiteError(f"not healthy after {timeout:.0f}s: {', '.join(pending)}")
                 time.sleep(0.2)
+
+    def _relaunch_after_port_clash(self, s: ServiceProcess) -> bool:
+        """A service that exited because its port was taken is started again. Ports are picked
+        here (free_port binds port 0 and closes it) and bound by the child seconds later, after its
+        imports; meanwhile the kernel may hand the number to another socket (seen under load: the
+        buffer's metrics port, "Address already in use"). A picked metrics port is picked again
+        (nothing refers to it); a gRPC port is kept (the other services were given it) and retried
+        after a moment, when the other socket is usually gone."""
+        tail = s.tail(40)
+        if "Address already in use" not in tail and "Failed to bind" not in tail:
+            return False
+        if s.metrics_port and not self.base_port and "start_http_server" in tail:
+            new = free_port()
+            i = s.args.index("--metrics-port")
+            s.args[i + 1] = str(new)
+            s.metrics_port = new
+        log.warning("a service could not bind its port; starting it again", extra=kv(service=s.name, port=s.port))
+        time.sleep(0.5)
+        s.start()
+        return True
 
     def wait_workers(self, count: int, timeout: float = 120.0) -> None:
         """Until `count` workers are registered and healthy at the scheduler."""

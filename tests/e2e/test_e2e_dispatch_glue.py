@@ -5,8 +5,10 @@ weight switch. The same paths with the real engine are in test_suite.py."""
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -233,3 +235,22 @@ def test_stale_worker_after_scheduler_restart_catches_up(suite, workers, rollout
     check_results(results, 8, 16)
     assert {r.result.policy_version for r in results} == {1}
     assert late.loads == [1]
+
+
+def test_a_service_whose_picked_port_was_taken_starts_again(tmp_path: Path) -> None:
+    """Suite picks free ports (bind port 0, close) and the child binds them seconds later; under
+    load the kernel handed one to another socket meanwhile and the suite failed to start ("Address
+    already in use" for the buffer's metrics port, about 1 start in 50 under stress). The service
+    is started again, with a new metrics port."""
+    s = Suite(workers=0, draft=False, kvstore=False, data_dir=tmp_path, policy="divided", model_dir="")
+    taken = s.services["buffer"].metrics_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        s.start(timeout=60)
+    try:
+        assert s.services["buffer"].metrics_port != taken
+        assert "could not bind" not in s.services["buffer"].tail()  # the suite logs it, not the service
+    finally:
+        codes = s.stop()
+        assert all(c == 0 for c in codes.values()), codes

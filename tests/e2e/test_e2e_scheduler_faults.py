@@ -17,6 +17,7 @@ worker removal before a resync deterministically) and read its Prometheus gauges
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -255,28 +256,37 @@ def test_request_refused_on_every_attempt_is_aborted(make_local: Callable[..., L
     loc.assert_settled()
 
 
-def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(make_local: Callable[..., Local]) -> None:
+def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(
+    make_local: Callable[..., Local], caplog: pytest.LogCaptureFixture
+) -> None:
     """A worker whose every chunk fails at once (INTERNAL: a broken engine) looks free and drew most
     dispatches, so the batch's requests used up their attempts there and came back ABORTED. Now it
     is quarantined after chunks of 3 groups failed in a row; released by its sane heartbeats, it
-    gets one chunk at a time, fails it and is quarantined again, for longer."""
+    gets one chunk at a time (probation), fails it and is quarantined again, for longer."""
     loc = make_local()
     good = loc.worker("good", token_delay=0.02)
     bad = loc.worker("bad")
     bad.refuse_all = grpc.StatusCode.INTERNAL
     loc.wait_workers({"good", "bad"})
     batch = make_batch(4, 4, max_tokens=24)
-    loc.rollout.SubmitBatch(batch, timeout=10)
-    results = loc.results(batch.batch_id, timeout=60)
+    with caplog.at_level(logging.INFO, logger="services.scheduler.core.workers"):
+        loc.rollout.SubmitBatch(batch, timeout=10)
+        results = loc.results(batch.batch_id, timeout=60)
     assert len(results) == 16
     for rid, r in results.items():
         assert (list(r.token_ids), r.finish_reason) == (expected(rid, 24), LENGTH), rid
     assert len(good.chunks) == 16 * 3
-    # The limit's 3 failures, the chunks placed there before they came back (its batch of 8), then
-    # one per release (every 3, 6, 12... heartbeats of 0.3 s).
-    assert len(bad.started) <= 3 + 8 + 4, bad.started
-    assert loc.dispatcher.core.is_quarantined("bad")
-    assert "groups failed in a row" in loc.dispatcher.core.quarantine_reason("bad")
+    # Far from the hundreds of dispatches it drew before: until the quarantine, failures of 3
+    # groups (siblings count once, so some requests fail there more than once: bounded here by the
+    # batch's 16 requests and the worker's 8 slots); after it, one chunk per release (by heartbeats,
+    # every 3, 6, 12... of them), counted from the log so the bound does not depend on how long
+    # the batch takes. (Probation's one chunk at a time is pinned in tests/scheduler.)
+    releases = sum("released from quarantine" in r.getMessage() for r in caplog.records)
+    assert len(bad.started) <= 16 + 8 + releases, (len(bad.started), releases)
+    assert loc.dispatcher.core.is_quarantined("bad") or releases > 0
+    reasons = [r.fields["reason"] for r in caplog.records  # type: ignore[attr-defined]
+               if r.getMessage() == "worker quarantined"]
+    assert reasons and all("groups failed in a row" in reason for reason in reasons), reasons
     assert not loc.dispatcher.core.is_quarantined("good")
     loc.assert_settled()
 
