@@ -65,6 +65,7 @@ _MAX_IDLE_PROBE_STEPS = 4  # isolation: steps a group may wait for the engine to
 _CANARY_ID = "seer-canary"
 _CANARY_PROMPT = (1, 2, 3, 4)
 _CANARY_TIMEOUT_S = 30.0
+_ENGINE_ABORT_GROUPS = 3  # groups given up on by the engine, no token in between, before the canary
 
 
 def version_name(policy_version: int, family: str = "", weights: str = "") -> str:
@@ -292,6 +293,9 @@ class Worker:
         # status, so Kubernetes' liveness probe restarts the process) hear every change.
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
+        # Groups whose chunks the engine gave up on (an engine-side ABORTED: SGLang's failed
+        # generate) since a chunk last got a token: at _ENGINE_ABORT_GROUPS of them, the canary.
+        self._engine_abort_groups: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
@@ -654,8 +658,6 @@ class Worker:
                     # The engine committed the step: from here on nothing is retried, and a fault
                     # of ours fails at most the chunk whose output it was handling.
                     self._step_failures = 0
-                    if not self.engine_healthy:
-                        self._set_engine_health_locked(True)
                     produced = self._after_step_locked(outs, drafts, self._clock() - started)
             # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
             # waits for the engine, and do not spin while the engine has nothing runnable.
@@ -817,14 +819,33 @@ class Worker:
             # nothing while the token is on its way, where the reference engine's produces it.
             deadline = time.monotonic() + _CANARY_TIMEOUT_S
             while time.monotonic() < deadline:
-                if any(out.request_id == _CANARY_ID and out.token_ids for out in self.engine.step(None)):
-                    return None
+                for out in self.engine.step(None):
+                    if out.request_id != _CANARY_ID:
+                        continue
+                    if out.token_ids:
+                        return None
+                    if out.finished:  # given up on (SGLang: a failed generate)
+                        return RuntimeError("the engine aborted the canary request")
             return RuntimeError(f"the canary request produced no token in {_CANARY_TIMEOUT_S:g} s")
         except Exception as e:
             return e
         finally:
             with contextlib.suppress(Exception):
                 self.engine.abort(_CANARY_ID)
+
+    def _on_engine_abort_locked(self, group: str) -> None:
+        """An engine whose step never raises (SGLang: a failed generate comes back as an aborted
+        request) gives the isolation above nothing to work on. Chunks of _ENGINE_ABORT_GROUPS
+        different groups given up on with no token in between (groups: siblings share a prompt
+        the engine may refuse) run the canary; if the engine gives up on that too, it is broken
+        (NOT_SERVING, as after an isolation)."""
+        self._engine_abort_groups.add(group)
+        if not self.engine_healthy or len(self._engine_abort_groups) < _ENGINE_ABORT_GROUPS:
+            return
+        self._engine_abort_groups.clear()
+        broken = self._canary_locked()
+        if broken is not None:
+            self._set_engine_health_locked(False, broken)
 
     def on_engine_health(self, listener: Callable[[bool], None]) -> None:
         """Calls listener(engine_healthy) now and at every change (under the engine lock: keep it
@@ -1019,8 +1040,15 @@ class Worker:
                 # itself), so an engine that gives up on everything would cost nothing and be fed
                 # for ever.
                 self._fail_locked(act, RuntimeError("the engine aborted the request (a failed generate)"))
+                self._on_engine_abort_locked(job.group_id or job.request_id)
                 return
             self._finish_locked(act, finish)
+        if out.token_ids:
+            # A chunk got a token: the engine works (not merely a step that did not raise: an
+            # engine in another process, SGLang, never raises).
+            self._engine_abort_groups.clear()
+            if not self.engine_healthy:
+                self._set_engine_health_locked(True)
 
     def _response_complete(self, act: _Active, out: StepOutput) -> bool:
         return self._finish_reason(act, out) in (ChunkFinish.STOP, ChunkFinish.LENGTH)

@@ -11,7 +11,7 @@ import pytest
 from worker_fake_engine import FakeEngine
 
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, ErrorEvent, TokensEvent, Worker
-from services.worker.engine import FinishReason, SamplingParams
+from services.worker.engine import FinishReason, SamplingParams, StepOutput
 from services.worker.engines.reference.engine import ReferenceEngine
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -147,3 +147,47 @@ def test_an_engine_that_aborts_a_request_fails_its_chunk() -> None:
     finally:
         w.close()
 
+
+
+class _BrokenAsyncEngine(FakeEngine):
+    """An engine in another process that has broken (SGLang after a device fault): a step never
+    raises, every request comes back given up on, with no token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = True
+
+    def step(self, drafts: Any = None) -> Any:
+        if not self.broken:
+            return super().step(drafts)
+        outs = [StepOutput(rid, [], [], finished=True, finish_reason=FinishReason.ABORTED) for rid in list(self._seqs)]
+        for o in outs:
+            self.abort(o.request_id)
+        return outs
+
+
+def test_an_engine_that_gives_up_on_every_group_is_found_broken() -> None:
+    """Its step never raises, so the isolation never runs: chunks of 3 groups given up on with no
+    token in between run the canary; the engine gives up on it too, so the worker turns
+    NOT_SERVING, and the first token after the engine recovers makes it healthy again. Two
+    groups are not enough (siblings of one refused prompt are one group)."""
+    eng = _BrokenAsyncEngine()
+    w = Worker(eng, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+
+    def job(rid: str, group: str) -> ChunkJob:
+        return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=5, max_tokens=5,
+                        sampling=GREEDY, policy_version=0, group_id=group)
+
+    try:
+        for rid, group in (("a", "g1"), ("b", "g1"), ("c", "g2"), ("d", "g2")):
+            assert isinstance(list(w.submit(job(rid, group)).events())[-1], ErrorEvent)
+        assert heard == [True]  # 2 groups: could be 2 refused prompts
+        assert isinstance(list(w.submit(job("e", "g3")).events())[-1], ErrorEvent)
+        assert heard == [True, False] and not w.engine_healthy
+        eng.broken = False
+        assert w.run(job("f", "g4"))[0] == [4, 5, 6, 7, 8]
+        assert heard == [True, False, True]
+    finally:
+        w.close()
