@@ -296,6 +296,7 @@ class Worker:
         # Groups whose chunks the engine gave up on (an engine-side ABORTED: SGLang's failed
         # generate) since a chunk last got a token: at _ENGINE_ABORT_GROUPS of them, the canary.
         self._engine_abort_groups: set[str] = set()
+        self._canary_running = False  # outputs delivered during a canary start no second one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
@@ -809,17 +810,24 @@ class Worker:
                 f"runs others ({type(e).__name__}: {e})"))
 
     def _canary_locked(self) -> Exception | None:
-        """Runs a one-token greedy request of a fixed short prompt alone in the engine (empty
-        after an isolation); None when it produced its token, else the failure."""
+        """Runs a one-token greedy request of a fixed short prompt (alone in the engine after an
+        isolation); None when it produced its token, else the failure. Other requests' outputs of
+        the same steps (an engine in another process keeps running its requests) are delivered as
+        usual: dropped, their chunks would miss tokens."""
         req = GenerateRequest(request_id=_CANARY_ID, prompt_token_ids=_CANARY_PROMPT, max_new_tokens=1,
                               sampling=SamplingParams(temperature=0.0, ignore_eos=True))
+        self._canary_running = True
         try:
             self.engine.add_request(req)
             # By time, not steps: a step of an engine that runs in another process (SGLang) returns
             # nothing while the token is on its way, where the reference engine's produces it.
             deadline = time.monotonic() + _CANARY_TIMEOUT_S
             while time.monotonic() < deadline:
-                for out in self.engine.step(None):
+                outs = self.engine.step(None)
+                others = [o for o in outs if o.request_id != _CANARY_ID]
+                if others:
+                    self._after_step_locked(others, {}, None)
+                for out in outs:
                     if out.request_id != _CANARY_ID:
                         continue
                     if out.token_ids:
@@ -830,6 +838,7 @@ class Worker:
         except Exception as e:
             return e
         finally:
+            self._canary_running = False
             with contextlib.suppress(Exception):
                 self.engine.abort(_CANARY_ID)
 
@@ -840,7 +849,7 @@ class Worker:
         the engine may refuse) run the canary; if the engine gives up on that too, it is broken
         (NOT_SERVING, as after an isolation)."""
         self._engine_abort_groups.add(group)
-        if not self.engine_healthy or len(self._engine_abort_groups) < _ENGINE_ABORT_GROUPS:
+        if self._canary_running or not self.engine_healthy or len(self._engine_abort_groups) < _ENGINE_ABORT_GROUPS:
             return
         self._engine_abort_groups.clear()
         broken = self._canary_locked()

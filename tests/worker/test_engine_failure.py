@@ -191,3 +191,42 @@ def test_an_engine_that_gives_up_on_every_group_is_found_broken() -> None:
         assert heard == [True, False, True]
     finally:
         w.close()
+
+
+class _RefusingEngine(FakeEngine):
+    """Gives up on the requests of groups named bad-* (a prompt it refuses), runs the others; its
+    steps never raise (an engine in another process)."""
+
+    def step(self, drafts: Any = None) -> Any:
+        refused = [rid for rid, s in self._seqs.items() if s.req.group_id.startswith("bad-")]
+        for rid in refused:
+            self.abort(rid)
+        return [*super().step(drafts),
+                *(StepOutput(rid, [], [], finished=True, finish_reason=FinishReason.ABORTED) for rid in refused)]
+
+
+def test_the_canary_delivers_the_other_requests_tokens() -> None:
+    """The canary after engine-side aborts steps an engine that keeps running the other requests:
+    their outputs of those steps reach their chunks (dropped, a chunk would miss tokens). The canary
+    steps, so the worker stays healthy: the aborts were the refused prompts' fault."""
+    eng = _RefusingEngine()
+    w = Worker(eng, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+
+    def job(rid: str, group: str, n: int) -> ChunkJob:
+        return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=n, max_tokens=n,
+                        sampling=GREEDY, policy_version=0, group_id=group)
+
+    try:
+        with w._lock:  # all in the engine's batch together
+            good = w.submit(job("good", "ok", 30))
+            bad = [w.submit(job(f"b{i}", f"bad-{i}", 5)) for i in range(3)]
+        for h in bad:
+            assert isinstance(list(h.events())[-1], ErrorEvent)
+        events = list(good.events())
+        assert isinstance(events[-1], DoneEvent) and events[-1].finish == ChunkFinish.LENGTH
+        assert [t for e in events if isinstance(e, TokensEvent) for t in e.token_ids] == list(range(4, 34))
+        assert heard == [True]
+    finally:
+        w.close()
