@@ -297,6 +297,7 @@ class Worker:
         # generate) since a chunk last got a token: at _ENGINE_ABORT_GROUPS of them, the canary.
         self._engine_abort_groups: set[str] = set()
         self._canary_running = False  # outputs delivered during a canary start no second one
+        self._canary_due = False  # run the canary after the current step's outputs are delivered
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
@@ -660,6 +661,8 @@ class Worker:
                     # of ours fails at most the chunk whose output it was handling.
                     self._step_failures = 0
                     produced = self._after_step_locked(outs, drafts, self._clock() - started)
+                    if self._canary_due:
+                        self._run_due_canary_locked()
             # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
             # waits for the engine, and do not spin while the engine has nothing runnable.
             if self._waiting:
@@ -852,6 +855,13 @@ class Worker:
         if self._canary_running or not self.engine_healthy or len(self._engine_abort_groups) < _ENGINE_ABORT_GROUPS:
             return
         self._engine_abort_groups.clear()
+        # Not here: this runs while a step's outputs are being delivered, and the canary's steps
+        # deliver newer tokens of the other requests, which would overtake the rest of this step's.
+        self._canary_due = True
+
+    def _run_due_canary_locked(self) -> None:
+        """The canary _on_engine_abort_locked asked for, once the step's outputs are delivered."""
+        self._canary_due = False
         broken = self._canary_locked()
         if broken is not None:
             self._set_engine_health_locked(False, broken)

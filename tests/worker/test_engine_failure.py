@@ -201,14 +201,17 @@ class _RefusingEngine(FakeEngine):
         refused = [rid for rid, s in self._seqs.items() if s.req.group_id.startswith("bad-")]
         for rid in refused:
             self.abort(rid)
-        return [*super().step(drafts),
-                *(StepOutput(rid, [], [], finished=True, finish_reason=FinishReason.ABORTED) for rid in refused)]
+        # The aborted ones first: the canary they lead to must not deliver the other requests'
+        # newer tokens before the rest of this step's.
+        return [*(StepOutput(rid, [], [], finished=True, finish_reason=FinishReason.ABORTED) for rid in refused),
+                *super().step(drafts)]
 
 
 def test_the_canary_delivers_the_other_requests_tokens() -> None:
     """The canary after engine-side aborts steps an engine that keeps running the other requests:
-    their outputs of those steps reach their chunks (dropped, a chunk would miss tokens). The canary
-    steps, so the worker stays healthy: the aborts were the refused prompts' fault."""
+    their outputs of those steps reach their chunks (dropped, a chunk would miss tokens), and after
+    the rest of the step that had the aborts (run from inside its delivery, they overtook it). The
+    canary steps, so the worker stays healthy: the aborts were the refused prompts' fault."""
     eng = _RefusingEngine()
     w = Worker(eng, speculation=False).start()
     heard: list[bool] = []
