@@ -486,6 +486,8 @@ class Worker:
     def _validate(self, job: ChunkJob) -> ChunkJob:
         if not job.request_id:
             raise InvalidArgument("must not be empty", field="request_id")
+        if job.request_id == _CANARY_ID:
+            raise InvalidArgument(f"{_CANARY_ID!r} is reserved for the worker's engine check", field="request_id")
         if not job.prompt_token_ids:
             raise InvalidArgument("must not be empty", field="prompt_token_ids")
         if job.max_new_tokens < 1:
@@ -830,6 +832,10 @@ class Worker:
                 others = [o for o in outs if o.request_id != _CANARY_ID]
                 if others:
                     self._after_step_locked(others, {}, None)
+                    if any(o.token_ids for o in others):
+                        # Another request got tokens: the engine works (with a full batch, the
+                        # canary would wait its turn and time out on a working engine).
+                        return None
                 for out in outs:
                     if out.request_id != _CANARY_ID:
                         continue

@@ -233,3 +233,60 @@ def test_the_canary_delivers_the_other_requests_tokens() -> None:
         assert heard == [True]
     finally:
         w.close()
+
+
+class _FullBatchEngine(_RefusingEngine):
+    """Runs at most one request at a time (a full batch: SGLang's max_running_requests), in arrival
+    order; gives up on groups named bad-*."""
+
+    def step(self, drafts: Any = None) -> Any:
+        admitted = list(self._seqs)[:1]
+        parked = {rid: self._seqs.pop(rid) for rid in list(self._seqs) if rid not in admitted
+                  and not self._seqs[rid].req.group_id.startswith("bad-")}
+        try:
+            return super().step(drafts)
+        finally:
+            self._seqs.update(parked)
+
+
+def test_a_canary_behind_a_full_batch_does_not_flip_health(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the batch full, the canary waits its turn; another request getting tokens meanwhile
+    shows the engine works. It timed out instead: NOT_SERVING on a working engine, then SERVING at
+    the next token (review)."""
+    from services.worker import core
+
+    monkeypatch.setattr(core, "_CANARY_TIMEOUT_S", 0.5)
+    eng = _FullBatchEngine()
+    eng.step_delay = 0.02  # "good" holds the slot for 60 x 20 ms, past the canary's timeout
+    w = Worker(eng, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+
+    def job(rid: str, group: str, n: int) -> ChunkJob:
+        return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=n, max_tokens=n,
+                        sampling=GREEDY, policy_version=0, group_id=group)
+
+    try:
+        with w._lock:
+            good = w.submit(job("good", "ok", 60))  # holds the only slot
+            bad = [w.submit(job(f"b{i}", f"bad-{i}", 5)) for i in range(3)]
+        for h in bad:
+            assert isinstance(list(h.events())[-1], ErrorEvent)
+        assert isinstance(list(good.events())[-1], DoneEvent)
+        assert heard == [True]
+    finally:
+        w.close()
+
+
+def test_the_canarys_request_id_is_reserved() -> None:
+    """A chunk named as the canary would be aborted by the canary's cleanup and never end."""
+    from services.common.errors import InvalidArgument
+    from services.worker.core import _CANARY_ID
+
+    w = Worker(FakeEngine(), speculation=False).start()
+    try:
+        with pytest.raises(InvalidArgument) as e:
+            w.submit(fake_job(_CANARY_ID))
+        assert e.value.field == "request_id"
+    finally:
+        w.close()

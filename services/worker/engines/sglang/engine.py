@@ -184,7 +184,9 @@ class SGLangEngine(Engine):
         self._dtype = str(server_args.get("dtype", "bfloat16"))
         self._max_batch = int(server_args.get("max_running_requests", 0) or 0)
         os.environ.update(env or {})  # read by the SEER plugin in SGLang's scheduler process
-        self._out: queue.SimpleQueue[tuple[str, list[int], list[float], FinishReason | None, int]] = (
+        # (the attempt, tokens, logprobs, finish reason, accepted): the attempt, not the request id,
+        # so that outputs of an aborted attempt never reach a later one of the same id.
+        self._out: queue.SimpleQueue[tuple[_Live, list[int], list[float], FinishReason | None, int]] = (
             queue.SimpleQueue()
         )
         self._live: dict[str, _Live] = {}
@@ -243,13 +245,13 @@ class SGLangEngine(Engine):
                 if d.reason is not None and "cached_tokens" in meta:
                     self._stats["cached"] += int(meta["cached_tokens"])
                     self._stats["prefill"] += len(prefix) - int(meta["cached_tokens"])
-                self._out.put((rid, d.token_ids, d.logprobs, d.reason, d.accepted))
+                self._out.put((live, d.token_ids, d.logprobs, d.reason, d.accepted))
                 reason = d.reason
                 if reason is not None:
                     return
         except Exception as e:  # surface as an aborted request; the worker reports it
             log.warning("sglang generate failed: %s", e, extra=kv(request_id=rid))
-            self._out.put((rid, [], [], FinishReason.ABORTED, 0))
+            self._out.put((live, [], [], FinishReason.ABORTED, 0))
 
     # -- Engine --------------------------------------------------------------------------------
 
@@ -307,11 +309,15 @@ class SGLangEngine(Engine):
                 items.append(self._out.get_nowait())
             except queue.Empty:
                 break
-        for rid, toks, lps, reason, accepted in items:
+        for live, toks, lps, reason, accepted in items:
+            rid = live.req.request_id
             with self._lock:
-                live = self._live.get(rid)
-                if live is None:
-                    continue  # aborted
+                if self._live.get(rid) is not live:
+                    # Aborted; and if the request was added again since (a retry of the same id on
+                    # this worker), that is another attempt: its generate task reports its own
+                    # outputs, these are the old one's (tokens queued before the abort reached
+                    # SGLang, and SGLang's final "abort").
+                    continue
                 live.tokens += toks
                 if reason is not None:
                     del self._live[rid]

@@ -1,0 +1,128 @@
+"""The SGLang adapter keeps the attempts of one request id apart. After an abort, the old generate
+task still queues what it had (tokens produced before the abort reached SGLang, then SGLang's
+final "abort"); a retry of the same id on the same worker (a failed or deadline-aborted chunk
+re-dispatched there: group affinity) must not receive them. Keyed by request id, the new attempt
+got the old one's tokens (corrupted output) or its abort (a spurious failure). Found by review.
+
+SGLang needs CUDA, so its tokenizer manager is a small stand-in here that streams as SGLang's does
+(cumulative completion_tokens and output_token_logprobs, a finish_reason at the end), and the one
+SGLang import the adapter makes is stubbed for the test's duration."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+import types
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from services.worker.core import ChunkJob, DoneEvent, TokensEvent, Worker
+from services.worker.engine import GenerateRequest, SamplingParams
+from services.worker.engines.sglang import engine as sg
+
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+class _GenerateReqInput:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+@pytest.fixture(autouse=True)
+def _sglang_io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    io_struct.GenerateReqInput = _GenerateReqInput  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+
+
+class _TokenizerManager:
+    """Streams one token per 20 ms; attempt 1 of an id counts on from its last token, later ones
+    emit 50, 51, ...; abort_request ends the stream with an "abort" output a moment later."""
+
+    def __init__(self, abort_reaches: bool = True) -> None:
+        self.aborted: set[str] = set()
+        self.attempts: dict[str, int] = {}
+        self.abort_reaches = abort_reaches
+
+    async def generate_request(self, obj: Any, _request: Any) -> AsyncIterator[dict[str, Any]]:
+        rid = obj.rid
+        attempt = self.attempts[rid] = self.attempts.get(rid, 0) + 1
+        last, entries = obj.input_ids[-1], []
+        for n in range(1, obj.sampling_params["max_new_tokens"] + 1):
+            await asyncio.sleep(0.02)
+            if rid in self.aborted:
+                self.aborted.discard(rid)
+                await asyncio.sleep(0.02)
+                yield {"meta_info": {"completion_tokens": n - 1, "output_token_logprobs": entries,
+                                     "finish_reason": {"type": "abort"}}}
+                return
+            last = last + 1 if attempt == 1 else 49 + n
+            entries = [*entries, (-0.1, last, None)]
+            done = n == obj.sampling_params["max_new_tokens"]
+            yield {"meta_info": {"completion_tokens": n, "output_token_logprobs": entries,
+                                 "finish_reason": {"type": "length"} if done else None}}
+
+    def abort_request(self, rid: str) -> None:
+        if self.abort_reaches:
+            self.aborted.add(rid)
+
+
+@pytest.fixture
+def engine() -> Iterator[sg.SGLangEngine]:
+    """The adapter around the stand-in (its constructor would start SGLang)."""
+    e = sg.SGLangEngine.__new__(sg.SGLangEngine)
+    e._mc = SimpleNamespace(vocab_size=100, max_position_embeddings=512, eos_token_ids=(99,),  # type: ignore[assignment]
+                            num_layers=1, num_kv_heads=1, head_dim=2)
+    e._model_dir = Path("/nonexistent")  # type: ignore[attr-defined]
+    e._version, e._family = "m@v0", "m"
+    e._page_size, e._dtype, e._max_batch, e._total_pages = 4, "float32", 8, 64
+    e._t0 = time.monotonic()
+    e._out = queue.SimpleQueue()
+    e._live = {}
+    e._lock = threading.Lock()
+    e._stats = {"prefill": 0, "cached": 0, "generated": 0, "steps": 0}
+    e._loop = asyncio.new_event_loop()
+    e._thread = threading.Thread(target=e._loop.run_forever, daemon=True)
+    e._thread.start()
+    e._sgl = SimpleNamespace(tokenizer_manager=_TokenizerManager())
+    yield e
+    e._loop.call_soon_threadsafe(e._loop.stop)
+    e._thread.join(5)
+
+
+def test_a_retried_id_gets_only_its_own_tokens(engine: sg.SGLangEngine) -> None:
+    engine._sgl.tokenizer_manager.abort_reaches = False  # the old stream's tokens all get queued
+    req = GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=3, sampling=GREEDY)
+    engine.add_request(req)
+    time.sleep(0.15)  # attempt 1 queued 4, 5, 6; nobody stepped
+    assert engine.abort("r")
+    engine.add_request(req)  # attempt 2 of the same id
+    deadline, toks = time.monotonic() + 5, []
+    while time.monotonic() < deadline and len(toks) < 3:
+        toks += [t for o in engine.step() for t in o.token_ids]
+    assert toks == [50, 51, 52]
+
+
+def test_a_chunk_retried_on_the_same_worker_is_not_failed_by_the_old_abort(engine: sg.SGLangEngine) -> None:
+    w = Worker(engine, speculation=False).start()
+    job = ChunkJob(request_id="b/0/0", prompt_token_ids=(1, 2, 3), max_new_tokens=40, max_tokens=80,
+                   sampling=GREEDY, policy_version=0, group_id="b/0")
+    try:
+        h = w.submit(job)
+        assert isinstance(next(h.events()), TokensEvent)
+        assert w.abort("b/0/0")  # the scheduler's abort (a chunk deadline, say)
+        time.sleep(0.3)  # the worker is idle: nobody steps, SGLang's "abort" waits in the queue
+        events = list(w.submit(job).events())
+        assert isinstance(events[-1], DoneEvent), events[-1]
+        assert [t for e in events if isinstance(e, TokensEvent) for t in e.token_ids] == list(range(50, 90))
+    finally:
+        w.close()
