@@ -256,6 +256,12 @@ def _rig(rig: Callable[..., Rig], broken: set[str], error: Callable[[worker_pb2.
     return t, links
 
 
+def _settled(t: Rig) -> bool:
+    """Every request done or given up on, and the ABORTED commits of the latter sent (they run on
+    the dispatcher's abort pool, after the request left `_requests`)."""
+    return not t.d._requests and not t.d._aborting
+
+
 def _aborted(t: Rig, rids: list[str]) -> list[str]:
     return [rid for rid in rids if any(c.finish_reason == ABORTED for c in t.buffer.of(rid))]
 
@@ -264,7 +270,7 @@ def test_a_batch_completes_beside_a_worker_whose_every_chunk_fails(rig: Callable
     t, links = _rig(rig, {"bad"}, lambda req: SeerError(CUDA_FAULT))
     rids = [f"r{i}" for i in range(40)]
     t.d._add_items([item(rid, max_tokens=32) for rid in rids])
-    wait_for(lambda: not t.d._requests, timeout=30)
+    wait_for(lambda: _settled(t), timeout=30)
     assert _aborted(t, rids) == []
     assert all(sum(len(c.token_ids) for c in t.buffer.of(rid)) == 32 for rid in rids)
     assert t.d.core.is_quarantined("bad") and not t.d.core.is_quarantined("good")
@@ -279,7 +285,7 @@ def test_one_request_that_fails_everywhere_quarantines_no_worker(rig: Callable[.
     t, links = _rig(rig, {"good", "bad"}, lambda req: SeerError(CUDA_FAULT) if req.request_id == "poison" else None)
     rids = ["poison"] + [f"r{i}" for i in range(10)]
     t.d._add_items([item(rid, max_tokens=32) for rid in rids])
-    wait_for(lambda: not t.d._requests, timeout=30)
+    wait_for(lambda: _settled(t), timeout=30)
     assert _aborted(t, rids) == ["poison"]
     assert sum(req.request_id == "poison" for _, req in links.requests) == MAX_CHUNK_ATTEMPTS
     assert not t.d.core.is_quarantined("good") and not t.d.core.is_quarantined("bad")
@@ -289,7 +295,7 @@ def test_request_errors_quarantine_no_worker(rig: Callable[..., Rig]) -> None:
     # Every chunk on "bad" is refused as the request's fault: not counted against the worker.
     t, _ = _rig(rig, {"bad"}, lambda req: InvalidArgument("INVALID_ARGUMENT: prompt_token_ids: out of vocabulary"))
     t.d._add_items([item(f"r{i}", max_tokens=32) for i in range(6)])
-    wait_for(lambda: not t.d._requests, timeout=30)
+    wait_for(lambda: _settled(t), timeout=30)
     assert not t.d.core.is_quarantined("bad")
 
 
@@ -297,7 +303,7 @@ def test_a_sole_broken_worker_is_not_quarantined_and_the_requests_fail(rig: Call
     t, links = _rig(rig, {"bad"}, lambda req: SeerError(CUDA_FAULT), workers=("bad",))
     rids = ["a", "b"]
     t.d._add_items([item(rid, max_tokens=32) for rid in rids])
-    wait_for(lambda: not t.d._requests, timeout=30)
+    wait_for(lambda: _settled(t), timeout=30)
     assert _aborted(t, rids) == rids  # ABORTED after their attempts, as before: the trainer sees it
     assert len(links.requests) == 2 * MAX_CHUNK_ATTEMPTS
     assert not t.d.core.is_quarantined("bad")
@@ -356,7 +362,7 @@ def test_chunks_counted_in_flight_are_running(rig: Callable[..., Rig], threads: 
     time.sleep(0.2)  # nothing more starts, and nothing more is counted
     assert links.open == want and t.d.stats().in_flight_chunks == want
     links.gate.set()
-    wait_for(lambda: not t.d._requests, timeout=30)
+    wait_for(lambda: _settled(t), timeout=30)
     assert all(sum(len(c.token_ids) for c in t.buffer.of(f"r{i}")) == 8 for i in range(40))
 
 
