@@ -70,7 +70,7 @@ class SchedulerConfig(ServiceConfig):
     )
     worker_failure_limit: int = field(
         default=3,
-        metadata={"help": "quarantine a worker on which chunks of this many requests failed in a row by its "
+        metadata={"help": "quarantine a worker on which chunks of this many prompt groups failed in a row by its "
                           "fault (not the last trusted one; 0 = off)"},
     )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.

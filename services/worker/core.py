@@ -288,9 +288,10 @@ class Worker:
         self._active: dict[str, _Active] = {}
         self._loading = False  # LoadWeights in progress: refuse new chunks
         self._step_failures = 0  # engine step failures in a row
-        # False from an isolation in which every chunk failed alone until a step succeeds (see
-        # _isolate_locked): the engine, not a request, is broken. Listeners (the gRPC health
-        # status, so Kubernetes' liveness probe restarts the process) hear every change.
+        # False once the chunks failed and a canary request too (_fail_culprits_locked,
+        # _on_engine_abort_locked), until a chunk gets a token: the engine, not a request, is
+        # broken. Listeners (the gRPC health status, so Kubernetes' liveness probe restarts the
+        # process) hear every change.
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
         # Groups whose chunks the engine gave up on (an engine-side ABORTED: SGLang's failed
@@ -885,10 +886,10 @@ class Worker:
         self.engine_healthy = healthy
         metrics.ENGINE_HEALTHY.set(1 if healthy else 0)
         if healthy:
-            log.info("engine steps again; healthy")
+            log.info("the engine produces tokens again; healthy")
         else:
-            log.error("every chunk failed alone: the engine is broken, not a request; health NOT_SERVING "
-                      "until a step succeeds", extra=kv(error=str(error)))
+            log.error("the engine is broken, not a request (the chunks failed and a canary request too); health "
+                      "NOT_SERVING until a chunk gets a token", extra=kv(error=str(error)))
         for listener in self._health_listeners:
             try:
                 listener(healthy)

@@ -17,9 +17,9 @@ from services.worker.engines.reference.engine import ReferenceEngine
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-def fake_job(rid: str) -> ChunkJob:
-    return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=5, max_tokens=5, sampling=GREEDY,
-                    policy_version=0)
+def fake_job(rid: str, group: str = "", n: int = 5) -> ChunkJob:
+    return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=n, max_tokens=n, sampling=GREEDY,
+                    policy_version=0, group_id=group)
 
 
 def test_one_failure_is_retried_two_fail_the_chunks() -> None:
@@ -176,18 +176,14 @@ def test_an_engine_that_gives_up_on_every_group_is_found_broken() -> None:
     heard: list[bool] = []
     w.on_engine_health(heard.append)
 
-    def job(rid: str, group: str) -> ChunkJob:
-        return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=5, max_tokens=5,
-                        sampling=GREEDY, policy_version=0, group_id=group)
-
     try:
         for rid, group in (("a", "g1"), ("b", "g1"), ("c", "g2"), ("d", "g2")):
-            assert isinstance(list(w.submit(job(rid, group)).events())[-1], ErrorEvent)
+            assert isinstance(list(w.submit(fake_job(rid, group)).events())[-1], ErrorEvent)
         assert heard == [True]  # 2 groups: could be 2 refused prompts
-        assert isinstance(list(w.submit(job("e", "g3")).events())[-1], ErrorEvent)
+        assert isinstance(list(w.submit(fake_job("e", "g3")).events())[-1], ErrorEvent)
         assert heard == [True, False] and not w.engine_healthy
         eng.broken = False
-        assert w.run(job("f", "g4"))[0] == [4, 5, 6, 7, 8]
+        assert w.run(fake_job("f", "g4"))[0] == [4, 5, 6, 7, 8]
         assert heard == [True, False, True]
     finally:
         w.close()
@@ -217,14 +213,10 @@ def test_the_canary_delivers_the_other_requests_tokens() -> None:
     heard: list[bool] = []
     w.on_engine_health(heard.append)
 
-    def job(rid: str, group: str, n: int) -> ChunkJob:
-        return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=n, max_tokens=n,
-                        sampling=GREEDY, policy_version=0, group_id=group)
-
     try:
         with w._lock:  # all in the engine's batch together
-            good = w.submit(job("good", "ok", 30))
-            bad = [w.submit(job(f"b{i}", f"bad-{i}", 5)) for i in range(3)]
+            good = w.submit(fake_job("good", "ok", 30))
+            bad = [w.submit(fake_job(f"b{i}", f"bad-{i}", 5)) for i in range(3)]
         for h in bad:
             assert isinstance(list(h.events())[-1], ErrorEvent)
         events = list(good.events())
@@ -262,14 +254,10 @@ def test_a_canary_behind_a_full_batch_does_not_flip_health(monkeypatch: pytest.M
     heard: list[bool] = []
     w.on_engine_health(heard.append)
 
-    def job(rid: str, group: str, n: int) -> ChunkJob:
-        return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=n, max_tokens=n,
-                        sampling=GREEDY, policy_version=0, group_id=group)
-
     try:
         with w._lock:
-            good = w.submit(job("good", "ok", 60))  # holds the only slot
-            bad = [w.submit(job(f"b{i}", f"bad-{i}", 5)) for i in range(3)]
+            good = w.submit(fake_job("good", "ok", 60))  # holds the only slot
+            bad = [w.submit(fake_job(f"b{i}", f"bad-{i}", 5)) for i in range(3)]
         for h in bad:
             assert isinstance(list(h.events())[-1], ErrorEvent)
         assert isinstance(list(good.events())[-1], DoneEvent)

@@ -56,8 +56,8 @@ class SchedulerPolicyConfig:
     quarantine_clear_reports: int = 3
     quarantine_max_reports: int = 96
     quarantine_decay_reports: int = 900
-    # A worker on which chunks of this many different requests failed in a row (errors of the
-    # worker, not of the request: workers.py) is quarantined like one that reports impossible
+    # A worker on which chunks of this many different groups failed in a row (errors of the
+    # worker, not of the request: SchedulerCore.on_worker_fault) is quarantined like one that reports impossible
     # numbers, unless no other worker is trusted; 0 = off. Why: a worker whose engine is broken
     # (a CUDA fault, a hung device) fails every chunk at once, so it always looks free and
     # least-loaded placement sends it most chunks; each failure costs a request one of its
