@@ -94,6 +94,11 @@ def test_default_topology(chart: Any) -> None:
     assert all(s["spec"]["clusterIP"] == "None" for s in services.values()), "client-side balancing needs headless"
     pdbs = _by_kind(objects, "PodDisruptionBudget")
     assert "seer-worker" in pdbs
+    # One active replica each: no surge pod beside the old one (for the draft server, a group's
+    # siblings would be indexed on two pods, which the headless Service balances between).
+    for single in ("seer-scheduler", "seer-draft"):
+        assert deps[single]["spec"]["strategy"]["type"] == "Recreate", single
+    assert "strategy" not in deps["seer-worker"]["spec"]
     # A restarted draft server refills its history drafts from the buffer.
     assert _env(deps["seer-draft"])["SEER_DRAFT_BUFFER_ADDRESS"] == "seer-buffer.rollout.svc:50051"
     assert not _by_kind(objects, "ServiceMonitor")

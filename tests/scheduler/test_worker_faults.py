@@ -186,6 +186,43 @@ def test_a_released_worker_is_on_probation_until_a_chunk_completes(clock: FakeCl
     assert not core.is_quarantined("w1")
 
 
+def test_the_baseline_honours_probation_too(clock: FakeClock) -> None:
+    """The baseline has no batch limit (the engine queues), but a released worker on probation
+    takes one request at a time there too; the rest of its groups move to a worker that is not
+    on probation, and it takes its whole share again once a request completes there."""
+    core = SchedulerCore(
+        SchedulerPolicyConfig(policy="baseline", worker_failure_limit=2, quarantine_clear_reports=1), clock=clock
+    )
+    for wid in ("w0", "w1"):
+        core.add_worker(WorkerSpec(wid, total_pages=10_000, page_size=16, max_batch_size=2))
+    for g in range(2):
+        for i in range(3):
+            core.add_request(RequestInfo(f"g{g}-{i}", f"g{g}", f"k{g}", 0, 3, 8, 64))
+    first = core.next_dispatches()
+    assert len(first) == 6  # no batch limit: both groups whole, one per worker
+    on_w1 = [d.request_id for d in first if d.worker_id == "w1"]
+    for rid in on_w1[:2]:
+        core.on_worker_fault("w1", rid, CUDA_FAULT, group_id=f"x-{rid}")
+    for d in first:
+        if d.worker_id == "w1":
+            core.on_chunk_failed(d.request_id, "w1")
+    assert core.is_quarantined("w1")
+    core.update_worker("w1", free_pages=10_000, running=0, waiting=0)
+    assert not core.is_quarantined("w1")
+    for g in range(2, 4):
+        for i in range(3):
+            core.add_request(RequestInfo(f"g{g}-{i}", f"g{g}", f"k{g}", 0, 3, 8, 64))
+    again = core.next_dispatches()
+    assert len(again) == 9  # the 3 re-queued and 6 new ones
+    assert sum(d.worker_id == "w1" for d in again) == 1
+    probe = next(d.request_id for d in again if d.worker_id == "w1")
+    core.on_chunk_done(probe, "w1", 64, True)  # it works again: the probation ends
+    for g in range(4, 6):
+        for i in range(3):
+            core.add_request(RequestInfo(f"g{g}-{i}", f"g{g}", f"k{g}", 0, 3, 8, 64))
+    assert sum(d.worker_id == "w1" for d in core.next_dispatches()) >= 3
+
+
 def test_worker_failure_limit_zero_turns_it_off(clock: FakeClock) -> None:
     core = _core(clock, worker_failure_limit=0)
     _place(core, "a", "b", "c", "d")

@@ -47,9 +47,11 @@ spec:
   {{- if .stateful }}
   serviceName: {{ $name }}
   podManagementPolicy: Parallel
-  {{- else if has $c (list "buffer" "scheduler") }}
+  {{- else if has $c (list "buffer" "scheduler" "draft") }}
   strategy:
-    # One active replica: the old pod must be gone before the new one opens the same state.
+    # One active replica: the old pod must be gone before the new one opens the same state (buffer,
+    # scheduler), or serves the same groups (draft: a surge pod would take the new connections, so
+    # a group's siblings would be indexed on two pods and draft from half of each other).
     type: Recreate
   {{- end }}
   selector:

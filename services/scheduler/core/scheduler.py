@@ -574,12 +574,20 @@ class SchedulerCore:
             if not fitting:
                 skipped.append(cand)  # only a worker that is away now can run it: wait for it
                 continue
+            # The baseline has no batch limit (the engine queues), except on a worker on probation
+            # after failing chunks: one chunk at a time there until one completes (see
+            # on_worker_fault), so a worker still broken costs one request, not a batch.
+            open_ = [wid for wid in fitting if not (self._workers[wid].record.probation and self._workers[wid].load)]
             gid = req.info.group_id
             wid = self._group_worker.get(gid)
             placed = self._workers.get(wid) if wid is not None else None
-            if placed is None or placed.quarantined or wid not in fitting:
-                # New group, or its worker is gone, quarantined or too small: the rest of the group moves.
-                wid = fitting[self._rr % len(fitting)]
+            if placed is None or placed.quarantined or wid not in open_:
+                # New group, or its worker is gone, quarantined, too small or on probation and busy:
+                # the rest of the group moves.
+                if not open_:
+                    skipped.append(cand)  # every worker that can run it is on probation and busy
+                    continue
+                wid = open_[self._rr % len(open_)]
                 self._rr += 1
                 self._group_worker[gid] = wid
                 placed = self._workers[wid]
