@@ -123,27 +123,31 @@ def test_keepalive_ends_the_streams_of_a_vanished_client(make_buffer: Callable[.
     monkeypatch.setattr(common_server, "KEEPALIVE_TIMEOUT_MS", 300)
     # max_streams 2, 1 kept for WatchWork: one StreamResults at a time.
     h = make_buffer(max_workers=4, max_streams=2)
-    submit(h.rollout, "k", [group(group_size=1)])
+    # Two responses, one finished: an admitted stream yields a result at once and then waits, so
+    # admission is a result, never a timeout (a slow refusal must not pass for an admission).
+    submit(h.rollout, "k", [group(group_size=2)])
+    assert commit(h.internal, "k/0/0", 0, [5], reason=STOP).request_finished
     proxy = _FreezableProxy(h.running.port)
     ch = grpc.insecure_channel(f"127.0.0.1:{proxy.port}")
     try:
         out: list[Any] = []
         stream = rollout_pb2_grpc.RolloutServiceStub(ch).StreamResults(rollout_pb2.StreamResultsRequest(batch_id="k"))
         threading.Thread(target=_drain, args=(stream, out), daemon=True).start()
-        stream.initial_metadata()  # accepted: it holds the one slot
-        with pytest.raises(grpc.RpcError) as e:
-            next(iter(h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="k"), timeout=5)))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        proxy.freeze()
+        assert _wait_for(lambda: out == ["k/0/0"])  # admitted: it holds the one slot, waiting for k/0/1
 
         def admitted() -> bool:
-            s = h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="k"), timeout=0.3)
+            s = h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="k"), timeout=10)
             try:
-                next(iter(s))
+                return next(iter(s)).result.request_id == "k/0/0"
             except grpc.RpcError as err:
-                return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # admitted, waiting for results
-            return True
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                return False
+            finally:
+                s.cancel()
 
+        assert not admitted()
+        proxy.freeze()
         # The server's unanswered keepalive ping closes the connection, which ends the stream.
         assert _wait_for(admitted, timeout=8.0)
     finally:
