@@ -14,7 +14,13 @@ A variant is a JSON object; with none given, a fixed set runs. Keys (all optiona
 - "beta", "window": times exp(beta * s), s = the share of the context's last `window` bigrams
   found in the `window` tokens before the occurrence (local similarity: the occurrence is in a
   response that has been saying what this one says);
-- "min_prob": stop below this path probability (default 0.1, as the index).
+- "min_prob": stop below this path probability (default 0.1, as the index);
+- "lookahead": 1 = the path maximising the expected accepted tokens under the weights (a child
+  with fewer occurrences that agree for longer can win), not the heaviest child at each fork;
+- "pos_tau": times exp(-|q - pos| / pos_tau), q the occurrence's and pos the requester's response
+  position (the same passage of a similar answer);
+- "sticky": times this for the sequences whose continuation predicted the request's previous
+  advance whole (keep following the source that was right).
 Where the variant has no candidate (no >= 2-token match), the index's proposal is used (its
 order-1 escape), so variants differ only in how they pick among >= 2-token matches.
 Weighted walk: the most heavily weighted token at each depth among the occurrences that agree with
@@ -50,7 +56,8 @@ def _bigrams(tokens: Sequence[int]) -> set[tuple[int, int]]:
     return set(pairwise(tokens))
 
 
-def weighted_draft(idx: GroupIndex, ctx: Sequence[int], gamma: int, v: dict[str, Any], own: int) -> list[int]:
+def weighted_draft(idx: GroupIndex, ctx: Sequence[int], gamma: int, v: dict[str, Any], own: int,
+                   sticky: frozenset[int] = frozenset()) -> list[int]:
     occ = occurrences(idx, ctx, 32)
     if v.get("deepest"):
         deep = max((m for _s, _q, m in occ), default=0)
@@ -73,9 +80,17 @@ def weighted_draft(idx: GroupIndex, ctx: Sequence[int], gamma: int, v: dict[str,
             w *= float(v.get("own", 1.0))
         elif s in hist:
             w *= float(v.get("history", 1.0))
+        if s in sticky:
+            w *= float(v["sticky"])
+        if v.get("pos_tau") and s != 0:
+            # Position alignment: an occurrence at about the same response position as the
+            # requester's is more likely the same passage of a similar answer.
+            w *= math.exp(-abs(q - idx._bases[s] - (len(ctx) - len(idx.prompt))) / float(v["pos_tau"]))
         if beta:
             w *= math.exp(beta * len(near & _bigrams(seq[max(0, q - window) : q])) / max(1, len(near)))
         cands.append((seq[q : q + gamma], w))
+    if v.get("lookahead"):
+        return _best_path(cands, 0, gamma, float(v.get("min_prob", 0.1)), 1.0)[1]
     out: list[int] = []
     prob = 1.0
     for d in range(gamma):
@@ -94,6 +109,32 @@ def weighted_draft(idx: GroupIndex, ctx: Sequence[int], gamma: int, v: dict[str,
     return out
 
 
+def _best_path(cands: list[tuple[list[int], float]], d: int, gamma: int, min_prob: float,
+               prob: float) -> tuple[float, list[int]]:
+    """The path from depth d maximising the expected accepted tokens under the candidates' weights
+    (sum over depths of the path's probability), not the most frequent child at each fork."""
+    if d >= gamma:
+        return 0.0, []
+    tot: dict[int, float] = {}
+    for c, w in cands:
+        if len(c) > d:
+            tot[c[d]] = tot.get(c[d], 0.0) + w
+    if not tot:
+        return 0.0, []
+    total = sum(tot.values())
+    best: tuple[float, list[int]] = (0.0, [])
+    for tok, wt in sorted(tot.items(), key=lambda kv: (-kv[1], kv[0])):
+        p = wt / total
+        if prob * p < min_prob:
+            continue
+        sub = [(c, w) for c, w in cands if len(c) > d and c[d] == tok]
+        val, path = _best_path(sub, d + 1, gamma, min_prob, prob * p)
+        val = p * (1.0 + val)
+        if val > best[0]:
+            best = (val, [tok, *path])
+    return best
+
+
 def replay_variant(data: dict[str, Any], group: int, history: bool, v: dict[str, Any]) -> float:
     """bench.spec's lockstep replay (accepted + bonus tokens per step) with variant v."""
     prompts, (it1, it2) = data["prompts"], data["iterations"]
@@ -105,6 +146,8 @@ def replay_variant(data: dict[str, Any], group: int, history: bool, v: dict[str,
         for h in (it1[p][:group] if history else []):
             idx.add_history(list(h))
         pos = [0] * len(responses)
+        # "sticky": the sequences whose continuation predicted a request's last advance whole.
+        agreed: list[frozenset[int]] = [frozenset()] * len(responses)
         while True:
             live = [r for r in range(len(responses)) if pos[r] < len(responses[r])]
             if not live:
@@ -118,9 +161,14 @@ def replay_variant(data: dict[str, Any], group: int, history: bool, v: dict[str,
                 if v.get("index"):
                     acc = draft_accepted(prop, fut)
                 else:
-                    d = weighted_draft(idx, ctx, GAMMA, v, idx._by_request.get(rid, -1))
+                    d = weighted_draft(idx, ctx, GAMMA, v, idx._by_request.get(rid, -1), agreed[r])
                     acc = common_prefix_len(d, fut) if d else draft_accepted(prop, fut)
                 adv[r] = min(acc + 1, len(responses[r]) - pos[r])
+                if v.get("sticky"):
+                    step = fut[: adv[r]]
+                    agreed[r] = frozenset(
+                        s for s, q, _m in occurrences(idx, ctx, 32) if idx._seqs[s][q : q + len(step)] == step
+                    )
             for r, a in adv.items():
                 idx.append(f"r{r}", pos[r], responses[r][pos[r] : pos[r] + a])
                 pos[r] += a
