@@ -395,6 +395,8 @@ class Worker:
                 sampling=job.sampling,
                 output_token_ids=job.output_token_ids,
                 group_id=job.group_id,
+                prompt_key=job.prompt_key,
+                group_size=max(job.group_size, 1),
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
@@ -943,6 +945,8 @@ class Worker:
             sampling=job.sampling,
             output_token_ids=job.output_token_ids + tuple(act.tokens),
             group_id=job.group_id,
+            prompt_key=job.prompt_key,
+            group_size=max(job.group_size, 1),
         )
 
     def _engine_has(self, request_id: str) -> bool:

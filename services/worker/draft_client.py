@@ -113,8 +113,14 @@ class DraftClient:
         levels: Sequence[int] = DEFAULT_LEVELS,
         min_token_prob: float = 0.1,
         memory_budget_bytes: int = 1 << 30,
+        follower: bool = False,
     ) -> None:
-        """idle_sync_interval_s: the tick interval while nothing is proposed (None: the larger of
+        """follower: a second client of the same worker's requests (SGLang's SEER plugin, beside the
+        worker's own client) keeps its appends local: one writer per response on the server, since
+        both would send the same tokens and their truncates (resume) could cut each other's appends.
+        It still registers groups (with the same values) and syncs.
+
+        idle_sync_interval_s: the tick interval while nothing is proposed (None: the larger of
         sync_interval_s and 0.4 s). memory_budget_bytes: the mirrors' indexes are kept under it by
         releasing the least recently used groups with nothing running here (checked every tick
         and at registration; a group with a chunk running is never released)."""
@@ -126,6 +132,7 @@ class DraftClient:
         if sync_interval_s <= 0 or idle_sync_interval_s < sync_interval_s:
             raise ValueError("sync_interval_s, idle_sync_interval_s: need 0 < sync_interval_s <= idle_sync_interval_s")
         self.address = address or None
+        self.follower = follower
         self.sync_interval_s = sync_interval_s
         self.idle_sync_interval_s = idle_sync_interval_s
         self._interval = sync_interval_s  # current tick interval (backs off while nothing is proposed)
@@ -201,7 +208,7 @@ class DraftClient:
         m.own.add(request_id)
         if finished:
             m.finished.add(request_id)
-        if self._stub is not None:
+        if self._stub is not None and not self.follower:
             # While the request runs here our stream is the truth on the server too: sending it
             # as truncate+append overwrites tokens a cancelled attempt elsewhere flushed late
             # (that worker's plain appends never overwrite ours). A no-op when nothing differs.
@@ -452,6 +459,8 @@ class DraftClient:
 
     def _requeue_own(self, gid: str, m: _Mirror, rids: Sequence[str] | None = None) -> None:
         """Queues this worker's whole sequences of a group again (caller holds the lock)."""
+        if self.follower:
+            return
         for rid in sorted(m.own if rids is None else rids):
             if m.index.length(rid) or rid in m.finished:
                 self._pending.append(self._whole_locked(gid, m, rid))

@@ -74,6 +74,10 @@ class GenerateRequest:
     # output for stop/position purposes (the sampling RNG is keyed by output position).
     output_token_ids: tuple[int, ...] = ()
     group_id: str = ""
+    # The group's prompt key and size: an engine that drafts inside itself (SGLang's SEER plugin)
+    # registers the group on the draft server with them, as the worker does.
+    prompt_key: str = ""
+    group_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -84,3 +84,32 @@ def test_client_survives_server_restart(tmp_path) -> None:  # type: ignore[no-un
             running2.stop(0)
     finally:
         c.close()
+
+
+def test_a_follower_client_keeps_its_appends_local(draft_server: tuple[RunningServer, DraftStore]) -> None:
+    """The worker's client is the one writer of its requests on the server: the plugin's (a
+    follower) resumes and appends locally only, so its truncates never cut the worker's appends."""
+    running, store = draft_server
+    worker = DraftClient(running.address, sync_interval_s=0.02)
+    plugin = DraftClient(running.address, sync_interval_s=0.02, follower=True)
+    try:
+        for c in (worker, plugin):
+            c.register_group("g", "key", (1, 2, 3), group_size=2, ttl_seconds=60)
+        _wait(lambda: store.stats().groups == 1)
+        worker.resume("g", "r", [], epoch=5)
+        worker.append("g", "r", 0, [10, 11, 12])
+        _wait(lambda: store.index_of("g").length("r") == 3)
+        plugin.resume("g", "r", [])  # what the plugin does when it first sees the attempt
+        plugin.append("g", "r", 0, [10])
+        plugin.append("g", "s", 0, [30, 31])  # even a response the worker never sent
+        worker.append("g", "r", 3, [13])
+        _wait(lambda: store.index_of("g").length("r") == 4)
+        time.sleep(0.2)  # several of the follower's ticks
+        assert store.index_of("g").tokens("r") == [10, 11, 12, 13]
+        assert store.index_of("g").length("s") == 0
+        # It still syncs: the sibling's tokens reach its mirror.
+        worker.append("g", "t", 0, [40, 41, 42])
+        _wait(lambda: (d := plugin.propose("g", "x", [40, 41], 2)) is not None and d.tokens[0] == 42)
+    finally:
+        worker.close()
+        plugin.close()

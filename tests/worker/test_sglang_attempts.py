@@ -45,31 +45,41 @@ def _sglang_io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class _TokenizerManager:
-    """Streams one token per 20 ms; attempt 1 of an id counts on from its last token, later ones
-    emit 50, 51, ...; abort_request ends the stream with an "abort" output a moment later."""
+    """Streams one token per 20 ms; attempt 1 of a Seer request counts on from its last token,
+    later ones emit 50, 51, ...; abort_request ends the stream with an "abort" output a moment
+    later. Like SGLang's TokenizerManager (_init_req_state), it refuses an id it still holds: until
+    that id's stream has ended, also after an abort."""
 
     def __init__(self, abort_reaches: bool = True) -> None:
         self.aborted: set[str] = set()
         self.attempts: dict[str, int] = {}
+        self.held: set[str] = set()
         self.abort_reaches = abort_reaches
 
     async def generate_request(self, obj: Any, _request: Any) -> AsyncIterator[dict[str, Any]]:
         rid = obj.rid
-        attempt = self.attempts[rid] = self.attempts.get(rid, 0) + 1
-        last, entries = obj.input_ids[-1], []
-        for n in range(1, obj.sampling_params["max_new_tokens"] + 1):
-            await asyncio.sleep(0.02)
-            if rid in self.aborted:
-                self.aborted.discard(rid)
+        if rid in self.held:
+            raise ValueError(f"Duplicate request ID detected: {rid}")
+        self.held.add(rid)
+        try:
+            seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
+            attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
+            last, entries = obj.input_ids[-1], []
+            for n in range(1, obj.sampling_params["max_new_tokens"] + 1):
                 await asyncio.sleep(0.02)
-                yield {"meta_info": {"completion_tokens": n - 1, "output_token_logprobs": entries,
-                                     "finish_reason": {"type": "abort"}}}
-                return
-            last = last + 1 if attempt == 1 else 49 + n
-            entries = [*entries, (-0.1, last, None)]
-            done = n == obj.sampling_params["max_new_tokens"]
-            yield {"meta_info": {"completion_tokens": n, "output_token_logprobs": entries,
-                                 "finish_reason": {"type": "length"} if done else None}}
+                if rid in self.aborted:
+                    self.aborted.discard(rid)
+                    await asyncio.sleep(0.02)
+                    yield {"meta_info": {"completion_tokens": n - 1, "output_token_logprobs": entries,
+                                         "finish_reason": {"type": "abort"}}}
+                    return
+                last = last + 1 if attempt == 1 else 49 + n
+                entries = [*entries, (-0.1, last, None)]
+                done = n == obj.sampling_params["max_new_tokens"]
+                yield {"meta_info": {"completion_tokens": n, "output_token_logprobs": entries,
+                                     "finish_reason": {"type": "length"} if done else None}}
+        finally:
+            self.held.discard(rid)
 
     def abort_request(self, rid: str) -> None:
         if self.abort_reaches:
@@ -126,3 +136,20 @@ def test_a_chunk_retried_on_the_same_worker_is_not_failed_by_the_old_abort(engin
         assert [t for e in events if isinstance(e, TokensEvent) for t in e.token_ids] == list(range(50, 90))
     finally:
         w.close()
+
+
+def test_a_retry_runs_while_sglang_still_holds_the_aborted_attempt(engine: sg.SGLangEngine) -> None:
+    """SGLang holds an aborted id until its scheduler's abort output comes back and refuses it
+    meanwhile; a retry of the request right after the abort (the worker retries a failed chunk on
+    the same engine at once) must still run. With the request id as SGLang's id it came back
+    ABORTED at once (found by review, session 17: checked against SGLang's TokenizerManager)."""
+    req = GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=3, sampling=GREEDY)
+    engine.add_request(req)
+    time.sleep(0.05)
+    assert engine.abort("r")
+    engine.add_request(req)  # at once: the first attempt's stream has not ended yet
+    deadline, outs = time.monotonic() + 5, []
+    while time.monotonic() < deadline and not any(o.finished for o in outs):
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == [50, 51, 52]
+    assert outs[-1].finish_reason is not None and outs[-1].finish_reason.name == "LENGTH"

@@ -147,9 +147,9 @@ def test_request_conversions() -> None:
     assert parse_policy_version("smollm2@v12") == 12 and parse_policy_version("v0") == 0
     with pytest.raises(ValueError, match="version"):
         parse_policy_version("latest")
-    meta = plugin.request_meta(plugin.custom_params("g1", "k", 8, True))
-    assert meta == ("g1", "k", 8, True)
-    assert plugin.request_meta(None) == ("", "", 1, False)
+    meta = plugin.request_meta(plugin.custom_params("g1", "k", 8, True, request_id="g1/3", output_offset=5))
+    assert meta == plugin.RequestMeta("g1", "k", 8, True, "g1/3", 5)
+    assert plugin.request_meta(None) == plugin.RequestMeta("", "", 1, False, "", 0)
 
 
 @pytest.mark.parametrize("cumulative", [True, False], ids=["cumulative", "incremental"])

@@ -22,6 +22,7 @@ sglang is imported lazily: importing this module never needs it (CI has no GPU a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import queue
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from services.worker.config import WorkerConfig
 
 log = get_logger(__name__)
+
+# Attempt numbers of SGLang request ids (_Live.rid), unique in the process.
+_ATTEMPTS = itertools.count(1)
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 
@@ -164,6 +168,11 @@ def stream_delta(meta: Mapping[str, Any], reported: int, verify_steps: int) -> S
 @dataclass
 class _Live:
     req: GenerateRequest
+    # SGLang's id of this attempt: the request id plus an attempt number. SGLang refuses an id it
+    # still holds ("Duplicate request ID detected" in TokenizerManager._init_req_state), and after
+    # an abort it holds it until the scheduler's abort output comes back, so a retry of the same
+    # request on this worker (group affinity makes that the usual place) would fail at once.
+    rid: str = ""
     tokens: list[int] = field(default_factory=list)
     reported: int = 0  # completion tokens already turned into step outputs
     verify_steps: int = 0
@@ -228,12 +237,19 @@ class SGLangEngine(Engine):
             input_ids=prefix,
             sampling_params={
                 **sampling_dict(req.sampling, req.max_new_tokens),
-                "custom_params": plugin.custom_params(req.group_id, "", 1, False) if req.group_id else None,
+                # The plugin drafts and appends for the Seer request (not SGLang's attempt id), at
+                # response positions (SGLang counts output from this attempt's prefix).
+                # Group values as the worker registers them: the first registration on the server
+                # wins (a different prompt key or prompt is refused), and its size decides when the
+                # group is complete.
+                "custom_params": plugin.custom_params(req.group_id, req.prompt_key, max(req.group_size, 1), False,
+                                                      request_id=req.request_id,
+                                                      output_offset=len(req.output_token_ids)),
             },
             return_logprob=True,
             logprob_start_len=len(prefix),  # logprobs of the output tokens only
             stream=True,
-            rid=req.request_id,
+            rid=live.rid,
             extra_key=pages.extra_key(self._family, parse_policy_version(self._version)),
         )
         rid = req.request_id
@@ -294,7 +310,7 @@ class SGLangEngine(Engine):
         with self._lock:
             if req.request_id in self._live:
                 raise ValueError(f"request_id: {req.request_id!r} is already live")
-            live = self._live[req.request_id] = _Live(req)
+            live = self._live[req.request_id] = _Live(req, f"{req.request_id}#{next(_ATTEMPTS)}")
         asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
 
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
@@ -334,10 +350,10 @@ class SGLangEngine(Engine):
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            found = self._live.pop(request_id, None) is not None
-        if found:
-            self._loop.call_soon_threadsafe(self._sgl.tokenizer_manager.abort_request, request_id)
-        return found
+            live = self._live.pop(request_id, None)
+        if live is not None:
+            self._loop.call_soon_threadsafe(self._sgl.tokenizer_manager.abort_request, live.rid)
+        return live is not None
 
     def has_unfinished(self) -> bool:
         with self._lock:
