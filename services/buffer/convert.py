@@ -67,21 +67,27 @@ class WorkItemEncoder:
     group share them; copying a protobuf template is ~10x cheaper than rebuilding the token list)."""
 
     def __init__(self, max_groups: int = 4096) -> None:
-        self._templates: dict[str, buffer_pb2.WorkItem] = {}
+        # group_id -> (the group's prompt array, its template). A group's requests share one prompt
+        # array object (the core's group record), so identity says "the same group", not just the
+        # same id: a batch id resubmitted after retention deleted it has new groups under the old
+        # ids, which must not get the old prompt, sampling and version. The reference keeps the
+        # array alive, so its identity cannot be reused while cached.
+        self._templates: dict[str, tuple[object, buffer_pb2.WorkItem]] = {}
         self._max_groups = max_groups
 
     def _template(self, w: WorkItem) -> buffer_pb2.WorkItem:
-        t = self._templates.get(w.group_id)
-        if t is None:
-            if len(self._templates) >= self._max_groups:
-                self._templates.clear()
-            t = buffer_pb2.WorkItem(
-                batch_id=w.batch_id, group_id=w.group_id, group_index=w.group_index, group_size=w.group_size,
-                prompt_key=w.prompt_key, prompt_token_ids=w.prompt_token_ids.tolist(), max_tokens=w.max_tokens,
-                sampling=sampling_to_pb(w.sampling), policy_version=w.policy_version,
-                trace_context=w.trace_context,
-            )
-            self._templates[w.group_id] = t
+        hit = self._templates.get(w.group_id)
+        if hit is not None and hit[0] is w.prompt_token_ids:
+            return hit[1]
+        if len(self._templates) >= self._max_groups:
+            self._templates.clear()
+        t = buffer_pb2.WorkItem(
+            batch_id=w.batch_id, group_id=w.group_id, group_index=w.group_index, group_size=w.group_size,
+            prompt_key=w.prompt_key, prompt_token_ids=w.prompt_token_ids.tolist(), max_tokens=w.max_tokens,
+            sampling=sampling_to_pb(w.sampling), policy_version=w.policy_version,
+            trace_context=w.trace_context,
+        )
+        self._templates[w.group_id] = (w.prompt_token_ids, t)
         return t
 
     def encode(self, w: WorkItem) -> buffer_pb2.WorkItem:

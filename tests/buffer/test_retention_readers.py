@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from buffer_helpers import BufferHandle, expect_error, finish_all, group, snapshot, submit
-from seer.v1 import rollout_pb2
+from seer.v1 import common_pb2, rollout_pb2
 
 from services.buffer.core import BufferCore, Commit
 from services.buffer.model import ModelInfo
@@ -141,3 +142,45 @@ def test_the_oldest_remembered_deletions_are_evicted_in_the_store_too(tmp_path: 
         core.get_batch("a")
     assert "deleted by retention" not in str(e.value)  # forgotten: plain unknown batch
     core.close()
+
+
+def test_a_batch_id_reused_after_retention_is_fed_with_its_new_content(
+    make_buffer: Callable[..., BufferHandle],
+) -> None:
+    """The scheduler's WatchWork stream outlives batches. A batch id resubmitted after retention
+    deleted it has new groups under the old group ids; the stream's encoder cached the old groups'
+    prompt, max_tokens, sampling and version by group id and sent those (found by review, session
+    17: the responses answered the old prompt under the new batch's ids)."""
+    import queue
+    import threading
+
+    from seer.v1 import buffer_pb2
+
+    h = make_buffer(retain_batches=1)
+    stream = h.internal.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id="sched"), timeout=60)
+    events: queue.Queue[Any] = queue.Queue()
+    threading.Thread(target=lambda: [events.put(ev) for ev in stream], daemon=True).start()
+
+    def added(n: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < n:
+            ev = events.get(timeout=10)
+            if ev.HasField("added"):
+                out.extend(ev.added.items)
+        return out
+
+    try:
+        submit(h.rollout, "x", [group(prompt_token_ids=[1, 2, 3], max_tokens=8, group_size=2)])
+        first = added(2)
+        assert [list(i.prompt_token_ids) for i in first] == [[1, 2, 3]] * 2
+        finish_all(h.internal, first)
+        submit(h.rollout, "y", [group(prompt_token_ids=[4, 4], max_tokens=6, group_size=1)])
+        finish_all(h.internal, added(1))  # y completes: retention deletes x
+        expect_error(lambda: h.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="x")), grpc.StatusCode.NOT_FOUND)
+        submit(h.rollout, "x", [group(prompt_token_ids=[9, 9, 9, 9, 9], max_tokens=3, group_size=2,
+                                      sampling=common_pb2.SamplingParams(temperature=0.5))])
+        again = added(2)
+        assert [(list(i.prompt_token_ids), i.max_tokens, round(i.sampling.temperature, 3)) for i in again] == [
+            ([9, 9, 9, 9, 9], 3, 0.5)] * 2
+    finally:
+        stream.cancel()
