@@ -212,9 +212,14 @@ class DraftStore:
             return True, len(history)
 
     def _get(self, group_id: str, field_name: str) -> _Group:
+        if not group_id:
+            raise InvalidArgument("must not be empty", field=field_name)
         g = self._groups.get(group_id)
         if g is None:
-            if group_id in self._expired:
+            if self._expired.get(group_id):
+                # Completed, then expired or evicted (the client releases its mirror on this). An
+                # unfinished group that expired is reported as not registered: its workers register
+                # it again and resend what they hold, as after a restart.
                 raise NotFound(f"group {group_id!r} expired or was evicted", field=field_name)
             raise NotFound(f"group {group_id!r} is not registered", field=field_name)
         return g
@@ -397,7 +402,10 @@ class DraftStore:
             for i, (gid, wm) in enumerate(watermarks):
                 g = self._groups.get(gid)
                 if g is None:
-                    out.append(GroupDelta(gid, 0, gone=True, expired=gid in self._expired))
+                    # expired only for a completed group: an unfinished one that expired (a request
+                    # paused between chunks past the TTL) is re-created by its workers, with the
+                    # finished siblings they hold; dropping their mirrors would lose those for good.
+                    out.append(GroupDelta(gid, 0, gone=True, expired=bool(self._expired.get(gid))))
                     continue
                 inc = incarnations[i] if incarnations is not None else 0
                 reset = bool(inc) and inc != g.incarnation

@@ -91,16 +91,33 @@ def test_bad_input_statuses_and_index_stays_correct(draft_server, draft_stub) ->
 
 
 def test_expired_group(draft_stub: draft_pb2_grpc.DraftServiceStub) -> None:
+    """A completed group that expired is gone for good (expired: workers drop their mirrors). An
+    unfinished one (a request paused between chunks past the TTL) is reported like one lost in a
+    restart, so its workers register it again with the finished siblings they hold (review, session
+    17: they dropped them, and the group never completed)."""
     s = draft_stub
-    s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id="short", prompt_key="k", prompt_token_ids=[1],
-                                                   ttl_seconds=1, group_size=1))
-    s.Append(iter([A(group_id="short", request_id="a", offset=0, token_ids=[1])]))
+    for gid in ("done", "open"):
+        s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key="k", prompt_token_ids=[1],
+                                                       ttl_seconds=1, group_size=1 if gid == "done" else 2))
+        s.Append(iter([A(group_id=gid, request_id="a", offset=0, token_ids=[1], finished=True)]))
     time.sleep(1.6)
-    code, msg = _code(lambda: s.Append(iter([A(group_id="short", request_id="a", offset=1, token_ids=[2])])))
+    code, msg = _code(lambda: s.Append(iter([A(group_id="done", request_id="b", offset=0, token_ids=[2])])))
     assert code == grpc.StatusCode.NOT_FOUND and "expired" in msg
-    (d,) = s.Sync(draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id="short", watermark=2)])).groups
-    assert d.gone
-    assert s.GetDraftStats(draft_pb2.GetDraftStatsRequest()).expired_groups == 1
+    code, msg = _code(lambda: s.Append(iter([A(group_id="open", request_id="b", offset=0, token_ids=[2])])))
+    assert code == grpc.StatusCode.NOT_FOUND and "not registered" in msg
+    done, open_ = s.Sync(draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id="done", watermark=1),
+                                                       draft_pb2.GroupWatermark(group_id="open", watermark=1)])).groups
+    assert done.gone and done.expired
+    assert open_.gone and not open_.expired
+    assert s.GetDraftStats(draft_pb2.GetDraftStatsRequest()).expired_groups == 2
+    # The unfinished one registers again; the completed one is refused (its responses are history).
+    s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id="open", prompt_key="k", prompt_token_ids=[1],
+                                                   ttl_seconds=60, group_size=2))
+    code, _ = _code(lambda: s.RegisterGroup(draft_pb2.RegisterGroupRequest(
+        group_id="done", prompt_key="k", prompt_token_ids=[1], ttl_seconds=60, group_size=1)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    code, msg = _code(lambda: s.Append(iter([A(group_id="", request_id="b", offset=0, token_ids=[2])])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "group_id" in msg
 
 
 def test_stats_report_groups_evicted_for_memory() -> None:

@@ -107,10 +107,17 @@ def test_ttl_expiry() -> None:
     assert s.expire_now() == 1
     clock.t += 11
     assert s.expire_now() == 0
-    with pytest.raises(NotFound, match="expired"):
+    with pytest.raises(NotFound, match="not registered"):  # unfinished: registered again by its workers
         s.append("g", "a", 1, [2])
-    assert s.sync([("g", 2)])[0].gone
+    assert s.sync([("g", 2)])[0].gone and not s.sync([("g", 2)])[0].expired
     assert s.stats().expired_groups == 1
+    s.register_group("c", "k", [1], 10, 1)
+    s.append("c", "a", 0, [1], finished=True)  # completed
+    clock.t += 11
+    assert s.expire_now() == 0
+    with pytest.raises(NotFound, match="expired"):
+        s.append("c", "b", 0, [2])
+    assert s.sync([("c", 1)])[0].expired
 
 
 def test_history_promotion_and_seed() -> None:
