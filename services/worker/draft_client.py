@@ -143,6 +143,7 @@ class DraftClient:
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, _Mirror] = OrderedDict()  # least recently used first
         self._pending: list[draft_pb2.AppendRequest] = []
+        self._draining: set[str] = set()  # released groups whose queued appends are still to be sent
         self._stats = DraftClientStats()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -173,9 +174,13 @@ class DraftClient:
         self._wake.set()
 
     def release_group(self, group_id: str) -> None:
-        """Drops the mirror (the worker serves no request of the group any more)."""
+        """Drops the mirror (the worker serves no request of the group any more). Its appends still
+        queued are sent first: the last one may be what finishes a response, without which the
+        group never completes on the server (nor becomes history)."""
         with self._lock:
-            self._groups.pop(group_id, None)
+            m = self._groups.pop(group_id, None)
+            if m is not None and m.registered and any(a.group_id == group_id for a in self._pending):
+                self._draining.add(group_id)
 
     def has_group(self, group_id: str) -> bool:
         with self._lock:
@@ -391,7 +396,8 @@ class DraftClient:
         if self._stub is None:
             return
         with self._lock:
-            registered = {gid for gid, m in self._groups.items() if m.registered}
+            registered = {gid for gid, m in self._groups.items() if m.registered} | self._draining
+            self._draining.clear()  # their messages go in this batch
             batch = [a for a in self._pending if a.group_id in registered]
             self._pending = [a for a in self._pending if a.group_id not in registered and a.group_id in self._groups]
         if not batch:

@@ -13,8 +13,10 @@ import pytest
 
 import services.common.grpcutil as grpcutil
 import services.common.server as common_server
+from services.common.server import RunningServer
 from services.draft.app import start
 from services.draft.config import DraftConfig
+from services.draft.store import DraftStore
 from services.worker.draft_client import DraftClient
 
 
@@ -299,3 +301,25 @@ def test_mirrors_stay_within_their_memory_budget() -> None:
         assert c.has_group("busy") and c.has_group("last") and not c.has_group("idle0")
     finally:
         c.close()
+
+
+def test_a_released_group_still_sends_its_queued_appends(draft_server: tuple[RunningServer, DraftStore]) -> None:
+    """The worker releases idle mirrors (its LRU of groups); the last queued append of a response
+    may be its finish, without which the group never completes on the server nor becomes history
+    (review, session 17: release_group dropped them)."""
+    running, store = draft_server
+    a = manual(running.address)
+    try:
+        a.register_group("g", "key", [1, 2, 3], group_size=1, ttl_seconds=60)
+        a.flush()
+        a.resume("g", "r", [], epoch=1)
+        a.append("g", "r", 0, [10, 11, 12])
+        a.flush()
+        a.append("g", "r", 3, [13, 14], finished=True)  # the response's last step
+        a.end("g", "r")
+        a.release_group("g")  # before the next tick
+        a.flush()
+        assert store.index_of("g").tokens("r") == [10, 11, 12, 13, 14]
+        assert store.stats().history_keys == 1  # completed: its response is history for "key"
+    finally:
+        a.close()
