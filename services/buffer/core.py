@@ -190,7 +190,10 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
             raise ValueError
         validate_batch_id(parts[0])
         gi, si = int(parts[1]), int(parts[2])
-        if gi < 0 or si < 0:
+        # Canonical decimal only: int() also takes "00", "+0", " 0" and non-ASCII digits, which
+        # would name the stored request but miss the live one (a running request then answered
+        # "already finished").
+        if gi < 0 or si < 0 or parts[1] != str(gi) or parts[2] != str(si):
             raise ValueError
     except (ValueError, InvalidArgument):
         raise InvalidArgument(f"not a request id <batch_id>/<group>/<sample>: {request_id[:200]!r}",
@@ -501,6 +504,9 @@ class BufferCore:
 
     def _validate_chunk(self, c: Commit, live: _Live, max_tokens: int) -> FinishReason:
         n = len(c.token_ids)
+        bad = c.stats.negative_field()
+        if bad is not None:
+            raise InvalidArgument(f"must be >= 0, got {getattr(c.stats, bad)}", field=f"stats.{bad}")
         if len(c.logprobs) != n:
             raise InvalidArgument(f"{len(c.logprobs)} logprobs for {n} tokens", field="logprobs")
         if c.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CHUNK, FinishReason.ABORTED):

@@ -142,6 +142,10 @@ def validate_batch(batch_id: str, groups: list[GroupSpec], model: ModelInfo,
     validate_seed_scope(seed_scope)
     if not groups:
         raise InvalidArgument("a batch needs at least one group", field="groups")
+    for i, g in enumerate(groups):  # a group too large to run cannot be split: name it, before the total
+        if not 1 <= g.group_size <= MAX_GROUP_SIZE:
+            raise InvalidArgument(f"must be in 1..{MAX_GROUP_SIZE}, got {g.group_size}",
+                                  field=f"groups[{i}].group_size")
     total = sum(max(g.group_size, 0) for g in groups)
     if total > max_requests:
         raise ResourceExhausted(f"{total} requests in one batch; at most {max_requests} (split the batch)",

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+INT32_MAX = 2**31 - 1
+
 
 @dataclass
 class ChunkStats:
@@ -20,8 +22,15 @@ class ChunkStats:
     kv_recomputed_pages: int = 0
 
     def add(self, other: ChunkStats) -> None:
+        """Sums other into self; integer sums saturate at INT32_MAX, the width the buffer stores them
+        in (a response's counters, not identities: past it every commit of the response failed)."""
         for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            total = getattr(self, f.name) + getattr(other, f.name)
+            setattr(self, f.name, min(total, INT32_MAX) if isinstance(total, int) else total)
+
+    def negative_field(self) -> str | None:
+        """The first field below zero (none can be), or None."""
+        return next((f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0), None)
 
     def to_meta(self) -> dict[str, Any]:
         return dict(self.__dict__)

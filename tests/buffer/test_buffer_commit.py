@@ -67,8 +67,23 @@ def test_bad_chunks_name_the_field(buf: BufferHandle) -> None:
     expect_error(lambda: commit(buf.internal, "nope/0/0", 0, [5]), grpc.StatusCode.NOT_FOUND, "request_id")
     expect_error(lambda: commit(buf.internal, "c/0/7", 0, [5]), grpc.StatusCode.NOT_FOUND, "request_id")
     expect_error(lambda: commit(buf.internal, "garbage", 0, [5]), IA, "request_id")
+    # Only the canonical spelling names the request (review, session 17: "c/00/0" reached the
+    # stored request but not the running one, which then answered "already finished").
+    for alias in ("c/00/0", "c/+0/0", "c/0/ 0", "c/0/\u0660"):
+        expect_error(lambda a=alias: commit(buf.internal, a, 0, [5]), IA, "request_id")  # type: ignore[misc]
+    expect_error(lambda: commit(buf.internal, rid, 0, [5], stats=common_pb2.ChunkStats(steps=-1)), IA, "stats.steps")
     # None of that changed the request.
     assert commit(buf.internal, rid, 0, [5]).next_seq == 1
+
+
+def test_summed_stats_saturate_instead_of_failing_every_commit(buf: BufferHandle) -> None:
+    """A response's summed ChunkStats are stored as int32: past 2**31 - 1 every later commit of it
+    failed with INTERNAL (review, session 17). They saturate now."""
+    rid = _one(buf, max_tokens=4)
+    big = common_pb2.ChunkStats(prefill_tokens=2**31 - 10)
+    assert commit(buf.internal, rid, 0, [5], stats=big).next_seq == 1
+    assert commit(buf.internal, rid, 1, [6], stats=big).next_seq == 2
+    assert commit(buf.internal, rid, 2, [7, 8], reason=STOP, stats=big).request_finished
 
 
 def test_finishing_chunk_and_commits_after_finish(buf: BufferHandle) -> None:

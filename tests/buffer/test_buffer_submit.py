@@ -186,3 +186,11 @@ def test_oversized_message_is_refused_by_grpc(buf: BufferHandle) -> None:
     finally:
         ch.close()
     assert submit(buf.rollout, "small", [group()]).num_requests == 2
+
+
+def test_a_group_too_large_names_its_group_size(buf: BufferHandle) -> None:
+    """One group over the limit cannot be split: INVALID_ARGUMENT naming it, not the batch total's
+    RESOURCE_EXHAUSTED "split the batch" (review, session 17)."""
+    for size in (70_000, 2**31 - 1):
+        expect_error(lambda s=size: submit(buf.rollout, "big", [group(group_size=s)]),  # type: ignore[misc]
+                     grpc.StatusCode.INVALID_ARGUMENT, "groups[0].group_size")
