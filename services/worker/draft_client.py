@@ -485,7 +485,11 @@ class DraftClient:
         request running here: re-registered and our responses resent. Expired or evicted (after
         completing) with nothing of it running here: the mirror is released; re-creating it would
         promote the same responses to history again (the server refuses that for a completed group)."""
-        if expired and not m.active:
+        # Every response of the group finished here: it completed on the server, and a restarted
+        # server (no tombstones) would let us re-create it and promote those responses to history a
+        # second time (besides the buffer's refill of the same ones). Released likewise.
+        completed_here = 0 < m.group_size <= len(m.finished)
+        if (expired or completed_here) and not m.active:
             del self._groups[gid]
             log.info("draft group gone on the server; mirror released", extra=kv(group_id=gid))
             return

@@ -323,3 +323,30 @@ def test_a_released_group_still_sends_its_queued_appends(draft_server: tuple[Run
         assert store.stats().history_keys == 1  # completed: its response is history for "key"
     finally:
         a.close()
+
+
+def test_a_group_completed_here_is_not_re_created_on_a_restarted_server() -> None:
+    """A restarted server has no tombstones: a worker that still mirrors a group whose every
+    response finished here re-created it, resent them, and the group completed again, promoting
+    the same responses to history a second time (review, session 17). It releases the mirror."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    port = running.port
+    a = manual(running.address)
+    try:
+        a.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+        a.flush()
+        for rid, toks in (("r1", [10, 11]), ("r2", [20, 21, 22])):
+            a.resume("g", rid, [], epoch=1)
+            a.append("g", rid, 0, toks, finished=True)
+            a.end("g", rid)
+        a.flush()
+        assert store.stats().history_keys == 1
+        running.stop(0.2)
+        running, store = start(DraftConfig(port=port, grace_seconds=0.2))
+        for _ in range(3):
+            a.flush()
+        assert store.stats().groups == 0 and store.stats().history_keys == 0
+        assert not a.has_group("g")
+    finally:
+        a.close()
+        running.stop(0.2)
