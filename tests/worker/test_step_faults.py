@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -207,19 +207,29 @@ def test_poisoned_request_fails_alone(ref_engine: ReferenceEngine, prompts: list
         w.close()
 
 
+def faulty_worker(monkeypatch: pytest.MonkeyPatch, engine: ReferenceEngine,
+                  fails: Callable[[list[Any]], bool]) -> tuple[Worker, list[bool]]:
+    """A started worker whose engine's forward raises for the steps `fails` picks (by their
+    sequences), and the engine health it reports (every change, from the current value on)."""
+    real = engine.runner.run
+
+    def run(seqs: list[Any], trees: list[Any]) -> Any:
+        if fails(seqs):
+            raise RuntimeError("injected fault")
+        return real(seqs, trees)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    w = Worker(engine, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+    return w, heard
+
+
 def test_broken_engine_still_fails_every_chunk(ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step fails whatever runs: each chunk fails (after a bounded number of tries), none hangs."""
     calls: list[int] = []
-
-    def run(seqs: list[Any], trees: list[Any]) -> Any:
-        calls.append(1)
-        raise RuntimeError("injected engine fault")
-
-    monkeypatch.setattr(ref_engine.runner, "run", run)
-    w = Worker(ref_engine, speculation=False).start()
-    heard: list[bool] = []
-    w.on_engine_health(heard.append)
+    w, heard = faulty_worker(monkeypatch, ref_engine, lambda seqs: calls.append(1) or True)
     try:
         handles = submit_together(w, jobs_for(prompts))
         for h in handles:
@@ -243,17 +253,7 @@ def test_every_chunk_poisoned_is_not_a_broken_engine(ref_engine: ReferenceEngine
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Every running chunk fails alone (a group of siblings of one prompt the engine cannot run),
     but the engine runs a canary request: their fault, so the worker stays healthy."""
-    real = ref_engine.runner.run
-
-    def run(seqs: list[Any], trees: list[Any]) -> Any:
-        if any(s.request_id.startswith("r") for s in seqs):
-            raise RuntimeError("injected fault of the group")
-        return real(seqs, trees)
-
-    monkeypatch.setattr(ref_engine.runner, "run", run)
-    w = Worker(ref_engine, speculation=False).start()
-    heard: list[bool] = []
-    w.on_engine_health(heard.append)
+    w, heard = faulty_worker(monkeypatch, ref_engine, lambda seqs: any(s.request_id.startswith("r") for s in seqs))
     try:
         for h in submit_together(w, jobs_for(prompts)):
             toks, end = drain(h)
@@ -304,17 +304,7 @@ def test_one_chunk_alone_gets_the_canarys_verdict(ref_engine: ReferenceEngine, p
     too: NOT_SERVING) or the request carries the fault (the canary steps: INVALID_ARGUMENT, healthy).
     With one chunk at a time (low load, or a worker on the scheduler's probation) the broken engine
     was never noticed."""
-    real = ref_engine.runner.run
-
-    def run(seqs: list[Any], trees: list[Any]) -> Any:
-        if broken or any(s.request_id == "r0" for s in seqs):
-            raise RuntimeError("injected fault")
-        return real(seqs, trees)
-
-    monkeypatch.setattr(ref_engine.runner, "run", run)
-    w = Worker(ref_engine, speculation=False).start()
-    heard: list[bool] = []
-    w.on_engine_health(heard.append)
+    w, heard = faulty_worker(monkeypatch, ref_engine, lambda seqs: broken or any(s.request_id == "r0" for s in seqs))
     try:
         toks, end = drain(w.submit(jobs_for(prompts)[0]))
         assert toks == [] and isinstance(end, ErrorEvent) and "injected" in str(end.error)
