@@ -85,7 +85,7 @@ class WorkItemEncoder:
             batch_id=w.batch_id, group_id=w.group_id, group_index=w.group_index, group_size=w.group_size,
             prompt_key=w.prompt_key, prompt_token_ids=w.prompt_token_ids.tolist(), max_tokens=w.max_tokens,
             sampling=sampling_to_pb(w.sampling), policy_version=w.policy_version,
-            trace_context=w.trace_context,
+            trace_context=w.trace_context, submit_seq=w.submit_seq,
         )
         self._templates[w.group_id] = (w.prompt_token_ids, t)
         return t

@@ -100,6 +100,7 @@ class WorkItem:
     policy_version: int
     next_seq: int
     trace_context: Mapping[str, str] = field(default_factory=dict)  # the batch's (BatchRecord)
+    submit_seq: int = 0  # the batch's (BatchRecord): tells a batch id used again from the old batch
 
 
 @dataclass(frozen=True)
@@ -427,7 +428,7 @@ class BufferCore:
             max_tokens=g.max_tokens,
             sampling=Sampling(s.temperature, s.top_p, s.top_k, r.seed, s.stop_token_ids, s.ignore_eos),
             policy_version=self._batches[r.batch_id].policy_version, next_seq=r.next_seq,
-            trace_context=self._batches[r.batch_id].trace_context,
+            trace_context=self._batches[r.batch_id].trace_context, submit_seq=self._batches[r.batch_id].submit_seq,
         )
 
     def watch(self, watcher_id: str) -> tuple[list[WorkItem], Subscription]:

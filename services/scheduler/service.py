@@ -177,7 +177,8 @@ class Dispatcher:
         # Requests we gave up on (failed in the buffer with an ABORTED commit, or meant to be): a
         # snapshot that still lists one gets the abort again instead of tracking it (the core has
         # settled it and would never run it). Forgotten once the buffer no longer lists it.
-        self._abandoned: set[str] = set()
+        # request_id -> the submit_seq of the request given up on.
+        self._abandoned: dict[str, int] = {}
         self._aborting: set[str] = set()  # those whose abort commit is being sent now
         # worker_id -> quarantine reason of a quarantined worker taken out of the core (removed,
         # re-registered, recycled for its version): applied again when it is activated, so that
@@ -697,6 +698,7 @@ class Dispatcher:
             prompt_len=len(item.prompt_token_ids),
             max_tokens=item.max_tokens,
             generated=generated,
+            incarnation=item.submit_seq,
         )
 
     def _add_items(self, items: list[buffer_pb2.WorkItem]) -> None:
@@ -706,7 +708,7 @@ class Dispatcher:
             for key, lengths in history.items():
                 self.core.set_history(key, lengths)
             for item in items:
-                if item.request_id in self._requests:
+                if self._still_tracked_locked(item):
                     continue
                 abort = self._track_locked(item)
                 if abort is not None:
@@ -715,12 +717,32 @@ class Dispatcher:
             self._cond.notify_all()
         self._send_aborts([(item, item.next_seq) for item in aborts], resync_on_refusal=False)
 
+    def _still_tracked_locked(self, item: buffer_pb2.WorkItem) -> bool:
+        """Whether we track this very request. A tracked request of an earlier submission of the
+        item's batch id (deleted by retention and submitted again while its cancellation passed us
+        by) is dropped here: the item is a new request under the old id."""
+        r = self._requests.get(item.request_id)
+        if r is None:
+            return False
+        if r.item.submit_seq == item.submit_seq:
+            return True
+        log.warning("request id submitted again in a new batch; dropping the old request", extra=kv(
+            request_id=item.request_id, old_submit_seq=r.item.submit_seq, submit_seq=item.submit_seq))
+        r.dropped = True  # its chunk in flight, if any, is not committed (_commit)
+        if r.resync is not None and r.resync.token == r.dispatch_token:
+            self._release_locked(r, r.resync.worker)  # a held chunk: no thread settles it now
+        del self._requests[item.request_id]
+        self._forget_in_core_locked(item.request_id)
+        return False
+
     def _track_locked(self, item: buffer_pb2.WorkItem) -> buffer_pb2.WorkItem | None:
         """Track a work item. Returns it instead when it must be failed in the buffer (an ABORTED
         commit at its next_seq, sent by the caller outside the lock): a request we gave up on
         that the buffer still lists (the first abort was abandoned or refused), or one the core
         has already settled and would never run (tracked, it would hang its batch)."""
         rid = item.request_id
+        if self._abandoned.get(rid, item.submit_seq) != item.submit_seq:
+            self._abandoned.pop(rid)  # given up on in an earlier submission of its batch id
         if rid in self._abandoned:
             if rid in self._aborting:
                 return None  # its abort is on its way
@@ -744,7 +766,7 @@ class Dispatcher:
         if not added:
             log.error("work item already settled by the scheduler core; failing it in the buffer",
                       extra=kv(request_id=rid, seq=item.next_seq, generated=len(output), max_tokens=item.max_tokens))
-            self._abandoned.add(rid)
+            self._abandoned[rid] = item.submit_seq
             self._aborting.add(rid)
             return item
         self._requests[rid] = TrackedRequest(item=item, output=output, next_seq=item.next_seq)
@@ -761,10 +783,13 @@ class Dispatcher:
                 self.core.set_history(key, lengths)
             by_id = {i.request_id: i for i in items}
             # A request given up on that the buffer no longer lists is settled there.
-            self._abandoned = {rid for rid in self._abandoned if rid in by_id or rid in self._aborting}
+            self._abandoned = {rid: seq for rid, seq in self._abandoned.items()
+                               if rid in by_id or rid in self._aborting}
             for rid in list(self._requests):
                 r = self._requests[rid]
                 snap = by_id.get(rid)
+                if snap is not None and not self._still_tracked_locked(snap):
+                    continue  # an earlier submission's request under a reused batch id: dropped
                 if r.resync is not None:
                     if r.resync.token == r.dispatch_token:
                         self._resolve_resync_locked(r, snap)
@@ -911,7 +936,7 @@ class Dispatcher:
                 largest_kv_tokens=u.largest_kv_tokens, largest_max_context=u.largest_context_tokens,
                 prompt_tokens=len(r.item.prompt_token_ids), generated=len(r.output), max_tokens=r.item.max_tokens,
                 chunk_size=self.cfg.chunk_size))
-            self._abandoned.add(u.request_id)
+            self._abandoned[u.request_id] = r.item.submit_seq
             self._aborting.add(u.request_id)
             aborts.append((r.item, r.next_seq))
         return aborts
@@ -1090,6 +1115,11 @@ class Dispatcher:
                     # buffer: the request's new dispatch owns its next chunk now; never commit this one.
                     log.info("commit dropped: the request moved on", extra=kv(worker_id=w.worker_id))
                     return
+                if r.dropped:
+                    # Cancelled, or its id now names a new submission of its batch (a commit would
+                    # land in that request): nothing to keep.
+                    self._finish_chunk(r, w, token, failed=False, drop=True)
+                    return
             try:
                 resp = self._buffer.commit(commit, timeout=10.0)
                 break
@@ -1181,7 +1211,7 @@ class Dispatcher:
                     self.core.cancel_request(rid)
                     del self._requests[rid]
                     abort_seq = r.next_seq
-                    self._abandoned.add(rid)
+                    self._abandoned[rid] = r.item.submit_seq
                     self._aborting.add(rid)
                 else:
                     self.core.on_chunk_failed(rid, w.worker_id)
@@ -1240,8 +1270,8 @@ class Dispatcher:
         finally:
             with self._cond:
                 self._aborting.discard(rid)
-                if settled:
-                    self._abandoned.discard(rid)
+                if settled and self._abandoned.get(rid) == item.submit_seq:
+                    del self._abandoned[rid]
 
     # ---- stats -------------------------------------------------------------------------------
 

@@ -478,3 +478,31 @@ def test_small_workers_cap_the_imbalance_threshold(clock: FakeClock) -> None:
     ds = core.next_dispatches()
     loads = [sum(d.worker_id == w for d in ds) for w in ("w0", "w1")]
     assert sum(loads) == 12 and abs(loads[0] - loads[1]) <= 3
+
+
+def test_a_batch_id_submitted_again_brings_new_requests_under_the_old_ids(clock: FakeClock) -> None:
+    """The buffer lets a batch id be used again once retention deleted the batch; its request and
+    group ids are then the old ones (found by review, session 18: the core took the new requests
+    for re-deliveries of the settled ones, so the scheduler failed the whole resubmitted batch)."""
+    core = make_core("seer", clock, workers=1)
+
+    def req(i: int, incarnation: int, max_tokens: int = 100) -> RequestInfo:
+        return RequestInfo(f"b/0/{i}", "b/0", "k", i, 2, 10, max_tokens, incarnation=incarnation)
+
+    assert core.add_request(req(0, 1)) and core.add_request(req(1, 1))
+    for d in core.next_dispatches():
+        core.on_chunk_done(d.request_id, d.worker_id, 100, True)
+    assert core.pending_count() == 0
+    assert not core.add_request(req(0, 1))  # a re-delivery of the settled request: idempotent
+    assert core.add_request(req(0, 2)) and core.add_request(req(1, 2))  # the batch submitted again
+    assert core.pending_count() == 2
+    assert not core.add_request(req(1, 2))  # and its own re-delivery is idempotent again
+    # Submitted a third time while the second is still held here (its cancellation was missed):
+    # the old group's requests are dropped, the new group stands alone (not "already has 2").
+    d = core.next_dispatches()
+    assert len(d) == 2
+    assert core.add_request(req(0, 3, max_tokens=50)) and core.add_request(req(1, 3, max_tokens=50))
+    assert core.pending_count() == 2 and core.group_estimate("b/0") == 50
+    for x in d:  # late reports of the dropped group's chunks are ignored
+        core.on_chunk_done(x.request_id, x.worker_id, 100, True)
+    assert core.pending_count() == 2

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from seer.v1 import common_pb2 as seer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14seer/v1/buffer.proto\x12\x07seer.v1\x1a\x14seer/v1/common.proto\"\xa3\x03\n\x08WorkItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x13\n\x0bgroup_index\x18\x04 \x01(\x05\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x12\n\nprompt_key\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\x12\x12\n\nmax_tokens\x18\n \x01(\x05\x12)\n\x08sampling\x18\x0b \x01(\x0b\x32\x17.seer.v1.SamplingParams\x12\x16\n\x0epolicy_version\x18\x0c \x01(\x03\x12\x10\n\x08next_seq\x18\r \x01(\r\x12:\n\rtrace_context\x18\x0e \x03(\x0b\x32#.seer.v1.WorkItem.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"&\n\x10WatchWorkRequest\x12\x12\n\nwatcher_id\x18\x01 \x01(\t\"1\n\rWorkItemBatch\x12 \n\x05items\x18\x01 \x03(\x0b\x32\x11.seer.v1.WorkItem\"\xac\x01\n\x11WatchWorkResponse\x12\'\n\x05\x61\x64\x64\x65\x64\x18\x05 \x01(\x0b\x32\x16.seer.v1.WorkItemBatchH\x00\x12\x1e\n\x14\x63\x61ncelled_request_id\x18\x02 \x01(\tH\x00\x12\x17\n\rsnapshot_done\x18\x03 \x01(\x08H\x00\x12&\n\x06policy\x18\x04 \x01(\x0b\x32\x14.seer.v1.PolicyStateH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\x02\".\n\x0bPolicyState\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xd7\x01\n\x12\x43ommitChunkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.seer.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\"\n\x05stats\x18\x08 \x01(\x0b\x32\x13.seer.v1.ChunkStats\"\x80\x01\n\x13\x43ommitChunkResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x10\n\x08next_seq\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x18\n\x10request_finished\x18\x04 \x01(\x08\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x08\"@\n\x11GetHistoryRequest\x12\x13\n\x0bprompt_keys\x18\x01 \x03(\t\x12\x16\n\x0einclude_tokens\x18\x02 \x01(\x08\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"r\n\rPromptHistory\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x0f\n\x07lengths\x18\x02 \x03(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12$\n\tresponses\x18\x04 \x03(\x0b\x32\x11.seer.v1.TokenIds\"?\n\x12GetHistoryResponse\x12)\n\thistories\x18\x01 \x03(\x0b\x32\x16.seer.v1.PromptHistory2\xee\x01\n\x15\x42ufferInternalService\x12\x44\n\tWatchWork\x12\x19.seer.v1.WatchWorkRequest\x1a\x1a.seer.v1.WatchWorkResponse0\x01\x12H\n\x0b\x43ommitChunk\x12\x1b.seer.v1.CommitChunkRequest\x1a\x1c.seer.v1.CommitChunkResponse\x12\x45\n\nGetHistory\x12\x1a.seer.v1.GetHistoryRequest\x1a\x1b.seer.v1.GetHistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14seer/v1/buffer.proto\x12\x07seer.v1\x1a\x14seer/v1/common.proto\"\xb7\x03\n\x08WorkItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x13\n\x0bgroup_index\x18\x04 \x01(\x05\x12\x14\n\x0csample_index\x18\x05 \x01(\x05\x12\x12\n\ngroup_size\x18\x06 \x01(\x05\x12\x12\n\nprompt_key\x18\x07 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x05\x12\x18\n\x10output_token_ids\x18\t \x03(\x05\x12\x12\n\nmax_tokens\x18\n \x01(\x05\x12)\n\x08sampling\x18\x0b \x01(\x0b\x32\x17.seer.v1.SamplingParams\x12\x16\n\x0epolicy_version\x18\x0c \x01(\x03\x12\x10\n\x08next_seq\x18\r \x01(\r\x12:\n\rtrace_context\x18\x0e \x03(\x0b\x32#.seer.v1.WorkItem.TraceContextEntry\x12\x12\n\nsubmit_seq\x18\x0f \x01(\x04\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"&\n\x10WatchWorkRequest\x12\x12\n\nwatcher_id\x18\x01 \x01(\t\"1\n\rWorkItemBatch\x12 \n\x05items\x18\x01 \x03(\x0b\x32\x11.seer.v1.WorkItem\"\xac\x01\n\x11WatchWorkResponse\x12\'\n\x05\x61\x64\x64\x65\x64\x18\x05 \x01(\x0b\x32\x16.seer.v1.WorkItemBatchH\x00\x12\x1e\n\x14\x63\x61ncelled_request_id\x18\x02 \x01(\tH\x00\x12\x17\n\rsnapshot_done\x18\x03 \x01(\x08H\x00\x12&\n\x06policy\x18\x04 \x01(\x0b\x32\x14.seer.v1.PolicyStateH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\x02\".\n\x0bPolicyState\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"\xd7\x01\n\x12\x43ommitChunkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.seer.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x11\n\tworker_id\x18\x07 \x01(\t\x12\"\n\x05stats\x18\x08 \x01(\x0b\x32\x13.seer.v1.ChunkStats\"\x80\x01\n\x13\x43ommitChunkResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x10\n\x08next_seq\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x18\n\x10request_finished\x18\x04 \x01(\x08\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x08\"@\n\x11GetHistoryRequest\x12\x13\n\x0bprompt_keys\x18\x01 \x03(\t\x12\x16\n\x0einclude_tokens\x18\x02 \x01(\x08\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"r\n\rPromptHistory\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x0f\n\x07lengths\x18\x02 \x03(\x05\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12$\n\tresponses\x18\x04 \x03(\x0b\x32\x11.seer.v1.TokenIds\"?\n\x12GetHistoryResponse\x12)\n\thistories\x18\x01 \x03(\x0b\x32\x16.seer.v1.PromptHistory2\xee\x01\n\x15\x42ufferInternalService\x12\x44\n\tWatchWork\x12\x19.seer.v1.WatchWorkRequest\x1a\x1a.seer.v1.WatchWorkResponse0\x01\x12H\n\x0b\x43ommitChunk\x12\x1b.seer.v1.CommitChunkRequest\x1a\x1c.seer.v1.CommitChunkResponse\x12\x45\n\nGetHistory\x12\x1a.seer.v1.GetHistoryRequest\x1a\x1b.seer.v1.GetHistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKITEM_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_WORKITEM_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_WORKITEM']._serialized_start=56
-  _globals['_WORKITEM']._serialized_end=475
-  _globals['_WORKITEM_TRACECONTEXTENTRY']._serialized_start=424
-  _globals['_WORKITEM_TRACECONTEXTENTRY']._serialized_end=475
-  _globals['_WATCHWORKREQUEST']._serialized_start=477
-  _globals['_WATCHWORKREQUEST']._serialized_end=515
-  _globals['_WORKITEMBATCH']._serialized_start=517
-  _globals['_WORKITEMBATCH']._serialized_end=566
-  _globals['_WATCHWORKRESPONSE']._serialized_start=569
-  _globals['_WATCHWORKRESPONSE']._serialized_end=741
-  _globals['_POLICYSTATE']._serialized_start=743
-  _globals['_POLICYSTATE']._serialized_end=789
-  _globals['_COMMITCHUNKREQUEST']._serialized_start=792
-  _globals['_COMMITCHUNKREQUEST']._serialized_end=1007
-  _globals['_COMMITCHUNKRESPONSE']._serialized_start=1010
-  _globals['_COMMITCHUNKRESPONSE']._serialized_end=1138
-  _globals['_GETHISTORYREQUEST']._serialized_start=1140
-  _globals['_GETHISTORYREQUEST']._serialized_end=1204
-  _globals['_TOKENIDS']._serialized_start=1206
-  _globals['_TOKENIDS']._serialized_end=1235
-  _globals['_PROMPTHISTORY']._serialized_start=1237
-  _globals['_PROMPTHISTORY']._serialized_end=1351
-  _globals['_GETHISTORYRESPONSE']._serialized_start=1353
-  _globals['_GETHISTORYRESPONSE']._serialized_end=1416
-  _globals['_BUFFERINTERNALSERVICE']._serialized_start=1419
-  _globals['_BUFFERINTERNALSERVICE']._serialized_end=1657
+  _globals['_WORKITEM']._serialized_end=495
+  _globals['_WORKITEM_TRACECONTEXTENTRY']._serialized_start=444
+  _globals['_WORKITEM_TRACECONTEXTENTRY']._serialized_end=495
+  _globals['_WATCHWORKREQUEST']._serialized_start=497
+  _globals['_WATCHWORKREQUEST']._serialized_end=535
+  _globals['_WORKITEMBATCH']._serialized_start=537
+  _globals['_WORKITEMBATCH']._serialized_end=586
+  _globals['_WATCHWORKRESPONSE']._serialized_start=589
+  _globals['_WATCHWORKRESPONSE']._serialized_end=761
+  _globals['_POLICYSTATE']._serialized_start=763
+  _globals['_POLICYSTATE']._serialized_end=809
+  _globals['_COMMITCHUNKREQUEST']._serialized_start=812
+  _globals['_COMMITCHUNKREQUEST']._serialized_end=1027
+  _globals['_COMMITCHUNKRESPONSE']._serialized_start=1030
+  _globals['_COMMITCHUNKRESPONSE']._serialized_end=1158
+  _globals['_GETHISTORYREQUEST']._serialized_start=1160
+  _globals['_GETHISTORYREQUEST']._serialized_end=1224
+  _globals['_TOKENIDS']._serialized_start=1226
+  _globals['_TOKENIDS']._serialized_end=1255
+  _globals['_PROMPTHISTORY']._serialized_start=1257
+  _globals['_PROMPTHISTORY']._serialized_end=1371
+  _globals['_GETHISTORYRESPONSE']._serialized_start=1373
+  _globals['_GETHISTORYRESPONSE']._serialized_end=1436
+  _globals['_BUFFERINTERNALSERVICE']._serialized_start=1439
+  _globals['_BUFFERINTERNALSERVICE']._serialized_end=1677
 # @@protoc_insertion_point(module_scope)

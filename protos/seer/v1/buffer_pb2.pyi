@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "batch_id", "group_id", "group_index", "sample_index", "group_size", "prompt_key", "prompt_token_ids", "output_token_ids", "max_tokens", "sampling", "policy_version", "next_seq", "trace_context")
+    __slots__ = ("request_id", "batch_id", "group_id", "group_index", "sample_index", "group_size", "prompt_key", "prompt_token_ids", "output_token_ids", "max_tokens", "sampling", "policy_version", "next_seq", "trace_context", "submit_seq")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkItem(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     batch_id: str
     group_id: str
@@ -44,7 +45,8 @@ class WorkItem(_message.Message):
     policy_version: int
     next_seq: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., next_seq: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    submit_seq: int
+    def __init__(self, request_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_index: _Optional[int] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., next_seq: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class WatchWorkRequest(_message.Message):
     __slots__ = ("watcher_id",)

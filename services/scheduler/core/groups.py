@@ -23,6 +23,8 @@ class GroupState:
     group_size: int
     max_tokens: int
     members: list[str] = field(default_factory=list)
+    # Its batch's submission (RequestInfo.incarnation): a batch id used again is a new group.
+    incarnation: int = 0
     finished_lengths: list[int] = field(default_factory=list)
     probe_id: str | None = None
     prior: int | None = None

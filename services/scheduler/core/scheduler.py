@@ -81,7 +81,8 @@ class SchedulerCore:
         # sum of squared deviations and degrees of freedom over every set_history call.
         self._log_ss, self._log_dof = 0.0, 0
         self._ratios = SiblingRatios(cfg.estimate_quantile, cfg.estimate_min_samples)
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        # request_id -> incarnation of settled requests (re-deliveries are recognised by both).
+        self._finished: OrderedDict[str, int] = OrderedDict()
         # request_id -> version of its live queue entries (pending requests only).
         self._live: dict[str, int] = {}
         self._probe_q = PendingQueue()
@@ -146,11 +147,24 @@ class SchedulerCore:
         request already known or settled (idempotent) and for one that has nothing left to
         generate. A driver must not wait for a request this returned False for: it never runs."""
         r.validate()
-        if r.request_id in self._requests or r.request_id in self._finished:
+        old = self._groups.get(r.group_id)
+        if old is not None and old.incarnation != r.incarnation:
+            # Its batch was deleted and submitted again while we still held the old group (its
+            # cancellation never reached us): the old requests will never report; drop them.
+            for m in list(old.members):
+                prev = self._requests.get(m)
+                if prev is not None and prev.state in ("pending", "in_flight"):
+                    self.cancel_request(m)
+        if r.request_id in self._requests:
             return False  # re-delivery from the work feed: idempotent
+        settled = self._finished.get(r.request_id)
+        if settled is not None:
+            if settled == r.incarnation:
+                return False  # re-delivery from the work feed: idempotent
+            del self._finished[r.request_id]  # a new submission of a batch id used before
         g = self._groups.get(r.group_id)
         if g is None:
-            g = GroupState(r.group_id, r.prompt_key, r.group_size, r.max_tokens)
+            g = GroupState(r.group_id, r.prompt_key, r.group_size, r.max_tokens, incarnation=r.incarnation)
             g.history_estimate = self.cfg.history_estimate
             g.prompt_len = r.prompt_len
             if r.prompt_key in self._history and self.cfg.policy == "seer_history":
@@ -786,8 +800,8 @@ class SchedulerCore:
                 self._ratios.observe(g.finished_lengths, g.group_size)
         self._drop_demand(g)
         for m in g.members:
-            self._requests.pop(m, None)
-            self._finished[m] = None
+            done = self._requests.pop(m, None)
+            self._finished[m] = done.info.incarnation if done is not None else 0
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
         del self._groups[g.group_id]

@@ -22,6 +22,10 @@ class RequestInfo:
     generated: int = 0
     # The length the response will have; only the oracle policy (simulator) reads it.
     true_length: int | None = None
+    # Which submission of its batch this request belongs to (the buffer's submit_seq). A batch id
+    # used again after retention deleted the batch brings the same request ids back as new
+    # requests; without this they would look like re-deliveries of the settled ones.
+    incarnation: int = 0
 
     def validate(self) -> None:
         if not self.request_id:
