@@ -397,6 +397,7 @@ class Worker:
                 group_id=job.group_id,
                 prompt_key=job.prompt_key,
                 group_size=max(job.group_size, 1),
+                is_probe=job.is_probe,
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
@@ -947,6 +948,7 @@ class Worker:
             group_id=job.group_id,
             prompt_key=job.prompt_key,
             group_size=max(job.group_size, 1),
+            is_probe=job.is_probe,
         )
 
     def _engine_has(self, request_id: str) -> bool:

@@ -78,6 +78,9 @@ class GenerateRequest:
     # registers the group on the draft server with them, as the worker does.
     prompt_key: str = ""
     group_size: int = 0
+    # The chunk is its group's probe (served first to learn the group's length, Seer section 4.2):
+    # an engine that plans draft lengths inside itself favours it, as the worker's planner does.
+    is_probe: bool = False
 
 
 @dataclass(frozen=True)

@@ -55,12 +55,14 @@ class _TokenizerManager:
         self.attempts: dict[str, int] = {}
         self.held: set[str] = set()
         self.abort_reaches = abort_reaches
+        self.params: dict[str, dict[str, Any]] = {}  # SGLang id -> the custom_params it came with
 
     async def generate_request(self, obj: Any, _request: Any) -> AsyncIterator[dict[str, Any]]:
         rid = obj.rid
         if rid in self.held:
             raise ValueError(f"Duplicate request ID detected: {rid}")
         self.held.add(rid)
+        self.params[rid] = dict(obj.sampling_params.get("custom_params") or {})
         try:
             seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
             attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
@@ -153,3 +155,20 @@ def test_a_retry_runs_while_sglang_still_holds_the_aborted_attempt(engine: sg.SG
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == [50, 51, 52]
     assert outs[-1].finish_reason is not None and outs[-1].finish_reason.name == "LENGTH"
+
+
+def test_the_worker_tells_the_plugin_which_chunk_is_its_groups_probe(engine: sg.SGLangEngine) -> None:
+    """The SEER plugin plans draft lengths inside SGLang and favours probes (Seer section 4.2), as
+    the worker's own planner does; it was always told False (session 17's note)."""
+    w = Worker(engine, speculation=False).start()
+    try:
+        for rid, probe in (("b/0/0", True), ("b/0/1", False)):
+            job = ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=2, max_tokens=2,
+                           sampling=GREEDY, policy_version=0, group_id="b/0", group_size=2, prompt_key="k",
+                           is_probe=probe)
+            assert isinstance(list(w.submit(job).events())[-1], DoneEvent)
+        params = {p["seer_request_id"]: p for p in engine._sgl.tokenizer_manager.params.values()}
+        assert {rid: p["seer_is_probe"] for rid, p in params.items()} == {"b/0/0": True, "b/0/1": False}
+        assert {p["seer_prompt_key"] for p in params.values()} == {"k"}
+    finally:
+        w.close()

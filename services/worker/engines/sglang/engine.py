@@ -242,8 +242,8 @@ class SGLangEngine(Engine):
                 # Group values as the worker registers them: the first registration on the server
                 # wins (a different prompt key or prompt is refused), and its size decides when the
                 # group is complete.
-                "custom_params": plugin.custom_params(req.group_id, req.prompt_key, max(req.group_size, 1), False,
-                                                      request_id=req.request_id,
+                "custom_params": plugin.custom_params(req.group_id, req.prompt_key, max(req.group_size, 1),
+                                                      req.is_probe, request_id=req.request_id,
                                                       output_offset=len(req.output_token_ids)),
             },
             return_logprob=True,
