@@ -158,9 +158,17 @@ class ChunkHandle:
         """Aborts the chunk if it is still running (a cancelled stream); True if it was."""
         return self._worker.abort_active(self._active)
 
+    @property
+    def finished(self) -> bool:
+        """The chunk ended (read without the engine lock: a stale False only means release()
+        takes the lock to find out)."""
+        return self._active.done
+
     def release(self) -> None:
-        """For the RPC's done callback: aborts the chunk unless it already finished."""
-        self.cancel()
+        """Aborts the chunk unless it already finished (the RPC ended). Takes the engine lock
+        when it still runs: up to one engine step."""
+        if not self.finished:
+            self.cancel()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ the threads left over serve Abort, GetWorkerStats and LoadWeights however many c
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from seer.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -18,7 +19,16 @@ from services.common.log import log_context
 from services.common.streams import StreamSlots
 from services.worker import metrics
 from services.worker.config import WorkerConfig
-from services.worker.core import ChunkFinish, ChunkJob, ChunkStats, ErrorEvent, TokensEvent, Worker, WorkerStats
+from services.worker.core import (
+    ChunkFinish,
+    ChunkHandle,
+    ChunkJob,
+    ChunkStats,
+    ErrorEvent,
+    TokensEvent,
+    Worker,
+    WorkerStats,
+)
 from services.worker.engine import SamplingParams
 
 FINISH_TO_PROTO = {
@@ -107,6 +117,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker = worker
         self.drain_timeout = drain_timeout_seconds
         self.streams = streams or stream_slots(WorkerConfig().stream_limit())
+        # gRPC runs done callbacks on the server's one polling thread, which also starts every
+        # other call: aborting a chunk there waited for the engine lock (a whole step, seconds for
+        # a long prefill) and stalled every call on the worker. The abort runs here instead.
+        self._releaser = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunk-release")
+
+    def _release_soon(self, handle: ChunkHandle) -> None:
+        """The RunChunk's done callback: nothing to do after a normal end; an abort otherwise."""
+        if handle.finished:
+            return
+        try:
+            self._releaser.submit(handle.release)
+        except RuntimeError:  # the interpreter is shutting down: no thread can start
+            handle.release()
 
     @rpc
     def RunChunk(
@@ -116,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             handle = self.worker.submit(job_from_proto(request))
             # Runs when the RPC ends for any reason; after a normal end the chunk is done and
             # cancel() is a no-op, after a cancellation or deadline it aborts the request.
-            if not context.add_callback(handle.release):
+            if not context.add_callback(lambda: self._release_soon(handle)):
                 handle.release()  # the RPC already ended (cancelled while we queued the chunk)
                 return
             for ev in handle.events():

@@ -169,3 +169,31 @@ def test_a_large_batch_gets_the_threads_for_its_streams() -> None:
     explicit = WorkerConfig(max_batch_size=256, max_streams=40)
     assert explicit.sized_for_batch() is explicit
     big.validate()
+
+
+def test_a_stream_ending_does_not_stall_the_server_for_a_step(served: Any) -> None:
+    """gRPC runs a call's done callbacks on the server's one polling thread, which also starts
+    every other call. RunChunk's callback took the engine lock (to abort a chunk still running)
+    for every stream that ended, normal ends too, so while a step ran no call on the worker could
+    start: GetWorkerStats 20 ms after a chunk ended took a whole step (0.85 s here; a 1,024-token
+    CPU prefill is ~5 s). Found by review, session 18."""
+    eng, _worker, running = served
+    ch = channel(running.address)
+    stub = worker_pb2_grpc.WorkerServiceStub(ch)
+    busy = stub.RunChunk(chunk("busy"), timeout=60)  # keeps the engine stepping
+    try:
+        assert refusal(busy) is None
+        eng.step_delay = 0.8
+        stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
+        latencies = []
+        for i in range(3):
+            list(stub.RunChunk(chunk(f"short{i}", max_new=1), timeout=30))
+            time.sleep(0.02)
+            t = time.perf_counter()
+            stub.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(), timeout=5)
+            latencies.append(time.perf_counter() - t)
+        assert sorted(latencies)[1] < 0.3, latencies
+    finally:
+        eng.step_delay = 0.01
+        busy.cancel()
+        ch.close()
