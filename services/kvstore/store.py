@@ -669,8 +669,10 @@ class KvStore:
     def release(self, namespace: str, request_id: str, page_hashes: Sequence[bytes] = ()) -> int:
         """Drops request_id's ownership of its pages (all of them when page_hashes is empty); pages
         left without owners are deleted. Returns the number of pages the request released."""
-        if not request_id:
-            raise InvalidArgument("must not be empty", field="request_id")
+        # A whole release keeps a tombstone keyed by both names (release_tombstone_seconds): an
+        # unchecked name of up to the message limit each would make them gigabytes.
+        _check_name(namespace, "namespace")
+        _check_name(request_id, "request_id")
         with self._lock:
             if not page_hashes:
                 # The request is over (a whole release): refuse its offloads still in flight. Also

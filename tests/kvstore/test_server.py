@@ -59,6 +59,22 @@ def test_put_get_exists_release_stats(replicas: Make) -> None:
     assert stub.GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=5).pages == 0
 
 
+def test_release_names_are_checked_like_puts(replicas: Make) -> None:
+    """A whole Release keeps a tombstone keyed by namespace and request id; both went unchecked,
+    so 1 MiB ids were each held for minutes (300 of them: 300 MiB; found by review, session 18)."""
+    r = replicas("a")
+    stub = _stub(r)
+    big = "r" * 4096
+    for ns, rid, field in (("m@v1", big, "request_id"), ("n" * 4096, "r1", "namespace"),
+                           ("m@v1", "bad\x00id", "request_id"), ("", "r1", "namespace"), ("m@v1", "", "request_id")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Release(kvstore_pb2.ReleaseRequest(namespace=ns, request_id=rid), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert (e.value.details() or "").startswith(f"{field}: "), e.value.details()
+    assert not r.store._released_requests
+    assert stub.Release(kvstore_pb2.ReleaseRequest(namespace="m@v1", request_id="r1"), timeout=5).released_pages == 0
+
+
 def test_bad_layout_is_invalid_argument_naming_the_field(replicas: Make) -> None:
     r = replicas("a")
     stub = _stub(r)
