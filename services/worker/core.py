@@ -594,12 +594,10 @@ class Worker:
                         raise Unavailable(f"{len(self._active)} chunks still running after {drain_timeout:.0f}s")
                     self._wake.wait(min(left, 0.5))
                 src = source or self._weights_source
-                name = version_name(version, self.model_family, weights_id(src) if src else "")
                 try:
+                    name = version_name(version, self.model_family, weights_id(src) if src else "")
                     self.engine.load_weights(source or None, name)
-                except FileNotFoundError as e:
-                    raise InvalidArgument(str(e), field="source") from e
-                except ValueError as e:
+                except (OSError, ValueError) as e:  # missing, unreadable or malformed files
                     raise InvalidArgument(str(e), field="source") from e
                 self._policy_version = version
                 self._weights_source = src

@@ -151,3 +151,33 @@ def test_load_weights_new_version(model_dir: Path, prompts: list[tuple[int, ...]
         assert w.policy_version == 1
     finally:
         w.close()
+
+
+@pytest.mark.parametrize(
+    "config", ["[]", '{"hidden_size": null}', '{"rope_scaling": "linear"}', "{}", "not json", None])
+def test_load_weights_with_a_malformed_config_names_the_source(
+    model_dir: Path, tmp_path: Path, config: str | None,
+) -> None:
+    """A malformed config.json is a bad source (INVALID_ARGUMENT: the scheduler keeps the old
+    version in force), not an engine fault: it was INTERNAL or NOT_FOUND (found by review,
+    session 18). None: config.json is a directory."""
+    import json
+
+    good = json.loads((model_dir / "config.json").read_text())
+    for f in model_dir.glob("*.safetensors"):
+        (tmp_path / f.name).symlink_to(f)
+    if config is None:
+        (tmp_path / "config.json").mkdir()
+    elif config.startswith("{") and config != "{}":
+        (tmp_path / "config.json").write_text(json.dumps({**good, **json.loads(config)}))
+    else:
+        (tmp_path / "config.json").write_text(config)
+    engine = ReferenceEngine.from_dir(model_dir, num_pages=16, max_batch_size=2)
+    w = Worker(engine, speculation=False).start()
+    try:
+        with pytest.raises(InvalidArgument) as e:
+            w.load_weights(1, str(tmp_path))
+        assert e.value.field == "source" and "config.json" in str(e.value)
+        assert w.policy_version == 0
+    finally:
+        w.close()

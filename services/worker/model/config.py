@@ -72,13 +72,32 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found (not a Hugging Face model directory)")
-        d = json.loads(path.read_text())
-        cfg = cls.from_dict(d)
-        # generation_config.json may list extra EOS ids (chat models end turns with them).
-        gen = Path(model_dir) / "generation_config.json"
-        if gen.exists():
-            g = json.loads(gen.read_text()).get("eos_token_id")
-            extra = g if isinstance(g, list) else ([] if g is None else [g])
-            ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(x) for x in extra)]))
-            cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": ids})
+        # Whatever is wrong with the files is a ValueError naming them: LoadWeights reports it as
+        # a bad source (INVALID_ARGUMENT), which the scheduler takes as a refusal of the weights,
+        # not as an engine fault (INTERNAL, "outcome unknown").
+        try:
+            cfg = cls.from_dict(_json_object(path))
+            # generation_config.json may list extra EOS ids (chat models end turns with them).
+            gen = Path(model_dir) / "generation_config.json"
+            if gen.exists():
+                g = _json_object(gen).get("eos_token_id")
+                extra = g if isinstance(g, list) else ([] if g is None else [g])
+                ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(x) for x in extra)]))
+                cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": ids})
+        except KeyError as e:
+            raise ValueError(f"{path}: {e.args[0]} is missing") from e
+        except (TypeError, AttributeError, ZeroDivisionError, OverflowError) as e:
+            raise ValueError(f"{path}: malformed ({type(e).__name__}: {e})") from e
         return cfg
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(d).__name__}")
+    return d
