@@ -38,7 +38,9 @@ class _GenerateReqInput:
 @pytest.fixture(autouse=True)
 def _sglang_io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
-    io_struct.GenerateReqInput = _GenerateReqInput  # type: ignore[attr-defined]
+    for name in ("GenerateReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
+                 "UpdateWeightFromDiskReqInput"):
+        setattr(io_struct, name, _GenerateReqInput)
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
@@ -56,6 +58,8 @@ class _TokenizerManager:
         self.held: set[str] = set()
         self.abort_reaches = abort_reaches
         self.params: dict[str, dict[str, Any]] = {}  # SGLang id -> the custom_params it came with
+        self.requests: list[Any] = []  # every GenerateReqInput, in order
+        self.loaded = ""
 
     async def generate_request(self, obj: Any, _request: Any) -> AsyncIterator[dict[str, Any]]:
         rid = obj.rid
@@ -63,6 +67,7 @@ class _TokenizerManager:
             raise ValueError(f"Duplicate request ID detected: {rid}")
         self.held.add(rid)
         self.params[rid] = dict(obj.sampling_params.get("custom_params") or {})
+        self.requests.append(obj)
         try:
             seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
             attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
@@ -86,6 +91,16 @@ class _TokenizerManager:
     def abort_request(self, rid: str) -> None:
         if self.abort_reaches:
             self.aborted.add(rid)
+
+    async def pause_generation(self, _obj: Any) -> None:
+        pass
+
+    async def continue_generation(self, _obj: Any) -> None:
+        pass
+
+    async def update_weights_from_disk(self, obj: Any, _request: Any) -> tuple[bool, str]:
+        self.loaded = obj.model_path
+        return True, "ok"
 
 
 @pytest.fixture
@@ -172,3 +187,35 @@ def test_the_worker_tells_the_plugin_which_chunk_is_its_groups_probe(engine: sg.
         assert {p["seer_prompt_key"] for p in params.values()} == {"k"}
     finally:
         w.close()
+
+
+def test_weights_from_another_source_get_their_own_pages(engine: sg.SGLangEngine, tmp_path: Path) -> None:
+    """HiCache salts page keys with the request's extra key and the L3 backend files pages under
+    the version file's namespace. Both carried only the policy version after a LoadWeights (the
+    family stayed the starting weights'), so weights reloaded as the same version from another
+    checkpoint were served the old weights' pages (found by review, session 18)."""
+    from services.worker.core import version_name
+    from services.worker.engines.sglang import pages
+
+    start = version_name(3, "m", "aaa")
+    engine._version, engine._family = start, sg._family_of(start)
+    engine._version_file = pages.VersionFile(str(tmp_path / "v"))
+    engine._version_file.write(3, engine._family)
+
+    def extra_key_of_a_request(rid: str) -> str:
+        engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=(1, 2), max_new_tokens=1,
+                                           sampling=GREEDY))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(o.finished for o in engine.step()):
+            pass
+        seen = [o for o in engine._sgl.tokenizer_manager.requests if o.sampling_params["custom_params"][
+            "seer_request_id"] == rid]
+        return str(seen[-1].extra_key)
+
+    before = extra_key_of_a_request("a")
+    engine.load_weights(str(tmp_path), version_name(3, "m", "bbb"))  # the same version, other weights
+    after = extra_key_of_a_request("b")
+    assert before == pages.extra_key("m-aaa", 3) and after == pages.extra_key("m-bbb", 3)
+    version, family = engine._version_file.read_both(0, "m-aaa")
+    assert (version, family) == (3, "m-bbb")
+    assert pages.namespace(family, version) != pages.namespace("m-aaa", 3)

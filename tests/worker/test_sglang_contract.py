@@ -136,6 +136,11 @@ def test_version_file(tmp_path: Path) -> None:
     assert vf.read() == 3
     vf.write(4)
     assert vf.read() == 4
+    assert vf.read_both(0, "start") == (4, "start")  # a version-only file keeps the backend's family
+    vf.write(5, "m-abc")
+    assert vf.read() == 5 and vf.read_both(0, "start") == (5, "m-abc")
+    with pytest.raises(ValueError, match="family"):
+        vf.write(6, "a\nb")
 
 
 def test_request_conversions() -> None:

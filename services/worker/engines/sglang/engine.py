@@ -13,8 +13,9 @@ What SGLang does natively and this adapter only configures:
   through to the Seer KV store and prefetches a request's stored prefix on admission, so
   export_kv / import_kv move nothing (the store is already in the loop);
 - weights: load_weights = pause_generation, update_weights_from_disk, continue_generation; the
-  policy version is the request's extra key (HiCache salts page keys with it) and the L3 namespace
-  (through a version file the storage backend reads), so pages of old weights are never reused.
+  weights' family (model + weights id) and policy version are the request's extra key (HiCache
+  salts page keys with it) and the L3 namespace (through a version file the storage backend
+  reads), so pages of other weights are never reused.
 
 sglang is imported lazily: importing this module never needs it (CI has no GPU and no sglang).
 """
@@ -85,10 +86,10 @@ def parse_policy_version(model_version: str) -> int:
 
 def _family_of(model_version: str) -> str:
     """'family@v3' -> 'family'; 'family@<weights id>@v3' -> 'family-<weights id>' (the KV namespace
-    and HiCache's extra key take one '@' before the version); 'v3' -> 'model'. The weights id is
-    the one the engine started with: SGLang's HiCache backend runs in its own process and learns
-    only the policy version afterwards (pages.VersionFile), so a LoadWeights from another source
-    keeps the starting family (the reference engine renames; see core.version_name)."""
+    and HiCache's extra key take one '@' before the version); 'v3' -> 'model'. A LoadWeights from
+    another source changes it (the weights id), as the reference engine's version name does
+    (core.version_name); SGLang's HiCache backend, in its own process, reads it from the version
+    file (pages.VersionFile)."""
     return model_version.rsplit("@", 1)[0].replace("@", "-") if "@" in model_version else "model"
 
 
@@ -188,7 +189,7 @@ class SGLangEngine(Engine):
         self._version = model_version
         self._family = _family_of(model_version)
         self._version_file = pages.VersionFile(version_file)
-        self._version_file.write(parse_policy_version(model_version))
+        self._version_file.write(parse_policy_version(model_version), self._family)
         self._page_size = int(server_args.get("page_size", 16))
         self._dtype = str(server_args.get("dtype", "bfloat16"))
         self._max_batch = int(server_args.get("max_running_requests", 0) or 0)
@@ -400,7 +401,10 @@ class SGLangEngine(Engine):
         ok = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
         if not ok:
             raise ValueError(f"path: SGLang refused the weights: {result}")
-        self._version_file.write(v)
+        # The new weights' family before the version: requests salt their pages with both
+        # (extra_key) and the backend files them under both (namespace).
+        self._family = _family_of(version)
+        self._version_file.write(v, self._family)
         self._version = version
         if path:
             self._model_dir = Path(path)

@@ -1,8 +1,9 @@
 """Mapping SGLang HiCache L3 pages onto the Seer KV store (pure: no sglang, no grpc).
 
 HiCache names a page by a string key: a hash chained over the page's tokens and every page before
-it, salted with the request's extra key. Seer runs every request with the policy version as that
-extra key, so pages of old weights get different keys and are never reused. In the KV store a page
+it, salted with the request's extra key. Seer runs every request with the weights' family (model +
+weights id) and policy version as that extra key, so pages of other weights get different keys and
+are never reused. In the KV store a page
 lives under (namespace, 16-byte page hash):
 
     namespace = "sglang-<family>-tp<rank>of<size>@v<N>"
@@ -55,21 +56,33 @@ def page_layout(
 
 @dataclass(frozen=True)
 class VersionFile:
-    """The current policy version, shared between the worker (writer) and the HiCache backend in
-    SGLang's scheduler process (reader). One small file read per batch call; atomic replace."""
+    """The current weights, shared between the worker (writer) and the HiCache backend in SGLang's
+    scheduler process (reader): the policy version, and the family (model + weights id) whose
+    namespace the pages live in. A LoadWeights from another source changes the family too: with
+    the version alone, weights reloaded as the same version from another checkpoint (or a new run
+    on the same KV store volume) would be served the old weights' pages. One small file read per
+    batch call; atomic replace. Format: "<version>" or "<version>\n<family>"."""
 
     path: str
 
-    def write(self, version: int) -> None:
+    def write(self, version: int, family: str = "") -> None:
+        if "\n" in family:
+            raise ValueError(f"family: {family!r} must be one line")
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(str(int(version)))
+            fh.write(str(int(version)) + (f"\n{family}" if family else ""))
         os.replace(tmp, self.path)
 
     def read(self, default: int = 0) -> int:
+        return self.read_both(default, "")[0]
+
+    def read_both(self, default_version: int, default_family: str) -> tuple[int, str]:
+        """(version, family); the defaults for what the file does not say."""
         try:
             with open(self.path, encoding="utf-8") as fh:
-                text = fh.read().strip()
+                lines = fh.read().strip().split("\n")
         except FileNotFoundError:
-            return default
-        return int(text) if text else default
+            return default_version, default_family
+        version = int(lines[0]) if lines[0].strip() else default_version
+        family = lines[1].strip() if len(lines) > 1 and lines[1].strip() else default_family
+        return version, family

@@ -61,8 +61,10 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # -- helpers -----------------------------------------------------------------------------
 
     def _namespace(self) -> str:
-        v = self.version_file.read(self.default_version) if self.version_file else self.default_version
-        return namespace(self.family, v, self.tp_rank, self.tp_size)
+        if self.version_file is None:
+            return namespace(self.family, self.default_version, self.tp_rank, self.tp_size)
+        v, family = self.version_file.read_both(self.default_version, self.family)
+        return namespace(family, v, self.tp_rank, self.tp_size)
 
     def _layout(self) -> kvstore_pb2.PageLayout:
         if self._layout_pb is None:
