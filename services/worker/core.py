@@ -87,13 +87,18 @@ def version_name(policy_version: int, family: str = "", weights: str = "") -> st
     return f"{base}@v{policy_version}" if base else f"v{policy_version}"
 
 
+_ID_SAMPLES = 64
+
+
 def weights_id(source: str) -> str:
     """A short digest naming the weights at `source` (a file, or a directory of weight files) by
-    content, not by place: per file its name, size and 64 KiB read from its middle (trained weights
-    differ everywhere, so a sample separates two checkpoints; the same checkpoint copied to another
-    node or path gets the same id, so workers loading their own copies still share KV). A few
-    reads per LoadWeights. A source that is not a readable file or directory (a name the engine
-    resolves itself) is named by the string."""
+    content, not by place: per file its name, size, its first 64 KiB (a safetensors header) and
+    _ID_SAMPLES samples of 4 KiB spread evenly over it. Trained weights differ wherever training
+    reached; samples all over the file (not one from its middle) keep a checkpoint whose middle
+    lies in frozen tensors (a frozen vision tower, frozen embeddings) from taking another's id.
+    The same checkpoint copied to another node or path gets the same id, so workers loading their
+    own copies still share KV. A few dozen reads per LoadWeights. A source that is not a readable
+    file or directory (a name the engine resolves itself) is named by the string."""
     h = hashlib.blake2b(digest_size=6)
     path = Path(source)
     try:
@@ -102,8 +107,10 @@ def weights_id(source: str) -> str:
             size = f.stat().st_size
             h.update(f"\0{f.name}\0{size}\0".encode())
             with f.open("rb") as fh:
-                fh.seek(max(0, size // 2 - 32768))
                 h.update(fh.read(65536))
+                for i in range(_ID_SAMPLES):
+                    fh.seek(size * i // _ID_SAMPLES)
+                    h.update(fh.read(4096))
     except OSError:
         files = []  # unreadable: the engine's load reports it
     if not files:

@@ -64,6 +64,16 @@ def test_checkpoint_rewritten_in_place_gets_another_id(tmp_path: Path) -> None:
     assert weights_id("hub/model-name") == weights_id("hub/model-name")  # not a path: the name alone
 
 
+def test_checkpoints_that_differ_away_from_the_middle_get_other_ids(tmp_path: Path) -> None:
+    """Training that reached only the last tenth of a file (the rest frozen): one 64 KiB sample
+    from the middle gave both checkpoints one id, hence one KV namespace (found by review,
+    session 18)."""
+    frozen = os.urandom(900_000)
+    a = _ckpt(tmp_path / "a", frozen + os.urandom(100_000))
+    b = _ckpt(tmp_path / "b", frozen + os.urandom(100_000))
+    assert weights_id(a) != weights_id(b)
+
+
 def test_the_same_checkpoint_elsewhere_has_the_same_id(tmp_path: Path) -> None:
     # Workers on other nodes load their own copies (other paths, other mtimes): they must agree on
     # the namespace, or none could use another's KV.
