@@ -154,13 +154,16 @@ def test_load_weights_new_version(model_dir: Path, prompts: list[tuple[int, ...]
 
 
 @pytest.mark.parametrize(
-    "config", ["[]", '{"hidden_size": null}', '{"rope_scaling": "linear"}', "{}", "not json", None])
+    "config", ["[]", '{"hidden_size": null}', '{"rope_scaling": "linear"}', "{}", "not json", None,
+               '{"rope_theta": 500000.0}', '{"num_attention_heads": 3}', '{"max_position_embeddings": 4096}'])
 def test_load_weights_with_a_malformed_config_names_the_source(
     model_dir: Path, tmp_path: Path, config: str | None,
 ) -> None:
     """A malformed config.json is a bad source (INVALID_ARGUMENT: the scheduler keeps the old
     version in force), not an engine fault: it was INTERNAL or NOT_FOUND (found by review,
-    session 18). None: config.json is a directory."""
+    session 18). None: config.json is a directory. Settings the forward pass reads (rope_theta,
+    heads, the context) must match the served model's: such a checkpoint loaded and ran with the
+    old values."""
     import json
 
     good = json.loads((model_dir / "config.json").read_text())

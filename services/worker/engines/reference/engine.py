@@ -50,6 +50,12 @@ log = get_logger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _RATE_WINDOW_S = 10.0
+# ModelConfig fields that define the network (LoadWeights refuses weights that differ in one).
+_ARCHITECTURE_FIELDS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+    "attention_bias", "sliding_window",
+)
 
 
 class ReferenceEngine(Engine):
@@ -478,11 +484,13 @@ class ReferenceEngine(Engine):
             )
         src = Path(path) if path else self.model_dir
         new_cfg = ModelConfig.from_dir(src)
-        if (new_cfg.num_layers, new_cfg.num_kv_heads, new_cfg.head_dim, new_cfg.vocab_size) != (
-            self.model_config.num_layers, self.model_config.num_kv_heads, self.model_config.head_dim,
-            self.model_config.vocab_size,
-        ):
-            raise ValueError(f"path: {src} holds a model of another shape")
+        # New weights for the same network: every setting the forward pass reads must match (the
+        # model keeps the served ones; a checkpoint with another rope_theta or window would run
+        # with the old values, silently). EOS/BOS ids stay the served model's.
+        for name in _ARCHITECTURE_FIELDS:
+            if getattr(new_cfg, name) != getattr(self.model_config, name):
+                raise ValueError(f"path: {src / 'config.json'} describes another architecture: {name} "
+                                 f"{getattr(new_cfg, name)!r}, served {getattr(self.model_config, name)!r}")
         try:
             state = load_state_dict(src)
         except (OSError, ValueError):
