@@ -26,7 +26,7 @@ class _Iteration:
     seq: int  # global insertion order: the eviction order
     responses: list[array[int]] = field(default_factory=list)
     tokens: int = 0
-    batches: set[int] = field(default_factory=set)  # _batch_key of every add: a retried add is a no-op
+    batches: set[int] = field(default_factory=set)  # _batch_key of every add: the same add again is a no-op
 
     @property
     def memory_bytes(self) -> int:
@@ -47,13 +47,15 @@ class HistoryStore:
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
         """Adds responses for (key, iteration); returns the ones added. Idempotent: the same
-        responses added again for the same (key, iteration) add nothing (a retried SeedHistory),
-        and no empty iteration is created (it would count as the newest and push out real ones).
-        Iterations older than the newest `keep_iterations` of the key are dropped."""
+        responses (in any order) already held for the key, in any kept iteration, add nothing (a
+        retried SeedHistory; a group completed again after a restart, whose responses the buffer
+        refill brought back already, or the other way round), and no empty iteration is created
+        (it would count as the newest and push out real ones). Iterations older than the newest
+        `keep_iterations` of the key are dropped."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
         added = [tuple(int(t) for t in r) for r in responses if len(r)]
-        if not added or self.has(prompt_key, iteration, added):
+        if not added or self.has(prompt_key, added):
             return []
         iters = self._keys.setdefault(prompt_key, {})
         it = iters.get(iteration)
@@ -71,12 +73,11 @@ class HistoryStore:
             self._drop(prompt_key, min(iters))
         return added
 
-    def has(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> bool:
-        """Whether exactly these responses were added for (key, iteration) already."""
-        it = self._keys.get(prompt_key, {}).get(iteration)
-        if it is None:
-            return False
-        return _batch_key([tuple(int(t) for t in r) for r in responses if len(r)]) in it.batches
+    def has(self, prompt_key: str, responses: Sequence[Sequence[int]]) -> bool:
+        """Whether exactly these responses (in any order) were added for the key in one add, in
+        any iteration still kept."""
+        key = _batch_key([tuple(int(t) for t in r) for r in responses if len(r)])
+        return any(key in it.batches for it in self._keys.get(prompt_key, {}).values())
 
     def next_iteration(self, prompt_key: str) -> int:
         iters = self._keys.get(prompt_key)
@@ -123,6 +124,7 @@ class HistoryStore:
 
 
 def _batch_key(responses: Sequence[tuple[int, ...]]) -> int:
-    """Identifies one add's responses (order included): Python's hash of int tuples is not salted,
-    so it is stable within the process, which is all the store needs."""
-    return hash(tuple(responses))
+    """Identifies one add's responses, order left out (a group promotes them by request id, the
+    buffer returns them by sample index): Python's hash of int tuples is not salted, so it is
+    stable within the process, which is all the store needs."""
+    return hash(tuple(sorted(responses)))

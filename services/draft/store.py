@@ -3,7 +3,9 @@
 Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_group):
 
 - register_group(group_id, prompt_key, prompt, ttl, group_size) creates the group's index with the
-  prompt and the key's history. Re-registering with the same prompt refreshes the TTL.
+  prompt and the key's history. Re-registering with the same prompt refreshes the TTL. The id of a
+  completed group (its responses are history) registered again after it was evicted or expired,
+  or with another prompt, starts a new incarnation: a batch id used again.
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
@@ -20,15 +22,16 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   watermark of another incarnation (the server restarted, or the group expired and was registered
   again; its log may be shorter or longer than the watermark) is answered as watermark 0 with
   reset=True, so the mirror rebuilds instead of applying a foreign log from its middle.
-- seed_history(key, iteration, responses) is idempotent (the same responses for the same key and
-  iteration load once).
+- seed_history(key, iteration, responses) is idempotent (the same responses for the same key load
+  once, in whatever order and iteration).
 - A group whose `group_size` responses are all finished has its responses promoted to history for
   its prompt key (the next iteration's drafts, RhymeRL) and becomes evictable under memory pressure.
 - Memory is bounded by `memory_budget_bytes`: over budget, the oldest history iteration goes first,
   then completed groups, oldest first (never the group being written); when nothing is left to
   evict, new groups, history and appends are refused with RESOURCE_EXHAUSTED (drafting degrades;
-  generation never depends on the draft server). A completed group that was evicted or expired
-  cannot be registered again (its responses are history; a worker still mirroring it must drop it).
+  generation never depends on the draft server). A worker still mirroring a completed group that
+  was evicted or expired drops its mirror (Sync: gone + expired); history never holds the same
+  responses of a key twice (HistoryStore.add), whichever way a group completes again.
 """
 
 from __future__ import annotations
@@ -181,17 +184,27 @@ class DraftStore:
             self._sweep(now)
             g = self._groups.get(group_id)
             if g is not None:
-                if g.prompt_key != prompt_key or g.index.prompt != tuple(prompt_token_ids):
+                if g.prompt_key == prompt_key and g.index.prompt == tuple(prompt_token_ids):
+                    # The same registration (a retry, another worker of the group): idempotent, also
+                    # once it completed (a sibling's late registration must not start it over).
+                    g.ttl_s = ttl
+                    g.expires_at = now + ttl
+                    return False, g.index.num_history
+                if not g.completed:
                     raise AlreadyExists(f"group {group_id!r} exists with another prompt or prompt key",
                                         field="group_id")
-                g.ttl_s = ttl
-                g.expires_at = now + ttl
-                return False, g.index.num_history
-            if self._expired.get(group_id):
-                # Registering it again would promote the same responses to history a second time
-                # (as a new iteration, pushing out a real older one).
-                raise FailedPrecondition(f"group {group_id!r} completed earlier (its responses are history) and "
-                                         "was evicted or expired; it cannot be registered again", field="group_id")
+                # Completed (its responses are history) and registered with another prompt: the id
+                # is used again (a batch id resubmitted after the buffer's retention deleted it).
+                del self._groups[group_id]
+                log.info("completed group's id registered again with another prompt; new incarnation",
+                         extra=kv(group_id=group_id))
+            elif self._expired.get(group_id):
+                # Completed, then evicted or expired: its responses are history, so this is the id
+                # used again (see above), a new incarnation. (Refused, those groups drafted nothing;
+                # a straggler re-creating the old one cannot double its history: HistoryStore.add
+                # holds the same responses once.)
+                log.info("completed group's id registered again after it expired; new incarnation",
+                         extra=kv(group_id=group_id))
             # Room for the prompt and the key's history as indexed; eviction (oldest history first)
             # may take some of that very history, so the need is taken again after it: the group
             # then registers with what is left rather than being refused for history now gone.
@@ -323,7 +336,10 @@ class DraftStore:
         if reopen:
             g.finished.discard(request_id)
         newly_finished = finished and request_id not in g.finished
-        if dropped or added or newly_finished:
+        # A re-opening is logged even when no token changed (an entry without tokens, not
+        # finished): mirrors follow the server's finished state, and a worker that finished the
+        # response must not resend it as finished after a restart (review, session 18).
+        if dropped or added or newly_finished or reopen:
             g.log.append(SeqDelta(request_id, offset + same, tuple(toks[same:]), finished, truncate=bool(dropped)))
             g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
         if dropped:
@@ -340,9 +356,16 @@ class DraftStore:
             return
         g.completed = True
         responses = [g.index.tokens(r) for r in sorted(g.finished)]
-        self._history.add(g.prompt_key, g.history_iteration, responses)
-        log.info("group complete; responses promoted to history",
-                 extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=g.history_iteration))
+        # History never holds a group's responses twice: a group completed again (re-created by a
+        # worker after a restart, or a new incarnation of its id resent the old responses) adds
+        # nothing when the same responses are held for the key already (promoted here before, or
+        # refilled from the buffer, which keeps them too).
+        if self._history.add(g.prompt_key, g.history_iteration, responses):
+            log.info("group complete; responses promoted to history",
+                     extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=g.history_iteration))
+        else:
+            log.info("group complete; its responses are history already",
+                     extra=kv(group_id=g.group_id, prompt_key=g.prompt_key))
         self._evict(keep=g)  # the new history counts against the budget at once
 
     # ---- history --------------------------------------------------------------------------------
@@ -360,8 +383,8 @@ class DraftStore:
             _check_tokens(r, f"responses[{i}].token_ids")
             total += len(r)
         with self._lock:
-            if self._history.has(prompt_key, iteration, responses):
-                return 0  # a retry: loaded already
+            if self._history.has(prompt_key, responses):
+                return 0  # a retry, or held already (e.g. promoted from a group here): loaded already
             # Room for the stored copy and for the copy indexed (and logged) by every live group
             # of the key, before anything is added: nothing is half-seeded when the budget is full.
             live = [g for g in self._groups.values() if g.prompt_key == prompt_key and not g.completed]

@@ -24,7 +24,12 @@ Every group on the server has an incarnation; a mirror whose incarnation is not 
 server restarted, or the group was created again) is rebuilt from the server's whole group, and
 this worker's own responses are sent again. A group the server dropped while nothing of it runs
 here (expired or evicted after completion) is released, never re-created: re-creating it would
-promote its responses to history a second time.
+promote its responses to history a second time. What is resent follows the server: a response is
+resent as finished only while the server's state agrees (a newer attempt elsewhere that cut it
+back or re-opened it clears our flag), and a group is known to have completed when the server had
+every response finished (our acknowledged finishing appends and the siblings' through Sync), not
+when this worker finished them all: a finish still queued when the server restarted never got
+there, and the group is re-created so that it completes once.
 
 Background cost (measured through the suite, bench.spec --suite: +11% worker CPU and a draft-server
 process at ~4% of a core with the planner drafting nothing): two RPCs every 50 ms, each Sync carrying
@@ -76,11 +81,24 @@ class _Mirror:
     watermark: int = 0
     registered: bool = False
     own: set[str] = field(default_factory=set)  # requests this worker appended (re-sent if the server lost them)
+    # Responses resent as finished if the server loses the group: our own finishing appends, and
+    # the server's finished state (Sync) for responses not running here; a later writer's cut or
+    # re-opening clears it (resent finished at a partial length, it completed the group early).
     finished: set[str] = field(default_factory=set)
+    # Finished on the server as last known (our acknowledged finishing appends, Sync): all of the
+    # group's responses in it means the group completed there and its responses are history.
+    done: set[str] = field(default_factory=set)
     history_loaded: bool = False
     active: set[str] = field(default_factory=set)  # requests generating here now: deltas for them are skipped
+    resync: set[str] = field(default_factory=set)  # active requests another writer changed meanwhile (see end)
     incarnation: int = 0  # the server's group incarnation this mirror follows (0: not synced yet)
     epochs: dict[str, int] = field(default_factory=dict)  # request -> this worker's newest attempt epoch
+    releasing: bool = False  # released by the worker; kept until its queued appends are acknowledged
+
+    @property
+    def completed(self) -> bool:
+        """The server had every response finished: the group completed and became history."""
+        return 0 < self.group_size <= len(self.done)
 
 
 @dataclass
@@ -143,7 +161,6 @@ class DraftClient:
         self._lock = threading.Lock()
         self._groups: OrderedDict[str, _Mirror] = OrderedDict()  # least recently used first
         self._pending: list[draft_pb2.AppendRequest] = []
-        self._draining: set[str] = set()  # released groups whose queued appends are still to be sent
         self._stats = DraftClientStats()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -163,10 +180,18 @@ class DraftClient:
         ttl_seconds: int = 3600,
     ) -> None:
         """Creates the local mirror (idempotent) and registers the group on the server in the
-        background (the first Sync brings the siblings' tokens and the history)."""
+        background (the first Sync brings the siblings' tokens and the history). A mirror whose
+        group completed (nothing of it runs here) is replaced: the id is used again (a batch id
+        resubmitted after the buffer's retention), the server starts a new incarnation for it."""
         with self._lock:
-            if group_id in self._groups:
-                return
+            m = self._groups.get(group_id)
+            if m is not None:
+                if not m.completed or m.active:
+                    m.releasing = False  # wanted again before its queued appends went out
+                    return
+                del self._groups[group_id]
+                self._pending = [a for a in self._pending if a.group_id != group_id]
+                log.info("draft group completed; mirror replaced for its id used again", extra=kv(group_id=group_id))
             prompt = tuple(int(t) for t in prompt_token_ids)
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
                                              group_size, int(ttl_seconds))
@@ -174,17 +199,25 @@ class DraftClient:
         self._wake.set()
 
     def release_group(self, group_id: str) -> None:
-        """Drops the mirror (the worker serves no request of the group any more). Its appends still
-        queued are sent first: the last one may be what finishes a response, without which the
-        group never completes on the server (nor becomes history)."""
+        """Drops the mirror (the worker serves no request of the group any more). With appends still
+        queued it is kept until they are acknowledged: the last one may be what finishes a response,
+        without which the group never completes on the server (nor becomes history), and if the
+        server lost the group meanwhile the mirror is what re-creates it."""
         with self._lock:
-            m = self._groups.pop(group_id, None)
-            if m is not None and m.registered and any(a.group_id == group_id for a in self._pending):
-                self._draining.add(group_id)
+            m = self._groups.get(group_id)
+            if m is None:
+                return
+            if m.registered and any(a.group_id == group_id for a in self._pending):
+                m.releasing = True
+            else:
+                del self._groups[group_id]
 
     def has_group(self, group_id: str) -> bool:
+        """A mirror the worker may use for new work: not released, and its group not completed (a
+        chunk starting in a completed group is its id used again: register_group starts over)."""
         with self._lock:
-            return group_id in self._groups
+            m = self._groups.get(group_id)
+            return m is not None and not m.releasing and not (m.completed and not m.active)
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
                finished: bool = False, truncate: bool = False) -> None:
@@ -252,11 +285,20 @@ class DraftClient:
             m.active.add(request_id)
 
     def end(self, group_id: str, request_id: str) -> None:
-        """The request's chunk here is over: Sync deltas for it apply to the mirror again."""
+        """The request's chunk here is over: Sync deltas for it apply to the mirror again. If
+        another worker wrote to it meanwhile (its attempt here was given up on), the deltas skipped
+        while it ran are not replayable one by one: the mirror syncs the whole group again, and
+        keeps its copies until the reply replaces them."""
         with self._lock:
             m = self._groups.get(group_id)
-            if m is not None:
-                m.active.discard(request_id)
+            if m is None:
+                return
+            m.active.discard(request_id)
+            if request_id in m.resync:
+                m.resync.discard(request_id)
+                incarnation = m.incarnation
+                self._restart_mirror_locked(m, m.index.request_ids())
+                m.incarnation = incarnation  # the same incarnation: a whole-group reply, not a reset
 
     def own_length(self, group_id: str, request_id: str) -> int:
         """Tokens of the request in the mirror (tests: never beyond its current length)."""
@@ -365,7 +407,14 @@ class DraftClient:
         self._tick_appends_only()
         self._sync()
         with self._lock:
+            self._finish_releases_locked()
             self._enforce_budget_locked()
+
+    def _finish_releases_locked(self) -> None:
+        """Drops released mirrors whose queued appends were all acknowledged (caller holds the lock)."""
+        unsent = {a.group_id for a in self._pending}
+        for gid in [g for g, m in self._groups.items() if m.releasing and g not in unsent]:
+            del self._groups[gid]
 
     def _register_pending(self) -> None:
         assert self._stub is not None
@@ -396,8 +445,7 @@ class DraftClient:
         if self._stub is None:
             return
         with self._lock:
-            registered = {gid for gid, m in self._groups.items() if m.registered} | self._draining
-            self._draining.clear()  # their messages go in this batch
+            registered = {gid for gid, m in self._groups.items() if m.registered}
             batch = [a for a in self._pending if a.group_id in registered]
             self._pending = [a for a in self._pending if a.group_id not in registered and a.group_id in self._groups]
         if not batch:
@@ -407,6 +455,7 @@ class DraftClient:
             self._stub.Append(iter(batch), timeout=self.rpc_timeout_s)
             self._stats.append_rpcs += 1
             self._stats.sent_tokens += sum(len(a.token_ids) for a in batch)
+            self._acknowledged(batch)
             return
         except grpc.RpcError as e:
             code = e.code()
@@ -427,9 +476,24 @@ class DraftClient:
                     retry.extend(batch[k:])  # the server is going away: keep this and the rest, in order
                     break
                 self._on_refused(a, code, e.details() or "")
+                continue
+            self._acknowledged([a])
         if retry:
             with self._lock:
                 self._pending[:0] = retry
+
+    def _acknowledged(self, msgs: Sequence[draft_pb2.AppendRequest]) -> None:
+        """Appends the server applied: a response's last one says its finished state there now."""
+        last = {(a.group_id, a.request_id): a for a in msgs}
+        with self._lock:
+            for (gid, rid), a in last.items():
+                m = self._groups.get(gid)
+                if m is None or not m.registered:
+                    continue  # released, or lost and to be re-created: the old server's state is moot
+                if a.finished:
+                    m.done.add(rid)
+                elif a.truncate:
+                    m.done.discard(rid)  # re-opened there (a plain append leaves the state as it was)
 
     def _on_refused(self, a: draft_pb2.AppendRequest, code: grpc.StatusCode, details: str) -> None:
         """One append the server refused for good (not a transient error)."""
@@ -437,6 +501,10 @@ class DraftClient:
             m = self._groups.get(a.group_id)
             if m is None:
                 return
+            if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
+                # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
+                # elsewhere): not ours to resend as finished; Sync brings the server's state.
+                m.finished.discard(a.request_id)
             if code == grpc.StatusCode.NOT_FOUND:
                 # The server lost the group (restart) or expired it: see _lost_locked.
                 self._lost_locked(a.group_id, m, expired="expired" in details)
@@ -484,19 +552,24 @@ class DraftClient:
         """The server has no such group (gone, NOT_FOUND). Lost in a server restart, or needed by a
         request running here: re-registered and our responses resent. Expired or evicted (after
         completing) with nothing of it running here: the mirror is released; re-creating it would
-        promote the same responses to history again (the server refuses that for a completed group)."""
-        # Every response of the group finished here: it completed on the server, and a restarted
-        # server (no tombstones) would let us re-create it and promote those responses to history a
-        # second time (besides the buffer's refill of the same ones). Released likewise.
-        completed_here = 0 < m.group_size <= len(m.finished)
-        if (expired or completed_here) and not m.active:
+        promote the same responses to history again."""
+        # The group completed on the server as far as we know (every response finished there: our
+        # acknowledged finishes and the siblings' through Sync, whichever workers ran them): a
+        # restarted server (no tombstones) would let us re-create it and it would complete a second
+        # time. Released likewise. Not so when a finish of ours was never acknowledged (the server
+        # restarted while it was queued): then the group never completed, and resending is the
+        # only way its responses reach history.
+        if (expired or m.completed) and not m.active:
             del self._groups[gid]
             log.info("draft group gone on the server; mirror released", extra=kv(group_id=gid))
             return
         # Start over: the new registration's first Sync brings the history and the siblings again
-        # (kept, they would be loaded twice); our own copies stay.
+        # (kept, they would be loaded twice); our own copies stay and are resent whole, which
+        # covers the appends still queued for the group (resent after them, they hit a gap).
         self._restart_mirror_locked(m, sorted(m.own))
         m.registered = False
+        if not self.follower:
+            self._pending = [a for a in self._pending if a.group_id != gid]
         self._requeue_own(gid, m)
 
     def _sync(self) -> None:
@@ -562,26 +635,60 @@ class DraftClient:
         old: GroupIndex | None = None
         if d.reset:
             # Another incarnation of the group: rebuild from its whole state (below, as for
-            # watermark 0); the responses running here keep our copy (the truth).
+            # watermark 0); the responses running here keep our copy (the truth). Ours completed
+            # (its responses are history): nothing of it goes to the new one, which is the group
+            # re-created after a restart or its id used again; with nothing running here, released.
+            completed = m.completed
+            if completed and not m.active:
+                del self._groups[d.group_id]
+                log.info("draft group completed; mirror released for its new incarnation",
+                         extra=kv(group_id=d.group_id))
+                return 0
             old = self._restart_mirror_locked(m, sorted(m.active & m.own))
+            if completed:
+                old = None  # only what runs here is ours in the new incarnation
+                m.own &= m.active
+                m.finished &= m.active
+                self._requeue_own(d.group_id, m, sorted(m.own))
         if m.watermark == 0 and not m.history_loaded:
             for h in d.history:
                 m.index.add_history(h.token_ids)
             m.history_loaded = True
+        finished: dict[str, bool] = {}  # the server's finished state of each response the reply touches
         for a in d.appends:
-            if not a.request_id:
+            rid = a.request_id
+            if not rid:
                 m.index.add_history(a.token_ids)
                 continue
-            if a.request_id in m.active:
-                continue  # generating here: the local copy is the truth (see the module doc)
+            if rid in m.active:
+                # Generating here: the local copy is the truth (see the module doc). Another
+                # writer's tokens (an attempt elsewhere took the request over) are made up at end().
+                if a.truncate or m.index.tokens_at(rid, a.offset, len(a.token_ids)) != list(a.token_ids):
+                    m.resync.add(rid)
+                continue
+            finished[rid] = a.finished
+            if not a.truncate and m.index.tokens_at(rid, a.offset, len(a.token_ids)) == list(a.token_ids) and not (
+                    a.finished and m.index.length(rid) > a.offset + len(a.token_ids)):
+                continue  # an echo: our copy may be ahead (appends not sent yet), never cut it
             try:
-                # The server's log is the truth for a response not running here, so every delta
-                # replaces from its offset: a copy of ours from an abandoned attempt (tokens beyond
-                # what the newer attempt sent) gives way instead of refusing the newer tokens as an
-                # overlap. A no-op cut when the copies agree.
-                received += m.index.replace_from(a.request_id, a.offset, a.token_ids)[1]
+                # The server's log is the truth for a response not running here, so a delta that
+                # differs replaces from its offset: a copy of ours from an abandoned attempt
+                # (tokens beyond what the newer attempt sent) gives way instead of refusing the
+                # newer tokens as an overlap.
+                received += m.index.replace_from(rid, a.offset, a.token_ids)[1]
             except InvalidArgument as e:
                 log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
+        for rid, fin in finished.items():
+            if fin:
+                m.done.add(rid)
+                m.finished.add(rid)
+                continue
+            if rid in m.done:
+                # Re-opened or cut back by another writer after it finished: ours is no longer
+                # the response's end. (A finish of ours not acknowledged yet stays: this may be an
+                # echo of our earlier appends; its acknowledgement or refusal settles it.)
+                m.finished.discard(rid)
+                m.done.discard(rid)
         m.watermark = d.watermark
         m.incarnation = d.incarnation
         if old is not None:
@@ -603,6 +710,7 @@ class DraftClient:
         m.watermark = 0
         m.incarnation = 0
         m.history_loaded = False
+        m.done.clear()  # the server's state as known so far: the whole-group reply brings it again
         self._stats.resets += 1
         return old
 

@@ -350,3 +350,282 @@ def test_a_group_completed_here_is_not_re_created_on_a_restarted_server() -> Non
     finally:
         a.close()
         running.stop(0.2)
+
+
+def _restart(running: RunningServer) -> tuple[RunningServer, DraftStore]:
+    """The draft server restarts on the same port and loses everything (no tombstones either)."""
+    port = running.port
+    running.stop(0.2)
+    return start(DraftConfig(port=port, grace_seconds=0.2))
+
+
+def test_a_finish_cut_back_elsewhere_is_not_resent_as_finished_after_a_restart() -> None:
+    """Worker A finished r1, but its last chunk was not committed: worker B resumed r1 from the
+    committed output and cut it back. A's mirror kept its own "finished" flag; after a restart A
+    re-created the group and resent r1 as finished at B's partial length, completing the group
+    early with a partial response promoted to history (review, session 18)."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a, b = manual(running.address), manual(running.address)
+    try:
+        for c in (a, b):
+            c.register_group("g", "key", [1, 2, 3], group_size=3, ttl_seconds=60)
+            c.flush()
+        for rid, toks in (("r0", [10, 11, 12]), ("r1", [20, 21, 22, 23, 24])):
+            a.resume("g", rid, [], epoch=1)
+            a.append("g", rid, 0, toks, finished=True)
+            a.end("g", rid)
+        a.flush()
+        b.resume("g", "r1", [20, 21, 22], epoch=2)  # re-dispatched from the committed output
+        b.append("g", "r1", 3, [30])
+        b.flush()
+        a.flush()  # A's mirror follows B's copy of r1 (unfinished)
+        assert a._groups["g"].index.tokens("r1") == [20, 21, 22, 30]
+        a.resume("g", "r2", [], epoch=1)
+        a.append("g", "r2", 0, [40, 41])
+        a.flush()
+        running, store = _restart(running)
+        for _ in range(2):
+            a.flush()  # A notices first (r2 runs here): re-creates the group and resends what it holds
+        a.append("g", "r2", 2, [42], finished=True)
+        a.end("g", "r2")
+        a.flush()
+        assert store.index_of("g").tokens("r1") == [20, 21, 22, 30]
+        assert store.stats().history_keys == 0  # r1 is not finished: B still runs it
+        b.append("g", "r1", 4, [31, 32], finished=True)
+        for _ in range(3):
+            b.flush()
+        assert sorted(store._history.responses("key")) == [(10, 11, 12), (20, 21, 22, 30, 31, 32), (40, 41, 42)]
+    finally:
+        a.close()
+        b.close()
+        running.stop(0.2)
+
+
+def test_a_finish_re_opened_elsewhere_without_a_cut_is_not_resent_as_finished() -> None:
+    """The same when the newer attempt resumes from all of the finished response (its truncate
+    cuts nothing, only re-opens it): the server logged nothing then, so the mirrors never learnt."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a, b = manual(running.address), manual(running.address)
+    try:
+        for c in (a, b):
+            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+            c.flush()
+        a.resume("g", "r0", [], epoch=1)
+        a.append("g", "r0", 0, [10, 11, 12], finished=True)
+        a.end("g", "r0")
+        a.flush()
+        b.resume("g", "r0", [10, 11, 12], epoch=2)  # re-opened, not a token changed
+        b.flush()
+        a.resume("g", "r1", [], epoch=1)
+        a.append("g", "r1", 0, [20])
+        a.flush()
+        running, store = _restart(running)
+        for _ in range(2):
+            a.flush()
+        a.append("g", "r1", 1, [21], finished=True)
+        a.end("g", "r1")
+        a.flush()
+        assert store.stats().history_keys == 0  # r0 is B's now, and unfinished
+        b.append("g", "r0", 3, [13], finished=True)
+        for _ in range(3):
+            b.flush()
+        assert sorted(store._history.responses("key")) == [(10, 11, 12, 13), (20, 21)]
+    finally:
+        a.close()
+        b.close()
+        running.stop(0.2)
+
+
+def test_a_split_group_that_completed_is_not_completed_again_after_a_restart() -> None:
+    """A group split over two workers completed; after a restart each worker re-created it with
+    its own finished response and it completed a second time (review, session 18). Each worker
+    saw the group complete (its own acknowledged finish, the other's through Sync): released."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a, b = manual(running.address), manual(running.address)
+    try:
+        for c in (a, b):
+            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+            c.flush()
+        a.resume("g", "r0", [], epoch=1)
+        a.append("g", "r0", 0, [10, 11, 12], finished=True)
+        a.end("g", "r0")
+        a.flush()
+        b.resume("g", "r1", [], epoch=1)
+        b.append("g", "r1", 0, [20, 21], finished=True)
+        b.end("g", "r1")
+        b.flush()
+        a.flush()
+        assert store.stats().history_keys == 1
+        running, store = _restart(running)
+        for _ in range(3):
+            a.flush()
+            b.flush()
+        assert store.stats().groups == 0 and store.stats().history_keys == 0
+        assert not a.has_group("g") and not b.has_group("g")
+    finally:
+        a.close()
+        b.close()
+        running.stop(0.2)
+
+
+def test_responses_refilled_from_the_buffer_are_not_promoted_again() -> None:
+    """The server-side guard of the same: both workers' finishes were acknowledged but neither saw
+    the other's before the restart, so both re-create the group; the restarted server refilled the
+    key's history from the buffer with these very responses. History holds them once."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a, b = manual(running.address), manual(running.address)
+    try:
+        for c in (a, b):
+            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+            c.flush()
+        a.append("g", "r0", 0, [10, 11, 12], finished=True)
+        b.append("g", "r1", 0, [20, 21], finished=True)
+        a._tick_appends_only()
+        b._tick_appends_only()  # the group completes; no Sync tells either worker so
+        assert store._history.responses("key") == [(10, 11, 12), (20, 21)]
+        running, store = _restart(running)
+        store.seed_history("key", 0, [[20, 21], [10, 11, 12]])  # the buffer's copy, in its order
+        for _ in range(3):
+            a.flush()
+            b.flush()
+        assert store.index_of("g").tokens("r1") == [20, 21]  # re-created and completed ...
+        assert sorted(store._history.responses("key")) == [(10, 11, 12), (20, 21)]  # ... promoted once
+    finally:
+        a.close()
+        b.close()
+        running.stop(0.2)
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_restart_before_the_last_finishing_append_is_sent_still_completes_the_group(released: bool) -> None:
+    """The worker ran the whole group; the server restarted while its last finishing append was
+    still queued. The client released the mirror (every response finished here) and the append
+    was never resent: the group never reached history (review, session 18). Also when the worker
+    had released the group itself before the tick (its queued appends are still owed)."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a = manual(running.address)
+    try:
+        a.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+        a.flush()
+        a.resume("g", "r0", [], epoch=1)
+        a.append("g", "r0", 0, [10, 11, 12], finished=True)
+        a.end("g", "r0")
+        a.flush()
+        a.resume("g", "r1", [], epoch=1)
+        a.append("g", "r1", 0, [20, 21])
+        a.flush()
+        a.append("g", "r1", 2, [22], finished=True)  # queued ...
+        a.end("g", "r1")
+        if released:
+            a.release_group("g")
+        running, store = _restart(running)  # ... when the server restarts
+        for _ in range(4):
+            a.flush()
+        assert sorted(store._history.responses("key")) == [(10, 11, 12), (20, 21, 22)]
+        if released:
+            assert not a.has_group("g") and a.stats().groups == 0
+    finally:
+        a.close()
+        running.stop(0.2)
+
+
+def test_a_request_that_ends_here_follows_what_another_worker_wrote_while_it_ran() -> None:
+    """Sync deltas for a request running here are skipped (our copy is the truth while it runs);
+    when its chunk here ends after another worker took it over, the skipped ones were never
+    replayed and the mirror kept the abandoned attempt's copy (review, session 18)."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a, b = manual(running.address), manual(running.address)
+    try:
+        for c in (a, b):
+            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+            c.flush()
+        a.resume("g", "r", [], epoch=1)
+        a.append("g", "r", 0, [10, 11, 12, 13])
+        a.flush()
+        b.resume("g", "r", [10, 11], epoch=2)  # A's attempt was given up on; B runs the request now
+        b.append("g", "r", 2, [20, 21, 22])
+        b.flush()
+        a.flush()
+        assert a.own_length("g", "r") == 4  # still running on A: its own copy
+        a.end("g", "r")
+        a.flush()
+        assert a._groups["g"].index.tokens("r") == [10, 11, 20, 21, 22]
+        b.append("g", "r", 5, [23], finished=True)
+        b.flush()
+        a.flush()
+        assert a._groups["g"].index.tokens("r") == store.index_of("g").tokens("r") == [10, 11, 20, 21, 22, 23]
+    finally:
+        a.close()
+        b.close()
+        running.stop(0.2)
+
+
+def test_a_group_id_used_again_after_its_group_completed_starts_a_new_incarnation() -> None:
+    """A batch id resubmitted after the buffer's retention deleted it brings the same group ids. The
+    server refused to register a completed group's id again (evicted or expired: FAILED_PRECONDITION;
+    still here with another prompt: ALREADY_EXISTS), so those groups drafted nothing (review,
+    session 18). The old incarnation's responses are history already: a fresh one starts."""
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    a, b = manual(running.address), manual(running.address)
+    try:
+        a.register_group("g", "key", [1, 2, 3], group_size=1, ttl_seconds=60)
+        a.register_group("h", "kh", [4, 5, 6], group_size=1, ttl_seconds=60)
+        a.flush()
+        for gid in ("g", "h"):
+            a.resume(gid, "r0", [], epoch=1)
+            a.append(gid, "r0", 0, [10, 11, 12], finished=True)
+            a.end(gid, "r0")
+        a.flush()
+        assert store.stats().history_keys == 2
+        assert not a.has_group("g")  # completed: no mirror for new work (the worker registers it again)
+        g_incarnation = a._groups["g"].incarnation
+        # g expires; h (still here) comes back with another prompt on worker B.
+        store._groups["g"].expires_at = 0.0
+        store.expire_now()
+        b.register_group("h", "kh", [7, 8, 9], group_size=1, ttl_seconds=60)
+        b.flush()
+        assert store.index_of("h").prompt == (7, 8, 9)
+        b.resume("h", "r0", [], epoch=1)
+        b.append("h", "r0", 0, [60, 61], finished=True)
+        b.end("h", "r0")
+        b.flush()
+        assert store._history.responses("kh") == [(60, 61), (10, 11, 12)]  # the new iteration first
+        # g, with the same prompt, on worker A, which still mirrors the completed old incarnation.
+        a.register_group("g", "key", [1, 2, 3], group_size=1, ttl_seconds=60)
+        a.flush()
+        assert a.has_group("g") and a._groups["g"].incarnation not in (0, g_incarnation)
+        a.resume("g", "r0", [], epoch=1)
+        a.append("g", "r0", 0, [50, 51], finished=True)
+        a.end("g", "r0")
+        a.flush()
+        assert store._history.responses("key") == [(50, 51), (10, 11, 12)]
+        a.flush()
+        assert "h" not in a._groups  # A's mirror of the old h (completed) gave way, nothing resent
+        assert store.index_of("h").tokens("r0") == [60, 61]
+    finally:
+        a.close()
+        b.close()
+        running.stop(0.2)
+
+
+def test_a_retried_registration_of_a_live_group_is_idempotent(
+        draft_server: tuple[RunningServer, DraftStore], draft_stub: Any) -> None:
+    """Only a completed group's id starts over; the same registration again (a retry, a second
+    worker) keeps the live group, completed or not, and another prompt for a group still running
+    is ALREADY_EXISTS."""
+    from seer.v1 import draft_pb2
+
+    _running, store = draft_server
+    req = draft_pb2.RegisterGroupRequest(group_id="g", prompt_key="key", prompt_token_ids=[1, 2, 3],
+                                         ttl_seconds=60, group_size=1)
+    assert draft_stub.RegisterGroup(req).created
+    incarnation = store._groups["g"].incarnation
+    assert not draft_stub.RegisterGroup(req).created
+    other = draft_pb2.RegisterGroupRequest(group_id="g", prompt_key="key", prompt_token_ids=[9], group_size=1)
+    with pytest.raises(grpc.RpcError) as e:
+        draft_stub.RegisterGroup(other)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    store.append("g", "r0", 0, [10, 11], finished=True)  # completed
+    assert not draft_stub.RegisterGroup(req).created
+    assert store._groups["g"].incarnation == incarnation
+    assert store._history.responses("key") == [(10, 11)]

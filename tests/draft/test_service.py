@@ -110,12 +110,15 @@ def test_expired_group(draft_stub: draft_pb2_grpc.DraftServiceStub) -> None:
     assert done.gone and done.expired
     assert open_.gone and not open_.expired
     assert s.GetDraftStats(draft_pb2.GetDraftStatsRequest()).expired_groups == 2
-    # The unfinished one registers again; the completed one is refused (its responses are history).
+    # Both register again: the unfinished one to complete, the completed one as its id used again
+    # (a new incarnation; its old responses are history, and are not promoted a second time).
     s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id="open", prompt_key="k", prompt_token_ids=[1],
                                                    ttl_seconds=60, group_size=2))
-    code, _ = _code(lambda: s.RegisterGroup(draft_pb2.RegisterGroupRequest(
-        group_id="done", prompt_key="k", prompt_token_ids=[1], ttl_seconds=60, group_size=1)))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert s.RegisterGroup(draft_pb2.RegisterGroupRequest(
+        group_id="done", prompt_key="k", prompt_token_ids=[1], ttl_seconds=60, group_size=1)).created
+    s.Append(iter([A(group_id="done", request_id="a", offset=0, token_ids=[1], finished=True)]))
+    assert s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id="new", prompt_key="k", prompt_token_ids=[1],
+                                                          ttl_seconds=60, group_size=1)).history_responses == 1
     code, msg = _code(lambda: s.Append(iter([A(group_id="", request_id="b", offset=0, token_ids=[2])])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "group_id" in msg
 

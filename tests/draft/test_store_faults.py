@@ -72,7 +72,9 @@ def test_gone_tells_expired_from_unknown() -> None:
     assert d.gone and not d.expired
 
 
-def test_completed_group_is_not_registered_again_after_eviction() -> None:
+def test_completed_group_registered_again_after_expiry_never_doubles_its_history() -> None:
+    """The id of a completed group that expired starts a new incarnation (a batch id used again);
+    a straggler that re-creates it with the old responses adds nothing to history."""
     clock = Clock()
     s = DraftStore(clock=clock)
     s.register_group("g", "key", [1, 2, 3], ttl_seconds=1, group_size=1)
@@ -80,10 +82,14 @@ def test_completed_group_is_not_registered_again_after_eviction() -> None:
     assert s._history.responses("key") == [(10, 11, 12, 13)]
     clock.t += 2
     s.expire_now()
-    with pytest.raises(FailedPrecondition) as e:
-        s.register_group("g", "key", [1, 2, 3], ttl_seconds=1, group_size=1)
-    assert e.value.field == "group_id"
+    assert s.register_group("g", "key", [1, 2, 3], ttl_seconds=1, group_size=1) == (True, 1)
+    s.append("g", "r0", 0, [10, 11, 12, 13], finished=True)
     assert s._history.responses("key") == [(10, 11, 12, 13)]  # one iteration, not two
+    clock.t += 2
+    s.expire_now()
+    s.register_group("g", "key", [1, 2, 3], ttl_seconds=1, group_size=1)
+    s.append("g", "r0", 0, [20], finished=True)  # new responses: the next iteration
+    assert s._history.responses("key") == [(20,), (10, 11, 12, 13)]
 
 
 def test_append_never_evicts_its_own_group() -> None:
