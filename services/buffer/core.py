@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from services.buffer import codec, metrics
@@ -51,6 +52,7 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     SeerError,
     Unavailable,
 )
@@ -59,7 +61,17 @@ from services.common.log import get_logger, kv, log_context
 log = get_logger(__name__)
 
 MAX_HISTORY_KEYS = 100_000
-MAX_HISTORY_TOKEN_KEYS = 64  # GetHistory with tokens: keeps one reply far below the message limit
+MAX_HISTORY_TOKEN_KEYS = 64  # GetHistory with tokens: bounds the work of one call
+# GetHistory's reply is cut (whole keys) at this many encoded bytes, half the 64 MiB gRPC message
+# limit: 64 keys of 32 responses x 12K tokens made ~75 MB, which gRPC refused as an opaque
+# RESOURCE_EXHAUSTED. Read at call time (tests lower it).
+HISTORY_REPLY_BYTES = 32 * 1024 * 1024
+# The keys of one GetHistory call, in bytes: each comes back (with its history or as omitted), so
+# the budget above cannot hold them when they are this many (100,000 keys of up to 512 characters).
+MAX_HISTORY_KEY_BYTES = 8 * 1024 * 1024
+# A committed logprob above this is refused: a log-probability is <= 0, and the engines' float32
+# log-softmax can round a near-certain token a hair above it.
+MAX_LOGPROB = 1e-4
 # Batches deleted by retention that are remembered (id -> results), so a reader coming back to one
 # is told what it lost instead of "unknown batch". Stored (keys.deleted_key), so a restart between
 # the deletion and the reader's return does not turn it into "unknown batch".
@@ -160,6 +172,14 @@ class WeightsOutcome:
     seconds: float
 
 
+@dataclass(frozen=True)
+class HistoryReply:
+    histories: list[tuple[str, HistoryIteration]]  # the newest iteration of each returned key
+    # Keys left out so the reply stays under HISTORY_REPLY_BYTES (the first that did not fit and every
+    # key after it, in request order): ask again for these, fewer at a time.
+    omitted: list[str]
+
+
 class SwitchNotStarted(Unavailable):
     """The scheduler did not start the switch (it was not reached, or another switch was running):
     nothing was loaded, the old version stays in force; the caller may retry."""
@@ -182,6 +202,60 @@ class _Live:
     tokens: array[int] = field(default_factory=codec.i32)
     logprobs: array[float] = field(default_factory=codec.f32)
     chunk_ends: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Response:
+    """One response of a completing batch, as its history takes it."""
+
+    group_index: int
+    sample_index: int
+    prompt_key: str
+    token_ids: array[int]
+    finish_reason: FinishReason
+
+
+class _CompletesBatch(Exception):
+    """Raised under the lock, before anything is written, by a commit that would complete its batch
+    while no history was built for that state of the batch: commit_chunk builds it outside the lock
+    and commits again. `last`: the completing response (a copy; the live one may change)."""
+
+    def __init__(self, batch: BatchRecord, last: _Response) -> None:
+        super().__init__(batch.batch_id)
+        self.batch, self.last = batch, last
+
+
+@dataclass(frozen=True)
+class _BuiltHistory:
+    """A store WriteBatch holding the history writes of the commit that completes `batch`, built
+    from that record's state; the commit adds its own writes to it. Valid only while the record is
+    current: every change of a batch replaces its record (copy, then assignment), so identity says
+    nothing happened to the batch since."""
+
+    batch: BatchRecord
+    wb: Any
+
+
+def _varint_bytes(value: int) -> int:
+    """Bytes of a non-negative protobuf varint."""
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _key_bytes(key: str) -> int:
+    """An upper bound on a prompt key's bytes in a GetHistoryResponse (11: a field's tag and length
+    prefix, a varint of <= 10 bytes)."""
+    return 11 + len(key.encode())
+
+
+def _history_bytes(it: HistoryIteration, with_tokens: bool) -> int:
+    """An upper bound on the encoded size of a PromptHistory beyond its key (_key_bytes): each packed
+    array's values at the varint size of its largest (lengths and token ids are >= 0; max() is C
+    speed, an exact size would visit every token in Python), 11 bytes for each tag and length."""
+    n = 11 + 11 + len(it.lengths) * _varint_bytes(max(it.lengths, default=0)) + 11
+    if with_tokens:
+        for t in it.token_ids:
+            n += 22 + len(t) * _varint_bytes(max(t, default=0))
+    return n
 
 
 def parse_request_id(request_id: str) -> tuple[str, int, int]:
@@ -214,6 +288,10 @@ class BufferCore:
         self._clock = clock
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        # Held while a completing commit builds its history outside _lock and until it is written
+        # (commit_chunk): history keys change only under it, so the older iterations it read stay
+        # current. Taken before _lock, never while holding it.
+        self._history_lock = threading.Lock()
         self._hub = WatchHub()
         self._switching = False
         self._switch_target = 0  # the version being switched to while _switching
@@ -304,7 +382,8 @@ class BufferCore:
 
     def close(self) -> None:
         """Closes the store; calls still running in handler threads then get UNAVAILABLE."""
-        with self._cond:
+        # After a history build in progress (it reads the store outside _lock; commit_chunk).
+        with self._history_lock, self._cond:
             if self._closed:
                 return
             self._closed = True
@@ -449,8 +528,28 @@ class BufferCore:
 
     def commit_chunk(self, c: Commit) -> CommitOutcome:
         batch_id, gi, si = parse_request_id(c.request_id)
-        with log_context(request_id=c.request_id, group_id=f"{batch_id}/{gi}"), self._lock:
-            return self._commit_locked(c, batch_id, gi, si)
+        with log_context(request_id=c.request_id, group_id=f"{batch_id}/{gi}"):
+            try:
+                with self._lock:
+                    return self._commit_locked(c, batch_id, gi, si)
+            except _CompletesBatch as e:
+                completing = e
+            # This commit completes its batch, whose responses become history in the same write.
+            # The history is built here, outside the lock: it copies every token of the batch (0.8 s
+            # for 4,096 responses x 4,096 tokens), which stalled every other batch's commits.
+            with self._history_lock:
+                while True:
+                    with self._lock:
+                        self._check_open()  # close() waits for _history_lock: the store stays open
+                    built = self._build_history(completing)
+                    try:
+                        with self._lock:
+                            return self._commit_locked(c, batch_id, gi, si, built)
+                    except _CompletesBatch as e:
+                        # The batch changed meanwhile and this commit still completes it (its id
+                        # was reused after retention deleted it): build again. Other changes (a
+                        # retry of this commit that came first, a cancel) end above.
+                        completing = e
 
     def _stored_request(self, batch_id: str, gi: int, si: int, request_id: str) -> RequestRecord:
         raw = self._store.get(keys.request_key(batch_id, gi, si))
@@ -480,7 +579,8 @@ class BufferCore:
         return CommitOutcome(True, rec.next_seq, rec.generated, rec.state == RequestState.FINISHED,
                              rec.state != RequestState.CANCELLED)
 
-    def _commit_locked(self, c: Commit, batch_id: str, gi: int, si: int) -> CommitOutcome:
+    def _commit_locked(self, c: Commit, batch_id: str, gi: int, si: int,
+                       history: _BuiltHistory | None = None) -> CommitOutcome:
         self._check_open()
         batch = self._batches.get(batch_id)
         if batch is None:
@@ -501,15 +601,25 @@ class BufferCore:
         if c.seq > rec.next_seq:
             metrics.REJECTED.labels("gap").inc()
             raise FailedPrecondition(f"gap: expected chunk {rec.next_seq}, got {c.seq}", field="seq")
-        return self._append(c, batch, live)
+        return self._append(c, batch, live, history)
 
     def _validate_chunk(self, c: Commit, live: _Live, max_tokens: int) -> FinishReason:
         n = len(c.token_ids)
+        for f in fields(c.stats):  # NaN passes the negative check below (every comparison is false)
+            v = getattr(c.stats, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise InvalidArgument(f"must be finite, got {v}", field=f"stats.{f.name}")
         bad = c.stats.negative_field()
         if bad is not None:
             raise InvalidArgument(f"must be >= 0, got {getattr(c.stats, bad)}", field=f"stats.{bad}")
         if len(c.logprobs) != n:
             raise InvalidArgument(f"{len(c.logprobs)} logprobs for {n} tokens", field="logprobs")
+        # C-speed checks (a NaN makes the sum NaN, and max() unreliable); the loop, only on a
+        # failure, names the index. -inf (probability 0) is a log-probability, if an odd one: it passes.
+        if n and (math.isnan(sum(c.logprobs)) or max(c.logprobs) > MAX_LOGPROB):
+            for j, lp in enumerate(c.logprobs):
+                if not lp <= MAX_LOGPROB:
+                    raise InvalidArgument(f"a log-probability is <= 0, got {lp}", field=f"logprobs[{j}]")
         if c.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.CHUNK, FinishReason.ABORTED):
             raise InvalidArgument(f"must be STOP, LENGTH, CHUNK or ABORTED, got {c.finish_reason.name}",
                                   field="finish_reason")
@@ -542,7 +652,7 @@ class BufferCore:
                 return FinishReason.LENGTH
         return c.finish_reason
 
-    def _append(self, c: Commit, batch: BatchRecord, live: _Live) -> CommitOutcome:
+    def _append(self, c: Commit, batch: BatchRecord, live: _Live, history: _BuiltHistory | None) -> CommitOutcome:
         rec = live.rec
         group = self._groups[(rec.batch_id, rec.group_index)]
         reason = self._validate_chunk(c, live, group.max_tokens)
@@ -563,6 +673,13 @@ class BufferCore:
         if not finished:
             wb.put(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, c.seq), chunk.encode())
         else:
+            if batch.num_results + 1 == batch.num_requests:  # this commit completes the batch
+                if history is None or history.batch is not batch:
+                    last = codec.i32(live.tokens)
+                    last.extend(chunk.token_ids)
+                    raise _CompletesBatch(batch, _Response(rec.group_index, rec.sample_index, group.prompt_key,
+                                                           last, reason))
+                wb = history.wb  # holds the history writes (they are most of the bytes)
             # The result holds every token and the chunk boundaries: drop the chunk records (half the bytes).
             wb.delete_range(*keys.chunks_range(rec.batch_id, rec.group_index, rec.sample_index))
             new_rec.result_index = batch.num_results
@@ -584,7 +701,6 @@ class BufferCore:
             if new_batch.num_results == new_batch.num_requests:
                 new_batch.state = BatchState.COMPLETED
                 new_batch.finished_at = self._clock()
-                self._put_history(wb, new_batch, result)
         if reason == FinishReason.ABORTED:
             # The batch still completes; the trainer sees this response as failed (ABORTED).
             log.error("request failed: the scheduler aborted it", extra=kv(
@@ -661,22 +777,32 @@ class BufferCore:
 
     # ---- history (RhymeRL) ---------------------------------------------------------------------
 
-    def _put_history(self, wb: object, batch: BatchRecord, last: RolloutResult) -> None:
-        """Adds the completed batch as the newest iteration of each of its prompt keys."""
-        results = [RolloutResult.decode(v) for _k, v in self._store.scan(f"l/{batch.batch_id}/".encode())]
-        results.append(last)
+    def _build_history(self, completing: _CompletesBatch) -> _BuiltHistory:
+        """The completing batch as the newest iteration of each of its prompt keys: the history
+        values its completing commit writes. Runs outside _lock, holding _history_lock: the batch's
+        results log holds every response but `last` and does not change until that commit (nothing
+        else appends, and retention deletes finished batches only; a reused id fails _BuiltHistory's
+        check), and history keys are written only under _history_lock."""
+        batch = completing.batch
+        responses = [completing.last]
+        for _k, v in self._store.scan(f"l/{batch.batch_id}/".encode()):
+            res = RolloutResult.decode(v)
+            responses.append(_Response(res.group_index, res.sample_index, res.prompt_key, res.token_ids,
+                                       res.finish_reason))
         # An aborted response is cut short: its length would bias the next iteration's prior low.
-        results = [r for r in results if r.finish_reason != FinishReason.ABORTED]
-        results.sort(key=lambda r: (r.group_index, r.sample_index))
+        responses = [r for r in responses if r.finish_reason != FinishReason.ABORTED]
+        responses.sort(key=lambda r: (r.group_index, r.sample_index))
         per_key: dict[str, HistoryIteration] = {}
-        for r in results:
+        for r in responses:
             it = per_key.setdefault(r.prompt_key, HistoryIteration(batch.batch_id, batch.policy_version, [], []))
             it.lengths.append(len(r.token_ids))
             it.token_ids.append(r.token_ids)
+        wb = self._store.new_batch()
         for key, it in per_key.items():
             raw = self._store.get(keys.history_key(key))
             older = decode_history(raw) if raw else []
-            wb.put(keys.history_key(key), encode_history([it, *older][: self._history_n]))  # type: ignore[attr-defined]
+            wb.put(keys.history_key(key), encode_history([it, *older][: self._history_n]))
+        return _BuiltHistory(batch, wb)
 
     def history(self, prompt_key: str) -> list[HistoryIteration]:
         """All kept iterations of a prompt key, newest first (tokens for history drafts)."""
@@ -686,24 +812,52 @@ class BufferCore:
         return decode_history(raw) if raw else []
 
     def history_lengths(self, prompt_keys: list[str]) -> list[tuple[str, list[int], int]]:
-        """(key, lengths, policy_version) of the newest iteration of each known key."""
-        return [(key, it.lengths, it.policy_version) for key, it in self.newest_history(prompt_keys)]
+        """(key, lengths, policy_version) of the newest iteration of each known key (in process: no
+        reply size bound)."""
+        reply = self._newest_history(prompt_keys, with_tokens=False, budget=None)
+        return [(key, it.lengths, it.policy_version) for key, it in reply.histories]
 
-    def newest_history(self, prompt_keys: list[str], *, with_tokens: bool = False
-                       ) -> list[tuple[str, HistoryIteration]]:
-        """The newest kept iteration of each known key (keys without history are left out). With
-        tokens (the draft service's refill after its restart) a call takes fewer keys: each
-        iteration carries every response of the prompt's group."""
+    def newest_history(self, prompt_keys: list[str], *, with_tokens: bool = False) -> HistoryReply:
+        """GetHistory: the newest kept iteration of each known key (keys without history are left
+        out), whole keys in request order while the reply fits HISTORY_REPLY_BYTES; the rest are
+        `omitted`. A key whose iteration alone is over the budget is RESOURCE_EXHAUSTED naming it
+        when it would come first (no reply can carry it, and truncating it would hand the draft
+        service shortened responses as if complete); after keys that fit it is omitted like the
+        others, so asking again for the omitted keys names it. With tokens (the draft service's
+        refill after its restart) a call takes fewer keys: each iteration carries every response of
+        the prompt's group."""
+        return self._newest_history(prompt_keys, with_tokens=with_tokens, budget=HISTORY_REPLY_BYTES)
+
+    def _newest_history(self, prompt_keys: list[str], *, with_tokens: bool, budget: int | None) -> HistoryReply:
         limit = MAX_HISTORY_TOKEN_KEYS if with_tokens else MAX_HISTORY_KEYS
         if len(prompt_keys) > limit:
             raise InvalidArgument(f"at most {limit} keys per call{' with tokens' if with_tokens else ''}",
                                   field="prompt_keys")
-        out = []
-        for key in dict.fromkeys(prompt_keys):
+        unique = list(dict.fromkeys(prompt_keys))
+        # Every key is in the reply once (in its history or among the omitted ones): counted first.
+        used = sum(_key_bytes(k) for k in unique)
+        if budget is not None and used > MAX_HISTORY_KEY_BYTES:
+            raise InvalidArgument(f"{used} bytes of keys; at most {MAX_HISTORY_KEY_BYTES} per call",
+                                  field="prompt_keys")
+        out: list[tuple[str, HistoryIteration]] = []
+        for n, key in enumerate(unique):
             its = self.history(key)
-            if its:
-                out.append((key, its[0]))
-        return out
+            if not its:
+                continue
+            size = _history_bytes(its[0], with_tokens)
+            if budget is not None and not out and _key_bytes(key) + size > budget:
+                raise ResourceExhausted(
+                    f"the newest history of prompt key {key[:200]!r} takes up to {_key_bytes(key) + size} bytes, "
+                    f"over the {budget}-byte reply limit{' (ask without include_tokens)' if with_tokens else ''}",
+                    field=f"prompt_keys[{prompt_keys.index(key)}]")
+            # The first key goes in whenever it fits alone (the other keys' names, bounded above,
+            # may then take the reply past the budget, still far below the message limit): a reply
+            # must make progress, or a caller asking again for the omitted keys would loop.
+            if budget is not None and out and used + size > budget:
+                return HistoryReply(out, unique[n:])
+            used += size
+            out.append((key, its[0]))
+        return HistoryReply(out, [])
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -712,6 +866,9 @@ class BufferCore:
         if b is None:
             n = self._deleted.get(batch_id)
             if n is None:
+                # Checked only for unknown ids: one stored before the format was enforced as now (a
+                # trailing newline passed "$") stays readable.
+                validate_batch_id(batch_id)
                 raise NotFound(f"unknown batch {batch_id!r}", field="batch_id")
             lost = f"; results [{cursor}, {n}) were not read and are lost" if cursor is not None and cursor < n else ""
             raise NotFound(f"batch {batch_id!r} was deleted by retention with its {n} results (finished "

@@ -204,12 +204,13 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
     def GetHistory(self, request: buffer_pb2.GetHistoryRequest, context: grpc.ServicerContext
                    ) -> buffer_pb2.GetHistoryResponse:
         tokens = request.include_tokens
+        reply = self.core.newest_history(list(request.prompt_keys), with_tokens=tokens)
         return buffer_pb2.GetHistoryResponse(histories=[
             buffer_pb2.PromptHistory(
                 prompt_key=k, lengths=it.lengths, policy_version=it.policy_version,
                 responses=[buffer_pb2.TokenIds(token_ids=t) for t in it.token_ids] if tokens else [])
-            for k, it in self.core.newest_history(list(request.prompt_keys), with_tokens=tokens)
-        ])
+            for k, it in reply.histories
+        ], omitted_prompt_keys=reply.omitted)
 
 
 def add_servicers(core: BufferCore, cfg: BufferConfig) -> Callable[[grpc.Server], Sequence[str]]:

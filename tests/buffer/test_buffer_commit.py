@@ -137,3 +137,19 @@ def test_finished_request_keeps_duplicate_detection_without_chunk_records(buf: B
             for s, t, r in [(0, [5, 6], CHUNK), (1, [7], CHUNK), (2, [8, 9], STOP)]] == [True] * 3
     expect_error(lambda: commit(buf.internal, rid, 1, [6]), grpc.StatusCode.ABORTED, "seq")
     expect_error(lambda: commit(buf.internal, rid, 2, [8, 9], reason=CHUNK), grpc.StatusCode.ABORTED, "seq")
+
+
+def test_non_finite_stats_and_impossible_logprobs_are_refused(buf: BufferHandle) -> None:
+    """Review, session 18: a NaN or infinite wall_seconds passed the negative check (every comparison
+    with NaN is false), and NaN or positive logprobs were stored as the response's."""
+    rid = _one(buf, max_tokens=4)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        stats = common_pb2.ChunkStats(wall_seconds=bad)
+        expect_error(lambda st=stats: commit(buf.internal, rid, 0, [5], stats=st), IA,  # type: ignore[misc]
+                     "stats.wall_seconds")
+    for lps, field in (([-0.5, float("nan"), -0.1], "logprobs[1]"), ([-0.5, 0.01, -0.1], "logprobs[1]"),
+                       ([float("inf"), -0.5, -0.1], "logprobs[0]"), ([-0.5, -0.1, 2.0], "logprobs[2]")):
+        expect_error(lambda lp=lps: commit(buf.internal, rid, 0, [5, 6, 7], logprobs=lp), IA, field)  # type: ignore[misc]
+    # None of that changed the request. A float32 log-softmax a hair above 0 is rounding, and -inf
+    # (probability 0) is a log-probability: both are taken.
+    assert commit(buf.internal, rid, 0, [5, 6, 7], logprobs=[0.0, 5e-5, float("-inf")]).next_seq == 1

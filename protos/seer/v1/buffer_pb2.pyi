@@ -141,7 +141,9 @@ class PromptHistory(_message.Message):
     def __init__(self, prompt_key: _Optional[str] = ..., lengths: _Optional[_Iterable[int]] = ..., policy_version: _Optional[int] = ..., responses: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class GetHistoryResponse(_message.Message):
-    __slots__ = ("histories",)
+    __slots__ = ("histories", "omitted_prompt_keys")
     HISTORIES_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_PROMPT_KEYS_FIELD_NUMBER: _ClassVar[int]
     histories: _containers.RepeatedCompositeFieldContainer[PromptHistory]
-    def __init__(self, histories: _Optional[_Iterable[_Union[PromptHistory, _Mapping]]] = ...) -> None: ...
+    omitted_prompt_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, histories: _Optional[_Iterable[_Union[PromptHistory, _Mapping]]] = ..., omitted_prompt_keys: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -75,6 +75,10 @@ class BufferInternalServiceServicer:
     def GetHistory(self, request, context):
         """Lengths of the previous iteration's responses per prompt key (history priors, RhymeRL), and on
         request their tokens (the draft service refills its history drafts from here after a restart).
+        The reply is bounded (32 MiB encoded, half the message limit): whole keys while they fit, the
+        rest in GetHistoryResponse.omitted_prompt_keys. The first key with history is always returned
+        when it fits alone; one that alone is over the bound is RESOURCE_EXHAUSTED naming
+        prompt_keys[i] (it is never truncated).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
