@@ -44,6 +44,10 @@ def channel(address: str) -> grpc.Channel:
 # A Seer service's status details start with the offending field ("policy_version: ...", see
 # services.common.errors.SeerError): the typed error carries it again, so callers test the field,
 # not the text.
+# GetHistory keys per call: far below the buffer's limits (100,000 keys, 8 MiB of key text: prompt
+# keys of up to 2 KiB fit).
+HISTORY_KEYS_PER_CALL = 4096
+
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
 
@@ -89,11 +93,23 @@ class BufferLink:
             raise translate(e) from e
 
     def history(self, prompt_keys: Sequence[str], timeout: float = 10.0) -> list[buffer_pb2.PromptHistory]:
-        try:
-            resp = self._stub.GetHistory(buffer_pb2.GetHistoryRequest(prompt_keys=list(prompt_keys)), timeout=timeout)
-        except grpc.RpcError as e:
-            raise translate(e) from e
-        return list(resp.histories)
+        """Lengths of the newest history of every key. A call takes HISTORY_KEYS_PER_CALL keys (the
+        buffer refuses more than 100,000, or 8 MiB of them), and the keys a bounded reply left out
+        (omitted_prompt_keys) are asked for again: a batch of many new prompts gets all its priors."""
+        out: list[buffer_pb2.PromptHistory] = []
+        todo = list(dict.fromkeys(prompt_keys))
+        while todo:
+            ask, todo = todo[:HISTORY_KEYS_PER_CALL], todo[HISTORY_KEYS_PER_CALL:]
+            try:
+                resp = self._stub.GetHistory(buffer_pb2.GetHistoryRequest(prompt_keys=ask), timeout=timeout)
+            except grpc.RpcError as e:
+                raise translate(e) from e
+            out.extend(resp.histories)
+            omitted = list(resp.omitted_prompt_keys)
+            if len(omitted) >= len(ask):  # no progress (the buffer always returns one key that fits)
+                break
+            todo[:0] = omitted
+        return out
 
     def close(self) -> None:
         self._channel.close()

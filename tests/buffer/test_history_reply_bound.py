@@ -85,3 +85,24 @@ def test_history_over_the_message_limit_comes_in_several_replies(buf: BufferHand
         ch.close()
     assert ([x.prompt_key for x in reply.histories], list(reply.omitted_prompt_keys)) == (["a"], ["b", "c"])
     assert len(reply.histories[0].responses[0].token_ids) == n
+
+
+def test_the_scheduler_gets_every_prior_of_a_large_batch(make_buffer: Callable[..., BufferHandle],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler asked for every new prompt key of a batch in one call: over the buffer's key
+    limit that was INVALID_ARGUMENT ("history unavailable": no prior at all), and keys a bounded
+    reply omitted were never asked for again. It now pages its keys and follows the omitted ones."""
+    from services.scheduler import links
+
+    h = make_buffer()
+    submit(h.rollout, "it", [group(prompt_key=f"p{k}", group_size=2, max_tokens=40) for k in range(6)])
+    finish_all(h.internal, snapshot(h.internal), length=lambda it: 3 + it.group_index)
+    monkeypatch.setattr(buffer_core, "HISTORY_REPLY_BYTES", 150)  # two keys' lengths a reply
+    monkeypatch.setattr(buffer_core, "MAX_HISTORY_KEYS", 4)
+    monkeypatch.setattr(links, "HISTORY_KEYS_PER_CALL", 4)
+    link = links.BufferLink(h.address)
+    try:
+        got = link.history([f"p{k}" for k in range(6)] + ["none", "p0"])
+        assert {x.prompt_key: list(x.lengths) for x in got} == {f"p{k}": [3 + k] * 2 for k in range(6)}
+    finally:
+        link.close()
