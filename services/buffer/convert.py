@@ -55,6 +55,7 @@ def commit_from_pb(r: buffer_pb2.CommitChunkRequest) -> Commit:
         request_id=r.request_id, seq=int(r.seq), token_ids=list(r.token_ids), logprobs=list(r.logprobs),
         finish_reason=_finish_reason(int(r.finish_reason)),
         policy_version=int(r.policy_version), worker_id=r.worker_id, stats=stats_from_pb(r.stats),
+        submit_seq=int(r.submit_seq),
     )
 
 

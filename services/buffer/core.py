@@ -125,6 +125,7 @@ class Commit:
     policy_version: int
     worker_id: str = ""
     stats: ChunkStats = field(default_factory=ChunkStats)
+    submit_seq: int = 0  # the submission of the batch it was generated for (0: not checked)
 
 
 @dataclass(frozen=True)
@@ -585,6 +586,10 @@ class BufferCore:
         batch = self._batches.get(batch_id)
         if batch is None:
             raise NotFound(f"unknown request {c.request_id!r} (no batch {batch_id!r})", field="request_id")
+        if c.submit_seq and batch.submit_seq and c.submit_seq != batch.submit_seq:
+            metrics.REJECTED.labels("submission").inc()
+            raise NotFound(f"request {c.request_id!r} of submission {c.submit_seq} is gone: batch {batch_id!r} "
+                           f"now names submission {batch.submit_seq}", field="submit_seq")
         live = self._live.get(c.request_id)
         rec = live.rec if live is not None else self._stored_request(batch_id, gi, si, c.request_id)
         if rec.state == RequestState.CANCELLED:

@@ -1096,6 +1096,7 @@ class Dispatcher:
             policy_version=done.policy_version,
             worker_id=w.worker_id,
             stats=done.stats,
+            submit_seq=r.item.submit_seq,
         )
         with self._cond:
             if r.dispatch_token != token:
@@ -1244,7 +1245,7 @@ class Dispatcher:
                 return
             commit = buffer_pb2.CommitChunkRequest(
                 request_id=rid, seq=seq, finish_reason=common_pb2.FINISH_REASON_ABORTED,
-                policy_version=item.policy_version,
+                policy_version=item.policy_version, submit_seq=item.submit_seq,
             )
             deadline = time.monotonic() + self.cfg.commit_timeout
             backoff = 0.05

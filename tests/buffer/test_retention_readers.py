@@ -184,3 +184,31 @@ def test_a_batch_id_reused_after_retention_is_fed_with_its_new_content(
             ([9, 9, 9, 9, 9], 3, 0.5)] * 2
     finally:
         stream.cancel()
+
+
+def test_a_late_commit_of_the_old_submission_never_lands_in_the_new_one(
+    make_buffer: Callable[..., BufferHandle],
+) -> None:
+    """A chunk generated for a request of a batch that retention deleted, committed after the batch
+    id was submitted again, would land in the new request of the same id (at seq 0, in order). The
+    commit names the submission it was generated for (WorkItem.submit_seq)."""
+    from seer.v1 import buffer_pb2
+
+    h = make_buffer(retain_batches=1)
+    submit(h.rollout, "x", [group(prompt_token_ids=[1, 2, 3], max_tokens=4, group_size=1)])
+    (old,) = snapshot(h.internal)
+    finish_all(h.internal, [old], length=4)
+    submit(h.rollout, "y", [group(prompt_token_ids=[4, 4], max_tokens=4, group_size=1)])
+    finish_all(h.internal, snapshot(h.internal), length=4)  # y completes: retention deletes x
+    submit(h.rollout, "x", [group(prompt_token_ids=[9, 9], max_tokens=4, group_size=1)])
+    (new,) = snapshot(h.internal)
+    assert new.request_id == old.request_id and 0 < old.submit_seq < new.submit_seq
+
+    def commit_for(item: buffer_pb2.WorkItem) -> Any:
+        return h.internal.CommitChunk(buffer_pb2.CommitChunkRequest(
+            request_id=item.request_id, seq=0, token_ids=[7, 7], logprobs=[-0.5, -0.5],
+            finish_reason=common_pb2.FINISH_REASON_CHUNK, policy_version=item.policy_version,
+            submit_seq=item.submit_seq), timeout=10)
+
+    expect_error(lambda: commit_for(old), grpc.StatusCode.NOT_FOUND, "submit_seq")
+    assert commit_for(new).accepted

@@ -81,7 +81,7 @@ class PolicyState(_message.Message):
     def __init__(self, version: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class CommitChunkRequest(_message.Message):
-    __slots__ = ("request_id", "seq", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "stats")
+    __slots__ = ("request_id", "seq", "token_ids", "logprobs", "finish_reason", "policy_version", "worker_id", "stats", "submit_seq")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class CommitChunkRequest(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -98,7 +99,8 @@ class CommitChunkRequest(_message.Message):
     policy_version: int
     worker_id: str
     stats: _common_pb2.ChunkStats
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., stats: _Optional[_Union[_common_pb2.ChunkStats, _Mapping]] = ...) -> None: ...
+    submit_seq: int
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., worker_id: _Optional[str] = ..., stats: _Optional[_Union[_common_pb2.ChunkStats, _Mapping]] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class CommitChunkResponse(_message.Message):
     __slots__ = ("duplicate", "next_seq", "generated_tokens", "request_finished", "accepted")
