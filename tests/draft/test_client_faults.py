@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -359,17 +360,38 @@ def _restart(running: RunningServer) -> tuple[RunningServer, DraftStore]:
     return start(DraftConfig(port=port, grace_seconds=0.2))
 
 
+class _Server:
+    """A draft server that can restart (on its port, losing everything) under two workers' clients."""
+
+    def __init__(self) -> None:
+        self.running, self.store = start(DraftConfig(port=0, grace_seconds=0.2))
+
+    def restart(self) -> None:
+        self.running, self.store = _restart(self.running)
+
+
+@contextmanager
+def two_workers(group_size: int) -> Iterator[tuple[_Server, DraftClient, DraftClient]]:
+    """Workers A and B (manual clients) with group "g" (prompt key "key") registered on both."""
+    srv = _Server()
+    a, b = manual(srv.running.address), manual(srv.running.address)
+    try:
+        for c in (a, b):
+            c.register_group("g", "key", [1, 2, 3], group_size=group_size, ttl_seconds=60)
+            c.flush()
+        yield srv, a, b
+    finally:
+        a.close()
+        b.close()
+        srv.running.stop(0.2)
+
+
 def test_a_finish_cut_back_elsewhere_is_not_resent_as_finished_after_a_restart() -> None:
     """Worker A finished r1, but its last chunk was not committed: worker B resumed r1 from the
     committed output and cut it back. A's mirror kept its own "finished" flag; after a restart A
     re-created the group and resent r1 as finished at B's partial length, completing the group
     early with a partial response promoted to history (review, session 18)."""
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    a, b = manual(running.address), manual(running.address)
-    try:
-        for c in (a, b):
-            c.register_group("g", "key", [1, 2, 3], group_size=3, ttl_seconds=60)
-            c.flush()
+    with two_workers(group_size=3) as (srv, a, b):
         for rid, toks in (("r0", [10, 11, 12]), ("r1", [20, 21, 22, 23, 24])):
             a.resume("g", rid, [], epoch=1)
             a.append("g", rid, 0, toks, finished=True)
@@ -383,33 +405,24 @@ def test_a_finish_cut_back_elsewhere_is_not_resent_as_finished_after_a_restart()
         a.resume("g", "r2", [], epoch=1)
         a.append("g", "r2", 0, [40, 41])
         a.flush()
-        running, store = _restart(running)
+        srv.restart()
         for _ in range(2):
             a.flush()  # A notices first (r2 runs here): re-creates the group and resends what it holds
         a.append("g", "r2", 2, [42], finished=True)
         a.end("g", "r2")
         a.flush()
-        assert store.index_of("g").tokens("r1") == [20, 21, 22, 30]
-        assert store.stats().history_keys == 0  # r1 is not finished: B still runs it
+        assert srv.store.index_of("g").tokens("r1") == [20, 21, 22, 30]
+        assert srv.store.stats().history_keys == 0  # r1 is not finished: B still runs it
         b.append("g", "r1", 4, [31, 32], finished=True)
         for _ in range(3):
             b.flush()
-        assert sorted(store._history.responses("key")) == [(10, 11, 12), (20, 21, 22, 30, 31, 32), (40, 41, 42)]
-    finally:
-        a.close()
-        b.close()
-        running.stop(0.2)
+        assert sorted(srv.store._history.responses("key")) == [(10, 11, 12), (20, 21, 22, 30, 31, 32), (40, 41, 42)]
 
 
 def test_a_finish_re_opened_elsewhere_without_a_cut_is_not_resent_as_finished() -> None:
     """The same when the newer attempt resumes from all of the finished response (its truncate
     cuts nothing, only re-opens it): the server logged nothing then, so the mirrors never learnt."""
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    a, b = manual(running.address), manual(running.address)
-    try:
-        for c in (a, b):
-            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            c.flush()
+    with two_workers(group_size=2) as (srv, a, b):
         a.resume("g", "r0", [], epoch=1)
         a.append("g", "r0", 0, [10, 11, 12], finished=True)
         a.end("g", "r0")
@@ -419,33 +432,24 @@ def test_a_finish_re_opened_elsewhere_without_a_cut_is_not_resent_as_finished() 
         a.resume("g", "r1", [], epoch=1)
         a.append("g", "r1", 0, [20])
         a.flush()
-        running, store = _restart(running)
+        srv.restart()
         for _ in range(2):
             a.flush()
         a.append("g", "r1", 1, [21], finished=True)
         a.end("g", "r1")
         a.flush()
-        assert store.stats().history_keys == 0  # r0 is B's now, and unfinished
+        assert srv.store.stats().history_keys == 0  # r0 is B's now, and unfinished
         b.append("g", "r0", 3, [13], finished=True)
         for _ in range(3):
             b.flush()
-        assert sorted(store._history.responses("key")) == [(10, 11, 12, 13), (20, 21)]
-    finally:
-        a.close()
-        b.close()
-        running.stop(0.2)
+        assert sorted(srv.store._history.responses("key")) == [(10, 11, 12, 13), (20, 21)]
 
 
 def test_a_split_group_that_completed_is_not_completed_again_after_a_restart() -> None:
     """A group split over two workers completed; after a restart each worker re-created it with
     its own finished response and it completed a second time (review, session 18). Each worker
     saw the group complete (its own acknowledged finish, the other's through Sync): released."""
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    a, b = manual(running.address), manual(running.address)
-    try:
-        for c in (a, b):
-            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            c.flush()
+    with two_workers(group_size=2) as (srv, a, b):
         a.resume("g", "r0", [], epoch=1)
         a.append("g", "r0", 0, [10, 11, 12], finished=True)
         a.end("g", "r0")
@@ -455,45 +459,32 @@ def test_a_split_group_that_completed_is_not_completed_again_after_a_restart() -
         b.end("g", "r1")
         b.flush()
         a.flush()
-        assert store.stats().history_keys == 1
-        running, store = _restart(running)
+        assert srv.store.stats().history_keys == 1
+        srv.restart()
         for _ in range(3):
             a.flush()
             b.flush()
-        assert store.stats().groups == 0 and store.stats().history_keys == 0
+        assert srv.store.stats().groups == 0 and srv.store.stats().history_keys == 0
         assert not a.has_group("g") and not b.has_group("g")
-    finally:
-        a.close()
-        b.close()
-        running.stop(0.2)
 
 
 def test_responses_refilled_from_the_buffer_are_not_promoted_again() -> None:
     """The server-side guard of the same: both workers' finishes were acknowledged but neither saw
     the other's before the restart, so both re-create the group; the restarted server refilled the
     key's history from the buffer with these very responses. History holds them once."""
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    a, b = manual(running.address), manual(running.address)
-    try:
-        for c in (a, b):
-            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            c.flush()
+    with two_workers(group_size=2) as (srv, a, b):
         a.append("g", "r0", 0, [10, 11, 12], finished=True)
         b.append("g", "r1", 0, [20, 21], finished=True)
         a._tick_appends_only()
         b._tick_appends_only()  # the group completes; no Sync tells either worker so
-        assert store._history.responses("key") == [(10, 11, 12), (20, 21)]
-        running, store = _restart(running)
-        store.seed_history("key", 0, [[20, 21], [10, 11, 12]])  # the buffer's copy, in its order
+        assert srv.store._history.responses("key") == [(10, 11, 12), (20, 21)]
+        srv.restart()
+        srv.store.seed_history("key", 0, [[20, 21], [10, 11, 12]])  # the buffer's copy, in its order
         for _ in range(3):
             a.flush()
             b.flush()
-        assert store.index_of("g").tokens("r1") == [20, 21]  # re-created and completed ...
-        assert sorted(store._history.responses("key")) == [(10, 11, 12), (20, 21)]  # ... promoted once
-    finally:
-        a.close()
-        b.close()
-        running.stop(0.2)
+        assert srv.store.index_of("g").tokens("r1") == [20, 21]  # re-created and completed ...
+        assert sorted(srv.store._history.responses("key")) == [(10, 11, 12), (20, 21)]  # ... promoted once
 
 
 @pytest.mark.parametrize("released", [False, True])
@@ -533,12 +524,7 @@ def test_a_request_that_ends_here_follows_what_another_worker_wrote_while_it_ran
     """Sync deltas for a request running here are skipped (our copy is the truth while it runs);
     when its chunk here ends after another worker took it over, the skipped ones were never
     replayed and the mirror kept the abandoned attempt's copy (review, session 18)."""
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    a, b = manual(running.address), manual(running.address)
-    try:
-        for c in (a, b):
-            c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            c.flush()
+    with two_workers(group_size=2) as (srv, a, b):
         a.resume("g", "r", [], epoch=1)
         a.append("g", "r", 0, [10, 11, 12, 13])
         a.flush()
@@ -553,11 +539,7 @@ def test_a_request_that_ends_here_follows_what_another_worker_wrote_while_it_ran
         b.append("g", "r", 5, [23], finished=True)
         b.flush()
         a.flush()
-        assert a._groups["g"].index.tokens("r") == store.index_of("g").tokens("r") == [10, 11, 20, 21, 22, 23]
-    finally:
-        a.close()
-        b.close()
-        running.stop(0.2)
+        assert a._groups["g"].index.tokens("r") == srv.store.index_of("g").tokens("r") == [10, 11, 20, 21, 22, 23]
 
 
 def test_a_group_id_used_again_after_its_group_completed_starts_a_new_incarnation() -> None:
