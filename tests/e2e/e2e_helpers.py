@@ -3,8 +3,28 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from seer.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.cli.up import Suite
+
+
+@contextmanager
+def scripted_suite(data_dir: Path, **kw: Any) -> Iterator[Suite]:
+    """Buffer and scheduler processes for scripted workers (no model, no draft or KV service), with
+    8-token chunks; every process must stop cleanly."""
+    s = Suite(workers=0, draft=False, kvstore=False, data_dir=data_dir, chunk_size=8, heartbeat_interval=0.3,
+              model_dir="", **kw)
+    s.start(timeout=60)
+    try:
+        yield s
+    finally:
+        codes = s.stop()
+        assert all(c == 0 for c in codes.values()), codes
 
 
 def make_batch(num_groups: int, group_size: int, max_tokens: int | list[int], *, prompt_len: int = 6,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from e2e_fake_worker import FakeWorker, token_at
-from e2e_helpers import collect, make_batch
+from e2e_helpers import collect, make_batch, scripted_suite
 from seer.v1 import common_pb2, rollout_pb2
 
 from services.cli.up import Suite
@@ -21,14 +21,8 @@ from services.cli.up import Suite
 
 @pytest.fixture
 def suite(tmp_path) -> Iterator[Suite]:
-    s = Suite(workers=0, draft=False, kvstore=False, data_dir=tmp_path, policy="seer", chunk_size=8,
-              heartbeat_interval=0.3, model_dir="", extra_args={"buffer": ["--retain-batches", "1"]})
-    s.start(timeout=60)
-    try:
+    with scripted_suite(tmp_path, policy="seer", extra_args={"buffer": ["--retain-batches", "1"]}) as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(c == 0 for c in codes.values()), codes
 
 
 def test_a_batch_id_used_again_after_retention_runs_as_a_new_batch(suite, rollout_stub_factory) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from e2e_fake_worker import FakeWorker, token_at
-from e2e_helpers import collect, make_batch
+from e2e_helpers import collect, make_batch, scripted_suite
 from seer.v1 import common_pb2, rollout_pb2
 
 from services.cli.up import Suite
@@ -21,14 +21,8 @@ from services.cli.up import Suite
 
 @pytest.fixture
 def suite(tmp_path) -> Iterator[Suite]:
-    s = Suite(workers=0, draft=False, kvstore=False, data_dir=tmp_path, policy="divided", chunk_size=8,
-              heartbeat_interval=0.3, model_dir="")
-    s.start(timeout=60)
-    try:
+    with scripted_suite(tmp_path, policy="divided") as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(c == 0 for c in codes.values()), codes
 
 
 @pytest.fixture
