@@ -21,7 +21,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.buffer import codec, metrics
@@ -610,13 +610,9 @@ class BufferCore:
 
     def _validate_chunk(self, c: Commit, live: _Live, max_tokens: int) -> FinishReason:
         n = len(c.token_ids)
-        for f in fields(c.stats):  # NaN passes the negative check below (every comparison is false)
-            v = getattr(c.stats, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise InvalidArgument(f"must be finite, got {v}", field=f"stats.{f.name}")
-        bad = c.stats.negative_field()
+        bad = c.stats.bad_field()
         if bad is not None:
-            raise InvalidArgument(f"must be >= 0, got {getattr(c.stats, bad)}", field=f"stats.{bad}")
+            raise InvalidArgument(f"must be finite and >= 0, got {getattr(c.stats, bad)}", field=f"stats.{bad}")
         if len(c.logprobs) != n:
             raise InvalidArgument(f"{len(c.logprobs)} logprobs for {n} tokens", field="logprobs")
         # C-speed checks (a NaN makes the sum NaN, and max() unreliable); the loop, only on a

@@ -4,6 +4,7 @@ buffer sums it per response. One definition so the two never drift apart."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,11 @@ class ChunkStats:
             total = getattr(self, f.name) + getattr(other, f.name)
             setattr(self, f.name, min(total, INT32_MAX) if isinstance(total, int) else total)
 
-    def negative_field(self) -> str | None:
-        """The first field below zero (none can be), or None."""
-        return next((f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0), None)
+    def bad_field(self) -> str | None:
+        """The first field that is negative or not finite (none can be), or None. `not v >= 0`, not
+        `v < 0`: NaN fails every comparison."""
+        return next((f.name for f in dataclasses.fields(self)
+                     if not 0 <= getattr(self, f.name) < math.inf), None)
 
     def to_meta(self) -> dict[str, Any]:
         return dict(self.__dict__)
