@@ -337,7 +337,10 @@ class BufferCore:
         for _k, v in self._store.scan(b"b/"):
             b = BatchRecord.decode(v)
             self._batches[b.batch_id] = b
-        self._next_submit_seq = 1 + max((b.submit_seq for b in self._batches.values()), default=0)
+        raw_seq = self._store.get(keys.NEXT_SUBMIT_SEQ_KEY)
+        # max(): a store written before the counter was kept has only its batches to go by.
+        self._next_submit_seq = max(int(raw_seq) if raw_seq else 1,
+                                    1 + max((b.submit_seq for b in self._batches.values()), default=0))
         deletions: list[tuple[int, str, int]] = []  # (deletion seq, batch id, results)
         for k, v in self._store.scan(b"d/"):
             seq, results = v.split()
@@ -452,6 +455,7 @@ class BufferCore:
                                 trace_context=dict(trace_context or {}), submit_seq=self._next_submit_seq)
             wb = self._store.new_batch()
             wb.put(keys.batch_key(batch_id), batch.encode())
+            wb.put(keys.NEXT_SUBMIT_SEQ_KEY, str(self._next_submit_seq + 1).encode())
             if batch_id in self._deleted:
                 wb.delete(keys.deleted_key(batch_id))  # the id used again: a new batch
             new_groups, new_live = [], []

@@ -5,6 +5,7 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
     m/policy_version                      current policy version (decimal)
     m/policy_source                       weights directory of the current policy
     m/policy_intent                       an UpdateWeights whose outcome is unknown (JSON)
+    m/next_submit_seq                     the number the next submitted batch gets (decimal)
     b/<batch_id>                          BatchRecord
     g/<batch_id>/<group:06d>              GroupRecord
     r/<batch_id>/<group:06d>/<sample:04d> RequestRecord
@@ -116,3 +117,7 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+# The submission number the next batch gets, written with each submission: derived from the stored
+# batches alone it would fall back after retention deleted the newest one, and a batch id used
+# again could then get the number its deleted namesake had (and be taken for a re-delivery of it).
+NEXT_SUBMIT_SEQ_KEY = b"m/next_submit_seq"

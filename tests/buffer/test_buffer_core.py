@@ -173,3 +173,28 @@ def test_feed_batches_keep_order_and_limits() -> None:
     events = [Added(items[0]), Added(items[1]), Cancelled("x"), Added(items[4]), Cancelled("y")]
     msgs = [m.request_id if isinstance(m, Cancelled) else [it.name for it in m] for m in coalesce(events)]
     assert msgs == [["i0", "i1"], "x", ["i4"], "y"]
+
+
+def test_submission_numbers_never_repeat_across_a_restart_after_retention(tmp_path: Path) -> None:
+    """A batch id used again is told from its deleted namesake by its submission number. The
+    counter was rebuilt from the stored batches after a restart, so once retention deleted the
+    newest batch a later one got that batch's number again (its requests would be taken for a
+    re-delivery of the deleted one's)."""
+    def core() -> BufferCore:
+        return BufferCore(Store(tmp_path / "db"), ModelInfo(vocab_size=1000, max_context=4096, tokenizer=None),
+                          retain_batches=1)
+
+    spec = [GroupSpec(prompt_token_ids=(1, 2), group_size=1, max_tokens=4)]
+    first = core()
+    first.submit_batch("x", spec)
+    first.submit_batch("y", spec)
+    numbers = {w.batch_id: w.submit_seq for w in first.watch("w")[0]}
+    assert numbers == {"x": 1, "y": 2}
+    first.cancel_batch("y")
+    first.cancel_batch("x")  # y, the newest submission, is the oldest finished: retention deletes it
+    first.close()
+    again = core()
+    again.submit_batch("y", spec)
+    (item,) = [w for w in again.watch("w2")[0] if w.batch_id == "y"]
+    assert item.submit_seq == 3
+    again.close()
