@@ -140,6 +140,11 @@ def start_server(
     )
     service_names = list(add_servicers(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    # grpcio's health servicer answers SERVING for "" from the start: a launcher or probe that
+    # polled it between server.start() and a failure of the rest of the start (the metrics port
+    # taken) took a dying process for a ready one. Not serving until set_serving(True) below.
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
@@ -148,7 +153,12 @@ def start_server(
     if port == 0:
         raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
     server.start()
-    metrics_port = start_metrics_server(cfg.metrics_port)
+    try:
+        metrics_port = start_metrics_server(cfg.metrics_port)
+    except BaseException:
+        # A taken metrics port used to leave the started gRPC server running behind the exception.
+        server.stop(None).wait()
+        raise
     running = RunningServer(server, port, health_servicer, service_names, on_stop, cfg.grace_seconds, metrics_port)
     running.set_serving(True)
     log.info("serving", extra=kv(service=name, port=port, metrics_port=metrics_port))

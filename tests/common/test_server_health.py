@@ -5,6 +5,7 @@ while the process drains must not look ready)."""
 from __future__ import annotations
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.server import ServiceConfig, start_server
@@ -28,3 +29,44 @@ def test_health_follows_set_serving_until_stop() -> None:
     running.set_serving(True)  # e.g. the engine recovers after stop began: ignored
     assert running.health.Check(health_pb2.HealthCheckRequest(service=""), None).status == \
         health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_a_start_that_fails_on_its_metrics_port_never_serves() -> None:
+    """The gRPC server was started before the metrics port was bound, and grpcio's health servicer
+    answers SERVING for "" until told otherwise: a metrics port taken by another socket left a
+    running gRPC server, SERVING, behind the exception (the launcher took a dying buffer for a
+    healthy one: the flaky test_a_service_whose_picked_port_was_taken_starts_again)."""
+    import socket
+
+    from services.cli.up import free_port
+
+    grpc_port = free_port()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        with pytest.raises(OSError):
+            start_server("health-test", ServiceConfig(port=grpc_port, metrics_port=taken, grace_seconds=0.0),
+                         lambda server: [])
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch, pytest.raises(grpc.RpcError) as err:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_nothing_reads_serving_before_the_start_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window itself: a probe between the gRPC server's start and the rest of the start."""
+    import services.common.server as server_mod
+    from services.cli.up import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    seen: list[int] = []
+
+    def metrics_taken(port: int) -> int:
+        seen.append(_status(address))
+        raise OSError("Address already in use")
+
+    monkeypatch.setattr(server_mod, "start_metrics_server", metrics_taken)
+    with pytest.raises(OSError):
+        start_server("health-test", ServiceConfig(port=int(address.rsplit(":", 1)[1]), grace_seconds=0.0),
+                     lambda server: ["seer.v1.Nothing"])
+    assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
