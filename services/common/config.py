@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -56,10 +57,26 @@ def _parse_value(key: str, tp: Any, raw: Any) -> Any:
         if base is int:
             if isinstance(raw, bool):
                 raise ValueError("not an integer")
+            if isinstance(raw, float):
+                # A JSON 900.5 was truncated to 900 by int(); a whole float (1e3) is an integer.
+                if not raw.is_integer():
+                    raise ValueError(f"not an integer: {raw!r}")
+                return int(raw)
+            if not isinstance(raw, int | str):
+                raise ValueError(f"not an integer: {raw!r}")
             return int(raw)
         if base is float:
-            return float(raw)
+            if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+                raise ValueError(f"not a number: {raw!r}")
+            f = float(raw)
+            # nan passes every range check (nan <= 0 is False): a heartbeat of nan seconds loads.
+            if not math.isfinite(f):
+                raise ValueError(f"not a finite number: {raw!r}")
+            return f
         if base is str:
+            if not isinstance(raw, str | int | float) or isinstance(raw, bool):
+                # A JSON list or object became its Python repr ("['a:1', 'b:2']").
+                raise ValueError(f"not a string: {raw!r}")
             return str(raw)
         origin = typing.get_origin(base)
         if origin is tuple:
@@ -80,13 +97,19 @@ def env_name(section: str, field: str) -> str:
     return f"SEER_{section.upper()}_{field.upper()}"
 
 
-def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
-    """Builds cls from a mapping, rejecting unknown keys (naming them and the source)."""
+def _parse_mapping(cls: type, values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Parses every value of a mapping by its field's type, rejecting unknown keys (naming them
+    and the source). No cross-field validation: a layer alone need not be a valid config."""
     fields = _fields(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    parsed = {k: _parse_value(f"{source}:{k}", fields[k], v) for k, v in values.items()}
+    return {k: _parse_value(f"{source}:{k}", fields[k], v) for k, v in values.items()}
+
+
+def from_mapping(cls: type[T], values: Mapping[str, Any], *, source: str = "config") -> T:
+    """Builds cls from a mapping, rejecting unknown keys (naming them and the source)."""
+    parsed = _parse_mapping(cls, values, source)
     obj = cls(**parsed)
     validate = getattr(obj, "validate", None)
     if callable(validate):
@@ -130,7 +153,9 @@ def load(
             data = json.load(fh)
         if not isinstance(data, dict):
             raise ConfigError(f"{config_file}: expected a JSON object")
-        from_mapping(cls, data, source=config_file)  # validates keys and types
+        # Keys and types checked here, naming the file; cross-field rules only on the merged
+        # values below (a file's max_streams 100 is valid with a flag's max_workers 200).
+        _parse_mapping(cls, data, config_file)
         values.update(data)
     prefix = f"SEER_{section.upper()}_"
     for key, raw in env.items():

@@ -20,7 +20,8 @@ _EXCLUDED = ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"
 
 
 def tracing_mode() -> str:
-    return os.environ.get("SEER_TRACING", "none").strip().lower()
+    # Empty means unset (Helm and compose render an unset value as SEER_TRACING=""): "none".
+    return os.environ.get("SEER_TRACING", "").strip().lower() or "none"
 
 
 def setup_tracing(service: str) -> None:

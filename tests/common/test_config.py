@@ -67,3 +67,52 @@ def test_page_hash_chains_and_depends_on_version() -> None:
     assert chain_hashes(toks, 16, "v2")[0] != hs[0]
     # Same page tokens under a different prefix hash differently.
     assert page_hash(b"\x01" * 16, toks[16:32], "v1") != hs[1]
+
+
+def test_a_config_file_is_validated_with_the_layers_above_it(tmp_path: Path) -> None:
+    """Cross-field rules apply to the merged config: the file alone was validated against the
+    defaults, so a file's max_streams 100 was refused next to a flag's max_workers 200."""
+    from services.buffer.config import BufferConfig
+
+    f = tmp_path / "buffer.json"
+    f.write_text(json.dumps({"max_streams": 100}))
+    cfg = config.load(BufferConfig, "buffer", ["--config", str(f), "--max-workers", "200"], env={})
+    assert (cfg.max_streams, cfg.max_workers) == (100, 200)
+    cfg = config.load(BufferConfig, "buffer", [], env={"SEER_BUFFER_CONFIG": str(f), "SEER_BUFFER_MAX_WORKERS": "200"})
+    assert cfg.max_streams == 100
+    with pytest.raises(ValueError, match="max_streams"):  # and the merged config is still checked
+        config.load(BufferConfig, "buffer", ["--config", str(f)], env={})
+    f.write_text(json.dumps({"max_streams": "many"}))
+    with pytest.raises(config.ConfigError, match=r"buffer\.json:max_streams"):  # types: named in the file
+        config.load(BufferConfig, "buffer", ["--config", str(f), "--max-workers", "200"], env={})
+
+
+@pytest.mark.parametrize("key,value", [
+    ("workers", 2.5),  # int() truncated it to 2
+    ("workers", [2]),
+    ("data_dir", ["a", "b"]),  # became "['a', 'b']"
+    ("data_dir", {"a": 1}),
+    ("ratio", "nan"),  # nan passes every range check
+    ("ratio", "inf"),
+    ("ratio", True),
+])
+def test_values_of_another_kind_are_refused_not_converted(tmp_path: Path, key: str, value: object) -> None:
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({key: value}))
+    with pytest.raises(config.ConfigError, match=key):
+        config.load(DemoConfig, "demo", ["--config", str(f)], env={})
+
+
+def test_whole_numbers_and_strings_still_parse(tmp_path: Path) -> None:
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"workers": 3.0, "ratio": 1, "data_dir": 7, "addresses": ["a:1", "b:2"]}))
+    cfg = config.load(DemoConfig, "demo", ["--config", str(f)], env={"SEER_DEMO_RATIO": "0.5"})
+    assert (cfg.workers, cfg.ratio, cfg.data_dir, cfg.addresses) == (3, 0.5, "7", ("a:1", "b:2"))
+
+
+def test_an_empty_tracing_mode_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Helm and compose render an unset value as SEER_TRACING="": every service failed to start."""
+    from services.common import telemetry
+
+    monkeypatch.setenv("SEER_TRACING", "")
+    assert telemetry.tracing_mode() == "none"
