@@ -35,12 +35,11 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    # Only the typed errors name the caller's fault. A bare ValueError or KeyError is as likely a
+    # bug of ours (a lost dict entry, a closed file) as a bad request: mapped to INVALID_ARGUMENT /
+    # NOT_FOUND it reached the caller as "your request was wrong" (not retried, no traceback).
     if isinstance(exc, SeerError):
         return getattr(grpc.StatusCode, exc.code_name), str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, KeyError):
-        return grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc)
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "out of memory"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

@@ -70,3 +70,39 @@ def test_nothing_reads_serving_before_the_start_completed(monkeypatch: pytest.Mo
         start_server("health-test", ServiceConfig(port=int(address.rsplit(":", 1)[1]), grace_seconds=0.0),
                      lambda server: ["seer.v1.Nothing"])
     assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
+
+
+def test_only_typed_errors_name_the_callers_fault(caplog: pytest.LogCaptureFixture) -> None:
+    """A bare KeyError or ValueError in a servicer is a bug of ours as likely as a bad request (a
+    lost dict entry, a closed file): they were NOT_FOUND / INVALID_ARGUMENT, logged at INFO with no
+    traceback. Now INTERNAL with the traceback; the typed errors keep their codes."""
+    import logging
+
+    from services.common.errors import InvalidArgument, NotFound
+    from services.common.grpcutil import status_for
+
+    assert status_for(KeyError("g-1"))[0] == grpc.StatusCode.INTERNAL
+    assert status_for(ValueError("I/O operation on closed file"))[0] == grpc.StatusCode.INTERNAL
+    assert status_for(InvalidArgument("bad", field="x")) == (grpc.StatusCode.INVALID_ARGUMENT, "x: bad")
+    assert status_for(NotFound("no group", field="group_id")) == (grpc.StatusCode.NOT_FOUND, "group_id: no group")
+
+    from services.common.grpcutil import rpc
+
+    class Servicer:
+        @rpc
+        def Get(self, request: object, context: grpc.ServicerContext) -> object:
+            return {}["lost"]
+
+    class Context:
+        code: grpc.StatusCode | None = None
+
+        def abort(self, code: grpc.StatusCode, msg: str) -> None:
+            self.code = code
+            raise RuntimeError(msg)
+
+    ctx = Context()
+    caplog.set_level(logging.INFO)
+    with pytest.raises(RuntimeError):
+        Servicer().Get(None, ctx)  # type: ignore[arg-type]
+    assert ctx.code == grpc.StatusCode.INTERNAL
+    assert any(r.exc_info for r in caplog.records)
