@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,8 +47,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature < math.inf):  # nan and inf too (inf sampled uniformly)
+            raise ValueError(f"temperature: must be finite and >= 0, got {self.temperature}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # logits / temperature overflows float32 below ~1e-38 (NaN probabilities, garbage
             # tokens); any temperature this small is greedy in effect: ask for 0.

@@ -125,3 +125,25 @@ def test_import_continuation_into_a_full_cache_keeps_its_chain(model_dir: Path, 
     assert small.import_kv(engine.export_kv(ctx, 1)) == n * 16
     assert small.cached_prefix_tokens(ctx) == n * 16
     assert small.cached_prefix_tokens(ctx2) == 0  # the filler was evicted instead
+
+
+def test_an_exported_chain_loses_its_tail_first_under_eviction(model_dir: Path) -> None:
+    """release() queues a finished chain's pages tail first, so eviction takes the tail and the
+    prefix stays usable; export_kv (the worker's offload after every chunk) touched them head
+    first, making page 0 the least recent: one eviction stranded the whole chain (found by review)."""
+    ps = 4
+
+    def cached_after_one_eviction(export: bool) -> int:
+        eng = ReferenceEngine.from_dir(model_dir, device=DEVICE, num_pages=8, page_size=ps, num_threads=1)
+        prompt = tuple(range(100, 112))  # 3 pages
+        toks = prompt + tuple(eng.generate([GenerateRequest("a", prompt, 4, GREEDY)])["a"].token_ids)
+        if export:
+            eng.export_kv(toks)
+        free = len(eng.blocks.free)
+        other = (5000,) * (free * ps - 1)  # with 2 new tokens: every free page and one cached page
+        assert eng.blocks.pages_for(len(other) + 2) == free + 1
+        eng.generate([GenerateRequest("b", other, 2, GREEDY)])
+        return eng.cached_prefix_tokens(toks)
+
+    assert cached_after_one_eviction(False) == 2 * ps
+    assert cached_after_one_eviction(True) == 2 * ps

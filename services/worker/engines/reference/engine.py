@@ -405,7 +405,9 @@ class ReferenceEngine(Engine):
         pages = self.blocks.cached_pages(hashes)
         n = len(pages)
         first = min(start_page, n)
-        for p in pages:
+        # Tail first, so page 0 ends most recent: touched head first, page 0 became the chain's
+        # least recent page and one eviction stranded the rest (release() orders them the same).
+        for p in reversed(pages):
             self.blocks.touch(p)
         return KVPages(
             model_version=self._version,

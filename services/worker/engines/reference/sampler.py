@@ -52,10 +52,20 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         thresh = torch.where(ks[:, None] > 0, thresh, torch.full_like(thresh, -float("inf")))
         x = x.masked_fill(x < thresh, -float("inf"))
     probs = torch.softmax(x, dim=-1)
-    top_p = [p.top_p for p in params]
-    if any(tp < 1.0 for tp in top_p):
-        tps = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
-        probs = _nucleus(probs, tps)
+    # Only the rows that ask for a nucleus go through it: a top_p 1.0 row's float32 cumsum reaches
+    # 1.0 before the vocabulary ends, so the cut dropped its tail and its tokens and logprobs
+    # depended on whether another request of the step used top_p (and it was fully sorted: 30x).
+    rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if rows:
+        # [R, 1]; at least the smallest normal float: a top_p that float32 rounds to 0 dropped
+        # every token, the most likely one too (0/0: NaN probabilities).
+        tps = torch.tensor([params[i].top_p for i in rows], dtype=probs.dtype, device=probs.device)[:, None]
+        tps = tps.clamp(min=torch.finfo(probs.dtype).tiny)
+        if len(rows) == len(params):
+            probs = _nucleus(probs, tps)
+        else:
+            idx = torch.tensor(rows, device=probs.device)
+            probs = probs.index_copy(0, idx, _nucleus(probs.index_select(0, idx), tps))
     return probs
 
 
