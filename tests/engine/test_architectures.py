@@ -82,3 +82,28 @@ def test_sliding_window_drafts_match_plain_decoding(tmp_path: Path) -> None:
             accepted += o.num_accepted
     assert accepted > 0
     assert out == ref
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 1, 2])
+def test_a_qwen2_window_on_some_layers_only_is_refused(tmp_path: Path, max_window_layers: int) -> None:
+    """transformers slides only the Qwen2 layers from max_window_layers on; the engine applied the
+    window to every layer (a mixed model's full-attention layers silently lost their long context).
+    All sliding or none runs and matches Hugging Face; a mix is refused naming the field."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=6,
+                                   max_window_layers=max_window_layers)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(str(tmp_path))
+    if max_window_layers == 1:  # layer 0 full attention, layer 1 sliding
+        with pytest.raises(ValueError, match="max_window_layers"):
+            ReferenceEngine.from_dir(tmp_path, num_pages=64, num_threads=1)
+        return
+    eng = ReferenceEngine.from_dir(tmp_path, num_pages=64, num_threads=1)
+    prompt = tuple(range(3, 3 + 29))  # longer than the window
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    got = eng.generate([GenerateRequest("r", prompt, 12, greedy)])["r"].token_ids
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(prompt) + got])).logits[0]
+    assert got == logits[len(prompt) - 1 : len(prompt) - 1 + len(got)].argmax(-1).tolist()

@@ -42,12 +42,12 @@ class ModelConfig:
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or rope
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope_scaling: {d['rope_scaling']!r} is not supported by the reference engine")
+            raise ValueError(f"rope_scaling: {scaling!r} is not supported by the reference engine")
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         eos = d.get("eos_token_id")
         eos_ids = tuple(int(x) for x in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        sw = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+        sw = _sliding_window(d, model_type, int(d["num_hidden_layers"]))
         return cls(
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
@@ -101,3 +101,28 @@ def _json_object(path: Path) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError(f"{path}: must be a JSON object, got {type(d).__name__}")
     return d
+
+
+def _sliding_window(d: dict[str, Any], model_type: str, num_layers: int) -> int | None:
+    """The window every layer uses, or None; the reference engine has one window for all layers.
+
+    transformers slides only some layers: those listed as "sliding_attention" in layer_types
+    (transformers 5), or for Qwen2 with use_sliding_window those from max_window_layers on. Applied
+    to every layer, a mixed model's full-attention layers would silently lose their long context."""
+    if not d.get("use_sliding_window", model_type == "mistral") or d.get("sliding_window") is None:
+        return None
+    window = int(d["sliding_window"])
+    layer_types = d.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        sliding = [t == "sliding_attention" for t in layer_types]
+    elif model_type == "qwen2":
+        first = int(d.get("max_window_layers", num_layers))
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        return window
+    if all(sliding):
+        return window
+    if not any(sliding):
+        return None
+    raise ValueError(f"max_window_layers: {sum(sliding)} of {num_layers} layers use a sliding window and the "
+                     "others full attention; the reference engine runs one attention kind for all layers")
