@@ -38,24 +38,38 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     say = (lambda *_a: None) if args.json else (lambda *a: print(*a, flush=True))
+    from seer_client import SeerError
+
+    try:
+        # Before the model and the suite: a bad --limit or prompts file should cost neither.
+        prompts = rollout.load_prompts(args.prompts, args.limit)
+    except (ValueError, OSError) as e:
+        print(f"seer demo: {e}", file=sys.stderr)
+        return 1
     say("preparing the embedded model ...")
     model_dir = ensure_embedded_model()
     suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
                   chunk_size=args.chunk_size, speculation=args.speculation == "on")
     say(f"starting the suite ({args.workers} worker(s)) ...")
     try:
-        suite.start()
+        suite.start(keep_data_on_error=True)
     except SuiteError as e:
-        print(f"seer demo: {e}", file=sys.stderr)
+        print(f"seer demo: {e}\nseer demo: logs kept in {suite.log_dir}", file=sys.stderr)
         return 1
+    failed = False
     try:
         for name, ep in suite.endpoints().items():
             say(f"  {name:<10} {ep['address']}")
-        prompts = rollout.load_prompts(args.prompts, args.limit)
         groups = rollout.build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,
                                       seed=args.seed)
         say(f"rollout: {len(groups)} prompts x {args.group_size} samples, up to {args.max_tokens} tokens each")
-        results, wall = rollout.run(suite.address, groups, f"demo-{uuid.uuid4().hex[:8]}", progress=not args.json)
+        try:
+            results, wall = rollout.run(suite.address, groups, f"demo-{uuid.uuid4().hex[:8]}",
+                                        progress=not args.json)
+        except (ValueError, TimeoutError, SeerError) as e:
+            print(f"seer demo: {e}", file=sys.stderr)
+            failed = True
+            return 1
         summary = rollout.summarize(results, wall)
         acc = rollout.accuracy(results)
         if acc is not None:
@@ -63,15 +77,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(json.dumps(summary))
         else:
-            best = max(results, key=lambda r: len(r.token_ids))
-            say(f"\nsample response ({best.prompt_key}, answer {best.labels.get('answer', '?')}): {best.text!r}\n")
+            if results:  # none when every group was cancelled: nothing to show, the summary says so
+                best = max(results, key=lambda r: len(r.token_ids))
+                say(f"\nsample response ({best.prompt_key}, answer {best.labels.get('answer', '?')}): "
+                    f"{best.text!r}\n")
             say(rollout.format_summary(summary))
+    except Exception:
+        failed = True
+        raise
     finally:
         say("stopping the suite ...")
-        codes = suite.stop()
+        # The logs outlive the temporary data directory when something went wrong.
+        codes = suite.stop(keep_data=True)
         bad = {n: c for n, c in codes.items() if c not in (0, None)}
         say("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"))
-    return 0
+        if bad or failed:
+            print(f"seer demo: logs kept in {suite.log_dir}", file=sys.stderr)
+        else:
+            suite.remove_data()
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -12,23 +12,38 @@ does the setup itself, before importing anything of gRPC, then runs the module a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import runpy
 import signal
 import sys
+import threading
+import time
+
+# How often the watchdog looks for its parent: the delay between the parent's death and the SIGTERM.
+_WATCHDOG_INTERVAL = 0.5
 
 
 def die_with_parent(parent_pid: int) -> None:
     """SIGTERM this process when the parent dies, so a crashed `seer up` (or test) never leaves a
-    suite running (Linux; elsewhere a no-op). Exits now if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+    suite running. Exits now if the parent is already gone.
 
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if parent_pid and os.getppid() != parent_pid:
+    Not PR_SET_PDEATHSIG: Linux sends that signal when the parent *thread* that forked the child
+    exits, not the parent process, so a service started (or restarted) from a helper thread of
+    `seer up`, a test or a benchmark was SIGTERMed as soon as that thread ended. A daemon thread
+    that polls getppid() is process-scoped and portable: when the parent process dies the child is
+    re-parented (to init or a subreaper) and getppid() changes. It sends SIGTERM to this process,
+    so the service drains through its own handler as it does on `seer up`'s stop.
+    """
+    parent = parent_pid or os.getppid()
+    if os.getppid() != parent:
         sys.exit(f"launch: parent {parent_pid} exited before the service started")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCHDOG_INTERVAL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def main(argv: list[str]) -> None:
@@ -38,10 +53,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("module", help="the service module, run as __main__")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
-    die_with_parent(args.parent_pid)
     if args.cpus:
-        # Before the service starts any thread, so every thread inherits the mask.
+        # Before the service (or the watchdog below) starts any thread, so every thread inherits
+        # the mask.
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    die_with_parent(args.parent_pid)
     sys.argv = [args.module, *args.args]
     runpy.run_module(args.module, run_name="__main__", alter_sys=True)
 

@@ -36,6 +36,12 @@ def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, contex
 
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock: {clock!r} is not wall or cpu")
+    # Checked before any request is added: the median of no timed step does not exist, and failing
+    # after the engine worked for minutes would waste them.
+    if steps < 1:
+        raise ValueError(f"steps: must be at least 1, got {steps}")
+    if context < 1:
+        raise ValueError(f"context: must be at least 1, got {context}")
     now = time.perf_counter if clock == "wall" else time.thread_time
     rng = random.Random(seed)
     vocab = engine.vocab_size
@@ -89,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--batch-sizes: need positive integers")
     if not gammas or gammas[0] < 0:
         ap.error("--gammas: need non-negative integers")
+    if args.steps < 1:
+        ap.error(f"--steps: need at least 1 timed step per cell, got {args.steps}")
+    if args.context < 1:
+        ap.error(f"--context: need at least 1 prompt token, got {args.context}")
 
     from services.worker.engines.reference.engine import ReferenceEngine
 

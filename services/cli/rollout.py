@@ -30,9 +30,15 @@ CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """Prompt records from JSON lines or plain text; each has prompt (str | list[int]), key, labels."""
+    """Prompt records from JSON lines or plain text; each has prompt (str | list[int]), key, labels.
+
+    limit: at most this many prompts (None = all); must be at least 1."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit: must be at least 1, got {limit}")
     out: list[dict[str, Any]] = []
     for lineno, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if limit is not None and len(out) >= limit:
+            break
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -50,7 +56,8 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, A
                 prompt = obj["question"]
             else:
                 raise ValueError(f"{path}:{lineno}: needs a \"prompt\" string or \"prompt_token_ids\"")
-            key = str(obj.get("prompt_key") or obj.get("key") or obj.get("id") or "")
+            # The first key field present and not empty; not `or`: an id of 0 is a valid key.
+            key = next((str(obj[k]) for k in ("prompt_key", "key", "id") if obj.get(k) not in (None, "")), "")
             skip = ("prompt", "prompt_token_ids", "prompt_key", "key")
             labels = {k: str(v) for k, v in obj.items() if k not in skip and isinstance(v, str | int | float)}
         else:
@@ -58,8 +65,6 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[dict[str, A
         if not key:
             key = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()[:16]
         out.append({"prompt": prompt, "prompt_key": key, "labels": labels})
-        if limit is not None and len(out) >= limit:
-            break
     if not out:
         raise ValueError(f"{path}: no prompts")
     return out
@@ -135,6 +140,8 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
         client.wait_ready(timeout=60)
         t0 = time.monotonic()
         client.submit_batch(batch_id, groups)
+        # From here on the batch runs on the cluster whether or not anyone reads it: every way out
+        # of this function short of the last result cancels it.
         try:
             # The deadline rides on the stream: checked per result it would never fire while no
             # result arrives (no scheduler, stuck workers), the very case it is for.
@@ -156,10 +163,32 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
                 outcome = f"cancelling it failed: {e}"
             raise TimeoutError(f"batch {batch_id} not done after {timeout}s ({len(results)} of {total} "
                                f"responses); {outcome}") from None
+        except BaseException:
+            # Ctrl-C, a stream that failed for good, an on_result callback that raised: nobody will
+            # read the rest, so stop the workers generating it, then let the error through.
+            if bar is not None:
+                bar.close()
+            _cancel_quietly(address, batch_id)
+            raise
         wall = time.monotonic() - t0
     if bar is not None:
         bar.close()
     return results, wall
+
+
+def _cancel_quietly(address: str, batch_id: str) -> None:
+    """Best-effort CancelBatch on a fresh client with short retries: the run's own client may be
+    the broken part, and a user who pressed Ctrl-C should not wait minutes for a buffer that is
+    down (a second Ctrl-C ends the wait too)."""
+    from seer_client import SeerClient
+
+    try:
+        with SeerClient(address, retry_seconds=5.0, timeout=5.0) as client:
+            n = client.cancel_batch(batch_id)
+    except Exception as e:  # best effort: the error that ended the run is the one to report
+        print(f"seer rollout: cancelling batch {batch_id} failed: {e}", file=sys.stderr)
+        return
+    print(f"seer rollout: cancelled batch {batch_id} ({n} unfinished responses)", file=sys.stderr)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -236,6 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, TimeoutError, SeerError) as e:
         print(f"seer rollout: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # run() has cancelled the batch already; a traceback would only hide that line.
+        print("seer rollout: interrupted", file=sys.stderr)
+        return 130
     summary = summarize(results, wall)
     acc = accuracy(results)
     if acc is not None:

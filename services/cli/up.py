@@ -7,7 +7,13 @@ Starts kvstore, draft, scheduler, buffer and N workers (`python -m services.<nam
 port chosen here (base port + offset, or a free one), waits until every service reports SERVING on
 the standard gRPC health service and every worker has registered with the scheduler, prints the
 endpoints, and on Ctrl-C stops everything: SIGTERM (each service drains and exits 0), then
-SIGKILL after a timeout.
+SIGKILL after a timeout. Ctrl-C / SIGTERM while the suite is still starting stops it too.
+
+Exit status: 0 when every service ran until the stop and drained cleanly; 1 when the suite could
+not start, a service exited on its own while it ran (a crash of the buffer or scheduler also stops
+the suite: nothing works without them) or a service did not stop cleanly; the data directory, with
+the services' logs, is then kept even when it is the default temporary one. 128 + the signal number
+when stopped by a signal before the suite was up.
 """
 
 from __future__ import annotations
@@ -26,19 +32,42 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from services.common.log import get_logger, kv
 
 log = get_logger(__name__)
 
-# Offsets from --base-port; metrics ports are base + 100 + offset.
+# Offsets from --base-port; metrics ports are base + 100 + offset (base + 200 + offset, 300, ...
+# when there are so many workers that their gRPC ports would reach base + 100: see _metrics_offset).
 _BUFFER, _SCHEDULER, _DRAFT, _KVSTORE, _WORKER0 = 0, 1, 2, 3, 10
 _METRICS_OFFSET = 100
+
+# The services without which the suite does no work at all: `seer up` stops when one of them dies
+# (a worker, the draft or the kvstore only degrade it: the scheduler re-runs a lost worker's chunks).
+CENTRAL_SERVICES = ("buffer", "scheduler")
 
 
 class SuiteError(RuntimeError):
     """The suite could not start (a service exited or never became healthy); names the service."""
+
+
+class SuiteInterrupted(Exception):
+    """Suite.start was asked to stop (its stop flag was set) before the suite was up."""
+
+
+class StopFlag(Protocol):
+    """What Suite.start polls for a stop request: a threading.Event, or `seer up`'s _StopRequest."""
+
+    def is_set(self) -> bool: ...
+
+
+def _metrics_offset(workers: int) -> int:
+    """The offset of the metrics ports from the base port: 100 unless the workers' gRPC ports
+    (base + 10 + i) would reach it, then the next multiple of 100 above them, so that no gRPC port
+    of a fixed layout is also a metrics port."""
+    last_grpc = _WORKER0 + workers - 1
+    return max(_METRICS_OFFSET, (last_grpc // 100 + 1) * 100)
 
 
 # Relaunches of a service that exited because its port was taken (see Suite._relaunch_after_port_clash).
@@ -67,6 +96,9 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes] | None = None
     _files: list[IO[bytes]] = field(default_factory=list)
     _term_sent: bool = False
+    # Size of the stderr log when this process was launched: the log is opened in append mode and
+    # outlives restarts and runs (same --data-dir), so only what follows is this launch's output.
+    _log_start: int = 0
 
     @property
     def address(self) -> str:
@@ -95,6 +127,7 @@ class ServiceProcess:
         out = open(self.stdout_path, "ab")  # noqa: SIM115 - held open for the child's lifetime
         err = open(self.stderr_path, "ab")  # noqa: SIM115
         self._files = [out, err]
+        self._log_start = os.fstat(err.fileno()).st_size
         # A new session: Ctrl-C in the terminal reaches `seer up` only, which stops the services
         # in order instead of all of them at once.
         self.proc = subprocess.Popen(self.command(), stdout=out, stderr=err, env=self.env, start_new_session=True)
@@ -154,8 +187,12 @@ class ServiceProcess:
         self._files = []
 
     def tail(self, lines: int = 20) -> str:
+        """The last `lines` lines the current (or last) launch wrote to stderr; earlier launches'
+        output in the same log file is left out (it would blame this launch for an old error)."""
         try:
-            text = self.stderr_path.read_text(encoding="utf-8", errors="replace")
+            with open(self.stderr_path, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode("utf-8", errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
@@ -210,9 +247,16 @@ class Suite:
         the worker's core (bench.spec --suite: their CPU otherwise lands on the timed worker)."""
         if workers < 0:
             raise ValueError(f"workers: must be >= 0, got {workers}")
-        if not 0 <= base_port <= 65535 - 200:
-            raise ValueError(f"base_port: {base_port} leaves no room for the suite's ports")
+        self._metrics_offset = _metrics_offset(workers)
+        # The highest port of the fixed layout: the last worker's metrics port.
+        span = self._metrics_offset + _WORKER0 + workers - 1
+        if not 0 <= base_port <= 65535 - 200 or (base_port and base_port + span > 65535):
+            raise ValueError(f"base_port: {base_port} leaves no room for the suite's ports "
+                             f"(workers: {workers} need base_port + {span} <= 65535)")
         self.num_workers = workers
+        # Every port handed out by free_port(): the kernel may return a number it returned a moment
+        # ago (the socket was closed), and two services given one port cannot both start.
+        self._picked_ports: set[int] = set()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="seer-suite-"))
         self.base_port = base_port
@@ -255,13 +299,22 @@ class Suite:
         env.update(extra or {})
         return env
 
+    def _free_port(self) -> int:
+        """A free port that no other service of this suite was given."""
+        for _ in range(1000):
+            port = free_port()
+            if port not in self._picked_ports:
+                self._picked_ports.add(port)
+                return port
+        raise SuiteError(f"no free port found that this suite does not use yet ({len(self._picked_ports)} in use)")
+
     def _port(self, offset: int) -> int:
-        return self.base_port + offset if self.base_port else free_port()
+        return self.base_port + offset if self.base_port else self._free_port()
 
     def _metrics_port(self, offset: int) -> int:
         if not self.metrics:
             return 0
-        return self.base_port + _METRICS_OFFSET + offset if self.base_port else free_port()
+        return self.base_port + self._metrics_offset + offset if self.base_port else self._free_port()
 
     def _add(
         self,
@@ -346,23 +399,41 @@ class Suite:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def start(self, timeout: float = 300.0) -> Suite:
+    def start(self, timeout: float = 300.0, stop: StopFlag | None = None, keep_data_on_error: bool = False) -> Suite:
+        """Starts every service and waits until all are healthy and the workers registered.
+
+        stop: when set (from a signal handler or another thread), the wait ends with
+        SuiteInterrupted within about a second, instead of running until `timeout`.
+        keep_data_on_error: keep the data directory (the services' logs) when a service failed,
+        even a temporary one (`seer up`: the error points at the logs).
+        """
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for s in self.services.values():
-            s.start()
         try:
-            self.wait_healthy(timeout=timeout)
-            self.wait_workers(self.num_workers, timeout=timeout)
+            # Inside the try: a launch that fails part way stops the services already started.
+            for s in self.services.values():
+                s.start()
+            self.wait_healthy(timeout=timeout, stop=stop)
+            self.wait_workers(self.num_workers, timeout=timeout, stop=stop)
+        except SuiteError:
+            self.stop(keep_data=keep_data_on_error)
+            raise
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait_healthy(self, names: Sequence[str] | None = None, timeout: float = 300.0) -> None:
+    @staticmethod
+    def _check_stop(stop: StopFlag | None) -> None:
+        if stop is not None and stop.is_set():
+            raise SuiteInterrupted("stop requested before the suite was up")
+
+    def wait_healthy(self, names: Sequence[str] | None = None, timeout: float = 300.0,
+                     stop: StopFlag | None = None) -> None:
         pending = list(names or self.services)
         deadline = time.monotonic() + timeout
         relaunched: dict[str, int] = {}
         while pending:
+            self._check_stop(stop)
             for name in list(pending):
                 s = self.services[name]
                 if not s.alive():
@@ -372,6 +443,9 @@ class Suite:
                     raise SuiteError(f"{name}: exited with code {s.returncode} before becoming healthy\n{s.tail()}")
                 if health_status(s.address) == "SERVING":
                     pending.remove(name)
+                # Per service too: each health check can take up to a second, with many workers
+                # one round would otherwise delay a Ctrl-C by as many seconds.
+                self._check_stop(stop)
             if pending:
                 if time.monotonic() > deadline:
                     raise SuiteError(f"not healthy after {timeout:.0f}s: {', '.join(pending)}")
@@ -384,11 +458,11 @@ class Suite:
         buffer's metrics port, "Address already in use"). A picked metrics port is picked again
         (nothing refers to it); a gRPC port is kept (the other services were given it) and retried
         after a moment, when the other socket is usually gone."""
-        tail = s.tail(40)
+        tail = s.tail(40)  # this launch's output only: an old clash in the log is not this exit's cause
         if "Address already in use" not in tail and "Failed to bind" not in tail:
             return False
         if s.metrics_port and not self.base_port and "start_http_server" in tail:
-            new = free_port()
+            new = self._free_port()
             i = s.args.index("--metrics-port")
             s.args[i + 1] = str(new)
             s.metrics_port = new
@@ -397,10 +471,11 @@ class Suite:
         s.start()
         return True
 
-    def wait_workers(self, count: int, timeout: float = 120.0) -> None:
+    def wait_workers(self, count: int, timeout: float = 120.0, stop: StopFlag | None = None) -> None:
         """Until `count` workers are registered and healthy at the scheduler."""
         deadline = time.monotonic() + timeout
         while True:
+            self._check_stop(stop)
             n = sum(1 for w in self.scheduler_stats().workers if w.healthy)
             if n >= count:
                 return
@@ -436,8 +511,10 @@ class Suite:
         s.start()
         self.wait_healthy([name], timeout=timeout)
 
-    def stop(self, timeout: float = 15.0) -> dict[str, int | None]:
-        """Stops workers first, then the buffer, scheduler, draft and kvstore; returns exit codes."""
+    def stop(self, timeout: float = 15.0, keep_data: bool = False) -> dict[str, int | None]:
+        """Stops workers first, then the buffer, scheduler, draft and kvstore; returns exit codes.
+
+        keep_data: keep the data directory even when it is this suite's temporary one."""
         codes: dict[str, int | None] = {}
         # SIGTERM all workers at once (each drains its own chunks), then the central services.
         for group in (self.worker_names, ["buffer", "scheduler"], ["draft", "kvstore"]):
@@ -446,9 +523,14 @@ class Suite:
                 self.services[name].signal(signal.SIGTERM)
             for name in group:
                 codes[name] = self.services[name].stop(timeout)
+        if not keep_data:
+            self.remove_data()
+        return codes
+
+    def remove_data(self) -> None:
+        """Removes the data directory if this suite created it (unless SEER_KEEP_DATA=1)."""
         if self._own_dir and os.environ.get("SEER_KEEP_DATA", "") not in ("1", "true"):
             shutil.rmtree(self.data_dir, ignore_errors=True)
-        return codes
 
     def __enter__(self) -> Suite:
         return self.start()
@@ -479,42 +561,78 @@ def ensure_embedded_model() -> str:
     return str(ensure_model())
 
 
+class _StopRequest:
+    """A stop request set by a signal handler. Not a threading.Event: Event.set() takes a lock that
+    the interrupted main thread may be holding (inside Event.wait), which would deadlock."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def is_set(self) -> bool:
+        return self.signum != 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     model_dir = args.model_dir or ensure_embedded_model()
-    suite = Suite(
-        workers=args.workers, data_dir=args.data_dir, base_port=args.base_port, policy=args.policy,
-        speculation=args.speculation == "on", model_dir=model_dir, chunk_size=args.chunk_size, tracing=args.tracing,
-    )
-    stop = {"requested": False}
+    try:
+        suite = Suite(
+            workers=args.workers, data_dir=args.data_dir, base_port=args.base_port, policy=args.policy,
+            speculation=args.speculation == "on", model_dir=model_dir, chunk_size=args.chunk_size,
+            tracing=args.tracing,
+        )
+    except ValueError as e:
+        print(f"seer up: {e}", file=sys.stderr)
+        return 2
+    stop = _StopRequest()
 
-    def _handler(_signum: int, _frame: object) -> None:
-        stop["requested"] = True
+    def _handler(signum: int, _frame: object) -> None:
+        # The first signal decides the exit status; later ones (a second Ctrl-C) change nothing.
+        stop.signum = stop.signum or signum
 
     signal.signal(signal.SIGINT, _handler)
     signal.signal(signal.SIGTERM, _handler)
     print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
     try:
-        suite.start(timeout=args.timeout)
+        # The stop flag is polled while starting: workers can take minutes to load, and a Ctrl-C
+        # must not wait for --timeout.
+        suite.start(timeout=args.timeout, stop=stop, keep_data_on_error=True)
+    except SuiteInterrupted:
+        print("seer up: stopped before the suite was up", file=sys.stderr)
+        return 128 + stop.signum
     except SuiteError as e:
         print(f"seer up: {e}", file=sys.stderr)
+        print(f"seer up: logs kept in {suite.log_dir}", file=sys.stderr)
         return 1
     print("suite is up:")
     for name, ep in suite.endpoints().items():
         metrics = f"  metrics {ep['metrics']}" if ep["metrics"] else ""
         print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']})")
     print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
-    reported: set[str] = set()
-    while not stop["requested"]:
+    exited: set[str] = set()  # services that exited on their own while the suite ran
+    central_down = ""
+    while not stop.is_set() and not central_down:
         time.sleep(0.5)
         for name, s in suite.services.items():
-            if not s.alive() and name not in reported:
-                reported.add(name)
+            if not s.alive() and name not in exited:
+                exited.add(name)
                 print(f"warning: {name} exited with code {s.returncode}; see {s.stderr_path}", flush=True)
+                if name in CENTRAL_SERVICES:
+                    central_down = central_down or name
+    if central_down:
+        # Serving on with no buffer or scheduler would accept no batch (or never finish one) while
+        # looking up: stop, so that whoever runs `seer up` sees the failure.
+        print(f"seer up: {central_down} is down; the suite cannot work without it", file=sys.stderr, flush=True)
     print("stopping ...", flush=True)
-    codes = suite.stop()
+    # Data kept until the outcome is known: a failure's logs must outlive the temporary directory.
+    codes = suite.stop(keep_data=True)
     bad = {n: c for n, c in codes.items() if c not in (0, None)}
-    print("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"))
+    print("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"), flush=True)
+    if exited or bad:
+        print(f"seer up: service(s) failed ({', '.join(sorted(exited | set(bad)))}); logs kept in {suite.log_dir}",
+              file=sys.stderr)
+        return 1
+    suite.remove_data()
     return 0
 
 

@@ -1,0 +1,119 @@
+"""`seer rollout`: a submitted batch does not outlive an interrupted run; prompt loading edge cases.
+
+The interrupt tests use a real buffer (in process: real gRPC and RocksDB) and the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from seer_client import PromptGroup, SeerClient, SeerError
+
+from services.cli import rollout
+from tests.client.client_helpers import Buffer, play_scheduler
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def buffer(tmp_path: Path) -> Iterator[Buffer]:
+    b = Buffer(tmp_path / "db")
+    b.start()
+    yield b
+    b.stop()
+
+
+def _wait_submitted(address: str, batch_id: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    with SeerClient(address, retry_seconds=1.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                client.get_batch(batch_id)
+                return
+            except SeerError:
+                time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} never submitted")
+
+
+def test_ctrl_c_cancels_the_submitted_batch(buffer: Buffer, tmp_path: Path) -> None:
+    """Before: only the tool's own --timeout cancelled; Ctrl-C left the batch generating on the
+    cluster (here it would stay pending forever: no scheduler)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2, 3], "prompt_key": "k"}) + "\n")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "rollout", "--prompts", str(prompts), "--group-size", "2",
+         "--max-tokens", "4", "--address", buffer.address, "--no-progress", "--batch-id", "cli-int"],
+        cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_submitted(buffer.address, "cli-int")
+        time.sleep(0.5)  # into the result stream
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err
+    assert "cancelled batch cli-int" in err
+    with SeerClient(buffer.address) as client:
+        assert client.get_batch("cli-int").state == "cancelled"
+
+
+def test_an_error_while_results_stream_cancels_the_batch(buffer: Buffer) -> None:
+    """Any way out of run() after submission (here: the on_result callback raises after the first
+    result) cancels what is left, then lets the error through."""
+    stop, gate = threading.Event(), threading.Semaphore(1)  # one request at a time
+    sched = threading.Thread(target=play_scheduler, args=(buffer.address,), kwargs={"stop": stop, "gate": gate},
+                             daemon=True)
+    sched.start()
+
+    def on_result(_r: Any) -> None:
+        raise RuntimeError("trainer-side bug")
+
+    groups = [PromptGroup(prompt=[1, 2, 3], group_size=4, max_tokens=4)]
+    try:
+        with pytest.raises(RuntimeError, match="trainer-side bug"):
+            rollout.run(buffer.address, groups, "cli-err", progress=False, on_result=on_result, timeout=30)
+        with SeerClient(buffer.address) as client:
+            assert client.get_batch("cli-err").state == "cancelled"
+    finally:
+        stop.set()
+        gate.release(100)
+
+
+def test_limit_must_be_positive(tmp_path: Path) -> None:
+    """Before: the limit was checked after the first append, so --limit 0 (or -1) gave one prompt."""
+    p = tmp_path / "p.txt"
+    p.write_text("a\nb\nc\n")
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="--limit"):
+            rollout.load_prompts(p, limit=bad)
+    assert [x["prompt"] for x in rollout.load_prompts(p, limit=2)] == ["a", "b"]
+    assert len(rollout.load_prompts(p)) == 3
+
+
+def test_id_zero_is_the_key(tmp_path: Path) -> None:
+    """Before: `a or b or c` dropped a falsy 0 id and used a hash of the prompt instead."""
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "a", "id": 0}\n{"prompt": "b", "prompt_key": "", "key": "k"}\n{"prompt": "c"}\n')
+    keys = [x["prompt_key"] for x in rollout.load_prompts(p)]
+    assert keys[:2] == ["0", "k"]
+    assert len(keys[2]) == 16  # no key at all: a hash of the prompt
+
+
+def test_main_reports_a_bad_limit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "p.txt"
+    p.write_text("a\n")
+    code = rollout.main(["--prompts", str(p), "--group-size", "1", "--max-tokens", "1", "--limit", "0",
+                         "--no-progress"])
+    assert code == 1
+    assert "--limit" in capsys.readouterr().err

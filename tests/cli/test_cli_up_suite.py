@@ -1,0 +1,107 @@
+"""Suite's port plan and its relaunch of a service whose port was taken."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli import up
+
+
+def _ports(s: up.Suite) -> list[tuple[int, str]]:
+    out = []
+    for name, sp in s.services.items():
+        out.append((sp.port, name))
+        if sp.metrics_port:
+            out.append((sp.metrics_port, f"{name}:metrics"))
+    return out
+
+
+def _dupes(s: up.Suite) -> list[tuple[int, str]]:
+    count = collections.Counter(p for p, _ in _ports(s))
+    return [x for x in _ports(s) if count[x[0]] > 1]
+
+
+def test_free_ports_handed_out_twice_by_the_kernel_are_picked_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """free_port() binds port 0 and closes the socket, so the kernel may return the same number to
+    the next call (before: 1.5% of 8-worker suites had two services on one port). The kernel's
+    choice is random; here it repeats every number once, deterministically."""
+    picks: Iterator[int] = (40000 + i // 2 for i in range(10_000))
+    monkeypatch.setattr(up, "free_port", lambda: next(picks))
+    s = up.Suite(workers=8, base_port=0, data_dir=tmp_path, model_dir="/x")
+    assert _dupes(s) == []
+    # A metrics port picked again after a clash is new to the suite as well.
+    assert s._free_port() not in {p for p, _ in _ports(s)}
+
+
+def test_fixed_layout_has_no_clash_with_many_workers(tmp_path: Path) -> None:
+    """Before: worker i's port base+10+i was also a metrics port (base+100+offset) from 91 workers on."""
+    s = up.Suite(workers=91, base_port=50051, data_dir=tmp_path, model_dir="/x")
+    assert _dupes(s) == []
+    assert max(p for p, _ in _ports(s)) <= 65535
+    small = up.Suite(workers=2, base_port=50051, data_dir=tmp_path, model_dir="/x")
+    # The documented layout is unchanged where it fits: metrics on port + 100.
+    assert all(sp.metrics_port == sp.port + 100 for sp in small.services.values())
+
+
+def test_fixed_layout_that_overflows_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="workers"):
+        up.Suite(workers=500, base_port=65000 - 200, data_dir=tmp_path, model_dir="/x")
+
+
+def test_an_old_port_clash_in_the_log_does_not_relaunch_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log is appended to across runs (same --data-dir); before, yesterday's "Address already
+    in use" made today's config error look like a port clash: 3 pointless relaunches, and the
+    error message showed the stale line."""
+    starts: list[str] = []
+
+    def command(self: up.ServiceProcess) -> list[str]:
+        starts.append(self.name)
+        if self.name != "scheduler":
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+        return [sys.executable, "-c", "import sys; sys.stderr.write('config error: bad value\\n'); sys.exit(2)"]
+
+    monkeypatch.setattr(up.ServiceProcess, "command", command)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "scheduler.log").write_text(
+        "RuntimeError: Failed to bind to address 127.0.0.1:50052; Address already in use\n")
+    s = up.Suite(workers=0, data_dir=tmp_path, base_port=0, model_dir="/x", draft=False, kvstore=False)
+    with pytest.raises(up.SuiteError, match="scheduler: exited with code 2") as e:
+        s.start(timeout=20)
+    assert starts.count("scheduler") == 1, "a config error was retried as a port clash"
+    assert "config error: bad value" in str(e.value) and "Address already in use" not in str(e.value)
+
+
+def test_a_port_clash_of_this_launch_is_still_relaunched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other side of the test above: the clash written by the launch that just failed counts."""
+    ok = tmp_path / "scheduler-ok"
+    starts: list[str] = []
+
+    def command(self: up.ServiceProcess) -> list[str]:
+        starts.append(self.name)
+        if self.name != "scheduler":
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+        if starts.count("scheduler") == 1:
+            return [sys.executable, "-c", "import sys; sys.stderr.write('Failed to bind: Address already in use\\n');"
+                                          " sys.exit(1)"]
+        return [sys.executable, "-c", f"import pathlib, time; pathlib.Path({str(ok)!r}).touch(); time.sleep(60)"]
+
+    monkeypatch.setattr(up.ServiceProcess, "command", command)
+    s = up.Suite(workers=0, data_dir=tmp_path, base_port=0, model_dir="/x", draft=False, kvstore=False)
+    scheduler = s.services["scheduler"].address
+    # The scheduler is SERVING once its second launch runs; the buffer's stand-in at once.
+    monkeypatch.setattr(up, "health_status", lambda address, timeout=1.0:
+                        "SERVING" if address != scheduler or ok.exists() else "UNREACHABLE")
+    monkeypatch.setattr(s, "wait_workers", lambda count, timeout=120.0, stop=None: None)
+    s.start(timeout=20)
+    try:
+        assert starts.count("scheduler") == 2
+        assert s.services["scheduler"].alive()
+    finally:
+        s.stop(timeout=5)

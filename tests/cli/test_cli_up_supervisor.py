@@ -1,0 +1,173 @@
+"""`seer up` as a supervisor: stop requests while the suite starts, services that crash while it
+runs, and the exit status and logs that report them.
+
+`seer up` runs for real in a subprocess; its services are tiny stand-in processes (a real service
+cannot be made to crash on cue or to hang in start-up), and the health checks are stubbed so that
+the stand-ins count as SERVING. Everything else (the signal handling, the start and stop sequence,
+the data directory) is the real code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The stand-in for a service: sleeps; exits 0 on SIGTERM (a clean drain), or, when its name is in
+# CRASH, writes an error and exits 3 after a second. The token marks its command line (see _alive).
+_SERVICE = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+    "if sys.argv[1] in sys.argv[3].split(','):\n"
+    "    time.sleep(1.0)\n"
+    "    sys.stderr.write('fatal: the stand-in crashed\\n')\n"
+    "    sys.exit(3)\n"
+    "time.sleep(600)\n"
+)
+
+_UP = """
+import sys
+from services.cli import up
+up.ensure_embedded_model = lambda: "/nonexistent-model"
+if {healthy}:
+    up.health_status = lambda address, timeout=1.0: "SERVING"
+    up.Suite.wait_workers = lambda self, count, timeout=120.0, stop=None: None
+up.ServiceProcess.command = lambda self: [sys.executable, "-c", {service!r}, self.name, {token!r}, {crash!r}]
+sys.exit(up.main(["--base-port", "0", "--workers", "1", "--timeout", "30"]))
+"""
+
+
+def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "") -> subprocess.Popen[str]:
+    code = _UP.format(healthy=healthy, service=_SERVICE, token=str(tmp_path), crash=crash)
+    # TMPDIR: the suite's default temporary data directory lands under tmp_path, where the test can
+    # look for it and pytest removes it.
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for_line(p: subprocess.Popen[str], pattern: str, timeout: float = 30.0) -> list[str]:
+    """stdout lines up to the first that contains `pattern`."""
+    assert p.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if pattern in line:
+            return lines
+    raise AssertionError(f"no {pattern!r} in the output of seer up: {lines}")
+
+
+def _finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, str]:
+    """(exit code or None if still running after `timeout`, stdout, stderr); never leaves it running."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGKILL)
+        out, err = p.communicate(timeout=30)
+        return None, out, err
+
+
+def _alive(token: str) -> list[int]:
+    """Pids of stand-in services still running (their command line holds the token)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if token.encode() in cmd and b"-c" in cmd:
+            pids.append(int(d.name))
+    return [p for p in pids if p != os.getpid()]
+
+
+def _state_dir(stdout: str) -> Path:
+    m = re.search(r"state in (\S+)\)", stdout)
+    assert m, stdout
+    return Path(m.group(1))
+
+
+@pytest.fixture(autouse=True)
+def _no_stand_in_left(tmp_path: Path) -> Iterator[None]:
+    """Kills stand-ins that a failing `seer up` (SIGKILLed by _finish) left behind: they are not
+    started through services.cli.launch, so nothing else takes them down."""
+    yield
+    for pid in _alive(str(tmp_path)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_stops_on_a_signal_while_the_suite_starts(tmp_path: Path, sig: signal.Signals) -> None:
+    """Before: the handler only set a flag that nothing read until the suite was up, so Ctrl-C
+    waited out --timeout (30 s here, 300 s by default) with the services running."""
+    p = _start_up(tmp_path, healthy=False)  # the stand-ins never answer a health check
+    head = _wait_for_line(p, "starting the suite")
+    time.sleep(1.5)  # into wait_healthy, the services launched
+    t0 = time.monotonic()
+    p.send_signal(sig)
+    code, out, err = _finish(p, timeout=10)
+    assert code is not None, f"seer up still running {time.monotonic() - t0:.0f}s after {sig.name}"
+    assert code == 128 + sig
+    assert "stopped before the suite was up" in err
+    assert _alive(str(tmp_path)) == [], "services left running"
+    assert not _state_dir("".join(head) + out).exists(), "a clean stop keeps no temporary data"
+
+
+def test_up_stops_and_fails_when_the_buffer_crashes(tmp_path: Path) -> None:
+    """Before: a warning line, then the suite served on without its buffer until Ctrl-C, the exit
+    status was 0 and the log the warning pointed at was deleted with the temporary data dir."""
+    p = _start_up(tmp_path, healthy=True, crash="buffer")
+    _wait_for_line(p, "suite is up")
+    code, out, err = _finish(p, timeout=15)  # no signal: the suite must stop by itself
+    assert code == 1, f"exit status {code}\n{out}\n{err}"
+    m = re.search(r"warning: buffer exited with code 3; see (\S+)", out)
+    assert m, out
+    log = Path(m.group(1))
+    assert log.exists(), "the crash log the warning names was deleted"
+    assert "fatal: the stand-in crashed" in log.read_text()
+    assert "buffer is down" in err and f"logs kept in {log.parent}" in err
+    assert _alive(str(tmp_path)) == []
+
+
+def test_up_keeps_serving_after_a_worker_crash_but_fails_at_the_end(tmp_path: Path) -> None:
+    """A worker is not central (the scheduler re-runs its chunks): the suite serves on, but the
+    exit status after Ctrl-C still reports the crash and the log is kept."""
+    p = _start_up(tmp_path, healthy=True, crash="worker-0")
+    head = "".join(_wait_for_line(p, "suite is up"))
+    time.sleep(3.0)  # the worker has crashed and been noticed
+    assert p.poll() is None, "seer up stopped although only a worker crashed"
+    p.send_signal(signal.SIGINT)
+    code, out, err = _finish(p, timeout=20)
+    assert code == 1, f"exit status {code}\n{out}\n{err}"
+    assert "warning: worker-0 exited with code 3" in out
+    log = _state_dir(head) / "logs" / "worker-0.log"
+    assert log.exists() and "fatal: the stand-in crashed" in log.read_text()
+    assert "logs kept in" in err
+
+
+def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) -> None:
+    p = _start_up(tmp_path, healthy=True)
+    head = "".join(_wait_for_line(p, "suite is up"))
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    code, out, err = _finish(p, timeout=20)
+    assert code == 0, f"exit status {code}\n{out}\n{err}"
+    assert "stopped cleanly" in out
+    assert not _state_dir(head).exists()
