@@ -3,12 +3,14 @@
 // buffer), streams every result as it finishes, checks each one, and prints a summary.
 //
 //   npm install && node rollout.js --address localhost:50051 [--groups 2] [--group-size 2] [--max-tokens 16]
-//                                  [--retry-seconds 60]
+//                                  [--retry-seconds 60] [--timeout 600]
 //
 // A buffer restart (or a dropped connection) is survived the way the Python client does it: calls
 // that fail UNAVAILABLE are retried with backoff, and the result stream is reopened from the cursor
 // of the last result received (the stream is resumable by cursor), for at most --retry-seconds of
-// failures since the last progress. SubmitBatch is idempotent by batch id, so retrying it is safe.
+// failures since the last progress (the time from each failure until a stream is accepted again;
+// time in an accepted stream does not count). SubmitBatch is idempotent by batch id, so retrying it
+// is safe. --timeout bounds the whole run (every call and every reopened stream share one deadline).
 //
 // The protos are loaded at run time from protos/seer/v1 (the same files the Python code is generated
 // from), so this client needs no code generation step. Exit code 0 = every response was received and
@@ -20,6 +22,17 @@ const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
 const PROTO_ROOT = process.env.SEER_PROTO_ROOT || path.resolve(__dirname, '..', '..', 'protos');
+
+// A number of seconds from the command line: Number(), not parseFloat(), so "10s" or "" is refused
+// instead of read as 10 or NaN (a NaN deadline or retry window would silently disable the bound).
+function seconds(key, value, { allowZero }) {
+  const n = value.trim() === '' ? NaN : Number(value);
+  if (!Number.isFinite(n) || n < 0 || (n === 0 && !allowZero)) {
+    const what = allowZero ? 'a number of seconds >= 0' : 'a positive number of seconds';
+    throw new Error(`${key}: must be ${what}, got ${JSON.stringify(value)}`);
+  }
+  return n;
+}
 
 function parseArgs(argv) {
   const opts = {
@@ -34,9 +47,10 @@ function parseArgs(argv) {
       case '--groups': opts.groups = parseInt(value, 10); break;
       case '--group-size': opts.groupSize = parseInt(value, 10); break;
       case '--max-tokens': opts.maxTokens = parseInt(value, 10); break;
-      case '--timeout': opts.timeout = parseFloat(value); break;
+      case '--timeout': opts.timeout = seconds(key, value, { allowZero: false }); break;
       case '--batch-id': opts.batchId = value; break;
-      case '--retry-seconds': opts.retrySeconds = parseFloat(value); break;
+      // 0 is meaningful: no retries (the first transient failure is the answer).
+      case '--retry-seconds': opts.retrySeconds = seconds(key, value, { allowZero: true }); break;
       default: throw new Error(`unknown option ${key}`);
     }
   }
@@ -57,6 +71,21 @@ function loadRolloutService() {
 
 const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
 
+const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
+// The channel options of the Python client (clients/python/seer_client/client.py _OPTIONS). A
+// restarted buffer is back within a second or two; grpc-js' default reconnect backoff (1 s growing
+// by 1.6x to 120 s) keeps failing calls fast with UNAVAILABLE long after it is back, so a longer
+// outage used up --retry-seconds after the buffer had returned. grpc-js has no
+// grpc.min_reconnect_backoff_ms (it ignores it): initial and max bound its backoff.
+const CHANNEL_OPTIONS = {
+  'grpc.max_send_message_length': MAX_MESSAGE_BYTES,
+  'grpc.max_receive_message_length': MAX_MESSAGE_BYTES,
+  'grpc.keepalive_time_ms': 30000,
+  'grpc.keepalive_permit_without_calls': 1,
+  'grpc.initial_reconnect_backoff_ms': 100,
+  'grpc.max_reconnect_backoff_ms': 1000,
+};
+
 // A transport break, not an answer: UNAVAILABLE (the service is away, e.g. restarting), or the
 // INTERNAL that grpc-js reports when the server's HTTP/2 session ends under a stream ("Received
 // RST_STREAM with code 2 triggered by internal client error: Session closed with error code 2", seen
@@ -68,35 +97,56 @@ function transient(err) {
 }
 
 // Retries while the transient failures add up to less than retrySeconds; any other status is the
-// answer. backoff: 50 ms doubling to 2 s.
+// answer. backoff: 50 ms doubling to 2 s. The window (as in the Python client's iter_results) is the
+// time spent failing since the last progress: the closed spells (`downMs`, each from its first
+// failure until a stream was accepted again) plus the spell in progress. Time in an accepted stream
+// does not count, so a quiet generation between two restarts does not use the window up; only
+// progress (a result) resets it, so a buffer that accepts every stream and then fails it still ends
+// the run instead of being retried forever.
 class Retry {
-  constructor(retrySeconds) {
+  constructor(retrySeconds, endMs) {
     this.windowMs = retrySeconds * 1000;
+    this.endMs = endMs;
     this.reset();
   }
 
   reset() {
+    this.downMs = 0;
     this.failingSince = null;
     this.delayMs = 50;
   }
 
-  async wait(err) {
-    if (!transient(err)) throw err;
+  // A stream was accepted: the failing spell (if any) ends here. The backoff is not reset (no
+  // progress yet), as in the Python client.
+  accepted() {
+    if (this.failingSince !== null) {
+      this.downMs += Date.now() - this.failingSince;
+      this.failingSince = null;
+    }
+  }
+
+  // refused: RESOURCE_EXHAUSTED before the stream was accepted is the buffer's stream limit (a
+  // transient state, retried like UNAVAILABLE); after, it is a message over the size limit, which a
+  // retry would only repeat.
+  async wait(err, refused = false) {
+    if (!transient(err) && !(refused && err.code === grpc.status.RESOURCE_EXHAUSTED)) throw err;
     const now = Date.now();
     if (this.failingSince === null) this.failingSince = now;
-    if (now - this.failingSince + this.delayMs > this.windowMs) throw err;
+    if (this.downMs + (now - this.failingSince) + this.delayMs > this.windowMs) throw err;
     console.error(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
-    await sleep(this.delayMs);
+    // Not past the run's deadline: the next call then fails DEADLINE_EXCEEDED at once.
+    await sleep(Math.max(0, Math.min(this.delayMs, this.endMs - now)));
     this.delayMs = Math.min(this.delayMs * 2, 2000);
   }
 }
 
-async function unary(client, method, request, deadline, retrySeconds) {
-  const retry = new Retry(retrySeconds);
+// endMs: the run's one deadline (Date.now() ms), shared by every call and every reopened stream.
+async function unary(client, method, request, endMs, retrySeconds) {
+  const retry = new Retry(retrySeconds, endMs);
   for (;;) {
     try {
       return await new Promise((resolve, reject) => {
-        client[method](request, { deadline: deadline() }, (err, reply) => (err ? reject(err) : resolve(reply)));
+        client[method](request, { deadline: new Date(endMs) }, (err, reply) => (err ? reject(err) : resolve(reply)));
       });
     } catch (err) {
       await retry.wait(err);
@@ -105,14 +155,23 @@ async function unary(client, method, request, deadline, retrySeconds) {
 }
 
 // Every result of the batch from `cursor` on, in completion order; onResult(msg) for each. A stream
-// that fails UNAVAILABLE is reopened from the cursor of the last result received.
-async function streamResults(client, batchId, deadline, retrySeconds, onResult) {
-  const retry = new Retry(retrySeconds);
+// that fails UNAVAILABLE is reopened from the cursor of the last result received. Its deadline is the
+// run's (endMs), not a fresh one per stream: with a per-stream deadline every reopened stream got a
+// new --timeout, so a run that kept reconnecting was never bounded by it.
+async function streamResults(client, batchId, endMs, retrySeconds, onResult) {
+  const retry = new Retry(retrySeconds, endMs);
   let cursor = 0;
   for (;;) {
+    // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
+    // without them (grpc-js emits 'metadata' only for real headers, not for a trailers-only answer).
+    let accepted = false;
     try {
       await new Promise((resolve, reject) => {
-        const stream = client.StreamResults({ batch_id: batchId, cursor }, { deadline: deadline() });
+        const stream = client.StreamResults({ batch_id: batchId, cursor }, { deadline: new Date(endMs) });
+        stream.on('metadata', () => {
+          accepted = true;
+          retry.accepted();
+        });
         stream.on('data', (msg) => {
           cursor = msg.cursor;
           retry.reset(); // progress: the retry window starts again
@@ -123,7 +182,7 @@ async function streamResults(client, batchId, deadline, retrySeconds, onResult) 
       });
       return;
     } catch (err) {
-      await retry.wait(err);
+      await retry.wait(err, !accepted);
     }
   }
 }
@@ -168,12 +227,16 @@ function checkResult(result, groupsById, seen) {
   return problems.map((p) => `${result.request_id}: ${p}`);
 }
 
+let runEndMs = null; // for the error message: whether a DEADLINE_EXCEEDED is --timeout running out
+
 async function main() {
   const opts = parseArgs(process.argv.slice(2));
   const RolloutService = loadRolloutService();
-  const client = new RolloutService(opts.address, grpc.credentials.createInsecure());
-  const deadline = () => new Date(Date.now() + opts.timeout * 1000);
-  const call = (method, request) => unary(client, method, request, deadline, opts.retrySeconds);
+  const client = new RolloutService(opts.address, grpc.credentials.createInsecure(), CHANNEL_OPTIONS);
+  // One deadline for the whole run, computed once (like the Python client's iter_results timeout).
+  const endMs = Date.now() + opts.timeout * 1000;
+  runEndMs = endMs;
+  const call = (method, request) => unary(client, method, request, endMs, opts.retrySeconds);
   const batchId = opts.batchId || `node-${Date.now()}`;
   const groups = makeGroups(opts.groups, opts.groupSize, opts.maxTokens);
   const start = Date.now();
@@ -191,7 +254,7 @@ async function main() {
   const problems = [];
   let tokens = 0;
   let firstResultSeconds = null;
-  await streamResults(client, batchId, deadline, opts.retrySeconds, (msg) => {
+  await streamResults(client, batchId, endMs, opts.retrySeconds, (msg) => {
     const r = msg.result;
     if (firstResultSeconds === null) firstResultSeconds = (Date.now() - start) / 1000;
     problems.push(...checkResult(r, groups, seen));
@@ -228,6 +291,9 @@ async function main() {
 }
 
 main().catch((err) => {
+  if (err.code === grpc.status.DEADLINE_EXCEEDED && runEndMs !== null && Date.now() >= runEndMs) {
+    err.details = `--timeout ran out (one deadline for the whole run): ${err.details || err.message}`;
+  }
   console.error(`error: ${err.code !== undefined ? `${err.code} ` : ''}${err.details || err.message}`);
   console.log(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: String(err.details || err.message) })}`);
   process.exitCode = 1;

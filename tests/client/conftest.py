@@ -1,7 +1,10 @@
-"""Client test fixtures: a restartable real buffer."""
+"""Client test fixtures: a restartable real buffer, and the Node.js client."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from client_helpers import Buffer
 
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
+
 
 @pytest.fixture
 def buffer(tmp_path: Path) -> Iterator[Buffer]:
@@ -19,3 +24,27 @@ def buffer(tmp_path: Path) -> Iterator[Buffer]:
     b.start()
     yield b
     b.stop()
+
+
+@pytest.fixture
+def tok_buffer(tmp_path: Path, model_dir: Path) -> Iterator[Buffer]:
+    """A restartable buffer that tokenizes prompt_text with the embedded model's tokenizer (the
+    Node client sends text prompts)."""
+    b = Buffer(tmp_path / "db")
+    b.cfg = dataclasses.replace(b.cfg, model_dir=str(model_dir))
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="session")
+def node_client() -> Path:
+    """clients/node/rollout.js, its dependencies installed (skipped where node/npm are not)."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("node/npm not installed")
+    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            pytest.skip(f"npm ci failed (no npm registry?): {proc.stderr[-500:]}")
+    return NODE_DIR / "rollout.js"

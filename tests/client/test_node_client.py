@@ -5,51 +5,24 @@ retry window the same restart ends the client with an error. A thread plays the 
 (CommitChunk), so no model runs; the buffer tokenizes the client's prompt_text groups with the
 embedded model's tokenizer.
 
-Skipped where node/npm are not installed; `npm ci` fetches @grpc/grpc-js from the npm registry once."""
+Skipped where node/npm are not installed; `npm ci` fetches @grpc/grpc-js from the npm registry once
+(the node_client and tok_buffer fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import queue
-import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
 from client_helpers import Buffer
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
-NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 STOP = common_pb2.FINISH_REASON_STOP
-
-
-@pytest.fixture(scope="module")
-def node_client() -> Path:
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("node/npm not installed")
-    if not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        proc = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True,
-                              text=True, timeout=300)
-        if proc.returncode != 0:
-            pytest.skip(f"npm ci failed (no npm registry?): {proc.stderr[-500:]}")
-    return NODE_DIR / "rollout.js"
-
-
-@pytest.fixture
-def tok_buffer(tmp_path: Path, model_dir: Path) -> Iterator[Buffer]:
-    """A restartable buffer that tokenizes prompt_text with the embedded model's tokenizer."""
-    import dataclasses
-
-    b = Buffer(tmp_path / "db")
-    b.cfg = dataclasses.replace(b.cfg, model_dir=str(model_dir))
-    b.start()
-    yield b
-    b.stop()
 
 
 def _finish(address: str, request_id: str) -> None:
@@ -74,8 +47,14 @@ def _run(script: Path, buffer: Buffer, batch_id: str, retry_seconds: float) -> t
         cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str] = queue.Queue()
     out: list[str] = []
-    assert proc.stdout is not None
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def read() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
 
     def wait_results(n: int) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from seer_client.client import SeerClient
-from seer_client.grouping import by_group, group_advantages, score
+from seer_client.grouping import by_batch, by_group, group_advantages, score
 from seer_client.types import (
     BatchStatus,
     PromptGroup,
@@ -27,6 +27,7 @@ __all__ = [
     "SeerTimeout",
     "SubmitResult",
     "WeightsUpdate",
+    "by_batch",
     "by_group",
     "group_advantages",
     "score",

@@ -7,8 +7,9 @@ buffer restart, so a trainer sees each result exactly once.
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -51,25 +52,116 @@ _REQUEST_STATE = {0: "unspecified", 1: "pending", 2: "running", 3: "finished", 4
 _BATCH_STATE = {0: "unspecified", 1: "running", 2: "completed", 3: "cancelled"}
 
 
+# Ranges of the proto fields the client fills (protobuf would raise a bare ValueError for these).
+_INT32 = (-(2**31), 2**31 - 1)
+_INT64 = (-(2**63), 2**63 - 1)
+_UINT64 = (0, 2**64 - 1)
+# services/common/sampling_limits.MIN_TEMPERATURE (this package does not depend on services): the
+# buffer refuses 0 < temperature < this, but it only sees the float32 the proto carries, and a
+# positive temperature below ~1.4e-45 rounds to 0.0 there, which the buffer runs as greedy.
+_MIN_TEMPERATURE = 1e-5
+
+
 def _error(e: grpc.RpcError) -> SeerError:
     return SeerError(e.code().name, e.details() or "")
 
 
-def _sampling_pb(s: Sampling) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                    stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+def _invalid(field: str, message: str) -> SeerError:
+    # The buffer's own format ("groups[0].group_size: must be ..."), so a trainer handles both alike.
+    return SeerError("INVALID_ARGUMENT", f"{field}: {message}")
+
+
+def _int(value: object, field: str, bounds: tuple[int, int]) -> int:
+    """An integer for a proto int field. operator.index, not int(): it accepts Python, numpy and
+    torch integers but refuses floats (int(1.9) would silently send 1). bool is refused: it is an
+    int subclass, and a True token id or group size is a mistake, not a 1."""
+    if isinstance(value, bool):
+        raise _invalid(field, f"must be an integer, got {value!r}")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _invalid(field, f"must be an integer, got {type(value).__name__} {value!r}") from None
+    lo, hi = bounds
+    if not lo <= n <= hi:
+        raise _invalid(field, f"must be in [{lo}, {hi}], got {n}")
+    return n
+
+
+def _ints(values: object, field: str, bounds: tuple[int, int]) -> list[int]:
+    # str/bytes are iterables of characters or byte values, never token ids.
+    if isinstance(values, str | bytes | bytearray | memoryview):
+        raise _invalid(field, f"must be a sequence of integer token ids, got {type(values).__name__}")
+    try:
+        # numpy arrays and torch tensors: tolist() gives Python numbers at C speed (iterating a
+        # tensor makes one 0-d tensor per token); a float array gives floats, refused below.
+        items = values.tolist() if hasattr(values, "tolist") else list(values)  # type: ignore[call-overload]
+    except TypeError:
+        items = None
+    if not isinstance(items, list):
+        raise _invalid(field, f"must be a sequence of integer token ids, got {type(values).__name__}")
+    return [_int(t, f"{field}[{j}]", bounds) for j, t in enumerate(items)]
+
+
+def _float(value: object, field: str) -> float:
+    # float("1.0") would accept a string; the proto field is a number.
+    if isinstance(value, bool | str | bytes):
+        raise _invalid(field, f"must be a number, got {value!r}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise _invalid(field, f"must be a number, got {type(value).__name__} {value!r}") from None
+
+
+def _str(value: object, field: str) -> str:
+    if not isinstance(value, str):
+        raise _invalid(field, f"must be a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _sampling_pb(s: Sampling, field: str) -> common_pb2.SamplingParams:
+    if not isinstance(s, Sampling):
+        raise _invalid(field, f"must be a Sampling, got {type(s).__name__}")
+    temperature = _float(s.temperature, f"{field}.temperature")
+    # Range and finiteness are the buffer's to check; only what it cannot see is checked here: a
+    # positive temperature that float32 turns into 0.0 (greedy) would be run greedy, silently.
+    if 0.0 < temperature < _MIN_TEMPERATURE:
+        raise _invalid(f"{field}.temperature", f"must be 0 (greedy) or >= {_MIN_TEMPERATURE}, got {temperature}")
+    if not isinstance(s.ignore_eos, bool):
+        raise _invalid(f"{field}.ignore_eos", f"must be a bool, got {s.ignore_eos!r}")
+    # A value beyond float32 becomes inf in the proto, which the buffer refuses naming the field.
+    msg = common_pb2.SamplingParams(temperature=temperature, top_p=_float(s.top_p, f"{field}.top_p"),
+                                    top_k=_int(s.top_k, f"{field}.top_k", _INT32),
+                                    stop_token_ids=_ints(s.stop_token_ids, f"{field}.stop_token_ids", _INT32),
+                                    ignore_eos=s.ignore_eos)
     if s.seed is not None:
-        msg.seed = s.seed
+        msg.seed = _int(s.seed, f"{field}.seed", _UINT64)
     return msg
 
 
-def _group_pb(g: PromptGroup) -> rollout_pb2.PromptGroup:
-    msg = rollout_pb2.PromptGroup(prompt_key=g.prompt_key, group_size=g.group_size, max_tokens=g.max_tokens,
-                                  sampling=_sampling_pb(g.sampling), labels=dict(g.labels))
+def _labels(labels: object, field: str) -> dict[str, str]:
+    if not isinstance(labels, Mapping):
+        raise _invalid(field, f"must be a mapping of str to str, got {type(labels).__name__}")
+    out: dict[str, str] = {}
+    for k, v in labels.items():
+        # Not str(v): a label is echoed back as a string, and 5 coming back as "5" is a surprise
+        # the trainer should decide on.
+        out[_str(k, f"{field} key")] = _str(v, f"{field}[{k!r}]")
+    return out
+
+
+def _group_pb(i: int, g: PromptGroup) -> rollout_pb2.PromptGroup:
+    f = f"groups[{i}]"
+    if not isinstance(g, PromptGroup):
+        raise _invalid(f, f"must be a PromptGroup, got {type(g).__name__}")
+    msg = rollout_pb2.PromptGroup(prompt_key=_str(g.prompt_key, f"{f}.prompt_key"),
+                                  group_size=_int(g.group_size, f"{f}.group_size", _INT32),
+                                  max_tokens=_int(g.max_tokens, f"{f}.max_tokens", _INT32),
+                                  sampling=_sampling_pb(g.sampling, f"{f}.sampling"),
+                                  labels=_labels(g.labels, f"{f}.labels"))
     if isinstance(g.prompt, str):
         msg.prompt_text = g.prompt
     else:
-        msg.prompt_token_ids.extend(int(t) for t in g.prompt)
+        msg.prompt_token_ids.extend(_ints(g.prompt, f"{f}.prompt", _INT32))
     return msg
 
 
@@ -156,8 +248,9 @@ class SeerClient:
         the same scope, seeded groups and weights draw the same samples (reruns, A/B runs). Share
         one only with speculation off or between batches with other prompt keys, and never across
         RL iterations (see SubmitBatchRequest.seed_scope)."""
-        req = rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=[_group_pb(g) for g in groups],
-                                             seed_scope=seed_scope)
+        req = rollout_pb2.SubmitBatchRequest(batch_id=_str(batch_id, "batch_id"),
+                                             groups=[_group_pb(i, g) for i, g in enumerate(groups)],
+                                             seed_scope=_str(seed_scope, "seed_scope"))
         resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout))
         return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version)
 
@@ -178,6 +271,11 @@ class SeerClient:
         SeerTimeout (a SeerError and a TimeoutError, code DEADLINE_EXCEEDED) is raised. The batch is
         not cancelled.
         """
+        # Checked here, not in the generator (its body runs only at the first next()): the call
+        # with a bad argument is where the error belongs.
+        return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64), timeout)
+
+    def _iter_results(self, batch_id: str, cursor: int, timeout: float | None) -> Iterator[RolloutResult]:
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.05
         # The retry window: seconds spent failing since the last new result (closed spells) plus
@@ -273,6 +371,7 @@ class SeerClient:
         Safe to call again after a failure or a timeout: the version that is already current with the
         same source (or source "") is success. Not retried automatically: a repeat during the switch
         is FAILED_PRECONDITION. `timeout` should exceed the buffer's switch_timeout_seconds."""
-        req = rollout_pb2.UpdateWeightsRequest(version=version, source=source)
+        req = rollout_pb2.UpdateWeightsRequest(version=_int(version, "version", _INT64),
+                                               source=_str(source, "source"))
         resp = self._call(lambda: self._stub.UpdateWeights(req, timeout=timeout), retry=False)
         return WeightsUpdate(resp.version, resp.num_workers, resp.seconds)

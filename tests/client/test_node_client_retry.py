@@ -1,0 +1,205 @@
+"""The Node.js client (clients/node/rollout.js) in the retry scenarios the Python client survives
+(tests/client/test_client_stream_retry.py), against a real buffer on a loopback port that is
+restarted or limited under it: a restart after a quiet spell longer than the retry window, a stream
+refused at the buffer's stream limit, a long outage (the channel's reconnect backoff), --timeout as
+one deadline for the whole run, and command-line numbers it must refuse. The test plays the
+scheduler by committing results itself (CommitChunk), so no model runs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import queue
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from client_helpers import Buffer, _free_port
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+from seer_client import PromptGroup, SeerClient
+
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+def _finish(address: str, request_id: str) -> None:
+    with grpc.insecure_channel(address) as ch:
+        buffer_pb2_grpc.BufferInternalServiceStub(ch).CommitChunk(buffer_pb2.CommitChunkRequest(
+            request_id=request_id, seq=0, token_ids=[7, 8], logprobs=[-0.5, -0.25], finish_reason=STOP), timeout=5)
+
+
+def _submitted(address: str, batch_id: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            rollout_pb2_grpc.RolloutServiceStub(ch).GetBatch(rollout_pb2.GetBatchRequest(batch_id=batch_id), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+class Node:
+    """rollout.js on batch `batch_id` (2 groups x 2 samples: request ids {batch_id}/{g}/{s}); the
+    constructor returns once the batch is submitted."""
+
+    def __init__(self, script: Path, buffer: Buffer, batch_id: str, *extra: str) -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            ["node", str(script), "--address", buffer.address, "--groups", "2", "--group-size", "2",
+             "--max-tokens", "16", "--batch-id", batch_id, *extra],
+            cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        stdout = self.proc.stdout
+        assert stdout is not None
+
+        def read() -> None:
+            for line in stdout:
+                self.lines.put(line.rstrip("\n"))
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        deadline = time.monotonic() + 30
+        while not _submitted(buffer.address, batch_id):
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.drain()
+            time.sleep(0.1)
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                self.out.append(self.lines.get(timeout=0.05))
+            except queue.Empty:
+                return self.out
+
+    def wait_results(self, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while sum(line.startswith("result ") for line in self.out) < n:
+            assert time.monotonic() < deadline, self.out
+            with contextlib.suppress(queue.Empty):
+                self.out.append(self.lines.get(timeout=0.1))
+
+    def finish(self, timeout: float = 60) -> tuple[int, list[str]]:
+        rc = self.proc.wait(timeout=timeout)
+        self.reader.join(5)
+        return rc, self.drain()
+
+
+def _ok(rc: int, out: list[str]) -> bool:
+    return rc == 0 and bool(out) and json.loads(out[-1].removeprefix("RESULT ")).get("responses") == 4
+
+
+def test_node_retries_a_restart_after_a_quiet_spell(node_client: Path, tok_buffer: Buffer) -> None:
+    # Two restarts separated by quiet spells longer than --retry-seconds (the streams are accepted,
+    # no result arrives), each outage short. The window leaves room for both outages as the client
+    # sees them (stop, 0.2 s, a buffer start, a reconnect, with the backoff not reset by an
+    # accepted stream) on a loaded machine; 3 s was too tight.
+    # Before: the window ran from the last result, so the second restart ended the client.
+    n = Node(node_client, tok_buffer, "node-quiet", "--retry-seconds", "5")
+    _finish(tok_buffer.address, "node-quiet/0/0")
+    _finish(tok_buffer.address, "node-quiet/0/1")
+    n.wait_results(2)
+    for _ in range(2):
+        time.sleep(5.5)
+        tok_buffer.stop()
+        time.sleep(0.2)
+        tok_buffer.start()
+    time.sleep(0.3)
+    _finish(tok_buffer.address, "node-quiet/1/0")
+    _finish(tok_buffer.address, "node-quiet/1/1")
+    rc, out = n.finish()
+    assert _ok(rc, out), "\n".join(out)
+    assert sum(line.startswith("result ") for line in out) == 4  # each result once
+
+
+def test_node_retries_a_stream_refused_at_the_limit(node_client: Path, tok_buffer: Buffer) -> None:
+    tok_buffer.stop()
+    # max_streams 2 with 1 kept for WatchWork: one StreamResults at a time.
+    tok_buffer.cfg = dataclasses.replace(tok_buffer.cfg, max_workers=4, max_streams=2)
+    tok_buffer.start()
+    with SeerClient(tok_buffer.address) as c:
+        c.submit_batch("hold", [PromptGroup(prompt=[1], group_size=1, max_tokens=4)])
+    ch = grpc.insecure_channel(tok_buffer.address)
+    holder = rollout_pb2_grpc.RolloutServiceStub(ch).StreamResults(
+        rollout_pb2.StreamResultsRequest(batch_id="hold"), timeout=30)
+    holder.initial_metadata()  # it holds the one slot
+    try:
+        # Before: RESOURCE_EXHAUSTED (the buffer's stream limit) ended the client at once.
+        n = Node(node_client, tok_buffer, "node-limit", "--retry-seconds", "20")
+        time.sleep(0.5)
+        holder.cancel()
+        for rid in ("node-limit/0/0", "node-limit/0/1", "node-limit/1/0", "node-limit/1/1"):
+            _finish(tok_buffer.address, rid)
+        rc, out = n.finish()
+    finally:
+        ch.close()
+    assert _ok(rc, out), "\n".join(out)
+    assert any(line.startswith("retrying after 8 ") for line in out), out  # 8 = RESOURCE_EXHAUSTED
+
+
+def test_node_timeout_is_one_deadline_for_the_whole_run(node_client: Path, tok_buffer: Buffer) -> None:
+    # The buffer restarts every 1.5 s and the batch never completes. Before: every reopened stream
+    # got a fresh --timeout deadline, so the run went on until the restarts stopped and one stream
+    # had been open for --timeout (or the retry window ran out): ~14 s here. Now --timeout ends the
+    # run, DEADLINE_EXCEEDED, whatever the reconnects.
+    n = Node(node_client, tok_buffer, "node-deadline", "--timeout", "4", "--retry-seconds", "30")
+    _finish(tok_buffer.address, "node-deadline/0/0")
+    n.wait_results(1)
+    until = n.started + 10
+    while time.monotonic() < until and n.proc.poll() is None:
+        time.sleep(1.3)
+        tok_buffer.stop()
+        time.sleep(0.2)
+        tok_buffer.start()
+    rc, out = n.finish()
+    elapsed = time.monotonic() - n.started
+    assert rc == 1 and elapsed < 8, (elapsed, out)
+    assert any(line.startswith("error: 4 ") for line in out), out  # 4 = DEADLINE_EXCEEDED
+    assert any("--timeout ran out" in line for line in out), out
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--timeout", "abc"), "--timeout: must be a positive number of seconds"),
+    (("--timeout", "0"), "--timeout: must be a positive number of seconds"),
+    (("--timeout", "-5"), "--timeout: must be a positive number of seconds"),
+    (("--timeout", "10s"), "--timeout: must be a positive number of seconds"),
+    (("--retry-seconds", "nan"), "--retry-seconds: must be a number of seconds >= 0"),
+    (("--retry-seconds", "-1"), "--retry-seconds: must be a number of seconds >= 0"),
+])
+def test_node_refuses_a_bad_number_of_seconds(node_client: Path, args: tuple[str, str], message: str) -> None:
+    # Nothing listens on the address: the run must end on the argument, before any call. Before:
+    # parseFloat made NaN (or 10 of "10s") and the run went on with no bound or a wrong one.
+    proc = subprocess.run(["node", str(node_client), "--address", f"127.0.0.1:{_free_port()}", *args],
+                          cwd=node_client.parent, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and message in proc.stderr, (proc.stdout, proc.stderr)
+
+
+OUTAGE, WINDOW = 17.0, 23.0
+
+
+@pytest.mark.slow  # ~22 s, and a timing margin of ~1.4 s: make test-slow, not the default run
+def test_node_reconnects_promptly_after_a_long_outage(node_client: Path, tok_buffer: Buffer) -> None:
+    # Before: grpc-js' default reconnect backoff (1 s growing by 1.6x, jittered, to 120 s) waited
+    # seconds into a 17 s outage's aftermath for its next connection attempt, so the client kept
+    # failing UNAVAILABLE after the buffer was back, resumed late or used up the window. With the
+    # Python client's backoff (100 ms to 1 s) it reconnects within about a second. ~22 s.
+    n = Node(node_client, tok_buffer, "node-outage", "--retry-seconds", str(WINDOW))
+    _finish(tok_buffer.address, "node-outage/0/0")
+    _finish(tok_buffer.address, "node-outage/0/1")
+    n.wait_results(2)
+    tok_buffer.stop()
+    time.sleep(OUTAGE)
+    tok_buffer.start()
+    back = time.monotonic()
+    _finish(tok_buffer.address, "node-outage/1/0")
+    _finish(tok_buffer.address, "node-outage/1/1")
+    rc, out = n.finish()
+    resumed = time.monotonic() - back
+    print(f"the node client finished {resumed:.1f}s after the buffer was back")
+    assert _ok(rc, out), "\n".join(out[-6:])
+    # The client retries every 2 s by then and the channel reconnects within 1 s (+20% jitter) of the
+    # buffer's return, so the next retry gets through: ~2 s to the end of the run here. With the
+    # default backoff the next connection attempt came 4 s or more after the buffer was back (or
+    # after the window ran out).
+    assert resumed < 3.5, (resumed, out[-6:])
