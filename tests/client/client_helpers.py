@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.buffer.app import start
 from services.buffer.config import BufferConfig
@@ -79,3 +79,20 @@ def play_scheduler(address: str, length: int = 4, chunk: int = 2, stop: threadin
         return
     finally:
         ch.close()
+
+
+def finish_request(address: str, request_id: str) -> None:
+    """Commits a request's whole response (two tokens, STOP) as a scheduler would."""
+    with grpc.insecure_channel(address) as ch:
+        buffer_pb2_grpc.BufferInternalServiceStub(ch).CommitChunk(buffer_pb2.CommitChunkRequest(
+            request_id=request_id, seq=0, token_ids=[7, 8], logprobs=[-0.5, -0.25],
+            finish_reason=common_pb2.FINISH_REASON_STOP), timeout=5)
+
+
+def batch_submitted(address: str, batch_id: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            rollout_pb2_grpc.RolloutServiceStub(ch).GetBatch(rollout_pb2.GetBatchRequest(batch_id=batch_id), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False

@@ -18,26 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
-from client_helpers import Buffer
-from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
-
-STOP = common_pb2.FINISH_REASON_STOP
-
-
-def _finish(address: str, request_id: str) -> None:
-    with grpc.insecure_channel(address) as ch:
-        buffer_pb2_grpc.BufferInternalServiceStub(ch).CommitChunk(buffer_pb2.CommitChunkRequest(
-            request_id=request_id, seq=0, token_ids=[7, 8], logprobs=[-0.5, -0.25], finish_reason=STOP), timeout=5)
-
-
-def _submitted(address: str, batch_id: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            rollout_pb2_grpc.RolloutServiceStub(ch).GetBatch(rollout_pb2.GetBatchRequest(batch_id=batch_id), timeout=2)
-            return True
-        except grpc.RpcError:
-            return False
+from client_helpers import Buffer, batch_submitted, finish_request
 
 
 def _run(script: Path, buffer: Buffer, batch_id: str, retry_seconds: float) -> tuple[int, list[str]]:
@@ -65,17 +46,17 @@ def _run(script: Path, buffer: Buffer, batch_id: str, retry_seconds: float) -> t
                 out.append(lines.get(timeout=0.1))
 
     deadline = time.monotonic() + 30
-    while not _submitted(buffer.address, batch_id):
+    while not batch_submitted(buffer.address, batch_id):
         assert time.monotonic() < deadline and proc.poll() is None, "the node client did not submit"
         time.sleep(0.1)
-    _finish(buffer.address, f"{batch_id}/0/0")
-    _finish(buffer.address, f"{batch_id}/0/1")
+    finish_request(buffer.address, f"{batch_id}/0/0")
+    finish_request(buffer.address, f"{batch_id}/0/1")
     wait_results(2)
     buffer.stop()  # the client is streaming: its stream fails UNAVAILABLE
     time.sleep(1.0)
     buffer.start()
-    _finish(buffer.address, f"{batch_id}/1/0")
-    _finish(buffer.address, f"{batch_id}/1/1")
+    finish_request(buffer.address, f"{batch_id}/1/0")
+    finish_request(buffer.address, f"{batch_id}/1/1")
     rc = proc.wait(timeout=60)
     reader.join(5)
     while not lines.empty():

@@ -18,26 +18,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from client_helpers import Buffer, _free_port
-from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
+from client_helpers import Buffer, _free_port, batch_submitted, finish_request
+from seer.v1 import rollout_pb2, rollout_pb2_grpc
 from seer_client import PromptGroup, SeerClient
-
-STOP = common_pb2.FINISH_REASON_STOP
-
-
-def _finish(address: str, request_id: str) -> None:
-    with grpc.insecure_channel(address) as ch:
-        buffer_pb2_grpc.BufferInternalServiceStub(ch).CommitChunk(buffer_pb2.CommitChunkRequest(
-            request_id=request_id, seq=0, token_ids=[7, 8], logprobs=[-0.5, -0.25], finish_reason=STOP), timeout=5)
-
-
-def _submitted(address: str, batch_id: str) -> bool:
-    with grpc.insecure_channel(address) as ch:
-        try:
-            rollout_pb2_grpc.RolloutServiceStub(ch).GetBatch(rollout_pb2.GetBatchRequest(batch_id=batch_id), timeout=2)
-            return True
-        except grpc.RpcError:
-            return False
 
 
 class Node:
@@ -62,7 +45,7 @@ class Node:
         self.reader = threading.Thread(target=read, daemon=True)
         self.reader.start()
         deadline = time.monotonic() + 30
-        while not _submitted(buffer.address, batch_id):
+        while not batch_submitted(buffer.address, batch_id):
             assert time.monotonic() < deadline and self.proc.poll() is None, self.drain()
             time.sleep(0.1)
 
@@ -97,8 +80,8 @@ def test_node_retries_a_restart_after_a_quiet_spell(node_client: Path, tok_buffe
     # accepted stream) on a loaded machine; 3 s was too tight.
     # Before: the window ran from the last result, so the second restart ended the client.
     n = Node(node_client, tok_buffer, "node-quiet", "--retry-seconds", "5")
-    _finish(tok_buffer.address, "node-quiet/0/0")
-    _finish(tok_buffer.address, "node-quiet/0/1")
+    finish_request(tok_buffer.address, "node-quiet/0/0")
+    finish_request(tok_buffer.address, "node-quiet/0/1")
     n.wait_results(2)
     for _ in range(2):
         time.sleep(5.5)
@@ -106,8 +89,8 @@ def test_node_retries_a_restart_after_a_quiet_spell(node_client: Path, tok_buffe
         time.sleep(0.2)
         tok_buffer.start()
     time.sleep(0.3)
-    _finish(tok_buffer.address, "node-quiet/1/0")
-    _finish(tok_buffer.address, "node-quiet/1/1")
+    finish_request(tok_buffer.address, "node-quiet/1/0")
+    finish_request(tok_buffer.address, "node-quiet/1/1")
     rc, out = n.finish()
     assert _ok(rc, out), "\n".join(out)
     assert sum(line.startswith("result ") for line in out) == 4  # each result once
@@ -130,7 +113,7 @@ def test_node_retries_a_stream_refused_at_the_limit(node_client: Path, tok_buffe
         time.sleep(0.5)
         holder.cancel()
         for rid in ("node-limit/0/0", "node-limit/0/1", "node-limit/1/0", "node-limit/1/1"):
-            _finish(tok_buffer.address, rid)
+            finish_request(tok_buffer.address, rid)
         rc, out = n.finish()
     finally:
         ch.close()
@@ -144,7 +127,7 @@ def test_node_timeout_is_one_deadline_for_the_whole_run(node_client: Path, tok_b
     # had been open for --timeout (or the retry window ran out): ~14 s here. Now --timeout ends the
     # run, DEADLINE_EXCEEDED, whatever the reconnects.
     n = Node(node_client, tok_buffer, "node-deadline", "--timeout", "4", "--retry-seconds", "30")
-    _finish(tok_buffer.address, "node-deadline/0/0")
+    finish_request(tok_buffer.address, "node-deadline/0/0")
     n.wait_results(1)
     until = n.started + 10
     while time.monotonic() < until and n.proc.poll() is None:
@@ -185,15 +168,15 @@ def test_node_reconnects_promptly_after_a_long_outage(node_client: Path, tok_buf
     # failing UNAVAILABLE after the buffer was back, resumed late or used up the window. With the
     # Python client's backoff (100 ms to 1 s) it reconnects within about a second. ~22 s.
     n = Node(node_client, tok_buffer, "node-outage", "--retry-seconds", str(WINDOW))
-    _finish(tok_buffer.address, "node-outage/0/0")
-    _finish(tok_buffer.address, "node-outage/0/1")
+    finish_request(tok_buffer.address, "node-outage/0/0")
+    finish_request(tok_buffer.address, "node-outage/0/1")
     n.wait_results(2)
     tok_buffer.stop()
     time.sleep(OUTAGE)
     tok_buffer.start()
     back = time.monotonic()
-    _finish(tok_buffer.address, "node-outage/1/0")
-    _finish(tok_buffer.address, "node-outage/1/1")
+    finish_request(tok_buffer.address, "node-outage/1/0")
+    finish_request(tok_buffer.address, "node-outage/1/1")
     rc, out = n.finish()
     resumed = time.monotonic() - back
     print(f"the node client finished {resumed:.1f}s after the buffer was back")
