@@ -125,7 +125,7 @@ def summarize(results: Sequence[Any], wall_seconds: float) -> dict[str, Any]:
 def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, progress: bool = True,
         on_result: Callable[[Any], None] | None = None, timeout: float = 3600.0) -> tuple[list[Any], float]:
     """Submits `groups` as one batch and collects every result; returns (results, wall seconds)."""
-    from seer_client import SeerClient, SeerError, SeerTimeout
+    from seer_client import SeerClient, SeerTimeout
 
     batch_id = batch_id or f"rollout-{uuid.uuid4().hex[:12]}"
     total = sum(g.group_size for g in groups)
@@ -156,19 +156,14 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
         except SeerTimeout:
             if bar is not None:
                 bar.close()
-            try:
-                n = client.cancel_batch(batch_id)
-                outcome = f"cancelled it ({n} unfinished responses)"
-            except SeerError as e:
-                outcome = f"cancelling it failed: {e}"
             raise TimeoutError(f"batch {batch_id} not done after {timeout}s ({len(results)} of {total} "
-                               f"responses); {outcome}") from None
+                               f"responses); {_cancel(address, batch_id)}") from None
         except BaseException:
             # Ctrl-C, a stream that failed for good, an on_result callback that raised: nobody will
             # read the rest, so stop the workers generating it, then let the error through.
             if bar is not None:
                 bar.close()
-            _cancel_quietly(address, batch_id)
+            print(f"seer rollout: batch {batch_id}: {_cancel(address, batch_id)}", file=sys.stderr)
             raise
         wall = time.monotonic() - t0
     if bar is not None:
@@ -176,19 +171,18 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
     return results, wall
 
 
-def _cancel_quietly(address: str, batch_id: str) -> None:
-    """Best-effort CancelBatch on a fresh client with short retries: the run's own client may be
-    the broken part, and a user who pressed Ctrl-C should not wait minutes for a buffer that is
-    down (a second Ctrl-C ends the wait too)."""
+def _cancel(address: str, batch_id: str) -> str:
+    """Best-effort CancelBatch; returns what happened. A fresh client with short retries: the run's
+    own client may be the broken part, and a user who pressed Ctrl-C should not wait minutes for a
+    buffer that is down (a second Ctrl-C ends the wait too)."""
     from seer_client import SeerClient
 
     try:
         with SeerClient(address, retry_seconds=5.0, timeout=5.0) as client:
             n = client.cancel_batch(batch_id)
     except Exception as e:  # best effort: the error that ended the run is the one to report
-        print(f"seer rollout: cancelling batch {batch_id} failed: {e}", file=sys.stderr)
-        return
-    print(f"seer rollout: cancelled batch {batch_id} ({n} unfinished responses)", file=sys.stderr)
+        return f"cancelling it failed: {e}"
+    return f"cancelled it ({n} unfinished responses)"
 
 
 def format_summary(s: dict[str, Any]) -> str:

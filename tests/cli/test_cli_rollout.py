@@ -63,7 +63,7 @@ def test_ctrl_c_cancels_the_submitted_batch(buffer: Buffer, tmp_path: Path) -> N
             p.kill()
             p.communicate()
     assert p.returncode == 130, err
-    assert "cancelled batch cli-int" in err
+    assert "batch cli-int: cancelled it" in err
     with SeerClient(buffer.address) as client:
         assert client.get_batch("cli-int").state == "cancelled"
 
