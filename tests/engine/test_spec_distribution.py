@@ -144,3 +144,52 @@ def test_seeded_output_is_the_same_with_drafts_and_in_chunks(engine: ReferenceEn
             for o in engine.step({rid: Draft.chain(plain[s][2:5])}):
                 rest.extend(o.token_ids)
         assert first + rest == plain[s], f"seed {s}: chunked with drafts differs from uninterrupted"
+
+
+def test_batched_tree_draws_equal_the_lazy_walk(engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
+    """A GPU engine draws every draft-tree row's token on the device in one call before the walks
+    (batched_tree_draws); a CPU engine draws while it walks. Forced on here, on the CPU, the batched
+    path must give what the lazy walk gives, token for token and logprob for logprob, for a step of
+    eight requests with accepted chains, a branching tree and a wrong draft side by side; and it must
+    still go through the verifier's rule (an always-accept verifier changes its output)."""
+    prompt, greedy = most_predictable(engine, prompts)
+    params = SamplingParams(temperature=1.0, ignore_eos=True)
+    seeds = list(range(40_000, 40_008))
+    n = 6
+    plain = {s: engine.generate([GenerateRequest(f"bp-{s}", prompt, n, replace(params, seed=s))])[f"bp-{s}"]
+             for s in seeds}
+    wrong = (greedy[0] + 1) % engine.vocab_size
+
+    def draft_for(k: int, s: int, done: int) -> Draft:
+        own = list(plain[s].token_ids[done:])
+        if k % 3 == 0:
+            return Draft.chain(own[:4])  # right: accepted
+        if k % 3 == 1:
+            return Draft((wrong, own[0], *own[1:2]), (-1, -1, 1))  # a tree whose second branch is right
+        return Draft.chain([wrong, wrong])  # wrong from the root
+
+    def run(batched: bool, verifier: Verifier | None = None) -> dict[int, tuple[list[int], list[float]]]:
+        good, engine.batched_tree_draws = engine.verifier, batched
+        if verifier is not None:
+            engine.verifier = verifier
+        try:
+            for s in seeds:
+                engine.add_request(GenerateRequest(f"b{int(batched)}-{s}", prompt, n, replace(params, seed=s)))
+            got: dict[int, tuple[list[int], list[float]]] = {s: ([], []) for s in seeds}
+            while engine.has_unfinished():
+                drafts = {f"b{int(batched)}-{s}": draft_for(k, s, len(got[s][0]))
+                          for k, s in enumerate(seeds) if len(got[s][0]) < n - 1}
+                for o in engine.step(drafts):
+                    s = int(o.request_id.split("-")[1])
+                    got[s][0].extend(o.token_ids)
+                    got[s][1].extend(o.logprobs)
+            return got
+        finally:
+            engine.verifier, engine.batched_tree_draws = good, False
+
+    lazy, batched = run(False), run(True)
+    for s in seeds:
+        assert batched[s][0] == lazy[s][0] == list(plain[s].token_ids), f"seed {s}: tokens differ"
+        assert batched[s][1] == lazy[s][1], f"seed {s}: logprobs differ between the batched and lazy walks"
+    biased = run(True, AlwaysAcceptVerifier())
+    assert any(biased[s][0] != list(plain[s].token_ids) for s in seeds), "the batched path bypassed the verifier"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -232,9 +233,9 @@ class BonusFromParent(Verifier):
     """Mistake 3: after the last accepted node (a leaf) the bonus token is drawn from the parent's row
     instead of the leaf's own. Needs K >= 2 and an accepted leaf whose row differs from its parent's."""
 
-    def verify_sampling(self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int
-                        ) -> tuple[list[int], list[int], list[int]]:
-        tokens, path, rows = super().verify_sampling(tree, probs, seed, position)
+    def verify_sampling(self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int,
+                        drawn: Sequence[int] | None = None) -> tuple[list[int], list[int], list[int]]:
+        tokens, path, rows = super().verify_sampling(tree, probs, seed, position, drawn)
         if not path or tree.children[path[-1]]:
             return tokens, path, rows
         parent = tree.parents[path[-1]]

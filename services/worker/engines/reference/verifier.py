@@ -22,6 +22,8 @@ these very numbers) cannot bias the output.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from services.worker.engines.reference.model_runner import DraftTree
@@ -47,23 +49,30 @@ class Verifier:
             node, kids = nxt, tree.children[nxt]
 
     def verify_sampling(
-        self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int
+        self, tree: DraftTree, probs: torch.Tensor, seed: int, position: int, drawn: Sequence[int] | None = None
     ) -> tuple[list[int], list[int], list[int]]:
-        """probs [1 + n, V] target rows; position = output index of the first emitted token."""
-        drawn = self._RowDraws(self, tree, probs, seed, position)
+        """probs [1 + n, V] target rows; position = output index of the first emitted token.
+        drawn: the plain-sampling token of every row, when the caller has drawn them already (the
+        engine on a GPU draws every tree's rows in one batched call, row_draws below); None: drawn
+        here, lazily."""
+        draws = drawn if drawn is not None else self._RowDraws(self, tree, probs, seed, position)
         tokens: list[int] = []
         path: list[int] = []
         rows: list[int] = []
         node, kids = -1, tree.root_children
         while True:
             row = 0 if node < 0 else 1 + node
-            tok, child = self.accept(tree, kids, drawn[row], probs[row], seed, self.row_position(tree, row, position))
+            tok, child = self.accept(tree, kids, draws[row], probs[row], seed, self.row_position(tree, row, position))
             tokens.append(tok)
             rows.append(row)
             if child is None:
                 return tokens, path, rows
             path.append(child)
             node, kids = child, tree.children[child]
+
+    def row_draws(self, tree: DraftTree, seed: int, position: int) -> list[float]:
+        """The uniforms of a tree's rows 0..n, in row order: what `drawn` must be drawn with."""
+        return [self.uniform(seed, self.row_position(tree, r, position)) for r in range(1 + len(tree))]
 
     class _RowDraws:
         """The plain-sampling token of each row, drawn on first use: row 0 alone (most steps stop
