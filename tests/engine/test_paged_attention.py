@@ -20,6 +20,8 @@ from services.worker.engines.reference.kernels.attention import (
     paged_attention_enabled,
     paged_attention_error,
 )
+from services.worker.engines.reference.model_runner import MASK_ALIGN, DraftTree
+from services.worker.engines.reference.sequence import Sequence
 from tests.engine.device import needs_kernel
 
 
@@ -163,12 +165,9 @@ def test_bad_calls_are_errors() -> None:
         paged_attention(q[:1], kc, vc, pq) if q.shape[0] > 1 else paged_attention(torch.cat([q, q]), kc, vc, pq)
 
 
-@needs_kernel
-@pytest.mark.parametrize("window", [None, 40])
-def test_engine_step_same_as_sdpa(model_dir: Path, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One engine step holding every kind of query (plain decode, a chain, a branching tree, a
-    resumed tail of several tokens, and a prefill in its own group) computes the same logits with
-    the kernel as with gather + SDPA, and the kernel is what runs."""
+def mixed_step(model_dir: Path, window: int | None) -> tuple[ReferenceEngine, list[Sequence], list[DraftTree | None]]:
+    """An engine and one scheduled step holding every kind of query: plain decode, a chain, a
+    branching tree, a resumed tail of several tokens, and a prefill in its own group."""
     eng = ReferenceEngine.from_dir(model_dir, device="cpu", num_pages=512, max_batch_size=16, num_threads=1)
     eng.runner.window = window
     sp = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -185,7 +184,15 @@ def test_engine_step_same_as_sdpa(model_dir: Path, window: int | None, monkeypat
               "tree": Draft(tokens=(21, 22, 23, 24, 25, 26), parents=(-1, -1, 0, 0, 2, 1))}
     seqs, _admitted = eng.scheduler.schedule()
     assert {s.request_id for s in seqs} == {"dec", "chain", "tree", "resume", "prefill"}
-    trees = eng._trees(seqs, drafts)
+    return eng, seqs, eng._trees(seqs, drafts)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 40])
+def test_engine_step_same_as_sdpa(model_dir: Path, window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One engine step holding every kind of query computes the same logits with the kernel as
+    with gather + SDPA, and the kernel is what runs."""
+    eng, seqs, trees = mixed_step(model_dir, window)
     calls: list[int] = []
     real = model_mod.paged_attention
 
@@ -206,4 +213,30 @@ def test_engine_step_same_as_sdpa(model_dir: Path, window: int | None, monkeypat
     # (the kernel 0.9e-3, SDPA 2.1e-3), so the window case gets a looser bound.
     tol = 2e-4 if window is None else 1e-2
     torch.testing.assert_close(got, want, rtol=1e-4, atol=tol)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_additive_mask_same_as_bool_mask(model_dir: Path, window: int | None) -> None:
+    """The GPU's SDPA path gets an additive mask with its key columns padded to MASK_ALIGN, built
+    once per step (model_runner.additive_mask); forced on here, on the CPU, it computes what the
+    bool mask computes for every kind of query, and its groups really are padded and additive."""
+    eng, seqs, trees = mixed_step(model_dir, window)
+    with paged_attention_enabled(False):
+        want, rows = eng.runner.run(seqs, trees)
+        eng.runner.additive_mask = True
+        try:
+            groups = [eng.runner._group([i], seqs, trees, [len(s) - s.num_computed + (len(t) if t else 0)
+                                                            for s, t in zip(seqs, trees, strict=True)], None)
+                      for i in range(len(seqs))]
+            got, rows2 = eng.runner.run(seqs, trees)
+        finally:
+            eng.runner.additive_mask = False
+    masks = [g.attn_mask for g in groups if g.attn_mask is not None]
+    assert masks and all(m.dtype == torch.float32 and m.shape[-1] % MASK_ALIGN == 0 for m in masks)
+    assert all(g.k_max % MASK_ALIGN == 0 for g in groups if g.attn_mask is not None)
+    assert rows == rows2
+    # Not bit-equal: the padded key columns change how the CPU's SDPA blocks its sums (the window
+    # case amplifies float32 rounding, see above: up to 5e-5 here).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -47,7 +47,9 @@ class AttnGroup:
     paged: PagedQueries | None  # set: the kernel path, and the fields below are unused
     gather_slots: torch.Tensor | None  # [B * Km] long: cache slots of each request's keys (padding -> 0)
     pad_index: torch.Tensor | None  # [Tg] long: token -> row in the padded [B * Qm]; None if Tg == B*Qm
-    attn_mask: torch.Tensor | None  # [B, 1, R * Qm, Km] bool (True = attend); None = attend to all
+    # [B, 1, R * Qm, Km] bool (True = attend), or additive in the model dtype (0 / -inf) with Km a
+    # multiple of model_runner.MASK_ALIGN (GPUs); None = attend to all
+    attn_mask: torch.Tensor | None
     batch: int
     q_max: int
     k_max: int
