@@ -345,7 +345,7 @@ def trie_ingest_baseline(tokens: Sequence[int], depth: int) -> float:
 
 def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
                width: int = 1, seed_base: int = 5000, threads: int | None = None,
-               table: Any = None, planner: Any = None) -> dict[str, float]:
+               table: Any = None, planner: Any = None, device: str = "cpu") -> dict[str, float]:
     """One batch of n_prompts x group requests through the reference engine; returns tokens/s.
 
     `planner`: an AdaptiveSpeculation to keep across runs (a worker keeps one for its lifetime, so
@@ -358,7 +358,8 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
     from services.worker.engines.reference.engine import ReferenceEngine
 
     prompts = data["prompts"]
-    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=len(prompts) * group, num_threads=threads)
+    engine = ReferenceEngine.from_dir(model_dir, max_batch_size=len(prompts) * group, num_threads=threads,
+                                      device=device)
     running, store = start(DraftConfig(port=0, grace_seconds=0.1))
     client = DraftClient(running.address, sync_interval_s=0.02)
     if planner is None:
@@ -514,7 +515,8 @@ def suite_cpus(pin: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: int, speculate: bool,
                      table: Any, seed: int, workload: Sequence[tuple[list[int], int, int]] | None = None,
                      threads: int | None = None,
-                     pins: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())) -> dict[str, Any]:
+                     pins: tuple[tuple[int, ...], tuple[int, ...]] = ((), ()), device: str = "cpu"
+                     ) -> dict[str, Any]:
     """The batch through the whole suite (`seer up` as subprocesses, one worker) and the public API:
     submit -> all results; tokens per wall second from submit to the last result.
 
@@ -535,7 +537,7 @@ def suite_throughput(model_dir: Path, data: dict[str, Any], group: int, max_toke
     with tempfile.TemporaryDirectory(prefix="bench-spec-suite-") as tmp:
         table_path = Path(tmp) / "step_time.json"
         table.save(table_path)
-        args = {"worker-0": ["--spec-table", str(table_path)]}
+        args = {"worker-0": ["--spec-table", str(table_path), "--device", device]}
         worker_cpus, other_cpus = pins
         own_cpus = os.sched_getaffinity(0) if other_cpus else set()
         with Suite(workers=1, data_dir=Path(tmp) / "suite", base_port=0, speculation=speculate,
@@ -623,6 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ideal-min1", action="store_true",
                     help="also the ideal over >= 1-token matches for grouped + history (slower)")
     ap.add_argument("--temperatures", default="1.0,0.7", help="rollout temperatures (acceptance, throughput)")
+    ap.add_argument("--device", default="cpu",
+                    help="torch device of the throughput engines and the suite's worker (cuda: the step-time "
+                         "table is profiled in wall time, since a GPU step's host thread waits off-CPU)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     n_prompts = args.prompts or (2 if args.quick else 4)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -635,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = ensure_model()
     result: dict[str, Any] = {"bench": "spec", "quick": args.quick, "prompts": n_prompts,
                               "prompt_offset": args.prompt_offset, "max_tokens": max_tokens,
-                              "gamma_max": GAMMA}
+                              "gamma_max": GAMMA, "device": args.device}
     datasets = {}
     temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     for temp in temps:
@@ -665,9 +670,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.step_table:
             table = StepTimeTable.load(args.step_table)
         else:
-            prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=max(bsizes), num_threads=1)
+            prof_engine = ReferenceEngine.from_dir(model_dir, max_batch_size=max(bsizes), num_threads=1,
+                                                   device=args.device)
             table = measure(prof_engine, bsizes, (0, 1, 2, 4, 8), steps=1 if args.quick else 3, log=False,
-                            clock="cpu")
+                            clock="cpu" if args.device == "cpu" else "wall")
             del prof_engine
         result["step_time_table"] = table.to_dict()
         out("T(B, gamma) ms (gamma 0,1,2,4,8): " + "; ".join(
@@ -681,14 +687,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # run (a worker has served earlier batches; a cold planner only has its prior).
             planner = AdaptiveSpeculation(table, gamma_max=GAMMA)
             throughput(model_dir, data, g, mt, speculate=True, threads=1, table=table, planner=planner,
-                       seed_base=9000)
+                       seed_base=9000, device=args.device)
             # Arms alternate (off, on, on, off, ...): one pair of runs of identical work differs by
             # up to +-30% on this shared machine; the per-pair ratios give the spread.
             runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
             for r in range(args.repeats):
                 for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                     runs[speculate].append(throughput(model_dir, data, g, mt, speculate=speculate, threads=1,
-                                                      table=table, planner=planner))
+                                                      table=table, planner=planner, device=args.device))
             base, spec = (_median_run(runs[False]), _median_run(runs[True]))
             pair = sorted(s["tokens_per_s"] / o["tokens_per_s"] for s, o in zip(runs[True], runs[False], strict=True))
             pair_cpu = sorted(s["tokens_per_cpu_s"] / o["tokens_per_cpu_s"]
@@ -725,7 +731,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                     sruns[speculate].append(suite_throughput(model_dir, data, 8, mt, speculate, table,
                                                              seed=7000 + 1000 * r, workload=workload,
-                                                             threads=suite_threads, pins=pins))
+                                                             threads=suite_threads, pins=pins,
+                                                             device=args.device))
             base, spec = _median_run(sruns[False]), _median_run(sruns[True])
             pair = sorted(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(sruns[True], sruns[False], strict=True))
             # Worker CPU seconds per token, no spec / spec: the same comparison without the time
