@@ -80,16 +80,15 @@ class Verifier:
         overhead whatever its rows; one per node made an 8-token accepted chain 3.6x slower)."""
 
         def __init__(self, ver: Verifier, tree: DraftTree, probs: torch.Tensor, seed: int, position: int) -> None:
-            self.ver, self.tree, self.probs, self.seed, self.position = ver, tree, probs, seed, position
+            self.ver, self.probs = ver, probs
+            self.us = ver.row_draws(tree, seed, position)
             self.got: list[int] = []
 
         def __getitem__(self, row: int) -> int:
             if not self.got:
-                self.got = [self.ver.draw_rows(self.probs[:1], [self.ver.uniform(self.seed, self.position)])[0]]
+                self.got = [self.ver.draw_rows(self.probs[:1], self.us[:1])[0]]
             if row >= len(self.got):
-                us = [self.ver.uniform(self.seed, self.ver.row_position(self.tree, r, self.position))
-                      for r in range(1, self.probs.shape[0])]
-                self.got += self.ver.draw_rows(self.probs[1:], us)
+                self.got += self.ver.draw_rows(self.probs[1:], self.us[1:])
             return self.got[row]
 
     # The rule's parts (tests/engine/verifier_cases.py overrides them to build its mutants).
