@@ -350,13 +350,13 @@ class ReferenceEngine(Engine):
         with 8-token drafts, in every drafted step): there the plain-sampling token of every row is
         drawn on the device in one batched call and only those ids come back. Either way the
         logprobs of the emitted tokens are one gather."""
-        on_device = self.batched_tree_draws
+        batched = self.batched_tree_draws
         rows_p = probs  # batched: [sum(1 + n), V], the trees' rows packed in `drafted` order
         drawn: list[int] = []
-        if on_device:
+        if batched:
             rows_p = probs[[r for _i, tree, off in drafted for r in range(off, off + 1 + len(tree))]]
             us = [u for i, tree, _off in drafted
-                  for u in self.verifier.row_draws(tree, seqs[i].seed, seqs[i].next_output_position)]
+                  for u in self.verifier.row_uniforms(tree, seqs[i].seed, seqs[i].next_output_position)]
             drawn = self.verifier.draw_rows(rows_p, us)
         walks: list[tuple[int, list[int], list[int]]] = []
         lp_rows: list[int] = []
@@ -364,10 +364,10 @@ class ReferenceEngine(Engine):
         packed = 0
         for i, tree, off in drafted:
             n = 1 + len(tree)
-            base = packed if on_device else off
+            base = packed if batched else off
             toks, path, rows = self.verifier.verify_sampling(
                 tree, rows_p[base : base + n], seqs[i].seed, seqs[i].next_output_position,
-                drawn=drawn[base : base + n] if on_device else None)
+                drawn=drawn[base : base + n] if batched else None)
             walks.append((i, toks, path))
             lp_rows += [base + r for r in rows]
             lp_toks += toks

@@ -75,8 +75,8 @@ class ModelRunner:
         )
         self.window = cfg.sliding_window if cfg.sliding_window else None
         # SDPA with a bool mask converts it to an additive float mask (where) and pads its key
-        # columns to MASK_ALIGN in every layer: on a GPU 4-5 kernel launches per layer, ~20% of a
-        # batch-32 step's host time (torch.profiler, H100, session 20). The runner builds that
+        # columns to MASK_ALIGN in every layer: on a GPU 4-5 kernel launches per layer, about a seventh
+        # of a batch-32 step's host time (torch.profiler, H100, session 20). The runner builds that
         # mask once per step instead. The CPU's SDPA (prefill only) keeps the bool mask.
         self.additive_mask = model.device.type != "cpu"
 

@@ -53,7 +53,7 @@ class Verifier:
     ) -> tuple[list[int], list[int], list[int]]:
         """probs [1 + n, V] target rows; position = output index of the first emitted token.
         drawn: the plain-sampling token of every row, when the caller has drawn them already (the
-        engine on a GPU draws every tree's rows in one batched call, row_draws below); None: drawn
+        engine on a GPU draws every tree's rows in one batched call, row_uniforms below); None: drawn
         here, lazily."""
         draws = drawn if drawn is not None else self._RowDraws(self, tree, probs, seed, position)
         tokens: list[int] = []
@@ -70,7 +70,7 @@ class Verifier:
             path.append(child)
             node, kids = child, tree.children[child]
 
-    def row_draws(self, tree: DraftTree, seed: int, position: int) -> list[float]:
+    def row_uniforms(self, tree: DraftTree, seed: int, position: int) -> list[float]:
         """The uniforms of a tree's rows 0..n, in row order: what `drawn` must be drawn with."""
         return [self.uniform(seed, self.row_position(tree, r, position)) for r in range(1 + len(tree))]
 
@@ -81,7 +81,7 @@ class Verifier:
 
         def __init__(self, ver: Verifier, tree: DraftTree, probs: torch.Tensor, seed: int, position: int) -> None:
             self.ver, self.probs = ver, probs
-            self.us = ver.row_draws(tree, seed, position)
+            self.us = ver.row_uniforms(tree, seed, position)
             self.got: list[int] = []
 
         def __getitem__(self, row: int) -> int:
