@@ -39,8 +39,9 @@ lint: setup
 	$(VENV)/bin/mypy services clients/python bench
 	cd protos && ../$(VENV)/bin/buf lint
 
+# An absolute PATH entry: gen_protos.sh changes into protos/, where a relative .venv/bin is not found.
 protos: setup
-	PATH=$(VENV)/bin:$$PATH bash scripts/gen_protos.sh
+	PATH=$(abspath $(VENV))/bin:$$PATH bash scripts/gen_protos.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
