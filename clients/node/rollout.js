@@ -80,7 +80,10 @@ const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 const CHANNEL_OPTIONS = {
   'grpc.max_send_message_length': MAX_MESSAGE_BYTES,
   'grpc.max_receive_message_length': MAX_MESSAGE_BYTES,
+  // A result stream sends nothing after its request: only a ping that goes unacknowledged tells a
+  // cut connection (no FIN or RST) from a quiet generation. grpc-js times it out by this option.
   'grpc.keepalive_time_ms': 30000,
+  'grpc.keepalive_timeout_ms': 10000,
   'grpc.keepalive_permit_without_calls': 1,
   'grpc.initial_reconnect_backoff_ms': 100,
   'grpc.max_reconnect_backoff_ms': 1000,
@@ -94,6 +97,15 @@ const CHANNEL_OPTIONS = {
 function transient(err) {
   return err.code === grpc.status.UNAVAILABLE
     || (err.code === grpc.status.INTERNAL && /RST_STREAM|Session closed/.test(err.details || ''));
+}
+
+// The buffer refuses SubmitBatch during a weight switch with UNAVAILABLE and this trailing metadata.
+// A switch may take the buffer's switch timeout (600 s), so such a refusal is waited out up to the
+// Python client's UPDATE_WEIGHTS_TIMEOUT (and the run's --timeout), not given up after --retry-seconds.
+const SWITCH_WINDOW_MS = 660 * 1000;
+function switching(err) {
+  const reason = err.metadata && typeof err.metadata.get === 'function' ? err.metadata.get('seer-retry-reason') : [];
+  return err.code === grpc.status.UNAVAILABLE && reason.length > 0 && String(reason[0]) === 'weight-switch';
 }
 
 // Retries while the transient failures add up to less than retrySeconds; any other status is the
@@ -132,7 +144,8 @@ class Retry {
     if (!transient(err) && !(refused && err.code === grpc.status.RESOURCE_EXHAUSTED)) throw err;
     const now = Date.now();
     if (this.failingSince === null) this.failingSince = now;
-    if (this.downMs + (now - this.failingSince) + this.delayMs > this.windowMs) throw err;
+    const windowMs = switching(err) ? Math.max(this.windowMs, SWITCH_WINDOW_MS) : this.windowMs;
+    if (this.downMs + (now - this.failingSince) + this.delayMs > windowMs) throw err;
     console.error(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
     // Not past the run's deadline: the next call then fails DEADLINE_EXCEEDED at once.
     await sleep(Math.max(0, Math.min(this.delayMs, this.endMs - now)));

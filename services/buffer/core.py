@@ -181,6 +181,14 @@ class HistoryReply:
     omitted: list[str]
 
 
+class SwitchInProgress(Unavailable):
+    """A submission during a weight switch: it must run at the version the switch ends with. The
+    switch may take as long as the buffer's switch_timeout_seconds, so the reason is sent with the
+    status and the client waits the switch out (seer_client submit_batch) instead of giving up."""
+
+    retry_reason = "weight-switch"
+
+
 class SwitchNotStarted(Unavailable):
     """The scheduler did not start the switch (it was not reached, or another switch was running):
     nothing was loaded, the old version stays in force; the caller may retry."""
@@ -439,7 +447,8 @@ class BufferCore:
             if existing is not None:
                 return existing
             if self._switching:
-                raise Unavailable("a weight update is in progress; retry shortly")
+                raise SwitchInProgress(f"a weight update to version {self._switch_target} is in progress; "
+                                       "retry when it ends")
             if self._intent is not None:
                 # A batch must run at the version the workers serve, and that is unknown: labelled
                 # with the old one, its chunks would be refused by workers that loaded the new one.

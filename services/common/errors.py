@@ -8,6 +8,9 @@ class SeerError(Exception):
     """Base class. `field` names the offending request field when there is one."""
 
     code_name = "INTERNAL"
+    # Sent to the caller as trailing metadata `seer-retry-reason` when set: a transient state with a
+    # known, possibly long, end that a client may wait out beyond its usual retry window.
+    retry_reason = ""
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         self.field = field

@@ -20,17 +20,32 @@ F = TypeVar("F", bound=Callable[..., Any])
 # with RESOURCE_EXHAUSTED by gRPC itself rather than exhausting memory.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# Trailing metadata naming why an UNAVAILABLE is worth waiting for (SeerError.retry_reason).
+RETRY_REASON_KEY = "seer-retry-reason"
+
+
+def keepalive_options(every_ms: int, timeout_ms: int) -> list[tuple[str, Any]]:
+    """Ping every `every_ms` on a connection; drop it when a ping is not acknowledged in `timeout_ms`.
+
+    Long quiet streams (WatchWork, StreamResults) learn of a connection cut without FIN or RST (a
+    partition, a killed node) only from these pings. ping_timeout_ms as well as keepalive_timeout_ms:
+    this gRPC core times an unacknowledged ping out by the former (default a minute), so a cut was
+    noticed a minute late (tests/common/test_keepalive.py). Every Seer server accepts a ping every
+    10 s (services/common/server.py); a default gRPC server would answer 30 s pings with GOAWAY
+    "too_many_pings", but internal channels only reach Seer servers."""
+    return [("grpc.keepalive_time_ms", every_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
+            ("grpc.http2.ping_timeout_ms", timeout_ms)]
+
+
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Keepalive no more often than a default gRPC server tolerates (5 min): more frequent pings get
-    # the connection closed with GOAWAY "too_many_pings", failing in-flight streams.
-    ("grpc.keepalive_time_ms", 300_000),
     ("grpc.keepalive_permit_without_calls", 0),
     # Services restart (kill -9 tests, rolling updates); reconnect within a second, not minutes.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    *keepalive_options(30_000, 10_000),
 ]
 
 
@@ -51,6 +66,9 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         log.exception("internal error in %s", method)
     else:
         log.info("%s -> %s: %s", method, code.name, msg)
+    reason = getattr(exc, "retry_reason", "")
+    if reason:
+        context.set_trailing_metadata(((RETRY_REASON_KEY, reason),))
     context.abort(code, msg)
 
 

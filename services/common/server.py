@@ -131,8 +131,9 @@ def start_server(
             # gRPC stops sending pings after 2 without data by default: a stream quiet for minutes
             # (a long generation) would then lose its dead-peer detection.
             ("grpc.http2.max_pings_without_data", 0),
-            # Tolerate client keepalive pings (clients ping at most every 5 min; be lenient so a
-            # third-party client with a shorter interval is not cut off with "too_many_pings").
+            # Tolerate client keepalive pings (Seer's clients and internal channels ping every 30 s;
+            # lenient so a third-party client with a shorter interval is not cut off with
+            # "too_many_pings").
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
             ("grpc.http2.max_ping_strikes", 0),

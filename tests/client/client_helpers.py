@@ -81,12 +81,12 @@ def play_scheduler(address: str, length: int = 4, chunk: int = 2, stop: threadin
         ch.close()
 
 
-def finish_request(address: str, request_id: str) -> None:
+def finish_request(address: str, request_id: str, policy_version: int = 0) -> None:
     """Commits a request's whole response (two tokens, STOP) as a scheduler would."""
     with grpc.insecure_channel(address) as ch:
         buffer_pb2_grpc.BufferInternalServiceStub(ch).CommitChunk(buffer_pb2.CommitChunkRequest(
             request_id=request_id, seq=0, token_ids=[7, 8], logprobs=[-0.5, -0.25],
-            finish_reason=common_pb2.FINISH_REASON_STOP), timeout=5)
+            finish_reason=common_pb2.FINISH_REASON_STOP, policy_version=policy_version), timeout=5)
 
 
 def batch_submitted(address: str, batch_id: str) -> bool:

@@ -186,3 +186,26 @@ def test_node_reconnects_promptly_after_a_long_outage(node_client: Path, tok_buf
     # default backoff the next connection attempt came 4 s or more after the buffer was back (or
     # after the window ran out).
     assert resumed < 3.5, (resumed, out[-6:])
+
+
+def test_node_waits_out_a_weight_switch_at_submit(node_client: Path, tok_buffer: Buffer) -> None:
+    # Another caller's update_weights is switching (2 s); the buffer refuses the submission with
+    # UNAVAILABLE and the retry reason "weight-switch". Before: given up after --retry-seconds.
+    assert tok_buffer.core is not None
+    entered = threading.Event()
+
+    def slow_switch(version: int, source: str) -> int:
+        entered.set()
+        time.sleep(2.0)
+        return 1
+
+    t = threading.Thread(target=tok_buffer.core.update_weights, args=(1, "", slow_switch))
+    t.start()
+    assert entered.wait(5)
+    n = Node(node_client, tok_buffer, "node-switch", "--retry-seconds", "0.3")
+    t.join(10)
+    for rid in ("node-switch/0/0", "node-switch/0/1", "node-switch/1/0", "node-switch/1/1"):
+        finish_request(tok_buffer.address, rid, policy_version=1)  # the batch runs at the new version
+    rc, out = n.finish()
+    assert _ok(rc, out), "\n".join(out)
+    assert any(line.startswith("retrying after 14 ") for line in out), out  # 14 = UNAVAILABLE

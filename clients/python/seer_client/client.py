@@ -34,7 +34,6 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
     # A restarted buffer is back within a second or two; gRPC's default reconnect backoff (1 s
     # growing to 2 min) would keep failing calls fast with UNAVAILABLE long after it is back.
@@ -43,6 +42,8 @@ _OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# The buffer refuses submissions during a weight switch with UNAVAILABLE and this retry reason.
+_SWITCHING = "weight-switch"
 # UpdateWeights waits for the whole switch (the buffer's switch_timeout_seconds, 600 s by default,
 # for the scheduler to drain chunks and the workers to load the weights), then records the version.
 # A shorter deadline reports a failure for a switch that goes on and succeeds.
@@ -60,6 +61,36 @@ _UINT64 = (0, 2**64 - 1)
 # buffer refuses 0 < temperature < this, but it only sees the float32 the proto carries, and a
 # positive temperature below ~1.4e-45 rounds to 0.0 there, which the buffer runs as greedy.
 _MIN_TEMPERATURE = 1e-5
+
+
+def _keepalive(every: float, timeout: float) -> list[tuple[str, int]]:
+    """Pings every `every` seconds on a connection, dropped when one is not acknowledged in `timeout`.
+
+    The only way a client learns that a quiet connection died without a FIN or RST (a partition, a
+    killed node, a lost NAT entry): a result stream sends nothing after its request, so TCP has no
+    unacknowledged bytes to time out on. keepalive_timeout_ms alone is not enough: this gRPC core
+    times an unacknowledged ping out by ping_timeout_ms (default a minute), so a cut stream was
+    noticed 30 s + 60 s later (tests/client/test_client_keepalive.py fails without it). The buffer's
+    server accepts pings this often (services/common/server.py)."""
+    return [("grpc.keepalive_time_ms", int(every * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(timeout * 1000))]
+
+
+def _positive(value: object, field: str) -> float:
+    v = _float(value, field)
+    if not v > 0 or v == float("inf"):
+        raise _invalid(field, f"must be a positive number of seconds, got {value!r}")
+    return v
+
+
+def _retry_reason(e: grpc.RpcError) -> str:
+    """services.common.grpcutil RETRY_REASON_KEY from the error's trailing metadata ("" if none)."""
+    trailing = getattr(e, "trailing_metadata", None)
+    for key, value in (trailing() if callable(trailing) else None) or ():
+        if key == "seer-retry-reason":
+            return str(value)
+    return ""
 
 
 def _error(e: grpc.RpcError) -> SeerError:
@@ -191,11 +222,14 @@ class SeerClient:
     """`with SeerClient("localhost:50051") as c: c.submit_batch(...); for r in c.iter_results(...)`."""
 
     def __init__(self, address: str, *, retry_seconds: float = 60.0, timeout: float = 60.0,
+                 keepalive_seconds: float = 30.0, keepalive_timeout_seconds: float = 10.0,
                  channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.retry_seconds = retry_seconds
         self.timeout = timeout
-        self._channel = channel or grpc.insecure_channel(address, options=_OPTIONS)
+        self._channel = channel or grpc.insecure_channel(
+            address, options=_OPTIONS + _keepalive(_positive(keepalive_seconds, "keepalive_seconds"),
+                                                   _positive(keepalive_timeout_seconds, "keepalive_timeout_seconds")))
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
 
     def __enter__(self) -> SeerClient:
@@ -209,13 +243,18 @@ class SeerClient:
 
     # ---- plumbing ------------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], T], retry: bool = True) -> T:
-        deadline = time.monotonic() + self.retry_seconds
+    def _call(self, fn: Callable[[], T], retry: bool = True, switch_window: float = 0.0) -> T:
+        """fn(), retried on UNAVAILABLE for retry_seconds; for `switch_window` seconds when the buffer
+        says a weight switch is in progress (it ends within the buffer's switch timeout)."""
+        start = time.monotonic()
+        deadline = start + self.retry_seconds
         delay = 0.05
         while True:
             try:
                 return fn()
             except grpc.RpcError as e:
+                if _retry_reason(e) == _SWITCHING:
+                    deadline = max(deadline, start + switch_window)
                 if not retry or e.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
                     raise _error(e) from None
                 time.sleep(delay)
@@ -247,11 +286,17 @@ class SeerClient:
         seed_scope: request seeds are derived from it instead of the batch id, so two batches with
         the same scope, seeded groups and weights draw the same samples (reruns, A/B runs). Share
         one only with speculation off or between batches with other prompt keys, and never across
-        RL iterations (see SubmitBatchRequest.seed_scope)."""
+        RL iterations (see SubmitBatchRequest.seed_scope).
+
+        During a weight switch (update_weights from another thread) it waits for the switch to end,
+        up to update_weights' own default timeout, and the batch runs at the new version."""
         req = rollout_pb2.SubmitBatchRequest(batch_id=_str(batch_id, "batch_id"),
                                              groups=[_group_pb(i, g) for i, g in enumerate(groups)],
                                              seed_scope=_str(seed_scope, "seed_scope"))
-        resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout))
+        # A weight switch (another thread's update_weights) refuses submissions until it ends, which
+        # may take the buffer's whole switch timeout: waited out, so the batch runs at the new version.
+        resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout),
+                          switch_window=UPDATE_WEIGHTS_TIMEOUT)
         return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version)
 
     def iter_results(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None

@@ -68,7 +68,9 @@ class RolloutServiceServicer:
 
     def SubmitBatch(self, request, context):
         """Submits a batch of prompt groups. Idempotent by batch_id: the same content again is a no-op,
-        different content under the same id is ALREADY_EXISTS.
+        different content under the same id is ALREADY_EXISTS. During a weight switch: UNAVAILABLE with
+        trailing metadata "seer-retry-reason: weight-switch" (retry until the switch ends; it may take
+        the buffer's switch timeout, 600 s by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
