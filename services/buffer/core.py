@@ -956,11 +956,14 @@ class BufferCore:
                            b.generated_tokens, b.policy_version, requests)
 
     def cancel_batch(self, batch_id: str) -> tuple[BatchState, int]:
+        """(state, requests the batch's cancellation cancelled). Idempotent: a repeat answers as the
+        first call did, so a caller whose reply was lost and who retries learns the same count (not
+        0). A completed batch is not cancelled: (COMPLETED, 0)."""
         with self._lock:
             self._check_open()
             b = self._batch(batch_id)
             if b.terminal:
-                return b.state, 0
+                return b.state, b.num_cancelled if b.state == BatchState.CANCELLED else 0
             rids = sorted(self._live_by_batch.get(batch_id, set()))
             wb = self._store.new_batch()
             new_batch = b.copy()

@@ -117,8 +117,11 @@ def test_cancel_ends_stream_and_keeps_finished_results(buf: BufferHandle) -> Non
     states = {r.request_id: r.state for r in status.requests}
     assert states == {"x/0/0": rollout_pb2.REQUEST_STATE_FINISHED, "x/0/1": rollout_pb2.REQUEST_STATE_CANCELLED,
                       "x/0/2": rollout_pb2.REQUEST_STATE_CANCELLED}
-    # Cancelling again is a no-op; a completed batch cannot be cancelled.
-    assert buf.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="x")).num_cancelled == 0
+    # Cancelling again changes nothing and answers as the first call did (a caller retrying after a
+    # lost reply learns the same count); a completed batch cannot be cancelled.
+    again = buf.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="x"))
+    assert (again.state, again.num_cancelled) == (rollout_pb2.BATCH_STATE_CANCELLED, 2)
+    assert buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="x")).num_cancelled == 2
     submit(buf.rollout, "y", [group(group_size=1)])
     commit(buf.internal, "y/0/0", 0, [5], reason=STOP)
     resp = buf.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="y"))

@@ -405,7 +405,8 @@ class SeerClient:
         )
 
     def cancel_batch(self, batch_id: str) -> int:
-        """Cancels the batch's unfinished requests; returns how many this call cancelled."""
+        """Cancels the batch's unfinished requests; returns how many the cancellation cancelled (the
+        same on a repeat, so a call retried after a lost reply reports it too; 0 if it completed)."""
         req = rollout_pb2.CancelBatchRequest(batch_id=batch_id)
         return int(self._call(lambda: self._stub.CancelBatch(req, timeout=self.timeout)).num_cancelled)
 
