@@ -5,8 +5,10 @@ buffer's switch timeout (600 s)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -17,46 +19,45 @@ from seer_client import PromptGroup, SeerClient, SeerError
 SWITCH_SECONDS = 2.0
 
 
-def _slow_switch(entered: threading.Event) -> object:
+@contextlib.contextmanager
+def _switching(buffer: Buffer, version: int, source: str = "") -> Iterator[None]:
+    """Runs buffer.core.update_weights(version) in a thread with a switch that takes SWITCH_SECONDS;
+    yields once the switch is in progress and joins the update on exit."""
+    assert buffer.core is not None
+    entered = threading.Event()
+
     def switch(version: int, source: str) -> int:
         entered.set()
         time.sleep(SWITCH_SECONDS)
         return 2
 
-    return switch
+    t = threading.Thread(target=buffer.core.update_weights, args=(version, source, switch))
+    t.start()
+    try:
+        assert entered.wait(5)
+        yield
+    finally:
+        t.join(10)
 
 
 def test_a_submission_during_a_switch_waits_for_it(buffer: Buffer) -> None:
-    assert buffer.core is not None
-    entered = threading.Event()
-    t = threading.Thread(target=buffer.core.update_weights, args=(1, "/ckpt/1", _slow_switch(entered)))
-    t.start()
-    assert entered.wait(5)
-    t0 = time.monotonic()
-    # retry_seconds far below the switch: a buffer that is away is still given up on that fast.
-    with SeerClient(buffer.address, retry_seconds=0.3) as client:
-        out = client.submit_batch("s", [PromptGroup(prompt=[1, 2], group_size=2, max_tokens=4)])
-    t.join(10)
+    with _switching(buffer, 1, "/ckpt/1"):
+        t0 = time.monotonic()
+        # retry_seconds far below the switch: a buffer that is away is still given up on that fast.
+        with SeerClient(buffer.address, retry_seconds=0.3) as client:
+            out = client.submit_batch("s", [PromptGroup(prompt=[1, 2], group_size=2, max_tokens=4)])
     assert out.policy_version == 1 and out.num_requests == 2 and not out.already_submitted
     assert time.monotonic() - t0 >= SWITCH_SECONDS * 0.5
 
 
 def test_the_refusal_names_its_reason(buffer: Buffer) -> None:
-    assert buffer.core is not None
-    entered = threading.Event()
-    t = threading.Thread(target=buffer.core.update_weights, args=(1, "", _slow_switch(entered)))
-    t.start()
-    assert entered.wait(5)
-    try:
-        with grpc.insecure_channel(buffer.address) as ch, pytest.raises(grpc.RpcError) as e:
-            rollout_pb2_grpc.RolloutServiceStub(ch).SubmitBatch(rollout_pb2.SubmitBatchRequest(
-                batch_id="r", groups=[rollout_pb2.PromptGroup(prompt_token_ids=[1], group_size=1, max_tokens=2)]),
-                timeout=5)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "version 1 is in progress" in (e.value.details() or "")
-        assert ("seer-retry-reason", "weight-switch") in tuple(e.value.trailing_metadata() or ())
-    finally:
-        t.join(10)
+    with _switching(buffer, 1), grpc.insecure_channel(buffer.address) as ch, pytest.raises(grpc.RpcError) as e:
+        rollout_pb2_grpc.RolloutServiceStub(ch).SubmitBatch(rollout_pb2.SubmitBatchRequest(
+            batch_id="r", groups=[rollout_pb2.PromptGroup(prompt_token_ids=[1], group_size=1, max_tokens=2)]),
+            timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "version 1 is in progress" in (e.value.details() or "")
+    assert ("seer-retry-reason", "weight-switch") in tuple(e.value.trailing_metadata() or ())
 
 
 def test_a_buffer_that_is_away_is_still_given_up_after_retry_seconds(buffer: Buffer) -> None:
