@@ -28,13 +28,14 @@ def keepalive_options(every_ms: int, timeout_ms: int) -> list[tuple[str, Any]]:
     """Ping every `every_ms` on a connection; drop it when a ping is not acknowledged in `timeout_ms`.
 
     Long quiet streams (WatchWork, StreamResults) learn of a connection cut without FIN or RST (a
-    partition, a killed node) only from these pings. ping_timeout_ms as well as keepalive_timeout_ms:
-    this gRPC core times an unacknowledged ping out by the former (default a minute), so a cut was
-    noticed a minute late (tests/common/test_keepalive.py). Every Seer server accepts a ping every
+    partition, a killed node) only from these pings. gRPC's defaults stop the pings after two
+    without data (max_pings_without_data), so a stream quiet that long was never checked again, and
+    time an unacknowledged ping out by ping_timeout_ms (a minute), not keepalive_timeout_ms alone
+    (tests/common/test_keepalive.py fails without either). Every Seer server accepts a ping every
     10 s (services/common/server.py); a default gRPC server would answer 30 s pings with GOAWAY
     "too_many_pings", but internal channels only reach Seer servers."""
     return [("grpc.keepalive_time_ms", every_ms), ("grpc.keepalive_timeout_ms", timeout_ms),
-            ("grpc.http2.ping_timeout_ms", timeout_ms)]
+            ("grpc.http2.ping_timeout_ms", timeout_ms), ("grpc.http2.max_pings_without_data", 0)]
 
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [

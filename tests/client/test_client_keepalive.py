@@ -1,7 +1,9 @@
 """A result stream whose connection goes silent (a partition: no FIN, no RST) is noticed by the
 client's keepalive pings and resumed on a new connection, even after a quiet spell of several ping
-intervals. Without `grpc.http2.ping_timeout_ms` the unacknowledged ping is timed out after a minute,
-not after keepalive_timeout_seconds, and this test ends in its SeerTimeout."""
+intervals. Without `grpc.http2.max_pings_without_data` 0 the client stops pinging after two pings
+without data and never notices; without `grpc.http2.ping_timeout_ms` the unacknowledged ping is timed
+out after a minute, not after keepalive_timeout_seconds. Either way this test ends in its SeerTimeout.
+(A first version passed regardless: its proxy could forward bytes read just before the freeze.)"""
 
 from __future__ import annotations
 

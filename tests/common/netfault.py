@@ -5,6 +5,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Conn:
+    down: socket.socket
+    up: socket.socket
+    frozen: bool = False
+    # Held while a pump forwards, and by freeze(): once freeze() returns, nothing more is delivered
+    # (a pump that had already read bytes could otherwise forward them just after the freeze, and a
+    # test would see its result arrive through the "cut" connection).
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class FreezingProxy:
@@ -17,7 +29,7 @@ class FreezingProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
         self._lock = threading.Lock()
-        self._live: list[tuple[socket.socket, socket.socket, threading.Event]] = []
+        self._live: list[_Conn] = []
         self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
 
@@ -26,19 +38,21 @@ class FreezingProxy:
         return f"127.0.0.1:{self.port}"
 
     def freeze(self) -> int:
-        """Freezes every open connection; returns how many."""
+        """Freezes every open connection; returns how many. Nothing is forwarded on them after it
+        returns."""
         with self._lock:
-            for _, _, frozen in self._live:
-                frozen.set()
+            for c in self._live:
+                with c.lock:
+                    c.frozen = True
             return len(self._live)
 
     def close(self) -> None:
         self._closed.set()
         self._listener.close()
         with self._lock:
-            for a, b, _ in self._live:
-                a.close()
-                b.close()
+            for c in self._live:
+                c.down.close()
+                c.up.close()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
@@ -46,19 +60,18 @@ class FreezingProxy:
                 down, _ = self._listener.accept()
             except OSError:
                 return
-            up = socket.create_connection(self.upstream)
-            frozen = threading.Event()
+            c = _Conn(down, socket.create_connection(self.upstream))
             with self._lock:
-                self._live.append((down, up, frozen))
-            for src, dst in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(src, dst, frozen), daemon=True, name="proxy-pump").start()
+                self._live.append(c)
+            for src, dst in ((c.down, c.up), (c.up, c.down)):
+                threading.Thread(target=self._pump, args=(c, src, dst), daemon=True, name="proxy-pump").start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, frozen: threading.Event) -> None:
+    def _pump(self, c: _Conn, src: socket.socket, dst: socket.socket) -> None:
         src.settimeout(0.05)
         while not self._closed.is_set():
-            if frozen.is_set():
-                # Read nothing and send nothing: the peers' bytes pile up in kernel buffers and
-                # their pings go unanswered, and neither end sees the connection close.
+            if c.frozen:
+                # Read nothing and send nothing: the peers' bytes pile up in kernel buffers, their
+                # pings go unanswered, and neither end sees the connection close.
                 time.sleep(0.05)
                 continue
             try:
@@ -67,10 +80,13 @@ class FreezingProxy:
                 continue
             except OSError:
                 return
-            if not data:
-                dst.close()
-                return
-            try:
-                dst.sendall(data)
-            except OSError:
-                return
+            with c.lock:
+                if c.frozen:
+                    continue  # read just before the freeze: lost in the partition
+                try:
+                    if not data:
+                        dst.close()
+                        return
+                    dst.sendall(data)
+                except OSError:
+                    return

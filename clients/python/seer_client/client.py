@@ -68,13 +68,15 @@ def _keepalive(every: float, timeout: float) -> list[tuple[str, int]]:
 
     The only way a client learns that a quiet connection died without a FIN or RST (a partition, a
     killed node, a lost NAT entry): a result stream sends nothing after its request, so TCP has no
-    unacknowledged bytes to time out on. keepalive_timeout_ms alone is not enough: this gRPC core
-    times an unacknowledged ping out by ping_timeout_ms (default a minute), so a cut stream was
-    noticed 30 s + 60 s later (tests/client/test_client_keepalive.py fails without it). The buffer's
-    server accepts pings this often (services/common/server.py)."""
+    unacknowledged bytes to time out on. gRPC's defaults fall short twice: it stops pinging after two
+    pings without data (max_pings_without_data), so a stream quiet for a minute, then cut, waited
+    forever; and it times an unacknowledged ping out by ping_timeout_ms (default a minute), not by
+    keepalive_timeout_ms alone. tests/client/test_client_keepalive.py fails without either option.
+    The buffer's server accepts pings this often (services/common/server.py)."""
     return [("grpc.keepalive_time_ms", int(every * 1000)),
             ("grpc.keepalive_timeout_ms", int(timeout * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(timeout * 1000))]
+            ("grpc.http2.ping_timeout_ms", int(timeout * 1000)),
+            ("grpc.http2.max_pings_without_data", 0)]
 
 
 def _positive(value: object, field: str) -> float:
