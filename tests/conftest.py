@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,3 +22,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def buffer(tmp_path: Path) -> Iterator[Any]:
+    """A real buffer (in process: real gRPC and RocksDB) on a fixed port that tests may stop and
+    start again (tests.client.client_helpers.Buffer); used by the client and CLI tests."""
+    from tests.client.client_helpers import Buffer
+
+    b = Buffer(tmp_path / "db")
+    b.start()
+    yield b
+    b.stop()

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,6 @@ from services.cli import rollout
 from tests.client.client_helpers import Buffer, play_scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def buffer(tmp_path: Path) -> Iterator[Buffer]:
-    b = Buffer(tmp_path / "db")
-    b.start()
-    yield b
-    b.stop()
 
 
 def _wait_submitted(address: str, batch_id: str, timeout: float = 30.0) -> None:

@@ -1,4 +1,5 @@
-"""Client test fixtures: a restartable real buffer, and the Node.js client."""
+"""Client test fixtures: a restartable real buffer with the tokenizer, and the Node.js client (the
+plain `buffer` fixture is in tests/conftest.py, shared with the CLI tests)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from client_helpers import Buffer
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
-
-
-@pytest.fixture
-def buffer(tmp_path: Path) -> Iterator[Buffer]:
-    b = Buffer(tmp_path / "db")
-    b.start()
-    yield b
-    b.stop()
 
 
 @pytest.fixture

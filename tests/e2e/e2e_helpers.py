@@ -14,17 +14,25 @@ from services.cli.up import Suite
 
 
 @contextmanager
+def stopping_cleanly(s: Suite) -> Iterator[Suite]:
+    """Yields the started suite; on exit stops it and asserts that every service exited 0 (graceful
+    shutdown: each drains and exits 0 on SIGTERM)."""
+    try:
+        yield s
+    finally:
+        codes = s.stop()
+        assert all(c == 0 for c in codes.values()), codes
+
+
+@contextmanager
 def scripted_suite(data_dir: Path, **kw: Any) -> Iterator[Suite]:
     """Buffer and scheduler processes for scripted workers (no model, no draft or KV service), with
     8-token chunks; every process must stop cleanly."""
     s = Suite(workers=0, draft=False, kvstore=False, data_dir=data_dir, chunk_size=8, heartbeat_interval=0.3,
               model_dir="", **kw)
     s.start(timeout=60)
-    try:
+    with stopping_cleanly(s):
         yield s
-    finally:
-        codes = s.stop()
-        assert all(c == 0 for c in codes.values()), codes
 
 
 def make_batch(num_groups: int, group_size: int, max_tokens: int | list[int], *, prompt_len: int = 6,

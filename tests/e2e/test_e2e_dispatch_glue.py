@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from e2e_fake_worker import FakeWorker, token_at
-from e2e_helpers import collect, make_batch, scripted_suite
+from e2e_helpers import collect, make_batch, scripted_suite, stopping_cleanly
 from seer.v1 import common_pb2, rollout_pb2
 
 from services.cli.up import Suite
@@ -242,9 +242,6 @@ def test_a_service_whose_picked_port_was_taken_starts_again(tmp_path: Path) -> N
         squatter.bind(("127.0.0.1", taken))
         squatter.listen()
         s.start(timeout=60)
-    try:
+    with stopping_cleanly(s):
         assert s.services["buffer"].metrics_port != taken
         assert "could not bind" not in s.services["buffer"].tail()  # the suite logs it, not the service
-    finally:
-        codes = s.stop()
-        assert all(c == 0 for c in codes.values()), codes

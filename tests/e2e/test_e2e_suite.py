@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from e2e_helpers import stopping_cleanly
 from seer.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from seer_client import PromptGroup, Sampling, SeerClient
 
@@ -32,12 +33,8 @@ def suite(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     s = Suite(workers=2, data_dir=tmp_path_factory.mktemp("suite"), model_dir=model_dir, policy="seer",
               chunk_size=8, heartbeat_interval=0.5)
     s.start(timeout=300)
-    try:
+    with stopping_cleanly(s):
         yield s
-    finally:
-        codes = s.stop()
-        # Graceful shutdown: every service drains and exits 0 on SIGTERM.
-        assert all(c == 0 for c in codes.values()), codes
 
 
 @pytest.fixture
