@@ -19,7 +19,9 @@ EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.js
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="seer demo", description="start the suite, run a sample rollout, stop")
+    p = argparse.ArgumentParser(
+        prog="seer demo", description="start the suite, run a sample rollout, stop", allow_abbrev=False
+    )
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--prompts", default=str(EXAMPLE_PROMPTS))
     p.add_argument("--limit", type=int, default=8, help="prompts to use")

@@ -47,7 +47,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m services.cli.launch")
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m services.cli.launch")
     ap.add_argument("--parent-pid", type=int, default=0, help="die with this process")
     ap.add_argument("--cpus", default="", help="comma-separated CPUs to pin to")
     ap.add_argument("module", help="the service module, run as __main__")

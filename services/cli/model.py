@@ -10,7 +10,9 @@ from pathlib import Path
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="seer model", description="prepare or inspect the embedded model")
+    parser = argparse.ArgumentParser(
+        prog="seer model", description="prepare or inspect the embedded model", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="convert the embedded GGUF to a safetensors directory (cached)")
     prep.add_argument("--model-dir", type=Path, default=None, help="target directory (default: the cache)")

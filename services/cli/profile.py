@@ -76,7 +76,9 @@ def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, contex
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="seer profile", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        prog="seer profile", description=__doc__.splitlines()[0] if __doc__ else None, allow_abbrev=False
+    )
     ap.add_argument("--model-dir", default="", help="safetensors model dir (default: the embedded model)")
     ap.add_argument("--out", default=str(DEFAULT_TABLE_PATH), help="output JSON (default %(default)s)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")

@@ -227,7 +227,9 @@ def accuracy(results: Sequence[Any]) -> float | None:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="seer rollout", description="submit a batch of prompts and print a summary")
+    p = argparse.ArgumentParser(
+        prog="seer rollout", description="submit a batch of prompts and print a summary", allow_abbrev=False
+    )
     p.add_argument("--prompts", required=True, help="JSON lines (prompt, prompt_key, answer...) or plain text")
     p.add_argument("--group-size", type=int, required=True, help="samples per prompt (G)")
     p.add_argument("--max-tokens", type=int, required=True, help="max new tokens per response")

@@ -542,7 +542,7 @@ class Suite:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="seer up", description="start the whole suite on loopback")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="seer up", description="start the whole suite on loopback")
     p.add_argument("--workers", type=int, default=1, help="number of workers (default 1)")
     p.add_argument("--data-dir", default=None, help="state directory (default: a temporary one, removed on exit)")
     p.add_argument("--base-port", type=int, default=50051, help="first port (0 = any free ports)")

@@ -141,7 +141,7 @@ def load(
 ) -> T:
     """Resolves a config of type cls for service `section` from defaults, file, env and argv."""
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog=prog or f"seer-{section}")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog=prog or f"seer-{section}")
     parser.add_argument("--config", default=None, help="JSON file with config keys")
     add_arguments(cls, parser)
     args = parser.parse_args(list(argv) if argv is not None else None)

@@ -53,6 +53,15 @@ def test_bad_value_names_the_key() -> None:
         config.load(DemoConfig, "demo", ["--port", "70000"], {})
 
 
+def test_an_abbreviated_flag_is_refused_not_expanded(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse would read --work as --workers: a flag added later (--work-dir) would then silently
+    # change what an old command line sets, so a prefix is an error naming the flag.
+    with pytest.raises(SystemExit):
+        config.load(DemoConfig, "demo", ["--work", "3"], {})
+    assert "--work" in capsys.readouterr().err
+    assert config.load(DemoConfig, "demo", ["--workers", "3"], {}).workers == 3
+
+
 def test_to_env_round_trips() -> None:
     cfg = DemoConfig(workers=7, addresses=("x:1", "y:2"), speculation=False)
     assert config.load(DemoConfig, "demo", [], config.to_env(cfg, "demo")) == cfg
