@@ -48,6 +48,16 @@ _METRICS_OFFSET = 100
 CENTRAL_SERVICES = ("buffer", "scheduler")
 
 
+def stop_together(procs: Sequence[ServiceProcess], timeout: float) -> dict[str, int | None]:
+    """SIGTERM every process, wait for all of them against one deadline, SIGKILL the rest; returns
+    exit codes by name. One deadline: N processes that ignore SIGTERM cost `timeout` once, not N
+    times (each waiting its own full timeout after the previous one's)."""
+    for proc in procs:
+        proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    return {proc.name: proc.stop(max(0.0, deadline - time.monotonic())) for proc in procs}
+
+
 class SuiteError(RuntimeError):
     """The suite could not start (a service exited or never became healthy); names the service."""
 
@@ -516,13 +526,9 @@ class Suite:
 
         keep_data: keep the data directory even when it is this suite's temporary one."""
         codes: dict[str, int | None] = {}
-        # SIGTERM all workers at once (each drains its own chunks), then the central services.
+        # All workers at once (each drains its own chunks), then the central services.
         for group in (self.worker_names, ["buffer", "scheduler"], ["draft", "kvstore"]):
-            group = [n for n in group if n in self.services]
-            for name in group:
-                self.services[name].signal(signal.SIGTERM)
-            for name in group:
-                codes[name] = self.services[name].stop(timeout)
+            codes.update(stop_together([self.services[n] for n in group if n in self.services], timeout))
         if not keep_data:
             self.remove_data()
         return codes

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from services.cli import up
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # The stand-in for a service: sleeps; exits 0 on SIGTERM (a clean drain), or, when its name is in
@@ -171,3 +173,29 @@ def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) ->
     assert code == 0, f"exit status {code}\n{out}\n{err}"
     assert "stopped cleanly" in out
     assert not _state_dir(head).exists()
+
+
+class _Stubborn(up.ServiceProcess):
+    """A process that ignores SIGTERM (a service stuck in its drain)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "print('ready', flush=True)\ntime.sleep(600)\n"]
+
+
+def test_a_group_that_ignores_sigterm_costs_one_timeout_not_one_per_process(tmp_path: Path) -> None:
+    procs = [_Stubborn(name=f"worker-{i}", module="", args=[], port=0, metrics_port=0, log_dir=tmp_path,
+                       env=dict(os.environ)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:  # SIGTERM is ignored only once the handler is set
+        deadline = time.monotonic() + 30
+        while b"ready" not in p.stdout_path.read_bytes():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    t0 = time.monotonic()
+    codes = up.stop_together(procs, timeout=1.5)
+    elapsed = time.monotonic() - t0
+    assert codes == {f"worker-{i}": -signal.SIGKILL for i in range(3)}
+    # One deadline for the group: about 1.5 s, where a timeout per process took 4.5 s.
+    assert elapsed < 3.5, elapsed
