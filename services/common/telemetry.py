@@ -7,9 +7,10 @@ on the port given to `start_metrics_server` (0 = off).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -88,7 +89,23 @@ def context_from(carrier: Mapping[str, str]) -> Any:
     return extract(dict(carrier))
 
 
+class _NoSpan:
+    def set_attribute(self, key: str, value: Any) -> None:
+        pass
+
+
+class _NoTracer:
+    """What `tracer` gives with tracing off: spans that cost a context manager, not OpenTelemetry's
+    import and its no-op span machinery on every dispatch."""
+
+    @contextlib.contextmanager
+    def start_as_current_span(self, name: str, context: Any = None, **kwargs: Any) -> Iterator[_NoSpan]:
+        yield _NoSpan()
+
+
 def tracer(name: str) -> Any:
+    if tracing_mode() == "none":
+        return _NoTracer()
     from opentelemetry import trace
 
     return trace.get_tracer(name)
