@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import threading
 import time
 import uuid
@@ -112,6 +113,8 @@ class TrackedRequest:
     resync: Resync | None = None
     # RunChunkRequest.dispatch_epoch of its latest dispatch (_chunk_request).
     last_epoch: int = 0
+    # time.monotonic() of the buffer's latest acknowledgement of one of our commits (_apply_snapshot).
+    acked_at: float = 0.0
 
 
 @dataclass
@@ -459,9 +462,9 @@ class Dispatcher:
         if state is None:
             return None
         if state.active:
-            reason = self.core.quarantine_reason(worker_id)
-            if reason:
-                self._quarantine_carry[worker_id] = reason
+            quarantined = self.core.quarantine_reason(worker_id)
+            if quarantined:
+                self._quarantine_carry[worker_id] = quarantined
         requeued = self.core.remove_worker(worker_id) if state.active else []
         # Chunks still streaming from it are cut off; their threads see the request moved on. A
         # chunk held for resync is given up too: the core re-queued it, and the snapshot must not
@@ -621,6 +624,7 @@ class Dispatcher:
             snapshot: list[buffer_pb2.WorkItem] = []
             in_snapshot = True
             try:
+                opened_at = time.monotonic()  # the buffer takes the snapshot after this
                 stream = self._buffer.watch(self.watcher_id)
                 self._stream = stream
                 for ev in stream:
@@ -635,7 +639,7 @@ class Dispatcher:
                     elif kind == "policy":
                         self._adopt_policy(ev.policy.version, ev.policy.source)
                     elif kind == "snapshot_done":
-                        self._apply_snapshot(snapshot)
+                        self._apply_snapshot(snapshot, opened_at)
                         snapshot, in_snapshot, backoff = [], False, 0.1
                         log.info("work feed connected", extra=kv(buffer=self._buffer.address))
             except SeerError as e:
@@ -774,8 +778,12 @@ class Dispatcher:
             self._seen_version = item.policy_version
         return None
 
-    def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
-        """A fresh snapshot replaces our state; chunks in flight stay in flight."""
+    def _apply_snapshot(self, items: list[buffer_pb2.WorkItem], opened_at: float = math.inf) -> None:
+        """A fresh snapshot replaces our state; chunks in flight stay in flight.
+
+        opened_at: time.monotonic() when the watch that sent it was opened. The buffer takes the
+        snapshot when the watch connects and streams it for as long as that takes (many MB, then
+        our history fetch), so a commit it acknowledged after opened_at may be missing from it."""
         history = self._fetch_history(items)
         aborts: list[buffer_pb2.WorkItem] = []
         with self._cond:
@@ -801,6 +809,10 @@ class Dispatcher:
                     # Finished or cancelled while we were away: the buffer is authoritative.
                     self._forget_in_core_locked(rid)
                     del self._requests[rid]
+                elif snap.next_seq < r.next_seq and r.acked_at >= opened_at:
+                    # Taken before our latest commit was acknowledged: ours is newer. Taken as it
+                    # is, it would send the committed chunk again (a conflict, then another resync).
+                    continue
                 elif snap.next_seq != r.next_seq or list(snap.output_token_ids) != r.output:
                     old_len = len(r.output)
                     r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
@@ -879,12 +891,19 @@ class Dispatcher:
             self._dirty = True
             self._cond.notify_all()
         if worker is not None:
-            # ValueError: the worker was removed meanwhile and its channel closed (this runs on the
-            # watch thread, which must survive it).
-            with contextlib.suppress(SeerError, ValueError):
-                # Any attempt (epoch 0): a cancelled request has no newer attempt to protect, and
-                # the attempt running may be newer than the last epoch this thread read.
-                worker.link.abort(request_id)
+            # On the abort pool, not here: this runs on the watch thread, and a worker whose server
+            # hangs (heartbeats still coming) would stall the whole work feed for each cancelled
+            # request's abort timeout.
+            with contextlib.suppress(RuntimeError):  # the pool is shut down: stopping
+                self._abort_pool.submit(self._abort_on_worker, worker, request_id)
+
+    @staticmethod
+    def _abort_on_worker(worker: WorkerState, request_id: str) -> None:
+        # ValueError: the worker was removed meanwhile and its channel closed.
+        with contextlib.suppress(SeerError, ValueError):
+            # Any attempt (epoch 0): a cancelled request has no newer attempt to protect, and the
+            # attempt running may be newer than the last epoch the watch thread read.
+            worker.link.abort(request_id)
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -987,6 +1006,15 @@ class Dispatcher:
 
     def _run_chunk_inner(self, d: Dispatch, r: TrackedRequest, w: WorkerState, token: int) -> None:
         with self._cond:
+            # The dispatch may have ended before its thread started (its worker removed and the
+            # request moved on, or the request cancelled). Sent anyway, it would run a chunk nobody
+            # reserved KV for, raise the request's epoch above the live attempt's and replace that
+            # attempt's stream.
+            if r.dispatch_token != token:
+                return  # already released by whoever moved it on
+            if r.dropped:
+                self._finish_chunk(r, w, token, failed=False, drop=True)
+                return
             req = self._chunk_request(d, r)
             stream = w.link.run_chunk(req, timeout=self.cfg.chunk_timeout)
             r.stream = stream
@@ -1156,6 +1184,7 @@ class Dispatcher:
                 r.output.extend(commit.token_ids)
                 r.next_seq = resp.next_seq
                 r.attempts = 0
+                r.acked_at = time.monotonic()
         self._finish_chunk(r, w, token, failed=False, new_tokens=len(commit.token_ids),
                            finished=resp.request_finished)
 
@@ -1260,19 +1289,30 @@ class Dispatcher:
                     if self._stopping.is_set() or time.monotonic() > deadline:
                         log.error("abort commit abandoned; sent again when the buffer lists the request",
                                   extra=kv(request_id=rid, error=str(e)))
+                        # A snapshot applied while this abort was on its way skipped the request
+                        # (_track_locked): ask for one that sends it again.
+                        self._abort_not_sent(rid, resync=not self._stopping.is_set())
                         return
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
                 except SeerError as e:
                     log.error("abort commit refused", extra=kv(request_id=rid, seq=seq, error=str(e)))
-                    if resync_on_refusal and not self._stopping.is_set():
-                        self._request_resync()
+                    self._abort_not_sent(rid, resync=resync_on_refusal and not self._stopping.is_set())
                     return
         finally:
             with self._cond:
                 self._aborting.discard(rid)
                 if settled and self._abandoned.get(rid) == item.submit_seq:
                     del self._abandoned[rid]
+
+    def _abort_not_sent(self, rid: str, *, resync: bool) -> None:
+        """The abort did not get through: the request is no longer "abort on its way" before any
+        resync is asked for, or the snapshot it brings would skip the request (its abort pending)
+        and nothing would send it again: its batch would wait for it forever."""
+        with self._cond:
+            self._aborting.discard(rid)
+        if resync:
+            self._request_resync()
 
     # ---- stats -------------------------------------------------------------------------------
 

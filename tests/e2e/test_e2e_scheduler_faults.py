@@ -18,6 +18,7 @@ worker removal before a resync deterministically) and read its Prometheus gauges
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -54,11 +55,11 @@ class GatedDispatcher(Dispatcher):
         self.snapshot_waiting = threading.Event()
         self.connected = threading.Event()  # the first snapshot (feed connected) was applied
 
-    def _apply_snapshot(self, items: list[buffer_pb2.WorkItem]) -> None:
+    def _apply_snapshot(self, items: list[buffer_pb2.WorkItem], opened_at: float = math.inf) -> None:
         if self.hold.is_set():
             self.snapshot_waiting.set()
             self.release.wait(30)
-        super()._apply_snapshot(items)
+        super()._apply_snapshot(items, opened_at)
         self.connected.set()
 
 

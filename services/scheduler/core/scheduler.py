@@ -794,10 +794,13 @@ class SchedulerCore:
         g = self._groups[req.info.group_id]
         if any(self._requests[m].state in ("pending", "in_flight") for m in g.members):
             return
-        if len(g.members) == g.group_size and g.finished_lengths:
+        # Only a group whose every member finished: a cancelled member's siblings are its
+        # shortest (the first to finish), and as the prompt's prior they would rank it too low
+        # next iteration, where its long members are the tail (the buffer, too, records history
+        # only for completed responses).
+        if len(g.members) == g.group_size and len(g.finished_lengths) == g.group_size:
             self._history[g.prompt_key] = list(g.finished_lengths)
-            if len(g.finished_lengths) == g.group_size:
-                self._ratios.observe(g.finished_lengths, g.group_size)
+            self._ratios.observe(g.finished_lengths, g.group_size)
         self._drop_demand(g)
         for m in g.members:
             done = self._requests.pop(m, None)
@@ -878,7 +881,9 @@ class SchedulerCore:
             self._fresh_q.push(self._key(req), rid, req.version)
         if self.cfg.policy == "seer_history" and not probe:
             self._fifo_q.push((float(req.fifo),), rid, req.version)
-        if fresh:
+        # Only the chunked policies read (and so prune) the age queues (_starving): under the
+        # baseline every enqueue would stay in them for the scheduler's life.
+        if fresh and self.cfg.chunked:
             self._age_q.push(now, rid, req.enq)
             if req.generated > 0 and self.cfg.starvation_chunks > 0:
                 self._paused_q.push(now, rid, req.enq)
