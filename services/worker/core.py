@@ -137,6 +137,13 @@ class _Active:
         return len(self.job.output_token_ids) + self.generated
 
 
+@dataclass
+class _Admission:
+    request_id: str
+    dispatch_epoch: int
+    aborted: bool = False
+
+
 class ChunkHandle:
     """The consumer side of one running chunk: iterate its events; cancel to abort it."""
 
@@ -301,6 +308,12 @@ class Worker:
         self._waiting_lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._active: dict[str, _Active] = {}
+        # Chunks between RunChunk and admission (the KV fetch, waiting for the engine lock behind a
+        # step), so that an Abort in that window is not lost: _start ends them ABORTED. The list
+        # under its own lock (submit must not wait for a step to add itself); `aborted` is set and
+        # read under the engine lock.
+        self._admitting: list[_Admission] = []
+        self._admitting_lock = threading.Lock()
         self._loading = False  # LoadWeights in progress: refuse new chunks
         self._step_failures = 0  # engine step failures in a row
         # False once the chunks failed and a canary request too (_fail_culprits_locked,
@@ -399,6 +412,17 @@ class Worker:
     def submit(self, job: ChunkJob) -> ChunkHandle:
         """Starts a chunk; raises InvalidArgument / FailedPrecondition / AlreadyExists / Unavailable."""
         job = self._validate(job)
+        admission = _Admission(job.request_id, job.dispatch_epoch)
+        with self._admitting_lock:
+            self._admitting.append(admission)
+        try:
+            return self._submit(job, admission)
+        finally:
+            # After _start put the chunk in _active (or it failed): an Abort finds it there now.
+            with self._admitting_lock:
+                self._admitting.remove(admission)
+
+    def _submit(self, job: ChunkJob, admission: _Admission) -> ChunkHandle:
         with log_context(request_id=job.request_id, group_id=job.group_id):
             self._register_group(job)
             prefix = job.prompt_token_ids + job.output_token_ids
@@ -418,10 +442,11 @@ class Worker:
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
             # it was fetched; if the engine evicted them meanwhile, import would reject it and the
             # whole prefix would be recomputed. Fetch once more, from what is cached now.
-            if not self._start(job, req, act, prefix, fetched, check_attach=True):
+            if not self._start(job, req, act, prefix, fetched, check_attach=True, admission=admission):
                 log.info("kv prefix pages evicted between fetch and import; fetching again",
                          extra=kv(first_page=fetched.first_page if fetched else 0))
-                self._start(job, req, act, prefix, self._fetch_kv(job, prefix), check_attach=False)
+                self._start(job, req, act, prefix, self._fetch_kv(job, prefix), check_attach=False,
+                            admission=admission)
             stats = act.stats
             log.debug("chunk started", extra=kv(seq=job.seq, prefix=len(prefix), cached=stats.cached_tokens,
                                                 kv_loaded=stats.kv_loaded_tokens, max_new=job.max_new_tokens))
@@ -442,10 +467,11 @@ class Worker:
         raise AssertionError("unreachable")
 
     def _start(self, job: ChunkJob, req: GenerateRequest, act: _Active, prefix: tuple[int, ...],
-               fetched: KVPages | None, *, check_attach: bool) -> bool:
+               fetched: KVPages | None, *, check_attach: bool, admission: _Admission) -> bool:
         """Admits the chunk under the engine lock: imports the fetched pages, adds the request.
         Returns False, admitting nothing, when `check_attach` and `fetched` no longer attaches to
-        the pages cached here."""
+        the pages cached here. A chunk aborted while it was being admitted ends ABORTED here
+        without running."""
         with self._locked():
             if self._stop.is_set():
                 raise Unavailable("worker is shutting down")
@@ -458,6 +484,13 @@ class Worker:
                 )
             if job.request_id in self._active:
                 raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
+            if admission.aborted:
+                act.done = True
+                act.stats.wall_seconds = time.monotonic() - act.started
+                metrics.CHUNKS.labels(finish=ChunkFinish.ABORTED.value).inc()
+                act.events.put(DoneEvent(ChunkFinish.ABORTED, act.stats, self._policy_version))
+                log.info("chunk aborted before it was admitted", extra=kv(request_id=job.request_id, seq=job.seq))
+                return True
             if fetched is not None and check_attach and not self._attaches(fetched, prefix):
                 self._kv_refetches += 1
                 return False
@@ -553,7 +586,15 @@ class Worker:
         with self._locked():
             act = self._active.get(request_id)
             if act is None:
-                return False
+                # Not admitted yet (fetching its KV, or waiting for this lock behind a step): it
+                # would run its whole chunk for a request the scheduler has dropped.
+                found = False
+                with self._admitting_lock:
+                    for adm in self._admitting:
+                        if adm.request_id == request_id and not (
+                                dispatch_epoch and adm.dispatch_epoch and dispatch_epoch < adm.dispatch_epoch):
+                            adm.aborted = found = True
+                return found
             if dispatch_epoch and act.job.dispatch_epoch and dispatch_epoch < act.job.dispatch_epoch:
                 log.info("abort of an earlier attempt ignored", extra=kv(
                     request_id=request_id, abort_epoch=dispatch_epoch, running_epoch=act.job.dispatch_epoch))

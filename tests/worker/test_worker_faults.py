@@ -4,11 +4,12 @@ the field, and a chunk's cached_tokens is what the engine can actually reuse."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
-from services.worker.core import ChunkJob, Worker
+from services.worker.core import ChunkFinish, ChunkJob, Worker
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 from services.worker.model.loader import load_state_dict
@@ -44,4 +45,52 @@ def test_cached_tokens_counts_what_the_engine_reuses(ref_engine: ReferenceEngine
         _toks, _reason, done = w.run(ChunkJob(**{**job.__dict__, "request_id": "b"}))
         assert done.stats.cached_tokens == page and done.stats.prefill_tokens == page
     finally:
+        w.close()
+
+
+class _HeldFetchPool:
+    """A KV pool whose prefix fetch waits until released (the window between RunChunk and admission,
+    as when the pool is slow); it has nothing to give."""
+
+    def __init__(self) -> None:
+        self.fetching = threading.Event()
+        self.go = threading.Event()
+
+    def fetch_prefix(self, token_ids: object, model_version: str, layout: object, *, min_tokens: int = 0) -> None:
+        self.fetching.set()
+        self.go.wait(30)
+
+    def release(self, model_version: str, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("abort_epoch", "aborted"), [(0, True), (5, True), (4, False)])
+def test_an_abort_during_admission_ends_the_chunk_before_it_runs(
+    ref_engine: ReferenceEngine, prompts: list[tuple[int, ...]], abort_epoch: int, aborted: bool,
+) -> None:
+    pool = _HeldFetchPool()
+    w = Worker(ref_engine, kv_pool=pool, kv_offload=False, speculation=False).start()  # type: ignore[arg-type]
+    # Tokens no other test caches: the worker fetches only what its engine lacks.
+    prompt = prompts[0] + tuple(range(2000 + 100 * abort_epoch, 2040 + 100 * abort_epoch))
+    job = ChunkJob(request_id="r", prompt_token_ids=prompt, max_new_tokens=4, max_tokens=64,
+                   sampling=SamplingParams(temperature=0.0, ignore_eos=True), policy_version=0, fetch_kv=True,
+                   dispatch_epoch=5)
+    out: dict[str, object] = {}
+    t = threading.Thread(target=lambda: out.setdefault("run", w.run(job)))
+    try:
+        t.start()
+        assert pool.fetching.wait(30)
+        # The scheduler dropped the request (any attempt: epoch 0), or aborts this attempt (5), or an
+        # earlier one (4: ignored, the chunk runs).
+        assert w.abort("r", dispatch_epoch=abort_epoch) is aborted
+        pool.go.set()
+        t.join(60)
+        tokens, _logprobs, done = out["run"]  # type: ignore[misc]
+        assert done.finish == (ChunkFinish.ABORTED if aborted else ChunkFinish.CHUNK)
+        assert len(tokens) == (0 if aborted else 4)
+    finally:
+        pool.go.set()
         w.close()
