@@ -556,6 +556,10 @@ class Dispatcher:
                     errors[w.worker_id] = str(e)
                     if isinstance(e, (InvalidArgument, FailedPrecondition, NotFound)):
                         refused.add(w.worker_id)
+                except ValueError as e:
+                    # Its link was closed under the load (the worker was removed meanwhile): it did
+                    # not confirm the version, so it must not count as loaded.
+                    errors[w.worker_id] = f"link closed: {e}"
 
             # Each load runs in a copy of this context, so the trace of the caller (trainer ->
             # buffer -> SwitchWeights) continues into every worker's LoadWeights.
@@ -579,9 +583,11 @@ class Dispatcher:
                 # A worker that could not load the version must not serve it: drop it (it can
                 # register again and catch up). Only the registration that was asked to load: one
                 # that registered again meanwhile (a new state) awaits the switch's end instead.
-                for w in workers:
-                    if w.worker_id in errors and self._workers.get(w.worker_id) is w:
-                        self._remove_worker_locked(w.worker_id, reason="weight load failed")
+                dropped = [w for w in workers if w.worker_id in errors and self._workers.get(w.worker_id) is w]
+                for w in dropped:
+                    self._remove_worker_locked(w.worker_id, reason="weight load failed")
+            for w in dropped:
+                w.link.close()  # as every removal does: its channel would stay open for good
             if errors and len(errors) == len(workers):
                 if refused == set(errors):
                     # Every worker refused (a bad source, say): nothing switched, the version in

@@ -7,7 +7,9 @@ links of test_dispatcher_faults (no gRPC, no model): the real Dispatcher and dis
   "abort on its way", and the request stayed listed: its batch never completed);
 - cancelling requests does not block the work feed on the workers' Abort calls;
 - a chunk thread that starts after its dispatch ended sends nothing;
-- the "worker removed" log line keeps its reason.
+- the "worker removed" log line keeps its reason;
+- a worker dropped for a failed weight load has its link closed, and one whose link was closed
+  under the load does not count as loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import pytest
 from seer.v1 import buffer_pb2, worker_pb2
 
-from services.common.errors import Aborted, DeadlineExceeded, FailedPrecondition
+from services.common.errors import Aborted, DeadlineExceeded, FailedPrecondition, Unavailable
 
 from .test_dispatcher_faults import ABORTED, CHUNK, FakeBuffer, FakeWorkerLink, Rig, chunk_events, item, wait_for
 
@@ -212,3 +214,24 @@ def test_the_worker_removed_line_keeps_its_reason(make_rig: Callable[..., Rig],
         t.register("w0", incarnation="b")  # a restarted worker: the old registration is removed
     reasons = [r.fields["reason"] for r in caplog.records if r.getMessage() == "worker removed"]  # type: ignore[attr-defined]
     assert reasons and all(reasons), reasons
+
+
+@pytest.mark.parametrize("failure", [Unavailable("connection reset"), ValueError("RPC on a closed channel")])
+def test_a_worker_that_fails_its_weight_load_is_dropped_and_its_link_closed(
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch, failure: Exception,
+) -> None:
+    closed: list[str] = []
+
+    def load(self: FakeWorkerLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+        if self.worker_id == "w1":
+            raise failure  # ValueError: its channel was closed under the load
+        return worker_pb2.LoadWeightsResponse()
+
+    monkeypatch.setattr(FakeWorkerLink, "load_weights", load)
+    monkeypatch.setattr(FakeWorkerLink, "close", lambda self: closed.append(self.worker_id))
+    t = make_rig()
+    t.register("w0")
+    t.register("w1")
+    assert t.d.switch_weights(1, "/ckpt/1")[0] == 1  # w0 loaded it
+    assert set(t.d._workers) == {"w0"}  # w1 did not confirm the version: not counted as loaded
+    assert closed == ["w1"]
