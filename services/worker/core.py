@@ -1316,15 +1316,18 @@ class Worker:
     def _register_group(self, job: ChunkJob) -> None:
         if self._draft is None or not job.group_id:
             return
-        evicted: list[str] = []
+        # All under the engine lock (the draft client's calls here are local and short): released
+        # after the lock, an evicted group's mirror could be dropped just after another chunk
+        # of that group registered it again, leaving that chunk without drafts or appends.
         with self._locked():
             # The draft client may have released the mirror on its own (the server expired the
             # group while nothing of it ran here): then register it again.
             known = job.group_id in self._registered_groups and self._draft.has_group(job.group_id)
             if known:
                 self._registered_groups.move_to_end(job.group_id)
-            else:
-                self._registered_groups[job.group_id] = None
+                return
+            self._registered_groups[job.group_id] = None
+            try:
                 # Least recently started first, but never a group with a chunk running here: its
                 # mirror is what the running request drafts from and appends to.
                 busy = {a.job.group_id for a in self._active.values()}
@@ -1333,17 +1336,12 @@ class Worker:
                         break
                     if gid not in busy and gid != job.group_id:
                         del self._registered_groups[gid]
-                        evicted.append(gid)
-        try:
-            for gid in evicted:
-                self._draft.release_group(gid)
-            if not known:
+                        self._draft.release_group(gid)
                 self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
                                            max(job.group_size, 1), int(self._group_ttl))
-        except Exception:
-            # Drafting degrades to nothing for this group; generation itself is unaffected.
-            log.warning("draft register_group failed", exc_info=True)
-            with self._locked():
+            except Exception:
+                # Drafting degrades to nothing for this group; generation itself is unaffected.
+                log.warning("draft register_group failed", exc_info=True)
                 self._registered_groups.pop(job.group_id, None)
 
 

@@ -4,8 +4,10 @@ it; released, its tokens would never reach the server and drafting would stop in
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
+import pytest
 from worker_fake_engine import FakeEngine
 
 from services.worker import core as core_mod
@@ -48,5 +50,35 @@ def test_a_mirror_the_client_released_is_registered_again() -> None:
         client.release_group("g")  # e.g. the server expired it while nothing of it ran here
         w._register_group(_job("g"))  # a later chunk of the group starts here
         assert client.has_group("g")
+    finally:
+        client.close()
+
+
+def test_a_group_evicted_while_it_starts_again_keeps_its_new_mirror(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The eviction of "old" and the registration of "old" by another chunk starting at that moment:
+    # the release must not land after the new registration (that chunk would draft and append to
+    # nothing).
+    client = DraftClient(None)
+    w = Worker(FakeEngine(), draft=client, gamma_max=4)
+    monkeypatch.setattr(core_mod, "_MAX_GROUPS", 2)
+    release = client.release_group
+    raced: list[threading.Thread] = []
+
+    def release_while_old_starts_again(gid: str) -> None:
+        if gid == "old" and not raced:
+            t = threading.Thread(target=w._register_group, args=(_job("old"),))
+            raced.append(t)
+            t.start()
+            t.join(0.5)  # with the eviction under the engine lock, it waits for it
+        release(gid)
+
+    monkeypatch.setattr(client, "release_group", release_while_old_starts_again)
+    try:
+        w._register_group(_job("old"))
+        w._register_group(_job("a"))
+        w._register_group(_job("b"))  # evicts "old"
+        raced[0].join(5)
+        assert "old" in w._registered_groups
+        assert client.has_group("old")
     finally:
         client.close()
