@@ -53,6 +53,7 @@ class _TokenizerManager:
     that id's stream has ended, also after an abort."""
 
     def __init__(self, abort_reaches: bool = True) -> None:
+        self.cut_after: int | None = None  # end streams after this many tokens, with no finish reason
         self.aborted: set[str] = set()
         self.attempts: dict[str, int] = {}
         self.held: set[str] = set()
@@ -79,6 +80,8 @@ class _TokenizerManager:
                     await asyncio.sleep(0.02)
                     yield {"meta_info": {"completion_tokens": n - 1, "output_token_logprobs": entries,
                                          "finish_reason": {"type": "abort"}}}
+                    return
+                if n - 1 == self.cut_after:
                     return
                 last = last + 1 if attempt == 1 else 49 + n
                 entries = [*entries, (-0.1, last, None)]
@@ -219,3 +222,14 @@ def test_weights_from_another_source_get_their_own_pages(engine: sg.SGLangEngine
     version, family = engine._version_file.read_both(0, "m-aaa")
     assert (version, family) == (3, "m-bbb")
     assert pages.namespace(family, version) != pages.namespace("m-aaa", 3)
+
+
+def test_a_stream_that_ends_without_a_finish_reason_ends_the_request(engine: sg.SGLangEngine) -> None:
+    engine._sgl.tokenizer_manager.cut_after = 2
+    engine.add_request(GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=5, sampling=GREEDY))
+    deadline, outs = time.monotonic() + 5, []
+    while time.monotonic() < deadline and not any(o.finished for o in outs):
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == [4, 5]
+    assert outs[-1].finish_reason is not None and outs[-1].finish_reason.name == "ABORTED"
+    assert not engine.has_unfinished()

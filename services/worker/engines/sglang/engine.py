@@ -269,6 +269,11 @@ class SGLangEngine(Engine):
         except Exception as e:  # surface as an aborted request; the worker reports it
             log.warning("sglang generate failed: %s", e, extra=kv(request_id=rid))
             self._out.put((live, [], [], FinishReason.ABORTED, 0))
+            return
+        # The stream ended without a finish reason (SGLang's contract is one on its last output):
+        # with nothing queued the request would stay live here and its chunk would never end.
+        log.warning("sglang stream ended without a finish reason", extra=kv(request_id=rid, tokens=live.reported))
+        self._out.put((live, [], [], FinishReason.ABORTED, 0))
 
     # -- Engine --------------------------------------------------------------------------------
 
