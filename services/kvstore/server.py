@@ -209,6 +209,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         layout: KVLayout | None = None
         stored = stored_bytes = claimed = 0
         first_unclaimed = -1
+        chain: list[bytes] = []  # the stream's pages, head first (store.touch_tail_first)
         for i, msg in enumerate(request_iterator):
             prefix = f"requests[{i}]"
             if isinstance(msg, BadFrame):
@@ -241,6 +242,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                         stored_bytes += len(data)
                 except SeerError as exc:
                     raise _prefixed(exc, prefix) from exc
+            chain.append(msg.page_hash)
+        if namespace:
+            self.store.touch_tail_first(namespace, chain)
         return kvstore_pb2.PutResponse(
             stored_pages=stored,
             stored_bytes=stored_bytes,

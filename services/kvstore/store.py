@@ -560,10 +560,10 @@ class KvStore:
                 # Still hot in DRAM: free its SSD copy only; it is demoted again if it cools.
                 self._ssd_lru.pop(key)
                 self._ssd_bytes -= _size
-                self._ssd.delete(*key)
                 ns = self._namespaces.get(key[0])
                 if ns is not None and key[1] in ns.entries:
                     ns.entries[key[1]].on_ssd = False
+                self._delete_ssd(key)
                 continue
             self._remove(key)
             self._evictions += 1
@@ -576,8 +576,6 @@ class KvStore:
         size = self._ssd_lru.pop(key, None)
         if size is not None:
             self._ssd_bytes -= size
-        if entry is not None and entry.on_ssd:
-            self._ssd.delete(*key)
         if ns is not None and entry is not None:
             for owner in entry.owners:
                 pages = ns.by_owner.get(owner)
@@ -585,12 +583,43 @@ class KvStore:
                     pages.discard(key[1])
                     if not pages:
                         del ns.by_owner[owner]
+        # Last: the index is whole whether or not the disk takes the delete.
+        if entry is not None and entry.on_ssd:
+            self._delete_ssd(key)
+
+    def _delete_ssd(self, key: Key) -> None:
+        """Deletes a page's SSD copy. A failed delete (a full disk: RocksDB then refuses every
+        write, deletes included) is logged and counted, not raised: the index and the accounting in
+        memory are already right, and raising would fail the Put or Release that freed the page half
+        done (a Release could then never make room on a full disk). The bytes stay on disk until a
+        later recovery finds the record of a page nobody asks for."""
+        try:
+            self._ssd.delete(*key)
+        except Exception:
+            self._meta_write_failures += 1
+            log.warning("SSD page delete failed; the index in memory stays correct", exc_info=True,
+                        extra=kv(namespace=key[0], page=key[1].hex(), failures=self._meta_write_failures))
 
     def _touch(self, key: Key, entry: _Entry) -> None:
         entry.seq = next(self._seq)
         if key in self._ssd_lru:
             self._ssd_lru.move_to_end(key)
         self._dram.get(key)
+
+    def touch_tail_first(self, namespace: str, page_hashes: Sequence[bytes]) -> None:
+        """Marks a prefix chain's pages used from its last page to its first, after a Get or a Put
+        stream went through them head first. Left in that order, page 0 was the least recently used
+        of its chain, and evicting it made every later page unreachable (a fetch stops at the first
+        missing page) while they kept their capacity: now a chain loses its tail first, as the
+        engine's own prefix cache does."""
+        with self._lock:
+            ns = self._namespaces.get(namespace)
+            if ns is None:
+                return
+            for page_hash in reversed(page_hashes):
+                entry = ns.entries.get(page_hash)
+                if entry is not None:
+                    self._touch((namespace, page_hash), entry)
 
     # ---------------------------------------------------------------- reads
     def get_page(self, namespace: str, page_hash: bytes) -> tuple[Buffer, int] | None:
@@ -643,6 +672,7 @@ class KvStore:
         for page_hash in page_hashes:
             found = self.get_page(namespace, page_hash)
             yield (page_hash, None, 0) if found is None else (page_hash, found[0], found[1])
+        self.touch_tail_first(namespace, page_hashes)
 
     def check_layout(self, namespace: str, layout: KVLayout | None) -> None:
         if layout is None:
@@ -653,7 +683,9 @@ class KvStore:
                 ns.layout.check_same(layout)
 
     def exists(self, namespace: str, page_hashes: Sequence[bytes]) -> int:
-        """Length of the longest prefix of page_hashes that is stored."""
+        """Length of the longest prefix of page_hashes that is stored. That prefix counts as used,
+        tail first (touch_tail_first): a client that put or fetched a chain in concurrent streams
+        asks once more at the end to leave the chain's head the most recently used."""
         with self._lock:
             ns = self._namespaces.get(namespace)
             if ns is None:
@@ -663,6 +695,7 @@ class KvStore:
                 if page_hash not in ns.entries:
                     break
                 n += 1
+            self.touch_tail_first(namespace, page_hashes[:n])
             return n
 
     # ---------------------------------------------------------------- release
@@ -685,9 +718,11 @@ class KvStore:
             # dict.fromkeys: a hash listed twice is released once (the second would find it gone).
             targets = list(owned) if not page_hashes else [h for h in dict.fromkeys(page_hashes) if h in owned]
             for page_hash in targets:
-                entry = ns.entries[page_hash]
-                entry.owners.discard(request_id)
                 owned.discard(page_hash)
+                entry = ns.entries.get(page_hash)
+                if entry is None:
+                    continue  # already gone (the index keeps no owner of a missing page; defensive)
+                entry.owners.discard(request_id)
                 if not entry.owners:
                     self._remove((namespace, page_hash))
                 elif entry.on_ssd:

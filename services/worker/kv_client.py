@@ -29,6 +29,7 @@ concurrent streams, and the constructor tunes glibc malloc for page-sized buffer
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -279,6 +280,14 @@ class KVClient:
                 for k, part in enumerate(parts)
             ]
             results = [f.result() for f in futures]
+            if len(parts) > 1:
+                # The streams ran concurrently, each leaving its pages used tail first; asking once
+                # more leaves the whole chain so (the store's Exists touches the prefix it finds),
+                # so that eviction takes its tail first: a chain without its head is unusable.
+                with contextlib.suppress(grpc.RpcError):
+                    self._stubs[node].Exists(kvstore_pb2.ExistsRequest(
+                        namespace=pages.model_version, page_hashes=[pages.page_hashes[i] for i in idx]),
+                        timeout=self.exists_timeout_s)
             first = results[0]
             # A claim finds nothing when the page went (released or evicted) after our Exists: that
             # page is not stored, whatever Exists said, and the caller must send it again.
