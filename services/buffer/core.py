@@ -976,6 +976,10 @@ class BufferCore:
                 nr = r.copy()
                 nr.state, nr.finish_reason = RequestState.CANCELLED, FinishReason.ABORTED
                 wb.put(keys.request_key(r.batch_id, r.group_index, r.sample_index), nr.encode())
+                # Chunk records live only while a request is unfinished (nothing reads a cancelled
+                # request's again): kept, they stayed until retention deleted the batch, or forever
+                # with retain_batches 0.
+                wb.delete_range(*keys.chunks_range(r.batch_id, r.group_index, r.sample_index))
                 cancelled.append(rid)
             wb.put(keys.batch_key(batch_id), new_batch.encode())
             purged = self._purge_old(wb, new_batch)

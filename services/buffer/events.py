@@ -36,11 +36,12 @@ Event = Added | Cancelled
 
 def batches(items: Iterable[Any], max_items: int = FEED_BATCH_ITEMS, max_tokens: int = FEED_BATCH_TOKENS
             ) -> Iterator[list[Any]]:
-    """core.WorkItems in order, cut into messages of at most max_items and max_tokens token ids."""
+    """core.WorkItems in order, cut into messages of at most max_items and max_tokens token ids
+    (prompt, output and stop tokens: each item repeats its group's stop tokens)."""
     batch: list[Any] = []
     tokens = 0
     for it in items:
-        n = len(it.prompt_token_ids) + len(it.output_token_ids)
+        n = len(it.prompt_token_ids) + len(it.output_token_ids) + len(it.sampling.stop_token_ids)
         if batch and (len(batch) >= max_items or tokens + n > max_tokens):
             yield batch
             batch, tokens = [], 0

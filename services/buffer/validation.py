@@ -16,6 +16,7 @@ from services.common.sampling_limits import MIN_TEMPERATURE
 # fullmatch, not match with "$": "$" also matches before a trailing newline.
 BATCH_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_GROUP_SIZE = 1024
+MAX_STOP_TOKENS = 1024
 MAX_PROMPT_KEY_CHARS = 512
 MAX_LABEL_BYTES = 64 * 1024
 UINT64_MAX = 2**64 - 1
@@ -89,6 +90,12 @@ def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
         raise InvalidArgument(f"must be >= 0 (0 = off), got {s.top_k}", field=f"{field}.top_k")
     if s.seed is not None and not 0 <= s.seed <= UINT64_MAX:
         raise InvalidArgument(f"must be a uint64, got {s.seed}", field=f"{field}.seed")
+    if len(s.stop_token_ids) > MAX_STOP_TOKENS:
+        # Every work item of the group repeats them: a few hundred KB of them in one group made one
+        # WatchWork message over gRPC's size limit, and the scheduler's work feed failed for every
+        # batch until this one was cancelled.
+        raise InvalidArgument(f"at most {MAX_STOP_TOKENS}, got {len(s.stop_token_ids)}",
+                              field=f"{field}.stop_token_ids")
     _check_tokens(s.stop_token_ids, vocab, f"{field}.stop_token_ids")
     return Sampling(s.temperature, s.top_p if s.top_p > 0 else 1.0, s.top_k, s.seed, s.stop_token_ids,
                     s.ignore_eos)
