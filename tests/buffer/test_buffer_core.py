@@ -165,7 +165,8 @@ def test_feed_batches_keep_order_and_limits() -> None:
     from services.buffer.events import Added, Cancelled, batches, coalesce
 
     def item(name: str, n: int) -> SimpleNamespace:
-        return SimpleNamespace(name=name, prompt_token_ids=[0] * n, output_token_ids=[])
+        return SimpleNamespace(name=name, prompt_token_ids=[0] * n, output_token_ids=[],
+                               sampling=SimpleNamespace(stop_token_ids=()))
 
     items = [item(f"i{k}", n) for k, n in enumerate([3, 3, 3, 9, 1, 1, 1, 1, 1])]
     cut = [[it.name for it in b] for b in batches(items, max_items=3, max_tokens=6)]
