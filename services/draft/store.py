@@ -196,6 +196,9 @@ class DraftStore:
                 # Completed (its responses are history) and registered with another prompt: the id
                 # is used again (a batch id resubmitted after the buffer's retention deleted it).
                 del self._groups[group_id]
+                # Tombstoned as an expired completed group: if this registration is refused below
+                # (no room), the old group's workers are told it expired, not that it was lost.
+                self._tombstone(group_id, True)
                 log.info("completed group's id registered again with another prompt; new incarnation",
                          extra=kv(group_id=group_id))
             elif self._expired.get(group_id):

@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from services.common.errors import FailedPrecondition, ResourceExhausted
+from services.common.errors import FailedPrecondition, ResourceExhausted, SeerError
 from services.draft.store import DraftStore, StoreLimits
 
 
@@ -189,3 +189,23 @@ def test_registration_that_evicts_its_own_history_is_not_refused() -> None:
     created, _history = s.register_group("g", "K", list(range(10)), group_size=4)
     assert created
     assert s.stats().memory_bytes <= 1 << 20
+
+
+def test_a_refused_reregistration_leaves_the_old_group_expired_not_lost() -> None:
+    # A completed group's id registered again with another prompt (a reused batch id) when the budget
+    # has no room for it: the registration is refused, and the old group's workers are told it
+    # expired (before: it was deleted with no tombstone, so Sync said "lost" and appends NOT_FOUND).
+    s = DraftStore(StoreLimits(memory_budget_bytes=400_000, history_iterations=1))
+    s.register_group("live", "", [7])
+    i = 0
+    with pytest.raises(SeerError):
+        while True:  # fill the budget with a live group (never evicted)
+            s.append("live", f"f{i}", 0, list(range(50)))
+            i += 1
+    s.register_group("done", "k", [1, 2, 3], group_size=1)
+    s.append("done", "r", 0, list(range(5)), finished=True)
+    inc = s.sync([("done", 0)])[0].incarnation
+    with pytest.raises(ResourceExhausted):
+        s.register_group("done", "k", list(range(5000)))
+    d = s.sync([("done", 2)], [inc])[0]
+    assert d.gone and d.expired
