@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -66,3 +67,25 @@ def add_group(
         )
         ids.append(rid)
     return ids
+
+
+@pytest.fixture
+def make_rig() -> Iterator[Callable[..., Any]]:
+    """Dispatcher rigs (test_dispatcher_faults.Rig) with an optional scripted buffer or workers,
+    closed at the end of the test."""
+    from .test_dispatcher_faults import Rig
+
+    made: list[Rig] = []
+
+    def make(buffer: Any = None, workers: Any = None, **cfg: Any) -> Rig:
+        r = Rig(**cfg)
+        made.append(r)
+        if buffer is not None:
+            r.buffer = r.d._buffer = buffer
+        if workers is not None:
+            r.workers = r.d._worker_link_factory = workers
+        return r
+
+    yield make
+    for r in made:
+        r.close()

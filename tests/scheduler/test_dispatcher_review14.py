@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,24 +37,6 @@ class DuplicateBuffer(FakeBuffer):
                 self.commits.append(req)
             return buffer_pb2.CommitChunkResponse(accepted=True, duplicate=True, next_seq=req.seq + 1)
         return super().commit(req, timeout)
-
-
-@pytest.fixture
-def make_rig() -> Iterator[Callable[..., Rig]]:
-    made: list[Rig] = []
-
-    def make(buffer: FakeBuffer | None = None, workers: FakeWorkers | None = None, **cfg: Any) -> Rig:
-        r = Rig(**cfg)
-        made.append(r)
-        if buffer is not None:
-            r.buffer = r.d._buffer = buffer  # type: ignore[assignment]
-        if workers is not None:
-            r.workers = r.d._worker_link_factory = workers  # type: ignore[assignment]
-        return r
-
-    yield make
-    for r in made:
-        r.close()
 
 
 # ---- item 4: resolving a held chunk whose request is gone ---------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,22 +26,6 @@ from seer.v1 import buffer_pb2, worker_pb2
 from services.common.errors import Aborted, DeadlineExceeded, FailedPrecondition, Unavailable
 
 from .test_dispatcher_faults import ABORTED, CHUNK, FakeBuffer, FakeWorkerLink, Rig, chunk_events, item, wait_for
-
-
-@pytest.fixture
-def make_rig() -> Iterator[Callable[..., Rig]]:
-    made: list[Rig] = []
-
-    def make(buffer: FakeBuffer | None = None, **cfg: Any) -> Rig:
-        r = Rig(**cfg)
-        made.append(r)
-        if buffer is not None:
-            r.buffer = r.d._buffer = buffer  # type: ignore[assignment]
-        return r
-
-    yield make
-    for r in made:
-        r.close()
 
 
 class SeqBuffer(FakeBuffer):
