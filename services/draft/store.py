@@ -293,6 +293,12 @@ class DraftStore:
             raise InvalidArgument(f"gap: request {request_id!r} has {have} tokens, append starts at {offset}",
                                   field=f"{where}offset")
         new_tokens = max(0, offset + len(token_ids) - have)
+        overlap = len(token_ids) - new_tokens
+        if overlap and g.index.tokens_at(request_id, offset, overlap) != [int(t) for t in token_ids[:overlap]]:
+            # Refused before any room is made: a bad append must not evict other groups' data, nor
+            # be answered RESOURCE_EXHAUSTED (which the worker retries) when the budget is full.
+            raise InvalidArgument(f"overlap with different tokens for request {request_id!r} at offset {offset}",
+                                  field=f"{where}token_ids")
         if new_tokens:
             self._make_room(new_tokens * append_token_bytes(self.limits.levels), keep=g)
         try:

@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from services.common.errors import FailedPrecondition, ResourceExhausted, SeerError
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, SeerError
 from services.draft.store import DraftStore, StoreLimits
 
 
@@ -209,3 +209,30 @@ def test_a_refused_reregistration_leaves_the_old_group_expired_not_lost() -> Non
         s.register_group("done", "k", list(range(5000)))
     d = s.sync([("done", 2)], [inc])[0]
     assert d.gone and d.expired
+
+
+def test_an_overlap_mismatch_is_refused_before_any_room_is_made() -> None:
+    # A bad append (its overlap differs from the stored tokens) must not evict other data to make
+    # room for its new tokens, nor be answered RESOURCE_EXHAUSTED (retried by the worker) when the
+    # budget is full: INVALID_ARGUMENT naming token_ids.
+    s = DraftStore(StoreLimits(memory_budget_bytes=2_000_000))
+    s.register_group("g", "k", [1, 2, 3])
+    s.append("g", "r", 0, list(range(10)))
+    s.seed_history("other", 0, [list(range(1000)), list(range(1000, 2000))])
+    before = s.stats()
+    with pytest.raises(InvalidArgument) as e:
+        s.append("g", "r", 0, [99] * 7000)  # needs room for 6,990 new tokens
+    assert e.value.field == "token_ids"
+    after = s.stats()
+    assert (after.history_keys, after.evicted_history, after.evicted_groups) == (
+        before.history_keys, before.evicted_history, before.evicted_groups)
+    full = DraftStore(StoreLimits(memory_budget_bytes=300_000))
+    full.register_group("g", "k", [1, 2, 3])
+    full.append("g", "r", 0, list(range(10)))
+    i = 0
+    with pytest.raises(ResourceExhausted):
+        while True:
+            full.append("g", f"f{i}", 0, list(range(50)))
+            i += 1
+    with pytest.raises(InvalidArgument):
+        full.append("g", "r", 0, [99] * 200)
