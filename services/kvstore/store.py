@@ -718,11 +718,9 @@ class KvStore:
             # dict.fromkeys: a hash listed twice is released once (the second would find it gone).
             targets = list(owned) if not page_hashes else [h for h in dict.fromkeys(page_hashes) if h in owned]
             for page_hash in targets:
-                owned.discard(page_hash)
-                entry = ns.entries.get(page_hash)
-                if entry is None:
-                    continue  # already gone (the index keeps no owner of a missing page; defensive)
+                entry = ns.entries[page_hash]
                 entry.owners.discard(request_id)
+                owned.discard(page_hash)
                 if not entry.owners:
                     self._remove((namespace, page_hash))
                 elif entry.on_ssd:
