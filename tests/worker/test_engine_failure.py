@@ -5,6 +5,8 @@ serving. Glue over the fake engine, then the same over the real engine."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +22,15 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 def fake_job(rid: str, group: str = "", n: int = 5) -> ChunkJob:
     return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=n, max_tokens=n, sampling=GREEDY,
                     policy_version=0, group_id=group)
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def test_one_failure_is_retried_two_fail_the_chunks() -> None:
@@ -181,9 +192,13 @@ def test_an_engine_that_gives_up_on_every_group_is_found_broken() -> None:
             assert isinstance(list(w.submit(fake_job(rid, group)).events())[-1], ErrorEvent)
         assert heard == [True]  # 2 groups: could be 2 refused prompts
         assert isinstance(list(w.submit(fake_job("e", "g3")).events())[-1], ErrorEvent)
+        # The chunk's error is delivered with the step's outputs; the canary runs after them (on
+        # the step loop), so the health change lands a moment after the caller sees the error.
+        assert _wait_for(lambda: len(heard) >= 2), heard
         assert heard == [True, False] and not w.engine_healthy
         eng.broken = False
         assert w.run(fake_job("f", "g4"))[0] == [4, 5, 6, 7, 8]
+        assert _wait_for(lambda: len(heard) >= 3), heard
         assert heard == [True, False, True]
     finally:
         w.close()
