@@ -327,6 +327,11 @@ class Worker:
         self._engine_abort_groups: set[str] = set()
         self._canary_running = False  # outputs delivered during a canary start no second one
         self._canary_due = False  # run the canary after the current step's outputs are delivered
+        # Engine requests whose abort raised: still in the engine, generating for a chunk that has
+        # ended, and holding the request id (a retry of the request on this worker would be refused
+        # "already live", an INVALID_ARGUMENT that costs the request an attempt). The abort is tried
+        # again before every step and before the id is added again (_engine_abort_locked).
+        self._orphans: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_groups: OrderedDict[str, None] = OrderedDict()
@@ -522,6 +527,8 @@ class Worker:
                 stats.kv_recomputed_pages = max(0, missing)
                 self._kv_recomputed_pages += stats.kv_recomputed_pages
             stats.prefill_tokens = len(prefix) - stats.cached_tokens
+            if job.request_id in self._orphans:
+                self._engine_abort_locked(job.request_id)
             try:
                 self.engine.add_request(req)
             except ValueError as e:
@@ -607,13 +614,27 @@ class Worker:
                 return False
             return self._abort_locked(act)
 
+    def _engine_abort_locked(self, request_id: str) -> None:
+        """engine.abort, which must not fail the caller: a request it could not abort is an orphan,
+        aborted again before the next step and before its id is added again."""
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            if request_id not in self._orphans:
+                log.warning("engine abort failed; retried before the next step", exc_info=True,
+                            extra=kv(request_id=request_id))
+            self._orphans.add(request_id)
+        else:
+            self._orphans.discard(request_id)
+
+    def _abort_orphans_locked(self) -> None:
+        for rid in list(self._orphans):
+            self._engine_abort_locked(rid)
+
     def _abort_locked(self, act: _Active) -> bool:
         if act.done:
             return False
-        try:
-            self.engine.abort(act.job.request_id)
-        except Exception:
-            log.warning("engine abort failed", exc_info=True, extra=kv(request_id=act.job.request_id))
+        self._engine_abort_locked(act.job.request_id)
         self._finish_locked(act, ChunkFinish.ABORTED)
         log.info("chunk aborted", extra=kv(request_id=act.job.request_id, group_id=act.job.group_id))
         return True
@@ -707,9 +728,13 @@ class Worker:
             produced = 0
             with self._lock:  # the loop itself: no priority bookkeeping
                 while not self._stop.is_set() and not self._active:
+                    if self._orphans:  # an engine in another process runs them without steps
+                        self._abort_orphans_locked()
                     self._wake.wait(0.5)
                 if self._stop.is_set():
                     return
+                if self._orphans:
+                    self._abort_orphans_locked()
                 started = self._clock()
                 drafts = self._plan_drafts_locked() if self._speculation else {}
                 try:
@@ -779,8 +804,7 @@ class Worker:
                 log.error("delivering a step's output failed; failing its chunk", exc_info=True,
                           extra=kv(request_id=out.request_id))
                 # The engine has gone on with tokens the chunk's stream may lack: it cannot continue.
-                with contextlib.suppress(Exception):
-                    self.engine.abort(out.request_id)
+                self._engine_abort_locked(out.request_id)
                 self._fail_locked(act, e)
                 continue
             produced += len(out.token_ids)
@@ -823,8 +847,7 @@ class Worker:
         never left. Runs under the engine lock (new chunks wait): a rare path, bounded in steps."""
         suspects = [a for a in self._active.values() if not a.done]
         for act in suspects:
-            with contextlib.suppress(Exception):
-                self.engine.abort(act.job.request_id)
+            self._engine_abort_locked(act.job.request_id)
         culprits: list[tuple[_Active, Exception]] = []  # chunks that fail alone, with their failure
         engine_stepped = False  # a step succeeded meanwhile: the engine runs other requests
         if len(suspects) == 1:
@@ -880,6 +903,8 @@ class Worker:
         req = GenerateRequest(request_id=_CANARY_ID, prompt_token_ids=_CANARY_PROMPT, max_new_tokens=1,
                               sampling=SamplingParams(temperature=0.0, ignore_eos=True))
         self._canary_running = True
+        if _CANARY_ID in self._orphans:
+            self._engine_abort_locked(_CANARY_ID)
         try:
             self.engine.add_request(req)
             # By time, not steps: a step of an engine that runs in another process (SGLang) returns
@@ -906,8 +931,7 @@ class Worker:
             return e
         finally:
             self._canary_running = False
-            with contextlib.suppress(Exception):
-                self.engine.abort(_CANARY_ID)
+            self._engine_abort_locked(_CANARY_ID)
 
     def _on_engine_abort_locked(self, group: str) -> None:
         """An engine whose step never raises (SGLang: a failed generate comes back as an aborted
@@ -961,6 +985,8 @@ class Worker:
         any engine step succeeded."""
         pending: dict[str, _Active] = {}
         for act in group:
+            if act.job.request_id in self._orphans:
+                self._engine_abort_locked(act.job.request_id)
             try:
                 self.engine.add_request(self._resume_request(act))
             except Exception as e:  # cannot even be admitted again: this chunk alone
@@ -974,8 +1000,7 @@ class Worker:
                 outs = self.engine.step(None)
             except Exception as e:
                 for rid in pending:
-                    with contextlib.suppress(Exception):
-                        self.engine.abort(rid)
+                    self._engine_abort_locked(rid)
                 return list(pending.values()), e, stepped_once
             stepped_once = True
             self._after_step_locked(outs, {}, None)  # re-prefills: no step time for the planner
