@@ -425,3 +425,22 @@ def test_a_capped_pool_runs_only_chunks(rig: Callable[..., Rig]) -> None:
     t.d._add_items([item("good", max_tokens=8)])
     wait_for(lambda: sum(len(c.token_ids) for c in t.buffer.of("good")) == 8, timeout=4)
 
+
+
+def test_a_chunk_dispatched_before_the_quarantine_does_not_end_the_probation(clock: FakeClock) -> None:
+    """A chunk that was running when the engine broke can still complete (its tokens came before
+    the fault, an engine in another process delivers them late): that says nothing about the
+    worker now. Before the fix it ended the probation and cleared the streak, so the released
+    worker took a whole batch again and needed `worker_failure_limit` more failures."""
+    core = _core(clock, worker_failure_limit=2, quarantine_clear_reports=1)
+    _place(core, "old", "a", "b")
+    _fail(core, "a")
+    assert _fail(core, "b") is True
+    core.on_chunk_done("old", "w1", 8, False)  # dispatched before the quarantine
+    core.cancel_request("old")
+    core.update_worker("w1", free_pages=10, running=0, waiting=0)
+    assert not core.is_quarantined("w1")
+    core.add_request(_req("c"))
+    core.add_request(_req("c2"))
+    assert [(d.request_id, d.worker_id) for d in core.next_dispatches()] == [("c", "w1")]  # still on probation
+    assert _fail(core, "c") is True  # and the streak was kept

@@ -60,6 +60,7 @@ class _Request:
     fifo: int = 0  # place of its current wait in the enqueue order (kept when only re-keyed)
     chunks: int = 0
     dispatched_at: float = 0.0  # clock time its in-flight chunk was dispatched
+    dispatch_seq: int = 0  # dispatched_chunks when its in-flight chunk was dispatched (order, not time)
 
 
 class SchedulerCore:
@@ -678,6 +679,7 @@ class SchedulerCore:
         g.workers.add(w.worker_id)
         c = self._counters
         c["dispatched_chunks"] += 1
+        req.dispatch_seq = c["dispatched_chunks"]
         c["probe_dispatches"] += probe
         c["kv_fetch_dispatches"] += fetch_kv
         c["moved_dispatches"] += req.last_worker is not None and req.last_worker != w.worker_id
@@ -693,8 +695,12 @@ class SchedulerCore:
             raise InvalidArgument(f"must be in [0, {req.max_new}], got {new_tokens}", field="new_tokens")
         self._release(req)
         w = self._workers.get(worker_id)
-        if w is not None:
-            w.record.failed_groups.clear()  # it completed a chunk: what failed before was not all of it
+        if w is not None and req.dispatch_seq > w.record.quarantined_seq:
+            # It completed a chunk: what failed before was not all of it. Only a chunk dispatched
+            # after its last quarantine for failures proves that: one that was running when the
+            # engine broke can still finish (tokens it got before the fault), and it would end the
+            # probation of a worker that fails everything new.
+            w.record.failed_groups.clear()
             w.record.probation = False
         if new_tokens == req.max_new and new_tokens > 0:
             # A full chunk: how long one token of a chunk takes on this cluster now (EMA), the
@@ -756,6 +762,7 @@ class SchedulerCore:
         self._counters["worker_fault_quarantines"] += 1
         quarantine(w, f"chunks of {len(w.record.failed_groups)} groups failed in a row: {error}", self._quarantine_rule)
         w.record.probation = True
+        w.record.quarantined_seq = self._counters["dispatched_chunks"]
         return True
 
     def _in_flight_on(self, request_id: str, worker_id: str) -> _Request | None:

@@ -37,6 +37,9 @@ class OffenceRecord:
     # breaker's half-open state), so a worker still broken when released costs one request one
     # attempt, not one per batch slot.
     probation: bool = False
+    # dispatched_chunks (SchedulerCore's counter) at its last quarantine for failing chunks: only a
+    # chunk dispatched after it counts as one that completed on the released worker.
+    quarantined_seq: int = 0
 
 
 @dataclass(frozen=True)
