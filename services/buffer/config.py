@@ -41,6 +41,12 @@ class BufferConfig(ServiceConfig):
         metadata={"help": "open StreamResults + WatchWork streams at most; more are RESOURCE_EXHAUSTED "
                           "(0 = max_workers - 8, or half of max_workers up to 16)"},
     )
+    watch_queue_events: int = field(
+        default=0,
+        metadata={"help": "events queued for one WatchWork stream at most; a watcher further behind is dropped "
+                          "(RESOURCE_EXHAUSTED; it watches again for a fresh snapshot) "
+                          "(0 = 4 x max_requests_per_batch; at least max_requests_per_batch)"},
+    )
     sync_writes: bool = field(
         default=False,
         metadata={"help": "fsync every commit (survives power loss; process crashes are safe without it)"},
@@ -64,6 +70,14 @@ class BufferConfig(ServiceConfig):
         if self.switch_timeout_seconds <= 0:
             raise ValueError("switch_timeout_seconds: must be > 0")
         check_stream_limit("max_streams", self.max_streams, self.max_workers, "unary calls (CommitChunk)")
+        if self.watch_queue_events < 0:
+            raise ValueError(f"watch_queue_events: must be >= 0 (0 = 4 x max_requests_per_batch), "
+                             f"got {self.watch_queue_events}")
+        if 0 < self.watch_queue_events < self.max_requests_per_batch:
+            # One SubmitBatch publishes every request of the batch at once: a bound below the largest
+            # batch would drop every watcher at each such batch, and again after each reconnect.
+            raise ValueError(f"watch_queue_events: must be >= max_requests_per_batch "
+                             f"({self.max_requests_per_batch}), got {self.watch_queue_events}")
 
     def stream_limit(self) -> int:
         """The effective max_streams. Each open stream holds one handler thread while it waits, so
@@ -72,3 +86,10 @@ class BufferConfig(ServiceConfig):
         if self.max_streams:
             return self.max_streams
         return default_stream_limit(self.max_workers)
+
+    def watch_queue_limit(self) -> int:
+        """The effective watch_queue_events. Each WatchWork stream's queue is bounded so that a
+        watcher that stops reading cannot grow the buffer's memory without bound (events.py); the
+        default leaves room for 4 of the largest batches (a submission is published at once), about
+        620 bytes an event: ~160 MiB at the default max_requests_per_batch."""
+        return self.watch_queue_events or 4 * self.max_requests_per_batch

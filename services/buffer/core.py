@@ -26,7 +26,7 @@ from typing import Any
 
 from services.buffer import codec, metrics
 from services.buffer import store as keys
-from services.buffer.events import Added, Cancelled, Event, Subscription, WatchHub
+from services.buffer.events import DEFAULT_MAX_QUEUED_EVENTS, Added, Cancelled, Event, Subscription, WatchHub
 from services.buffer.model import ModelInfo
 from services.buffer.records import (
     BatchRecord,
@@ -288,6 +288,7 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
 class BufferCore:
     def __init__(self, store: Store, model: ModelInfo, *, max_requests_per_batch: int = 65536,
                  history_iterations: int = 2, retain_batches: int = 0,
+                 watch_queue_events: int = DEFAULT_MAX_QUEUED_EVENTS,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._model = model
@@ -301,7 +302,8 @@ class BufferCore:
         # (commit_chunk): history keys change only under it, so the older iterations it read stay
         # current. Taken before _lock, never while holding it.
         self._history_lock = threading.Lock()
-        self._hub = WatchHub()
+        # Bounded per watcher: one that stops reading is dropped, never waited for (events.py).
+        self._hub = WatchHub(watch_queue_events)
         self._switching = False
         self._switch_target = 0  # the version being switched to while _switching
         self._switch_workers = 0  # workers that loaded the current version (0 after a restart)
@@ -524,14 +526,18 @@ class BufferCore:
             trace_context=self._batches[r.batch_id].trace_context, submit_seq=self._batches[r.batch_id].submit_seq,
         )
 
-    def watch(self, watcher_id: str) -> tuple[list[WorkItem], Subscription]:
-        """The snapshot of runnable requests and a subscription to later events (atomically)."""
+    def watch(self, watcher_id: str, peer: str = "") -> tuple[list[WorkItem], Subscription]:
+        """The snapshot of runnable requests and a subscription to later events (atomically).
+
+        The subscription holds at most the hub's watch_queue_events; a watcher that falls further
+        behind is dropped (Subscription.take raises WatcherDropped) and must watch again. peer: the
+        watcher's address, logged with its id (an id may be empty)."""
         with self._lock:
             self._check_open()
-            sub = self._hub.add(watcher_id)
+            sub = self._hub.add(watcher_id, peer)
             snapshot = [self._work_item(live) for live in self._live.values()]
         metrics.WATCHERS.set(len(self._hub))
-        log.info("watcher joined", extra=kv(watcher_id=watcher_id, snapshot=len(snapshot)))
+        log.info("watcher joined", extra=kv(watcher_id=watcher_id, peer=peer, snapshot=len(snapshot)))
         return snapshot, sub
 
     def unwatch(self, sub: Subscription) -> None:

@@ -5,20 +5,42 @@ watcher sees every request exactly once: in the snapshot or as a later event.
 
 A stream sends work items in batches (`batches`, `coalesce`): one gRPC stream message per item cost
 about 200 us per item, most of a 2,048-request snapshot's time.
+
+Each queue is bounded (`max_events`, the buffer's watch_queue_events): the core publishes without
+waiting for anyone, so a watcher that stops reading (a hung scheduler whose TCP window is full)
+would otherwise grow the buffer's memory without bound. A publish that would take a queue past the
+bound drops that watcher instead: its queue is freed at once, it leaves the hub, and its stream ends
+RESOURCE_EXHAUSTED (`Subscription.take` raises WatcherDropped; the server also ends a stream that is
+blocked sending, through the drop callback). Nothing is lost: the queue only ever holds a copy of
+the core's state, and a watcher that watches again gets it whole in the snapshot (the scheduler
+reconnects on any error of the feed and replaces its state with the snapshot).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from services.buffer import metrics
+from services.common.errors import ResourceExhausted
+from services.common.log import get_logger, kv
+
+log = get_logger(__name__)
 
 # Limits of one WatchWork message: items, and token ids (prompt + output: ~1 MiB encoded). A single
 # item over the token limit still goes alone (its context is bounded by the model's).
 FEED_BATCH_ITEMS = 512
 FEED_BATCH_TOKENS = 1 << 18
+# Events one watcher may have queued (BufferConfig.watch_queue_events; app.py passes the configured
+# one). A queued event costs ~620 bytes (its WorkItem; the prompt array is the group's, shared), so
+# this is ~160 MiB for a watcher that stopped reading, plus the prompts of finished groups it keeps
+# alive. 4 x the default max_requests_per_batch: a SubmitBatch publishes all its requests at once,
+# and a watcher must never be dropped for one batch (it would be dropped again after every
+# reconnect); 4 such batches of backlog is ~10 s at the feed's ~24,000 items/s.
+DEFAULT_MAX_QUEUED_EVENTS = 4 * 65536
 
 
 @dataclass(frozen=True)
@@ -64,39 +86,114 @@ def coalesce(events: Sequence[Event]) -> Iterator[list[Any] | Cancelled]:
     yield from batches(run)
 
 
+class WatcherDropped(ResourceExhausted):
+    """A watcher fell too far behind: its queue was freed and its stream must end."""
+
+
 class Subscription:
-    def __init__(self, hub: WatchHub, watcher_id: str) -> None:
+    """One watcher's queue of events, at most `max_events` long.
+
+    Not a queue.Queue: on overflow the whole backlog is dropped at once, and the stream takes what is
+    queued in one step (one message carries many events)."""
+
+    def __init__(self, hub: WatchHub, watcher_id: str, max_events: int, peer: str = "") -> None:
         self.watcher_id = watcher_id
-        self._q: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.peer = peer
+        self.max_events = max_events
+        self.peak = 0  # the most events ever queued at once (logged on a drop; tests check the bound)
+        self._events: deque[Event] = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._dropped: str | None = None  # why, once dropped
+        self._closed = False  # the stream ended: a publish that raced with it queues nothing
+        self._on_drop: Callable[[str], None] | None = None
         self._hub = hub
 
-    def put(self, event: Event) -> None:
-        self._q.put(event)
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._events)
 
-    def get(self, timeout: float) -> Event | None:
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
+    @property
+    def dropped(self) -> bool:
+        with self._cond:
+            return self._dropped is not None
 
-    def get_nowait(self) -> Event | None:
-        """The next event if one is queued (a stream batches what is already there)."""
-        try:
-            return self._q.get_nowait()
-        except queue.Empty:
-            return None
+    @property
+    def closed(self) -> bool:
+        """Whether its stream ended (close(): the server does it when the handler returns)."""
+        with self._cond:
+            return self._closed
+
+    def offer(self, events: Sequence[Event]) -> str | None:
+        """Queues events, or, when they do not fit, frees the queue, marks the watcher dropped and
+        returns why (the caller removes it from the hub). Never blocks on the reader."""
+        with self._cond:
+            if self._dropped is not None or self._closed:
+                return None  # already dropped (the hub removes it once), or gone
+            if len(self._events) + len(events) <= self.max_events:
+                self._events.extend(events)
+                self.peak = max(self.peak, len(self._events))
+                self._cond.notify()
+                return None
+            queued = len(self._events)
+            # Freed now, not when the stream's thread wakes: that thread may be blocked sending to
+            # the very client that stopped reading.
+            self._events.clear()
+            self._dropped = (
+                f"WatchWork watcher {self.watcher_id!r} fell behind: {queued} events queued and {len(events)} "
+                f"more would pass watch_queue_events {self.max_events}; its stream is dropped and its queue "
+                "freed. Nothing is lost: watch again for a fresh snapshot")
+            self._cond.notify_all()
+            return self._dropped
+
+    def take(self, max_events: int, timeout: float) -> list[Event]:
+        """Up to max_events queued events, oldest first, waiting up to timeout for the first (an
+        empty list when none came). Raises WatcherDropped once the watcher was dropped."""
+        with self._cond:
+            if not self._events and self._dropped is None:
+                self._cond.wait(timeout)
+            if self._dropped is not None:
+                raise WatcherDropped(self._dropped, field="watch_queue_events")
+            n = min(max_events, len(self._events))
+            return [self._events.popleft() for _ in range(n)]
+
+    def on_drop(self, callback: Callable[[str], None]) -> None:
+        """Calls callback(reason) when the watcher is dropped (at once if it already was), on the
+        publishing thread: the server ends a stream whose thread may be blocked sending, and so
+        cannot see the drop itself. The callback must not block (the core's lock may be held)."""
+        with self._cond:
+            reason = self._dropped
+            if reason is None:
+                self._on_drop = callback
+                return
+        callback(reason)
+
+    def _fire_drop(self, reason: str) -> None:
+        with self._cond:
+            callback, self._on_drop = self._on_drop, None
+        if callback is not None:
+            callback(reason)
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._events.clear()
+            self._on_drop = None  # it holds the stream's context
         self._hub.remove(self)
 
 
 class WatchHub:
-    def __init__(self) -> None:
+    """The watchers of the work feed. Publishing never waits for one: each has its own bounded
+    queue, and one a publish does not fit is dropped (removed, counted, logged, its stream ended)."""
+
+    def __init__(self, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS) -> None:
+        if max_queued_events < 1:
+            raise ValueError(f"max_queued_events: must be >= 1, got {max_queued_events}")
+        self.max_queued_events = max_queued_events
         self._subs: set[Subscription] = set()
         self._lock = threading.Lock()
 
-    def add(self, watcher_id: str) -> Subscription:
-        sub = Subscription(self, watcher_id)
+    def add(self, watcher_id: str, peer: str = "") -> Subscription:
+        sub = Subscription(self, watcher_id, self.max_queued_events, peer)
         with self._lock:
             self._subs.add(sub)
         return sub
@@ -106,11 +203,22 @@ class WatchHub:
             self._subs.discard(sub)
 
     def publish(self, events: list[Event]) -> None:
+        """Queues events for every watcher; drops the watchers they do not fit (never waits)."""
         with self._lock:
             subs = list(self._subs)
         for s in subs:
-            for e in events:
-                s.put(e)
+            reason = s.offer(events)
+            if reason is not None:
+                self._drop(s, reason)
+
+    def _drop(self, sub: Subscription, reason: str) -> None:
+        self.remove(sub)
+        metrics.WATCHERS_DROPPED.inc()
+        metrics.WATCHERS.set(len(self))
+        log.warning("watcher dropped: its work-feed queue is full", extra=kv(
+            watcher_id=sub.watcher_id, peer=sub.peer, watch_queue_events=sub.max_events, peak=sub.peak,
+            error=reason))
+        sub._fire_drop(reason)
 
     def __len__(self) -> int:
         with self._lock:

@@ -14,5 +14,7 @@ DUPLICATES = Counter("seer_buffer_duplicate_commits_total", "Retried commits ack
 REJECTED = Counter("seer_buffer_rejected_commits_total", "Commits refused", ["reason"])
 CANCELLED = Counter("seer_buffer_cancelled_requests_total", "Requests cancelled")
 WATCHERS = Gauge("seer_buffer_watchers", "Open WatchWork streams")
+WATCHERS_DROPPED = Counter("seer_buffer_watchers_dropped_total",
+                           "WatchWork streams ended RESOURCE_EXHAUSTED: the watcher fell watch_queue_events behind")
 STREAMS = Gauge("seer_buffer_open_streams", "Open long-lived streams (StreamResults + WatchWork)")
 STREAMS_REFUSED = Counter("seer_buffer_refused_streams_total", "Streams refused at max_streams", ["method"])

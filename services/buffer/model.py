@@ -29,6 +29,12 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
+    @property
+    def size(self) -> int:
+        """How many tokens the tokenizer has, added tokens included (its ids are [0, size) in the
+        tokenizer.json files of Hugging Face models)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -69,4 +75,8 @@ def load_model_info(cfg: BufferConfig) -> ModelInfo:
     )
     log.info("model info", extra=kv(model_dir=info.model_dir, vocab_size=info.vocab_size,
                                              max_context=info.max_context, tokenizer=tok is not None))
+    if tok is not None and tok.size > info.vocab_size:
+        # Said once at startup; each prompt_text that hits such an id is refused at submission.
+        log.warning("the tokenizer has more tokens than the vocabulary: prompt_text that tokenizes to an id "
+                    ">= vocab_size is refused", extra=kv(tokenizer_size=tok.size, vocab_size=info.vocab_size))
     return info

@@ -14,12 +14,14 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, 
 from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, VersionProbe
-from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, batches, coalesce
+from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, WatcherDropped, batches, coalesce
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.grpcutil import channel, rpc
-from services.common.log import log_context
+from services.common.log import get_logger, kv, log_context
 from services.common.streams import StreamSlots
 from services.common.telemetry import current_trace_context
+
+log = get_logger(__name__)
 
 # How often a blocked stream re-checks that its client is still there.
 POLL_SECONDS = 0.5
@@ -35,6 +37,26 @@ def stream_slots(limit: int, watch_reserve: int | None = None) -> StreamSlots:
     reserve = min(4, limit // 2) if watch_reserve is None else watch_reserve
     return StreamSlots(limit, "max_streams", reserve=reserve, reserved_for=frozenset({"WatchWork"}),
                        on_open=metrics.STREAMS.inc, on_refused=lambda m: metrics.STREAMS_REFUSED.labels(method=m).inc())
+
+
+def end_stream(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """Ends a server stream with a status from a thread other than its handler's.
+
+    context.abort works only on the handler's own thread, which may be blocked sending to a client
+    that stopped reading (a full flow-control window), and context.cancel() ends the call CANCELLED,
+    which does not say why. Cancelling the call with a status sends it at once (gRPC writes the
+    trailers and RST_STREAM past flow control) and the blocked send returns, so the handler ends and
+    frees its thread and stream slot. The call is a private attribute of grpc's ServicerContext (an
+    OpenTelemetry wrapper forwards it); when it is missing, the stream still ends, CANCELLED."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    if call is not None:
+        try:
+            call.cancel(code.value[0], details)
+            return
+        except Exception as e:  # another grpc version: still end the stream
+            log.warning("cannot end the stream with a status; cancelling it", extra=kv(
+                code=code.name, error=f"{type(e).__name__}: {e}"))
+    context.cancel()
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -167,23 +189,26 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
 
     def _watch(self, request: buffer_pb2.WatchWorkRequest, context: grpc.ServicerContext
                ) -> Iterator[buffer_pb2.WatchWorkResponse]:
-        snapshot, sub = self.core.watch(request.watcher_id)
-        encoder = convert.WorkItemEncoder()
-        version, source = self.core.policy()
+        snapshot, sub = self.core.watch(request.watcher_id, context.peer())
         try:
+            # A watcher that falls watch_queue_events behind is dropped by the publishing thread
+            # (events.py). This thread sees it in sub.take, unless it is blocked sending to the
+            # client that stopped reading: then the stream is ended from there, with the same status.
+            sub.on_drop(lambda reason: end_stream(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                  str(WatcherDropped(reason, field="watch_queue_events"))))
+            encoder = convert.WorkItemEncoder()
+            version, source = self.core.policy()
             yield buffer_pb2.WatchWorkResponse(policy=buffer_pb2.PolicyState(version=version, source=source))
             for items in batches(snapshot):
                 yield encoder.added(items)
+            del snapshot  # sent: not kept alive for the life of the stream
             yield buffer_pb2.WatchWorkResponse(snapshot_done=True)
             while context.is_active():
-                event = sub.get(POLL_SECONDS)
-                if event is None:
+                # What is already queued goes in the same messages (a submitted batch arrives as one
+                # burst of events). Raises WatcherDropped (RESOURCE_EXHAUSTED) once dropped.
+                queued = sub.take(FEED_BATCH_ITEMS, POLL_SECONDS)
+                if not queued:
                     continue
-                # What else is already queued goes in the same messages (a submitted batch arrives
-                # as one burst of events).
-                queued = [event]
-                while len(queued) < FEED_BATCH_ITEMS and (more := sub.get_nowait()) is not None:
-                    queued.append(more)
                 for msg in coalesce(queued):
                     if isinstance(msg, Cancelled):
                         yield buffer_pb2.WatchWorkResponse(cancelled_request_id=msg.request_id)

@@ -117,6 +117,16 @@ def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
         tokens = tuple(model.tokenizer.encode(g.prompt_text))
         if not tokens:
             raise InvalidArgument("tokenizes to an empty prompt", field=f"{f}.prompt_text")
+        # Checked like prompt_token_ids: a tokenizer can produce ids the model does not have (its
+        # tokenizer.json has more tokens than config.json's vocab_size, a --vocab-size below the
+        # tokenizer's, a tokenizer.json without config.json and the 49,152 default). Accepted,
+        # such a prompt went on to the workers, whose model has no embedding for the id.
+        if max(tokens) >= model.vocab_size:
+            j = next(j for j, t in enumerate(tokens) if t >= model.vocab_size)
+            raise InvalidArgument(
+                f"tokenizes to token id {tokens[j]} (token {j}) outside the vocabulary [0, {model.vocab_size}): "
+                "this buffer's tokenizer and vocab_size disagree (check --model-dir and --vocab-size); "
+                "send prompt_token_ids instead", field=f"{f}.prompt_text")
     else:
         tokens = g.prompt_token_ids
         if not tokens:
