@@ -35,6 +35,13 @@ class KvStoreConfig(ServiceConfig):
     min_blob_bytes: int = field(
         default=64 * 1024, metadata={"help": "values at least this large go to RocksDB blob files"}
     )
+    ssd_write_buffer_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata={
+            "help": "RocksDB memtable memory (unflushed pages) for all namespaces together; "
+            "past 7/8 of it the oldest memtable is flushed"
+        },
+    )
     max_page_message_bytes: int = field(
         default=4 * 1024 * 1024, metadata={"help": "largest page (one Put/Get message) accepted"}
     )
@@ -88,6 +95,8 @@ class KvStoreConfig(ServiceConfig):
             raise ValueError(f"keep_versions: must be >= 1, got {self.keep_versions}")
         if self.min_blob_bytes < 0:
             raise ValueError(f"min_blob_bytes: must be >= 0, got {self.min_blob_bytes}")
+        if self.ssd_write_buffer_bytes <= 0:
+            raise ValueError(f"ssd_write_buffer_bytes: must be > 0, got {self.ssd_write_buffer_bytes}")
         if self.malloc_arenas < 1:
             raise ValueError(f"malloc_arenas: must be >= 1, got {self.malloc_arenas}")
         if not 0 < self.malloc_trim_bytes < 2**31:  # glibc's M_TRIM_THRESHOLD is an int

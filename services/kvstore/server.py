@@ -340,6 +340,7 @@ def open_store(cfg: KvStoreConfig) -> KvStore:
         verify_put_checksums=cfg.verify_put_checksums,
         min_blob_bytes=cfg.min_blob_bytes,
         ssd_wal=cfg.ssd_wal,
+        ssd_write_buffer_bytes=cfg.ssd_write_buffer_bytes,
         release_tombstone_s=cfg.release_tombstone_seconds,
     )
 

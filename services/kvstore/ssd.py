@@ -5,7 +5,18 @@ Layout on disk:
   b"d" + page_hash -> page bytes (large: stored in blob files, so compaction does not rewrite them)
   b"m" + page_hash -> small JSON metadata (checksum algorithm, checksum, size, access sequence, owners)
   Dropping a namespace is one drop_column_family: no per-page deletes, the blob files go with it.
+  A column family is created by the first page written to its namespace and may be dropped again
+  once the namespace holds no page on this tier (the store decides when): every column family has
+  its own memtables, so one kept per namespace ever seen (a new one per policy version) would grow
+  RocksDB's memory and the DB's open/flush work without bound.
 - the default column family holds the namespace registry: b"ns/" + name -> JSON record.
+
+Memtables (unflushed writes, page bytes included: blob files are written at flush) are capped
+across all column families by one db-wide write buffer (write_buffer_bytes): once they pass 7/8 of
+it, the next write makes RocksDB flush the column family with the oldest memtable. Without it every
+column family has its own budget (64 MiB, x2 while one flushes), and a deleted page stays in its
+memtable (a delete is one more entry; it frees nothing) until that memtable flushes, which only its
+own column family's writes trigger: an old version's released pages stayed in memory for good.
 
 Data and metadata of a page are written in one WriteBatch, so after a crash a page either exists
 with its metadata or not at all. Pages skip the write-ahead log by default (wal=False): a page is a
@@ -24,6 +35,7 @@ from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch
 _DATA = b"d"
 _META = b"m"
 _REGISTRY = b"ns/"
+DEFAULT_WRITE_BUFFER_BYTES = 64 * 1024 * 1024  # RocksDB's default for one memtable, here for all
 
 
 def _cf_name(namespace: str) -> str:
@@ -32,8 +44,16 @@ def _cf_name(namespace: str) -> str:
 
 class SsdTier:
     def __init__(
-        self, path: str, *, min_blob_bytes: int = 64 * 1024, wal: bool = False, verify_page_reads: bool = True
+        self,
+        path: str,
+        *,
+        min_blob_bytes: int = 64 * 1024,
+        wal: bool = False,
+        verify_page_reads: bool = True,
+        write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES,
     ) -> None:
+        if write_buffer_bytes <= 0:
+            raise ValueError(f"write_buffer_bytes: must be > 0, got {write_buffer_bytes}")
         os.makedirs(path, exist_ok=True)
         self.path = path
         self._page_write = WriteOptions()
@@ -53,6 +73,8 @@ class SsdTier:
         self._opts.set_enable_blob_gc(True)
         # KV pages are incompressible floats: compressing them is pure CPU cost.
         self._opts.set_compression_type(DBCompressionType.none())
+        # One memtable budget for the whole DB, however many column families are open (see above).
+        self._opts.set_db_write_buffer_size(write_buffer_bytes)
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
         self._cfs: dict[str, Rdict] = {}
@@ -90,10 +112,19 @@ class SsdTier:
             self._cfs[namespace] = self._db.create_column_family(_cf_name(namespace), self._opts)
 
     def drop_namespace(self, namespace: str) -> None:
+        """Drops a namespace's column family, pages and all (no-op when it has none). Its memtables
+        are freed once no handle to it is alive: the tier's own is let go first."""
         cf = self._cfs.pop(namespace, None)
-        if cf is not None:
-            del cf
+        if cf is None:
+            return
+        del cf
+        try:
             self._db.drop_column_family(_cf_name(namespace))
+        except BaseException:
+            # Still in RocksDB: keep a handle so it stays usable (a later drop retries); without one
+            # the next put would try to create it again and fail on the existing name.
+            self._cfs[namespace] = self._db.get_column_family(_cf_name(namespace))
+            raise
 
     def namespaces(self) -> list[str]:
         return list(self._cfs)
@@ -108,6 +139,8 @@ class SsdTier:
         self._db.write(wb, self._page_write)
 
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
+        """Rewrites a stored page's metadata (KeyError when its namespace has no column family: the
+        page is not on this tier, and a record without its page must not be created)."""
         self._cfs[namespace].put(_META + page_hash, meta, self._page_write)
 
     def get(self, namespace: str, page_hash: bytes) -> bytes | None:

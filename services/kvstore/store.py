@@ -32,6 +32,13 @@ requests' Puts of the same pages are not affected (the tombstone names the reque
 SSD write failures of a Put: disk full is RESOURCE_EXHAUSTED, any other RocksDB error UNAVAILABLE,
 both naming `data` (the replica cannot take the page now; the client counts a failed offload).
 
+Column families: a namespace's RocksDB column family exists only while the namespace has pages on
+the SSD tier (created by its first SSD write, dropped when its last SSD page goes, and at
+recovery when it has none), except that the _IDLE_COLUMN_FAMILIES namespaces most recently written
+to SSD keep theirs: every column family costs memtables, and an RL run makes a new namespace per
+policy version, so keeping one per namespace ever seen grew RocksDB's memory without bound. The
+namespace itself (layout, registry record) stays; only the RocksDB resource goes.
+
 Checksums: the XXH3-64 of every page (services.kvstore.checksum) is checked on
 Put (unless verify_put_checksums is off) and on every read from the SSD tier; a page that fails is
 deleted and reported as missing (counted in checksum_failures), never served.
@@ -55,11 +62,17 @@ from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
 from services.kvstore.checksum import ALGORITHM, page_checksum
 from services.kvstore.dram import Buffer, DramLru
-from services.kvstore.ssd import SsdTier
+from services.kvstore.ssd import DEFAULT_WRITE_BUFFER_BYTES, SsdTier
 
 log = get_logger(__name__)
 
 Key = tuple[str, bytes]  # (namespace, page hash)
+
+# Namespaces most recently written to the SSD tier that keep their column family while empty. A
+# drop and a re-create cost ~6 ms of MANIFEST writes, under the store lock: the live version, whose
+# SSD pages may all leave (released, promoted and evicted) just before more are demoted, would pay
+# that on each such swing. Two: a version change has the old and the new version live at once.
+_IDLE_COLUMN_FAMILIES = 2
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,7 @@ class _Namespace:
     seq: int  # creation order: orders the versions of a family whose names carry no "v<N>"
     entries: dict[bytes, _Entry] = field(default_factory=dict)
     by_owner: dict[str, set[bytes]] = field(default_factory=dict)
+    ssd_pages: int = 0  # entries on the SSD tier: its column family is needed only while > 0
 
 
 _VERSION_RE = re.compile(r"v(\d{1,18})")
@@ -190,6 +204,7 @@ class KvStore:
         verify_put_checksums: bool = True,
         min_blob_bytes: int = 64 * 1024,
         ssd_wal: bool = False,
+        ssd_write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES,
         release_tombstone_s: float = 600.0,
         max_release_tombstones: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
@@ -204,12 +219,18 @@ class KvStore:
             raise InvalidArgument(f"must be >= 0, got {max_release_tombstones}", field="max_release_tombstones")
         if min_blob_bytes < 0:
             raise InvalidArgument(f"must be >= 0, got {min_blob_bytes}", field="min_blob_bytes")
+        if ssd_write_buffer_bytes <= 0:
+            raise InvalidArgument(f"must be > 0, got {ssd_write_buffer_bytes}", field="ssd_write_buffer_bytes")
         self._lock = threading.RLock()
         self._dram = DramLru(dram_bytes)
         # The store checks every SSD read against the page's checksum (verify_checksums): RocksDB's own
         # (slower) check of the same bytes is then redundant.
         self._ssd = SsdTier(
-            data_dir, min_blob_bytes=min_blob_bytes, wal=ssd_wal, verify_page_reads=not verify_checksums
+            data_dir,
+            min_blob_bytes=min_blob_bytes,
+            wal=ssd_wal,
+            verify_page_reads=not verify_checksums,
+            write_buffer_bytes=ssd_write_buffer_bytes,
         )
         self.ssd_capacity_bytes = ssd_bytes
         self.keep_versions = keep_versions
@@ -217,6 +238,9 @@ class KvStore:
         self.verify_put_checksums = verify_put_checksums
         self._ssd_lru: OrderedDict[Key, int] = OrderedDict()  # pages on SSD -> size, LRU first
         self._ssd_bytes = 0
+        # Namespaces written to SSD lately, oldest first (at most _IDLE_COLUMN_FAMILIES): their
+        # column families are kept while empty.
+        self._ssd_recent: OrderedDict[str, None] = OrderedDict()
         self._namespaces: dict[str, _Namespace] = {}
         self._tombstones: set[str] = set()
         self._seq = itertools.count(1)
@@ -285,6 +309,7 @@ class KvStore:
         for _seq, key, size in sorted(pages, key=lambda p: p[0]):
             self._ssd_lru[key] = size
             self._ssd_bytes += size
+            self._namespaces[key[0]].ssd_pages += 1
         self._seq = itertools.count(max_seq + 1)
         if self._namespaces:
             log.info(
@@ -297,6 +322,11 @@ class KvStore:
                 extra=kv(pages=stale, want=ALGORITHM),
             )
         self._enforce_ssd_capacity()
+        # Namespaces left without pages (all released, evicted or stale before the stop: a store
+        # from before column families were dropped kept one per version it ever saw) give theirs
+        # up now; nothing is recent yet. The namespaces themselves stay (layouts, version order).
+        for name in self._ssd.namespaces():
+            self._drop_idle_column_family(name)
 
     # ---------------------------------------------------------------- namespaces
     def _check_put_target(self, name: str, layout: KVLayout) -> _Namespace | None:
@@ -334,7 +364,8 @@ class KvStore:
 
     def _create_namespace(self, name: str, layout: KVLayout) -> _Namespace:
         ns = _Namespace(name, layout, next(self._seq))
-        self._ssd.ensure_namespace(name)
+        # No column family yet: the first page written to SSD creates it (SsdTier.put), so a
+        # namespace whose pages never leave DRAM never costs one.
         self._ssd.put_registry(name, json.dumps({"layout": layout.to_json(), "seq": ns.seq}).encode())
         self._namespaces[name] = ns
         log.info("namespace created", extra=kv(namespace=name, page_bytes=layout.page_bytes))
@@ -365,6 +396,7 @@ class KvStore:
         seq = ns.seq if ns is not None else next(self._seq)
         self._tombstones.add(name)
         self._ssd.put_registry(name, json.dumps({"seq": seq, "dropped": True}).encode())
+        self._ssd_recent.pop(name, None)
         if ns is None:
             return 0
         for page_hash in ns.entries:
@@ -548,22 +580,64 @@ class KvStore:
         self._demotions += 1
 
     def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
+        # Recent before the write: a write that fails may still have created the column family,
+        # which is then dropped like any idle one once the namespace stops being recent.
+        self._note_ssd_write(key[0])
         self._ssd.put(key[0], key[1], data, _encode_meta(entry))
         entry.on_ssd = True
         self._ssd_lru[key] = entry.size
         self._ssd_bytes += entry.size
+        self._namespaces[key[0]].ssd_pages += 1
+
+    def _note_ssd_write(self, name: str) -> None:
+        """Marks name as written to SSD now; a namespace this pushes out of the recent ones loses
+        its column family if it has no SSD pages left."""
+        self._ssd_recent[name] = None
+        self._ssd_recent.move_to_end(name)
+        while len(self._ssd_recent) > _IDLE_COLUMN_FAMILIES:
+            old, _ = self._ssd_recent.popitem(last=False)
+            self._drop_idle_column_family(old)
+
+    def _forget_ssd_copy(self, key: Key) -> bool:
+        """Takes a page out of the SSD tier's accounting (LRU, bytes, its namespace's count); True
+        when it was on SSD. The caller deletes the copy on disk."""
+        size = self._ssd_lru.pop(key, None)
+        if size is None:
+            return False
+        self._ssd_bytes -= size
+        ns = self._namespaces.get(key[0])
+        if ns is not None:
+            ns.ssd_pages -= 1
+        return True
+
+    def _drop_idle_column_family(self, name: str) -> None:
+        """Drops name's column family when it holds no page and name is not one of the namespaces
+        written to SSD lately. Lock held: a Put that later writes to the namespace re-creates it
+        (SsdTier.put), and no read can be under way in between. A failed drop (RocksDB writes its
+        MANIFEST: a full disk refuses it) is logged, not raised: the column family stays usable,
+        and the next time the namespace empties, or the next start, tries again."""
+        ns = self._namespaces.get(name)
+        if (ns is not None and ns.ssd_pages > 0) or name in self._ssd_recent:
+            return
+        try:
+            self._ssd.drop_namespace(name)
+        except Exception:
+            log.warning("dropping an idle column family failed; it is kept", exc_info=True,
+                        extra=kv(namespace=name))
+            return
+        log.debug("idle column family dropped", extra=kv(namespace=name))
 
     def _enforce_ssd_capacity(self) -> None:
         while self._ssd_bytes > self.ssd_capacity_bytes and self._ssd_lru:
             key, _size = next(iter(self._ssd_lru.items()))
             if key in self._dram:
                 # Still hot in DRAM: free its SSD copy only; it is demoted again if it cools.
-                self._ssd_lru.pop(key)
-                self._ssd_bytes -= _size
+                self._forget_ssd_copy(key)
                 ns = self._namespaces.get(key[0])
                 if ns is not None and key[1] in ns.entries:
                     ns.entries[key[1]].on_ssd = False
                 self._delete_ssd(key)
+                self._drop_idle_column_family(key[0])
                 continue
             self._remove(key)
             self._evictions += 1
@@ -573,9 +647,7 @@ class KvStore:
         ns = self._namespaces.get(key[0])
         entry = ns.entries.pop(key[1], None) if ns is not None else None
         self._dram.pop(key)
-        size = self._ssd_lru.pop(key, None)
-        if size is not None:
-            self._ssd_bytes -= size
+        was_on_ssd = self._forget_ssd_copy(key)
         if ns is not None and entry is not None:
             for owner in entry.owners:
                 pages = ns.by_owner.get(owner)
@@ -586,6 +658,8 @@ class KvStore:
         # Last: the index is whole whether or not the disk takes the delete.
         if entry is not None and entry.on_ssd:
             self._delete_ssd(key)
+        if was_on_ssd:
+            self._drop_idle_column_family(key[0])
 
     def _delete_ssd(self, key: Key) -> None:
         """Deletes a page's SSD copy. A failed delete (a full disk: RocksDB then refuses every
