@@ -7,6 +7,7 @@ per iteration; the store evicts the globally oldest iteration first when over it
 from __future__ import annotations
 
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,10 @@ class HistoryStore:
         self.keep_iterations = keep_iterations
         self._keys: dict[str, dict[int, _Iteration]] = {}
         self._counter = 0
+        # Every kept iteration by seq, oldest first (seqs are handed out in increasing order, so
+        # insertion order is seq order): evict_oldest takes the first in O(1). It scanned every
+        # key, under the draft store's lock, once per eviction.
+        self._order: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self.memory_bytes = 0
         self.evicted = 0
 
@@ -64,6 +69,7 @@ class HistoryStore:
                 return []  # older than everything kept: nothing to do
             self._counter += 1
             it = iters[iteration] = _Iteration(iteration, self._counter)
+            self._order[it.seq] = (prompt_key, iteration)
         it.batches.add(_batch_key(added))
         before = it.memory_bytes
         it.responses.extend(array("i", r) for r in added)
@@ -102,6 +108,7 @@ class HistoryStore:
     def _drop(self, prompt_key: str, iteration: int) -> None:
         iters = self._keys[prompt_key]
         it = iters.pop(iteration)
+        del self._order[it.seq]
         self.memory_bytes -= it.memory_bytes
         self.evicted += len(it.responses)
         if not iters:
@@ -109,14 +116,10 @@ class HistoryStore:
 
     def evict_oldest(self) -> bool:
         """Drops the globally oldest stored iteration; False when there is nothing left."""
-        oldest: tuple[int, str, int] | None = None
-        for key, iters in self._keys.items():
-            for it in iters.values():
-                if oldest is None or it.seq < oldest[0]:
-                    oldest = (it.seq, key, it.iteration)
-        if oldest is None:
+        if not self._order:
             return False
-        self._drop(oldest[1], oldest[2])
+        key, iteration = next(iter(self._order.values()))
+        self._drop(key, iteration)
         return True
 
     def __iter__(self) -> Iterator[str]:

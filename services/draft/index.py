@@ -51,6 +51,10 @@ PROMPT_SEQ = 0
 # T = 0.7, G = 16, grouped + history: +2% accepted tokens per step.
 OWN_WEIGHT = 3.0
 HISTORY_WEIGHT = 0.5
+# memory_bytes() per indexed token (list slot + int object), per table entry and per sequence.
+TOKEN_BYTES = 8
+ENTRY_BYTES = 45
+SEQ_BYTES = 120
 
 
 @dataclass(frozen=True)
@@ -322,8 +326,31 @@ class GroupIndex:
 
     def memory_bytes(self) -> int:
         """Estimated resident bytes: CPython list slots + int objects + dict entries (calibrated
-        against tracemalloc in tests/draft/test_index.py)."""
-        return self.indexed_tokens * 8 + self.entries * 45 + len(self._seqs) * 120
+        against tracemalloc in tests/draft/test_index.py). O(1): the counts are kept as it changes."""
+        return self.indexed_tokens * TOKEN_BYTES + self.entries * ENTRY_BYTES + len(self._seqs) * SEQ_BYTES
+
+    def append_bytes_bound(self, start: int, n: int) -> int:
+        """An upper bound of the memory_bytes() growth from n new tokens of a response at position
+        `start` (where they go once any truncation is done): the store makes room for it before the
+        append. At 0 the response is a new sequence (its first append, or one truncated to 0)."""
+        if n <= 0:
+            return 0
+        if start == 0:
+            return sequences_bytes_bound(self.levels, len(self._lead), 1, n)
+        return n * (TOKEN_BYTES + len(self.levels) * ENTRY_BYTES)
+
+    def truncate_bytes_floor(self, n: int) -> int:
+        """A lower bound of the memory_bytes() drop from truncating n tokens of a response: each
+        token's slot, and the entry of each dropped position of the shortest level (all but its
+        first k - 1 positions of a sequence can be dropped ones)."""
+        if n <= 0:
+            return 0
+        return n * TOKEN_BYTES + max(0, n - self.levels[0] + 1) * ENTRY_BYTES
+
+    def history_bytes_bound(self, count: int, tokens: int) -> int:
+        """An upper bound of the memory_bytes() growth from add_history of `count` responses of
+        `tokens` tokens in all."""
+        return sequences_bytes_bound(self.levels, len(self._lead), count, tokens)
 
     def all_continuations(self, context: Sequence[int], k: int, max_len: int) -> list[list[int]]:
         """Every continuation (up to max_len tokens) of every occurrence of the context's last k
@@ -438,6 +465,25 @@ class GroupIndex:
             if prop.tokens:
                 break
         return best
+
+
+def sequences_bytes_bound(levels: Sequence[int], lead: int, count: int, tokens: int) -> int:
+    """An upper bound of GroupIndex.memory_bytes() growth from `count` new sequences holding `tokens`
+    tokens in all, each behind a copy of `lead` prompt tokens (_new_seq): per sequence its slot, its
+    lead's tokens and at most one entry per level for the lead (the entry at p == lead; the lead's
+    other positions are the prompt's own entries), and per token its slot and at most one entry
+    per level. Kept next to memory_bytes() so the two cannot drift apart."""
+    per_level = len(levels) * ENTRY_BYTES
+    return count * (SEQ_BYTES + lead * TOKEN_BYTES + per_level) + tokens * (TOKEN_BYTES + per_level)
+
+
+def new_index_bytes_bound(levels: Sequence[int], prompt_len: int, history_count: int, history_tokens: int) -> int:
+    """An upper bound of memory_bytes() of GroupIndex(prompt, levels=levels) after add_history of
+    `history_count` responses of `history_tokens` tokens in all (the prompt is a sequence without a
+    lead; its tail is every other sequence's lead)."""
+    lead = min(prompt_len, max(levels) - 1)
+    return (sequences_bytes_bound(levels, 0, 1, prompt_len)
+            + sequences_bytes_bound(levels, lead, history_count, history_tokens))
 
 
 def _key(tokens: Sequence[int], k: int) -> int:

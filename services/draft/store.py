@@ -27,9 +27,11 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
 - A group whose `group_size` responses are all finished has its responses promoted to history for
   its prompt key (the next iteration's drafts, RhymeRL) and becomes evictable under memory pressure.
 - Memory is bounded by `memory_budget_bytes`: over budget, the oldest history iteration goes first,
-  then completed groups, oldest first (never the group being written); when nothing is left to
-  evict, new groups, history and appends are refused with RESOURCE_EXHAUSTED (drafting degrades;
-  generation never depends on the draft server). A worker still mirroring a completed group that
+  then completed groups in the order they completed (never the group being written); when nothing
+  is left to evict, new groups, history and appends (re-opening a response, or a request's first
+  epoch, too; never a finish, whose entry the response's first append reserved) are refused with
+  RESOURCE_EXHAUSTED (drafting degrades; generation
+  never depends on the draft server). A worker still mirroring a completed group that
   was evicted or expired drops its mirror (Sync: gone + expired); history never holds the same
   responses of a key twice (HistoryStore.add), whichever way a group completes again.
 """
@@ -46,23 +48,23 @@ from dataclasses import dataclass, field
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.log import get_logger, kv
 from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES, HistoryStore
-from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix
+from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix, new_index_bytes_bound
 
 log = get_logger(__name__)
 
 _MAX_TOKEN_ID = (1 << 31) - 1
 _LOG_ENTRY_BYTES = 120  # a SeqDelta object and its tuple, calibrated with tracemalloc
 _LOG_TOKEN_BYTES = 36
-# Reserved per appended token before the append: index entries (GroupIndex.memory_bytes: 45 bytes per
-# level) + token slot + log copy + margin (200 with 3 levels).
-_ENTRY_BYTES = 45
-_APPEND_TOKEN_FIXED_BYTES = 65
-
-
-def append_token_bytes(levels: tuple[int, ...]) -> int:
-    return _APPEND_TOKEN_FIXED_BYTES + _ENTRY_BYTES * len(levels)
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
 _EPOCH_BYTES = 100  # a request's entry in _Group.epochs
+# Memory budget: everything a write adds to a group (index growth, bounded by GroupIndex; its log
+# entry, tokens or not; a request's first epoch entry) is made room for before it is written, as an
+# upper bound, and so is new history; history a completing group promotes is evicted first when it
+# does not fit (_maybe_complete). So the reported memory never exceeds the budget. A response's finish
+# entry is reserved with its first append (_finish_reservation): a finish is never refused for room,
+# since completing a group is what makes it evictable (refused, a store full of incomplete groups
+# stayed full until their TTLs ran out). It is a running total (DraftStore._charge), not a sum over
+# the groups.
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,6 @@ class _Group:
     group_size: int
     ttl_s: float
     expires_at: float
-    created: float
     index: GroupIndex
     history_iteration: int
     incarnation: int
@@ -119,6 +120,13 @@ class _Group:
     finished: set[str] = field(default_factory=set)
     completed: bool = False
     epochs: dict[str, int] = field(default_factory=dict)  # request -> newest attempt epoch seen
+    # Responses not finished whose finish entry (a log entry) is reserved in memory_bytes: taken by
+    # the first append of a response, used by its finish (DraftStore._finish_reservation).
+    finish_reserved: set[str] = field(default_factory=set)
+    # What DraftStore's running totals hold for this group (memory_bytes, indexed tokens) as of
+    # its last _charge.
+    charged_bytes: int = 0
+    charged_tokens: int = 0
 
     @property
     def watermark(self) -> int:
@@ -126,7 +134,8 @@ class _Group:
 
     @property
     def memory_bytes(self) -> int:
-        return self.index.memory_bytes() + self.log_bytes + len(self.epochs) * _EPOCH_BYTES
+        return (self.index.memory_bytes() + self.log_bytes + len(self.epochs) * _EPOCH_BYTES
+                + len(self.finish_reserved) * _LOG_ENTRY_BYTES)
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,18 @@ class DraftStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
+        # Completed groups (the evictable ones), in the order they completed: eviction takes the
+        # first in O(1). (It took the oldest created with a min() over every group per eviction.)
+        # Completion order, not creation: the groups of a batch register within moments and complete
+        # over minutes (the long tail), so creation order would evict a group that completed a moment
+        # ago, whose workers are still mirroring it and may still send a straggler's appends, before
+        # one whose workers finished with it long ago. A group completes at most once.
+        self._completed: OrderedDict[str, _Group] = OrderedDict()
+        # Running totals over the live groups, kept exactly by _charge / _add_group / _remove_group:
+        # the budget check runs on every append, and summing over the groups took 9 ms with 5,000
+        # live groups, under the lock.
+        self._group_bytes = 0
+        self._indexed_tokens = 0
         self._history = HistoryStore(self.limits.history_iterations)
         self._expired: OrderedDict[str, bool] = OrderedDict()  # tombstones: group id -> was completed
         self._expired_count = 0
@@ -195,7 +216,7 @@ class DraftStore:
                                         field="group_id")
                 # Completed (its responses are history) and registered with another prompt: the id
                 # is used again (a batch id resubmitted after the buffer's retention deleted it).
-                del self._groups[group_id]
+                self._remove_group(g)
                 # Tombstoned as an expired completed group: if this registration is refused below
                 # (no room), the old group's workers are told it expired, not that it was lost.
                 self._tombstone(group_id, True)
@@ -211,17 +232,15 @@ class DraftStore:
             # Room for the prompt and the key's history as indexed; eviction (oldest history first)
             # may take some of that very history, so the need is taken again after it: the group
             # then registers with what is left rather than being refused for history now gone.
-            per_token = append_token_bytes(self.limits.levels)
-            self._evict((len(prompt_token_ids) + (self._history.tokens(prompt_key) if prompt_key else 0)) * per_token)
-            self._make_room((len(prompt_token_ids) + (self._history.tokens(prompt_key) if prompt_key else 0))
-                            * per_token)
+            self._evict(self._new_group_bytes(len(prompt_token_ids), prompt_key))
+            self._make_room(self._new_group_bytes(len(prompt_token_ids), prompt_key))
             history = self._history.responses(prompt_key) if prompt_key else []
             index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
             for r in history:
                 index.add_history(r)
             iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
-            self._groups[group_id] = _Group(group_id, prompt_key, group_size, ttl, now + ttl, now, index, iteration,
-                                            _incarnation(), len(history))
+            self._add_group(_Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
+                                   _incarnation(), len(history)))
             self._expired.pop(group_id, None)
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
                                                   history=len(history), ttl_s=ttl))
@@ -268,17 +287,16 @@ class DraftStore:
             if epoch and epoch < current:
                 raise FailedPrecondition(f"stale attempt of request {request_id!r}: epoch {epoch} < {current}, the "
                                          "newest attempt's", field=f"{where}epoch")
+            # The newest epoch is recorded with the append's writes (not if it is refused); a new
+            # request's first epoch is an entry the budget must hold.
+            new_epoch = epoch if epoch > current else 0
             if truncate:
-                result = self._truncate_append(g, request_id, offset, token_ids, finished, where, now)
-            else:
-                result = self._plain_append(g, request_id, offset, token_ids, finished, where, now)
-            if epoch > current:
-                g.epochs[request_id] = epoch
-            return result
+                return self._truncate_append(g, request_id, offset, token_ids, finished, where, now, new_epoch)
+            return self._plain_append(g, request_id, offset, token_ids, finished, where, now, new_epoch)
 
     def _plain_append(
         self, g: _Group, request_id: str, offset: int, token_ids: Sequence[int], finished: bool, where: str,
-        now: float,
+        now: float, new_epoch: int,
     ) -> tuple[int, int]:
         """append(truncate=False) under the lock."""
         have = g.index.length(request_id)
@@ -299,13 +317,17 @@ class DraftStore:
             # be answered RESOURCE_EXHAUSTED (which the worker retries) when the budget is full.
             raise InvalidArgument(f"overlap with different tokens for request {request_id!r} at offset {offset}",
                                   field=f"{where}token_ids")
-        if new_tokens:
-            self._make_room(new_tokens * append_token_bytes(self.limits.levels), keep=g)
+        newly_finished = finished and request_id not in g.finished
+        need = self._write_bytes(g, request_id, have, new_tokens, new_tokens > 0 or newly_finished, new_epoch)
+        need += self._finish_reservation(g, request_id, newly_finished, reopen=False)
+        if need > 0:
+            self._make_room(need, keep=g)
         try:
             added = g.index.append(request_id, offset, token_ids)
         except InvalidArgument as e:
             raise InvalidArgument(str(e).split(": ", 1)[-1], field=f"{where}{e.field or 'token_ids'}") from None
-        newly_finished = finished and request_id not in g.finished
+        if new_epoch:
+            g.epochs[request_id] = new_epoch
         if added or newly_finished:
             start = offset + len(token_ids) - added
             entry = SeqDelta(request_id, start, tuple(int(t) for t in token_ids[len(token_ids) - added:]),
@@ -314,13 +336,16 @@ class DraftStore:
             g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
         if newly_finished:
             g.finished.add(request_id)
+        self._settle_reservation(g, request_id)
+        self._charge(g)
+        if newly_finished:
             self._maybe_complete(g)
         g.expires_at = now + g.ttl_s
         return added, len(token_ids) - added
 
     def _truncate_append(
         self, g: _Group, request_id: str, offset: int, token_ids: Sequence[int], finished: bool, where: str,
-        now: float,
+        now: float, new_epoch: int,
     ) -> tuple[int, int]:
         """append(truncate=True) under the lock: the response becomes tokens[:offset] + token_ids."""
         index = g.index
@@ -339,31 +364,78 @@ class DraftStore:
             raise FailedPrecondition(f"group {g.group_id!r} is complete (promoted to history); request "
                                      f"{request_id!r} cannot be truncated", field=f"{where}truncate")
         fresh = len(toks) - same
-        if fresh:
-            self._make_room(fresh * append_token_bytes(self.limits.levels), keep=g)
-        dropped, added = index.replace_from(request_id, offset + same, toks[same:])
-        if reopen:
-            g.finished.discard(request_id)
-        newly_finished = finished and request_id not in g.finished
+        newly_finished = finished and (reopen or request_id not in g.finished)
         # A re-opening is logged even when no token changed (an entry without tokens, not
         # finished): mirrors follow the server's finished state, and a worker that finished the
         # response must not resend it as finished after a restart (review, session 18).
-        if dropped or added or newly_finished or reopen:
+        logged = cuts or fresh > 0 or newly_finished or reopen
+        # A retry that changes nothing needs no room (it is never refused for it), and a cut counts
+        # what it surely frees: a cut alone (a resumed attempt with nothing new yet) is refused only
+        # when it grows the memory (a 1-2 token cut and its log entry).
+        need = self._write_bytes(g, request_id, offset + same, fresh, logged, new_epoch)
+        need += self._finish_reservation(g, request_id, newly_finished, reopen)
+        if cuts:
+            need -= index.truncate_bytes_floor(have - offset - same)
+        if need > 0:
+            self._make_room(need, keep=g)
+        dropped, added = index.replace_from(request_id, offset + same, toks[same:])
+        if new_epoch:
+            g.epochs[request_id] = new_epoch
+        if reopen:
+            g.finished.discard(request_id)
+        if logged:
             g.log.append(SeqDelta(request_id, offset + same, tuple(toks[same:]), finished, truncate=bool(dropped)))
             g.log_bytes += _LOG_ENTRY_BYTES + added * _LOG_TOKEN_BYTES
+        if newly_finished:
+            g.finished.add(request_id)
+        self._settle_reservation(g, request_id)
+        self._charge(g)
         if dropped:
             log.info("response truncated", extra=kv(group_id=g.group_id, request_id=request_id,
                                                     offset=offset + same, dropped=dropped))
         if newly_finished:
-            g.finished.add(request_id)
             self._maybe_complete(g)
         g.expires_at = now + g.ttl_s
         return added, len(toks) - added
+
+    @staticmethod
+    def _finish_reservation(g: _Group, request_id: str, newly_finished: bool, reopen: bool) -> int:
+        """The change in reserved bytes an append makes (room is made for it with the rest; the
+        append records it, _settle_reservation). A response that is not finished holds one log
+        entry for its finish: its first append takes it, its finish uses it (so a finish never
+        needs room: completing a group is what makes it evictable), a re-opening takes it again."""
+        held = request_id in g.finish_reserved
+        if newly_finished:
+            return -_LOG_ENTRY_BYTES if held else 0
+        if held or (request_id in g.finished and not reopen):
+            return 0
+        return _LOG_ENTRY_BYTES
+
+    @staticmethod
+    def _settle_reservation(g: _Group, request_id: str) -> None:
+        """After an append: a response not finished holds its finish's reservation, a finished one none."""
+        if request_id in g.finished:
+            g.finish_reserved.discard(request_id)
+        else:
+            g.finish_reserved.add(request_id)
+
+    @staticmethod
+    def _write_bytes(g: _Group, request_id: str, start: int, tokens: int, logged: bool, new_epoch: int) -> int:
+        """An upper bound of the memory an append adds to g: `tokens` new tokens at `start`, a log
+        entry when `logged` (a finish or a re-opening without tokens too), and the request's first
+        epoch entry."""
+        need = g.index.append_bytes_bound(start, tokens)
+        if logged:
+            need += _LOG_ENTRY_BYTES + tokens * _LOG_TOKEN_BYTES
+        if new_epoch and request_id not in g.epochs:
+            need += _EPOCH_BYTES
+        return need
 
     def _maybe_complete(self, g: _Group) -> None:
         if g.completed or g.group_size <= 0 or len(g.finished) < g.group_size or not g.prompt_key:
             return
         g.completed = True
+        self._completed[g.group_id] = g  # evictable from now on
         responses = [g.index.tokens(r) for r in sorted(g.finished)]
         # History never holds a group's responses twice: a group completed again (re-created by a
         # worker after a restart, or a new incarnation of its id resent the old responses) adds
@@ -375,7 +447,12 @@ class DraftStore:
         else:
             log.info("group complete; its responses are history already",
                      extra=kv(group_id=g.group_id, prompt_key=g.prompt_key))
-        self._evict(keep=g)  # the new history counts against the budget at once
+        # The new history counts against the budget at once. It was not made room for before the
+        # append: with the budget full, that would refuse the very append that makes memory
+        # evictable. Eviction takes history first, and with all of it gone (this promotion too) the
+        # memory is back within the budget the append's own writes were made room for: g is
+        # never needed.
+        self._evict(keep=g)
 
     # ---- history --------------------------------------------------------------------------------
 
@@ -397,19 +474,19 @@ class DraftStore:
             # Room for the stored copy and for the copy indexed (and logged) by every live group
             # of the key, before anything is added: nothing is half-seeded when the budget is full.
             live = [g for g in self._groups.values() if g.prompt_key == prompt_key and not g.completed]
-            per_copy = total * (append_token_bytes(self.limits.levels) + _LOG_TOKEN_BYTES) + len(responses) * (
-                _LOG_ENTRY_BYTES + 120)
+            log_copy = total * _LOG_TOKEN_BYTES + len(responses) * _LOG_ENTRY_BYTES
+            copies = sum(g.index.history_bytes_bound(len(responses), total) + log_copy for g in live)
             stored = total * HISTORY_TOKEN_BYTES + len(responses) * HISTORY_RESPONSE_BYTES
-            self._make_room(stored + len(live) * per_copy)
+            self._make_room(stored + copies)
             added = self._history.add(prompt_key, iteration, responses)
-            # Live groups of this key get the new responses too (as history log entries).
+            # Live groups of this key get the new responses too (as history log entries). (None was
+            # evicted making room: only completed groups are.)
             for g in live:
-                if g.group_id in self._groups:
-                    for r in added:
-                        g.index.add_history(r)
-                        g.log.append(SeqDelta("", 0, r, True))
-                        g.log_bytes += _LOG_ENTRY_BYTES + len(r) * _LOG_TOKEN_BYTES
-            self._evict()
+                for r in added:
+                    g.index.add_history(r)
+                    g.log.append(SeqDelta("", 0, r, True))
+                    g.log_bytes += _LOG_ENTRY_BYTES + len(r) * _LOG_TOKEN_BYTES
+                self._charge(g)
             return len(added)
 
     # ---- sync -----------------------------------------------------------------------------------
@@ -455,7 +532,39 @@ class DraftStore:
     # ---- memory ---------------------------------------------------------------------------------
 
     def _memory(self) -> int:
-        return self._history.memory_bytes + sum(g.memory_bytes for g in self._groups.values())
+        """The reported memory: running totals, O(1) (it is checked on every write)."""
+        return self._history.memory_bytes + self._group_bytes
+
+    def _charge(self, g: _Group) -> None:
+        """Brings the running totals up to date with g after a change to g (its index, log or
+        epochs): g's memory is recomputed (O(1): GroupIndex keeps its counts) and the totals move by
+        the difference from what was charged for g, so they cannot drift from the sum over the
+        groups, however g changed. Every change to a live group is followed by this, before the
+        totals are read again."""
+        mem = g.memory_bytes
+        tokens = g.index.indexed_tokens
+        self._group_bytes += mem - g.charged_bytes
+        self._indexed_tokens += tokens - g.charged_tokens
+        g.charged_bytes = mem
+        g.charged_tokens = tokens
+
+    def _add_group(self, g: _Group) -> None:
+        self._groups[g.group_id] = g
+        self._charge(g)
+
+    def _remove_group(self, g: _Group) -> None:
+        """Drops a live group (evicted, expired, or replaced by a new incarnation) and its share of
+        the totals."""
+        del self._groups[g.group_id]
+        self._completed.pop(g.group_id, None)
+        self._group_bytes -= g.charged_bytes
+        self._indexed_tokens -= g.charged_tokens
+        g.charged_bytes = g.charged_tokens = 0
+
+    def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
+        """An upper bound of a new group's memory: its index of the prompt and the key's history."""
+        count, tokens = (self._history.count(prompt_key), self._history.tokens(prompt_key)) if prompt_key else (0, 0)
+        return new_index_bytes_bound(self.limits.levels, prompt_len, count, tokens)
 
     def _make_room(self, extra: int, keep: _Group | None = None) -> None:
         """Evicts (never `keep`) until `extra` more bytes fit; ResourceExhausted when they cannot."""
@@ -473,11 +582,11 @@ class DraftStore:
         while self._memory() + extra > budget:
             if self._history.evict_oldest():
                 continue
-            done = [g for g in self._groups.values() if g.completed and g is not keep]
-            if not done:
+            # The first completed group that is not `keep`: at most two looked at.
+            oldest = next((g for g in self._completed.values() if g is not keep), None)
+            if oldest is None:
                 return
-            oldest = min(done, key=lambda g: g.created)
-            del self._groups[oldest.group_id]
+            self._remove_group(oldest)
             self._tombstone(oldest.group_id, completed=True)
             self._evicted_groups += 1
             log.info("completed group evicted", extra=kv(group_id=oldest.group_id, prompt_key=oldest.prompt_key))
@@ -493,9 +602,10 @@ class DraftStore:
         if now < self._next_sweep:
             return
         self._next_sweep = now + 0.5
-        dead = [gid for gid, g in self._groups.items() if g.expires_at <= now]
-        for gid in dead:
-            self._tombstone(gid, self._groups.pop(gid).completed)
+        dead = [g for g in self._groups.values() if g.expires_at <= now]
+        for g in dead:
+            self._remove_group(g)
+            self._tombstone(g.group_id, g.completed)
             self._expired_count += 1
         if dead:
             log.info("groups expired", extra=kv(count=len(dead)))
@@ -512,7 +622,7 @@ class DraftStore:
     def stats(self) -> DraftStats:
         with self._lock:
             self._sweep(self._clock())
-            tokens = sum(g.index.indexed_tokens for g in self._groups.values())
+            tokens = self._indexed_tokens
             mem = self._memory()
             return DraftStats(
                 groups=len(self._groups),
