@@ -1,0 +1,139 @@
+"""Store scaling over a long RL run: the draft store's append cost vs live groups, and the KV store's
+RocksDB column families and memtable memory vs policy versions.
+
+    python -m bench.store_scaling [--quick]
+
+Draft store (services.draft.store, in process): the median time of a 1-token Append to one group
+with N other live groups (10, 1,000, 5,000), and with the budget full of N completed groups (every
+append evicts). Before session 23 the budget check summed every group's memory under the store's
+lock on each append: 0.8 ms at 1,000 groups, 7.8 ms at 5,000 (docs/benchmarks.md).
+
+KV store (services.kvstore.store, real RocksDB in a temp dir, SSD tier only): V policy versions,
+each its own namespace as a worker names them after LoadWeights (<dir>@<weights id>@v<N>), each
+writes P SmolLM2-135M float32 pages (720 KiB) and releases them all, as one RL iteration does. Reports
+the column families left open and the memtable bytes RocksDB holds (rocksdb.cur-size-all-mem-tables,
+all column families), and the process RSS. Before session 23 each version kept its column family
+(and 64 MiB x 2 of memtables) for the store's life: 200 versions held 2.9 GB of memtables.
+
+The last line is `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from services.common.kvlayout import KVLayout
+from services.draft.store import DraftStore, StoreLimits
+from services.kvstore.checksum import page_checksum
+from services.kvstore.store import KvStore
+
+_LAYOUT = KVLayout("float32", 16, 30, 3, 64)  # SmolLM2-135M: 720 KiB a page
+
+
+def _draft_store(groups: int, completed: bool) -> DraftStore:
+    s = DraftStore(StoreLimits())
+    for i in range(groups):
+        s.register_group(f"g{i}", f"k{i}", [(i + j) % 997 for j in range(20)], group_size=1 if completed else 4)
+        s.append(f"g{i}", "r0", 0, [(i * 7 + j) % 991 for j in range(50)], finished=completed)
+    s.register_group("hot", "hot", list(range(20)), group_size=4)
+    return s
+
+
+def _append_us(s: DraftStore, reps: int) -> dict[str, float]:
+    """Median and mean microseconds of a 1-token append to the group "hot"."""
+    times: list[float] = []
+    for k in range(reps):
+        t0 = time.perf_counter()
+        s.append("hot", "r", k, [k % 1000])
+        times.append(time.perf_counter() - t0)
+    return {"median": round(statistics.median(times) * 1e6, 1), "mean": round(statistics.fmean(times) * 1e6, 1)}
+
+
+def draft(sizes: list[int], reps: int) -> dict[str, object]:
+    live = {str(n): _append_us(_draft_store(n, completed=False), reps) for n in sizes}
+    full: dict[str, dict[str, float]] = {}
+    for n in sizes[1:]:
+        s = _draft_store(n, completed=True)
+        # The budget is the memory of the groups alone: the first append evicts all history (one
+        # iteration per completed group), the later ones completed groups.
+        budget = s.stats().memory_bytes - s._history.memory_bytes
+        s.limits = dataclasses.replace(s.limits, memory_budget_bytes=budget)
+        full[str(n)] = _append_us(s, min(reps, 100))
+    return {"append_us_by_live_groups": live, "append_us_budget_full_by_completed_groups": full}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def _memtable_mib(store: KvStore) -> float:
+    ssd = store.raw_ssd()
+    total = 0
+    for name in ssd.namespaces():
+        cf = ssd.raw_column_family(name)
+        if cf is not None:
+            total += cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+    return round(total / 2**20, 1)
+
+
+def kvstore(versions: int, pages: int) -> dict[str, object]:
+    d = tempfile.mkdtemp(prefix="seer-bench-cf-")
+    try:
+        store = KvStore(d, dram_bytes=0, ssd_bytes=64 << 30)
+        data = os.urandom(_LAYOUT.page_bytes)
+        csum = page_checksum(data)
+        peak_cfs = 0
+        peak_mib = 0.0
+        t0 = time.perf_counter()
+        for v in range(versions):
+            ns = f"smollm2@{v:012x}@v{v}"
+            for p in range(pages):
+                store.put(ns, _LAYOUT, v.to_bytes(8, "big") + p.to_bytes(8, "big"), data, csum, f"r{p % 4}")
+            peak_cfs = max(peak_cfs, len(store.raw_ssd().namespaces()))
+            peak_mib = max(peak_mib, _memtable_mib(store))
+            for r in range(4):
+                store.release(ns, f"r{r}")
+        out: dict[str, object] = {
+            "versions": versions,
+            "pages_per_version": pages,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "column_families_open": len(store.raw_ssd().namespaces()),
+            "column_families_peak": peak_cfs,
+            "memtable_mib_end": _memtable_mib(store),
+            "memtable_mib_peak": peak_mib,
+            "rss_mib": _rss_mib(),
+            "namespaces": store.stats().namespaces,
+        }
+        store.close()
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.store_scaling", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, under 60 s")
+    args = ap.parse_args(argv)
+    sizes = [10, 1000, 5000]
+    result = {
+        "quick": args.quick,
+        "draft": draft(sizes, reps=200 if args.quick else 500),
+        "kvstore": kvstore(versions=30 if args.quick else 200, pages=10 if args.quick else 20),
+    }
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
