@@ -24,6 +24,16 @@ from services.buffer.core import BufferCore
 from services.common.server import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0, poll: float = 0.02) -> bool:
+    """Polls cond until it holds or timeout passes; whether it held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(poll)
+    return cond()
 WORDS = ["[UNK]", "<eos>", "question", ":", "what", "is", "two", "plus", "three", "answer", "five", "?", "the",
          "cat", "sat", "on", "mat", "."]
 TINY_VOCAB = 64  # config.json vocab_size (larger than the tokenizer's word list, as with real models)

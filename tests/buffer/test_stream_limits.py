@@ -6,13 +6,12 @@ from __future__ import annotations
 import select
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
-from buffer_helpers import STOP, BufferHandle, commit, group, snapshot, submit
+from buffer_helpers import STOP, BufferHandle, commit, group, snapshot, submit, wait_for
 from seer.v1 import rollout_pb2, rollout_pb2_grpc
 
 from services.buffer.config import BufferConfig
@@ -27,15 +26,6 @@ def _drain(stream: Any, out: list[Any]) -> None:
         out.append("ok")
     except grpc.RpcError as e:
         out.append((e.code(), e.details()))
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_stream_limit_defaults_and_validation() -> None:
@@ -57,14 +47,14 @@ def test_waiting_result_streams_leave_threads_for_commits(make_buffer: Callable[
     for s, out in zip(streams, outs, strict=True):
         threading.Thread(target=_drain, args=(s, out), daemon=True).start()
     try:
-        assert _wait_for(lambda: sum(1 for o in outs if o) == len(outs) - 2)
+        assert wait_for(lambda: sum(1 for o in outs if o) == len(outs) - 2)
         refused = [o[0] for o in outs if o]
         assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams" in msg for code, msg in refused)
         # The scheduler still gets its feed with StreamResults at their cap...
         assert [it.request_id for it in snapshot(h.internal)] == ["x/0/0"]
         # ...and a commit finds a thread (before: every thread waited in a stream, a deadlock).
         assert commit(h.internal, "x/0/0", 0, [5], reason=STOP).request_finished
-        assert _wait_for(lambda: all(o for o in outs) and sum(1 for o in outs if o == ["x/0/0", "ok"]) == 2)
+        assert wait_for(lambda: all(o for o in outs) and sum(1 for o in outs if o == ["x/0/0", "ok"]) == 2)
         # Ended streams give their slots back.
         assert [r.result.request_id for r in h.rollout.StreamResults(
             rollout_pb2.StreamResultsRequest(batch_id="x"), timeout=5)] == ["x/0/0"]
@@ -133,7 +123,7 @@ def test_keepalive_ends_the_streams_of_a_vanished_client(make_buffer: Callable[.
         out: list[Any] = []
         stream = rollout_pb2_grpc.RolloutServiceStub(ch).StreamResults(rollout_pb2.StreamResultsRequest(batch_id="k"))
         threading.Thread(target=_drain, args=(stream, out), daemon=True).start()
-        assert _wait_for(lambda: out == ["k/0/0"])  # admitted: it holds the one slot, waiting for k/0/1
+        assert wait_for(lambda: out == ["k/0/0"])  # admitted: it holds the one slot, waiting for k/0/1
 
         def admitted() -> bool:
             s = h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="k"), timeout=10)
@@ -149,7 +139,7 @@ def test_keepalive_ends_the_streams_of_a_vanished_client(make_buffer: Callable[.
         assert not admitted()
         proxy.freeze()
         # The server's unanswered keepalive ping closes the connection, which ends the stream.
-        assert _wait_for(admitted, timeout=8.0)
+        assert wait_for(admitted, timeout=8.0)
     finally:
         proxy.close()
         ch.close()

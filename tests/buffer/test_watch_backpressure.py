@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from buffer_helpers import BufferHandle, commit, group, snapshot, submit
+from buffer_helpers import BufferHandle, commit, group, snapshot, submit, wait_for
 from prometheus_client import REGISTRY
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2
 
@@ -27,15 +27,6 @@ from services.common import config
 
 LIMIT = 64  # watch_queue_events of these tests (>= max_requests_per_batch, as the config requires)
 PROMPT = [40_000 + i for i in range(2_000)]  # ~6 KB an item on the wire: the window fills in a few
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _subs(buf: BufferHandle) -> set[Subscription]:
@@ -100,12 +91,12 @@ def test_stuck_watcher_is_dropped_while_a_reader_gets_everything(make_buffer: Ca
     # no more, so the buffer's send to it blocks after ~10 items, as for a hung scheduler.
     stuck_channel = grpc.insecure_channel(buf.address, options=[("grpc.http2.bdp_probe", 0)])
     try:
-        assert _wait_for(lambda: len(_subs(buf)) == 1)
+        assert wait_for(lambda: len(_subs(buf)) == 1, timeout=10.0)
         before = _subs(buf)
         dropped_before = _dropped_total()
         stuck_call = buffer_pb2_grpc.BufferInternalServiceStub(stuck_channel).WatchWork(
             buffer_pb2.WatchWorkRequest(watcher_id="stuck"), timeout=60)
-        assert _wait_for(lambda: len(_subs(buf)) == 2)
+        assert wait_for(lambda: len(_subs(buf)) == 2, timeout=10.0)
         (stuck,) = _subs(buf) - before
 
         # 10 batches of 32 requests (4 groups of 8), one of them cancelled: 352 live events for a
@@ -123,12 +114,12 @@ def test_stuck_watcher_is_dropped_while_a_reader_gets_everything(make_buffer: Ca
 
         # The stuck watcher was dropped, and its stream ended without it reading a byte more: the
         # handler thread blocked sending to it returned (and unsubscribed), freeing its stream slot.
-        assert _wait_for(lambda: stuck not in _subs(buf)), (
+        assert wait_for(lambda: stuck not in _subs(buf), timeout=10.0), (
             f"the watcher that stopped reading was never dropped ({len(stuck)} events queued)")
         assert stuck.dropped and len(stuck) == 0  # its queue is freed
         assert stuck.peak <= LIMIT  # and never held more than the bound
         assert _dropped_total() == dropped_before + 1
-        assert _wait_for(lambda: stuck.closed), "the dropped stream's handler is still blocked sending"
+        assert wait_for(lambda: stuck.closed, timeout=10.0), "the dropped stream's handler is still blocked sending"
 
         # The reader, on the same buffer, got every event in order.
         assert reader.live_events(len(expected)) == expected
@@ -165,11 +156,11 @@ def test_a_watch_after_the_drop_follows_live_events(make_buffer: Callable[..., B
     try:
         call = buffer_pb2_grpc.BufferInternalServiceStub(stuck_channel).WatchWork(
             buffer_pb2.WatchWorkRequest(watcher_id="sched"), timeout=60)
-        assert _wait_for(lambda: len(_subs(buf)) == 1)
+        assert wait_for(lambda: len(_subs(buf)) == 1, timeout=10.0)
         (stuck,) = _subs(buf)
         for b in range(4):
             submit(buf.rollout, f"b{b}", [_big_group() for _ in range(4)])
-        assert _wait_for(lambda: stuck not in _subs(buf))
+        assert wait_for(lambda: stuck not in _subs(buf), timeout=10.0)
         with pytest.raises(grpc.RpcError) as info:
             for _ in call:
                 pass
@@ -177,7 +168,7 @@ def test_a_watch_after_the_drop_follows_live_events(make_buffer: Callable[..., B
 
         again = Reader(buf.internal, "sched")
         try:
-            assert _wait_for(lambda: len(_subs(buf)) == 1)
+            assert wait_for(lambda: len(_subs(buf)) == 1, timeout=10.0)
             submit(buf.rollout, "late", [group(group_size=2)])
             assert again.live_events(2) == [("added", "late/0/0"), ("added", "late/0/1")]
         finally:
