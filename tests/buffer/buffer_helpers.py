@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +26,34 @@ from services.buffer.core import BufferCore
 from services.common.server import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class Watcher:
+    """A WatchWork stream drained by a thread into a queue; `end` is "ok" or (code, details) once
+    the stream ended."""
+
+    def __init__(self, stub: buffer_pb2_grpc.BufferInternalServiceStub, name: str, timeout: float | None = None
+                 ) -> None:
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.end: Any = None
+        self.stream = stub.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id=name), timeout=timeout)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for ev in self.stream:
+                self.events.put(ev)
+            self.end = "ok"
+        except grpc.RpcError as e:
+            self.end = (e.code(), e.details())
+
+    def next(self, timeout: float = 5.0) -> Any:
+        return self.events.get(timeout=timeout)
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.thread.join(5)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0, poll: float = 0.02) -> bool:

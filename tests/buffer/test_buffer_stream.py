@@ -2,43 +2,29 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 from typing import Any
 
 import grpc
-from buffer_helpers import STOP, BufferHandle, commit, expect_error, finish_all, group, snapshot, submit, token_for
-from seer.v1 import buffer_pb2, rollout_pb2
-
-
-class Watcher:
-    """A WatchWork stream drained by a thread into a queue."""
-
-    def __init__(self, buf: BufferHandle, name: str) -> None:
-        self.events: queue.Queue[Any] = queue.Queue()
-        self.stream = buf.internal.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id=name))
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            for ev in self.stream:
-                self.events.put(ev)
-        except grpc.RpcError:
-            pass
-
-    def next(self, timeout: float = 5.0) -> Any:
-        return self.events.get(timeout=timeout)
-
-    def close(self) -> None:
-        self.stream.cancel()
-        self.thread.join(5)
+from buffer_helpers import (
+    STOP,
+    BufferHandle,
+    Watcher,
+    commit,
+    expect_error,
+    finish_all,
+    group,
+    snapshot,
+    submit,
+    token_for,
+)
+from seer.v1 import rollout_pb2
 
 
 def test_watch_snapshot_then_live_events(buf: BufferHandle) -> None:
     submit(buf.rollout, "w1", [group(group_size=2)])
     commit(buf.internal, "w1/0/1", 0, [9, 10])
-    watchers = [Watcher(buf, "a"), Watcher(buf, "b")]
+    watchers = [Watcher(buf.internal, "a"), Watcher(buf.internal, "b")]
     try:
         for w in watchers:
             snap = {}

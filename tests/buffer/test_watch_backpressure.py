@@ -4,7 +4,6 @@ receiving everything, and a watch after the drop gets the whole state in its sna
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
-from buffer_helpers import BufferHandle, commit, group, snapshot, submit, wait_for
+from buffer_helpers import BufferHandle, Watcher, commit, group, snapshot, submit, wait_for
 from prometheus_client import REGISTRY
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2
 
@@ -39,25 +38,13 @@ def _dropped_total() -> float:
     return REGISTRY.get_sample_value("seer_buffer_watchers_dropped_total") or 0.0
 
 
-class Reader:
-    """A WatchWork stream drained by a thread: every event, then its end."""
+class Reader(Watcher):
+    """A WatchWork stream drained by a thread: every event, then its end; and its live events."""
 
     def __init__(self, stub: buffer_pb2_grpc.BufferInternalServiceStub, name: str) -> None:
-        self.events: queue.Queue[Any] = queue.Queue()
-        self.end: Any = None
         self.live: list[Any] = []
         self.in_live = False
-        self.stream = stub.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id=name), timeout=60)
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            for ev in self.stream:
-                self.events.put(ev)
-            self.end = "ok"
-        except grpc.RpcError as e:
-            self.end = (e.code(), e.details())
+        super().__init__(stub, name, timeout=60)
 
     def live_events(self, n: int, timeout: float = 20.0) -> list[Any]:
         """The first n events after snapshot_done, as ("added", request_id) / ("cancelled",
@@ -72,10 +59,6 @@ class Reader:
             elif self.in_live and ev.HasField("cancelled_request_id"):
                 self.live.append(("cancelled", ev.cancelled_request_id))
         return self.live[:n]
-
-    def close(self) -> None:
-        self.stream.cancel()
-        self.thread.join(5)
 
 
 def _big_group(**kw: Any) -> rollout_pb2.PromptGroup:
