@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.buffer.events import default_watch_queue
 from services.common.server import ServiceConfig
 from services.common.streams import check_stream_limit, default_stream_limit
 
@@ -90,6 +91,5 @@ class BufferConfig(ServiceConfig):
     def watch_queue_limit(self) -> int:
         """The effective watch_queue_events. Each WatchWork stream's queue is bounded so that a
         watcher that stops reading cannot grow the buffer's memory without bound (events.py); the
-        default leaves room for 4 of the largest batches (a submission is published at once), about
-        620 bytes an event: ~160 MiB at the default max_requests_per_batch."""
-        return self.watch_queue_events or 4 * self.max_requests_per_batch
+        default is events.default_watch_queue: room for 4 of the largest batches."""
+        return self.watch_queue_events or default_watch_queue(self.max_requests_per_batch)

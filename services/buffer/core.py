@@ -26,7 +26,7 @@ from typing import Any
 
 from services.buffer import codec, metrics
 from services.buffer import store as keys
-from services.buffer.events import DEFAULT_MAX_QUEUED_EVENTS, Added, Cancelled, Event, Subscription, WatchHub
+from services.buffer.events import Added, Cancelled, Event, Subscription, WatchHub, default_watch_queue
 from services.buffer.model import ModelInfo
 from services.buffer.records import (
     BatchRecord,
@@ -288,7 +288,7 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
 class BufferCore:
     def __init__(self, store: Store, model: ModelInfo, *, max_requests_per_batch: int = 65536,
                  history_iterations: int = 2, retain_batches: int = 0,
-                 watch_queue_events: int = DEFAULT_MAX_QUEUED_EVENTS,
+                 watch_queue_events: int = 0,
                  clock: Callable[[], float] = time.time) -> None:
         self._store = store
         self._model = model
@@ -303,7 +303,7 @@ class BufferCore:
         # current. Taken before _lock, never while holding it.
         self._history_lock = threading.Lock()
         # Bounded per watcher: one that stops reading is dropped, never waited for (events.py).
-        self._hub = WatchHub(watch_queue_events)
+        self._hub = WatchHub(watch_queue_events or default_watch_queue(max_requests_per_batch))
         self._switching = False
         self._switch_target = 0  # the version being switched to while _switching
         self._switch_workers = 0  # workers that loaded the current version (0 after a restart)

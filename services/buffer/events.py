@@ -34,13 +34,16 @@ log = get_logger(__name__)
 # item over the token limit still goes alone (its context is bounded by the model's).
 FEED_BATCH_ITEMS = 512
 FEED_BATCH_TOKENS = 1 << 18
-# Events one watcher may have queued (BufferConfig.watch_queue_events; app.py passes the configured
-# one). A queued event costs ~620 bytes (its WorkItem; the prompt array is the group's, shared), so
-# this is ~160 MiB for a watcher that stopped reading, plus the prompts of finished groups it keeps
-# alive. 4 x the default max_requests_per_batch: a SubmitBatch publishes all its requests at once,
-# and a watcher must never be dropped for one batch (it would be dropped again after every
-# reconnect); 4 such batches of backlog is ~10 s at the feed's ~24,000 items/s.
-DEFAULT_MAX_QUEUED_EVENTS = 4 * 65536
+
+
+def default_watch_queue(max_requests_per_batch: int) -> int:
+    """Events one watcher may have queued unless BufferConfig.watch_queue_events says otherwise: 4
+    of the largest batches. A SubmitBatch publishes all its requests at once, and a watcher must
+    never be dropped for one batch (it would be dropped again after every reconnect); 4 such batches
+    of backlog is ~10 s at the feed's ~24,000 items/s. A queued event costs ~620 bytes (its
+    WorkItem; the prompt array is the group's, shared): ~160 MiB at the default 65,536 requests a
+    batch for a watcher that stopped reading, plus the prompts of finished groups it keeps alive."""
+    return 4 * max_requests_per_batch
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ class WatchHub:
     """The watchers of the work feed. Publishing never waits for one: each has its own bounded
     queue, and one a publish does not fit is dropped (removed, counted, logged, its stream ended)."""
 
-    def __init__(self, max_queued_events: int = DEFAULT_MAX_QUEUED_EVENTS) -> None:
+    def __init__(self, max_queued_events: int) -> None:
         if max_queued_events < 1:
             raise ValueError(f"max_queued_events: must be >= 1, got {max_queued_events}")
         self.max_queued_events = max_queued_events
