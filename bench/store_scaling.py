@@ -6,14 +6,14 @@ RocksDB column families and memtable memory vs policy versions.
 Draft store (services.draft.store, in process): the median time of a 1-token Append to one group
 with N other live groups (10, 1,000, 5,000), and with the budget full of N completed groups (every
 append evicts). Before session 23 the budget check summed every group's memory under the store's
-lock on each append: 0.8 ms at 1,000 groups, 7.8 ms at 5,000 (docs/benchmarks.md).
+lock on each append: 0.76 ms at 1,000 groups, 5.1 ms at 5,000 (docs/benchmarks.md, session 23).
 
 KV store (services.kvstore.store, real RocksDB in a temp dir, SSD tier only): V policy versions,
 each its own namespace as a worker names them after LoadWeights (<dir>@<weights id>@v<N>), each
 writes P SmolLM2-135M float32 pages (720 KiB) and releases them all, as one RL iteration does. Reports
 the column families left open and the memtable bytes RocksDB holds (rocksdb.cur-size-all-mem-tables,
 all column families), and the process RSS. Before session 23 each version kept its column family
-(and 64 MiB x 2 of memtables) for the store's life: 200 versions held 2.9 GB of memtables.
+(and 64 MiB x 2 of memtables) for the store's life: the quick run (30 versions) held 30 and 241 MiB.
 
 The last line is `RESULT {json}`.
 """
