@@ -8,14 +8,15 @@ from services.buffer.app import start
 from services.buffer.config import BufferConfig
 from services.common import config
 from services.common.log import setup_logging
-from services.common.server import serve_until_signal
+from services.common.server import StopSignal, serve_until_signal
 
 
 def main(argv: list[str] | None = None) -> int:
     setup_logging("buffer")
     cfg = config.load_or_exit(BufferConfig, "buffer", argv, prog="python -m services.buffer")
+    stop = StopSignal()  # before the port opens (the store's recovery and the model info come first)
     running, _core = start(cfg)
-    return serve_until_signal(running)
+    return serve_until_signal(running, stop)
 
 
 if __name__ == "__main__":

@@ -166,17 +166,43 @@ def start_server(
     return running
 
 
-def serve_until_signal(running: RunningServer) -> int:
-    """Blocks until SIGTERM/SIGINT, then stops gracefully; returns the exit code (0)."""
-    stop_requested = threading.Event()
+class StopSignal:
+    """SIGTERM / SIGINT handlers that only record the request; `serve_until_signal` acts on it.
 
-    def _handler(signum: int, _frame: object) -> None:
+    A service's main installs them before its gRPC port opens (before `start_server`). Installed
+    later, as they were until session 24, by `serve_until_signal` itself, a signal in the gap (the
+    port open and health SERVING, the worker registering with its scheduler, the port file being
+    written) took the default action: the process died with in-flight calls cut off and no
+    `on_stop` (no RocksDB close, no deregistration). A signal that arrives before the server is up
+    is kept, and the server then stops as soon as it is: drain (nothing is in flight yet), `on_stop`,
+    exit 0. Main thread only (Python's `signal.signal` rule).
+    """
+
+    def __init__(self) -> None:
+        self._requested = threading.Event()
+        signal.signal(signal.SIGTERM, self._handler)
+        signal.signal(signal.SIGINT, self._handler)
+
+    def _handler(self, signum: int, _frame: object) -> None:
         log.info("signal %d received", signum)
-        stop_requested.set()
+        self._requested.set()
 
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
-    while not stop_requested.wait(0.5):
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._requested.wait(timeout)
+
+
+def serve_until_signal(running: RunningServer, stop: StopSignal | None = None) -> int:
+    """Blocks until SIGTERM/SIGINT (received now or, with `stop`, since it was installed), then
+    stops gracefully; returns the exit code (0)."""
+    if stop is None:
+        stop = StopSignal()
+    elif stop.requested:
+        log.info("stop was requested while starting: stopping now")
+    while not stop.wait(0.5):
         pass
     running.stop()
     return 0

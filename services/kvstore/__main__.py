@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from services.common import config
 from services.common.log import setup_logging
 from services.common.memtune import tune_malloc
-from services.common.server import announce_port, serve_until_signal
+from services.common.server import StopSignal, announce_port, serve_until_signal
 from services.kvstore import metrics
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.server import serve
@@ -19,10 +19,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = config.load_or_exit(KvStoreConfig, "kvstore", argv, prog="python -m services.kvstore")
     if cfg.tune_malloc:
         tune_malloc(trim_bytes=cfg.malloc_trim_bytes, arenas=cfg.malloc_arenas)
+    stop = StopSignal()  # before the port opens (RocksDB recovery comes first)
     running, store = serve(cfg)
     metrics.register(store)
     announce_port(cfg.port_file or None, running.port)
-    return serve_until_signal(running)
+    return serve_until_signal(running, stop)
 
 
 if __name__ == "__main__":

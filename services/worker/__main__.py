@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from services.common import config
 from services.common.log import get_logger, kv, setup_logging
-from services.common.server import announce_port, serve_until_signal, start_server
+from services.common.server import StopSignal, announce_port, serve_until_signal, start_server
 from services.worker.config import WorkerConfig
 from services.worker.factory import build_worker
 from services.worker.registration import Registrar
@@ -30,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A missing model directory or a bad engine setting: one line, exit 2, not a traceback.
         log.error("cannot start the engine: %s", e)
         return 2
+    # After the engine is built, before the port opens: a signal while the model loads (minutes for
+    # a large one) still ends the process at once, as there is nothing to drain yet.
+    stop = StopSignal()
     registrar: Registrar | None = None
 
     def on_stop() -> None:
@@ -53,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.scheduler_address:
         registrar = Registrar(worker, cfg.scheduler_address, advertise, max_streams=cfg.stream_limit()).start()
     log.info("worker ready", extra=kv(worker_id=worker.worker_id, address=advertise))
-    return serve_until_signal(running)
+    return serve_until_signal(running, stop)
 
 
 if __name__ == "__main__":

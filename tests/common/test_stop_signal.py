@@ -1,0 +1,72 @@
+"""A SIGTERM that arrives while a service starts is kept and acted on once the server is up.
+
+Until session 24 the handlers were installed by serve_until_signal, after the port was open (and,
+in the worker, after it registered with its scheduler): a signal in that gap took the default
+action, killing the process without draining or running on_stop (RocksDB close, deregistration).
+Each case runs in its own process, since signal handlers belong to the main thread."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[2]
+
+_PROLOGUE = """
+import os, signal, sys, time
+from services.common.log import setup_logging
+from services.common.server import ServiceConfig, StopSignal, serve_until_signal, start_server
+setup_logging("stop-test")
+
+def on_stop() -> None:
+    print("on_stop ran", flush=True)
+
+def server():
+    return start_server("stop-test", ServiceConfig(grace_seconds=0.0), lambda s: [], on_stop=on_stop)
+"""
+
+
+def _run(body: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _PROLOGUE + body], cwd=_REPO, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_a_signal_before_the_server_is_up_stops_it_gracefully_once_it_is() -> None:
+    done = _run("""
+stop = StopSignal()
+os.kill(os.getpid(), signal.SIGTERM)  # while "starting"
+time.sleep(0.2)
+running = server()
+sys.exit(serve_until_signal(running, stop))
+""")
+    assert done.returncode == 0, done.stderr
+    assert "on_stop ran" in done.stdout
+    assert "stop was requested while starting" in done.stderr
+
+
+def test_without_early_handlers_the_same_signal_kills_the_process() -> None:
+    """The control: the previous order (handlers installed by serve_until_signal) dies by the signal,
+    so the case above does deliver it before the server is up."""
+    done = _run("""
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+running = server()
+sys.exit(serve_until_signal(running))
+""")
+    assert done.returncode == -signal.SIGTERM
+    assert "on_stop ran" not in done.stdout
+
+
+def test_a_signal_while_serving_drains_and_exits_zero() -> None:
+    done = _run("""
+import threading
+stop = StopSignal()
+running = server()
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+sys.exit(serve_until_signal(running, stop))
+""")
+    assert done.returncode == 0, done.stderr
+    assert "on_stop ran" in done.stdout
+    assert "stop was requested while starting" not in done.stderr
