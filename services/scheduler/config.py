@@ -73,6 +73,11 @@ class SchedulerConfig(ServiceConfig):
         metadata={"help": "quarantine a worker on which chunks of this many prompt groups failed in a row by its "
                           "fault (not the last trusted one; 0 = off)"},
     )
+    history_max_prompts: int = field(
+        default=1_000_000,
+        metadata={"help": "history priors kept, by prompt key (least recently used dropped; refetched from the "
+                          "buffer when the prompt comes back)"},
+    )
     # 2 s (3 missed = 6 s): a busy CPU worker can miss a 1 s beat and be dropped mid-chunk.
     heartbeat_interval: float = field(
         default=2.0, metadata={"help": "seconds between worker heartbeats; 3 missed = worker removed"}
@@ -113,6 +118,7 @@ class SchedulerConfig(ServiceConfig):
             quarantine_max_reports=self.quarantine_max_reports,
             quarantine_decay_reports=self.quarantine_decay_reports,
             worker_failure_limit=self.worker_failure_limit,
+            history_max_prompts=self.history_max_prompts,
         )
 
     def validate(self) -> None:

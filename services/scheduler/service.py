@@ -29,6 +29,7 @@ import math
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ _BUSY_BACKOFF_S = 0.2
 # runaway would reach: threads start on demand).
 _ABORT_THREADS = 16
 _UNCAPPED_THREADS = 1 << 16
+# Prompt keys remembered as having no history at the buffer (Dispatcher._history_unknown).
+_HISTORY_UNKNOWN_KEYS = 65_536
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,12 @@ class Dispatcher:
         self._cond = threading.Condition(threading.RLock())
         self._requests: dict[str, TrackedRequest] = {}
         self._workers: dict[str, WorkerState] = {}
-        self._history_keys: set[str] = set()
+        # Prompt keys the buffer had no history for when last asked, most recent last (a new
+        # prompt's members can arrive in several feed messages: one GetHistory for them, not one per
+        # message). Bounded: it held every distinct prompt ever seen. Keys with history are not
+        # kept here: the core holds those (and drops the least used beyond history_max_prompts, to
+        # be asked for again when the prompt comes back).
+        self._history_unknown: OrderedDict[str, None] = OrderedDict()
         # Requests we gave up on (failed in the buffer with an ABORTED commit, or meant to be): a
         # snapshot that still lists one gets the abort again instead of tracking it (the core has
         # settled it and would never run it). Forgotten once the buffer no longer lists it.
@@ -686,7 +694,8 @@ class Dispatcher:
     def _fetch_history(self, items: list[buffer_pb2.WorkItem]) -> dict[str, list[int]]:
         """History priors (RhymeRL) for prompt keys seen for the first time."""
         with self._cond:
-            keys = sorted({i.prompt_key for i in items if i.prompt_key and i.prompt_key not in self._history_keys})
+            keys = sorted({i.prompt_key for i in items if i.prompt_key and i.prompt_key not in self._history_unknown
+                           and not self.core.has_history(i.prompt_key)})
         if not keys or self._buffer is None:
             return {}
         try:
@@ -694,9 +703,15 @@ class Dispatcher:
         except SeerError as e:
             log.info("history unavailable", extra=kv(error=str(e)))
             return {}
+        found = {h.prompt_key: list(h.lengths) for h in histories if h.lengths}
         with self._cond:
-            self._history_keys.update(keys)
-        return {h.prompt_key: list(h.lengths) for h in histories if h.lengths}
+            for key in keys:
+                if key not in found:
+                    self._history_unknown[key] = None
+                    self._history_unknown.move_to_end(key)
+            while len(self._history_unknown) > _HISTORY_UNKNOWN_KEYS:
+                self._history_unknown.popitem(last=False)
+        return found
 
     def _info(self, item: buffer_pb2.WorkItem, generated: int) -> RequestInfo:
         return RequestInfo(

@@ -63,6 +63,10 @@ class SchedulerPolicyConfig:
     # least-loaded placement sends it most chunks; each failure costs a request one of its
     # attempts, and the requests run out of attempts within a second.
     worker_failure_limit: int = 3
+    # History priors kept (prompt keys, least recently used dropped first). Each costs about 0.5 KB
+    # at G = 16; the default holds a million-prompt dataset in ~0.5 GB. A key dropped is fetched
+    # again from the buffer (its durable copy) when the prompt comes back.
+    history_max_prompts: int = 1_000_000
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -101,6 +105,8 @@ class SchedulerPolicyConfig:
             )
         if self.quarantine_decay_reports < 1:
             raise InvalidArgument("must be >= 1", field="quarantine_decay_reports")
+        if self.history_max_prompts < 1:
+            raise InvalidArgument(f"must be >= 1, got {self.history_max_prompts}", field="history_max_prompts")
         if self.worker_failure_limit < 0:
             raise InvalidArgument(f"must be >= 0 (0 = off), got {self.worker_failure_limit}",
                                   field="worker_failure_limit")

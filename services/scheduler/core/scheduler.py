@@ -77,7 +77,10 @@ class SchedulerCore:
         self._quarantine_rule = QuarantineRule(
             cfg.quarantine_clear_reports, cfg.quarantine_max_reports, cfg.quarantine_decay_reports
         )
-        self._history: dict[str, list[int]] = {}
+        # prompt key -> last iteration's lengths, least recently used first (bounded by
+        # cfg.history_max_prompts: _remember_history).
+        self._history: OrderedDict[str, list[int]] = OrderedDict()
+        self._history_evicted = 0
         # Pooled spread of log lengths within the history's groups (history_estimate="posterior"):
         # sum of squared deviations and degrees of freedom over every set_history call.
         self._log_ss, self._log_dof = 0.0, 0
@@ -169,6 +172,7 @@ class SchedulerCore:
             g.history_estimate = self.cfg.history_estimate
             g.prompt_len = r.prompt_len
             if r.prompt_key in self._history and self.cfg.policy == "seer_history":
+                self._history.move_to_end(r.prompt_key)  # used: the last to be dropped
                 self._set_prior(g, self._history[r.prompt_key])
                 self._set_demand(g)
             self._groups[r.group_id] = g
@@ -236,7 +240,7 @@ class SchedulerCore:
         if prior is None:
             self._history.pop(prompt_key, None)
         else:
-            self._history[prompt_key] = list(lengths)
+            self._remember_history(prompt_key, lengths)
             if self.cfg.history_estimate == "posterior":
                 ss, dof = log_spread(lengths)
                 self._log_ss += ss
@@ -248,6 +252,20 @@ class SchedulerCore:
             self._set_prior(g, lengths if prior is not None else None)
             self._set_demand(g)
             self._rekey_group(g)
+
+    def _remember_history(self, prompt_key: str, lengths: Sequence[int]) -> None:
+        """Keeps lengths as prompt_key's history, dropping the least recently used keys beyond
+        history_max_prompts: one entry per distinct prompt ever seen grew with the dataset."""
+        self._history[prompt_key] = list(lengths)
+        self._history.move_to_end(prompt_key)
+        while len(self._history) > self.cfg.history_max_prompts:
+            self._history.popitem(last=False)
+            self._history_evicted += 1
+
+    @property
+    def history_evicted(self) -> int:
+        """History priors dropped by the history_max_prompts bound so far."""
+        return self._history_evicted
 
     def _set_prior(self, g: GroupState, lengths: Sequence[int] | None) -> None:
         if not lengths:
@@ -287,6 +305,9 @@ class SchedulerCore:
             return None
         kv = sum(w.spec.total_pages * w.spec.page_size for w in self._workers.values() if not w.quarantined)
         return self._kv_demand / (2 * kv * max(self._demand_caps)) if kv else None
+
+    def has_history(self, prompt_key: str) -> bool:
+        return prompt_key in self._history
 
     def history(self, prompt_key: str) -> list[int] | None:
         h = self._history.get(prompt_key)
@@ -806,7 +827,7 @@ class SchedulerCore:
         # next iteration, where its long members are the tail (the buffer, too, records history
         # only for completed responses).
         if len(g.members) == g.group_size and len(g.finished_lengths) == g.group_size:
-            self._history[g.prompt_key] = list(g.finished_lengths)
+            self._remember_history(g.prompt_key, g.finished_lengths)
             self._ratios.observe(g.finished_lengths, g.group_size)
         self._drop_demand(g)
         for m in g.members:
