@@ -11,6 +11,10 @@ from services.common.streams import check_stream_limit, default_stream_limit
 # The embedded SmolLM2 values, used when no model directory is configured.
 DEFAULT_VOCAB_SIZE = 49152
 DEFAULT_MAX_CONTEXT = 8192
+# StreamResults reads a batch's results a page at a time and holds the page while it sends it: the
+# page is bounded by its stored bytes too (core.read_results), since a result of a 64K-token
+# response is ~0.5 MB encoded (token ids, logprobs, text) and 256 of them were ~128 MB a stream.
+DEFAULT_RESULTS_PAGE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ class BufferConfig(ServiceConfig):
                           "(RESOURCE_EXHAUSTED; it watches again for a fresh snapshot) "
                           "(0 = 4 x max_requests_per_batch; at least max_requests_per_batch)"},
     )
+    results_page_bytes: int = field(
+        default=DEFAULT_RESULTS_PAGE_BYTES,
+        metadata={"help": "stored bytes of results one StreamResults stream reads and holds at a time (a page of "
+                          "at most 256 results; a single larger result still goes alone)"},
+    )
     sync_writes: bool = field(
         default=False,
         metadata={"help": "fsync every commit (survives power loss; process crashes are safe without it)"},
@@ -79,6 +88,8 @@ class BufferConfig(ServiceConfig):
             # batch would drop every watcher at each such batch, and again after each reconnect.
             raise ValueError(f"watch_queue_events: must be >= max_requests_per_batch "
                              f"({self.max_requests_per_batch}), got {self.watch_queue_events}")
+        if self.results_page_bytes <= 0:
+            raise ValueError(f"results_page_bytes: must be > 0, got {self.results_page_bytes}")
 
     def stream_limit(self) -> int:
         """The effective max_streams. Each open stream holds one handler thread while it waits, so

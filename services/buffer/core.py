@@ -26,6 +26,7 @@ from typing import Any
 
 from services.buffer import codec, metrics
 from services.buffer import store as keys
+from services.buffer.config import DEFAULT_RESULTS_PAGE_BYTES
 from services.buffer.events import Added, Cancelled, Event, Subscription, WatchHub, default_watch_queue
 from services.buffer.model import ModelInfo
 from services.buffer.records import (
@@ -76,6 +77,7 @@ MAX_LOGPROB = 1e-4
 # is told what it lost instead of "unknown batch". Stored (keys.deleted_key), so a restart between
 # the deletion and the reader's return does not turn it into "unknown batch".
 MAX_REMEMBERED_DELETIONS = 10_000
+RESULTS_PAGE_LIMIT = 256  # results a page holds at most, whatever their size
 
 
 class OutOfRange(SeerError):
@@ -288,13 +290,16 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
 class BufferCore:
     def __init__(self, store: Store, model: ModelInfo, *, max_requests_per_batch: int = 65536,
                  history_iterations: int = 2, retain_batches: int = 0,
-                 watch_queue_events: int = 0,
+                 watch_queue_events: int = 0, results_page_bytes: int = DEFAULT_RESULTS_PAGE_BYTES,
                  clock: Callable[[], float] = time.time) -> None:
+        if results_page_bytes < 1:
+            raise ValueError(f"results_page_bytes: must be > 0, got {results_page_bytes}")
         self._store = store
         self._model = model
         self._max_requests = max_requests_per_batch
         self._history_n = history_iterations
         self._retain = retain_batches
+        self._page_bytes = results_page_bytes
         self._clock = clock
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -402,6 +407,7 @@ class BufferCore:
                 return
             self._closed = True
             self._store.close()
+            self._hub.close()
             self._cond.notify_all()
 
     def _check_open(self) -> None:
@@ -896,10 +902,16 @@ class BufferCore:
                            field="batch_id")
         return b
 
-    def read_results(self, batch_id: str, cursor: int, limit: int = 256
-                     ) -> tuple[list[tuple[int, RolloutResult]], bool]:
-        """Results [cursor, cursor+limit) and whether the stream is over after them."""
+    def read_results(self, batch_id: str, cursor: int, limit: int = RESULTS_PAGE_LIMIT,
+                     max_bytes: int | None = None) -> tuple[list[tuple[int, RolloutResult]], bool]:
+        """Results from cursor on, in order, and whether the stream is over after them.
+
+        A page holds at most `limit` results and at most `max_bytes` (default: the core's
+        results_page_bytes) of their stored values, except that its first result always goes in: a
+        single result over the bound comes alone, so every result can be read."""
+        budget = self._page_bytes if max_bytes is None else max_bytes
         page: list[tuple[int, RolloutResult]] = []
+        used = 0
         with self._lock:  # also keeps close() from closing the store under the scan
             self._check_open()
             if batch_id not in self._batches and self._deleted.get(batch_id) == cursor:
@@ -912,6 +924,11 @@ class BufferCore:
                 idx = int(k.rsplit(b"/", 1)[1])
                 if idx >= end_index or len(page) >= limit:
                     break
+                # Sized before decoding: a page is bounded by what is read as well as by what is
+                # kept (the decoded result is about as large as its stored value: raw arrays).
+                if page and used + len(v) > budget:
+                    break
+                used += len(v)
                 page.append((idx, RolloutResult.decode(v)))
         done = terminal and cursor + len(page) >= end_index
         return page, done

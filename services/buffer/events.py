@@ -14,11 +14,16 @@ RESOURCE_EXHAUSTED (`Subscription.take` raises WatcherDropped; the server also e
 blocked sending, through the drop callback). Nothing is lost: the queue only ever holds a copy of
 the core's state, and a watcher that watches again gets it whole in the snapshot (the scheduler
 reconnects on any error of the feed and replaces its state with the snapshot).
+
+How full the queues are is a gauge read at scrape time (`seer_buffer_watch_queue_events`: the
+deepest queue of the open hubs), so a watcher falling behind shows before it is dropped, at no cost
+to publishing.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -194,6 +199,20 @@ class WatchHub:
         self.max_queued_events = max_queued_events
         self._subs: set[Subscription] = set()
         self._lock = threading.Lock()
+        with _HUBS_LOCK:
+            _HUBS.add(self)  # reported by the queue gauges until close()
+
+    def close(self) -> None:
+        """Stops reporting this hub's queues (its core closed; its watchers' streams end)."""
+        with _HUBS_LOCK:
+            _HUBS.discard(self)
+
+    def deepest(self) -> int:
+        """Events queued for the watcher furthest behind (0 without watchers). O(watchers): for a
+        scrape, not for every publish."""
+        with self._lock:
+            subs = list(self._subs)
+        return max((len(s) for s in subs), default=0)
 
     def add(self, watcher_id: str, peer: str = "") -> Subscription:
         sub = Subscription(self, watcher_id, self.max_queued_events, peer)
@@ -226,3 +245,30 @@ class WatchHub:
     def __len__(self) -> int:
         with self._lock:
             return len(self._subs)
+
+
+# The open hubs (one per BufferCore; more only in tests), for the gauges below. Weak, so a core
+# dropped without close() is not kept alive by its metrics.
+_HUBS: weakref.WeakSet[WatchHub] = weakref.WeakSet()
+_HUBS_LOCK = threading.Lock()
+
+
+def _open_hubs() -> list[WatchHub]:
+    with _HUBS_LOCK:
+        return list(_HUBS)
+
+
+def _deepest_queue() -> float:
+    # Reads the module global at each call: tests may swap in their own set of hubs.
+    return float(max((h.deepest() for h in _open_hubs()), default=0))
+
+
+def _queue_limit() -> float:
+    return float(max((h.max_queued_events for h in _open_hubs()), default=0))
+
+
+# Computed at scrape time: a scrape (every few seconds) visits every watcher once, while a gauge set
+# on the publishing path would need every queue's depth at each publish (the deepest may be another
+# watcher's) and again at each drain, on the stream threads.
+metrics.WATCH_QUEUE_EVENTS.set_function(_deepest_queue)
+metrics.WATCH_QUEUE_LIMIT.set_function(_queue_limit)

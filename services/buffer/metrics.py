@@ -16,5 +16,12 @@ CANCELLED = Counter("seer_buffer_cancelled_requests_total", "Requests cancelled"
 WATCHERS = Gauge("seer_buffer_watchers", "Open WatchWork streams")
 WATCHERS_DROPPED = Counter("seer_buffer_watchers_dropped_total",
                            "WatchWork streams ended RESOURCE_EXHAUSTED: the watcher fell watch_queue_events behind")
+# Set at scrape time (events.py registers the callback): no cost on the publishing path. Compared
+# with watch_queue_events (seer_buffer_watch_queue_limit), it shows a watcher falling behind
+# before it is dropped.
+WATCH_QUEUE_EVENTS = Gauge("seer_buffer_watch_queue_events",
+                           "Events queued for the WatchWork watcher furthest behind (0 = none queued or no watchers)")
+WATCH_QUEUE_LIMIT = Gauge("seer_buffer_watch_queue_limit",
+                          "watch_queue_events: a watcher with this many events queued is dropped at the next publish")
 STREAMS = Gauge("seer_buffer_open_streams", "Open long-lived streams (StreamResults + WatchWork)")
 STREAMS_REFUSED = Counter("seer_buffer_refused_streams_total", "Streams refused at max_streams", ["method"])
