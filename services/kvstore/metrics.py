@@ -20,6 +20,8 @@ _GAUGES = {
     "pages": "stored pages",
     "dram_pages": "pages in the DRAM tier",
     "ssd_pages": "pages in the SSD tier",
+    "column_families": "RocksDB column families open (namespaces with SSD pages, and a few idle ones)",
+    "memtable_bytes": "bytes in RocksDB memtables, all column families (rocksdb.cur-size-all-mem-tables)",
 }
 _COUNTERS = {
     "hits": "pages served",

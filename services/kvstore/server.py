@@ -301,6 +301,8 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             refused_streams=self.streams.refused,
             idle_put_streams_cancelled=self.streams.idle_cancelled,
             stalled_get_streams_cancelled=self.streams.stalled_cancelled,
+            column_families=s.column_families,
+            memtable_bytes=s.memtable_bytes,
         )
 
 

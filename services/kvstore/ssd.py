@@ -56,6 +56,7 @@ class SsdTier:
             raise ValueError(f"write_buffer_bytes: must be > 0, got {write_buffer_bytes}")
         os.makedirs(path, exist_ok=True)
         self.path = path
+        self._open = False  # RocksDB refuses every call once closed (DbClosedError)
         self._page_write = WriteOptions()
         self._page_write.disable_wal = not wal  # type: ignore[method-assign,assignment]  # a property at runtime
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
@@ -77,6 +78,7 @@ class SsdTier:
         self._opts.set_db_write_buffer_size(write_buffer_bytes)
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
+        self._open = True
         self._cfs: dict[str, Rdict] = {}
         try:
             for name in existing:
@@ -128,6 +130,20 @@ class SsdTier:
 
     def namespaces(self) -> list[str]:
         return list(self._cfs)
+
+    def memtable_bytes(self) -> int:
+        """Bytes RocksDB holds in memtables (rocksdb.cur-size-all-mem-tables: unflushed and
+        flushing ones), summed over the open column families, the registry's default one included;
+        0 once closed. The property is per column family, read from memory (~2 us each), and only
+        namespaces with SSD pages (plus a few idle ones) have a column family, so this stays cheap
+        enough for every stats call."""
+        if not self._open:
+            return 0
+        prop = "rocksdb.cur-size-all-mem-tables"
+        total = self._db.property_int_value(prop) or 0
+        for cf in self._cfs.values():
+            total += cf.property_int_value(prop) or 0
+        return total
 
     # Pages.
     def put(self, namespace: str, page_hash: bytes, data: bytes | memoryview, meta: bytes) -> None:
@@ -195,6 +211,7 @@ class SsdTier:
 
     def close(self) -> None:
         # rocksdict releases the DB lock only when no column-family handle is alive.
+        self._open = False
         self._cfs.clear()
         try:
             self._db.close()

@@ -14,7 +14,9 @@ Tiers (DESIGN.md sections 2 and 4; Seer builds its pool on Mooncake's DRAM + SSD
 
 Ownership: every Put names its request; a page shared by several requests (a group's common
 prompt) is deleted by Release only when its last owner releases it. Pages put without a request
-are evicted by capacity only.
+are evicted by capacity only, and stay so when requests claim them later: such a page is marked
+anonymous (persisted with its owners), and the release of its last named owner leaves it in place
+instead of deleting it out from under its anonymous writer.
 
 Versions: a namespace "family@v<N>" supersedes the lower versions of the same family (ordered by
 N; names without a "v<N>" tail by creation order, below numbered ones): when a Put creates a new
@@ -95,6 +97,10 @@ class KvStats:
     dropped_namespaces: int = 0
     late_puts: int = 0  # Puts / claims refused: their request was released whole just before
     meta_write_failures: int = 0  # SSD owner-record writes that failed (logged, not raised)
+    # RocksDB column families open: one per namespace with SSD pages, plus at most
+    # _IDLE_COLUMN_FAMILIES recently written empty ones (the default one not counted).
+    column_families: int = 0
+    memtable_bytes: int = 0  # rocksdb.cur-size-all-mem-tables over all column families, default included
 
 
 @dataclass
@@ -104,6 +110,9 @@ class _Entry:
     owners: set[str]
     on_ssd: bool = False
     seq: int = 0  # last access, for the SSD tier's LRU order after a restart
+    # Put (or claimed) without a request id at least once: its writer expects it kept until capacity
+    # evicts it, so releasing its named owners never deletes it. Never cleared: no Release names it.
+    anonymous: bool = False
 
 
 @dataclass
@@ -175,19 +184,38 @@ def ssd_write_error(exc: BaseException, field: str) -> SeerError:
 
 
 def _encode_meta(e: _Entry) -> bytes:
-    return json.dumps([ALGORITHM, e.checksum, e.size, e.seq, sorted(e.owners)]).encode("utf-8")
+    return json.dumps([ALGORITHM, e.checksum, e.size, e.seq, sorted(e.owners), e.anonymous]).encode("utf-8")
 
 
 def _decode_meta(raw: bytes) -> _Entry | None:
     """The entry, or None for a record that cannot be used: one whose checksum is of another
     algorithm (an earlier release wrote [crc32, size, seq, owners]), so its page cannot be
-    verified, or one that does not parse. Such pages are dropped rather than stopping recovery."""
+    verified, or one that does not parse. Such pages are dropped rather than stopping recovery.
+
+    Records before the anonymous flag ([algorithm, checksum, size, seq, owners], up to session 23)
+    are read too. Their empty owner list can only be an anonymous page never claimed (a named
+    page's record is deleted with it when its last owner releases it, never rewritten empty), so
+    it stays anonymous; one with owners may have been put anonymously too, but the record cannot
+    say, so it keeps the old contract: deleted when its last owner releases it. Whatever the
+    format, a page without owners is anonymous: nothing could ever release it."""
     try:
         rec = json.loads(raw)
-        if not isinstance(rec, list) or len(rec) != 5 or rec[0] != ALGORITHM:
+        if not isinstance(rec, list) or len(rec) not in (5, 6) or rec[0] != ALGORITHM:
             return None
-        _algorithm, checksum, size, seq, owners = rec
-        return _Entry(size=int(size), checksum=int(checksum), owners=set(owners), on_ssd=True, seq=int(seq))
+        _algorithm, checksum, size, seq, owners = rec[:5]
+        anonymous = rec[5] if len(rec) == 6 else False
+        if not isinstance(owners, list) or not all(isinstance(o, str) for o in owners):
+            return None
+        if not isinstance(anonymous, bool):
+            return None
+        return _Entry(
+            size=int(size),
+            checksum=int(checksum),
+            owners=set(owners),
+            on_ssd=True,
+            seq=int(seq),
+            anonymous=anonymous or not owners,
+        )
     except (ValueError, TypeError):
         return None
 
@@ -448,6 +476,7 @@ class KvStore:
             ns = found if found is not None else self._create_namespace(namespace, layout)
             key: Key = (namespace, page_hash)
             owners = {request_id} if request_id else set()
+            anonymous = not request_id
             entry = ns.entries.get(page_hash)
             if entry is not None:
                 if self.verify_put_checksums or self._stored_copy_ok(key, entry) or page_checksum(data) != checksum:
@@ -455,15 +484,16 @@ class KvStore:
                     return False
                 # Unverified Puts can store a page whose bytes do not match its checksum (and the
                 # DRAM tier never checks): every reader would reject it until capacity evicts it.
-                # A good copy arriving for it replaces it, keeping its owners.
+                # A good copy arriving for it replaces it, keeping its owners (and its anonymity).
                 self._checksum_failures += 1
                 log.warning(
                     "stored page failed its checksum; replaced by the new Put",
                     extra=kv(namespace=namespace, page=page_hash.hex()),
                 )
                 owners |= entry.owners
+                anonymous = anonymous or entry.anonymous
                 self._remove(key)
-            entry = _Entry(size=len(data), checksum=actual, owners=owners, seq=next(self._seq))
+            entry = _Entry(size=len(data), checksum=actual, owners=owners, seq=next(self._seq), anonymous=anonymous)
             # Indexed only once a tier holds the page: a failed SSD write leaves no entry behind.
             if self._dram.fits(len(data)):
                 evicted_pages = self._dram.put(key, data)
@@ -528,7 +558,8 @@ class KvStore:
 
     def claim(self, namespace: str, page_hash: bytes, request_id: str) -> bool:
         """Makes request_id an owner of an already stored page without its bytes being sent again
-        (a chunk-end offload re-offers the context's earlier pages). False when not stored."""
+        (a chunk-end offload re-offers the context's earlier pages). False when not stored. A claim
+        without a request id makes the page anonymous, as a Put without one would."""
         if len(page_hash) != HASH_BYTES:
             raise InvalidArgument(f"must be {HASH_BYTES} bytes, got {len(page_hash)}", field="page_hash")
         _check_name(request_id, "request_id", required=False)
@@ -542,12 +573,21 @@ class KvStore:
             return True
 
     def _add_owner(self, ns: _Namespace, page_hash: bytes, entry: _Entry, request_id: str) -> None:
+        """Adds request_id as an owner of a stored page; no request id marks it anonymous instead:
+        its writer (whose client claims rather than resends a page it found stored) expects it kept
+        until capacity evicts it, whoever else owns it now."""
         self._touch((ns.name, page_hash), entry)
-        if request_id and request_id not in entry.owners:
+        if not request_id:
+            changed = not entry.anonymous
+            entry.anonymous = True
+        elif request_id not in entry.owners:
+            changed = True
             entry.owners.add(request_id)
             ns.by_owner.setdefault(request_id, set()).add(page_hash)
-            if entry.on_ssd:
-                self._write_meta(ns.name, page_hash, entry)
+        else:
+            changed = False
+        if changed and entry.on_ssd:
+            self._write_meta(ns.name, page_hash, entry)
 
     def _write_meta(self, namespace: str, page_hash: bytes, entry: _Entry) -> None:
         """Persists a page's owner list. The in-memory index is the truth while the store runs; the
@@ -775,7 +815,9 @@ class KvStore:
     # ---------------------------------------------------------------- release
     def release(self, namespace: str, request_id: str, page_hashes: Sequence[bytes] = ()) -> int:
         """Drops request_id's ownership of its pages (all of them when page_hashes is empty); pages
-        left without owners are deleted. Returns the number of pages the request released."""
+        left without owners are deleted, but for anonymous ones (put without a request id at some
+        point): they go back to being evicted by capacity only. Returns the number of pages the
+        request released."""
         # A whole release keeps a tombstone keyed by both names (release_tombstone_seconds): an
         # unchecked name of up to the message limit each would make them gigabytes.
         _check_name(namespace, "namespace")
@@ -795,7 +837,7 @@ class KvStore:
                 entry = ns.entries[page_hash]
                 entry.owners.discard(request_id)
                 owned.discard(page_hash)
-                if not entry.owners:
+                if not entry.owners and not entry.anonymous:
                     self._remove((namespace, page_hash))
                 elif entry.on_ssd:
                     self._write_meta(namespace, page_hash, entry)
@@ -826,6 +868,8 @@ class KvStore:
                 dropped_namespaces=self._dropped,
                 late_puts=self._late_puts,
                 meta_write_failures=self._meta_write_failures,
+                column_families=len(self._ssd.namespaces()),
+                memtable_bytes=self._ssd.memtable_bytes(),
             )
 
     def namespace_layout(self, namespace: str) -> KVLayout | None:

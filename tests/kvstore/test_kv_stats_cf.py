@@ -1,0 +1,78 @@
+"""GetKvStats reports the RocksDB column families open and their memtable bytes, over real gRPC.
+
+Since session 23 a namespace keeps a column family only while it has SSD pages (or is one of the
+_IDLE_COLUMN_FAMILIES namespaces most recently written to SSD); bench.store_scaling counted them
+by reaching into the store. Now the count and the memtable bytes are part of the stats, the
+response and the Prometheus gauges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from services.kvstore.store import _IDLE_COLUMN_FAMILIES
+from services.worker.kv_client import KVClient
+from tests.kvstore.kvhelpers import PAGE_BYTES, Replica, make_pages
+
+Make = Callable[..., Replica]
+TOKENS = list(range(100, 100 + 4 * 3))  # 3 full pages
+
+
+def _stats(address: str) -> kvstore_pb2.GetKvStatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = kvstore_pb2_grpc.KvStoreServiceStub(channel)
+        res: kvstore_pb2.GetKvStatsResponse = stub.GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=10)
+        return res
+
+
+def test_column_families_follow_ssd_pages_over_grpc(replicas: Make) -> None:
+    # SSD only: every Put is a RocksDB write into its namespace's column family.
+    r = replicas("a", dram_bytes=0)
+    versions = [f"fam{i}@v1" for i in range(_IDLE_COLUMN_FAMILIES + 2)]  # other families: none supersedes another
+    assert _stats(r.address).column_families == 0
+    with KVClient([r.address]) as kv:
+        assert kv.offload_async(make_pages(TOKENS, versions[0]), "r0").result(timeout=30).stored == 3
+        first = _stats(r.address)
+        assert first.column_families == 1 and first.ssd_pages == 3
+        # The pages sit in the memtable until a flush (blob files are written at flush).
+        assert first.memtable_bytes >= 3 * PAGE_BYTES
+        for i, version in enumerate(versions[1:], start=1):
+            assert kv.offload_async(make_pages(TOKENS, version), f"r{i}").result(timeout=30).stored == 3
+        assert _stats(r.address).column_families == len(versions)  # every one holds SSD pages
+        # The oldest namespace is not among the recently written ones: its column family goes
+        # with its last SSD page.
+        assert kv.release(versions[0], "r0") == 3
+        assert _stats(r.address).column_families == len(versions) - 1
+        for i, version in enumerate(versions[1:], start=1):
+            assert kv.release(version, f"r{i}") == 3
+        # The namespaces written last keep theirs while empty (no drop and re-create per swing).
+        released = _stats(r.address)
+        assert released.column_families == _IDLE_COLUMN_FAMILIES and released.ssd_pages == 0
+        # The worker's view of the same RPC carries the new fields too.
+        via_client = kv.store_stats()[r.address]
+        assert via_client is not None and via_client["column_families"] == _IDLE_COLUMN_FAMILIES
+        assert via_client["memtable_bytes"] > 0
+    # A restart drops the column families of namespaces without pages: none is recent yet.
+    r.stop()
+    r.start()
+    assert _stats(r.address).column_families == 0
+
+
+def test_column_families_and_memtables_are_gauges(replicas: Make) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.kvstore.metrics import register
+
+    r = replicas("a", dram_bytes=0)
+    assert r.store is not None
+    registry = CollectorRegistry()
+    register(r.store, registry)
+    with KVClient([r.address]) as kv:
+        assert kv.offload_async(make_pages(TOKENS, "fam@v1"), "r").result(timeout=30).stored == 3
+    text = generate_latest(registry).decode()
+    assert "seer_kvstore_column_families 1.0" in text
+    memtable = next(line for line in text.splitlines() if line.startswith("seer_kvstore_memtable_bytes "))
+    assert float(memtable.split()[1]) >= 3 * PAGE_BYTES
