@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.buffer.events import default_watch_queue
-from services.common.server import ServiceConfig
+from services.common.config import ServiceConfig
 from services.common.streams import check_stream_limit, default_stream_limit
 
 # The embedded SmolLM2 values, used when no model directory is configured.

@@ -15,6 +15,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
 
 T = TypeVar("T")
@@ -204,3 +205,27 @@ def load_or_exit(
     except (ValueError, OSError) as e:
         sys.stderr.write(f"seer-{section}: configuration error: {e}\n")
         raise SystemExit(2) from None
+
+
+# In this module, not server.py: a service config is imported by its pure core (e.g. the buffer
+# core reads defaults from it), and server.py imports grpc.
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Fields every service has; service configs subclass this."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0 = pick a free one)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    grace_seconds: float = field(default=10.0, metadata={"help": "drain time on SIGTERM"})
+    max_workers: int = field(default=64, metadata={"help": "gRPC handler threads"})
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port} is not a TCP port")
+        if self.grace_seconds < 0:
+            raise ValueError("grace_seconds: must be >= 0")
+        if self.max_workers < 1:
+            raise ValueError("max_workers: must be >= 1")
+
+    def replace(self, **changes: object) -> ServiceConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -7,17 +7,16 @@ its servicers. On SIGTERM/SIGINT: health goes NOT_SERVING, in-flight calls drain
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.config import ServiceConfig
 from services.common.grpcutil import MAX_MESSAGE_BYTES
 from services.common.log import get_logger, kv
 from services.common.telemetry import server_interceptors, setup_tracing, start_metrics_server
@@ -30,28 +29,6 @@ log = get_logger(__name__)
 # thread (services/buffer: StreamResults, WatchWork) and a slot of the buffer's max_streams.
 KEEPALIVE_TIME_MS = 60_000
 KEEPALIVE_TIMEOUT_MS = 20_000
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Fields every service has; service configs subclass this."""
-
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = field(default=0, metadata={"help": "gRPC port (0 = pick a free one)"})
-    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
-    grace_seconds: float = field(default=10.0, metadata={"help": "drain time on SIGTERM"})
-    max_workers: int = field(default=64, metadata={"help": "gRPC handler threads"})
-
-    def validate(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: {self.port} is not a TCP port")
-        if self.grace_seconds < 0:
-            raise ValueError("grace_seconds: must be >= 0")
-        if self.max_workers < 1:
-            raise ValueError("max_workers: must be >= 1")
-
-    def replace(self, **changes: object) -> ServiceConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
 class RunningServer:

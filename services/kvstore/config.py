@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.server import ServiceConfig
+from services.common.config import ServiceConfig
 from services.common.streams import check_stream_limit
 
 GiB = 1024**3

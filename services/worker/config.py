@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from services.common.server import ServiceConfig
+from services.common.config import ServiceConfig
 from services.common.streams import check_stream_limit, default_stream_limit
 
 ENGINES = ("reference", "sglang")
