@@ -32,6 +32,8 @@ _COUNTERS = {
     "checksum_failures": "pages that failed their checksum on read (deleted)",
     "released_pages": "page ownerships released",
     "dropped_namespaces": "namespaces dropped on a version change",
+    "late_puts": "Puts and claims refused: their request had been released whole just before",
+    "meta_write_failures": "SSD owner-record writes that failed (logged; a stale record costs a cache miss)",
 }
 
 
