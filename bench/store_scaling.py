@@ -7,6 +7,11 @@ Draft store (services.draft.store, in process): the median time of a 1-token App
 with N other live groups (10, 1,000, 5,000), and with the budget full of N completed groups (every
 append evicts). Before session 23 the budget check summed every group's memory under the store's
 lock on each append: 0.76 ms at 1,000 groups, 5.1 ms at 5,000 (docs/benchmarks.md, session 23).
+Also the cost, under the store's lock, of one forced TTL sweep (expire_now) with N live groups none
+of which is due, and of seed_history for one key with N live groups of other keys (10, 1,000, 5,000;
+50,000 in the full run): both scanned every live group before the expiry heap and the key index
+(sweep 43 us at 1,000 groups, 0.25 ms at 5,000, 9 ms at 50,000; seed_history 0.11, 0.29, 6.4 ms), and
+should now stay flat in N.
 
 KV store (services.kvstore.store, real RocksDB in a temp dir, SSD tier only): V policy versions,
 each its own namespace as a worker names them after LoadWeights (<dir>@<weights id>@v<N>), each
@@ -46,6 +51,10 @@ def _draft_store(groups: int, completed: bool) -> DraftStore:
     return s
 
 
+def _median_us(times: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(times) * 1e6, 1), "mean": round(statistics.fmean(times) * 1e6, 1)}
+
+
 def _append_us(s: DraftStore, reps: int) -> dict[str, float]:
     """Median and mean microseconds of a 1-token append to the group "hot"."""
     times: list[float] = []
@@ -53,11 +62,51 @@ def _append_us(s: DraftStore, reps: int) -> dict[str, float]:
         t0 = time.perf_counter()
         s.append("hot", "r", k, [k % 1000])
         times.append(time.perf_counter() - t0)
-    return {"median": round(statistics.median(times) * 1e6, 1), "mean": round(statistics.fmean(times) * 1e6, 1)}
+    return _median_us(times)
 
 
-def draft(sizes: list[int], reps: int) -> dict[str, object]:
+def _idle_store(groups: int) -> DraftStore:
+    """N live groups of keys k0..k{N-1} with the default TTL (an hour: none due in the benchmark),
+    registered only (what a group holds does not change what the sweep or the key lookup cost), and
+    one group of the key "hot"."""
+    s = DraftStore(StoreLimits())
+    for i in range(groups):
+        s.register_group(f"g{i}", f"k{i}", [(i + j) % 997 for j in range(20)], group_size=4)
+    s.register_group("hot", "hot", list(range(20)), group_size=4)
+    return s
+
+
+def _sweep_us(s: DraftStore, reps: int) -> dict[str, float]:
+    """Microseconds of one forced TTL sweep (expire_now) when no group is due."""
+    times: list[float] = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        s.expire_now()
+        times.append(time.perf_counter() - t0)
+    return _median_us(times)
+
+
+def _seed_us(s: DraftStore, reps: int) -> dict[str, float]:
+    """Microseconds of seed_history of the key "hot" (one live group) with one new 8-token response
+    each time (new responses: the same ones again return before the lookup)."""
+    times: list[float] = []
+    for k in range(reps):
+        response = [k % 1000, (k // 1000) % 1000] + [k % 7] * 6
+        t0 = time.perf_counter()
+        s.seed_history("hot", k, [response])
+        times.append(time.perf_counter() - t0)
+    return _median_us(times)
+
+
+def draft(sizes: list[int], reps: int, idle_sizes: list[int] | None = None) -> dict[str, object]:
     live = {str(n): _append_us(_draft_store(n, completed=False), reps) for n in sizes}
+    sweep: dict[str, dict[str, float]] = {}
+    seed: dict[str, dict[str, float]] = {}
+    for n in idle_sizes or sizes:
+        s = _idle_store(n)
+        sweep[str(n)] = _sweep_us(s, reps)
+        seed[str(n)] = _seed_us(s, reps)
+        assert s.expire_now() == n + 1, "a group expired during the benchmark"
     full: dict[str, dict[str, float]] = {}
     for n in sizes[1:]:
         s = _draft_store(n, completed=True)
@@ -66,7 +115,8 @@ def draft(sizes: list[int], reps: int) -> dict[str, object]:
         budget = s.stats().memory_bytes - s._history.memory_bytes
         s.limits = dataclasses.replace(s.limits, memory_budget_bytes=budget)
         full[str(n)] = _append_us(s, min(reps, 100))
-    return {"append_us_by_live_groups": live, "append_us_budget_full_by_completed_groups": full}
+    return {"append_us_by_live_groups": live, "append_us_budget_full_by_completed_groups": full,
+            "sweep_us_by_live_groups": sweep, "seed_history_us_by_live_groups": seed}
 
 
 def _rss_mib() -> float:
@@ -78,13 +128,7 @@ def _rss_mib() -> float:
 
 
 def _memtable_mib(store: KvStore) -> float:
-    ssd = store.raw_ssd()
-    total = 0
-    for name in ssd.namespaces():
-        cf = ssd.raw_column_family(name)
-        if cf is not None:
-            total += cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
-    return round(total / 2**20, 1)
+    return round(store.stats().memtable_bytes / 2**20, 1)  # as GetKvStats reports it
 
 
 def kvstore(versions: int, pages: int) -> dict[str, object]:
@@ -100,7 +144,7 @@ def kvstore(versions: int, pages: int) -> dict[str, object]:
             ns = f"smollm2@{v:012x}@v{v}"
             for p in range(pages):
                 store.put(ns, _LAYOUT, v.to_bytes(8, "big") + p.to_bytes(8, "big"), data, csum, f"r{p % 4}")
-            peak_cfs = max(peak_cfs, len(store.raw_ssd().namespaces()))
+            peak_cfs = max(peak_cfs, store.stats().column_families)
             peak_mib = max(peak_mib, _memtable_mib(store))
             for r in range(4):
                 store.release(ns, f"r{r}")
@@ -108,7 +152,7 @@ def kvstore(versions: int, pages: int) -> dict[str, object]:
             "versions": versions,
             "pages_per_version": pages,
             "seconds": round(time.perf_counter() - t0, 2),
-            "column_families_open": len(store.raw_ssd().namespaces()),
+            "column_families_open": store.stats().column_families,
             "column_families_peak": peak_cfs,
             "memtable_mib_end": _memtable_mib(store),
             "memtable_mib_peak": peak_mib,
@@ -128,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [10, 1000, 5000]
     result = {
         "quick": args.quick,
-        "draft": draft(sizes, reps=200 if args.quick else 500),
+        "draft": draft(sizes, reps=200 if args.quick else 500,
+                       idle_sizes=sizes if args.quick else [*sizes, 50000]),
         "kvstore": kvstore(versions=30 if args.quick else 200, pages=10 if args.quick else 20),
     }
     print("RESULT " + json.dumps(result))
