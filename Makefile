@@ -31,8 +31,9 @@ demo: model
 test: model
 	$(VENV)/bin/pytest -q -m "not slow and not docker" tests
 
+# The slow suites but the Docker one (scripts/ci_compose.sh runs that): ~3 min on 2 cores.
 test-slow: model
-	$(VENV)/bin/pytest -q -m "slow" tests
+	$(VENV)/bin/pytest -q -m "slow and not docker" tests
 
 lint: setup
 	$(VENV)/bin/ruff check .
