@@ -185,6 +185,7 @@ class Dispatcher:
         # kept here: the core holds those (and drops the least used beyond history_max_prompts, to
         # be asked for again when the prompt comes back).
         self._history_unknown: OrderedDict[str, None] = OrderedDict()
+        self.core.on_history_recorded = self._history_recorded
         # Requests we gave up on (failed in the buffer with an ABORTED commit, or meant to be): a
         # snapshot that still lists one gets the abort again instead of tracking it (the core has
         # settled it and would never run it). Forgotten once the buffer no longer lists it.
@@ -713,6 +714,12 @@ class Dispatcher:
                 self._history_unknown.popitem(last=False)
         return found
 
+    def _history_recorded(self, prompt_key: str) -> None:
+        """The core holds a history for the key now (its group completed, or the buffer's was set):
+        not "unknown" any more, so that once the core's bound drops it, the buffer (which has it by
+        then) is asked again. Called by the core, under self._cond."""
+        self._history_unknown.pop(prompt_key, None)
+
     def _info(self, item: buffer_pb2.WorkItem, generated: int) -> RequestInfo:
         return RequestInfo(
             request_id=item.request_id,
@@ -730,14 +737,17 @@ class Dispatcher:
         history = self._fetch_history(items)
         aborts: list[buffer_pb2.WorkItem] = []
         with self._cond:
-            for key, lengths in history.items():
-                self.core.set_history(key, lengths)
             for item in items:
                 if self._still_tracked_locked(item):
                     continue
                 abort = self._track_locked(item)
                 if abort is not None:
                     aborts.append(abort)
+            # After the groups exist (set_history gives a key's live groups their prior): set
+            # before, a message with more keys than history_max_prompts dropped its first keys'
+            # priors before their groups were added.
+            for key, lengths in history.items():
+                self.core.set_history(key, lengths)
             self._dirty = True
             self._cond.notify_all()
         self._send_aborts([(item, item.next_seq) for item in aborts], resync_on_refusal=False)
@@ -808,8 +818,6 @@ class Dispatcher:
         history = self._fetch_history(items)
         aborts: list[buffer_pb2.WorkItem] = []
         with self._cond:
-            for key, lengths in history.items():
-                self.core.set_history(key, lengths)
             by_id = {i.request_id: i for i in items}
             # A request given up on that the buffer no longer lists is settled there.
             self._abandoned = {rid: seq for rid, seq in self._abandoned.items()
@@ -846,6 +854,8 @@ class Dispatcher:
                     abort = self._track_locked(item)
                     if abort is not None:
                         aborts.append(abort)
+            for key, lengths in history.items():  # after the groups exist (as in _add_items)
+                self.core.set_history(key, lengths)
             self._dirty = True
             self._cond.notify_all()
         # The seq of each abort is the buffer's own next_seq: an abort refused for a stale seq is

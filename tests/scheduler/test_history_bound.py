@@ -87,3 +87,33 @@ def test_a_key_without_history_is_asked_once_and_one_with_history_not_again(make
     t.d._add_items([_item("n1", "k-new"), _item("a1", "k-a")])
     t.d._add_items([_item("n2", "k-new"), _item("a2", "k-a")])  # more members, in a later feed message
     assert sorted(buf.asked) == ["k-a", "k-new"]
+
+
+def test_a_key_the_buffer_had_none_for_is_asked_again_once_recorded_and_dropped(
+        make_rig: Callable[..., Any]) -> None:
+    """A fresh run: the buffer has no history for any key when its prompt first comes; the group
+    completes and the core records it; the bound drops it; the prompt comes back. The dispatcher
+    kept the key marked "no history at the buffer" and never asked again (review, session 24)."""
+    from .test_dispatcher_faults import wait_for
+
+    buf = HistoryBuffer({})
+    t = make_rig(buffer=buf, policy="seer_history", history_max_prompts=1)
+    t.register("w0")
+    t.run()
+    t.d._add_items([_item("a1", "k-a")])
+    wait_for(lambda: t.d.core.has_history("k-a"))  # completed: 16 tokens
+    buf.held["k-a"] = [16]  # the buffer recorded it too
+    t.d._add_items([_item("b1", "k-b")])
+    wait_for(lambda: t.d.core.has_history("k-b") and not t.d.core.has_history("k-a"))
+    t.d._add_items([_item("a2", "k-a")])
+    assert buf.asked == ["k-a", "k-b", "k-a"]
+
+
+def test_priors_found_in_one_message_reach_their_groups_beyond_the_bound(make_rig: Callable[..., Any]) -> None:
+    """One feed message with more keys found at the buffer than history_max_prompts: each group
+    still gets its prior (they were set before the groups existed, so the first were dropped)."""
+    buf = HistoryBuffer({"k-a": [5], "k-b": [7]})
+    t = make_rig(buffer=buf, policy="seer_history", history_max_prompts=1)
+    t.d._add_items([_item("a1", "k-a"), _item("b1", "k-b")])
+    assert t.d.core._groups["g-a1"].prior is not None
+    assert t.d.core._groups["g-b1"].prior is not None

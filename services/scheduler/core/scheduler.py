@@ -81,6 +81,9 @@ class SchedulerCore:
         # cfg.history_max_prompts: _remember_history).
         self._history: OrderedDict[str, list[int]] = OrderedDict()
         self._history_evicted = 0
+        # Called with a prompt key each time its history is recorded (the service forgets that the
+        # buffer had none for it: once dropped by the bound, it is to be asked for again).
+        self.on_history_recorded: Callable[[str], None] | None = None
         # Pooled spread of log lengths within the history's groups (history_estimate="posterior"):
         # sum of squared deviations and degrees of freedom over every set_history call.
         self._log_ss, self._log_dof = 0.0, 0
@@ -258,6 +261,8 @@ class SchedulerCore:
         history_max_prompts: one entry per distinct prompt ever seen grew with the dataset."""
         self._history[prompt_key] = list(lengths)
         self._history.move_to_end(prompt_key)
+        if self.on_history_recorded is not None:
+            self.on_history_recorded(prompt_key)
         while len(self._history) > self.cfg.history_max_prompts:
             self._history.popitem(last=False)
             self._history_evicted += 1
