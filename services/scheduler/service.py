@@ -693,7 +693,8 @@ class Dispatcher:
         self._cancel(self._stream)
 
     def _fetch_history(self, items: list[buffer_pb2.WorkItem]) -> dict[str, list[int]]:
-        """History priors (RhymeRL) for prompt keys seen for the first time."""
+        """History priors (RhymeRL) from the buffer for the items' prompt keys the core holds none
+        for: new ones, and ones the core's bound dropped (not those the buffer recently had none for)."""
         with self._cond:
             keys = sorted({i.prompt_key for i in items if i.prompt_key and i.prompt_key not in self._history_unknown
                            and not self.core.has_history(i.prompt_key)})
