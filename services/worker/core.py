@@ -487,8 +487,18 @@ class Worker:
                     f"chunk wants policy version {job.policy_version}, worker serves {self._policy_version}",
                     field="policy_version",
                 )
-            if job.request_id in self._active:
-                raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
+            running = self._active.get(job.request_id)
+            if running is not None:
+                if not _newer(job.dispatch_epoch, running.job.dispatch_epoch):
+                    raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
+                # The scheduler raises a request's epoch only when it has given up on the attempt
+                # before (a failed stream, a deadline): that attempt is abandoned, and its cancel
+                # may still be on its way here. Refused, the re-dispatch would cost the request an
+                # attempt (ALREADY_EXISTS counts) for the abandoned attempt's sake.
+                log.info("a newer attempt supersedes the running one", extra=kv(
+                    request_id=job.request_id, running_epoch=running.job.dispatch_epoch,
+                    epoch=job.dispatch_epoch))
+                self._abort_locked(running)
             if admission.aborted:
                 act.done = True
                 act.stats.wall_seconds = time.monotonic() - act.started
@@ -591,22 +601,22 @@ class Worker:
         than the running attempt is ignored (False): it was sent for an abandoned attempt (a chunk
         past its deadline, say), and the request has been dispatched here again since."""
         with self._locked():
+            # Attempts not admitted yet (fetching their KV, or waiting for this lock behind a
+            # step) too, also while an earlier attempt still runs: each would run its whole chunk
+            # for a request the scheduler has dropped (a newer one supersedes the running one).
+            found = False
+            with self._admitting_lock:
+                for adm in self._admitting:
+                    if adm.request_id == request_id and not _newer(adm.dispatch_epoch, dispatch_epoch):
+                        adm.aborted = found = True
             act = self._active.get(request_id)
             if act is None:
-                # Not admitted yet (fetching its KV, or waiting for this lock behind a step): it
-                # would run its whole chunk for a request the scheduler has dropped.
-                found = False
-                with self._admitting_lock:
-                    for adm in self._admitting:
-                        if adm.request_id == request_id and not (
-                                dispatch_epoch and adm.dispatch_epoch and dispatch_epoch < adm.dispatch_epoch):
-                            adm.aborted = found = True
                 return found
-            if dispatch_epoch and act.job.dispatch_epoch and dispatch_epoch < act.job.dispatch_epoch:
+            if _newer(act.job.dispatch_epoch, dispatch_epoch):
                 log.info("abort of an earlier attempt ignored", extra=kv(
                     request_id=request_id, abort_epoch=dispatch_epoch, running_epoch=act.job.dispatch_epoch))
-                return False
-            return self._abort_locked(act)
+                return found
+            return self._abort_locked(act) or found
 
     def abort_active(self, act: _Active) -> bool:
         with self._locked():
@@ -1395,6 +1405,11 @@ class Worker:
             self._draft.end(job.group_id, job.request_id)
         except Exception:
             log.warning("draft end failed", exc_info=True, extra=kv(request_id=job.request_id))
+
+
+def _newer(epoch: int, than: int) -> bool:
+    """Whether dispatch epoch `epoch` orders after `than` (0 = unordered: never newer, nor older)."""
+    return bool(epoch and than and epoch > than)
 
 
 def _replace(job: ChunkJob, **changes: object) -> ChunkJob:
