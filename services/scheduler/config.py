@@ -97,6 +97,11 @@ class SchedulerConfig(ServiceConfig):
         default=300.0, metadata={"help": "SwitchWeights: seconds to wait for in-flight chunks to finish"}
     )
     port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
+    epoch_file: str = field(
+        default="",
+        metadata={"help": "file keeping dispatch epochs increasing across restarts even if the wall clock goes "
+                          "back (services/scheduler/epochs.py; empty = the wall clock at start)"},
+    )
 
     def policy_config(self) -> SchedulerPolicyConfig:
         return SchedulerPolicyConfig(

@@ -53,6 +53,7 @@ from services.common.telemetry import Counter, Gauge, context_from, tracer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore, chunk_stats_problem
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
+from services.scheduler.epochs import EpochClock
 from services.scheduler.links import BufferLink, DeadlineExceeded, WorkerLink
 
 log = get_logger(__name__)
@@ -200,6 +201,7 @@ class Dispatcher:
         self._dispatched = 0
         self._redispatched = 0
         self._next_token = 0
+        self._epochs = EpochClock(cfg.epoch_file)
         self._dirty = True
         self._paused = False
         self._stopping = threading.Event()
@@ -1002,9 +1004,9 @@ class Dispatcher:
 
     def _chunk_request(self, d: Dispatch, r: TrackedRequest) -> worker_pb2.RunChunkRequest:
         item = r.item
-        # Strictly increasing over the request's dispatches; the clock part (microseconds) keeps it
-        # increasing across a scheduler restart, which forgets last_epoch.
-        r.last_epoch = max(r.last_epoch + 1, time.time_ns() // 1000)
+        # Strictly increasing over the request's dispatches, and over a scheduler restart (which
+        # forgets last_epoch) or a wall clock gone back: epochs.EpochClock.
+        r.last_epoch = self._epochs.next(r.last_epoch)
         return worker_pb2.RunChunkRequest(
             request_id=item.request_id,
             batch_id=item.batch_id,

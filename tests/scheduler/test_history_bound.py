@@ -117,3 +117,42 @@ def test_priors_found_in_one_message_reach_their_groups_beyond_the_bound(make_ri
     t.d._add_items([_item("a1", "k-a"), _item("b1", "k-b")])
     assert t.d.core._groups["g-a1"].prior is not None
     assert t.d.core._groups["g-b1"].prior is not None
+
+
+# ---- the pooled log-length spread (history_estimate="posterior") ---------------------------------
+
+
+def _pooled_sd(*histories: list[int]) -> float:
+    from services.scheduler.core.groups import log_spread
+
+    parts = [log_spread(h) for h in histories]
+    return float((sum(ss for ss, _ in parts) / sum(dof for _, dof in parts)) ** 0.5)
+
+
+def test_a_key_fetched_again_after_the_bound_dropped_it_counts_once_in_the_pooled_spread(
+        make_rig: Callable[..., Any]) -> None:
+    """k-a is dropped by the bound and fetched again when its prompt comes back. Its spread was added
+    to the pool once per fetch, and a dropped key's share stayed, so the prompts that come back most
+    (and ones long gone: k-b, wide) weighed in every group's log_sd (the posterior estimate's s)."""
+    buf = HistoryBuffer({"k-a": [100, 110], "k-b": [10, 1000], "k-c": [50, 60]})
+    t = make_rig(buffer=buf, policy="seer_history", history_estimate="posterior", history_max_prompts=2)
+    t.d._add_items([_item("a1", "k-a")])
+    t.d._add_items([_item("b1", "k-b")])
+    t.d._add_items([_item("c1", "k-c")])  # k-a dropped
+    t.d._add_items([_item("a2", "k-a")])  # k-a's prompt comes back: fetched again; k-b dropped
+    assert buf.asked == ["k-a", "k-b", "k-c", "k-a"]
+    # The keys held now, each once (without the fix: k-a twice and k-b's dropped share still in).
+    assert t.d.core._groups["g-a2"].log_sd == pytest.approx(_pooled_sd([50, 60], [100, 110]))
+
+
+def test_a_key_set_again_replaces_its_share_of_the_pooled_spread() -> None:
+    core = make_core("seer_history", FakeClock(), history_estimate="posterior")
+    core.set_history("k1", [10, 1000])
+    core.set_history("k2", [100, 110])
+    for _ in range(3):
+        core.set_history("k1", [10, 1000])  # the same key again (e.g. a snapshot after a reconnect)
+    add_group(core, "g", 2, key="k2")
+    assert core._groups["g"].log_sd == pytest.approx(_pooled_sd([10, 1000], [100, 110]))
+    core.set_history("k1", [])  # no history any more: its share goes too
+    add_group(core, "h", 2, key="k2")
+    assert core._groups["h"].log_sd == pytest.approx(_pooled_sd([100, 110]))

@@ -85,8 +85,12 @@ class SchedulerCore:
         # buffer had none for it: once dropped by the bound, it is to be asked for again).
         self.on_history_recorded: Callable[[str], None] | None = None
         # Pooled spread of log lengths within the history's groups (history_estimate="posterior"):
-        # sum of squared deviations and degrees of freedom over every set_history call.
+        # sum of squared deviations and degrees of freedom over the keys set_history gave a history
+        # and the core still holds, and each such key's share. One share per key: a key dropped by
+        # history_max_prompts and fetched again when its prompt comes back (or set again) would
+        # otherwise add its spread once per fetch, weighting the prompts that come back most.
         self._log_ss, self._log_dof = 0.0, 0
+        self._log_parts: dict[str, tuple[float, int]] = {}
         self._ratios = SiblingRatios(cfg.estimate_quantile, cfg.estimate_min_samples)
         # request_id -> incarnation of settled requests (re-deliveries are recognised by both).
         self._finished: OrderedDict[str, int] = OrderedDict()
@@ -242,12 +246,15 @@ class SchedulerCore:
         prior = history_prior(lengths)  # validates
         if prior is None:
             self._history.pop(prompt_key, None)
+            self._drop_log_part(prompt_key)
         else:
-            self._remember_history(prompt_key, lengths)
             if self.cfg.history_estimate == "posterior":
+                self._drop_log_part(prompt_key)  # replaced, not added to
                 ss, dof = log_spread(lengths)
+                self._log_parts[prompt_key] = (ss, dof)
                 self._log_ss += ss
                 self._log_dof += dof
+            self._remember_history(prompt_key, lengths)  # after: a key it drops gives its share back
         if self.cfg.policy != "seer_history":
             return
         for gid in self._groups_by_key.get(prompt_key, ()):
@@ -264,8 +271,18 @@ class SchedulerCore:
         if self.on_history_recorded is not None:
             self.on_history_recorded(prompt_key)
         while len(self._history) > self.cfg.history_max_prompts:
-            self._history.popitem(last=False)
+            dropped, _ = self._history.popitem(last=False)
+            self._drop_log_part(dropped)
             self._history_evicted += 1
+
+    def _drop_log_part(self, prompt_key: str) -> None:
+        """Takes the key's share out of the pooled log-length spread (none: nothing to do)."""
+        part = self._log_parts.pop(prompt_key, None)
+        if part is None:
+            return
+        self._log_dof -= part[1]
+        # Clamped, and exact once nothing is left: float sums subtracted back need not reach 0.
+        self._log_ss = max(0.0, self._log_ss - part[0]) if self._log_dof else 0.0
 
     @property
     def history_evicted(self) -> int:
