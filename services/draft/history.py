@@ -27,7 +27,6 @@ class _Iteration:
     seq: int  # global insertion order: the eviction order
     responses: list[array[int]] = field(default_factory=list)
     tokens: int = 0
-    batches: set[int] = field(default_factory=set)  # _batch_key of every add: the same add again is a no-op
 
     @property
     def memory_bytes(self) -> int:
@@ -51,39 +50,78 @@ class HistoryStore:
         self.evicted = 0
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """Adds responses for (key, iteration); returns the ones added. Idempotent: the same
-        responses (in any order) already held for the key, in any kept iteration, add nothing (a
-        retried SeedHistory; a group completed again after a restart, whose responses the buffer
-        refill brought back already, or the other way round), and no empty iteration is created
-        (it would count as the newest and push out real ones). Iterations older than the newest
-        `keep_iterations` of the key are dropped."""
+        """Adds responses for (key, iteration); returns the ones added (new copies). Idempotent per
+        response: the key's history is the multiset union of what was added while kept, so a
+        response already held for the key, in any kept iteration, is not added again (a retried
+        SeedHistory, in any order or iteration; a subset or superset of an earlier add; a group's
+        responses promoted here and then refilled from the buffer within its whole iteration, or
+        the other way round), and n equal responses in one add (a low temperature) are held n
+        times. A held response that an add of a newer iteration brings again moves to that
+        iteration (it was produced again: it lives as long as the newest iteration that brought it,
+        not the oldest). No empty iteration is created (it would count as the newest and push out
+        real ones). Iterations older than the newest `keep_iterations` of the key are dropped."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
-        added = [tuple(int(t) for t in r) for r in responses if len(r)]
-        if not added or self.has(prompt_key, added):
+        iters = self._keys.get(prompt_key, {})
+        added, moved = self._plan(iters, iteration, responses)
+        if not added and not moved:
             return []
-        iters = self._keys.setdefault(prompt_key, {})
+        iters = self._keys.setdefault(prompt_key, iters)
         it = iters.get(iteration)
         if it is None:
-            if len(iters) >= self.keep_iterations and iteration < min(iters):
-                return []  # older than everything kept: nothing to do
             self._counter += 1
             it = iters[iteration] = _Iteration(iteration, self._counter)
             self._order[it.seq] = (prompt_key, iteration)
-        it.batches.add(_batch_key(added))
         before = it.memory_bytes
+        for src, arr in moved:
+            # Same bytes, another iteration: the key's total does not change (it moves from src).
+            src.responses[:] = [x for x in src.responses if x is not arr]
+            src.tokens -= len(arr)
+            it.responses.append(arr)
+            it.tokens += len(arr)
+            if not src.responses:
+                self._drop(prompt_key, src.iteration, evicted=False)  # everything moved on: not an eviction
         it.responses.extend(array("i", r) for r in added)
         it.tokens += sum(len(r) for r in added)
-        self.memory_bytes += it.memory_bytes - before
+        self.memory_bytes += it.memory_bytes - before - sum(len(a) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES
+                                                             for _, a in moved)
         while len(iters) > self.keep_iterations:
             self._drop(prompt_key, min(iters))
         return added
 
-    def has(self, prompt_key: str, responses: Sequence[Sequence[int]]) -> bool:
-        """Whether exactly these responses (in any order) were added for the key in one add, in
-        any iteration still kept."""
-        key = _batch_key([tuple(int(t) for t in r) for r in responses if len(r)])
-        return any(key in it.batches for it in self._keys.get(prompt_key, {}).values())
+    def new_responses(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]
+                      ) -> list[tuple[int, ...]]:
+        """The responses add() would add now (the new copies; what the store makes room for)."""
+        return self._plan(self._keys.get(prompt_key, {}), iteration, responses)[0]
+
+    def _plan(self, iters: dict[int, _Iteration], iteration: int, responses: Sequence[Sequence[int]]
+              ) -> tuple[list[tuple[int, ...]], list[tuple[_Iteration, array[int]]]]:
+        """(responses not held, held copies to move to `iteration`). Each response of the add is
+        matched to one held copy of equal tokens, newest iteration first (a multiset: n equal
+        responses need n copies); the unmatched ones are new. Only held responses of a length the
+        add has are compared, so an add costs O(its tokens + the key's responses)."""
+        resp = [tuple(int(t) for t in r) for r in responses if len(r)]
+        if not resp:
+            return [], []
+        if iters and iteration not in iters and len(iters) >= self.keep_iterations and iteration < min(iters):
+            return [], []  # older than everything kept: nothing to do
+        lengths = {len(r) for r in resp}
+        pool: dict[bytes, list[tuple[_Iteration, array[int]]]] = {}
+        for it in sorted(iters.values(), key=lambda it: it.iteration, reverse=True):
+            for arr in it.responses:
+                if len(arr) in lengths:
+                    pool.setdefault(arr.tobytes(), []).append((it, arr))
+        new: list[tuple[int, ...]] = []
+        moved: list[tuple[_Iteration, array[int]]] = []
+        for r in resp:
+            copies = pool.get(array("i", r).tobytes()) if pool else None
+            if not copies:
+                new.append(r)
+                continue
+            src, arr = copies.pop(0)
+            if src.iteration < iteration:
+                moved.append((src, arr))
+        return new, moved
 
     def next_iteration(self, prompt_key: str) -> int:
         iters = self._keys.get(prompt_key)
@@ -105,12 +143,13 @@ class HistoryStore:
     def num_keys(self) -> int:
         return len(self._keys)
 
-    def _drop(self, prompt_key: str, iteration: int) -> None:
+    def _drop(self, prompt_key: str, iteration: int, *, evicted: bool = True) -> None:
         iters = self._keys[prompt_key]
         it = iters.pop(iteration)
         del self._order[it.seq]
         self.memory_bytes -= it.memory_bytes
-        self.evicted += len(it.responses)
+        if evicted:
+            self.evicted += len(it.responses)
         if not iters:
             del self._keys[prompt_key]
 
@@ -125,9 +164,3 @@ class HistoryStore:
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
-
-def _batch_key(responses: Sequence[tuple[int, ...]]) -> int:
-    """Identifies one add's responses, order left out (a group promotes them by request id, the
-    buffer returns them by sample index): Python's hash of int tuples is not salted, so it is
-    stable within the process, which is all the store needs."""
-    return hash(tuple(sorted(responses)))

@@ -53,7 +53,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         for i, m in enumerate(request_iterator):
             with log_context(group_id=m.group_id, request_id=m.request_id):
                 a, d = self.store.append(m.group_id, m.request_id, m.offset, m.token_ids, m.finished,
-                                         where=f"messages[{i}].", truncate=m.truncate, epoch=m.epoch)
+                                         where=f"messages[{i}].", truncate=m.truncate, epoch=m.epoch,
+                                         incarnation=m.incarnation)
             appended += a
             duplicate += d
         APPENDED.inc(appended)

@@ -212,10 +212,12 @@ def test_random_operations_expire_exactly_what_a_scan_of_every_group_would(
             if op == "register":
                 key, prompt = _prompt(n, int(rnd.random() < 0.4))
                 t = rnd.choice([1, 2, 3, 5, 8, 13, 30, 60])
+                size = rnd.choice([1, 1, 2])
                 g = s._groups.get(gid) if gid not in due else None  # (due: expired by the sweep first)
-                same = g is not None and (g.prompt_key, g.index.prompt) == (key, tuple(prompt))
+                # Another group_size is another group too (refused while running, session 25).
+                same = g is not None and (g.prompt_key, g.index.prompt, g.group_size) == (key, tuple(prompt), size)
                 shorter = g is not None and now + t < g.queued_at
-                created, _ = s.register_group(gid, key, prompt, ttl_seconds=t, group_size=rnd.choice([1, 1, 2]))
+                created, _ = s.register_group(gid, key, prompt, ttl_seconds=t, group_size=size)
                 assert created == (not same)
                 incarnations += created and g is not None
                 shortened += same and shorter
@@ -255,7 +257,7 @@ def test_random_operations_expire_exactly_what_a_scan_of_every_group_would(
     # The run went through what the heap must get right.
     assert expired > 300 and incarnations > 20 and shortened > 20, (expired, incarnations, shortened)
     if slack == 0:
-        assert rebuilds["rebuilds"] > 5
+        assert rebuilds["rebuilds"] > 1, (rebuilds, incarnations, shortened)
 
 
 # ---- the heap stays bounded -----------------------------------------------------------------------
@@ -414,3 +416,41 @@ def test_seed_history_reaches_exactly_the_live_unfinished_groups_of_its_key() ->
     s.expire_now()
     assert "s" not in s._by_key
     assert s.seed_history("s", 0, [[1]]) == 1  # history only, no group
+
+
+def test_a_heap_rebuild_collects_the_current_entries_and_reads_no_deadline(deadline_reads: Counter[str]) -> None:
+    """A rebuild is one pause under the store's lock, O(live groups): it takes each live group's
+    current entry as it is (the tuple in the heap) instead of making a new one from the group's
+    deadline (two property reads, a new sequence number and three writes a group: 65-85 ms at
+    50,000 groups, session 25)."""
+    clock = Clock()
+    s = _store(clock)
+    for i in range(2000):
+        s.register_group(f"g{i}", f"k{i}", [i], ttl_seconds=100)  # due at 1100
+    clock.t = 1050
+    for i in range(1, 51):
+        s.append(f"g{i}", "r", 0, [i])  # refreshed to 1150: their entries (1100) are early now
+    entries = {e[2]: e for e in s._expiry if s._groups[e[2]].expiry_seq == e[1]}  # the current ones
+    assert len(entries) == len(s._groups)
+    reads_in_rebuild = None
+    for k in range(2 * 2000 + store_mod._EXPIRY_SLACK + 2):
+        before = s._expiry
+        deadline_reads.clear()
+        s.register_group("g0", "k0", [0], ttl_seconds=40 - k * 1e-3)  # earlier each time: a new entry
+        if s._expiry is not before:
+            reads_in_rebuild = deadline_reads["expires_at"]
+            break
+    assert reads_in_rebuild is not None, "no rebuild"
+    assert reads_in_rebuild <= 4  # the re-registration's own (the rebuild read 2 a group: 4,000)
+    assert len(s._expiry) == len(s._groups)
+    rebuilt = {e[2]: e for e in s._expiry}
+    for gid, e in entries.items():
+        if gid != "g0":
+            assert rebuilt[gid] is e  # the same entry, the early ones too
+    _check_invariants(s)
+    # The early entries come up at 1100 and are pushed again at 1150: nothing expires early.
+    clock.t = 1100
+    assert s.expire_now() == 50
+    _check_invariants(s)
+    clock.t = 1150
+    assert s.expire_now() == 0

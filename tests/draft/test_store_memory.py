@@ -113,11 +113,12 @@ def _random_run(seed: int, ops: int, budget: int) -> Counter[str]:
                 s.append(gid, rid, have, [], epoch=cur + 1)
             elif kind == "register":
                 # Mostly the group's usual registration; now and then another (refused, or a new
-                # incarnation of a completed group).
+                # incarnation of a completed group; another group_size is another group too).
+                usual = rnd.random() < 0.9
                 created, _ = s.register_group(
-                    gid, keys[int(gid[1:]) % len(keys)] if rnd.random() < 0.9 else rnd.choice(keys),
+                    gid, keys[int(gid[1:]) % len(keys)] if usual else rnd.choice(keys),
                     prompts[gid][rnd.random() < 0.15], ttl_seconds=rnd.randrange(5, 60),
-                    group_size=rnd.choice([0, 1, 2, 2, 3]))
+                    group_size=(1, 2, 2, 3)[int(gid[1:]) % 4] if rnd.random() < 0.8 else rnd.choice([0, 1, 2, 2, 3]))
                 if created and g is not None:
                     seen["replaced"] += 1  # a completed group's id registered again: a new incarnation
             elif kind == "seed":

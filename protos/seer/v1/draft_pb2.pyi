@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AppendRequest(_message.Message):
-    __slots__ = ("group_id", "request_id", "offset", "token_ids", "finished", "truncate", "epoch")
+    __slots__ = ("group_id", "request_id", "offset", "token_ids", "finished", "truncate", "epoch", "incarnation")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class AppendRequest(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     request_id: str
     offset: int
@@ -22,7 +23,8 @@ class AppendRequest(_message.Message):
     finished: bool
     truncate: bool
     epoch: int
-    def __init__(self, group_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., truncate: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, group_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offset: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., truncate: _Optional[bool] = ..., epoch: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("appended_tokens", "duplicate_tokens")
