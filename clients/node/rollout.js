@@ -101,7 +101,8 @@ function transient(err) {
 
 // The buffer refuses SubmitBatch during a weight switch with UNAVAILABLE and this trailing metadata.
 // A switch may take the buffer's switch timeout (600 s), so such a refusal is waited out up to the
-// Python client's UPDATE_WEIGHTS_TIMEOUT (and the run's --timeout), not given up after --retry-seconds.
+// Python client's UPDATE_WEIGHTS_TIMEOUT (and the run's --timeout), not given up after --retry-seconds
+// (unless that is 0: no retries).
 const SWITCH_WINDOW_MS = 660 * 1000;
 function switching(err) {
   const reason = err.metadata && typeof err.metadata.get === 'function' ? err.metadata.get('seer-retry-reason') : [];
@@ -144,7 +145,9 @@ class Retry {
     if (!transient(err) && !(refused && err.code === grpc.status.RESOURCE_EXHAUSTED)) throw err;
     const now = Date.now();
     if (this.failingSince === null) this.failingSince = now;
-    const windowMs = switching(err) ? Math.max(this.windowMs, SWITCH_WINDOW_MS) : this.windowMs;
+    // --retry-seconds 0 is no retries at all: a weight switch's refusal is final too (it used to be
+    // waited out for up to 660 s, the one retry that 0 did not turn off).
+    const windowMs = switching(err) && this.windowMs > 0 ? Math.max(this.windowMs, SWITCH_WINDOW_MS) : this.windowMs;
     if (this.downMs + (now - this.failingSince) + this.delayMs > windowMs) throw err;
     console.error(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
     // Not past the run's deadline: the next call then fails DEADLINE_EXCEEDED at once.
@@ -170,23 +173,29 @@ async function unary(client, method, request, endMs, retrySeconds) {
 // Every result of the batch from `cursor` on, in completion order; onResult(msg) for each. A stream
 // that fails UNAVAILABLE is reopened from the cursor of the last result received. Its deadline is the
 // run's (endMs), not a fresh one per stream: with a per-stream deadline every reopened stream got a
-// new --timeout, so a run that kept reconnecting was never bounded by it.
-async function streamResults(client, batchId, endMs, retrySeconds, onResult) {
+// new --timeout, so a run that kept reconnecting was never bounded by it. submissionId: the one
+// SubmitBatch answered (0 = the first result's), passed with every cursor: a batch id deleted by
+// retention and submitted again in between is FAILED_PRECONDITION naming submission_id, not a resume
+// into the other submission's results.
+async function streamResults(client, batchId, endMs, retrySeconds, onResult, submissionId = 0) {
   const retry = new Retry(retrySeconds, endMs);
   let cursor = 0;
+  let submission = submissionId;
   for (;;) {
     // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
     // without them (grpc-js emits 'metadata' only for real headers, not for a trailers-only answer).
     let accepted = false;
     try {
       await new Promise((resolve, reject) => {
-        const stream = client.StreamResults({ batch_id: batchId, cursor }, { deadline: new Date(endMs) });
+        const stream = client.StreamResults({ batch_id: batchId, cursor, submission_id: submission },
+          { deadline: new Date(endMs) });
         stream.on('metadata', () => {
           accepted = true;
           retry.accepted();
         });
         stream.on('data', (msg) => {
           cursor = msg.cursor;
+          if (!submission) submission = msg.submission_id; // 0 from a buffer without submission ids
           retry.reset(); // progress: the retry window starts again
           onResult(msg);
         });
@@ -262,6 +271,9 @@ async function main() {
   // Idempotent by batch id: the same batch again creates nothing.
   const again = await call('SubmitBatch', { batch_id: batchId, groups });
   if (!again.already_submitted) throw new Error('SubmitBatch: resubmission was not recognized');
+  if (again.submission_id !== submitted.submission_id) {
+    throw new Error(`SubmitBatch: resubmission named submission ${again.submission_id}, not ${submitted.submission_id}`);
+  }
 
   const seen = new Set();
   const problems = [];
@@ -276,7 +288,7 @@ async function main() {
     const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
     console.log(`result ${msg.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
       + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
-  });
+  }, submitted.submission_id);
   if (seen.size !== expected) problems.push(`stream ended after ${seen.size} of ${expected} results`);
 
   const batch = await call('GetBatch', { batch_id: batchId, include_requests: false });

@@ -130,7 +130,7 @@ def batch_to_pb(b: BatchStatus) -> rollout_pb2.GetBatchResponse:
     return rollout_pb2.GetBatchResponse(
         batch_id=b.batch_id, state=int(b.state), num_requests=b.num_requests, num_finished=b.num_finished,
         num_cancelled=b.num_cancelled, generated_tokens=b.generated_tokens, policy_version=b.policy_version,
-        requests=[
+        submission_id=b.submission_id, requests=[
             rollout_pb2.RequestStatus(request_id=r.request_id, state=int(r.state), generated_tokens=r.generated_tokens,
                                       num_chunks=r.num_chunks, finish_reason=int(r.finish_reason))
             for r in b.requests

@@ -145,6 +145,7 @@ class SubmitOutcome:
     num_requests: int
     already_submitted: bool
     policy_version: int
+    submission_id: int  # the batch's submit_seq: unique per submission (0: stored before it existed)
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class BatchStatus:
     generated_tokens: int
     policy_version: int
     requests: list[RequestStatus]
+    submission_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -324,8 +326,9 @@ class BufferCore:
         # batch id -> open result readers (iter_results): retention keeps these batches until the
         # last reader is gone, so a slow reader is never cut off in the middle of its batch.
         self._readers: dict[str, int] = {}
-        # batch id -> results it had, of batches retention deleted; oldest deletion first.
-        self._deleted: dict[str, int] = {}
+        # batch id -> (results it had, its submit_seq), of batches retention deleted; oldest
+        # deletion first.
+        self._deleted: dict[str, tuple[int, int]] = {}
         self._next_deletion_seq = 1
         self._next_submit_seq = 1
         self._recover()
@@ -356,12 +359,13 @@ class BufferCore:
         # max(): a store written before the counter was kept has only its batches to go by.
         self._next_submit_seq = max(int(raw_seq) if raw_seq else 1,
                                     1 + max((b.submit_seq for b in self._batches.values()), default=0))
-        deletions: list[tuple[int, str, int]] = []  # (deletion seq, batch id, results)
+        deletions: list[tuple[int, str, int, int]] = []  # (deletion seq, batch id, results, submit_seq)
         for k, v in self._store.scan(b"d/"):
-            seq, results = v.split()
-            deletions.append((int(seq), k[2:].decode(), int(results)))
-        for _seq, bid, n in sorted(deletions):
-            self._deleted[bid] = n
+            # "<seq> <results>" before the submission was kept: 0 (unknown).
+            seq, results, *sub = v.split()
+            deletions.append((int(seq), k[2:].decode(), int(results), int(sub[0]) if sub else 0))
+        for _seq, bid, n, sub_seq in sorted(deletions):
+            self._deleted[bid] = (n, sub_seq)
         self._next_deletion_seq = 1 + max((d[0] for d in deletions), default=0)
         # Pending work in submission order (the snapshot's, so the scheduler's FIFO), not key order.
         for b in sorted(self._batches.values(), key=lambda b: (b.submit_seq, b.created_at, b.batch_id)):
@@ -503,7 +507,7 @@ class BufferCore:
             metrics.PENDING.set(len(self._live))
         log.info("batch submitted", extra=kv(batch_id=batch_id, groups=len(valid),
                                              requests=batch.num_requests, policy_version=version))
-        return SubmitOutcome(batch_id, batch.num_requests, False, version)
+        return SubmitOutcome(batch_id, batch.num_requests, False, version, batch.submit_seq)
 
     def _existing(self, batch_id: str, digest: str) -> SubmitOutcome | None:
         """The outcome of resubmitting a stored batch (same content), or None when it is new."""
@@ -514,7 +518,7 @@ class BufferCore:
             return None
         if existing.content_hash != digest:
             raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content", field="batch_id")
-        return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version)
+        return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version, existing.submit_seq)
 
     # ---- work feed -----------------------------------------------------------------------------
 
@@ -722,7 +726,10 @@ class BufferCore:
                 text=self._model.tokenizer.decode(list(tokens)) if self._model.tokenizer else "",
                 chunk_ends=[*live.chunk_ends, len(tokens)], last_chunk_reason=c.finish_reason,
             )
-            wb.put(keys.result_key(rec.batch_id, batch.num_results), result.encode())
+            value = result.encode()
+            wb.put(keys.result_key(rec.batch_id, batch.num_results), value)
+            # Its size, read by read_results to end a page before reading a value that does not fit.
+            wb.put(keys.result_size_key(rec.batch_id, batch.num_results), str(len(value)).encode())
             new_batch.num_results += 1
             if new_batch.num_results == new_batch.num_requests:
                 new_batch.state = BatchState.COMPLETED
@@ -780,7 +787,9 @@ class BufferCore:
             for begin, end in keys.batch_ranges(bid):
                 wb.delete_range(begin, end)
             wb.delete(keys.batch_key(bid))
-            wb.put(keys.deleted_key(bid), f"{self._next_deletion_seq} {self._batches[bid].num_results}".encode())
+            gone_batch = self._batches[bid]
+            wb.put(keys.deleted_key(bid),
+                   f"{self._next_deletion_seq} {gone_batch.num_results} {gone_batch.submit_seq}".encode())
             self._next_deletion_seq += 1
         # The remembered deletions _forget_batches will evict (the oldest beyond the limit), in
         # the same write, so the store remembers exactly what memory does.
@@ -795,7 +804,7 @@ class BufferCore:
             b = self._batches.pop(bid, None)
             if b is not None:
                 self._deleted.pop(bid, None)  # re-inserted: the newest deletion is evicted last
-                self._deleted[bid] = b.num_results
+                self._deleted[bid] = (b.num_results, b.submit_seq)
         while len(self._deleted) > MAX_REMEMBERED_DELETIONS:
             del self._deleted[next(iter(self._deleted))]
         if batch_ids:
@@ -890,48 +899,90 @@ class BufferCore:
     def _batch(self, batch_id: str, cursor: int | None = None) -> BatchRecord:
         b = self._batches.get(batch_id)
         if b is None:
-            n = self._deleted.get(batch_id)
-            if n is None:
+            gone = self._deleted.get(batch_id)
+            if gone is None:
                 # Checked only for unknown ids: one stored before the format was enforced as now (a
                 # trailing newline passed "$") stays readable.
                 validate_batch_id(batch_id)
                 raise NotFound(f"unknown batch {batch_id!r}", field="batch_id")
+            n = gone[0]
             lost = f"; results [{cursor}, {n}) were not read and are lost" if cursor is not None and cursor < n else ""
             raise NotFound(f"batch {batch_id!r} was deleted by retention with its {n} results (finished "
                            f"batches beyond retain_batches {self._retain} are deleted, oldest first){lost}",
                            field="batch_id")
         return b
 
+    @staticmethod
+    def _check_submission(batch_id: str, current: int, wanted: int, deleted: bool = False) -> None:
+        """A reader's submission (0 = any) against the one the batch id names now (0 = unknown: a
+        record stored before submissions were numbered, which no numbered submission can be)."""
+        if wanted and wanted != current:
+            now = (f"was deleted by retention with submission {current}" if deleted
+                   else f"now names submission {current}")
+            raise FailedPrecondition(
+                f"batch {batch_id!r} {now}, not {wanted}: the batch id was deleted and submitted again, "
+                "and results of the two submissions must not mix (the earlier submission's results are "
+                "gone; stream the new one from cursor 0)", field="submission_id")
+
     def read_results(self, batch_id: str, cursor: int, limit: int = RESULTS_PAGE_LIMIT,
-                     max_bytes: int | None = None) -> tuple[list[tuple[int, RolloutResult]], bool]:
+                     max_bytes: int | None = None, submission_id: int = 0
+                     ) -> tuple[list[tuple[int, RolloutResult]], bool]:
         """Results from cursor on, in order, and whether the stream is over after them.
 
         A page holds at most `limit` results and at most `max_bytes` (default: the core's
         results_page_bytes) of their stored values, except that its first result always goes in: a
-        single result over the bound comes alone, so every result can be read."""
+        single result over the bound comes alone, so every result can be read. submission_id: the
+        submission the cursor belongs to (0 = the current one); another is FailedPrecondition."""
         budget = self._page_bytes if max_bytes is None else max_bytes
         page: list[tuple[int, RolloutResult]] = []
-        used = 0
         with self._lock:  # also keeps close() from closing the store under the scan
             self._check_open()
-            if batch_id not in self._batches and self._deleted.get(batch_id) == cursor:
-                return [], True  # deleted after its reader had every result: nothing is lost
+            gone = self._deleted.get(batch_id) if batch_id not in self._batches else None
+            if gone is not None:
+                self._check_submission(batch_id, gone[1], submission_id, deleted=True)
+                if gone[0] == cursor:
+                    return [], True  # deleted after its reader had every result: nothing is lost
             b = self._batch(batch_id, cursor)
+            self._check_submission(batch_id, b.submit_seq, submission_id)
             if cursor > b.num_results:
                 raise OutOfRange(f"{cursor} is beyond the {b.num_results} results available", field="cursor")
             end_index, terminal = b.num_results, b.terminal
-            for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
-                idx = int(k.rsplit(b"/", 1)[1])
-                if idx >= end_index or len(page) >= limit:
+            # How many results the page takes, from their stored sizes (small values, many to a
+            # block), so the value of the first result that does not fit is never read: it can be
+            # as large as a gRPC message. Results stored before sizes were kept have none: from the
+            # first of those on, each value is read, then sized (the one that does not fit dropped).
+            n, used, sized = 0, 0, True
+            sizes = self._store.scan(f"z/{batch_id}/".encode(), keys.result_size_key(batch_id, cursor))
+            while cursor + n < end_index and n < limit:
+                item = next(sizes, None)
+                if item is None or int(item[0].rsplit(b"/", 1)[1]) != cursor + n:
+                    sized = False
                     break
-                # Sized before decoding: a page is bounded by what is read as well as by what is
-                # kept (the decoded result is about as large as its stored value: raw arrays).
-                if page and used + len(v) > budget:
+                size = int(item[1])
+                if n and used + size > budget:
                     break
-                used += len(v)
-                page.append((idx, RolloutResult.decode(v)))
+                used += size
+                n += 1
+            if n or not sized:
+                for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
+                    idx = int(k.rsplit(b"/", 1)[1])
+                    if idx >= end_index or len(page) >= limit:
+                        break
+                    if idx >= cursor + n:  # unsized: sized before decoding, as the page is bounded
+                        if page and used + len(v) > budget:
+                            break
+                        used += len(v)
+                    page.append((idx, RolloutResult.decode(v)))
+                    if sized and len(page) == n:
+                        break  # before the scan reads the next value
         done = terminal and cursor + len(page) >= end_index
         return page, done
+
+    def submission_of(self, batch_id: str) -> int:
+        """The submission a batch id names now (its submit_seq; 0 when unknown or unnumbered)."""
+        with self._lock:
+            b = self._batches.get(batch_id)
+            return b.submit_seq if b is not None else 0
 
     def wait_results(self, batch_id: str, cursor: int, timeout: float) -> None:
         """Blocks until results beyond cursor exist, the batch ends, or timeout."""
@@ -940,15 +991,23 @@ class BufferCore:
                                 or self._batch(batch_id).terminal, timeout)
 
     def iter_results(self, batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
-                     poll_seconds: float = 0.5) -> Iterator[tuple[int, RolloutResult]]:
+                     poll_seconds: float = 0.5, submission_id: int = 0
+                     ) -> Iterator[tuple[int, RolloutResult]]:
         """Results from cursor on, waiting for new ones, until the batch is complete or cancelled.
 
-        While the generator is open the batch is exempt from retention (see _purge_old)."""
+        submission_id: the submission the cursor belongs to (0 = the current one, see
+        submission_of). Either way the stream is pinned to one submission: should the batch id come
+        to name another one under it, the next page is FailedPrecondition naming submission_id,
+        never that submission's results. While the generator is open the batch is exempt from
+        retention (see _purge_old)."""
         with self._lock:
             self._readers[batch_id] = self._readers.get(batch_id, 0) + 1
+            current = self._batches.get(batch_id)
+            if not submission_id and current is not None:
+                submission_id = current.submit_seq  # pinned (0, unnumbered: nothing to pin to)
         try:
             while True:
-                page, done = self.read_results(batch_id, cursor)
+                page, done = self.read_results(batch_id, cursor, submission_id=submission_id)
                 for idx, r in page:
                     yield idx, r
                     cursor = idx + 1
@@ -976,7 +1035,7 @@ class BufferCore:
                     r = RequestRecord.decode(v)
                     requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
         return BatchStatus(b.batch_id, b.state, b.num_requests, b.num_results, b.num_cancelled,
-                           b.generated_tokens, b.policy_version, requests)
+                           b.generated_tokens, b.policy_version, requests, b.submit_seq)
 
     def cancel_batch(self, batch_id: str) -> tuple[BatchState, int]:
         """(state, requests the batch's cancellation cancelled). Idempotent: a repeat answers as the

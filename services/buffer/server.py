@@ -141,7 +141,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                          trace_context=current_trace_context(), seed_scope=request.seed_scope)
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
-                                               policy_version=out.policy_version)
+                                               policy_version=out.policy_version,
+                                               submission_id=out.submission_id)
 
     @rpc
     def StreamResults(self, request: rollout_pb2.StreamResultsRequest, context: grpc.ServicerContext
@@ -150,9 +151,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # Headers now, not with the first result: they tell a client that the stream was
             # accepted (SeerClient stops counting its retry window then), which may be long before a result.
             context.send_initial_metadata(())
+            # Pinned here (not only in the core) so that every message can say which submission it
+            # is from: a reader that did not submit the batch resumes with it.
+            sub = int(request.submission_id) or self.core.submission_of(request.batch_id)
             for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
-                                                 POLL_SECONDS):
-                yield rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r))
+                                                 POLL_SECONDS, submission_id=sub):
+                yield rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r),
+                                                        submission_id=sub)
 
     @rpc
     def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext

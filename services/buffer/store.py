@@ -11,8 +11,10 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
     r/<batch_id>/<group:06d>/<sample:04d> RequestRecord
     c/<batch_id>/<group:06d>/<sample:04d>/<seq:08d>   ChunkRecord (while the request is unfinished)
     l/<batch_id>/<index:010d>             RolloutResult (the batch's append-only results log)
+    z/<batch_id>/<index:010d>             stored bytes of that RolloutResult (decimal; absent in
+                                          stores written before sizes were kept)
     h/<prompt_key>                        history iterations of a prompt key
-    d/<batch_id>                          a batch retention deleted: "<deletion seq> <results>"
+    d/<batch_id>                          a batch retention deleted: "<deletion seq> <results> <submit seq>"
 
 Every state change is one WriteBatch, so a crash (even kill -9) leaves either all of it or none.
 Calls block; the gRPC server runs them in its handler threads.
@@ -56,7 +58,7 @@ def chunks_range(batch_id: str, group_index: int, sample_index: int) -> tuple[by
     return prefix, prefix[:-1] + b"0"  # '0' sorts right after '/'
 
 
-BATCH_PREFIXES = (b"g/", b"r/", b"c/", b"l/")
+BATCH_PREFIXES = (b"g/", b"r/", b"c/", b"l/", b"z/")
 
 
 def batch_ranges(batch_id: str) -> list[tuple[bytes, bytes]]:
@@ -66,6 +68,12 @@ def batch_ranges(batch_id: str) -> list[tuple[bytes, bytes]]:
 
 def result_key(batch_id: str, index: int) -> bytes:
     return f"l/{batch_id}/{index:010d}".encode()
+
+
+def result_size_key(batch_id: str, index: int) -> bytes:
+    """The stored size of result `index`: a results page ends before a value that would not fit
+    without reading it (BufferCore.read_results)."""
+    return f"z/{batch_id}/{index:010d}".encode()
 
 
 def deleted_key(batch_id: str) -> bytes:

@@ -20,6 +20,16 @@ MAX_STOP_TOKENS = 1024
 MAX_PROMPT_KEY_CHARS = 512
 MAX_LABEL_BYTES = 64 * 1024
 UINT64_MAX = 2**64 - 1
+# The buffer server's send limit: services.common.grpcutil.MAX_MESSAGE_BYTES, which
+# services/common/server.py configures (not imported: the core stays free of grpc; a test checks
+# they agree). One StreamResults message carries one whole result, so a response longer than this
+# allows would be accepted, generated and stored, then fail at every send, and a reader resuming at
+# its cursor would fail forever. Read at call time (tests lower it).
+MAX_RESULT_MESSAGE_BYTES = 64 * 1024 * 1024
+# What a StreamResultsResponse holds besides the per-token arrays, the text, the prompt key and the
+# labels: cursor, submission id, ids, indices, finish reason, version, stats, latency, tags and
+# length prefixes (a few hundred bytes; generously rounded up).
+RESULT_FIXED_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,24 @@ def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
                     s.ignore_eos)
 
 
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def max_response_tokens(model: ModelInfo, prompt_key_chars: int, labels: dict[str, str]) -> int:
+    """The longest response whose StreamResultsResponse surely fits MAX_RESULT_MESSAGE_BYTES: per
+    token a packed token id (the varint of the largest id), a packed float logprob, and at most
+    max_text_bytes_per_token of text (when the buffer detokenizes); besides, the prompt key (4
+    bytes a character at most), the labels (a map entry's tags and length prefixes: 18 bytes) and
+    RESULT_FIXED_BYTES."""
+    per_token = _varint_bytes(max(0, model.vocab_size - 1)) + 4
+    if model.tokenizer is not None:
+        per_token += model.tokenizer.max_text_bytes_per_token()
+    fixed = (RESULT_FIXED_BYTES + 4 * prompt_key_chars
+             + sum(18 + len(k.encode()) + len(v.encode()) for k, v in labels.items()))
+    return max(0, (MAX_RESULT_MESSAGE_BYTES - fixed) // per_token)
+
+
 def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
     f = f"groups[{i}]"
     if not 1 <= g.group_size <= MAX_GROUP_SIZE:
@@ -143,13 +171,21 @@ def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
     label_bytes = sum(len(k.encode()) + len(v.encode()) for k, v in g.labels)
     if label_bytes > MAX_LABEL_BYTES:
         raise InvalidArgument(f"{label_bytes} bytes of labels; at most {MAX_LABEL_BYTES}", field=f"{f}.labels")
+    prompt_key = g.prompt_key or default_prompt_key(tokens)
+    labels = dict(g.labels)
+    limit = max_response_tokens(model, len(prompt_key), labels)
+    if g.max_tokens > limit:
+        raise InvalidArgument(
+            f"must be at most {limit}: a response of {g.max_tokens} tokens (ids, logprobs, text, labels) "
+            f"could exceed the {MAX_RESULT_MESSAGE_BYTES}-byte gRPC message that delivers it",
+            field=f"{f}.max_tokens")
     return ValidGroup(
-        prompt_key=g.prompt_key or default_prompt_key(tokens),
+        prompt_key=prompt_key,
         prompt_token_ids=tokens,
         group_size=g.group_size,
         max_tokens=g.max_tokens,
         sampling=sampling,
-        labels=dict(g.labels),
+        labels=labels,
     )
 
 

@@ -224,3 +224,73 @@ def test_stream_results_in_byte_bounded_pages_resumes_from_the_middle(
         rest = list(buf.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id="g", cursor=cursor),
                                               timeout=10))
         assert [r.cursor for r in rest] == list(range(cursor + 1, n + 1))
+
+
+# ---- reads ---------------------------------------------------------------------------------------
+
+class _CountingStore:
+    """The core's store, counting the results-log values its scans hand out (each one a value read
+    from RocksDB and copied)."""
+
+    def __init__(self, inner: Store) -> None:
+        self._inner = inner
+        self.values_read = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        for k, v in self._inner.scan(prefix, start):
+            if k.startswith(b"l/"):
+                self.values_read += 1
+            yield k, v
+
+
+def test_a_page_reads_no_value_it_does_not_return(tmp_path: Path) -> None:
+    """The page ends at the first result that does not fit by its stored size, without reading that
+    result's value (it can be as large as a gRPC message). Before: every page that ended on the
+    byte bound had read one value more than it returned."""
+    core = _core(tmp_path / "db")
+    try:
+        _submit(core, "r")
+        for s in ORDER:
+            _finish(core, "r", s)
+        counting = _CountingStore(core._store)
+        core._store = counting  # type: ignore[assignment]
+        pages = 0
+        for cursor, page, _done in _pages(core, "r"):
+            before = counting.values_read
+            again, _ = core.read_results("r", cursor)
+            assert counting.values_read - before == len(again) == len(page), (cursor, [i for i, _r in page])
+            _check_bounded(core, "r", cursor, page, len(ORDER))
+            pages += 1
+        assert pages > 3
+        # The count bound and the end of the log stop the page without an extra read too.
+        before = counting.values_read
+        assert len(core.read_results("r", 0, limit=2, max_bytes=10**9)[0]) == 2
+        assert len(core.read_results("r", len(ORDER) - 2, max_bytes=10**9)[0]) == 2
+        assert core.read_results("r", len(ORDER)) == ([], True)
+        assert counting.values_read - before == 4
+    finally:
+        core.close()
+
+
+def test_results_stored_without_sizes_still_page_by_bytes(tmp_path: Path) -> None:
+    """A store written before result sizes were kept (no z/ keys, or only for its newer results):
+    each value is read, then sized, as before."""
+    core = _core(tmp_path / "db")
+    try:
+        _submit(core, "old")
+        for s in ORDER:
+            _finish(core, "old", s)
+        wb = core._store.new_batch()
+        for i in range(len(ORDER) // 2):  # the older half unsized, the newer half sized
+            wb.delete(keys.result_size_key("old", i))
+        core._store.write(wb)
+        pages = list(_pages(core, "old"))
+        for cursor, page, _done in pages:
+            _check_bounded(core, "old", cursor, page, len(ORDER))
+        assert [r.request_id for _c, p, _d in pages for _i, r in p] == [f"old/0/{s}" for s in ORDER]
+        assert pages[-1][2]
+    finally:
+        core.close()

@@ -66,3 +66,13 @@ def test_a_buffer_that_is_away_is_still_given_up_after_retry_seconds(buffer: Buf
     with SeerClient(buffer.address, retry_seconds=0.5) as client, pytest.raises(SeerError) as e:
         client.submit_batch("a", [PromptGroup(prompt=[1], group_size=1, max_tokens=2)])
     assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 5
+
+
+def test_retry_seconds_0_does_not_wait_out_a_weight_switch(buffer: Buffer) -> None:
+    # retry_seconds=0 is "no retries", as the Node client's --retry-seconds 0: the switch's refusal
+    # is final too. Before: waited out (up to 660 s; here until the switch ended).
+    with _switching(buffer, 1):
+        t0 = time.monotonic()
+        with SeerClient(buffer.address, retry_seconds=0) as client, pytest.raises(SeerError) as e:
+            client.submit_batch("b0", [PromptGroup(prompt=[1], group_size=1, max_tokens=4)])
+        assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 1.0, e.value

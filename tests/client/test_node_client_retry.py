@@ -209,3 +209,30 @@ def test_node_waits_out_a_weight_switch_at_submit(node_client: Path, tok_buffer:
     rc, out = n.finish()
     assert _ok(rc, out), "\n".join(out)
     assert any(line.startswith("retrying after 14 ") for line in out), out  # 14 = UNAVAILABLE
+
+
+def test_node_retry_seconds_0_does_not_wait_out_a_weight_switch(node_client: Path, tok_buffer: Buffer) -> None:
+    # --retry-seconds 0 is "no retries": the first transient failure is final, a weight switch's
+    # UNAVAILABLE too. Before: that one refusal was retried for up to 660 s (here: until the 2 s
+    # switch ended, then the run waited for results until --timeout).
+    assert tok_buffer.core is not None
+    entered = threading.Event()
+
+    def slow_switch(version: int, source: str) -> int:
+        entered.set()
+        time.sleep(2.0)
+        return 1
+
+    t = threading.Thread(target=tok_buffer.core.update_weights, args=(1, "", slow_switch))
+    t.start()
+    assert entered.wait(5)
+    try:
+        proc = subprocess.run(["node", str(node_client), "--address", tok_buffer.address, "--batch-id", "node-0",
+                               "--retry-seconds", "0", "--timeout", "8"],
+                              cwd=node_client.parent, capture_output=True, text=True, timeout=30)
+    finally:
+        t.join(10)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "retrying" not in out, out
+    assert "error: 14 " in proc.stderr and "weight update to version 1" in proc.stderr, out
+    assert not batch_submitted(tok_buffer.address, "node-0")

@@ -207,6 +207,7 @@ def _result(resp: rollout_pb2.StreamResultsResponse) -> RolloutResult:
         finish_reason=_FINISH.get(r.finish_reason, str(r.finish_reason)), policy_version=r.policy_version,
         num_chunks=r.num_chunks, latency_seconds=r.latency_seconds, labels=dict(r.labels), text=r.text,
         stats={f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}, cursor=int(resp.cursor),
+        submission_id=int(resp.submission_id),
     )
 
 
@@ -247,7 +248,8 @@ class SeerClient:
 
     def _call(self, fn: Callable[[], T], retry: bool = True, switch_window: float = 0.0) -> T:
         """fn(), retried on UNAVAILABLE for retry_seconds; for `switch_window` seconds when the buffer
-        says a weight switch is in progress (it ends within the buffer's switch timeout)."""
+        says a weight switch is in progress (it ends within the buffer's switch timeout), unless
+        retry_seconds is 0: no retries, the first failure is final (as the Node client's 0)."""
         start = time.monotonic()
         deadline = start + self.retry_seconds
         delay = 0.05
@@ -255,7 +257,7 @@ class SeerClient:
             try:
                 return fn()
             except grpc.RpcError as e:
-                if _retry_reason(e) == _SWITCHING:
+                if _retry_reason(e) == _SWITCHING and self.retry_seconds > 0:
                     deadline = max(deadline, start + switch_window)
                 if not retry or e.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
                     raise _error(e) from None
@@ -299,10 +301,11 @@ class SeerClient:
         # may take the buffer's whole switch timeout: waited out, so the batch runs at the new version.
         resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout),
                           switch_window=UPDATE_WEIGHTS_TIMEOUT)
-        return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version)
+        return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version,
+                            int(resp.submission_id))
 
-    def iter_results(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None
-                     ) -> Iterator[RolloutResult]:
+    def iter_results(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None,
+                     submission_id: int = 0) -> Iterator[RolloutResult]:
         """Finished responses in completion order, from `cursor` on, until the batch is done.
 
         Survives dropped streams and buffer restarts: it reconnects and resumes from the cursor of the
@@ -317,12 +320,20 @@ class SeerClient:
         timeout: seconds for the whole iteration (None = until the batch is done); when they run out
         SeerTimeout (a SeerError and a TimeoutError, code DEADLINE_EXCEEDED) is raised. The batch is
         not cancelled.
+
+        submission_id: the batch's SubmitResult.submission_id (or a result's, with its cursor); 0 =
+        whichever submission the batch id names when the first result arrives. Every reopened
+        stream passes it: a batch id deleted by retention and submitted again in between is
+        FAILED_PRECONDITION naming submission_id (a SeerError), never a resume into the other
+        submission's results at this cursor.
         """
         # Checked here, not in the generator (its body runs only at the first next()): the call
         # with a bad argument is where the error belongs.
-        return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64), timeout)
+        return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64), timeout,
+                                  _int(submission_id, "submission_id", _UINT64))
 
-    def _iter_results(self, batch_id: str, cursor: int, timeout: float | None) -> Iterator[RolloutResult]:
+    def _iter_results(self, batch_id: str, cursor: int, timeout: float | None,
+                      submission_id: int) -> Iterator[RolloutResult]:
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.05
         # The retry window: seconds spent failing since the last new result (closed spells) plus
@@ -335,8 +346,9 @@ class SeerClient:
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._timed_out(batch_id, timeout, cursor)
-            stream: Any = self._stub.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor),
-                                                   timeout=remaining)
+            stream: Any = self._stub.StreamResults(
+                rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor, submission_id=submission_id),
+                timeout=remaining)
             accepted = False
             try:
                 accepted = _accepted(stream)
@@ -346,6 +358,8 @@ class SeerClient:
                 for resp in stream:
                     result = _result(resp)
                     cursor = result.cursor
+                    # Pinned at the first result (a buffer before submission ids sends 0: unpinned).
+                    submission_id = submission_id or result.submission_id
                     delay, down, failing_since, failures = 0.05, 0.0, None, 0
                     yield result
                 return
@@ -386,9 +400,9 @@ class SeerClient:
                   on_result: Callable[[RolloutResult], None] | None = None, *,
                   seed_scope: str = "") -> list[RolloutResult]:
         """Submits (idempotently) and returns every result; on_result sees each as it arrives."""
-        self.submit_batch(batch_id, groups, seed_scope=seed_scope)
+        submitted = self.submit_batch(batch_id, groups, seed_scope=seed_scope)
         out = []
-        for r in self.iter_results(batch_id):
+        for r in self.iter_results(batch_id, submission_id=submitted.submission_id):
             if on_result is not None:
                 on_result(r)
             out.append(r)
@@ -400,7 +414,7 @@ class SeerClient:
         return BatchStatus(
             batch_id=b.batch_id, state=_BATCH_STATE.get(b.state, str(b.state)), num_requests=b.num_requests,
             num_finished=b.num_finished, num_cancelled=b.num_cancelled, generated_tokens=b.generated_tokens,
-            policy_version=b.policy_version,
+            policy_version=b.policy_version, submission_id=int(b.submission_id),
             requests=[RequestStatus(r.request_id, _REQUEST_STATE.get(r.state, str(r.state)), r.generated_tokens,
                                     r.num_chunks, _FINISH.get(r.finish_reason, str(r.finish_reason)))
                       for r in b.requests],

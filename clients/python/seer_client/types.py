@@ -36,6 +36,9 @@ class SubmitResult:
     num_requests: int
     already_submitted: bool
     policy_version: int
+    # This submission of the batch id (the same for an idempotent re-submit): pass it to
+    # iter_results(submission_id=...) so a resumed cursor never reads another submission's results.
+    submission_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class RolloutResult:
     text: str
     stats: dict[str, float]
     cursor: int  # pass to iter_results(cursor=...) to resume after this result
+    submission_id: int = 0  # ... with iter_results(submission_id=...): the submission it is from
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class BatchStatus:
     generated_tokens: int
     policy_version: int
     requests: list[RequestStatus]
+    submission_id: int = 0  # the batch id's current submission (SubmitResult.submission_id)
 
     @property
     def done(self) -> bool:

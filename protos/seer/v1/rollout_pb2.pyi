@@ -68,32 +68,38 @@ class SubmitBatchRequest(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ..., seed_scope: _Optional[str] = ...) -> None: ...
 
 class SubmitBatchResponse(_message.Message):
-    __slots__ = ("batch_id", "num_requests", "already_submitted", "policy_version")
+    __slots__ = ("batch_id", "num_requests", "already_submitted", "policy_version", "submission_id")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     num_requests: int
     already_submitted: bool
     policy_version: int
-    def __init__(self, batch_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., already_submitted: _Optional[bool] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    submission_id: int
+    def __init__(self, batch_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., already_submitted: _Optional[bool] = ..., policy_version: _Optional[int] = ..., submission_id: _Optional[int] = ...) -> None: ...
 
 class StreamResultsRequest(_message.Message):
-    __slots__ = ("batch_id", "cursor")
+    __slots__ = ("batch_id", "cursor", "submission_id")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     cursor: int
-    def __init__(self, batch_id: _Optional[str] = ..., cursor: _Optional[int] = ...) -> None: ...
+    submission_id: int
+    def __init__(self, batch_id: _Optional[str] = ..., cursor: _Optional[int] = ..., submission_id: _Optional[int] = ...) -> None: ...
 
 class StreamResultsResponse(_message.Message):
-    __slots__ = ("cursor", "result")
+    __slots__ = ("cursor", "result", "submission_id")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
     cursor: int
     result: RolloutResult
-    def __init__(self, cursor: _Optional[int] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ...) -> None: ...
+    submission_id: int
+    def __init__(self, cursor: _Optional[int] = ..., result: _Optional[_Union[RolloutResult, _Mapping]] = ..., submission_id: _Optional[int] = ...) -> None: ...
 
 class RolloutResult(_message.Message):
     __slots__ = ("request_id", "batch_id", "group_index", "sample_index", "prompt_key", "token_ids", "logprobs", "finish_reason", "policy_version", "stats", "num_chunks", "latency_seconds", "labels", "text")
@@ -157,7 +163,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., generated_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
-    __slots__ = ("batch_id", "state", "num_requests", "num_finished", "num_cancelled", "generated_tokens", "policy_version", "requests")
+    __slots__ = ("batch_id", "state", "num_requests", "num_finished", "num_cancelled", "generated_tokens", "policy_version", "requests", "submission_id")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +172,7 @@ class GetBatchResponse(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     state: BatchState
     num_requests: int
@@ -174,7 +181,8 @@ class GetBatchResponse(_message.Message):
     generated_tokens: int
     policy_version: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
-    def __init__(self, batch_id: _Optional[str] = ..., state: _Optional[_Union[BatchState, str]] = ..., num_requests: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ...) -> None: ...
+    submission_id: int
+    def __init__(self, batch_id: _Optional[str] = ..., state: _Optional[_Union[BatchState, str]] = ..., num_requests: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., submission_id: _Optional[int] = ...) -> None: ...
 
 class CancelBatchRequest(_message.Message):
     __slots__ = ("batch_id",)

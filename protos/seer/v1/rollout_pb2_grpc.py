@@ -78,7 +78,8 @@ class RolloutServiceServicer:
 
     def StreamResults(self, request, context):
         """Streams finished responses of a batch in completion order. Resumable: pass the cursor of the
-        last result received; the stream ends when every response of the batch has been sent.
+        last result received and the submission_id of the batch (SubmitBatchResponse); the stream ends
+        when every response of the batch has been sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
