@@ -5,11 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from prometheus_client.registry import REGISTRY
+
 from services.common import config
 from services.common.log import setup_logging
 from services.common.memtune import tune_malloc
 from services.common.server import StopSignal, announce_port, serve_until_signal
-from services.kvstore import metrics
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.server import serve
 
@@ -20,8 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.tune_malloc:
         tune_malloc(trim_bytes=cfg.malloc_trim_bytes, arenas=cfg.malloc_arenas)
     stop = StopSignal()  # before the port opens (RocksDB recovery comes first)
-    running, store = serve(cfg)
-    metrics.register(store)
+    running, _store = serve(cfg, registry=REGISTRY)
     announce_port(cfg.port_file or None, running.port)
     return serve_until_signal(running, stop)
 

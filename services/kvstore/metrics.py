@@ -1,10 +1,14 @@
 """Prometheus view of a KvStore: gauges and counters read from KvStore.stats() at scrape time, so the
-core keeps plain integers and needs no metrics calls on its hot path."""
+core keeps plain integers and needs no metrics calls on its hot path. The server's page-stream
+counters (streams refused at the cap, idle Put and stalled Get streams cancelled) live outside the
+store (server.PageStreams) and are read the same way when the collector is given them: every field
+of GetKvStatsResponse is a metric."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import asdict
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
@@ -36,10 +40,31 @@ _COUNTERS = {
     "meta_write_failures": "SSD owner-record writes that failed (logged; a stale record costs a cache miss)",
 }
 
+# GetKvStatsResponse field -> (attribute of the server's PageStreams, help).
+_STREAM_COUNTERS = {
+    "refused_streams": ("refused", "Put / Get streams refused at max_page_streams"),
+    "idle_put_streams_cancelled": ("idle_cancelled", "Put streams cancelled after put_idle_timeout_seconds"),
+    "stalled_get_streams_cancelled": (
+        "stalled_cancelled",
+        "Get streams cancelled after get_stall_timeout_seconds (the client took no message)",
+    ),
+}
+
+
+class StreamCounters(Protocol):
+    """What the collector reads of server.PageStreams (no gRPC import here)."""
+
+    @property
+    def refused(self) -> int: ...
+
+    idle_cancelled: int
+    stalled_cancelled: int
+
 
 class KvStoreCollector(Collector):
-    def __init__(self, store: KvStore) -> None:
+    def __init__(self, store: KvStore, streams: StreamCounters | None = None) -> None:
         self.store = store
+        self.streams = streams
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = asdict(self.store.stats())
@@ -47,10 +72,16 @@ class KvStoreCollector(Collector):
             yield GaugeMetricFamily(f"seer_kvstore_{name}", doc, value=stats[name])
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"seer_kvstore_{name}", doc, value=stats[name])
+        if self.streams is not None:
+            for name, (attr, doc) in _STREAM_COUNTERS.items():
+                yield CounterMetricFamily(f"seer_kvstore_{name}", doc, value=getattr(self.streams, attr))
 
 
-def register(store: KvStore, registry: CollectorRegistry = REGISTRY) -> KvStoreCollector:
-    """Registers the collector (once per process: __main__ serves one store)."""
-    collector = KvStoreCollector(store)
+def register(
+    store: KvStore, registry: CollectorRegistry = REGISTRY, streams: StreamCounters | None = None
+) -> KvStoreCollector:
+    """Registers the collector (once per process: __main__ serves one store); `streams` (the
+    servicer's PageStreams) adds the page-stream counters."""
+    collector = KvStoreCollector(store, streams)
     registry.register(collector)
     return collector

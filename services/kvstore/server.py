@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
+from prometheus_client.registry import CollectorRegistry
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from services.common.errors import InvalidArgument, ResourceExhausted, SeerError
@@ -34,6 +35,7 @@ from services.common.kvlayout import KVLayout
 from services.common.log import get_logger, kv, log_context
 from services.common.server import RunningServer, start_server
 from services.common.streams import StreamSlots
+from services.kvstore import metrics
 from services.kvstore.config import KvStoreConfig
 from services.kvstore.store import KvStore
 from services.kvstore.wire import BadFrame, PutMessage, decode_put_frame, encode_get
@@ -347,8 +349,11 @@ def open_store(cfg: KvStoreConfig) -> KvStore:
     )
 
 
-def serve(cfg: KvStoreConfig, store: KvStore | None = None) -> tuple[RunningServer, KvStore]:
-    """Starts the service (tests and __main__); stopping the server closes the store."""
+def serve(
+    cfg: KvStoreConfig, store: KvStore | None = None, *, registry: CollectorRegistry | None = None
+) -> tuple[RunningServer, KvStore]:
+    """Starts the service (tests and __main__); stopping the server closes the store. With a
+    registry, the store's figures and the page-stream counters are registered as metrics there."""
     store = store if store is not None else open_store(cfg)
     servicer = KvStoreServicer(
         store,
@@ -357,6 +362,8 @@ def serve(cfg: KvStoreConfig, store: KvStore | None = None) -> tuple[RunningServ
         put_idle_timeout_s=cfg.put_idle_timeout_seconds,
         get_stall_timeout_s=cfg.get_stall_timeout_seconds,
     )
+    if registry is not None:
+        metrics.register(store, registry, servicer.streams)
 
     def add(server: grpc.Server) -> Sequence[str]:
         server.add_generic_rpc_handlers((method_handlers(servicer),))

@@ -13,7 +13,9 @@ Layout on disk:
 
 Memtables (unflushed writes, page bytes included: blob files are written at flush) are capped
 across all column families by one db-wide write buffer (write_buffer_bytes): once they pass 7/8 of
-it, the next write makes RocksDB flush the column family with the oldest memtable. Without it every
+it, the next write makes RocksDB flush the column family with the oldest memtable. That cap is soft
+(the flush runs in the background while writes go on), so each column family also has a hard one:
+MAX_WRITE_BUFFERS memtables of a quarter of the budget, after which its writes wait for the flush. Without it every
 column family has its own budget (64 MiB, x2 while one flushes), and a deleted page stays in its
 memtable (a delete is one more entry; it frees nothing) until that memtable flushes, which only its
 own column family's writes trigger: an old version's released pages stayed in memory for good.
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import gc
 import os
+import time
+from collections.abc import Callable
 
 from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
@@ -36,6 +40,29 @@ _DATA = b"d"
 _META = b"m"
 _REGISTRY = b"ns/"
 DEFAULT_WRITE_BUFFER_BYTES = 64 * 1024 * 1024  # RocksDB's default for one memtable, here for all
+MAX_WRITE_BUFFERS = 2  # memtables per column family: one written while one flushes (RocksDB's minimum)
+_MIN_MEMTABLE_BYTES = 64 * 1024  # RocksDB raises smaller write_buffer_size values to this
+
+
+# How long a write waits, retrying, for RocksDB to take it while its memtables are full (a flush under
+# way). Past it the write fails (the store answers UNAVAILABLE / evicts the demoted page): a flush
+# that cannot finish (disk full) must not hang the writer, and with it the store's lock, for good.
+WRITE_STALL_TIMEOUT_S = 10.0
+
+
+class WriteStalled(Exception):
+    """RocksDB did not take a write within WRITE_STALL_TIMEOUT_S: its memtables stayed full."""
+
+
+def _is_stall(exc: Exception) -> bool:
+    # Status::Incomplete("Write stall"), what a no_slowdown write gets instead of blocking.
+    return "write stall" in str(exc).lower()
+
+
+def per_cf_write_buffer_bytes(write_buffer_bytes: int) -> int:
+    """One memtable of a column family: a quarter of the db-wide budget, so a column family holds at
+    most half of it (MAX_WRITE_BUFFERS of them) and two written at once (a version change) all of it."""
+    return max(_MIN_MEMTABLE_BYTES, write_buffer_bytes // 4)
 
 
 def _cf_name(namespace: str) -> str:
@@ -59,6 +86,13 @@ class SsdTier:
         self._open = False  # RocksDB refuses every call once closed (DbClosedError)
         self._page_write = WriteOptions()
         self._page_write.disable_wal = not wal  # type: ignore[method-assign,assignment]  # a property at runtime
+        # A write that finds the memtables full fails at once instead of blocking in RocksDB, which
+        # holds the GIL (every thread of the process stops) and, should the flush never finish
+        # (disk full), never returns: _write retries it for a bounded time instead.
+        self._page_write.no_slowdown = True  # type: ignore[method-assign,assignment]
+        self._registry_write = WriteOptions()
+        self._registry_write.no_slowdown = True  # type: ignore[method-assign,assignment]
+        self.write_stall_timeout_s = WRITE_STALL_TIMEOUT_S
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
         # that checks every page against its own checksum (the store does by default) turns them off.
@@ -76,6 +110,18 @@ class SsdTier:
         self._opts.set_compression_type(DBCompressionType.none())
         # One memtable budget for the whole DB, however many column families are open (see above).
         self._opts.set_db_write_buffer_size(write_buffer_bytes)
+        # And a hard one per column family: at most MAX_WRITE_BUFFERS memtables of a quarter of the
+        # budget each; a write finding them all full waits for a flush (RocksDB's write stop, which
+        # returns the error when the flush fails, e.g. disk full). The db-wide budget alone is soft:
+        # it switches the mutable memtable past 7/8 of it, but a burst then fills the next one up to
+        # RocksDB's per column family default of 64 MiB (x2) while the flush runs: a burst of 720 KiB
+        # pages peaked at 130 MiB in memtables with a 64 MiB budget, 130 MiB (8x) with 16 MiB, and
+        # 16x with 8 namespaces written at once; now 0.5x, 1x with two namespaces (a version change),
+        # n/2 x with n. Not WriteBufferManager(allow_stall=True), which is hard for the whole DB: its
+        # stalled writers wait until a flush frees memory, so a flush that cannot (disk full) would
+        # hang every write, under the store's lock, for good.
+        self._opts.set_write_buffer_size(per_cf_write_buffer_bytes(write_buffer_bytes))
+        self._opts.set_max_write_buffer_number(MAX_WRITE_BUFFERS)
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
         self._open = True
@@ -103,10 +149,33 @@ class SsdTier:
         return out
 
     def put_registry(self, namespace: str, record: bytes) -> None:
-        self._db.put(_REGISTRY + namespace.encode("utf-8"), record)
+        key = _REGISTRY + namespace.encode("utf-8")
+        self._write(lambda: self._db.put(key, record, self._registry_write))
 
     def delete_registry(self, namespace: str) -> None:
-        self._db.delete(_REGISTRY + namespace.encode("utf-8"))
+        key = _REGISTRY + namespace.encode("utf-8")
+        self._write(lambda: self._db.delete(key, self._registry_write))
+
+    def _write(self, write: Callable[[], None]) -> None:
+        """Runs a no_slowdown write, retrying it while RocksDB reports a write stall (memtables full,
+        a flush under way: the per column family cap at work), sleeping between tries so the flush
+        threads and every other Python thread run; WriteStalled after write_stall_timeout_s."""
+        deadline = time.monotonic() + self.write_stall_timeout_s
+        pause = 0.001
+        while True:
+            try:
+                write()
+                return
+            except Exception as exc:
+                if not _is_stall(exc):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise WriteStalled(
+                        f"RocksDB memtables stayed full for {self.write_stall_timeout_s:.0f} s "
+                        f"(a flush is not finishing): {exc}"
+                    ) from exc
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     # Namespaces (column families).
     def ensure_namespace(self, namespace: str) -> None:
@@ -148,16 +217,22 @@ class SsdTier:
     # Pages.
     def put(self, namespace: str, page_hash: bytes, data: bytes | memoryview, meta: bytes) -> None:
         self.ensure_namespace(namespace)
-        wb = WriteBatch(raw_mode=True)
-        wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
-        wb.put(_DATA + page_hash, data if isinstance(data, bytes) else bytes(data))  # rocksdict takes bytes only
-        wb.put(_META + page_hash, meta)
-        self._db.write(wb, self._page_write)
+        value = data if isinstance(data, bytes) else bytes(data)  # rocksdict takes bytes only
+
+        def write() -> None:  # a batch is consumed by a write, failed or not: one per try
+            wb = WriteBatch(raw_mode=True)
+            wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
+            wb.put(_DATA + page_hash, value)
+            wb.put(_META + page_hash, meta)
+            self._db.write(wb, self._page_write)
+
+        self._write(write)
 
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
         """Rewrites a stored page's metadata (KeyError when its namespace has no column family: the
         page is not on this tier, and a record without its page must not be created)."""
-        self._cfs[namespace].put(_META + page_hash, meta, self._page_write)
+        cf = self._cfs[namespace]
+        self._write(lambda: cf.put(_META + page_hash, meta, self._page_write))
 
     def get(self, namespace: str, page_hash: bytes) -> bytes | None:
         cf = self._cfs.get(namespace)
@@ -167,14 +242,17 @@ class SsdTier:
         return None if value is None else bytes(value)
 
     def delete(self, namespace: str, page_hash: bytes) -> None:
-        cf = self._cfs.get(namespace)
-        if cf is None:
+        if namespace not in self._cfs:
             return
-        wb = WriteBatch(raw_mode=True)
-        wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
-        wb.delete(_DATA + page_hash)
-        wb.delete(_META + page_hash)
-        self._db.write(wb, self._page_write)
+
+        def write() -> None:  # one batch per try (see put)
+            wb = WriteBatch(raw_mode=True)
+            wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
+            wb.delete(_DATA + page_hash)
+            wb.delete(_META + page_hash)
+            self._db.write(wb, self._page_write)
+
+        self._write(write)
 
     def iter_meta(self, namespace: str) -> list[tuple[bytes, bytes]]:
         """(page_hash, metadata) of every page of a namespace (reads only the small meta values).

@@ -39,7 +39,9 @@ the SSD tier (created by its first SSD write, dropped when its last SSD page goe
 recovery when it has none), except that the _IDLE_COLUMN_FAMILIES namespaces most recently written
 to SSD keep theirs: every column family costs memtables, and an RL run makes a new namespace per
 policy version, so keeping one per namespace ever seen grew RocksDB's memory without bound. The
-namespace itself (layout, registry record) stays; only the RocksDB resource goes.
+namespace itself (layout, registry record) stays until _IDLE_NAMESPACES others were emptied after
+it; then it is forgotten too (a Put re-creates it), and a family keeps only its highest tombstone,
+so the metadata does not grow by a record per policy version either.
 
 Checksums: the XXH3-64 of every page (services.kvstore.checksum) is checked on
 Put (unless verify_put_checksums is off) and on every read from the SSD tier; a page that fails is
@@ -75,6 +77,15 @@ Key = tuple[str, bytes]  # (namespace, page hash)
 # SSD pages may all leave (released, promoted and evicted) just before more are demoted, would pay
 # that on each such swing. Two: a version change has the old and the new version live at once.
 _IDLE_COLUMN_FAMILIES = 2
+
+# Namespaces without pages whose records are kept: the ones emptied most recently. An RL run makes a
+# namespace per policy version (a family per loaded checkpoint, services.worker.core.version_name),
+# and each one's record (layout, creation order: in memory and in the registry) stayed for good after
+# its pages had all gone (released, evicted), so the metadata grew by one per iteration. Past this
+# many, the one emptied longest ago is forgotten: a Put re-creates it like a new namespace (refused
+# as a straggler when its family knows a newer version). Several: a live version whose pages
+# momentarily all left does not pay a re-creation.
+_IDLE_NAMESPACES = 8
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,12 @@ class _Entry:
     # Put (or claimed) without a request id at least once: its writer expects it kept until capacity
     # evicts it, so releasing its named owners never deletes it. Never cleared: no Release names it.
     anonymous: bool = False
+    # The chain the last Exists found this page in (the stored prefix it asked about, head first,
+    # shared by the chain's entries) and the page's index in it: a Get in several parts (one per
+    # client stream) touches the pages before its part too (touch_tail_first), whichever part ends
+    # last. Not persisted: only LRU order depends on it.
+    chain: tuple[bytes, ...] = ()
+    chain_pos: int = 0
 
 
 @dataclass
@@ -270,6 +287,10 @@ class KvStore:
         # column families are kept while empty.
         self._ssd_recent: OrderedDict[str, None] = OrderedDict()
         self._namespaces: dict[str, _Namespace] = {}
+        # Namespaces without pages, emptied longest ago first (at most _IDLE_NAMESPACES; see there).
+        self._idle: OrderedDict[str, None] = OrderedDict()
+        # Dropped namespaces: Puts into them are refused. Per family only the highest numbered one
+        # is kept (_compact_tombstones): it refuses every lower version as older than the newest.
         self._tombstones: set[str] = set()
         self._seq = itertools.count(1)
         self._hits = self._misses = self._evictions = 0
@@ -355,6 +376,14 @@ class KvStore:
         # up now; nothing is recent yet. The namespaces themselves stay (layouts, version order).
         for name in self._ssd.namespaces():
             self._drop_idle_column_family(name)
+        # Namespaces left without pages, in creation order (the last ones are the likeliest to be
+        # written again): all but the newest _IDLE_NAMESPACES are forgotten, and so are the
+        # tombstones a higher one of their family covers (a store from before kept every record).
+        for ns in sorted((n for n in self._namespaces.values() if not n.entries), key=lambda n: n.seq):
+            self._note_empty(ns.name)
+        for family in {family_of(t) for t in self._tombstones}:
+            if family is not None:
+                self._compact_tombstones(family)
 
     # ---------------------------------------------------------------- namespaces
     def _check_put_target(self, name: str, layout: KVLayout) -> _Namespace | None:
@@ -396,6 +425,10 @@ class KvStore:
         # namespace whose pages never leave DRAM never costs one.
         self._ssd.put_registry(name, json.dumps({"layout": layout.to_json(), "seq": ns.seq}).encode())
         self._namespaces[name] = ns
+        # Idle until its first page is indexed (in the same Put): one whose SSD write fails leaves
+        # it empty, and it is then forgotten in turn like any other. No trim: it would count
+        # against the idle ones for the moment until its page lands.
+        self._note_empty(name, trim=False)
         log.info("namespace created", extra=kv(namespace=name, page_bytes=layout.page_bytes))
         family = family_of(name)
         if family is not None:
@@ -425,6 +458,10 @@ class KvStore:
         self._tombstones.add(name)
         self._ssd.put_registry(name, json.dumps({"seq": seq, "dropped": True}).encode())
         self._ssd_recent.pop(name, None)
+        self._idle.pop(name, None)
+        family = family_of(name)
+        if family is not None:
+            self._compact_tombstones(family)
         if ns is None:
             return 0
         for page_hash in ns.entries:
@@ -437,6 +474,52 @@ class KvStore:
         self._dropped += 1
         log.info("namespace dropped", extra=kv(namespace=name, pages=len(ns.entries)))
         return len(ns.entries)
+
+    def _compact_tombstones(self, family: str) -> None:
+        """Forgets the tombstones of family's numbered versions below its highest tombstoned one:
+        a Put into such a version is refused anyway, as older than the family's newest (live or
+        dropped), so one record per family keeps every straggler out (a tombstone per superseded
+        version grew the registry by one per policy version). Names without a version tail keep
+        theirs: nothing else orders them."""
+        numbered = [(v, t) for t in self._tombstones if family_of(t) == family and (v := version_of(t)) is not None]
+        if len(numbered) < 2:
+            return
+        top = max(numbered)[0]
+        for v, name in numbered:
+            if v < top:
+                self._tombstones.discard(name)
+                self._delete_registry(name)
+
+    def _note_empty(self, name: str, *, trim: bool = True) -> None:
+        """Marks a namespace as holding no page now; forgets the one emptied longest ago when more
+        than _IDLE_NAMESPACES are. Lock held."""
+        self._idle[name] = None
+        self._idle.move_to_end(name)
+        while trim and len(self._idle) > _IDLE_NAMESPACES:
+            old, _ = self._idle.popitem(last=False)
+            self._forget(old)
+
+    def _forget(self, name: str) -> None:
+        """Forgets a namespace without pages: its record (memory and registry) and column family.
+        Not a drop: no tombstone, a Put may create it again."""
+        ns = self._namespaces.get(name)
+        if ns is None or ns.entries:
+            return  # not empty after all: _index takes it out of _idle, this is only a guard
+        del self._namespaces[name]
+        self._ssd_recent.pop(name, None)
+        self._drop_idle_column_family(name)
+        self._delete_registry(name)
+        log.debug("empty namespace forgotten", extra=kv(namespace=name))
+
+    def _delete_registry(self, name: str) -> None:
+        """Deletes a namespace's registry record; a failed delete (a full disk) is logged and counted,
+        not raised: the record is of an empty or covered namespace, forgotten again at recovery."""
+        try:
+            self._ssd.delete_registry(name)
+        except Exception:
+            self._meta_write_failures += 1
+            log.warning("registry record delete failed; forgotten in memory", exc_info=True,
+                        extra=kv(namespace=name, failures=self._meta_write_failures))
 
     # ---------------------------------------------------------------- writes
     def put(
@@ -542,6 +625,7 @@ class KvStore:
 
     def _index(self, ns: _Namespace, page_hash: bytes, entry: _Entry) -> None:
         ns.entries[page_hash] = entry
+        self._idle.pop(ns.name, None)
         for owner in entry.owners:
             ns.by_owner.setdefault(owner, set()).add(page_hash)
 
@@ -700,6 +784,8 @@ class KvStore:
             self._delete_ssd(key)
         if was_on_ssd:
             self._drop_idle_column_family(key[0])
+        if ns is not None and entry is not None and not ns.entries:
+            self._note_empty(ns.name)
 
     def _delete_ssd(self, key: Key) -> None:
         """Deletes a page's SSD copy. A failed delete (a full disk: RocksDB then refuses every
@@ -720,17 +806,31 @@ class KvStore:
             self._ssd_lru.move_to_end(key)
         self._dram.get(key)
 
-    def touch_tail_first(self, namespace: str, page_hashes: Sequence[bytes]) -> None:
+    def touch_tail_first(self, namespace: str, page_hashes: Sequence[bytes], *, with_head: bool = False) -> None:
         """Marks a prefix chain's pages used from its last page to its first, after a Get or a Put
         stream went through them head first. Left in that order, page 0 was the least recently used
         of its chain, and evicting it made every later page unreachable (a fetch stops at the first
         missing page) while they kept their capacity: now a chain loses its tail first, as the
-        engine's own prefix cache does."""
+        engine's own prefix cache does.
+
+        with_head (a Get): page_hashes may be one part of a chain the client fetches in several
+        concurrent streams, each a contiguous run. The part that ends last would leave its pages the
+        most recently used, and when that is a later part, the chain's head goes before its tail
+        again. So the pages before the part's first one in the chain the last Exists found (the
+        client asks Exists for the whole chain before it fetches) are touched after it, tail first:
+        whichever part ends last, the chain ends up ordered head most recent."""
         with self._lock:
             ns = self._namespaces.get(namespace)
             if ns is None:
                 return
             for page_hash in reversed(page_hashes):
+                entry = ns.entries.get(page_hash)
+                if entry is not None:
+                    self._touch((namespace, page_hash), entry)
+            first = ns.entries.get(page_hashes[0]) if with_head and page_hashes else None
+            if first is None or not first.chain or first.chain[first.chain_pos] != page_hashes[0]:
+                return
+            for page_hash in reversed(first.chain[: first.chain_pos]):
                 entry = ns.entries.get(page_hash)
                 if entry is not None:
                     self._touch((namespace, page_hash), entry)
@@ -786,7 +886,7 @@ class KvStore:
         for page_hash in page_hashes:
             found = self.get_page(namespace, page_hash)
             yield (page_hash, None, 0) if found is None else (page_hash, found[0], found[1])
-        self.touch_tail_first(namespace, page_hashes)
+        self.touch_tail_first(namespace, page_hashes, with_head=True)
 
     def check_layout(self, namespace: str, layout: KVLayout | None) -> None:
         if layout is None:
@@ -804,11 +904,19 @@ class KvStore:
             ns = self._namespaces.get(namespace)
             if ns is None:
                 return 0
-            n = 0
+            found: list[_Entry] = []
             for page_hash in page_hashes:
-                if page_hash not in ns.entries:
+                entry = ns.entries.get(page_hash)
+                if entry is None:
                     break
-                n += 1
+                found.append(entry)
+            n = len(found)
+            if n > 1:
+                # Shared by the entries (one tuple per Exists); a later Exists through a page
+                # replaces its reference, so a tuple lives only while a page of it has no newer one.
+                chain = tuple(page_hashes[:n])
+                for pos, entry in enumerate(found):
+                    entry.chain, entry.chain_pos = chain, pos
             self.touch_tail_first(namespace, page_hashes[:n])
             return n
 

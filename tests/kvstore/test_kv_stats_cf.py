@@ -8,7 +8,9 @@ response and the Prometheus gauges.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -79,8 +81,9 @@ def test_column_families_and_memtables_are_gauges(replicas: Make) -> None:
 
 
 def test_every_store_figure_is_exported() -> None:
-    """Each KvStats field is a gauge or a counter: late_puts and meta_write_failures were reported
-    by GetKvStats only, so no dashboard or alert saw them."""
+    """Each KvStats field and each other GetKvStatsResponse field (the page-stream counters, kept by
+    the server) is a gauge or a counter: late_puts and meta_write_failures, and later the stream
+    counters, were reported by GetKvStats only, so no dashboard or alert saw them."""
     from dataclasses import fields
 
     from services.kvstore import metrics
@@ -89,3 +92,40 @@ def test_every_store_figure_is_exported() -> None:
     exported = set(metrics._GAUGES) | set(metrics._COUNTERS)
     assert not set(metrics._GAUGES) & set(metrics._COUNTERS)
     assert [f.name for f in fields(KvStats) if f.name not in exported] == []
+    streams = set(metrics._STREAM_COUNTERS)
+    assert not streams & exported
+    response = [f.name for f in kvstore_pb2.GetKvStatsResponse.DESCRIPTOR.fields]
+    assert [name for name in response if name not in exported | streams] == []
+
+
+def test_stream_counters_are_prometheus_counters(tmp_path: Path) -> None:
+    """The server's page-stream counters reach the registry serve() is given, with GetKvStats' values
+    (a Put stream idle past its timeout is cancelled: idle_put_streams_cancelled 1)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.kvstore.config import KvStoreConfig
+    from services.kvstore.server import serve
+    from tests.kvstore.test_review14 import _idle_put
+
+    registry = CollectorRegistry()
+    cfg = KvStoreConfig(
+        data_dir=str(tmp_path / "db"), grace_seconds=0.0, max_workers=4, min_blob_bytes=256,
+        put_idle_timeout_seconds=0.3,
+    )
+    running, _store = serve(cfg, registry=registry)
+    hold = threading.Event()
+    try:
+        err = _idle_put(f"127.0.0.1:{running.port}", hold).exception(timeout=10)
+        assert err is not None and err.code() == grpc.StatusCode.CANCELLED
+        st = _stats(f"127.0.0.1:{running.port}")
+        text = generate_latest(registry).decode()
+        values = {
+            line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")
+        }
+        assert st.idle_put_streams_cancelled == 1
+        assert values["seer_kvstore_idle_put_streams_cancelled_total"] == 1.0
+        assert values["seer_kvstore_refused_streams_total"] == st.refused_streams == 0
+        assert values["seer_kvstore_stalled_get_streams_cancelled_total"] == 0.0
+    finally:
+        hold.set()
+        running.stop(0)
