@@ -22,7 +22,12 @@ The draft server is an optimisation: when it is down the client keeps drafting f
 (own tokens, earlier deltas), retries in the background, and re-registers groups the server lost.
 Every group on the server has an incarnation; a mirror whose incarnation is not the server's (the
 server restarted, or the group was created again) is rebuilt from the server's whole group, and
-this worker's own responses are sent again. A group the server dropped while nothing of it runs
+this worker's own responses are sent again. Every append carries the incarnation its tokens were
+generated under (0 while the mirror has none: not synced yet, or started over to re-create a lost
+group), so a late append of an old incarnation never lands in a group id registered again (a
+resubmitted batch id brings the same group and request ids); the server refuses it, the message is
+dropped, and the next Sync (forced even for a group whose every response runs here) answers the
+mirror with a reset. A group the server dropped while nothing of it runs
 here (expired or evicted after completion) is released, never re-created: re-creating it would
 promote its responses to history a second time. What is resent follows the server: a response is
 resent as finished only while the server's state agrees (a newer attempt elsewhere that cut it
@@ -93,6 +98,10 @@ class _Mirror:
     resync: set[str] = field(default_factory=set)  # active requests another writer changed meanwhile (see end)
     incarnation: int = 0  # the server's group incarnation this mirror follows (0: not synced yet)
     epochs: dict[str, int] = field(default_factory=dict)  # request -> this worker's newest attempt epoch
+    # An append was refused as another incarnation's: Sync this mirror next tick even if every
+    # response runs here (skipped otherwise, it would never learn of the reset, and every append
+    # after would be refused the same way).
+    must_sync: bool = False
     releasing: bool = False  # released by the worker; kept until its queued appends are acknowledged
 
     @property
@@ -112,6 +121,7 @@ class DraftClientStats:
     received_tokens: int = 0
     dropped_messages: int = 0
     stale_messages: int = 0  # appends the server refused as an older attempt's
+    stale_incarnation_messages: int = 0  # appends the server refused as another group incarnation's
     resets: int = 0  # mirrors rebuilt (server restart, group re-created)
     evicted_mirrors: int = 0  # idle mirrors released to stay within memory_budget_bytes
     memory_bytes: int = 0  # the mirrors' indexes (GroupIndex.memory_bytes)
@@ -254,7 +264,8 @@ class DraftClient:
             self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
                                                          token_ids=toks, finished=finished,
                                                          truncate=wire_truncate,
-                                                         epoch=m.epochs.get(request_id, 0)))
+                                                         epoch=m.epochs.get(request_id, 0),
+                                                         incarnation=m.incarnation))
             if len(self._pending) > _MAX_PENDING:
                 drop = len(self._pending) - _MAX_PENDING
                 del self._pending[:drop]
@@ -501,6 +512,18 @@ class DraftClient:
             m = self._groups.get(a.group_id)
             if m is None:
                 return
+            if code == grpc.StatusCode.FAILED_PRECONDITION and _names_incarnation(details):
+                # Sent under another incarnation than the group's (the id was registered again, or
+                # the group was re-created after a restart): first, since it says nothing about the
+                # response in the group as it is now (its finished state stays). Dropped; the next
+                # Sync answers our watermark with reset, which releases a completed mirror or
+                # rebuilds it and resends our own responses under the new incarnation.
+                self._stats.stale_incarnation_messages += 1
+                if a.incarnation == m.incarnation:
+                    m.must_sync = True
+                log.info("draft append of another group incarnation refused",
+                         extra=kv(group_id=a.group_id, request_id=a.request_id, incarnation=a.incarnation))
+                return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
                 # elsewhere): not ours to resend as finished; Sync brings the server's state.
@@ -526,10 +549,11 @@ class DraftClient:
     def _whole_locked(self, gid: str, m: _Mirror, rid: str) -> draft_pb2.AppendRequest:
         """This worker's whole copy of a response as one message (caller holds the lock). A truncate
         while the request runs here (our copy is the truth); a plain append otherwise (it must not
-        overwrite what a newer attempt elsewhere sent)."""
+        overwrite what a newer attempt elsewhere sent). Under the mirror's current incarnation (0
+        when it has none yet: accepted by whichever the group has)."""
         return draft_pb2.AppendRequest(group_id=gid, request_id=rid, offset=0, token_ids=m.index.tokens(rid),
                                        finished=rid in m.finished, truncate=rid in m.active,
-                                       epoch=m.epochs.get(rid, 0))
+                                       epoch=m.epochs.get(rid, 0), incarnation=m.incarnation)
 
     def _requeue_own(self, gid: str, m: _Mirror, rids: Sequence[str] | None = None) -> None:
         """Queues this worker's whole sequences of a group again (caller holds the lock)."""
@@ -581,7 +605,8 @@ class DraftClient:
             for gid, mirror in self._groups.items():
                 if not mirror.registered:
                     continue
-                if mirror.history_loaded and mirror.watermark > 0 and 0 < mirror.group_size <= len(mirror.active):
+                if mirror.history_loaded and mirror.watermark > 0 and not mirror.must_sync \
+                        and 0 < mirror.group_size <= len(mirror.active):
                     self._stats.skipped_group_syncs += 1
                     continue
                 marks.append((gid, mirror.watermark, mirror.incarnation, mirror))
@@ -645,11 +670,14 @@ class DraftClient:
                          extra=kv(group_id=d.group_id))
                 return 0
             old = self._restart_mirror_locked(m, sorted(m.active & m.own))
+            # Our queued appends of the old incarnation would be refused (one by one, after their
+            # batch): what of them is still ours is resent whole below, under the new one.
+            self._pending = [a for a in self._pending
+                             if a.group_id != d.group_id or a.incarnation in (0, d.incarnation)]
             if completed:
-                old = None  # only what runs here is ours in the new incarnation
+                old = None  # only what runs here is ours in the new incarnation (resent below)
                 m.own &= m.active
                 m.finished &= m.active
-                self._requeue_own(d.group_id, m, sorted(m.own))
         if m.watermark == 0 and not m.history_loaded:
             for h in d.history:
                 m.index.add_history(h.token_ids)
@@ -691,6 +719,10 @@ class DraftClient:
                 m.done.discard(rid)
         m.watermark = d.watermark
         m.incarnation = d.incarnation
+        m.must_sync = False
+        # Resent only now, stamped with the new incarnation (the mirror's).
+        if d.reset and old is None:
+            self._requeue_own(d.group_id, m, sorted(m.own))
         if old is not None:
             # Our responses the new incarnation lacks come back from our old copy; they and those
             # running here (our copy is the truth) go to the server again.
@@ -728,7 +760,7 @@ def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequ
         if j is not None:
             prev = out[j]
             end = prev.offset + len(prev.token_ids)
-            if not prev.finished and prev.epoch == a.epoch and (
+            if not prev.finished and prev.epoch == a.epoch and prev.incarnation == a.incarnation and (
                     end == a.offset or (a.truncate and prev.offset <= a.offset <= end)):
                 del prev.token_ids[a.offset - prev.offset :]
                 prev.token_ids.extend(a.token_ids)
@@ -738,8 +770,14 @@ def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequ
         last[key] = len(out)
         out.append(draft_pb2.AppendRequest(group_id=a.group_id, request_id=a.request_id, offset=a.offset,
                                            token_ids=a.token_ids, finished=a.finished, truncate=a.truncate,
-                                           epoch=a.epoch))
+                                           epoch=a.epoch, incarnation=a.incarnation))
     return out
+
+
+def _names_incarnation(details: str) -> bool:
+    """The refusal names the append's incarnation field (the draft server: "messages[i].incarnation:
+    ..."). Matched on the field name, not the word anywhere: a group or request id may contain it."""
+    return re.match(r"(messages\[\d+\]\.)?incarnation:", details) is not None
 
 
 def _named_group(details: str, n: int) -> int | None:
