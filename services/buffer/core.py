@@ -50,6 +50,7 @@ from services.buffer.validation import content_hash, validate_batch, validate_ba
 from services.common.errors import (
     Aborted,
     AlreadyExists,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -963,7 +964,17 @@ class BufferCore:
                     break
                 used += size
                 n += 1
-            if n or not sized:
+            if sized:
+                # Point reads of exactly the planned values: a scan's iterator steps onto the next
+                # entry before it yields the current one, so it would read (from disk) the very
+                # value the sizes kept out of the page.
+                values = self._store.get_many([keys.result_key(batch_id, cursor + i) for i in range(n)])
+                for i, v in enumerate(values):
+                    if v is None:  # not written with its size (cannot happen: one WriteBatch)
+                        raise DataLoss(f"result {cursor + i} of batch {batch_id!r} is missing from the store",
+                                       field="cursor")
+                    page.append((cursor + i, RolloutResult.decode(v)))
+            else:
                 for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
                     idx = int(k.rsplit(b"/", 1)[1])
                     if idx >= end_index or len(page) >= limit:
@@ -973,8 +984,6 @@ class BufferCore:
                             break
                         used += len(v)
                     page.append((idx, RolloutResult.decode(v)))
-                    if sized and len(page) == n:
-                        break  # before the scan reads the next value
         done = terminal and cursor + len(page) >= end_index
         return page, done
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
@@ -108,6 +109,15 @@ class Store:
     def get(self, key: bytes) -> bytes | None:
         value = self._db.get(key)
         return None if value is None else bytes(value)
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """Point reads (one multi-get): only these values are read, unlike a scan, whose iterator
+        reads the entry after the last one it yields."""
+        if not keys:
+            return []
+        wanted: list[str | int | float | bytes | bool] = list(keys)
+        values: list[Any] = self._db.get(wanted) or []  # a list in, a list out (None where absent)
+        return [None if v is None else bytes(v) for v in values]
 
     def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """Items whose key starts with prefix, in key order, from `start` (>= prefix) on."""
