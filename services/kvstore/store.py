@@ -398,7 +398,8 @@ class KvStore:
         else:
             newest = self._newest_version(name)
             version = version_of(name)
-            if newest is not None and version is not None and version < newest:
+            if newest is not None and version is not None and version < newest and not self._still_kept(name, version,
+                                                                                                          newest):
                 # A straggler still on older weights: creating its namespace would make it the
                 # family's newest by creation order and drop the live one, so refuse it instead.
                 raise FailedPrecondition(
@@ -406,6 +407,24 @@ class KvStore:
                 )
             layout.validate()
         return ns
+
+    def _still_kept(self, name: str, version: int, newest: int) -> bool:
+        """Whether an older version, not held (never created, or forgotten once it was empty), is one
+        its family keeps (keep_versions): then a Put re-creates it. A kept version that empties and
+        is forgotten (_IDLE_NAMESPACES others emptied after it) was refused as a straggler from then
+        on, though it would be kept were it still held (review, session 25). Kept: within
+        keep_versions of the family's newest version (a tombstone's too), with fewer than
+        keep_versions newer versions of the family held, and not below a tombstone (checked by the
+        caller: a tombstoned name is refused first; a lower one than a family's tombstone is below
+        a dropped version, so it would have been dropped too)."""
+        if version <= newest - self.keep_versions:
+            return False
+        family = family_of(name)
+        if any(family_of(t) == family and (v := version_of(t)) is not None and v > version for t in self._tombstones):
+            return False
+        newer = sum(1 for n in self._namespaces if family_of(n) == family and (v := version_of(n)) is not None
+                    and v > version)
+        return newer < self.keep_versions
 
     def _newest_version(self, name: str) -> int | None:
         """The highest parsed version among the live and dropped namespaces of name's family."""

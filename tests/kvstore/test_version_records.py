@@ -95,6 +95,30 @@ def test_a_forgotten_newest_version_leaves_its_tombstones_refusing(open_store: O
     assert store.exists("fam@v2", [_h(2, 1)]) == 1
 
 
+def test_a_kept_older_version_forgotten_while_empty_is_created_again(open_store: Open) -> None:
+    """keep_versions = 2 keeps the version before the newest (a version change has both live). Once
+    that one emptied and _IDLE_NAMESPACES others emptied after it, it was forgotten, and its next
+    Put was then refused as a straggler, though it would be kept were it still held (review,
+    session 25). A version the family would not keep is still refused."""
+    store = open_store("db", dram_bytes=0, keep_versions=2)
+    _put(store, "m@w@v1", [_h(1, 0)], owner="a")
+    _put(store, "m@w@v2", [_h(2, 0)], owner="b")  # both kept
+    assert store.release("m@w@v1", "a") == 1
+    for i in range(_IDLE_NAMESPACES):  # v1 becomes the namespace emptied longest ago: forgotten
+        _put(store, _checkpoint(i), [_h(10 + i, 0)], owner="c")
+        store.release(_checkpoint(i), "c")
+    assert "m@w@v1" not in store.raw_ssd().registry()
+    _put(store, "m@w@v1", [_h(1, 1)], owner="d")  # still one of the two kept versions
+    assert store.exists("m@w@v1", [_h(1, 1)]) == 1
+    assert store.exists("m@w@v2", [_h(2, 0)]) == 1  # and it drops nothing newer
+    with pytest.raises(FailedPrecondition, match="older than the family's newest"):
+        _put(store, "m@w@v0", [_h(0, 1)])  # two versions below the newest: not kept
+    _put(store, "m@w@v3", [_h(3, 0)])  # drops v1 (tombstoned) and keeps v2, v3
+    with pytest.raises(FailedPrecondition, match="namespace"):
+        _put(store, "m@w@v1", [_h(1, 2)])
+    assert store.exists("m@w@v2", [_h(2, 0)]) == 1
+
+
 def test_recovery_compacts_the_records_an_older_store_left(open_store: Open, tmp_path: object) -> None:
     """A store from before kept a record per namespace ever seen and a tombstone per dropped one."""
     store = open_store("db", dram_bytes=0)
