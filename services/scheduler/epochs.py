@@ -85,6 +85,8 @@ def _read_floor(path: str) -> int:
         return 0
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"epoch_file: cannot read {path!r}: {e}") from e
+    if not text:
+        return 0  # created empty (touched beforehand): nothing reserved yet; a torn write cannot leave one
     try:
         value = int(text)
     except ValueError:
@@ -104,6 +106,13 @@ def _write_floor(path: str, value: int) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        # The rename itself is durable only once the directory is synced: after a power loss the
+        # file could otherwise be back at the previous floor, below epochs already handed out.
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -106,6 +106,17 @@ def test_a_bad_epoch_file_is_refused_naming_the_option(tmp_path: Path) -> None:
         EpochClock(str(path))
 
 
+def test_an_empty_epoch_file_is_a_fresh_start(tmp_path: Path) -> None:
+    """A file created empty beforehand (touched by a deployment) holds no floor yet: the clock
+    starts from the wall clock and writes its first reservation there (it refused to start)."""
+    path = tmp_path / "epochs"
+    path.write_text("")
+    c = EpochClock(str(path), wall_ns=lambda: 7_000_000_000, monotonic_ns=lambda: 0)
+    e = c.next()
+    assert e == 7_000_000
+    assert int(path.read_text()) > e
+
+
 def test_an_unwritable_epoch_file_logs_and_dispatch_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     c = EpochClock(str(tmp_path / "missing-dir" / "epochs"))
     with caplog.at_level(logging.ERROR):
