@@ -119,6 +119,9 @@ class TrackedRequest:
     last_epoch: int = 0
     # time.monotonic() of the buffer's latest acknowledgement of one of our commits (_apply_snapshot).
     acked_at: float = 0.0
+    # Its dispatch's chunk is being committed (_commit, until the dispatch is released): a snapshot
+    # that no longer lists the request may have been taken after that commit finished it.
+    committing: bool = False
 
 
 @dataclass
@@ -497,6 +500,7 @@ class Dispatcher:
         """The request's dispatch is over (done, failed, moved or parked): it no longer counts in
         flight. `w` is the worker state it ran on (None = the worker was removed)."""
         r.dispatch_token, r.worker_id, r.stream, r.resync = None, "", None, None
+        r.committing = False
         if w is not None:
             w.in_flight -= 1
         self._in_flight -= 1
@@ -696,7 +700,11 @@ class Dispatcher:
 
     def _fetch_history(self, items: list[buffer_pb2.WorkItem]) -> dict[str, list[int]]:
         """History priors (RhymeRL) from the buffer for the items' prompt keys the core holds none
-        for: new ones, and ones the core's bound dropped (not those the buffer recently had none for)."""
+        for: new ones, and ones the core's bound dropped (not those the buffer recently had none for).
+        Nothing under a policy that does not use them: the call blocks the watch thread (a whole
+        snapshot's keys, up to its timeout while the buffer is slow) for priors no decision reads."""
+        if not self.core.cfg.uses_history:
+            return {}
         with self._cond:
             keys = sorted({i.prompt_key for i in items if i.prompt_key and i.prompt_key not in self._history_unknown
                            and not self.core.has_history(i.prompt_key)})
@@ -769,9 +777,30 @@ class Dispatcher:
         r.dropped = True  # its chunk in flight, if any, is not committed (_commit)
         if r.resync is not None and r.resync.token == r.dispatch_token:
             self._release_locked(r, r.resync.worker)  # a held chunk: no thread settles it now
+        else:
+            # A chunk still running would hold its batch slot and KV on the worker to the end of
+            # the chunk for nothing.
+            self._stop_running_chunk_locked(r)
         del self._requests[item.request_id]
         self._forget_in_core_locked(item.request_id)
         return False
+
+    def _stop_running_chunk_locked(self, r: TrackedRequest) -> None:
+        """Ends the running chunk of a request we no longer want (set `dropped` first: its thread
+        then settles the dispatch without committing or counting an attempt). Its stream is
+        cancelled and the chunk aborted on the worker, by its own dispatch_epoch: the id may be
+        dispatched again (a new submission of its batch id), and that newer attempt must live. A
+        dispatch whose thread has not sent the chunk yet has no stream: the thread sees `dropped`
+        and sends nothing."""
+        if r.dispatch_token is None or r.stream is None:
+            return
+        self._cancel(r.stream)
+        worker = self._workers.get(r.worker_id)
+        if worker is None:
+            return
+        # On the abort pool: this runs on the watch thread (see _cancel_request).
+        with contextlib.suppress(RuntimeError):  # the pool is shut down: stopping
+            self._abort_pool.submit(self._abort_on_worker, worker, r.item.request_id, r.last_epoch)
 
     def _track_locked(self, item: buffer_pb2.WorkItem) -> buffer_pb2.WorkItem | None:
         """Track a work item. Returns it instead when it must be failed in the buffer (an ABORTED
@@ -836,6 +865,17 @@ class Dispatcher:
                         continue
                     r.resync = None  # a stale hold (its dispatch is gone): never resolve another with it
                 if r.dispatch_token is not None:
+                    if snap is None and not r.committing:
+                        # Cancelled while we were away (no cancel event reached us): its chunk
+                        # would run to its end for a commit the buffer refuses. Not while its
+                        # chunk is being committed: that commit may be what finished it, and the
+                        # commit's outcome settles it (a refusal is resolved by a snapshot).
+                        log.info("request gone from the buffer while its chunk ran; aborting it",
+                                 extra=kv(request_id=rid, worker_id=r.worker_id))
+                        r.dropped = True
+                        self._stop_running_chunk_locked(r)
+                        self._forget_in_core_locked(rid)
+                        del self._requests[rid]
                     continue
                 if snap is None:
                     # Finished or cancelled while we were away: the buffer is authoritative.
@@ -932,12 +972,12 @@ class Dispatcher:
                 self._abort_pool.submit(self._abort_on_worker, worker, request_id)
 
     @staticmethod
-    def _abort_on_worker(worker: WorkerState, request_id: str) -> None:
+    def _abort_on_worker(worker: WorkerState, request_id: str, dispatch_epoch: int = 0) -> None:
         # ValueError: the worker was removed meanwhile and its channel closed.
         with contextlib.suppress(SeerError, ValueError):
-            # Any attempt (epoch 0): a cancelled request has no newer attempt to protect, and the
-            # attempt running may be newer than the last epoch the watch thread read.
-            worker.link.abort(request_id)
+            # Epoch 0 = any attempt (a cancelled request): it has no newer attempt to protect, and
+            # the attempt running may be newer than the last epoch the watch thread read.
+            worker.link.abort(request_id, dispatch_epoch=dispatch_epoch)
 
     # ---- dispatch ----------------------------------------------------------------------------
 
@@ -1116,7 +1156,19 @@ class Dispatcher:
             return
         reason = done.finish_reason if done is not None else common_pb2.FINISH_REASON_UNSPECIFIED
         if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):
-            self._finish_chunk(r, w, token, failed=True)
+            # We abort only chunks we no longer want: a dropped request, a chunk past its deadline
+            # (handled above) or a dispatch that moved on (its token is stale, so _finish_chunk
+            # ignores it). Anything else is the worker breaking the protocol; not counted, a worker
+            # doing it every time kept the request looping for ever, its worker never quarantined.
+            problem = ("the stream ended without a ChunkDone" if done is None
+                       else f"the chunk ended {common_pb2.FinishReason.Name(reason)} unasked")
+            with self._cond:
+                ours = r.dispatch_token == token and not r.dropped and not self._stopping.is_set()
+            if ours:
+                log.warning("worker broke the chunk protocol", extra=kv(worker_id=w.worker_id, problem=problem))
+                self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault=problem)
+            else:
+                self._finish_chunk(r, w, token, failed=True)
             return
         # LENGTH means the response reached max_tokens (the worker turns the engine's LENGTH at a
         # chunk's own limit into CHUNK); anything else would end the response short.
@@ -1173,6 +1225,8 @@ class Dispatcher:
         backoff = 0.05
         while True:
             with self._cond:
+                if r.dispatch_token == token:
+                    r.committing = True
                 if r.dispatch_token != token:
                     # The worker was removed (the request re-queued) while we waited for the
                     # buffer: the request's new dispatch owns its next chunk now; never commit this one.

@@ -116,5 +116,12 @@ class SchedulerPolicyConfig:
         return self.policy != "baseline"
 
     @property
+    def uses_history(self) -> bool:
+        """Whether the previous iteration's lengths (set_history) change any decision: the priors,
+        the posterior's spread and the KV demand are all seer_history's. Other policies only keep
+        what their own completed groups record."""
+        return self.policy == "seer_history"
+
+    @property
     def context_aware(self) -> bool:
         return self.policy in ("seer", "seer_history", "oracle")
