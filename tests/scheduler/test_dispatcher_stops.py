@@ -1,4 +1,4 @@
-"""Dispatcher findings of the session-26 audit, driven in-process like test_dispatcher_faults: the
+"""Dispatcher findings of the session-25 audit, driven in-process like test_dispatcher_faults: the
 real Dispatcher and its dispatch loop, with scripted buffer and worker links (no gRPC, no model).
 
 - a worker that ends chunks ABORTED nobody asked for, or ends the stream without a ChunkDone, costs
