@@ -417,6 +417,9 @@ class Worker:
     def submit(self, job: ChunkJob) -> ChunkHandle:
         """Starts a chunk; raises InvalidArgument / FailedPrecondition / AlreadyExists / Unavailable."""
         job = self._validate(job)
+        complete = self._complete_finish(job)
+        if complete is not None:
+            return self._end_at_once(job, complete)
         admission = _Admission(job.request_id, job.dispatch_epoch)
         with self._admitting_lock:
             self._admitting.append(admission)
@@ -471,6 +474,68 @@ class Worker:
                 return tokens, logprobs, ev
         raise AssertionError("unreachable")
 
+    def _complete_finish(self, job: ChunkJob) -> ChunkFinish | None:
+        """How the response ended when the committed output it resumes from is already complete: it
+        ends with a stop token (EOS too, without ignore_eos) or fills max_tokens. None otherwise.
+
+        The scheduler dispatches only unfinished requests, so this means its view and the output
+        diverged (a worker with other stop ids committed a CHUNK ending in one, say). Generating on
+        would append tokens past the response's end; refusing (INVALID_ARGUMENT) would cost the
+        request its attempts and end a complete response ABORTED. A chunk with no tokens and this
+        finish reason is what the scheduler and the buffer take as the response's end: nothing is
+        added, and a buffer that had already finished the request refuses the commit (a resync)."""
+        done = len(job.output_token_ids)
+        if job.max_tokens and done == job.max_tokens:
+            return ChunkFinish.LENGTH
+        if done:
+            last = job.output_token_ids[-1]
+            stop = job.sampling.stop_token_ids
+            if last in stop or (not job.sampling.ignore_eos and last in self.engine.eos_token_ids):
+                return ChunkFinish.STOP
+        return None
+
+    def _end_at_once(self, job: ChunkJob, finish: ChunkFinish) -> ChunkHandle:
+        """A chunk whose response is already complete: ends `finish` with no tokens, never reaching
+        the engine. Refused like any chunk (shutdown, loading, policy version, a running attempt):
+        its DoneEvent carries the policy version the request's other chunks were checked against."""
+        act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
+        with log_context(request_id=job.request_id, group_id=job.group_id), self._locked():
+            self._check_admissible_locked(job)
+            running = self._active.get(job.request_id)
+            if running is not None:  # an abandoned attempt (a newer epoch, see _start) ends here too
+                self._abort_locked(running)
+            act.done = True
+            act.stats.wall_seconds = time.monotonic() - act.started
+            metrics.CHUNKS.labels(finish=finish.value).inc()
+            if self._kv is not None:
+                # The response is over: its stored pages go, as at any STOP / LENGTH.
+                with self._offloaded_lock:
+                    self._offloaded.pop(job.request_id, None)
+                try:
+                    self._release(job)
+                except Exception:
+                    log.warning("kv release failed", exc_info=True, extra=kv(request_id=job.request_id))
+            act.events.put(DoneEvent(finish, act.stats, self._policy_version))
+            log.warning("chunk resumes a complete response; ended at once with no tokens", extra=kv(
+                request_id=job.request_id, seq=job.seq, finish=finish.value, output=len(job.output_token_ids),
+                max_tokens=job.max_tokens))
+        return ChunkHandle(self, act)
+
+    def _check_admissible_locked(self, job: ChunkJob) -> None:
+        """Refusals every chunk gets before it runs here (the engine lock held)."""
+        if self._stop.is_set():
+            raise Unavailable("worker is shutting down")
+        if self._loading:
+            raise Unavailable("worker is loading weights; retry after the switch")
+        if job.policy_version != self._policy_version:
+            raise FailedPrecondition(
+                f"chunk wants policy version {job.policy_version}, worker serves {self._policy_version}",
+                field="policy_version",
+            )
+        running = self._active.get(job.request_id)
+        if running is not None and not _newer(job.dispatch_epoch, running.job.dispatch_epoch):
+            raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
+
     def _start(self, job: ChunkJob, req: GenerateRequest, act: _Active, prefix: tuple[int, ...],
                fetched: KVPages | None, *, check_attach: bool, admission: _Admission) -> bool:
         """Admits the chunk under the engine lock: imports the fetched pages, adds the request.
@@ -478,21 +543,12 @@ class Worker:
         the pages cached here. A chunk aborted while it was being admitted ends ABORTED here
         without running."""
         with self._locked():
-            if self._stop.is_set():
-                raise Unavailable("worker is shutting down")
-            if self._loading:
-                raise Unavailable("worker is loading weights; retry after the switch")
-            if job.policy_version != self._policy_version:
-                raise FailedPrecondition(
-                    f"chunk wants policy version {job.policy_version}, worker serves {self._policy_version}",
-                    field="policy_version",
-                )
+            self._check_admissible_locked(job)
             running = self._active.get(job.request_id)
             if running is not None:
-                if not _newer(job.dispatch_epoch, running.job.dispatch_epoch):
-                    raise AlreadyExists(f"{job.request_id!r} is already running here", field="request_id")
-                # The scheduler raises a request's epoch only when it has given up on the attempt
-                # before (a failed stream, a deadline): that attempt is abandoned, and its cancel
+                # Newer than the running attempt (else refused above). The scheduler raises a
+                # request's epoch only when it has given up on the attempt before (a failed
+                # stream, a deadline): that attempt is abandoned, and its cancel
                 # may still be on its way here. Refused, the re-dispatch would cost the request an
                 # attempt (ALREADY_EXISTS counts) for the abandoned attempt's sake.
                 log.info("a newer attempt supersedes the running one", extra=kv(
@@ -567,9 +623,9 @@ class Worker:
             raise InvalidArgument(f"must be >= 0, got {job.group_size}", field="group_size")
         done = len(job.output_token_ids)
         if job.max_tokens:
-            if done >= job.max_tokens:
+            if done > job.max_tokens:  # done == max_tokens: complete, ends at once (_complete_finish)
                 raise InvalidArgument(
-                    f"the request already has {done} output tokens of max_tokens {job.max_tokens}",
+                    f"the request already has {done} output tokens, past max_tokens {job.max_tokens}",
                     field="output_token_ids",
                 )
             # A chunk never runs past the request's total limit.

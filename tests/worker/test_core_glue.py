@@ -63,7 +63,7 @@ def test_bad_input_names_the_field(worker: Worker) -> None:
         (job(max_new_tokens=0), "max_new_tokens"),
         (job(request_id=""), "request_id"),
         (job(prompt=()), "prompt_token_ids"),
-        (job(output_token_ids=(1,) * 20, max_tokens=20), "output_token_ids"),
+        (job(output_token_ids=(1,) * 21, max_tokens=20), "output_token_ids"),
         (job(max_new_tokens=600, max_tokens=0), "max_new_tokens"),
         (job(sampling=SamplingParams(top_p=0.0)), "top_p"),
     ]
