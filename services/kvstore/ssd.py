@@ -92,6 +92,10 @@ class SsdTier:
         self._page_write.no_slowdown = True  # type: ignore[method-assign,assignment]
         self._registry_write = WriteOptions()
         self._registry_write.no_slowdown = True  # type: ignore[method-assign,assignment]
+        # The same writes, throttled: what _write uses while RocksDB only delays writes (see there).
+        self._page_write_delayed = WriteOptions()
+        self._page_write_delayed.disable_wal = not wal  # type: ignore[method-assign,assignment]
+        self._registry_write_delayed = WriteOptions()
         self.write_stall_timeout_s = WRITE_STALL_TIMEOUT_S
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
@@ -150,25 +154,40 @@ class SsdTier:
 
     def put_registry(self, namespace: str, record: bytes) -> None:
         key = _REGISTRY + namespace.encode("utf-8")
-        self._write(lambda: self._db.put(key, record, self._registry_write))
+        self._write(lambda opts: self._db.put(key, record, opts), self._registry_write, self._registry_write_delayed)
 
     def delete_registry(self, namespace: str) -> None:
         key = _REGISTRY + namespace.encode("utf-8")
-        self._write(lambda: self._db.delete(key, self._registry_write))
+        self._write(lambda opts: self._db.delete(key, opts), self._registry_write, self._registry_write_delayed)
 
-    def _write(self, write: Callable[[], None]) -> None:
-        """Runs a no_slowdown write, retrying it while RocksDB reports a write stall (memtables full,
-        a flush under way: the per column family cap at work), sleeping between tries so the flush
-        threads and every other Python thread run; WriteStalled after write_stall_timeout_s."""
+    def _write(self, write: Callable[[WriteOptions], None], opts: WriteOptions, delayed: WriteOptions) -> None:
+        """Runs a no_slowdown write (with `opts`), retrying it while RocksDB reports a write stop
+        (memtables full, a flush under way: the per column family cap at work), sleeping between
+        tries so the flush threads and every other Python thread run; WriteStalled after
+        write_stall_timeout_s.
+
+        RocksDB answers a no_slowdown write "Write stall" for a delay too (L0 past its slowdown
+        trigger, pending compaction past its soft limit): it throttles writes to a rate there, and
+        stops none. Retried, such a write fails again as long as the delay holds (each refused try
+        even books its delay, pushing the next one back), a burst crawled at 0.5 pages/s where the
+        throttle lets 20 through, and a lower rate (a growing compaction debt) fails it after the
+        timeout. So while the DB is delayed and not stopped (its write controller's state, DB-wide),
+        the write goes through RocksDB's throttle (`delayed`: the same write without no_slowdown),
+        which sleeps for the rate and returns. A delay that turns into a stop during that write
+        makes it wait for the stop to clear, or for the background error that caused it (a failed
+        flush, e.g. disk full), which RocksDB returns to the stopped writers."""
         deadline = time.monotonic() + self.write_stall_timeout_s
         pause = 0.001
         while True:
             try:
-                write()
+                write(opts)
                 return
             except Exception as exc:
                 if not _is_stall(exc):
                     raise
+                if self._delayed_not_stopped():
+                    write(delayed)
+                    return
                 if time.monotonic() >= deadline:
                     raise WriteStalled(
                         f"RocksDB memtables stayed full for {self.write_stall_timeout_s:.0f} s "
@@ -176,6 +195,15 @@ class SsdTier:
                     ) from exc
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    def _delayed_not_stopped(self) -> bool:
+        """Whether RocksDB's write controller delays writes and stops none (DB-wide properties)."""
+        try:
+            stopped = self._db.property_int_value("rocksdb.is-write-stopped")
+            rate = self._db.property_int_value("rocksdb.actual-delayed-write-rate")
+        except Exception:  # unreadable: treat the stall as a stop (the bounded path)
+            return False
+        return stopped == 0 and bool(rate)
 
     # Namespaces (column families).
     def ensure_namespace(self, namespace: str) -> None:
@@ -219,20 +247,20 @@ class SsdTier:
         self.ensure_namespace(namespace)
         value = data if isinstance(data, bytes) else bytes(data)  # rocksdict takes bytes only
 
-        def write() -> None:  # a batch is consumed by a write, failed or not: one per try
+        def write(opts: WriteOptions) -> None:  # a batch is consumed by a write, failed or not: one per try
             wb = WriteBatch(raw_mode=True)
             wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
             wb.put(_DATA + page_hash, value)
             wb.put(_META + page_hash, meta)
-            self._db.write(wb, self._page_write)
+            self._db.write(wb, opts)
 
-        self._write(write)
+        self._write(write, self._page_write, self._page_write_delayed)
 
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
         """Rewrites a stored page's metadata (KeyError when its namespace has no column family: the
         page is not on this tier, and a record without its page must not be created)."""
         cf = self._cfs[namespace]
-        self._write(lambda: cf.put(_META + page_hash, meta, self._page_write))
+        self._write(lambda opts: cf.put(_META + page_hash, meta, opts), self._page_write, self._page_write_delayed)
 
     def get(self, namespace: str, page_hash: bytes) -> bytes | None:
         cf = self._cfs.get(namespace)
@@ -245,14 +273,14 @@ class SsdTier:
         if namespace not in self._cfs:
             return
 
-        def write() -> None:  # one batch per try (see put)
+        def write(opts: WriteOptions) -> None:  # one batch per try (see put)
             wb = WriteBatch(raw_mode=True)
             wb.set_default_column_family(self._db.get_column_family_handle(_cf_name(namespace)))
             wb.delete(_DATA + page_hash)
             wb.delete(_META + page_hash)
-            self._db.write(wb, self._page_write)
+            self._db.write(wb, opts)
 
-        self._write(write)
+        self._write(write, self._page_write, self._page_write_delayed)
 
     def iter_meta(self, namespace: str) -> list[tuple[bytes, bytes]]:
         """(page_hash, metadata) of every page of a namespace (reads only the small meta values).

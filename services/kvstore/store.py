@@ -59,6 +59,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, SeerError, Unavailable
 from services.common.kvlayout import KVLayout
@@ -66,7 +67,7 @@ from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
 from services.kvstore.checksum import ALGORITHM, page_checksum
 from services.kvstore.dram import Buffer, DramLru
-from services.kvstore.ssd import DEFAULT_WRITE_BUFFER_BYTES, SsdTier
+from services.kvstore.ssd import DEFAULT_WRITE_BUFFER_BYTES, SsdTier, WriteStalled
 
 log = get_logger(__name__)
 
@@ -304,6 +305,7 @@ class KvStore:
         self._clock = clock
         self._released_requests: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._late_puts = 0
+        self._flush_failures = 0  # DRAM pages flush_to_ssd could not write (logged)
         self._closed = False
         try:
             self._recover()
@@ -1009,25 +1011,67 @@ class KvStore:
         return self._ssd
 
     def flush_to_ssd(self) -> int:
-        """Writes DRAM-only pages to the SSD tier (oldest first); returns how many were written."""
+        """Writes DRAM-only pages to the SSD tier (oldest first); returns how many were written.
+
+        A page whose write fails is logged, counted (flush_failures) and stays DRAM-only: one bad
+        write must not cost the pages after it their demotion, nor (in close) the close of RocksDB.
+        A write that stalled (WriteStalled: RocksDB takes no writes, e.g. a full disk) ends the
+        flush: every page after it would wait out the stall timeout too."""
         with self._lock:
-            n = 0
-            for key, data in self._dram.items():
-                ns = self._namespaces.get(key[0])  # type: ignore[index]
-                entry = ns.entries.get(key[1]) if ns is not None else None  # type: ignore[index]
-                if entry is not None and not entry.on_ssd:
-                    self._write_ssd(key, entry, data)  # type: ignore[arg-type]
-                    n += 1
+            n = failed = 0
+            pending = [(cast(Key, key), data) for key, data in self._dram.items()]
+            for i, (key, data) in enumerate(pending):
+                ns = self._namespaces.get(key[0])
+                entry = ns.entries.get(key[1]) if ns is not None else None
+                if entry is None or entry.on_ssd:
+                    continue
+                try:
+                    self._write_ssd(key, entry, data)
+                except WriteStalled:
+                    left = sum(1 for k, _ in pending[i:] if self._dram_only(k))
+                    failed += left
+                    log.error("flush to SSD stopped: RocksDB takes no writes", exc_info=True,
+                              extra=kv(written=n, not_written=left))
+                    break
+                except Exception:
+                    failed += 1
+                    if failed == 1:  # one traceback; the rest are counted (a full disk fails them all)
+                        log.warning("flush to SSD: a page write failed; it stays in DRAM only", exc_info=True,
+                                    extra=kv(namespace=key[0], page=key[1].hex()))
+                    continue
+                n += 1
+            self._flush_failures += failed
+            if failed:
+                log.warning("flush to SSD: pages not written", extra=kv(written=n, failed=failed))
             self._enforce_ssd_capacity()
             self._ssd.flush()
             return n
 
+    @property
+    def flush_failures(self) -> int:
+        """DRAM pages flush_to_ssd (close) could not write to SSD (logged)."""
+        with self._lock:
+            return self._flush_failures
+
+    def _dram_only(self, key: Key) -> bool:
+        ns = self._namespaces.get(key[0])
+        entry = ns.entries.get(key[1]) if ns is not None else None
+        return entry is not None and not entry.on_ssd
+
     def close(self) -> None:
-        """Flushes DRAM to SSD and closes RocksDB (graceful stop); idempotent."""
+        """Flushes DRAM to SSD and closes RocksDB (graceful stop); idempotent. RocksDB is closed
+        whatever the flush does (a failed write, a failed memtable flush): left open, the process
+        would exit with its memtables unflushed and, in a process that goes on, hold the DB's LOCK."""
         with self._lock:
             if self._closed:
                 return
-            flushed = self.flush_to_ssd()
-            self._ssd.close()
-            self._closed = True
-            log.info("kvstore closed", extra=kv(flushed_pages=flushed, ssd_bytes=self._ssd_bytes))
+            flushed = 0
+            try:
+                flushed = self.flush_to_ssd()
+            except Exception:
+                log.error("flush to SSD at close failed; closing RocksDB anyway", exc_info=True)
+            finally:
+                self._closed = True
+                self._ssd.close()
+            log.info("kvstore closed", extra=kv(flushed_pages=flushed, flush_failures=self._flush_failures,
+                                                ssd_bytes=self._ssd_bytes))

@@ -15,6 +15,7 @@ from seer.v1 import kvstore_pb2
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import page_checksum
+from services.kvstore.ssd import WriteStalled
 from services.kvstore.store import KvStore
 from services.kvstore.wire import decode_put, encode_put
 from services.worker.kv_client import KVClient, layout_to_pb
@@ -253,3 +254,51 @@ def test_dram_does_not_pin_large_frames(open_store: Open) -> None:
     store.put(msg2.namespace, LAYOUT, msg2.page_hash, msg2.data, msg2.checksum, msg2.request_id)
     found2 = store.get_page("m@v1", h2)
     assert found2 is not None and isinstance(found2[0], memoryview)
+
+
+# ---------------------------------------------------------------- close with failing SSD writes
+def test_close_closes_rocksdb_past_failed_page_writes(tmp_path: Path) -> None:
+    """A demotion at close that fails (a full disk) costs that page only: the pages after it still
+    reach SSD, and RocksDB is closed (its LOCK released: the store opens again in this process)."""
+    path = str(tmp_path / "db")
+    store = KvStore(path, dram_bytes=64 * PAGE_BYTES, ssd_bytes=1024 * PAGE_BYTES, min_blob_bytes=256)
+    data = [_put(store, "m@v1", i) for i in range(4)]
+    ssd = store.raw_ssd()
+    real_put = ssd.put
+
+    def put_failing_page_1(namespace: str, page_hash: bytes, value: Any, meta: bytes) -> None:
+        if page_hash == _h("m@v1", 1):
+            raise OSError("IO error: No space left on device")
+        real_put(namespace, page_hash, value, meta)
+
+    ssd.put = put_failing_page_1  # type: ignore[method-assign]
+    store.close()  # raised the OSError, RocksDB left open, before the fix
+    assert store.flush_failures == 1
+    reopened = KvStore(path, dram_bytes=64 * PAGE_BYTES, ssd_bytes=1024 * PAGE_BYTES, min_blob_bytes=256)
+    try:
+        assert reopened.exists("m@v1", [_h("m@v1", 0)]) == 1
+        assert reopened.exists("m@v1", [_h("m@v1", 1)]) == 0  # its write failed: a miss, not a ghost
+        for i in (2, 3):
+            got = [bytes(d) if d is not None else None for _, d, _ in reopened.get("m@v1", [_h("m@v1", i)])]
+            assert got == [data[i]]
+    finally:
+        reopened.close()
+
+
+def test_close_closes_rocksdb_when_a_write_stalls(tmp_path: Path) -> None:
+    """A stalled write (RocksDB takes none: WriteStalled) ends the flush at once, and close still
+    closes RocksDB."""
+    path = str(tmp_path / "db")
+    store = KvStore(path, dram_bytes=64 * PAGE_BYTES, ssd_bytes=1024 * PAGE_BYTES, min_blob_bytes=256)
+    for i in range(3):
+        _put(store, "m@v1", i)
+    calls: list[bytes] = []
+
+    def stalled_put(namespace: str, page_hash: bytes, value: Any, meta: bytes) -> None:
+        calls.append(page_hash)
+        raise WriteStalled("RocksDB memtables stayed full")
+
+    store.raw_ssd().put = stalled_put  # type: ignore[method-assign]
+    store.close()
+    assert len(calls) == 1 and store.flush_failures == 3
+    KvStore(path, dram_bytes=64 * PAGE_BYTES, ssd_bytes=1024 * PAGE_BYTES, min_blob_bytes=256).close()
