@@ -41,6 +41,7 @@ _META = b"m"
 _REGISTRY = b"ns/"
 DEFAULT_WRITE_BUFFER_BYTES = 64 * 1024 * 1024  # RocksDB's default for one memtable, here for all
 MAX_WRITE_BUFFERS = 2  # memtables per column family: one written while one flushes (RocksDB's minimum)
+L0_STOP_WRITES_TRIGGER = 36  # RocksDB's default: L0 files at which writes stop until compaction
 _MIN_MEMTABLE_BYTES = 64 * 1024  # RocksDB raises smaller write_buffer_size values to this
 
 
@@ -92,10 +93,6 @@ class SsdTier:
         self._page_write.no_slowdown = True  # type: ignore[method-assign,assignment]
         self._registry_write = WriteOptions()
         self._registry_write.no_slowdown = True  # type: ignore[method-assign,assignment]
-        # The same writes, throttled: what _write uses while RocksDB only delays writes (see there).
-        self._page_write_delayed = WriteOptions()
-        self._page_write_delayed.disable_wal = not wal  # type: ignore[method-assign,assignment]
-        self._registry_write_delayed = WriteOptions()
         self.write_stall_timeout_s = WRITE_STALL_TIMEOUT_S
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
@@ -126,6 +123,18 @@ class SsdTier:
         # hang every write, under the store's lock, for good.
         self._opts.set_write_buffer_size(per_cf_write_buffer_bytes(write_buffer_bytes))
         self._opts.set_max_write_buffer_number(MAX_WRITE_BUFFERS)
+        # Write stops only, never delays. RocksDB delays writes (throttles them to a rate) when L0
+        # passes its slowdown trigger or pending compaction its soft limit, and a delayed write
+        # sleeps inside RocksDB with the GIL held (rocksdict keeps it through the call) and the
+        # store's lock taken: every thread of the process, health checks included, starved for the
+        # delay, and a delay that turned into a stop meanwhile hung it (review, session 25). A
+        # no_slowdown write is refused at once under either, and retried (_write) sleeping in
+        # Python; refused under a delay, each try booked its delay again and a burst crawled (0.5
+        # pages/s). So the slowdown trigger is the stop trigger (the stop is checked first) and the
+        # soft limit is off (0); with MAX_WRITE_BUFFERS 2 the memtable count never delays either.
+        self._opts.set_level_zero_slowdown_writes_trigger(L0_STOP_WRITES_TRIGGER)
+        self._opts.set_level_zero_stop_writes_trigger(L0_STOP_WRITES_TRIGGER)
+        self._opts.set_soft_pending_compaction_bytes_limit(0)
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
         self._open = True
@@ -154,28 +163,18 @@ class SsdTier:
 
     def put_registry(self, namespace: str, record: bytes) -> None:
         key = _REGISTRY + namespace.encode("utf-8")
-        self._write(lambda opts: self._db.put(key, record, opts), self._registry_write, self._registry_write_delayed)
+        self._write(lambda opts: self._db.put(key, record, opts), self._registry_write)
 
     def delete_registry(self, namespace: str) -> None:
         key = _REGISTRY + namespace.encode("utf-8")
-        self._write(lambda opts: self._db.delete(key, opts), self._registry_write, self._registry_write_delayed)
+        self._write(lambda opts: self._db.delete(key, opts), self._registry_write)
 
-    def _write(self, write: Callable[[WriteOptions], None], opts: WriteOptions, delayed: WriteOptions) -> None:
+    def _write(self, write: Callable[[WriteOptions], None], opts: WriteOptions) -> None:
         """Runs a no_slowdown write (with `opts`), retrying it while RocksDB reports a write stop
-        (memtables full, a flush under way: the per column family cap at work), sleeping between
-        tries so the flush threads and every other Python thread run; WriteStalled after
-        write_stall_timeout_s.
-
-        RocksDB answers a no_slowdown write "Write stall" for a delay too (L0 past its slowdown
-        trigger, pending compaction past its soft limit): it throttles writes to a rate there, and
-        stops none. Retried, such a write fails again as long as the delay holds (each refused try
-        even books its delay, pushing the next one back), a burst crawled at 0.5 pages/s where the
-        throttle lets 20 through, and a lower rate (a growing compaction debt) fails it after the
-        timeout. So while the DB is delayed and not stopped (its write controller's state, DB-wide),
-        the write goes through RocksDB's throttle (`delayed`: the same write without no_slowdown),
-        which sleeps for the rate and returns. A delay that turns into a stop during that write
-        makes it wait for the stop to clear, or for the background error that caused it (a failed
-        flush, e.g. disk full), which RocksDB returns to the stopped writers."""
+        (memtables full, a flush under way: the per column family cap at work; L0 at its stop
+        trigger), sleeping between tries so the flush and compaction threads and every other Python
+        thread run; WriteStalled after write_stall_timeout_s. (RocksDB is configured never to delay
+        writes, only to stop them: see __init__.)"""
         deadline = time.monotonic() + self.write_stall_timeout_s
         pause = 0.001
         while True:
@@ -185,9 +184,6 @@ class SsdTier:
             except Exception as exc:
                 if not _is_stall(exc):
                     raise
-                if self._delayed_not_stopped():
-                    write(delayed)
-                    return
                 if time.monotonic() >= deadline:
                     raise WriteStalled(
                         f"RocksDB memtables stayed full for {self.write_stall_timeout_s:.0f} s "
@@ -195,15 +191,6 @@ class SsdTier:
                     ) from exc
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-
-    def _delayed_not_stopped(self) -> bool:
-        """Whether RocksDB's write controller delays writes and stops none (DB-wide properties)."""
-        try:
-            stopped = self._db.property_int_value("rocksdb.is-write-stopped")
-            rate = self._db.property_int_value("rocksdb.actual-delayed-write-rate")
-        except Exception:  # unreadable: treat the stall as a stop (the bounded path)
-            return False
-        return stopped == 0 and bool(rate)
 
     # Namespaces (column families).
     def ensure_namespace(self, namespace: str) -> None:
@@ -254,13 +241,13 @@ class SsdTier:
             wb.put(_META + page_hash, meta)
             self._db.write(wb, opts)
 
-        self._write(write, self._page_write, self._page_write_delayed)
+        self._write(write, self._page_write)
 
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
         """Rewrites a stored page's metadata (KeyError when its namespace has no column family: the
         page is not on this tier, and a record without its page must not be created)."""
         cf = self._cfs[namespace]
-        self._write(lambda opts: cf.put(_META + page_hash, meta, opts), self._page_write, self._page_write_delayed)
+        self._write(lambda opts: cf.put(_META + page_hash, meta, opts), self._page_write)
 
     def get(self, namespace: str, page_hash: bytes) -> bytes | None:
         cf = self._cfs.get(namespace)
@@ -280,7 +267,7 @@ class SsdTier:
             wb.delete(_META + page_hash)
             self._db.write(wb, opts)
 
-        self._write(write, self._page_write, self._page_write_delayed)
+        self._write(write, self._page_write)
 
     def iter_meta(self, namespace: str) -> list[tuple[bytes, bytes]]:
         """(page_hash, metadata) of every page of a namespace (reads only the small meta values).

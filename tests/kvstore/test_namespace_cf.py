@@ -339,12 +339,12 @@ def test_a_stalled_write_is_retried_then_fails_instead_of_hanging(open_store: Op
     store = open_store("db", dram_bytes=0)
     ssd = store.raw_ssd()
     stall = _Stalling(3)
-    ssd._write(stall, ssd._page_write, ssd._page_write_delayed)  # retried until RocksDB takes it
+    ssd._write(stall, ssd._page_write)  # retried until RocksDB takes it
     assert stall.left == 0
     ssd.write_stall_timeout_s = 0.2
     t0 = time.monotonic()
     with pytest.raises(WriteStalled):
-        ssd._write(_Stalling(10**9), ssd._page_write, ssd._page_write_delayed)
+        ssd._write(_Stalling(10**9), ssd._page_write)
     assert time.monotonic() - t0 < 2
     # Through the store: a Put whose page cannot be written is UNAVAILABLE naming data, not a hang.
     real = ssd._db
