@@ -956,27 +956,28 @@ class Dispatcher:
                 return
             r.dropped = True
             self._forget_in_core_locked(request_id)
-            worker = self._workers.get(r.worker_id) if r.dispatch_token is not None else None
             if r.resync is not None:
                 # Held for resync: no chunk thread owns it any more, and the snapshot walks only
                 # tracked requests, so its in-flight count comes down here.
                 self._release_locked(r, r.resync.worker)
-                worker = None
+            else:
+                # Its running chunk, by its own epoch (on the abort pool: this runs on the watch
+                # thread, and a worker whose server hangs would stall the whole work feed for each
+                # cancelled request's abort timeout). Not "any attempt" (epoch 0): the batch id may
+                # be submitted again, and an abort still queued would then end the new request's
+                # attempt on that worker, now counted against the request and the worker (review,
+                # session 25). A dispatch that has not sent its chunk yet sees `dropped` and sends
+                # nothing.
+                self._stop_running_chunk_locked(r)
             self._dirty = True
             self._cond.notify_all()
-        if worker is not None:
-            # On the abort pool, not here: this runs on the watch thread, and a worker whose server
-            # hangs (heartbeats still coming) would stall the whole work feed for each cancelled
-            # request's abort timeout.
-            with contextlib.suppress(RuntimeError):  # the pool is shut down: stopping
-                self._abort_pool.submit(self._abort_on_worker, worker, request_id)
 
     @staticmethod
     def _abort_on_worker(worker: WorkerState, request_id: str, dispatch_epoch: int = 0) -> None:
         # ValueError: the worker was removed meanwhile and its channel closed.
         with contextlib.suppress(SeerError, ValueError):
-            # Epoch 0 = any attempt (a cancelled request): it has no newer attempt to protect, and
-            # the attempt running may be newer than the last epoch the watch thread read.
+            # Epoch 0 = any attempt; our aborts name the attempt (the dispatch's last_epoch, set
+            # under the lock together with its stream), so a newer one under the same id lives.
             worker.link.abort(request_id, dispatch_epoch=dispatch_epoch)
 
     # ---- dispatch ----------------------------------------------------------------------------

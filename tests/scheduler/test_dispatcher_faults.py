@@ -442,17 +442,21 @@ def test_the_worker_sends_one_incarnation_per_process() -> None:
     assert len(first.incarnation) == 16 and first.incarnation == again.incarnation == registration.INCARNATION
 
 
-def test_a_cancelled_request_is_aborted_whatever_its_attempt(rig: Callable[..., Rig]) -> None:
-    # Epoch 0 (any attempt): the attempt running may be newer than the epoch the cancelling thread
-    # read, and a cancelled request has no newer attempt to protect.
+def test_a_cancelled_request_aborts_its_own_attempt(rig: Callable[..., Rig]) -> None:
+    # By the running attempt's epoch (read under the lock that set it with the stream), not epoch 0
+    # (any attempt): the batch id may be submitted again, and an abort still queued would end the
+    # new request's attempt under the same id, now counted against it and its worker (review,
+    # session 25). The stream is cancelled too.
     t = rig()
     t.register("w0")
     t.workers.gate.clear()  # the chunk stays running
     t.run()
     t.d._add_items([item("a")])
     wait_for(lambda: len(t.workers.requests) == 1)
+    epoch = t.workers.requests[0][1].dispatch_epoch
+    assert epoch > 0
     t.d._cancel_request("a")
-    assert t.workers.aborts == [("a", 0)]
+    wait_for(lambda: t.workers.aborts == [("a", epoch)])
 
 
 def test_a_full_worker_is_busy_not_broken(rig: Callable[..., Rig]) -> None:
