@@ -956,21 +956,27 @@ class Dispatcher:
                 return
             r.dropped = True
             self._forget_in_core_locked(request_id)
+            sent = r.dispatch_token is not None and r.stream is not None
+            worker = self._workers.get(r.worker_id) if sent else None
+            epoch = r.last_epoch
             if r.resync is not None:
                 # Held for resync: no chunk thread owns it any more, and the snapshot walks only
                 # tracked requests, so its in-flight count comes down here.
                 self._release_locked(r, r.resync.worker)
-            else:
-                # Its running chunk, by its own epoch (on the abort pool: this runs on the watch
-                # thread, and a worker whose server hangs would stall the whole work feed for each
-                # cancelled request's abort timeout). Not "any attempt" (epoch 0): the batch id may
-                # be submitted again, and an abort still queued would then end the new request's
-                # attempt on that worker, now counted against the request and the worker (review,
-                # session 25). A dispatch that has not sent its chunk yet sees `dropped` and sends
-                # nothing.
-                self._stop_running_chunk_locked(r)
+                worker = None
             self._dirty = True
             self._cond.notify_all()
+        if worker is not None:
+            # Its running attempt, by its own epoch (on the abort pool: this runs on the watch
+            # thread, and a worker whose server hangs would stall the whole work feed for each
+            # cancelled request's abort timeout). Not "any attempt" (epoch 0): the batch id may be
+            # submitted again, and an abort still queued would then end the new request's attempt
+            # on that worker, now counted against the request and the worker (review, session 25).
+            # A dispatch that has not sent its chunk yet (no stream) sees `dropped` and sends
+            # nothing. The stream stays open: the worker ends it ABORTED, or its commit, if it had
+            # finished, comes back a duplicate.
+            with contextlib.suppress(RuntimeError):  # the pool is shut down: stopping
+                self._abort_pool.submit(self._abort_on_worker, worker, request_id, epoch)
 
     @staticmethod
     def _abort_on_worker(worker: WorkerState, request_id: str, dispatch_epoch: int = 0) -> None:

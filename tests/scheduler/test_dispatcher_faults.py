@@ -446,7 +446,7 @@ def test_a_cancelled_request_aborts_its_own_attempt(rig: Callable[..., Rig]) -> 
     # By the running attempt's epoch (read under the lock that set it with the stream), not epoch 0
     # (any attempt): the batch id may be submitted again, and an abort still queued would end the
     # new request's attempt under the same id, now counted against it and its worker (review,
-    # session 25). The stream is cancelled too.
+    # session 25).
     t = rig()
     t.register("w0")
     t.workers.gate.clear()  # the chunk stays running
