@@ -10,9 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from seer.v1 import worker_pb2_grpc
 from tokenizers import Tokenizer
 
+from services.common.grpcutil import channel
+from services.common.server import RunningServer, ServiceConfig, start_server
+from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
+from services.worker.server import add_servicer
 
 
 def chat_prompt(tok: Tokenizer, text: str) -> tuple[int, ...]:
@@ -41,3 +46,17 @@ def ref_engine(model_dir: Path) -> Iterator[ReferenceEngine]:
     engine = ReferenceEngine.from_dir(model_dir, num_pages=512, max_batch_size=16, page_size=16)
     yield engine
     assert not engine.has_unfinished(), "a test left live requests in the shared engine"
+
+
+@pytest.fixture
+def served(ref_engine: ReferenceEngine) -> Iterator[tuple[Worker, worker_pb2_grpc.WorkerServiceStub]]:
+    """A Worker on the shared reference engine (no speculation), served over real gRPC on loopback."""
+    worker = Worker(ref_engine, worker_id="w-grpc", speculation=False).start()
+    running: RunningServer = start_server("worker", ServiceConfig(port=0, grace_seconds=1.0), add_servicer(worker),
+                                          on_stop=worker.close)
+    ch = channel(running.address)
+    try:
+        yield worker, worker_pb2_grpc.WorkerServiceStub(ch)
+    finally:
+        ch.close()
+        running.stop(1.0)

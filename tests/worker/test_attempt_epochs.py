@@ -16,35 +16,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
-from seer.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from seer.v1 import common_pb2, worker_pb2
 from test_worker_faults import _HeldFetchPool
+from worker_grpc import tokens_and_done
 
-from services.common.grpcutil import channel
-from services.common.server import RunningServer, ServiceConfig, start_server
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, TokensEvent, Worker
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
-from services.worker.server import add_servicer
 
 SEEDED = common_pb2.SamplingParams(temperature=1.0, seed=11, ignore_eos=True)
-
-
-@pytest.fixture
-def served(ref_engine: ReferenceEngine) -> Iterator[tuple[Worker, worker_pb2_grpc.WorkerServiceStub]]:
-    worker = Worker(ref_engine, worker_id="w-epochs", speculation=False).start()
-    running: RunningServer = start_server("worker", ServiceConfig(port=0, grace_seconds=1.0), add_servicer(worker),
-                                          on_stop=worker.close)
-    ch = channel(running.address)
-    try:
-        yield worker, worker_pb2_grpc.WorkerServiceStub(ch)
-    finally:
-        ch.close()
-        running.stop(1.0)
 
 
 def chunk_req(rid: str, prompt: tuple[int, ...], max_new: int, epoch: int) -> worker_pb2.RunChunkRequest:
@@ -53,31 +37,19 @@ def chunk_req(rid: str, prompt: tuple[int, ...], max_new: int, epoch: int) -> wo
                                       sampling=SEEDED, policy_version=0, group_size=1, dispatch_epoch=epoch)
 
 
-def collect(stream: Any) -> tuple[list[int], worker_pb2.ChunkDone]:
-    toks: list[int] = []
-    done = None
-    for msg in stream:
-        if msg.WhichOneof("event") == "tokens":
-            toks += msg.tokens.token_ids
-        else:
-            done = msg.done
-    assert done is not None
-    return toks, done
-
-
 def test_a_newer_attempt_supersedes_the_abandoned_one(served: Any, prompts: list[tuple[int, ...]]) -> None:
     worker, stub = served
     prompt = prompts[2]
-    reference, _ = collect(stub.RunChunk(chunk_req("ref", prompt, 6, 0)))
+    reference, _ = tokens_and_done(stub.RunChunk(chunk_req("ref", prompt, 6, 0)))
     old = stub.RunChunk(chunk_req("r", prompt, 400, 10))
     assert next(old).WhichOneof("event") == "tokens"  # attempt 10 runs
     # The same attempt again, or one without an order, is refused: it is no re-dispatch.
     for epoch in (10, 0):
         with pytest.raises(grpc.RpcError) as ei:
-            collect(stub.RunChunk(chunk_req("r", prompt, 6, epoch)))
+            tokens_and_done(stub.RunChunk(chunk_req("r", prompt, 6, epoch)))
         assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in (ei.value.details() or "")
     # The scheduler gave up on attempt 10 and dispatched r here again before its cancel arrived.
-    toks, done = collect(stub.RunChunk(chunk_req("r", prompt, 6, 11)))
+    toks, done = tokens_and_done(stub.RunChunk(chunk_req("r", prompt, 6, 11)))
     assert toks == reference
     assert done.finish_reason == common_pb2.FINISH_REASON_LENGTH
     rest = list(old)

@@ -4,33 +4,16 @@ gRPC with the real reference engine: generating on would append tokens past the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 from seer.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker_grpc import tokens_and_done
 
-from services.common.grpcutil import channel
-from services.common.server import RunningServer, ServiceConfig, start_server
-from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
-from services.worker.server import add_servicer
 
 Stub = worker_pb2_grpc.WorkerServiceStub
-
-
-@pytest.fixture
-def served(ref_engine: ReferenceEngine) -> Iterator[tuple[Worker, Stub]]:
-    worker = Worker(ref_engine, worker_id="w-complete", speculation=False).start()
-    running: RunningServer = start_server("worker", ServiceConfig(port=0, grace_seconds=1.0), add_servicer(worker),
-                                          on_stop=worker.close)
-    ch = channel(running.address)
-    try:
-        yield worker, Stub(ch)
-    finally:
-        ch.close()
-        running.stop(1.0)
 
 
 def _req(prompt: tuple[int, ...], output: list[int], **kw: Any) -> worker_pb2.RunChunkRequest:
@@ -42,20 +25,8 @@ def _req(prompt: tuple[int, ...], output: list[int], **kw: Any) -> worker_pb2.Ru
     return worker_pb2.RunChunkRequest(**base)
 
 
-def _collect(stream: Any) -> tuple[list[int], worker_pb2.ChunkDone]:
-    toks: list[int] = []
-    done = None
-    for msg in stream:
-        if msg.WhichOneof("event") == "tokens":
-            toks += msg.tokens.token_ids
-        else:
-            done = msg.done
-    assert done is not None
-    return toks, done
-
-
 def _first_output(stub: Stub, prompt: tuple[int, ...]) -> list[int]:
-    toks, done = _collect(stub.RunChunk(_req(prompt, [], seq=0)))
+    toks, done = tokens_and_done(stub.RunChunk(_req(prompt, [], seq=0)))
     assert done.finish_reason == common_pb2.FINISH_REASON_CHUNK and len(toks) == 4
     return toks
 
@@ -65,11 +36,11 @@ def test_output_ending_with_eos_ends_stop_at_once(served: Any, ref_engine: Refer
     worker, stub = served
     eos = ref_engine.eos_token_ids[0]
     output = [*_first_output(stub, prompts[0]), eos]
-    toks, done = _collect(stub.RunChunk(_req(prompts[0], output)))
+    toks, done = tokens_and_done(stub.RunChunk(_req(prompts[0], output)))
     assert toks == [] and done.finish_reason == common_pb2.FINISH_REASON_STOP
     assert done.policy_version == 0 and done.stats.steps == 0
     # With ignore_eos the EOS is an ordinary token: the request goes on.
-    toks, done = _collect(stub.RunChunk(_req(prompts[0], output, sampling=common_pb2.SamplingParams(
+    toks, done = tokens_and_done(stub.RunChunk(_req(prompts[0], output, sampling=common_pb2.SamplingParams(
         temperature=0.0, ignore_eos=True))))
     assert len(toks) == 4 and done.finish_reason == common_pb2.FINISH_REASON_CHUNK
     assert worker.in_flight == 0 and not ref_engine.has_unfinished()
@@ -79,18 +50,18 @@ def test_output_ending_with_a_stop_token_ends_stop_at_once(served: Any, prompts:
     _, stub = served
     output = _first_output(stub, prompts[1])
     stop = common_pb2.SamplingParams(temperature=0.0, stop_token_ids=[output[-1]])
-    toks, done = _collect(stub.RunChunk(_req(prompts[1], output, sampling=stop)))
+    toks, done = tokens_and_done(stub.RunChunk(_req(prompts[1], output, sampling=stop)))
     assert toks == [] and done.finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 def test_output_at_max_tokens_ends_length_at_once(served: Any, prompts: list[tuple[int, ...]]) -> None:
     _, stub = served
     output = _first_output(stub, prompts[2])
-    toks, done = _collect(stub.RunChunk(_req(prompts[2], output, max_tokens=len(output))))
+    toks, done = tokens_and_done(stub.RunChunk(_req(prompts[2], output, max_tokens=len(output))))
     assert toks == [] and done.finish_reason == common_pb2.FINISH_REASON_LENGTH
     # Past max_tokens is no response this worker could have produced: refused, naming the field.
     with pytest.raises(grpc.RpcError) as ei:
-        _collect(stub.RunChunk(_req(prompts[2], output, max_tokens=len(output) - 1)))
+        tokens_and_done(stub.RunChunk(_req(prompts[2], output, max_tokens=len(output) - 1)))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "output_token_ids" in str(ei.value.details())
 
 
@@ -100,5 +71,5 @@ def test_complete_resume_is_still_refused_for_a_wrong_policy_version(served: Any
     _, stub = served
     output = [5, ref_engine.eos_token_ids[0]]
     with pytest.raises(grpc.RpcError) as ei:
-        _collect(stub.RunChunk(_req(prompts[3], output, policy_version=7)))
+        tokens_and_done(stub.RunChunk(_req(prompts[3], output, policy_version=7)))
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "policy_version" in str(ei.value.details())

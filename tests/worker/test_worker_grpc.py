@@ -4,33 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
-from seer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from seer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from worker_grpc import collect
 
-from services.common.grpcutil import channel
-from services.common.server import RunningServer, ServiceConfig, start_server
 from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.registration import Registrar
-from services.worker.server import add_servicer
-
-
-@pytest.fixture
-def served(ref_engine: ReferenceEngine) -> Iterator[tuple[Worker, worker_pb2_grpc.WorkerServiceStub]]:
-    worker = Worker(ref_engine, worker_id="w-grpc", speculation=False).start()
-    running: RunningServer = start_server("worker", ServiceConfig(port=0, grace_seconds=1.0), add_servicer(worker),
-                                          on_stop=worker.close)
-    ch = channel(running.address)
-    try:
-        yield worker, worker_pb2_grpc.WorkerServiceStub(ch)
-    finally:
-        ch.close()
-        running.stop(1.0)
 
 
 def chunk_req(rid: str, prompt: tuple[int, ...], **kw: Any) -> worker_pb2.RunChunkRequest:
@@ -40,21 +24,6 @@ def chunk_req(rid: str, prompt: tuple[int, ...], **kw: Any) -> worker_pb2.RunChu
                                 group_size=2)
     base.update(kw)
     return worker_pb2.RunChunkRequest(**base)
-
-
-def collect(stream: Any) -> tuple[list[int], list[float], worker_pb2.ChunkDone]:
-    toks: list[int] = []
-    lps: list[float] = []
-    done = None
-    for msg in stream:
-        if msg.WhichOneof("event") == "tokens":
-            assert done is None, "tokens after done"
-            toks += msg.tokens.token_ids
-            lps += msg.tokens.logprobs
-        else:
-            done = msg.done
-    assert done is not None
-    return toks, lps, done
 
 
 def test_run_chunk_streams_then_done(served: Any, prompts: list[tuple[int, ...]]) -> None:
