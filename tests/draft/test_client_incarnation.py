@@ -10,19 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from test_client_faults import manual
+
 from services.draft.app import start
 from services.draft.config import DraftConfig
 from services.draft.store import DraftStore
 from services.worker.draft_client import DraftClient
-
-
-def manual(address: str) -> DraftClient:
-    c = DraftClient(address, sync_interval_s=3600)
-    c._stop.set()
-    c._wake.set()
-    assert c._thread is not None
-    c._thread.join()
-    return c
 
 
 class _Server:
