@@ -67,6 +67,17 @@ def test_env_names_are_real_config_fields(compose: dict[str, Any]) -> None:
     assert checked >= 4
 
 
+def test_scheduler_epoch_file_is_on_a_named_volume(compose: dict[str, Any]) -> None:
+    """read_only: true: the epoch file must sit on a volume, and a named one keeps it across
+    `docker-compose up` recreating the container."""
+    svc = compose["services"]["scheduler"]
+    path = svc["environment"]["SEER_SCHEDULER_EPOCH_FILE"]
+    mounts = dict(v.split(":", 1)[::-1] for v in svc["volumes"])
+    directory = path.rsplit("/", 1)[0]
+    assert directory in mounts, f"{path} is not on a volume: {svc['volumes']}"
+    assert mounts[directory] in compose["volumes"]
+
+
 def test_same_wiring_as_the_helm_chart(compose: dict[str, Any], chart: Any) -> None:
     """Each service gets the same address variables from compose as from the chart."""
     objects = render(chart)

@@ -110,6 +110,21 @@ def test_default_topology(chart: Any) -> None:
             assert container[probe]["grpc"]["port"] == container["ports"][0]["containerPort"], probe
 
 
+def test_scheduler_keeps_its_epoch_floor_on_a_writable_volume(chart: Any) -> None:
+    """The root filesystem is read-only: the epoch file (services/scheduler/epochs.py) must be on a
+    mounted volume, or every reserve fails and a restart may reuse lower dispatch epochs."""
+    dep = _by_kind(render(chart), "Deployment")["seer-scheduler"]
+    path = _env(dep)["SEER_SCHEDULER_EPOCH_FILE"]
+    pod = dep["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    directory = path.rsplit("/", 1)[0]
+    assert directory in mounts, f"{path} is not on a mounted volume: {mounts}"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts[directory]]
+    with pytest.raises(Exception, match="epoch_file"):
+        render(chart, {"scheduler": {"config": {"epoch_file": "/tmp/x"}}})
+
+
 def test_worker_gpu_values(chart: Any) -> None:
     objects = render(chart, VALUE_SETS["gpu-production"])
     worker = _by_kind(objects, "Deployment")["seer-worker"]

@@ -77,6 +77,10 @@ model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or 
 {{- if $root.Values.scheduler.enabled -}}{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}{{- end -}}
 {{- else if eq $c "scheduler" -}}
 {{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}
+{{- /* Dispatch epochs stay above the old process's after a restart, whatever the node's clock says
+(services/scheduler/epochs.py). The file is on the pod's "state" emptyDir: it outlives a container
+restart (a crash), not the pod; a new pod starts from the wall clock. */ -}}
+{{- $_ := set $wired "epoch_file" "/var/lib/seer/scheduler/epochs" -}}
 {{- else if eq $c "draft" -}}
 {{- /* A restarted draft server refills its history drafts from the buffer's durable history. */ -}}
 {{- $_ := set $wired "buffer_address" (include "seer.address" (dict "root" $root "component" "buffer")) -}}

@@ -132,6 +132,9 @@ spec:
             {{- if .stateful }}
             - name: data
               mountPath: /var/lib/seer/{{ $c }}
+            {{- else if eq $c "scheduler" }}
+            - name: state
+              mountPath: /var/lib/seer/scheduler
             {{- end }}
             {{- if and $isWorker $svc.shm.enabled }}
             - name: dshm
@@ -145,6 +148,10 @@ spec:
       volumes:
         - name: tmp
           emptyDir: {}
+        {{- if eq $c "scheduler" }}
+        - name: state
+          emptyDir: {}
+        {{- end }}
         {{- if $isWorker }}
         - name: home
           emptyDir: {}
