@@ -6,6 +6,7 @@ per iteration; the store evicts the globally oldest iteration first when over it
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -16,9 +17,16 @@ from services.common.errors import InvalidArgument
 # Responses are stored as array('i') (4 bytes a token, no int objects): as tuples, the int objects
 # were shared with the indexes of live groups of the key, so evicting history freed a fraction of
 # what it was accounted for. Bytes of one response besides its tokens: the array object and the
-# list slot (tracemalloc: tests/draft/test_store.py).
+# list slot (tracemalloc: tests/draft/test_store.py), and its source (8 bytes in _Iteration.sources).
 HISTORY_TOKEN_BYTES = 4
-HISTORY_RESPONSE_BYTES = 96
+HISTORY_RESPONSE_BYTES = 104
+
+
+def source_id(group_id: str, request_id: str) -> int:
+    """The source of a promoted response (a request of a group), as a nonzero 63-bit id: held
+    responses of one source are one sample, equal responses of two sources two samples."""
+    d = hashlib.blake2b(f"{group_id}\0{request_id}".encode(), digest_size=8).digest()
+    return (int.from_bytes(d, "big") >> 1) | 1
 
 
 @dataclass
@@ -26,7 +34,17 @@ class _Iteration:
     iteration: int
     seq: int  # global insertion order: the eviction order
     responses: list[array[int]] = field(default_factory=list)
+    # Per response (same order): its source_id, 0 = unknown (seeded: SeedHistory, the backfill).
+    sources: array[int] = field(default_factory=lambda: array("q"))
     tokens: int = 0
+
+    def remove(self, arr: array[int]) -> int:
+        """Drops a held response (by identity); returns its source."""
+        i = next(i for i, x in enumerate(self.responses) if x is arr)
+        del self.responses[i]
+        src = self.sources[i]
+        del self.sources[i]
+        return src
 
     @property
     def memory_bytes(self) -> int:
@@ -49,21 +67,35 @@ class HistoryStore:
         self.memory_bytes = 0
         self.evicted = 0
 
-    def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
+            sources: Sequence[int] | None = None) -> list[tuple[int, ...]]:
         """Adds responses for (key, iteration); returns the ones added (new copies). Idempotent per
         response: the key's history is the multiset union of what was added while kept, so a
         response already held for the key, in any kept iteration, is not added again (a retried
         SeedHistory, in any order or iteration; a subset or superset of an earlier add; a group's
         responses promoted here and then refilled from the buffer within its whole iteration, or
         the other way round), and n equal responses in one add (a low temperature) are held n
-        times. A held response that an add of a newer iteration brings again moves to that
-        iteration (it was produced again: it lives as long as the newest iteration that brought it,
+        times.
+
+        `sources` (per response, source_id; a group's promotion) tells samples apart: a response
+        with a source matches only a held copy of that source (the same group completing again: a
+        restart, a straggler re-creating it) or one of unknown source (seeded: the buffer holds the
+        same samples, so it is claimed), never another source's. So equal responses of two groups
+        of the key are two samples, held twice, as the buffer holds them: a seed of the buffer's
+        iteration afterwards matches both. Without sources (seeds) any held copy matches.
+
+        A held response that an add of a newer iteration brings again moves to that iteration (it
+        was produced again: it lives as long as the newest iteration that brought it,
         not the oldest). No empty iteration is created (it would count as the newest and push out
         real ones). Iterations older than the newest `keep_iterations` of the key are dropped."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
+        if sources is not None and len(sources) != len(responses):
+            raise InvalidArgument("one source per response", field="sources")
         iters = self._keys.get(prompt_key, {})
-        added, moved = self._plan(iters, iteration, responses)
+        added, moved, claimed = self._plan(iters, iteration, responses, sources)
+        for owner, held, source in claimed:
+            owner.sources[next(i for i, x in enumerate(owner.responses) if x is held)] = source
         if not added and not moved:
             return []
         iters = self._keys.setdefault(prompt_key, iters)
@@ -75,53 +107,70 @@ class HistoryStore:
         before = it.memory_bytes
         for src, arr in moved:
             # Same bytes, another iteration: the key's total does not change (it moves from src).
-            src.responses[:] = [x for x in src.responses if x is not arr]
+            it.sources.append(src.remove(arr))
             src.tokens -= len(arr)
             it.responses.append(arr)
             it.tokens += len(arr)
             if not src.responses:
                 self._drop(prompt_key, src.iteration, evicted=False)  # everything moved on: not an eviction
-        it.responses.extend(array("i", r) for r in added)
-        it.tokens += sum(len(r) for r in added)
+        it.responses.extend(array("i", r) for r, _ in added)
+        it.sources.extend(source for _, source in added)
+        it.tokens += sum(len(r) for r, _ in added)
         self.memory_bytes += it.memory_bytes - before - sum(len(a) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES
                                                              for _, a in moved)
         while len(iters) > self.keep_iterations:
             self._drop(prompt_key, min(iters))
-        return added
+        return [r for r, _ in added]
 
-    def new_responses(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]
-                      ) -> list[tuple[int, ...]]:
+    def new_responses(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
+                      sources: Sequence[int] | None = None) -> list[tuple[int, ...]]:
         """The responses add() would add now (the new copies; what the store makes room for)."""
-        return self._plan(self._keys.get(prompt_key, {}), iteration, responses)[0]
+        return [r for r, _ in self._plan(self._keys.get(prompt_key, {}), iteration, responses, sources)[0]]
 
-    def _plan(self, iters: dict[int, _Iteration], iteration: int, responses: Sequence[Sequence[int]]
-              ) -> tuple[list[tuple[int, ...]], list[tuple[_Iteration, array[int]]]]:
-        """(responses not held, held copies to move to `iteration`). Each response of the add is
-        matched to one held copy of equal tokens, newest iteration first (a multiset: n equal
-        responses need n copies); the unmatched ones are new. Only held responses of a length the
-        add has are compared, so an add costs O(its tokens + the key's responses)."""
-        resp = [tuple(int(t) for t in r) for r in responses if len(r)]
+    def _plan(self, iters: dict[int, _Iteration], iteration: int, responses: Sequence[Sequence[int]],
+              sources: Sequence[int] | None = None,
+              ) -> tuple[list[tuple[tuple[int, ...], int]], list[tuple[_Iteration, array[int]]],
+                         list[tuple[_Iteration, array[int], int]]]:
+        """(responses not held with their sources, held copies to move to `iteration`, copies of
+        unknown source a sourced response claims). Each response of the add is matched to one held
+        copy of equal tokens, newest iteration first (a multiset: n equal responses need n copies):
+        a sourced one to a copy of its source, else one of unknown source (see add); the unmatched
+        ones are new. Only held responses of a length the add has are compared, so an add costs
+        O(its tokens + the key's responses)."""
+        srcs = sources if sources is not None else [0] * len(responses)
+        resp = [(tuple(int(t) for t in r), int(s)) for r, s in zip(responses, srcs, strict=True) if len(r)]
         if not resp:
-            return [], []
+            return [], [], []
         if iters and iteration not in iters and len(iters) >= self.keep_iterations and iteration < min(iters):
-            return [], []  # older than everything kept: nothing to do
-        lengths = {len(r) for r in resp}
-        pool: dict[bytes, list[tuple[_Iteration, array[int]]]] = {}
+            return [], [], []  # older than everything kept: nothing to do
+        lengths = {len(r) for r, _ in resp}
+        pool: dict[bytes, list[tuple[_Iteration, array[int], int]]] = {}
         for it in sorted(iters.values(), key=lambda it: it.iteration, reverse=True):
-            for arr in it.responses:
+            for arr, held_src in zip(it.responses, it.sources, strict=True):
                 if len(arr) in lengths:
-                    pool.setdefault(arr.tobytes(), []).append((it, arr))
-        new: list[tuple[int, ...]] = []
+                    pool.setdefault(arr.tobytes(), []).append((it, arr, held_src))
+        new: list[tuple[tuple[int, ...], int]] = []
         moved: list[tuple[_Iteration, array[int]]] = []
-        for r in resp:
+        claimed: list[tuple[_Iteration, array[int], int]] = []
+        for r, source in resp:
             copies = pool.get(array("i", r).tobytes()) if pool else None
-            if not copies:
-                new.append(r)
+            j = None
+            if copies:
+                if not source:
+                    j = 0
+                else:
+                    j = next((k for k, c in enumerate(copies) if c[2] == source), None)
+                    if j is None:
+                        j = next((k for k, c in enumerate(copies) if not c[2]), None)
+            if copies is None or j is None:
+                new.append((r, source))
                 continue
-            src, arr = copies.pop(0)
-            if src.iteration < iteration:
-                moved.append((src, arr))
-        return new, moved
+            held, arr, held_src = copies.pop(j)
+            if source and not held_src:
+                claimed.append((held, arr, source))
+            if held.iteration < iteration:
+                moved.append((held, arr))
+        return new, moved, claimed
 
     def next_iteration(self, prompt_key: str) -> int:
         iters = self._keys.get(prompt_key)

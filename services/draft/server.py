@@ -34,6 +34,7 @@ def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
         gone=d.gone,
         incarnation=d.incarnation,
         reset=d.reset,
+        reused=d.reused,
         expired=d.expired,
     )
 

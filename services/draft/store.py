@@ -24,7 +24,11 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   an empty request_id. Every group has a random incarnation, new each time it is created: a
   watermark of another incarnation (the server restarted, or the group expired and was registered
   again; its log may be shorter or longer than the watermark) is answered as watermark 0 with
-  reset=True, so the mirror rebuilds instead of applying a foreign log from its middle.
+  reset=True, so the mirror rebuilds instead of applying a foreign log from its middle. When the
+  caller's incarnation is one this server saw complete before the id was registered again (a
+  resubmitted batch id), the reset also says reused=True: the caller's old responses are another
+  run's and must not be resent. After a restart nothing is known of older incarnations: reused is
+  False and the workers resend their responses (the same run's, re-creating the group).
 - seed_history(key, iteration, responses) is idempotent per response (HistoryStore.add: a response
   held for the key loads once, in whatever order, iteration or add; a subset or superset of an
   earlier seed loads only what is new).
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.log import get_logger, kv
-from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES, HistoryStore
+from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES, HistoryStore, source_id
 from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix, new_index_bytes_bound
 
 log = get_logger(__name__)
@@ -62,6 +66,10 @@ _MAX_TOKEN_ID = (1 << 31) - 1
 _LOG_ENTRY_BYTES = 120  # a SeqDelta object and its tuple, calibrated with tracemalloc
 _LOG_TOKEN_BYTES = 36
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
+# Completed incarnations remembered per group id (DraftStore._reused): a watermark of one of them is
+# answered reset + reused. Ids as many as tombstones; per id the newest few (an id reused over and
+# over: a worker's mirror is at most a few incarnations behind).
+_REUSED_PER_ID = 4
 _EPOCH_BYTES = 100  # a request's entry in _Group.epochs
 _EXPIRY_SLACK = 64  # stale expiry heap entries allowed beyond the live groups' count (DraftStore._expiry)
 # Memory budget: everything a write adds to a group (index growth, bounded by GroupIndex; its log
@@ -93,6 +101,9 @@ class GroupDelta:
     gone: bool = False
     incarnation: int = 0
     reset: bool = False  # the caller's watermark was of another incarnation: this is the whole group
+    # With reset: the caller's incarnation completed here and the id was registered again (another
+    # run): its responses must not be resent into this one.
+    reused: bool = False
     expired: bool = False  # with gone: expired or evicted here (not lost in a restart)
 
 
@@ -212,6 +223,12 @@ class DraftStore:
         self._indexed_tokens = 0
         self._history = HistoryStore(self.limits.history_iterations)
         self._expired: OrderedDict[str, bool] = OrderedDict()  # tombstones: group id -> was completed
+        # Group id -> its incarnations that completed and were then removed (replaced by a new
+        # incarnation, expired or evicted), newest last. A reset of one of them is the id used
+        # again by another run, not a restart: its workers must not resend the old responses (they
+        # are history, and would become the new run's). Bounded like the tombstones: an id dropped
+        # from here is answered as unknown (resend), as before GroupDelta.reused.
+        self._reused: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._expired_count = 0
         self._evicted_groups = 0
         self._next_sweep = 0.0
@@ -519,12 +536,15 @@ class DraftStore:
             return
         g.completed = True
         self._completed[g.group_id] = g  # evictable from now on
-        responses = [g.index.tokens(r) for r in sorted(g.finished)]
+        rids = sorted(g.finished)
+        responses = [g.index.tokens(r) for r in rids]
         # History never holds a group's responses twice: a group completed again (re-created by a
         # worker after a restart, or a new incarnation of its id resent the old responses) adds
         # nothing when the same responses are held for the key already (promoted here before, or
-        # refilled from the buffer, which keeps them too).
-        if self._history.add(g.prompt_key, g.history_iteration, responses):
+        # refilled from the buffer, which keeps them too). By source (group id, request id): an
+        # equal response of another group of the key is another sample, held once more.
+        sources = [source_id(g.group_id, r) for r in rids]
+        if self._history.add(g.prompt_key, g.history_iteration, responses, sources):
             log.info("group complete; responses promoted to history",
                      extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=g.history_iteration))
         else:
@@ -618,7 +638,7 @@ class DraftStore:
                 if wm == 0 or reset:
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt,
                                           tuple(g.index.history_tokens(g.history_count)), incarnation=g.incarnation,
-                                          reset=reset))
+                                          reset=reset, reused=reset and inc in self._reused.get(gid, ())))
                 else:
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log[wm - 1 :]), incarnation=g.incarnation))
         return out
@@ -670,6 +690,13 @@ class DraftStore:
         g.expiry_entry = (0.0, -1, "")
         g.requeue = None
         self._compact_expiry()
+        if g.completed:
+            # Whatever comes under this id next is another run (a completed group's responses are
+            # history): a worker still following this incarnation is told so (sync: reused).
+            known = self._reused.pop(g.group_id, ())
+            self._reused[g.group_id] = (*known, g.incarnation)[-_REUSED_PER_ID:]
+            while len(self._reused) > _TOMBSTONES:
+                self._reused.popitem(last=False)
 
     def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
         """An upper bound of a new group's memory: its index of the prompt and the key's history."""

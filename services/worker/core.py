@@ -499,11 +499,17 @@ class Worker:
         the engine. Refused like any chunk (shutdown, loading, policy version, a running attempt):
         its DoneEvent carries the policy version the request's other chunks were checked against."""
         act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
+        with log_context(request_id=job.request_id, group_id=job.group_id):
+            # The draft group must learn the response is finished, as from any STOP / LENGTH end
+            # (below): otherwise it never completes there (no history, no expiry as completed) and
+            # siblings keep treating the response as open.
+            self._register_group(job)
         with log_context(request_id=job.request_id, group_id=job.group_id), self._locked():
             self._check_admissible_locked(job)
             running = self._active.get(job.request_id)
             if running is not None:  # an abandoned attempt (a newer epoch, see _start) ends here too
                 self._abort_locked(running)
+            self._draft_finish_at_once_locked(job)
             act.done = True
             act.stats.wall_seconds = time.monotonic() - act.started
             metrics.CHUNKS.labels(finish=finish.value).inc()
@@ -1453,6 +1459,21 @@ class Worker:
             self._draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch)
         except Exception:
             log.warning("draft resume failed", exc_info=True, extra=kv(request_id=job.request_id))
+
+    def _draft_finish_at_once_locked(self, job: ChunkJob) -> None:
+        """A chunk ending at once on a complete output (_end_at_once): the response in the draft
+        index becomes its committed output, finished, as a STOP / LENGTH step's append makes it
+        (_deliver_locked), under this attempt's epoch; then the chunk is over for the mirror. The
+        resume, the finishing append at the output's full length (no tokens) and the end happen in
+        one engine-lock section, as for a chunk that ran."""
+        if self._draft is None or not job.group_id:
+            return
+        self._draft_resume_locked(job)
+        try:
+            self._draft.append(job.group_id, job.request_id, len(job.output_token_ids), (), True)
+        except Exception:
+            log.warning("draft append failed", exc_info=True, extra=kv(request_id=job.request_id))
+        self._draft_end_locked(job)
 
     def _draft_end_locked(self, job: ChunkJob) -> None:
         if self._draft is None or not job.group_id:

@@ -22,12 +22,15 @@ The draft server is an optimisation: when it is down the client keeps drafting f
 (own tokens, earlier deltas), retries in the background, and re-registers groups the server lost.
 Every group on the server has an incarnation; a mirror whose incarnation is not the server's (the
 server restarted, or the group was created again) is rebuilt from the server's whole group, and
-this worker's own responses are sent again. Every append carries the incarnation its tokens were
-generated under (0 while the mirror has none: not synced yet, or started over to re-create a lost
-group), so a late append of an old incarnation never lands in a group id registered again (a
-resubmitted batch id brings the same group and request ids); the server refuses it, the message is
-dropped, and the next Sync (forced even for a group whose every response runs here) answers the
-mirror with a reset. A group the server dropped while nothing of it runs
+this worker's own responses are sent again, unless the mirror's incarnation completed (as far as
+the mirror knows, or the reset says reused: the server saw that incarnation complete before another
+run registered the id again); then only what runs here now goes to the new one. Every append
+carries the incarnation its tokens were generated under (0 while the mirror has none: not synced
+yet, or started over to re-create a lost group), so a late append of an old incarnation never
+lands in a group id registered again (a resubmitted batch id brings the same group and request
+ids); the server refuses it, the message is dropped, and the next Sync (forced even for a group
+whose every response runs here) answers the mirror with a reset. A group the server dropped while
+nothing of it runs
 here (expired or evicted after completion) is released, never re-created: re-creating it would
 promote its responses to history a second time. What is resent follows the server: a response is
 resent as finished only while the server's state agrees (a newer attempt elsewhere that cut it
@@ -663,7 +666,12 @@ class DraftClient:
             # watermark 0); the responses running here keep our copy (the truth). Ours completed
             # (its responses are history): nothing of it goes to the new one, which is the group
             # re-created after a restart or its id used again; with nothing running here, released.
-            completed = m.completed
+            # The server says so too (reused) when it saw our incarnation complete before the id
+            # was registered again, which this mirror may not know (a sibling's finish not synced
+            # yet): the new incarnation is another run (a resubmitted batch id), and our old
+            # responses must not go into it. Without reused (a restarted server knows nothing of
+            # older incarnations) an incomplete mirror's responses are the same run's: resent.
+            completed = m.completed or d.reused
             if completed and not m.active:
                 del self._groups[d.group_id]
                 log.info("draft group completed; mirror released for its new incarnation",

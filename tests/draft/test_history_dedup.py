@@ -92,3 +92,41 @@ def test_a_held_response_evicted_while_making_room_is_made_room_for_too() -> Non
     assert st.memory_bytes <= st.memory_budget_bytes
     assert _held(s, "k") == sorted([tuple(big_a), tuple(big_b)]) and s._history.responses("k2") == []
     assert s._history.memory_bytes == _accounted(s)
+
+
+def test_equal_responses_of_two_groups_are_two_samples() -> None:
+    """Two groups of one prompt key complete with a token-equal response: two samples, held twice
+    (as the buffer holds them). The per-response dedup kept one. A group completing again (a
+    straggler re-creating it) and a seed of the buffer's iteration still load nothing new."""
+    s = DraftStore()
+    for g in ("g1", "g2"):
+        s.register_group(g, "k", [1, 2, 3], 60, 2)
+    for g in ("g1", "g2"):
+        s.append(g, "r0", 0, A, finished=True)
+    s.append("g1", "r1", 0, B, finished=True)
+    s.append("g2", "r1", 0, C, finished=True)
+    assert _held(s, "k") == sorted(map(tuple, [A, A, B, C]))
+    # The buffer's whole iteration seeded afterwards: everything held already.
+    assert s.seed_history("k", 0, [A, B, A, C]) == 0
+    # g1 completes again under a new incarnation (expired, re-created by a straggler): nothing new.
+    s._groups["g1"].expires_at = 0.0
+    s.expire_now()
+    s.register_group("g1", "k", [1, 2, 3], 60, 2)
+    s.append("g1", "r0", 0, A, finished=True)
+    s.append("g1", "r1", 0, B, finished=True)
+    assert _held(s, "k") == sorted(map(tuple, [A, A, B, C]))
+    assert s._history.memory_bytes == _accounted(s)
+
+
+def test_a_seeded_copy_is_claimed_by_the_group_that_completes_with_it() -> None:
+    """Seeded first (the backfill after a restart: the buffer had g1's r0), then both groups
+    complete with that response: g1's claims the seeded copy, g2's is a second sample."""
+    s = DraftStore()
+    for g in ("g1", "g2"):
+        s.register_group(g, "k", [1, 2, 3], 60, 1)
+    assert s.seed_history("k", 0, [A]) == 1
+    s.append("g1", "r0", 0, A, finished=True)
+    assert _held(s, "k") == [tuple(A)]
+    s.append("g2", "r0", 0, A, finished=True)
+    assert _held(s, "k") == [tuple(A), tuple(A)]
+    assert s._history.memory_bytes == _accounted(s)

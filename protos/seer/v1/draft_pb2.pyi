@@ -65,7 +65,7 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
-    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired")
+    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired", "reused")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class GroupDelta(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     watermark: int
     appends: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
@@ -84,7 +85,8 @@ class GroupDelta(_message.Message):
     incarnation: int
     reset: bool
     expired: bool
-    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ...) -> None: ...
+    reused: bool
+    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("groups",)
