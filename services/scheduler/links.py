@@ -21,6 +21,23 @@ from services.common.grpcutil import channel as common_channel
 # is aborted and re-dispatched.
 DeadlineExceeded = errors.DeadlineExceeded
 
+
+class Cancelled(errors.SeerError):
+    """The call ended CANCELLED. `local`: by our own Stream.cancel(); otherwise by the peer (its
+    handler cancelled the call) or the transport.
+
+    Not errors.Aborted: a worker that ends a chunk's stream ABORTED aborted the attempt itself,
+    which the dispatcher must not read as its own cancellation (that one costs the request nothing;
+    an abort nobody asked for costs an attempt, or a worker that does it every time loops the
+    request for ever)."""
+
+    code_name = "CANCELLED"
+
+    def __init__(self, message: str, *, field: str | None = None, local: bool = False) -> None:
+        super().__init__(message, field=field)
+        self.local = local
+
+
 _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -29,7 +46,7 @@ _CODES: dict[grpc.StatusCode, type[errors.SeerError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.CANCELLED: errors.Aborted,
+    grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.ABORTED: errors.Aborted,
     grpc.StatusCode.DATA_LOSS: errors.DataLoss,
 }
@@ -62,18 +79,24 @@ def translate(err: grpc.RpcError) -> errors.SeerError:
 
 
 class Stream:
-    """A server stream whose errors come out typed; cancel() ends it from another thread."""
+    """A server stream whose errors come out typed; cancel() ends it from another thread. A
+    CANCELLED end says whether our cancel() ended it (Cancelled.local)."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
+        self._cancelled = False
 
     def __iter__(self) -> Iterator[Any]:
         try:
             yield from self._call
         except grpc.RpcError as e:
-            raise translate(e) from e
+            out = translate(e)
+            if isinstance(out, Cancelled):
+                out.local = self._cancelled
+            raise out from e
 
     def cancel(self) -> None:
+        self._cancelled = True  # before the call ends: its iterator may raise at once
         self._call.cancel()
 
 

@@ -54,7 +54,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore, chunk_stats_problem
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
 from services.scheduler.epochs import EpochClock
-from services.scheduler.links import BufferLink, DeadlineExceeded, WorkerLink
+from services.scheduler.links import BufferLink, Cancelled, DeadlineExceeded, WorkerLink
 
 log = get_logger(__name__)
 
@@ -885,13 +885,15 @@ class Dispatcher:
                     # Taken before our latest commit was acknowledged: ours is newer. Taken as it
                     # is, it would send the committed chunk again (a conflict, then another resync).
                     continue
-                elif snap.next_seq != r.next_seq or list(snap.output_token_ids) != r.output:
-                    old_len = len(r.output)
-                    r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
-                    if len(r.output) != old_len:
-                        # E.g. a late commit of a chunk the core re-queued landed: the core must
-                        # count what the buffer holds (KV reservations, estimates, group lengths).
-                        self._resync_core_locked(r)
+                else:
+                    if snap.next_seq != r.next_seq or list(snap.output_token_ids) != r.output:
+                        r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
+                    # The buffer's count is the truth, up (e.g. a late commit of a chunk the core
+                    # re-queued landed) or down (a commit it lost): the core must count what it
+                    # holds (KV reservations, estimates, group lengths). Compared with the core's
+                    # own count, not with our previous copy: the two could differ, and a core
+                    # counting past the response's end finishes a request the buffer still runs.
+                    self._resync_core_locked(r)
             for item in items:
                 if item.request_id not in self._requests:
                     abort = self._track_locked(item)
@@ -941,6 +943,12 @@ class Dispatcher:
         r.output, r.next_seq = list(snap.output_token_ids), snap.next_seq
         new_tokens = max(0, min(len(r.output) - old_len, max_new))
         self.core.on_chunk_done(rid, worker_id, new_tokens, False)
+        # new_tokens is clamped to the chunk: when the buffer holds fewer tokens than before the
+        # chunk (a commit it lost) or more than the chunk added (another dispatch's late commit),
+        # the core's count would stay wrong for good (the next snapshot finds our copy equal to the
+        # buffer's). Too large, it finished the request in the core while the buffer still listed
+        # it: never dispatched again, its batch never completed.
+        self._resync_core_locked(r)
 
     def _forget_in_core_locked(self, request_id: str) -> None:
         """Cancels a request in the core. On the watch thread a NotFound (a request the core already
@@ -1147,12 +1155,29 @@ class Dispatcher:
                 self._stopping.wait(_BUSY_BACKOFF_S)
                 self._finish_chunk(r, w, token, failed=True)
                 return
+            if isinstance(e, Aborted | Cancelled):
+                # Ours only when we cancelled the stream (a dropped request, stopping: `local`) or
+                # the dispatch moved on. A worker ending the stream ABORTED (it aborted the attempt
+                # itself), or a call cancelled at its end, while we still want the chunk breaks the
+                # protocol, as a ChunkDone ABORTED unasked does (below): read as our own
+                # cancellation it was retried free, and a worker doing it every time looped the
+                # request for ever, never quarantined.
+                with self._cond:
+                    ours = r.dispatch_token == token and not r.dropped and not self._stopping.is_set()
+                if ours and not (isinstance(e, Cancelled) and e.local):
+                    problem = f"the chunk stream ended {e.code_name} unasked"
+                    log.warning("worker broke the chunk protocol", extra=kv(
+                        worker_id=w.worker_id, problem=problem, error=str(e)))
+                    self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault=problem)
+                else:
+                    self._finish_chunk(r, w, token, failed=True)
+                return
             # Anything but a vanished worker (Unavailable) or a cancellation counts towards
             # MAX_CHUNK_ATTEMPTS: an error a worker gives every time (INVALID_ARGUMENT,
             # ALREADY_EXISTS, a version refusal that catching up does not cure...) must end the
             # request as ABORTED, not loop forever. Counted first: recycling the worker below
             # releases the dispatch, after which _finish_chunk would count nothing.
-            self._finish_chunk(r, w, token, failed=True, count_attempt=not isinstance(e, Aborted),
+            self._finish_chunk(r, w, token, failed=True, count_attempt=True,
                                worker_fault=str(e) if _worker_fault(e) else "")
             if (isinstance(e, FailedPrecondition) and e.field == "policy_version" and not r.dropped
                     and w.policy_version <= r.item.policy_version):
@@ -1254,7 +1279,7 @@ class Dispatcher:
                     return
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-            except (FailedPrecondition, NotFound, Aborted) as e:
+            except (FailedPrecondition, NotFound, Aborted, Cancelled) as e:
                 # Our view of the request diverged from the buffer's (a gap, an unknown request, or
                 # this seq already committed with other tokens): retrying cannot succeed, re-read
                 # the feed.

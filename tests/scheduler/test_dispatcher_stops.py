@@ -19,7 +19,7 @@ from typing import Any
 
 from seer.v1 import buffer_pb2, worker_pb2
 
-from services.common.errors import Aborted
+from services.scheduler.links import Cancelled
 from services.scheduler.service import MAX_CHUNK_ATTEMPTS
 
 from .test_dispatcher_faults import ABORTED, CHUNK, FakeBuffer, FakeWorkerLink, FakeWorkers, Rig, item, wait_for
@@ -101,7 +101,8 @@ def test_a_chunk_we_aborted_costs_no_attempt(make_rig: Callable[..., Rig]) -> No
 
 
 class CancellableStream:
-    """A RunChunk stream that waits for the workers' gate, or ends CANCELLED (Aborted) at cancel()."""
+    """A RunChunk stream that waits for the workers' gate, or ends CANCELLED at cancel() (as
+    links.Stream does: Cancelled, local)."""
 
     def __init__(self, workers: FakeWorkers, events: list[worker_pb2.RunChunkResponse]) -> None:
         self.workers, self.events = workers, events
@@ -110,7 +111,7 @@ class CancellableStream:
     def __iter__(self) -> Iterator[worker_pb2.RunChunkResponse]:
         while not self.workers.gate.wait(0.01):
             if self.cancelled.is_set():
-                raise Aborted("CANCELLED: Locally cancelled by application!")
+                raise Cancelled("CANCELLED: Locally cancelled by application!", local=True)
         yield from self.events
 
     def cancel(self) -> None:

@@ -35,6 +35,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.scheduler.core import RequestInfo, SchedulerCore, SchedulerPolicyConfig, WorkerSpec
+from services.scheduler.links import Cancelled
 from services.scheduler.service import MAX_CHUNK_ATTEMPTS, _worker_fault
 
 from .conftest import FakeClock
@@ -245,7 +246,8 @@ def test_worker_failure_limit_zero_turns_it_off(clock: FakeClock) -> None:
     (NotFound("NOT_FOUND: x"), False),
     (AlreadyExists("ALREADY_EXISTS: request_id: running"), False),
     (FailedPrecondition("FAILED_PRECONDITION: policy_version: behind"), False),
-    (Aborted("CANCELLED: x"), False),
+    (Aborted("ABORTED: x"), False),  # judged apart: the worker's fault only when unasked
+    (Cancelled("CANCELLED: x"), False),
     (Unavailable("UNAVAILABLE: x"), False),  # handled apart: the worker is removed
 ])
 def test_only_the_workers_own_errors_count(error: SeerError, worker_fault: bool) -> None:

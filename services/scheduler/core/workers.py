@@ -70,6 +70,11 @@ class WorkerState:
     sane_reports: int = 0
     telemetry: dict[str, float] = field(default_factory=dict)
     record: OffenceRecord = field(default_factory=OffenceRecord)
+    # A starved request that fits nowhere yet holds pages here (SchedulerCore._hold_for): the others
+    # are admitted only from the pages beyond `held_pages` and leave it a batch slot, so the pages
+    # finishing chunks free add up to its need instead of going to newer, smaller requests.
+    held_for: str | None = None
+    held_pages: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -87,9 +92,14 @@ class WorkerState:
     def free_pages(self) -> int:
         return self.spec.total_pages - self.reserved_pages - self.external_pages
 
-    def can_admit(self, pages: int) -> bool:
-        """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk."""
-        return not self.quarantined and len(self.in_flight) < self.slots and self.free_pages() >= pages
+    def can_admit(self, pages: int, request_id: str | None = None) -> bool:
+        """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk, beyond
+        what is held for a starved request other than `request_id`."""
+        if self.quarantined:
+            return False
+        if self.held_for is None or self.held_for == request_id:
+            return len(self.in_flight) < self.slots and self.free_pages() >= pages
+        return len(self.in_flight) < self.slots - 1 and self.free_pages() - self.held_pages >= pages
 
     def fits_context(self, tokens: int) -> bool:
         """Whether a chunk whose context + max_new is `tokens` is within the worker's max_context
