@@ -120,8 +120,9 @@ class StepTimeTable:
             raise ValueError("batch_sizes, gammas: must be strictly increasing")
         if len(self.times_s) != len(self.batch_sizes) or any(len(r) != len(self.gammas) for r in self.times_s):
             raise ValueError("times_s: must be a len(batch_sizes) x len(gammas) table")
-        if any(not t > 0 for r in self.times_s for t in r):
-            raise ValueError("times_s: step times must be > 0")
+        # inf passed `> 0` and made every interpolated time inf or NaN (inf - inf): plans on garbage.
+        if any(not 0 < t < math.inf for r in self.times_s for t in r):
+            raise ValueError("times_s: step times must be finite and > 0")
         # The model uses the table made monotone (running max along gamma, then along B): a step
         # that verifies more tokens is never cheaper. A profile on a shared machine is noisy
         # (bench.spec measured T(1, 4) = 74 ms < T(1, 2) = 80 ms), and a dip made the planner
@@ -149,11 +150,18 @@ class StepTimeTable:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StepTimeTable:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"step-time table: must be a JSON object, got {type(d).__name__}")
         try:
             return cls(tuple(int(b) for b in d["batch_sizes"]), tuple(int(g) for g in d["gammas"]),
                        tuple(tuple(float(t) for t in row) for row in d["times_s"]), str(d.get("source", "file")))
         except KeyError as e:
             raise ValueError(f"{e.args[0]}: missing from the step-time table") from None
+        except TypeError as e:
+            # A value of the wrong shape ("batch_sizes": 5, a null row): a bad table, which
+            # load_table's fallback for the default file must see as one (a TypeError crashed the
+            # worker at start on a corrupt ~/.cache/seer/step_time.json).
+            raise ValueError(f"batch_sizes, gammas, times_s: malformed step-time table ({e})") from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> StepTimeTable:
@@ -371,7 +379,9 @@ class AdaptiveSpeculation:
         """One decode step (no prefill in it) of `batch` requests finished: it emitted `tokens`
         tokens in `seconds` (the draft positions it verified came through observe() before)."""
         pend, self._pending = self._pending, None
-        if pend is None or batch < 1 or not seconds > 0:
+        # Not finite: no measurement (an inf step made the exploration credit inf: unbounded
+        # exploration for the rest of the run).
+        if pend is None or batch < 1 or not 0 < seconds < math.inf:
             return
         self._timed = True
         self._settle(pend)

@@ -11,6 +11,12 @@ verification stays lossless whatever they hold. Seer's Draft (services.worker.en
 nodes with parent indices (-1 = root) in any parents-first order; `to_sglang` re-orders them
 breadth-first (a BFS prefix is closed under ancestors, so truncating to N - 1 nodes keeps a valid
 tree) and `from_sglang` inverts it (tests and debugging).
+
+A draft node whose token is outside the model's vocabulary (`vocab_size`) is dropped with its
+subtree: SGLang embeds the block's tokens on the GPU, where an out-of-range id is a device-side
+assert that takes the whole engine (every request of the batch) down. Drafts are optional, so a
+bad one only loses its speculation (the reference engine rejects it with a ValueError instead,
+which the worker core answers by stepping without drafts).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from services.worker.engine import Draft
 PAD_TOKEN = 0
 
 
-def bfs_order(parents: Sequence[int]) -> list[int]:
-    """Node indices in breadth-first order; siblings keep their order in the draft."""
+def bfs_order(parents: Sequence[int], keep: Sequence[bool] | None = None) -> list[int]:
+    """Node indices in breadth-first order; siblings keep their order in the draft. keep[i] False
+    leaves node i and its subtree out."""
     children: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
+        if keep is None or keep[i]:
+            children.setdefault(p, []).append(i)
     order: list[int] = []
     queue = deque(children.get(-1, []))
     while queue:
@@ -39,15 +47,18 @@ def bfs_order(parents: Sequence[int]) -> list[int]:
     return order
 
 
-def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int) -> tuple[list[int], np.ndarray]:
-    """(tokens [N], mask [N, N] bool) for one request; draft None = no speculation (all padding)."""
+def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int,
+              vocab_size: int | None = None) -> tuple[list[int], np.ndarray]:
+    """(tokens [N], mask [N, N] bool) for one request; draft None = no speculation (all padding).
+    With vocab_size, nodes whose token is outside [0, vocab_size) are dropped with their subtrees."""
     n = num_draft_tokens
     if n < 1:
         raise ValueError(f"num_draft_tokens: must be >= 1, got {n}")
     tokens = [int(last_token)]
     prevs = [-1]  # index of the parent in the SGLang block; -1 only for the root
     if draft is not None and draft.tokens:
-        order = bfs_order(draft.parents)[: n - 1]
+        keep = None if vocab_size is None else [0 <= int(t) < vocab_size for t in draft.tokens]
+        order = bfs_order(draft.parents, keep)[: n - 1]
         pos = {node: k + 1 for k, node in enumerate(order)}  # draft index -> block index
         for node in order:
             p = draft.parents[node]
@@ -82,16 +93,18 @@ def from_sglang(tokens: Sequence[int], mask: np.ndarray, num_real: int | None = 
 
 
 def pack_batch(
-    drafts: Sequence[Draft | None], last_tokens: Sequence[int], num_draft_tokens: int
+    drafts: Sequence[Draft | None], last_tokens: Sequence[int], num_draft_tokens: int,
+    vocab_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The batch arrays SGLang's verify step takes: tokens [B * N] int64, mask [B * N * N] bool."""
+    """The batch arrays SGLang's verify step takes: tokens [B * N] int64, mask [B * N * N] bool
+    (draft nodes outside [0, vocab_size) dropped, see to_sglang)."""
     if len(drafts) != len(last_tokens):
         raise ValueError(f"last_tokens: {len(last_tokens)} entries for {len(drafts)} drafts")
     n = num_draft_tokens
     tokens = np.empty(len(drafts) * n, dtype=np.int64)
     mask = np.empty(len(drafts) * n * n, dtype=bool)
     for b, (d, last) in enumerate(zip(drafts, last_tokens, strict=True)):
-        t, m = to_sglang(d, last, n)
+        t, m = to_sglang(d, last, n, vocab_size)
         tokens[b * n : (b + 1) * n] = t
         mask[b * n * n : (b + 1) * n * n] = m.reshape(-1)
     return tokens, mask

@@ -193,7 +193,8 @@ class SGLangEngine(Engine):
         self._page_size = int(server_args.get("page_size", 16))
         self._dtype = str(server_args.get("dtype", "bfloat16"))
         self._max_batch = int(server_args.get("max_running_requests", 0) or 0)
-        os.environ.update(env or {})  # read by the SEER plugin in SGLang's scheduler process
+        # Read by the SEER plugin in SGLang's scheduler process.
+        os.environ.update({**(env or {}), plugin.ENV_VOCAB_SIZE: str(self._mc.vocab_size)})
         # (the attempt, tokens, logprobs, finish reason, accepted): the attempt, not the request id,
         # so that outputs of an aborted attempt never reach a later one of the same id.
         self._out: queue.SimpleQueue[tuple[_Live, list[int], list[float], FinishReason | None, int]] = (

@@ -39,6 +39,8 @@ ALGORITHM = "SEER"
 ENV_DRAFT_ADDRESS = "SEER_SGLANG_DRAFT_ADDRESS"
 ENV_DRAFT_WIDTH = "SEER_SGLANG_DRAFT_WIDTH"
 ENV_GROUP_TTL = "SEER_SGLANG_GROUP_TTL"
+# The served model's vocabulary size: draft tokens outside it are dropped before they reach the GPU.
+ENV_VOCAB_SIZE = "SEER_SGLANG_VOCAB_SIZE"
 
 _registered: Any = None
 
@@ -174,6 +176,7 @@ def _worker_class() -> type:
                                            int(float(os.environ.get(ENV_GROUP_TTL, "3600"))))
             self.seer_planner = AdaptiveSpeculation(None, gamma_max=max(self.draft_token_num - 1, 0))
             self.seer_width = int(os.environ.get(ENV_DRAFT_WIDTH, "1"))
+            self.seer_vocab_size = int(os.environ.get(ENV_VOCAB_SIZE, "0")) or None
             self.seer_proposed: dict[str, int] = {}  # rid -> draft depth proposed this step
 
         def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -195,7 +198,7 @@ def _worker_class() -> type:
                     for i, p in enumerate(d.parents):
                         depth[i] = 0 if p < 0 else depth[p] + 1
                     self.seer_proposed[req.rid] = max(depth) + 1
-            return pack_batch(drafts, last_tokens, self.draft_token_num)
+            return pack_batch(drafts, last_tokens, self.draft_token_num, self.seer_vocab_size)
 
         def _update_ngram_cache(self, batch: Any) -> None:
             proposed = [0] * max(self.draft_token_num - 1, 1)
