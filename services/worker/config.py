@@ -114,13 +114,6 @@ class WorkerConfig(ServiceConfig):
             threads += 1
         return dataclasses.replace(self, max_workers=threads)
 
-    def planner_options(self) -> dict[str, float | int]:
-        """Keyword arguments of AdaptiveSpeculation from this config (gamma_max and the table aside)."""
-        return {"min_gain": self.spec_min_gain, "calibrated_min_gain": self.spec_calibrated_min_gain,
-                "pad_cost": self.spec_pad_cost, "explore_budget": self.spec_explore_budget,
-                "guard_steps": self.spec_guard_steps, "guard_backoff": self.spec_guard_backoff,
-                "control_interval": self.spec_control_interval}
-
     def validate(self) -> None:
         super().validate()
         if self.engine not in ENGINES:

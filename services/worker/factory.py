@@ -72,7 +72,12 @@ def build_planner(cfg: WorkerConfig) -> SpecPlanner | None:
     from services.worker.adaptive import AdaptiveSpeculation
 
     # No table path: the adaptive module's default (the last `seer profile`, else built in).
-    return AdaptiveSpeculation(cfg.spec_table or None, gamma_max=cfg.gamma_max)
+    return AdaptiveSpeculation(
+        cfg.spec_table or None, gamma_max=cfg.gamma_max, min_gain=cfg.spec_min_gain,
+        calibrated_min_gain=cfg.spec_calibrated_min_gain, pad_cost=cfg.spec_pad_cost,
+        explore_budget=cfg.spec_explore_budget, guard_steps=cfg.spec_guard_steps,
+        guard_backoff=cfg.spec_guard_backoff, control_interval=cfg.spec_control_interval,
+    )
 
 
 def build_kv(cfg: WorkerConfig) -> KVPool | None:
@@ -106,6 +111,7 @@ def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None
         engine_name=cfg.engine,
         model_family=model_family(cfg),
         weights_source=source,
+        step_clock=cfg.spec_step_clock,
     )
     log.info("worker built", extra=kv(worker_id=worker_id, engine=cfg.engine, speculation=cfg.speculation,
                                       draft=cfg.draft_address or "-", kv=",".join(cfg.kv_addresses) or "-"))
