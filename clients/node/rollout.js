@@ -4,6 +4,7 @@
 //
 //   npm install && node rollout.js --address localhost:50051 [--groups 2] [--group-size 2] [--max-tokens 16]
 //                                  [--retry-seconds 60] [--timeout 600]
+//                                  [--keepalive-seconds 30] [--keepalive-timeout-seconds 10]
 //
 // A buffer restart (or a dropped connection) is survived the way the Python client does it: calls
 // that fail UNAVAILABLE are retried with backoff, and the result stream is reopened from the cursor
@@ -15,6 +16,11 @@
 // The protos are loaded at run time from protos/seer/v1 (the same files the Python code is generated
 // from), so this client needs no code generation step. Exit code 0 = every response was received and
 // well formed; the last line is `RESULT {json}`.
+//
+// A connection that goes silent under a stream (a partition, a lost NAT entry: no FIN, no RST) is
+// noticed by keepalive pings: one every --keepalive-seconds, the connection dropped when one is not
+// acknowledged in --keepalive-timeout-seconds; the stream then fails UNAVAILABLE and is reopened from
+// its cursor like any other dropped stream.
 'use strict';
 
 const path = require('path');
@@ -34,9 +40,19 @@ function seconds(key, value, { allowZero }) {
   return n;
 }
 
+// A count from the command line (--groups, --group-size, --max-tokens): a whole number >= 1, refused
+// otherwise. parseInt read "abc" as NaN (a NaN --groups submitted an empty batch and then failed on
+// "expected NaN" results, far from the option) and "2x" or "1.5" as 2 or 1.
+function count(key, value) {
+  const n = /^\s*\d+\s*$/.test(value) ? Number(value) : NaN;
+  if (!Number.isSafeInteger(n) || n < 1) throw new Error(`${key}: must be a positive integer, got ${JSON.stringify(value)}`);
+  return n;
+}
+
 function parseArgs(argv) {
   const opts = {
     address: 'localhost:50051', groups: 2, groupSize: 2, maxTokens: 16, timeout: 600, batchId: '', retrySeconds: 60,
+    keepaliveSeconds: 30, keepaliveTimeoutSeconds: 10,
   };
   for (let i = 0; i < argv.length; i += 2) {
     const key = argv[i];
@@ -44,13 +60,17 @@ function parseArgs(argv) {
     if (value === undefined) throw new Error(`${key}: missing value`);
     switch (key) {
       case '--address': opts.address = value; break;
-      case '--groups': opts.groups = parseInt(value, 10); break;
-      case '--group-size': opts.groupSize = parseInt(value, 10); break;
-      case '--max-tokens': opts.maxTokens = parseInt(value, 10); break;
+      case '--groups': opts.groups = count(key, value); break;
+      case '--group-size': opts.groupSize = count(key, value); break;
+      case '--max-tokens': opts.maxTokens = count(key, value); break;
       case '--timeout': opts.timeout = seconds(key, value, { allowZero: false }); break;
       case '--batch-id': opts.batchId = value; break;
       // 0 is meaningful: no retries (the first transient failure is the answer).
       case '--retry-seconds': opts.retrySeconds = seconds(key, value, { allowZero: true }); break;
+      case '--keepalive-seconds': opts.keepaliveSeconds = seconds(key, value, { allowZero: false }); break;
+      case '--keepalive-timeout-seconds':
+        opts.keepaliveTimeoutSeconds = seconds(key, value, { allowZero: false });
+        break;
       default: throw new Error(`unknown option ${key}`);
     }
   }
@@ -72,22 +92,31 @@ function loadRolloutService() {
 const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
 
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
+// Milliseconds for a timer option: at least 1, at most what setTimeout takes (a longer delay
+// overflows and fires at once, which for keepalive would be a ping storm, not no pings).
+const ms = (secs) => Math.min(2 ** 31 - 1, Math.max(1, Math.round(secs * 1000)));
 // The channel options of the Python client (clients/python/seer_client/client.py _OPTIONS). A
 // restarted buffer is back within a second or two; grpc-js' default reconnect backoff (1 s growing
 // by 1.6x to 120 s) keeps failing calls fast with UNAVAILABLE long after it is back, so a longer
 // outage used up --retry-seconds after the buffer had returned. grpc-js has no
 // grpc.min_reconnect_backoff_ms (it ignores it): initial and max bound its backoff.
-const CHANNEL_OPTIONS = {
-  'grpc.max_send_message_length': MAX_MESSAGE_BYTES,
-  'grpc.max_receive_message_length': MAX_MESSAGE_BYTES,
-  // A result stream sends nothing after its request: only a ping that goes unacknowledged tells a
-  // cut connection (no FIN or RST) from a quiet generation. grpc-js times it out by this option.
-  'grpc.keepalive_time_ms': 30000,
-  'grpc.keepalive_timeout_ms': 10000,
-  'grpc.keepalive_permit_without_calls': 1,
-  'grpc.initial_reconnect_backoff_ms': 100,
-  'grpc.max_reconnect_backoff_ms': 1000,
-};
+function channelOptions(keepaliveSeconds, keepaliveTimeoutSeconds) {
+  return {
+    'grpc.max_send_message_length': MAX_MESSAGE_BYTES,
+    'grpc.max_receive_message_length': MAX_MESSAGE_BYTES,
+    // A result stream sends nothing after its request: only a ping that goes unacknowledged tells
+    // a cut connection (no FIN or RST) from a quiet generation. grpc-js pings every keepalive_time_ms
+    // for as long as the connection lives (it has no max_pings_without_data limit, unlike gRPC core,
+    // see the Python client) and drops the connection, failing its calls UNAVAILABLE, when a ping is
+    // not acknowledged in keepalive_timeout_ms. The buffer accepts pings this often
+    // (services/common/server.py). tests/client/test_node_client_keepalive.py partitions a stream.
+    'grpc.keepalive_time_ms': ms(keepaliveSeconds),
+    'grpc.keepalive_timeout_ms': ms(keepaliveTimeoutSeconds),
+    'grpc.keepalive_permit_without_calls': 1,
+    'grpc.initial_reconnect_backoff_ms': 100,
+    'grpc.max_reconnect_backoff_ms': 1000,
+  };
+}
 
 // A transport break, not an answer: UNAVAILABLE (the service is away, e.g. restarting), or the
 // INTERNAL that grpc-js reports when the server's HTTP/2 session ends under a stream ("Received
@@ -254,7 +283,8 @@ let runEndMs = null; // for the error message: whether a DEADLINE_EXCEEDED is --
 async function main() {
   const opts = parseArgs(process.argv.slice(2));
   const RolloutService = loadRolloutService();
-  const client = new RolloutService(opts.address, grpc.credentials.createInsecure(), CHANNEL_OPTIONS);
+  const client = new RolloutService(opts.address, grpc.credentials.createInsecure(),
+    channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
   // One deadline for the whole run, computed once (like the Python client's iter_results timeout).
   const endMs = Date.now() + opts.timeout * 1000;
   runEndMs = endMs;

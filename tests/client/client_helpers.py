@@ -3,8 +3,13 @@ restarted on the same port, and a thread that plays the scheduler (WatchWork + C
 
 from __future__ import annotations
 
+import contextlib
+import json
+import queue
 import socket
+import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +101,61 @@ def batch_submitted(address: str, batch_id: str) -> bool:
             return True
         except grpc.RpcError:
             return False
+
+
+class Node:
+    """rollout.js on batch `batch_id` (2 groups x 2 samples: request ids {batch_id}/{g}/{s}); the
+    constructor returns once the batch is submitted. `address`: where the client connects (a proxy
+    in front of the buffer), the buffer's own address by default."""
+
+    def __init__(self, script: Path, buffer: Buffer, batch_id: str, *extra: str, address: str = "") -> None:
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            ["node", str(script), "--address", address or buffer.address, "--groups", "2", "--group-size", "2",
+             "--max-tokens", "16", "--batch-id", batch_id, *extra],
+            cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        stdout = self.proc.stdout
+        assert stdout is not None
+
+        def read() -> None:
+            for line in stdout:
+                self.lines.put(line.rstrip("\n"))
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        deadline = time.monotonic() + 30
+        while not batch_submitted(buffer.address, batch_id):
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.drain()
+            time.sleep(0.1)
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                self.out.append(self.lines.get(timeout=0.05))
+            except queue.Empty:
+                return self.out
+
+    def wait_results(self, n: int) -> None:
+        deadline = time.monotonic() + 30
+        while sum(line.startswith("result ") for line in self.out) < n:
+            assert time.monotonic() < deadline, self.out
+            with contextlib.suppress(queue.Empty):
+                self.out.append(self.lines.get(timeout=0.1))
+
+    def finish(self, timeout: float = 60) -> tuple[int, list[str]]:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # A hung client (what a test is often for) must not outlive the test.
+            self.proc.kill()
+            self.proc.wait(5)
+            raise AssertionError(f"the node client did not end in {timeout}s: {self.drain()}") from None
+        self.reader.join(5)
+        return rc, self.drain()
+
+
+def _ok(rc: int, out: list[str]) -> bool:
+    """The run ended 0 with all 4 responses (its last line is `RESULT {json}`)."""
+    return rc == 0 and bool(out) and json.loads(out[-1].removeprefix("RESULT ")).get("responses") == 4

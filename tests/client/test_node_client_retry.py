@@ -7,10 +7,7 @@ scheduler by committing results itself (CommitChunk), so no model runs."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import queue
 import subprocess
 import threading
 import time
@@ -18,59 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from client_helpers import Buffer, _free_port, batch_submitted, finish_request
+from client_helpers import Buffer, Node, _free_port, _ok, batch_submitted, finish_request
 from seer.v1 import rollout_pb2, rollout_pb2_grpc
 from seer_client import PromptGroup, SeerClient
-
-
-class Node:
-    """rollout.js on batch `batch_id` (2 groups x 2 samples: request ids {batch_id}/{g}/{s}); the
-    constructor returns once the batch is submitted."""
-
-    def __init__(self, script: Path, buffer: Buffer, batch_id: str, *extra: str) -> None:
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            ["node", str(script), "--address", buffer.address, "--groups", "2", "--group-size", "2",
-             "--max-tokens", "16", "--batch-id", batch_id, *extra],
-            cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.out: list[str] = []
-        stdout = self.proc.stdout
-        assert stdout is not None
-
-        def read() -> None:
-            for line in stdout:
-                self.lines.put(line.rstrip("\n"))
-
-        self.reader = threading.Thread(target=read, daemon=True)
-        self.reader.start()
-        deadline = time.monotonic() + 30
-        while not batch_submitted(buffer.address, batch_id):
-            assert time.monotonic() < deadline and self.proc.poll() is None, self.drain()
-            time.sleep(0.1)
-
-    def drain(self) -> list[str]:
-        while True:
-            try:
-                self.out.append(self.lines.get(timeout=0.05))
-            except queue.Empty:
-                return self.out
-
-    def wait_results(self, n: int) -> None:
-        deadline = time.monotonic() + 30
-        while sum(line.startswith("result ") for line in self.out) < n:
-            assert time.monotonic() < deadline, self.out
-            with contextlib.suppress(queue.Empty):
-                self.out.append(self.lines.get(timeout=0.1))
-
-    def finish(self, timeout: float = 60) -> tuple[int, list[str]]:
-        rc = self.proc.wait(timeout=timeout)
-        self.reader.join(5)
-        return rc, self.drain()
-
-
-def _ok(rc: int, out: list[str]) -> bool:
-    return rc == 0 and bool(out) and json.loads(out[-1].removeprefix("RESULT ")).get("responses") == 4
 
 
 def test_node_retries_a_restart_after_a_quiet_spell(node_client: Path, tok_buffer: Buffer) -> None:
@@ -149,8 +96,15 @@ def test_node_timeout_is_one_deadline_for_the_whole_run(node_client: Path, tok_b
     (("--timeout", "10s"), "--timeout: must be a positive number of seconds"),
     (("--retry-seconds", "nan"), "--retry-seconds: must be a number of seconds >= 0"),
     (("--retry-seconds", "-1"), "--retry-seconds: must be a number of seconds >= 0"),
+    # Before: parseInt read "abc" as NaN (an empty batch was submitted, then "expected NaN"), "2x"
+    # as 2 and "1.5" as 1; 0 groups submitted an empty batch.
+    (("--groups", "abc"), "--groups: must be a positive integer"),
+    (("--groups", "0"), "--groups: must be a positive integer"),
+    (("--group-size", "2x"), "--group-size: must be a positive integer"),
+    (("--max-tokens", "1.5"), "--max-tokens: must be a positive integer"),
+    (("--max-tokens", ""), "--max-tokens: must be a positive integer"),
 ])
-def test_node_refuses_a_bad_number_of_seconds(node_client: Path, args: tuple[str, str], message: str) -> None:
+def test_node_refuses_a_bad_number(node_client: Path, args: tuple[str, str], message: str) -> None:
     # Nothing listens on the address: the run must end on the argument, before any call. Before:
     # parseFloat made NaN (or 10 of "10s") and the run went on with no bound or a wrong one.
     proc = subprocess.run(["node", str(node_client), "--address", f"127.0.0.1:{_free_port()}", *args],

@@ -86,6 +86,30 @@ def _positive(value: object, field: str) -> float:
     return v
 
 
+def _seconds(value: object, field: str, *, allow_zero: bool) -> float:
+    """A number of seconds for a retry window or a deadline. NaN is refused: every comparison with it
+    is False, so a NaN retry_seconds retried a dead address forever and a NaN timeout timed out at
+    once ("after nans"). inf is accepted (no bound; see _deadline)."""
+    v = _float(value, field)
+    if v != v or v < 0 or (v == 0 and not allow_zero):
+        what = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        raise _invalid(field, f"must be {what}, got {value!r}")
+    return v
+
+
+def _deadline(seconds: float) -> float | None:
+    """A gRPC timeout: inf is None (no deadline). grpc fails a call with timeout=inf at once
+    (DEADLINE_EXCEEDED): its deadline overflows."""
+    return None if seconds == float("inf") else seconds
+
+
+def _bool(value: object, field: str) -> bool:
+    # protobuf would take 1 or "" silently as well, or raise a bare TypeError for "yes".
+    if not isinstance(value, bool):
+        raise _invalid(field, f"must be a bool, got {value!r}")
+    return value
+
+
 def _retry_reason(e: grpc.RpcError) -> str:
     """services.common.grpcutil RETRY_REASON_KEY from the error's trailing metadata ("" if none)."""
     trailing = getattr(e, "trailing_metadata", None)
@@ -96,7 +120,11 @@ def _retry_reason(e: grpc.RpcError) -> str:
 
 
 def _error(e: grpc.RpcError) -> SeerError:
-    return SeerError(e.code().name, e.details() or "")
+    # A call past its deadline (the client's `timeout`, update_weights' `timeout`) is a SeerTimeout,
+    # also a TimeoutError, as iter_results' is: a trainer catching TimeoutError around any call
+    # missed these plain SeerErrors. Still a SeerError, so existing handlers keep working.
+    cls = SeerTimeout if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else SeerError
+    return cls(e.code().name, e.details() or "")
 
 
 def _invalid(field: str, message: str) -> SeerError:
@@ -228,8 +256,10 @@ class SeerClient:
                  keepalive_seconds: float = 30.0, keepalive_timeout_seconds: float = 10.0,
                  channel: grpc.Channel | None = None) -> None:
         self.address = address
-        self.retry_seconds = retry_seconds
-        self.timeout = timeout
+        # Checked here, naming the argument: the retry loops compare against them, and a NaN or a
+        # string only showed at the first failure (a NaN window retried a dead address forever).
+        self.retry_seconds = _seconds(retry_seconds, "retry_seconds", allow_zero=True)
+        self.timeout = _seconds(timeout, "timeout", allow_zero=False)
         self._channel = channel or grpc.insecure_channel(
             address, options=_OPTIONS + _keepalive(_positive(keepalive_seconds, "keepalive_seconds"),
                                                    _positive(keepalive_timeout_seconds, "keepalive_timeout_seconds")))
@@ -265,7 +295,7 @@ class SeerClient:
                 delay = min(delay * 2, 2.0)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Blocks until the buffer reports SERVING for RolloutService (or raises SeerError)."""
+        """Blocks until the buffer reports SERVING for RolloutService; SeerTimeout when `timeout` runs out."""
         health = health_pb2_grpc.HealthStub(self._channel)
         service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
         deadline = time.monotonic() + timeout
@@ -280,7 +310,7 @@ class SeerClient:
             except grpc.RpcError as e:
                 last = e.code().name
             time.sleep(0.1)
-        raise SeerError("DEADLINE_EXCEEDED", f"buffer at {self.address} not ready after {timeout}s ({last})")
+        raise SeerTimeout("DEADLINE_EXCEEDED", f"buffer at {self.address} not ready after {timeout}s ({last})")
 
     # ---- API -----------------------------------------------------------------------------------
 
@@ -299,7 +329,7 @@ class SeerClient:
                                              seed_scope=_str(seed_scope, "seed_scope"))
         # A weight switch (another thread's update_weights) refuses submissions until it ends, which
         # may take the buffer's whole switch timeout: waited out, so the batch runs at the new version.
-        resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=self.timeout),
+        resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=_deadline(self.timeout)),
                           switch_window=UPDATE_WEIGHTS_TIMEOUT)
         return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version,
                             int(resp.submission_id))
@@ -317,7 +347,7 @@ class SeerClient:
         stream and then fails it exhausts the window instead of being retried forever. A buffer at
         its stream limit (RESOURCE_EXHAUSTED before accepting the stream) is retried the same way.
 
-        timeout: seconds for the whole iteration (None = until the batch is done); when they run out
+        timeout: seconds for the whole iteration (None or inf = until the batch is done); when they run out
         SeerTimeout (a SeerError and a TimeoutError, code DEADLINE_EXCEEDED) is raised. The batch is
         not cancelled.
 
@@ -329,7 +359,13 @@ class SeerClient:
         """
         # Checked here, not in the generator (its body runs only at the first next()): the call
         # with a bad argument is where the error belongs.
-        return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64), timeout,
+        # timeout <= 0 stays a deadline already passed (SeerTimeout at the first next()); NaN is refused
+        # and inf is no bound (both timed out at once before).
+        bound = None if timeout is None else _float(timeout, "timeout")
+        if bound is not None and bound != bound:
+            raise _invalid("timeout", f"must be a number of seconds or None, got {timeout!r}")
+        return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64),
+                                  None if bound == float("inf") else bound,
                                   _int(submission_id, "submission_id", _UINT64))
 
     def _iter_results(self, batch_id: str, cursor: int, timeout: float | None,
@@ -409,8 +445,9 @@ class SeerClient:
         return out
 
     def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
-        req = rollout_pb2.GetBatchRequest(batch_id=batch_id, include_requests=include_requests)
-        b = self._call(lambda: self._stub.GetBatch(req, timeout=self.timeout))
+        req = rollout_pb2.GetBatchRequest(batch_id=_str(batch_id, "batch_id"),
+                                          include_requests=_bool(include_requests, "include_requests"))
+        b = self._call(lambda: self._stub.GetBatch(req, timeout=_deadline(self.timeout)))
         return BatchStatus(
             batch_id=b.batch_id, state=_BATCH_STATE.get(b.state, str(b.state)), num_requests=b.num_requests,
             num_finished=b.num_finished, num_cancelled=b.num_cancelled, generated_tokens=b.generated_tokens,
@@ -423,8 +460,8 @@ class SeerClient:
     def cancel_batch(self, batch_id: str) -> int:
         """Cancels the batch's unfinished requests; returns how many the cancellation cancelled (the
         same on a repeat, so a call retried after a lost reply reports it too; 0 if it completed)."""
-        req = rollout_pb2.CancelBatchRequest(batch_id=batch_id)
-        return int(self._call(lambda: self._stub.CancelBatch(req, timeout=self.timeout)).num_cancelled)
+        req = rollout_pb2.CancelBatchRequest(batch_id=_str(batch_id, "batch_id"))
+        return int(self._call(lambda: self._stub.CancelBatch(req, timeout=_deadline(self.timeout))).num_cancelled)
 
     def update_weights(self, version: int, source: str = "", timeout: float = UPDATE_WEIGHTS_TIMEOUT
                        ) -> WeightsUpdate:
@@ -435,5 +472,6 @@ class SeerClient:
         is FAILED_PRECONDITION. `timeout` should exceed the buffer's switch_timeout_seconds."""
         req = rollout_pb2.UpdateWeightsRequest(version=_int(version, "version", _INT64),
                                                source=_str(source, "source"))
-        resp = self._call(lambda: self._stub.UpdateWeights(req, timeout=timeout), retry=False)
+        rpc_timeout = _deadline(_seconds(timeout, "timeout", allow_zero=False))
+        resp = self._call(lambda: self._stub.UpdateWeights(req, timeout=rpc_timeout), retry=False)
         return WeightsUpdate(resp.version, resp.num_workers, resp.seconds)
