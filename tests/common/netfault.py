@@ -17,6 +17,7 @@ class _Conn:
     # (a pump that had already read bytes could otherwise forward them just after the freeze, and a
     # test would see its result arrive through the "cut" connection).
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pumps_done: int = 0  # pumps (one per direction) that ended; under FreezingProxy._lock
 
 
 class FreezingProxy:
@@ -60,7 +61,15 @@ class FreezingProxy:
                 down, _ = self._listener.accept()
             except OSError:
                 return
-            c = _Conn(down, socket.create_connection(self.upstream))
+            try:
+                up = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                # The server is down (restarting): refuse this client as the server would, and keep
+                # accepting (an unhandled error here ended the accept thread, and no later
+                # reconnect was ever forwarded).
+                down.close()
+                continue
+            c = _Conn(down, up)
             with self._lock:
                 self._live.append(c)
             for src, dst in ((c.down, c.up), (c.up, c.down)):
@@ -68,6 +77,15 @@ class FreezingProxy:
 
     def _pump(self, c: _Conn, src: socket.socket, dst: socket.socket) -> None:
         src.settimeout(0.05)
+        try:
+            self._forward(c, src, dst)
+        finally:
+            with self._lock:
+                c.pumps_done += 1
+                if c.pumps_done == 2 and c in self._live:
+                    self._live.remove(c)  # both directions over: not a connection freeze() counts
+
+    def _forward(self, c: _Conn, src: socket.socket, dst: socket.socket) -> None:
         while not self._closed.is_set():
             if c.frozen:
                 # Read nothing and send nothing: the peers' bytes pile up in kernel buffers, their
@@ -80,13 +98,26 @@ class FreezingProxy:
                 continue
             except OSError:
                 return
-            with c.lock:
-                if c.frozen:
-                    continue  # read just before the freeze: lost in the partition
-                try:
-                    if not data:
-                        dst.close()
+            if not data:
+                with c.lock:
+                    dst.close()
+                return
+            # Sent a piece at a time, each under the lock (a send waits at most the sockets' 0.05 s
+            # timeout): freeze() takes the lock, so once it returns nothing more is delivered, and a
+            # peer that stops reading only stalls this pump, never freeze(). sendall under the lock
+            # blocked freeze() (and so every accept) behind a full peer, and its 0.05 s timeout
+            # ended the pump with the bytes lost.
+            view = memoryview(data)
+            while view:
+                with c.lock:
+                    if c.frozen:
+                        break  # read just before the freeze: lost in the partition
+                    try:
+                        sent = dst.send(view)
+                    except TimeoutError:
+                        sent = 0
+                    except OSError:
                         return
-                    dst.sendall(data)
-                except OSError:
+                view = view[sent:]
+                if self._closed.is_set():
                     return
