@@ -27,7 +27,16 @@ from typing import Any
 from services.buffer import codec, metrics
 from services.buffer import store as keys
 from services.buffer.config import DEFAULT_RESULTS_PAGE_BYTES
-from services.buffer.events import Added, Cancelled, Event, Subscription, WatchHub, default_watch_queue
+from services.buffer.events import (
+    Added,
+    Cancelled,
+    DropCallback,
+    Event,
+    Subscription,
+    WatchHub,
+    default_watch_queue,
+    run_drop_callbacks,
+)
 from services.buffer.model import ModelInfo
 from services.buffer.records import (
     BatchRecord,
@@ -453,6 +462,7 @@ class BufferCore:
             return existing
         valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
         scope = seed_scope or batch_id
+        drops: list[DropCallback] = []
         with self._lock:
             self._check_open()
             # Again under the lock: the same batch may have been stored by a concurrent call.
@@ -502,10 +512,12 @@ class BufferCore:
             for live in new_live:
                 self._add_live(live)
             if len(self._hub):
-                self._hub.publish([Added(self._work_item(live)) for live in new_live])
+                drops = self._hub.publish([Added(self._work_item(live)) for live in new_live])
             metrics.BATCHES.inc()
             metrics.REQUESTS.inc(len(new_live))
             metrics.PENDING.set(len(self._live))
+        # Outside the lock: a drop ends a gRPC stream, which must not stall every other call.
+        run_drop_callbacks(drops)
         log.info("batch submitted", extra=kv(batch_id=batch_id, groups=len(valid),
                                              requests=batch.num_requests, policy_version=version))
         return SubmitOutcome(batch_id, batch.num_requests, False, version, batch.submit_seq)
@@ -1081,10 +1093,11 @@ class BufferCore:
                 self._drop_live(rid, batch_id)
             self._forget_groups(batch_id, b.num_groups)
             events: list[Event] = [Cancelled(rid) for rid in cancelled]
-            self._hub.publish(events)
+            drops = self._hub.publish(events)
             metrics.CANCELLED.inc(len(cancelled))
             metrics.PENDING.set(len(self._live))
             self._cond.notify_all()
+        run_drop_callbacks(drops)  # outside the lock, as in submit_batch
         log.info("batch cancelled", extra=kv(batch_id=batch_id, cancelled=len(cancelled)))
         return BatchState.CANCELLED, len(cancelled)
 

@@ -11,9 +11,13 @@ waiting for anyone, so a watcher that stops reading (a hung scheduler whose TCP 
 would otherwise grow the buffer's memory without bound. A publish that would take a queue past the
 bound drops that watcher instead: its queue is freed at once, it leaves the hub, and its stream ends
 RESOURCE_EXHAUSTED (`Subscription.take` raises WatcherDropped; the server also ends a stream that is
-blocked sending, through the drop callback). Nothing is lost: the queue only ever holds a copy of
-the core's state, and a watcher that watches again gets it whole in the snapshot (the scheduler
-reconnects on any error of the feed and replaces its state with the snapshot).
+blocked sending, through the drop callback). The core publishes under its lock, so `publish` only
+marks and removes the dropped watchers and hands their callbacks back: the core runs them after it
+released its lock (`run_drop_callbacks`), as ending a gRPC stream is a call into gRPC that must not
+hold up every other call of the buffer (nor deadlock should gRPC call back). Nothing is lost: the
+queue only ever holds a copy of the core's state, and a watcher that watches again gets it whole in
+the snapshot (the scheduler reconnects on any error of the feed and replaces its state with the
+snapshot).
 
 How full the queues are is a gauge read at scrape time (`seer_buffer_watch_queue_events`: the
 deepest queue of the open hubs), so a watcher falling behind shows before it is dropped, at no cost
@@ -22,6 +26,7 @@ to publishing.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import deque
@@ -165,9 +170,10 @@ class Subscription:
             return [self._events.popleft() for _ in range(n)]
 
     def on_drop(self, callback: Callable[[str], None]) -> None:
-        """Calls callback(reason) when the watcher is dropped (at once if it already was), on the
-        publishing thread: the server ends a stream whose thread may be blocked sending, and so
-        cannot see the drop itself. The callback must not block (the core's lock may be held)."""
+        """Calls callback(reason) when the watcher is dropped (at once if it already was): the
+        server ends a stream whose thread may be blocked sending, and so cannot see the drop itself.
+        It runs on the publishing thread after the core released its lock (WatchHub.publish hands it
+        back), so a slow one delays only the call whose publish dropped the watcher."""
         with self._cond:
             reason = self._dropped
             if reason is None:
@@ -224,14 +230,21 @@ class WatchHub:
         with self._lock:
             self._subs.discard(sub)
 
-    def publish(self, events: list[Event]) -> None:
-        """Queues events for every watcher; drops the watchers they do not fit (never waits)."""
+    def publish(self, events: list[Event]) -> list[DropCallback]:
+        """Queues events for every watcher; drops the watchers they do not fit (never waits).
+
+        Returns the drop callbacks still to run (one per watcher dropped): the caller runs them with
+        run_drop_callbacks once it no longer holds its lock. A dropped watcher is already out of the
+        hub and its queue freed; only the news of it (ending its stream) is deferred."""
         with self._lock:
             subs = list(self._subs)
+        pending: list[DropCallback] = []
         for s in subs:
             reason = s.offer(events)
             if reason is not None:
                 self._drop(s, reason)
+                pending.append(functools.partial(s._fire_drop, reason))
+        return pending
 
     def _drop(self, sub: Subscription, reason: str) -> None:
         self.remove(sub)
@@ -240,11 +253,25 @@ class WatchHub:
         log.warning("watcher dropped: its work-feed queue is full", extra=kv(
             watcher_id=sub.watcher_id, peer=sub.peer, watch_queue_events=sub.max_events, peak=sub.peak,
             error=reason))
-        sub._fire_drop(reason)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._subs)
+
+
+# A dropped watcher's drop callback, bound to its reason (WatchHub.publish returns them).
+DropCallback = Callable[[], None]
+
+
+def run_drop_callbacks(pending: Sequence[DropCallback]) -> None:
+    """Runs what WatchHub.publish returned; the caller must not hold the core's lock. One that fails
+    is logged and the others still run: the publish they came from (a submission, a cancel) is
+    already stored and must not be reported failed for it."""
+    for fire in pending:
+        try:
+            fire()
+        except Exception as e:
+            log.error("a dropped watcher's callback failed", extra=kv(error=f"{type(e).__name__}: {e}"))
 
 
 # The open hubs (one per BufferCore; more only in tests), for the gauges below. Weak, so a core

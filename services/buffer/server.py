@@ -15,7 +15,8 @@ from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, VersionProbe
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, WatcherDropped, batches, coalesce
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common import server as common_server
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.grpcutil import channel, rpc
 from services.common.log import get_logger, kv, log_context
 from services.common.streams import StreamSlots
@@ -25,6 +26,8 @@ log = get_logger(__name__)
 
 # How often a blocked stream re-checks that its client is still there.
 POLL_SECONDS = 0.5
+# Results over the message limit a StreamResults status names one by one (the rest are counted).
+MAX_NAMED_TOO_LARGE = 20
 # How long UpdateWeights waits to connect to the scheduler before it reports it unreachable.
 SWITCH_CONNECT_SECONDS = 10.0
 
@@ -57,6 +60,15 @@ def end_stream(context: grpc.ServicerContext, code: grpc.StatusCode, details: st
             log.warning("cannot end the stream with a status; cancelling it", extra=kv(
                 code=code.name, error=f"{type(e).__name__}: {e}"))
     context.cancel()
+
+
+class ResultTooLarge(ResourceExhausted):
+    """Stored results a StreamResults stream could not send: each over the server's message limit."""
+
+
+def fits_message(msg: rollout_pb2.StreamResultsResponse, limit: int) -> bool:
+    """Whether gRPC sends msg under a max_send_message_length of `limit` (its encoded size)."""
+    return msg.ByteSize() <= limit
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -154,10 +166,35 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # Pinned here (not only in the core) so that every message can say which submission it
             # is from: a reader that did not submit the batch resumes with it.
             sub = int(request.submission_id) or self.core.submission_of(request.batch_id)
+            # The server's send limit (read at call time, as the server read it when it started).
+            limit = common_server.MAX_MESSAGE_BYTES
+            # Results too large for one message: SubmitBatch bounds max_tokens so that new ones fit
+            # (validation.max_response_tokens), but one stored before that bound may not. gRPC would
+            # fail the stream at it with an opaque RESOURCE_EXHAUSTED, and a reader resuming at its
+            # cursor would fail there forever; so it is left out (the next message's cursor steps
+            # past it), the stream goes on, and its end names what was left out.
+            too_large: list[str] = []  # the first MAX_NAMED_TOO_LARGE, named in the status
+            left_out = 0
             for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
                                                  POLL_SECONDS, submission_id=sub):
-                yield rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r),
+                msg = rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r),
                                                         submission_id=sub)
+                if fits_message(msg, limit):
+                    yield msg
+                    continue
+                size = msg.ByteSize()
+                log.error("result over the message limit left out of the stream", extra=kv(
+                    batch_id=request.batch_id, request_id=r.request_id, cursor=idx, bytes=size, limit=limit))
+                left_out += 1
+                if len(too_large) < MAX_NAMED_TOO_LARGE:
+                    too_large.append(f"request {r.request_id!r} (cursor {idx}): {size} bytes")
+            if left_out:
+                more = f" and {left_out - len(too_large)} more" if left_out > len(too_large) else ""
+                raise ResultTooLarge(
+                    f"{left_out} result(s) of batch {request.batch_id!r} are over the {limit}-byte message "
+                    f"limit and were left out of the stream (every other result was sent): "
+                    f"{'; '.join(too_large)}{more}. They cannot be delivered whole (stored before "
+                    "SubmitBatch bounded max_tokens to fit one message)", field="cursor")
 
     @rpc
     def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext
