@@ -126,6 +126,7 @@ class _Active:
     stats: ChunkStats = field(default_factory=ChunkStats)
     tokens: list[int] = field(default_factory=list)  # produced by this chunk so far
     done: bool = False
+    bad_draft_logged: bool = False  # an invalid draft of this chunk was logged (once per chunk)
 
     @property
     def generated(self) -> int:
@@ -204,6 +205,7 @@ class WorkerStats:
     prefill_tokens: int
     cached_tokens: int
     kv_refetches: int = 0  # continuations fetched again: the engine evicted what they attach to
+    invalid_drafts: int = 0  # drafts dropped before the engine saw them (the drafter's bug)
 
 
 class _Throughput:
@@ -349,6 +351,7 @@ class Worker:
         self._kv_loaded_tokens = 0
         self._kv_recomputed_pages = 0
         self._kv_refetches = 0
+        self._invalid_drafts = 0
         self._proposed_pos: list[int] = []
         self._accepted_pos: list[int] = []
 
@@ -785,6 +788,7 @@ class Worker:
             kv_loaded_tokens=self._kv_loaded_tokens,
             kv_recomputed_pages=self._kv_recomputed_pages,
             kv_refetches=self._kv_refetches,
+            invalid_drafts=self._invalid_drafts,
             prefill_tokens=es.prefill_tokens,
             cached_tokens=es.cached_tokens,
         )
@@ -1145,9 +1149,27 @@ class Worker:
             except Exception:
                 log.warning("draft proposal failed", exc_info=True, extra=kv(request_id=rid))
                 continue
-            if d is not None and d.tokens:
+            if d is not None and d.tokens and self._draft_valid_locked(a, d):
                 drafts[rid] = d
         return drafts
+
+    def _draft_valid_locked(self, act: _Active, d: Draft) -> bool:
+        """Whether d may go to the engine. The engine refuses a whole step over one bad draft
+        (ValueError), which would cost every other request of the batch its draft; a bad one is
+        dropped here instead, alone. The drafter keeps proposing it step after step, so it is
+        counted every time but logged once per chunk, without a traceback (it is bad data, not a
+        fault of ours)."""
+        try:
+            d.validate(self.engine.vocab_size)
+        except ValueError as e:
+            self._invalid_drafts += 1
+            metrics.INVALID_DRAFTS.inc()
+            if not act.bad_draft_logged:
+                act.bad_draft_logged = True
+                log.warning("invalid draft dropped; the request steps without it (logged once per chunk)",
+                            extra=kv(request_id=act.job.request_id, group_id=act.job.group_id, error=str(e)))
+            return False
+        return True
 
     def _observe_acceptance(self, outs: Sequence[StepOutput], drafts: Mapping[str, Draft]) -> None:
         if not drafts:

@@ -13,6 +13,8 @@ ACCEPTED = Counter("seer_worker_draft_accepted", "draft tokens accepted, by draf
 FREE_PAGES = Gauge("seer_worker_free_kv_pages", "free KV cache pages of the engine")
 POLICY_VERSION = Gauge("seer_worker_policy_version", "policy version the engine serves")
 STREAMS = Gauge("seer_worker_open_streams", "open RunChunk streams")
+INVALID_DRAFTS = Counter("seer_worker_invalid_drafts_total",
+                         "drafts dropped before the engine saw them (invalid; the request stepped without one)")
 STREAMS_REFUSED = Counter("seer_worker_refused_streams_total", "RunChunk streams refused at max_streams")
 ENGINE_HEALTHY = Gauge("seer_worker_engine_healthy",
                        "0 while the engine is broken (every chunk and a canary failed) until a step succeeds")

@@ -100,6 +100,8 @@ def worker_stats_to_proto(s: WorkerStats) -> worker_pb2.GetWorkerStatsResponse:
         cached_tokens=s.cached_tokens,
         kv_loaded_tokens=s.kv_loaded_tokens,
         kv_recomputed_pages=s.kv_recomputed_pages,
+        kv_refetches=s.kv_refetches,
+        invalid_drafts=s.invalid_drafts,
     )
 
 

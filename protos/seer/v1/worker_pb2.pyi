@@ -102,7 +102,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("worker_id", "total_kv_pages", "free_kv_pages", "page_size", "running", "waiting", "tokens_per_second", "policy_version", "accepted_per_position", "proposed_per_position", "prefill_tokens", "cached_tokens", "kv_loaded_tokens", "kv_recomputed_pages")
+    __slots__ = ("worker_id", "total_kv_pages", "free_kv_pages", "page_size", "running", "waiting", "tokens_per_second", "policy_version", "accepted_per_position", "proposed_per_position", "prefill_tokens", "cached_tokens", "kv_loaded_tokens", "kv_recomputed_pages", "kv_refetches", "invalid_drafts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class GetWorkerStatsResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_REFETCHES_FIELD_NUMBER: _ClassVar[int]
+    INVALID_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_kv_pages: int
     free_kv_pages: int
@@ -131,4 +133,6 @@ class GetWorkerStatsResponse(_message.Message):
     cached_tokens: int
     kv_loaded_tokens: int
     kv_recomputed_pages: int
-    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_recomputed_pages: _Optional[int] = ...) -> None: ...
+    kv_refetches: int
+    invalid_drafts: int
+    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_recomputed_pages: _Optional[int] = ..., kv_refetches: _Optional[int] = ..., invalid_drafts: _Optional[int] = ...) -> None: ...

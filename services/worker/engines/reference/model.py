@@ -101,13 +101,59 @@ class LlamaModel:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Takes weights named as in Hugging Face checkpoints."""
+    def expected_shapes(self, state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """Every tensor load reads, with the shape the config implies (Hugging Face names)."""
         cfg = self.cfg
+        hidden, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, hidden)}
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            shapes |= {
+                p + "input_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (q_out, hidden),
+                p + "self_attn.k_proj.weight": (kv_out, hidden),
+                p + "self_attn.v_proj.weight": (kv_out, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q_out),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+            if cfg.attention_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (q_out,), p + "self_attn.k_proj.bias": (kv_out,),
+                           p + "self_attn.v_proj.bias": (kv_out,)}
+        shapes["model.norm.weight"] = (hidden,)
+        if not self._tied(state):
+            shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+        return shapes
+
+    def _tied(self, state: dict[str, torch.Tensor]) -> bool:
+        # An untied config without lm_head.weight falls back to the embeddings (as before).
+        return self.cfg.tie_word_embeddings or "lm_head.weight" not in state
+
+    def check(self, state: dict[str, torch.Tensor]) -> None:
+        """ValueError naming the first tensor that is missing, not floating point, or not of the
+        shape the config implies. A config that matches over tensors that do not would otherwise
+        load: a norm of the wrong size broadcasts in rms_norm and gives wrong logits silently."""
+        for name, shape in self.expected_shapes(state).items():
+            t = state.get(name)
+            if t is None:
+                raise ValueError(f"weights: tensor {name} missing from the checkpoint")
+            if not t.is_floating_point():
+                raise ValueError(f"weights: tensor {name} has dtype {t.dtype}, expected a floating point dtype")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"weights: tensor {name} has shape {list(t.shape)}, expected {list(shape)} "
+                                 "(from config.json)")
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Takes weights named as in Hugging Face checkpoints. Every tensor is checked against the
+        config (ValueError naming it) and converted before any is swapped in: a refused checkpoint
+        (LoadWeights of a bad source) leaves the running weights whole and serving."""
+        cfg = self.cfg
+        self.check(state)
 
         def get(name: str) -> torch.Tensor:
-            if name not in state:
-                raise ValueError(f"weights: tensor {name} missing from the checkpoint")
             return state[name].to(device=self.device, dtype=self.dtype)
 
         layers = []
@@ -128,15 +174,9 @@ class LlamaModel:
                 gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
                 down=get(p + "mlp.down_proj.weight").contiguous(),
             ))
-        # Every tensor is read before any is swapped in: a checkpoint missing one (LoadWeights of a
-        # bad source) must leave the running weights whole, not new layers with old embeddings.
         embed = get("model.embed_tokens.weight")
         norm = get("model.norm.weight")
-        lm_head = embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else get("lm_head.weight")
-        if self.layers and (embed.shape != self.embed.shape or len(layers) != len(self.layers) or any(
-                a.qkv.shape != b.qkv.shape or a.gate_up.shape != b.gate_up.shape or a.down.shape != b.down.shape
-                for a, b in zip(layers, self.layers, strict=True))):
-            raise ValueError("weights: shapes differ from the running model's (another architecture)")
+        lm_head = embed if self._tied(state) else get("lm_head.weight")
         self.layers, self.embed, self.norm, self.lm_head = layers, embed, norm, lm_head
         if self.device.type == "cpu" and self.dtype == torch.float32:
             small_gemm_available()  # build (about a second, cached) now rather than in the first step
