@@ -86,8 +86,13 @@ class FakeEngine(Engine):
         if self.fail_steps > 0:
             self.fail_steps -= 1
             raise RuntimeError("injected step failure")
-        self.steps += 1
         drafts = dict(drafts or {})
+        # Every draft checked before anything changes: Engine.step's contract is that a refused
+        # step (ValueError) leaves every request as it was.
+        for rid, d in drafts.items():
+            if rid in self._seqs:
+                d.validate(self._vocab)
+        self.steps += 1
         self.seen_drafts.append(drafts)
         outs: list[StepOutput] = []
         for rid, s in list(self._seqs.items()):
@@ -96,7 +101,6 @@ class FakeEngine(Engine):
             accepted = 0
             want = self._next(s.tokens[-1])
             if d is not None:
-                d.validate(self._vocab)
                 # Chains only: accept while the draft matches the deterministic continuation.
                 for t in d.tokens:
                     if t != want or s.produced + len(toks) + 1 >= s.req.max_new_tokens or want == self._eos:
