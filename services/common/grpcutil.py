@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -103,6 +104,39 @@ def rpc(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _StreamContextInterceptor(grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Tracing on: puts the current trace context into a server-streaming call's metadata and
+    returns the call itself. OpenTelemetry's client interceptor turns such a call into a plain
+    generator with no cancel(), so the scheduler could not end a running chunk's RunChunk stream (a
+    dropped request, a removed worker) and the chunk ran to its end holding its slot and KV; it is
+    used for the other calls only (telemetry.client_interceptors)."""
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        from opentelemetry.propagate import inject
+
+        carrier: dict[str, str] = {}
+        inject(carrier)
+        metadata = [*(d.metadata or ()), *carrier.items()]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
+                            getattr(d, "compression", None))
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
+                               request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
+                                request_iterator: Any) -> Any:
+        return continuation(self._details(client_call_details), request_iterator)
+
+
 def channel(address: str) -> grpc.Channel:
     """An insecure channel with Seer's message limits and OpenTelemetry context propagation."""
     from services.common.telemetry import client_interceptors
@@ -111,6 +145,8 @@ def channel(address: str) -> grpc.Channel:
     interceptors = client_interceptors()
     if not interceptors:
         return ch
+    # Innermost: server-streaming calls, which the OpenTelemetry interceptor lets through.
+    ch = grpc.intercept_channel(ch, _StreamContextInterceptor())
     # OpenTelemetry's client interceptor implements its own grpcext interface, which
     # grpc.intercept_channel rejects; its own intercept_channel wraps it.
     from opentelemetry.instrumentation.grpc import grpcext

@@ -60,11 +60,23 @@ def server_interceptors() -> list[Any]:
 
 
 def client_interceptors() -> list[Any]:
+    """OpenTelemetry's client interceptor (grpcext interface), for calls with a single response.
+
+    Not for server-streaming calls: it turns their call object into a plain generator, which has no
+    cancel(), so the scheduler could no longer end a running chunk's RunChunk stream (a dropped
+    request, a removed worker) and the chunk ran to its end holding its slot and KV. Those calls get
+    services.common.grpcutil's stream interceptor instead: the trace context in their metadata (the
+    server's span continues the caller's trace), the real call object returned."""
     if tracing_mode() == "none":
         return []
     from opentelemetry.instrumentation.grpc import client_interceptor, filters
 
-    return [client_interceptor(filter_=filters.negate(filters.any_of(*[filters.service_name(s) for s in _EXCLUDED])))]
+    excluded = filters.any_of(*[filters.service_name(s) for s in _EXCLUDED])
+
+    def traced(info: Any) -> bool:
+        return not excluded(info) and not getattr(info, "is_server_stream", False)
+
+    return [client_interceptor(filter_=traced)]
 
 
 def current_trace_context() -> dict[str, str]:
