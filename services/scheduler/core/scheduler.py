@@ -128,6 +128,10 @@ class SchedulerCore:
         # The worker holding pages for a starved request that fits nowhere yet (_hold_for; one
         # at a time, the first starved one): None when no request is held for.
         self._hold: WorkerState | None = None
+        self._entry_seq = 0  # versions and enqueue counts of queue entries (_enqueue)
+        # The held request itself: its id may come back as another request (a batch id submitted
+        # again after a cancel), which is not starved and must not inherit the hold.
+        self._hold_req: _Request | None = None
         # Requests dropped because no worker can hold them, until the driver takes them.
         self._unschedulable: list[Unschedulable] = []
         # The largest whole KV (tokens) of any worker ever registered: a worker that restarts,
@@ -421,9 +425,20 @@ class SchedulerCore:
         now = self.clock()
         kv_refused: bool | None = None  # why the decisions stopped, if for lack of a resource
         while (limit is None or len(out) < limit) and self._live:
-            if not any(w.load < w.slots and not w.quarantined for w in self._workers.values()):
-                kv_refused = False  # batch-bound: no free slot
-                break
+            if not any(w.load < w.open_slots() and not w.quarantined for w in self._workers.values()):
+                # Batch-bound: no free slot. A slot kept for a held starved request is not free to
+                # the others (can_admit): counted as free, every decision of a hold read as KV-bound
+                # and switched the KV-bound rules on (aging, seer_history's FIFO) for one request.
+                kv_refused = False
+                if self._hold is None or not any(w.load < w.slots and not w.quarantined
+                                                 for w in self._workers.values()):
+                    break
+                # Only the held slot is free: the starved request may still go (_starving).
+                d = self._starving(now)
+                if d is None:
+                    break
+                out.append(d)
+                continue
             d = self._starving(now) or self._next_by_priority()
             if d is None:
                 kv_refused = True  # a slot is free, but no queued candidate fits the free KV
@@ -567,7 +582,7 @@ class SchedulerCore:
         if best is None:
             return
         best.held_for, best.held_pages = req.info.request_id, pages_for(need, best.spec.page_size)
-        self._hold = best
+        self._hold, self._hold_req = best, req
         self._counters["starvation_holds"] += 1
         log.info("pages held for a starved request", extra=kv(
             request_id=req.info.request_id, worker_id=best.worker_id, pages=best.held_pages,
@@ -579,7 +594,8 @@ class SchedulerCore:
         w = self._hold
         assert w is not None and w.held_for is not None
         req = self._requests.get(w.held_for)
-        if req is None or req.state != "pending" or self._workers.get(w.worker_id) is not w or w.quarantined:
+        if (req is None or req is not self._hold_req or req.state != "pending"
+                or self._workers.get(w.worker_id) is not w or w.quarantined):
             self._release_hold()
             return
         need = self._need_tokens(req)
@@ -592,7 +608,7 @@ class SchedulerCore:
     def _release_hold(self) -> None:
         if self._hold is not None:
             self._hold.held_for, self._hold.held_pages = None, 0
-            self._hold = None
+            self._hold, self._hold_req = None, None
 
     def paused_threshold(self) -> float | None:
         """Seconds a request paused mid-response (it has generated tokens) may wait before it is
@@ -971,11 +987,17 @@ class SchedulerCore:
         keeps its place in the anti-starvation order."""
         rid = req.info.request_id
         req.state = "pending"
-        req.version += 1
+        # Versions and enqueue counts come from core-wide sequences, not per request: a request id
+        # can come back as another request (a batch id submitted again after a cancel), and a stale
+        # queue entry of the old one (same id, same per-request count) then read as the new one's,
+        # e.g. its anti-starvation entry made a request added now look starved since the old one's
+        # enqueue (and take a starvation hold).
+        self._entry_seq += 1
+        req.version = self._entry_seq
         self._live[rid] = req.version
         now = self.clock()
         if fresh:
-            req.enq += 1
+            req.enq = self._entry_seq
             req.enqueued_at = now  # before keying: an aged key counts the wait from here
             self._fifo_seq += 1
             req.fifo = self._fifo_seq

@@ -92,6 +92,10 @@ class WorkerState:
     def free_pages(self) -> int:
         return self.spec.total_pages - self.reserved_pages - self.external_pages
 
+    def open_slots(self) -> int:
+        """Batch slots open to any request: one is kept while pages are held for a starved one."""
+        return self.slots - 1 if self.held_for is not None else self.slots
+
     def can_admit(self, pages: int, request_id: str | None = None) -> bool:
         """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk, beyond
         what is held for a starved request other than `request_id`."""
