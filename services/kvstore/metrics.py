@@ -26,6 +26,8 @@ _GAUGES = {
     "ssd_pages": "pages in the SSD tier",
     "column_families": "RocksDB column families open (namespaces with SSD pages, and a few idle ones)",
     "memtable_bytes": "bytes in RocksDB memtables, all column families (rocksdb.cur-size-all-mem-tables)",
+    "pending_ssd_records": "SSD page records RocksDB refused to delete or rewrite, retried on later Releases",
+    "chain_links": "pages linked to their predecessor in a chain by an Exists (at most one per page)",
 }
 _COUNTERS = {
     "hits": "pages served",
@@ -38,6 +40,10 @@ _COUNTERS = {
     "dropped_namespaces": "namespaces dropped on a version change",
     "late_puts": "Puts and claims refused: their request had been released whole just before",
     "meta_write_failures": "SSD owner-record writes that failed (logged; a stale record costs a cache miss)",
+    "flush_failures": "DRAM pages a flush to SSD (graceful stop) could not write",
+    "write_stalls": "RocksDB writes that met a write stop and waited",
+    "write_stall_failures": "RocksDB writes that failed on a write stop (Put UNAVAILABLE, demotion evicted)",
+    "write_stall_seconds": "seconds RocksDB writes waited on write stops",
 }
 
 # GetKvStatsResponse field -> (attribute of the server's PageStreams, help).

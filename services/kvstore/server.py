@@ -305,6 +305,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             stalled_get_streams_cancelled=self.streams.stalled_cancelled,
             column_families=s.column_families,
             memtable_bytes=s.memtable_bytes,
+            flush_failures=s.flush_failures,
+            write_stalls=s.write_stalls,
+            write_stall_failures=s.write_stall_failures,
+            write_stall_seconds=s.write_stall_seconds,
+            pending_ssd_records=s.pending_ssd_records,
+            chain_links=s.chain_links,
         )
 
 

@@ -49,10 +49,22 @@ _MIN_MEMTABLE_BYTES = 64 * 1024  # RocksDB raises smaller write_buffer_size valu
 # way). Past it the write fails (the store answers UNAVAILABLE / evicts the demoted page): a flush
 # that cannot finish (disk full) must not hang the writer, and with it the store's lock, for good.
 WRITE_STALL_TIMEOUT_S = 10.0
+# How long a write waits instead while the tier is stalled (a write stalled out, none taken since).
+STALLED_TRY_S = 0.05
+
+
+# What a write stop is, for the error a caller passes on: RocksDB stops writes (no_slowdown: the
+# "Write stall" status) while a column family's memtables are all full and flushing, or while its L0
+# holds L0_STOP_WRITES_TRIGGER files awaiting compaction.
+STALL_CAUSE = (
+    "RocksDB write stop: memtables full with a flush not finishing, "
+    f"or {L0_STOP_WRITES_TRIGGER} L0 files awaiting compaction"
+)
 
 
 class WriteStalled(Exception):
-    """RocksDB did not take a write within WRITE_STALL_TIMEOUT_S: its memtables stayed full."""
+    """RocksDB took no write for write_stall_timeout_s (a write stop, STALL_CAUSE); or, while the tier
+    is stalled (a write stalled out and none has gone through since), for STALLED_TRY_S."""
 
 
 def _is_stall(exc: Exception) -> bool:
@@ -94,6 +106,13 @@ class SsdTier:
         self._registry_write = WriteOptions()
         self._registry_write.no_slowdown = True  # type: ignore[method-assign,assignment]
         self.write_stall_timeout_s = WRITE_STALL_TIMEOUT_S
+        # Write-stop accounting (GetKvStats): writes that met a stop and waited, writes that failed
+        # on one (WriteStalled), seconds spent waiting. `stalled`: a write stalled out and none has
+        # gone through since; then a write waits STALLED_TRY_S only (see _write).
+        self.write_stalls = 0
+        self.write_stall_failures = 0
+        self.write_stall_seconds = 0.0
+        self.stalled = False
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
         # that checks every page against its own checksum (the store does by default) turns them off.
@@ -174,21 +193,40 @@ class SsdTier:
         (memtables full, a flush under way: the per column family cap at work; L0 at its stop
         trigger), sleeping between tries so the flush and compaction threads and every other Python
         thread run; WriteStalled after write_stall_timeout_s. (RocksDB is configured never to delay
-        writes, only to stop them: see __init__.)"""
-        deadline = time.monotonic() + self.write_stall_timeout_s
+        writes, only to stop them: see __init__.)
+
+        Once a write has stalled out, the tier counts as stalled until a write goes through: each
+        write meanwhile is retried for STALLED_TRY_S only (long enough for a memtable switch), then
+        fails (WriteStalled). The caller holds the store's lock: waiting out the timeout again for
+        every demoted page, page delete and owner record of a sustained stop (a compaction that
+        cannot keep up, a full disk) kept every Get and Exists, DRAM hits included, waiting on that
+        lock for 10 s per write."""
+        start = time.monotonic()
+        wait = min(STALLED_TRY_S, self.write_stall_timeout_s) if self.stalled else self.write_stall_timeout_s
+        deadline = start + wait
         pause = 0.001
+        stopped = False
         while True:
             try:
                 write(opts)
-                return
             except Exception as exc:
                 if not _is_stall(exc):
                     raise
-                if time.monotonic() >= deadline:
-                    raise WriteStalled(
-                        f"RocksDB memtables stayed full for {self.write_stall_timeout_s:.0f} s "
-                        f"(a flush is not finishing): {exc}"
-                    ) from exc
+                if not stopped:
+                    stopped = True
+                    self.write_stalls += 1
+                now = time.monotonic()
+                if now >= deadline:
+                    self.write_stall_seconds += now - start
+                    self.write_stall_failures += 1
+                    since = "since an earlier write stalled out, " if self.stalled else ""
+                    self.stalled = True
+                    raise WriteStalled(f"{STALL_CAUSE}; no write taken {since}for {wait:g} s ({exc})") from exc
+            else:
+                if stopped:
+                    self.write_stall_seconds += time.monotonic() - start
+                self.stalled = False
+                return
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 

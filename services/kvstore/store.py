@@ -113,6 +113,18 @@ class KvStats:
     # _IDLE_COLUMN_FAMILIES recently written empty ones (the default one not counted).
     column_families: int = 0
     memtable_bytes: int = 0  # rocksdb.cur-size-all-mem-tables over all column families, default included
+    flush_failures: int = 0  # DRAM pages flush_to_ssd (a graceful stop) could not write to SSD
+    # RocksDB write stops (SsdTier): writes that met one and waited, writes that failed on one
+    # (WriteStalled: a Put answered UNAVAILABLE, a demotion evicted, a delete left pending), seconds waited.
+    write_stalls: int = 0
+    write_stall_failures: int = 0
+    write_stall_seconds: float = 0.0
+    # Pages whose SSD record RocksDB refused to delete or rewrite (a write stop, a full disk): the
+    # index in memory is right, the disk catches up when a later try goes through.
+    pending_ssd_records: int = 0
+    # Pages that know their predecessor in the chain the last Exists found (_Entry.prev): at most one
+    # per page, so Exists cannot grow memory beyond the pages stored.
+    chain_links: int = 0
 
 
 @dataclass
@@ -125,12 +137,15 @@ class _Entry:
     # Put (or claimed) without a request id at least once: its writer expects it kept until capacity
     # evicts it, so releasing its named owners never deletes it. Never cleared: no Release names it.
     anonymous: bool = False
-    # The chain the last Exists found this page in (the stored prefix it asked about, head first,
-    # shared by the chain's entries) and the page's index in it: a Get in several parts (one per
-    # client stream) touches the pages before its part too (touch_tail_first), whichever part ends
-    # last. Not persisted: only LRU order depends on it.
-    chain: tuple[bytes, ...] = ()
-    chain_pos: int = 0
+    # The page before this one in the chain the last Exists found it in (None: first page, or no
+    # Exists yet): a Get in several parts (one per client stream) touches the pages before its part
+    # too (touch_tail_first), whichever part ends last, by following these links. One link per page:
+    # a page hash names its whole prefix, so its predecessor is one page whatever chain asked. (It
+    # was the whole chain as a tuple shared by its entries: a page kept the tuple of the last Exists
+    # through it, so chains that overlap, every request of a group through the shared prompt, or one
+    # client asking ever shorter prefixes, held the chain again each, O(n^2) hashes for n pages, in
+    # no budget.) Not persisted: only LRU order depends on it.
+    prev: bytes | None = None
 
 
 @dataclass
@@ -306,6 +321,13 @@ class KvStore:
         self._released_requests: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._late_puts = 0
         self._flush_failures = 0  # DRAM pages flush_to_ssd could not write (logged)
+        # Pages whose SSD record (page and metadata) disagrees with the index because RocksDB refused
+        # the delete or the owner-record rewrite (a write stop, a full disk); oldest first. Retried
+        # (_reconcile_ssd) on every Release, flush and close: left alone, a released page's record
+        # kept naming its released owner, and recovery brought the page back owned by a request
+        # that would never release it again (and while running, its bytes were on disk uncounted).
+        self._pending_ssd: OrderedDict[Key, None] = OrderedDict()
+        self._chain_links = 0
         self._closed = False
         try:
             self._recover()
@@ -463,7 +485,15 @@ class KvStore:
             same = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=order)
             for old in same[: max(0, len(same) - self.keep_versions)]:
                 if order(old) < order(ns):
-                    self._drop_locked(old.name)
+                    try:
+                        self._drop_locked(old.name)
+                    except Exception:
+                        # RocksDB refused the tombstone record (a write stop, a full disk): nothing
+                        # changed, the old version stays live (LRU evicts its pages) and the next
+                        # version created in the family drops it. The new one's Put goes on.
+                        self._meta_write_failures += 1
+                        log.warning("dropping a superseded version failed; it stays for now", exc_info=True,
+                                    extra=kv(namespace=old.name, newer=name))
         return ns
 
     def drop_namespace(self, name: str) -> int:
@@ -474,10 +504,16 @@ class KvStore:
             return self._drop_locked(name)
 
     def _drop_locked(self, name: str) -> int:
-        ns = self._namespaces.pop(name, None)
+        """Raises (nothing changed) when RocksDB refuses the tombstone record; a failed column
+        family drop after it is logged: recovery drops the column family of a tombstoned name."""
+        ns = self._namespaces.get(name)
         seq = ns.seq if ns is not None else next(self._seq)
-        self._tombstones.add(name)
+        # The record first: a refused one leaves the namespace as it was. (Written after the pages
+        # had left the accounting, a refusal left them in DRAM and the SSD LRU under a namespace
+        # no longer indexed.)
         self._ssd.put_registry(name, json.dumps({"seq": seq, "dropped": True}).encode())
+        self._namespaces.pop(name, None)
+        self._tombstones.add(name)
         self._ssd_recent.pop(name, None)
         self._idle.pop(name, None)
         family = family_of(name)
@@ -485,13 +521,20 @@ class KvStore:
             self._compact_tombstones(family)
         if ns is None:
             return 0
-        for page_hash in ns.entries:
+        for page_hash, entry in ns.entries.items():
             key = (name, page_hash)
             self._dram.pop(key)
+            self._pending_ssd.pop(key, None)  # its record goes with the column family
+            if entry.prev is not None:
+                self._chain_links -= 1
             size = self._ssd_lru.pop(key, None)
             if size is not None:
                 self._ssd_bytes -= size
-        self._ssd.drop_namespace(name)
+        try:
+            self._ssd.drop_namespace(name)
+        except Exception:
+            log.warning("dropping a dropped version's column family failed; recovery drops it", exc_info=True,
+                        extra=kv(namespace=name))
         self._dropped += 1
         log.info("namespace dropped", extra=kv(namespace=name, pages=len(ns.entries)))
         return len(ns.entries)
@@ -577,7 +620,12 @@ class KvStore:
                 raise InvalidArgument(
                     f"{ALGORITHM} of data is {actual:#018x}, message says {checksum:#018x}", field="checksum"
                 )
-            ns = found if found is not None else self._create_namespace(namespace, layout)
+            if found is None:
+                try:
+                    found = self._create_namespace(namespace, layout)
+                except Exception as exc:  # RocksDB refused the registry record: nothing created
+                    raise ssd_write_error(exc, "namespace") from exc
+            ns = found
             key: Key = (namespace, page_hash)
             owners = {request_id} if request_id else set()
             anonymous = not request_id
@@ -700,11 +748,17 @@ class KvStore:
         dropped too early (a cache miss). So a failed write (disk full, I/O error) is logged, not
         raised: raising would fail a claim or a Release half done, as INTERNAL."""
         try:
+            if self._ssd.stalled:  # as in _delete_ssd
+                raise WriteStalled("the SSD tier is stalled")
             self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
         except Exception:
             self._meta_write_failures += 1
-            log.warning("SSD owner record write failed; the index in memory stays correct", exc_info=True,
+            self._pend_ssd((namespace, page_hash))  # _reconcile_ssd writes it again
+            log.warning("SSD owner record write failed; the index in memory stays correct, retried later",
+                        exc_info=True,
                         extra=kv(namespace=namespace, page=page_hash.hex(), failures=self._meta_write_failures))
+            return
+        self._pending_ssd.pop((namespace, page_hash), None)
 
     def _demote(self, key: Key, data: Buffer) -> None:
         ns = self._namespaces.get(key[0])
@@ -729,6 +783,7 @@ class KvStore:
         # which is then dropped like any idle one once the namespace stops being recent.
         self._note_ssd_write(key[0])
         self._ssd.put(key[0], key[1], data, _encode_meta(entry))
+        self._pending_ssd.pop(key, None)  # the page and its record are written whole
         entry.on_ssd = True
         self._ssd_lru[key] = entry.size
         self._ssd_bytes += entry.size
@@ -793,6 +848,8 @@ class KvStore:
         entry = ns.entries.pop(key[1], None) if ns is not None else None
         self._dram.pop(key)
         was_on_ssd = self._forget_ssd_copy(key)
+        if entry is not None and entry.prev is not None:
+            self._chain_links -= 1
         if ns is not None and entry is not None:
             for owner in entry.owners:
                 pages = ns.by_owner.get(owner)
@@ -809,17 +866,50 @@ class KvStore:
             self._note_empty(ns.name)
 
     def _delete_ssd(self, key: Key) -> None:
-        """Deletes a page's SSD copy. A failed delete (a full disk: RocksDB then refuses every
-        write, deletes included) is logged and counted, not raised: the index and the accounting in
-        memory are already right, and raising would fail the Put or Release that freed the page half
-        done (a Release could then never make room on a full disk). The bytes stay on disk until a
-        later recovery finds the record of a page nobody asks for."""
+        """Deletes a page's SSD copy. A failed delete (a write stop, a full disk: RocksDB then
+        refuses every write, deletes included) is logged and counted, not raised: the index and the
+        accounting in memory are already right, and raising would fail the Put or Release that freed
+        the page half done (a Release could then never make room on a full disk). The page is left
+        pending (_reconcile_ssd retries the delete): its record still names the owners it had, and
+        a restart would bring it back owned by requests that released it."""
         try:
+            if self._ssd.stalled:  # each try would cost STALLED_TRY_S under the lock; _reconcile_ssd probes
+                raise WriteStalled("the SSD tier is stalled")
             self._ssd.delete(*key)
         except Exception:
             self._meta_write_failures += 1
-            log.warning("SSD page delete failed; the index in memory stays correct", exc_info=True,
+            self._pend_ssd(key)
+            log.warning("SSD page delete failed; the index in memory stays correct, retried later", exc_info=True,
                         extra=kv(namespace=key[0], page=key[1].hex(), failures=self._meta_write_failures))
+            return
+        self._pending_ssd.pop(key, None)
+
+    def _pend_ssd(self, key: Key) -> None:
+        self._pending_ssd[key] = None
+        self._pending_ssd.move_to_end(key)
+
+    def _reconcile_ssd(self, limit: int = 256) -> int:
+        """Retries the SSD records RocksDB refused to delete or rewrite (oldest first, at most
+        `limit`), making each agree with the index: a page no tier indexes on SSD any more is
+        deleted, one still on SSD gets its current owner record. Stops at the first failure: the
+        disk still refuses writes, and with the tier stalled each try costs little (SsdTier._write).
+        Idempotent: a record already right is written again to the same effect. Returns how many
+        are still pending. Lock held."""
+        for _ in range(min(limit, len(self._pending_ssd))):
+            key = next(iter(self._pending_ssd))
+            ns = self._namespaces.get(key[0])
+            entry = ns.entries.get(key[1]) if ns is not None else None
+            try:
+                if entry is not None and entry.on_ssd:
+                    self._ssd.put_meta(key[0], key[1], _encode_meta(entry))
+                else:
+                    self._ssd.delete(*key)
+            except Exception as exc:
+                self._pending_ssd.move_to_end(key)
+                log.debug("SSD record still refused", extra=kv(namespace=key[0], page=key[1].hex(), error=str(exc)))
+                break
+            del self._pending_ssd[key]
+        return len(self._pending_ssd)
 
     def _touch(self, key: Key, entry: _Entry) -> None:
         entry.seq = next(self._seq)
@@ -838,8 +928,10 @@ class KvStore:
         concurrent streams, each a contiguous run. The part that ends last would leave its pages the
         most recently used, and when that is a later part, the chain's head goes before its tail
         again. So the pages before the part's first one in the chain the last Exists found (the
-        client asks Exists for the whole chain before it fetches) are touched after it, tail first:
-        whichever part ends last, the chain ends up ordered head most recent."""
+        client asks Exists for the whole chain before it fetches; _Entry.prev) are touched after it,
+        tail first: whichever part ends last, the chain ends up ordered head most recent. The walk
+        stops at a page no longer stored, and at a page it already went through (links set by
+        Exists calls naming hashes in other orders can form a cycle)."""
         with self._lock:
             ns = self._namespaces.get(namespace)
             if ns is None:
@@ -849,12 +941,17 @@ class KvStore:
                 if entry is not None:
                     self._touch((namespace, page_hash), entry)
             first = ns.entries.get(page_hashes[0]) if with_head and page_hashes else None
-            if first is None or not first.chain or first.chain[first.chain_pos] != page_hashes[0]:
+            if first is None:
                 return
-            for page_hash in reversed(first.chain[: first.chain_pos]):
-                entry = ns.entries.get(page_hash)
-                if entry is not None:
-                    self._touch((namespace, page_hash), entry)
+            seen = {page_hashes[0]}
+            prev = first.prev
+            while prev is not None and prev not in seen:
+                entry = ns.entries.get(prev)
+                if entry is None:
+                    break
+                seen.add(prev)
+                self._touch((namespace, prev), entry)
+                prev = entry.prev
 
     # ---------------------------------------------------------------- reads
     def get_page(self, namespace: str, page_hash: bytes) -> tuple[Buffer, int] | None:
@@ -932,12 +1029,12 @@ class KvStore:
                     break
                 found.append(entry)
             n = len(found)
-            if n > 1:
-                # Shared by the entries (one tuple per Exists); a later Exists through a page
-                # replaces its reference, so a tuple lives only while a page of it has no newer one.
-                chain = tuple(page_hashes[:n])
-                for pos, entry in enumerate(found):
-                    entry.chain, entry.chain_pos = chain, pos
+            # One link per page (_Entry.prev), replaced by a later Exists through it.
+            for pos in range(1, n):
+                entry = found[pos]
+                if entry.prev is None:
+                    self._chain_links += 1
+                entry.prev = page_hashes[pos - 1]
             self.touch_tail_first(namespace, page_hashes[:n])
             return n
 
@@ -952,6 +1049,8 @@ class KvStore:
         _check_name(namespace, "namespace")
         _check_name(request_id, "request_id")
         with self._lock:
+            # SSD records an earlier refusal left disagreeing with the index (a retried Release too).
+            self._reconcile_ssd()
             if not page_hashes:
                 # The request is over (a whole release): refuse its offloads still in flight. Also
                 # where it owns nothing here: its late offload may be the first to reach this replica.
@@ -999,6 +1098,12 @@ class KvStore:
                 meta_write_failures=self._meta_write_failures,
                 column_families=len(self._ssd.namespaces()),
                 memtable_bytes=self._ssd.memtable_bytes(),
+                flush_failures=self._flush_failures,
+                write_stalls=self._ssd.write_stalls,
+                write_stall_failures=self._ssd.write_stall_failures,
+                write_stall_seconds=self._ssd.write_stall_seconds,
+                pending_ssd_records=len(self._pending_ssd),
+                chain_links=self._chain_links,
             )
 
     def namespace_layout(self, namespace: str) -> KVLayout | None:
@@ -1018,6 +1123,7 @@ class KvStore:
         A write that stalled (WriteStalled: RocksDB takes no writes, e.g. a full disk) ends the
         flush: every page after it would wait out the stall timeout too."""
         with self._lock:
+            self._reconcile_ssd(limit=len(self._pending_ssd))
             n = failed = 0
             pending = [(cast(Key, key), data) for key, data in self._dram.items()]
             for i, (key, data) in enumerate(pending):
