@@ -35,6 +35,7 @@ def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
         incarnation=d.incarnation,
         reset=d.reset,
         reused=d.reused,
+        reused_epoch=d.reused_epoch,
         expired=d.expired,
     )
 
@@ -97,7 +98,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             groups=s.groups, history_keys=s.history_keys, indexed_tokens=s.indexed_tokens,
             memory_bytes=s.memory_bytes, memory_budget_bytes=s.memory_budget_bytes,
             bytes_per_token=s.bytes_per_token, evicted_history=s.evicted_history, expired_groups=s.expired_groups,
-            evicted_groups=s.evicted_groups)
+            evicted_groups=s.evicted_groups, remembered_ids_bytes=s.remembered_ids_bytes)
 
 
 def add_servicers(store: DraftStore, backfill: HistoryBackfill | None = None) -> Callable[[grpc.Server], list[str]]:

@@ -27,8 +27,11 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   reset=True, so the mirror rebuilds instead of applying a foreign log from its middle. When the
   caller's incarnation is one this server saw complete before the id was registered again (a
   resubmitted batch id), the reset also says reused=True: the caller's old responses are another
-  run's and must not be resent. After a restart nothing is known of older incarnations: reused is
-  False and the workers resend their responses (the same run's, re-creating the group).
+  run's and must not be resent. It carries reused_epoch, the largest append epoch the old
+  incarnation took: the caller's requests of a larger epoch are the new run's (dispatched after the
+  resubmission), even the ones that ended on its stale mirror. After a restart nothing is known of
+  older incarnations: reused is False and the workers resend their responses (the same run's,
+  re-creating the group).
 - seed_history(key, iteration, responses) is idempotent per response (HistoryStore.add: a response
   held for the key loads once, in whatever order, iteration or add; a subset or superset of an
   earlier seed loads only what is new).
@@ -49,6 +52,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import secrets
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -68,8 +72,16 @@ _LOG_TOKEN_BYTES = 36
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
 # Completed incarnations remembered per group id (DraftStore._reused): a watermark of one of them is
 # answered reset + reused. Ids as many as tombstones; per id the newest few (an id reused over and
-# over: a worker's mirror is at most a few incarnations behind).
+# over: a worker's mirror is at most a few incarnations behind), packed as (incarnation, largest
+# epoch) pairs of uint64 in one bytes object.
 _REUSED_PER_ID = 4
+_REUSED = struct.Struct("<QQ")
+# Memory of one remembered id besides its characters (DraftStats.remembered_ids_bytes; tracemalloc,
+# tests/draft/test_client_reused_epoch.py): a tombstone's OrderedDict entry and key string; a reused
+# record's entry, key string and bytes object besides its pairs (16 bytes each). The key string is
+# shared when an id is in both, and counted in both (an upper bound).
+_TOMBSTONE_BYTES = 180
+_REUSED_ID_BYTES = 220
 _EPOCH_BYTES = 100  # a request's entry in _Group.epochs
 _EXPIRY_SLACK = 64  # stale expiry heap entries allowed beyond the live groups' count (DraftStore._expiry)
 # Memory budget: everything a write adds to a group (index growth, bounded by GroupIndex; its log
@@ -104,6 +116,9 @@ class GroupDelta:
     # With reset: the caller's incarnation completed here and the id was registered again (another
     # run): its responses must not be resent into this one.
     reused: bool = False
+    # With reused: the largest append epoch the caller's incarnation took (0 = unknown): the
+    # caller's requests of a larger epoch are the new run's.
+    reused_epoch: int = 0
     expired: bool = False  # with gone: expired or evicted here (not lost in a restart)
 
 
@@ -118,6 +133,8 @@ class DraftStats:
     evicted_history: int
     expired_groups: int
     evicted_groups: int = 0
+    # Tombstones and remembered completed incarnations (outside memory_bytes and the budget).
+    remembered_ids_bytes: int = 0
 
 
 @dataclass
@@ -227,8 +244,12 @@ class DraftStore:
         # incarnation, expired or evicted), newest last. A reset of one of them is the id used
         # again by another run, not a restart: its workers must not resend the old responses (they
         # are history, and would become the new run's). Bounded like the tombstones: an id dropped
-        # from here is answered as unknown (resend), as before GroupDelta.reused.
-        self._reused: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # from here is answered as unknown (resend), as before GroupDelta.reused. Each incarnation
+        # with the largest epoch it took (GroupDelta.reused_epoch), _REUSED-packed.
+        self._reused: OrderedDict[str, bytes] = OrderedDict()
+        # Estimated memory of _expired and _reused (DraftStats.remembered_ids_bytes), kept by
+        # _tombstone and _remember_reused.
+        self._remembered_bytes = 0
         self._expired_count = 0
         self._evicted_groups = 0
         self._next_sweep = 0.0
@@ -326,7 +347,8 @@ class DraftStore:
             iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
             self._add_group(_Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
                                    _incarnation(), len(history)))
-            self._expired.pop(group_id, None)
+            if self._expired.pop(group_id, None) is not None:
+                self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
                                                   history=len(history), ttl_s=ttl))
             return True, len(history)
@@ -636,9 +658,10 @@ class DraftStore:
                     raise InvalidArgument(f"watermark {wm} is ahead of the group's {g.watermark}",
                                           field=f"groups[{i}].watermark")
                 if wm == 0 or reset:
+                    old = self._reused_epoch(gid, inc) if reset else None
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt,
                                           tuple(g.index.history_tokens(g.history_count)), incarnation=g.incarnation,
-                                          reset=reset, reused=reset and inc in self._reused.get(gid, ())))
+                                          reset=reset, reused=old is not None, reused_epoch=old or 0))
                 else:
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log[wm - 1 :]), incarnation=g.incarnation))
         return out
@@ -691,12 +714,33 @@ class DraftStore:
         g.requeue = None
         self._compact_expiry()
         if g.completed:
-            # Whatever comes under this id next is another run (a completed group's responses are
-            # history): a worker still following this incarnation is told so (sync: reused).
-            known = self._reused.pop(g.group_id, ())
-            self._reused[g.group_id] = (*known, g.incarnation)[-_REUSED_PER_ID:]
-            while len(self._reused) > _TOMBSTONES:
-                self._reused.popitem(last=False)
+            self._remember_reused(g)
+
+    def _remember_reused(self, g: _Group) -> None:
+        """Whatever comes under a completed group's id next is another run (its responses are
+        history): a worker still following this incarnation is told so (sync: reused), with the
+        largest epoch it took. Every attempt of this run that wrote here had an epoch at most that
+        (the newest per request is kept, and older ones are refused below it), and the new run's
+        attempts are dispatched after it was submitted, so with larger epochs (the scheduler's
+        clock increases over all requests)."""
+        known = self._reused.pop(g.group_id, b"")
+        if known:
+            self._remembered_bytes -= _REUSED_ID_BYTES + len(g.group_id) + len(known)
+        newest = _REUSED.pack(g.incarnation, max(g.epochs.values(), default=0))
+        entry = (known + newest)[-_REUSED_PER_ID * _REUSED.size :]
+        self._reused[g.group_id] = entry
+        self._remembered_bytes += _REUSED_ID_BYTES + len(g.group_id) + len(entry)
+        while len(self._reused) > _TOMBSTONES:
+            gid, dropped = self._reused.popitem(last=False)
+            self._remembered_bytes -= _REUSED_ID_BYTES + len(gid) + len(dropped)
+
+    def _reused_epoch(self, group_id: str, incarnation: int) -> int | None:
+        """The largest epoch of the id's completed incarnation `incarnation`, None when it is not
+        remembered as one (caller holds the lock)."""
+        for inc, epoch in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
+            if inc == incarnation:
+                return int(epoch)
+        return None
 
     def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
         """An upper bound of a new group's memory: its index of the prompt and the key's history."""
@@ -731,9 +775,12 @@ class DraftStore:
     # ---- expiry ---------------------------------------------------------------------------------
 
     def _tombstone(self, group_id: str, completed: bool) -> None:
+        if group_id not in self._expired:
+            self._remembered_bytes += _TOMBSTONE_BYTES + len(group_id)
         self._expired[group_id] = completed
         while len(self._expired) > _TOMBSTONES:
-            self._expired.popitem(last=False)
+            gid, _ = self._expired.popitem(last=False)
+            self._remembered_bytes -= _TOMBSTONE_BYTES + len(gid)
 
     def _requeue_expiry(self, g: _Group) -> None:
         """A live group's deadline moved before its heap entry's (_Group.expires_at): a new entry
@@ -820,6 +867,7 @@ class DraftStore:
                 evicted_history=self._history.evicted,
                 expired_groups=self._expired_count,
                 evicted_groups=self._evicted_groups,
+                remembered_ids_bytes=self._remembered_bytes,
             )
 
     def index_of(self, group_id: str) -> GroupIndex:

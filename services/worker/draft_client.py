@@ -24,7 +24,10 @@ Every group on the server has an incarnation; a mirror whose incarnation is not 
 server restarted, or the group was created again) is rebuilt from the server's whole group, and
 this worker's own responses are sent again, unless the mirror's incarnation completed (as far as
 the mirror knows, or the reset says reused: the server saw that incarnation complete before another
-run registered the id again); then only what runs here now goes to the new one. Every append
+run registered the id again); then only the new run's requests go to the new one: those whose
+attempt here has a dispatch epoch above the reset's reused_epoch (the largest epoch the old
+incarnation took), running or ended already on the stale mirror, or, without epochs, those running
+here now. Every append
 carries the incarnation its tokens were generated under (0 while the mirror has none: not synced
 yet, or started over to re-create a lost group), so a late append of an old incarnation never
 lands in a group id registered again (a resubmitted batch id brings the same group and request
@@ -106,6 +109,13 @@ class _Mirror:
     # after would be refused the same way).
     must_sync: bool = False
     releasing: bool = False  # released by the worker; kept until its queued appends are acknowledged
+    # GroupDelta.reused_epoch of a reused reset: an attempt running here with an epoch at most this
+    # (1..old_run_epoch) is the old run's; its appends stay in the mirror, never sent to the new run.
+    old_run_epoch: int = 0
+    # Requests whose copy here a Sync delta changed (another writer's tokens) since this worker's
+    # attempt of them last started: not that attempt's copy, so a reused reset never resends one
+    # as the new run's (on a stale mirror, the old run's response came over our ended attempt's).
+    synced_over: set[str] = field(default_factory=set)
 
     @property
     def completed(self) -> bool:
@@ -256,6 +266,11 @@ class DraftClient:
         except InvalidArgument as e:
             log.warning("draft append dropped: %s", e, extra=kv(group_id=group_id, request_id=request_id))
             return
+        if 0 < m.epochs.get(request_id, 0) <= m.old_run_epoch:
+            # An attempt of the run whose incarnation completed (GroupDelta.reused_epoch) still
+            # running here: its tokens are no response of the new incarnation (stamped with the
+            # mirror's, they would land there); they stay local, for its own drafts.
+            return
         m.own.add(request_id)
         if finished:
             m.finished.add(request_id)
@@ -295,6 +310,7 @@ class DraftClient:
             self._groups.move_to_end(group_id)  # recently used: released last
             if epoch:
                 m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
+            m.synced_over.discard(request_id)  # our attempt's copy from here on
             self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True)
             m.active.add(request_id)
 
@@ -672,20 +688,26 @@ class DraftClient:
             # responses must not go into it. Without reused (a restarted server knows nothing of
             # older incarnations) an incomplete mirror's responses are the same run's: resent.
             completed = m.completed or d.reused
-            if completed and not m.active:
+            reused_epoch = d.reused_epoch if d.reused else 0
+            new_run = self._new_run_locked(m, reused_epoch) if completed else set()
+            if completed and not new_run and not m.active:
                 del self._groups[d.group_id]
                 log.info("draft group completed; mirror released for its new incarnation",
                          extra=kv(group_id=d.group_id))
                 return 0
-            old = self._restart_mirror_locked(m, sorted(m.active & m.own))
+            # The copies kept: ours running here (the truth, also an old run's attempt: it drafts
+            # from it) and, for a completed incarnation, the new run's that ended here already.
+            old = self._restart_mirror_locked(m, sorted((m.active & m.own) | new_run))
             # Our queued appends of the old incarnation would be refused (one by one, after their
             # batch): what of them is still ours is resent whole below, under the new one.
             self._pending = [a for a in self._pending
                              if a.group_id != d.group_id or a.incarnation in (0, d.incarnation)]
             if completed:
-                old = None  # only what runs here is ours in the new incarnation (resent below)
-                m.own &= m.active
-                m.finished &= m.active
+                old = None  # only the new run's requests are ours in the new incarnation (resent below)
+                m.own &= new_run
+                m.finished &= new_run
+                m.old_run_epoch = max(m.old_run_epoch, reused_epoch)
+            m.synced_over.clear()  # the copies kept are ours; the reply's deltas below mark again
         if m.watermark == 0 and not m.history_loaded:
             for h in d.history:
                 m.index.add_history(h.token_ids)
@@ -711,7 +733,10 @@ class DraftClient:
                 # differs replaces from its offset: a copy of ours from an abandoned attempt
                 # (tokens beyond what the newer attempt sent) gives way instead of refusing the
                 # newer tokens as an overlap.
-                received += m.index.replace_from(rid, a.offset, a.token_ids)[1]
+                dropped, added = m.index.replace_from(rid, a.offset, a.token_ids)
+                received += added
+                if dropped or added:
+                    m.synced_over.add(rid)
             except InvalidArgument as e:
                 log.warning("draft delta skipped: %s", e, extra=kv(group_id=d.group_id))
         for rid, fin in finished.items():
@@ -741,6 +766,30 @@ class DraftClient:
                     m.index.append(r, 0, toks)
             self._requeue_own(d.group_id, m, sorted(m.active & m.own) + lacking)
         return received
+
+    @staticmethod
+    def _new_run_locked(m: _Mirror, reused_epoch: int) -> set[str]:
+        """Our requests of the run that registered the group id again, after our incarnation
+        completed (caller holds the lock). By dispatch epoch when both are known: the old run's
+        attempts all had epochs at most reused_epoch, the new run's were dispatched later, so with
+        larger ones, whether they run here now or already ended on this stale mirror (a chunk
+        ending at once on a complete output, a short chunk between two ticks: their appends of the
+        old incarnation were refused, and this resend is their only way into the new one). Without
+        (an old server, appends without epochs): the requests running here now, as before.
+        A new run's attempt whose copy the old incarnation's Sync overwrote after it ended here is
+        lost to the new incarnation (as before epochs); resending the old run's tokens as its
+        would be worse."""
+        keep: set[str] = set()
+        for rid in m.own:
+            epoch = m.epochs.get(rid, 0)
+            if reused_epoch and epoch:
+                # Its copy must still be that attempt's: Sync of the old incarnation may have
+                # replaced it after the attempt ended here (the old run's finished response).
+                if epoch > reused_epoch and (rid in m.active or rid not in m.synced_over):
+                    keep.add(rid)
+            elif rid in m.active:
+                keep.add(rid)
+        return keep
 
     def _restart_mirror_locked(self, m: _Mirror, keep: Sequence[str]) -> GroupIndex:
         """The mirror starts over from watermark 0 with the prompt and our copies of `keep`; returns

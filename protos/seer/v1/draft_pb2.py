@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13seer/v1/draft.proto\x12\x07seer.v1\"\xa0\x01\n\rAppendRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"C\n\x0e\x41ppendResponse\x12\x17\n\x0f\x61ppended_tokens\x18\x01 \x01(\x04\x12\x18\n\x10\x64uplicate_tokens\x18\x02 \x01(\x04\"J\n\x0eGroupWatermark\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"j\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x10\n\x08truncate\x18\x05 \x01(\x08\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xf0\x01\n\nGroupDelta\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\'\n\x07\x61ppends\x18\x03 \x03(\x0b\x32\x16.seer.v1.SequenceDelta\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\'\n\x07history\x18\x05 \x03(\x0b\x32\x16.seer.v1.TokenSequence\x12\x0c\n\x04gone\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\x0f\n\x07\x65xpired\x18\t \x01(\x08\x12\x0e\n\x06reused\x18\n \x01(\x08\"6\n\x0bSyncRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.seer.v1.GroupWatermark\"3\n\x0cSyncResponse\x12#\n\x06groups\x18\x01 \x03(\x0b\x32\x13.seer.v1.GroupDelta\"f\n\x12SeedHistoryRequest\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x03\x12)\n\tresponses\x18\x03 \x03(\x0b\x32\x16.seer.v1.TokenSequence\",\n\x13SeedHistoryResponse\x12\x15\n\rnum_responses\x18\x01 \x01(\x05\"\x7f\n\x14RegisterGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nprompt_key\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\"C\n\x15RegisterGroupResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x19\n\x11history_responses\x18\x02 \x01(\x05\"\x16\n\x14GetDraftStatsRequest\"\xea\x01\n\x15GetDraftStatsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x05\x12\x14\n\x0chistory_keys\x18\x02 \x01(\x05\x12\x16\n\x0eindexed_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x01\x12\x17\n\x0f\x65victed_history\x18\x07 \x01(\x03\x12\x16\n\x0e\x65xpired_groups\x18\x08 \x01(\x03\x12\x16\n\x0e\x65victed_groups\x18\t \x01(\x03\x32\xea\x02\n\x0c\x44raftService\x12;\n\x06\x41ppend\x12\x16.seer.v1.AppendRequest\x1a\x17.seer.v1.AppendResponse(\x01\x12\x33\n\x04Sync\x12\x14.seer.v1.SyncRequest\x1a\x15.seer.v1.SyncResponse\x12H\n\x0bSeedHistory\x12\x1b.seer.v1.SeedHistoryRequest\x1a\x1c.seer.v1.SeedHistoryResponse\x12N\n\rRegisterGroup\x12\x1d.seer.v1.RegisterGroupRequest\x1a\x1e.seer.v1.RegisterGroupResponse\x12N\n\rGetDraftStats\x12\x1d.seer.v1.GetDraftStatsRequest\x1a\x1e.seer.v1.GetDraftStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13seer/v1/draft.proto\x12\x07seer.v1\"\xa0\x01\n\rAppendRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"C\n\x0e\x41ppendResponse\x12\x17\n\x0f\x61ppended_tokens\x18\x01 \x01(\x04\x12\x18\n\x10\x64uplicate_tokens\x18\x02 \x01(\x04\"J\n\x0eGroupWatermark\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"j\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x10\n\x08truncate\x18\x05 \x01(\x08\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x86\x02\n\nGroupDelta\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\'\n\x07\x61ppends\x18\x03 \x03(\x0b\x32\x16.seer.v1.SequenceDelta\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\'\n\x07history\x18\x05 \x03(\x0b\x32\x16.seer.v1.TokenSequence\x12\x0c\n\x04gone\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\x0f\n\x07\x65xpired\x18\t \x01(\x08\x12\x0e\n\x06reused\x18\n \x01(\x08\x12\x14\n\x0creused_epoch\x18\x0b \x01(\x04\"6\n\x0bSyncRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.seer.v1.GroupWatermark\"3\n\x0cSyncResponse\x12#\n\x06groups\x18\x01 \x03(\x0b\x32\x13.seer.v1.GroupDelta\"f\n\x12SeedHistoryRequest\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x03\x12)\n\tresponses\x18\x03 \x03(\x0b\x32\x16.seer.v1.TokenSequence\",\n\x13SeedHistoryResponse\x12\x15\n\rnum_responses\x18\x01 \x01(\x05\"\x7f\n\x14RegisterGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nprompt_key\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\"C\n\x15RegisterGroupResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x19\n\x11history_responses\x18\x02 \x01(\x05\"\x16\n\x14GetDraftStatsRequest\"\x88\x02\n\x15GetDraftStatsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x05\x12\x14\n\x0chistory_keys\x18\x02 \x01(\x05\x12\x16\n\x0eindexed_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x01\x12\x17\n\x0f\x65victed_history\x18\x07 \x01(\x03\x12\x16\n\x0e\x65xpired_groups\x18\x08 \x01(\x03\x12\x16\n\x0e\x65victed_groups\x18\t \x01(\x03\x12\x1c\n\x14remembered_ids_bytes\x18\n \x01(\x03\x32\xea\x02\n\x0c\x44raftService\x12;\n\x06\x41ppend\x12\x16.seer.v1.AppendRequest\x1a\x17.seer.v1.AppendResponse(\x01\x12\x33\n\x04Sync\x12\x14.seer.v1.SyncRequest\x1a\x15.seer.v1.SyncResponse\x12H\n\x0bSeedHistory\x12\x1b.seer.v1.SeedHistoryRequest\x1a\x1c.seer.v1.SeedHistoryResponse\x12N\n\rRegisterGroup\x12\x1d.seer.v1.RegisterGroupRequest\x1a\x1e.seer.v1.RegisterGroupResponse\x12N\n\rGetDraftStats\x12\x1d.seer.v1.GetDraftStatsRequest\x1a\x1e.seer.v1.GetDraftStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSEQUENCE']._serialized_start=448
   _globals['_TOKENSEQUENCE']._serialized_end=482
   _globals['_GROUPDELTA']._serialized_start=485
-  _globals['_GROUPDELTA']._serialized_end=725
-  _globals['_SYNCREQUEST']._serialized_start=727
-  _globals['_SYNCREQUEST']._serialized_end=781
-  _globals['_SYNCRESPONSE']._serialized_start=783
-  _globals['_SYNCRESPONSE']._serialized_end=834
-  _globals['_SEEDHISTORYREQUEST']._serialized_start=836
-  _globals['_SEEDHISTORYREQUEST']._serialized_end=938
-  _globals['_SEEDHISTORYRESPONSE']._serialized_start=940
-  _globals['_SEEDHISTORYRESPONSE']._serialized_end=984
-  _globals['_REGISTERGROUPREQUEST']._serialized_start=986
-  _globals['_REGISTERGROUPREQUEST']._serialized_end=1113
-  _globals['_REGISTERGROUPRESPONSE']._serialized_start=1115
-  _globals['_REGISTERGROUPRESPONSE']._serialized_end=1182
-  _globals['_GETDRAFTSTATSREQUEST']._serialized_start=1184
-  _globals['_GETDRAFTSTATSREQUEST']._serialized_end=1206
-  _globals['_GETDRAFTSTATSRESPONSE']._serialized_start=1209
-  _globals['_GETDRAFTSTATSRESPONSE']._serialized_end=1443
-  _globals['_DRAFTSERVICE']._serialized_start=1446
-  _globals['_DRAFTSERVICE']._serialized_end=1808
+  _globals['_GROUPDELTA']._serialized_end=747
+  _globals['_SYNCREQUEST']._serialized_start=749
+  _globals['_SYNCREQUEST']._serialized_end=803
+  _globals['_SYNCRESPONSE']._serialized_start=805
+  _globals['_SYNCRESPONSE']._serialized_end=856
+  _globals['_SEEDHISTORYREQUEST']._serialized_start=858
+  _globals['_SEEDHISTORYREQUEST']._serialized_end=960
+  _globals['_SEEDHISTORYRESPONSE']._serialized_start=962
+  _globals['_SEEDHISTORYRESPONSE']._serialized_end=1006
+  _globals['_REGISTERGROUPREQUEST']._serialized_start=1008
+  _globals['_REGISTERGROUPREQUEST']._serialized_end=1135
+  _globals['_REGISTERGROUPRESPONSE']._serialized_start=1137
+  _globals['_REGISTERGROUPRESPONSE']._serialized_end=1204
+  _globals['_GETDRAFTSTATSREQUEST']._serialized_start=1206
+  _globals['_GETDRAFTSTATSREQUEST']._serialized_end=1228
+  _globals['_GETDRAFTSTATSRESPONSE']._serialized_start=1231
+  _globals['_GETDRAFTSTATSRESPONSE']._serialized_end=1495
+  _globals['_DRAFTSERVICE']._serialized_start=1498
+  _globals['_DRAFTSERVICE']._serialized_end=1860
 # @@protoc_insertion_point(module_scope)

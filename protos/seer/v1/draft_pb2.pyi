@@ -65,7 +65,7 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
-    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired", "reused")
+    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired", "reused", "reused_epoch")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class GroupDelta(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
+    REUSED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     watermark: int
     appends: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
@@ -86,7 +87,8 @@ class GroupDelta(_message.Message):
     reset: bool
     expired: bool
     reused: bool
-    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ..., reused: _Optional[bool] = ...) -> None: ...
+    reused_epoch: int
+    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ..., reused: _Optional[bool] = ..., reused_epoch: _Optional[int] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("groups",)
@@ -143,7 +145,7 @@ class GetDraftStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDraftStatsResponse(_message.Message):
-    __slots__ = ("groups", "history_keys", "indexed_tokens", "memory_bytes", "memory_budget_bytes", "bytes_per_token", "evicted_history", "expired_groups", "evicted_groups")
+    __slots__ = ("groups", "history_keys", "indexed_tokens", "memory_bytes", "memory_budget_bytes", "bytes_per_token", "evicted_history", "expired_groups", "evicted_groups", "remembered_ids_bytes")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_KEYS_FIELD_NUMBER: _ClassVar[int]
     INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,7 @@ class GetDraftStatsResponse(_message.Message):
     EVICTED_HISTORY_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REMEMBERED_IDS_BYTES_FIELD_NUMBER: _ClassVar[int]
     groups: int
     history_keys: int
     indexed_tokens: int
@@ -162,4 +165,5 @@ class GetDraftStatsResponse(_message.Message):
     evicted_history: int
     expired_groups: int
     evicted_groups: int
-    def __init__(self, groups: _Optional[int] = ..., history_keys: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., bytes_per_token: _Optional[float] = ..., evicted_history: _Optional[int] = ..., expired_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ...) -> None: ...
+    remembered_ids_bytes: int
+    def __init__(self, groups: _Optional[int] = ..., history_keys: _Optional[int] = ..., indexed_tokens: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., bytes_per_token: _Optional[float] = ..., evicted_history: _Optional[int] = ..., expired_groups: _Optional[int] = ..., evicted_groups: _Optional[int] = ..., remembered_ids_bytes: _Optional[int] = ...) -> None: ...
