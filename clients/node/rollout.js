@@ -45,7 +45,10 @@ function seconds(key, value, { allowZero }) {
 // "expected NaN" results, far from the option) and "2x" or "1.5" as 2 or 1.
 function count(key, value) {
   const n = /^\s*\d+\s*$/.test(value) ? Number(value) : NaN;
-  if (!Number.isSafeInteger(n) || n < 1) throw new Error(`${key}: must be a positive integer, got ${JSON.stringify(value)}`);
+  // int32 in the protos: a larger value would be encoded modulo 2^32 (4294967298 as 2).
+  if (!Number.isSafeInteger(n) || n < 1 || n > 2147483647) {
+    throw new Error(`${key}: must be a positive integer below 2^31, got ${JSON.stringify(value)}`);
+  }
   return n;
 }
 

@@ -252,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     from seer_client import SeerError
 
+    if not args.timeout > 0:  # NaN too; checked here, or the client named its retry_seconds (from it)
+        print(f"seer rollout: --timeout: must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+
     try:
         prompts = load_prompts(args.prompts, args.limit)
         groups = build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,

@@ -80,3 +80,65 @@ def test_a_result_at_the_limit_still_goes() -> None:
 
     msg = rollout_pb2.StreamResultsResponse(cursor=1, result=rollout_pb2.RolloutResult(token_ids=list(range(1000))))
     assert fits_message(msg, msg.ByteSize()) and not fits_message(msg, msg.ByteSize() - 1)
+
+
+def _store_with_a_left_out_result(make_buffer: Callable[..., BufferHandle], monkeypatch: pytest.MonkeyPatch
+                                  ) -> BufferHandle:
+    """Results 0, 2 and 3 small, result 1 over the send limit."""
+    monkeypatch.setattr(common_server, "MAX_MESSAGE_BYTES", SEND_LIMIT)
+    monkeypatch.setattr(validation, "MAX_RESULT_MESSAGE_BYTES", 64 * 1024 * 1024)
+    buf = make_buffer(max_context=4 * BIG_TOKENS)
+    submit(buf.rollout, "b", [group(group_size=4, max_tokens=2 * BIG_TOKENS)])
+    commit(buf.internal, "b/0/0", 0, [5, 6, 7], STOP)
+    for seq in range(BIG_TOKENS // BIG_CHUNK):
+        last = seq == BIG_TOKENS // BIG_CHUNK - 1
+        commit(buf.internal, "b/0/1", seq, [4 + (i % 14) for i in range(BIG_CHUNK)], STOP if last else CHUNK)
+    commit(buf.internal, "b/0/2", 0, [8, 9], STOP)
+    commit(buf.internal, "b/0/3", 0, [8, 9], STOP)
+    return buf
+
+
+def test_the_client_reports_a_left_out_result_after_resuming_past_it(
+        make_buffer: Callable[..., BufferHandle], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream drops (a buffer restart, a blip) after the result past the left-out one: the
+    client resumes at its cursor, past it, and that stream ends OK. The client still knows from the
+    cursors' gap (the review of session 26: it ended with 3 of 4 results and no error)."""
+    from services.common.errors import Unavailable
+
+    buf = _store_with_a_left_out_result(make_buffer, monkeypatch)
+    real = buf.core.iter_results
+    calls = {"n": 0}
+
+    def flaky(batch_id: str, cursor: int, *a: object, **kw: object):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        first = calls["n"] == 1
+        for idx, r in real(batch_id, cursor, *a, **kw):  # type: ignore[arg-type]
+            yield idx, r
+            if first and idx == 2:
+                raise Unavailable("simulated: connection lost")
+
+    monkeypatch.setattr(buf.core, "iter_results", flaky)
+    got: list[str] = []
+    with SeerClient(buf.address, retry_seconds=5) as c, pytest.raises(SeerError) as info:
+        for r in c.iter_results("b"):
+            got.append(r.request_id)
+    assert calls["n"] == 2
+    assert got == ["b/0/0", "b/0/2", "b/0/3"]
+    assert info.value.code == "RESOURCE_EXHAUSTED" and "cursor(s) 1" in info.value.message, info.value.message
+
+
+def test_a_traced_channel_does_not_retry_past_a_left_out_result(
+        make_buffer: Callable[..., BufferHandle], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traced channel's stream cannot say whether the buffer accepted it, so its final
+    RESOURCE_EXHAUSTED read as the stream limit (retried from the cursor past the left-out result,
+    which then ended OK: the loss unreported)."""
+    from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
+
+    buf = _store_with_a_left_out_result(make_buffer, monkeypatch)
+    ch = grpcext.intercept_channel(grpc.insecure_channel(buf.address), client_interceptor())
+    got: list[str] = []
+    with SeerClient(buf.address, retry_seconds=5, channel=ch) as c, pytest.raises(SeerError) as info:
+        for r in c.iter_results("b"):
+            got.append(r.request_id)
+    assert got == ["b/0/0", "b/0/2", "b/0/3"]
+    assert info.value.code == "RESOURCE_EXHAUSTED" and "'b/0/1'" in info.value.message, info.value.message

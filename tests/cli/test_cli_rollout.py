@@ -108,3 +108,15 @@ def test_main_reports_a_bad_limit(tmp_path: Path, capsys: pytest.CaptureFixture[
                          "--no-progress"])
     assert code == 1
     assert "--limit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["-5", "nan", "0"])
+def test_main_reports_a_bad_timeout_by_its_name(timeout: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the client's error named retry_seconds (derived from --timeout), an option never given.
+    p = tmp_path / "p.txt"
+    p.write_text("a\n")
+    code = rollout.main(["--prompts", str(p), "--group-size", "1", "--max-tokens", "1", "--timeout", timeout,
+                         "--no-progress", "--address", "127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--timeout" in err and "retry_seconds" not in err, err

@@ -77,3 +77,36 @@ def test_an_infinite_call_timeout_is_no_bound(buffer: Buffer) -> None:
         c.submit_batch("inf2", [PromptGroup(prompt=[1, 2], group_size=1, max_tokens=4)])
         assert c.get_batch("inf2").num_requests == 1
         assert c.cancel_batch("inf2") == 1
+
+
+def test_none_and_huge_timeouts_are_no_bound(buffer: Buffer) -> None:
+    """Review of session 26: timeout=None (no deadline, accepted before the checks) was refused,
+    and a finite timeout of 1e10 s or more overflowed gRPC's deadline: the call failed at once."""
+    with SeerClient(buffer.address, timeout=None) as c:  # type: ignore[arg-type]
+        c.submit_batch("none", [PromptGroup(prompt=[1, 2], group_size=1, max_tokens=4)])
+        assert c.get_batch("none").num_requests == 1
+    with SeerClient(buffer.address, timeout=1e12) as c:
+        assert c.get_batch("none").num_requests == 1
+        threading.Timer(0.3, finish_request, args=(buffer.address, "none/0/0")).start()
+        assert [r.request_id for r in c.iter_results("none", timeout=1e15)] == ["none/0/0"]
+
+
+def test_wait_ready_refuses_nan_and_numpy_bools_are_bools(buffer: Buffer) -> None:
+    np = pytest.importorskip("numpy")
+    with SeerClient(buffer.address) as c:
+        with pytest.raises(SeerError) as e:
+            c.wait_ready(float("nan"))  # before: SeerTimeout "not ready after nans" at once
+        assert e.value.code == "INVALID_ARGUMENT" and e.value.message.startswith("timeout:")
+        c.submit_batch("np", [PromptGroup(prompt=[1, 2], group_size=1, max_tokens=4)])
+        assert len(c.get_batch("np", include_requests=np.True_).requests) == 1  # protobuf took it before
+
+
+def test_errors_survive_pickling() -> None:
+    """An error crossing a process boundary (multiprocessing) failed to unpickle: Exception pickles
+    its one formatted arg, which SeerError's __init__ does not take."""
+    import pickle
+
+    for err in (SeerError("NOT_FOUND", "batch_id: no batch 'x'"), SeerTimeout("DEADLINE_EXCEEDED", "after 5s")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and back.code == err.code and back.message == err.message
+        assert str(back) == str(err)

@@ -103,6 +103,8 @@ def test_node_timeout_is_one_deadline_for_the_whole_run(node_client: Path, tok_b
     (("--group-size", "2x"), "--group-size: must be a positive integer"),
     (("--max-tokens", "1.5"), "--max-tokens: must be a positive integer"),
     (("--max-tokens", ""), "--max-tokens: must be a positive integer"),
+    # int32 fields: 4294967298 was encoded as 2.
+    (("--group-size", "4294967298"), "--group-size: must be a positive integer below 2^31"),
 ])
 def test_node_refuses_a_bad_number(node_client: Path, args: tuple[str, str], message: str) -> None:
     # Nothing listens on the address: the run must end on the argument, before any call. Before:

@@ -97,14 +97,21 @@ def _seconds(value: object, field: str, *, allow_zero: bool) -> float:
     return v
 
 
-def _deadline(seconds: float) -> float | None:
-    """A gRPC timeout: inf is None (no deadline). grpc fails a call with timeout=inf at once
-    (DEADLINE_EXCEEDED): its deadline overflows."""
-    return None if seconds == float("inf") else seconds
+# Longer than this is no deadline: gRPC's deadline arithmetic overflows from about 1e10 s on, and
+# the call then fails at once (DEADLINE_EXCEEDED).
+_NO_DEADLINE_S = 1e8
+
+
+def _deadline(seconds: float | None) -> float | None:
+    """A gRPC timeout: None, inf or more than _NO_DEADLINE_S (about 3 years) is None (no deadline)."""
+    return None if seconds is None or seconds > _NO_DEADLINE_S else seconds
 
 
 def _bool(value: object, field: str) -> bool:
-    # protobuf would take 1 or "" silently as well, or raise a bare TypeError for "yes".
+    # protobuf would take 1 or "" silently as well, or raise a bare TypeError for "yes". numpy's
+    # bool_ is a bool (protobuf took it).
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
     if not isinstance(value, bool):
         raise _invalid(field, f"must be a bool, got {value!r}")
     return value
@@ -239,6 +246,12 @@ def _result(resp: rollout_pb2.StreamResultsResponse) -> RolloutResult:
     )
 
 
+def _left_out_message(batch_id: str, cursors: Sequence[int]) -> str:
+    named = ", ".join(str(c) for c in cursors[:20]) + (f" and {len(cursors) - 20} more" if len(cursors) > 20 else "")
+    return (f"batch {batch_id!r}: {len(cursors)} result(s) were left out of the stream by the buffer (over its "
+            f"message size limit; every other result was delivered): cursor(s) {named}")
+
+
 def _accepted(stream: Any) -> bool:
     """Whether the buffer accepted a result stream: it sends headers at once (a refused or failed
     call ends without them). A traced channel's plain generator cannot tell: False."""
@@ -252,14 +265,15 @@ def _accepted(stream: Any) -> bool:
 class SeerClient:
     """`with SeerClient("localhost:50051") as c: c.submit_batch(...); for r in c.iter_results(...)`."""
 
-    def __init__(self, address: str, *, retry_seconds: float = 60.0, timeout: float = 60.0,
+    def __init__(self, address: str, *, retry_seconds: float = 60.0, timeout: float | None = 60.0,
                  keepalive_seconds: float = 30.0, keepalive_timeout_seconds: float = 10.0,
                  channel: grpc.Channel | None = None) -> None:
         self.address = address
         # Checked here, naming the argument: the retry loops compare against them, and a NaN or a
         # string only showed at the first failure (a NaN window retried a dead address forever).
         self.retry_seconds = _seconds(retry_seconds, "retry_seconds", allow_zero=True)
-        self.timeout = _seconds(timeout, "timeout", allow_zero=False)
+        # None: no deadline per call (accepted before these checks), as inf.
+        self.timeout = float("inf") if timeout is None else _seconds(timeout, "timeout", allow_zero=False)
         self._channel = channel or grpc.insecure_channel(
             address, options=_OPTIONS + _keepalive(_positive(keepalive_seconds, "keepalive_seconds"),
                                                    _positive(keepalive_timeout_seconds, "keepalive_timeout_seconds")))
@@ -298,7 +312,8 @@ class SeerClient:
         """Blocks until the buffer reports SERVING for RolloutService; SeerTimeout when `timeout` runs out."""
         health = health_pb2_grpc.HealthStub(self._channel)
         service = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-        deadline = time.monotonic() + timeout
+        # NaN compared False everywhere: "not ready after nans" at once.
+        deadline = time.monotonic() + _seconds(timeout, "timeout", allow_zero=True)
         last = "not reached"
         while time.monotonic() < deadline:
             try:
@@ -378,14 +393,20 @@ class SeerClient:
         down = 0.0
         failing_since: float | None = None
         failures = 0
+        # Cursors the buffer left out (a stored result over its message limit: the next message's
+        # cursor steps past it). The stream's final status names them, but a stream resumed past
+        # one (a reconnect, this client's own retry) no longer does: counted here from the cursor
+        # gaps, and raised once every other result was yielded.
+        left_out: list[int] = []
         while True:
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._timed_out(batch_id, timeout, cursor)
             stream: Any = self._stub.StreamResults(
                 rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor, submission_id=submission_id),
-                timeout=remaining)
+                timeout=_deadline(remaining))
             accepted = False
+            received = False  # a result came on this stream
             try:
                 accepted = _accepted(stream)
                 if accepted and failing_since is not None:
@@ -393,11 +414,16 @@ class SeerClient:
                     failing_since = None
                 for resp in stream:
                     result = _result(resp)
+                    received = True
+                    if result.cursor - 1 > cursor:
+                        left_out.extend(range(cursor, result.cursor - 1))
                     cursor = result.cursor
                     # Pinned at the first result (a buffer before submission ids sends 0: unpinned).
                     submission_id = submission_id or result.submission_id
                     delay, down, failing_since, failures = 0.05, 0.0, None, 0
                     yield result
+                if left_out:
+                    raise SeerError("RESOURCE_EXHAUSTED", _left_out_message(batch_id, left_out))
                 return
             except grpc.RpcError as e:
                 code = e.code()
@@ -405,7 +431,10 @@ class SeerClient:
                     raise self._timed_out(batch_id, timeout, cursor) from None
                 # RESOURCE_EXHAUSTED before the buffer accepted the stream is its stream limit (a
                 # transient state); after, it is a message over the size limit, which a retry repeats.
-                refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted
+                # A result on this stream means it was accepted too, even where _accepted cannot
+                # tell (a traced channel): its RESOURCE_EXHAUSTED names results left out, and a
+                # retry from our cursor (past them) would end OK and lose them.
+                refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted and not received
                 if code not in _RETRYABLE and not refused:
                     raise _error(e) from None
                 now = time.monotonic()
@@ -463,7 +492,7 @@ class SeerClient:
         req = rollout_pb2.CancelBatchRequest(batch_id=_str(batch_id, "batch_id"))
         return int(self._call(lambda: self._stub.CancelBatch(req, timeout=_deadline(self.timeout))).num_cancelled)
 
-    def update_weights(self, version: int, source: str = "", timeout: float = UPDATE_WEIGHTS_TIMEOUT
+    def update_weights(self, version: int, source: str = "", timeout: float | None = UPDATE_WEIGHTS_TIMEOUT
                        ) -> WeightsUpdate:
         """Moves the suite to policy `version`.
 
@@ -472,6 +501,6 @@ class SeerClient:
         is FAILED_PRECONDITION. `timeout` should exceed the buffer's switch_timeout_seconds."""
         req = rollout_pb2.UpdateWeightsRequest(version=_int(version, "version", _INT64),
                                                source=_str(source, "source"))
-        rpc_timeout = _deadline(_seconds(timeout, "timeout", allow_zero=False))
+        rpc_timeout = None if timeout is None else _deadline(_seconds(timeout, "timeout", allow_zero=False))
         resp = self._call(lambda: self._stub.UpdateWeights(req, timeout=rpc_timeout), retry=False)
         return WeightsUpdate(resp.version, resp.num_workers, resp.seconds)

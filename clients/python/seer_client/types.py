@@ -102,6 +102,11 @@ class SeerError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[SeerError], tuple[str, str]]:
+        # Exception pickles its args (the one formatted string), which __init__ does not take: an
+        # error crossing a process boundary (multiprocessing) failed to unpickle.
+        return type(self), (self.code, self.message)
+
 
 class SeerTimeout(SeerError, TimeoutError):
     """A time limit given to the client ran out (code "DEADLINE_EXCEEDED"); also a TimeoutError."""
