@@ -51,6 +51,8 @@ _MIN_MEMTABLE_BYTES = 64 * 1024  # RocksDB raises smaller write_buffer_size valu
 WRITE_STALL_TIMEOUT_S = 10.0
 # How long a write waits instead while the tier is stalled (a write stalled out, none taken since).
 STALLED_TRY_S = 0.05
+# How often a deferrable write is tried anyway while the tier is stalled (SsdTier.may_try).
+STALLED_PROBE_S = 1.0
 
 
 # What a write stop is, for the error a caller passes on: RocksDB stops writes (no_slowdown: the
@@ -113,6 +115,7 @@ class SsdTier:
         self.write_stall_failures = 0
         self.write_stall_seconds = 0.0
         self.stalled = False
+        self._last_probe = 0.0  # may_try's last probe of a stalled tier
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
         # that checks every page against its own checksum (the store does by default) turns them off.
@@ -284,8 +287,24 @@ class SsdTier:
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
         """Rewrites a stored page's metadata (KeyError when its namespace has no column family: the
         page is not on this tier, and a record without its page must not be created)."""
-        cf = self._cfs[namespace]
-        self._write(lambda opts: cf.put(_META + page_hash, meta, opts), self._page_write)
+        if namespace not in self._cfs:
+            raise KeyError(namespace)
+        # The handle is looked up inside the write, not held in a local: a failed write's traceback
+        # (kept by a log record, e.g. a test's log capture) would keep the handle alive past
+        # close(), and rocksdict releases the DB lock only when no handle is alive.
+        self._write(lambda opts: self._cfs[namespace].put(_META + page_hash, meta, opts), self._page_write)
+
+    def may_try(self) -> bool:
+        """Whether a deferrable write (an owner rewrite, a delete) should be tried now: always unless
+        the tier is stalled; then once per STALLED_PROBE_S, so a tier whose only writes are
+        deferrable ones still learns that RocksDB takes writes again."""
+        if not self.stalled:
+            return True
+        now = time.monotonic()
+        if now - self._last_probe < STALLED_PROBE_S:
+            return False
+        self._last_probe = now
+        return True
 
     def get(self, namespace: str, page_hash: bytes) -> bytes | None:
         cf = self._cfs.get(namespace)

@@ -748,7 +748,7 @@ class KvStore:
         dropped too early (a cache miss). So a failed write (disk full, I/O error) is logged, not
         raised: raising would fail a claim or a Release half done, as INTERNAL."""
         try:
-            if self._ssd.stalled:  # as in _delete_ssd
+            if not self._ssd.may_try():  # as in _delete_ssd
                 raise WriteStalled("the SSD tier is stalled")
             self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
         except Exception:
@@ -873,7 +873,7 @@ class KvStore:
         pending (_reconcile_ssd retries the delete): its record still names the owners it had, and
         a restart would bring it back owned by requests that released it."""
         try:
-            if self._ssd.stalled:  # each try would cost STALLED_TRY_S under the lock; _reconcile_ssd probes
+            if not self._ssd.may_try():  # each try costs STALLED_TRY_S under the lock: a probe a second
                 raise WriteStalled("the SSD tier is stalled")
             self._ssd.delete(*key)
         except Exception:

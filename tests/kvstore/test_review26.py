@@ -174,3 +174,32 @@ def test_exists_keeps_one_chain_link_per_page(open_store: Open) -> None:
     assert store.exists(NS, [b, a]) == 2
     assert [d is not None for _h, d, _c in store.get(NS, [a])] == [True]
     assert store.release(NS, "r") == n and store.stats().chain_links == 0
+
+
+def test_a_stalled_tier_whose_only_writes_are_deferrable_learns_it_recovered(
+        open_store: Open, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of session 26: while the tier counted as stalled, owner rewrites and deletes went
+    straight to pending without a try; when those were the only writes (claims, Gets, no DRAM
+    tier), nothing ever found out RocksDB took writes again: the flag stayed, the records on disk
+    kept lacking the new owner. Now a deferrable write is tried once per STALLED_PROBE_S."""
+    from services.kvstore import ssd
+
+    monkeypatch.setattr(ssd, "STALLED_PROBE_S", 0.05)
+    ns = "m@v1"
+    store = open_store(dram_bytes=0)
+    for i in range(4):
+        _put(store, ns, i, "r")
+    store.raw_ssd().write_stall_timeout_s = 0.2
+    _stop_writes(store, ns)
+    data = os.urandom(PAGE_BYTES)
+    with pytest.raises(Exception):  # noqa: B017 - the stalled write's error, whichever type
+        store.put(ns, LAYOUT, _h(ns, 9), data, page_checksum(data), "r")
+    assert store.raw_ssd().stalled
+    _resume_writes(store, ns)
+    for i in range(4):
+        time.sleep(0.06)
+        store.claim(ns, _h(ns, i), "q")
+    assert not store.raw_ssd().stalled
+    owners = {h: m.decode() for h, m in store.raw_ssd().iter_meta(ns)}
+    assert all('"q"' in m for m in owners.values()), owners
+    assert store.stats().pending_ssd_records == 0
