@@ -2,7 +2,7 @@
 
 Use (DESIGN.md section 3, steps 3-4):
 
-    kv = KVClient(["kvstore-0:50061", "kvstore-1:50061"])
+    kv = KVClient(["kvstore-0:50054", "kvstore-1:50054"])
     # chunk start: pull the stored prefix the local prefix cache lacks (no re-prefill after a move)
     pages = kv.fetch_prefix(tokens, engine.model_version, engine.kv_layout,
                             min_tokens=engine.cached_prefix_tokens(tokens))
