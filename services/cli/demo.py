@@ -48,10 +48,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"seer demo: {e}", file=sys.stderr)
         return 1
+    if args.workers < 1:  # a suite without workers would wait out the rollout's hour-long timeout
+        print(f"seer demo: --workers: must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
     say("preparing the embedded model ...")
     model_dir = ensure_embedded_model()
-    suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
-                  chunk_size=args.chunk_size, speculation=args.speculation == "on")
+    try:
+        suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
+                      chunk_size=args.chunk_size, speculation=args.speculation == "on")
+    except ValueError as e:  # --workers, --base-port: a usage error, as in `seer up`, not a traceback
+        print(f"seer demo: {e}", file=sys.stderr)
+        return 2
     say(f"starting the suite ({args.workers} worker(s)) ...")
     try:
         suite.start(keep_data_on_error=True)

@@ -84,6 +84,18 @@ def _metrics_offset(workers: int) -> int:
 _PORT_CLASH_RETRIES = 3
 
 
+def _port_is_free(port: int) -> bool:
+    """Whether a service could bind 127.0.0.1:port now (SO_REUSEADDR, as gRPC's own bind: a port
+    left in TIME_WAIT by the previous run counts as free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -419,6 +431,7 @@ class Suite:
         """
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self._check_fixed_ports()
             # Inside the try: a launch that fails part way stops the services already started.
             for s in self.services.values():
                 s.start()
@@ -431,6 +444,23 @@ class Suite:
             self.stop()
             raise
         return self
+
+    def _check_fixed_ports(self) -> None:
+        """With a fixed --base-port, every port of the layout must be free before anything starts.
+        Otherwise (a second `seer up` on the default ports) the health checks reached the *other*
+        suite's services, which answered SERVING while this suite's processes were still importing,
+        so "suite is up" was printed with the other suite's addresses just before this suite's
+        services failed to bind and stopped it. Free ports (base port 0) were just picked unused."""
+        if not self.base_port:
+            return
+        taken = []
+        for name, s in self.services.items():
+            for what, port in (("port", s.port), ("metrics port", s.metrics_port)):
+                if port and not _port_is_free(port):
+                    taken.append(f"{name} {what} {port}")
+        if taken:
+            raise SuiteError(f"base_port {self.base_port}: in use already: {', '.join(taken)} (another `seer up`? "
+                             "stop it, or choose another --base-port, or 0 for any free ports)")
 
     @staticmethod
     def _check_stop(stop: StopFlag | None) -> None:
@@ -483,10 +513,22 @@ class Suite:
 
     def wait_workers(self, count: int, timeout: float = 120.0, stop: StopFlag | None = None) -> None:
         """Until `count` workers are registered and healthy at the scheduler."""
+        import grpc
+
         deadline = time.monotonic() + timeout
+        last_error = ""
         while True:
             self._check_stop(stop)
-            n = sum(1 for w in self.scheduler_stats().workers if w.healthy)
+            try:
+                n = sum(1 for w in self.scheduler_stats().workers if w.healthy)
+            except grpc.RpcError as e:
+                # A scheduler that crashed (or stalls) while the workers load: before, the RpcError
+                # escaped as a traceback and the data directory, logs included, was removed.
+                sched = self.services["scheduler"]
+                if not sched.alive():
+                    raise SuiteError(f"scheduler: exited with code {sched.returncode}\n{sched.tail()}") from None
+                code = getattr(e, "code", None)
+                n, last_error = 0, f" (the scheduler did not answer: {code().name if callable(code) else e})"
             if n >= count:
                 return
             for name in self.worker_names:
@@ -494,7 +536,7 @@ class Suite:
                 if not s.alive():
                     raise SuiteError(f"{name}: exited with code {s.returncode}\n{s.tail()}")
             if time.monotonic() > deadline:
-                raise SuiteError(f"only {n} of {count} workers registered after {timeout:.0f}s")
+                raise SuiteError(f"only {n} of {count} workers registered after {timeout:.0f}s{last_error}")
             time.sleep(0.2)
 
     def scheduler_stats(self) -> Any:

@@ -59,3 +59,25 @@ def test_demo_shows_an_empty_rollout(capsys: pytest.CaptureFixture[str], monkeyp
     monkeypatch.setattr(demo.rollout, "accuracy", lambda results: None)
     assert demo.main(["--limit", "1"]) == 0
     assert "responses            0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "needle", "model_prepared"), [
+    (["--workers", "0"], "--workers", False),
+    (["--base-port", "70000"], "base_port", True),
+])
+def test_demo_reports_bad_suite_flags_without_a_traceback(
+        flags: list[str], needle: str, model_prepared: bool, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --base-port 70000 (or --workers -1) escaped Suite() as a ValueError traceback, where
+    `seer up` prints the message and exits 2; --workers 0 started a suite that no rollout can finish
+    and waited out the rollout's one-hour timeout."""
+    prepared: list[bool] = []
+
+    def model() -> str:
+        prepared.append(True)
+        return "/x"
+
+    monkeypatch.setattr(demo, "ensure_embedded_model", model)
+    assert demo.main(["--limit", "1", *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert bool(prepared) == model_prepared

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,3 +106,52 @@ def test_a_port_clash_of_this_launch_is_still_relaunched(tmp_path: Path, monkeyp
         assert s.services["scheduler"].alive()
     finally:
         s.stop(timeout=5)
+
+
+def test_a_scheduler_that_dies_while_the_workers_register_is_a_suite_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: wait_workers let the scheduler's grpc.RpcError escape (UNAVAILABLE: its stand-in
+    serves nothing, as a crashed scheduler), so `seer up` died with a traceback and Suite.start's
+    catch-all removed the data directory with the logs that explain the crash."""
+
+    def command(self: up.ServiceProcess) -> list[str]:
+        if self.name == "scheduler":
+            return [sys.executable, "-c", "import sys, time; time.sleep(1.5); sys.stderr.write('scheduler boom\\n');"
+                                          " sys.exit(3)"]
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    monkeypatch.setattr(up.ServiceProcess, "command", command)
+    monkeypatch.setattr(up, "health_status", lambda address, timeout=1.0: "SERVING")
+    monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))  # the suite's own temporary data dir
+    s = up.Suite(workers=1, base_port=0, model_dir="/x", draft=False, kvstore=False)
+    with pytest.raises(up.SuiteError, match="scheduler: exited with code 3") as e:
+        s.start(timeout=20, keep_data_on_error=True)
+    assert "scheduler boom" in str(e.value)
+    assert (s.log_dir / "scheduler.log").exists(), "the logs of the failed start were removed"
+    assert not any(sp.alive() for sp in s.services.values())
+    s.remove_data()
+
+
+def test_a_fixed_port_in_use_is_refused_before_anything_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: with a second `seer up` on the same --base-port, the health checks reached the first
+    suite's services (SERVING) while this suite's were still importing, so "suite is up" came before
+    they failed to bind. Here the other suite's scheduler answers every health check."""
+    started: list[str] = []
+
+    def command(self: up.ServiceProcess) -> list[str]:
+        started.append(self.name)
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    monkeypatch.setattr(up.ServiceProcess, "command", command)
+    monkeypatch.setattr(up, "health_status", lambda address, timeout=1.0: "SERVING")
+    base = up.free_port()
+    while base > 65535 - 400:
+        base = up.free_port()
+    s = up.Suite(workers=0, base_port=base, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False)
+    with socket.socket() as other:  # the other suite's scheduler
+        other.bind(("127.0.0.1", s.services["scheduler"].port))
+        other.listen()
+        with pytest.raises(up.SuiteError, match=f"scheduler port {s.services['scheduler'].port}"):
+            s.start(timeout=5)
+    assert started == [], "services were launched onto ports another process holds"

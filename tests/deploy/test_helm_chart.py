@@ -288,3 +288,29 @@ def test_bad_values_fail_at_render_naming_the_value(chart: Any, values: dict[str
     with pytest.raises(helm.HelmError) as info:
         render(chart, values)
     assert needle in str(info.value), str(info.value)
+
+
+def test_zero_is_a_value_not_unset(chart: Any) -> None:
+    """Before: `| default` took 0 for unset: terminationGracePeriodSeconds 0 rendered 30 and
+    pdb.maxUnavailable 0 rendered 1 (the schema allows both)."""
+    objects = render(chart, {"worker": {"terminationGracePeriodSeconds": 0, "pdb": {"maxUnavailable": 0}}})
+    worker = _by_kind(objects, "Deployment")["seer-worker"]
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 0
+    assert _by_kind(objects, "PodDisruptionBudget")["seer-worker"]["spec"] == {
+        "maxUnavailable": 0, "selector": worker["spec"]["selector"]}
+    # Unset still means the chart's defaults.
+    objects = render(chart, {})
+    assert _by_kind(objects, "Deployment")["seer-scheduler"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] == 30
+    assert _by_kind(objects, "PodDisruptionBudget")["seer-worker"]["spec"]["maxUnavailable"] == 1
+
+
+def test_pdb_with_both_bounds_fails_naming_them(chart: Any) -> None:
+    """Before: `--set buffer.pdb.enabled=true,buffer.pdb.maxUnavailable=1` merged with the default
+    minAvailable: 1, which the template preferred: a budget that never allows evicting the one
+    buffer pod, so every node drain hung, with the user's maxUnavailable silently ignored."""
+    with pytest.raises(helm.HelmError, match=r"buffer\.pdb: minAvailable and maxUnavailable"):
+        render(chart, {"buffer": {"pdb": {"enabled": True, "maxUnavailable": 1}}})
+    # Nulling the default picks the user's bound.
+    objects = render(chart, {"buffer": {"pdb": {"enabled": True, "minAvailable": None, "maxUnavailable": 1}}})
+    assert _by_kind(objects, "PodDisruptionBudget")["seer-buffer"]["spec"]["maxUnavailable"] == 1

@@ -72,7 +72,9 @@ spec:
     spec:
       automountServiceAccountToken: false
       enableServiceLinks: false
-      terminationGracePeriodSeconds: {{ $svc.terminationGracePeriodSeconds | default 30 }}
+      {{- /* hasKey, not `default`: 0 (kill at once) is a value the schema allows, and `default`
+      took it for unset and wrote 30. */}}
+      terminationGracePeriodSeconds: {{ hasKey $svc "terminationGracePeriodSeconds" | ternary $svc.terminationGracePeriodSeconds 30 }}
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
       {{- with $root.Values.global.imagePullSecrets }}
@@ -183,6 +185,12 @@ spec:
             storage: {{ $svc.persistence.size }}
   {{- end }}
 {{- if $svc.pdb.enabled }}
+{{- /* One of the two: values.yaml sets one per component and Helm merges the user's on top, so
+`--set buffer.pdb.maxUnavailable=1` kept the default minAvailable: 1, which took precedence and
+blocked every eviction of the single buffer pod (node drains hang). Unset one with null. */}}
+{{- if and (hasKey $svc.pdb "minAvailable") (hasKey $svc.pdb "maxUnavailable") }}
+{{- fail (printf "%s.pdb: minAvailable and maxUnavailable are both set; a PodDisruptionBudget takes one (set the other to null)" $c) }}
+{{- end }}
 ---
 apiVersion: policy/v1
 kind: PodDisruptionBudget
@@ -195,7 +203,8 @@ spec:
   {{- if hasKey $svc.pdb "minAvailable" }}
   minAvailable: {{ $svc.pdb.minAvailable }}
   {{- else }}
-  maxUnavailable: {{ $svc.pdb.maxUnavailable | default 1 }}
+  {{- /* hasKey, not `default`: maxUnavailable 0 (no voluntary eviction) is a valid choice. */}}
+  maxUnavailable: {{ hasKey $svc.pdb "maxUnavailable" | ternary $svc.pdb.maxUnavailable 1 }}
   {{- end }}
   selector:
     matchLabels:
