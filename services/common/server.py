@@ -7,8 +7,10 @@ its servicers. On SIGTERM/SIGINT: health goes NOT_SERVING, in-flight calls drain
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
@@ -152,24 +154,46 @@ class StopSignal:
     written) took the default action: the process died with in-flight calls cut off and no
     `on_stop` (no RocksDB close, no deregistration). A signal that arrives before the server is up
     is kept, and the server then stops as soon as it is: drain (nothing is in flight yet), `on_stop`,
-    exit 0. Main thread only (Python's `signal.signal` rule).
+    exit 0. A second signal before the server is up exits at once (128 + its number): a start can
+    take long (RocksDB recovery, loading a model), and whoever sends a second Ctrl-C wants out now;
+    nothing is in flight, and RocksDB recovers from an exit like from a kill. Main thread only
+    (Python's `signal.signal` rule); `wait` may be called from any thread.
+
+    The handler only assigns an int: no lock. A threading.Event's set() takes its condition's lock,
+    which the interrupted main thread may hold (inside Event.wait), and would deadlock there.
     """
 
+    _POLL_S = 0.05  # how often wait() looks at the flag
+
     def __init__(self) -> None:
-        self._requested = threading.Event()
+        self._signum = 0
+        self._serving = False  # serve_until_signal reached: a second signal is no longer "while starting"
         signal.signal(signal.SIGTERM, self._handler)
         signal.signal(signal.SIGINT, self._handler)
 
     def _handler(self, signum: int, _frame: object) -> None:
-        log.info("signal %d received", signum)
-        self._requested.set()
+        if self._signum and not self._serving:
+            os.write(2, f"signal {signum} again while starting: exiting now\n".encode())
+            os._exit(128 + signum)
+        self._signum = self._signum or signum
 
     @property
     def requested(self) -> bool:
-        return self._requested.is_set()
+        return self._signum != 0
+
+    @property
+    def signum(self) -> int:
+        return self._signum
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._requested.wait(timeout)
+        """True once a stop was requested; False when `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._signum:
+            left = self._POLL_S if deadline is None else min(self._POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            time.sleep(left)
+        return True
 
 
 def serve_until_signal(running: RunningServer, stop: StopSignal | None = None) -> int:
@@ -179,8 +203,10 @@ def serve_until_signal(running: RunningServer, stop: StopSignal | None = None) -
         stop = StopSignal()
     elif stop.requested:
         log.info("stop was requested while starting: stopping now")
+    stop._serving = True
     while not stop.wait(0.5):
         pass
+    log.info("signal %d received", stop.signum)
     running.stop()
     return 0
 

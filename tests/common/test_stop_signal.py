@@ -70,3 +70,46 @@ sys.exit(serve_until_signal(running, stop))
     assert done.returncode == 0, done.stderr
     assert "on_stop ran" in done.stdout
     assert "stop was requested while starting" not in done.stderr
+
+
+def test_a_second_signal_while_starting_exits_at_once() -> None:
+    """A start can take long (RocksDB recovery, a model load): the first Ctrl-C is kept for when the
+    server is up; a second one exits now (before: it was kept too, and the process went on starting
+    until it was up, then drained)."""
+    done = _run("""
+stop = StopSignal()
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(5)  # a long start: never finishes within the test
+print("still starting", flush=True)
+""")
+    assert done.returncode == 128 + signal.SIGINT, (done.returncode, done.stderr)
+    assert "still starting" not in done.stdout
+    assert "again while starting" in done.stderr
+
+
+def test_a_second_signal_once_serving_still_drains() -> None:
+    done = _run("""
+stop = StopSignal()
+running = server()
+def twice():
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+import threading
+threading.Thread(target=twice).start()
+sys.exit(serve_until_signal(running, stop))
+""")
+    assert done.returncode == 0, done.stderr
+    assert "on_stop ran" in done.stdout
+
+
+def test_the_handler_takes_no_lock() -> None:
+    """The handler must not call into threading (an Event's set() takes the lock the interrupted main
+    thread may hold inside Event.wait): it only records the signal number."""
+    import inspect
+
+    from services.common.server import StopSignal
+
+    src = inspect.getsource(StopSignal._handler)
+    assert ".set()" not in src and "log." not in src, src
