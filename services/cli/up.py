@@ -622,6 +622,9 @@ class _StopRequest:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if not args.timeout > 0:  # NaN too: every deadline comparison with it is False (never timed out)
+        print(f"seer up: --timeout: must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
+        return 2
     model_dir = args.model_dir or ensure_embedded_model()
     try:
         suite = Suite(

@@ -155,3 +155,12 @@ def test_a_fixed_port_in_use_is_refused_before_anything_starts(
         with pytest.raises(up.SuiteError, match=f"scheduler port {s.services['scheduler'].port}"):
             s.start(timeout=5)
     assert started == [], "services were launched onto ports another process holds"
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-1"])
+def test_seer_up_refuses_a_bad_timeout(timeout: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: NaN was taken, and a suite that never became healthy was waited on for ever.
+    from services.cli import up
+
+    assert up.main(["--timeout", timeout, "--model-dir", "/nonexistent"]) == 2
+    assert "--timeout" in capsys.readouterr().err
