@@ -2,11 +2,13 @@
 
 Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_group):
 
-- register_group(group_id, prompt_key, prompt, ttl, group_size) creates the group's index with the
-  prompt and the key's history. Re-registering with the same prompt refreshes the TTL. The id of a
-  completed group (its responses are history) registered again after it was evicted or expired,
-  or with another prompt or group_size, starts a new incarnation: a batch id used again; another
-  group_size while it runs is refused (0 = unknown agrees with any).
+- register_group(group_id, prompt_key, prompt, ttl, group_size, epoch) creates the group's index with
+  the prompt and the key's history. Re-registering with the same prompt refreshes the TTL. The id of
+  a completed group (its responses are history) registered again after it was evicted or expired,
+  or with another prompt or group_size, or by an attempt whose dispatch `epoch` is above every
+  epoch the group took (a new run: dispatch epochs increase over all requests), starts a new
+  incarnation: a batch id used again; another group_size while it runs is refused (0 = unknown
+  agrees with any).
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
@@ -274,15 +276,18 @@ class DraftStore:
 
     def register_group(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
-        group_size: int = 0,
+        group_size: int = 0, epoch: int = 0,
     ) -> tuple[bool, int]:
-        """Returns (created, history responses loaded)."""
+        """Returns (created, history responses loaded). epoch: the registering attempt's dispatch
+        epoch (0 = unknown)."""
         if not group_id:
             raise InvalidArgument("must not be empty", field="group_id")
         if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
             raise InvalidArgument(f"must be in [0, {self.limits.max_ttl_seconds}] (0 = default)", field="ttl_seconds")
         if group_size < 0:
             raise InvalidArgument("must be >= 0 (0 = unknown)", field="group_size")
+        if epoch < 0:
+            raise InvalidArgument("must be >= 0 (0 = unknown)", field="epoch")
         if len(prompt_token_ids) > self.limits.max_prompt_tokens:
             raise InvalidArgument(f"{len(prompt_token_ids)} tokens > limit {self.limits.max_prompt_tokens}",
                                   field="prompt_token_ids")
@@ -296,7 +301,13 @@ class DraftStore:
                 same_prompt = g.prompt_key == prompt_key and g.index.prompt == tuple(prompt_token_ids)
                 # group_size 0 is "unknown" on either side: it agrees with any size.
                 same_size = not group_size or not g.group_size or group_size == g.group_size
-                if same_prompt and same_size:
+                # A completed group registered by an attempt dispatched after every attempt it
+                # took: another run (a resubmitted batch id brings the same prompt, key and size
+                # too). Idempotent, its appends would be refused by (or land in) the old run's
+                # group. A group that took no epoch cannot be ordered against: idempotent.
+                largest = max(g.epochs.values(), default=0)
+                new_run = g.completed and epoch > largest > 0
+                if same_prompt and same_size and not new_run:
                     # The same registration (a retry, another worker of the group): idempotent, also
                     # once it completed (a sibling's late registration must not start it over).
                     if group_size and not g.group_size:
@@ -320,14 +331,15 @@ class DraftStore:
                     raise AlreadyExists(f"group {group_id!r} exists with another prompt or prompt key",
                                         field="group_id")
                 # Completed (its responses are history) and registered with another prompt, key or
-                # group size: the id is used again (a batch id resubmitted after the buffer's
-                # retention deleted it).
+                # group size, or by a newer run: the id is used again (a batch id resubmitted after
+                # the buffer's retention deleted it).
                 self._remove_group(g)
                 # Tombstoned as an expired completed group: if this registration is refused below
                 # (no room), the old group's workers are told it expired, not that it was lost.
                 self._tombstone(group_id, True)
-                log.info("completed group's id registered again with another prompt, key or group size; new "
-                         "incarnation", extra=kv(group_id=group_id))
+                log.info("completed group's id registered again by another run; new incarnation",
+                         extra=kv(group_id=group_id, epoch=epoch, largest_epoch=largest, same_prompt=same_prompt,
+                                  same_size=same_size))
             elif self._expired.get(group_id):
                 # Completed, then evicted or expired: its responses are history, so this is the id
                 # used again (see above), a new incarnation. (Refused, those groups drafted nothing;
@@ -448,7 +460,11 @@ class DraftStore:
             added = g.index.append(request_id, offset, token_ids)
         except InvalidArgument as e:
             raise InvalidArgument(str(e).split(": ", 1)[-1], field=f"{where}{e.field or 'token_ids'}") from None
-        if new_epoch:
+        if new_epoch and (added or newly_finished or not g.completed):
+            # A completed group does not take the epoch of an append that changes nothing: a new
+            # run's attempt whose response equals the old run's (the same seeds) would otherwise
+            # raise the group's largest epoch over the new run's, and its registration (and
+            # GroupDelta.reused_epoch) would take that run for this one.
             g.epochs[request_id] = new_epoch
         if added or newly_finished:
             start = offset + len(token_ids) - added
@@ -501,7 +517,7 @@ class DraftStore:
         if need > 0:
             self._make_room(need, keep=g)
         dropped, added = index.replace_from(request_id, offset + same, toks[same:])
-        if new_epoch:
+        if new_epoch and (logged or not g.completed):  # see _plain_append
             g.epochs[request_id] = new_epoch
         if reopen:
             g.finished.discard(request_id)

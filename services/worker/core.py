@@ -1435,6 +1435,14 @@ class Worker:
     def _register_group(self, job: ChunkJob) -> None:
         if self._draft is None or not job.group_id:
             return
+        # The draft client's register_attempt (DraftClient; a DraftSource without it gets
+        # register_group): the registration carries this attempt's dispatch epoch, by which the
+        # draft server tells a new run under a reused group id (a resubmitted batch id: the same
+        # prompt, group and request ids) from the completed old one. Called for a group known here
+        # too (local; the client sends RegisterGroup again only when the group may have completed
+        # on the server): a mirror still following the old run's group would take the new run's
+        # chunk into it.
+        attempt = getattr(self._draft, "register_attempt", None)
         # All under the engine lock (the draft client's calls here are local and short): released
         # after the lock, an evicted group's mirror could be dropped just after another chunk
         # of that group registered it again, leaving that chunk without drafts or appends.
@@ -1444,6 +1452,12 @@ class Worker:
             known = job.group_id in self._registered_groups and self._draft.has_group(job.group_id)
             if known:
                 self._registered_groups.move_to_end(job.group_id)
+                if attempt is not None:
+                    try:
+                        attempt(job.group_id, job.prompt_key, job.prompt_token_ids, max(job.group_size, 1),
+                                int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
+                    except Exception:
+                        log.warning("draft register_attempt failed", exc_info=True)
                 return
             self._registered_groups[job.group_id] = None
             try:
@@ -1456,8 +1470,12 @@ class Worker:
                     if gid not in busy and gid != job.group_id:
                         del self._registered_groups[gid]
                         self._draft.release_group(gid)
-                self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
-                                           max(job.group_size, 1), int(self._group_ttl))
+                if attempt is not None:
+                    attempt(job.group_id, job.prompt_key, job.prompt_token_ids, max(job.group_size, 1),
+                            int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
+                else:
+                    self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
+                                               max(job.group_size, 1), int(self._group_ttl))
             except Exception:
                 # Drafting degrades to nothing for this group; generation itself is unaffected.
                 log.warning("draft register_group failed", exc_info=True)

@@ -116,6 +116,20 @@ class _Mirror:
     # attempt of them last started: not that attempt's copy, so a reused reset never resends one
     # as the new run's (on a stale mirror, the old run's response came over our ended attempt's).
     synced_over: set[str] = field(default_factory=set)
+    # The newest dispatch epoch a registration of this mirror asked for (sent as
+    # RegisterGroupRequest.epoch with its next RegisterGroup; 0 = unknown).
+    register_epoch: int = 0
+    # A RegisterGroup to send again although the mirror is registered, as (prompt_key, prompt,
+    # group_size, ttl_seconds): an attempt newer than any the mirror registered for writes into a
+    # group that may have completed on the server (register_attempt, _on_refused), so it may be
+    # another run's (a resubmitted batch id); the server tells by the epoch. The group's appends
+    # and Syncs wait for it (sent first, they would go to, or be refused by, the old run's group).
+    reregister: tuple[str, tuple[int, ...], int, int] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Registered, with no re-registration waiting: its appends and Syncs may go out."""
+        return self.registered and self.reregister is None
 
     @property
     def completed(self) -> bool:
@@ -141,6 +155,7 @@ class DraftClientStats:
     proposals: int = 0
     proposed_tokens: int = 0
     skipped_group_syncs: int = 0  # groups left out of a Sync: all their responses generate here
+    register_rpcs: int = 0  # RegisterGroup calls answered (first registrations and re-registrations)
 
 
 class DraftClient:
@@ -205,19 +220,54 @@ class DraftClient:
         """Creates the local mirror (idempotent) and registers the group on the server in the
         background (the first Sync brings the siblings' tokens and the history). A mirror whose
         group completed (nothing of it runs here) is replaced: the id is used again (a batch id
-        resubmitted after the buffer's retention), the server starts a new incarnation for it."""
+        resubmitted after the buffer's retention), the server starts a new incarnation for it.
+        Without a dispatch epoch: see register_attempt."""
+        self.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds)
+
+    def register_attempt(
+        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
+        ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
+    ) -> None:
+        """register_group for a chunk of `request_id` at dispatch `epoch` (RunChunkRequest.dispatch_epoch;
+        0 = unknown) starting here; the worker core calls it for every chunk (local, no RPC unless
+        said below). The registration carries the epoch (RegisterGroupRequest.epoch): a completed
+        group that took no attempt as new starts a new incarnation for it, whatever the prompt (a
+        resubmitted batch id brings the same one). A mirror already registered sends RegisterGroup
+        again only when the group may have completed on the server and the attempt is newer than
+        any this mirror registered for: every response is finished there as last known (a chunk
+        running here keeps the mirror, so it is not replaced), or this very request is (dispatched
+        again after it finished: another run, or a lost commit), or the registration is another
+        prompt, key or group size than the mirror's. A later chunk of a group this
+        worker registered for the same run costs nothing. A stale mirror that knows neither (a
+        sibling's finish not synced yet) learns it from the refusal of the new attempt's first
+        append (_on_refused), and registers then."""
         with self._lock:
             m = self._groups.get(group_id)
             if m is not None:
                 if not m.completed or m.active:
                     m.releasing = False  # wanted again before its queued appends went out
+                    if epoch <= m.register_epoch:
+                        return
+                    # Another prompt, key or size is another run for sure (every worker of a run
+                    # registers the batch's); the first two cases are the ones the same values
+                    # may be another run in.
+                    other = (prompt_key != m.prompt_key or group_size != m.group_size
+                             or tuple(prompt_token_ids) != m.prompt)
+                    if not (m.completed or request_id in m.done or other):
+                        return
+                    m.register_epoch = epoch
+                    m.reregister = (prompt_key, tuple(int(t) for t in prompt_token_ids), group_size,
+                                    int(ttl_seconds))
+                    log.info("draft group may have completed; registering again for a newer attempt",
+                             extra=kv(group_id=group_id, request_id=request_id, epoch=epoch))
+                    self._wake.set()
                     return
                 del self._groups[group_id]
                 self._pending = [a for a in self._pending if a.group_id != group_id]
                 log.info("draft group completed; mirror replaced for its id used again", extra=kv(group_id=group_id))
             prompt = tuple(int(t) for t in prompt_token_ids)
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
-                                             group_size, int(ttl_seconds))
+                                             group_size, int(ttl_seconds), register_epoch=epoch)
             self._enforce_budget_locked()
         self._wake.set()
 
@@ -449,13 +499,13 @@ class DraftClient:
     def _register_pending(self) -> None:
         assert self._stub is not None
         with self._lock:
-            todo = [(gid, m) for gid, m in self._groups.items() if not m.registered]
-        for gid, m in todo:
+            todo = [(gid, m, m.reregister or (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds), m.register_epoch)
+                    for gid, m in self._groups.items() if not m.ready]
+        for gid, m, (key, prompt, size, ttl), epoch in todo:
             try:
-                self._stub.RegisterGroup(
-                    draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=m.prompt_key,
-                                                   prompt_token_ids=m.prompt, ttl_seconds=m.ttl_seconds,
-                                                   group_size=m.group_size),
+                resp = self._stub.RegisterGroup(
+                    draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=key, prompt_token_ids=prompt,
+                                                   ttl_seconds=ttl, group_size=size, epoch=epoch),
                     timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -465,17 +515,34 @@ class DraftClient:
                             del self._groups[gid]
                     log.info("draft group completed earlier; mirror released", extra=kv(group_id=gid))
                     continue
+                if m.registered and e.code() not in _RETRY_CODES:
+                    # A re-registration refused for good (ALREADY_EXISTS: another run's group of
+                    # another size runs under the id): the mirror goes on as registered; its next
+                    # Sync tells it what the server holds (reset). Retried, its appends and Syncs
+                    # would wait forever.
+                    with self._lock:
+                        if self._groups.get(gid) is m and m.register_epoch == epoch:
+                            m.reregister = None
                 log.warning("draft RegisterGroup failed: %s", e.code().name, extra=kv(group_id=gid))
                 continue
             with self._lock:
-                if self._groups.get(gid) is m:
-                    m.registered = True
+                self._stats.register_rpcs += 1
+                if self._groups.get(gid) is not m:
+                    continue
+                m.registered = True
+                if m.register_epoch == epoch:
+                    m.reregister = None  # (a newer attempt's asked meanwhile: sent next tick)
+                if resp.created and (key, prompt, size) != (m.prompt_key, m.prompt, m.group_size):
+                    # A new incarnation of another registration (the id used again with another
+                    # prompt or size): the mirror follows it from its next Sync (reset), rebuilt
+                    # from this prompt.
+                    m.prompt_key, m.prompt, m.group_size, m.ttl_seconds = key, prompt, size, ttl
 
     def _tick_appends_only(self) -> None:
         if self._stub is None:
             return
         with self._lock:
-            registered = {gid for gid, m in self._groups.items() if m.registered}
+            registered = {gid for gid, m in self._groups.items() if m.ready}
             batch = [a for a in self._pending if a.group_id in registered]
             self._pending = [a for a in self._pending if a.group_id not in registered and a.group_id in self._groups]
         if not batch:
@@ -542,6 +609,21 @@ class DraftClient:
                     m.must_sync = True
                 log.info("draft append of another group incarnation refused",
                          extra=kv(group_id=a.group_id, request_id=a.request_id, incarnation=a.incarnation))
+                return
+            if code == grpc.StatusCode.FAILED_PRECONDITION and a.epoch > m.register_epoch \
+                    and _names_complete(details):
+                # An attempt newer than any this mirror registered for re-opens a response of a
+                # group that completed on the server (its responses are history): another run's
+                # attempt on a stale mirror (a resubmitted batch id), or a lost commit's retry.
+                # Registered again with its epoch, the server tells which: a new incarnation when
+                # the completed group took no attempt as new, and this mirror's next Sync (held
+                # until then: it would bring the old run's response over this attempt's copy) is
+                # a reused reset, which resends this attempt's response, finished state kept, into
+                # the new one. Otherwise idempotent: the refusal stands.
+                m.register_epoch = a.epoch
+                m.reregister = (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds)
+                log.info("draft append refused by a completed group; registering again for a newer attempt",
+                         extra=kv(group_id=a.group_id, request_id=a.request_id, epoch=a.epoch))
                 return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
@@ -622,7 +704,9 @@ class DraftClient:
             # own tokens, which are skipped anyway; its first sync (history, prompt) still runs.
             marks = []
             for gid, mirror in self._groups.items():
-                if not mirror.registered:
+                if not mirror.ready:
+                    # Not registered, or registering again: a Sync of the old run's group now would
+                    # bring its responses over this worker's newer attempt's copies.
                     continue
                 if mirror.history_loaded and mirror.watermark > 0 and not mirror.must_sync \
                         and 0 < mirror.group_size <= len(mirror.active):
@@ -835,6 +919,12 @@ def _names_incarnation(details: str) -> bool:
     """The refusal names the append's incarnation field (the draft server: "messages[i].incarnation:
     ..."). Matched on the field name, not the word anywhere: a group or request id may contain it."""
     return re.match(r"(messages\[\d+\]\.)?incarnation:", details) is not None
+
+
+def _names_complete(details: str) -> bool:
+    """The refusal says the response cannot be re-opened because its group completed (the draft
+    server: "messages[i].truncate: group ... is complete ..."); matched on the field name first."""
+    return re.match(r"(messages\[\d+\]\.)?truncate: group .* is complete", details, re.DOTALL) is not None
 
 
 def _named_group(details: str, n: int) -> int | None:

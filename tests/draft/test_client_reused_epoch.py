@@ -214,22 +214,24 @@ def test_remembered_ids_are_reported_and_bounded() -> None:
 
 
 def test_an_old_run_response_synced_over_a_new_run_attempt_is_not_resent_as_the_new_runs() -> None:
-    """The new run's r1 (epoch 5) ended on A's stale mirror before anyone registered the id again:
-    its appends went to the old, completed incarnation and were refused; A's next Sync of it
-    brought the old run's finished r1 over A's copy. The reused reset must not take that copy, by
-    its epoch, for the new run's: the new incarnation would complete with the old run's response.
-    (The new run's r1 is then lost to the draft server, as before epochs: see the README.)"""
+    """The new run's r1 (epoch 5) ended on A's stale mirror before anyone registered the id again,
+    and A's Sync of the old, completed incarnation brought the old run's finished r1 over A's copy
+    before A's appends went out. Refused by the completed group, they make A register again with
+    epoch 5 (a new incarnation: the same prompt, key and size), and the reused reset must not take
+    the copy A holds now, by its epoch, for the new run's: the new incarnation would complete with
+    the old run's response. (The new run's r1 is then lost to the draft server: see the README.)"""
     with workers(3) as (srv, (a, b, c)):
         _old_run(a, b)
+        old = srv.store._groups["g"].incarnation
         a.resume("g", "r1", [], epoch=5)
         a.append("g", "r1", 0, [40, 41], finished=True)
         a.end("g", "r1")
-        for _ in range(2):
-            a.flush()
-        c.register_group("g", "key", [1, 2, 3], group_size=1, ttl_seconds=60)  # the new run's size
-        c.flush()
+        a._sync()  # before the appends: the old run's r1 comes over A's copy
         for _ in range(3):
             a.flush()
         g = srv.store._groups["g"]
-        assert g.group_size == 1
+        assert g.incarnation != old  # A's re-registration (epoch 5) started the new run's group
+        c.register_attempt("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60, request_id="r0", epoch=6)
+        c.flush()
+        assert srv.store._groups["g"] is g  # idempotent: the new run's own group
         assert srv.store.index_of("g").tokens("r1") == [] and not g.completed

@@ -1,0 +1,189 @@
+"""RegisterGroupRequest.epoch: a group id reused by a new run (a resubmitted batch id: the same
+prompt, key, size, group and request ids) gets a new incarnation when the registering attempt's
+dispatch epoch is above every epoch the completed group took; the client registers again when its
+mirror may follow a completed group (it knows, or a new attempt's append is refused by it).
+
+(a) a new run's chunk ending at once on a stale mirror before anyone registered the new
+incarnation: its appends were refused by the completed group and nothing re-created it for the new
+run; (b) a resubmission with the same prompt, key and size re-attached to the completed group
+(RegisterGroup was idempotent). Real draft server on a loopback port, the real DraftClient
+(background ticks stopped; flush() drives them), the real worker core with the deterministic fake
+engine (tests/worker/worker_fake_engine.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+import pytest
+from seer.v1 import draft_pb2, draft_pb2_grpc
+from test_client_incarnation import workers
+from test_client_reused_epoch import _old_run
+
+from services.draft.app import start
+from services.draft.config import DraftConfig
+from services.draft.store import DraftStore
+from services.worker.core import ChunkFinish, ChunkJob, Worker
+from services.worker.draft_client import DraftClient
+from services.worker.engine import SamplingParams
+from tests.worker.worker_fake_engine import FakeEngine
+
+EOS = 99  # FakeEngine's
+
+
+def _at_once(rid: str, output: tuple[int, ...], epoch: int) -> ChunkJob:
+    """A new run's chunk resuming a complete output: ends at once (STOP), finishing the response."""
+    return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=4, max_tokens=40,
+                    sampling=SamplingParams(temperature=0.0, seed=7), policy_version=0, group_id="g",
+                    prompt_key="key", group_size=2, output_token_ids=output, dispatch_epoch=epoch)
+
+
+def _flush(*clients: DraftClient, times: int = 3) -> None:
+    for _ in range(times):
+        for c in clients:
+            c.flush()
+
+
+def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_before_the_new_incarnation_exists() -> None:
+    """(a) A's mirror follows the old run's group, and does not know it completed (B's finish of r1
+    came after A's last Sync). The new run (same prompt, key and size) sends its r1 to A, where it
+    ends at once; nobody has registered the id for the new run. A's append is refused by the
+    completed group; A registers again with the attempt's epoch, the server starts the new
+    incarnation, and A's reused reset resends r1 into it. Then the new run's r0 completes it."""
+    with workers(2) as (srv, (a, b)):
+        w = Worker(FakeEngine(), draft=a).start()
+        try:
+            _old_run(a, b)
+            old = srv.store._groups["g"]
+            assert old.completed and not a._groups["g"].completed  # A's mirror is stale
+            toks, _, done = w.run(_at_once("r1", (4, 5, EOS), epoch=9))
+            assert toks == [] and done.finish == ChunkFinish.STOP
+            _flush(a)
+            g = srv.store._groups["g"]
+            assert g is not old and g.incarnation != old.incarnation
+            assert srv.store.index_of("g").tokens("r1") == [4, 5, EOS] and g.finished == {"r1"}
+            assert srv.store.index_of("g").tokens("r0") == []  # the old run's r0 stays out
+            toks, _, done = w.run(_at_once("r0", (6, EOS), epoch=10))
+            assert done.finish == ChunkFinish.STOP
+            _flush(a)
+            assert srv.store._groups["g"] is g and g.completed
+            assert srv.store.index_of("g").tokens("r0") == [6, EOS]
+            assert {(4, 5, EOS), (6, EOS)} <= set(srv.store._history.responses("key"))
+        finally:
+            w.close()
+
+
+def test_a_known_finished_response_dispatched_again_registers_before_appending() -> None:
+    """(a), the mirror knows the request finished (its own acknowledged finish): the new run's
+    attempt registers again before its appends go out, also when its response equals the old
+    run's (the same seeds: nothing is refused, so nothing else would tell)."""
+    with workers(2) as (srv, (a, b)):
+        w = Worker(FakeEngine(), draft=a).start()
+        try:
+            _old_run(a, b)
+            old = srv.store._groups["g"]
+            assert "r0" in a._groups["g"].done
+            # The old run's r0 token for token, complete at max_tokens.
+            _, _, done = w.run(replace(_at_once("r0", (10, 11, 12), epoch=9), max_tokens=3))
+            assert done.finish == ChunkFinish.LENGTH
+            _flush(a)
+            g = srv.store._groups["g"]
+            assert g is not old
+            assert srv.store.index_of("g").tokens("r0") == [10, 11, 12] and g.finished == {"r0"}
+            assert old.epochs == {"r0": 1, "r1": 2}  # the old group took nothing of the new run
+        finally:
+            w.close()
+
+
+def test_a_resubmission_with_the_same_prompt_key_and_size_starts_a_new_incarnation() -> None:
+    """(b) Worker C (no mirror) registers the resubmitted batch's group with the same prompt, key
+    and size while the old, completed group is live: a new incarnation, which takes neither the old
+    run's responses nor A's stale resends; the old run's worker A is told so (reused) on its next
+    Sync and releases its mirror."""
+    with workers(3) as (srv, (a, b, c)):
+        _old_run(a, b)
+        old = srv.store._groups["g"]
+        c.register_attempt("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60, request_id="r0", epoch=7)
+        c.resume("g", "r0", [], epoch=7)
+        c.append("g", "r0", 0, [30, 31], finished=True)
+        c.end("g", "r0")
+        _flush(c)
+        g = srv.store._groups["g"]
+        assert g is not old and g.incarnation != old.incarnation
+        assert c._groups["g"].incarnation == g.incarnation
+        _flush(a, b)
+        assert srv.store.index_of("g").tokens("r0") == [30, 31]
+        assert srv.store.index_of("g").tokens("r1") == [] and g.finished == {"r0"} and not g.completed
+        assert "g" not in a._groups and "g" not in b._groups  # old run's mirrors released (reused)
+
+
+_Stub = tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]
+
+
+@pytest.fixture()
+def stub() -> Iterator[tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]]:
+    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
+    ch = grpc.insecure_channel(running.address)
+    try:
+        yield draft_pb2_grpc.DraftServiceStub(ch), store
+    finally:
+        ch.close()
+        running.stop(0.2)
+
+
+def _register(stub: draft_pb2_grpc.DraftServiceStub, epoch: int, size: int = 2) -> bool:
+    return stub.RegisterGroup(draft_pb2.RegisterGroupRequest(
+        group_id="g", prompt_key="key", prompt_token_ids=[1, 2, 3], ttl_seconds=60, group_size=size,
+        epoch=epoch)).created
+
+
+def test_a_straggler_registration_and_an_epochless_one_stay_idempotent(stub: _Stub) -> None:
+    """(b) over gRPC: once the group completed, a registration of the old run (epoch at most the
+    largest its group took) and one without an epoch get today's idempotent answer; only a newer
+    epoch starts a new incarnation. A running group is never started over by an epoch."""
+    s, store = stub
+    assert _register(s, 3)
+    store.append("g", "r0", 0, [5], finished=True, epoch=3)
+    assert not _register(s, 8)  # running: the same run's later attempt
+    store.append("g", "r1", 0, [6], finished=True, epoch=5)
+    first = store._groups["g"]
+    assert first.completed
+    assert not _register(s, 5)  # the old run's straggler
+    assert not _register(s, 0)  # unknown
+    assert store._groups["g"] is first
+    assert _register(s, 6)  # a newer run
+    second = store._groups["g"]
+    assert second is not first and not second.index.tokens("r0")
+    assert not _register(s, 9)  # the new run's group is running: idempotent
+
+
+def test_a_completed_group_that_took_no_epoch_is_not_ordered_against(stub: _Stub) -> None:
+    """epoch 0 appends (an old worker): the group's largest epoch is unknown, so a registration
+    with an epoch keeps today's answer."""
+    s, store = stub
+    assert _register(s, 0)
+    store.append("g", "r0", 0, [5], finished=True)
+    store.append("g", "r1", 0, [6], finished=True)
+    first = store._groups["g"]
+    assert first.completed
+    assert not _register(s, 50)
+    assert store._groups["g"] is first
+
+
+def test_a_later_chunk_of_the_same_run_sends_no_registration() -> None:
+    """The common path: a group this worker registered for the run costs no RegisterGroup per
+    chunk, however new the chunk's epoch."""
+    with workers(1) as (_srv, (a,)):
+        w = Worker(FakeEngine(), draft=a).start()
+        try:
+            job = replace(_at_once("r0", (), epoch=3), max_new_tokens=2, group_size=8)
+            w.run(job)
+            _flush(a)
+            assert a.stats().register_rpcs == 1
+            for epoch in (4, 5, 6):
+                w.run(replace(job, request_id=f"r{epoch}", dispatch_epoch=epoch))
+                _flush(a)
+            assert a.stats().register_rpcs == 1
+        finally:
+            w.close()
