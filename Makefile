@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model demo test test-slow lint protos protos-check clean
+.PHONY: setup model demo test test-slow lint protos clean
 
 setup: $(STAMP)
 
