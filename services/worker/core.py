@@ -1454,7 +1454,7 @@ class Worker:
                 self._registered_groups.move_to_end(job.group_id)
                 if attempt is not None:
                     try:
-                        attempt(job.group_id, job.prompt_key, job.prompt_token_ids, max(job.group_size, 1),
+                        attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
                                 int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
                     except Exception:
                         log.warning("draft register_attempt failed", exc_info=True)
@@ -1471,11 +1471,14 @@ class Worker:
                         del self._registered_groups[gid]
                         self._draft.release_group(gid)
                 if attempt is not None:
-                    attempt(job.group_id, job.prompt_key, job.prompt_token_ids, max(job.group_size, 1),
+                    attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
                             int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
                 else:
+                    # group_size as sent (0 = unknown: the draft server then never completes the
+                    # group on its own). Registered as 1, such a group completed at its first
+                    # finish, and with dispatch epochs every later request started a new run.
                     self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
-                                               max(job.group_size, 1), int(self._group_ttl))
+                                               job.group_size, int(self._group_ttl))
             except Exception:
                 # Drafting degrades to nothing for this group; generation itself is unaffected.
                 log.warning("draft register_group failed", exc_info=True)

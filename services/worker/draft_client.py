@@ -610,8 +610,7 @@ class DraftClient:
                 log.info("draft append of another group incarnation refused",
                          extra=kv(group_id=a.group_id, request_id=a.request_id, incarnation=a.incarnation))
                 return
-            if code == grpc.StatusCode.FAILED_PRECONDITION and a.epoch > m.register_epoch \
-                    and _names_complete(details):
+            if code == grpc.StatusCode.FAILED_PRECONDITION and a.epoch and _names_complete(details):
                 # An attempt newer than any this mirror registered for re-opens a response of a
                 # group that completed on the server (its responses are history): another run's
                 # attempt on a stale mirror (a resubmitted batch id), or a lost commit's retry.
@@ -619,11 +618,16 @@ class DraftClient:
                 # the completed group took no attempt as new, and this mirror's next Sync (held
                 # until then: it would bring the old run's response over this attempt's copy) is
                 # a reused reset, which resends this attempt's response, finished state kept, into
-                # the new one. Otherwise idempotent: the refusal stands.
-                m.register_epoch = a.epoch
-                m.reregister = (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds)
-                log.info("draft append refused by a completed group; registering again for a newer attempt",
-                         extra=kv(group_id=a.group_id, request_id=a.request_id, epoch=a.epoch))
+                # the new one. Otherwise idempotent: the refusal stands. Every such refusal returns
+                # here, whatever its epoch: the response is finished on the server (the group is
+                # complete), so our finished state stays (a second new-run request ending in the
+                # same batch with a lower epoch, dispatched earlier, lost its finish in the resend
+                # and the new incarnation never completed); only a newer epoch registers again.
+                if a.epoch > m.register_epoch:
+                    m.register_epoch = a.epoch
+                    m.reregister = (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds)
+                    log.info("draft append refused by a completed group; registering again for a newer attempt",
+                             extra=kv(group_id=a.group_id, request_id=a.request_id, epoch=a.epoch))
                 return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
