@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from seer.v1 import draft_pb2, draft_pb2_grpc
 from test_client_incarnation import workers
+from test_client_reused_epoch import _old_run
 
 from services.draft.app import start
 from services.draft.config import DraftConfig
@@ -26,17 +27,7 @@ def test_a_mirror_of_a_completed_incarnation_does_not_resend_into_the_id_used_ag
     finished, as the new run's r0 (the new run's own appends of r0 were then refused as overlaps
     with different tokens, and the new group could complete with the old run's response)."""
     with workers(3) as (srv, (a, b, c)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [10, 11, 12], finished=True)
-        a.end("g", "r0")
-        a.flush()
-        b.resume("g", "r1", [], epoch=1)
-        b.append("g", "r1", 0, [20, 21], finished=True)
-        b.end("g", "r1")
-        b.flush()
+        _old_run(a, b)
         assert sorted(srv.store._history.responses("key")) == [(10, 11, 12), (20, 21)]
         assert not a._groups["g"].completed  # A never saw r1's finish
         old = srv.store._groups["g"].incarnation
@@ -62,17 +53,7 @@ def test_a_request_running_in_the_id_used_again_keeps_its_tokens_and_only_they_a
     """A's mirror of the old incarnation serves a request of the new run (its chunk started before
     A synced): only that request goes to the new incarnation, not A's old finished response."""
     with workers(2) as (srv, (a, b)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [10, 11, 12], finished=True)
-        a.end("g", "r0")
-        a.flush()
-        b.resume("g", "r1", [], epoch=1)
-        b.append("g", "r1", 0, [20, 21], finished=True)
-        b.end("g", "r1")
-        b.flush()
+        _old_run(a, b)
         # Registered again with another group size while it is live and completed: a new incarnation.
         srv.store.register_group("g", "key", [1, 2, 3], 60, 3)
         a.resume("g", "r1", [], epoch=5)  # the new run's r1 starts on A, on the old mirror
