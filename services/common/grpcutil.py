@@ -137,6 +137,16 @@ class _StreamContextInterceptor(grpc.UnaryStreamClientInterceptor, grpc.StreamSt
         return continuation(self._details(client_call_details), request_iterator)
 
 
+def bracket_ipv6(address: str) -> str:
+    """host:port with an IPv6 host in brackets, as gRPC targets need it. A pod IP put in front of
+    ":port" (the Helm chart's `$(POD_IP):50061`) is a bare IPv6 literal on an IPv6 cluster
+    ("fd00::5:50061"), which no client can dial; the port is what follows the last colon."""
+    host, sep, port = address.rpartition(":")
+    if sep and ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return address
+
+
 def channel(address: str) -> grpc.Channel:
     """An insecure channel with Seer's message limits and OpenTelemetry context propagation."""
     from services.common.telemetry import client_interceptors

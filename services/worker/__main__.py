@@ -6,6 +6,7 @@ import socket
 from collections.abc import Sequence
 
 from services.common import config
+from services.common.grpcutil import bracket_ipv6
 from services.common.log import get_logger, kv, setup_logging
 from services.common.server import StopSignal, announce_port, serve_until_signal, start_server
 from services.worker.config import WorkerConfig
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker.worker_id = f"worker-{socket.gethostname()}-{running.port}"
     announce_port(cfg.port_file or None, running.port)
     host = cfg.host if cfg.host not in ("0.0.0.0", "::") else socket.gethostname()
-    advertise = cfg.advertise_address or f"{host}:{running.port}"
+    advertise = bracket_ipv6(cfg.advertise_address or f"{host}:{running.port}")
     if cfg.scheduler_address:
         registrar = Registrar(worker, cfg.scheduler_address, advertise, max_streams=cfg.stream_limit()).start()
     log.info("worker ready", extra=kv(worker_id=worker.worker_id, address=advertise))
