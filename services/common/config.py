@@ -84,6 +84,8 @@ def _parse_value(key: str, tp: Any, raw: Any) -> Any:
             (item_tp, *_rest) = typing.get_args(base)
             items = raw if isinstance(raw, list | tuple) else [p for p in str(raw).split(",") if p.strip()]
             return tuple(_parse_value(key, item_tp, x.strip() if isinstance(x, str) else x) for x in items)
+    except ConfigError:
+        raise  # a tuple item's error names the key already (it was named twice: "k: k: ...")
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}: {e}") from e
     raise ConfigError(f"{key}: unsupported config type {tp!r}")
