@@ -1,19 +1,26 @@
 """`seer demo`: start the suite, run a sample rollout on examples/prompts.jsonl, print the summary, stop.
 
     seer demo [--workers 1] [--limit 8] [--group-size 4] [--max-tokens 48] [--json]
+
+Ctrl-C or SIGTERM while the suite starts or the rollout runs (as `seer up`): the batch is cancelled,
+the suite stopped, its temporary data removed (kept, with the logs, if a service did not stop
+cleanly), one line says so, and the exit status is 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from services.cli import rollout
-from services.cli.up import Suite, SuiteError, ensure_embedded_model
+from services.cli.up import StopRequest, Suite, SuiteError, SuiteInterrupted, ensure_embedded_model
 
 EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
@@ -37,10 +44,63 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+class _Interrupted(BaseException):
+    """Raised by the signal handler to end a rollout that is waiting on the result stream.
+
+    A BaseException, as KeyboardInterrupt: rollout.run cancels the batch on its way out, and no
+    `except Exception` on the way swallows it."""
+
+
+class _DemoStop(StopRequest):
+    """`seer up`'s stop request (polled by Suite.start), plus `armed`: while set, the handler also
+    raises _Interrupted. A flag alone is not enough there: rollout.run blocks in the result stream,
+    which polls nothing, and could wait out its one-hour timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def handle(self, signum: int, _frame: object) -> None:
+        # The first signal decides the exit status; later ones (a second Ctrl-C) change nothing.
+        self.signum = self.signum or signum
+        if self.armed:
+            self.armed = False  # raised once only: a second signal must not break the cancel or the stop
+            raise _Interrupted(signum)
+
+    def describe(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def _signals_to(stop: _DemoStop) -> Iterator[None]:
+    """SIGINT and SIGTERM go to `stop` inside the block; the previous handlers come back after it
+    (main() also runs inside other programs and tests)."""
+    old = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _rollout(stop: _DemoStop, address: str, groups: Sequence[Any], progress: bool) -> tuple[list[Any], float] | None:
+    """rollout.run, or None when a signal stopped it (the batch is cancelled by then)."""
+    try:
+        # Armed before the check: a signal in between either set the flag (seen here) or raises.
+        stop.armed = True
+        try:
+            if stop.is_set():  # a signal after the suite was up but before the rollout
+                return None
+            return rollout.run(address, groups, f"demo-{uuid.uuid4().hex[:8]}", progress=progress)
+        finally:
+            stop.armed = False
+    except _Interrupted:  # also when it lands in the finally above, before the disarm
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     say = (lambda *_a: None) if args.json else (lambda *a: print(*a, flush=True))
-    from seer_client import SeerError
 
     try:
         # Before the model and the suite: a bad --limit or prompts file should cost neither.
@@ -52,16 +112,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"seer demo: --workers: must be at least 1, got {args.workers}", file=sys.stderr)
         return 2
     say("preparing the embedded model ...")
-    model_dir = ensure_embedded_model()
     try:
-        suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
-                      chunk_size=args.chunk_size, speculation=args.speculation == "on")
-    except ValueError as e:  # --workers, --base-port: a usage error, as in `seer up`, not a traceback
-        print(f"seer demo: {e}", file=sys.stderr)
-        return 2
+        model_dir = ensure_embedded_model()
+    except KeyboardInterrupt:  # the first conversion takes a while; it removes its partial output itself
+        print("seer demo: interrupted while preparing the model", file=sys.stderr)
+        return 128 + signal.SIGINT
+    stop = _DemoStop()
+    # From before Suite(), which creates the temporary data directory: from here on a signal must
+    # not end the process before that directory is removed.
+    with _signals_to(stop):
+        try:
+            suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
+                          chunk_size=args.chunk_size, speculation=args.speculation == "on")
+        except ValueError as e:  # --workers, --base-port: a usage error, as in `seer up`, not a traceback
+            print(f"seer demo: {e}", file=sys.stderr)
+            return 2
+        return _run(args, prompts, suite, stop, say)
+
+
+def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, stop: _DemoStop,
+         say: Callable[..., None]) -> int:
+    from seer_client import SeerError
+
     say(f"starting the suite ({args.workers} worker(s)) ...")
     try:
-        suite.start(keep_data_on_error=True)
+        # The stop flag is polled while the workers load (as in `seer up`), so a signal does not wait
+        # for the start timeout.
+        suite.start(stop=stop, keep_data_on_error=True)
+    except SuiteInterrupted:  # Suite.start has stopped the services and removed the temporary data
+        print(f"seer demo: stopped by {stop.describe()} before the suite was up", file=sys.stderr)
+        return 128 + stop.signum
     except SuiteError as e:
         print(f"seer demo: {e}\nseer demo: logs kept in {suite.log_dir}", file=sys.stderr)
         return 1
@@ -73,24 +153,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       seed=args.seed)
         say(f"rollout: {len(groups)} prompts x {args.group_size} samples, up to {args.max_tokens} tokens each")
         try:
-            results, wall = rollout.run(suite.address, groups, f"demo-{uuid.uuid4().hex[:8]}",
-                                        progress=not args.json)
+            done = _rollout(stop, suite.address, groups, progress=not args.json)
         except (ValueError, TimeoutError, SeerError) as e:
             print(f"seer demo: {e}", file=sys.stderr)
             failed = True
             return 1
-        summary = rollout.summarize(results, wall)
-        acc = rollout.accuracy(results)
-        if acc is not None:
-            summary["accuracy"] = round(acc, 4)
-        if args.json:
-            print(json.dumps(summary))
-        else:
-            if results:  # none when every group was cancelled: nothing to show, the summary says so
-                best = max(results, key=lambda r: len(r.token_ids))
-                say(f"\nsample response ({best.prompt_key}, answer {best.labels.get('answer', '?')}): "
-                    f"{best.text!r}\n")
-            say(rollout.format_summary(summary))
+        if done is not None and not stop.is_set():
+            _show(args, *done, say)
     except Exception:
         failed = True
         raise
@@ -104,7 +173,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"seer demo: logs kept in {suite.log_dir}", file=sys.stderr)
         else:
             suite.remove_data()
+        if stop.is_set():
+            print(f"seer demo: stopped by {stop.describe()}", file=sys.stderr)
+    if stop.is_set():
+        return 128 + stop.signum
     return 1 if bad else 0
+
+
+def _show(args: argparse.Namespace, results: list[Any], wall: float, say: Callable[..., None]) -> None:
+    summary = rollout.summarize(results, wall)
+    acc = rollout.accuracy(results)
+    if acc is not None:
+        summary["accuracy"] = round(acc, 4)
+    if args.json:
+        print(json.dumps(summary))
+        return
+    if results:  # none when every group was cancelled: nothing to show, the summary says so
+        best = max(results, key=lambda r: len(r.token_ids))
+        say(f"\nsample response ({best.prompt_key}, answer {best.labels.get('answer', '?')}): {best.text!r}\n")
+    say(rollout.format_summary(summary))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ class SuiteInterrupted(Exception):
 
 
 class StopFlag(Protocol):
-    """What Suite.start polls for a stop request: a threading.Event, or `seer up`'s _StopRequest."""
+    """What Suite.start polls for a stop request: a threading.Event, or StopRequest (`seer up`, `seer demo`)."""
 
     def is_set(self) -> bool: ...
 
@@ -279,6 +279,14 @@ class Suite:
         # Every port handed out by free_port(): the kernel may return a number it returned a moment
         # ago (the socket was closed), and two services given one port cannot both start.
         self._picked_ports: set[int] = set()
+        self.cpu_affinity = tuple(cpu_affinity or ())
+        self.service_cpus = tuple(service_cpus or ())
+        # Every argument check before mkdtemp below: a refused Suite leaked its temporary directory.
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        for name, pinned in (("cpu_affinity", self.cpu_affinity), ("service_cpus", self.service_cpus)):
+            for cpu in pinned:
+                if cpu not in allowed:
+                    raise ValueError(f"{name}: CPU {cpu} is not available (allowed: {sorted(allowed)})")
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="seer-suite-"))
         self.base_port = base_port
@@ -291,19 +299,17 @@ class Suite:
         self.metrics = metrics
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.with_draft, self.with_kvstore = draft, kvstore
-        self.cpu_affinity = tuple(cpu_affinity or ())
-        self.service_cpus = tuple(service_cpus or ())
-        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-        for name, pinned in (("cpu_affinity", self.cpu_affinity), ("service_cpus", self.service_cpus)):
-            for cpu in pinned:
-                if cpu not in allowed:
-                    raise ValueError(f"{name}: CPU {cpu} is not available (allowed: {sorted(allowed)})")
         self.log_dir = self.data_dir / "logs"
         self.services: dict[str, ServiceProcess] = {}
         cpus = os.cpu_count() or 1
         self.threads_per_worker = threads_per_worker or max(1, cpus // max(1, workers))
-        self._env = self._child_env(env)
-        self._build()
+        try:
+            self._env = self._child_env(env)
+            self._build()  # may run out of free ports (SuiteError)
+        except BaseException:
+            # No Suite to stop() later: the directory created above would outlive the failure.
+            self.remove_data()
+            raise
 
     # ---- construction --------------------------------------------------------------------------
 
@@ -609,9 +615,10 @@ def ensure_embedded_model() -> str:
     return str(ensure_model())
 
 
-class _StopRequest:
-    """A stop request set by a signal handler. Not a threading.Event: Event.set() takes a lock that
-    the interrupted main thread may be holding (inside Event.wait), which would deadlock."""
+class StopRequest:
+    """A stop request set by a signal handler (`seer up`, `seer demo`). Not a threading.Event:
+    Event.set() takes a lock that the interrupted main thread may be holding (inside Event.wait),
+    which would deadlock."""
 
     def __init__(self) -> None:
         self.signum = 0
@@ -635,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"seer up: {e}", file=sys.stderr)
         return 2
-    stop = _StopRequest()
+    stop = StopRequest()
 
     def _handler(signum: int, _frame: object) -> None:
         # The first signal decides the exit status; later ones (a second Ctrl-C) change nothing.

@@ -164,3 +164,26 @@ def test_seer_up_refuses_a_bad_timeout(timeout: str, capsys: pytest.CaptureFixtu
 
     assert up.main(["--timeout", timeout, "--model-dir", "/nonexistent"]) == 2
     assert "--timeout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["cpu_affinity", "service_cpus"])
+def test_a_refused_cpu_list_leaves_no_temporary_directory(
+        field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the CPU lists were checked after mkdtemp, so each refused Suite leaked a
+    seer-suite-* directory (a benchmark retrying with other CPUs left one per try)."""
+    monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))  # the suite's own temporary data dir
+    bad = max(up.os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=f"{field}: CPU {bad} is not available"):
+        up.Suite(workers=1, base_port=0, model_dir="/x", **{field: [bad]})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_suite_that_fails_to_build_removes_its_temporary_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after mkdtemp (no free port left) leaves no directory behind either: the caller
+    got no Suite whose stop() would remove it."""
+    monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(up, "free_port", lambda: 40000)  # every pick is a port the suite already uses
+    with pytest.raises(up.SuiteError, match="no free port"):
+        up.Suite(workers=1, base_port=0, model_dir="/x")
+    assert list(tmp_path.iterdir()) == []
