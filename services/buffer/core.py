@@ -462,6 +462,33 @@ class BufferCore:
             return existing
         valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
         scope = seed_scope or batch_id
+        # Everything that does not depend on the core's state is built before the lock is taken:
+        # the group and request records, their encodings and the work items. For 65,536 requests
+        # that is ~0.5 s of Python, and under the lock it stalled every CommitChunk (and so every
+        # worker) for as long. The work items need the batch's policy version and submission
+        # number: they are built with the current ones and rebuilt under the lock only if an
+        # UpdateWeights or another submission changed them meanwhile.
+        with self._lock:
+            self._check_open()
+            guess = self._policy_version, self._next_submit_seq
+            watched = len(self._hub) > 0  # no watcher, no work items (one may join meanwhile: below)
+        trace = dict(trace_context or {})
+        wb = self._store.new_batch()
+        new_groups, new_live = [], []
+        for gi, vg in enumerate(valid):
+            base_seed = vg.sampling.seed if vg.sampling.seed is not None else secrets.randbits(64)
+            s = vg.sampling
+            g = GroupRecord(batch_id, gi, vg.prompt_key, codec.i32(vg.prompt_token_ids), vg.group_size,
+                            vg.max_tokens, Sampling(s.temperature, s.top_p, s.top_k, base_seed,
+                                                    s.stop_token_ids, s.ignore_eos), vg.labels)
+            wb.put(keys.group_key(batch_id, gi), g.encode())
+            new_groups.append(g)
+            for si in range(vg.group_size):
+                r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, scope, si))
+                wb.put(keys.request_key(batch_id, gi, si), r.encode())
+                new_live.append(_Live(r))
+        items = self._new_work_items(new_groups, new_live, *guess, trace) if watched else None
+        events: list[Event] = [Added(it) for it in items] if items is not None else []
         drops: list[DropCallback] = []
         with self._lock:
             self._check_open()
@@ -484,25 +511,16 @@ class BufferCore:
             batch = BatchRecord(batch_id=batch_id, content_hash=digest, policy_version=version,
                                 created_at=self._clock(), num_groups=len(valid),
                                 num_requests=sum(g.group_size for g in valid),
-                                trace_context=dict(trace_context or {}), submit_seq=self._next_submit_seq)
-            wb = self._store.new_batch()
+                                trace_context=trace, submit_seq=self._next_submit_seq)
             wb.put(keys.batch_key(batch_id), batch.encode())
             wb.put(keys.NEXT_SUBMIT_SEQ_KEY, str(self._next_submit_seq + 1).encode())
             if batch_id in self._deleted:
                 wb.delete(keys.deleted_key(batch_id))  # the id used again: a new batch
-            new_groups, new_live = [], []
-            for gi, vg in enumerate(valid):
-                base_seed = vg.sampling.seed if vg.sampling.seed is not None else secrets.randbits(64)
-                s = vg.sampling
-                g = GroupRecord(batch_id, gi, vg.prompt_key, codec.i32(vg.prompt_token_ids), vg.group_size,
-                                vg.max_tokens, Sampling(s.temperature, s.top_p, s.top_k, base_seed,
-                                                        s.stop_token_ids, s.ignore_eos), vg.labels)
-                wb.put(keys.group_key(batch_id, gi), g.encode())
-                new_groups.append(g)
-                for si in range(vg.group_size):
-                    r = RequestRecord(batch_id, gi, si, derive_seed(base_seed, scope, si))
-                    wb.put(keys.request_key(batch_id, gi, si), r.encode())
-                    new_live.append(_Live(r))
+            if len(self._hub) and (items is None or (version, batch.submit_seq) != guess):
+                # A watcher joined, or the version or the submission number changed, since the
+                # items were built (rare).
+                items = self._new_work_items(new_groups, new_live, version, batch.submit_seq, trace)
+                events = [Added(it) for it in items]
             self._store.write(wb)
             self._next_submit_seq += 1
             self._batches[batch_id] = batch
@@ -511,8 +529,8 @@ class BufferCore:
                 self._groups[(batch_id, g.group_index)] = g
             for live in new_live:
                 self._add_live(live)
-            if len(self._hub):
-                drops = self._hub.publish([Added(self._work_item(live)) for live in new_live])
+            if len(self._hub) and events:
+                drops = self._hub.publish(events)
             metrics.BATCHES.inc()
             metrics.REQUESTS.inc(len(new_live))
             metrics.PENDING.set(len(self._live))
@@ -521,6 +539,15 @@ class BufferCore:
         log.info("batch submitted", extra=kv(batch_id=batch_id, groups=len(valid),
                                              requests=batch.num_requests, policy_version=version))
         return SubmitOutcome(batch_id, batch.num_requests, False, version, batch.submit_seq)
+
+    @staticmethod
+    def _new_work_items(groups: list[GroupRecord], lives: list[_Live], version: int, submit_seq: int,
+                        trace_context: Mapping[str, str]) -> list[WorkItem]:
+        """The work items of a new batch's requests, from its records (no core state: built before
+        submit_batch takes the lock)."""
+        by_index = {g.group_index: g for g in groups}
+        return [_build_work_item(live, by_index[live.rec.group_index], version, submit_seq, trace_context)
+                for live in lives]
 
     def _existing(self, batch_id: str, digest: str) -> SubmitOutcome | None:
         """The outcome of resubmitting a stored batch (same content), or None when it is new."""
@@ -537,17 +564,9 @@ class BufferCore:
 
     def _work_item(self, live: _Live) -> WorkItem:
         r = live.rec
-        g = self._groups[(r.batch_id, r.group_index)]
-        s = g.sampling
-        return WorkItem(
-            request_id=r.request_id, batch_id=r.batch_id, group_id=r.group_id, group_index=r.group_index,
-            sample_index=r.sample_index, group_size=g.group_size, prompt_key=g.prompt_key,
-            prompt_token_ids=g.prompt_token_ids, output_token_ids=codec.i32(live.tokens),
-            max_tokens=g.max_tokens,
-            sampling=Sampling(s.temperature, s.top_p, s.top_k, r.seed, s.stop_token_ids, s.ignore_eos),
-            policy_version=self._batches[r.batch_id].policy_version, next_seq=r.next_seq,
-            trace_context=self._batches[r.batch_id].trace_context, submit_seq=self._batches[r.batch_id].submit_seq,
-        )
+        b = self._batches[r.batch_id]
+        return _build_work_item(live, self._groups[(r.batch_id, r.group_index)], b.policy_version, b.submit_seq,
+                                b.trace_context)
 
     def watch(self, watcher_id: str, peer: str = "") -> tuple[list[WorkItem], Subscription]:
         """The snapshot of runnable requests and a subscription to later events (atomically).
@@ -1231,3 +1250,18 @@ class BufferCore:
             wb.put(keys.POLICY_INTENT_KEY, json.dumps({"version": intent[0], "source": intent[1]}).encode())
         self._store.write(wb)
         self._intent = intent
+
+
+def _build_work_item(live: _Live, g: GroupRecord, version: int, submit_seq: int,
+                     trace_context: Mapping[str, str]) -> WorkItem:
+    """One request's work item (its output so far included): the one builder of both the feed's
+    snapshot / events and a new batch's items."""
+    r = live.rec
+    s = g.sampling
+    return WorkItem(
+        request_id=r.request_id, batch_id=r.batch_id, group_id=r.group_id, group_index=r.group_index,
+        sample_index=r.sample_index, group_size=g.group_size, prompt_key=g.prompt_key,
+        prompt_token_ids=g.prompt_token_ids, output_token_ids=codec.i32(live.tokens), max_tokens=g.max_tokens,
+        sampling=Sampling(s.temperature, s.top_p, s.top_k, r.seed, s.stop_token_ids, s.ignore_eos),
+        policy_version=version, next_seq=r.next_seq, trace_context=trace_context, submit_seq=submit_seq,
+    )
