@@ -5,6 +5,7 @@ Servicers only convert messages and call the core; `@rpc` maps the core's typed 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -28,6 +29,8 @@ log = get_logger(__name__)
 POLL_SECONDS = 0.5
 # Results over the message limit a StreamResults status names one by one (the rest are counted).
 MAX_NAMED_TOO_LARGE = 20
+# A status detail that names its field ("field: message", services.common.grpcutil's format).
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 # How long UpdateWeights waits to connect to the scheduler before it reports it unreachable.
 SWITCH_CONNECT_SECONDS = 10.0
 
@@ -104,10 +107,14 @@ def scheduler_switch(address: str, timeout: float) -> SwitchFn:
         except grpc.RpcError as e:
             code, detail = e.code(), e.details()
             msg = f"scheduler SwitchWeights failed: {code.name}: {detail}"
+            # The scheduler's details start with the field they name ("version: ...", "source: ...");
+            # passed on as that field (every INVALID_ARGUMENT was reported as naming `source`).
+            named = _FIELD.match(detail or "")
+            field = named.group(1) if named else None
             if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(msg, field="source") from None
+                raise InvalidArgument(msg, field=field or "source") from None
             if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(msg) from None
+                raise FailedPrecondition(msg, field=field) from None
             if code == grpc.StatusCode.ABORTED:
                 raise SwitchNotStarted(msg) from None
             raise Unavailable(msg) from None
