@@ -269,7 +269,13 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
     @rpc
     def CommitChunk(self, request: buffer_pb2.CommitChunkRequest, context: grpc.ServicerContext
                     ) -> buffer_pb2.CommitChunkResponse:
-        out = self.core.commit_chunk(convert.commit_from_pb(request))
+        try:
+            out = self.core.commit_chunk(convert.commit_from_pb(request))
+        except InvalidArgument:
+            # Malformed (bad tokens, logprobs, stats, finish reason): refused like the core's
+            # refusals, which count themselves by reason.
+            metrics.REJECTED.labels("invalid").inc()
+            raise
         return buffer_pb2.CommitChunkResponse(duplicate=out.duplicate, next_seq=out.next_seq,
                                               generated_tokens=out.generated_tokens,
                                               request_finished=out.request_finished, accepted=out.accepted)
