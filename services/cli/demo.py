@@ -14,6 +14,7 @@ import contextlib
 import json
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -75,12 +76,16 @@ class _DemoStop(StopRequest):
 def _signals_to(stop: _DemoStop) -> Iterator[None]:
     """SIGINT and SIGTERM go to `stop` inside the block; the previous handlers come back after it
     (main() also runs inside other programs and tests)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal.signal works on the main thread only: a caller on another thread keeps its own
+        return
     old = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for sig, handler in old.items():
-            signal.signal(sig, handler)
+            # None: a handler installed from C, which Python cannot put back; the default then.
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _rollout(stop: _DemoStop, address: str, groups: Sequence[Any], progress: bool) -> tuple[list[Any], float] | None:

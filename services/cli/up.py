@@ -84,13 +84,14 @@ def _metrics_offset(workers: int) -> int:
 _PORT_CLASH_RETRIES = 3
 
 
-def _port_is_free(port: int) -> bool:
-    """Whether a service could bind 127.0.0.1:port now (SO_REUSEADDR, as gRPC's own bind: a port
-    left in TIME_WAIT by the previous run counts as free)."""
+def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a service could bind host:port now (SO_REUSEADDR, as gRPC's own bind: a port left in
+    TIME_WAIT by the previous run counts as free). The metrics servers bind every address
+    (0.0.0.0): a listener on any one of them takes the port from them."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
@@ -435,9 +436,13 @@ class Suite:
         keep_data_on_error: keep the data directory (the services' logs) when a service failed,
         even a temporary one (`seer up`: the error points at the logs).
         """
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._check_fixed_ports()
+        except SuiteError:
+            self.remove_data()  # nothing started: no logs to keep (they were an empty directory)
+            raise
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
             # Inside the try: a launch that fails part way stops the services already started.
             for s in self.services.values():
                 s.start()
@@ -461,8 +466,8 @@ class Suite:
             return
         taken = []
         for name, s in self.services.items():
-            for what, port in (("port", s.port), ("metrics port", s.metrics_port)):
-                if port and not _port_is_free(port):
+            for what, port, host in (("port", s.port, "127.0.0.1"), ("metrics port", s.metrics_port, "0.0.0.0")):
+                if port and not _port_is_free(port, host):
                     taken.append(f"{name} {what} {port}")
         if taken:
             raise SuiteError(f"base_port {self.base_port}: in use already: {', '.join(taken)} (another `seer up`? "

@@ -141,6 +141,8 @@ def bracket_ipv6(address: str) -> str:
     """host:port with an IPv6 host in brackets, as gRPC targets need it. A pod IP put in front of
     ":port" (the Helm chart's `$(POD_IP):50061`) is a bare IPv6 literal on an IPv6 cluster
     ("fd00::5:50061"), which no client can dial; the port is what follows the last colon."""
+    if ":/" in address or address.startswith(("ipv4:", "ipv6:", "unix:", "dns:", "unix-abstract:")):
+        return address  # a target with a scheme (dns:///host:port, ipv6:[::1]:port): as given
     host, sep, port = address.rpartition(":")
     if sep and ":" in host and not host.startswith("["):
         return f"[{host}]:{port}"

@@ -7,6 +7,7 @@ its servicers. On SIGTERM/SIGINT: health goes NOT_SERVING, in-flight calls drain
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -156,7 +157,9 @@ class StopSignal:
     is kept, and the server then stops as soon as it is: drain (nothing is in flight yet), `on_stop`,
     exit 0. A second signal before the server is up exits at once (128 + its number): a start can
     take long (RocksDB recovery, loading a model), and whoever sends a second Ctrl-C wants out now;
-    nothing is in flight, and RocksDB recovers from an exit like from a kill. Main thread only
+    nothing is in flight, and RocksDB recovers from an exit like from a kill. (Python runs handlers
+    between bytecodes of the main thread: two signals that arrive during one long C call, such as
+    RocksDB's open, count as one, and the exit waits for that call to return.) Main thread only
     (Python's `signal.signal` rule); `wait` may be called from any thread.
 
     The handler only assigns an int: no lock. A threading.Event's set() takes its condition's lock,
@@ -173,7 +176,10 @@ class StopSignal:
 
     def _handler(self, signum: int, _frame: object) -> None:
         if self._signum and not self._serving:
-            os.write(2, f"signal {signum} again while starting: exiting now\n".encode())
+            # The write may fail (stderr a pipe whose reader died with the first Ctrl-C, or
+            # closed): the exit must not, or the error surfaces in the start code instead.
+            with contextlib.suppress(OSError):
+                os.write(2, f"signal {signum} again while starting: exiting now\n".encode())
             os._exit(128 + signum)
         self._signum = self._signum or signum
 

@@ -187,3 +187,45 @@ def test_a_suite_that_fails_to_build_removes_its_temporary_directory(
     with pytest.raises(up.SuiteError, match="no free port"):
         up.Suite(workers=1, base_port=0, model_dir="/x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fixed_port_in_use_leaves_no_temporary_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal above came after the log directory was made, and `seer up` keeps a failed
+    suite's data (keep_data_on_error): an empty seer-suite-* directory was left behind, with "logs
+    kept in" pointing at nothing."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        s = up.Suite(workers=1, base_port=holder.getsockname()[1], metrics=False, model_dir="/x")
+        with pytest.raises(up.SuiteError):
+            s.start(keep_data_on_error=True)
+    assert list(tmp_path.glob("seer-suite-*")) == []
+
+
+def test_a_metrics_port_held_on_another_address_is_refused(tmp_path: Path) -> None:
+    """The metrics servers bind every address: a listener on any non-loopback address takes the
+    port from them, and a check on 127.0.0.1 alone did not see it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing address
+            address = probe.getsockname()[0]
+        except OSError:
+            pytest.skip("no non-loopback IPv4 address")
+    if address.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address")
+    base = up.free_port()
+    while base > 65535 - 400:
+        base = up.free_port()
+    s = up.Suite(workers=0, base_port=base, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False)
+    port = s.services["scheduler"].metrics_port
+    assert port
+    with socket.socket() as other:
+        other.bind((address, port))
+        other.listen()
+        with pytest.raises(up.SuiteError, match=f"scheduler metrics port {port}"):
+            s.start(timeout=5)

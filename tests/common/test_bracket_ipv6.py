@@ -17,6 +17,10 @@ from services.common.grpcutil import bracket_ipv6
     ("[fd00::5]:50061", "[fd00::5]:50061"),
     ("10.0.0.7:50061", "10.0.0.7:50061"),
     ("worker-0.seer:50061", "worker-0.seer:50061"),
+    # Targets with a scheme stay as given (they were bracketed whole).
+    ("dns:///worker-0.seer:50061", "dns:///worker-0.seer:50061"),
+    ("ipv4:10.0.0.5:50061", "ipv4:10.0.0.5:50061"),
+    ("ipv6:[fd00::5]:50061", "ipv6:[fd00::5]:50061"),
 ])
 def test_bracket_ipv6(given: str, want: str) -> None:
     assert bracket_ipv6(given) == want

@@ -113,3 +113,24 @@ def test_the_handler_takes_no_lock() -> None:
 
     src = inspect.getsource(StopSignal._handler)
     assert ".set()" not in src and "log." not in src, src
+
+
+def test_a_second_signal_exits_even_when_stderr_is_a_broken_pipe() -> None:
+    """`python -m services.buffer 2>&1 | tee log`, Ctrl-C twice: the first kills tee, so the second's
+    message fails with EPIPE; that error escaped into the start code instead of the exit."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone: writes fail with EPIPE (Python ignores SIGPIPE)
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROLOGUE + """
+stop = StopSignal()
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(5)
+print("still starting", flush=True)
+"""], cwd=_REPO, stdout=subprocess.PIPE, stderr=w, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert done.returncode == 128 + signal.SIGINT, done.returncode
+    assert "still starting" not in done.stdout
