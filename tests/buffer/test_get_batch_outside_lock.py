@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import services.buffer.core as core_mod
 from services.buffer.core import BufferCore
 from services.buffer.model import ModelInfo
 from services.buffer.records import GroupSpec, Sampling
@@ -24,20 +27,36 @@ def _core(tmp_path: Path) -> BufferCore:
     return core
 
 
-def test_the_request_scan_runs_outside_the_core_lock(tmp_path: Path) -> None:
+def test_the_request_scan_starts_under_the_lock_and_reads_outside_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan's view is taken under the lock (its iterator, created by its first step, then
+    matches the batch record copied there: a retention delete or the id submitted again before the
+    scan started showed one submission's status with another's requests, or with none); the
+    records are decoded after the lock is released."""
     core = _core(tmp_path)
     try:
         real = core._store.scan
-        owned: list[bool] = []
+        at_start: list[bool] = []
+        decoded: list[bool] = []
 
         def scan(*a: Any, **kw: Any) -> Iterator[Any]:
-            owned.append(core._lock._is_owned())  # type: ignore[attr-defined]
-            yield from real(*a, **kw)
+            for i, kv in enumerate(real(*a, **kw)):
+                if i == 0:
+                    at_start.append(core._lock._is_owned())  # type: ignore[attr-defined]
+                yield kv
+
+        real_decode = core_mod.RequestRecord.decode
+
+        def decode(raw: bytes) -> Any:
+            decoded.append(core._lock._is_owned())  # type: ignore[attr-defined]
+            return real_decode(raw)
 
         core._store.scan = scan  # type: ignore[method-assign]
+        monkeypatch.setattr(core_mod.RequestRecord, "decode", staticmethod(decode))
         status = core.get_batch("b", include_requests=True)
         assert len(status.requests) == 8
-        assert owned == [False]
+        assert at_start == [True]
+        assert decoded and not any(decoded)
     finally:
         core.close()
 

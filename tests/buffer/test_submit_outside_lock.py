@@ -103,3 +103,60 @@ def test_work_items_are_rebuilt_when_the_version_changed_while_they_were_built(t
         core.unwatch(sub)
     finally:
         core.close()
+
+
+def _spec(n: int, key: str = "p") -> GroupSpec:
+    return GroupSpec(prompt_key=key, prompt_token_ids=(1, 2, 3), group_size=n, max_tokens=4,
+                     sampling=Sampling(temperature=1.0))
+
+
+def _on_first(monkeypatch: pytest.MonkeyPatch, action: Any) -> None:
+    """Runs `action` at the first derive_seed: while the submission builds outside the lock."""
+    real = core_mod.derive_seed
+    done: list[int] = []
+
+    def seed(*a: Any) -> int:
+        if not done:
+            done.append(1)
+            action()
+        return real(*a)
+
+    monkeypatch.setattr(core_mod, "derive_seed", seed)
+
+
+def _added(sub: Any) -> list[Any]:
+    return [e.item for e in sub.take(1000, 0.2) if isinstance(e, Added)]
+
+
+def test_a_watcher_joining_while_the_batch_is_built_gets_each_request_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No watcher when the build started, one when the batch is stored: its items must be built
+    then (not yet in its snapshot, and never published to it otherwise)."""
+    core = BufferCore(Store(tmp_path / "db"), ModelInfo(vocab_size=1000, max_context=4096, tokenizer=None))
+    try:
+        joined: list[Any] = []
+        _on_first(monkeypatch, lambda: joined.append(core.watch("late")))
+        out = core.submit_batch("b", [_spec(3)])
+        monkeypatch.undo()
+        snap, sub = joined[0]
+        items = _added(sub)
+        assert sorted([it.request_id for it in snap] + [it.request_id for it in items]) == ["b/0/0", "b/0/1", "b/0/2"]
+        assert {it.submit_seq for it in items} <= {out.submission_id}
+    finally:
+        core.close()
+
+
+def test_items_carry_the_submission_number_taken_while_they_were_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another submission lands during the build and takes the number the items were built with."""
+    core = BufferCore(Store(tmp_path / "db"), ModelInfo(vocab_size=1000, max_context=4096, tokenizer=None))
+    try:
+        _snap, sub = core.watch("w")
+        _on_first(monkeypatch, lambda: core.submit_batch("other", [_spec(1, key="q")]))
+        out = core.submit_batch("b", [_spec(2)])
+        monkeypatch.undo()
+        mine = [it for it in _added(sub) if it.batch_id == "b"]
+        assert len(mine) == 2 and {it.submit_seq for it in mine} == {out.submission_id}
+        assert out.submission_id == core.get_batch("b").submission_id
+    finally:
+        core.close()
