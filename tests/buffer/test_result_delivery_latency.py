@@ -46,4 +46,4 @@ def test_a_finished_request_reaches_the_reader_at_once(make_buffer: Callable[...
         delays.append(arrived[rid] - t0)
     reader.join(10)
     # Generous for a loaded 2-core machine; a wait for the poll is ~0.25 s on median.
-    assert statistics.median(delays) < 0.05, [round(d * 1000, 1) for d in delays]
+    assert statistics.median(delays) < 0.15, [round(d * 1000, 1) for d in delays]
