@@ -565,8 +565,8 @@ class BufferCore:
                         trace_context: Mapping[str, str]) -> list[WorkItem]:
         """The work items of a new batch's requests, from its records (no core state: built before
         submit_batch takes the lock)."""
-        by_index = {g.group_index: g for g in groups}
-        return [_build_work_item(live, by_index[live.rec.group_index], version, submit_seq, trace_context)
+        # groups[i].group_index == i: built in order by submit_batch
+        return [_build_work_item(live, groups[live.rec.group_index], version, submit_seq, trace_context)
                 for live in lives]
 
     def _existing(self, batch_id: str, digest: str) -> SubmitOutcome | None:

@@ -5,7 +5,6 @@ Servicers only convert messages and call the core; `@rpc` maps the core's typed 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -16,8 +15,9 @@ from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, VersionProbe
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, WatcherDropped, batches, coalesce
+from services.buffer.records import RolloutResult
 from services.common import server as common_server
-from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, field_of
 from services.common.grpcutil import channel, rpc
 from services.common.log import get_logger, kv, log_context
 from services.common.streams import StreamSlots
@@ -29,8 +29,6 @@ log = get_logger(__name__)
 POLL_SECONDS = 0.5
 # Results over the message limit a StreamResults status names one by one (the rest are counted).
 MAX_NAMED_TOO_LARGE = 20
-# A status detail that names its field ("field: message", services.common.grpcutil's format).
-_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 # How long UpdateWeights waits to connect to the scheduler before it reports it unreachable.
 SWITCH_CONNECT_SECONDS = 10.0
 
@@ -65,13 +63,17 @@ def end_stream(context: grpc.ServicerContext, code: grpc.StatusCode, details: st
     context.cancel()
 
 
-class ResultTooLarge(ResourceExhausted):
-    """Stored results a StreamResults stream could not send: each over the server's message limit."""
-
-
 def fits_message(msg: rollout_pb2.StreamResultsResponse, limit: int) -> bool:
     """Whether gRPC sends msg under a max_send_message_length of `limit` (its encoded size)."""
     return msg.ByteSize() <= limit
+
+
+def size_bound(r: RolloutResult) -> int:
+    """An upper bound of a result's StreamResultsResponse size, without encoding it (ByteSize costs
+    as much as the encoding gRPC does anyway): a token id is at most a 5-byte varint, a logprob a
+    4-byte float, a character at most 4 bytes of UTF-8; 64 KiB for everything else."""
+    labels = sum(4 * (len(k) + len(v)) + 16 for k, v in r.labels.items())
+    return 9 * len(r.token_ids) + 4 * len(r.text) + labels + 4 * (len(r.request_id) + len(r.prompt_key)) + 65536
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -109,8 +111,7 @@ def scheduler_switch(address: str, timeout: float) -> SwitchFn:
             msg = f"scheduler SwitchWeights failed: {code.name}: {detail}"
             # The scheduler's details start with the field they name ("version: ...", "source: ...");
             # passed on as that field (every INVALID_ARGUMENT was reported as naming `source`).
-            named = _FIELD.match(detail or "")
-            field = named.group(1) if named else None
+            field = field_of(detail or "")
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(msg, field=field or "source") from None
             if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -186,10 +187,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                                                  POLL_SECONDS, submission_id=sub):
                 msg = rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r),
                                                         submission_id=sub)
-                if fits_message(msg, limit):
-                    yield msg
+                if size_bound(r) <= limit:
+                    yield msg  # the common case: fits for certain, not encoded twice
                     continue
                 size = msg.ByteSize()
+                if size <= limit:
+                    yield msg
+                    continue
                 log.error("result over the message limit left out of the stream", extra=kv(
                     batch_id=request.batch_id, request_id=r.request_id, cursor=idx, bytes=size, limit=limit))
                 left_out += 1
@@ -197,7 +201,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     too_large.append(f"request {r.request_id!r} (cursor {idx}): {size} bytes")
             if left_out:
                 more = f" and {left_out - len(too_large)} more" if left_out > len(too_large) else ""
-                raise ResultTooLarge(
+                raise ResourceExhausted(
                     f"{left_out} result(s) of batch {request.batch_id!r} are over the {limit}-byte message "
                     f"limit and were left out of the stream (every other result was sent): "
                     f"{'; '.join(too_large)}{more}. They cannot be delivered whole (stored before "
@@ -272,8 +276,8 @@ class BufferInternalServicer(buffer_pb2_grpc.BufferInternalServiceServicer):
         try:
             out = self.core.commit_chunk(convert.commit_from_pb(request))
         except InvalidArgument:
-            # Malformed (bad tokens, logprobs, stats, finish reason): refused like the core's
-            # refusals, which count themselves by reason.
+            # Malformed (bad tokens, logprobs, stats, finish reason), from the conversion or the core:
+            # counted here as "invalid"; the core counts its other refusals by reason.
             metrics.REJECTED.labels("invalid").inc()
             raise
         return buffer_pb2.CommitChunkResponse(duplicate=out.duplicate, next_seq=out.next_seq,

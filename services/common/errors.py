@@ -3,6 +3,8 @@ services.common.grpcutil; cores never import grpc."""
 
 from __future__ import annotations
 
+import re
+
 
 class SeerError(Exception):
     """Base class. `field` names the offending request field when there is one."""
@@ -15,6 +17,15 @@ class SeerError(Exception):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         self.field = field
         super().__init__(f"{field}: {message}" if field else message)
+
+
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
+def field_of(details: str) -> str | None:
+    """The field a status detail names: SeerError's "field: message" form, as a peer sent it."""
+    m = _FIELD.match(details or "")
+    return m.group(1) if m else None
 
 
 class InvalidArgument(SeerError, ValueError):

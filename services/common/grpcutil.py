@@ -120,11 +120,9 @@ class _StreamContextInterceptor(grpc.UnaryStreamClientInterceptor, grpc.StreamSt
     used for the other calls only (telemetry.client_interceptors)."""
 
     def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        from opentelemetry.propagate import inject
+        from services.common.telemetry import current_trace_context
 
-        carrier: dict[str, str] = {}
-        inject(carrier)
-        metadata = [*(d.metadata or ()), *carrier.items()]
+        metadata = [*(d.metadata or ()), *current_trace_context().items()]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
                             getattr(d, "compression", None))
 

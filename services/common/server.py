@@ -210,8 +210,7 @@ def serve_until_signal(running: RunningServer, stop: StopSignal | None = None) -
     elif stop.requested:
         log.info("stop was requested while starting: stopping now")
     stop._serving = True
-    while not stop.wait(0.5):
-        pass
+    stop.wait()
     log.info("signal %d received", stop.signum)
     running.stop()
     return 0

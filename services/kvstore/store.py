@@ -747,9 +747,10 @@ class KvStore:
         record only matters at the next recovery, where a stale one costs a page kept too long or
         dropped too early (a cache miss). So a failed write (disk full, I/O error) is logged, not
         raised: raising would fail a claim or a Release half done, as INTERNAL."""
+        if not self._ssd.may_try():  # as in _delete_ssd
+            self._pend_ssd((namespace, page_hash))
+            return
         try:
-            if not self._ssd.may_try():  # as in _delete_ssd
-                raise WriteStalled("the SSD tier is stalled")
             self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
         except Exception:
             self._meta_write_failures += 1
@@ -872,9 +873,12 @@ class KvStore:
         the page half done (a Release could then never make room on a full disk). The page is left
         pending (_reconcile_ssd retries the delete): its record still names the owners it had, and
         a restart would bring it back owned by requests that released it."""
+        if not self._ssd.may_try():
+            # Stalled: not tried (each try costs STALLED_TRY_S under the store lock; a probe a
+            # second, SsdTier.may_try), left pending without a warning per page.
+            self._pend_ssd(key)
+            return
         try:
-            if not self._ssd.may_try():  # each try costs STALLED_TRY_S under the lock: a probe a second
-                raise WriteStalled("the SSD tier is stalled")
             self._ssd.delete(*key)
         except Exception:
             self._meta_write_failures += 1
@@ -892,7 +896,8 @@ class KvStore:
         """Retries the SSD records RocksDB refused to delete or rewrite (oldest first, at most
         `limit`), making each agree with the index: a page no tier indexes on SSD any more is
         deleted, one still on SSD gets its current owner record. Stops at the first failure: the
-        disk still refuses writes, and with the tier stalled each try costs little (SsdTier._write).
+        disk still refuses writes (while the tier is stalled, each try costs STALLED_TRY_S: callers ask
+        SsdTier.may_try first, except flush and close, which must try).
         Idempotent: a record already right is written again to the same effect. Returns how many
         are still pending. Lock held."""
         for _ in range(min(limit, len(self._pending_ssd))):
@@ -1050,7 +1055,8 @@ class KvStore:
         _check_name(request_id, "request_id")
         with self._lock:
             # SSD records an earlier refusal left disagreeing with the index (a retried Release too).
-            self._reconcile_ssd()
+            if self._pending_ssd and self._ssd.may_try():  # stalled: a try a second, not one per Release
+                self._reconcile_ssd()
             if not page_hashes:
                 # The request is over (a whole release): refuse its offloads still in flight. Also
                 # where it owns nothing here: its late offload may be the first to reach this replica.

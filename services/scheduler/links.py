@@ -7,7 +7,6 @@ knowing gRPC.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -65,7 +64,6 @@ def channel(address: str) -> grpc.Channel:
 # keys of up to 2 KiB fit).
 HISTORY_KEYS_PER_CALL = 4096
 
-_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
 
 def translate(err: grpc.RpcError) -> errors.SeerError:
@@ -73,8 +71,7 @@ def translate(err: grpc.RpcError) -> errors.SeerError:
     details = (err.details() if hasattr(err, "details") else str(err)) or ""
     cls = _CODES.get(code, errors.SeerError) if code is not None else errors.SeerError
     out = cls(f"{code.name if code else 'UNKNOWN'}: {details}")
-    m = _FIELD.match(details)
-    out.field = m.group(1) if m else None
+    out.field = errors.field_of(details)
     return out
 
 

@@ -1190,8 +1190,8 @@ class Dispatcher:
         if done is None or reason in (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_UNSPECIFIED):
             # We abort only chunks we no longer want: a dropped request, a chunk past its deadline
             # (handled above) or a dispatch that moved on (its token is stale, so _finish_chunk
-            # ignores it). Anything else is the worker breaking the protocol; not counted, a worker
-            # doing it every time kept the request looping for ever, its worker never quarantined.
+            # ignores it). Anything else is the worker breaking the protocol, counted here (it was
+            # not: a worker doing it every time kept the request looping for ever, never quarantined).
             problem = ("the stream ended without a ChunkDone" if done is None
                        else f"the chunk ended {common_pb2.FinishReason.Name(reason)} unasked")
             with self._cond:

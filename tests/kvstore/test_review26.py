@@ -110,7 +110,11 @@ def test_write_stop_is_unavailable_naming_its_cause_fails_fast_and_is_reported(r
 
 
 # ---------------------------------------------------------------- item 2: refused deletes
-def test_refused_deletes_are_retried_and_a_restart_brings_nothing_back(open_store: Open) -> None:
+def test_refused_deletes_are_retried_and_a_restart_brings_nothing_back(
+        open_store: Open, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.kvstore import ssd
+
+    monkeypatch.setattr(ssd, "STALLED_PROBE_S", 0.05)  # a stalled tier is probed this often
     store = open_store(dram_bytes=0)  # SSD only: every page has a record on disk
     for i in range(3):
         _put(store, NS, i, "r")
@@ -124,6 +128,7 @@ def test_refused_deletes_are_retried_and_a_restart_brings_nothing_back(open_stor
     assert st.pages == 1 and st.ssd_pages == 1 and st.pending_ssd_records == 4
     assert store.release(NS, "r") == 0 and store.stats().pending_ssd_records == 4  # still refused
     _resume_writes(store, NS)
+    time.sleep(0.06)  # the next probe of the stalled tier is due
     assert store.release(NS, "r") == 0  # a retried Release (any Release) makes the disk agree
     assert store.stats().pending_ssd_records == 0
     records = store.raw_ssd().iter_meta(NS)

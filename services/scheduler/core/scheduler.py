@@ -55,7 +55,7 @@ class _Request:
     max_new: int = 0  # max_new_tokens of the in-flight chunk
     last_worker: str | None = None  # the worker that ran its previous chunk (holds its KV prefix)
     version: int = 0  # version of its live priority-queue entries
-    enq: int = 0  # enqueue count: identifies its live anti-starvation entry
+    enq: int = 0  # entry sequence number (core-wide, _entry_seq) of its live anti-starvation entry
     enqueued_at: float = 0.0  # clock time its current wait began
     fifo: int = 0  # place of its current wait in the enqueue order (kept when only re-keyed)
     chunks: int = 0

@@ -15,8 +15,8 @@ tree) and `from_sglang` inverts it (tests and debugging).
 A draft node whose token is outside the model's vocabulary (`vocab_size`) is dropped with its
 subtree: SGLang embeds the block's tokens on the GPU, where an out-of-range id is a device-side
 assert that takes the whole engine (every request of the batch) down. Drafts are optional, so a
-bad one only loses its speculation (the reference engine rejects it with a ValueError instead,
-which the worker core answers by stepping without drafts).
+bad one only loses its speculation (the worker core drops an invalid draft for its request
+before any engine sees it; this guards the plugin's own path from the draft server).
 """
 
 from __future__ import annotations
