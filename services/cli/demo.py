@@ -10,18 +10,27 @@ cleanly), one line says so, and the exit status is 128 + the signal number.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import sys
-import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from services.cli import rollout
-from services.cli.up import StopRequest, Suite, SuiteError, SuiteInterrupted, ensure_embedded_model
+from services.cli.flags import positive_int
+from services.cli.signals import StopRequest, signals_to
+from services.cli.up import (
+    Suite,
+    SuiteArgumentError,
+    SuiteError,
+    SuiteInterrupted,
+    ensure_embedded_model,
+    flag_error,
+    stop_keeping_data,
+)
 
 EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
 
@@ -30,11 +39,12 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="seer demo", description="start the suite, run a sample rollout, stop", allow_abbrev=False
     )
-    p.add_argument("--workers", type=int, default=1)
+    # At least 1: a suite without workers would wait out the rollout's hour-long timeout.
+    p.add_argument("--workers", type=positive_int, default=1)
     p.add_argument("--prompts", default=str(EXAMPLE_PROMPTS))
     p.add_argument("--limit", type=int, default=8, help="prompts to use")
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--group-size", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="seer")
@@ -61,31 +71,11 @@ class _DemoStop(StopRequest):
         super().__init__()
         self.armed = False
 
-    def handle(self, signum: int, _frame: object) -> None:
-        # The first signal decides the exit status; later ones (a second Ctrl-C) change nothing.
-        self.signum = self.signum or signum
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        super().handle(signum, frame)
         if self.armed:
             self.armed = False  # raised once only: a second signal must not break the cancel or the stop
             raise _Interrupted(signum)
-
-    def describe(self) -> str:
-        return signal.Signals(self.signum).name
-
-
-@contextlib.contextmanager
-def _signals_to(stop: _DemoStop) -> Iterator[None]:
-    """SIGINT and SIGTERM go to `stop` inside the block; the previous handlers come back after it
-    (main() also runs inside other programs and tests)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal.signal works on the main thread only: a caller on another thread keeps its own
-        return
-    old = {sig: signal.signal(sig, stop.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            # None: a handler installed from C, which Python cannot put back; the default then.
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _rollout(stop: _DemoStop, address: str, groups: Sequence[Any], progress: bool) -> tuple[list[Any], float] | None:
@@ -113,9 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"seer demo: {e}", file=sys.stderr)
         return 1
-    if args.workers < 1:  # a suite without workers would wait out the rollout's hour-long timeout
-        print(f"seer demo: --workers: must be at least 1, got {args.workers}", file=sys.stderr)
-        return 2
     say("preparing the embedded model ...")
     try:
         model_dir = ensure_embedded_model()
@@ -125,12 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = _DemoStop()
     # From before Suite(), which creates the temporary data directory: from here on a signal must
     # not end the process before that directory is removed.
-    with _signals_to(stop):
+    with signals_to(stop.handle):
         try:
             suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
                           chunk_size=args.chunk_size, speculation=args.speculation == "on")
-        except ValueError as e:  # --workers, --base-port: a usage error, as in `seer up`, not a traceback
-            print(f"seer demo: {e}", file=sys.stderr)
+        except SuiteArgumentError as e:  # --base-port: a usage error, as in `seer up`, not a traceback
+            print(f"seer demo: {flag_error(e)}", file=sys.stderr)
             return 2
         return _run(args, prompts, suite, stop, say)
 
@@ -171,9 +158,7 @@ def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, 
     finally:
         say("stopping the suite ...")
         # The logs outlive the temporary data directory when something went wrong.
-        codes = suite.stop(keep_data=True)
-        bad = {n: c for n, c in codes.items() if c not in (0, None)}
-        say("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"))
+        bad = stop_keeping_data(suite, say)
         if bad or failed:
             print(f"seer demo: logs kept in {suite.log_dir}", file=sys.stderr)
         else:
@@ -186,10 +171,7 @@ def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, 
 
 
 def _show(args: argparse.Namespace, results: list[Any], wall: float, say: Callable[..., None]) -> None:
-    summary = rollout.summarize(results, wall)
-    acc = rollout.accuracy(results)
-    if acc is not None:
-        summary["accuracy"] = round(acc, 4)
+    summary = rollout.summarize_with_accuracy(results, wall)
     if args.json:
         print(json.dumps(summary))
         return

@@ -21,7 +21,12 @@ from services.worker.adaptive import DEFAULT_TABLE_PATH, StepTimeTable
 
 
 def _ints(s: str) -> tuple[int, ...]:
-    return tuple(sorted({int(x) for x in s.split(",") if x.strip()}))
+    """A comma-separated list of integers, sorted, each once; an argparse type, so that a bad list is
+    refused by its flag (before: a ValueError traceback from int(), after the flags were parsed)."""
+    try:
+        return tuple(sorted({int(x) for x in s.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"need comma-separated integers, got {s!r}") from None
 
 
 def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, context: int = 64,  # type: ignore[no-untyped-def]
@@ -81,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--model-dir", default="", help="safetensors model dir (default: the embedded model)")
     ap.add_argument("--out", default=str(DEFAULT_TABLE_PATH), help="output JSON (default %(default)s)")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")
-    ap.add_argument("--gammas", default="0,1,2,4,8", help="comma-separated draft lengths")
+    ap.add_argument("--batch-sizes", type=_ints, default="1,2,4,8,16,32", help="comma-separated batch sizes")
+    ap.add_argument("--gammas", type=_ints, default="0,1,2,4,8", help="comma-separated draft lengths")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per cell (median)")
     ap.add_argument("--device", default="cpu")
@@ -91,8 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="wall time, or the thread's CPU time (robust on a shared machine; use with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="batch sizes 1,4,16 and gammas 0,1,2,8")
     args = ap.parse_args(list(argv) if argv is not None else None)
-    batch_sizes = _ints("1,4,16" if args.quick else args.batch_sizes)
-    gammas = _ints("0,1,2,8" if args.quick else args.gammas)
+    # argparse converts the string defaults with the type too.
+    batch_sizes: tuple[int, ...] = (1, 4, 16) if args.quick else args.batch_sizes
+    gammas: tuple[int, ...] = (0, 1, 2, 8) if args.quick else args.gammas
     if not batch_sizes or batch_sizes[0] < 1:
         ap.error("--batch-sizes: need positive integers")
     if not gammas or gammas[0] < 0:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.cli.flags import positive_int, positive_seconds
+
 CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -120,6 +122,16 @@ def summarize(results: Sequence[Any], wall_seconds: float) -> dict[str, Any]:
         "policy_versions": sorted({int(r.policy_version) for r in results}),
         "chunks": sum(int(r.num_chunks) for r in results),
     }
+
+
+def summarize_with_accuracy(results: Sequence[Any], wall_seconds: float) -> dict[str, Any]:
+    """summarize(), plus "accuracy" when examples/reward.py scores results that carry an answer
+    (the summary of `seer rollout` and `seer demo`)."""
+    summary = summarize(results, wall_seconds)
+    acc = accuracy(results)
+    if acc is not None:
+        summary["accuracy"] = round(acc, 4)
+    return summary
 
 
 def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, progress: bool = True,
@@ -231,8 +243,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         prog="seer rollout", description="submit a batch of prompts and print a summary", allow_abbrev=False
     )
     p.add_argument("--prompts", required=True, help="JSON lines (prompt, prompt_key, answer...) or plain text")
-    p.add_argument("--group-size", type=int, required=True, help="samples per prompt (G)")
-    p.add_argument("--max-tokens", type=int, required=True, help="max new tokens per response")
+    p.add_argument("--group-size", type=positive_int, required=True, help="samples per prompt (G)")
+    p.add_argument("--max-tokens", type=positive_int, required=True, help="max new tokens per response")
     p.add_argument("--address", default="127.0.0.1:50051", help="RolloutService (buffer) address")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -241,7 +253,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--batch-id", default=None)
     p.add_argument("--chat", action="store_true", help="wrap text prompts in the ChatML turn of the instruct model")
-    p.add_argument("--timeout", type=float, default=3600.0,
+    # Checked here, by its name: the client's own check named retry_seconds (derived from it).
+    p.add_argument("--timeout", type=positive_seconds, default=3600.0,
                    help="seconds from submission; then the batch is cancelled and the exit status is 1")
     p.add_argument("--json", action="store_true", help="print the summary as JSON only")
     p.add_argument("--no-progress", action="store_true")
@@ -251,10 +264,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     from seer_client import SeerError
-
-    if not args.timeout > 0:  # NaN too; checked here, or the client named its retry_seconds (from it)
-        print(f"seer rollout: --timeout: must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
-        return 2
 
     try:
         prompts = load_prompts(args.prompts, args.limit)
@@ -269,10 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # run() has cancelled the batch already; a traceback would only hide that line.
         print("seer rollout: interrupted", file=sys.stderr)
         return 130
-    summary = summarize(results, wall)
-    acc = accuracy(results)
-    if acc is not None:
-        summary["accuracy"] = round(acc, 4)
+    summary = summarize_with_accuracy(results, wall)
     if args.json:
         print(json.dumps(summary))
     else:

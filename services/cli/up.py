@@ -28,12 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
+from services.cli.flags import positive_seconds
+from services.cli.signals import StopRequest, signals_to
 from services.common.log import get_logger, kv
 
 log = get_logger(__name__)
@@ -60,6 +62,22 @@ def stop_together(procs: Sequence[ServiceProcess], timeout: float) -> dict[str, 
 
 class SuiteError(RuntimeError):
     """The suite could not start (a service exited or never became healthy); names the service."""
+
+
+class SuiteArgumentError(ValueError):
+    """A Suite argument refused before anything was created; `field` names it (the `seer` commands
+    report it by its flag: see flag_error)."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+        self.detail = detail
+
+
+def flag_error(e: SuiteArgumentError) -> str:
+    """The refusal as `seer up` and `seer demo` print it: by the flag that set the argument
+    (--base-port, not base_port, which no user typed)."""
+    return f"--{e.field.replace('_', '-')}: {e.detail}"
 
 
 class SuiteInterrupted(Exception):
@@ -269,13 +287,16 @@ class Suite:
         None = no restriction. Benchmarks that compare worker-side costs keep those processes off
         the worker's core (bench.spec --suite: their CPU otherwise lands on the timed worker)."""
         if workers < 0:
-            raise ValueError(f"workers: must be >= 0, got {workers}")
+            raise SuiteArgumentError("workers", f"must be >= 0, got {workers}")
         self._metrics_offset = _metrics_offset(workers)
         # The highest port of the fixed layout: the last worker's metrics port.
         span = self._metrics_offset + _WORKER0 + workers - 1
-        if not 0 <= base_port <= 65535 - 200 or (base_port and base_port + span > 65535):
-            raise ValueError(f"base_port: {base_port} leaves no room for the suite's ports "
-                             f"(workers: {workers} need base_port + {span} <= 65535)")
+        if not 0 <= base_port <= 65535 - 200:
+            raise SuiteArgumentError("base_port", f"{base_port} leaves no room for the suite's ports "
+                                     f"(0 for any free ports, or at most {65535 - 200})")
+        if base_port and base_port + span > 65535:
+            raise SuiteArgumentError("base_port", f"{base_port} leaves no room for the suite's ports "
+                                     f"(with {workers} workers the last would be {base_port + span}, above 65535)")
         self.num_workers = workers
         # Every port handed out by free_port(): the kernel may return a number it returned a moment
         # ago (the socket was closed), and two services given one port cannot both start.
@@ -287,7 +308,7 @@ class Suite:
         for name, pinned in (("cpu_affinity", self.cpu_affinity), ("service_cpus", self.service_cpus)):
             for cpu in pinned:
                 if cpu not in allowed:
-                    raise ValueError(f"{name}: CPU {cpu} is not available (allowed: {sorted(allowed)})")
+                    raise SuiteArgumentError(name, f"CPU {cpu} is not available (allowed: {sorted(allowed)})")
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="seer-suite-"))
         self.base_port = base_port
@@ -610,7 +631,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--model-dir", default=None, help="safetensors model dir (default: the embedded model)")
     p.add_argument("--tracing", choices=["none", "console", "otlp"], default=None)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the suite to be healthy")
+    p.add_argument("--timeout", type=positive_seconds, default=300.0,
+                   help="seconds to wait for the suite to be healthy")
     return p.parse_args(list(argv))
 
 
@@ -620,41 +642,37 @@ def ensure_embedded_model() -> str:
     return str(ensure_model())
 
 
-class StopRequest:
-    """A stop request set by a signal handler (`seer up`, `seer demo`). Not a threading.Event:
-    Event.set() takes a lock that the interrupted main thread may be holding (inside Event.wait),
-    which would deadlock."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-
-    def is_set(self) -> bool:
-        return self.signum != 0
+def stop_keeping_data(suite: Suite, say: Callable[[str], None]) -> dict[str, int]:
+    """Stops the suite (`seer up`, `seer demo`), says whether every service stopped cleanly and
+    returns those that did not, by name. The data directory is kept: until the caller knows the
+    outcome, a failure's logs must outlive the temporary directory (then suite.remove_data())."""
+    codes = suite.stop(keep_data=True)
+    bad = {n: c for n, c in codes.items() if c not in (0, None)}
+    say("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"))
+    return bad
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    if not args.timeout > 0:  # NaN too: every deadline comparison with it is False (never timed out)
-        print(f"seer up: --timeout: must be a positive number of seconds, got {args.timeout}", file=sys.stderr)
-        return 2
     model_dir = args.model_dir or ensure_embedded_model()
-    try:
-        suite = Suite(
-            workers=args.workers, data_dir=args.data_dir, base_port=args.base_port, policy=args.policy,
-            speculation=args.speculation == "on", model_dir=model_dir, chunk_size=args.chunk_size,
-            tracing=args.tracing,
-        )
-    except ValueError as e:
-        print(f"seer up: {e}", file=sys.stderr)
-        return 2
     stop = StopRequest()
+    # From before Suite(), which creates the temporary data directory (as in `seer demo`): a signal
+    # between the two left that directory behind.
+    with signals_to(stop.handle):
+        try:
+            suite = Suite(
+                workers=args.workers, data_dir=args.data_dir, base_port=args.base_port, policy=args.policy,
+                speculation=args.speculation == "on", model_dir=model_dir, chunk_size=args.chunk_size,
+                tracing=args.tracing,
+            )
+        except SuiteArgumentError as e:
+            print(f"seer up: {flag_error(e)}", file=sys.stderr)
+            return 2
+        return _supervise(args, suite, stop)
 
-    def _handler(signum: int, _frame: object) -> None:
-        # The first signal decides the exit status; later ones (a second Ctrl-C) change nothing.
-        stop.signum = stop.signum or signum
 
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
+def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int:
+    """Starts the suite, watches it until a signal (or a central service's crash), stops it."""
     print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
     try:
         # The stop flag is polled while starting: workers can take minutes to load, and a Ctrl-C
@@ -687,10 +705,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # looking up: stop, so that whoever runs `seer up` sees the failure.
         print(f"seer up: {central_down} is down; the suite cannot work without it", file=sys.stderr, flush=True)
     print("stopping ...", flush=True)
-    # Data kept until the outcome is known: a failure's logs must outlive the temporary directory.
-    codes = suite.stop(keep_data=True)
-    bad = {n: c for n, c in codes.items() if c not in (0, None)}
-    print("stopped" + (f" (non-zero exits: {bad})" if bad else " cleanly"), flush=True)
+    bad = stop_keeping_data(suite, lambda line: print(line, flush=True))
     if exited or bad:
         print(f"seer up: service(s) failed ({', '.join(sorted(exited | set(bad)))}); logs kept in {suite.log_dir}",
               file=sys.stderr)

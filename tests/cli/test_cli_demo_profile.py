@@ -22,10 +22,7 @@ def test_profile_refuses_zero_steps(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_refuses_a_bad_limit_before_starting_anything(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_model() -> str:
-        raise AssertionError("the model was prepared for a demo that cannot run")
-
-    monkeypatch.setattr(demo, "ensure_embedded_model", no_model)
+    monkeypatch.setattr(demo, "ensure_embedded_model", _no_model)
     assert demo.main(["--limit", "0"]) == 1
     assert "--limit" in capsys.readouterr().err
 
@@ -61,23 +58,37 @@ def test_demo_shows_an_empty_rollout(capsys: pytest.CaptureFixture[str], monkeyp
     assert "responses            0" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("flags", "needle", "model_prepared"), [
-    (["--workers", "0"], "--workers", False),
-    (["--base-port", "70000"], "base_port", True),
-])
-def test_demo_reports_bad_suite_flags_without_a_traceback(
-        flags: list[str], needle: str, model_prepared: bool, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: --base-port 70000 (or --workers -1) escaped Suite() as a ValueError traceback, where
-    `seer up` prints the message and exits 2; --workers 0 started a suite that no rollout can finish
-    and waited out the rollout's one-hour timeout."""
-    prepared: list[bool] = []
+def test_profile_names_a_malformed_list_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a ValueError traceback from int() ("invalid literal for int() with base 10: 'a'")."""
+    for flag in ("--batch-sizes", "--gammas"):
+        with pytest.raises(SystemExit) as e:
+            profile.main([flag, "1,a", "--model-dir", "/nonexistent"])
+        assert e.value.code == 2
+        assert f"argument {flag}: need comma-separated integers, got '1,a'" in capsys.readouterr().err
 
-    def model() -> str:
-        prepared.append(True)
-        return "/x"
 
-    monkeypatch.setattr(demo, "ensure_embedded_model", model)
-    assert demo.main(["--limit", "1", *flags]) == 2
-    assert needle in capsys.readouterr().err
-    assert bool(prepared) == model_prepared
+def _no_model() -> str:
+    raise AssertionError("the model was prepared for a demo that cannot run")
+
+
+@pytest.mark.parametrize("flag", ["--workers", "--group-size", "--max-tokens"])
+def test_demo_refuses_a_zero_count_before_starting_anything(
+        flag: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --group-size 0 and --max-tokens 0 went through the model, the suite's start and the
+    submission; the buffer then refused the batch by groups[0].group_size, not by the flag."""
+    monkeypatch.setattr(demo, "ensure_embedded_model", _no_model)
+    monkeypatch.setattr(demo, "Suite", _NoSuite)
+    monkeypatch.setattr(demo.rollout, "run", lambda *a, **kw: ([], 1.0))
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--limit", "1", flag, "0"])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_demo_reports_a_bad_base_port_by_its_flag_without_a_traceback(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: --base-port 70000 escaped Suite() as a ValueError traceback, where `seer up` prints the
+    message and exits 2; then the message named Suite's base_port, not the flag."""
+    monkeypatch.setattr(demo, "ensure_embedded_model", lambda: "/x")
+    assert demo.main(["--limit", "1", "--base-port", "70000"]) == 2
+    assert "seer demo: --base-port: 70000 leaves no room" in capsys.readouterr().err

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.cli_helpers import pids_with, wait_for_line
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,34 +32,9 @@ def _start_demo(tmp_path: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _wait_for_line(p: subprocess.Popen[str], pattern: str, timeout: float = 120.0) -> None:
-    assert p.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if pattern in line:
-            return
-    p.kill()
-    raise AssertionError(f"no {pattern!r} in the output of seer demo: {lines}\n{p.communicate()[1]}")
-
-
 def _services_of(pid: int) -> list[int]:
     """Pids of the services started by the demo process `pid` (services.cli.launch --parent-pid)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"services.cli.launch" in cmd and b"--parent-pid" in cmd and str(pid).encode() in cmd:
-            found.append(int(d.name))
-    return found
+    return pids_with("services.cli.launch", "--parent-pid", str(pid))
 
 
 @pytest.fixture
@@ -81,9 +58,9 @@ def test_demo_stops_cleanly_on_a_signal(
     deep inside grpc."""
     if phase == "start":
         # At once: the services are launched but none is serving yet (imports, the model).
-        _wait_for_line(demo, "starting the suite")
+        wait_for_line(demo, "starting the suite", timeout=120)
     else:
-        _wait_for_line(demo, "rollout:")
+        wait_for_line(demo, "rollout:", timeout=120)
         time.sleep(2.0)  # the batch submitted, its results streaming
     demo.send_signal(sig)
     try:

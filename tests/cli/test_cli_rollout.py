@@ -110,13 +110,30 @@ def test_main_reports_a_bad_limit(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "--limit" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("timeout", ["-5", "nan", "0"])
+@pytest.mark.parametrize("timeout", ["-5", "nan", "0", "soon"])
 def test_main_reports_a_bad_timeout_by_its_name(timeout: str, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # Before: the client's error named retry_seconds (derived from --timeout), an option never given.
     p = tmp_path / "p.txt"
     p.write_text("a\n")
-    code = rollout.main(["--prompts", str(p), "--group-size", "1", "--max-tokens", "1", "--timeout", timeout,
-                         "--no-progress", "--address", "127.0.0.1:1"])
+    with pytest.raises(SystemExit) as e:
+        rollout.main(["--prompts", str(p), "--group-size", "1", "--max-tokens", "1", "--timeout", timeout,
+                      "--no-progress", "--address", "127.0.0.1:1"])
     err = capsys.readouterr().err
-    assert code == 2 and "--timeout" in err and "retry_seconds" not in err, err
+    assert e.value.code == 2 and "--timeout: must be a positive number of seconds" in err, err
+    assert "retry_seconds" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--group-size", "--max-tokens"])
+def test_main_reports_a_bad_count_by_its_flag(flag: str, buffer: Buffer, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the batch was sent, and the buffer's refusal named groups[0].group_size (or
+    max_tokens), not the flag."""
+    p = tmp_path / "p.txt"
+    p.write_text("a\n")
+    counts = {"--group-size": "1", "--max-tokens": "1", flag: "0"}
+    with pytest.raises(SystemExit) as e:
+        rollout.main(["--prompts", str(p), *(x for kv in counts.items() for x in kv), "--no-progress",
+                      "--address", buffer.address])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag}: must be at least 1, got 0" in err, err

@@ -162,8 +162,26 @@ def test_seer_up_refuses_a_bad_timeout(timeout: str, capsys: pytest.CaptureFixtu
     # Before: NaN was taken, and a suite that never became healthy was waited on for ever.
     from services.cli import up
 
-    assert up.main(["--timeout", timeout, "--model-dir", "/nonexistent"]) == 2
-    assert "--timeout" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused by argparse, as every other malformed flag
+        up.main(["--timeout", timeout, "--model-dir", "/nonexistent"])
+    assert e.value.code == 2
+    assert "--timeout: must be a positive number of seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--workers", "-1"], "seer up: --workers: must be >= 0, got -1"),
+    (["--base-port", "70000"], "seer up: --base-port: 70000 leaves no room for the suite's ports"),
+    (["--base-port", "65000", "--workers", "500"], "seer up: --base-port: 65000 leaves no room for the suite's ports "
+                                                    "(with 500 workers"),
+])
+def test_up_names_the_flag_of_a_refused_suite_argument(
+        flags: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the message named Suite's argument (workers, base_port), which no user typed."""
+    monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))
+    assert up.main([*flags, "--model-dir", "/nonexistent"]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("field", ["cpu_affinity", "service_cpus"])

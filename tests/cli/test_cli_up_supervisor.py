@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import up
+from tests.cli.cli_helpers import pids_with, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,6 +41,7 @@ _SERVICE = (
 _UP = """
 import sys
 from services.cli import up
+from tests.cli.cli_helpers import pids_with, wait_for_line
 up.ensure_embedded_model = lambda: "/nonexistent-model"
 if {healthy}:
     up.health_status = lambda address, timeout=1.0: "SERVING"
@@ -58,21 +60,6 @@ def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "") -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _wait_for_line(p: subprocess.Popen[str], pattern: str, timeout: float = 30.0) -> list[str]:
-    """stdout lines up to the first that contains `pattern`."""
-    assert p.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if pattern in line:
-            return lines
-    raise AssertionError(f"no {pattern!r} in the output of seer up: {lines}")
-
-
 def _finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, str]:
     """(exit code or None if still running after `timeout`, stdout, stderr); never leaves it running."""
     try:
@@ -86,17 +73,7 @@ def _finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, 
 
 def _alive(token: str) -> list[int]:
     """Pids of stand-in services still running (their command line holds the token)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if token.encode() in cmd and b"-c" in cmd:
-            pids.append(int(d.name))
-    return [p for p in pids if p != os.getpid()]
+    return pids_with("-c", token)
 
 
 def _state_dir(stdout: str) -> Path:
@@ -120,7 +97,7 @@ def test_up_stops_on_a_signal_while_the_suite_starts(tmp_path: Path, sig: signal
     """Before: the handler only set a flag that nothing read until the suite was up, so Ctrl-C
     waited out --timeout (30 s here, 300 s by default) with the services running."""
     p = _start_up(tmp_path, healthy=False)  # the stand-ins never answer a health check
-    head = _wait_for_line(p, "starting the suite")
+    head = wait_for_line(p, "starting the suite")
     time.sleep(1.5)  # into wait_healthy, the services launched
     t0 = time.monotonic()
     p.send_signal(sig)
@@ -136,7 +113,7 @@ def test_up_stops_and_fails_when_the_buffer_crashes(tmp_path: Path) -> None:
     """Before: a warning line, then the suite served on without its buffer until Ctrl-C, the exit
     status was 0 and the log the warning pointed at was deleted with the temporary data dir."""
     p = _start_up(tmp_path, healthy=True, crash="buffer")
-    _wait_for_line(p, "suite is up")
+    wait_for_line(p, "suite is up")
     code, out, err = _finish(p, timeout=15)  # no signal: the suite must stop by itself
     assert code == 1, f"exit status {code}\n{out}\n{err}"
     m = re.search(r"warning: buffer exited with code 3; see (\S+)", out)
@@ -152,7 +129,7 @@ def test_up_keeps_serving_after_a_worker_crash_but_fails_at_the_end(tmp_path: Pa
     """A worker is not central (the scheduler re-runs its chunks): the suite serves on, but the
     exit status after Ctrl-C still reports the crash and the log is kept."""
     p = _start_up(tmp_path, healthy=True, crash="worker-0")
-    head = "".join(_wait_for_line(p, "suite is up"))
+    head = "".join(wait_for_line(p, "suite is up"))
     time.sleep(3.0)  # the worker has crashed and been noticed
     assert p.poll() is None, "seer up stopped although only a worker crashed"
     p.send_signal(signal.SIGINT)
@@ -166,7 +143,7 @@ def test_up_keeps_serving_after_a_worker_crash_but_fails_at_the_end(tmp_path: Pa
 
 def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) -> None:
     p = _start_up(tmp_path, healthy=True)
-    head = "".join(_wait_for_line(p, "suite is up"))
+    head = "".join(wait_for_line(p, "suite is up"))
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
     code, out, err = _finish(p, timeout=20)

@@ -1,0 +1,31 @@
+"""argparse types shared by the `seer` commands. A bad value is refused while the command line is
+parsed, by its flag ("seer up: error: argument --timeout: must be a positive number of seconds, got
+nan", exit status 2), before a model is loaded or a suite started, and never by the name of the
+library argument it ends up in (the client's retry_seconds, a batch's groups[0].group_size)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_seconds(text: str) -> float:
+    """A timeout in seconds: > 0 (infinity allowed: no deadline). NaN is refused: every deadline
+    comparison with it is False, so it would never time out."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count that must be at least 1 (workers, samples per prompt, tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -1,0 +1,45 @@
+"""Helpers of the tests that run a `seer` command in a subprocess (`seer up`, `seer demo`): wait for
+a line of its output, find the processes it left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+
+def wait_for_line(p: subprocess.Popen[str], pattern: str, timeout: float = 30.0) -> list[str]:
+    """stdout lines up to the first that contains `pattern`. Without one (the command exited, or
+    `timeout` passed between lines) the command is killed, so that a failed test leaves nothing
+    running, and the error shows its output and stderr."""
+    assert p.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if pattern in line:
+            return lines
+    p.kill()
+    _, err = p.communicate(timeout=30)
+    raise AssertionError(f"no {pattern!r} in the output of {p.args!r}: {lines}\n{err}")
+
+
+def pids_with(*args: str) -> list[int]:
+    """Pids of the processes whose command line has every one of `args` as an argument (this test
+    process left out)."""
+    wanted = [a.encode() for a in args]
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+        if all(w in cmd for w in wanted):
+            found.append(int(d.name))
+    return found
