@@ -267,8 +267,13 @@ class Dispatcher:
 
     def _wake(self) -> None:
         with self._cond:
-            self._dirty = True
-            self._cond.notify_all()
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        """Something the dispatch loop decides on changed (work, workers, in-flight counts): it
+        decides again."""
+        self._dirty = True
+        self._cond.notify_all()
 
     # ---- workers -----------------------------------------------------------------------------
 
@@ -367,8 +372,7 @@ class Dispatcher:
             self.core.quarantine_worker(state.worker_id, reason, offence=False)  # not a new offence
         state.active = True
         WORKERS.set(len(self._workers))
-        self._dirty = True
-        self._cond.notify_all()
+        self._wake_locked()
 
     def _start_catch_up(self, state: WorkerState) -> None:
         threading.Thread(target=self._catch_up, args=(state,), daemon=True).start()
@@ -463,8 +467,7 @@ class Dispatcher:
                     worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running, waiting=telemetry.waiting,
                     used_pages=telemetry.used_kv_pages, tokens_per_second=telemetry.tokens_per_second,
                 )
-                self._dirty = True
-                self._cond.notify_all()
+                self._wake_locked()
         WORKER_TPS.labels(worker_id).set(telemetry.tokens_per_second)
         proposed = sum(telemetry.proposed_per_position)
         if proposed:
@@ -491,8 +494,7 @@ class Dispatcher:
                 self._redispatched += 1
                 REDISPATCHED.inc()
         WORKERS.set(len(self._workers))
-        self._dirty = True
-        self._cond.notify_all()
+        self._wake_locked()
         log.warning("worker removed", extra=kv(worker_id=worker_id, reason=reason, requeued=len(requeued)))
         return state
 
@@ -621,8 +623,7 @@ class Dispatcher:
             with self._cond:
                 self._paused = False
                 waiting = self._take_awaiting_switch_locked()
-                self._dirty = True
-                self._cond.notify_all()
+                self._wake_locked()
             for w in waiting:
                 self._start_catch_up(w)  # to the version the switch left (its new one, or the old)
 
@@ -759,8 +760,7 @@ class Dispatcher:
             # priors before their groups were added.
             for key, lengths in history.items():
                 self.core.set_history(key, lengths)
-            self._dirty = True
-            self._cond.notify_all()
+            self._wake_locked()
         self._send_aborts([(item, item.next_seq) for item in aborts], resync_on_refusal=False)
 
     def _still_tracked_locked(self, item: buffer_pb2.WorkItem) -> bool:
@@ -785,20 +785,27 @@ class Dispatcher:
         self._forget_in_core_locked(item.request_id)
         return False
 
-    def _stop_running_chunk_locked(self, r: TrackedRequest) -> None:
+    def _stop_running_chunk_locked(self, r: TrackedRequest, *, cancel_stream: bool = True) -> None:
         """Ends the running chunk of a request we no longer want (set `dropped` first: its thread
-        then settles the dispatch without committing or counting an attempt). Its stream is
-        cancelled and the chunk aborted on the worker, by its own dispatch_epoch: the id may be
-        dispatched again (a new submission of its batch id), and that newer attempt must live. A
-        dispatch whose thread has not sent the chunk yet has no stream: the thread sees `dropped`
-        and sends nothing."""
+        then settles the dispatch without committing or counting an attempt). The chunk is aborted
+        on the worker by its own dispatch_epoch, not "any attempt" (epoch 0): the id may be
+        dispatched again (a new submission of its batch id), and an abort still queued would then
+        end that newer attempt on the worker, counted against the request and the worker (review,
+        session 25). A dispatch whose thread has not sent the chunk yet has no stream: the thread
+        sees `dropped` and sends nothing.
+
+        cancel_stream: also cancel our end of the stream. Without it (a cancel event) the stream
+        stays open: the worker ends it ABORTED, or its commit, if it had finished, comes back a
+        duplicate."""
         if r.dispatch_token is None or r.stream is None:
             return
-        self._cancel(r.stream)
+        if cancel_stream:
+            self._cancel(r.stream)
         worker = self._workers.get(r.worker_id)
         if worker is None:
             return
-        # On the abort pool: this runs on the watch thread (see _cancel_request).
+        # On the abort pool: this runs on the watch thread, and a worker whose server hangs would
+        # stall the whole work feed for each stopped request's abort timeout.
         with contextlib.suppress(RuntimeError):  # the pool is shut down: stopping
             self._abort_pool.submit(self._abort_on_worker, worker, r.item.request_id, r.last_epoch)
 
@@ -901,8 +908,7 @@ class Dispatcher:
                         aborts.append(abort)
             for key, lengths in history.items():  # after the groups exist (as in _add_items)
                 self.core.set_history(key, lengths)
-            self._dirty = True
-            self._cond.notify_all()
+            self._wake_locked()
         # The seq of each abort is the buffer's own next_seq: an abort refused for a stale seq is
         # right this time.
         self._send_aborts([(item, item.next_seq) for item in aborts], resync_on_refusal=False)
@@ -964,27 +970,13 @@ class Dispatcher:
                 return
             r.dropped = True
             self._forget_in_core_locked(request_id)
-            sent = r.dispatch_token is not None and r.stream is not None
-            worker = self._workers.get(r.worker_id) if sent else None
-            epoch = r.last_epoch
             if r.resync is not None:
                 # Held for resync: no chunk thread owns it any more, and the snapshot walks only
                 # tracked requests, so its in-flight count comes down here.
                 self._release_locked(r, r.resync.worker)
-                worker = None
-            self._dirty = True
-            self._cond.notify_all()
-        if worker is not None:
-            # Its running attempt, by its own epoch (on the abort pool: this runs on the watch
-            # thread, and a worker whose server hangs would stall the whole work feed for each
-            # cancelled request's abort timeout). Not "any attempt" (epoch 0): the batch id may be
-            # submitted again, and an abort still queued would then end the new request's attempt
-            # on that worker, now counted against the request and the worker (review, session 25).
-            # A dispatch that has not sent its chunk yet (no stream) sees `dropped` and sends
-            # nothing. The stream stays open: the worker ends it ABORTED, or its commit, if it had
-            # finished, comes back a duplicate.
-            with contextlib.suppress(RuntimeError):  # the pool is shut down: stopping
-                self._abort_pool.submit(self._abort_on_worker, worker, request_id, epoch)
+            else:
+                self._stop_running_chunk_locked(r, cancel_stream=False)
+            self._wake_locked()
 
     @staticmethod
     def _abort_on_worker(worker: WorkerState, request_id: str, dispatch_epoch: int = 0) -> None:
@@ -1156,21 +1148,15 @@ class Dispatcher:
                 self._finish_chunk(r, w, token, failed=True)
                 return
             if isinstance(e, Aborted | Cancelled):
-                # Ours only when we cancelled the stream (a dropped request, stopping: `local`) or
-                # the dispatch moved on. A worker ending the stream ABORTED (it aborted the attempt
+                # Ours when we cancelled the stream (`local`: a dropped request, stopping) or the
+                # dispatch moved on. A worker ending the stream ABORTED (it aborted the attempt
                 # itself), or a call cancelled at its end, while we still want the chunk breaks the
-                # protocol, as a ChunkDone ABORTED unasked does (below): read as our own
-                # cancellation it was retried free, and a worker doing it every time looped the
-                # request for ever, never quarantined.
-                with self._cond:
-                    ours = r.dispatch_token == token and not r.dropped and not self._stopping.is_set()
-                if ours and not (isinstance(e, Cancelled) and e.local):
-                    problem = f"the chunk stream ended {e.code_name} unasked"
-                    log.warning("worker broke the chunk protocol", extra=kv(
-                        worker_id=w.worker_id, problem=problem, error=str(e)))
-                    self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault=problem)
-                else:
+                # protocol, as a ChunkDone ABORTED unasked does (below).
+                if isinstance(e, Cancelled) and e.local:
                     self._finish_chunk(r, w, token, failed=True)
+                else:
+                    self._chunk_ended_unasked(r, w, token, f"the chunk stream ended {e.code_name} unasked",
+                                              error=str(e))
                 return
             # Anything but a vanished worker (Unavailable) or a cancellation counts towards
             # MAX_CHUNK_ATTEMPTS: an error a worker gives every time (INVALID_ARGUMENT,
@@ -1192,15 +1178,8 @@ class Dispatcher:
             # (handled above) or a dispatch that moved on (its token is stale, so _finish_chunk
             # ignores it). Anything else is the worker breaking the protocol, counted here (it was
             # not: a worker doing it every time kept the request looping for ever, never quarantined).
-            problem = ("the stream ended without a ChunkDone" if done is None
-                       else f"the chunk ended {common_pb2.FinishReason.Name(reason)} unasked")
-            with self._cond:
-                ours = r.dispatch_token == token and not r.dropped and not self._stopping.is_set()
-            if ours:
-                log.warning("worker broke the chunk protocol", extra=kv(worker_id=w.worker_id, problem=problem))
-                self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault=problem)
-            else:
-                self._finish_chunk(r, w, token, failed=True)
+            self._chunk_ended_unasked(r, w, token, "the stream ended without a ChunkDone" if done is None
+                                      else f"the chunk ended {common_pb2.FinishReason.Name(reason)} unasked")
             return
         # LENGTH means the response reached max_tokens (the worker turns the engine's LENGTH at a
         # chunk's own limit into CHUNK); anything else would end the response short.
@@ -1248,6 +1227,22 @@ class Dispatcher:
             if r.dispatch_token != token:
                 return  # the worker was removed meanwhile and the request re-queued: drop this chunk
         self._commit(r, w, token, commit, req.max_new_tokens)
+
+    def _chunk_ended_unasked(self, r: TrackedRequest, w: WorkerState, token: int, problem: str,
+                             error: str = "") -> None:
+        """A chunk ended aborted (a ChunkDone ABORTED or without a reason, a stream ended ABORTED
+        or CANCELLED, no ChunkDone at all): ours when we stopped it (a dropped request, stopping)
+        or the dispatch moved on, and then settled free. Otherwise the worker broke the protocol:
+        the attempt counts, as a worker fault (retried free, a worker doing it every time looped
+        the request for ever, never quarantined)."""
+        with self._cond:
+            ours = r.dispatch_token != token or r.dropped or self._stopping.is_set()
+        if ours:
+            self._finish_chunk(r, w, token, failed=True)
+            return
+        log.warning("worker broke the chunk protocol", extra=kv(
+            worker_id=w.worker_id, problem=problem, **({"error": error} if error else {})))
+        self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault=problem)
 
     def _commit(
         self, r: TrackedRequest, w: WorkerState, token: int, commit: buffer_pb2.CommitChunkRequest, max_new: int
@@ -1373,8 +1368,7 @@ class Dispatcher:
                     del self._requests[rid]
             IN_FLIGHT.set(self._in_flight)
             PENDING.set(self.core.pending_count())
-            self._dirty = True
-            self._cond.notify_all()
+            self._wake_locked()
         if abort_seq is not None:
             self._send_aborts([(r.item, abort_seq)], resync_on_refusal=True)
 

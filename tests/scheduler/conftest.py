@@ -69,6 +69,51 @@ def add_group(
     return ids
 
 
+# ---- the starvation hold (test_core_starved_hold, test_core_hold_review) ------------------------
+
+HOLD_PAGE, HOLD_CHUNK = 16, 64
+SMALL_PROMPT = 32  # a small request: one chunk of 6 pages (prompt + chunk), then it is finished
+BIG_PROMPT = 400  # its first chunk needs 29 pages: more than a busy 40-page worker has free
+
+
+def hold_core(
+    clock: FakeClock, policy: str, workers: int = 1, pages: int = 40, batch: int = 64, **cfg: object
+) -> SchedulerCore:
+    """Workers w0.. of `pages` pages of HOLD_PAGE tokens, chunks of HOLD_CHUNK tokens."""
+    return make_core(policy, clock, workers=workers, pages=pages, page_size=HOLD_PAGE, batch=batch,
+                     chunk_size=HOLD_CHUNK, **cfg)
+
+
+def add_small(core: SchedulerCore, n: int) -> str:
+    core.add_request(RequestInfo(f"s{n}", f"gs{n}", f"ks{n}", 0, 1, SMALL_PROMPT, HOLD_CHUNK))
+    return f"s{n}"
+
+
+def add_big(core: SchedulerCore, incarnation: int = 0) -> None:
+    """The big request (a later incarnation: the same id submitted again, in a new group)."""
+    core.add_request(RequestInfo("big", f"gbig{incarnation or ''}", "kbig", 0, 1, BIG_PROMPT, 1000,
+                                 incarnation=incarnation))
+
+
+def held(core: SchedulerCore) -> dict[str, tuple[str | None, int]]:
+    """worker id -> (request held for, pages held), for the workers holding pages."""
+    return {w.worker_id: (w.held_for, w.held_pages) for w in core._workers.values() if w.held_for}
+
+
+def starve_big(core: SchedulerCore, clock: FakeClock, smalls: int = 12) -> list[tuple[str, str]]:
+    """Fills the workers with `smalls` small chunks (6 per 40-page worker), then adds the big request
+    and lets it starve: it fits nowhere, so it takes a hold. The small chunks running, as
+    (request id, worker id)."""
+    for n in range(smalls):
+        add_small(core, n)
+    running = [(d.request_id, d.worker_id) for d in core.next_dispatches()]
+    assert len(running) == smalls
+    add_big(core)
+    clock.t += 10.0
+    assert core.next_dispatches() == []
+    return running
+
+
 @pytest.fixture
 def make_rig() -> Iterator[Callable[..., Any]]:
     """Dispatcher rigs (test_dispatcher_faults.Rig) with an optional scripted buffer or workers,

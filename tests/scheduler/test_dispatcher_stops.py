@@ -1,5 +1,8 @@
 """Dispatcher findings of the session-25 audit, driven in-process like test_dispatcher_faults: the
-real Dispatcher and its dispatch loop, with scripted buffer and worker links (no gRPC, no model).
+real Dispatcher and its dispatch loop. Scripted worker and buffer links (no gRPC, no model) only
+where they inject what a real component does not do on cue: a worker breaking the chunk protocol,
+a chunk held running until the scheduler stops it, a commit held mid-call. The history tests run
+on the real buffer over loopback gRPC.
 
 - a worker that ends chunks ABORTED nobody asked for, or ends the stream without a ChunkDone, costs
   the request an attempt and counts towards the worker's failure quarantine (it was retried free:
@@ -13,17 +16,23 @@ real Dispatcher and its dispatch loop, with scripted buffer and worker links (no
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from seer.v1 import buffer_pb2, worker_pb2
+import grpc
+import pytest
+from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc, worker_pb2
 
-from services.scheduler.links import Cancelled
+from services.buffer.app import start as start_buffer
+from services.buffer.config import BufferConfig
+from services.common.server import RunningServer
+from services.scheduler.links import BufferLink, Cancelled
 from services.scheduler.service import MAX_CHUNK_ATTEMPTS
 
 from .test_dispatcher_faults import ABORTED, CHUNK, FakeBuffer, FakeWorkerLink, FakeWorkers, Rig, item, wait_for
-from .test_history_bound import HistoryBuffer
 
 # ---- a worker breaking the chunk protocol -----------------------------------------------------------
 
@@ -36,6 +45,7 @@ def _token() -> worker_pb2.RunChunkResponse:
     return worker_pb2.RunChunkResponse(tokens=worker_pb2.TokenDelta(token_ids=[7], logprobs=[-0.5]))
 
 
+# Scripted: the real worker never breaks the protocol, which is the fault under test.
 PROTOCOL_BREAKS: dict[str, list[worker_pb2.RunChunkResponse]] = {
     "aborted unasked": [_token(), _done(ABORTED)],
     "no ChunkDone": [_token()],
@@ -82,7 +92,8 @@ def test_a_worker_breaking_the_protocol_is_quarantined_and_the_batch_completes(
 
 
 def test_a_chunk_we_aborted_costs_no_attempt(make_rig: Callable[..., Rig]) -> None:
-    """The other side: a cancelled request's chunk ending ABORTED (our own abort) counts nothing."""
+    """The other side: a cancelled request's chunk ending ABORTED (our own abort) counts nothing.
+    Scripted: the chunk must still be running (gated) when the cancel comes."""
     t = make_rig()
     t.register("w0")
     t.workers.gate.clear()
@@ -98,6 +109,10 @@ def test_a_chunk_we_aborted_costs_no_attempt(make_rig: Callable[..., Rig]) -> No
 
 
 # ---- stopping a chunk the scheduler no longer wants -------------------------------------------------
+
+
+# Scripted: a real worker's chunk ends when its tokens are done; these tests need one that runs until
+# the scheduler cancels or aborts it, at a moment the test picks.
 
 
 class CancellableStream:
@@ -185,7 +200,8 @@ def test_a_request_missing_from_a_snapshot_has_its_chunk_aborted(make_rig: Calla
 
 
 class HeldCommitBuffer(FakeBuffer):
-    """Holds every commit until `release` is set."""
+    """Holds every commit until `release` is set (scripted: the real buffer answers a commit at once,
+    and the test needs a snapshot to land while one is under way)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -216,16 +232,44 @@ def test_a_request_missing_from_a_snapshot_while_its_chunk_commits_is_left_to_th
 
 
 # ---- history priors only for the policy that uses them ----------------------------------------------
+# The real buffer (RocksDB in a temp dir, loopback gRPC) and the scheduler's real BufferLink, which
+# counts its GetHistory calls.
 
 
-class CountingHistoryBuffer(HistoryBuffer):
-    def __init__(self, held: dict[str, list[int]]) -> None:
-        super().__init__(held)
+class CountingBufferLink(BufferLink):
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
         self.calls = 0
 
-    def history(self, prompt_keys: Any, timeout: float = 10.0) -> list[buffer_pb2.PromptHistory]:
+    def history(self, prompt_keys: Sequence[str], timeout: float = 10.0) -> list[buffer_pb2.PromptHistory]:
         self.calls += 1
         return super().history(prompt_keys, timeout)
+
+
+@pytest.fixture
+def real_buffer(tmp_path: Path) -> Iterator[RunningServer]:
+    """A real buffer whose history holds prompt key "k-a" with lengths [5, 9] (a batch of one group of
+    two, run to completion through CommitChunk)."""
+    running, _core = start_buffer(BufferConfig(port=0, data_dir=str(tmp_path / "buffer"), model_dir="",
+                                               grace_seconds=0.0))
+    ch = grpc.insecure_channel(running.address)
+    try:
+        rollout_pb2_grpc.RolloutServiceStub(ch).SubmitBatch(rollout_pb2.SubmitBatchRequest(
+            batch_id="b-history", groups=[rollout_pb2.PromptGroup(
+                prompt_key="k-a", prompt_token_ids=[1, 2, 3], group_size=2, max_tokens=16)]), timeout=10)
+        internal = buffer_pb2_grpc.BufferInternalServiceStub(ch)
+        feed = internal.WatchWork(buffer_pb2.WatchWorkRequest(watcher_id="test"), timeout=10)
+        items = [i for ev in itertools.takewhile(lambda ev: not ev.HasField("snapshot_done"), feed)
+                 for i in ev.added.items]
+        feed.cancel()
+        for it, length in zip(sorted(items, key=lambda i: i.request_id), (5, 9), strict=True):
+            internal.CommitChunk(buffer_pb2.CommitChunkRequest(
+                request_id=it.request_id, seq=it.next_seq, token_ids=[7] * length, logprobs=[-0.5] * length,
+                finish_reason=common_pb2.FINISH_REASON_STOP, worker_id="w0", submit_seq=it.submit_seq), timeout=10)
+        yield running
+    finally:
+        ch.close()
+        running.stop(0)
 
 
 def _keyed(rid: str, key: str) -> buffer_pb2.WorkItem:
@@ -234,18 +278,21 @@ def _keyed(rid: str, key: str) -> buffer_pb2.WorkItem:
     return it
 
 
-def test_no_history_is_fetched_under_a_policy_without_priors(make_rig: Callable[..., Rig]) -> None:
+def test_no_history_is_fetched_under_a_policy_without_priors(
+        make_rig: Callable[..., Rig], real_buffer: RunningServer) -> None:
     for policy in ("seer", "divided", "baseline"):
-        buf = CountingHistoryBuffer({"k-a": [5, 9]})
-        t = make_rig(buffer=buf, policy=policy)
+        link = CountingBufferLink(real_buffer.address)
+        t = make_rig(buffer=link, policy=policy)
         t.d._apply_snapshot([_keyed("a1", "k-a"), _keyed("b1", "k-b")])
         t.d._add_items([_keyed("a2", "k-a"), _keyed("c1", "k-c")])
-        assert buf.calls == 0, policy
+        assert link.calls == 0, policy
+        assert t.d.core.history("k-a") is None, policy
 
 
-def test_history_is_fetched_under_seer_history(make_rig: Callable[..., Rig]) -> None:
-    buf = CountingHistoryBuffer({"k-a": [5, 9]})
-    t = make_rig(buffer=buf, policy="seer_history")
+def test_history_is_fetched_under_seer_history(make_rig: Callable[..., Rig], real_buffer: RunningServer) -> None:
+    link = CountingBufferLink(real_buffer.address)
+    t = make_rig(buffer=link, policy="seer_history")
     t.d._apply_snapshot([_keyed("a1", "k-a")])
     t.d._add_items([_keyed("c1", "k-c")])
-    assert buf.calls == 2 and t.d.core._groups["g-a1"].prior is not None
+    assert link.calls == 2 and t.d.core._groups["g-a1"].prior is not None
+    assert t.d.core.history("k-a") == [5, 9]

@@ -570,12 +570,15 @@ class SchedulerCore:
         and it could starve for as long as they kept coming. One worker holds its pages (and a batch
         slot) until it is dispatched: the one with the most free pages among those that can hold it
         once our own chunks there end (KV the worker reports in use beyond ours may never free).
-        The others still run there, from the pages beyond the held ones, and on every other worker."""
+        The others still run there, from the pages beyond the held ones, and on every other worker.
+        Never a worker on probation (_holds_on): its one slot runs its trial chunk, which may hang
+        to the chunk deadline or fail, so the request would wait there while the others could
+        gather its pages."""
         need = self._need_tokens(req)
         best: WorkerState | None = None
         for w in self._workers.values():
             pages = pages_for(need, w.spec.page_size)
-            if w.quarantined or not w.fits_context(need) or w.spec.total_pages - w.external_pages < pages:
+            if not self._holds_on(w) or not w.fits_context(need) or w.spec.total_pages - w.external_pages < pages:
                 continue
             if best is None or w.free_pages() > best.free_pages():
                 best = w
@@ -588,14 +591,24 @@ class SchedulerCore:
             request_id=req.info.request_id, worker_id=best.worker_id, pages=best.held_pages,
             free_pages=best.free_pages()))
 
+    def _holds_on(self, w: WorkerState) -> bool:
+        """Whether `w` may hold pages for a starved request: registered, trusted, and not on
+        probation. A worker on probation runs one chunk at a time, and that slot is the trial of a
+        worker that just failed chunks: a hold there made the starved request wait for the trial
+        to end (up to the chunk deadline, or for ever if it fails and the worker is quarantined
+        between two decisions and released again), while one hold at a time kept every healthy
+        worker from gathering its pages."""
+        return self._workers.get(w.worker_id) is w and not w.quarantined and not w.record.probation
+
     def _check_hold(self) -> None:
         """Releases a hold whose request is no longer queued (dispatched, cancelled, finished) or
-        whose worker can no longer serve it; otherwise follows the request's need (a resync)."""
+        whose worker can no longer serve it (gone, quarantined, on probation: it may have failed
+        chunks, been quarantined and released between two decisions); otherwise follows the
+        request's need (a resync). A released hold is taken again in this decision (_starving)."""
         w = self._hold
         assert w is not None and w.held_for is not None
         req = self._requests.get(w.held_for)
-        if (req is None or req is not self._hold_req or req.state != "pending"
-                or self._workers.get(w.worker_id) is not w or w.quarantined):
+        if req is None or req is not self._hold_req or req.state != "pending" or not self._holds_on(w):
             self._release_hold()
             return
         need = self._need_tokens(req)
@@ -885,6 +898,8 @@ class SchedulerCore:
         quarantine(w, f"chunks of {len(w.record.failed_groups)} groups failed in a row: {error}", self._quarantine_rule)
         w.record.probation = True
         w.record.quarantined_seq = self._counters["dispatched_chunks"]
+        if self._hold is w:
+            self._release_hold()  # taken again on a trusted worker at the next decision (_holds_on)
         return True
 
     def _in_flight_on(self, request_id: str, worker_id: str) -> _Request | None:
