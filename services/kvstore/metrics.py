@@ -18,7 +18,7 @@ from services.kvstore.store import KvStore
 _GAUGES = {
     "dram_bytes": "bytes of pages in the DRAM tier",
     "dram_capacity_bytes": "DRAM tier capacity",
-    "ssd_bytes": "bytes of pages in the SSD tier",
+    "ssd_bytes": "bytes of pages in the SSD tier, pending deletes' pages included (still on disk)",
     "ssd_capacity_bytes": "SSD tier capacity",
     "namespaces": "live namespaces (model versions)",
     "pages": "stored pages",
@@ -27,6 +27,7 @@ _GAUGES = {
     "column_families": "RocksDB column families open (namespaces with SSD pages, and a few idle ones)",
     "memtable_bytes": "bytes in RocksDB memtables, all column families (rocksdb.cur-size-all-mem-tables)",
     "pending_ssd_records": "SSD page records RocksDB refused to delete or rewrite, retried on later Releases",
+    "pending_ssd_bytes": "bytes of pages whose SSD delete RocksDB refused: still on disk, counted in ssd_bytes",
     "chain_links": "pages linked to their predecessor in a chain by an Exists (at most one per page)",
 }
 _COUNTERS = {

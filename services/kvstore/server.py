@@ -311,6 +311,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             write_stall_seconds=s.write_stall_seconds,
             pending_ssd_records=s.pending_ssd_records,
             chain_links=s.chain_links,
+            pending_ssd_bytes=s.pending_ssd_bytes,
         )
 
 

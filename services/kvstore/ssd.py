@@ -36,6 +36,10 @@ from collections.abc import Callable
 
 from rocksdict import DBCompressionType, Options, Rdict, ReadOptions, WriteBatch, WriteOptions
 
+from services.common.log import get_logger, kv
+
+log = get_logger(__name__)
+
 _DATA = b"d"
 _META = b"m"
 _REGISTRY = b"ns/"
@@ -49,7 +53,8 @@ _MIN_MEMTABLE_BYTES = 64 * 1024  # RocksDB raises smaller write_buffer_size valu
 # way). Past it the write fails (the store answers UNAVAILABLE / evicts the demoted page): a flush
 # that cannot finish (disk full) must not hang the writer, and with it the store's lock, for good.
 WRITE_STALL_TIMEOUT_S = 10.0
-# How long a write waits instead while the tier is stalled (a write stalled out, none taken since).
+# How long a write waits instead while the tier is stalled (a write stalled out, and the stop that
+# did it is still on: see SsdTier.stalled).
 STALLED_TRY_S = 0.05
 # How often a deferrable write is tried anyway while the tier is stalled (SsdTier.may_try).
 STALLED_PROBE_S = 1.0
@@ -66,7 +71,7 @@ STALL_CAUSE = (
 
 class WriteStalled(Exception):
     """RocksDB took no write for write_stall_timeout_s (a write stop, STALL_CAUSE); or, while the tier
-    is stalled (a write stalled out and none has gone through since), for STALLED_TRY_S."""
+    is stalled (a write stalled out and RocksDB has not lifted that stop since), for STALLED_TRY_S."""
 
 
 def _is_stall(exc: Exception) -> bool:
@@ -109,12 +114,13 @@ class SsdTier:
         self._registry_write.no_slowdown = True  # type: ignore[method-assign,assignment]
         self.write_stall_timeout_s = WRITE_STALL_TIMEOUT_S
         # Write-stop accounting (GetKvStats): writes that met a stop and waited, writes that failed
-        # on one (WriteStalled), seconds spent waiting. `stalled`: a write stalled out and none has
-        # gone through since; then a write waits STALLED_TRY_S only (see _write).
+        # on one (WriteStalled), seconds spent waiting. _stalled: a write stalled out and RocksDB
+        # has reported no lift of that stop since (see the stalled property); then a write waits
+        # STALLED_TRY_S only (see _write).
         self.write_stalls = 0
         self.write_stall_failures = 0
         self.write_stall_seconds = 0.0
-        self.stalled = False
+        self._stalled = False
         self._last_probe = 0.0  # may_try's last probe of a stalled tier
         # RocksDB's own checksums of page reads (crc32c of the blob record): the rocksdict build
         # computes crc32c in software here (~1 GB/s, a 5x slower page read than without). A caller
@@ -198,14 +204,18 @@ class SsdTier:
         thread run; WriteStalled after write_stall_timeout_s. (RocksDB is configured never to delay
         writes, only to stop them: see __init__.)
 
-        Once a write has stalled out, the tier counts as stalled until a write goes through: each
-        write meanwhile is retried for STALLED_TRY_S only (long enough for a memtable switch), then
-        fails (WriteStalled). The caller holds the store's lock: waiting out the timeout again for
-        every demoted page, page delete and owner record of a sustained stop (a compaction that
-        cannot keep up, a full disk) kept every Get and Exists, DRAM hits included, waiting on that
-        lock for 10 s per write."""
+        Once a write has stalled out, the tier counts as stalled while that stop lasts (see
+        stalled): each write meanwhile is retried for STALLED_TRY_S only (long enough for a memtable
+        switch), then fails (WriteStalled). The caller holds the store's lock: waiting out the
+        timeout again for every demoted page, page delete and owner record of a sustained stop (a
+        compaction that cannot keep up, a full disk) kept every Get and Exists, DRAM hits included,
+        waiting on that lock for 10 s per write. A write that finds the stop lifted, at its start
+        or between two tries (a refusal after that is a new stop), waits the whole timeout like any
+        write of a healthy tier: a short stop after a stall (one slow flush or compaction) is
+        waited out, not refused."""
         start = time.monotonic()
-        wait = min(STALLED_TRY_S, self.write_stall_timeout_s) if self.stalled else self.write_stall_timeout_s
+        fast = self.stalled
+        wait = min(STALLED_TRY_S, self.write_stall_timeout_s) if fast else self.write_stall_timeout_s
         deadline = start + wait
         pause = 0.001
         stopped = False
@@ -218,20 +228,58 @@ class SsdTier:
                 if not stopped:
                     stopped = True
                     self.write_stalls += 1
+                if fast and not self.stalled:
+                    # The stop this write was failing fast on lifted; it is refused again: another
+                    # stop, which a healthy tier waits out.
+                    fast = False
+                    wait = self.write_stall_timeout_s
+                    deadline = start + wait
                 now = time.monotonic()
                 if now >= deadline:
                     self.write_stall_seconds += now - start
                     self.write_stall_failures += 1
-                    since = "since an earlier write stalled out, " if self.stalled else ""
-                    self.stalled = True
+                    since = "since an earlier write stalled out on this stop, " if fast else ""
+                    if not self._stalled:
+                        log.warning("RocksDB write stop outlasted the write timeout; writes fail fast while it lasts",
+                                    extra=kv(path=self.path, waited_s=round(now - start, 3)))
+                    self._stalled = True
                     raise WriteStalled(f"{STALL_CAUSE}; no write taken {since}for {wait:g} s ({exc})") from exc
             else:
                 if stopped:
                     self.write_stall_seconds += time.monotonic() - start
-                self.stalled = False
+                self._unstall()
                 return
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    @property
+    def stalled(self) -> bool:
+        """Whether a write stalled out and the stop that did it is still on. RocksDB's own view of
+        the stop (rocksdb.is-write-stopped, and a write delay should one ever be configured: a
+        no_slowdown write is refused under both) ends it: read from memory, ~2 us. Until session 27
+        only a write of ours that went through ended it, so after a stall that RocksDB had long
+        lifted, a later short stop (one slow flush or compaction, > STALLED_TRY_S) failed every
+        write meeting it, and deferrable writes waited for the next probe (may_try)."""
+        if self._stalled and not self._refusing_writes():
+            self._unstall()
+        return self._stalled
+
+    def _unstall(self) -> None:
+        if self._stalled:
+            self._stalled = False
+            log.info("RocksDB takes writes again", extra=kv(path=self.path))
+
+    def _refusing_writes(self) -> bool:
+        """Whether RocksDB refuses no_slowdown writes now (a stop or a delay). True when it cannot
+        say (closed, the property failed): the tier then stays as it was."""
+        if not self._open:
+            return True
+        try:
+            stopped = self._db.property_int_value("rocksdb.is-write-stopped")
+            delayed = self._db.property_int_value("rocksdb.actual-delayed-write-rate")
+        except Exception:
+            return True
+        return bool(stopped) or bool(delayed)
 
     # Namespaces (column families).
     def ensure_namespace(self, namespace: str) -> None:

@@ -67,6 +67,7 @@ from services.common.log import get_logger, kv
 from services.common.pagehash import HASH_BYTES
 from services.kvstore.checksum import ALGORITHM, page_checksum
 from services.kvstore.dram import Buffer, DramLru
+from services.kvstore.pending import PendingJournal
 from services.kvstore.ssd import DEFAULT_WRITE_BUFFER_BYTES, SsdTier, WriteStalled
 
 log = get_logger(__name__)
@@ -122,6 +123,9 @@ class KvStats:
     # Pages whose SSD record RocksDB refused to delete or rewrite (a write stop, a full disk): the
     # index in memory is right, the disk catches up when a later try goes through.
     pending_ssd_records: int = 0
+    # Bytes of the pages of those refused deletes: still on disk, so counted in ssd_bytes too (and
+    # against ssd_capacity_bytes) until the delete goes through.
+    pending_ssd_bytes: int = 0
     # Pages that know their predecessor in the chain the last Exists found (_Entry.prev): at most one
     # per page, so Exists cannot grow memory beyond the pages stored.
     chain_links: int = 0
@@ -326,7 +330,14 @@ class KvStore:
         # (_reconcile_ssd) on every Release, flush and close: left alone, a released page's record
         # kept naming its released owner, and recovery brought the page back owned by a request
         # that would never release it again (and while running, its bytes were on disk uncounted).
-        self._pending_ssd: OrderedDict[Key, None] = OrderedDict()
+        # Each maps to the page bytes the disk holds beyond the index: a refused delete's page size
+        # (counted in ssd_bytes and against the capacity: _pending_bytes), 0 for an owner rewrite
+        # (the page is on SSD, counted there). Journaled (services/kvstore/pending.py) so a crash
+        # does not lose them: the next open applies them.
+        self._pending_ssd: OrderedDict[Key, int] = OrderedDict()
+        self._pending_bytes = 0
+        self._journal = PendingJournal(data_dir)
+        self._journal_failures = 0
         self._chain_links = 0
         self._closed = False
         try:
@@ -337,6 +348,7 @@ class KvStore:
             # this half-built store alive, so a retry of the open in this process would fail on the
             # lock instead of the real error. Close it now.
             self._ssd.close()
+            self._journal.close()
             self._closed = True
             raise
 
@@ -384,10 +396,12 @@ class KvStore:
             self._ssd_bytes += size
             self._namespaces[key[0]].ssd_pages += 1
         self._seq = itertools.count(max_seq + 1)
+        self._replay_pending()
         if self._namespaces:
             log.info(
                 "recovered SSD tier",
-                extra=kv(namespaces=len(self._namespaces), pages=len(pages), ssd_bytes=self._ssd_bytes),
+                extra=kv(namespaces=len(self._namespaces), pages=len(pages), ssd_bytes=self._ssd_bytes,
+                         pending_ssd_records=len(self._pending_ssd)),
             )
         if stale:
             log.warning(
@@ -408,6 +422,49 @@ class KvStore:
         for family in {family_of(t) for t in self._tombstones}:
             if family is not None:
                 self._compact_tombstones(family)
+
+    def _replay_pending(self) -> None:
+        """Applies the SSD records left pending before the last stop (journaled: a crash, or a close
+        RocksDB still refused) to the index just rebuilt from the records on disk, which lag them: a
+        page whose delete was pending is removed (its record deleted now, or pending again), one
+        whose owner rewrite was pending gets the owners journaled for it (the record is rewritten
+        now, or pending again). A page or namespace no longer on disk is skipped: its record went
+        after all (the journal line saying so was lost), or went with its column family. Then the
+        journal is rewritten to what is pending now. Before session 27 they were lost with the
+        process, and the released pages came back owned by the requests that had released them."""
+        try:
+            journaled = self._journal.load()
+        except OSError as exc:
+            log.warning("pending SSD records journal unreadable; the records on disk are taken as they are",
+                        extra=kv(path=self._journal.path, error=str(exc)))
+            return
+        deleted = rewritten = 0
+        for key, meta in journaled.items():
+            ns = self._namespaces.get(key[0])
+            entry = ns.entries.get(key[1]) if ns is not None else None
+            if ns is None or entry is None:
+                continue
+            want = None if meta is None else _decode_meta(meta)
+            if want is None or (not want.owners and not want.anonymous):
+                deleted += 1
+                self._remove(key)  # deletes the record, or leaves it pending (and journaled) again
+                continue
+            rewritten += 1
+            for owner in entry.owners - want.owners:
+                pages = ns.by_owner.get(owner)
+                if pages is not None:
+                    pages.discard(key[1])
+                    if not pages:
+                        del ns.by_owner[owner]
+            for owner in want.owners - entry.owners:
+                ns.by_owner.setdefault(owner, set()).add(key[1])
+            entry.owners = set(want.owners)
+            entry.anonymous = want.anonymous
+            self._write_meta(key[0], key[1], entry)
+        self._journal_rewrite()
+        if deleted or rewritten:
+            log.info("applied SSD records pending before the stop",
+                     extra=kv(deleted=deleted, rewritten=rewritten, still_pending=len(self._pending_ssd)))
 
     # ---------------------------------------------------------------- namespaces
     def _check_put_target(self, name: str, layout: KVLayout) -> _Namespace | None:
@@ -524,7 +581,7 @@ class KvStore:
         for page_hash, entry in ns.entries.items():
             key = (name, page_hash)
             self._dram.pop(key)
-            self._pending_ssd.pop(key, None)  # its record goes with the column family
+            self._unpend(key)  # its record goes with the column family
             if entry.prev is not None:
                 self._chain_links -= 1
             size = self._ssd_lru.pop(key, None)
@@ -748,18 +805,18 @@ class KvStore:
         dropped too early (a cache miss). So a failed write (disk full, I/O error) is logged, not
         raised: raising would fail a claim or a Release half done, as INTERNAL."""
         if not self._ssd.may_try():  # as in _delete_ssd
-            self._pend_ssd((namespace, page_hash))
+            self._pend_ssd((namespace, page_hash), 0)
             return
         try:
             self._ssd.put_meta(namespace, page_hash, _encode_meta(entry))
         except Exception:
             self._meta_write_failures += 1
-            self._pend_ssd((namespace, page_hash))  # _reconcile_ssd writes it again
+            self._pend_ssd((namespace, page_hash), 0)  # _reconcile_ssd writes it again
             log.warning("SSD owner record write failed; the index in memory stays correct, retried later",
                         exc_info=True,
                         extra=kv(namespace=namespace, page=page_hash.hex(), failures=self._meta_write_failures))
             return
-        self._pending_ssd.pop((namespace, page_hash), None)
+        self._unpend((namespace, page_hash))
 
     def _demote(self, key: Key, data: Buffer) -> None:
         ns = self._namespaces.get(key[0])
@@ -784,7 +841,7 @@ class KvStore:
         # which is then dropped like any idle one once the namespace stops being recent.
         self._note_ssd_write(key[0])
         self._ssd.put(key[0], key[1], data, _encode_meta(entry))
-        self._pending_ssd.pop(key, None)  # the page and its record are written whole
+        self._unpend(key)  # the page and its record are written whole
         entry.on_ssd = True
         self._ssd_lru[key] = entry.size
         self._ssd_bytes += entry.size
@@ -829,19 +886,34 @@ class KvStore:
         log.debug("idle column family dropped", extra=kv(namespace=name))
 
     def _enforce_ssd_capacity(self) -> None:
-        while self._ssd_bytes > self.ssd_capacity_bytes and self._ssd_lru:
-            key, _size = next(iter(self._ssd_lru.items()))
+        """Evicts the SSD tier's least recently used pages while the disk holds more than its budget:
+        the pages indexed on SSD plus those of pending deletes, which RocksDB still holds (until
+        session 27 they were not counted: usage reported too low, and the disk went past its budget
+        by them). An eviction frees space only when its delete goes through: while RocksDB refuses
+        writes (the tier stalled, or the delete just refused: left pending) evicting more would only
+        move pages from the index to the pending deletes, so it stops there; the budget is met again
+        as the pending deletes go through (tried here first)."""
+        if self._pending_bytes and self._over_ssd_capacity() and self._ssd.may_try():
+            self._reconcile_ssd()
+        while self._over_ssd_capacity() and self._ssd_lru and not self._ssd.stalled:
+            key, size = next(iter(self._ssd_lru.items()))
+            pending_before = self._pending_bytes
             if key in self._dram:
                 # Still hot in DRAM: free its SSD copy only; it is demoted again if it cools.
                 self._forget_ssd_copy(key)
                 ns = self._namespaces.get(key[0])
                 if ns is not None and key[1] in ns.entries:
                     ns.entries[key[1]].on_ssd = False
-                self._delete_ssd(key)
+                self._delete_ssd(key, size)
                 self._drop_idle_column_family(key[0])
-                continue
-            self._remove(key)
-            self._evictions += 1
+            else:
+                self._remove(key)
+                self._evictions += 1
+            if self._pending_bytes > pending_before:
+                break  # its delete was refused: the disk did not shrink
+
+    def _over_ssd_capacity(self) -> bool:
+        return self._ssd_bytes + self._pending_bytes > self.ssd_capacity_bytes
 
     def _remove(self, key: Key) -> None:
         """Deletes a page from every tier and from the ownership index."""
@@ -860,37 +932,77 @@ class KvStore:
                         del ns.by_owner[owner]
         # Last: the index is whole whether or not the disk takes the delete.
         if entry is not None and entry.on_ssd:
-            self._delete_ssd(key)
+            self._delete_ssd(key, entry.size)
         if was_on_ssd:
             self._drop_idle_column_family(key[0])
         if ns is not None and entry is not None and not ns.entries:
             self._note_empty(ns.name)
 
-    def _delete_ssd(self, key: Key) -> None:
+    def _delete_ssd(self, key: Key, size: int) -> None:
         """Deletes a page's SSD copy. A failed delete (a write stop, a full disk: RocksDB then
         refuses every write, deletes included) is logged and counted, not raised: the index and the
         accounting in memory are already right, and raising would fail the Put or Release that freed
         the page half done (a Release could then never make room on a full disk). The page is left
         pending (_reconcile_ssd retries the delete): its record still names the owners it had, and
-        a restart would bring it back owned by requests that released it."""
+        a restart would bring it back owned by requests that released it. `size`: the page's bytes,
+        which stay on disk (counted in ssd_bytes) while the delete is pending."""
         if not self._ssd.may_try():
             # Stalled: not tried (each try costs STALLED_TRY_S under the store lock; a probe a
             # second, SsdTier.may_try), left pending without a warning per page.
-            self._pend_ssd(key)
+            self._pend_ssd(key, size)
             return
         try:
             self._ssd.delete(*key)
         except Exception:
             self._meta_write_failures += 1
-            self._pend_ssd(key)
+            self._pend_ssd(key, size)
             log.warning("SSD page delete failed; the index in memory stays correct, retried later", exc_info=True,
                         extra=kv(namespace=key[0], page=key[1].hex(), failures=self._meta_write_failures))
             return
-        self._pending_ssd.pop(key, None)
+        self._unpend(key)
 
-    def _pend_ssd(self, key: Key) -> None:
-        self._pending_ssd[key] = None
-        self._pending_ssd.move_to_end(key)
+    def _pend_ssd(self, key: Key, size: int) -> None:
+        """Leaves key's SSD record pending (newest last). size: the page bytes the disk holds beyond
+        the index (a delete: the page's; an owner rewrite: 0). Journaled when the intent is new or
+        changed (a delete pending again is the same intent; an owner rewrite names new owners)."""
+        old = self._pending_ssd.pop(key, None)
+        self._pending_ssd[key] = size
+        self._pending_bytes += size - (old or 0)
+        if old is None or size == 0 or old == 0:
+            self._journal_op(lambda: self._journal.pend(key, self._intended_meta(key)))
+
+    def _unpend(self, key: Key) -> None:
+        """key's SSD record agrees with the index again (written, deleted, or gone with its column
+        family); no-op when it was not pending."""
+        size = self._pending_ssd.pop(key, None)
+        if size is None:
+            return
+        self._pending_bytes -= size
+        if not self._pending_ssd or self._journal.needs_rewrite(len(self._pending_ssd)):
+            self._journal_rewrite()  # empty: the journal goes; else it is compacted
+        else:
+            self._journal_op(lambda: self._journal.resolve(key))
+
+    def _intended_meta(self, key: Key) -> bytes | None:
+        """The record key should have on SSD per the index: its owner record when the page is indexed
+        on SSD, else none (None: deleted)."""
+        ns = self._namespaces.get(key[0])
+        entry = ns.entries.get(key[1]) if ns is not None else None
+        return _encode_meta(entry) if entry is not None and entry.on_ssd else None
+
+    def _journal_rewrite(self) -> None:
+        self._journal_op(lambda: self._journal.rewrite([(k, self._intended_meta(k)) for k in self._pending_ssd]))
+
+    def _journal_op(self, op: Callable[[], None]) -> None:
+        """Runs a journal write; a failure (a full disk) is logged, not raised: the record stays
+        pending in memory, only a crash before it goes through loses it (as before the journal)."""
+        try:
+            op()
+        except OSError as exc:
+            self._journal_failures += 1
+            if self._journal_failures == 1 or self._journal_failures % 1000 == 0:
+                log.warning("pending SSD records journal write failed; a crash would lose the pending records",
+                            extra=kv(path=self._journal.path, error=str(exc), failures=self._journal_failures))
 
     def _reconcile_ssd(self, limit: int = 256) -> int:
         """Retries the SSD records RocksDB refused to delete or rewrite (oldest first, at most
@@ -913,7 +1025,7 @@ class KvStore:
                 self._pending_ssd.move_to_end(key)
                 log.debug("SSD record still refused", extra=kv(namespace=key[0], page=key[1].hex(), error=str(exc)))
                 break
-            del self._pending_ssd[key]
+            self._unpend(key)
         return len(self._pending_ssd)
 
     def _touch(self, key: Key, entry: _Entry) -> None:
@@ -1086,7 +1198,7 @@ class KvStore:
             return KvStats(
                 dram_bytes=self._dram.bytes,
                 dram_capacity_bytes=self._dram.capacity_bytes,
-                ssd_bytes=self._ssd_bytes,
+                ssd_bytes=self._ssd_bytes + self._pending_bytes,
                 ssd_capacity_bytes=self.ssd_capacity_bytes,
                 hits=self._hits,
                 misses=self._misses,
@@ -1109,6 +1221,7 @@ class KvStore:
                 write_stall_failures=self._ssd.write_stall_failures,
                 write_stall_seconds=self._ssd.write_stall_seconds,
                 pending_ssd_records=len(self._pending_ssd),
+                pending_ssd_bytes=self._pending_bytes,
                 chain_links=self._chain_links,
             )
 
@@ -1185,5 +1298,7 @@ class KvStore:
             finally:
                 self._closed = True
                 self._ssd.close()
+                # What is still pending stays journaled: the next open applies it.
+                self._journal.close()
             log.info("kvstore closed", extra=kv(flushed_pages=flushed, flush_failures=self._flush_failures,
                                                 ssd_bytes=self._ssd_bytes))

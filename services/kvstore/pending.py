@@ -1,0 +1,122 @@
+"""The journal of pending SSD records: page deletes and owner-record rewrites RocksDB refused.
+
+When RocksDB refuses a page's delete or its owner-record rewrite (a write stop, a full disk), the
+store's index in memory is already right and the disk lags (KvStore._pending_ssd, retried later).
+Kept in memory only, a crash lost them: the restart rebuilt the index from the records on disk and
+brought released pages back, owned by the requests that had released them (nobody releases them
+again: a leak until LRU), or kept an owner record short of its new owners. So each pending record
+is also journaled here, and the next open applies the journal to the recovered index.
+
+Not in RocksDB: the records are pending exactly because RocksDB refuses writes (a write stop refuses
+every write of the DB, the default column family's and the WAL's too). A plain file append is not
+stopped by RocksDB's write controller. The file sits in the DB's directory under a name RocksDB does
+not parse, so RocksDB's obsolete-file purge leaves it alone.
+
+Format: one JSON array per line, appended (os.write on an O_APPEND descriptor: a process crash keeps
+every line written; not fsynced, like the pages themselves, which skip the WAL):
+- ["+", namespace, page_hash_hex, meta]: the page's record should be `meta` (an owner rewrite), or
+  should not exist (meta null: a delete). A later "+" for the same page replaces it.
+- ["-", namespace, page_hash_hex]: the record agrees with the index again.
+A line that does not parse (a write cut short by a crash) is skipped. The file is emptied when no
+record is pending and rewritten whole (a temp file renamed over it) when it holds many more lines
+than pending records, so it stays small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+
+Key = tuple[str, bytes]  # (namespace, page hash)
+
+FILE_NAME = "seer-pending-ssd.jsonl"
+# Lines kept beyond twice the pending records before the journal is rewritten whole.
+_SLACK_LINES = 1024
+
+
+class PendingJournal:
+    """Appends the pending-record changes of one store (its lock serializes the calls). Every method
+    may raise OSError (a full disk): the caller logs it, the record stays pending in memory."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, FILE_NAME)
+        self._fd: int | None = None
+        self._lines = 0
+
+    def load(self) -> OrderedDict[Key, bytes | None]:
+        """The records pending when the journal was last written, oldest first: page -> the owner
+        record it should have, or None when it should be deleted. Empty when there is no journal."""
+        out: OrderedDict[Key, bytes | None] = OrderedDict()
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return out
+        for line in raw.splitlines():
+            try:
+                rec = json.loads(line)
+                op, namespace, page_hash = rec[0], rec[1], bytes.fromhex(rec[2])
+                if not isinstance(namespace, str):
+                    continue
+                key = (namespace, page_hash)
+                if op == "+":
+                    meta = rec[3]
+                    out.pop(key, None)
+                    out[key] = None if meta is None else str(meta).encode("utf-8")
+                elif op == "-":
+                    out.pop(key, None)
+            except (ValueError, TypeError, IndexError):
+                continue  # a line cut short by a crash, or not ours
+        return out
+
+    def pend(self, key: Key, meta: bytes | None) -> None:
+        """Journals that key's record should be `meta` (None: deleted)."""
+        self._append(["+", key[0], key[1].hex(), None if meta is None else meta.decode("utf-8")])
+
+    def resolve(self, key: Key) -> None:
+        """Journals that key's record agrees with the index again."""
+        self._append(["-", key[0], key[1].hex()])
+
+    def needs_rewrite(self, pending: int) -> bool:
+        return self._lines > 2 * pending + _SLACK_LINES
+
+    def rewrite(self, records: Iterable[tuple[Key, bytes | None]]) -> None:
+        """Replaces the journal with exactly `records` (none: an empty journal). Atomic: a temp file
+        renamed over it, so a crash leaves the old journal or the new one."""
+        lines = [
+            json.dumps(["+", k[0], k[1].hex(), None if m is None else m.decode("utf-8")]).encode("utf-8") + b"\n"
+            for k, m in records
+        ]
+        self._close_fd()
+        if not lines:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self._lines = 0
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(lines))
+        os.replace(tmp, self.path)
+        self._lines = len(lines)
+
+    def close(self) -> None:
+        self._close_fd()
+
+    def _append(self, rec: list[object]) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        line = json.dumps(rec).encode("utf-8") + b"\n"
+        # One write per line: O_APPEND keeps it whole at the end (a short write only on a full disk,
+        # and load skips the cut line).
+        written = os.write(self._fd, line)
+        if written != len(line):
+            raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
+        self._lines += 1
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
