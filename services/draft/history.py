@@ -122,10 +122,12 @@ class HistoryStore:
             self._drop(prompt_key, min(iters))
         return [r for r, _ in added]
 
-    def new_responses(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
-                      sources: Sequence[int] | None = None) -> list[tuple[int, ...]]:
-        """The responses add() would add now (the new copies; what the store makes room for)."""
-        return [r for r, _ in self._plan(self._keys.get(prompt_key, {}), iteration, responses, sources)[0]]
+    def new_responses(self, prompt_key: str, iteration: int,
+                      responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The responses add() of seeded ones (unknown source) would add now: the new copies, what
+        seed_history makes room for. (A group's promotion is not made room for: see
+        DraftStore._maybe_complete.)"""
+        return [r for r, _ in self._plan(self._keys.get(prompt_key, {}), iteration, responses)[0]]
 
     def _plan(self, iters: dict[int, _Iteration], iteration: int, responses: Sequence[Sequence[int]],
               sources: Sequence[int] | None = None,

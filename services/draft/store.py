@@ -8,7 +8,8 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   or with another prompt or group_size, or by an attempt whose dispatch `epoch` is above every
   epoch the group took (a new run: dispatch epochs increase over all requests), starts a new
   incarnation: a batch id used again; another group_size while it runs is refused (0 = unknown
-  agrees with any).
+  agrees with any). After it expired or was evicted, an epoch at most the largest it took is its
+  own run's (a retry): refused (FailedPrecondition, field epoch), not a new incarnation.
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
@@ -342,9 +343,17 @@ class DraftStore:
                                   same_size=same_size))
             elif self._expired.get(group_id):
                 # Completed, then evicted or expired: its responses are history, so this is the id
-                # used again (see above), a new incarnation. (Refused, those groups drafted nothing;
-                # a straggler re-creating the old one cannot double its history: HistoryStore.add
-                # holds the same responses once.)
+                # used again (see above), a new incarnation, unless the epoch says it is the same
+                # run: at most the largest epoch that completed incarnation took (a retried
+                # RegisterGroup, a straggler of the run re-creating the group it lost). Taken as
+                # new, that run's workers still following the old incarnation would get reset +
+                # reused and take their own run for another; refused as the existing-group path
+                # above would answer it (idempotent: nothing of that run is created again).
+                largest = self._newest_reused_epoch(group_id)
+                if 0 < epoch <= largest:
+                    raise FailedPrecondition(
+                        f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
+                        f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
                 log.info("completed group's id registered again after it expired; new incarnation",
                          extra=kv(group_id=group_id))
             # Room for the prompt and the key's history as indexed; eviction (oldest history first)
@@ -757,6 +766,12 @@ class DraftStore:
             if inc == incarnation:
                 return int(epoch)
         return None
+
+    def _newest_reused_epoch(self, group_id: str) -> int:
+        """The largest epoch of the id's newest remembered completed incarnation (0: none, or it
+        took no epoch). Caller holds the lock."""
+        entry = self._reused.get(group_id, b"")
+        return int(_REUSED.unpack(entry[-_REUSED.size :])[1]) if entry else 0
 
     def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
         """An upper bound of a new group's memory: its index of the prompt and the key's history."""

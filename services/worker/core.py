@@ -512,22 +512,7 @@ class Worker:
             running = self._active.get(job.request_id)
             if running is not None:  # an abandoned attempt (a newer epoch, see _start) ends here too
                 self._abort_locked(running)
-            self._draft_finish_at_once_locked(job)
-            act.done = True
-            act.stats.wall_seconds = time.monotonic() - act.started
-            metrics.CHUNKS.labels(finish=finish.value).inc()
-            if self._kv is not None:
-                # The response is over: its stored pages go, as at any STOP / LENGTH.
-                with self._offloaded_lock:
-                    self._offloaded.pop(job.request_id, None)
-                try:
-                    self._release(job)
-                except Exception:
-                    log.warning("kv release failed", exc_info=True, extra=kv(request_id=job.request_id))
-            act.events.put(DoneEvent(finish, act.stats, self._policy_version))
-            log.warning("chunk resumes a complete response; ended at once with no tokens", extra=kv(
-                request_id=job.request_id, seq=job.seq, finish=finish.value, output=len(job.output_token_ids),
-                max_tokens=job.max_tokens))
+            self._finish_locked(act, finish, at_once=True)
         return ChunkHandle(self, act)
 
     def _check_admissible_locked(self, job: ChunkJob) -> None:
@@ -1270,21 +1255,29 @@ class Worker:
         total_limit = job.max_tokens or (len(job.output_token_ids) + job.max_new_tokens)
         return ChunkFinish.LENGTH if act.offset >= total_limit else ChunkFinish.CHUNK
 
-    def _finish_locked(self, act: _Active, finish: ChunkFinish) -> None:
+    def _finish_locked(self, act: _Active, finish: ChunkFinish, *, at_once: bool = False) -> None:
+        """The one place a chunk ends with a finish. at_once: a chunk that never reached the
+        engine (_end_at_once: its response was complete), so it is not in _active, and the draft
+        group learns the response finished, as a STOP / LENGTH step's append tells it."""
         if act.done:
             return
         act.done = True
         job = act.job
         act.stats.wall_seconds = time.monotonic() - act.started
-        self._active.pop(job.request_id, None)
+        if not at_once:
+            self._active.pop(job.request_id, None)
         try:
-            self._draft_end_locked(job)
+            if at_once:
+                self._draft_finish_at_once_locked(job)
+            else:
+                self._draft_end_locked(job)
             metrics.IN_FLIGHT.set(len(self._active))
             metrics.CHUNKS.labels(finish=finish.value).inc()
             if self._kv is not None:
                 if finish == ChunkFinish.CHUNK and self._kv_offload:
                     self._offload_locked(act)
                 elif finish in (ChunkFinish.STOP, ChunkFinish.LENGTH):
+                    # The response is over: its stored pages go.
                     with self._offloaded_lock:
                         self._offloaded.pop(job.request_id, None)
                     self._release(job)
@@ -1294,6 +1287,11 @@ class Worker:
             log.warning("chunk end bookkeeping failed", exc_info=True, extra=kv(request_id=job.request_id))
         act.events.put(DoneEvent(finish, act.stats, self._policy_version))
         self._wake.notify_all()  # LoadWeights waits for the drain
+        if at_once:
+            log.warning("chunk resumes a complete response; ended at once with no tokens", extra=kv(
+                request_id=job.request_id, seq=job.seq, finish=finish.value, output=len(job.output_token_ids),
+                max_tokens=job.max_tokens))
+            return
         log.info("chunk done", extra=kv(request_id=job.request_id, group_id=job.group_id, seq=job.seq,
                                         finish=finish.value, tokens=act.generated, steps=act.stats.steps,
                                         accepted=act.stats.accepted_tokens,
@@ -1435,29 +1433,27 @@ class Worker:
     def _register_group(self, job: ChunkJob) -> None:
         if self._draft is None or not job.group_id:
             return
-        # The draft client's register_attempt (DraftClient; a DraftSource without it gets
-        # register_group): the registration carries this attempt's dispatch epoch, by which the
-        # draft server tells a new run under a reused group id (a resubmitted batch id: the same
-        # prompt, group and request ids) from the completed old one. Called for a group known here
-        # too (local; the client sends RegisterGroup again only when the group may have completed
-        # on the server): a mirror still following the old run's group would take the new run's
-        # chunk into it.
-        attempt = getattr(self._draft, "register_attempt", None)
+        # Every chunk registers its attempt: the registration carries this attempt's dispatch
+        # epoch, by which the draft server tells a new run under a reused group id (a resubmitted
+        # batch id: the same prompt, group and request ids) from the completed old one. Called for
+        # a group known here too (local; the client sends RegisterGroup again only when the group
+        # may have completed on the server): a mirror still following the old run's group would
+        # take the new run's chunk into it.
+        draft = self._draft
         # All under the engine lock (the draft client's calls here are local and short): released
         # after the lock, an evicted group's mirror could be dropped just after another chunk
         # of that group registered it again, leaving that chunk without drafts or appends.
         with self._locked():
             # The draft client may have released the mirror on its own (the server expired the
             # group while nothing of it ran here): then register it again.
-            known = job.group_id in self._registered_groups and self._draft.has_group(job.group_id)
+            known = job.group_id in self._registered_groups and draft.has_group(job.group_id)
             if known:
                 self._registered_groups.move_to_end(job.group_id)
-                if attempt is not None:
-                    try:
-                        attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
-                                int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
-                    except Exception:
-                        log.warning("draft register_attempt failed", exc_info=True)
+                try:
+                    draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
+                                           int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
+                except Exception:
+                    log.warning("draft register_attempt failed", exc_info=True)
                 return
             self._registered_groups[job.group_id] = None
             try:
@@ -1469,16 +1465,12 @@ class Worker:
                         break
                     if gid not in busy and gid != job.group_id:
                         del self._registered_groups[gid]
-                        self._draft.release_group(gid)
-                if attempt is not None:
-                    attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
-                            int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
-                else:
-                    # group_size as sent (0 = unknown: the draft server then never completes the
-                    # group on its own). Registered as 1, such a group completed at its first
-                    # finish, and with dispatch epochs every later request started a new run.
-                    self._draft.register_group(job.group_id, job.prompt_key, job.prompt_token_ids,
-                                               job.group_size, int(self._group_ttl))
+                        draft.release_group(gid)
+                # group_size as sent (0 = unknown: the draft server then never completes the group
+                # on its own). Registered as 1, such a group completed at its first finish, and
+                # with dispatch epochs every later request started a new run.
+                draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
+                                       int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
             except Exception:
                 # Drafting degrades to nothing for this group; generation itself is unaffected.
                 log.warning("draft register_group failed", exc_info=True)

@@ -255,12 +255,13 @@ class DraftClient:
                              or tuple(prompt_token_ids) != m.prompt)
                     if not (m.completed or request_id in m.done or other):
                         return
-                    m.register_epoch = epoch
-                    m.reregister = (prompt_key, tuple(int(t) for t in prompt_token_ids), group_size,
-                                    int(ttl_seconds))
-                    log.info("draft group may have completed; registering again for a newer attempt",
-                             extra=kv(group_id=group_id, request_id=request_id, epoch=epoch))
-                    self._wake.set()
+                    self._reregister_locked(group_id, m, request_id, epoch, (
+                        prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds)))
+                    return
+                if 0 < epoch <= max(m.register_epoch, max(m.epochs.values(), default=0)):
+                    # Completed, and this attempt is of its run (an epoch this mirror already
+                    # registered or ran: a retried chunk): the same incarnation, kept. Replaced, it
+                    # would register again, and the server would take it for the id used again.
                     return
                 del self._groups[group_id]
                 self._pending = [a for a in self._pending if a.group_id != group_id]
@@ -502,10 +503,15 @@ class DraftClient:
             todo = [(gid, m, m.reregister or (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds), m.register_epoch)
                     for gid, m in self._groups.items() if not m.ready]
         for gid, m, (key, prompt, size, ttl), epoch in todo:
+            with self._lock:
+                # Sent with the newest attempt this mirror ran too (register_epoch is only the
+                # registrations'): re-creating a group the server lost, a completed one that expired
+                # must be told this run's epoch, or it takes the run for the id used again.
+                sent = max(epoch, max(m.epochs.values(), default=0))
             try:
                 resp = self._stub.RegisterGroup(
                     draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=key, prompt_token_ids=prompt,
-                                                   ttl_seconds=ttl, group_size=size, epoch=epoch),
+                                                   ttl_seconds=ttl, group_size=size, epoch=sent),
                     timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -624,10 +630,8 @@ class DraftClient:
                 # same batch with a lower epoch, dispatched earlier, lost its finish in the resend
                 # and the new incarnation never completed); only a newer epoch registers again.
                 if a.epoch > m.register_epoch:
-                    m.register_epoch = a.epoch
-                    m.reregister = (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds)
-                    log.info("draft append refused by a completed group; registering again for a newer attempt",
-                             extra=kv(group_id=a.group_id, request_id=a.request_id, epoch=a.epoch))
+                    self._reregister_locked(a.group_id, m, a.request_id, a.epoch,
+                                            (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds))
                 return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
@@ -650,6 +654,18 @@ class DraftClient:
                 return
         log.warning("draft append dropped (%s: %s)", code.name, details,
                     extra=kv(group_id=a.group_id, request_id=a.request_id))
+
+    def _reregister_locked(self, gid: str, m: _Mirror, request_id: str, epoch: int,
+                           registration: tuple[str, tuple[int, ...], int, int]) -> None:
+        """Queues RegisterGroup again for a newer attempt (`epoch`) of a group that may have
+        completed on the server (register_attempt, _on_refused): the server tells by the epoch
+        whether it is another run (a new incarnation) or this one (idempotent). The group's
+        appends and Syncs wait for it (_Mirror.reregister). Caller holds the lock."""
+        m.register_epoch = epoch
+        m.reregister = registration
+        log.info("draft group may have completed; registering again for a newer attempt",
+                 extra=kv(group_id=gid, request_id=request_id, epoch=epoch))
+        self._wake.set()
 
     def _whole_locked(self, gid: str, m: _Mirror, rid: str) -> draft_pb2.AppendRequest:
         """This worker's whole copy of a response as one message (caller holds the lock). A truncate

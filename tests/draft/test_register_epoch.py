@@ -187,3 +187,71 @@ def test_a_later_chunk_of_the_same_run_sends_no_registration() -> None:
             assert a.stats().register_rpcs == 1
         finally:
             w.close()
+
+
+def _expire(store: DraftStore) -> None:
+    store._clock = lambda: 1e12  # type: ignore[method-assign]  # far past every TTL
+    store.expire_now()
+
+
+def test_the_same_run_registering_an_expired_completed_group_starts_no_new_incarnation(stub: _Stub) -> None:
+    """A completed group that expired, registered again at an epoch of its own run (a retried
+    RegisterGroup, a straggler): refused, naming epoch, and nothing is created; was a new
+    incarnation (the run's workers still following the old one then got reset + reused). A newer
+    epoch, or none, is still the id used again."""
+    s, store = stub
+    assert _register(s, 3, size=1)
+    store.append("g", "r0", 0, [5], finished=True, epoch=3)
+    assert store._groups["g"].completed
+    _expire(store)
+    for same_run in (3, 2):
+        with pytest.raises(grpc.RpcError) as err:
+            _register(s, same_run, size=1)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.details().startswith("epoch:")
+        assert "g" not in store._groups
+    assert _register(s, 4, size=1)  # another run
+
+
+def test_a_same_run_retry_after_the_group_completed_and_expired_is_not_a_new_run() -> None:
+    """Worker B's attempt of r1 (epoch 2) finished the group; it expired. The scheduler retries
+    B's chunk at the same epoch (its RunChunk answer was lost): B's mirror registers again, and
+    the server answered with a new incarnation holding nothing but that retry, which A's mirror
+    (epoch 1, the same run) then took for another run's (reset + reused)."""
+    with workers(2) as (srv, (a, b)):
+        for w in (a, b):
+            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
+        _flush(a, b)
+        for w, rid, epoch in ((a, "r0", 1), (b, "r1", 2)):
+            w.register_attempt("g", "key", [1, 2, 3], 2, 60, request_id=rid, epoch=epoch)
+            w.resume("g", rid, [], epoch=epoch)
+            w.append("g", rid, 0, [10 + epoch], finished=True)
+            w.end("g", rid)
+        _flush(a, b)
+        assert srv.store._groups["g"].completed
+        _expire(srv.store)
+        b.register_attempt("g", "key", [1, 2, 3], 2, 60, request_id="r1", epoch=2)
+        b.resume("g", "r1", [12], epoch=2)
+        _flush(b, a)
+        assert "g" not in srv.store._groups  # no lone incarnation of the retry
+        assert srv.store.stats().groups == 0
+        assert a.stats().resets == 0  # A was never told its run is another's
+
+
+def test_a_same_run_retry_keeps_the_completed_mirror() -> None:
+    """The client side: a chunk retried at an epoch its completed mirror already ran is the same
+    run: the mirror is kept (no RegisterGroup), not replaced as for the id used again."""
+    with workers(1) as (srv, (a,)):
+        a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=4)
+        a.resume("g", "r0", [], epoch=4)
+        a.append("g", "r0", 0, [10], finished=True)
+        a.end("g", "r0")
+        _flush(a)
+        mirror, rpcs = a._groups["g"], a.stats().register_rpcs
+        assert mirror.completed
+        a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=4)
+        _flush(a)
+        assert a._groups["g"] is mirror and a.stats().register_rpcs == rpcs
+        a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=5)  # another run
+        _flush(a)
+        assert a._groups["g"] is not mirror and srv.store._groups["g"].incarnation != mirror.incarnation

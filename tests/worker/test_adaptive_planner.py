@@ -263,20 +263,13 @@ class RecordingPlanner:
 
 
 def test_worker_reports_decode_steps_to_the_planner() -> None:
+    from draft_fakes import NullDraft
     from worker_fake_engine import FakeEngine
 
     from services.worker.core import ChunkJob, Worker
     from services.worker.engine import Draft, SamplingParams
 
-    class Chain:  # drafts the fake model's exact continuation: every draft token is accepted
-        def register_group(self, *a: object, **k: object) -> None: ...
-        def append(self, *a: object, **k: object) -> None: ...
-        def resume(self, *a: object, **k: object) -> None: ...
-        def end(self, *a: object, **k: object) -> None: ...
-        def release_group(self, *a: object, **k: object) -> None: ...
-        def has_group(self, *a: object, **k: object) -> bool: return True
-        def close(self) -> None: ...
-
+    class Chain(NullDraft):  # drafts the fake model's exact continuation: every draft token is accepted
         def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
                     width: int = 1) -> Draft:
             return Draft.chain([(context[-1] + 1 + i) % 100 for i in range(max_len)])

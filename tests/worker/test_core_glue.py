@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from draft_fakes import FixedPlanner, NullDraft
 from worker_fake_engine import FakeEngine, FakePool
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
@@ -103,17 +104,17 @@ def test_handle_cancel_aborts(engine: FakeEngine, worker: Worker) -> None:
     assert isinstance(list(h.events())[-1], DoneEvent)
 
 
-class ChainDrafter:
+class ChainDrafter(NullDraft):
     """Proposes the fake model's continuation with a wrong token at position `wrong_at`."""
 
     def __init__(self, wrong_at: int | None = None) -> None:
         self.wrong_at = wrong_at
         self.appends: list[tuple[str, str, int, tuple[int, ...], bool]] = []
-        self.groups: list[str] = []
+        self.attempts: list[tuple[str, str]] = []
 
-    def register_group(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                       ttl_seconds: int) -> None:
-        self.groups.append(group_id)
+    def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
+                         ttl_seconds: int, *, request_id: str = "", epoch: int = 0) -> None:
+        self.attempts.append((group_id, request_id))
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
                finished: bool = False) -> None:
@@ -126,33 +127,6 @@ class ChainDrafter:
             last = (last + 1) % 100
             toks.append(last if i != self.wrong_at else 0)
         return Draft.chain(toks)
-
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
-        pass  # proposals do not depend on appended tokens
-
-    def end(self, group_id: str, request_id: str) -> None:
-        pass
-
-    def release_group(self, group_id: str) -> None:
-        pass
-
-    def has_group(self, group_id: str) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-class FixedPlanner:
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.observed: list[tuple[list[int], list[int]]] = []
-
-    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
-        self.observed.append((list(proposed), list(accepted)))
-
-    def plan(self, requests: Sequence[tuple[str, bool]]) -> dict[str, int]:
-        return {rid: (self.n * 2 if probe else self.n) for rid, probe in requests}
 
 
 def test_drafts_accepted_and_appended_in_order(engine: FakeEngine) -> None:
@@ -168,7 +142,7 @@ def test_drafts_accepted_and_appended_in_order(engine: FakeEngine) -> None:
     # 2 of every 3 drafted tokens match, plus the bonus token: 3 tokens per step.
     assert done.stats.steps == 4 and done.stats.accepted_tokens == 8
     assert done.stats.draft_tokens >= done.stats.accepted_tokens
-    assert drafter.groups == ["g0"]  # registered once for both requests
+    assert drafter.attempts == [("g0", "r0"), ("g0", "r1")]  # every chunk registers its attempt
     mine = [a for a in drafter.appends if a[1] == "r0"]
     offsets = [a[2] for a in mine]
     assert offsets == sorted(offsets) and offsets[0] == 0

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Sequence
 
 import pytest
+from draft_fakes import FixedPlanner, NullDraft
 
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, TokensEvent, Worker
 from services.worker.engine import Draft, SamplingParams
@@ -19,49 +20,18 @@ BAD = "bad/0/0"
 GOOD = "good/0/0"
 
 
-class Drafter:
+class Drafter(NullDraft):
     """Proposes a valid chain (a repeat of the context's last tokens) for every request but BAD,
     which gets `bad` on every step (a draft mirror gone wrong keeps proposing the same)."""
 
     def __init__(self, bad: Draft) -> None:
         self.bad = bad
 
-    def register_group(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                       ttl_seconds: int) -> None:
-        pass
-
-    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False) -> None:
-        pass
-
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
                 width: int = 1) -> Draft | None:
         if request_id == BAD:
             return self.bad
         return Draft.chain(list(context[-max_len:]))
-
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
-        pass
-
-    def end(self, group_id: str, request_id: str) -> None:
-        pass
-
-    def release_group(self, group_id: str) -> None:
-        pass
-
-    def has_group(self, group_id: str) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-class Planner:
-    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
-        pass
-
-    def plan(self, requests: Sequence[tuple[str, bool]]) -> dict[str, int]:
-        return {rid: 3 for rid, _ in requests}
 
 
 def job(rid: str, prompt: Sequence[int], n: int) -> ChunkJob:
@@ -79,7 +49,7 @@ def test_a_bad_draft_costs_only_its_own_request_and_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ValueError):
         bad.validate(ref_engine.vocab_size)
-    w = Worker(ref_engine, draft=Drafter(bad), planner=Planner(), gamma_max=3).start()
+    w = Worker(ref_engine, draft=Drafter(bad), planner=FixedPlanner(3), gamma_max=3).start()
     try:
         with caplog.at_level(logging.WARNING, logger="services.worker"):
             # BAD first and longer: every step of GOOD shares the batch with BAD's bad draft.

@@ -193,26 +193,24 @@ class ReferenceEngine(Engine):
 
     # ---- step -----------------------------------------------------------------------------------
     def _trees(self, seqs: list[Sequence], drafts: Mapping[str, Draft] | None) -> list[DraftTree | None]:
-        """Validates every draft of the step first (ValueError before any state changes), then
-        trims each to what the request can still emit (drafts are optional, trimming is safe)."""
+        """Each scheduled request's draft, trimmed to what the request can still emit (drafts are
+        optional, trimming is safe). Validated once, by step(), before anything was scheduled."""
         trees: list[DraftTree | None] = []
         for seq in seqs:
             d = drafts.get(seq.request_id) if drafts else None
             if d is None or not d.tokens:
                 trees.append(None)
                 continue
-            try:
-                d.validate(self.vocab_size)
-            except ValueError as e:
-                raise ValueError(f"drafts[{seq.request_id!r}].{e}") from None
             n = min(len(d.tokens), seq.remaining, self.config.max_draft_tokens)
             trees.append(DraftTree.build(list(d.tokens[:n]), list(d.parents[:n])) if n > 0 else None)
         return trees
 
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
         if drafts:
-            # Validate drafts of requests that are not scheduled this step too: bad input is an
-            # error whenever it is given.
+            # The one validation of the step's drafts (_trees relies on it), before anything
+            # changes, for every request known here, scheduled this step or not: bad input is an
+            # error whenever it is given. (The worker core drops a bad draft alone before calling
+            # this; a direct caller gets the ValueError naming the draft.)
             for rid, d in drafts.items():
                 if rid in self.scheduler.by_id:
                     try:
