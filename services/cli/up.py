@@ -654,7 +654,11 @@ def stop_keeping_data(suite: Suite, say: Callable[[str], None]) -> dict[str, int
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    model_dir = args.model_dir or ensure_embedded_model()
+    try:
+        model_dir = args.model_dir or ensure_embedded_model()
+    except KeyboardInterrupt:  # as in `seer demo`: the first conversion takes a while (it cleans up after itself)
+        print("seer up: interrupted while preparing the model", file=sys.stderr)
+        return 128 + signal.SIGINT
     stop = StopRequest()
     # From before Suite(), which creates the temporary data directory (as in `seer demo`): a signal
     # between the two left that directory behind.
@@ -673,6 +677,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int:
     """Starts the suite, watches it until a signal (or a central service's crash), stops it."""
+    if stop.is_set():  # a signal while Suite() was built: no service is started only to be killed
+        suite.remove_data()
+        print("seer up: stopped before the suite was up", file=sys.stderr)
+        return 128 + stop.signum
     print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
     try:
         # The stop flag is polled while starting: workers can take minutes to load, and a Ctrl-C

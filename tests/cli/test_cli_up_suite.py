@@ -247,3 +247,30 @@ def test_a_metrics_port_held_on_another_address_is_refused(tmp_path: Path) -> No
         other.listen()
         with pytest.raises(up.SuiteError, match=f"scheduler metrics port {port}"):
             s.start(timeout=5)
+
+
+def test_up_stops_before_starting_anything_when_signalled_while_the_suite_was_built(tmp_path, monkeypatch):
+    """A signal that came while Suite() was built: no service is started only to be killed, the
+    temporary data directory goes, and the exit status is 128 + the signal (review, session 27)."""
+    import argparse
+    import signal
+
+    from services.cli.signals import StopRequest
+
+    monkeypatch.setattr(up.Suite, "start", lambda *a, **k: pytest.fail("a service was started"))
+    suite = up.Suite(workers=1, base_port=0, model_dir=str(tmp_path / "model"))
+    stop = StopRequest()
+    stop.handle(signal.SIGTERM, None)
+    assert up._supervise(argparse.Namespace(workers=1, timeout=30.0), suite, stop) == 128 + signal.SIGTERM
+    assert not suite.data_dir.exists()
+
+
+def test_up_reports_an_interrupt_while_preparing_the_model(monkeypatch, capsys):
+    """Ctrl-C during the first model conversion: one line and 130, not a traceback (as `seer demo`)."""
+
+    def interrupted() -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(up, "ensure_embedded_model", interrupted)
+    assert up.main(["--base-port", "0"]) == 130
+    assert "interrupted while preparing the model" in capsys.readouterr().err

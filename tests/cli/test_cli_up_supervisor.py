@@ -41,7 +41,6 @@ _SERVICE = (
 _UP = """
 import sys
 from services.cli import up
-from tests.cli.cli_helpers import pids_with, wait_for_line
 up.ensure_embedded_model = lambda: "/nonexistent-model"
 if {healthy}:
     up.health_status = lambda address, timeout=1.0: "SERVING"
