@@ -533,7 +533,8 @@ class Suite:
         tail = s.tail(40)  # this launch's output only: an old clash in the log is not this exit's cause
         if "Address already in use" not in tail and "Failed to bind" not in tail:
             return False
-        if s.metrics_port and not self.base_port and "start_http_server" in tail:
+        # The metrics server names its port in the error (services/common/telemetry.py).
+        if s.metrics_port and not self.base_port and f"metrics_port {s.metrics_port}: cannot bind" in tail:
             new = self._free_port()
             i = s.args.index("--metrics-port")
             s.args[i + 1] = str(new)

@@ -2,18 +2,22 @@
 
 Tracing is configured by SEER_TRACING = none | console | otlp (OTLP endpoint from the standard
 OTEL_EXPORTER_OTLP_ENDPOINT). Health checks are excluded from traces. Metrics are served over HTTP
-on the port given to `start_metrics_server` (0 = off).
+on the port given to `start_metrics_server` (0 = off), on every address: IPv6 and IPv4 (one
+dual-stack socket on "::") where the host has IPv6, else IPv4 only (0.0.0.0).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 _lock = threading.Lock()
 _configured: str | None = None
@@ -123,13 +127,61 @@ def tracer(name: str) -> Any:
     return trace.get_tracer(name)
 
 
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _DualStackServer(ThreadingWSGIServer):
+    """prometheus_client's server on an IPv6 socket that also accepts IPv4 (as ::ffff:a.b.c.d).
+    IPV6_V6ONLY is cleared explicitly: its default follows net.ipv6.bindv6only, and where that is 1
+    a plain "::" bind would have dropped IPv4 scrapes instead."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _dual_stack_supported() -> bool:
+    """Whether this host can open a dual-stack socket: no IPv6 at all (ipv6.disable=1, some
+    containers) fails here, and the metrics server falls back to IPv4."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            probe.bind(("::", 0))
+    except OSError:
+        return False
+    return True
+
+
+def _start_http_server(port: int, registry: CollectorRegistry) -> ThreadingWSGIServer:
+    """prometheus_client's start_http_server, on the dual-stack server where the host allows it."""
+    server_class: type[ThreadingWSGIServer] = _DualStackServer if _dual_stack_supported() else ThreadingWSGIServer
+    host = "::" if server_class is _DualStackServer else "0.0.0.0"
+    server = cast(ThreadingWSGIServer,
+                  make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler))
+    threading.Thread(target=server.serve_forever, name="seer-metrics", daemon=True).start()
+    return server
+
+
 def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY) -> int:
-    """Serves /metrics; returns the bound port (0 = disabled)."""
-    if port < 0:
+    """Serves /metrics on every address of the host, IPv6 included (gRPC's own ports are dual-stack
+    too: prometheus_client binds 0.0.0.0 only, so a scrape over IPv6 found nothing); returns the
+    bound port (0 = disabled)."""
+    if port <= 0:
         return 0
-    if port == 0:
-        return 0
-    server, _thread = start_http_server(port, registry=registry)
+    try:
+        server = _start_http_server(port, registry)
+    except OSError as e:
+        # Named: "Address already in use" alone does not say which of the service's two ports it was
+        # (`seer up` moves a clashing metrics port by this text: services/cli/up.py).
+        raise OSError(e.errno, f"metrics_port {port}: cannot bind it: {e.strerror}") from e
     return int(server.server_port)
 
 

@@ -274,3 +274,27 @@ def test_up_reports_an_interrupt_while_preparing_the_model(monkeypatch, capsys):
     monkeypatch.setattr(up, "ensure_embedded_model", interrupted)
     assert up.main(["--base-port", "0"]) == 130
     assert "interrupted while preparing the model" in capsys.readouterr().err
+
+
+def test_a_clashing_metrics_port_is_picked_again_by_the_metrics_servers_own_error(tmp_path, monkeypatch):
+    """The metrics server names its port when the bind fails (services/common/telemetry.py); `seer
+    up` picks a new metrics port by that text, and keeps a gRPC port that clashed."""
+    from services.common.telemetry import start_metrics_server
+
+    taken = socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("::" if socket.has_ipv6 else "0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    with pytest.raises(OSError) as err:
+        start_metrics_server(port)
+    taken.close()
+    suite = up.Suite(workers=0, base_port=0, model_dir=str(tmp_path / "model"))
+    s = up.ServiceProcess(name="buffer", module="services.buffer", args=["--metrics-port", str(port)], port=1,
+                          metrics_port=port, log_dir=tmp_path, env={})
+    (tmp_path / "buffer.log").write_text(f"Traceback ...\nOSError: [Errno 98] {err.value}\n")
+    started: list[int] = []
+    monkeypatch.setattr(up.ServiceProcess, "start", lambda self: started.append(self.metrics_port))
+    monkeypatch.setattr(up.time, "sleep", lambda _s: None)
+    assert suite._relaunch_after_port_clash(s)
+    assert s.metrics_port != port and s.args == ["--metrics-port", str(s.metrics_port)] and started == [s.metrics_port]
+    suite.remove_data()

@@ -3,6 +3,8 @@ validated with kubernetes-validate; wrong values must fail at render with a mess
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +19,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "gpu-production": {
         "global": {"imageRegistry": "registry.example.com/seer/", "imageTag": "1.2.3", "tracing": "otlp",
                    "extraEnv": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": "http://otel:4317"}]},
+        # The GPU image holds no model: it is mounted (the buffer mounts it too).
+        "model": {"dir": "/models/qwen3-8b"},
         "worker": {"replicas": 8, "engine": "sglang", "image": {"repository": "seer-worker-gpu"},
                    "gpu": {"enabled": True, "count": 1},
+                   "modelVolume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
                    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
                    "config": {"max_batch_size": 256, "dtype": "bfloat16", "speculation": True}},
         # Unquoted byte counts: YAML numbers reach the templates as float64 (see the env test).
@@ -280,6 +285,15 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"kvstore": {"config": {"ssd_bytes": 34359738368}}}, "kvstore.config.ssd_bytes"),
     ({"kvstore": {"config": {"ssd_bytes": "34359738368"}}}, "kvstore.config.ssd_bytes"),
     ({"kvstore": {"config": {"ssd_bytes": "10Gi"}}}, "kvstore.config.ssd_bytes: a whole number"),
+    # Numeric tags: 20240101 rendered seer-buffer:2.0240101e+07 and 1.10 seer-buffer:1.1.
+    ({"global": {"imageTag": 20240101}}, "/global/imageTag"),
+    ({"buffer": {"image": {"tag": 1.10}}}, "/buffer/image/tag"),
+    # The GPU image bakes no model: rendered cleanly, then crash-looped on the missing model.dir.
+    ({"worker": {"gpu": {"enabled": True}, "image": {"repository": "seer-worker-gpu"}, "engine": "sglang"}},
+     "worker.modelVolume: required for a GPU worker"),
+    ({"worker": {"image": {"repository": "registry.example.com/seer-worker-gpu"}}}, "worker.modelVolume"),
+    # Another model with no volume: the buffer kept its image's SmolLM2 tokenizer (wrong vocabulary).
+    ({"model": {"dir": "/opt/models/qwen"}}, "buffer.config.model_dir"),
 ]
 
 
@@ -314,3 +328,52 @@ def test_pdb_with_both_bounds_fails_naming_them(chart: Any) -> None:
     # Nulling the default picks the user's bound.
     objects = render(chart, {"buffer": {"pdb": {"enabled": True, "minAvailable": None, "maxUnavailable": 1}}})
     assert _by_kind(objects, "PodDisruptionBudget")["seer-buffer"]["spec"]["maxUnavailable"] == 1
+
+
+def test_a_numeric_tag_fails_even_without_the_schema(chart: Any, tmp_path: Path) -> None:
+    """The schema refuses a numeric tag (BAD_VALUES); the template refuses it too, naming the key, for
+    a render with schema validation skipped (`helm template --skip-schema-validation`), where it
+    rendered seer-buffer:2.0240101e+07. Quoted numeric tags keep their form."""
+    bare = tmp_path / "seer"
+    shutil.copytree(CHART, bare)
+    (bare / "values.schema.json").unlink()
+    with helm.Chart.load(str(bare)) as unchecked:
+        for values, needle in [({"global": {"imageTag": 20240101}}, "global.imageTag: must be a string"),
+                               ({"worker": {"image": {"tag": 1.10}}}, "worker.image.tag: must be a string")]:
+            with pytest.raises(helm.HelmError) as info:
+                render(unchecked, values)
+            assert needle in str(info.value), str(info.value)
+    objects = render(chart, {"global": {"imageTag": "20240101"}, "worker": {"image": {"tag": "1.10"}}})
+    images = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["image"]
+              for o in objects if o["kind"] in ("StatefulSet", "Deployment")}
+    assert images["seer-buffer"] == "seer-buffer:20240101"
+    assert images["seer-worker"] == "seer-worker:1.10"
+
+
+def test_another_model_reaches_the_buffer(chart: Any) -> None:
+    """model.dir other than the images' embedded model: with a volume the buffer gets it (see
+    test_buffer_reads_the_workers_model); without one only an explicit buffer.config.model_dir
+    renders (BAD_VALUES: the buffer would tokenize with the embedded model's vocabulary)."""
+    objects = render(chart, {"model": {"dir": "/opt/models/qwen"},
+                             "buffer": {"config": {"model_dir": "/opt/tok/qwen"}}})
+    assert _env(_by_kind(objects, "StatefulSet")["seer-buffer"])["SEER_BUFFER_MODEL_DIR"] == "/opt/tok/qwen"
+    assert _env(_by_kind(objects, "Deployment")["seer-worker"])["SEER_WORKER_MODEL_DIR"] == "/opt/models/qwen"
+    # The default path, written with a trailing slash, is still the embedded model.
+    render(chart, {"model": {"dir": "/opt/seer/models/SmolLM2-135M-Instruct/"}})
+
+
+@pytest.mark.parametrize(("storage_class", "expected"), [
+    ("fast-nvme", "fast-nvme"),
+    ("-", ""),       # the Helm convention for storageClassName: "" (no dynamic provisioning)
+    ("on", "on"),    # unquoted, YAML read it as the boolean true
+    ("", None),      # unset: the cluster's default StorageClass
+])
+def test_storage_class_name_is_a_string(chart: Any, storage_class: str, expected: str | None) -> None:
+    """Before: rendered unquoted, "-" was invalid YAML (render error), "on"/"yes" became booleans
+    (invalid objects), and storageClassName: "" could not be rendered at all."""
+    objects = render(chart, {"buffer": {"persistence": {"storageClassName": storage_class}},
+                             "kvstore": {"persistence": {"storageClassName": storage_class}}})
+    for name, sts in _by_kind(objects, "StatefulSet").items():
+        claim = sts["spec"]["volumeClaimTemplates"][0]["spec"]
+        assert claim.get("storageClassName") == expected, (name, claim)
+        kv.validate(sts, KUBE_VERSIONS[0], strict=True)

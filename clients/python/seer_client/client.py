@@ -180,6 +180,16 @@ def _float(value: object, field: str) -> float:
         raise _invalid(field, f"must be a number, got {type(value).__name__} {value!r}") from None
 
 
+def _results_timeout(timeout: object) -> float | None:
+    """A results wait (iter_results, collect, run_batch): None = no bound. timeout <= 0 stays a
+    deadline already passed (SeerTimeout at the first next()); NaN is refused and inf is no bound
+    (both timed out at once before)."""
+    bound = None if timeout is None else _float(timeout, "timeout")
+    if bound is not None and bound != bound:
+        raise _invalid("timeout", f"must be a number of seconds or None, got {timeout!r}")
+    return None if bound == float("inf") else bound
+
+
 def _str(value: object, field: str) -> str:
     if not isinstance(value, str):
         raise _invalid(field, f"must be a str, got {type(value).__name__} {value!r}")
@@ -374,14 +384,8 @@ class SeerClient:
         """
         # Checked here, not in the generator (its body runs only at the first next()): the call
         # with a bad argument is where the error belongs.
-        # timeout <= 0 stays a deadline already passed (SeerTimeout at the first next()); NaN is refused
-        # and inf is no bound (both timed out at once before).
-        bound = None if timeout is None else _float(timeout, "timeout")
-        if bound is not None and bound != bound:
-            raise _invalid("timeout", f"must be a number of seconds or None, got {timeout!r}")
         return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64),
-                                  None if bound == float("inf") else bound,
-                                  _int(submission_id, "submission_id", _UINT64))
+                                  _results_timeout(timeout), _int(submission_id, "submission_id", _UINT64))
 
     def _iter_results(self, batch_id: str, cursor: int, timeout: float | None,
                       submission_id: int) -> Iterator[RolloutResult]:
@@ -458,16 +462,27 @@ class SeerClient:
         return SeerTimeout("DEADLINE_EXCEEDED",
                            f"batch {batch_id!r}: results not complete after {timeout}s (cursor {cursor})")
 
-    def collect(self, batch_id: str, cursor: int = 0) -> list[RolloutResult]:
-        return list(self.iter_results(batch_id, cursor))
+    def collect(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None) -> list[RolloutResult]:
+        """Every result from `cursor` on, once the batch is done. timeout: as iter_results' (None =
+        until the batch is done, which a batch that never progresses never is); SeerTimeout when it
+        runs out, the results so far are dropped (iter_results keeps them)."""
+        return list(self.iter_results(batch_id, cursor, timeout=timeout))
 
     def run_batch(self, batch_id: str, groups: Sequence[PromptGroup],
                   on_result: Callable[[RolloutResult], None] | None = None, *,
-                  seed_scope: str = "") -> list[RolloutResult]:
-        """Submits (idempotently) and returns every result; on_result sees each as it arrives."""
+                  seed_scope: str = "", timeout: float | None = None) -> list[RolloutResult]:
+        """Submits (idempotently) and returns every result; on_result sees each as it arrives.
+
+        timeout: seconds to wait for the results once the batch is submitted, as iter_results'
+        (None or inf = until the batch is done: a batch no worker serves would block for ever). When
+        they run out SeerTimeout is raised; the batch is not cancelled, and calling again with the
+        same batch id waits on and returns every result (the submission is idempotent). The
+        submission itself is bounded by the client's per-call `timeout`, like every call."""
+        # Before submitting: a bad timeout must not leave a submitted batch behind its error.
+        bound = _results_timeout(timeout)
         submitted = self.submit_batch(batch_id, groups, seed_scope=seed_scope)
         out = []
-        for r in self.iter_results(batch_id, submission_id=submitted.submission_id):
+        for r in self._iter_results(batch_id, 0, bound, submitted.submission_id):
             if on_result is not None:
                 on_result(r)
             out.append(r)

@@ -27,12 +27,27 @@ app.kubernetes.io/part-of: seer
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
+{{/* "<registry>/<repository>:<tag>". Called with (dict "root" $ "svc" <values block> "component" <name>). */}}
 {{- define "seer.image" -}}
 {{- $g := .root.Values.global -}}
 {{- $img := .svc.image -}}
+{{- /* A tag written as a YAML number reaches the template as a float64 (or an int64 from --set):
+20240101 printed as 2.0240101e+07 and 1.10 as 1.1, an image that does not exist (ErrImagePull).
+The schema says string; this also covers a render with schema validation skipped. */ -}}
+{{- range $key, $tag := dict (printf "%s.image.tag" .component) $img.tag "global.imageTag" $g.imageTag -}}
+{{- if not (or (kindIs "invalid" $tag) (kindIs "string" $tag)) -}}
+{{- fail (printf "%s: must be a string (got the %s %v); quote it in the values file (tag: \"1.10\") or use --set-string, since a number loses its form (1.10 becomes 1.1, 20240101 becomes 2.0240101e+07)" $key (kindOf $tag) $tag) -}}
+{{- end -}}
+{{- end -}}
 {{- $repo := $img.repository -}}
 {{- if $g.imageRegistry -}}{{- $repo = printf "%s/%s" (trimSuffix "/" $g.imageRegistry) $repo -}}{{- end -}}
 {{- printf "%s:%s" $repo (toString ($img.tag | default $g.imageTag | default .root.Chart.AppVersion)) -}}
+{{- end -}}
+
+{{/* Where the images hold the embedded model: the worker image its weights, the buffer image its
+tokenizer (docker/Dockerfile); values.yaml's model.dir default. */}}
+{{- define "seer.imageModelDir" -}}
+/opt/seer/models/SmolLM2-135M-Instruct
 {{- end -}}
 
 {{/* In-cluster address of a component's gRPC port through its headless Service. */}}
@@ -72,7 +87,8 @@ user's `config` map (which may not override the wiring: that fails at render).
 {{- if eq $c "buffer" -}}
 {{- $_ := set $wired "data_dir" "/var/lib/seer/buffer" -}}
 {{- /* The buffer tokenizes prompt_text and checks token ids against the workers' model: with a
-model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or buffer.config.model_dir). */ -}}
+model volume it reads model.dir from it (else its image's SmolLM2 tokenizer, or buffer.config.model_dir;
+seer.validate refuses another model.dir with neither). */ -}}
 {{- if $root.Values.worker.modelVolume -}}{{- $_ := set $wired "model_dir" $root.Values.model.dir -}}{{- end -}}
 {{- if $root.Values.scheduler.enabled -}}{{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}{{- end -}}
 {{- else if eq $c "scheduler" -}}
@@ -195,6 +211,20 @@ not the first rollout. values.schema.json covers types and ranges; these cover r
 {{- end -}}
 {{- if and $v.worker.gpu.enabled (eq $v.worker.image.repository "seer-worker") -}}
 {{- fail "worker.image.repository: worker.gpu.enabled needs the CUDA image (seer-worker-gpu); seer-worker holds a CPU-only torch and the worker would exit at start with device cuda" -}}
+{{- end -}}
+{{- /* docker/Dockerfile.gpu bakes no model: without a mounted one the GPU worker renders cleanly,
+then exits at start (model.dir missing) and crash-loops. */ -}}
+{{- $gpuWorker := or $v.worker.gpu.enabled (regexMatch "(^|/)seer-worker-gpu$" $v.worker.image.repository) -}}
+{{- if and $gpuWorker (not $v.worker.modelVolume) -}}
+{{- fail (printf "worker.modelVolume: required for a GPU worker (worker.gpu.enabled or the seer-worker-gpu image, which holds no model); without it model.dir %q does not exist in the container and the worker crash-loops at start. Mount the model, e.g. --set-json 'worker.modelVolume={\"persistentVolumeClaim\":{\"claimName\":\"models\"}}', and set model.dir inside worker.modelMountPath (%s)" $v.model.dir $v.worker.modelMountPath) -}}
+{{- end -}}
+{{- /* The buffer tokenizes prompt_text and bounds token ids with the workers' model. Its image holds
+only the embedded model's tokenizer, at the default model.dir; another model reaches it through
+worker.modelVolume (seer.env wires model.dir then). Another model baked into a custom worker image
+is not in the buffer image: the buffer would tokenize with the wrong vocabulary, silently. */ -}}
+{{- $imageModel := include "seer.imageModelDir" . -}}
+{{- if and (ne (trimSuffix "/" $v.model.dir) $imageModel) (not $v.worker.modelVolume) (not (hasKey $v.buffer.config "model_dir")) -}}
+{{- fail (printf "model.dir: %q is not the images' embedded model (%s) and there is no worker.modelVolume, so the buffer would tokenize prompts with the embedded model's vocabulary, not the workers'. Mount the model (worker.modelVolume: the buffer mounts it too) or point buffer.config.model_dir at the same model's tokenizer in the buffer image" $v.model.dir $imageModel) -}}
 {{- end -}}
 {{- range $k := list "worker_id" "advertise_address" -}}
 {{- if hasKey $v.worker.config $k -}}

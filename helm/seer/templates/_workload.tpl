@@ -99,7 +99,7 @@ spec:
       {{- end }}
       containers:
         - name: {{ $c }}
-          image: {{ include "seer.image" (dict "root" $root "svc" $svc) | quote }}
+          image: {{ include "seer.image" (dict "root" $root "svc" $svc "component" $c) | quote }}
           imagePullPolicy: {{ $svc.image.pullPolicy | default $root.Values.global.imagePullPolicy }}
           ports:
             - name: grpc
@@ -177,8 +177,11 @@ spec:
       spec:
         accessModes:
           {{- toYaml $svc.persistence.accessModes | nindent 10 }}
+        {{- /* Quoted: a bare `-` is invalid YAML and on/yes/no would be booleans. "" (the default)
+        leaves the key out, so the cluster's default StorageClass provisions the volume; "-" is the
+        Helm convention for storageClassName: "" (no dynamic provisioning: bind a pre-made PV). */}}
         {{- with $svc.persistence.storageClassName }}
-        storageClassName: {{ . }}
+        storageClassName: {{ eq . "-" | ternary "" . | quote }}
         {{- end }}
         resources:
           requests:
