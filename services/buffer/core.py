@@ -893,9 +893,14 @@ class BufferCore:
 
     def history(self, prompt_key: str) -> list[HistoryIteration]:
         """All kept iterations of a prompt key, newest first (tokens for history drafts)."""
-        with self._lock:
-            self._check_open()
-            raw = self._store.get(keys.history_key(prompt_key))
+        with self._reading():
+            return self._read_history(prompt_key)
+
+    def _read_history(self, prompt_key: str) -> list[HistoryIteration]:
+        """Read and decoded outside the lock, in _reading (a key's iterations with tokens are MBs:
+        GetHistory's 64 of them under it stalled every commit). A key's value is written whole, so
+        a commit rewriting it meanwhile is seen entirely or not at all."""
+        raw = self._store.get(keys.history_key(prompt_key))
         return decode_history(raw) if raw else []
 
     def history_lengths(self, prompt_keys: list[str]) -> list[tuple[str, list[int], int]]:
@@ -927,24 +932,25 @@ class BufferCore:
             raise InvalidArgument(f"{used} bytes of keys; at most {MAX_HISTORY_KEY_BYTES} per call",
                                   field="prompt_keys")
         out: list[tuple[str, HistoryIteration]] = []
-        for n, key in enumerate(unique):
-            its = self.history(key)
-            if not its:
-                continue
-            size = _history_bytes(its[0], with_tokens)
-            if budget is not None and not out and _key_bytes(key) + size > budget:
-                raise ResourceExhausted(
-                    f"the newest history of prompt key {key[:200]!r} takes up to {_key_bytes(key) + size} bytes, "
-                    f"over the {budget}-byte reply limit{' (ask without include_tokens)' if with_tokens else ''}",
-                    field=f"prompt_keys[{prompt_keys.index(key)}]")
-            # The first key goes in whenever it fits alone (the other keys' names, bounded above,
-            # may then take the reply past the budget, still far below the message limit): a reply
-            # must make progress, or a caller asking again for the omitted keys would loop.
-            if budget is not None and out and used + size > budget:
-                return HistoryReply(out, unique[n:])
-            used += size
-            out.append((key, its[0]))
-        return HistoryReply(out, [])
+        with self._reading():  # one for all the keys (up to 100,000), not one each
+            for n, key in enumerate(unique):
+                its = self._read_history(key)
+                if not its:
+                    continue
+                size = _history_bytes(its[0], with_tokens)
+                if budget is not None and not out and _key_bytes(key) + size > budget:
+                    raise ResourceExhausted(
+                        f"the newest history of prompt key {key[:200]!r} takes up to {_key_bytes(key) + size} bytes, "
+                        f"over the {budget}-byte reply limit{' (ask without include_tokens)' if with_tokens else ''}",
+                        field=f"prompt_keys[{prompt_keys.index(key)}]")
+                # The first key goes in whenever it fits alone (the other keys' names, bounded above,
+                # may then take the reply past the budget, still far below the message limit): a reply
+                # must make progress, or a caller asking again for the omitted keys would loop.
+                if budget is not None and out and used + size > budget:
+                    return HistoryReply(out, unique[n:])
+                used += size
+                out.append((key, its[0]))
+            return HistoryReply(out, [])
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -976,6 +982,29 @@ class BufferCore:
                 "and results of the two submissions must not mix (the earlier submission's results are "
                 "gone; stream the new one from cursor 0)", field="submission_id")
 
+    def _plan_page(self, batch_id: str, cursor: int, end_index: int, limit: int, budget: int
+                   ) -> tuple[int, int, bool]:
+        """(n, bytes, sized): how many results from cursor the page takes and their stored bytes,
+        from their stored sizes (small values, many to a block), so the value of the first result
+        that does not fit is never read: it can be as large as a gRPC message. sized is False when
+        a result in range was stored before sizes were kept: n and bytes then cover the results
+        before it, and from it on each value is read, then sized. Caller holds the lock."""
+        n, used = 0, 0
+        sizes = self._store.scan(f"z/{batch_id}/".encode(), keys.result_size_key(batch_id, cursor))
+        try:
+            while cursor + n < end_index and n < limit:
+                item = next(sizes, None)
+                if item is None or int(item[0].rsplit(b"/", 1)[1]) != cursor + n:
+                    return n, used, False
+                size = int(item[1])
+                if n and used + size > budget:
+                    break
+                used += size
+                n += 1
+        finally:
+            sizes.close()
+        return n, used, True
+
     def read_results(self, batch_id: str, cursor: int, limit: int = RESULTS_PAGE_LIMIT,
                      max_bytes: int | None = None, submission_id: int = 0
                      ) -> tuple[list[tuple[int, RolloutResult]], bool]:
@@ -987,46 +1016,45 @@ class BufferCore:
         submission the cursor belongs to (0 = the current one); another is FailedPrecondition."""
         budget = self._page_bytes if max_bytes is None else max_bytes
         page: list[tuple[int, RolloutResult]] = []
-        with self._lock:  # also keeps close() from closing the store under the scan
-            self._check_open()
-            gone = self._deleted.get(batch_id) if batch_id not in self._batches else None
-            if gone is not None:
-                self._check_submission(batch_id, gone[1], submission_id, deleted=True)
-                if gone[0] == cursor:
-                    return [], True  # deleted after its reader had every result: nothing is lost
-            b = self._batch(batch_id, cursor)
-            self._check_submission(batch_id, b.submit_seq, submission_id)
-            if cursor > b.num_results:
-                raise OutOfRange(f"{cursor} is beyond the {b.num_results} results available", field="cursor")
-            end_index, terminal = b.num_results, b.terminal
-            # How many results the page takes, from their stored sizes (small values, many to a
-            # block), so the value of the first result that does not fit is never read: it can be
-            # as large as a gRPC message. Results stored before sizes were kept have none: from the
-            # first of those on, each value is read, then sized (the one that does not fit dropped).
-            n, used, sized = 0, 0, True
-            sizes = self._store.scan(f"z/{batch_id}/".encode(), keys.result_size_key(batch_id, cursor))
-            while cursor + n < end_index and n < limit:
-                item = next(sizes, None)
-                if item is None or int(item[0].rsplit(b"/", 1)[1]) != cursor + n:
-                    sized = False
-                    break
-                size = int(item[1])
-                if n and used + size > budget:
-                    break
-                used += size
-                n += 1
+        with contextlib.ExitStack() as reading:
+            with self._lock:
+                self._check_open()
+                gone = self._deleted.get(batch_id) if batch_id not in self._batches else None
+                if gone is not None:
+                    self._check_submission(batch_id, gone[1], submission_id, deleted=True)
+                    if gone[0] == cursor:
+                        return [], True  # deleted after its reader had every result: nothing is lost
+                b = self._batch(batch_id, cursor)
+                self._check_submission(batch_id, b.submit_seq, submission_id)
+                if cursor > b.num_results:
+                    raise OutOfRange(f"{cursor} is beyond the {b.num_results} results available", field="cursor")
+                end_index, terminal = b.num_results, b.terminal
+                n, used, sized = self._plan_page(batch_id, cursor, end_index, limit, budget)
+                # The values are read and decoded after the lock is released (a page is up to 4 MiB
+                # of results, a single result up to a gRPC message, and decoding it under the lock
+                # stalled every commit and submission as long), from a view of the store taken
+                # here: consistent with the batch record just read whatever a retention delete or
+                # a resubmission of the id does meanwhile. The store stays open until the read ends
+                # (_reading: close() waits).
+                reading.enter_context(self._reading())
+                if sized:
+                    view = self._store.view()
+                    reading.callback(view.release)  # before _reading ends, so before close()
+                else:
+                    scan = self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor))
+                    reading.callback(scan.close)  # its iterator, too, goes before close()
             if sized:
                 # Point reads of exactly the planned values: a scan's iterator steps onto the next
                 # entry before it yields the current one, so it would read (from disk) the very
                 # value the sizes kept out of the page.
-                values = self._store.get_many([keys.result_key(batch_id, cursor + i) for i in range(n)])
+                values = view.get_many([keys.result_key(batch_id, cursor + i) for i in range(n)])
                 for i, v in enumerate(values):
                     if v is None:  # not written with its size (cannot happen: one WriteBatch)
                         raise DataLoss(f"result {cursor + i} of batch {batch_id!r} is missing from the store",
                                        field="cursor")
                     page.append((cursor + i, RolloutResult.decode(v)))
             else:
-                for k, v in self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor)):
+                for k, v in scan:
                     idx = int(k.rsplit(b"/", 1)[1])
                     if idx >= end_index or len(page) >= limit:
                         break
@@ -1094,8 +1122,9 @@ class BufferCore:
                 records: Iterator[tuple[bytes, bytes]] = iter(())
                 if include_requests:
                     reading.enter_context(self._reading())
-                    # The scan's first step, here under the lock, creates its RocksDB iterator: a view
-                    # of the store as of now, consistent with the batch record just copied (one write
+                    # The scan, created here under the lock (Store.scan creates its RocksDB iterator;
+                    # its first step is taken here too), is a view of the store as of now,
+                    # consistent with the batch record just copied (one write
                     # stores both). The records are read and decoded after the lock is released (all of
                     # a 65,536-request batch took 0.2-0.26 s under it, a stall of every commit); a
                     # retention delete, a cancel or the id submitted again meanwhile does not show.

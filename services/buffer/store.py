@@ -16,17 +16,22 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
     h/<prompt_key>                        history iterations of a prompt key
     d/<batch_id>                          a batch retention deleted: "<deletion seq> <results> <submit seq>"
 
+Zero-padded numbers make key order the numeric order (recovery and GetBatch read requests in key
+order) only while they fit their width: validation bounds groups per batch (MAX_GROUPS_PER_BATCH,
+10**6) and samples per group (MAX_GROUP_SIZE, 1024); a seq is below max_tokens, a result index
+below the batch's requests.
+
 Every state change is one WriteBatch, so a crash (even kill -9) leaves either all of it or none.
 Calls block; the gRPC server runs them in its handler threads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import Options, Rdict, Snapshot, WriteBatch, WriteOptions
 
 
 def batch_key(batch_id: str) -> bytes:
@@ -96,6 +101,35 @@ POLICY_SOURCE_KEY = b"m/policy_source"
 POLICY_INTENT_KEY = b"m/policy_intent"
 
 
+class View:
+    """A consistent view of the store for point reads (a RocksDB snapshot): writes after it was
+    taken do not show. Only point reads: rocksdict's Snapshot.items()/iter() (0.3.29) read the live
+    database, not the snapshot (Store.scan is a consistent view by itself)."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot: Snapshot | None = snapshot
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """The values of keys as of the view (None where absent)."""
+        if self._snapshot is None:
+            raise RuntimeError("store view: read after release()")
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                value = self._snapshot[key]
+            except Exception as e:  # rocksdict raises a bare Exception for an absent key
+                if str(e) != "key not found":
+                    raise
+                out.append(None)
+                continue
+            out.append(bytes(value))
+        return out
+
+    def release(self) -> None:
+        """Drops the snapshot (it keeps the database open and holds old versions in it)."""
+        self._snapshot = None
+
+
 class Store:
     def __init__(self, path: str | Path, *, sync: bool = False) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -119,13 +153,26 @@ class Store:
         values: list[Any] = self._db.get(wanted) or []  # a list in, a list out (None where absent)
         return [None if v is None else bytes(v) for v in values]
 
-    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
-        """Items whose key starts with prefix, in key order, from `start` (>= prefix) on."""
-        for k, v in self._db.items(from_key=start or prefix):
-            key = bytes(k)  # type: ignore[arg-type]  # raw_mode: keys are bytes
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Generator[tuple[bytes, bytes], None, None]:
+        """Items whose key starts with prefix, in key order, from `start` (>= prefix) on.
+
+        The RocksDB iterator is created by this call, not by the first step: the items are the
+        store as of the call (later writes do not show), so a caller may take the scan under its
+        lock and read it after releasing the lock."""
+        return self._prefix_items(self._db.items(from_key=start or prefix), prefix)
+
+    @staticmethod
+    def _prefix_items(items: Any, prefix: bytes) -> Generator[tuple[bytes, bytes], None, None]:
+        for k, v in items:
+            key = bytes(k)
             if not key.startswith(prefix):
                 return
             yield key, bytes(v)
+
+    def view(self) -> View:
+        """Point reads of the store as it is now (a RocksDB snapshot): taken under a caller's lock,
+        read after releasing it. release() it before the store is closed."""
+        return View(self._db.snapshot())
 
     def new_batch(self) -> WriteBatch:
         return WriteBatch(raw_mode=True)

@@ -15,7 +15,15 @@ from services.common.sampling_limits import MIN_TEMPERATURE
 
 # fullmatch, not match with "$": "$" also matches before a trailing newline.
 BATCH_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Sample indexes are 4 zero-padded digits in the store's keys (store.request_key, chunk_key).
 MAX_GROUP_SIZE = 1024
+# Group indexes are 6 zero-padded digits in the store's keys (store.group_key, request_key,
+# chunk_key): only below 10**6 is their key order the numeric order, and a restart rebuilds the work
+# feed (the scheduler's snapshot, FIFO) and GetBatch lists requests in key order. A batch with more
+# groups is refused (split it) instead of its requests coming back out of order after a restart;
+# widening the keys would leave every stored batch under the old layout. The default
+# max_requests_per_batch (65,536) bounds groups far lower; this binds only a larger setting.
+MAX_GROUPS_PER_BATCH = 1_000_000
 MAX_STOP_TOKENS = 1024
 MAX_PROMPT_KEY_CHARS = 512
 MAX_LABEL_BYTES = 64 * 1024
@@ -195,6 +203,9 @@ def validate_batch(batch_id: str, groups: list[GroupSpec], model: ModelInfo,
     validate_seed_scope(seed_scope)
     if not groups:
         raise InvalidArgument("a batch needs at least one group", field="groups")
+    if len(groups) > MAX_GROUPS_PER_BATCH:
+        raise ResourceExhausted(f"{len(groups)} groups in one batch; at most {MAX_GROUPS_PER_BATCH} "
+                                "(split the batch)", field="groups")
     for i, g in enumerate(groups):  # a group too large to run cannot be split: name it, before the total
         if not 1 <= g.group_size <= MAX_GROUP_SIZE:
             raise InvalidArgument(f"must be in 1..{MAX_GROUP_SIZE}, got {g.group_size}",

@@ -60,8 +60,10 @@ def test_a_scheduler_after_a_buffer_restart_runs_the_first_submitted_batch_first
     core.submit_batch("alpha", _groups(2, 4))
     running.stop(0)
     running, core = start_buffer(cfg)
+    # The default heartbeat (2 s; 3 missed = removed): no worker dies here, and 0.3 s removed a
+    # worker whose beats a loaded machine held up for 0.9 s mid-test.
     dispatcher = Dispatcher(SchedulerConfig(port=0, buffer_address=running.address, policy="divided",
-                                            chunk_size=8, heartbeat_interval=0.3, grace_seconds=0.0))
+                                            chunk_size=8, heartbeat_interval=2.0, grace_seconds=0.0))
     sched = start_server("scheduler", dispatcher.cfg, lambda s: add_to_server(dispatcher, s), on_stop=dispatcher.stop)
     dispatcher.start()
     worker = None

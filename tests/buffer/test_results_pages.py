@@ -21,7 +21,7 @@ from services.buffer.config import DEFAULT_RESULTS_PAGE_BYTES, BufferConfig
 from services.buffer.core import BufferCore, Commit
 from services.buffer.model import ModelInfo
 from services.buffer.records import FinishReason, GroupSpec, RolloutResult, Sampling
-from services.buffer.store import Store
+from services.buffer.store import Store, View
 from services.common import config
 
 PAGE_BYTES = 40_000  # results_page_bytes of the core tests: a few of their results a page
@@ -248,6 +248,22 @@ class _CountingStore:
     def get_many(self, keys_: list[bytes]) -> list[bytes | None]:
         self.values_read += sum(k.startswith(b"l/") for k in keys_)
         return self._inner.get_many(keys_)
+
+    def view(self) -> _CountingView:
+        """read_results reads a page's values from a snapshot view (outside the core lock)."""
+        return _CountingView(self, self._inner.view())
+
+
+class _CountingView:
+    def __init__(self, store: _CountingStore, inner: View) -> None:
+        self._store, self._inner = store, inner
+
+    def get_many(self, keys_: list[bytes]) -> list[bytes | None]:
+        self._store.values_read += sum(k.startswith(b"l/") for k in keys_)
+        return self._inner.get_many(keys_)
+
+    def release(self) -> None:
+        self._inner.release()
 
 
 def test_a_page_reads_no_value_it_does_not_return(tmp_path: Path) -> None:

@@ -66,8 +66,10 @@ def test_a_lost_switch_reply_is_resolved_by_the_retry_before_any_batch_runs(tmp_
     outlives the buffer's deadline (the workers do load version 1). Before: the buffer stayed at 0,
     accepted the next batch at 0 and every worker refused its chunks (the responses ended ABORTED)."""
     port = _free_port()
+    # The default heartbeat (2 s; 3 missed = removed): no worker dies here, and 0.3 s removed a
+    # worker whose beats a loaded machine held up for 0.9 s mid-test.
     dispatcher = Dispatcher(SchedulerConfig(port=0, buffer_address=f"127.0.0.1:{port}", policy="divided",
-                                            chunk_size=8, heartbeat_interval=0.3, grace_seconds=0.0))
+                                            chunk_size=8, heartbeat_interval=2.0, grace_seconds=0.0))
     sched = start_server("scheduler", dispatcher.cfg, lambda s: add_to_server(dispatcher, s), on_stop=dispatcher.stop)
     dispatcher.start()
     running, core = start_buffer(BufferConfig(port=port, data_dir=str(tmp_path / "db"), model_dir="",
