@@ -1,4 +1,5 @@
-"""A real draft server on a loopback port (port 0 + the bound port)."""
+"""A real draft server on a loopback port (port 0 + the bound port), and the worker tests' real
+reference engine on the embedded model (for the draft tests that run the real worker core)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from services.common.server import RunningServer
 from services.draft.app import start
 from services.draft.config import DraftConfig
 from services.draft.store import DraftStore
+from tests.worker.conftest import ref_engine  # noqa: F401  (one definition of the shared engine fixture)
 
 
 @pytest.fixture()

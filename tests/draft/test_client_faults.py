@@ -19,15 +19,7 @@ from services.draft.app import start
 from services.draft.config import DraftConfig
 from services.draft.store import DraftStore
 from services.worker.draft_client import DraftClient
-
-
-def manual(address: str) -> DraftClient:
-    c = DraftClient(address, sync_interval_s=3600)
-    c._stop.set()
-    c._wake.set()
-    assert c._thread is not None
-    c._thread.join()
-    return c
+from tests.draft.draft_helpers import DraftServer, finish, manual, register, restart
 
 
 def test_late_flush_of_an_abandoned_attempt_does_not_overwrite_the_new_one() -> None:
@@ -101,7 +93,6 @@ def test_resume_is_atomic_with_respect_to_sync() -> None:
 
 def test_server_restart_with_another_worker_first_recovers_our_tokens() -> None:
     running, _store = start(DraftConfig(port=0, grace_seconds=0.2))
-    port = running.port
     a, b = manual(running.address), manual(running.address)
     try:
         for c in (a, b):
@@ -113,8 +104,7 @@ def test_server_restart_with_another_worker_first_recovers_our_tokens() -> None:
         a.flush()
         b.flush()
         a.flush()
-        running.stop(0.2)  # the draft server restarts and loses everything
-        running, store = start(DraftConfig(port=port, grace_seconds=0.2))
+        running, store = restart(running)  # the draft server restarts and loses everything
         b.append("g", "rb", 2, [22, 23])
         b.flush()
         b.flush()  # B notices first: re-registers and resends its response
@@ -257,8 +247,7 @@ def test_sync_reply_for_a_released_and_reregistered_group_is_not_applied() -> No
     store.seed_history("key", 0, [[50, 51, 52]])
     c = manual(running.address)
     try:
-        c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        c.flush()
+        register((c,), group_size=2)
         real: Any = c._stub
 
         class Racing:
@@ -311,8 +300,7 @@ def test_a_released_group_still_sends_its_queued_appends(draft_server: tuple[Run
     running, store = draft_server
     a = manual(running.address)
     try:
-        a.register_group("g", "key", [1, 2, 3], group_size=1, ttl_seconds=60)
-        a.flush()
+        register((a,), group_size=1)
         a.resume("g", "r", [], epoch=1)
         a.append("g", "r", 0, [10, 11, 12])
         a.flush()
@@ -331,19 +319,14 @@ def test_a_group_completed_here_is_not_re_created_on_a_restarted_server() -> Non
     response finished here re-created it, resent them, and the group completed again, promoting
     the same responses to history a second time (review, session 17). It releases the mirror."""
     running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    port = running.port
     a = manual(running.address)
     try:
-        a.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        a.flush()
+        register((a,), group_size=2)
         for rid, toks in (("r1", [10, 11]), ("r2", [20, 21, 22])):
-            a.resume("g", rid, [], epoch=1)
-            a.append("g", rid, 0, toks, finished=True)
-            a.end("g", rid)
+            finish(a, rid, toks, epoch=1)
         a.flush()
         assert store.stats().history_keys == 1
-        running.stop(0.2)
-        running, store = start(DraftConfig(port=port, grace_seconds=0.2))
+        running, store = restart(running)
         for _ in range(3):
             a.flush()
         assert store.stats().groups == 0 and store.stats().history_keys == 0
@@ -353,37 +336,18 @@ def test_a_group_completed_here_is_not_re_created_on_a_restarted_server() -> Non
         running.stop(0.2)
 
 
-def _restart(running: RunningServer) -> tuple[RunningServer, DraftStore]:
-    """The draft server restarts on the same port and loses everything (no tombstones either)."""
-    port = running.port
-    running.stop(0.2)
-    return start(DraftConfig(port=port, grace_seconds=0.2))
-
-
-class _Server:
-    """A draft server that can restart (on its port, losing everything) under two workers' clients."""
-
-    def __init__(self) -> None:
-        self.running, self.store = start(DraftConfig(port=0, grace_seconds=0.2))
-
-    def restart(self) -> None:
-        self.running, self.store = _restart(self.running)
-
-
 @contextmanager
-def two_workers(group_size: int) -> Iterator[tuple[_Server, DraftClient, DraftClient]]:
+def two_workers(group_size: int) -> Iterator[tuple[DraftServer, DraftClient, DraftClient]]:
     """Workers A and B (manual clients) with group "g" (prompt key "key") registered on both."""
-    srv = _Server()
-    a, b = manual(srv.running.address), manual(srv.running.address)
+    srv = DraftServer()
+    a, b = manual(srv.address), manual(srv.address)
     try:
-        for c in (a, b):
-            c.register_group("g", "key", [1, 2, 3], group_size=group_size, ttl_seconds=60)
-            c.flush()
+        register((a, b), group_size=group_size)
         yield srv, a, b
     finally:
         a.close()
         b.close()
-        srv.running.stop(0.2)
+        srv.stop()
 
 
 def test_a_finish_cut_back_elsewhere_is_not_resent_as_finished_after_a_restart() -> None:
@@ -393,9 +357,7 @@ def test_a_finish_cut_back_elsewhere_is_not_resent_as_finished_after_a_restart()
     early with a partial response promoted to history (review, session 18)."""
     with two_workers(group_size=3) as (srv, a, b):
         for rid, toks in (("r0", [10, 11, 12]), ("r1", [20, 21, 22, 23, 24])):
-            a.resume("g", rid, [], epoch=1)
-            a.append("g", rid, 0, toks, finished=True)
-            a.end("g", rid)
+            finish(a, rid, toks, epoch=1)
         a.flush()
         b.resume("g", "r1", [20, 21, 22], epoch=2)  # re-dispatched from the committed output
         b.append("g", "r1", 3, [30])
@@ -423,9 +385,7 @@ def test_a_finish_re_opened_elsewhere_without_a_cut_is_not_resent_as_finished() 
     """The same when the newer attempt resumes from all of the finished response (its truncate
     cuts nothing, only re-opens it): the server logged nothing then, so the mirrors never learnt."""
     with two_workers(group_size=2) as (srv, a, b):
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [10, 11, 12], finished=True)
-        a.end("g", "r0")
+        finish(a, "r0", [10, 11, 12], epoch=1)
         a.flush()
         b.resume("g", "r0", [10, 11, 12], epoch=2)  # re-opened, not a token changed
         b.flush()
@@ -450,13 +410,9 @@ def test_a_split_group_that_completed_is_not_completed_again_after_a_restart() -
     its own finished response and it completed a second time (review, session 18). Each worker
     saw the group complete (its own acknowledged finish, the other's through Sync): released."""
     with two_workers(group_size=2) as (srv, a, b):
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [10, 11, 12], finished=True)
-        a.end("g", "r0")
+        finish(a, "r0", [10, 11, 12], epoch=1)
         a.flush()
-        b.resume("g", "r1", [], epoch=1)
-        b.append("g", "r1", 0, [20, 21], finished=True)
-        b.end("g", "r1")
+        finish(b, "r1", [20, 21], epoch=1)
         b.flush()
         a.flush()
         assert srv.store.stats().history_keys == 1
@@ -496,11 +452,8 @@ def test_a_restart_before_the_last_finishing_append_is_sent_still_completes_the_
     running, store = start(DraftConfig(port=0, grace_seconds=0.2))
     a = manual(running.address)
     try:
-        a.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        a.flush()
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [10, 11, 12], finished=True)
-        a.end("g", "r0")
+        register((a,), group_size=2)
+        finish(a, "r0", [10, 11, 12], epoch=1)
         a.flush()
         a.resume("g", "r1", [], epoch=1)
         a.append("g", "r1", 0, [20, 21])
@@ -509,7 +462,7 @@ def test_a_restart_before_the_last_finishing_append_is_sent_still_completes_the_
         a.end("g", "r1")
         if released:
             a.release_group("g")
-        running, store = _restart(running)  # ... when the server restarts
+        running, store = restart(running)  # ... when the server restarts
         for _ in range(4):
             a.flush()
         assert sorted(store._history.responses("key")) == [(10, 11, 12), (20, 21, 22)]
@@ -573,12 +526,9 @@ def test_a_group_id_used_again_after_its_group_completed_starts_a_new_incarnatio
         b.flush()
         assert store._history.responses("kh") == [(60, 61), (10, 11, 12)]  # the new iteration first
         # g, with the same prompt, on worker A, which still mirrors the completed old incarnation.
-        a.register_group("g", "key", [1, 2, 3], group_size=1, ttl_seconds=60)
-        a.flush()
+        register((a,), group_size=1)
         assert a.has_group("g") and a._groups["g"].incarnation not in (0, g_incarnation)
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [50, 51], finished=True)
-        a.end("g", "r0")
+        finish(a, "r0", [50, 51], epoch=1)
         a.flush()
         assert store._history.responses("key") == [(50, 51), (10, 11, 12)]
         a.flush()

@@ -3,19 +3,17 @@ response generates on this worker, and a longer tick while nothing is proposed."
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from services.common.server import RunningServer
 from services.draft.store import DraftStore
 from services.worker.draft_client import DraftClient
+from tests.draft.draft_helpers import wait_until
 
 
-def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+def wait(cond: Callable[[], bool]) -> None:
+    """The idle tests wait across slowed-down ticks: a longer timeout."""
+    wait_until(cond, timeout=10.0)
 
 
 def test_all_active_group_is_not_synced_until_one_ends(draft_server: tuple[RunningServer, DraftStore]) -> None:
@@ -32,7 +30,7 @@ def test_all_active_group_is_not_synced_until_one_ends(draft_server: tuple[Runni
         a.append("g", "r0", 0, [4, 5])
         # A background tick that left the group out started after the resumes, so no tick that
         # still included it is in flight (the background ticks are sequential).
-        _wait(lambda: a.stats().skipped_group_syncs > 0)
+        wait(lambda: a.stats().skipped_group_syncs > 0)
         # Tokens from another worker (say, a late attempt of a third response).
         b.append("g", "rx", 0, [7, 8, 9, 10, 11])
         b.flush()
@@ -43,7 +41,7 @@ def test_all_active_group_is_not_synced_until_one_ends(draft_server: tuple[Runni
         assert a.stats().syncs == syncs
         assert a.propose("g", "r0", [*prompt, 7, 8], 3) is None
         # Our own appends still reach the server.
-        _wait(lambda: store.index_of("g").tokens("r0") == [4, 5])
+        wait(lambda: store.index_of("g").tokens("r0") == [4, 5])
         a.end("g", "r1")  # r1's chunk is over here: the group is synced again
         a.flush()
         d = a.propose("g", "r0", [*prompt, 7, 8], 3)
@@ -60,10 +58,10 @@ def test_tick_backs_off_while_nothing_is_proposed(draft_server: tuple[RunningSer
     try:
         c.register_group("g", "k", [1, 2], group_size=4)
         c.append("g", "r0", 0, [3, 4, 5])
-        _wait(lambda: c.tick_interval_s == 0.16)
+        wait(lambda: c.tick_interval_s == 0.16)
         # Appends still go out at the idle interval.
         c.append("g", "r0", 3, [6])
-        _wait(lambda: store.index_of("g").tokens("r0") == [3, 4, 5, 6])
+        wait(lambda: store.index_of("g").tokens("r0") == [3, 4, 5, 6])
     finally:
         c.close()
 

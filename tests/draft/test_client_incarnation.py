@@ -7,39 +7,8 @@ whose every response runs here). Background ticks are stopped; flush() drives th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from test_client_faults import manual
-
-from services.draft.app import start
-from services.draft.config import DraftConfig
 from services.draft.store import DraftStore
-from services.worker.draft_client import DraftClient
-
-
-class _Server:
-    """A draft server that can restart on its port, losing everything."""
-
-    def __init__(self) -> None:
-        self.running, self.store = start(DraftConfig(port=0, grace_seconds=0.2))
-
-    def restart(self) -> None:
-        port = self.running.port
-        self.running.stop(0.2)
-        self.running, self.store = start(DraftConfig(port=port, grace_seconds=0.2))
-
-
-@contextmanager
-def workers(n: int) -> Iterator[tuple[_Server, list[DraftClient]]]:
-    srv = _Server()
-    clients = [manual(srv.running.address) for _ in range(n)]
-    try:
-        yield srv, clients
-    finally:
-        for c in clients:
-            c.close()
-        srv.running.stop(0.2)
+from tests.draft.draft_helpers import finish, register, workers
 
 
 def _incarnation(store: DraftStore, gid: str) -> int:
@@ -51,9 +20,7 @@ def test_a_late_append_of_an_old_incarnation_stays_out_of_the_group_id_registere
     its id was registered again by another run (a resubmitted batch id: same group and request ids).
     A's late flush sent incarnation 0 and its tokens became the start of the new run's r0."""
     with workers(3) as (srv, (a, b, c)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
+        register((a, b), group_size=2)
         old = _incarnation(srv.store, "g")
         assert a._groups["g"].incarnation == old
         a.resume("g", "r0", [], epoch=1)
@@ -61,17 +28,14 @@ def test_a_late_append_of_an_old_incarnation_stays_out_of_the_group_id_registere
         a.end("g", "r0")  # ... its attempt was given up on
         a.release_group("g")  # kept until the queued appends are acknowledged
         for rid, toks in (("r0", [10, 11]), ("r1", [20, 21])):
-            b.resume("g", rid, [], epoch=2)
-            b.append("g", rid, 0, toks, finished=True)
-            b.end("g", rid)
+            finish(b, rid, toks, epoch=2)
         b.flush()
         assert sorted(srv.store._history.responses("key")) == [(10, 11), (20, 21)]
         a._sync()  # A's background Sync ran before its queued appends went out: it saw the group complete
         # The group expires; the batch id comes back (same prompt) on worker C: a new incarnation.
         srv.store._groups["g"].expires_at = 0.0
         srv.store.expire_now()
-        c.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        c.flush()
+        register((c,), group_size=2)
         new = _incarnation(srv.store, "g")
         assert new != old
         a.flush()  # A's late flush: refused as the old incarnation's
@@ -96,11 +60,8 @@ def test_after_a_restart_the_resent_responses_land_under_the_new_incarnation() -
     """The server restarted and holds nothing: the mirror starts over with incarnation 0, so the
     resend that re-creates the group is accepted, and later appends carry the new incarnation."""
     with workers(1) as (srv, (a,)):
-        a.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        a.flush()
-        a.resume("g", "r0", [], epoch=1)
-        a.append("g", "r0", 0, [10, 11, 12], finished=True)
-        a.end("g", "r0")
+        register((a,), group_size=2)
+        finish(a, "r0", [10, 11, 12], epoch=1)
         a.resume("g", "r1", [], epoch=1)
         a.append("g", "r1", 0, [20, 21])
         a.flush()
@@ -128,9 +89,7 @@ def test_an_incarnation_refusal_recovers_through_sync_even_when_every_response_r
     resend its responses under the new incarnation, and have its later appends accepted, not
     refused one after another for the rest of the chunk."""
     with workers(2) as (srv, (a, b)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
+        register((a, b), group_size=2)
         b.resume("g", "r1", [], epoch=1)
         b.append("g", "r1", 0, [20, 21])
         b.end("g", "r1")
@@ -171,12 +130,8 @@ def test_an_incarnation_refusal_of_a_finishing_append_keeps_it_finished() -> Non
     old incarnation says nothing about the response in the new one, so the mirror keeps its finished
     flag (resent finished under the new incarnation, the group completes)."""
     with workers(2) as (srv, (a, b)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
-        b.resume("g", "r1", [], epoch=1)
-        b.append("g", "r1", 0, [20, 21], finished=True)
-        b.end("g", "r1")
+        register((a, b), group_size=2)
+        finish(b, "r1", [20, 21], epoch=1)
         b.flush()
         a.resume("g", "r0", [], epoch=1)
         a.append("g", "r0", 0, [10, 11])

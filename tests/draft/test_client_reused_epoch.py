@@ -7,53 +7,25 @@ reset as "not running", the new run's finished response never reached the new in
 group never completed there (no history).
 
 Real draft server on a loopback port + the real DraftClient (background ticks stopped; flush()
-drives them); the at-once case runs through the real worker core with the deterministic fake engine
-(tests/worker/worker_fake_engine.py)."""
+drives them); the at-once case runs through the real worker core on the real reference engine."""
 
 from __future__ import annotations
 
 import tracemalloc
 
-import grpc
 from seer.v1 import draft_pb2, draft_pb2_grpc
-from test_client_incarnation import workers
 
-from services.draft.app import start
-from services.draft.config import DraftConfig
+from services.common.server import RunningServer
 from services.draft.store import DraftStore
 from services.worker.core import ChunkFinish, ChunkJob, Worker
-from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
-from tests.worker.worker_fake_engine import FakeEngine
-
-EOS = 99  # FakeEngine's
-
-
-def _old_run(a: DraftClient, b: DraftClient) -> None:
-    """The old run: A finishes r0, then B finishes r1 after A's last Sync (A's mirror never learns
-    the group completed). Old-run epochs 1 and 2."""
-    for w in (a, b):
-        w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        w.flush()
-    a.resume("g", "r0", [], epoch=1)
-    a.append("g", "r0", 0, [10, 11, 12], finished=True)
-    a.end("g", "r0")
-    a.flush()
-    b.resume("g", "r1", [], epoch=2)
-    b.append("g", "r1", 0, [20, 21], finished=True)
-    b.end("g", "r1")
-    b.flush()
-    assert not a._groups["g"].completed
-
-
-def _sync(stub: draft_pb2_grpc.DraftServiceStub, gid: str, inc: int) -> draft_pb2.GroupDelta:
-    req = draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id=gid, watermark=1, incarnation=inc)])
-    return stub.Sync(req).groups[0]
+from services.worker.engines.reference.engine import ReferenceEngine
+from tests.draft.draft_helpers import PROMPT, finish, old_run, register, sync_one, workers
 
 
 def test_a_new_run_response_that_ended_on_a_stale_mirror_reaches_the_new_incarnation() -> None:
     with workers(2) as (srv, (a, b)):
-        _old_run(a, b)
+        old_run(a, b)
         # The new run registers the id (another group size: a new incarnation of the live, completed
         # group). A does not know the old one completed: its mirror serves the new run's r1.
         srv.store.register_group("g", "key", [1, 2, 3], 60, 1)
@@ -71,26 +43,30 @@ def test_a_new_run_response_that_ended_on_a_stale_mirror_reaches_the_new_incarna
         assert a._groups["g"].own == {"r1"}
 
 
-def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_completes_the_new_incarnation() -> None:
-    """Real worker core: the new run's chunk resumes a complete output (ends at once, no tokens)."""
+def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_completes_the_new_incarnation(
+        ref_engine: ReferenceEngine) -> None:
+    """Real worker core on the real engine: the new run's chunk resumes a complete output (it ends
+    with the model's EOS: ends at once, no tokens)."""
+    output = (4, 5, ref_engine.eos_token_ids[0])
     with workers(2) as (srv, (a, b)):
-        w = Worker(FakeEngine(), draft=a).start()
+        w = Worker(ref_engine, draft=a).start()
         try:
-            _old_run(a, b)
-            srv.store.register_group("g", "key", [1, 2, 3], 60, 1)
-            job = ChunkJob(request_id="r1", prompt_token_ids=(1, 2, 3), max_new_tokens=4, max_tokens=40,
+            old_run(a, b)
+            srv.store.register_group("g", "key", PROMPT, 60, 1)
+            job = ChunkJob(request_id="r1", prompt_token_ids=tuple(PROMPT), max_new_tokens=4, max_tokens=40,
                            sampling=SamplingParams(temperature=0.0, seed=7), policy_version=0, group_id="g",
-                           prompt_key="key", group_size=1, output_token_ids=(4, 5, EOS), dispatch_epoch=9)
+                           prompt_key="key", group_size=1, output_token_ids=output, dispatch_epoch=9)
             toks, _, done = w.run(job)
             assert toks == [] and done.finish == ChunkFinish.STOP
             for _ in range(3):
                 a.flush()
             g = srv.store._groups["g"]
-            assert srv.store.index_of("g").tokens("r1") == [4, 5, EOS]
+            assert srv.store.index_of("g").tokens("r1") == list(output)
             assert g.completed
-            assert (4, 5, EOS) in srv.store._history.responses("key")
+            assert output in srv.store._history.responses("key")
         finally:
             w.close()
+        assert not ref_engine.has_unfinished()
 
 
 def test_an_old_run_attempt_still_running_here_stays_out_of_the_new_incarnation() -> None:
@@ -98,18 +74,12 @@ def test_an_old_run_attempt_still_running_here_stays_out_of_the_new_incarnation(
     A. The reset is reused: A's r0 is the old run's although it runs here, so neither its copy nor
     its later tokens go to the new run's group (they carried its incarnation: accepted there)."""
     with workers(3) as (srv, (a, b, c)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
+        register((a, b), group_size=2)
         a.resume("g", "r0", [], epoch=1)
         a.append("g", "r0", 0, [70, 71])
         a.flush()
-        b.resume("g", "r0", [], epoch=2)
-        b.append("g", "r0", 0, [10, 11], finished=True)
-        b.end("g", "r0")
-        b.resume("g", "r1", [], epoch=3)
-        b.append("g", "r1", 0, [20, 21], finished=True)
-        b.end("g", "r1")
+        finish(b, "r0", [10, 11], epoch=2)
+        finish(b, "r1", [20, 21], epoch=3)
         b.flush()
         assert srv.store._groups["g"].completed
         srv.store.register_group("g", "key", [1, 2, 3], 60, 3)  # another size: a new incarnation
@@ -121,11 +91,8 @@ def test_an_old_run_attempt_still_running_here_stays_out_of_the_new_incarnation(
         assert srv.store.index_of("g").tokens("r0") == []
         assert a.own_length("g", "r0") == 3  # its copy stays local
         # The new run's r0 is its own (C), and its later epoch is not refused.
-        c.register_group("g", "key", [1, 2, 3], group_size=3, ttl_seconds=60)
-        c.flush()
-        c.resume("g", "r0", [], epoch=6)
-        c.append("g", "r0", 0, [30, 31], finished=True)
-        c.end("g", "r0")
+        register((c,), group_size=3)
+        finish(c, "r0", [30, 31], epoch=6)
         c.flush()
         a.end("g", "r0")
         a.flush()
@@ -136,13 +103,9 @@ def test_without_epochs_only_the_requests_running_here_are_the_new_runs() -> Non
     """reused_epoch 0 (the old run's appends carried no epoch): the rule before epochs, the
     requests running here now."""
     with workers(2) as (srv, (a, b)):
-        for w in (a, b):
-            w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-            w.flush()
+        register((a, b), group_size=2)
         for w, rid, toks in ((a, "r0", [10, 11]), (b, "r1", [20])):
-            w.resume("g", rid, [])
-            w.append("g", rid, 0, toks, finished=True)
-            w.end("g", rid)
+            finish(w, rid, toks)
             w.flush()
         srv.store.register_group("g", "key", [1, 2, 3], 60, 3)
         a.resume("g", "r2", [])
@@ -153,32 +116,27 @@ def test_without_epochs_only_the_requests_running_here_are_the_new_runs() -> Non
         assert srv.store.index_of("g").tokens("r2") == [50]
 
 
-def test_the_server_reports_the_old_incarnations_largest_epoch() -> None:
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    ch = grpc.insecure_channel(running.address)
-    stub = draft_pb2_grpc.DraftServiceStub(ch)
-    try:
-        store.register_group("g", "key", [1], 60, 2)
-        store.append("g", "r0", 0, [5], epoch=7)
-        store.append("g", "r0", 0, [5], finished=True, epoch=11, truncate=True)
-        store.append("g", "r1", 0, [6], finished=True, epoch=9)
-        first = store._groups["g"].incarnation
-        store.register_group("g", "key", [1], 60, 1)  # completed: the id used again
-        store.append("g", "r0", 0, [8], finished=True)  # no epochs: unknown
-        second = store._groups["g"].incarnation
-        store._groups["g"].expires_at = 0.0
-        store.expire_now()
-        store.register_group("g", "key", [1], 60, 1)
-        d = _sync(stub, "g", first)
-        assert d.reset and d.reused and d.reused_epoch == 11
-        d = _sync(stub, "g", second)
-        assert d.reset and d.reused and d.reused_epoch == 0
-        d = _sync(stub, "g", 12345)  # never seen: not reused, no epoch
-        assert d.reset and not d.reused and d.reused_epoch == 0
-        assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest()).remembered_ids_bytes > 0
-    finally:
-        ch.close()
-        running.stop(0.2)
+def test_the_server_reports_the_old_incarnations_largest_epoch(
+        draft_server: tuple[RunningServer, DraftStore], draft_stub: draft_pb2_grpc.DraftServiceStub) -> None:
+    store, stub = draft_server[1], draft_stub
+    store.register_group("g", "key", [1], 60, 2)
+    store.append("g", "r0", 0, [5], epoch=7)
+    store.append("g", "r0", 0, [5], finished=True, epoch=11, truncate=True)
+    store.append("g", "r1", 0, [6], finished=True, epoch=9)
+    first = store._groups["g"].incarnation
+    store.register_group("g", "key", [1], 60, 1)  # completed: the id used again
+    store.append("g", "r0", 0, [8], finished=True)  # no epochs: unknown
+    second = store._groups["g"].incarnation
+    store._groups["g"].expires_at = 0.0
+    store.expire_now()
+    store.register_group("g", "key", [1], 60, 1)
+    d = sync_one(stub, "g", first)
+    assert d.reset and d.reused and d.reused_epoch == 11
+    d = sync_one(stub, "g", second)
+    assert d.reset and d.reused and d.reused_epoch == 0
+    d = sync_one(stub, "g", 12345)  # never seen: not reused, no epoch
+    assert d.reset and not d.reused and d.reused_epoch == 0
+    assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest()).remembered_ids_bytes > 0
 
 
 def test_remembered_ids_are_reported_and_bounded() -> None:
@@ -221,11 +179,9 @@ def test_an_old_run_response_synced_over_a_new_run_attempt_is_not_resent_as_the_
     the copy A holds now, by its epoch, for the new run's: the new incarnation would complete with
     the old run's response. (The new run's r1 is then lost to the draft server: see the README.)"""
     with workers(3) as (srv, (a, b, c)):
-        _old_run(a, b)
+        old_run(a, b)
         old = srv.store._groups["g"].incarnation
-        a.resume("g", "r1", [], epoch=5)
-        a.append("g", "r1", 0, [40, 41], finished=True)
-        a.end("g", "r1")
+        finish(a, "r1", [40, 41], epoch=5)
         a._sync()  # before the appends: the old run's r1 comes over A's copy
         for _ in range(3):
             a.flush()

@@ -7,29 +7,23 @@ mirror may follow a completed group (it knows, or a new attempt's append is refu
 incarnation: its appends were refused by the completed group and nothing re-created it for the new
 run; (b) a resubmission with the same prompt, key and size re-attached to the completed group
 (RegisterGroup was idempotent). Real draft server on a loopback port, the real DraftClient
-(background ticks stopped; flush() drives them), the real worker core with the deterministic fake
-engine (tests/worker/worker_fake_engine.py)."""
+(background ticks stopped; flush() drives them), the real worker core on the real reference engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
 import pytest
 from seer.v1 import draft_pb2, draft_pb2_grpc
-from test_client_incarnation import workers
-from test_client_reused_epoch import _old_run
 
-from services.draft.app import start
-from services.draft.config import DraftConfig
+from services.common.server import RunningServer
 from services.draft.store import DraftStore
 from services.worker.core import ChunkFinish, ChunkJob, Worker
 from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
-from tests.worker.worker_fake_engine import FakeEngine
-
-EOS = 99  # FakeEngine's
+from services.worker.engines.reference.engine import ReferenceEngine
+from tests.draft.draft_helpers import finish, old_run, workers
 
 
 def _at_once(rid: str, output: tuple[int, ...], epoch: int) -> ChunkJob:
@@ -45,43 +39,46 @@ def _flush(*clients: DraftClient, times: int = 3) -> None:
             c.flush()
 
 
-def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_before_the_new_incarnation_exists() -> None:
+def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_before_the_new_incarnation_exists(
+        ref_engine: ReferenceEngine) -> None:
     """(a) A's mirror follows the old run's group, and does not know it completed (B's finish of r1
     came after A's last Sync). The new run (same prompt, key and size) sends its r1 to A, where it
     ends at once; nobody has registered the id for the new run. A's append is refused by the
     completed group; A registers again with the attempt's epoch, the server starts the new
     incarnation, and A's reused reset resends r1 into it. Then the new run's r0 completes it."""
+    eos = ref_engine.eos_token_ids[0]
     with workers(2) as (srv, (a, b)):
-        w = Worker(FakeEngine(), draft=a).start()
+        w = Worker(ref_engine, draft=a).start()
         try:
-            _old_run(a, b)
+            old_run(a, b)
             old = srv.store._groups["g"]
             assert old.completed and not a._groups["g"].completed  # A's mirror is stale
-            toks, _, done = w.run(_at_once("r1", (4, 5, EOS), epoch=9))
+            toks, _, done = w.run(_at_once("r1", (4, 5, eos), epoch=9))
             assert toks == [] and done.finish == ChunkFinish.STOP
             _flush(a)
             g = srv.store._groups["g"]
             assert g is not old and g.incarnation != old.incarnation
-            assert srv.store.index_of("g").tokens("r1") == [4, 5, EOS] and g.finished == {"r1"}
+            assert srv.store.index_of("g").tokens("r1") == [4, 5, eos] and g.finished == {"r1"}
             assert srv.store.index_of("g").tokens("r0") == []  # the old run's r0 stays out
-            toks, _, done = w.run(_at_once("r0", (6, EOS), epoch=10))
+            toks, _, done = w.run(_at_once("r0", (6, eos), epoch=10))
             assert done.finish == ChunkFinish.STOP
             _flush(a)
             assert srv.store._groups["g"] is g and g.completed
-            assert srv.store.index_of("g").tokens("r0") == [6, EOS]
-            assert {(4, 5, EOS), (6, EOS)} <= set(srv.store._history.responses("key"))
+            assert srv.store.index_of("g").tokens("r0") == [6, eos]
+            assert {(4, 5, eos), (6, eos)} <= set(srv.store._history.responses("key"))
         finally:
             w.close()
 
 
-def test_a_known_finished_response_dispatched_again_registers_before_appending() -> None:
+def test_a_known_finished_response_dispatched_again_registers_before_appending(
+        ref_engine: ReferenceEngine) -> None:
     """(a), the mirror knows the request finished (its own acknowledged finish): the new run's
     attempt registers again before its appends go out, also when its response equals the old
     run's (the same seeds: nothing is refused, so nothing else would tell)."""
     with workers(2) as (srv, (a, b)):
-        w = Worker(FakeEngine(), draft=a).start()
+        w = Worker(ref_engine, draft=a).start()
         try:
-            _old_run(a, b)
+            old_run(a, b)
             old = srv.store._groups["g"]
             assert "r0" in a._groups["g"].done
             # The old run's r0 token for token, complete at max_tokens.
@@ -102,12 +99,10 @@ def test_a_resubmission_with_the_same_prompt_key_and_size_starts_a_new_incarnati
     run's responses nor A's stale resends; the old run's worker A is told so (reused) on its next
     Sync and releases its mirror."""
     with workers(3) as (srv, (a, b, c)):
-        _old_run(a, b)
+        old_run(a, b)
         old = srv.store._groups["g"]
         c.register_attempt("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60, request_id="r0", epoch=7)
-        c.resume("g", "r0", [], epoch=7)
-        c.append("g", "r0", 0, [30, 31], finished=True)
-        c.end("g", "r0")
+        finish(c, "r0", [30, 31], epoch=7)
         _flush(c)
         g = srv.store._groups["g"]
         assert g is not old and g.incarnation != old.incarnation
@@ -122,14 +117,8 @@ _Stub = tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]
 
 
 @pytest.fixture()
-def stub() -> Iterator[tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]]:
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    ch = grpc.insecure_channel(running.address)
-    try:
-        yield draft_pb2_grpc.DraftServiceStub(ch), store
-    finally:
-        ch.close()
-        running.stop(0.2)
+def stub(draft_server: tuple[RunningServer, DraftStore], draft_stub: draft_pb2_grpc.DraftServiceStub) -> _Stub:
+    return draft_stub, draft_server[1]
 
 
 def _register(stub: draft_pb2_grpc.DraftServiceStub, epoch: int, size: int = 2) -> bool:
@@ -171,11 +160,11 @@ def test_a_completed_group_that_took_no_epoch_is_not_ordered_against(stub: _Stub
     assert store._groups["g"] is first
 
 
-def test_a_later_chunk_of_the_same_run_sends_no_registration() -> None:
+def test_a_later_chunk_of_the_same_run_sends_no_registration(ref_engine: ReferenceEngine) -> None:
     """The common path: a group this worker registered for the run costs no RegisterGroup per
     chunk, however new the chunk's epoch."""
     with workers(1) as (_srv, (a,)):
-        w = Worker(FakeEngine(), draft=a).start()
+        w = Worker(ref_engine, draft=a).start()
         try:
             job = replace(_at_once("r0", (), epoch=3), max_new_tokens=2, group_size=8)
             w.run(job)
@@ -224,9 +213,7 @@ def test_a_same_run_retry_after_the_group_completed_and_expired_is_not_a_new_run
         _flush(a, b)
         for w, rid, epoch in ((a, "r0", 1), (b, "r1", 2)):
             w.register_attempt("g", "key", [1, 2, 3], 2, 60, request_id=rid, epoch=epoch)
-            w.resume("g", rid, [], epoch=epoch)
-            w.append("g", rid, 0, [10 + epoch], finished=True)
-            w.end("g", rid)
+            finish(w, rid, [10 + epoch], epoch=epoch)
         _flush(a, b)
         assert srv.store._groups["g"].completed
         _expire(srv.store)
@@ -243,9 +230,7 @@ def test_a_same_run_retry_keeps_the_completed_mirror() -> None:
     run: the mirror is kept (no RegisterGroup), not replaced as for the id used again."""
     with workers(1) as (srv, (a,)):
         a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=4)
-        a.resume("g", "r0", [], epoch=4)
-        a.append("g", "r0", 0, [10], finished=True)
-        a.end("g", "r0")
+        finish(a, "r0", [10], epoch=4)
         _flush(a)
         mirror, rpcs = a._groups["g"], a.stats().register_rpcs
         assert mirror.completed

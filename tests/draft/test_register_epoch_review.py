@@ -5,27 +5,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from test_client_incarnation import workers
-
 from services.worker.core import ChunkJob, Worker
 from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
-from tests.worker.worker_fake_engine import FakeEngine
+from services.worker.engines.reference.engine import ReferenceEngine
+from tests.draft.draft_helpers import finish, register, workers
 
 
 def _old_run3(a: DraftClient, b: DraftClient) -> None:
     """Old run, group of 3: A finishes r0; B finishes r1, r2 after A's last Sync (A stale)."""
-    for w in (a, b):
-        w.register_group("g", "key", [1, 2, 3], group_size=3, ttl_seconds=60)
-        w.flush()
-    a.resume("g", "r0", [], epoch=1)
-    a.append("g", "r0", 0, [10, 11], finished=True)
-    a.end("g", "r0")
+    register((a, b), group_size=3)
+    finish(a, "r0", [10, 11], epoch=1)
     a.flush()
     for rid, e in (("r1", 2), ("r2", 3)):
-        b.resume("g", rid, [], epoch=e)
-        b.append("g", rid, 0, [20 + e, 21], finished=True)
-        b.end("g", rid)
+        finish(b, rid, [20 + e, 21], epoch=e)
     b.flush()
     assert not a._groups["g"].completed
 
@@ -40,9 +33,7 @@ def test_two_new_run_finishes_refused_in_one_batch_both_stay_finished() -> None:
         old = srv.store._groups["g"]
         for rid, e, toks in (("r1", 9, [40, 41]), ("r2", 8, [50, 51])):
             a.register_attempt("g", "key", [1, 2, 3], 3, 60, request_id=rid, epoch=e)
-            a.resume("g", rid, [], epoch=e)
-            a.append("g", rid, 0, toks, finished=True)
-            a.end("g", rid)
+            finish(a, rid, toks, epoch=e)
         for _ in range(4):
             a.flush()
         g = srv.store._groups["g"]
@@ -52,11 +43,11 @@ def test_two_new_run_finishes_refused_in_one_batch_both_stay_finished() -> None:
         assert g.finished == {"r1", "r2"}, g.finished
 
 
-def test_a_group_of_unknown_size_stays_one_incarnation() -> None:
+def test_a_group_of_unknown_size_stays_one_incarnation(ref_engine: ReferenceEngine) -> None:
     """group_size 0 (unknown) was registered as 1: the group completed at its first finish, and the
     next request of the same run (a later epoch) started a new incarnation, dropping its sibling."""
     with workers(1) as (srv, (a,)):
-        w = Worker(FakeEngine(), draft=a).start()
+        w = Worker(ref_engine, draft=a).start()
         try:
             base = ChunkJob(request_id="r0", prompt_token_ids=(1, 2, 3), max_new_tokens=3, max_tokens=3,
                             sampling=SamplingParams(temperature=0.0, seed=7), policy_version=0, group_id="g",

@@ -3,9 +3,6 @@ mirror (DraftClient) replaying a truncate made by another worker."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import grpc
 import pytest
 from seer.v1 import draft_pb2, draft_pb2_grpc
@@ -15,15 +12,9 @@ from services.common.server import RunningServer
 from services.draft.index import GroupIndex
 from services.draft.store import DraftStore, SeqDelta, _coalesce
 from services.worker.draft_client import DraftClient
+from tests.draft.draft_helpers import wait_until
 
 A = draft_pb2.AppendRequest
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def _mirror(store: DraftStore, gid: str, idx: GroupIndex | None, wm: int) -> tuple[GroupIndex, int]:
@@ -128,15 +119,15 @@ def test_mirror_replays_another_workers_truncate(draft_server: tuple[RunningServ
         dead.append("g", "r", 0, [4, 5])  # committed chunk
         dead.append("g", "r", 2, [40, 41, 42, 43])  # streamed, then the worker died
         dead.flush()
-        _wait(lambda: other.own_length("g", "r") == 6 and new.own_length("g", "r") == 6)
+        wait_until(lambda: other.own_length("g", "r") == 6 and new.own_length("g", "r") == 6)
         assert other.propose("g", "s", [*prompt, 4, 5], 3) is not None
         new.resume("g", "r", [4, 5])
         # Locally at once: no stale draft, even before any RPC.
         assert new.own_length("g", "r") == 2 and new.propose("g", "r", [*prompt, 4, 5], 3) is None
         new.append("g", "r", 2, [6, 7])
-        _wait(lambda: store.index_of("g").tokens("r") == [4, 5, 6, 7])
+        wait_until(lambda: store.index_of("g").tokens("r") == [4, 5, 6, 7])
         # The sibling's mirror replays the truncate: the dead attempt's tokens are gone there too.
-        _wait(lambda: (d := other.propose("g", "s", [*prompt, 4, 5], 3)) is not None and d.tokens == (6, 7))
+        wait_until(lambda: (d := other.propose("g", "s", [*prompt, 4, 5], 3)) is not None and d.tokens == (6, 7))
         assert other.own_length("g", "r") == 4
         # While the request runs on `new`, deltas for it (echoes) are not applied; after end they are.
         new.end("g", "r")

@@ -18,6 +18,7 @@ from services.common.server import RunningServer, ServiceConfig, start_server
 from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.server import add_servicer
+from tests.draft.draft_helpers import DraftServer
 
 
 def chat_prompt(tok: Tokenizer, text: str) -> tuple[int, ...]:
@@ -60,3 +61,13 @@ def served(ref_engine: ReferenceEngine) -> Iterator[tuple[Worker, worker_pb2_grp
     finally:
         ch.close()
         running.stop(1.0)
+
+
+@pytest.fixture
+def draft_server() -> Iterator[DraftServer]:
+    """A real draft server on a loopback port, for the worker's draft plumbing tests."""
+    srv = DraftServer()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -7,34 +7,25 @@ is correlated with the verifier's random numbers and biases the output. The work
 resumes the request's response in the draft index from the committed output before any drafting.
 
 Real worker core + real DraftClient + a real draft server on a loopback port; the engine is the
-deterministic fake of worker_fake_engine.py, so the drafts each step received are observable.
+deterministic fake of worker_fake_engine.py: these tests assert on the drafts each step received
+(FakeEngine.seen_drafts), which the real engine does not expose, and need a continuation the stale
+tokens differ from on cue.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from worker_fake_engine import FakeEngine
 
-from services.common.server import RunningServer
-from services.draft.app import start
-from services.draft.config import DraftConfig
-from services.draft.store import DraftStore
 from services.worker.core import ChunkFinish, ChunkJob, TokensEvent, Worker
 from services.worker.draft_client import DraftClient
 from services.worker.engine import Draft, SamplingParams
+from tests.draft.draft_helpers import DraftServer, wait_until
 
 PROMPT = (1, 2, 3)
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def job(output: Sequence[int] = (), **kw: Any) -> ChunkJob:
@@ -59,15 +50,6 @@ class CheckedClient(DraftClient):
         return super().propose(group_id, request_id, context, max_len, width)
 
 
-@pytest.fixture()
-def server() -> Iterator[tuple[RunningServer, DraftStore]]:
-    running, store = start(DraftConfig(port=0, grace_seconds=0.2))
-    try:
-        yield running, store
-    finally:
-        running.stop(0.2)
-
-
 def _client(address: str) -> CheckedClient:
     c = CheckedClient(address, sync_interval_s=0.02)
     c.violations = []
@@ -78,12 +60,12 @@ def _drafts_for(engine: FakeEngine, rid: str) -> list[tuple[int, ...]]:
     return [d[rid].tokens for d in engine.seen_drafts if rid in d]
 
 
-def test_redispatched_chunk_after_a_dead_worker(server: tuple[RunningServer, DraftStore]) -> None:
-    running, store = server
+def test_redispatched_chunk_after_a_dead_worker(draft_server: DraftServer) -> None:
+    store = draft_server.store
     committed = [4, 5]
     stale = [40, 41, 42, 43, 44]  # what the dead worker streamed for chunk 1 (its own sampling)
-    dead = DraftClient(running.address, sync_interval_s=0.02)
-    client = _client(running.address)
+    dead = DraftClient(draft_server.address, sync_interval_s=0.02)
+    client = _client(draft_server.address)
     engine = FakeEngine()
     w = Worker(engine, draft=client, gamma_max=4).start()
     try:
@@ -94,14 +76,14 @@ def test_redispatched_chunk_after_a_dead_worker(server: tuple[RunningServer, Dra
         dead.close()
         # Worst case: the new worker's mirror already holds the stale tokens when the chunk arrives.
         client.register_group("g", "", PROMPT, group_size=4)
-        _wait(lambda: client.own_length("g", "r") == len(committed) + len(stale))
+        wait_until(lambda: client.own_length("g", "r") == len(committed) + len(stale))
         toks, _, done = w.run(job(committed))
         assert toks == [6, 7, 8, 9, 10, 11] and done.finish == ChunkFinish.CHUNK
         # No draft for r came from the stale continuation (it is the only source here).
         assert all(not set(d) & set(stale) for d in _drafts_for(engine, "r")), _drafts_for(engine, "r")
         assert client.violations == []
         # The new attempt's appends are accepted: the server and the mirror hold exactly the truth.
-        _wait(lambda: store.index_of("g").tokens("r") == committed + toks)
+        wait_until(lambda: store.index_of("g").tokens("r") == committed + toks)
         assert client.own_length("g", "r") == len(committed) + len(toks)
         assert client.stats().append_errors == 0
     finally:
@@ -109,9 +91,9 @@ def test_redispatched_chunk_after_a_dead_worker(server: tuple[RunningServer, Dra
 
 
 def test_same_worker_abort_then_rerun_drafts_only_from_the_truth(
-        server: tuple[RunningServer, DraftStore]) -> None:
-    running, store = server
-    client = _client(running.address)
+        draft_server: DraftServer) -> None:
+    store = draft_server.store
+    client = _client(draft_server.address)
     engine = FakeEngine()
     engine.step_delay = 0.01
     w = Worker(engine, draft=client, gamma_max=4).start()
@@ -135,22 +117,21 @@ def test_same_worker_abort_then_rerun_drafts_only_from_the_truth(
         assert _drafts_for(engine, "r") == []
         assert client.violations == []
         assert client.own_length("g", "r") == len(first) + 3
-        _wait(lambda: store.index_of("g").tokens("r") == first + toks)
+        wait_until(lambda: store.index_of("g").tokens("r") == first + toks)
     finally:
         w.close()
 
 
-def test_the_scenario_is_real_without_resume(server: tuple[RunningServer, DraftStore],
+def test_the_scenario_is_real_without_resume(draft_server: DraftServer,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Control: with the old behaviour (fill-in append only, deltas applied) the stale tokens are
     proposed, so the tests above can fail."""
-    running, _store = server
 
     def old_resume(self: DraftClient, group_id: str, request_id: str, output: Sequence[int]) -> None:
         self.append(group_id, request_id, 0, output)
 
     monkeypatch.setattr(DraftClient, "resume", old_resume)
-    client = _client(running.address)
+    client = _client(draft_server.address)
     engine = FakeEngine()
     w = Worker(engine, draft=client, gamma_max=4).start()
     try:
