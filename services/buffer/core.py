@@ -105,7 +105,8 @@ def derive_seed(base_seed: int, scope: str, sample_index: int) -> int:
     to the same prompt (RL wants fresh samples each iteration). (Speculation no longer depends on
     it: the verifier draws each position as plain sampling does, so no draft can bias the output;
     services/worker/engines/reference/verifier.py.) A seed scope shared by two batches opts out on
-    purpose: reruns and A/B runs of one batch, which then sample the same responses."""
+    purpose: reruns and A/B runs of one batch, which then sample the same responses (token for token
+    where the logits are bit-identical: float32 on the CPU; see the reference engine's sampler.py)."""
     h = hashlib.blake2b(f"{base_seed}:{scope}:{sample_index}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little")
 

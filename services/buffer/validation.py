@@ -100,7 +100,7 @@ def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
     if 0 < s.temperature < MIN_TEMPERATURE:
         # The workers refuse it (float32 logits / temperature overflow): refuse it at submission,
         # not after every chunk attempt failed.
-        raise InvalidArgument(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {s.temperature}",
+        raise InvalidArgument(f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {s.temperature}",
                               field=f"{field}.temperature")
     if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
         raise InvalidArgument(f"must be in (0, 1] (0 = off), got {s.top_p}", field=f"{field}.top_p")

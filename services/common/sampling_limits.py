@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import struct
+
 # Smallest positive sampling temperature: below ~1e-38 float32 logits / temperature overflow (NaN
 # probabilities, garbage tokens), and anything this small is greedy in effect (temperature 0).
-MIN_TEMPERATURE = 1e-5
+# The bound as a float32 holds it (the proto fields are float32): compared with the literal 1e-5, a
+# request sending exactly 1e-5 over gRPC (it arrives as 9.99999974738e-06) was refused.
+MIN_TEMPERATURE = struct.unpack("<f", struct.pack("<f", 1e-5))[0]

@@ -52,7 +52,7 @@ class SamplingParams:
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             # logits / temperature overflows float32 below ~1e-38 (NaN probabilities, garbage
             # tokens); any temperature this small is greedy in effect: ask for 0.
-            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {self.temperature}")
+            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

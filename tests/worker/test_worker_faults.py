@@ -34,6 +34,21 @@ def test_a_temperature_too_small_for_float32_is_refused(t: float) -> None:
     SamplingParams(temperature=0.0).validate()
 
 
+def test_the_smallest_temperature_survives_the_float32_proto_field() -> None:
+    """1e-5, the documented minimum, sent over gRPC arrives as 9.99999974738e-06 (float32): the
+    workers and the buffer took it for less than their bound and refused it (audit, session 27)."""
+    from seer.v1 import common_pb2
+
+    from services.buffer.convert import sampling_from_pb
+    from services.buffer.validation import _validate_sampling
+    from services.worker.server import sampling_from_proto
+
+    msg = common_pb2.SamplingParams.FromString(common_pb2.SamplingParams(temperature=1e-5).SerializeToString())
+    assert msg.temperature != 1e-5  # the float32 rounding this is about
+    sampling_from_proto(msg).validate()
+    _validate_sampling(sampling_from_pb(msg), 49152, "groups[0].sampling")
+
+
 def test_cached_tokens_counts_what_the_engine_reuses(ref_engine: ReferenceEngine) -> None:
     page = ref_engine.kv_layout.page_size
     prompt = tuple(range(1000, 1000 + 2 * page))  # whole pages: the last one is recomputed anyway

@@ -11,7 +11,11 @@ residual used inside the verifier); for greedy, the raw model log-softmax of the
 Randomness is counter based: the uniform for (seed, output position, stream) is a fixed hash, so the
 token at position t depends only on the seed, t and the context: a run cut into chunks or resumed on
 another worker samples exactly what an uninterrupted run samples, with or without drafts (the
-verifier draws every position with the same stream-0 numbers; verifier.py).
+verifier draws every position with the same stream-0 numbers; verifier.py). Exactly: given the same
+logits. In float32 on the CPU they do not depend on the batch (checked token for token: alone vs
+batched, chunked, drafted); in bfloat16/float16, and possibly on CUDA in float32, the logits change
+in the last bits with the batch's shapes, and a draw near a CDF boundary can then pick a neighbour:
+still a sample of that step's distribution (unbiased), but not a bit-for-bit replay.
 """
 
 from __future__ import annotations
