@@ -17,9 +17,12 @@ every line written; not fsynced, like the pages themselves, which skip the WAL):
 - ["+", namespace, page_hash_hex, meta]: the page's record should be `meta` (an owner rewrite), or
   should not exist (meta null: a delete). A later "+" for the same page replaces it.
 - ["-", namespace, page_hash_hex]: the record agrees with the index again.
-A line that does not parse (a write cut short by a crash) is skipped. The file is emptied when no
-record is pending and rewritten whole (a temp file renamed over it) when it holds many more lines
-than pending records, so it stays small.
+A line that is not one of these (a write cut short by a crash, a JSON object, a "+" whose meta is
+neither a string nor null) is skipped, never taken for a delete and never failing the open. The
+file is emptied when no record is pending and rewritten whole (a temp file renamed over it) when it
+holds many more lines than pending records, or many more bytes than at its last rewrite: a line
+holds a page's whole owner list, so 3000 claims of one page during a write stop appended 189 MB
+while its line count stayed under the line limit (review of session 27).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ Key = tuple[str, bytes]  # (namespace, page hash)
 FILE_NAME = "seer-pending-ssd.jsonl"
 # Lines kept beyond twice the pending records before the journal is rewritten whole.
 _SLACK_LINES = 1024
+# And bytes beyond twice the journal's size at its last rewrite: the bytes bound matters when lines
+# are long (a page with thousands of owners); doubling keeps a rewrite's cost amortized over the
+# appends before it.
+_SLACK_BYTES = 1 << 20
 
 
 class PendingJournal:
@@ -45,6 +52,8 @@ class PendingJournal:
         self.path = os.path.join(directory, FILE_NAME)
         self._fd: int | None = None
         self._lines = 0
+        self._bytes = 0  # written since the last rewrite included (an unread old file: not counted)
+        self._base_bytes = 0  # the size the last rewrite left
 
     def load(self) -> OrderedDict[Key, bytes | None]:
         """The records pending when the journal was last written, oldest first: page -> the owner
@@ -56,20 +65,13 @@ class PendingJournal:
         except FileNotFoundError:
             return out
         for line in raw.splitlines():
-            try:
-                rec = json.loads(line)
-                op, namespace, page_hash = rec[0], rec[1], bytes.fromhex(rec[2])
-                if not isinstance(namespace, str):
-                    continue
-                key = (namespace, page_hash)
-                if op == "+":
-                    meta = rec[3]
-                    out.pop(key, None)
-                    out[key] = None if meta is None else str(meta).encode("utf-8")
-                elif op == "-":
-                    out.pop(key, None)
-            except (ValueError, TypeError, IndexError):
+            parsed = _parse(line)
+            if parsed is None:
                 continue  # a line cut short by a crash, or not ours
+            op, key, meta = parsed
+            out.pop(key, None)
+            if op == "+":
+                out[key] = meta
         return out
 
     def pend(self, key: Key, meta: bytes | None) -> None:
@@ -81,7 +83,9 @@ class PendingJournal:
         self._append(["-", key[0], key[1].hex()])
 
     def needs_rewrite(self, pending: int) -> bool:
-        return self._lines > 2 * pending + _SLACK_LINES
+        """Whether the journal holds far more than `pending` records need: lines beyond twice their
+        count, or bytes beyond twice its size at the last rewrite (lines of long owner lists)."""
+        return self._lines > 2 * pending + _SLACK_LINES or self._bytes > 2 * self._base_bytes + _SLACK_BYTES
 
     def rewrite(self, records: Iterable[tuple[Key, bytes | None]]) -> None:
         """Replaces the journal with exactly `records` (none: an empty journal). Atomic: a temp file
@@ -94,13 +98,15 @@ class PendingJournal:
         if not lines:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            self._lines = 0
+            self._lines = self._bytes = self._base_bytes = 0
             return
         tmp = self.path + ".tmp"
+        data = b"".join(lines)
         with open(tmp, "wb") as f:
-            f.write(b"".join(lines))
+            f.write(data)
         os.replace(tmp, self.path)
         self._lines = len(lines)
+        self._bytes = self._base_bytes = len(data)
 
     def close(self) -> None:
         self._close_fd()
@@ -115,8 +121,31 @@ class PendingJournal:
         if written != len(line):
             raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
         self._lines += 1
+        self._bytes += written
 
     def _close_fd(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _parse(line: bytes) -> tuple[str, Key, bytes | None] | None:
+    """(op, key, meta) of a journal line, or None for one that is not a well-formed "+" or "-" line.
+    Any failure means skip: a line that raised out of load (a JSON object: KeyError) kept the store
+    from opening, and a "+" whose meta was a number was read as its text, which recovery took for a
+    delete of a live page."""
+    try:
+        rec = json.loads(line)
+        if not isinstance(rec, list) or len(rec) < 3:
+            return None
+        op, namespace, page_hex = rec[0], rec[1], rec[2]
+        if not isinstance(namespace, str) or not isinstance(page_hex, str):
+            return None
+        key = (namespace, bytes.fromhex(page_hex))
+        if op == "-" and len(rec) == 3:
+            return op, key, None
+        if op == "+" and len(rec) == 4 and (rec[3] is None or isinstance(rec[3], str)):
+            return op, key, None if rec[3] is None else rec[3].encode("utf-8")
+    except Exception:  # whatever a line holds, it is skipped, never fatal
+        return None
+    return None

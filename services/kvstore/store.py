@@ -438,13 +438,18 @@ class KvStore:
             log.warning("pending SSD records journal unreadable; the records on disk are taken as they are",
                         extra=kv(path=self._journal.path, error=str(exc)))
             return
-        deleted = rewritten = 0
+        deleted = rewritten = undecodable = 0
         for key, meta in journaled.items():
             ns = self._namespaces.get(key[0])
             entry = ns.entries.get(key[1]) if ns is not None else None
             if ns is None or entry is None:
                 continue
             want = None if meta is None else _decode_meta(meta)
+            if meta is not None and want is None:
+                # A rewrite whose record does not parse (corrupt, or another format): the record on
+                # disk stands. Taken as a delete until session 28, which removed a live page.
+                undecodable += 1
+                continue
             if want is None or (not want.owners and not want.anonymous):
                 deleted += 1
                 self._remove(key)  # deletes the record, or leaves it pending (and journaled) again
@@ -465,6 +470,9 @@ class KvStore:
         if deleted or rewritten:
             log.info("applied SSD records pending before the stop",
                      extra=kv(deleted=deleted, rewritten=rewritten, still_pending=len(self._pending_ssd)))
+        if undecodable:
+            log.warning("skipped pending owner records that do not parse; the records on disk stand",
+                        extra=kv(path=self._journal.path, records=undecodable))
 
     # ---------------------------------------------------------------- namespaces
     def _check_put_target(self, name: str, layout: KVLayout) -> _Namespace | None:
@@ -576,12 +584,16 @@ class KvStore:
         family = family_of(name)
         if family is not None:
             self._compact_tombstones(family)
+        # Every pending record of the namespace goes with its column family, those of pages no longer
+        # indexed (a pending delete) too: until session 28 only indexed pages were unpended, and a
+        # pending delete's bytes kept counting in ssd_bytes and against the capacity for good. (A
+        # column family not dropped below is dropped by recovery, as the name is tombstoned.)
+        self._unpend_namespace(name)
         if ns is None:
             return 0
         for page_hash, entry in ns.entries.items():
             key = (name, page_hash)
             self._dram.pop(key)
-            self._unpend(key)  # its record goes with the column family
             if entry.prev is not None:
                 self._chain_links -= 1
             size = self._ssd_lru.pop(key, None)
@@ -883,7 +895,16 @@ class KvStore:
             log.warning("dropping an idle column family failed; it is kept", exc_info=True,
                         extra=kv(namespace=name))
             return
+        # Its pending deletes went with it (their pages are off the disk); until session 28 their
+        # bytes kept counting in ssd_bytes and against the capacity.
+        self._unpend_namespace(name)
         log.debug("idle column family dropped", extra=kv(namespace=name))
+
+    def _unpend_namespace(self, name: str) -> None:
+        """Resolves every pending record of namespace name: its column family is gone (or goes at
+        recovery), records and pages with it. O(pending records): column families drop rarely."""
+        for key in [k for k in self._pending_ssd if k[0] == name]:
+            self._unpend(key)
 
     def _enforce_ssd_capacity(self) -> None:
         """Evicts the SSD tier's least recently used pages while the disk holds more than its budget:
@@ -969,7 +990,13 @@ class KvStore:
         self._pending_ssd[key] = size
         self._pending_bytes += size - (old or 0)
         if old is None or size == 0 or old == 0:
-            self._journal_op(lambda: self._journal.pend(key, self._intended_meta(key)))
+            # Each owner change of a page whose rewrite is pending appends its whole owner list
+            # again: compacted here too, not only when a record resolves (_unpend), or a stop long
+            # enough grew the journal without bound (3000 claims of one page: 189 MB).
+            if self._journal.needs_rewrite(len(self._pending_ssd)):
+                self._journal_rewrite()
+            else:
+                self._journal_op(lambda: self._journal.pend(key, self._intended_meta(key)))
 
     def _unpend(self, key: Key) -> None:
         """key's SSD record agrees with the index again (written, deleted, or gone with its column
