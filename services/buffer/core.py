@@ -1130,6 +1130,9 @@ class BufferCore:
                     # a 65,536-request batch took 0.2-0.26 s under it, a stall of every commit); a
                     # retention delete, a cancel or the id submitted again meanwhile does not show.
                     scan = self._store.scan(keys.requests_prefix(batch_id))
+                    # Closed before _reading ends, however the decoding ends: a generator kept alive
+                    # by an exception's traceback held its iterator (and the DB's LOCK) past close().
+                    reading.callback(scan.close)
                     first = next(scan, None)
                     records = itertools.chain([first] if first is not None else [], scan)
             for _k, v in records:

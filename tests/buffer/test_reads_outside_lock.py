@@ -171,3 +171,25 @@ def test_close_waits_for_a_page_being_decoded(core: BufferCore, monkeypatch: pyt
     reader.join(WAIT)
     closer.join(WAIT)
     assert not closer.is_alive() and len(got[0][0]) == 2
+
+
+def test_a_decoding_error_leaves_no_iterator_open_past_close(tmp_path, monkeypatch):
+    """GetBatch with its requests: a record that fails to decode ends the read with the scan's
+    generator alive in the exception's traceback; its RocksDB iterator held the DB's LOCK after
+    close(), and the store could not be opened again while the traceback lived (review, session 27)."""
+    from services.buffer.records import GroupSpec, Sampling
+    from services.buffer.store import Store
+
+    core = BufferCore(Store(tmp_path), ModelInfo(vocab_size=1000, max_context=4096, tokenizer=None))
+    core.submit_batch("a", [GroupSpec(prompt_key="pk", prompt_token_ids=(1, 2), group_size=3, max_tokens=64,
+                                      sampling=Sampling(seed=1))])
+
+    def broken(_v: bytes) -> None:
+        raise ValueError("corrupt record")
+
+    monkeypatch.setattr(core_mod.RequestRecord, "decode", staticmethod(broken))
+    with pytest.raises(ValueError) as kept:  # `kept` holds the traceback, and with it the generator
+        core.get_batch("a", include_requests=True)
+    core.close()
+    Store(tmp_path).close()  # the LOCK is free
+    assert kept.value is not None
