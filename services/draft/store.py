@@ -8,8 +8,9 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   or with another prompt or group_size, or by an attempt whose dispatch `epoch` is above every
   epoch the group took (a new run: dispatch epochs increase over all requests), starts a new
   incarnation: a batch id used again; another group_size while it runs is refused (0 = unknown
-  agrees with any). After it expired or was evicted, an epoch at most the largest it took is its
-  own run's (a retry): refused (FailedPrecondition, field epoch), not a new incarnation.
+  agrees with any). After it expired or was evicted, the same prompt, key and size at an epoch at
+  most the largest it took is its own run's (a retry): refused (FailedPrecondition, field epoch),
+  not a new incarnation.
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
@@ -52,12 +53,14 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import secrets
 import struct
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,14 +78,16 @@ _LOG_TOKEN_BYTES = 36
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
 # Completed incarnations remembered per group id (DraftStore._reused): a watermark of one of them is
 # answered reset + reused. Ids as many as tombstones; per id the newest few (an id reused over and
-# over: a worker's mirror is at most a few incarnations behind), packed as (incarnation, largest
-# epoch) pairs of uint64 in one bytes object.
+# over: a worker's mirror is at most a few incarnations behind), packed in one bytes object as
+# (incarnation, largest epoch, registration digest, group_size) records: uint64 x 3 + uint32. The
+# digest (_registration_digest: prompt key and prompt) and size tell a registration of that run from
+# another's once the group expired (DraftStore.register_group).
 _REUSED_PER_ID = 4
-_REUSED = struct.Struct("<QQ")
+_REUSED = struct.Struct("<QQQI")
 # Memory of one remembered id besides its characters (DraftStats.remembered_ids_bytes; tracemalloc,
 # tests/draft/test_client_reused_epoch.py): a tombstone's OrderedDict entry and key string; a reused
-# record's entry, key string and bytes object besides its pairs (16 bytes each). The key string is
-# shared when an id is in both, and counted in both (an upper bound).
+# record's entry, key string and bytes object besides its records (_REUSED.size bytes each). The key
+# string is shared when an id is in both, and counted in both (an upper bound).
 _TOMBSTONE_BYTES = 180
 _REUSED_ID_BYTES = 220
 _EPOCH_BYTES = 100  # a request's entry in _Group.epochs
@@ -153,6 +158,9 @@ class _Group:
     # History responses the index loaded at creation (the wm=0 reply rebuilds them from the index:
     # holding the history store's tuples here would keep evicted history alive, unaccounted).
     history_count: int = 0
+    # _registration_digest of its prompt key and prompt, kept with the incarnation once it completed
+    # and is removed (DraftStore._remember_reused).
+    digest: int = 0
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
     finished: set[str] = field(default_factory=set)
@@ -294,6 +302,7 @@ class DraftStore:
                                   field="prompt_token_ids")
         _check_tokens(prompt_token_ids, "prompt_token_ids")
         ttl = float(ttl_seconds or self.limits.default_ttl_seconds)
+        digest = _registration_digest(prompt_key, prompt_token_ids)  # outside the lock: O(prompt)
         with self._lock:
             now = self._clock()
             self._sweep(now)
@@ -343,14 +352,20 @@ class DraftStore:
                                   same_size=same_size))
             elif self._expired.get(group_id):
                 # Completed, then evicted or expired: its responses are history, so this is the id
-                # used again (see above), a new incarnation, unless the epoch says it is the same
-                # run: at most the largest epoch that completed incarnation took (a retried
-                # RegisterGroup, a straggler of the run re-creating the group it lost). Taken as
-                # new, that run's workers still following the old incarnation would get reset +
-                # reused and take their own run for another; refused as the existing-group path
-                # above would answer it (idempotent: nothing of that run is created again).
-                largest = self._newest_reused_epoch(group_id)
-                if 0 < epoch <= largest:
+                # used again (see above), a new incarnation, unless the registration says it is the
+                # same run: the same prompt, key and size (0 agrees with any), as the live path
+                # above tells the same registration, and an epoch at most the largest that
+                # completed incarnation took (a retried RegisterGroup, a straggler of the run
+                # re-creating the group it lost). Taken as new, that run's workers still following
+                # the old incarnation would get reset + reused and take their own run for another;
+                # refused as the existing-group path above would answer it (idempotent: nothing of
+                # that run is created again). Another prompt, key or size is another run whatever
+                # its epoch (a scheduler restarted without its epoch_file behind a clock that went
+                # back dispatches low epochs); the same ones at such a low epoch cannot be told from
+                # the old run and are refused (services/draft/README.md).
+                largest, old_digest, old_size = self._newest_reused(group_id)
+                same_size = not group_size or not old_size or group_size == old_size
+                if 0 < epoch <= largest and digest == old_digest and same_size:
                     raise FailedPrecondition(
                         f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
                         f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
@@ -367,7 +382,7 @@ class DraftStore:
                 index.add_history(r)
             iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
             self._add_group(_Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
-                                   _incarnation(), len(history)))
+                                   _incarnation(), len(history), digest))
             if self._expired.pop(group_id, None) is not None:
                 self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
@@ -751,7 +766,7 @@ class DraftStore:
         known = self._reused.pop(g.group_id, b"")
         if known:
             self._remembered_bytes -= _REUSED_ID_BYTES + len(g.group_id) + len(known)
-        newest = _REUSED.pack(g.incarnation, max(g.epochs.values(), default=0))
+        newest = _REUSED.pack(g.incarnation, max(g.epochs.values(), default=0), g.digest, g.group_size)
         entry = (known + newest)[-_REUSED_PER_ID * _REUSED.size :]
         self._reused[g.group_id] = entry
         self._remembered_bytes += _REUSED_ID_BYTES + len(g.group_id) + len(entry)
@@ -762,16 +777,20 @@ class DraftStore:
     def _reused_epoch(self, group_id: str, incarnation: int) -> int | None:
         """The largest epoch of the id's completed incarnation `incarnation`, None when it is not
         remembered as one (caller holds the lock)."""
-        for inc, epoch in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
+        for inc, epoch, _digest, _size in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
             if inc == incarnation:
                 return int(epoch)
         return None
 
-    def _newest_reused_epoch(self, group_id: str) -> int:
-        """The largest epoch of the id's newest remembered completed incarnation (0: none, or it
-        took no epoch). Caller holds the lock."""
+    def _newest_reused(self, group_id: str) -> tuple[int, int, int]:
+        """The id's newest remembered completed incarnation as (largest epoch, registration digest,
+        group_size); (0, 0, 0) when none is remembered (an epoch 0: it took none). Caller holds
+        the lock."""
         entry = self._reused.get(group_id, b"")
-        return int(_REUSED.unpack(entry[-_REUSED.size :])[1]) if entry else 0
+        if not entry:
+            return 0, 0, 0
+        _inc, epoch, digest, size = _REUSED.unpack(entry[-_REUSED.size :])
+        return int(epoch), int(digest), int(size)
 
     def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
         """An upper bound of a new group's memory: its index of the prompt and the key's history."""
@@ -905,6 +924,17 @@ class DraftStore:
         """The live index of a group (tests and the in-process simulator)."""
         with self._lock:
             return self._get(group_id, "group_id").index
+
+
+def _registration_digest(prompt_key: str, prompt_token_ids: Sequence[int]) -> int:
+    """A 64-bit digest of a registration's prompt key and prompt (nonzero; 0 = none). Kept with a
+    completed incarnation (_REUSED) in place of the prompt itself: a prompt is up to
+    max_prompt_tokens, and 65,536 ids are remembered. A collision (2^-64) only takes another run's
+    low-epoch registration for the old run's (refused: it drafts from nothing)."""
+    key = prompt_key.encode()
+    h = hashlib.blake2b(len(key).to_bytes(4, "little") + key, digest_size=8)
+    h.update(array("I", prompt_token_ids).tobytes())  # token ids are checked to fit 31 bits
+    return int.from_bytes(h.digest(), "little") | 1
 
 
 def _incarnation() -> int:

@@ -33,11 +33,13 @@ yet, or started over to re-create a lost group), so a late append of an old inca
 lands in a group id registered again (a resubmitted batch id brings the same group and request
 ids); the server refuses it, the message is dropped, and the next Sync (forced even for a group
 whose every response runs here) answers the mirror with a reset. A group the server dropped while
-nothing of it runs
-here (expired or evicted after completion) is released, never re-created: re-creating it would
-promote its responses to history a second time. What is resent follows the server: a response is
-resent as finished only while the server's state agrees (a newer attempt elsewhere that cut it
-back or re-opened it clears our flag), and a group is known to have completed when the server had
+nothing of it runs here (expired or evicted after completion) is released, never re-created:
+re-creating it would promote its responses to history a second time (a stale mirror holding a
+response of ours the server may lack registers again with the newest epoch it ran first: the
+server refuses the old run's epochs, and a newer one is another run's, whose response then goes to
+its incarnation). What is resent follows the server: a response is resent as finished only while
+the server's state agrees (a newer attempt elsewhere that cut it back or re-opened it clears our
+flag), and a group is known to have completed when the server had
 every response finished (our acknowledged finishing appends and the siblings' through Sync), not
 when this worker finished them all: a finish still queued when the server restarted never got
 there, and the group is re-created so that it completes once.
@@ -262,6 +264,9 @@ class DraftClient:
                     # Completed, and this attempt is of its run (an epoch this mirror already
                     # registered or ran: a retried chunk): the same incarnation, kept. Replaced, it
                     # would register again, and the server would take it for the id used again.
+                    # Wanted again, as above: left marked for release, it would be dropped at the
+                    # next tick while the chunk runs on it.
+                    m.releasing = False
                     return
                 del self._groups[group_id]
                 self._pending = [a for a in self._pending if a.group_id != group_id]
@@ -697,7 +702,9 @@ class DraftClient:
         """The server has no such group (gone, NOT_FOUND). Lost in a server restart, or needed by a
         request running here: re-registered and our responses resent. Expired or evicted (after
         completing) with nothing of it running here: the mirror is released; re-creating it would
-        promote the same responses to history again."""
+        promote the same responses to history again. Unless this stale mirror (it did not know the
+        group completed) holds a response of ours the server may lack: then it registers again
+        with the newest epoch it ran, and the server tells which run that is (see below)."""
         # The group completed on the server as far as we know (every response finished there: our
         # acknowledged finishes and the siblings' through Sync, whichever workers ran them): a
         # restarted server (no tombstones) would let us re-create it and it would complete a second
@@ -705,6 +712,21 @@ class DraftClient:
         # restarted while it was queued): then the group never completed, and resending is the
         # only way its responses reach history.
         if (expired or m.completed) and not m.active:
+            newest = max(m.register_epoch, max(m.epochs.values(), default=0))
+            if expired and not m.completed and m.incarnation and newest and any(r not in m.done for r in m.own):
+                # A new run's chunk that ended on this stale mirror before any tick (a chunk ending
+                # at once): its appends met the old run's expired group, and released, its response
+                # never reached the new run's incarnation (nothing else here re-creates it). Registered
+                # again with the newest epoch run here: an epoch of the old run is refused (then
+                # released: FAILED_PRECONDITION in _register_pending); a newer one starts, or finds,
+                # the new run's incarnation, and the next Sync of our old incarnation is a reused
+                # reset, which resends only the new run's responses (by epoch, _new_run_locked).
+                # The mirror keeps its incarnation for that reset: restarted (below), it would
+                # resend the old run's responses too.
+                if m.reregister is None:
+                    self._reregister_locked(gid, m, "", newest, (m.prompt_key, m.prompt, m.group_size,
+                                                                m.ttl_seconds))
+                return
             del self._groups[gid]
             log.info("draft group gone on the server; mirror released", extra=kv(group_id=gid))
             return

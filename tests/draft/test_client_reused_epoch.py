@@ -16,7 +16,7 @@ import tracemalloc
 from seer.v1 import draft_pb2, draft_pb2_grpc
 
 from services.common.server import RunningServer
-from services.draft.store import DraftStore
+from services.draft.store import _REUSED, _REUSED_PER_ID, DraftStore
 from services.worker.core import ChunkFinish, ChunkJob, Worker
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
@@ -163,7 +163,7 @@ def test_remembered_ids_are_reported_and_bounded() -> None:
         tracemalloc.stop()
     assert not store._groups
     reported = store.stats().remembered_ids_bytes
-    assert all(len(v) == 4 * 16 for v in store._reused.values())
+    assert all(len(v) == _REUSED_PER_ID * _REUSED.size for v in store._reused.values())
     assert taken * 0.9 <= reported <= taken * 1.5, (reported, taken)
     for gid in ids:
         store.register_group(gid, "", [1], 60, 99)
