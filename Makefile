@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model demo test test-slow lint protos clean
+.PHONY: setup model demo test test-slow lint protos clean sglang-wheel
 
 setup: $(STAMP)
 
@@ -28,7 +28,17 @@ model: setup
 demo: model
 	$(VENV)/bin/seer demo
 
-test: model
+# The pinned SGLang release (docker/Dockerfile.gpu installs the same): its wheel, not installed (it
+# needs CUDA), is what tests/worker/test_sglang_api.py checks the sglang backend against. 0.5.23 ships
+# only a cp311 manylinux wheel (~39 MB); downloaded once into the git-ignored .cache/.
+SGLANG_VERSION := 0.5.23
+SGLANG_WHEEL_DIR := .cache/sglang-wheel
+
+sglang-wheel: setup
+	@ls $(SGLANG_WHEEL_DIR)/sglang-$(SGLANG_VERSION)-*.whl >/dev/null 2>&1 || \
+	  $(VENV)/bin/pip download -q --no-deps --only-binary=:all: sglang==$(SGLANG_VERSION) -d $(SGLANG_WHEEL_DIR)
+
+test: model sglang-wheel
 	$(VENV)/bin/pytest -q -m "not slow and not docker" tests
 
 # The slow suites but the Docker one (scripts/ci_compose.sh runs that): ~3 min on 2 cores.

@@ -1,17 +1,33 @@
-"""The SGLang adapter keeps the attempts of one request id apart. After an abort, the old generate
-task still queues what it had (tokens produced before the abort reached SGLang, then SGLang's
-final "abort"); a retry of the same id on the same worker (a failed or deadline-aborted chunk
-re-dispatched there: group affinity) must not receive them. Keyed by request id, the new attempt
-got the old one's tokens (corrupted output) or its abort (a spurious failure). Found by review.
+"""The SGLang adapter over a stand-in for SGLang 0.5.23 (the pinned release). It keeps the
+attempts of one request id apart: after an abort, the old generate task still queues what it had
+(tokens produced before the abort reached SGLang, then SGLang's final "abort"); a retry of the same
+id on the same worker (a failed or deadline-aborted chunk re-dispatched there: group affinity) must
+not receive them. Keyed by request id, the new attempt got the old one's tokens (corrupted output)
+or its abort (a spurious failure). Found by review.
 
-SGLang needs CUDA, so its tokenizer manager is a small stand-in here that streams as SGLang's does
-(cumulative completion_tokens and output_token_logprobs, a finish_reason at the end), and the one
-SGLang import the adapter makes is stubbed for the test's duration."""
+SGLang needs CUDA, so its Engine and tokenizer manager are small stand-ins here, built from the
+pinned release's source (tests/worker/test_sglang_api.py checks the same names against its wheel):
+- the request objects take only their real fields (io_struct.py:177 GenerateReqInput; 1927
+  PauseGenerationReqInput, mode "abort" | "retract" | "in_place"; 1949 ContinueGenerationReqInput;
+  1970 UpdateWeightFromDiskReqInput), so a misspelt or removed keyword fails here;
+- TokenizerManager.pause_generation(obj) / continue_generation(obj) / update_weights_from_disk(obj,
+  request) (tokenizer_manager.py:2267-2290); a duplicate live rid is refused (3836);
+- a streamed output is {"output_ids": cumulative ids, "meta_info": ...} (tokenizer_manager.py:
+  2674-2708, skip_tokenizer_init); output_token_logprobs only with return_logprob, one entry per
+  token (under speculation too, batch_result_processor.py:1161-1170) unless the stand-in is told
+  to leave them out; spec_verify_ct / spec_num_correct_drafts / spec_num_proposed_drafts only in
+  the final output (tokenizer_manager.py:2742-2756);
+- logprob_start_len: -1 = output logprobs only; beyond the input the scheduler aborts the request
+  (scheduler.py:3260-3280).
+The adapter itself is built through its real constructor (sglang.Engine(**server_args) on its loop
+thread), with the stand-in in sys.modules["sglang"] for the test's duration."""
 
 from __future__ import annotations
 
 import asyncio
-import queue
+import dataclasses
+import json
+import os
 import sys
 import threading
 import time
@@ -24,33 +40,52 @@ from typing import Any
 import pytest
 
 from services.worker.core import ChunkJob, DoneEvent, TokensEvent, Worker
-from services.worker.engine import GenerateRequest, SamplingParams
+from services.worker.engine import FinishReason, GenerateRequest, SamplingParams
 from services.worker.engines.sglang import engine as sg
+from services.worker.engines.sglang import plugin
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
-class _GenerateReqInput:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
+@dataclasses.dataclass(kw_only=True)
+class GenerateReqInput:
+    """The fields of SGLang's GenerateReqInput the adapter may set (a subset: io_struct.py:177)."""
+
+    rid: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    stream: bool = False
+    extra_key: str | None = None
 
 
-@pytest.fixture(autouse=True)
-def _sglang_io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
-    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
-    for name in ("GenerateReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
-                 "UpdateWeightFromDiskReqInput"):
-        setattr(io_struct, name, _GenerateReqInput)
-    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+@dataclasses.dataclass(kw_only=True)
+class PauseGenerationReqInput:
+    mode: str = "abort"
+
+    def __post_init__(self) -> None:
+        assert self.mode in ("abort", "retract", "in_place"), self.mode
+
+
+@dataclasses.dataclass(kw_only=True)
+class ContinueGenerationReqInput:
+    torch_empty_cache: bool = True
+
+
+@dataclasses.dataclass(kw_only=True)
+class UpdateWeightFromDiskReqInput:
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
 
 
 class _TokenizerManager:
-    """Streams one token per 20 ms; attempt 1 of a Seer request counts on from its last token,
-    later ones emit 50, 51, ...; abort_request ends the stream with an "abort" output a moment
-    later. Like SGLang's TokenizerManager (_init_req_state), it refuses an id it still holds: until
-    that id's stream has ended, also after an abort."""
+    """Streams one token per 20 ms (spec_tokens per output when speculating); attempt 1 of a Seer
+    request counts on from its last token, later ones emit 50, 51, ...; abort_request ends the
+    stream with an "abort" output a moment later. Like SGLang's TokenizerManager, it refuses an id
+    it still holds: until that id's stream has ended, also after an abort."""
 
     def __init__(self, abort_reaches: bool = True) -> None:
         self.cut_after: int | None = None  # end streams after this many tokens, with no finish reason
@@ -59,74 +94,140 @@ class _TokenizerManager:
         self.held: set[str] = set()
         self.abort_reaches = abort_reaches
         self.params: dict[str, dict[str, Any]] = {}  # SGLang id -> the custom_params it came with
-        self.requests: list[Any] = []  # every GenerateReqInput, in order
+        self.requests: list[GenerateReqInput] = []  # every GenerateReqInput, in order
         self.loaded = ""
+        self.calls: list[Any] = []  # pause / continue objects, in order
+        self.spec_tokens = 1  # tokens per streamed output (> 1: accepted drafts)
+        self.logprobs = True  # False: a release that gives no per-token logprobs under speculation
 
-    async def generate_request(self, obj: Any, _request: Any) -> AsyncIterator[dict[str, Any]]:
-        rid = obj.rid
+    async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[dict[str, Any]]:
+        assert isinstance(obj, GenerateReqInput) and obj.input_ids and obj.sampling_params is not None
+        rid = str(obj.rid)
         if rid in self.held:
             raise ValueError(f"Duplicate request ID detected: {rid}")
         self.held.add(rid)
         self.params[rid] = dict(obj.sampling_params.get("custom_params") or {})
         self.requests.append(obj)
         try:
+            start = -1 if obj.logprob_start_len is None else obj.logprob_start_len
+            if start > len(obj.input_ids):  # scheduler.py:3275: aborted before it runs
+                yield {"output_ids": [], "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "abort"}}}
+                return
             seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
             attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
-            last, entries = obj.input_ids[-1], []
-            for n in range(1, obj.sampling_params["max_new_tokens"] + 1):
+            last, ids, entries, verify = obj.input_ids[-1], [], [], 0
+            limit = obj.sampling_params["max_new_tokens"]
+            while len(ids) < limit:
                 await asyncio.sleep(0.02)
                 if rid in self.aborted:
                     self.aborted.discard(rid)
                     await asyncio.sleep(0.02)
-                    yield {"meta_info": {"completion_tokens": n - 1, "output_token_logprobs": entries,
-                                         "finish_reason": {"type": "abort"}}}
+                    yield {"output_ids": ids, "meta_info": self._meta(obj, ids, entries, {"type": "abort"}, 0)}
                     return
-                if n - 1 == self.cut_after:
+                if len(ids) == self.cut_after:
                     return
-                last = last + 1 if attempt == 1 else 49 + n
-                entries = [*entries, (-0.1, last, None)]
-                done = n == obj.sampling_params["max_new_tokens"]
-                yield {"meta_info": {"completion_tokens": n, "output_token_logprobs": entries,
-                                     "finish_reason": {"type": "length"} if done else None}}
+                verify += 1
+                for _ in range(min(self.spec_tokens, limit - len(ids))):
+                    last = last + 1 if attempt == 1 else 50 + len(ids)
+                    ids = [*ids, last]
+                    if self.logprobs or self.spec_tokens == 1:
+                        entries = [*entries, (-0.1, last, None)]
+                done = len(ids) == limit
+                yield {"output_ids": ids,
+                       "meta_info": self._meta(obj, ids, entries, {"type": "length"} if done else None, verify)}
         finally:
             self.held.discard(rid)
 
-    def abort_request(self, rid: str) -> None:
+    def _meta(self, obj: GenerateReqInput, ids: list[int], entries: list[Any], finish: Any,
+              verify: int) -> dict[str, Any]:
+        meta: dict[str, Any] = {"completion_tokens": len(ids), "finish_reason": finish}
+        if obj.return_logprob:
+            meta["output_token_logprobs"] = entries
+        if finish is not None and self.spec_tokens > 1:
+            meta.update(spec_verify_ct=verify, spec_num_correct_drafts=len(ids) - verify,
+                        spec_num_proposed_drafts=verify * 4)
+        return meta
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if self.abort_reaches:
             self.aborted.add(rid)
 
-    async def pause_generation(self, _obj: Any) -> None:
-        pass
+    async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
+        assert isinstance(obj, PauseGenerationReqInput)
+        self.calls.append(obj)
 
-    async def continue_generation(self, _obj: Any) -> None:
-        pass
+    async def continue_generation(self, obj: ContinueGenerationReqInput) -> None:
+        assert isinstance(obj, ContinueGenerationReqInput)
+        self.calls.append(obj)
 
-    async def update_weights_from_disk(self, obj: Any, _request: Any) -> tuple[bool, str]:
+    async def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput,
+                                       request: Any = None) -> tuple[bool, str]:
+        assert isinstance(obj, UpdateWeightFromDiskReqInput)
         self.loaded = obj.model_path
         return True, "ok"
 
 
+class _SGLangEngine:
+    """sglang.Engine(**kwargs): keeps its server args, a tokenizer manager and the scheduler's init
+    info where 0.5.23 has it (entrypoints/engine.py:345)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.thread = threading.current_thread()
+        self.tokenizer_manager = _TokenizerManager()
+        self._scheduler_init_result = SimpleNamespace(scheduler_infos=[{"max_total_num_tokens": 256}])
+        self.shut = False
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
 @pytest.fixture
-def engine() -> Iterator[sg.SGLangEngine]:
-    """The adapter around the stand-in (its constructor would start SGLang)."""
-    e = sg.SGLangEngine.__new__(sg.SGLangEngine)
-    e._mc = SimpleNamespace(vocab_size=100, max_position_embeddings=512, eos_token_ids=(99,),  # type: ignore[assignment]
-                            num_layers=1, num_kv_heads=1, head_dim=2)
-    e._model_dir = Path("/nonexistent")  # type: ignore[attr-defined]
-    e._version, e._family = "m@v0", "m"
-    e._page_size, e._dtype, e._max_batch, e._total_pages = 4, "float32", 8, 64
-    e._t0 = time.monotonic()
-    e._out = queue.SimpleQueue()
-    e._live = {}
-    e._lock = threading.Lock()
-    e._stats = {"prefill": 0, "cached": 0, "generated": 0, "steps": 0}
-    e._loop = asyncio.new_event_loop()
-    e._thread = threading.Thread(target=e._loop.run_forever, daemon=True)
-    e._thread.start()
-    e._sgl = SimpleNamespace(tokenizer_manager=_TokenizerManager())
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "vocab_size": 100, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512, "eos_token_id": 99}))
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    for c in (GenerateReqInput, PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput):
+        setattr(io_struct, c.__name__, c)
+    root = types.ModuleType("sglang")
+    root.Engine = _SGLangEngine  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang", root)
+    for name in ("sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    env = dict(os.environ)
+    yield
+    os.environ.clear()  # the adapter sets the plugin's variables for SGLang's processes
+    os.environ.update(env)
+
+
+def make_engine(model_dir: Path, tmp_path: Path, **server_args: Any) -> sg.SGLangEngine:
+    args = {"model_path": str(model_dir), "page_size": 4, "dtype": "float32", "max_running_requests": 8,
+            **server_args}
+    return sg.SGLangEngine(args, model_dir=model_dir, model_version="m@v0", version_file=str(tmp_path / "version"))
+
+
+@pytest.fixture
+def engine(model_dir: Path, tmp_path: Path) -> Iterator[sg.SGLangEngine]:
+    e = make_engine(model_dir, tmp_path)
     yield e
-    e._loop.call_soon_threadsafe(e._loop.stop)
-    e._thread.join(5)
+    e.shutdown()
+
+
+def run(engine: sg.SGLangEngine, req: GenerateRequest) -> list[Any]:
+    engine.add_request(req)
+    deadline, outs = time.monotonic() + 5, []
+    while time.monotonic() < deadline and not any(o.finished for o in outs):
+        outs += engine.step()
+    return outs
 
 
 def test_a_retried_id_gets_only_its_own_tokens(engine: sg.SGLangEngine) -> None:
@@ -217,6 +318,8 @@ def test_weights_from_another_source_get_their_own_pages(engine: sg.SGLangEngine
 
     before = extra_key_of_a_request("a")
     engine.load_weights(str(tmp_path), version_name(3, "m", "bbb"))  # the same version, other weights
+    tm = engine._sgl.tokenizer_manager
+    assert [type(c).__name__ for c in tm.calls] == ["PauseGenerationReqInput", "ContinueGenerationReqInput"]
     after = extra_key_of_a_request("b")
     assert before == pages.extra_key("m-aaa", 3) and after == pages.extra_key("m-bbb", 3)
     version, family = engine._version_file.read_both(0, "m-aaa")
@@ -233,3 +336,70 @@ def test_a_stream_that_ends_without_a_finish_reason_ends_the_request(engine: sg.
     assert [t for o in outs for t in o.token_ids] == [4, 5]
     assert outs[-1].finish_reason is not None and outs[-1].finish_reason.name == "ABORTED"
     assert not engine.has_unfinished()
+
+
+def test_requests_ask_for_output_logprobs_the_way_sglang_takes_them(engine: sg.SGLangEngine) -> None:
+    """C3: logprob_start_len was len(prefix): at the input's length, which SGLang 0.5.4's scheduler
+    aborted (every chunk came back ABORTED) and 0.5.23 takes only because it compares with '>'.
+    -1 is SGLang's own spelling of "output tokens only" (scheduler.py:3260-3264)."""
+    outs = run(engine, GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), output_token_ids=(4,),
+                                       max_new_tokens=2, sampling=GREEDY))
+    sent = engine._sgl.tokenizer_manager.requests[-1]
+    assert sent.return_logprob is True and sent.logprob_start_len == -1
+    assert sent.input_ids == [1, 2, 3, 4] and sent.stream is True
+    assert [t for o in outs for t in o.token_ids] == [5, 6] and outs[-1].finish_reason == FinishReason.LENGTH
+    assert engine.stats().total_pages == 256 // 4  # the scheduler's init info, where 0.5.23 keeps it
+
+
+def test_speculative_outputs_deliver_every_token_with_its_logprob(engine: sg.SGLangEngine) -> None:
+    """H2: under speculation an output carries several tokens; they come from output_ids, each with
+    its logprob, and the draft counts come with the final output."""
+    engine._sgl.tokenizer_manager.spec_tokens = 3
+    outs = run(engine, GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=7, sampling=GREEDY))
+    assert [t for o in outs for t in o.token_ids] == [4, 5, 6, 7, 8, 9, 10]
+    assert [lp for o in outs for lp in o.logprobs] == [-0.1] * 7
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+    assert sum(o.num_accepted for o in outs) == 7 - 3 and sum(o.num_draft_tokens for o in outs) == 3 * 4
+
+
+def test_tokens_without_logprobs_are_refused_not_truncated(engine: sg.SGLangEngine) -> None:
+    """H2: SGLang 0.5.4 gave no per-token logprobs under speculation and the adapter took its tokens
+    from those logprob entries: responses came back short or empty, and finished as if complete.
+    A token without its logprob (RL trains on them) now ends the attempt ABORTED."""
+    tm = engine._sgl.tokenizer_manager
+    tm.spec_tokens, tm.logprobs = 3, False
+    outs = run(engine, GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=7, sampling=GREEDY))
+    assert outs[-1].finish_reason == FinishReason.ABORTED
+    assert all(len(o.token_ids) == len(o.logprobs) for o in outs)
+
+
+@pytest.mark.parametrize("speculation", [True, False], ids=["speculation", "no-speculation"])
+def test_the_seer_algorithm_is_registered_only_with_speculation(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculation: bool) -> None:
+    """C1: registering imported SGLang's speculative registry on every engine start (with 0.5.4 an
+    ImportError: no engine at all) and in this process only (the scheduler, a spawned subprocess,
+    never saw it). The entry point now registers in SGLang's processes when the environment says
+    so, and the adapter registers here only when its server args name SEER. C2: sglang.Engine is
+    built on the adapter's loop thread (0.5.23 installs signal handlers only on the main thread)."""
+    registered: list[bool] = []
+    monkeypatch.setattr(plugin, "register", lambda: registered.append(True))
+    args = plugin.ngram_server_args(4, 1) | {"speculative_algorithm": plugin.ALGORITHM} if speculation else {}
+    e = make_engine(model_dir, tmp_path, **args)
+    try:
+        assert registered == ([True] if speculation else [])
+        assert os.environ[plugin.ENV_SPECULATION] == ("1" if speculation else "0")
+        assert e._sgl.thread.name == "sglang-loop" and e._sgl.kwargs["page_size"] == 4
+    finally:
+        e.shutdown()
+    assert e._sgl.shut
+
+
+def test_the_entry_point_does_nothing_without_speculation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang calls the entry point in each of its processes whatever the server args: with
+    speculation off it must not import SGLang's speculative modules (here: absent, an ImportError)."""
+    monkeypatch.setattr(plugin, "_registered", None)
+    monkeypatch.setenv(plugin.ENV_SPECULATION, "0")
+    assert plugin.register() is None
+    monkeypatch.setenv(plugin.ENV_SPECULATION, "1")
+    with pytest.raises(ImportError):
+        plugin.register()

@@ -4,7 +4,6 @@ importable (it needs CUDA and is not installed on CI machines, so that part skip
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import random
 import subprocess
@@ -19,7 +18,13 @@ from services.worker.config import WorkerConfig
 from services.worker.engine import Draft, FinishReason, SamplingParams
 from services.worker.engines.sglang import pages, plugin
 from services.worker.engines.sglang.drafts import PAD_TOKEN, bfs_order, from_sglang, pack_batch, to_sglang
-from services.worker.engines.sglang.engine import parse_policy_version, sampling_dict, server_kwargs, stream_delta
+from services.worker.engines.sglang.engine import (
+    MissingLogprobs,
+    parse_policy_version,
+    sampling_dict,
+    server_kwargs,
+    stream_delta,
+)
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 
@@ -159,42 +164,104 @@ def test_request_conversions() -> None:
 
 @pytest.mark.parametrize("cumulative", [True, False], ids=["cumulative", "incremental"])
 def test_stream_deltas(cumulative: bool) -> None:
-    """Streamed outputs become token deltas whatever SGLang's streaming mode."""
+    """Streamed outputs become token deltas whatever SGLang's streaming mode: output_ids cumulative
+    by default, the delta with incremental_streaming_output (tokenizer_manager.py:2674-2708), and
+    output_token_logprobs likewise; speculation counts come with the final output only
+    (tokenizer_manager.py:2742-2756), not spec_verify_ct on every chunk as this test once had it."""
     chunks = [[(-0.1, 11, None), (-0.2, 12, None)], [(-0.3, 13, None)], [(-0.4, 14, None), (-0.5, 2, None)]]
     seen: list[tuple[float, int, None]] = []
-    reported = steps = 0
+    reported = 0
     tokens: list[int] = []
     logprobs: list[float] = []
+    accepted = proposed = 0
     reason = None
     for i, c in enumerate(chunks):
         seen += c
-        meta = {"output_token_logprobs": list(seen) if cumulative else c, "completion_tokens": len(seen),
-                "spec_verify_ct": i + 1, "finish_reason": {"type": "stop"} if i == 2 else None}
-        d = stream_delta(meta, reported, steps)
-        reported, steps = d.total, d.verify_steps
+        last = i == 2
+        meta: dict[str, object] = {"output_token_logprobs": list(seen) if cumulative else c,
+                                   "completion_tokens": len(seen), "finish_reason": {"type": "stop"} if last else None}
+        if last:
+            meta.update(spec_verify_ct=3, spec_num_correct_drafts=2, spec_num_proposed_drafts=12)
+        out = {"output_ids": [e[1] for e in (seen if cumulative else c)], "meta_info": meta}
+        d = stream_delta(out, reported)
+        reported = d.total
         tokens += d.token_ids
         logprobs += d.logprobs
+        accepted += d.accepted
+        proposed += d.proposed
         reason = d.reason
-        assert d.accepted == len(c) - 1  # one verify step per delta: all but the bonus token were drafts
     assert tokens == [11, 12, 13, 14, 2] and logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
-    assert reason == FinishReason.STOP
-    assert stream_delta({"finish_reason": {"type": "abort"}}, 5, 0).reason == FinishReason.ABORTED
-    assert stream_delta({"finish_reason": {"type": "length"}, "completion_tokens": 5}, 5, 0).token_ids == []
+    assert reason == FinishReason.STOP and (accepted, proposed) == (2, 12)
+    assert stream_delta({"meta_info": {"finish_reason": {"type": "abort"}}}, 5).reason == FinishReason.ABORTED
+    assert stream_delta({"output_ids": [1] * 5, "meta_info": {"finish_reason": {"type": "length"},
+                                                                "completion_tokens": 5}}, 5).token_ids == []
+
+
+def test_stream_delta_takes_tokens_from_output_ids_not_from_logprob_entries() -> None:
+    """H2: tokens come from output_ids; a token without a logprob entry (SGLang 0.5.4 under
+    speculation: none at all) is MissingLogprobs, never a shorter response."""
+    entries = [(-1.0, 7, None), (-2.0, 8, None), (-3.0, 9, None)]
+    out = {"output_ids": [7, 8, 9], "meta_info": {"completion_tokens": 3, "output_token_logprobs": entries}}
+    d = stream_delta(out, 1)
+    assert d.token_ids == [8, 9] and d.logprobs == [-2.0, -3.0]
+    with pytest.raises(MissingLogprobs, match="output_token_logprobs"):
+        stream_delta({"output_ids": [7, 8, 9], "meta_info": {"completion_tokens": 3}}, 0)
+    with pytest.raises(MissingLogprobs, match=r"output_token_logprobs\[0\]"):
+        stream_delta({"output_ids": [7],
+                      "meta_info": {"completion_tokens": 1, "output_token_logprobs": [(-1.0, 6, None)]}}, 0)
+
+
+def test_seeds_fit_sglangs_int64() -> None:
+    """H3: SGLang validates sampling_seed in [-2**63, 2**63 - 1] (sampling_params.py:308) and builds
+    an int64 tensor (sampling_batch_info.py:157-171); Seer seeds are uint64."""
+    for seed in (0, 1, 2**31, 2**63 - 1, 2**63, 2**64 - 1):
+        s = sampling_dict(SamplingParams(seed=seed), 1)["sampling_seed"]
+        assert -(2**63) <= s <= 2**63 - 1 and s == seed % 2**63
 
 
 def test_server_kwargs(tmp_path: Path) -> None:
-    cfg = WorkerConfig(engine="sglang", gamma_max=6, kv_addresses=("kv-0:1", "kv-1:1"), dtype="bfloat16")
+    cfg = WorkerConfig(engine="sglang", gamma_max=6, draft_width=1, kv_addresses=("kv-0:1", "kv-1:1"), dtype="bfloat16")
     kw = server_kwargs(cfg, tmp_path, "smollm2", str(tmp_path / "v"))
     assert kw["speculative_algorithm"] == plugin.ALGORITHM and kw["speculative_num_draft_tokens"] == 7
+    # What SGLang's _handle_ngram gives "NGRAM" only, and the synchronous scheduling a registered
+    # algorithm without overlap support needs (spec_registry.py:134-141).
+    assert kw["disable_overlap_schedule"] is True and kw["enable_mixed_chunk"] is False
+    assert kw["speculative_eagle_topk"] == 1 and kw["speculative_num_steps"] == 7
+    assert "attention_backend" not in kw  # a chain: any backend
     assert kw["hicache_storage_backend"] == "dynamic" and kw["enable_hierarchical_cache"] is True
     extra = json.loads(kw["hicache_storage_backend_extra_config"])
     assert {"backend_name", "module_path", "class_name"} <= set(extra)
-    assert extra["kv_addresses"] == ["kv-0:1", "kv-1:1"]
+    assert extra["kv_addresses"] == ["kv-0:1", "kv-1:1"] and extra["interface_v1"] == 1
     module_file = Path(*extra["module_path"].split(".")).with_suffix(".py")
     assert (Path(__file__).resolve().parents[2] / module_file).exists()
     assert f"class {extra['class_name']}(" in (Path(__file__).resolve().parents[2] / module_file).read_text()
     off = server_kwargs(WorkerConfig(engine="sglang", speculation=False), tmp_path, "m", "v")
     assert "speculative_algorithm" not in off and "hicache_storage_backend" not in off
+    assert "disable_overlap_schedule" not in off
+
+
+def test_a_draft_tree_on_paged_kv_needs_flashinfer(tmp_path: Path) -> None:
+    """C1: SGLang verifies a tree (topk > 1) on paged KV (page_size > 1) only with flashinfer and
+    refuses otherwise, for "NGRAM" only (speculative_hook.py:1356-1366): SEER, our defaults
+    draft_width=2 and page_size=16, skipped that guard and ran on a backend that gets it wrong."""
+    tree = WorkerConfig(engine="sglang", gamma_max=6, draft_width=2, page_size=16)
+    kw = server_kwargs(tree, tmp_path, "m", "v")
+    assert kw["attention_backend"] == "flashinfer" and kw["speculative_eagle_topk"] == 2
+    assert kw["speculative_num_steps"] == 7 // 2
+    assert server_kwargs(tree, tmp_path, "m", "v", "flashinfer")["attention_backend"] == "flashinfer"
+    with pytest.raises(ValueError, match="draft_width"):
+        server_kwargs(tree, tmp_path, "m", "v", "triton")
+    chain = WorkerConfig(engine="sglang", gamma_max=6, draft_width=1, page_size=16)
+    assert server_kwargs(chain, tmp_path, "m", "v", "triton")["attention_backend"] == "triton"
+    flat = WorkerConfig(engine="sglang", gamma_max=6, draft_width=2, page_size=1)
+    assert "attention_backend" not in server_kwargs(flat, tmp_path, "m", "v")
+    # SGLang's own validate hook applies the same rule to the resolved server args.
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="draft_width"):
+        plugin._validate_server_args(SimpleNamespace(speculative_eagle_topk=2, page_size=16, attention_backend="fa3"))
+    ok = SimpleNamespace(speculative_eagle_topk=2, page_size=16, attention_backend="flashinfer")
+    plugin._validate_server_args(ok)
 
 
 def test_engine_module_imports_without_sglang() -> None:
@@ -205,28 +272,19 @@ def test_engine_module_imports_without_sglang() -> None:
 
 
 @pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (it needs CUDA; not on CI machines)")
-def test_sglang_signatures() -> None:
+def test_sglang_registers_seer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SGLang importable (a GPU machine): SEER registers and reads as NGRAM. Without it,
+    tests/worker/test_sglang_api.py checks the same API in the pinned wheel's source."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
-    from sglang.srt.speculative import spec_info
-    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    params = inspect.signature(spec_info.register_speculative_algorithm).parameters
-    assert {"name", "worker_cls", "flags"} <= set(params)
-    assert hasattr(NGRAMWorker, "_prepare_draft_tokens") and hasattr(NGRAMWorker, "_update_ngram_cache")
-    for name in ("batch_exists", "batch_get_v1", "batch_set_v1", "get", "set", "exists"):
-        assert hasattr(HiCacheStorage, name), name
-    assert list(inspect.signature(HiCacheStorage.batch_get_v1).parameters)[:3] == ["self", "keys", "host_indices"]
     from services.worker.engines.sglang.storage import SeerHiCacheStorage
 
     assert issubclass(SeerHiCacheStorage, HiCacheStorage)
+    monkeypatch.setenv(plugin.ENV_SPECULATION, "1")
     algo = plugin.register()
-    assert algo.is_ngram() and spec_info.SpeculativeAlgorithm.from_string("SEER") == algo
-    import sglang
-
-    for name in ("pause_generation", "continue_generation", "update_weights_from_disk"):
-        assert hasattr(sglang.Engine, name) or hasattr(
-            __import__("sglang.srt.managers.tokenizer_manager", fromlist=["TokenizerManager"]).TokenizerManager, name
-        ), name
+    assert algo.is_ngram() and SpeculativeAlgorithm.from_string("SEER") is algo
+    assert plugin.register() is algo
 
 
 def test_kv_pool_pages_from_the_scheduler_info_or_a_fallback_the_scheduler_accepts() -> None:

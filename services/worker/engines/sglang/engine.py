@@ -1,4 +1,4 @@
-"""SGLangEngine: the Engine interface over SGLang 0.5.x (the production backend on GPUs).
+"""SGLangEngine: the Engine interface over SGLang 0.5.23 (pinned; the production backend on GPUs).
 
 SGLang runs its own scheduler loop in a subprocess, so this adapter maps the step-based interface
 onto SGLang's streaming requests: add_request starts a streamed generate with the request's token
@@ -18,6 +18,8 @@ What SGLang does natively and this adapter only configures:
   reads), so pages of other weights are never reused.
 
 sglang is imported lazily: importing this module never needs it (CI has no GPU and no sglang).
+Every SGLang name used here is checked against the pinned wheel's source by
+tests/worker/test_sglang_api.py; citations below are sglang 0.5.23 file:line.
 """
 
 from __future__ import annotations
@@ -57,11 +59,25 @@ log = get_logger(__name__)
 # Attempt numbers of SGLang request ids (_Live.rid), unique in the process.
 _ATTEMPTS = itertools.count(1)
 
+# SGLang's attention backend for the worker (unset: SGLang's default, or flashinfer for draft trees).
+ENV_ATTENTION_BACKEND = "SEER_SGLANG_ATTENTION_BACKEND"
+
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 
 
+# SGLang's sampling_seed is an int64 (validated in [-2**63, 2**63 - 1], sampling/sampling_params.py:308;
+# an int64 tensor, sampling/sampling_batch_info.py:157-171); Seer seeds are uint64.
+SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF
+
+
+class MissingLogprobs(ValueError):
+    """SGLang streamed tokens without their logprobs (RL needs one per token)."""
+
+
 def sampling_dict(s: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
-    """SGLang's sampling_params for one request (top_k 0 = off is -1 in SGLang)."""
+    """SGLang's sampling_params for one request (top_k 0 = off is -1 in SGLang). The seed is
+    honoured only when SGLang runs with enable_deterministic_inference (sampling_batch_info.py:157-171
+    builds seeds only then); otherwise SGLang samples unseeded."""
     out: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": s.temperature,
@@ -72,7 +88,7 @@ def sampling_dict(s: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
         "skip_special_tokens": False,
     }
     if s.seed is not None:
-        out["sampling_seed"] = int(s.seed) & 0x7FFF_FFFF_FFFF_FFFF
+        out["sampling_seed"] = int(s.seed) & SEED_MASK
     return out
 
 
@@ -94,8 +110,9 @@ def _family_of(model_version: str) -> str:
 
 
 def kv_pool_pages(sgl: Any, page_size: int, max_context: int, max_batch: int) -> int:
-    """SGLang's KV pool in pages: max_total_num_tokens (the scheduler's init info: Engine.scheduler_info
-    in SGLang 0.4-0.5, _scheduler_init_result.scheduler_infos[0] later) / page_size. The scheduler
+    """SGLang's KV pool in pages: max_total_num_tokens (the scheduler's init info, which 0.5.23 keeps at
+    Engine._scheduler_init_result.scheduler_infos[0], entrypoints/engine.py:345, filled by
+    managers/scheduler.py:1945; a scheduler_info mapping is read first) / page_size. The scheduler
     refuses a worker registering 0 pages, so when neither is there it falls back to room for every
     batch slot at the full context (optimistic: SGLang retracts requests itself when it runs out)."""
     info: Any = getattr(sgl, "scheduler_info", None)
@@ -111,8 +128,11 @@ def kv_pool_pages(sgl: Any, page_size: int, max_context: int, max_batch: int) ->
     return max(1, tokens // page_size)
 
 
-def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file: str) -> dict[str, Any]:
-    """sglang.Engine(**kwargs) for a worker config (SGLang's ServerArgs field names)."""
+def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file: str,
+                  attention_backend: str | None = None) -> dict[str, Any]:
+    """sglang.Engine(**kwargs) for a worker config (SGLang's ServerArgs field names). attention_backend:
+    SGLang's, None = its default (a draft tree on paged KV needs flashinfer: see
+    plugin.tree_attention_backend)."""
     kw: dict[str, Any] = {
         "model_path": str(model_dir),
         "dtype": cfg.dtype,
@@ -122,7 +142,10 @@ def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file:
         "log_level": "error",
     }
     if cfg.speculation and cfg.gamma_max > 0:
-        kw.update(speculative_algorithm=plugin.ALGORITHM, speculative_num_draft_tokens=cfg.gamma_max + 1)
+        kw.update(speculative_algorithm=plugin.ALGORITHM, **plugin.ngram_server_args(cfg.gamma_max, cfg.draft_width))
+        attention_backend = plugin.tree_attention_backend(cfg.draft_width, cfg.page_size, attention_backend)
+    if attention_backend:
+        kw["attention_backend"] = attention_backend
     if cfg.kv_addresses:
         kw.update(
             enable_hierarchical_cache=True,
@@ -135,6 +158,9 @@ def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file:
                 "family": family,
                 "policy_version": cfg.policy_version,
                 "version_file": version_file,
+                # SGLang uses batch_get_v1 / batch_set_v1 (whole pages by host index) for a dynamic
+                # backend only with this flag; else batch_get / batch_set (cache_controller.py:646-665).
+                "interface_v1": 1,
             }),
         )
     return kw
@@ -145,38 +171,53 @@ class StreamDelta:
     token_ids: list[int]
     logprobs: list[float]
     reason: FinishReason | None
-    accepted: int  # draft tokens accepted in this delta (tokens minus verify steps)
     total: int  # completion tokens so far
-    verify_steps: int  # speculative verify steps so far
+    accepted: int  # draft tokens accepted (reported with the final output only)
+    proposed: int  # draft tokens proposed (likewise)
 
 
-def stream_delta(meta: Mapping[str, Any], reported: int, verify_steps: int) -> StreamDelta:
-    """The new tokens of one streamed SGLang output. output_token_logprobs holds (logprob, token id,
-    text) entries, cumulative or incremental depending on the server's streaming mode; the cumulative
-    completion_tokens count tells which entries are new either way."""
-    entries = list(meta.get("output_token_logprobs") or [])
-    total = int(meta.get("completion_tokens", reported + len(entries)))
+def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
+    """The new tokens of one streamed SGLang output (BatchTokenIDOutput with skip_tokenizer_init,
+    managers/tokenizer_manager.py:2674-2708). Tokens come from out["output_ids"]: cumulative by
+    default, the delta with incremental_streaming_output; the cumulative completion_tokens count
+    says which are new either way. Logprobs come from meta_info["output_token_logprobs"] ((logprob,
+    token id, text) entries, cumulative or sliced alike); SGLang 0.5.23 fills them under speculation
+    too (batch_result_processor.py:1161-1170), but a token without its logprob is an error
+    (MissingLogprobs), never a silently shorter list. Speculation counts (spec_num_correct_drafts,
+    spec_num_proposed_drafts) are in the final output only (tokenizer_manager.py:2742-2756)."""
+    meta: Mapping[str, Any] = out.get("meta_info") or {}
+    ids = [int(t) for t in (out.get("output_ids") or [])]
+    total = int(meta.get("completion_tokens", reported + len(ids)))
     fresh = max(total - reported, 0)
-    new = entries[max(len(entries) - fresh, 0):] if fresh else []
-    steps = int(meta.get("spec_verify_ct", 0) or 0)
-    verify = steps - verify_steps
+    if fresh > len(ids):
+        raise MissingLogprobs(f"output_ids: {len(ids)} tokens for {fresh} new completion tokens")
+    new = ids[len(ids) - fresh:] if fresh else []
+    entries = list(meta.get("output_token_logprobs") or [])
+    if len(entries) < fresh:
+        raise MissingLogprobs(f"output_token_logprobs: {len(entries)} entries for {fresh} new tokens")
+    lps = entries[len(entries) - fresh:] if fresh else []
+    for k, (e, t) in enumerate(zip(lps, new, strict=True)):
+        if int(e[1]) != t:
+            raise MissingLogprobs(f"output_token_logprobs[{k}]: token {e[1]} is not the output token {t}")
     fr = meta.get("finish_reason")
     reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
-    return StreamDelta([int(e[1]) for e in new], [float(e[0]) for e in new], reason,
-                       max(len(new) - max(verify, 1), 0) if steps else 0, total, steps)
+    accepted = proposed = 0
+    if reason is not None:
+        accepted = int(meta.get("spec_num_correct_drafts", 0) or 0)
+        proposed = int(meta.get("spec_num_proposed_drafts", 0) or 0)
+    return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)
 
 
 @dataclass
 class _Live:
     req: GenerateRequest
     # SGLang's id of this attempt: the request id plus an attempt number. SGLang refuses an id it
-    # still holds ("Duplicate request ID detected" in TokenizerManager._init_req_state), and after
+    # still holds ("Duplicate request ID detected", managers/tokenizer_manager.py:3836), and after
     # an abort it holds it until the scheduler's abort output comes back, so a retry of the same
     # request on this worker (group affinity makes that the usual place) would fail at once.
     rid: str = ""
     tokens: list[int] = field(default_factory=list)
     reported: int = 0  # completion tokens already turned into step outputs
-    verify_steps: int = 0
 
 
 class SGLangEngine(Engine):
@@ -193,11 +234,13 @@ class SGLangEngine(Engine):
         self._page_size = int(server_args.get("page_size", 16))
         self._dtype = str(server_args.get("dtype", "bfloat16"))
         self._max_batch = int(server_args.get("max_running_requests", 0) or 0)
-        # Read by the SEER plugin in SGLang's scheduler process.
-        os.environ.update({**(env or {}), plugin.ENV_VOCAB_SIZE: str(self._mc.vocab_size)})
-        # (the attempt, tokens, logprobs, finish reason, accepted): the attempt, not the request id,
-        # so that outputs of an aborted attempt never reach a later one of the same id.
-        self._out: queue.SimpleQueue[tuple[_Live, list[int], list[float], FinishReason | None, int]] = (
+        # Read by the SEER plugin in SGLang's processes (spawned: they inherit the environment).
+        self._speculation = server_args.get("speculative_algorithm") == plugin.ALGORITHM
+        os.environ.update({**(env or {}), plugin.ENV_VOCAB_SIZE: str(self._mc.vocab_size),
+                           plugin.ENV_SPECULATION: "1" if self._speculation else "0"})
+        # (the attempt, tokens, logprobs, finish reason, accepted, proposed): the attempt, not the
+        # request id, so that outputs of an aborted attempt never reach a later one of the same id.
+        self._out: queue.SimpleQueue[tuple[_Live, list[int], list[float], FinishReason | None, int, int]] = (
             queue.SimpleQueue()
         )
         self._live: dict[str, _Live] = {}
@@ -216,7 +259,8 @@ class SGLangEngine(Engine):
         version_file = os.path.join(tempfile.mkdtemp(prefix="seer-sglang-"), "policy_version")
         env = {plugin.ENV_DRAFT_ADDRESS: cfg.draft_address, plugin.ENV_DRAFT_WIDTH: str(cfg.draft_width),
                plugin.ENV_GROUP_TTL: str(cfg.group_ttl_seconds)}
-        return cls(server_kwargs(cfg, model_dir, family, version_file), model_dir=model_dir,
+        backend = os.environ.get(ENV_ATTENTION_BACKEND) or None
+        return cls(server_kwargs(cfg, model_dir, family, version_file, backend), model_dir=model_dir,
                    model_version=model_version, version_file=version_file, env=env)
 
     # -- the asyncio side ----------------------------------------------------------------------
@@ -225,9 +269,18 @@ class SGLangEngine(Engine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
+        """sglang.Engine on the sglang-loop thread, inside its running loop, where its tokenizer
+        manager's handle loop then lives (Engine._ensure_event_loop takes the running loop,
+        entrypoints/engine.py:1404-1414). Off the main thread is supported by the pinned version:
+        it installs its SIGQUIT handler only on the main thread (engine.py:1969), as the tokenizer
+        manager its signal handlers (tokenizer_manager.py:2453); 0.5.4/0.5.6 raised ValueError."""
         import sglang  # type: ignore[import-not-found]
 
-        plugin.register()  # SGLang loads it from the entry point too; this covers editable installs
+        if self._speculation:
+            # SGLang's load_plugins() calls the entry point in every process (the scheduler's
+            # registration is what counts); this covers a source checkout without the entry point
+            # installed, for this process only.
+            plugin.register()
         return sglang.Engine(**kwargs)
 
     async def _generate(self, live: _Live) -> None:
@@ -249,7 +302,10 @@ class SGLangEngine(Engine):
                                                       output_offset=len(req.output_token_ids)),
             },
             return_logprob=True,
-            logprob_start_len=len(prefix),  # logprobs of the output tokens only
+            # -1: logprobs of the output tokens only (managers/scheduler.py:3260-3264). SGLang
+            # aborts a request whose logprob_start_len exceeds its input (scheduler.py:3275), and
+            # 0.5.4-0.5.6 already at equal: len(prefix) aborted every chunk there.
+            logprob_start_len=-1,
             stream=True,
             rid=live.rid,
             extra_key=pages.extra_key(self._family, parse_policy_version(self._version)),
@@ -258,23 +314,23 @@ class SGLangEngine(Engine):
         try:
             async for out in self._sgl.tokenizer_manager.generate_request(obj, None):
                 meta = out.get("meta_info", {})
-                d = stream_delta(meta, live.reported, live.verify_steps)
-                live.reported, live.verify_steps = d.total, d.verify_steps
+                d = stream_delta(out, live.reported)
+                live.reported = d.total
                 if d.reason is not None and "cached_tokens" in meta:
                     self._stats["cached"] += int(meta["cached_tokens"])
                     self._stats["prefill"] += len(prefix) - int(meta["cached_tokens"])
-                self._out.put((live, d.token_ids, d.logprobs, d.reason, d.accepted))
+                self._out.put((live, d.token_ids, d.logprobs, d.reason, d.accepted, d.proposed))
                 reason = d.reason
                 if reason is not None:
                     return
         except Exception as e:  # surface as an aborted request; the worker reports it
             log.warning("sglang generate failed: %s", e, extra=kv(request_id=rid))
-            self._out.put((live, [], [], FinishReason.ABORTED, 0))
+            self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
             return
         # The stream ended without a finish reason (SGLang's contract is one on its last output):
         # with nothing queued the request would stay live here and its chunk would never end.
         log.warning("sglang stream ended without a finish reason", extra=kv(request_id=rid, tokens=live.reported))
-        self._out.put((live, [], [], FinishReason.ABORTED, 0))
+        self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
 
     # -- Engine --------------------------------------------------------------------------------
 
@@ -332,7 +388,7 @@ class SGLangEngine(Engine):
                 items.append(self._out.get_nowait())
             except queue.Empty:
                 break
-        for live, toks, lps, reason, accepted in items:
+        for live, toks, lps, reason, accepted, proposed in items:
             rid = live.req.request_id
             with self._lock:
                 if self._live.get(rid) is not live:
@@ -347,8 +403,9 @@ class SGLangEngine(Engine):
             o = merged.setdefault(rid, StepOutput(rid, [], []))
             o.token_ids += toks
             o.logprobs += lps
+            # SGLang reports both counts with a request's final output only (stream_delta).
             o.num_accepted += accepted
-            o.num_draft_tokens += accepted  # SGLang reports accepted, not proposed, draft tokens
+            o.num_draft_tokens += proposed
             if reason is not None:
                 o.finished, o.finish_reason = True, reason
         self._stats["steps"] += 1
@@ -396,7 +453,11 @@ class SGLangEngine(Engine):
         tm = self._sgl.tokenizer_manager
 
         async def switch() -> Any:
-            await tm.pause_generation(io_struct.PauseGenerationReqInput())
+            # TokenizerManager.pause_generation(obj) / continue_generation(obj)
+            # (managers/tokenizer_manager.py:2267-2286; io_struct.py:1927-1955). mode "abort" (the
+            # default, explicit here) aborts what runs: nothing, load_weights refuses while requests
+            # are live; the pause keeps new ones out until the weights are in.
+            await tm.pause_generation(io_struct.PauseGenerationReqInput(mode="abort"))
             try:
                 obj = io_struct.UpdateWeightFromDiskReqInput(model_path=path or str(self._model_dir), load_format=None)
                 return await tm.update_weights_from_disk(obj, None)
@@ -434,6 +495,9 @@ class SGLangEngine(Engine):
         )
 
     def shutdown(self) -> None:
+        """SGLang's Engine.shutdown kills the whole process tree under this process
+        (kill_process_tree(os.getpid(), include_parent=False), entrypoints/engine.py:1491), not only
+        its own children: nothing else the worker process started as a child survives it."""
         try:
             self._sgl.shutdown()
         finally:

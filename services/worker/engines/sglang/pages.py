@@ -1,9 +1,11 @@
 """Mapping SGLang HiCache L3 pages onto the Seer KV store (pure: no sglang, no grpc).
 
 HiCache names a page by a string key: a hash chained over the page's tokens and every page before
-it, salted with the request's extra key. Seer runs every request with the weights' family (model +
-weights id) and policy version as that extra key, so pages of other weights get different keys and
-are never reused. In the KV store a page
+it, seeded with the request's extra key (SGLang 0.5.23: storage_namespace_seed,
+mem_cache/utils.py:125-150; the extra key reaches the scheduler's Req, managers/scheduler.py:3025;
+0.5.4 dropped it). Seer runs every request with the weights' family (model + weights id) and policy
+version as that extra key, so pages of other weights get different keys and are never reused
+(the namespace below separates them too, on any version). In the KV store a page
 lives under (namespace, 16-byte page hash):
 
     namespace = "sglang-<family>-tp<rank>of<size>@v<N>"

@@ -1,31 +1,53 @@
-"""The SEER speculative algorithm for SGLang: grouped drafts from the Seer draft server, verified by
-SGLang's own NGRAM tree verification (lossless for any draft content).
+"""The SEER speculative algorithm for SGLang 0.5.23 (pinned): grouped drafts from the Seer draft
+server, verified by SGLang's own NGRAM tree verification (lossless for any draft content).
 
-SGLang loads general plugins from the `sglang.srt.plugins` entry point group in every process:
+How SGLang reaches it (every citation is sglang 0.5.23's source):
+- SGLang runs `load_plugins()` in every process it starts (the engine, engine.py:286; the scheduler
+  subprocess, managers/scheduler.py:6323), which calls each entry point of the group
+  `sglang.srt.plugins` (plugins/__init__.py:29). pyproject.toml declares ours:
 
     [project.entry-points."sglang.srt.plugins"]
     seer = "services.worker.engines.sglang.plugin:register"
 
-`register()` adds the algorithm "SEER" (flag NGRAM, so SGLang's scheduler, attention backends and
-verify path treat it exactly like NGRAM) whose draft worker subclasses NGRAMWorker and replaces only
-where drafts come from: instead of the local n-gram cache, an embedded DraftClient (the local mirror
-of the groups' suffix indexes, synced from the draft server; Seer section 4) proposes a tree per
-request, AdaptiveSpeculation (Seer Algorithm 1) sizes it, and services.worker.engines.sglang.drafts
-packs it into NGRAM's block format (root = last verified token, BFS order, padding, ancestor mask).
-After verification the newly accepted tokens are appended to the draft client.
+  A registration made only in the worker's own process would be lost: the scheduler is a spawned
+  subprocess. `register()` registers only when the worker configured speculation
+  (ENV_SPECULATION=1, inherited by SGLang's subprocesses), so with speculation off nothing of
+  sglang is imported here. If SGLANG_PLUGINS is set, it must name "seer".
+- `SpeculativeAlgorithm.register(name, supports_overlap=..., validate_server_args=...,
+  spec_class=...)` (speculative/spec_info.py:67) is the registry; the function
+  register_speculative_algorithm of 0.5.6 was removed. Our spec class (a CustomSpecAlgo,
+  speculative/spec_registry.py:25) answers is_ngram() True, so SGLang's NGRAM verify paths
+  (NgramVerifyInput, CUDA-graph dummies, no draft KV) treat SEER exactly like NGRAM, and its
+  handle_server_args applies what arg_groups/speculative_hook.py:_handle_ngram applies to the
+  string "NGRAM" only (mixed chunk off, topk = tree width, num_steps). supports_overlap=False:
+  SGLang then requires disable_overlap_schedule=True (spec_registry.py:134-141), which the worker
+  passes, so req.output_ids is complete when drafts are prepared (ngram_worker.py:237-243).
+- validate_server_args refuses a tree (draft width > 1) on paged KV (page_size > 1) unless the
+  attention backend is flashinfer, as _handle_ngram does for NGRAM (speculative_hook.py:1356-1366).
+
+The worker class subclasses NGRAMWorker and replaces only where drafts come from: instead of the
+n-gram corpus, an embedded DraftClient (the local mirror of the groups' suffix indexes, synced from
+the draft server; Seer section 4) proposes a tree per request, AdaptiveSpeculation (Seer Algorithm
+1) sizes it, and services.worker.engines.sglang.drafts packs it into NGRAM's block format (root =
+last verified token, BFS order, padding, ancestor mask): `_prepare_draft_tokens(batch)` returns
+(tokens, mask) as NGRAMWorker's does (ngram_worker.py:232). After verification
+`_update_ngram_corpus(batch)` (ngram_worker.py:396; `_update_ngram_cache` in 0.5.6) appends
+the new tokens to the draft client. Verification samples (eagle_sample, ngram_worker.py:479), so
+T > 0 is lossless, and per-token logprobs are computed for speculative batches
+(compute_spec_logprobs, ngram_worker.py:517; managers/scheduler_components/
+batch_result_processor.py:1161-1170).
 
 Per-request metadata comes in SamplingParams.custom_params (set by SGLangEngine.add_request):
 seer_group_id, seer_prompt_key, seer_group_size, seer_is_probe, seer_request_id (SGLang's rid is
 one attempt of it) and seer_output_offset (how much of the response this attempt's input already
 holds). Process-wide settings come from the environment the worker sets before starting SGLang:
-SEER_SGLANG_DRAFT_ADDRESS, SEER_SGLANG_DRAFT_WIDTH.
+SEER_SGLANG_SPECULATION, SEER_SGLANG_DRAFT_ADDRESS, SEER_SGLANG_DRAFT_WIDTH, SEER_SGLANG_GROUP_TTL,
+SEER_SGLANG_VOCAB_SIZE.
 
 The draft client's side is DraftBridge (pure; tested without SGLang): it keys the mirror by the
 Seer request id at response positions, so a request's chunks and attempts extend one response,
 and it resumes the mirror's copy from the committed output when it first sees an attempt (what an
 abandoned attempt streamed is dropped, what earlier chunks elsewhere produced is filled in).
-
-Run SGLang with --speculative-algorithm SEER --speculative-num-draft-tokens <gamma_max + 1>.
 """
 
 from __future__ import annotations
@@ -36,6 +58,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 ALGORITHM = "SEER"
+# "1" when the worker configured speculation: the entry point registers SEER only then.
+ENV_SPECULATION = "SEER_SGLANG_SPECULATION"
 ENV_DRAFT_ADDRESS = "SEER_SGLANG_DRAFT_ADDRESS"
 ENV_DRAFT_WIDTH = "SEER_SGLANG_DRAFT_WIDTH"
 ENV_GROUP_TTL = "SEER_SGLANG_GROUP_TTL"
@@ -147,15 +171,93 @@ class DraftBridge:
         return len(self._attempts)
 
 
+def tree_attention_backend(draft_width: int, page_size: int, attention_backend: str | None) -> str | None:
+    """The attention backend SGLang must run for SEER's trees: SGLang verifies a tree (width > 1)
+    on paged KV (page_size > 1) only with flashinfer (speculative_hook.py:1356-1366 for NGRAM; it
+    produces wrong results elsewhere). None = no constraint; an unset backend becomes flashinfer;
+    another one is refused, naming the field to change."""
+    if draft_width <= 1 or page_size <= 1:
+        return attention_backend
+    if attention_backend in (None, "", "flashinfer"):
+        return "flashinfer"
+    raise ValueError(f"draft_width: {draft_width} > 1 (a draft tree) with page_size {page_size} > 1 needs "
+                     f"SGLang's flashinfer attention backend, not {attention_backend!r}; set draft_width=1 "
+                     "or page_size=1, or use flashinfer")
+
+
+def ngram_server_args(gamma_max: int, draft_width: int) -> dict[str, Any]:
+    """The server args SGLang's _handle_ngram sets for "NGRAM" (speculative_hook.py:1285-1330), which
+    a registered algorithm does not get, plus what supports_overlap=False requires: synchronous
+    scheduling (spec_registry.py:134-141). The worker passes them; the spec class applies them too
+    (for SGLang launched by hand with --speculative-algorithm SEER)."""
+    n = gamma_max + 1
+    width = max(1, draft_width)
+    return {
+        "speculative_num_draft_tokens": n,
+        "speculative_eagle_topk": width,
+        "speculative_num_steps": max(1, n // width),
+        "speculative_ngram_max_bfs_breadth": width,
+        "disable_overlap_schedule": True,
+        "enable_mixed_chunk": False,
+    }
+
+
 def register() -> Any:
-    """The entry point: registers SEER once per process; returns the SpeculativeAlgorithm."""
+    """The entry point (SGLang calls it in every process it starts): registers SEER once per
+    process when the worker configured speculation; returns the registered algorithm (None when
+    speculation is off)."""
     global _registered
     if _registered is not None:
         return _registered
-    from sglang.srt.speculative.spec_info import register_speculative_algorithm  # type: ignore[import-not-found]
+    if os.environ.get(ENV_SPECULATION) != "1":
+        return None
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # type: ignore[import-not-found]
 
-    _registered = register_speculative_algorithm(ALGORITHM, _worker_class(), flags=("NGRAM",))
+    try:  # registered already in this process (register_algorithm refuses a second one)
+        _registered = SpeculativeAlgorithm.from_string(ALGORITHM)
+        return _registered
+    except ValueError:
+        pass
+    SpeculativeAlgorithm.register(ALGORITHM, supports_overlap=False, validate_server_args=_validate_server_args,
+                                  spec_class=_spec_class())(_worker_factory)
+    _registered = SpeculativeAlgorithm.from_string(ALGORITHM)
     return _registered
+
+
+def _validate_server_args(server_args: Any) -> None:
+    """SGLang's validate_server_args hook (speculative_hook.py:245-250)."""
+    tree_attention_backend(int(getattr(server_args, "speculative_eagle_topk", None) or 1),
+                           int(getattr(server_args, "page_size", None) or 1),
+                           getattr(server_args, "attention_backend", None) or "")
+
+
+def _worker_factory(server_args: Any) -> type:
+    """SGLang's worker factory (CustomSpecAlgo.create_worker calls it with the server args)."""
+    return _worker_class()
+
+
+def _spec_class() -> type:
+    # spec_info re-exports CustomSpecAlgo (spec_info.py:10-16); spec_registry is SGLang-internal.
+    from sglang.srt.speculative.spec_info import CustomSpecAlgo  # type: ignore[import-not-found]
+
+    class SeerSpecAlgo(CustomSpecAlgo):  # type: ignore[misc,valid-type]
+        """SEER is NGRAM to SGLang's verify paths; only its drafts come from elsewhere."""
+
+        def is_ngram(self) -> bool:
+            return True
+
+        def has_draft_kv(self) -> bool:
+            return False  # as NGRAM: the tree lives only in the verify mask (spec_info.py:174-178)
+
+        def handle_server_args(self, server_args: Any) -> None:
+            # SGLang hands a recorder whose field writes it declares (arg_groups/overrides.py:157).
+            n = int(getattr(server_args, "speculative_num_draft_tokens", None) or 0)
+            width = int(os.environ.get(ENV_DRAFT_WIDTH, "1") or 1)
+            for name, value in ngram_server_args(max(n - 1, 0), width).items():
+                if name != "speculative_num_draft_tokens" or not n:
+                    setattr(server_args, name, value)
+
+    return SeerSpecAlgo
 
 
 def _worker_class() -> type:
@@ -200,7 +302,7 @@ def _worker_class() -> type:
                     self.seer_proposed[req.rid] = max(depth) + 1
             return pack_batch(drafts, last_tokens, self.draft_token_num, self.seer_vocab_size)
 
-        def _update_ngram_cache(self, batch: Any) -> None:
+        def _update_ngram_corpus(self, batch: Any) -> None:
             proposed = [0] * max(self.draft_token_num - 1, 1)
             accepted = [0] * len(proposed)
             for req in batch.reqs:

@@ -5,13 +5,19 @@ Loaded by SGLang itself in its scheduler process:
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "seer",
         "module_path": "services.worker.engines.sglang.storage", "class_name": "SeerHiCacheStorage",
-        "kv_addresses": ["kvstore-0:50061"], "family": "smollm2", "version_file": "/run/seer/version"}'
+        "kv_addresses": ["kvstore-0:50061"], "family": "smollm2", "version_file": "/run/seer/version",
+        "interface_v1": 1}'
 
-SGLang constructs it as `SeerHiCacheStorage(storage_config, kwargs)` and registers its host memory
-pool; pages move between that pool and the store with batch_get_v1 / batch_set_v1 (zero copy of
-whole pages by host index), batch_exists gives the longest stored prefix. Keys map to the store
-through services.worker.engines.sglang.pages. Every failure is a miss (SGLang recomputes), never an
-exception on SGLang's prefetch/backup threads, which would disable L3 for the process.
+SGLang 0.5.23 (pinned) constructs it as `SeerHiCacheStorage(storage_config, kwargs)`
+(mem_cache/storage/backend_factory.py:165) and calls register_mem_pool_host with its host pool
+(managers/cache_controller.py:617). With "interface_v1": 1 in the extra config (the worker sets it)
+pages move between that pool and the store with batch_get_v1 / batch_set_v1 (zero copy of whole
+pages by host index); without it SGLang falls back to batch_get / batch_set of flat pages
+(cache_controller.py:646-665), which this class serves too. batch_exists gives the longest stored
+prefix (cache_controller.py:1323). Keys map to the store through services.worker.engines.sglang.pages;
+SGLang seeds them with the request's extra_key (mem_cache/utils.py:125-150). Every failure is a
+miss (SGLang recomputes), never an exception on SGLang's prefetch/backup threads, which would
+disable L3 for the process.
 
 This module imports sglang and torch at import time: only SGLang loads it.
 """

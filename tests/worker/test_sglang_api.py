@@ -1,0 +1,296 @@
+"""The SGLang backend against the REAL pinned SGLang wheel: every SGLang name, parameter and field
+the backend (services/worker/engines/sglang) uses must exist in that release's source.
+
+SGLang cannot be imported here (it needs CUDA and its dependencies are not installed), so the test
+opens the wheel `make sglang-wheel` downloads (.cache/sglang-wheel, a prerequisite of `make test`)
+with zipfile and reads the modules by AST. The backend was once written against an API no released
+version had (an audit found register_speculative_algorithm, an (obj) pause_generation and a
+logprob_start_len that aborted every request on the pinned 0.5.4): fakes cannot catch that, this
+test does. The wheel missing is a failure, not a skip. SEER_SGLANG_WHEEL points it at another wheel
+(the old 0.5.4 fails it)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import zipfile
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from services.worker.config import WorkerConfig
+from services.worker.engine import SamplingParams
+from services.worker.engines.sglang import engine as sg
+from services.worker.engines.sglang import plugin
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_DIR = ROOT / "services" / "worker" / "engines" / "sglang"
+
+
+def pinned_version() -> str:
+    """The pin, stated in the Makefile (the download) and the GPU image; both must agree."""
+    make = re.search(r"^SGLANG_VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
+    docker = re.search(r"^ARG SGLANG_VERSION=(\S+)", (ROOT / "docker" / "Dockerfile.gpu").read_text(), re.M)
+    assert make and docker, "SGLANG_VERSION: not found in the Makefile or docker/Dockerfile.gpu"
+    assert make.group(1) == docker.group(1), f"SGLANG_VERSION: Makefile {make.group(1)} != image {docker.group(1)}"
+    return make.group(1)
+
+
+def wheel_path() -> Path:
+    env = os.environ.get("SEER_SGLANG_WHEEL")
+    if env:
+        return Path(env)
+    version = pinned_version()
+    found = sorted((ROOT / ".cache" / "sglang-wheel").glob(f"sglang-{version}-*.whl"))
+    if not found:
+        pytest.fail(f"the sglang {version} wheel is not in .cache/sglang-wheel: run `make sglang-wheel`")
+    return found[-1]
+
+
+class Wheel:
+    def __init__(self, path: Path) -> None:
+        self.zip = zipfile.ZipFile(path)
+        self.names = set(self.zip.namelist())
+
+    @cache  # noqa: B019 - one Wheel per session
+    def source(self, module: str) -> str:
+        base = module.replace(".", "/")
+        for name in (f"{base}.py", f"{base}/__init__.py"):
+            if name in self.names:
+                return self.zip.read(name).decode("utf-8")
+        raise AssertionError(f"{module}: no such module in the wheel")
+
+    @cache  # noqa: B019
+    def tree(self, module: str) -> ast.Module:
+        return ast.parse(self.source(module))
+
+    def cls(self, module: str, name: str) -> ast.ClassDef:
+        for node in self.tree(module).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return node
+        raise AssertionError(f"{module}.{name}: no such class")
+
+    def func(self, module: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+        for node in self.tree(module).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+                return node
+        raise AssertionError(f"{module}.{name}: no such function")
+
+    def method(self, module: str, cls: str, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+        for node in self.cls(module, cls).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+                return node
+        raise AssertionError(f"{module}.{cls}.{name}: no such method")
+
+    def fields(self, module: str, cls: str) -> set[str]:
+        """Annotated class fields (dataclass / msgspec Struct) and __init__ parameters."""
+        c = self.cls(module, cls)
+        out = {n.target.id for n in c.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        for n in c.body:
+            if isinstance(n, ast.FunctionDef) and n.name == "__init__":
+                out |= set(params(n)) - {"self"}
+        return out
+
+    def modules_under(self, package: str) -> Iterator[str]:
+        prefix = package.replace(".", "/") + "/"
+        for name in sorted(self.names):
+            if name.startswith(prefix) and name.endswith(".py") and "/" not in name[len(prefix):]:
+                yield name[:-3].replace("/", ".")
+
+
+def params(f: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = f.args
+    return [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+
+
+def calls_in(node: ast.AST, name: str) -> list[ast.Call]:
+    """Calls of `name(...)` or `x.name(...)` inside node."""
+    out = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if (isinstance(f, ast.Name) and f.id == name) or (isinstance(f, ast.Attribute) and f.attr == name):
+                out.append(n)
+    return out
+
+
+def our_tree(module: str) -> ast.Module:
+    return ast.parse((ENGINE_DIR / f"{module}.py").read_text())
+
+
+def our_keywords(module: str, callee: str) -> set[str]:
+    """Keyword arguments the backend passes to callee(...) (ast, so every call site counts)."""
+    found = calls_in(our_tree(module), callee)
+    assert found, f"{callee}: the backend does not call it"
+    return {k.arg for c in found for k in c.keywords if k.arg}
+
+
+@pytest.fixture(scope="module")
+def whl() -> Wheel:
+    return Wheel(wheel_path())
+
+
+SRT = "sglang.srt"
+SPEC = f"{SRT}.speculative.spec_info"
+REGISTRY = f"{SRT}.speculative.spec_registry"
+NGRAM = f"{SRT}.speculative.ngram_worker"
+IO = f"{SRT}.managers.io_struct"
+TM = f"{SRT}.managers.tokenizer_manager"
+STORAGE = f"{SRT}.mem_cache.hicache_storage"
+
+
+def test_the_plugin_entry_point_group_is_loaded_in_the_scheduler_process(whl: Wheel) -> None:
+    """C1: a registration must reach the scheduler, a spawned subprocess: only SGLang's general
+    plugin group (loaded by load_plugins in every process) does that."""
+    group = re.search(r'^GENERAL_PLUGINS_GROUP = "([^"]+)"', whl.source(f"{SRT}.plugins"), re.M)
+    assert group and group.group(1) == "sglang.srt.plugins"
+    assert f'[project.entry-points."{group.group(1)}"]' in (ROOT / "pyproject.toml").read_text()
+    assert 'seer = "services.worker.engines.sglang.plugin:register"' in (ROOT / "pyproject.toml").read_text()
+    assert calls_in(whl.func(f"{SRT}.managers.scheduler", "run_scheduler_process"), "load_plugins")
+    assert calls_in(whl.method(f"{SRT}.entrypoints.engine", "Engine", "__init__"), "load_plugins")
+
+
+def test_the_speculative_algorithm_registry(whl: Wheel) -> None:
+    """C1: SpeculativeAlgorithm.register(name, *, supports_overlap, validate_server_args, spec_class)
+    returns a decorator for a factory(server_args) -> worker class; the spec class is a CustomSpecAlgo
+    (re-exported by spec_info) whose methods the plugin's SeerSpecAlgo overrides."""
+    reg = whl.method(SPEC, "SpeculativeAlgorithm", "register")
+    assert [p.arg for p in reg.args.kwonlyargs] == ["supports_overlap", "validate_server_args", "spec_class"]
+    assert params(whl.method(SPEC, "SpeculativeAlgorithm", "from_string"))[:2] == ["cls", "name"]
+    imported = {a.name for n in whl.tree(SPEC).body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "CustomSpecAlgo" in imported  # plugin.py imports it from spec_info
+    ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerSpecAlgo")
+    for m in (n.name for n in ours.body if isinstance(n, ast.FunctionDef)):
+        assert params(whl.method(REGISTRY, "CustomSpecAlgo", m)) == ["self", *(["server_args"] if "args" in m else [])]
+    assert params(whl.method(REGISTRY, "CustomSpecAlgo", "create_worker")) == ["self", "server_args"]
+    # create_worker calls the factory with the server args, and refuses overlap without support.
+    create = ast.unparse(whl.method(REGISTRY, "CustomSpecAlgo", "create_worker"))
+    assert "self.factory(server_args)" in create and "disable_overlap_schedule" in create
+    # A registered algorithm's handle_server_args and validate_server_args are called.
+    hook = whl.source(f"{SRT}.arg_groups.speculative_hook")
+    assert "algo.handle_server_args" in hook and "algo.validate_server_args" in hook
+
+
+def test_the_ngram_worker_the_plugin_subclasses(whl: Wheel) -> None:
+    """C1/H1/H2: the methods SeerDraftWorker overrides exist with the same parameters; verification
+    samples (eagle_sample) and computes per-token logprobs under speculation."""
+    assert params(whl.method(NGRAM, "NGRAMWorker", "__init__")) == [
+        "self", "server_args", "gpu_id", "nccl_port", "target_worker"]
+    ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerDraftWorker")
+    for m in (n for n in ours.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
+        assert params(whl.method(NGRAM, "NGRAMWorker", m.name)) == params(m), m.name
+    init = ast.unparse(whl.method(NGRAM, "NGRAMWorker", "__init__"))
+    assert "self.draft_token_num" in init
+    fwd = whl.method(NGRAM, "NGRAMWorker", "forward_batch_generation")
+    assert calls_in(fwd, "eagle_sample") and calls_in(fwd, "compute_spec_logprobs")
+    assert calls_in(fwd, "_prepare_for_speculative_decoding") and calls_in(fwd, "_update_ngram_corpus")
+    # The request fields the plugin reads.
+    req = whl.cls(f"{SRT}.managers.schedule_batch", "Req")
+    init_src = ast.unparse(next(n for n in req.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"))
+    for attr in ("self.rid", "self.origin_input_ids", "self.output_ids", "self.sampling_params"):
+        assert f"{attr} =" in init_src, attr
+    whl.method(f"{SRT}.managers.schedule_batch", "Req", "finished")
+
+
+def test_every_server_arg_the_worker_passes_is_a_server_args_field(whl: Wheel, tmp_path: Path) -> None:
+    fields: set[str] = set()
+    for module in whl.modules_under(f"{SRT}.arg_groups.fields"):
+        for c in (n for n in whl.tree(module).body if isinstance(n, ast.ClassDef)):
+            fields |= {n.target.id for n in c.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    cfg = WorkerConfig(engine="sglang", gamma_max=6, draft_width=2, page_size=16, kv_addresses=("kv:1",))
+    kw = sg.server_kwargs(cfg, tmp_path, "m", str(tmp_path / "v"))
+    assert set(kw) - fields == set()
+    assert "enable_deterministic_inference" in fields  # what honours sampling_seed (README)
+
+
+def test_generate_request_and_weights_calls(whl: Wheel) -> None:
+    """C3/C4: the request and control objects the engine builds, and the TokenizerManager methods
+    it awaits, with their parameters."""
+    assert our_keywords("engine", "GenerateReqInput") <= whl.fields(IO, "GenerateReqInput")
+    assert our_keywords("engine", "UpdateWeightFromDiskReqInput") <= whl.fields(IO, "UpdateWeightFromDiskReqInput")
+    assert our_keywords("engine", "PauseGenerationReqInput") <= whl.fields(IO, "PauseGenerationReqInput")
+    whl.cls(IO, "ContinueGenerationReqInput")
+    mode = next(n for n in whl.cls(IO, "PauseGenerationReqInput").body
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id == "mode")
+    assert "'abort'" in ast.unparse(mode.annotation)
+    expected = {"generate_request": ["self", "obj", "request"], "pause_generation": ["self", "obj"],
+                "continue_generation": ["self", "obj"], "update_weights_from_disk": ["self", "obj", "request"]}
+    for name, want in expected.items():
+        m = whl.method(TM, "TokenizerManager", name)
+        assert isinstance(m, ast.AsyncFunctionDef) and params(m) == want, name
+    assert params(whl.method(TM, "TokenizerManager", "abort_request"))[:2] == ["self", "rid"]
+    # logprob_start_len -1 = output tokens only; one beyond the input aborts the request.
+    handle = whl.source(f"{SRT}.managers.scheduler")
+    assert "recv_req.logprob_start_len == -1" in handle
+    assert "req.logprob_start_len = len(req.origin_input_ids)" in handle
+
+
+def test_sampling_params_keys_and_seed_range(whl: Wheel) -> None:
+    """H3: every key the worker sends is a SamplingParams field; the seed fits SGLang's int64."""
+    keys = set(sg.sampling_dict(SamplingParams(seed=2**64 - 1), 8)) | {"custom_params"}
+    assert keys <= whl.fields(f"{SRT}.sampling.sampling_params", "SamplingParams")
+    src = whl.source(f"{SRT}.sampling.sampling_params")
+    assert "-(2**63) <= self.sampling_seed <= 2**63 - 1" in src
+    assert sg.SEED_MASK == 2**63 - 1
+    info = whl.source(f"{SRT}.sampling.sampling_batch_info")
+    assert re.search(r"sampling_seed\n.*?dtype=torch\.int64.*?if enable_deterministic", info, re.S)
+
+
+def test_streamed_outputs_carry_what_stream_delta_reads(whl: Wheel) -> None:
+    """H2/M3: output_ids in every streamed output, output_token_logprobs in meta_info, the spec
+    counts in the final output's meta_info."""
+    src = whl.source(TM)
+    assert '"output_ids": state.output_ids' in src
+    assert 'meta_info["output_token_logprobs"] = state.output_token_logprobs' in src
+    for key in ("spec_num_correct_drafts", "spec_num_proposed_drafts", "completion_tokens", "cached_tokens"):
+        assert f'"{key}"' in src, key
+    assert '"max_total_num_tokens"' in whl.source(f"{SRT}.managers.scheduler")
+    init = ast.unparse(whl.method(f"{SRT}.entrypoints.engine", "Engine", "__init__"))
+    assert "self._scheduler_init_result =" in init
+
+
+def test_the_engine_can_start_off_the_main_thread(whl: Wheel) -> None:
+    """C2: sglang.Engine is built on the sglang-loop thread; SGLang must not install signal
+    handlers there."""
+    envs = ast.unparse(whl.func(f"{SRT}.entrypoints.engine", "_set_envs_and_config"))
+    assert "threading.current_thread() is threading.main_thread()" in envs
+    assert params(whl.method(f"{SRT}.entrypoints.engine", "Engine", "__init__")) == ["self"]  # **kwargs
+    whl.method(f"{SRT}.entrypoints.engine", "Engine", "shutdown")
+    lazy = r'^Engine = LazyImport\("sglang\.srt\.entrypoints\.engine", "Engine"\)'
+    assert re.search(lazy, whl.source("sglang"), re.M)
+
+
+def test_the_hicache_storage_interface(whl: Wheel) -> None:
+    """M1: SeerHiCacheStorage's methods match HiCacheStorage's parameters; SGLang constructs a
+    dynamic backend as cls(storage_config, kwargs) and uses the v1 calls with interface_v1."""
+    ours = next(n for n in our_tree("storage").body if isinstance(n, ast.ClassDef) and n.name == "SeerHiCacheStorage")
+    base = {n.name for n in whl.cls(STORAGE, "HiCacheStorage").body if isinstance(n, ast.FunctionDef)}
+    overridden = [n for n in ours.body if isinstance(n, ast.FunctionDef) and n.name in base]
+    assert {n.name for n in overridden} >= {"batch_exists", "batch_get_v1", "batch_set_v1", "get", "batch_get", "set",
+                                            "batch_set", "exists"}
+    for m in overridden:
+        assert params(whl.method(STORAGE, "HiCacheStorage", m.name)) == params(m), m.name
+    assert params(whl.method(STORAGE, "HiCacheStorage", "register_mem_pool_host")) == ["self", "mem_pool_host"]
+    assert {"tp_rank", "tp_size", "extra_config"} <= whl.fields(STORAGE, "HiCacheStorageConfig")
+    whl.cls(STORAGE, "HiCacheStorageExtraInfo")
+    assert "return backend_class(storage_config, kwargs)" in whl.source(f"{SRT}.mem_cache.storage.backend_factory")
+    controller = whl.source(f"{SRT}.managers.cache_controller")
+    assert 'extra_config.get("interface_v1", 0)' in controller and "self.storage_backend.batch_get_v1(" in controller
+    host = f"{SRT}.mem_cache.pool_host.base"
+    assert params(whl.method(host, "HostKVCache", "get_data_page")) == ["self", "index", "flat"]
+    assert params(whl.method(host, "HostKVCache", "set_from_flat_data_page")) == ["self", "index", "data_page"]
+    whl.method(host, "HostKVCache", "get_dummy_flat_data_page")
+    # M2: the request's extra_key reaches the Req and seeds the L3 page keys.
+    assert "extra_key=recv_req.extra_key" in whl.source(f"{SRT}.managers.scheduler")
+    assert "def storage_namespace_seed(" in whl.source(f"{SRT}.mem_cache.utils")
+
+
+def test_the_tree_guard_matches_sglangs_ngram_guard(whl: Wheel) -> None:
+    """C1: SGLang refuses topk > 1 with page_size > 1 off flashinfer for "NGRAM" only; the worker
+    applies the same rule to SEER (plugin.tree_attention_backend)."""
+    ngram = ast.unparse(whl.func(f"{SRT}.arg_groups.speculative_hook", "_handle_ngram"))
+    assert "view.attention_backend != 'flashinfer'" in ngram and "enable_mixed_chunk=False" in ngram
+    assert plugin.tree_attention_backend(2, 16, None) == "flashinfer"
