@@ -116,6 +116,8 @@ class StepOutput:
 
     request_id: str
     token_ids: list[int]
+    # Per token log_softmax(logits / temperature)[token] over the full vocabulary, before top-k and
+    # top-p (greedy: log_softmax(logits)[token]): what RL trainers recompute, on every engine.
     logprobs: list[float]
     finished: bool = False
     finish_reason: FinishReason | None = None

@@ -39,7 +39,7 @@ from services.worker.engines.reference.block_manager import BlockManager
 from services.worker.engines.reference.config import EngineConfig
 from services.worker.engines.reference.model import LlamaModel
 from services.worker.engines.reference.model_runner import DraftTree, ModelRunner
-from services.worker.engines.reference.sampler import sample_rows, target_probs, uniform
+from services.worker.engines.reference.sampler import sample_rows, target_probs, token_logprobs, uniform
 from services.worker.engines.reference.scheduler import Scheduler
 from services.worker.engines.reference.sequence import SeqStatus, Sequence
 from services.worker.engines.reference.verifier import Verifier
@@ -273,18 +273,20 @@ class ReferenceEngine(Engine):
 
     def _verify(self, seqs: list[Sequence], trees: list[DraftTree | None], logits: torch.Tensor,
                 root_rows: list[int]) -> list[tuple[list[int], list[int], list[float]]]:
-        """Per sequence: (emitted tokens, accepted draft node path, logprob of each token)."""
+        """Per sequence: (emitted tokens, accepted draft node path, logprob of each token).
+
+        The tokens come from the processed target (target_probs: temperature, top-k, top-p); the
+        logprobs do not: every emitted token's logprob is log_softmax(logits / T)[token] over the full
+        vocabulary (T = 1 for greedy), read from the logits row it was chosen at, plain or drafted
+        alike (sampler.token_logprobs), in one computation for the whole step."""
         n_rows = [1 + (len(t) if t is not None else 0) for t in trees]
         greedy_rows = [r for s, r0, n in zip(seqs, root_rows, n_rows, strict=True) if s.sampling.greedy
                        for r in range(r0, r0 + n)]
         samp_rows = [r for s, r0, n in zip(seqs, root_rows, n_rows, strict=True) if not s.sampling.greedy
                      for r in range(r0, r0 + n)]
         argmax: list[int] = []
-        greedy_lp: torch.Tensor | None = None
         if greedy_rows:
-            gl = logits[greedy_rows]
-            argmax = gl.argmax(-1).tolist()
-            greedy_lp = torch.log_softmax(gl, -1)
+            argmax = logits[greedy_rows].argmax(-1).tolist()
         probs: torch.Tensor | None = None
         if samp_rows:
             params = [s.sampling for s, n in zip(seqs, n_rows, strict=True) if not s.sampling.greedy
@@ -292,10 +294,10 @@ class ReferenceEngine(Engine):
             probs = target_probs(logits[samp_rows], params)  # [Ns, V]
         # Plain sampling (no tree) is batched: one inverse-CDF draw per request.
         plain = [i for i, (s, t) in enumerate(zip(seqs, trees, strict=True)) if not s.sampling.greedy and t is None]
-        results: list[tuple[list[int], list[int], list[float]]] = [([], [], [])] * len(seqs)
+        # Per sequence: (tokens, path, the logits row of each token).
+        chosen: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(seqs)
         g_off = s_off = 0
         s_offsets: dict[int, int] = {}
-        greedy_done: list[tuple[int, list[int], list[int], list[int]]] = []  # (seq, tokens, path, lp rows)
         for i, (s, n) in enumerate(zip(seqs, n_rows, strict=True)):
             if s.sampling.greedy:
                 tree = trees[i]
@@ -307,47 +309,47 @@ class ReferenceEngine(Engine):
                     toks, path, rows = [rows_argmax[0]], [], [0]
                 else:
                     toks, path, rows = self.verifier.verify_greedy(tree, rows_argmax)
-                greedy_done.append((i, toks, path, [g_off + r for r in rows]))
+                chosen[i] = (toks, path, [greedy_rows[g_off + r] for r in rows])
                 g_off += n
             else:
                 s_offsets[i] = s_off
                 s_off += n
-        if greedy_done:
-            # The logprobs of every greedy token in one gather: one device sync per step, not one
-            # per token (on a GPU each sync costs a round trip).
-            assert greedy_lp is not None
-            lp_rows = [r for _i, _t, _p, rs in greedy_done for r in rs]
-            lp_toks = [t for _i, ts, _p, _rs in greedy_done for t in ts]
-            flat = greedy_lp[lp_rows, lp_toks].tolist()
-            k = 0
-            for i, toks, path, rs in greedy_done:
-                results[i] = (toks, path, flat[k : k + len(rs)])
-                k += len(rs)
         if plain:
             assert probs is not None
             sub = probs[[s_offsets[i] for i in plain]]
             toks = sample_rows(sub, [uniform(seqs[i].seed, seqs[i].next_output_position, 0) for i in plain])
-            chosen = sub[torch.arange(len(plain)), torch.tensor(toks)].log().tolist()
-            for i, t, lp in zip(plain, toks, chosen, strict=True):
-                results[i] = ([t], [], [lp])
+            for i, t in zip(plain, toks, strict=True):
+                chosen[i] = ([t], [], [samp_rows[s_offsets[i]]])
         drafted = [(i, tr, off) for i, off in s_offsets.items() if (tr := trees[i]) is not None]
         if drafted:
             assert probs is not None
-            for i, res in self._verify_trees(seqs, drafted, probs).items():
-                results[i] = res
+            for i, (toks, path, rows) in self._verify_trees(seqs, drafted, probs).items():
+                chosen[i] = (toks, path, [samp_rows[s_offsets[i] + r] for r in rows])
+        # The logprobs of every emitted token in one computation: one device sync per step, not one
+        # per token (on a GPU each sync costs a round trip).
+        temps = [1.0 if s.sampling.greedy else s.sampling.temperature
+                 for s, (_t, _p, rows) in zip(seqs, chosen, strict=True) for _ in rows]
+        flat = token_logprobs(logits, [r for _t, _p, rows in chosen for r in rows],
+                              [t for toks, _p, _r in chosen for t in toks], temps)
+        results: list[tuple[list[int], list[int], list[float]]] = []
+        k = 0
+        for toks, path, _rows in chosen:
+            results.append((toks, path, flat[k : k + len(toks)]))
+            k += len(toks)
         return results
 
     def _verify_trees(self, seqs: list[Sequence], drafted: list[tuple[int, DraftTree, int]], probs: torch.Tensor
-                      ) -> dict[int, tuple[list[int], list[int], list[float]]]:
+                      ) -> dict[int, tuple[list[int], list[int], list[int]]]:
         """The sampled requests with a draft tree, (index in seqs, tree, first row of its 1 + n rows
-        in probs). The verifier walks each tree node by node in Python.
+        in probs) -> per request (emitted tokens, accepted path, tree row 0..n each token was drawn
+        at). The verifier walks each tree node by node in Python.
 
         On the CPU it reads `probs` in place and draws a row's token only when the walk reaches it
         (most walks stop at the root). On a GPU every read from Python is a device sync, and the
         walk used to take every tree's rows to the host ([rows, V] float32: 14 MB for 8 requests
         with 8-token drafts, in every drafted step): there the plain-sampling token of every row is
-        drawn on the device in one batched call and only those ids come back. Either way the
-        logprobs of the emitted tokens are one gather."""
+        drawn on the device in one batched call and only those ids come back. The caller computes
+        the logprobs of the emitted tokens, in one gather with the step's other tokens."""
         batched = self.batched_tree_draws
         rows_p = probs  # batched: [sum(1 + n), V], the trees' rows packed in `drafted` order
         drawn: list[int] = []
@@ -356,26 +358,15 @@ class ReferenceEngine(Engine):
             us = [u for i, tree, _off in drafted
                   for u in self.verifier.row_uniforms(tree, seqs[i].seed, seqs[i].next_output_position)]
             drawn = self.verifier.draw_rows(rows_p, us)
-        walks: list[tuple[int, list[int], list[int]]] = []
-        lp_rows: list[int] = []
-        lp_toks: list[int] = []
+        out: dict[int, tuple[list[int], list[int], list[int]]] = {}
         packed = 0
         for i, tree, off in drafted:
             n = 1 + len(tree)
             base = packed if batched else off
-            toks, path, rows = self.verifier.verify_sampling(
+            out[i] = self.verifier.verify_sampling(
                 tree, rows_p[base : base + n], seqs[i].seed, seqs[i].next_output_position,
                 drawn=drawn[base : base + n] if batched else None)
-            walks.append((i, toks, path))
-            lp_rows += [base + r for r in rows]
-            lp_toks += toks
             packed += n
-        flat = torch.log(rows_p[lp_rows, lp_toks]).tolist()
-        out: dict[int, tuple[list[int], list[int], list[float]]] = {}
-        k = 0
-        for i, toks, path in walks:
-            out[i] = (toks, path, flat[k : k + len(toks)])
-            k += len(toks)
         return out
 
     def _apply(self, seq: Sequence, tree: DraftTree | None, tokens: list[int], path: list[int],

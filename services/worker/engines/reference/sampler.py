@@ -4,9 +4,14 @@ Distribution: for a sampling request the target p at a position is softmax(logit
 restricted to the top-k tokens, then to the smallest set of most likely tokens whose mass reaches
 top_p, renormalized. Greedy (temperature 0) takes the argmax of the raw logits.
 
-Logprobs (what StepOutput.logprobs holds): for sampling, log p(token) under that processed target
-distribution (the distribution the token is drawn from; with speculation it is the same p, not the
-residual used inside the verifier); for greedy, the raw model log-softmax of the chosen token.
+Logprobs (what StepOutput.logprobs holds) are NOT taken from that processed distribution: for a
+sampling request log_softmax(logits / temperature)[token] over the full vocabulary, before top-k and
+top-p; for greedy the raw log_softmax(logits)[token]; computed in float32 (token_logprobs), with or
+without speculation (an accepted draft token, a correction or bonus token: the logits row it was
+chosen at). This is what SGLang returns by default (its sampler takes log(softmax(logits / T))
+before top-k/top-p) and what RL trainers recompute for importance ratios (veRL, OpenRLHF actors:
+log_softmax(logits / T), no truncation), so a trainer's ratio is 1 where the policies agree. A token
+is only ever drawn from the processed distribution, where this logprob is finite.
 
 Randomness is counter based: the uniform for (seed, output position, stream) is a fixed hash, so the
 token at position t depends only on the seed, t and the context: a run cut into chunks or resumed on
@@ -90,6 +95,20 @@ def _nucleus(probs: torch.Tensor, tps: torch.Tensor, head: int = NUCLEUS_HEAD) -
         c = sp.cumsum(-1)
         out[full] = torch.zeros_like(sp).scatter_(-1, si, sp.masked_fill((c - sp) >= tps[full], 0.0))
     return out / out.sum(-1, keepdim=True)
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int],
+                   temperatures: Sequence[float]) -> list[float]:
+    """log_softmax(logits[rows[i]] / temperatures[i])[tokens[i]] over the full vocabulary, in float32
+    (temperature 1.0 for greedy: the raw log-softmax). logits [N, V]; one entry per emitted token.
+    Only the emitted tokens' rows are normalized, in one batched log_softmax: one device sync."""
+    if not rows:
+        return []
+    x = logits[list(rows)].float()  # a copy: the division below does not touch the step's logits
+    if any(t != 1.0 for t in temperatures):
+        x /= torch.tensor(list(temperatures), dtype=x.dtype, device=x.device)[:, None]
+    idx = torch.tensor(list(tokens), dtype=torch.long, device=x.device)[:, None]
+    return torch.log_softmax(x, dim=-1).gather(1, idx)[:, 0].tolist()
 
 
 def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:

@@ -18,6 +18,11 @@ rule drew the accept tests from other random numbers, so a seeded request gave o
 speculation than without, and a request cut into chunks other tokens than uninterrupted (review
 finding); with this rule drafts made from any source (even a failed attempt's tokens, sampled with
 these very numbers) cannot bias the output.
+
+Logprobs are not the verifier's business: the walks return the row each emitted token was chosen
+at, and the engine reads its logprob from that row's logits, log_softmax(logits / T)[token] over the
+full vocabulary (sampler.token_logprobs), as plain decoding does: an accepted draft token, the
+correction and the bonus token get exactly the logprob they get without speculation.
 """
 
 from __future__ import annotations
