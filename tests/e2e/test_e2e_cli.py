@@ -58,12 +58,19 @@ def test_up_rollout_and_ctrl_c(model_dir: Path, tmp_path: Path) -> None:
         assert summary["policy_versions"] == [0]
         assert 0.0 <= summary["accuracy"] <= 1.0
 
-        bad = subprocess.run(
-            [sys.executable, "-m", "services.cli", "rollout", "--prompts", str(ROOT / "examples" / "prompts.jsonl"),
-             "--limit", "1", "--group-size", "0", "--max-tokens", "4", "--address", address, "--json"],
-            capture_output=True, text=True, timeout=120, cwd=ROOT,
-        )
-        assert bad.returncode == 1 and "group_size" in bad.stderr, bad.stderr
+        def rollout_with(*flags: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "services.cli", "rollout", "--prompts", str(ROOT / "examples" / "prompts.jsonl"),
+                 "--limit", "1", "--max-tokens", "4", "--address", address, "--json", *flags],
+                capture_output=True, text=True, timeout=120, cwd=ROOT,
+            )
+
+        # Refused by the command line, by its flag, before anything is submitted (usage error: 2).
+        bad = rollout_with("--group-size", "0")
+        assert bad.returncode == 2 and "--group-size" in bad.stderr, bad.stderr
+        # Refused by the buffer, naming the field (the suite keeps serving): exit status 1.
+        bad = rollout_with("--group-size", "1", "--top-p", "1.5")
+        assert bad.returncode == 1 and "top_p" in bad.stderr, bad.stderr
     finally:
         up.send_signal(signal.SIGINT)
         try:
