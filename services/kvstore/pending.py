@@ -22,7 +22,10 @@ neither a string nor null) is skipped, never taken for a delete and never failin
 file is emptied when no record is pending and rewritten whole (a temp file renamed over it) when it
 holds many more lines than pending records, or many more bytes than at its last rewrite: a line
 holds a page's whole owner list, so 3000 claims of one page during a write stop appended 189 MB
-while its line count stayed under the line limit (review of session 27).
+while its line count stayed under the line limit (review of session 27). A rewrite that fails (a full
+disk: the temp file is as large as the journal) removes its temp file and backs off: the next one
+waits until the journal has doubled again, and the caller appends the change instead (review of
+session 28: every later change retried the rewrite and none was appended).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class PendingJournal:
         self._fd: int | None = None
         self._lines = 0
         self._bytes = 0  # written since the last rewrite included (an unread old file: not counted)
-        self._base_bytes = 0  # the size the last rewrite left
+        self._base_bytes = 0  # the size the last rewrite left (or the size at a failed one)
+        self._min_lines = 0  # after a failed rewrite: the line count the next one waits for
 
     def load(self) -> OrderedDict[Key, bytes | None]:
         """The records pending when the journal was last written, oldest first: page -> the owner
@@ -84,29 +88,45 @@ class PendingJournal:
 
     def needs_rewrite(self, pending: int) -> bool:
         """Whether the journal holds far more than `pending` records need: lines beyond twice their
-        count, or bytes beyond twice its size at the last rewrite (lines of long owner lists)."""
-        return self._lines > 2 * pending + _SLACK_LINES or self._bytes > 2 * self._base_bytes + _SLACK_BYTES
+        count, or bytes beyond twice its size at the last rewrite (lines of long owner lists). After a
+        failed rewrite, only once the journal has doubled since (see rewrite)."""
+        lines_limit = max(2 * pending + _SLACK_LINES, self._min_lines)
+        return self._lines > lines_limit or self._bytes > 2 * self._base_bytes + _SLACK_BYTES
 
     def rewrite(self, records: Iterable[tuple[Key, bytes | None]]) -> None:
         """Replaces the journal with exactly `records` (none: an empty journal). Atomic: a temp file
-        renamed over it, so a crash leaves the old journal or the new one."""
+        renamed over it, so a crash leaves the old journal or the new one.
+
+        On failure (OSError: a full disk) the old journal is left whole, appendable, and the temp
+        file is removed (a full disk kept a partial copy of the journal in it); the next rewrite
+        then waits until the journal has doubled again (needs_rewrite), so the caller can append its
+        change instead of retrying a rewrite that fails at every change."""
         lines = [
             json.dumps(["+", k[0], k[1].hex(), None if m is None else m.decode("utf-8")]).encode("utf-8") + b"\n"
             for k, m in records
         ]
         self._close_fd()
-        if not lines:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            self._lines = self._bytes = self._base_bytes = 0
-            return
         tmp = self.path + ".tmp"
-        data = b"".join(lines)
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, self.path)
+        try:
+            if not lines:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                self._lines = self._bytes = self._base_bytes = self._min_lines = 0
+                return
+            data = b"".join(lines)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):  # gone, or never made (its name is a directory)
+                os.unlink(tmp)
+            # Back off: as if the journal had been rewritten at its current size.
+            self._base_bytes = self._bytes
+            self._min_lines = 2 * self._lines + _SLACK_LINES
+            raise
         self._lines = len(lines)
         self._bytes = self._base_bytes = len(data)
+        self._min_lines = 0
 
     def close(self) -> None:
         self._close_fd()

@@ -28,7 +28,16 @@ registry always goes through the WAL, and so do page deletes and owner-record re
 those are not cache fills but the index's ownership state, and a WAL-less one sat in the memtable
 after the store had counted it done, so a crash (SIGKILL) lost it and a released page came back
 owned by the request that had released it (review of session 27). They are small records, so the
-WAL costs little (see _logged_write). Callers serialize access (the store holds a lock).
+WAL costs little (see _logged_write). A page put whose key has a delete or owner rewrite pending
+goes through the WAL too (put(logged=True)): the store resolves the pending record once the put
+returns, so a WAL-less put lost at a crash would bring back the old record (review of session 28).
+
+The WAL is capped (max_total_wal_size, wal_bytes_cap): a WAL file is kept while any column family
+has unflushed writes in it, and the default column family (the registry) is written only when a
+namespace is made or dropped, so its one unflushed registry record kept every later WAL file: with
+RocksDB's default cap (4x the memtables' maximum, per column family) owner records alone grew the
+WAL to about 400 MB, outside --ssd-bytes. Past the cap RocksDB flushes the column families that
+hold the oldest WAL file, and it is deleted. Callers serialize access (the store holds a lock).
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ DEFAULT_WRITE_BUFFER_BYTES = 64 * 1024 * 1024  # RocksDB's default for one memta
 MAX_WRITE_BUFFERS = 2  # memtables per column family: one written while one flushes (RocksDB's minimum)
 L0_STOP_WRITES_TRIGGER = 36  # RocksDB's default: L0 files at which writes stop until compaction
 _MIN_MEMTABLE_BYTES = 64 * 1024  # RocksDB raises smaller write_buffer_size values to this
+MIN_WAL_BYTES = 32 * 1024 * 1024  # the WAL cap's floor (see wal_bytes_cap)
 
 
 # How long a write waits, retrying, for RocksDB to take it while its memtables are full (a flush under
@@ -87,6 +97,18 @@ def per_cf_write_buffer_bytes(write_buffer_bytes: int) -> int:
     """One memtable of a column family: a quarter of the db-wide budget, so a column family holds at
     most half of it (MAX_WRITE_BUFFERS of them) and two written at once (a version change) all of it."""
     return max(_MIN_MEMTABLE_BYTES, write_buffer_bytes // 4)
+
+
+def wal_bytes_cap(write_buffer_bytes: int) -> int:
+    """The WAL's cap (max_total_wal_size): past it RocksDB flushes the column families holding the
+    oldest WAL file, so it can be deleted. Half the memtable budget: the logged records of one
+    column family (a namespace's owner records and deletes) fill at most its MAX_WRITE_BUFFERS
+    memtables, half the budget (per_cf_write_buffer_bytes), and a record's WAL entry is no larger
+    than its memtable entry, so the live WAL of the usual single written namespace stays under the
+    cap and forces no early flush; only files kept by a column family written rarely (the registry's)
+    or not lately are flushed out. At least MIN_WAL_BYTES: with a small budget (tests, tiny
+    stores) a cap of a few MiB would flush every few hundred records, each flush an L0 file."""
+    return max(MIN_WAL_BYTES, write_buffer_bytes // 2)
 
 
 def _cf_name(namespace: str) -> str:
@@ -177,6 +199,8 @@ class SsdTier:
         self._opts.set_level_zero_slowdown_writes_trigger(L0_STOP_WRITES_TRIGGER)
         self._opts.set_level_zero_stop_writes_trigger(L0_STOP_WRITES_TRIGGER)
         self._opts.set_soft_pending_compaction_bytes_limit(0)
+        # The WAL on disk is outside --ssd-bytes: capped (see the module doc and wal_bytes_cap).
+        self._opts.set_max_total_wal_size(wal_bytes_cap(write_buffer_bytes))
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})
         self._open = True
@@ -333,7 +357,12 @@ class SsdTier:
         return total
 
     # Pages.
-    def put(self, namespace: str, page_hash: bytes, data: bytes | memoryview, meta: bytes) -> None:
+    def put(
+        self, namespace: str, page_hash: bytes, data: bytes | memoryview, meta: bytes, *, logged: bool = False
+    ) -> None:
+        """Writes a page and its record in one batch, WAL-less unless `logged` (or the tier was
+        opened with wal=True): logged when the put replaces a record the caller had pending (a
+        delete or an owner rewrite, see the module doc), since the caller then forgets that record."""
         self.ensure_namespace(namespace)
         value = data if isinstance(data, bytes) else bytes(data)  # rocksdict takes bytes only
 
@@ -344,7 +373,7 @@ class SsdTier:
             wb.put(_META + page_hash, meta)
             self._db.write(wb, opts)
 
-        self._write(write, self._page_write)
+        self._write(write, self._logged_write if logged else self._page_write)
 
     def put_meta(self, namespace: str, page_hash: bytes, meta: bytes) -> None:
         """Rewrites a stored page's metadata (KeyError when its namespace has no column family: the

@@ -852,7 +852,12 @@ class KvStore:
         # Recent before the write: a write that fails may still have created the column family,
         # which is then dropped like any idle one once the namespace stops being recent.
         self._note_ssd_write(key[0])
-        self._ssd.put(key[0], key[1], data, _encode_meta(entry))
+        # A put replacing a pending record (the page released during a stop, then stored again)
+        # resolves it, dropping its journal line: through the WAL then, or a crash before the
+        # memtable flush lost the put with no delete ever written, and the old record came back
+        # owned by the request that had released it (review of session 28). Rare: other puts
+        # stay WAL-less (see SsdTier).
+        self._ssd.put(key[0], key[1], data, _encode_meta(entry), logged=key in self._pending_ssd)
         self._unpend(key)  # the page and its record are written whole
         entry.on_ssd = True
         self._ssd_lru[key] = entry.size
@@ -993,10 +998,7 @@ class KvStore:
             # Each owner change of a page whose rewrite is pending appends its whole owner list
             # again: compacted here too, not only when a record resolves (_unpend), or a stop long
             # enough grew the journal without bound (3000 claims of one page: 189 MB).
-            if self._journal.needs_rewrite(len(self._pending_ssd)):
-                self._journal_rewrite()
-            else:
-                self._journal_op(lambda: self._journal.pend(key, self._intended_meta(key)))
+            self._journal_change(lambda: self._journal.pend(key, self._intended_meta(key)))
 
     def _unpend(self, key: Key) -> None:
         """key's SSD record agrees with the index again (written, deleted, or gone with its column
@@ -1005,10 +1007,8 @@ class KvStore:
         if size is None:
             return
         self._pending_bytes -= size
-        if not self._pending_ssd or self._journal.needs_rewrite(len(self._pending_ssd)):
-            self._journal_rewrite()  # empty: the journal goes; else it is compacted
-        else:
-            self._journal_op(lambda: self._journal.resolve(key))
+        # Nothing pending: the journal goes (a rewrite with no records).
+        self._journal_change(lambda: self._journal.resolve(key), compact=not self._pending_ssd)
 
     def _intended_meta(self, key: Key) -> bytes | None:
         """The record key should have on SSD per the index: its owner record when the page is indexed
@@ -1018,7 +1018,27 @@ class KvStore:
         return _encode_meta(entry) if entry is not None and entry.on_ssd else None
 
     def _journal_rewrite(self) -> None:
-        self._journal_op(lambda: self._journal.rewrite([(k, self._intended_meta(k)) for k in self._pending_ssd]))
+        self._journal_op(self._rewrite_journal)
+
+    def _rewrite_journal(self) -> None:
+        self._journal.rewrite([(k, self._intended_meta(k)) for k in self._pending_ssd])
+
+    def _journal_change(self, append: Callable[[], None], *, compact: bool = False) -> None:
+        """Journals one change of the pending records: by rewriting the journal whole when `compact`
+        or when it is due (PendingJournal.needs_rewrite), else by `append`. A failed rewrite (a full
+        disk: the temp file is as large as the journal) leaves the old journal whole and backs off
+        until the journal doubles, and the change is appended instead: until session 29 it was
+        dropped, and every later change retried the rewrite, never appending (a rewrite failing
+        for good journaled nothing more: 399 pending deletes lost at a crash)."""
+        if compact or self._journal.needs_rewrite(len(self._pending_ssd)):
+            try:
+                self._rewrite_journal()
+                return
+            except OSError as exc:
+                self._journal_failures += 1
+                log.warning("pending SSD records journal compaction failed; appending, retried once it doubles",
+                            extra=kv(path=self._journal.path, error=str(exc), failures=self._journal_failures))
+        self._journal_op(append)
 
     def _journal_op(self, op: Callable[[], None]) -> None:
         """Runs a journal write; a failure (a full disk) is logged, not raised: the record stays

@@ -266,12 +266,12 @@ def test_close_closes_rocksdb_past_failed_page_writes(tmp_path: Path) -> None:
     ssd = store.raw_ssd()
     real_put = ssd.put
 
-    def put_failing_page_1(namespace: str, page_hash: bytes, value: Any, meta: bytes) -> None:
+    def put_failing_page_1(namespace: str, page_hash: bytes, value: Any, meta: bytes, *, logged: bool = False) -> None:
         if page_hash == _h("m@v1", 1):
             raise OSError("IO error: No space left on device")
-        real_put(namespace, page_hash, value, meta)
+        real_put(namespace, page_hash, value, meta, logged=logged)
 
-    ssd.put = put_failing_page_1  # type: ignore[method-assign]
+    ssd.put = put_failing_page_1  # type: ignore[method-assign,assignment]
     store.close()  # raised the OSError, RocksDB left open, before the fix
     assert store.flush_failures == 1
     reopened = KvStore(path, dram_bytes=64 * PAGE_BYTES, ssd_bytes=1024 * PAGE_BYTES, min_blob_bytes=256)
@@ -294,11 +294,11 @@ def test_close_closes_rocksdb_when_a_write_stalls(tmp_path: Path) -> None:
         _put(store, "m@v1", i)
     calls: list[bytes] = []
 
-    def stalled_put(namespace: str, page_hash: bytes, value: Any, meta: bytes) -> None:
+    def stalled_put(namespace: str, page_hash: bytes, value: Any, meta: bytes, *, logged: bool = False) -> None:
         calls.append(page_hash)
         raise WriteStalled("RocksDB memtables stayed full")
 
-    store.raw_ssd().put = stalled_put  # type: ignore[method-assign]
+    store.raw_ssd().put = stalled_put  # type: ignore[method-assign,assignment]
     store.close()
     assert len(calls) == 1 and store.flush_failures == 3
     KvStore(path, dram_bytes=64 * PAGE_BYTES, ssd_bytes=1024 * PAGE_BYTES, min_blob_bytes=256).close()
