@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Iterator
 from functools import cache
@@ -65,7 +66,10 @@ class Wheel:
 
     @cache  # noqa: B019
     def tree(self, module: str) -> ast.Module:
-        return ast.parse(self.source(module))
+        with warnings.catch_warnings():  # SGLang's own invalid escape sequences
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return ast.parse(self.source(module))
 
     def cls(self, module: str, name: str) -> ast.ClassDef:
         for node in self.tree(module).body:
@@ -128,6 +132,21 @@ def our_keywords(module: str, callee: str) -> set[str]:
     return {k.arg for c in found for k in c.keywords if k.arg}
 
 
+def seer_spec_methods() -> dict[str, ast.FunctionDef]:
+    ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerSpecAlgo")
+    return {n.name: n for n in ours.body if isinstance(n, ast.FunctionDef)}
+
+
+def method_names(whl: Wheel, module: str, cls: str) -> set[str]:
+    return {n.name for n in whl.cls(module, cls).body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def srt_modules(whl: Wheel) -> Iterator[str]:
+    for name in sorted(whl.names):
+        if name.startswith("sglang/srt/") and name.endswith(".py"):
+            yield name[:-3].replace("/", ".")
+
+
 @pytest.fixture(scope="module")
 def whl() -> Wheel:
     return Wheel(wheel_path())
@@ -162,9 +181,13 @@ def test_the_speculative_algorithm_registry(whl: Wheel) -> None:
     assert params(whl.method(SPEC, "SpeculativeAlgorithm", "from_string"))[:2] == ["cls", "name"]
     imported = {a.name for n in whl.tree(SPEC).body if isinstance(n, ast.ImportFrom) for a in n.names}
     assert "CustomSpecAlgo" in imported  # plugin.py imports it from spec_info
-    ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerSpecAlgo")
-    for m in (n.name for n in ours.body if isinstance(n, ast.FunctionDef)):
-        assert params(whl.method(REGISTRY, "CustomSpecAlgo", m)) == ["self", *(["server_args"] if "args" in m else [])]
+    ours = seer_spec_methods()
+    for name, m in ours.items():
+        # Each override has the parameters of the method it stands in for (CustomSpecAlgo's, or
+        # the built-in SpeculativeAlgorithm's where CustomSpecAlgo lacks it).
+        base = (whl.method(REGISTRY, "CustomSpecAlgo", name) if name in method_names(whl, REGISTRY, "CustomSpecAlgo")
+                else whl.method(SPEC, "SpeculativeAlgorithm", name))
+        assert params(base) == params(m), name
     assert params(whl.method(REGISTRY, "CustomSpecAlgo", "create_worker")) == ["self", "server_args"]
     # create_worker calls the factory with the server args, and refuses overlap without support.
     create = ast.unparse(whl.method(REGISTRY, "CustomSpecAlgo", "create_worker"))
@@ -180,7 +203,8 @@ def test_the_ngram_worker_the_plugin_subclasses(whl: Wheel) -> None:
     assert params(whl.method(NGRAM, "NGRAMWorker", "__init__")) == [
         "self", "server_args", "gpu_id", "nccl_port", "target_worker"]
     ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerDraftWorker")
-    for m in (n for n in ours.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
+    for m in (n for n in ours.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"
+              and not n.name.startswith("_seer")):
         assert params(whl.method(NGRAM, "NGRAMWorker", m.name)) == params(m), m.name
     init = ast.unparse(whl.method(NGRAM, "NGRAMWorker", "__init__"))
     assert "self.draft_token_num" in init
@@ -294,3 +318,123 @@ def test_the_tree_guard_matches_sglangs_ngram_guard(whl: Wheel) -> None:
     ngram = ast.unparse(whl.func(f"{SRT}.arg_groups.speculative_hook", "_handle_ngram"))
     assert "view.attention_backend != 'flashinfer'" in ngram and "enable_mixed_chunk=False" in ngram
     assert plugin.tree_attention_backend(2, 16, None) == "flashinfer"
+
+
+# Methods of SpeculativeAlgorithm that SGLang calls only on the built-in enum, never on a registered
+# algorithm: the classmethods, and the out-of-tree platform hook (called by the enum's own
+# create_worker, spec_info.py:320, and by adaptive spec for EAGLE/EAGLE3 only,
+# adaptive_spec_params.py:61-68).
+_ENUM_ONLY = {"from_string", "register", "get_platform_worker_cls"}
+
+
+def test_a_registered_seer_answers_every_call_sglang_makes_on_its_algorithm(whl: Wheel) -> None:
+    """C1 (review): CustomSpecAlgo lacks three methods of SpeculativeAlgorithm that the scheduler
+    calls on every start whatever the algorithm (carries_draft_hidden_states, scheduler.py:1540;
+    create_future_map, :1681; need_topk, overlap_utils.py:381): SEER died at startup with
+    AttributeError. Every public instance method of SpeculativeAlgorithm, and every method called
+    anywhere in sglang.srt on an object named spec_algorithm / spec_algo, must resolve on
+    CustomSpecAlgo or on the plugin's SeerSpecAlgo."""
+    ours = set(seer_spec_methods())
+    resolves = method_names(whl, REGISTRY, "CustomSpecAlgo") | ours
+    enum = whl.cls(SPEC, "SpeculativeAlgorithm")
+    public = {n.name for n in enum.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+              and not any(isinstance(d, ast.Name) and d.id in ("classmethod", "staticmethod")
+                          for d in n.decorator_list)}
+    assert {"carries_draft_hidden_states", "create_future_map", "need_topk"} <= public
+    assert sorted(public - _ENUM_ONLY - resolves) == []
+    called: dict[str, str] = {}
+    for module in srt_modules(whl):
+        if "spec_algo" not in whl.source(module):
+            continue  # parsing all of srt takes long; a call on such a name needs the text
+        for n in ast.walk(whl.tree(module)):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                obj = n.func.value
+                name = obj.id if isinstance(obj, ast.Name) else obj.attr if isinstance(obj, ast.Attribute) else ""
+                if name in ("spec_algorithm", "spec_algo"):
+                    called.setdefault(n.func.attr, f"{module}:{n.lineno}")
+    assert {"carries_draft_hidden_states", "create_future_map", "need_topk", "is_ngram"} <= set(called)
+    missing = {m: where for m, where in called.items() if m not in resolves}
+    assert missing == {}, f"called on the algorithm but not on SeerSpecAlgo/CustomSpecAlgo: {missing}"
+    # SEER answers them as NGRAM does: the enum decides by is_eagle()/is_standalone(), False for NGRAM.
+    for name in ("carries_draft_hidden_states", "need_topk"):
+        body = ast.unparse(whl.method(SPEC, "SpeculativeAlgorithm", name))
+        assert "is_ngram" not in body and "self.is_eagle()" in body, name
+    fm = ast.unparse(whl.method(SPEC, "SpeculativeAlgorithm", "create_future_map"))
+    assert "FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)" in fm
+    ours_fm = ast.unparse(seer_spec_methods()["create_future_map"])
+    assert "FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)" in ours_fm
+
+
+BRP = f"{SRT}.managers.scheduler_components.batch_result_processor"
+
+
+def test_the_step_order_the_draft_mirror_follows(whl: Wheel) -> None:
+    """H (review): the plugin appended a step's tokens in _update_ngram_corpus, which runs inside
+    forward_batch_generation, before result processing extends req.output_ids: appends lagged a
+    step, a request's last tokens were never appended, and the planner paired step k-1's accepts
+    with step k's drafts. SeerDraftWorker relies on this order instead (see its docstring):
+    output_ids.extend only in process_batch_result_decode, after on_verify_complete_cpu (with this
+    step's per-request counts, batch_size by keyword) and never inside the worker's forward."""
+    fwd = whl.method(NGRAM, "NGRAMWorker", "forward_batch_generation")
+    assert not calls_in(fwd, "extend") or all(
+        not (isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value).endswith("output_ids"))
+        for c in calls_in(fwd, "extend"))
+    # The corpus update precedes nothing that appends: it runs after eagle_sample, in forward.
+    sample, update = calls_in(fwd, "eagle_sample")[0], calls_in(fwd, "_update_ngram_corpus")[0]
+    assert sample.lineno < update.lineno
+    decode = whl.method(BRP, "SchedulerBatchResultProcessor", "process_batch_result_decode")
+    extends = [c for c in calls_in(decode, "extend") if ast.unparse(c.func) == "req.output_ids.extend"]
+    assert extends, "req.output_ids.extend: not in process_batch_result_decode"
+    normalize = [c for c in calls_in(decode, "_normalize_decode_outputs")]
+    assert normalize and normalize[0].lineno < extends[0].lineno
+    resolve = whl.method(BRP, "SchedulerBatchResultProcessor", "_resolve_spec_v2_tokens")
+    (verify,) = calls_in(resolve, "on_verify_complete_cpu")
+    assert ast.unparse(verify) == ("self.model_worker.on_verify_complete_cpu("
+                                   "result.num_correct_drafts_per_req_cpu, batch_size=len(batch.reqs))")
+    normalize_fn = whl.method(BRP, "SchedulerBatchResultProcessor", "_normalize_decode_outputs")
+    assert calls_in(normalize_fn, "_resolve_spec_v2_tokens")
+    assert params(whl.method(NGRAM, "NGRAMWorker", "on_verify_complete_cpu")) == [
+        "self", "num_correct_drafts_per_req", "batch_size"]
+    # NGRAM's accept_lens include the bonus token; the processor subtracts it (1 non-draft token).
+    assert "num_correct_drafts_per_req_cpu = [length - num_non_draft for length in accept_lens]" in ast.unparse(
+        resolve)
+    # Drafts are prepared from complete output_ids only without overlap (which the plugin requires).
+    prep = ast.unparse(whl.method(NGRAM, "NGRAMWorker", "_prepare_draft_tokens"))
+    assert "use_prev_tokens = self.enable_overlap and (not batch.grammar_needs_sync())" in prep
+    # A finished request's tokens through its stop (what the plugin appends last).
+    stop = whl.method(f"{SRT}.managers.schedule_batch", "Req", "output_ids_through_stop")
+    assert "self.output_ids[:self.finished_len]" in ast.unparse(stop)
+    ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerDraftWorker")
+    mine = {n.name: n for n in ours.body if isinstance(n, ast.FunctionDef)}
+    assert not calls_in(mine["_update_ngram_corpus"], "verified")  # a no-op now
+    assert calls_in(mine["forward_batch_generation"], "_seer_departures")
+
+
+def test_the_host_pool_that_runs_has_what_the_storage_layout_reads(whl: Wheel) -> None:
+    """M1 (review): SeerHiCacheStorage._layout() reads dtype, page_size, layer_num, head_num,
+    head_dim and layout from the host pool; the pool SGLang builds for an MHA model is
+    MHATokenToKVPoolHost (HostKVCache sets the first ones, the class the head fields)."""
+    host = f"{SRT}.mem_cache.pool_host"
+    mha = whl.cls(f"{host}.mha", "MHATokenToKVPoolHost")
+    assert [ast.unparse(b) for b in mha.bases] == ["HostKVCache"]
+    assigned: set[str] = set()
+    for cls in (whl.cls(f"{host}.base", "HostKVCache"), mha):
+        for n in ast.walk(cls):
+            if isinstance(n, ast.Assign):
+                assigned |= {t.attr for t in n.targets if isinstance(t, ast.Attribute)
+                             and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    read = {n.attr for n in ast.walk(next(m for m in ast.walk(our_tree("storage"))
+                                          if isinstance(m, ast.FunctionDef) and m.name == "_layout"))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "pool"}
+    assert read == {"dtype", "page_size", "layer_num", "head_num", "head_dim", "layout"}
+    assert read <= assigned, read - assigned
+
+
+def test_the_proposed_draft_count_sglang_reports_is_its_verify_block_capacity(whl: Wheel) -> None:
+    """M-L (review): spec_num_proposed_drafts is verify steps x (num_draft_tokens - 1), padding
+    included (SEER pads every block to N tokens): the adapter reports it as StepOutput.num_draft_tokens
+    documented as the verified block capacity (services/worker/README.md), not drafts proposed."""
+    calc = ast.unparse(whl.method(TM, "TokenizerManager", "_calculate_spec_decoding_metrics"))
+    assert "num_proposed_drafts = recv_obj.spec_verify_ct[i] * (get_spec().speculative_num_draft_tokens - 1)" in calc
+    assert "meta_info['spec_num_proposed_drafts'] = num_proposed_drafts" in calc
+    assert "block capacity" in sg.stream_delta.__doc__

@@ -92,6 +92,8 @@ class _TokenizerManager:
         self.aborted: set[str] = set()
         self.attempts: dict[str, int] = {}
         self.held: set[str] = set()
+        self.cancelled: set[str] = set()  # rids whose generate_request was cancelled while running
+        self.yielded: dict[str, int] = {}  # rid -> outputs streamed
         self.abort_reaches = abort_reaches
         self.params: dict[str, dict[str, Any]] = {}  # SGLang id -> the custom_params it came with
         self.requests: list[GenerateReqInput] = []  # every GenerateReqInput, in order
@@ -133,8 +135,14 @@ class _TokenizerManager:
                     if self.logprobs or self.spec_tokens == 1:
                         entries = [*entries, (-0.1, last, None)]
                 done = len(ids) == limit
+                self.yielded[rid] = self.yielded.get(rid, 0) + 1
                 yield {"output_ids": ids,
                        "meta_info": self._meta(obj, ids, entries, {"type": "length"} if done else None, verify)}
+        except asyncio.CancelledError:
+            # SGLang aborts a dispatched request whose handler is cancelled
+            # (_release_req_states_on_failure, tokenizer_manager.py:958-967).
+            self.cancelled.add(rid)
+            raise
         finally:
             self.held.discard(rid)
 
@@ -149,7 +157,9 @@ class _TokenizerManager:
         return meta
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        if self.abort_reaches:
+        # SGLang returns without effect for an rid it does not hold yet (tokenizer_manager.py:
+        # 2246-2253): the rid is registered only when generate_request first runs (:926).
+        if self.abort_reaches and rid in self.held:
             self.aborted.add(rid)
 
     async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
@@ -403,3 +413,29 @@ def test_the_entry_point_does_nothing_without_speculation(monkeypatch: pytest.Mo
     monkeypatch.setenv(plugin.ENV_SPECULATION, "1")
     with pytest.raises(ImportError):
         plugin.register()
+
+
+def test_an_abort_right_after_add_request_stops_the_request(engine: sg.SGLangEngine) -> None:
+    """M (review): add_request schedules the generate task on SGLang's loop and abort posted
+    abort_request behind it; abort_request ran first, before the task had registered the rid with
+    the tokenizer manager, and SGLang ignores an rid it does not know: the attempt ran on to
+    max_new_tokens as a zombie (holding a batch slot and KV). The task is cancelled now: one not
+    started never reaches SGLang, one running is cancelled inside generate_request (SGLang aborts it)."""
+    tm = engine._sgl.tokenizer_manager
+    req = GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=10, sampling=GREEDY)
+    busy = threading.Event()
+    engine._loop.call_soon_threadsafe(lambda: busy.wait(1.0))  # both calls queue behind this
+    engine.add_request(req)
+    assert engine.abort("r")
+    busy.set()
+    time.sleep(0.3)  # ten tokens at 20 ms each had the zombie run
+    assert tm.yielded == {} and tm.held == set() and tm.requests == []  # it never reached SGLang
+    engine.add_request(req)  # a running attempt: cancelled inside SGLang's generate_request
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not tm.held:
+        time.sleep(0.005)
+    (rid,) = tm.held
+    assert engine.abort("r")
+    time.sleep(0.1)
+    assert tm.held == set() and tm.cancelled == {rid} and tm.yielded.get(rid, 0) < 10
+    assert not engine.has_unfinished() and engine.step() == []

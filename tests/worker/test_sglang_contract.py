@@ -298,3 +298,68 @@ def test_kv_pool_pages_from_the_scheduler_info_or_a_fallback_the_scheduler_accep
     later = SimpleNamespace(_scheduler_init_result=SimpleNamespace(scheduler_infos=[{"max_total_num_tokens": 3200}]))
     assert kv_pool_pages(later, 32, 4096, 8) == 100
     assert kv_pool_pages(SimpleNamespace(), 16, 4096, 8) == 4096 * 8 // 16  # unknown: every slot at full context
+
+
+def test_seer_refuses_tensor_parallelism_and_guards_the_tree_after_setting_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """L (review): each TP rank would draft from its own mirror (drafts could differ between
+    ranks): refused. SGLang runs validate_server_args before handle_server_args, so the tree guard
+    is applied again on the width handle_server_args sets (a hand-launched SEER had none yet)."""
+    import types
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="tp_size"):
+        plugin._validate_server_args(SimpleNamespace(tp_size=2, speculative_eagle_topk=1, page_size=1))
+    plugin._validate_server_args(SimpleNamespace(tp_size=1, speculative_eagle_topk=1, page_size=1))
+
+    class CustomSpecAlgo:  # stand-in base: SeerSpecAlgo's own methods are under test
+        pass
+
+    spec_info = types.ModuleType("sglang.srt.speculative.spec_info")
+    spec_info.CustomSpecAlgo = CustomSpecAlgo  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.speculative"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.spec_info", spec_info)
+    monkeypatch.setenv(plugin.ENV_DRAFT_WIDTH, "2")
+    algo = plugin._spec_class()()
+    # The validator saw topk unset (1) and let it pass; the hook sets topk 2 on paged KV.
+    plugin._validate_server_args(SimpleNamespace(speculative_eagle_topk=None, page_size=16, attention_backend="fa3"))
+    with pytest.raises(ValueError, match="draft_width"):
+        algo.handle_server_args(SimpleNamespace(speculative_num_draft_tokens=5, page_size=16, attention_backend="fa3"))
+    unset = SimpleNamespace(speculative_num_draft_tokens=5, page_size=16, attention_backend=None)
+    algo.handle_server_args(unset)
+    assert unset.speculative_eagle_topk == 2 and unset.attention_backend == "flashinfer"
+    assert not algo.carries_draft_hidden_states() and not algo.need_topk()
+
+
+def test_a_host_pool_without_a_known_layout_is_a_miss_not_an_exception(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """L (review): _layout() read MHA attributes unguarded; an MLA host pool (no head_num) or an
+    unknown dtype raised on SGLang's prefetch/backup threads. Now every page is a miss, logged once."""
+    import types
+    from types import SimpleNamespace
+
+    import torch
+
+    hs = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
+    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo"):
+        setattr(hs, name, type(name, (), {}))
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage", hs)
+    # Imported over the stand-in for this test only (removed again at teardown).
+    monkeypatch.setitem(sys.modules, "services.worker.engines.sglang.storage", types.ModuleType("stand-in"))
+    del sys.modules["services.worker.engines.sglang.storage"]
+    from services.worker.engines.sglang.storage import SeerHiCacheStorage
+
+    cfg = SimpleNamespace(extra_config={"kv_addresses": ["127.0.0.1:1"]}, tp_rank=0, tp_size=1)
+    s = SeerHiCacheStorage(cfg)
+    mla = SimpleNamespace(dtype=torch.bfloat16, page_size=4, layer_num=2, layout="layer_first",
+                          kv_lora_rank=8, qk_rope_head_dim=4)  # MLAHostPool: no head_num / head_dim
+    s.mem_pool_host = mla
+    idx = torch.arange(8)
+    with caplog.at_level("WARNING"):
+        assert s.batch_get_v1(["a", "b"], idx) == [False, False]
+        assert s.batch_set_v1(["a", "b"], idx) == [False, False]
+        assert s.get("a") is None and s.set("a", torch.zeros(4)) is False
+    assert sum("no usable page layout" in r.getMessage() for r in caplog.records) == 1

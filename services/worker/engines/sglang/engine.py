@@ -25,6 +25,7 @@ tests/worker/test_sglang_api.py; citations below are sglang 0.5.23 file:line.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import os
@@ -184,7 +185,11 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     token id, text) entries, cumulative or sliced alike); SGLang 0.5.23 fills them under speculation
     too (batch_result_processor.py:1161-1170), but a token without its logprob is an error
     (MissingLogprobs), never a silently shorter list. Speculation counts (spec_num_correct_drafts,
-    spec_num_proposed_drafts) are in the final output only (tokenizer_manager.py:2742-2756)."""
+    spec_num_proposed_drafts) are in the final output only (tokenizer_manager.py:2742-2756).
+    `proposed` is SGLang's verify block capacity, not the drafts SEER proposed: verify steps x
+    (num_draft_tokens - 1) (tokenizer_manager.py:3156-3158), padding included, so accepted/proposed
+    is a lower bound of the acceptance rate (the plugin's per-step counts stay in SGLang's process,
+    where its planner uses them)."""
     meta: Mapping[str, Any] = out.get("meta_info") or {}
     ids = [int(t) for t in (out.get("output_ids") or [])]
     total = int(meta.get("completion_tokens", reported + len(ids)))
@@ -218,6 +223,11 @@ class _Live:
     rid: str = ""
     tokens: list[int] = field(default_factory=list)
     reported: int = 0  # completion tokens already turned into step outputs
+    # The generate task (run_coroutine_threadsafe's future): abort cancels it. SGLang's abort_request
+    # alone is lost while the task has not run yet (the rid is unknown to the tokenizer manager
+    # until generate_request starts, tokenizer_manager.py:926 and 2246-2253): a zombie request
+    # generating to max_new_tokens.
+    task: concurrent.futures.Future[None] | None = None
 
 
 class SGLangEngine(Engine):
@@ -286,6 +296,10 @@ class SGLangEngine(Engine):
     async def _generate(self, live: _Live) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput  # type: ignore[import-not-found]
 
+        # One turn of the loop before SGLang sees the request: an abort posted right behind
+        # add_request cancels the task here (the cancel comes one callback after the task's start),
+        # so the request never reaches SGLang; later, the cancel lands inside generate_request.
+        await asyncio.sleep(0)
         req = live.req
         prefix = list(req.prompt_token_ids) + list(req.output_token_ids)
         obj = GenerateReqInput(
@@ -374,7 +388,7 @@ class SGLangEngine(Engine):
             if req.request_id in self._live:
                 raise ValueError(f"request_id: {req.request_id!r} is already live")
             live = self._live[req.request_id] = _Live(req, f"{req.request_id}#{next(_ATTEMPTS)}")
-        asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
+            live.task = asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
 
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
         # Drafts are made inside SGLang by the SEER plugin; see the module docstring.
@@ -416,6 +430,12 @@ class SGLangEngine(Engine):
         with self._lock:
             live = self._live.pop(request_id, None)
         if live is not None:
+            # Cancelling the task: one not started yet never runs; one inside generate_request gets
+            # CancelledError there, and SGLang aborts the request it dispatched
+            # (_release_req_states_on_failure, tokenizer_manager.py:958-967, 3850-3869). abort_request
+            # too, for a request SGLang holds (a no-op for an rid it does not know).
+            if live.task is not None:
+                live.task.cancel()
             self._loop.call_soon_threadsafe(self._sgl.tokenizer_manager.abort_request, live.rid)
         return live is not None
 

@@ -30,9 +30,12 @@ n-gram corpus, an embedded DraftClient (the local mirror of the groups' suffix i
 the draft server; Seer section 4) proposes a tree per request, AdaptiveSpeculation (Seer Algorithm
 1) sizes it, and services.worker.engines.sglang.drafts packs it into NGRAM's block format (root =
 last verified token, BFS order, padding, ancestor mask): `_prepare_draft_tokens(batch)` returns
-(tokens, mask) as NGRAMWorker's does (ngram_worker.py:232). After verification
-`_update_ngram_corpus(batch)` (ngram_worker.py:396; `_update_ngram_cache` in 0.5.6) appends
-the new tokens to the draft client. Verification samples (eagle_sample, ngram_worker.py:479), so
+(tokens, mask) as NGRAMWorker's does (ngram_worker.py:232). The mirror learns a step's tokens at
+the next step's prepare, where they are in req.output_ids (NGRAM's `_update_ngram_corpus` runs
+inside forward, before result processing appends them, and is a no-op here), and a request's last
+tokens when it leaves the batch finished; the planner learns acceptance from
+`on_verify_complete_cpu` (see SeerDraftWorker). Verification samples (eagle_sample,
+ngram_worker.py:479), so
 T > 0 is lossless, and per-token logprobs are computed for speculative batches
 (compute_spec_logprobs, ngram_worker.py:517; managers/scheduler_components/
 batch_result_processor.py:1161-1170).
@@ -163,6 +166,12 @@ class DraftBridge:
         for rid in [r for r in self._attempts if r not in keep]:
             self._end(rid)
 
+    def forget(self, rid: str) -> None:
+        """The attempt left SGLang's batch (finished, retracted or aborted): the mirror's request
+        ends here (Sync deltas apply to it again). Unknown rids are ignored."""
+        if rid in self._attempts:
+            self._end(rid)
+
     def _end(self, rid: str) -> None:
         a = self._attempts.pop(rid)
         self.client.end(a.meta.group_id, a.request_id)
@@ -225,7 +234,17 @@ def register() -> Any:
 
 
 def _validate_server_args(server_args: Any) -> None:
-    """SGLang's validate_server_args hook (speculative_hook.py:245-250)."""
+    """SGLang's validate_server_args hook (speculative_hook.py:245-250). It runs before
+    handle_server_args, so the tree guard is repeated there on the width that sets.
+
+    Tensor parallelism is refused: every TP rank runs its own SeerDraftWorker with its own draft
+    mirror, synced on its own schedule, so ranks could propose different drafts for the same step
+    and verify diverging token blocks."""
+    tp = int(getattr(server_args, "tp_size", None) or 1)
+    if tp > 1:
+        raise ValueError(f"tp_size: {tp} > 1 is not supported with speculative_algorithm {ALGORITHM} (each "
+                         "tensor-parallel rank would draft from its own mirror and ranks could disagree); run "
+                         "tp_size=1 or turn speculation off")
     tree_attention_backend(int(getattr(server_args, "speculative_eagle_topk", None) or 1),
                            int(getattr(server_args, "page_size", None) or 1),
                            getattr(server_args, "attention_backend", None) or "")
@@ -256,6 +275,32 @@ def _spec_class() -> type:
             for name, value in ngram_server_args(max(n - 1, 0), width).items():
                 if name != "speculative_num_draft_tokens" or not n:
                     setattr(server_args, name, value)
+            # SGLang runs validate_server_args before this hook (speculative_hook.py:245-250 vs
+            # 271-284), when a hand-launched SEER may not have its tree width yet: the tree guard
+            # again, on the width just set (an unset backend becomes flashinfer, another refused).
+            backend = tree_attention_backend(width, int(getattr(server_args, "page_size", None) or 1),
+                                             getattr(server_args, "attention_backend", None) or None)
+            if backend and backend != getattr(server_args, "attention_backend", None):
+                server_args.attention_backend = backend
+
+        # Three methods only the built-in SpeculativeAlgorithm has (not CustomSpecAlgo,
+        # spec_registry.py:26-175), which the scheduler calls on every start whatever the algorithm:
+        # init_disaggregation (managers/scheduler.py:1540), init_overlap (scheduler.py:1681) and
+        # FutureMap (managers/overlap_utils.py:381). Without them the scheduler died at startup
+        # with AttributeError. Each answers what SpeculativeAlgorithm.NGRAM answers (spec_info.py).
+
+        def carries_draft_hidden_states(self) -> bool:
+            return False  # EAGLE family only (spec_info.py:180-183): no draft model here
+
+        def need_topk(self) -> bool:
+            return False  # EAGLE / STANDALONE only (spec_info.py:232-233)
+
+        def create_future_map(self, device: Any, req_to_token_pool: Any, needs_cpu_seq_lens: bool = True,
+                              needs_confidence_relay: bool = False) -> Any:
+            # As SpeculativeAlgorithm.create_future_map (spec_info.py:185-200).
+            from sglang.srt.managers.overlap_utils import FutureMap  # type: ignore[import-not-found]
+
+            return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
     return SeerSpecAlgo
 
@@ -269,7 +314,21 @@ def _worker_class() -> type:
     from services.worker.engines.sglang.drafts import pack_batch
 
     class SeerDraftWorker(NGRAMWorker):  # type: ignore[misc,valid-type]
-        """NGRAMWorker with drafts from the Seer draft client instead of the n-gram cache."""
+        """NGRAMWorker with drafts from the Seer draft client instead of the n-gram cache.
+
+        When the draft mirror learns a request's tokens follows SGLang's synchronous order
+        (disable_overlap_schedule, which supports_overlap=False requires), one decode step being:
+          1. forward_batch_generation -> _prepare_draft_tokens: drafts from req.output_ids, which
+             holds every token verified so far (ngram_worker.py:237-243);
+          2. verify (eagle_sample, ngram_worker.py:479); NGRAM's corpus update (:527) runs here,
+             before this step's tokens reach the request;
+          3. result processing: on_verify_complete_cpu with this step's per-request accepted-draft
+             counts (batch_result_processor.py:803), then req.output_ids.extend and the finish
+             state (:1046-1047).
+        So the tokens of step k are appended at step k+1's prepare (the first place they are in
+        output_ids), a request's last tokens when it is seen to have left the batch finished (its
+        finish is known by then), and the planner learns step k's acceptance at step k's
+        on_verify_complete_cpu, paired with step k's proposals."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -280,9 +339,49 @@ def _worker_class() -> type:
             self.seer_width = int(os.environ.get(ENV_DRAFT_WIDTH, "1"))
             self.seer_vocab_size = int(os.environ.get(ENV_VOCAB_SIZE, "0")) or None
             self.seer_proposed: dict[str, int] = {}  # rid -> draft depth proposed this step
+            self.seer_step_rids: list[str] = []  # this step's decode batch, in batch order
+            # rid -> Req of the grouped requests of the last decode batch: the ones the mirror
+            # follows, until they are seen to have left (finished, retracted or aborted).
+            self.seer_running: dict[str, Any] = {}
+
+        def forward_batch_generation(self, batch: Any, on_publish: Any = None, pp_proxy_tensors: Any = None) -> Any:
+            self._seer_departures(batch)
+            return super().forward_batch_generation(batch, on_publish=on_publish, pp_proxy_tensors=pp_proxy_tensors)
+
+        def _seer_departures(self, batch: Any) -> None:
+            """Requests of the last decode batch that are not in this one. Finished: their last
+            tokens are appended and the mirror's request ends (through the stop token: SGLang may
+            have verified past it, schedule_batch.py:1509). Not finished, and this is a decode batch:
+            retracted (or aborted), forgotten; a retracted one seen again resumes from its
+            committed output. An extend batch does not hold the running requests, so only finished
+            ones leave at one; the others are settled at the next decode batch."""
+            present = {r.rid for r in batch.reqs}
+            decode = bool(batch.forward_mode.is_decode())
+            for rid, req in list(self.seer_running.items()):
+                if rid in present:
+                    continue
+                if req.finished():
+                    meta = request_meta(getattr(req.sampling_params, "custom_params", None))
+                    # An abort is no end of the response (the request goes on elsewhere).
+                    aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
+                    self.seer_drafts.verified(rid, meta, req.origin_input_ids, req.output_ids_through_stop,
+                                              not aborted)
+                    self.seer_drafts.forget(rid)
+                elif decode:
+                    self.seer_drafts.forget(rid)
+                else:
+                    continue
+                del self.seer_running[rid]
 
         def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
             metas = [request_meta(getattr(r.sampling_params, "custom_params", None)) for r in batch.reqs]
+            # The last step's tokens: in output_ids since its result processing (see the class doc).
+            self.seer_running = {}
+            for req, meta in zip(batch.reqs, metas, strict=True):
+                if meta.group_id:
+                    self.seer_drafts.verified(req.rid, meta, req.origin_input_ids, req.output_ids, False)
+                    self.seer_running[req.rid] = req
+            self.seer_step_rids = [r.rid for r in batch.reqs]
             plan = self.seer_planner.plan([(r.rid, m.is_probe) for r, m in zip(batch.reqs, metas, strict=True)])
             drafts: list[Any] = []
             last_tokens: list[int] = []
@@ -295,29 +394,32 @@ def _worker_class() -> type:
                     continue
                 d = self.seer_drafts.propose(req.rid, meta, req.origin_input_ids, req.output_ids, n, self.seer_width)
                 drafts.append(d)
-                if d is not None:
+                if d is not None and d.tokens:
                     depth = [0] * len(d.tokens)
                     for i, p in enumerate(d.parents):
                         depth[i] = 0 if p < 0 else depth[p] + 1
-                    self.seer_proposed[req.rid] = max(depth) + 1
+                    self.seer_proposed[req.rid] = min(max(depth) + 1, self.draft_token_num - 1)
             return pack_batch(drafts, last_tokens, self.draft_token_num, self.seer_vocab_size)
 
         def _update_ngram_corpus(self, batch: Any) -> None:
-            proposed = [0] * max(self.draft_token_num - 1, 1)
-            accepted = [0] * len(proposed)
-            for req in batch.reqs:
-                meta = request_meta(getattr(req.sampling_params, "custom_params", None))
-                depth = self.seer_proposed.get(req.rid, 0)
-                if not meta.group_id:
-                    continue
-                n_new = self.seer_drafts.verified(req.rid, meta, req.origin_input_ids, req.output_ids,
-                                                  bool(req.finished()))
-                for i in range(min(depth, len(proposed))):
-                    proposed[i] += 1
-                for i in range(min(max(n_new - 1, 0), depth, len(accepted))):
-                    accepted[i] += 1  # all new tokens but the bonus token were accepted drafts
-            if len(self.seer_drafts) > 2 * len(batch.reqs) + 64:
-                self.seer_drafts.prune([r.rid for r in batch.reqs])  # aborted attempts
-            self.seer_planner.observe(proposed, accepted)
+            """NGRAM's corpus update, inside forward before this step's tokens are in output_ids
+            (ngram_worker.py:527): nothing to do here (SEER has no n-gram corpus; the mirror is fed
+            in _prepare_draft_tokens and _seer_departures)."""
+
+        def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+            """This step's accepted drafts per request, in batch order (batch_result_processor.py:
+            803, from accept_lens - 1): to the planner with this step's proposed depths."""
+            if len(num_correct_drafts_per_req) == len(self.seer_step_rids):
+                positions = max(self.draft_token_num - 1, 1)
+                proposed = [0] * positions
+                accepted = [0] * positions
+                for rid, n in zip(self.seer_step_rids, num_correct_drafts_per_req, strict=True):
+                    depth = self.seer_proposed.get(rid, 0)  # 0: no draft (padding accepted by chance)
+                    for i in range(min(depth, positions)):
+                        proposed[i] += 1
+                    for i in range(min(int(n), depth, positions)):
+                        accepted[i] += 1
+                self.seer_planner.observe(proposed, accepted)
+            super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
 
     return SeerDraftWorker

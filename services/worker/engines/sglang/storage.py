@@ -63,6 +63,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.mem_pool_host: Any = None
         self._layout_pb: kvstore_pb2.PageLayout | None = None
         self._page_bytes = 0
+        self._layout_error_logged = False
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -86,6 +87,19 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._page_bytes = lay.page_bytes
         return self._layout_pb
 
+    def _layout_or_none(self) -> kvstore_pb2.PageLayout | None:
+        """The layout, or None when this host pool has none the store knows (an MLA pool has no
+        head_num, a dtype without a known width): every page is then a miss. Raising would reach
+        SGLang's prefetch/backup threads. Logged once per process."""
+        try:
+            return self._layout()
+        except Exception as e:
+            if not self._layout_error_logged:
+                self._layout_error_logged = True
+                log.warning("seer hicache disabled: host pool %s has no usable page layout: %s",
+                            type(self.mem_pool_host).__name__, e)
+            return None
+
     def _by_node(self, hashes: Sequence[bytes]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for i, h in enumerate(hashes):
@@ -93,11 +107,14 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return out
 
     def _get_pages(self, keys: Sequence[str]) -> list[bytes | None]:
+        found: list[bytes | None] = [None] * len(keys)
+        layout = self._layout_or_none()
+        if layout is None:
+            return found
         hashes = [page_hash(k) for k in keys]
         ns = self._namespace()
-        found: list[bytes | None] = [None] * len(keys)
         for node, idx in self._by_node(hashes).items():
-            req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=self._layout())
+            req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=layout)
             try:
                 for i, msg in zip(idx, self._stubs[node].Get(req, timeout=_TIMEOUT_S), strict=False):
                     ok = not msg.missing and len(msg.data) == self._page_bytes
@@ -108,8 +125,11 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return found
 
     def _put_pages(self, keys: Sequence[str], datas: Sequence[bytes]) -> list[bool]:
+        layout = self._layout_or_none()
+        if layout is None:
+            return [False] * len(keys)
         hashes = [page_hash(k) for k in keys]
-        ns, layout, ok = self._namespace(), self._layout(), [False] * len(keys)
+        ns, ok = self._namespace(), [False] * len(keys)
         for node, idx in self._by_node(hashes).items():
             def stream(idx: list[int] = idx) -> Iterator[kvstore_pb2.PutRequest]:
                 for i in idx:
@@ -158,6 +178,8 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        if self._layout_or_none() is None:
+            return [False] * len(keys)  # before copying the pages out
         pool = self.mem_pool_host
         page = int(pool.page_size)
         datas = [

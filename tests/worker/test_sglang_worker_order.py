@@ -1,0 +1,232 @@
+"""SeerDraftWorker (the SEER plugin's NGRAMWorker subclass) driven in SGLang 0.5.23's real order.
+
+SGLang needs CUDA, so NGRAMWorker is a stand-in that calls the plugin's hooks where the real one
+does (tests/worker/test_sglang_api.py checks that order against the pinned wheel):
+forward_batch_generation -> _prepare_draft_tokens (decode batches only, ngram_worker.py:307-333) ->
+verify -> _update_ngram_corpus (ngram_worker.py:527); then the scheduler's result processing:
+on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=...) (batch_result_processor.py:803)
+and only after it req.output_ids.extend + the finish state (:1046-1047).
+
+Found by review: the plugin appended in _update_ngram_corpus, before the step's tokens were in
+output_ids, so the mirror lagged a step, a request's last tokens were never appended (the mirror's
+request stayed active), and the planner paired step k-1's acceptance with step k's drafts."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from services.worker.engine import Draft
+from services.worker.engines.sglang import plugin
+
+N = 4  # speculative_num_draft_tokens: root + 3 draft slots
+DEPTH = N - 1
+PROMPT = [1, 2, 3]
+
+
+def truth(rid: str) -> list[int]:
+    """What the target model produces for a request (distinct per request)."""
+    base = 10 if rid.startswith("a") else 40
+    return list(range(base, base + 30))
+
+
+class _Mode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+
+@dataclass
+class _FinishLength:  # SGLang's FINISH_LENGTH (schedule_batch.py:320)
+    length: int
+
+
+@dataclass
+class _Req:
+    """The fields of SGLang's Req the plugin reads (schedule_batch.py)."""
+
+    rid: str
+    max_new_tokens: int
+    origin_input_ids: list[int] = field(default_factory=lambda: list(PROMPT))
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: Any = None
+    finished_len: int | None = None
+    sampling_params: Any = None
+
+    def __post_init__(self) -> None:
+        self.sampling_params = types.SimpleNamespace(
+            custom_params=plugin.custom_params("g", "k", 2, False, request_id=self.rid.split("#")[0]))
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def output_ids_through_stop(self) -> list[int]:
+        return self.output_ids[: self.finished_len] if self.finished_len is not None else self.output_ids
+
+    def update_finish_state(self) -> None:
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = _FinishLength(self.max_new_tokens)
+            self.finished_len = self.max_new_tokens
+
+
+class _NGRAMWorker:
+    """NGRAMWorker's skeleton: the hooks in the order the real forward calls them."""
+
+    def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any) -> None:
+        self.draft_token_num = N
+        self.verified_on: list[str] = []
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+        self.verified_on.append("base")
+
+    def _update_ngram_corpus(self, batch: Any) -> None:
+        pass
+
+    def forward_batch_generation(self, batch: Any, on_publish: Any = None, pp_proxy_tensors: Any = None) -> Any:
+        if batch.forward_mode.is_decode():
+            batch.packed = self._prepare_draft_tokens(batch)
+            self._update_ngram_corpus(batch)  # after verify, inside forward (ngram_worker.py:527)
+        return batch
+
+
+class _Sink:
+    """The draft client the bridge writes to: records appends and ends; proposes a chain of the
+    true next tokens of which the first `correct[rid]` are right."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.ended: list[str] = []
+        self.correct: dict[str, int] = {}
+
+    def register_group(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
+                       ttl_seconds: int = 3600) -> None:
+        pass
+
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
+        self.tokens[request_id] = list(output_token_ids)
+
+    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
+               finished: bool = False, truncate: bool = False) -> None:
+        assert offset == len(self.tokens[request_id]), (request_id, offset, self.tokens[request_id])
+        self.tokens[request_id] += list(token_ids)
+
+    def end(self, group_id: str, request_id: str) -> None:
+        self.ended.append(request_id)
+
+    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1) -> Any:
+        n = len(context) - len(PROMPT)
+        want = truth(request_id)[n : n + max_len]
+        k = self.correct.get(request_id, 0)
+        toks = tuple(want[:k]) + (0,) * (max_len - k)
+        return Draft(toks, tuple(range(-1, max_len - 1)))
+
+
+class _Planner:
+    def __init__(self) -> None:
+        self.observed: list[tuple[list[int], list[int]]] = []
+
+    def plan(self, reqs: Sequence[tuple[str, bool]]) -> dict[str, int]:
+        return {rid: DEPTH for rid, _ in reqs}
+
+    def observe(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        self.observed.append((list(proposed), list(accepted)))
+
+
+@pytest.fixture
+def worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    mod = types.ModuleType("sglang.srt.speculative.ngram_worker")
+    mod.NGRAMWorker = _NGRAMWorker  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.speculative"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.ngram_worker", mod)
+    monkeypatch.delenv(plugin.ENV_DRAFT_ADDRESS, raising=False)  # a local mirror: no server
+    w = plugin._worker_class()(None, 0, 0, None)
+    w.seer_drafts = plugin.DraftBridge(_Sink())
+    w.seer_planner = _Planner()
+    yield w
+
+
+class _Scheduler:
+    """SGLang's synchronous loop (disable_overlap_schedule) over the worker."""
+
+    def __init__(self, worker: Any) -> None:
+        self.w = worker
+        self.sink: _Sink = worker.seer_drafts.client
+        self.running: list[_Req] = []
+        self.accepts: list[list[int]] = []  # per decode step, per request: accepted drafts
+
+    def prefill(self, req: _Req) -> None:
+        batch = types.SimpleNamespace(reqs=[req], forward_mode=_Mode(False))
+        self.w.forward_batch_generation(batch)
+        req.output_ids.append(truth(req.rid)[0])  # process_batch_result_prefill
+        req.update_finish_state()
+        if not req.finished():
+            self.running.append(req)
+
+    def decode(self, correct: dict[str, int]) -> None:
+        batch = types.SimpleNamespace(reqs=list(self.running), forward_mode=_Mode(True))
+        self.sink.correct = correct
+        self.w.forward_batch_generation(batch)
+        # Verify: the first `correct` drafts match, plus the bonus token.
+        counts = [correct.get(r.rid, 0) for r in batch.reqs]
+        self.accepts.append(counts)
+        self.w.on_verify_complete_cpu(counts, batch_size=len(batch.reqs))
+        for r, c in zip(batch.reqs, counts, strict=True):
+            n = len(r.output_ids)
+            r.output_ids.extend(truth(r.rid)[n : n + c + 1])  # batch_result_processor.py:1046
+            r.update_finish_state()
+        self.running = [r for r in self.running if not r.finished()]
+
+
+def test_the_mirror_holds_each_step_and_a_finished_requests_last_tokens(worker: Any) -> None:
+    s = _Scheduler(worker)
+    a, b = _Req("a#1", max_new_tokens=6), _Req("b#1", max_new_tokens=40)
+    s.prefill(a)
+    s.prefill(b)
+    s.decode({"a#1": 2, "b#1": 1})  # a: 1 + 3 = 4 tokens; b: 1 + 2 = 3
+    # At the next step's prepare the mirror has everything verified so far.
+    s.decode({"a#1": 3, "b#1": 0})  # a overshoots its 6 (4 + 4 = 8): finished through 6
+    assert a.finished() and a not in s.running
+    assert s.sink.tokens["a"] == truth("a#1")[:4]  # before a's departure is seen
+    s.prefill(_Req("c#1", max_new_tokens=40))  # an extend batch: a's departure is settled here
+    assert s.sink.tokens["a"] == truth("a#1")[:6]  # through its stop, not the overshoot
+    assert s.sink.ended == ["a"]
+    assert "a#1" not in worker.seer_running
+    s.decode({"b#1": 1})
+    assert s.sink.tokens["b"] == b.output_ids[: len(s.sink.tokens["b"])] and len(s.sink.tokens["b"]) == 4
+    assert len(s.sink.tokens["b"]) == len(b.output_ids) - 2  # only the step in flight is not in yet
+
+
+def test_a_request_that_leaves_unfinished_is_forgotten_at_the_next_decode_batch(worker: Any) -> None:
+    s = _Scheduler(worker)
+    a, b = _Req("a#1", max_new_tokens=40), _Req("b#1", max_new_tokens=40)
+    s.prefill(a)
+    s.prefill(b)
+    s.decode({})
+    s.running.remove(a)  # retracted (KV pressure) or aborted before its finish flag
+    s.prefill(_Req("c#1", max_new_tokens=40))  # an extend batch does not hold the running requests
+    assert s.sink.ended == []
+    s.decode({})
+    assert s.sink.ended == ["a"]
+
+
+def test_the_planner_pairs_each_steps_drafts_with_that_steps_acceptance(worker: Any) -> None:
+    s = _Scheduler(worker)
+    s.prefill(_Req("a#1", max_new_tokens=40))
+    pattern = [3, 0, 2, 1, 3]
+    for k in pattern:
+        s.decode({"a#1": k})
+    planner: _Planner = worker.seer_planner
+    assert len(planner.observed) == len(pattern)
+    for (proposed, accepted), k in zip(planner.observed, pattern, strict=True):
+        assert proposed == [1] * DEPTH
+        assert accepted == [1] * k + [0] * (DEPTH - k)
+    assert worker.verified_on == ["base"] * len(pattern)  # NGRAMWorker's own hook still runs
