@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
 import socket
+import threading
 from collections.abc import Sequence
+from types import FrameType
 
 from services.common import config
 from services.common.grpcutil import bracket_ipv6
@@ -13,6 +19,60 @@ from services.worker.config import WorkerConfig
 from services.worker.factory import build_worker
 from services.worker.registration import Registrar
 from services.worker.server import add_servicer
+
+# The exit status of a worker whose SGLang subprocess failed (not 2: the config was fine).
+EXIT_SGLANG_FAILED = 3
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children first level by level), from /proc: psutil is not a
+    worker dependency, and this runs inside a signal handler."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) >= 2:
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def install_sglang_failure_handler(log: logging.Logger | None = None) -> None:
+    """SGLang's subprocesses (scheduler, detokenizer, its watchdog) signal a failure by sending
+    SIGQUIT to this process (managers/scheduler.py:6361-6370, utils/watchdog.py:211-222), but
+    SGLang 0.5.23 installs its SIGQUIT handler only when the Engine is built on the main thread
+    (entrypoints/engine.py:1968-1993), and the worker builds it on its sglang-loop thread. SIGQUIT's
+    default action then killed the worker with a core dump and no log line, its SGLang children
+    left running. Installed on the main thread before the engine is built: it logs, kills the
+    process tree and exits with EXIT_SGLANG_FAILED (the orchestrator restarts the worker; the
+    scheduler notices the closed streams and missed heartbeats)."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("install_sglang_failure_handler: signal handlers can only be set on the main thread")
+    logger = log or logging.getLogger("services.worker")
+
+    def on_sigquit(signum: int, frame: FrameType | None) -> None:
+        try:
+            logger.error("SGLang subprocess failed (SIGQUIT from a child); killing the process tree and exiting",
+                         extra=kv(exit_code=EXIT_SGLANG_FAILED))
+            for child in reversed(_descendants(os.getpid())):  # the deepest first: none respawns
+                with contextlib.suppress(OSError):  # exited meanwhile
+                    os.kill(child, signal.SIGKILL)
+        finally:
+            # os._exit: no atexit or thread joins that could hang behind a dead engine.
+            os._exit(EXIT_SGLANG_FAILED)
+
+    signal.signal(signal.SIGQUIT, on_sigquit)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  extra=kv(max_batch_size=cfg.max_batch_size, max_workers=sized.max_workers))
         cfg = sized
     worker_id = cfg.worker_id or f"worker-{socket.gethostname()}-{cfg.port or 'auto'}"
+    if cfg.engine == "sglang":
+        install_sglang_failure_handler(log)  # before its subprocesses exist
     try:
         worker = build_worker(cfg, worker_id).start()
     except (OSError, ValueError) as e:

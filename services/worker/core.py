@@ -446,8 +446,11 @@ class Worker:
                 output_token_ids=job.output_token_ids,
                 group_id=job.group_id,
                 prompt_key=job.prompt_key,
-                group_size=max(job.group_size, 1),
+                # As sent: 0 = unknown (see _register_group); an engine registering 1 had the draft
+                # server complete the group at its first finished response.
+                group_size=job.group_size,
                 is_probe=job.is_probe,
+                dispatch_epoch=job.dispatch_epoch,
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
@@ -1087,8 +1090,9 @@ class Worker:
             output_token_ids=job.output_token_ids + tuple(act.tokens),
             group_id=job.group_id,
             prompt_key=job.prompt_key,
-            group_size=max(job.group_size, 1),
+            group_size=job.group_size,  # as sent: 0 = unknown
             is_probe=job.is_probe,
+            dispatch_epoch=job.dispatch_epoch,
         )
 
     def _engine_has(self, request_id: str) -> bool:

@@ -82,6 +82,10 @@ class GenerateRequest:
     # The chunk is its group's probe (served first to learn the group's length, Seer section 4.2):
     # an engine that plans draft lengths inside itself favours it, as the worker's planner does.
     is_probe: bool = False
+    # The attempt's dispatch epoch: an engine that registers the group on the draft server itself
+    # registers with it, as the worker does (with 0 the draft server cannot tell this run's attempt
+    # from an old run's under a reused group id).
+    dispatch_epoch: int = 0
 
 
 @dataclass(frozen=True)

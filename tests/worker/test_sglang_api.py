@@ -246,6 +246,20 @@ def test_generate_request_and_weights_calls(whl: Wheel) -> None:
         m = whl.method(TM, "TokenizerManager", name)
         assert isinstance(m, ast.AsyncFunctionDef) and params(m) == want, name
     assert params(whl.method(TM, "TokenizerManager", "abort_request"))[:2] == ["self", "rid"]
+    # Review 3: the update goes with flush_cache=False (SGLang's own flush, refused while the
+    # scheduler still holds an aborted request, failed the call with the weights already in), then
+    # TokenizerManager.flush_cache(timeout_s) (a mixin method) waits for an idle scheduler.
+    assert "flush_cache" in our_keywords("engine", "UpdateWeightFromDiskReqInput")
+    flush = whl.method(f"{SRT}.managers.tokenizer_control_mixin", "TokenizerControlMixin", "flush_cache")
+    assert isinstance(flush, ast.AsyncFunctionDef) and params(flush) == ["self", "timeout_s"]
+    assert "success" in whl.fields(IO, "FlushCacheReqOutput") and "timeout_s" in whl.fields(IO, "FlushCacheReqInput")
+    assert 'TokenizerManager(TokenizerControlMixin' in whl.source(TM).replace("class ", "")
+    updater = whl.source(f"{SRT}.managers.scheduler_components.weight_updater")
+    assert f'"{sg._LOADED_NOT_FLUSHED} the cache was not flushed' in updater
+    update = ast.unparse(whl.method(TM, "TokenizerManager", "update_weights_from_disk"))
+    assert "return (success, message, num_paused_requests)" in update
+    # Aborts match by rid prefix: attempt ids must be prefix-free (engine.attempt_rid).
+    assert "req.rid.startswith(recv_req.rid)" in whl.source(f"{SRT}.managers.scheduler")
     # logprob_start_len -1 = output tokens only; one beyond the input aborts the request.
     handle = whl.source(f"{SRT}.managers.scheduler")
     assert "recv_req.logprob_start_len == -1" in handle
@@ -272,6 +286,10 @@ def test_streamed_outputs_carry_what_stream_delta_reads(whl: Wheel) -> None:
     for key in ("spec_num_correct_drafts", "spec_num_proposed_drafts", "completion_tokens", "cached_tokens"):
         assert f'"{key}"' in src, key
     assert '"max_total_num_tokens"' in whl.source(f"{SRT}.managers.scheduler")
+    # served_context: the longest request SGLang serves whole, from the scheduler's init info.
+    init_info = ast.unparse(whl.method(f"{SRT}.managers.scheduler", "Scheduler", "get_init_info"))
+    assert "'max_req_input_len': self.max_req_input_len" in init_info
+    assert "max_req_input_len = max_req_len - 5" in whl.source(f"{SRT}.managers.tp_worker")
     init = ast.unparse(whl.method(f"{SRT}.entrypoints.engine", "Engine", "__init__"))
     assert "self._scheduler_init_result =" in init
 
@@ -281,6 +299,10 @@ def test_the_engine_can_start_off_the_main_thread(whl: Wheel) -> None:
     handlers there."""
     envs = ast.unparse(whl.func(f"{SRT}.entrypoints.engine", "_set_envs_and_config"))
     assert "threading.current_thread() is threading.main_thread()" in envs
+    # ...so its SIGQUIT handler is not installed, and its children still SIGQUIT the parent on a
+    # failure: the worker's __main__ installs its own (install_sglang_failure_handler).
+    assert "signal.signal(signal.SIGQUIT" in envs
+    assert "os.kill(os.getpid(), signal.SIGQUIT)" in whl.source(f"{SRT}.utils.watchdog")
     assert params(whl.method(f"{SRT}.entrypoints.engine", "Engine", "__init__")) == ["self"]  # **kwargs
     whl.method(f"{SRT}.entrypoints.engine", "Engine", "shutdown")
     lazy = r'^Engine = LazyImport\("sglang\.srt\.entrypoints\.engine", "Engine"\)'

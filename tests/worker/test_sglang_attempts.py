@@ -18,7 +18,18 @@ pinned release's source (tests/worker/test_sglang_api.py checks the same names a
   to leave them out; spec_verify_ct / spec_num_correct_drafts / spec_num_proposed_drafts only in
   the final output (tokenizer_manager.py:2742-2756);
 - logprob_start_len: -1 = output logprobs only; beyond the input the scheduler aborts the request
-  (scheduler.py:3260-3280).
+  (scheduler.py:3260-3280);
+- the scheduler aborts an input of max_req_input_len tokens or more (managers/utils.py:272) and
+  clips max_new_tokens to max_req_len - input - 1 (scheduler.py:2710-2716), max_req_len =
+  max_req_input_len + 5 (tp_worker.py:568-572); max_req_input_len is in its init info (:1946);
+- an abort reaches the scheduler a moment later and hits every request whose rid starts with the
+  aborted one (scheduler.py:5688, 5798); the scheduler holds a request a moment after its stream
+  ended (an aborted running request runs one more decode pass, scheduler.py:5798-5812);
+- update_weights_from_disk returns (success, message, num_paused_requests)
+  (tokenizer_manager.py:2288-2320); with flush_cache (the default) a scheduler still holding a
+  request refuses the flush AFTER loading: (False, "Weights were updated, but ...")
+  (weight_updater.py:120-160); flush_cache(timeout_s) waits for the scheduler to be idle up to
+  timeout_s (flush_wrapper.py:22-60, tokenizer_control_mixin.py:325).
 The adapter itself is built through its real constructor (sglang.Engine(**server_args) on its loop
 thread), with the stand-in in sys.modules["sglang"] for the test's duration."""
 
@@ -79,6 +90,19 @@ class UpdateWeightFromDiskReqInput:
     load_format: str | None = None
     abort_all_requests: bool = False
     weight_version: str | None = None
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    flush_cache: bool = True  # io_struct.py:1990
+
+
+@dataclasses.dataclass(kw_only=True)
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
 
 
 class _TokenizerManager:
@@ -87,7 +111,12 @@ class _TokenizerManager:
     stream with an "abort" output a moment later. Like SGLang's TokenizerManager, it refuses an id
     it still holds: until that id's stream has ended, also after an abort."""
 
-    def __init__(self, abort_reaches: bool = True) -> None:
+    def __init__(self, abort_reaches: bool = True, max_req_input_len: int = 1 << 20) -> None:
+        self.max_req_input_len = max_req_input_len
+        self.scheduler: set[str] = set()  # rids SGLang's scheduler still holds
+        self.linger = 0.05  # how long it holds one after its stream ended
+        self.abort_delay = 0.03  # an AbortReq's way to the scheduler
+        self.flushes: list[bool] = []  # flush_cache results, in order
         self.cut_after: int | None = None  # end streams after this many tokens, with no finish reason
         self.aborted: set[str] = set()
         self.attempts: dict[str, int] = {}
@@ -108,17 +137,21 @@ class _TokenizerManager:
         if rid in self.held:
             raise ValueError(f"Duplicate request ID detected: {rid}")
         self.held.add(rid)
+        self.scheduler.add(rid)
         self.params[rid] = dict(obj.sampling_params.get("custom_params") or {})
         self.requests.append(obj)
         try:
             start = -1 if obj.logprob_start_len is None else obj.logprob_start_len
-            if start > len(obj.input_ids):  # scheduler.py:3275: aborted before it runs
+            if start > len(obj.input_ids) or len(obj.input_ids) >= self.max_req_input_len:
+                # scheduler.py:3275, managers/utils.py:272: aborted before it runs
                 yield {"output_ids": [], "meta_info": {"completion_tokens": 0, "finish_reason": {"type": "abort"}}}
                 return
             seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
             attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
             last, ids, entries, verify = obj.input_ids[-1], [], [], 0
-            limit = obj.sampling_params["max_new_tokens"]
+            # Clipped without a word (scheduler.py:2710-2716); max_req_len = max_req_input_len + 5.
+            limit = max(0, min(obj.sampling_params["max_new_tokens"],
+                               self.max_req_input_len + 5 - len(obj.input_ids) - 1))
             while len(ids) < limit:
                 await asyncio.sleep(0.02)
                 if rid in self.aborted:
@@ -145,6 +178,7 @@ class _TokenizerManager:
             raise
         finally:
             self.held.discard(rid)
+            asyncio.get_running_loop().call_later(self.linger, self.scheduler.discard, rid)
 
     def _meta(self, obj: GenerateReqInput, ids: list[int], entries: list[Any], finish: Any,
               verify: int) -> dict[str, Any]:
@@ -160,7 +194,11 @@ class _TokenizerManager:
         # SGLang returns without effect for an rid it does not hold yet (tokenizer_manager.py:
         # 2246-2253): the rid is registered only when generate_request first runs (:926).
         if self.abort_reaches and rid in self.held:
-            self.aborted.add(rid)
+            asyncio.get_running_loop().call_later(self.abort_delay, self._scheduler_abort, rid)
+
+    def _scheduler_abort(self, rid: str) -> None:
+        # By prefix, as SGLang's scheduler matches (req.rid.startswith(recv_req.rid)).
+        self.aborted |= {h for h in self.held if h.startswith(rid)}
 
     async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
         assert isinstance(obj, PauseGenerationReqInput)
@@ -171,21 +209,36 @@ class _TokenizerManager:
         self.calls.append(obj)
 
     async def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput,
-                                       request: Any = None) -> tuple[bool, str]:
+                                       request: Any = None) -> tuple[bool, str, int]:
         assert isinstance(obj, UpdateWeightFromDiskReqInput)
-        self.loaded = obj.model_path
-        return True, "ok"
+        self.calls.append(obj)
+        self.loaded = obj.model_path  # the weights are in before the flush is tried
+        if obj.flush_cache and self.scheduler:
+            return False, NOT_FLUSHED, 0
+        return True, "Succeeded to update model weights.", 0
+
+    async def flush_cache(self, timeout_s: float | None = None) -> FlushCacheReqOutput:
+        deadline = time.monotonic() + float(timeout_s or 0.0)
+        while self.scheduler and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        out = FlushCacheReqOutput(success=not self.scheduler)
+        self.calls.append(out)
+        self.flushes.append(out.success)
+        return out
 
 
 class _SGLangEngine:
     """sglang.Engine(**kwargs): keeps its server args, a tokenizer manager and the scheduler's init
     info where 0.5.23 has it (entrypoints/engine.py:345)."""
 
+    max_req_input_len = 1 << 20  # a test lowers it: SGLang's limit from its pool and context
+
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs = kwargs
         self.thread = threading.current_thread()
-        self.tokenizer_manager = _TokenizerManager()
-        self._scheduler_init_result = SimpleNamespace(scheduler_infos=[{"max_total_num_tokens": 256}])
+        self.tokenizer_manager = _TokenizerManager(max_req_input_len=self.max_req_input_len)
+        self._scheduler_init_result = SimpleNamespace(scheduler_infos=[
+            {"max_total_num_tokens": 256, "max_req_input_len": self.max_req_input_len}])
         self.shut = False
 
     def shutdown(self) -> None:
@@ -205,7 +258,8 @@ def model_dir(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
-    for c in (GenerateReqInput, PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput):
+    for c in (GenerateReqInput, PauseGenerationReqInput, ContinueGenerationReqInput, UpdateWeightFromDiskReqInput,
+              FlushCacheReqOutput):
         setattr(io_struct, c.__name__, c)
     root = types.ModuleType("sglang")
     root.Engine = _SGLangEngine  # type: ignore[attr-defined]
@@ -329,7 +383,8 @@ def test_weights_from_another_source_get_their_own_pages(engine: sg.SGLangEngine
     before = extra_key_of_a_request("a")
     engine.load_weights(str(tmp_path), version_name(3, "m", "bbb"))  # the same version, other weights
     tm = engine._sgl.tokenizer_manager
-    assert [type(c).__name__ for c in tm.calls] == ["PauseGenerationReqInput", "ContinueGenerationReqInput"]
+    assert [type(c).__name__ for c in tm.calls] == ["PauseGenerationReqInput", "UpdateWeightFromDiskReqInput",
+                                                    "FlushCacheReqOutput", "ContinueGenerationReqInput"]
     after = extra_key_of_a_request("b")
     assert before == pages.extra_key("m-aaa", 3) and after == pages.extra_key("m-bbb", 3)
     version, family = engine._version_file.read_both(0, "m-aaa")
@@ -439,3 +494,101 @@ def test_an_abort_right_after_add_request_stops_the_request(engine: sg.SGLangEng
     time.sleep(0.1)
     assert tm.held == set() and tm.cancelled == {rid} and tm.yielded.get(rid, 0) < 10
     assert not engine.has_unfinished() and engine.step() == []
+
+
+def test_weights_loaded_right_after_an_abort_switch_the_version(engine: sg.SGLangEngine, tmp_path: Path) -> None:
+    """HIGH (review 3): SGLang's update_weights_from_disk flushes its cache by default, and the flush
+    needs an idle scheduler; an attempt aborted just before still runs a decode pass there. SGLang
+    then answered (False, "Weights were updated, but ... not flushed") with the new weights IN, and
+    the adapter refused the load: version, extra key and version file stayed at the old weights
+    while SGLang served the new ones. Now the update goes without SGLang's flush, the flush is
+    asked for separately (deferred until idle), and the loaded weights switch everything."""
+    tm = engine._sgl.tokenizer_manager
+    engine.add_request(GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=40, sampling=GREEDY))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not tm.held:
+        time.sleep(0.005)
+    assert engine.abort("r") and not engine.has_unfinished()
+    assert tm.scheduler  # SGLang's scheduler still holds the aborted attempt
+    new = tmp_path / "new-weights"
+    engine.load_weights(str(new), "m@v1")
+    assert tm.loaded == str(new)
+    assert engine.model_version == "m@v1" and engine._version_file.read_both(0, "") == (1, "m")
+    update = next(c for c in tm.calls if isinstance(c, UpdateWeightFromDiskReqInput))
+    assert update.flush_cache is False and tm.flushes == [True]  # flushed once the scheduler was idle
+    assert isinstance(tm.calls[-1], ContinueGenerationReqInput)
+
+
+def test_loaded_weights_switch_the_version_even_when_the_flush_fails(
+        engine: sg.SGLangEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flush is memory, not correctness (new requests carry the new extra key and namespace):
+    refused or timed out, the weights are still in, so the version switches. SGLang's own
+    "Weights were updated, but" refusal counts as loaded too."""
+    tm = engine._sgl.tokenizer_manager
+    tm.scheduler.add("someone-else")  # never idle
+    monkeypatch.setattr(sg, "FLUSH_TIMEOUT_S", 0.05)
+    engine.load_weights(str(tmp_path), "m@v2")
+    assert tm.flushes == [False] and engine.model_version == "m@v2"
+    assert isinstance(tm.calls[-1], ContinueGenerationReqInput)
+    assert sg._update_succeeded((False, NOT_FLUSHED, 0)) and not sg._update_succeeded((False, "bad path", 0))
+
+
+def test_the_context_is_what_sglangs_scheduler_serves_whole(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MEDIUM-HIGH (review 3): max_context was the model's max_position_embeddings (512 here), but
+    SGLang aborts an input of max_req_input_len tokens or more and silently clips max_new_tokens to
+    its max_req_len (both from its KV pool and context). A near-context chunk came back ABORTED
+    (and again after every retry). max_context is now SGLang's max_req_input_len."""
+    monkeypatch.setattr(_SGLangEngine, "max_req_input_len", 20)
+    e = make_engine(model_dir, tmp_path)
+    try:
+        assert e.max_context == 20 and e.stats().max_context == 20
+        with pytest.raises(ValueError, match="max_new_tokens"):  # refused up front, not ABORTED by SGLang
+            e.add_request(GenerateRequest(request_id="big", prompt_token_ids=tuple(range(1, 21)), max_new_tokens=5,
+                                          sampling=GREEDY))
+        outs = run(e, GenerateRequest(request_id="r", prompt_token_ids=tuple(range(1, 16)), max_new_tokens=5,
+                                      sampling=GREEDY))
+        assert len([t for o in outs for t in o.token_ids]) == 5 and outs[-1].finish_reason == FinishReason.LENGTH
+    finally:
+        e.shutdown()
+
+
+def test_the_plugin_gets_the_group_size_as_sent_and_the_dispatch_epoch(engine: sg.SGLangEngine) -> None:
+    """MEDIUM (review 3): a group of unknown size (0) went to the plugin as 1 (core and the engine
+    both applied max(size, 1)); the plugin's follower registered that size and the draft server
+    completed the group at its first finished response. The plugin's registrations also carried no
+    dispatch epoch."""
+    w = Worker(engine, speculation=False).start()
+    try:
+        job = ChunkJob(request_id="b/0/0", prompt_token_ids=(1, 2, 3), max_new_tokens=2, max_tokens=2,
+                       sampling=GREEDY, policy_version=0, group_id="b/0", group_size=0, prompt_key="k",
+                       dispatch_epoch=7)
+        assert isinstance(list(w.submit(job).events())[-1], DoneEvent)
+        (params,) = engine._sgl.tokenizer_manager.params.values()
+        assert params["seer_group_size"] == 0 and params["seer_dispatch_epoch"] == 7
+        meta = plugin.request_meta(params)
+        assert (meta.group_size, meta.epoch) == (0, 7)
+    finally:
+        w.close()
+
+
+def test_an_abort_does_not_reach_a_retry_whose_sglang_id_it_prefixes(
+        engine: sg.SGLangEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOW (review 3): SGLang's scheduler aborts every request whose rid starts with the aborted rid.
+    With '<request>#<attempt>' ids the abort of attempt 'r#1' also hit the retry 'r#12' when it
+    arrived first: the retry came back ABORTED. Attempt ids are prefix-free now."""
+    monkeypatch.setattr(sg, "_ATTEMPTS", iter([1, 12]))
+    tm = engine._sgl.tokenizer_manager
+    req = GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=4, sampling=GREEDY)
+    engine.add_request(req)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not tm.held:
+        time.sleep(0.005)
+    assert engine.abort("r")
+    engine.add_request(req)  # the retry reaches SGLang before the abort reaches its scheduler
+    deadline, outs = time.monotonic() + 5, []
+    while time.monotonic() < deadline and not any(o.finished for o in outs):
+        outs += engine.step()
+    assert outs and outs[-1].finish_reason == FinishReason.LENGTH
+    assert [t for o in outs for t in o.token_ids] == [50, 51, 52, 53]
+    assert sg.attempt_rid(1, "r") != "r#1" and not sg.attempt_rid(12, "r").startswith(sg.attempt_rid(1, "r"))

@@ -33,14 +33,18 @@ class _Recorder:
     def __init__(self) -> None:
         self.client = DraftClient(None)
         self.calls: list[tuple[Any, ...]] = []
+        self.epochs: list[tuple[str, str, int]] = []  # (call, request id, dispatch epoch)
 
-    def register_group(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                       ttl_seconds: int = 3600) -> None:
+    def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
+                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0) -> None:
         self.calls.append(("register", group_id, prompt_key, tuple(prompt_token_ids), group_size))
-        self.client.register_group(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds)
+        self.epochs.append(("register", request_id, epoch))
+        self.client.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds,
+                                     request_id=request_id, epoch=epoch)
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
         self.calls.append(("resume", request_id, tuple(output_token_ids)))
+        self.epochs.append(("resume", request_id, epoch))
         self.client.resume(group_id, request_id, output_token_ids, epoch)
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
@@ -58,7 +62,7 @@ class _Recorder:
 
 
 def test_custom_params_round_trip() -> None:
-    assert _meta(7) == RequestMeta("g", "key", 2, False, "r", 7)
+    assert _meta(7) == RequestMeta("g", "key", 2, False, "r", 7, 0)
     assert request_meta(None) == RequestMeta()
     assert request_meta({"seer_group_id": "g", "seer_output_offset": -3}).output_offset == 0
 
@@ -97,3 +101,16 @@ def test_proposals_are_for_the_seer_request_with_the_whole_context() -> None:
     bridge = DraftBridge(rec)
     bridge.propose("r#7", _meta(2), (*PROMPT, 10, 11), [12], 4, 1)
     assert rec.calls[-1] == ("propose", "r", (*PROMPT, 10, 11, 12))
+
+
+def test_the_plugins_registrations_carry_the_group_size_as_sent_and_the_dispatch_epoch() -> None:
+    """M (review 3): a group of unknown size (0) reached the plugin as 1 (the engine and
+    request_meta both turned 0 into 1) and the follower's RegisterGroup set that size on the draft
+    server: the group completed at its first finished response. And the follower registered with
+    epoch 0, so the server could not tell this run's attempt from an old run under a reused id."""
+    rec = _Recorder()
+    bridge = DraftBridge(rec)
+    meta = request_meta(custom_params("g", "key", 0, False, request_id="r", output_offset=0, epoch=7))
+    bridge.verified("3#r", meta, PROMPT, [10], False)
+    assert [c for c in rec.calls if c[0] == "register"] == [("register", "g", "key", PROMPT, 0)]
+    assert rec.epochs == [("register", "r", 7), ("resume", "r", 7)]

@@ -157,9 +157,11 @@ def test_request_conversions() -> None:
     assert parse_policy_version("smollm2@v12") == 12 and parse_policy_version("v0") == 0
     with pytest.raises(ValueError, match="version"):
         parse_policy_version("latest")
-    meta = plugin.request_meta(plugin.custom_params("g1", "k", 8, True, request_id="g1/3", output_offset=5))
-    assert meta == plugin.RequestMeta("g1", "k", 8, True, "g1/3", 5)
-    assert plugin.request_meta(None) == plugin.RequestMeta("", "", 1, False, "", 0)
+    meta = plugin.request_meta(plugin.custom_params("g1", "k", 8, True, request_id="g1/3", output_offset=5, epoch=9))
+    assert meta == plugin.RequestMeta("g1", "k", 8, True, "g1/3", 5, 9)
+    # Unknown group size stays 0 (unknown), never 1 (a group completed at its first finish).
+    assert plugin.request_meta(None) == plugin.RequestMeta("", "", 0, False, "", 0, 0)
+    assert plugin.request_meta(plugin.custom_params("g1", "k", 0, False)).group_size == 0
 
 
 @pytest.mark.parametrize("cumulative", [True, False], ids=["cumulative", "incremental"])
@@ -330,36 +332,3 @@ def test_seer_refuses_tensor_parallelism_and_guards_the_tree_after_setting_it(
     algo.handle_server_args(unset)
     assert unset.speculative_eagle_topk == 2 and unset.attention_backend == "flashinfer"
     assert not algo.carries_draft_hidden_states() and not algo.need_topk()
-
-
-def test_a_host_pool_without_a_known_layout_is_a_miss_not_an_exception(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """L (review): _layout() read MHA attributes unguarded; an MLA host pool (no head_num) or an
-    unknown dtype raised on SGLang's prefetch/backup threads. Now every page is a miss, logged once."""
-    import types
-    from types import SimpleNamespace
-
-    import torch
-
-    hs = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
-    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo"):
-        setattr(hs, name, type(name, (), {}))
-    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage", hs)
-    # Imported over the stand-in for this test only (removed again at teardown).
-    monkeypatch.setitem(sys.modules, "services.worker.engines.sglang.storage", types.ModuleType("stand-in"))
-    del sys.modules["services.worker.engines.sglang.storage"]
-    from services.worker.engines.sglang.storage import SeerHiCacheStorage
-
-    cfg = SimpleNamespace(extra_config={"kv_addresses": ["127.0.0.1:1"]}, tp_rank=0, tp_size=1)
-    s = SeerHiCacheStorage(cfg)
-    mla = SimpleNamespace(dtype=torch.bfloat16, page_size=4, layer_num=2, layout="layer_first",
-                          kv_lora_rank=8, qk_rope_head_dim=4)  # MLAHostPool: no head_num / head_dim
-    s.mem_pool_host = mla
-    idx = torch.arange(8)
-    with caplog.at_level("WARNING"):
-        assert s.batch_get_v1(["a", "b"], idx) == [False, False]
-        assert s.batch_set_v1(["a", "b"], idx) == [False, False]
-        assert s.get("a") is None and s.set("a", torch.zeros(4)) is False
-    assert sum("no usable page layout" in r.getMessage() for r in caplog.records) == 1

@@ -60,6 +60,17 @@ log = get_logger(__name__)
 # Attempt numbers of SGLang request ids (_Live.rid), unique in the process.
 _ATTEMPTS = itertools.count(1)
 
+# How long load_weights waits for SGLang (pause, load from disk, flush, continue) before giving up:
+# a large checkpoint takes minutes to read, but a hung scheduler must not hold the worker's lock
+# (and the LoadWeights RPC) forever.
+LOAD_TIMEOUT_S = 1200.0
+# How long SGLang may defer the post-load cache flush until its scheduler is idle (an aborted
+# request still runs one decode pass, managers/scheduler.py:5798-5812).
+FLUSH_TIMEOUT_S = 30.0
+# SGLang's message when the weights went in but its flush was refused (weight_updater.py:127-132):
+# the weights ARE loaded.
+_LOADED_NOT_FLUSHED = "Weights were updated, but"
+
 # SGLang's attention backend for the worker (unset: SGLang's default, or flashinfer for draft trees).
 ENV_ATTENTION_BACKEND = "SEER_SGLANG_ATTENTION_BACKEND"
 
@@ -110,18 +121,41 @@ def _family_of(model_version: str) -> str:
     return model_version.rsplit("@", 1)[0].replace("@", "-") if "@" in model_version else "model"
 
 
-def kv_pool_pages(sgl: Any, page_size: int, max_context: int, max_batch: int) -> int:
-    """SGLang's KV pool in pages: max_total_num_tokens (the scheduler's init info, which 0.5.23 keeps at
-    Engine._scheduler_init_result.scheduler_infos[0], entrypoints/engine.py:345, filled by
-    managers/scheduler.py:1945; a scheduler_info mapping is read first) / page_size. The scheduler
-    refuses a worker registering 0 pages, so when neither is there it falls back to room for every
-    batch slot at the full context (optimistic: SGLang retracts requests itself when it runs out)."""
+def scheduler_info(sgl: Any) -> Mapping[str, Any]:
+    """The scheduler's init info (Scheduler.get_init_info, managers/scheduler.py:1937-1948:
+    max_total_num_tokens, max_req_input_len, ...), which 0.5.23 keeps at
+    Engine._scheduler_init_result.scheduler_infos[0] (entrypoints/engine.py:345); a scheduler_info
+    mapping is read first. Empty when neither is there."""
     info: Any = getattr(sgl, "scheduler_info", None)
-    if not isinstance(info, Mapping):
-        sir = getattr(sgl, "_scheduler_init_result", None)
-        infos = getattr(sir, "scheduler_infos", None) or [{}]
-        info = infos[0] if isinstance(infos[0], Mapping) else {}
-    tokens = int(info.get("max_total_num_tokens") or 0)
+    if isinstance(info, Mapping):
+        return info
+    sir = getattr(sgl, "_scheduler_init_result", None)
+    infos = getattr(sir, "scheduler_infos", None) or [{}]
+    return infos[0] if isinstance(infos[0], Mapping) else {}
+
+
+def served_context(sgl: Any, max_position_embeddings: int) -> int:
+    """The longest request (input + max_new_tokens) SGLang serves whole. Its scheduler enforces
+    max_req_len = min(context_len - 1, kv_capacity - 1) and max_req_input_len = max_req_len - 5
+    (managers/tp_worker.py:568-572): an input of max_req_input_len tokens or more is aborted
+    (managers/utils.py:272), and max_new_tokens is clipped to max_req_len - input - 1 without a word
+    (scheduler.py:2710-2716). input + max_new_tokens <= max_req_input_len keeps clear of both (the
+    worker then splits near-context requests itself instead of looping CHUNK -> ABORTED).
+    max_position_embeddings when SGLang does not say (the tokenizer manager holds the same value,
+    entrypoints/engine.py:1399)."""
+    limit = scheduler_info(sgl).get("max_req_input_len")
+    if limit is None:
+        limit = getattr(getattr(sgl, "tokenizer_manager", None), "max_req_input_len", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return max_position_embeddings
+    return min(max_position_embeddings, limit)
+
+
+def kv_pool_pages(sgl: Any, page_size: int, max_context: int, max_batch: int) -> int:
+    """SGLang's KV pool in pages: max_total_num_tokens (scheduler_info) / page_size. The scheduler
+    refuses a worker registering 0 pages, so when it is unknown this falls back to room for every
+    batch slot at the full context (optimistic: SGLang retracts requests itself when it runs out)."""
+    tokens = int(scheduler_info(sgl).get("max_total_num_tokens") or 0)
     if tokens <= 0:
         log.warning("SGLang's KV pool size is unknown; assuming every batch slot holds a full context",
                     extra=kv(max_context=max_context, max_batch=max_batch))
@@ -165,6 +199,18 @@ def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file:
             }),
         )
     return kw
+
+
+def _update_succeeded(result: Any) -> bool:
+    """Whether update_weights_from_disk loaded the weights. 0.5.23 returns (success, message,
+    num_paused_requests) (managers/tokenizer_manager.py:2288-2320). success=False with SGLang's
+    "Weights were updated, but ... not flushed" message (weight_updater.py:127-132) is a success:
+    the new weights are in, only its flush was refused."""
+    if isinstance(result, tuple):
+        ok, message = bool(result[0]), str(result[1]) if len(result) > 1 else ""
+    else:
+        ok, message = bool(getattr(result, "success", True)), str(getattr(result, "message", ""))
+    return ok or message.startswith(_LOADED_NOT_FLUSHED)
 
 
 @dataclass(frozen=True)
@@ -213,13 +259,23 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)
 
 
+def attempt_rid(attempt: int, request_id: str) -> str:
+    """SGLang's id of one attempt: '<attempt>#<request id>'. SGLang's scheduler aborts every request
+    whose rid STARTS WITH the aborted one (req.rid.startswith(recv_req.rid), managers/scheduler.py:
+    5688, 5798): with '<request id>#<attempt>' the abort of 'r#1' also hit a live retry 'r#12'.
+    These ids are prefix-free: the digits before the first '#' decide the attempt, and attempt
+    numbers are unique in the process, so one id is a prefix of another only if they are equal."""
+    return f"{attempt}#{request_id}"
+
+
 @dataclass
 class _Live:
     req: GenerateRequest
-    # SGLang's id of this attempt: the request id plus an attempt number. SGLang refuses an id it
-    # still holds ("Duplicate request ID detected", managers/tokenizer_manager.py:3836), and after
-    # an abort it holds it until the scheduler's abort output comes back, so a retry of the same
-    # request on this worker (group affinity makes that the usual place) would fail at once.
+    # SGLang's id of this attempt (attempt_rid): an attempt number plus the request id. SGLang
+    # refuses an id it still holds ("Duplicate request ID detected", managers/tokenizer_manager.py:
+    # 3836), and after an abort it holds it until the scheduler's abort output comes back, so a
+    # retry of the same request on this worker (group affinity makes that the usual place) would
+    # fail at once.
     rid: str = ""
     tokens: list[int] = field(default_factory=list)
     reported: int = 0  # completion tokens already turned into step outputs
@@ -261,6 +317,7 @@ class SGLangEngine(Engine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
         self._thread.start()
         self._sgl = self._call(self._create(dict(server_args)))
+        self._max_context = served_context(self._sgl, int(self._mc.max_position_embeddings))
         self._total_pages = kv_pool_pages(self._sgl, self._page_size, self.max_context, self._max_batch)
 
     @classmethod
@@ -311,9 +368,13 @@ class SGLangEngine(Engine):
                 # Group values as the worker registers them: the first registration on the server
                 # wins (a different prompt key or prompt is refused), and its size decides when the
                 # group is complete.
-                "custom_params": plugin.custom_params(req.group_id, req.prompt_key, max(req.group_size, 1),
+                # The size as the job carries it: 0 = unknown (registered as 1, the draft server
+                # completed the group at its first finished response). The dispatch epoch tells the
+                # draft server this attempt's run from an old one under a reused group id.
+                "custom_params": plugin.custom_params(req.group_id, req.prompt_key, req.group_size,
                                                       req.is_probe, request_id=req.request_id,
-                                                      output_offset=len(req.output_token_ids)),
+                                                      output_offset=len(req.output_token_ids),
+                                                      epoch=req.dispatch_epoch),
             },
             return_logprob=True,
             # -1: logprobs of the output tokens only (managers/scheduler.py:3260-3264). SGLang
@@ -354,7 +415,8 @@ class SGLangEngine(Engine):
 
     @property
     def max_context(self) -> int:
-        return int(self._mc.max_position_embeddings)
+        # What SGLang's scheduler serves whole (served_context), not the model's position limit.
+        return self._max_context
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -387,7 +449,7 @@ class SGLangEngine(Engine):
         with self._lock:
             if req.request_id in self._live:
                 raise ValueError(f"request_id: {req.request_id!r} is already live")
-            live = self._live[req.request_id] = _Live(req, f"{req.request_id}#{next(_ATTEMPTS)}")
+            live = self._live[req.request_id] = _Live(req, attempt_rid(next(_ATTEMPTS), req.request_id))
             live.task = asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
 
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
@@ -472,24 +534,52 @@ class SGLangEngine(Engine):
         v = parse_policy_version(version)
         tm = self._sgl.tokenizer_manager
 
-        async def switch() -> Any:
+        async def switch() -> tuple[Any, Any]:
             # TokenizerManager.pause_generation(obj) / continue_generation(obj)
             # (managers/tokenizer_manager.py:2267-2286; io_struct.py:1927-1955). mode "abort" (the
-            # default, explicit here) aborts what runs: nothing, load_weights refuses while requests
-            # are live; the pause keeps new ones out until the weights are in.
+            # default, explicit here) aborts what runs: nothing of ours, load_weights refuses while
+            # requests are live; the pause keeps new ones out until the weights are in and flushed.
             await tm.pause_generation(io_struct.PauseGenerationReqInput(mode="abort"))
             try:
-                obj = io_struct.UpdateWeightFromDiskReqInput(model_path=path or str(self._model_dir), load_format=None)
-                return await tm.update_weights_from_disk(obj, None)
+                # flush_cache=False: SGLang's own flush (the default, io_struct.py:1990) needs an idle
+                # scheduler (scheduler.py:5518-5520), and an attempt aborted just before still runs
+                # one decode pass (scheduler.py:5798-5812). Refused, it failed the whole call with the
+                # new weights already in (weight_updater.py:120-160): the worker then kept the old
+                # version, family and version file while SGLang served the new weights.
+                obj = io_struct.UpdateWeightFromDiskReqInput(model_path=path or str(self._model_dir), load_format=None,
+                                                             flush_cache=False)
+                result = await tm.update_weights_from_disk(obj, None)
+                flushed: Any = None
+                if _update_succeeded(result):
+                    # Deferred by SGLang until its scheduler is idle, up to timeout_s
+                    # (scheduler_components/flush_wrapper.py:22-36; tokenizer_control_mixin.py:325).
+                    try:
+                        flushed = await tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)
+                    except Exception as e:  # the weights are in either way
+                        flushed = e
+                return result, flushed
             finally:
                 await tm.continue_generation(io_struct.ContinueGenerationReqInput())
 
-        result = self._call(switch())
-        ok = result[0] if isinstance(result, tuple) else getattr(result, "success", True)
-        if not ok:
+        fut = asyncio.run_coroutine_threadsafe(switch(), self._loop)
+        try:
+            result, flushed = fut.result(LOAD_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # continue_generation still runs (the finally), SGLang takes requests again
+            # Not a TimeoutError: that is an OSError, which the worker reports as a bad source.
+            raise RuntimeError(f"load_weights: SGLang did not finish loading {version!r} in {LOAD_TIMEOUT_S:.0f}s; "
+                               "its weights are unknown") from None
+        if not _update_succeeded(result):
             raise ValueError(f"path: SGLang refused the weights: {result}")
-        # The new weights' family before the version: requests salt their pages with both
-        # (extra_key) and the backend files them under both (namespace).
+        if not getattr(flushed, "success", False):
+            # Pages of the old weights stay in SGLang's radix cache until evicted; they are never
+            # matched: requests carry the new extra key (per-extra-key radix roots) and L3 pages sit
+            # under the new namespace. Memory only, not correctness.
+            log.warning("SGLang did not flush its cache after the weight update; old pages are evicted on demand",
+                        extra=kv(version=version, flush=str(flushed)))
+        # The weights are in: switch everything that names them, whatever the flush did. The new
+        # weights' family before the version: requests salt their pages with both (extra_key) and
+        # the backend files them under both (namespace).
         self._family = _family_of(version)
         self._version_file.write(v, self._family)
         self._version = version

@@ -25,7 +25,9 @@ This module imports sglang and torch at import time: only SGLang loads it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -44,7 +46,14 @@ from services.worker.engines.sglang.pages import VersionFile, namespace, page_ha
 
 log = logging.getLogger(__name__)
 
-_TIMEOUT_S = 10.0
+# Per RPC. SGLang stops its storage threads (on a cache flush, e.g. after a weight update) by
+# joining each with timeout=10 and then RAISES from reset() (managers/cache_controller.py:483-531,
+# 815-818), in its scheduler loop with no try around it (scheduler.py:2253): a thread stuck behind
+# 10 s RPCs to a silent node, one node after another, crashed the scheduler. Short deadlines plus
+# skipping a failed node (_SKIP_S) keep a thread's call well under that.
+_TIMEOUT_S = 1.5
+# A node that failed an RPC is skipped (its pages are misses, its puts fail) for this long.
+_SKIP_S = 10.0
 
 
 class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -64,6 +73,10 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._layout_pb: kvstore_pb2.PageLayout | None = None
         self._page_bytes = 0
         self._layout_error_logged = False
+        self._flat_page: torch.Tensor | None = None  # the host pool's flat page shape and dtype
+        self._down_until: dict[str, float] = {}  # node -> monotonic time it is skipped until
+        self._down_lock = threading.Lock()  # SGLang's prefetch and backup threads share it
+        self._clock: Callable[[], float] = time.monotonic
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -81,10 +94,12 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 num_layers=int(pool.layer_num), num_kv_heads=int(pool.head_num), head_dim=int(pool.head_dim),
                 mem_layout=str(pool.layout), tp_rank=self.tp_rank, tp_size=self.tp_size,
             )
+            # _page_bytes first: another of SGLang's threads that sees _layout_pb set skips this
+            # block and must find the page size already there (0 would make every page a miss).
+            self._page_bytes = lay.page_bytes
             self._layout_pb = kvstore_pb2.PageLayout(dtype=lay.dtype, page_size=lay.page_size,
                                                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                                                      head_dim=lay.head_dim, layout=lay.layout)
-            self._page_bytes = lay.page_bytes
         return self._layout_pb
 
     def _layout_or_none(self) -> kvstore_pb2.PageLayout | None:
@@ -100,6 +115,22 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                             type(self.mem_pool_host).__name__, e)
             return None
 
+    def _usable(self, node: str) -> bool:
+        """False while a node that failed recently is skipped (circuit open)."""
+        with self._down_lock:
+            until = self._down_until.get(node)
+            if until is None:
+                return True
+            if self._clock() >= until:
+                del self._down_until[node]  # tried again (one RPC decides whether it stays skipped)
+                return True
+            return False
+
+    def _failed(self, node: str, op: str, e: grpc.RpcError) -> None:
+        with self._down_lock:
+            self._down_until[node] = self._clock() + _SKIP_S
+        log.warning("seer hicache %s failed on %s: %s; skipping the node for %.0fs", op, node, e.code(), _SKIP_S)
+
     def _by_node(self, hashes: Sequence[bytes]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for i, h in enumerate(hashes):
@@ -114,6 +145,8 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         hashes = [page_hash(k) for k in keys]
         ns = self._namespace()
         for node, idx in self._by_node(hashes).items():
+            if not self._usable(node):
+                continue
             req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=layout)
             try:
                 for i, msg in zip(idx, self._stubs[node].Get(req, timeout=_TIMEOUT_S), strict=False):
@@ -121,7 +154,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     if ok and page_checksum(msg.data) == msg.checksum:
                         found[i] = msg.data
             except grpc.RpcError as e:
-                log.warning("seer hicache get failed on %s: %s", node, e.code())
+                self._failed(node, "get", e)
         return found
 
     def _put_pages(self, keys: Sequence[str], datas: Sequence[bytes]) -> list[bool]:
@@ -131,6 +164,8 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         hashes = [page_hash(k) for k in keys]
         ns, ok = self._namespace(), [False] * len(keys)
         for node, idx in self._by_node(hashes).items():
+            if not self._usable(node):
+                continue
             def stream(idx: list[int] = idx) -> Iterator[kvstore_pb2.PutRequest]:
                 for i in idx:
                     yield kvstore_pb2.PutRequest(namespace=ns, layout=layout, page_hash=hashes[i], data=datas[i],
@@ -140,7 +175,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 for i in idx:
                     ok[i] = True
             except grpc.RpcError as e:
-                log.warning("seer hicache put failed on %s: %s", node, e.code())
+                self._failed(node, "put", e)
         return ok
 
     # -- the v1 zero-copy interface (whole pages by host index) -------------------------------
@@ -151,12 +186,15 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         hashes = [page_hash(k) for k in keys]
         ns, n = self._namespace(), len(keys)
         for node, idx in self._by_node(hashes).items():
-            try:
-                have = self._stubs[node].Exists(
-                    kvstore_pb2.ExistsRequest(namespace=ns, page_hashes=[hashes[i] for i in idx]), timeout=_TIMEOUT_S
-                ).prefix_pages
-            except grpc.RpcError:
-                have = 0
+            have = 0
+            if self._usable(node):
+                try:
+                    have = self._stubs[node].Exists(
+                        kvstore_pb2.ExistsRequest(namespace=ns, page_hashes=[hashes[i] for i in idx]),
+                        timeout=_TIMEOUT_S,
+                    ).prefix_pages
+                except grpc.RpcError as e:
+                    self._failed(node, "exists", e)
             if have < len(idx):
                 n = min(n, idx[have])
         return n
@@ -170,8 +208,12 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if data is None:
                 out.append(False)
                 continue
-            dummy = pool.get_dummy_flat_data_page()
-            flat = torch.frombuffer(bytearray(data), dtype=dummy.dtype).view_as(dummy)
+            if self._flat_page is None:
+                # Once: SGLang's dummy page is a freshly allocated (pinned) tensor per call
+                # (mem_cache/pool_host/mha.py:727-733); only its shape and dtype are needed.
+                self._flat_page = pool.get_dummy_flat_data_page()
+            dummy = self._flat_page
+            flat = torch.frombuffer(bytearray(data), dtype=dummy.dtype).view(dummy.shape)
             pool.set_from_flat_data_page(int(host_indices[i * page].item()), flat)
             out.append(True)
         return out

@@ -1,0 +1,119 @@
+"""SeerHiCacheStorage (SGLang's L3 tier over the Seer KV store) against real gRPC on loopback, with
+SGLang's HiCacheStorage base stubbed (SGLang cannot be imported here)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import types
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def storage_cls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    hs = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
+    for name in ("HiCacheStorage", "HiCacheStorageConfig", "HiCacheStorageExtraInfo"):
+        setattr(hs, name, type(name, (), {}))
+    for name in ("sglang", "sglang.srt", "sglang.srt.mem_cache"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage", hs)
+    # Imported over the stand-in for this test only (removed again at teardown).
+    monkeypatch.setitem(sys.modules, "services.worker.engines.sglang.storage", types.ModuleType("stand-in"))
+    del sys.modules["services.worker.engines.sglang.storage"]
+    from services.worker.engines.sglang.storage import SeerHiCacheStorage
+
+    yield SeerHiCacheStorage
+
+
+@pytest.fixture
+def silent_node() -> Iterator[str]:
+    """A KV store node that takes RPCs and never answers (hung: a GC pause, a stuck disk)."""
+    from concurrent import futures
+
+    import grpc
+    from seer.v1 import kvstore_pb2_grpc
+
+    release = threading.Event()
+
+    class Hung(kvstore_pb2_grpc.KvStoreServiceServicer):  # type: ignore[misc]
+        def Exists(self, request: Any, context: Any) -> Any:
+            release.wait(30)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
+
+        def Put(self, request_iterator: Any, context: Any) -> Any:
+            release.wait(30)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(Hung(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        release.set()
+        server.stop(0)
+
+
+def test_a_silent_node_costs_one_short_deadline_then_is_skipped(storage_cls: Any, silent_node: str) -> None:
+    """MEDIUM-LOW (review 3): each RPC waited 10 s, node after node. SGLang joins its storage
+    threads with timeout=10 on a cache flush (after a weight update) and then raises in its
+    scheduler loop (cache_controller.py:483-531): one silent store node crashed SGLang. Now an RPC
+    has a short deadline and a failed node is skipped for a while (its pages are misses)."""
+    s = storage_cls(SimpleNamespace(extra_config={"kv_addresses": [silent_node]}, tp_rank=0, tp_size=1))
+    t0 = time.monotonic()
+    assert s.batch_exists(["a", "b"]) == 0
+    first = time.monotonic() - t0
+    assert first < 3.0, f"one RPC to a silent node took {first:.1f}s"
+    t0 = time.monotonic()
+    assert s.batch_exists(["a"]) == 0 and s.batch_set(["a"], [torch.zeros(4)]) is False
+    assert time.monotonic() - t0 < 0.5  # skipped: no RPC
+    now = time.monotonic()
+    s._clock = lambda: now + 3600  # the skip has run out: the node is tried again
+    assert s._usable(silent_node)
+
+
+def test_the_flat_page_template_is_taken_once(storage_cls: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOW (review 3): batch_get_v1 asked SGLang's pool for a dummy flat page per page, and SGLang
+    allocates a fresh (pinned) tensor each time (mem_cache/pool_host/mha.py:727-733)."""
+    s = storage_cls(SimpleNamespace(extra_config={"kv_addresses": ["127.0.0.1:1"]}, tp_rank=0, tp_size=1))
+    made, written = [], {}
+
+    class Pool:
+        page_size = 2
+
+        def get_dummy_flat_data_page(self) -> torch.Tensor:
+            made.append(1)
+            return torch.zeros(6, dtype=torch.float32)
+
+        def set_from_flat_data_page(self, index: int, page: torch.Tensor) -> None:
+            written[index] = page.tolist()
+
+    s.mem_pool_host = Pool()
+    pages = [torch.full((6,), float(i)).numpy().tobytes() for i in range(3)]
+    monkeypatch.setattr(s, "_get_pages", lambda keys: pages)
+    assert s.batch_get_v1(["a", "b", "c"], torch.arange(6)) == [True, True, True]
+    assert len(made) == 1
+    assert written == {0: [0.0] * 6, 2: [1.0] * 6, 4: [2.0] * 6}
+
+
+def test_a_host_pool_without_a_known_layout_is_a_miss_not_an_exception(
+        storage_cls: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """L (review): _layout() read MHA attributes unguarded; an MLA host pool (no head_num) or an
+    unknown dtype raised on SGLang's prefetch/backup threads. Now every page is a miss, logged once."""
+    s = storage_cls(SimpleNamespace(extra_config={"kv_addresses": ["127.0.0.1:1"]}, tp_rank=0, tp_size=1))
+    mla = SimpleNamespace(dtype=torch.bfloat16, page_size=4, layer_num=2, layout="layer_first",
+                          kv_lora_rank=8, qk_rope_head_dim=4)  # MLAHostPool: no head_num / head_dim
+    s.mem_pool_host = mla
+    idx = torch.arange(8)
+    with caplog.at_level("WARNING"):
+        assert s.batch_get_v1(["a", "b"], idx) == [False, False]
+        assert s.batch_set_v1(["a", "b"], idx) == [False, False]
+        assert s.get("a") is None and s.set("a", torch.zeros(4)) is False
+    assert sum("no usable page layout" in r.getMessage() for r in caplog.records) == 1
