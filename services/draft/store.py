@@ -363,9 +363,11 @@ class DraftStore:
                 # its epoch (a scheduler restarted without its epoch_file behind a clock that went
                 # back dispatches low epochs); the same ones at such a low epoch cannot be told from
                 # the old run and are refused (services/draft/README.md).
-                largest, old_digest, old_size = self._newest_reused(group_id)
-                same_size = not group_size or not old_size or group_size == old_size
-                if 0 < epoch <= largest and digest == old_digest and same_size:
+                # Every remembered incarnation, not only the newest: after a run with another prompt
+                # reused the id in between, a straggler of the older run matched nothing newer and
+                # got a lone incarnation of the old prompt (review, session 27).
+                largest = self._same_run_reused(group_id, digest, group_size, epoch)
+                if largest:
                     raise FailedPrecondition(
                         f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
                         f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
@@ -782,15 +784,15 @@ class DraftStore:
                 return int(epoch)
         return None
 
-    def _newest_reused(self, group_id: str) -> tuple[int, int, int]:
-        """The id's newest remembered completed incarnation as (largest epoch, registration digest,
-        group_size); (0, 0, 0) when none is remembered (an epoch 0: it took none). Caller holds
-        the lock."""
-        entry = self._reused.get(group_id, b"")
-        if not entry:
-            return 0, 0, 0
-        _inc, epoch, digest, size = _REUSED.unpack(entry[-_REUSED.size :])
-        return int(epoch), int(digest), int(size)
+    def _same_run_reused(self, group_id: str, digest: int, group_size: int, epoch: int) -> int:
+        """The largest epoch of a remembered completed incarnation of the id that this registration
+        belongs to (the same prompt and key by digest, an agreeing size: 0 agrees with any, and an
+        epoch from 1 to that incarnation's largest); 0 when none. Caller holds the lock."""
+        for _inc, largest, old_digest, old_size in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
+            same_size = not group_size or not old_size or group_size == old_size
+            if 0 < epoch <= largest and digest == old_digest and same_size:
+                return int(largest)
+        return 0
 
     def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
         """An upper bound of a new group's memory: its index of the prompt and the key's history."""

@@ -89,6 +89,31 @@ def test_the_same_registration_at_an_old_run_epoch_is_still_refused(stub: _Stub)
     assert _register(s, "g", 3)  # a newer epoch: another run
 
 
+def test_a_straggler_of_an_older_run_is_refused_after_another_prompt_reused_the_id(stub: _Stub) -> None:
+    """Run A (prompt 1,2,3; epochs 1-2) completed and expired; run B reused the id with another prompt
+    (epochs 10-11), completed and expired. A straggler of A at epoch 2 is A's: refused, though only
+    B's record is the newest (every remembered incarnation is compared; it got a lone incarnation of
+    A's prompt, which then refused the next real run with AlreadyExists; review, session 27)."""
+    s, store = stub
+    now = [0.0]
+    store._clock = lambda: now[0]  # type: ignore[method-assign]
+    assert _register(s, "g", 1)
+    store.append("g", "r0", 0, [5], finished=True, epoch=1)
+    store.append("g", "r1", 0, [6], finished=True, epoch=2)
+    now[0] += 1e6
+    store.expire_now()
+    assert _register(s, "g", 10, prompt=(1, 2, 4))
+    store.append("g", "r0", 0, [7], finished=True, epoch=10)
+    store.append("g", "r1", 0, [8], finished=True, epoch=11)
+    now[0] += 1e6
+    store.expire_now()
+    with pytest.raises(grpc.RpcError) as err:
+        _register(s, "g", 2)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "g" not in store._groups
+    assert _register(s, "g", 30, prompt=(1, 2, 4))  # the next real run
+
+
 def test_a_new_run_of_another_size_on_a_stale_mirror_after_expiry_gets_its_group() -> None:
     """The review's scenario through the client: the old run (epochs 1, 2) completed and expired
     without A's mirror knowing; the new run (the batch resubmitted with another group size, by a
