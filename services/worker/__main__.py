@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from services.common import config
@@ -48,7 +48,8 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def install_sglang_failure_handler(log: logging.Logger | None = None) -> None:
+def install_sglang_failure_handler(log: logging.Logger | None = None,
+                                   stopping: Callable[[], bool] | None = None) -> None:
     """SGLang's subprocesses (scheduler, detokenizer, its watchdog) signal a failure by sending
     SIGQUIT to this process (managers/scheduler.py:6361-6370, utils/watchdog.py:211-222), but
     SGLang 0.5.23 installs its SIGQUIT handler only when the Engine is built on the main thread
@@ -56,12 +57,21 @@ def install_sglang_failure_handler(log: logging.Logger | None = None) -> None:
     default action then killed the worker with a core dump and no log line, its SGLang children
     left running. Installed on the main thread before the engine is built: it logs, kills the
     process tree and exits with EXIT_SGLANG_FAILED (the orchestrator restarts the worker; the
-    scheduler notices the closed streams and missed heartbeats)."""
+    scheduler notices the closed streams and missed heartbeats).
+
+    `stopping`: whether the worker's stop was requested (StopSignal.requested). A Ctrl-C or a
+    cgroup-wide SIGTERM reaches SGLang's children too; they exit non-zero and SGLang's watchdog
+    SIGQUITs the worker while it drains. That is the stop, not a failure: the handler leaves it to
+    the stop path (drain, on_stop, exit 0) instead of exiting 3."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_sglang_failure_handler: signal handlers can only be set on the main thread")
     logger = log or logging.getLogger("services.worker")
 
     def on_sigquit(signum: int, frame: FrameType | None) -> None:
+        if stopping is not None and stopping():
+            logger.info("SIGQUIT from an SGLang subprocess while the worker stops (the stop signal reached it "
+                        "too); leaving it to the stop path")
+            return
         try:
             logger.error("SGLang subprocess failed (SIGQUIT from a child); killing the process tree and exiting",
                          extra=kv(exit_code=EXIT_SGLANG_FAILED))
@@ -85,8 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  extra=kv(max_batch_size=cfg.max_batch_size, max_workers=sized.max_workers))
         cfg = sized
     worker_id = cfg.worker_id or f"worker-{socket.gethostname()}-{cfg.port or 'auto'}"
+    # Set once the StopSignal exists (after the engine is built): the SIGQUIT handler asks it.
+    stop: StopSignal | None = None
     if cfg.engine == "sglang":
-        install_sglang_failure_handler(log)  # before its subprocesses exist
+        # Before its subprocesses exist.
+        install_sglang_failure_handler(log, stopping=lambda: stop is not None and stop.requested)
     try:
         worker = build_worker(cfg, worker_id).start()
     except (OSError, ValueError) as e:

@@ -592,3 +592,50 @@ def test_an_abort_does_not_reach_a_retry_whose_sglang_id_it_prefixes(
     assert outs and outs[-1].finish_reason == FinishReason.LENGTH
     assert [t for o in outs for t in o.token_ids] == [50, 51, 52, 53]
     assert sg.attempt_rid(1, "r") != "r#1" and not sg.attempt_rid(12, "r").startswith(sg.attempt_rid(1, "r"))
+
+
+def test_a_load_that_times_out_leaves_sglang_paused_and_the_engine_broken(
+        engine: sg.SGLangEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOW (review 4): LOAD_TIMEOUT_S was 1200 s, past the scheduler's LoadWeights deadline (its
+    drain_timeout, 300 s), and on timeout continue_generation still ran (a finally): SGLang resumed,
+    possibly mid-load, serving unknown weights under the old version. Now the bound is below the
+    caller's, SGLang stays paused and the engine answers every request ABORTED (the worker's
+    canary then turns its health NOT_SERVING)."""
+    assert sg.LOAD_TIMEOUT_S < 300.0
+    tm = engine._sgl.tokenizer_manager
+    gate = asyncio.Event()
+
+    async def hung(obj: UpdateWeightFromDiskReqInput, request: Any = None) -> tuple[bool, str, int]:
+        tm.calls.append(obj)
+        await gate.wait()  # a scheduler stuck reading the checkpoint
+        return True, "", 0
+
+    monkeypatch.setattr(tm, "update_weights_from_disk", hung)
+    monkeypatch.setattr(sg, "LOAD_TIMEOUT_S", 0.2)
+    with pytest.raises(RuntimeError, match="did not finish loading"):
+        engine.load_weights(str(tmp_path), "m@v1")
+    time.sleep(0.1)  # the cancelled switch() has unwound on the loop
+    assert not any(isinstance(c, ContinueGenerationReqInput) for c in tm.calls), tm.calls
+    assert engine.model_version == "m@v0"
+    outs = run(engine, GenerateRequest(request_id="r", prompt_token_ids=(1, 2), max_new_tokens=3, sampling=GREEDY))
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [([], FinishReason.ABORTED)]
+    assert tm.requests == []  # never reached the paused SGLang
+    with pytest.raises(RuntimeError, match="broken"):
+        engine.load_weights(str(tmp_path), "m@v2")
+
+
+def test_a_timeout_error_inside_the_load_is_not_reported_as_the_load_timing_out(
+        engine: sg.SGLangEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`except concurrent.futures.TimeoutError` around fut.result() also caught a TimeoutError
+    raised by SGLang inside the switch (the same class since 3.11) and reported it as the wait
+    running out, weights "unknown". It propagates now (an OSError: the worker's bad-source path),
+    and SGLang is resumed as after any other failure."""
+    tm = engine._sgl.tokenizer_manager
+
+    async def fails(obj: UpdateWeightFromDiskReqInput, request: Any = None) -> tuple[bool, str, int]:
+        raise TimeoutError("reading shard 3: timed out")
+
+    monkeypatch.setattr(tm, "update_weights_from_disk", fails)
+    with pytest.raises(TimeoutError, match="shard 3"):
+        engine.load_weights(str(tmp_path), "m@v1")
+    assert isinstance(tm.calls[-1], ContinueGenerationReqInput) and engine._broken is None

@@ -51,3 +51,32 @@ def test_a_sigquit_from_an_sglang_child_logs_kills_the_tree_and_exits() -> None:
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child)
+
+
+_STOPPING_CHILD = """
+import os, signal, sys, time
+from services.common.log import setup_logging, get_logger
+from services.common.server import StopSignal
+from services.worker.__main__ import install_sglang_failure_handler
+setup_logging("worker")
+stop = None
+install_sglang_failure_handler(get_logger("services.worker"), stopping=lambda: stop is not None and stop.requested)
+stop = StopSignal()
+os.kill(os.getpid(), signal.SIGTERM)  # Ctrl-C / a cgroup SIGTERM: SGLang's children get it too...
+time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGQUIT)  # ...exit non-zero, and SGLang's watchdog SIGQUITs the worker
+time.sleep(0.2)
+sys.exit(0 if stop.requested else 5)  # the stop path (drain, on_stop) ran to its end
+"""
+
+
+def test_a_sigquit_while_the_worker_stops_is_left_to_the_stop_path() -> None:
+    """LOW (review 4): a Ctrl-C or cgroup SIGTERM reaches SGLang's children as well; they exit
+    non-zero, SGLang's SubprocessWatchdog (utils/watchdog.py:209-222) SIGQUITs the worker while it
+    drains, and the handler logged "SGLang subprocess failed" and exited 3 for a graceful stop."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _STOPPING_CHILD], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "SGLang subprocess failed" not in proc.stderr
+    assert "while the worker stops" in proc.stderr

@@ -117,3 +117,58 @@ def test_a_host_pool_without_a_known_layout_is_a_miss_not_an_exception(
         assert s.batch_set_v1(["a", "b"], idx) == [False, False]
         assert s.get("a") is None and s.set("a", torch.zeros(4)) is False
     assert sum("no usable page layout" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.fixture
+def slow_node() -> Iterator[str]:
+    """A KV store node that is alive but busy: it streams every page asked for, 70 ms apart."""
+    from concurrent import futures
+
+    import grpc
+    from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    from services.kvstore.checksum import page_checksum
+
+    class Slow(kvstore_pb2_grpc.KvStoreServiceServicer):  # type: ignore[misc]
+        def Get(self, request: Any, context: Any) -> Iterator[Any]:
+            for h in request.page_hashes:
+                time.sleep(0.07)
+                data = bytes(_PAGE_BYTES)
+                yield kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=page_checksum(data))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+# A host pool page: K and V x 2 layers x 16 tokens x 4 heads x 64 dims x float32 = 64 KiB.
+_POOL = SimpleNamespace(dtype=torch.float32, page_size=16, layer_num=2, head_num=4, head_dim=64, layout="layer_first")
+_PAGE_BYTES = 2 * 2 * 16 * 4 * 64 * 4
+
+
+def test_a_large_batch_from_a_slow_but_alive_node_is_neither_cut_off_nor_skipped(
+        storage_cls: Any, slow_node: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOW (review 4): one 1.5 s deadline covered a whole batch of up to 128 pages (~256 MiB for an
+    8B GQA model), so a healthy busy node hit DEADLINE_EXCEEDED and was skipped for 10 s: L3
+    flapped. The deadline now grows with the bytes (at a floor bandwidth, scaled down here to this
+    test's 2 MiB), and a stream still moving when its deadline runs out does not open the circuit."""
+    import services.worker.engines.sglang.storage as st
+
+    monkeypatch.setattr(st, "_FLOOR_BYTES_PER_S", 1e6, raising=False)  # 32 pages: 1.5 s + ~2.1 s
+    s = storage_cls(SimpleNamespace(extra_config={"kv_addresses": [slow_node]}, tp_rank=0, tp_size=1))
+    s.mem_pool_host = _POOL
+    keys = [f"k{i}" for i in range(32)]  # ~2.2 s of streaming: past a fixed 1.5 s
+    got = s._get_pages(keys)
+    assert sum(p is not None for p in got) == 32
+    assert s._usable(slow_node)
+    # Slower than even its deadline, but moving: the pages it sent are kept, the rest are misses,
+    # and the node stays in use (a slow node is not a dead one).
+    monkeypatch.setattr(st, "_MAX_TIMEOUT_S", 1.0, raising=False)
+    got = s._get_pages(keys)
+    assert 0 < sum(p is not None for p in got) < 32
+    assert s._usable(slow_node) and not s._down_until

@@ -23,15 +23,18 @@ import pytest
 
 from services.worker.engine import Draft
 from services.worker.engines.sglang import plugin
+from services.worker.engines.sglang.engine import attempt_rid
 
 N = 4  # speculative_num_draft_tokens: root + 3 draft slots
 DEPTH = N - 1
 PROMPT = [1, 2, 3]
+# SGLang ids of the first attempts of Seer requests a, b, c, as the adapter makes them.
+A, B, C = attempt_rid(1, "a"), attempt_rid(1, "b"), attempt_rid(1, "c")
 
 
 def truth(rid: str) -> list[int]:
     """What the target model produces for a request (distinct per request)."""
-    base = 10 if rid.startswith("a") else 40
+    base = 10 if rid == A else 40
     return list(range(base, base + 30))
 
 
@@ -61,8 +64,9 @@ class _Req:
     sampling_params: Any = None
 
     def __post_init__(self) -> None:
+        # The Seer request id: after the first '#' of attempt_rid's "<attempt>#<request id>".
         self.sampling_params = types.SimpleNamespace(
-            custom_params=plugin.custom_params("g", "k", 2, False, request_id=self.rid.split("#")[0]))
+            custom_params=plugin.custom_params("g", "k", 2, False, request_id=self.rid.partition("#")[2]))
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -83,12 +87,16 @@ class _NGRAMWorker:
     def __init__(self, server_args: Any, gpu_id: int, nccl_port: int, target_worker: Any) -> None:
         self.draft_token_num = N
         self.verified_on: list[str] = []
+        self.finished_noted: list[str] = []
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         self.verified_on.append("base")
 
     def _update_ngram_corpus(self, batch: Any) -> None:
         pass
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        self.finished_noted.append(rid)  # BaseSpecWorker's hook (a no-op there)
 
     def forward_batch_generation(self, batch: Any, on_publish: Any = None, pp_proxy_tensors: Any = None) -> Any:
         if batch.forward_mode.is_decode():
@@ -157,8 +165,10 @@ def worker(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 class _Scheduler:
     """SGLang's synchronous loop (disable_overlap_schedule) over the worker."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Any, finish_hook: bool = True) -> None:
         self.w = worker
+        # False: a release without BaseSpecWorker.note_request_finished (the departure fallback).
+        self.finish_hook = finish_hook
         self.sink: _Sink = worker.seer_drafts.client
         self.running: list[_Req] = []
         self.accepts: list[list[int]] = []  # per decode step, per request: accepted drafts
@@ -183,36 +193,38 @@ class _Scheduler:
             n = len(r.output_ids)
             r.output_ids.extend(truth(r.rid)[n : n + c + 1])  # batch_result_processor.py:1046
             r.update_finish_state()
+            if r.finished() and self.finish_hook:  # batch_result_processor.py:1441-1444
+                self.w.note_request_finished(rid=r.rid, natural_stop=False)
         self.running = [r for r in self.running if not r.finished()]
 
 
 def test_the_mirror_holds_each_step_and_a_finished_requests_last_tokens(worker: Any) -> None:
-    s = _Scheduler(worker)
-    a, b = _Req("a#1", max_new_tokens=6), _Req("b#1", max_new_tokens=40)
+    s = _Scheduler(worker, finish_hook=False)
+    a, b = _Req(A, max_new_tokens=6), _Req(B, max_new_tokens=40)
     s.prefill(a)
     s.prefill(b)
-    s.decode({"a#1": 2, "b#1": 1})  # a: 1 + 3 = 4 tokens; b: 1 + 2 = 3
+    s.decode({A: 2, B: 1})  # a: 1 + 3 = 4 tokens; b: 1 + 2 = 3
     # At the next step's prepare the mirror has everything verified so far.
-    s.decode({"a#1": 3, "b#1": 0})  # a overshoots its 6 (4 + 4 = 8): finished through 6
+    s.decode({A: 3, B: 0})  # a overshoots its 6 (4 + 4 = 8): finished through 6
     assert a.finished() and a not in s.running
-    assert s.sink.tokens["a"] == truth("a#1")[:4]  # before a's departure is seen
-    s.prefill(_Req("c#1", max_new_tokens=40))  # an extend batch: a's departure is settled here
-    assert s.sink.tokens["a"] == truth("a#1")[:6]  # through its stop, not the overshoot
+    assert s.sink.tokens["a"] == truth(A)[:4]  # before a's departure is seen
+    s.prefill(_Req(C, max_new_tokens=40))  # an extend batch: a's departure is settled here
+    assert s.sink.tokens["a"] == truth(A)[:6]  # through its stop, not the overshoot
     assert s.sink.ended == ["a"]
-    assert "a#1" not in worker.seer_running
-    s.decode({"b#1": 1})
+    assert A not in worker.seer_running
+    s.decode({B: 1})
     assert s.sink.tokens["b"] == b.output_ids[: len(s.sink.tokens["b"])] and len(s.sink.tokens["b"]) == 4
     assert len(s.sink.tokens["b"]) == len(b.output_ids) - 2  # only the step in flight is not in yet
 
 
 def test_a_request_that_leaves_unfinished_is_forgotten_at_the_next_decode_batch(worker: Any) -> None:
     s = _Scheduler(worker)
-    a, b = _Req("a#1", max_new_tokens=40), _Req("b#1", max_new_tokens=40)
+    a, b = _Req(A, max_new_tokens=40), _Req(B, max_new_tokens=40)
     s.prefill(a)
     s.prefill(b)
     s.decode({})
     s.running.remove(a)  # retracted (KV pressure) or aborted before its finish flag
-    s.prefill(_Req("c#1", max_new_tokens=40))  # an extend batch does not hold the running requests
+    s.prefill(_Req(C, max_new_tokens=40))  # an extend batch does not hold the running requests
     assert s.sink.ended == []
     s.decode({})
     assert s.sink.ended == ["a"]
@@ -220,13 +232,30 @@ def test_a_request_that_leaves_unfinished_is_forgotten_at_the_next_decode_batch(
 
 def test_the_planner_pairs_each_steps_drafts_with_that_steps_acceptance(worker: Any) -> None:
     s = _Scheduler(worker)
-    s.prefill(_Req("a#1", max_new_tokens=40))
+    s.prefill(_Req(A, max_new_tokens=40))
     pattern = [3, 0, 2, 1, 3]
     for k in pattern:
-        s.decode({"a#1": k})
+        s.decode({A: k})
     planner: _Planner = worker.seer_planner
     assert len(planner.observed) == len(pattern)
     for (proposed, accepted), k in zip(planner.observed, pattern, strict=True):
         assert proposed == [1] * DEPTH
         assert accepted == [1] * k + [0] * (DEPTH - k)
     assert worker.verified_on == ["base"] * len(pattern)  # NGRAMWorker's own hook still runs
+
+
+def test_a_finished_request_is_settled_at_sglangs_finish_hook(worker: Any) -> None:
+    """Nit (review 4): a finished request's last tokens reached the mirror only at the next
+    forward (none for a while on an idle scheduler). SGLang 0.5.23 calls
+    draft_worker.note_request_finished(rid=, natural_stop=) at the finish
+    (batch_result_processor.py:1441-1444): settled there, the base hook still called."""
+    s = _Scheduler(worker)
+    a, b = _Req(A, max_new_tokens=6), _Req(B, max_new_tokens=40)
+    s.prefill(a)
+    s.prefill(b)
+    s.decode({A: 2, B: 1})
+    s.decode({A: 3, B: 0})  # a finishes through 6
+    assert s.sink.tokens["a"] == truth(A)[:6] and s.sink.ended == ["a"]  # no further forward
+    assert A not in worker.seer_running and worker.finished_noted == [A]
+    s.prefill(_Req(C, max_new_tokens=40))  # the departure path finds nothing left to settle
+    assert s.sink.ended == ["a"] and s.sink.tokens["a"] == truth(A)[:6]

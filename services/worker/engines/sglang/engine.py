@@ -62,8 +62,12 @@ _ATTEMPTS = itertools.count(1)
 
 # How long load_weights waits for SGLang (pause, load from disk, flush, continue) before giving up:
 # a large checkpoint takes minutes to read, but a hung scheduler must not hold the worker's lock
-# (and the LoadWeights RPC) forever.
-LOAD_TIMEOUT_S = 1200.0
+# (and the LoadWeights RPC) forever. Below the caller's own deadline: the scheduler's LoadWeights
+# RPC runs under its drain_timeout (300 s by default, services/scheduler/config.py, links.py), and
+# the worker drains its chunks inside that too. Past the caller's deadline nobody hears the answer,
+# so a longer wait only holds the worker's lock. (The engine interface carries no deadline, so the
+# gRPC context's time_remaining cannot reach here.)
+LOAD_TIMEOUT_S = 240.0
 # How long SGLang may defer the post-load cache flush until its scheduler is idle (an aborted
 # request still runs one decode pass, managers/scheduler.py:5798-5812).
 FLUSH_TIMEOUT_S = 30.0
@@ -311,6 +315,10 @@ class SGLangEngine(Engine):
         )
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
+        # Set when a weight load was given up on: SGLang is left paused with weights of unknown
+        # version, so every request is answered ABORTED (the worker's canary then turns its health
+        # NOT_SERVING and the orchestrator restarts it) and no further load is tried.
+        self._broken: str | None = None
         self._stats = {"prefill": 0, "cached": 0, "generated": 0, "steps": 0}
         self._t0 = time.monotonic()
         self._loop = asyncio.new_event_loop()
@@ -450,6 +458,11 @@ class SGLangEngine(Engine):
             if req.request_id in self._live:
                 raise ValueError(f"request_id: {req.request_id!r} is already live")
             live = self._live[req.request_id] = _Live(req, attempt_rid(next(_ATTEMPTS), req.request_id))
+            if self._broken is not None:
+                # What a failed generate looks like (never a raise: the worker counts engine aborts
+                # and its canary to tell a broken engine from a bad request).
+                self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
+                return
             live.task = asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
 
     def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
@@ -529,10 +542,13 @@ class SGLangEngine(Engine):
     def load_weights(self, path: str | None, version: str) -> None:
         from sglang.srt.managers import io_struct  # type: ignore[import-not-found]
 
+        if self._broken is not None:
+            raise RuntimeError(f"load_weights: the engine is broken ({self._broken}); restart the worker")
         if self.has_unfinished():
             raise RuntimeError("load_weights: requests are live; drain them first")
         v = parse_policy_version(version)
         tm = self._sgl.tokenizer_manager
+        timeout = LOAD_TIMEOUT_S
 
         async def switch() -> tuple[Any, Any]:
             # TokenizerManager.pause_generation(obj) / continue_generation(obj)
@@ -557,18 +573,37 @@ class SGLangEngine(Engine):
                         flushed = await tm.flush_cache(timeout_s=FLUSH_TIMEOUT_S)
                     except Exception as e:  # the weights are in either way
                         flushed = e
-                return result, flushed
-            finally:
+            except asyncio.CancelledError:
+                # Given up on by load_weights' timeout: SGLang may be mid-load, its weights neither
+                # the old nor the new version. Resuming would serve them under the old version's
+                # name, extra key and namespace: it stays paused and the engine is broken.
+                raise
+            except BaseException:
                 await tm.continue_generation(io_struct.ContinueGenerationReqInput())
+                raise
+            await tm.continue_generation(io_struct.ContinueGenerationReqInput())
+            return result, flushed
 
         fut = asyncio.run_coroutine_threadsafe(switch(), self._loop)
         try:
-            result, flushed = fut.result(LOAD_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()  # continue_generation still runs (the finally), SGLang takes requests again
+            # Only the wait's own timeout is caught here: a TimeoutError raised inside switch() (an
+            # OSError since 3.11, as concurrent.futures.TimeoutError is an alias of it) is SGLang's
+            # failure and propagates as it is.
+            done, _ = concurrent.futures.wait([fut], timeout)
+        except BaseException:
+            fut.cancel()
+            raise
+        if not done:
+            fut.cancel()
+            with self._lock:
+                self._broken = f"SGLang did not finish loading {version!r} in {timeout:.0f}s; it is left paused"
+            log.error("SGLang weight load timed out: SGLang is left paused with weights of unknown version and the "
+                      "engine is broken (requests are aborted until the worker restarts)",
+                      extra=kv(version=version, timeout_s=timeout))
             # Not a TimeoutError: that is an OSError, which the worker reports as a bad source.
-            raise RuntimeError(f"load_weights: SGLang did not finish loading {version!r} in {LOAD_TIMEOUT_S:.0f}s; "
-                               "its weights are unknown") from None
+            raise RuntimeError(f"load_weights: SGLang did not finish loading {version!r} in {timeout:.0f}s; "
+                               "its weights are unknown and the engine is broken")
+        result, flushed = fut.result()
         if not _update_succeeded(result):
             raise ValueError(f"path: SGLang refused the weights: {result}")
         if not getattr(flushed, "success", False):

@@ -369,17 +369,35 @@ def _worker_class() -> type:
                 if rid in present:
                     continue
                 if req.finished():
-                    meta = request_meta(getattr(req.sampling_params, "custom_params", None))
-                    # An abort is no end of the response (the request goes on elsewhere).
-                    aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
-                    self.seer_drafts.verified(rid, meta, req.origin_input_ids, req.output_ids_through_stop,
-                                              not aborted)
-                    self.seer_drafts.forget(rid)
-                elif decode:
+                    self._seer_settle(rid, req)
+                    continue
+                if decode:
                     self.seer_drafts.forget(rid)
                 else:
                     continue
                 del self.seer_running[rid]
+
+        def _seer_settle(self, rid: str, req: Any) -> None:
+            """A finished request's last tokens to the mirror, and its mirror request ends (through
+            the stop token: SGLang may have verified past it, schedule_batch.py:1509)."""
+            meta = request_meta(getattr(req.sampling_params, "custom_params", None))
+            # An abort is no end of the response (the request goes on elsewhere).
+            aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
+            self.seer_drafts.verified(rid, meta, req.origin_input_ids, req.output_ids_through_stop, not aborted)
+            self.seer_drafts.forget(rid)
+            self.seer_running.pop(rid, None)
+
+        def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+            """SGLang's hook at a request's finish (batch_result_processor.py:1441-1444, after its
+            output_ids took the step's tokens): settled here, at once, instead of at the next
+            forward (an idle scheduler has none for a while); _seer_departures stays the fallback
+            for a release without the hook."""
+            req = self.seer_running.get(rid)
+            if req is not None and req.finished():
+                self._seer_settle(rid, req)
+            parent = getattr(super(), "note_request_finished", None)
+            if callable(parent):
+                parent(rid=rid, natural_stop=natural_stop)
 
         def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
             metas = [request_meta(getattr(r.sampling_params, "custom_params", None)) for r in batch.reqs]

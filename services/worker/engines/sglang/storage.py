@@ -46,14 +46,35 @@ from services.worker.engines.sglang.pages import VersionFile, namespace, page_ha
 
 log = logging.getLogger(__name__)
 
-# Per RPC. SGLang stops its storage threads (on a cache flush, e.g. after a weight update) by
+# RPC deadlines. SGLang stops its storage threads (on a cache flush, e.g. after a weight update) by
 # joining each with timeout=10 and then RAISES from reset() (managers/cache_controller.py:483-531,
 # 815-818), in its scheduler loop with no try around it (scheduler.py:2253): a thread stuck behind
-# 10 s RPCs to a silent node, one node after another, crashed the scheduler. Short deadlines plus
-# skipping a failed node (_SKIP_S) keep a thread's call well under that.
-_TIMEOUT_S = 1.5
+# 10 s RPCs to a silent node, one node after another, crashed the scheduler. So deadlines are short
+# and a dead node is skipped (_SKIP_S). But one Get/Put carries up to STORAGE_BATCH_SIZE = 128 pages
+# (mem_cache/hicache_storage.py:24) of (2, layers, page_size, kv heads, head_dim) each
+# (pool_host/mha.py:727-733): ~2 MiB a page for an 8B GQA model at page size 16, 256 MiB a call, which
+# a fixed 1.5 s cut off on a healthy busy node (and then skipped it: L3 flapped). The deadline grows
+# with the bytes moved:
+# _BASE_S: a call's fixed part (a round trip, the store's lookup / RocksDB write); also all a silent
+# node costs before it is skipped.
+_BASE_S = 1.5
+# The slowest transfer a healthy node is assumed to sustain, bytes/s: far below a datacenter NIC
+# (10 GbE ~1.2 GB/s) or RocksDB's sequential write, so a busy node keeps well inside its deadline.
+_FLOOR_BYTES_PER_S = 200e6
+# The most one RPC may take: 256 MiB at the floor is 1.5 + 1.34 s; nodes are asked one after
+# another, and a batch call (one SGLang thread's) should end well within SGLang's 10 s join.
+_MAX_TIMEOUT_S = 6.0
 # A node that failed an RPC is skipped (its pages are misses, its puts fail) for this long.
 _SKIP_S = 10.0
+# The failures that open the circuit: the node is unreachable, or it let a whole deadline pass
+# without moving anything. A stream that was still moving when its deadline ran out is a slow node,
+# not a dead one: its missing pages are misses and the node stays in use.
+_DEAD = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _deadline(nbytes: int) -> float:
+    """The deadline of one RPC moving `nbytes` of pages."""
+    return min(_MAX_TIMEOUT_S, _BASE_S + nbytes / _FLOOR_BYTES_PER_S)
 
 
 class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -126,7 +147,14 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 return True
             return False
 
-    def _failed(self, node: str, op: str, e: grpc.RpcError) -> None:
+    def _failed(self, node: str, op: str, e: grpc.RpcError, moved: int = 0) -> None:
+        """Opens the node's circuit on a dead node's failure (_DEAD with nothing moved); other
+        failures only lose this call's pages."""
+        code = e.code()
+        if code not in _DEAD or (code == grpc.StatusCode.DEADLINE_EXCEEDED and moved > 0):
+            log.warning("seer hicache %s failed on %s: %s after %d pages; the node stays in use", op, node, code,
+                        moved)
+            return
         with self._down_lock:
             self._down_until[node] = self._clock() + _SKIP_S
         log.warning("seer hicache %s failed on %s: %s; skipping the node for %.0fs", op, node, e.code(), _SKIP_S)
@@ -148,13 +176,16 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if not self._usable(node):
                 continue
             req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=layout)
+            received = 0
             try:
-                for i, msg in zip(idx, self._stubs[node].Get(req, timeout=_TIMEOUT_S), strict=False):
+                timeout = _deadline(len(idx) * self._page_bytes)
+                for i, msg in zip(idx, self._stubs[node].Get(req, timeout=timeout), strict=False):
+                    received += 1
                     ok = not msg.missing and len(msg.data) == self._page_bytes
                     if ok and page_checksum(msg.data) == msg.checksum:
                         found[i] = msg.data
             except grpc.RpcError as e:
-                self._failed(node, "get", e)
+                self._failed(node, "get", e, received)
         return found
 
     def _put_pages(self, keys: Sequence[str], datas: Sequence[bytes]) -> list[bool]:
@@ -166,16 +197,21 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         for node, idx in self._by_node(hashes).items():
             if not self._usable(node):
                 continue
-            def stream(idx: list[int] = idx) -> Iterator[kvstore_pb2.PutRequest]:
+            pulled = [0]  # requests gRPC took from the stream
+
+            def stream(idx: list[int] = idx, pulled: list[int] = pulled) -> Iterator[kvstore_pb2.PutRequest]:
                 for i in idx:
+                    pulled[0] += 1
                     yield kvstore_pb2.PutRequest(namespace=ns, layout=layout, page_hash=hashes[i], data=datas[i],
                                                  checksum=page_checksum(datas[i]))
             try:
-                self._stubs[node].Put(stream(), timeout=_TIMEOUT_S)
+                self._stubs[node].Put(stream(), timeout=_deadline(sum(len(datas[i]) for i in idx)))
                 for i in idx:
                     ok[i] = True
             except grpc.RpcError as e:
-                self._failed(node, "put", e)
+                # gRPC takes the next request once the previous one was sent: pages beyond the first
+                # taken mean the node was receiving.
+                self._failed(node, "put", e, max(0, pulled[0] - 1))
         return ok
 
     # -- the v1 zero-copy interface (whole pages by host index) -------------------------------
@@ -191,7 +227,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 try:
                     have = self._stubs[node].Exists(
                         kvstore_pb2.ExistsRequest(namespace=ns, page_hashes=[hashes[i] for i in idx]),
-                        timeout=_TIMEOUT_S,
+                        timeout=_BASE_S,
                     ).prefix_pages
                 except grpc.RpcError as e:
                     self._failed(node, "exists", e)
