@@ -51,10 +51,37 @@ PROMPT_SEQ = 0
 # T = 0.7, G = 16, grouped + history: +2% accepted tokens per step.
 OWN_WEIGHT = 3.0
 HISTORY_WEIGHT = 0.5
-# memory_bytes() per indexed token (list slot + int object), per table entry and per sequence.
-TOKEN_BYTES = 8
-ENTRY_BYTES = 45
-SEQ_BYTES = 120
+# memory_bytes() cost model, in bytes as tracemalloc counts them (CPython 3.11, 64-bit), fitted by
+# least squares to indexes of 16 x 2,000-token responses appended 2 tokens at a time with fresh int
+# objects (as gRPC hands them over), siblings differing in 0-100% of their tokens, and checked
+# within +-10% there and against 2 and 64 siblings (tests/draft/test_index_memory.py asserts +-25%;
+# its _measure is the script to refit with). An n-gram key costs what its occurrences never share:
+# - TOKEN_BYTES per indexed token: its sequence list slot (over-allocated) and its int object.
+# - KEY_BYTES per table key of a level >= 2: the dict entry with its share of the spare capacity
+#   (a dict is 1/3 to 2/3 full), the 64-bit hash int key and its first occurrence, a bare int
+#   beyond 2^32 (`seq << 32 | pos`). TOKEN_KEY_BYTES for level 1, keyed by the token object the
+#   sequence already holds: the same without the key int.
+# - ENTRY_BYTES per further occurrence of a key: its int and its slot in the occurrence list.
+# - LIST_BYTES per occurrence list (a key with >= 2 occurrences): the list object.
+# - SEQ_BYTES per sequence: its slots in the per-sequence lists, its request id and _by_request entry.
+#   LEAD_TOKEN_BYTES per token of its prompt-tail lead, instead of TOKEN_BYTES: a list slot only
+#   (the int objects are the prompt's).
+# - INDEX_BYTES per index: the object and its empty tables and lists; PROMPT_TOKEN_BYTES per
+#   prompt token for the prompt tuple (the list in _seqs shares its int objects).
+# Distinct keys are len() of the tables and lists are counted where one is made or undone, so
+# memory_bytes() stays O(1) and the ingest loop gains no per-token work.
+TOKEN_BYTES = 36
+KEY_BYTES = 104
+TOKEN_KEY_BYTES = KEY_BYTES - 36
+ENTRY_BYTES = 41
+LIST_BYTES = 54
+SEQ_BYTES = 170
+LEAD_TOKEN_BYTES = 8
+INDEX_BYTES = 1560
+PROMPT_TOKEN_BYTES = 8
+# The most one indexed position can add to one level: a new key, or a further occurrence that turns
+# a bare int into a list (the bounds below charge it for every position and level).
+POSITION_BYTES_BOUND = max(KEY_BYTES, ENTRY_BYTES + LIST_BYTES)
 
 
 @dataclass(frozen=True)
@@ -123,15 +150,27 @@ class GroupIndex:
         self._lead = list(self.prompt[-(self.levels[-1] - 1):]) if self.levels[-1] > 1 else []
         self.indexed_tokens = 0
         self.entries = 0
+        self.lists = 0  # table values that are occurrence lists (keys with >= 2 occurrences)
+        self._lead_tokens = 0  # of indexed_tokens, the sequences' leads (sharing the prompt's ints)
+        # Slots of sequences truncated to 0 (no entry refers to them any more): the next new
+        # sequence takes one, so resume cycles (truncate to 0, append again) do not grow _seqs.
+        self._free: list[int] = []
         self._new_seq(list(self.prompt), base=0)
 
     # ---- ingest ---------------------------------------------------------------------------------
 
     def _new_seq(self, tokens: list[int], base: int, weight: float = 1.0) -> int:
-        s = len(self._seqs)
-        self._seqs.append([])
-        self._bases.append(base)
-        self._weights.append(weight)
+        if self._free:
+            s = self._free.pop()
+            self._seqs[s] = []
+            self._bases[s] = base
+            self._weights[s] = weight
+        else:
+            s = len(self._seqs)
+            self._seqs.append([])
+            self._bases.append(base)
+            self._weights.append(weight)
+        self._lead_tokens += base
         self._extend(s, tokens)
         return s
 
@@ -147,6 +186,7 @@ class GroupIndex:
         base = self._bases[s]
         start = old + 1 if old >= base else base
         entries = 0
+        lists = 0  # occurrence lists made (a key's second occurrence; once per key, off the common path)
         for k, table in self._level_tables:
             # Entry p = the k-gram seq[p-k:p], continuation at p. p == old was indexed by the last call.
             lo = k if k > start else start
@@ -161,6 +201,7 @@ class GroupIndex:
                         table[key] = hi | p
                     elif type(v) is int:
                         table[key] = [v, hi | p]
+                        lists += 1
                     else:
                         v.append(hi | p)  # type: ignore[union-attr]
             else:
@@ -171,11 +212,13 @@ class GroupIndex:
                         table[key] = hi | p
                     elif type(v) is int:
                         table[key] = [v, hi | p]
+                        lists += 1
                     else:
                         v.append(hi | p)  # type: ignore[union-attr]
             if new >= lo:
                 entries += new + 1 - lo
         self.entries += entries
+        self.lists += lists
         self.indexed_tokens += new - old
 
     def append(self, request_id: str, offset: int, token_ids: Sequence[int]) -> int:
@@ -254,8 +297,10 @@ class GroupIndex:
                     kept = [c for c in v if c not in codes]  # type: ignore[union-attr]
                     if not kept:
                         del table[key]
+                        self.lists -= 1
                     elif len(kept) == 1:
                         table[key] = kept[0]
+                        self.lists -= 1
                     else:
                         v[:] = kept  # type: ignore[index]
                 self.entries -= len(codes)
@@ -265,8 +310,10 @@ class GroupIndex:
             del seq[cut:]
         else:
             self.indexed_tokens -= base
+            self._lead_tokens -= base
             self._seqs[s] = []
             del self._by_request[request_id]
+            self._free.append(s)  # nothing refers to s now (its lead's entry went too)
         return dropped
 
     def replace_from(self, request_id: str, offset: int, token_ids: Sequence[int]) -> tuple[int, int]:
@@ -325,9 +372,19 @@ class GroupIndex:
         return len(self._history)
 
     def memory_bytes(self) -> int:
-        """Estimated resident bytes: CPython list slots + int objects + dict entries (calibrated
-        against tracemalloc in tests/draft/test_index.py). O(1): the counts are kept as it changes."""
-        return self.indexed_tokens * TOKEN_BYTES + self.entries * ENTRY_BYTES + len(self._seqs) * SEQ_BYTES
+        """Estimated resident bytes (the cost model at TOKEN_BYTES; within +-25% of tracemalloc for
+        similar and dissimilar siblings, tests/draft/test_index_memory.py). O(1): distinct keys are
+        the tables' len(), the other counts are kept as it changes."""
+        keys = token_keys = 0
+        for k, table in self._level_tables:
+            if k == 1:
+                token_keys = len(table)
+            else:
+                keys += len(table)
+        return (INDEX_BYTES + len(self.prompt) * PROMPT_TOKEN_BYTES
+                + (self.indexed_tokens - self._lead_tokens) * TOKEN_BYTES + self._lead_tokens * LEAD_TOKEN_BYTES
+                + keys * KEY_BYTES + token_keys * TOKEN_KEY_BYTES + (self.entries - keys - token_keys) * ENTRY_BYTES
+                + self.lists * LIST_BYTES + len(self._seqs) * SEQ_BYTES)
 
     def append_bytes_bound(self, start: int, n: int) -> int:
         """An upper bound of the memory_bytes() growth from n new tokens of a response at position
@@ -337,12 +394,13 @@ class GroupIndex:
             return 0
         if start == 0:
             return sequences_bytes_bound(self.levels, len(self._lead), 1, n)
-        return n * (TOKEN_BYTES + len(self.levels) * ENTRY_BYTES)
+        return n * (TOKEN_BYTES + len(self.levels) * POSITION_BYTES_BOUND)
 
     def truncate_bytes_floor(self, n: int) -> int:
         """A lower bound of the memory_bytes() drop from truncating n tokens of a response: each
-        token's slot, and the entry of each dropped position of the shortest level (all but its
-        first k - 1 positions of a sequence can be dropped ones)."""
+        token, and for each dropped position of the shortest level (all but its first k - 1
+        positions of a sequence can be dropped ones) the least a dropped occurrence frees: a further
+        occurrence (ENTRY_BYTES; a key's last one frees its key, more)."""
         if n <= 0:
             return 0
         return n * TOKEN_BYTES + max(0, n - self.levels[0] + 1) * ENTRY_BYTES
@@ -472,8 +530,9 @@ def sequences_bytes_bound(levels: Sequence[int], lead: int, count: int, tokens: 
     tokens in all, each behind a copy of `lead` prompt tokens (_new_seq): per sequence its slot, its
     lead's tokens and at most one entry per level for the lead (the entry at p == lead; the lead's
     other positions are the prompt's own entries), and per token its slot and at most one entry
-    per level. Kept next to memory_bytes() so the two cannot drift apart."""
-    per_level = len(levels) * ENTRY_BYTES
+    per level, each at the most one position can add (POSITION_BYTES_BOUND: a new key, or a new
+    occurrence list). Kept next to memory_bytes() so the two cannot drift apart."""
+    per_level = len(levels) * POSITION_BYTES_BOUND
     return count * (SEQ_BYTES + lead * TOKEN_BYTES + per_level) + tokens * (TOKEN_BYTES + per_level)
 
 
@@ -482,7 +541,7 @@ def new_index_bytes_bound(levels: Sequence[int], prompt_len: int, history_count:
     `history_count` responses of `history_tokens` tokens in all (the prompt is a sequence without a
     lead; its tail is every other sequence's lead)."""
     lead = min(prompt_len, max(levels) - 1)
-    return (sequences_bytes_bound(levels, 0, 1, prompt_len)
+    return (INDEX_BYTES + prompt_len * PROMPT_TOKEN_BYTES + sequences_bytes_bound(levels, 0, 1, prompt_len)
             + sequences_bytes_bound(levels, lead, history_count, history_tokens))
 
 

@@ -138,7 +138,7 @@ def test_stats_report_groups_evicted_for_memory() -> None:
             gid = f"g{n}"
             s.RegisterGroup(draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=f"k{n}", prompt_token_ids=[1, 2],
                                                            ttl_seconds=600, group_size=1))
-            s.Append(iter([A(group_id=gid, request_id="a", offset=0, token_ids=list(range(3000)), finished=True)]))
+            s.Append(iter([A(group_id=gid, request_id="a", offset=0, token_ids=list(range(1000)), finished=True)]))
             n += 1
             assert n < 200, "a 1 MB budget never evicted a completed group"
         st = s.GetDraftStats(draft_pb2.GetDraftStatsRequest())
