@@ -58,6 +58,11 @@ __all__ = [
 
 _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are released
 _MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LRU)
+# Releases queued on the kv-release thread. Against a hung store each waits its full timeout, so
+# an unbounded queue grows with every finished response and close() waited for all of them.
+# Beyond this many, a release is dropped (counted): the store's LRU evicts the pages anyway.
+_MAX_PENDING_RELEASES = 32
+_RELEASE_CLOSE_WAIT_S = 2.0  # close() waits this long at most for queued releases, then drops them
 _MAX_STEP_FAILURES = 2  # engine step failures in a row that start isolating the failing chunks
 _MAX_IDLE_PROBE_STEPS = 4  # isolation: steps a group may wait for the engine to admit it
 # The request that checks whether the engine itself works (_canary_locked): token ids every
@@ -138,7 +143,11 @@ class _Active:
         return len(self.job.output_token_ids) + self.generated
 
 
-@dataclass
+# eq=False: records compare by identity. Two admissions of one request with the same epoch (a
+# re-sent chunk racing the first) are equal field-wise, so value equality made submit's
+# list.remove drop the other chunk's record: an Abort then missed that chunk, and its own remove
+# raised ValueError after it was already in _active and the engine.
+@dataclass(eq=False)
 class _Admission:
     request_id: str
     dispatch_epoch: int
@@ -206,6 +215,7 @@ class WorkerStats:
     cached_tokens: int
     kv_refetches: int = 0  # continuations fetched again: the engine evicted what they attach to
     invalid_drafts: int = 0  # drafts dropped before the engine saw them (the drafter's bug)
+    kv_releases_dropped: int = 0  # releases not sent: too many queued (a slow or hung store)
 
 
 class _Throughput:
@@ -347,6 +357,9 @@ class Worker:
         self._offloaded_lock = threading.Lock()  # offload callbacks run on the KV client's thread
         # Releases are RPCs: they run here, never under the engine lock.
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="kv-release") if kv_pool is not None else None
+        self._releases = threading.Condition()  # guards the two counters below
+        self._releases_pending = 0  # queued or running on _bg
+        self._releases_dropped = 0
         # Worker-level counters the engine does not keep (per-position counts: the engine's).
         self._kv_loaded_tokens = 0
         self._kv_recomputed_pages = 0
@@ -392,7 +405,15 @@ class Worker:
             self._thread = None
         self.wait_offloads(timeout)
         if self._bg is not None:
-            self._bg.shutdown(wait=True)
+            # Bounded: against a hung store each queued release would wait its whole RPC timeout.
+            # What is still queued is cancelled; a running one ends when the KV client closes its
+            # channels below. Unreleased pages are evicted by the store's LRU.
+            with self._releases:
+                self._releases.wait_for(lambda: self._releases_pending == 0, min(timeout, _RELEASE_CLOSE_WAIT_S))
+                if self._releases_pending:
+                    log.warning("kv releases still queued at close; dropped",
+                                extra=kv(pending=self._releases_pending))
+            self._bg.shutdown(wait=False, cancel_futures=True)
         if self._draft is not None:
             self._draft.close()
         if self._kv is not None:
@@ -562,6 +583,12 @@ class Worker:
             if fetched is not None and check_attach and not self._attaches(fetched, prefix):
                 self._kv_refetches += 1
                 return False
+            # The watermark may come from an earlier attempt of this chunk that ran past the
+            # resumed prefix (its CHUNK was never committed, so the request is re-dispatched from
+            # a shorter output and generates a different chain). Only the prefix's whole pages are
+            # shared with that chain: lower the mark to them, else the next offload would skip the
+            # new chain's pages up to the old mark and the next worker would recompute them.
+            self._cap_offloaded(job.request_id, len(prefix) // self.engine.kv_layout.page_size)
             stats = act.stats
             claim = False
             if fetched is not None:
@@ -777,6 +804,7 @@ class Worker:
             kv_recomputed_pages=self._kv_recomputed_pages,
             kv_refetches=self._kv_refetches,
             invalid_drafts=self._invalid_drafts,
+            kv_releases_dropped=self._releases_dropped,
             prefill_tokens=es.prefill_tokens,
             cached_tokens=es.cached_tokens,
         )
@@ -1371,6 +1399,13 @@ class Worker:
             if cur is not None and cur[0] == version and cur[1] > first_page:
                 self._offloaded[request_id] = (version, first_page)
 
+    def _cap_offloaded(self, request_id: str, end_page: int) -> None:
+        """request_id's stored chain is known only up to end_page (of whatever model version)."""
+        with self._offloaded_lock:
+            cur = self._offloaded.get(request_id)
+            if cur is not None and cur[1] > end_page:
+                self._offloaded[request_id] = (cur[0], end_page)
+
     def _offload_locked(self, act: _Active) -> None:
         assert self._kv is not None
         job = act.job
@@ -1423,14 +1458,31 @@ class Worker:
         kv_pool, bg = self._kv, self._bg
         assert kv_pool is not None and bg is not None
         version, rid = self.engine.model_version, job.request_id
+        with self._releases:
+            if self._releases_pending >= _MAX_PENDING_RELEASES:
+                self._releases_dropped += 1
+                log.warning("kv release dropped: too many queued (store slow or down)",
+                            extra=kv(request_id=rid, pending=self._releases_pending,
+                                     dropped=self._releases_dropped))
+                return
+            self._releases_pending += 1
 
         def release() -> None:
             try:
                 kv_pool.release(version, rid)
             except Exception:
                 log.warning("kv release failed", exc_info=True, extra=kv(request_id=rid))
+            finally:
+                with self._releases:
+                    self._releases_pending -= 1
+                    self._releases.notify_all()
 
-        bg.submit(release)
+        try:
+            bg.submit(release)
+        except RuntimeError:  # closed meanwhile: nothing sends it
+            with self._releases:
+                self._releases_pending -= 1
+                self._releases.notify_all()
 
     # -- the draft server --------------------------------------------------------------------
 

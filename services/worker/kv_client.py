@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
@@ -72,6 +72,22 @@ def split_even(items: Sequence[T], parts: int) -> list[Sequence[T]]:
         out.append(items[start:end])
         start = end
     return out
+
+
+class _FanOutTimeout(grpc.RpcError):  # type: ignore[misc]
+    """A replica's call that did not end within its fan-out's deadline (it may not even have
+    started: its pool was busy with calls to a hung replica). Read like the RPC's own
+    DEADLINE_EXCEEDED."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"no answer within the fan-out's {timeout:g} s")
+        self._details = f"no answer within the fan-out's {timeout:g} s"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
 
 
 # Status codes that mean "this replica cannot help right now": degrade to recompute.
@@ -133,11 +149,14 @@ class KVClient:
         streams_per_replica: int = 2,
         tune_malloc: bool = True,
         malloc_arenas: int | None = None,
+        max_concurrent_fetches: int = 16,
     ) -> None:
         if max_pending_offloads < 1:
             raise InvalidArgument(f"must be >= 1, got {max_pending_offloads}", field="max_pending_offloads")
         if streams_per_replica < 1:
             raise InvalidArgument(f"must be >= 1, got {streams_per_replica}", field="streams_per_replica")
+        if max_concurrent_fetches < 1:
+            raise InvalidArgument(f"must be >= 1, got {max_concurrent_fetches}", field="max_concurrent_fetches")
         if malloc_arenas is not None and malloc_arenas < 1:
             raise InvalidArgument(f"must be >= 1, got {malloc_arenas}", field="malloc_arenas")
         if tune_malloc:
@@ -171,12 +190,15 @@ class KVClient:
         self._offload = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload")
         # Fan-out to replicas in parallel (one call per replica per operation). Offloads have their
         # own pool so a large offload never delays the fetch at the start of the next chunk.
+        # Sized for max_concurrent_fetches admissions fetching at once (threads start lazily): a
+        # pool of 2n made concurrent fetches queue behind calls to a hung replica, each holding a
+        # thread for its whole deadline (16 fetches, one replica hung: up to 8 s for a fetch).
         n = len(self.ring.nodes)
-        self._io = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="kv-io")
+        self._io = ThreadPoolExecutor(max_workers=2 * n * max_concurrent_fetches, thread_name_prefix="kv-io")
         self._offload_io = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kv-offload-io")
         # Extra Get streams within one replica's share (consumed here: decode, checksum).
         self._get_io = ThreadPoolExecutor(
-            max_workers=max(1, 2 * n * (streams_per_replica - 1)), thread_name_prefix="kv-get-io"
+            max_workers=max(1, n * (streams_per_replica - 1) * max_concurrent_fetches), thread_name_prefix="kv-get-io"
         )
         self._lock = threading.Lock()
         self._stats = KVClientStats()
@@ -194,12 +216,21 @@ class KVClient:
         return groups
 
     def _fan_out(
-        self, calls: Mapping[str, Callable[[], T]], *, strict: bool = False, pool: ThreadPoolExecutor | None = None
+        self,
+        calls: Mapping[str, Callable[[], T]],
+        *,
+        strict: bool = False,
+        pool: ThreadPoolExecutor | None = None,
+        timeout: float | None = None,
     ) -> dict[str, T | grpc.RpcError]:
         """Runs one call per replica in parallel; a failed call's RpcError is returned, not raised.
 
         strict: a rejection that is not a replica fault (INVALID_ARGUMENT: a layout that disagrees
-        with the namespace) raises InvalidArgument, since retrying elsewhere cannot fix it."""
+        with the namespace) raises InvalidArgument, since retrying elsewhere cannot fix it.
+        timeout: one deadline for the whole fan-out, counted from here. Each call's own RPC
+        deadline starts only when a pool thread runs it; a call still queued or running at this
+        deadline is given up (DEADLINE_EXCEEDED, a replica fault), so the caller never waits
+        longer than this however busy the pool is."""
         if len(calls) == 1:  # no thread hand-off for a single replica
             ((node, fn),) = calls.items()
             done: Future[T] = Future()
@@ -210,9 +241,15 @@ class KVClient:
             futures = {node: done}
         else:
             futures = {node: (pool or self._io).submit(fn) for node, fn in calls.items()}
+            if timeout is not None:
+                _, late = wait(futures.values(), timeout=timeout)
+                for fut in late:
+                    fut.cancel()  # not started: it never runs (running: its RPC deadline ends it)
         out: dict[str, T | grpc.RpcError] = {}
         for node, fut in futures.items():
             try:
+                if timeout is not None and (fut.cancelled() or not fut.done()):
+                    raise _FanOutTimeout(timeout)
                 out[node] = fut.result()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
@@ -358,7 +395,7 @@ class KVClient:
             for node, idx in groups.items()
         }
         n = len(hashes)
-        for node, res in self._fan_out(calls).items():
+        for node, res in self._fan_out(calls, timeout=self.exists_timeout_s).items():
             idx = groups[node]
             have = 0 if isinstance(res, grpc.RpcError) else res.prefix_pages
             if have < len(idx):
@@ -433,7 +470,7 @@ class KVClient:
 
         got: dict[bytes, memoryview | bool | None] = {}
         calls = {node: (lambda node=node, idx=idx: get(node, idx)) for node, idx in groups.items()}
-        for res in self._fan_out(calls).values():
+        for res in self._fan_out(calls, timeout=self.rpc_timeout_s).values():
             if not isinstance(res, grpc.RpcError):
                 got.update(res)
         pages: list[memoryview] = []
@@ -477,7 +514,8 @@ class KVClient:
             node: (lambda node=node: self._stubs[node].Release(req, timeout=self.exists_timeout_s))
             for node in self.ring.nodes
         }
-        n = sum(r.released_pages for r in self._fan_out(calls).values() if not isinstance(r, grpc.RpcError))
+        n = sum(r.released_pages for r in self._fan_out(calls, timeout=self.exists_timeout_s).values()
+                if not isinstance(r, grpc.RpcError))
         self._count(released_pages=n)
         return n
 
@@ -489,7 +527,7 @@ class KVClient:
             for node in self.ring.nodes
         }
         out: dict[str, dict[str, int] | None] = {}
-        for node, res in self._fan_out(calls).items():
+        for node, res in self._fan_out(calls, timeout=self.exists_timeout_s).items():
             if isinstance(res, grpc.RpcError):
                 out[node] = None
             else:
@@ -501,13 +539,17 @@ class KVClient:
             return KVClientStats(**asdict(self._stats))
 
     def close(self) -> None:
-        """Waits for pending offloads, then closes the channels."""
+        """Waits for pending offloads, then closes the channels. Other calls still queued are
+        cancelled and running ones end with the channels (CANCELLED): a hung replica must not make
+        close wait out their deadlines (a Release queued at shutdown, say)."""
         self._offload.shutdown(wait=True)
         self._offload_io.shutdown(wait=True)
-        self._io.shutdown(wait=True)
-        self._get_io.shutdown(wait=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._get_io.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels.values():
             ch.close()
+        self._io.shutdown(wait=True)
+        self._get_io.shutdown(wait=True)
 
     def __enter__(self) -> KVClient:
         return self

@@ -102,6 +102,7 @@ def worker_stats_to_proto(s: WorkerStats) -> worker_pb2.GetWorkerStatsResponse:
         kv_recomputed_pages=s.kv_recomputed_pages,
         kv_refetches=s.kv_refetches,
         invalid_drafts=s.invalid_drafts,
+        kv_releases_dropped=s.kv_releases_dropped,
     )
 
 

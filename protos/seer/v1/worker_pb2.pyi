@@ -102,7 +102,7 @@ class GetWorkerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetWorkerStatsResponse(_message.Message):
-    __slots__ = ("worker_id", "total_kv_pages", "free_kv_pages", "page_size", "running", "waiting", "tokens_per_second", "policy_version", "accepted_per_position", "proposed_per_position", "prefill_tokens", "cached_tokens", "kv_loaded_tokens", "kv_recomputed_pages", "kv_refetches", "invalid_drafts")
+    __slots__ = ("worker_id", "total_kv_pages", "free_kv_pages", "page_size", "running", "waiting", "tokens_per_second", "policy_version", "accepted_per_position", "proposed_per_position", "prefill_tokens", "cached_tokens", "kv_loaded_tokens", "kv_recomputed_pages", "kv_refetches", "invalid_drafts", "kv_releases_dropped")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class GetWorkerStatsResponse(_message.Message):
     KV_RECOMPUTED_PAGES_FIELD_NUMBER: _ClassVar[int]
     KV_REFETCHES_FIELD_NUMBER: _ClassVar[int]
     INVALID_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    KV_RELEASES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     total_kv_pages: int
     free_kv_pages: int
@@ -135,4 +136,5 @@ class GetWorkerStatsResponse(_message.Message):
     kv_recomputed_pages: int
     kv_refetches: int
     invalid_drafts: int
-    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_recomputed_pages: _Optional[int] = ..., kv_refetches: _Optional[int] = ..., invalid_drafts: _Optional[int] = ...) -> None: ...
+    kv_releases_dropped: int
+    def __init__(self, worker_id: _Optional[str] = ..., total_kv_pages: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_loaded_tokens: _Optional[int] = ..., kv_recomputed_pages: _Optional[int] = ..., kv_refetches: _Optional[int] = ..., invalid_drafts: _Optional[int] = ..., kv_releases_dropped: _Optional[int] = ...) -> None: ...
