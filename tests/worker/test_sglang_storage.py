@@ -31,10 +31,26 @@ def storage_cls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     yield SeerHiCacheStorage
 
 
+def _serve(servicer: Any) -> Iterator[str]:
+    """Serves `servicer` as a KV store node on a loopback port; yields its address."""
+    from concurrent import futures
+
+    import grpc
+    from seer.v1 import kvstore_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
 @pytest.fixture
 def silent_node() -> Iterator[str]:
     """A KV store node that takes RPCs and never answers (hung: a GC pause, a stuck disk)."""
-    from concurrent import futures
 
     import grpc
     from seer.v1 import kvstore_pb2_grpc
@@ -50,15 +66,10 @@ def silent_node() -> Iterator[str]:
             release.wait(30)
             context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(Hung(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     try:
-        yield f"127.0.0.1:{port}"
+        yield from _serve(Hung())
     finally:
         release.set()
-        server.stop(0)
 
 
 def test_a_silent_node_costs_one_short_deadline_then_is_skipped(storage_cls: Any, silent_node: str) -> None:
@@ -122,9 +133,7 @@ def test_a_host_pool_without_a_known_layout_is_a_miss_not_an_exception(
 @pytest.fixture
 def slow_node() -> Iterator[str]:
     """A KV store node that is alive but busy: it streams every page asked for, 70 ms apart."""
-    from concurrent import futures
 
-    import grpc
     from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
     from services.kvstore.checksum import page_checksum
@@ -136,14 +145,7 @@ def slow_node() -> Iterator[str]:
                 data = bytes(_PAGE_BYTES)
                 yield kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=page_checksum(data))
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(Slow(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    yield from _serve(Slow())
 
 
 # A host pool page: K and V x 2 layers x 16 tokens x 4 heads x 64 dims x float32 = 64 KiB.
