@@ -60,8 +60,10 @@ _MAX_GROUPS = 1024  # draft mirrors kept per worker; the least recently used are
 _MAX_OFFLOAD_MARKS = 65536  # requests whose offload watermark is remembered (LRU)
 # Releases queued on the kv-release thread. Against a hung store each waits its full timeout, so
 # an unbounded queue grows with every finished response and close() waited for all of them.
-# Beyond this many, a release is dropped (counted): the store's LRU evicts the pages anyway.
-_MAX_PENDING_RELEASES = 32
+# Beyond this many, a release is dropped (counted): the store's LRU evicts the pages anyway. Far
+# above a batch: a whole batch reaching max_tokens in one step queues one release per request at
+# once against a healthy store (32 dropped a burst's releases there; review, session 27).
+_MAX_PENDING_RELEASES = 1024
 _RELEASE_CLOSE_WAIT_S = 2.0  # close() waits this long at most for queued releases, then drops them
 _MAX_STEP_FAILURES = 2  # engine step failures in a row that start isolating the failing chunks
 _MAX_IDLE_PROBE_STEPS = 4  # isolation: steps a group may wait for the engine to admit it

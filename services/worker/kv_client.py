@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -72,6 +73,11 @@ def split_even(items: Sequence[T], parts: int) -> list[Sequence[T]]:
         out.append(items[start:end])
         start = end
     return out
+
+
+# How long a Get fan-out waits past its streams' common deadline (their own DEADLINE_EXCEEDED,
+# which keeps the pages received, must come first).
+_GET_GRACE_S = 0.25
 
 
 class _FanOutTimeout(grpc.RpcError):  # type: ignore[misc]
@@ -439,7 +445,9 @@ class KVClient:
             )
             out: dict[bytes, memoryview | bool | None] = {}
             try:
-                for msg in self._get_rpc[node](req, timeout=self.rpc_timeout_s):
+                # The time left of the fetch's one deadline: a stream started late (queued on a busy
+                # pool) ends with it, and its own DEADLINE_EXCEEDED keeps what arrived (below).
+                for msg in self._get_rpc[node](req, timeout=max(0.0, deadline - time.monotonic())):
                     out[msg.page_hash] = verified(msg)
             except grpc.RpcError:
                 if not out:
@@ -470,7 +478,11 @@ class KVClient:
 
         got: dict[bytes, memoryview | bool | None] = {}
         calls = {node: (lambda node=node, idx=idx: get(node, idx)) for node, idx in groups.items()}
-        for res in self._fan_out(calls, timeout=self.rpc_timeout_s).values():
+        deadline = time.monotonic() + self.rpc_timeout_s
+        # The fan-out waits a little past the streams' deadline: each stream's own DEADLINE_EXCEEDED
+        # lands first and keeps the pages it received (given up by the fan-out at the same instant,
+        # a slow but healthy replica's whole share was lost; review, session 27).
+        for res in self._fan_out(calls, timeout=self.rpc_timeout_s + _GET_GRACE_S).values():
             if not isinstance(res, grpc.RpcError):
                 got.update(res)
         pages: list[memoryview] = []

@@ -55,3 +55,53 @@ def test_concurrent_fetches_wait_one_deadline_with_a_replica_hung(nodes: list[st
         assert max(took) < 1.2, took
     finally:
         kc.close()
+
+
+def test_a_slow_but_healthy_get_keeps_the_pages_it_delivered() -> None:
+    """Two replicas streaming pages slower than the Get deadline: each keeps what arrived before its
+    own DEADLINE_EXCEEDED (a shorter prefix). The fan-out's deadline, at the same instant, gave up
+    every replica's whole share first: 0 pages (review, session 27). Stub streams (a timing glue
+    test: a real store does not stream slower than its deadline on cue)."""
+    import grpc
+    from seer.v1 import kvstore_pb2
+
+    from services.common.pagehash import chain_hashes
+    from services.kvstore.checksum import page_checksum
+    from services.kvstore.wire import GetMessage
+
+    class Deadline(grpc.RpcError):  # type: ignore[misc]
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self) -> str:
+            return "deadline"
+
+    eng = FakeEngine()
+    layout = eng.kv_layout
+    kc = KVClient(["127.0.0.1:1", "127.0.0.1:2"], rpc_timeout_s=1.0, exists_timeout_s=0.5,
+                  streams_per_replica=1, tune_malloc=False)
+    data = b"\x01" * layout.page_bytes
+
+    class Stub:
+        def Exists(self, req: kvstore_pb2.ExistsRequest, timeout: float | None = None) -> kvstore_pb2.ExistsResponse:
+            return kvstore_pb2.ExistsResponse(prefix_pages=len(req.page_hashes))
+
+    def get_rpc(req: kvstore_pb2.GetRequest, timeout: float | None = None) -> Iterator[GetMessage]:
+        assert timeout is not None
+        t0 = time.monotonic()
+        for h in req.page_hashes:
+            time.sleep(0.25)
+            if time.monotonic() - t0 > timeout:
+                raise Deadline()
+            yield GetMessage(h, memoryview(data), page_checksum(data), True)
+
+    for n in kc.ring.nodes:
+        kc._stubs[n] = Stub()
+        kc._get_rpc[n] = get_rpc
+    tokens = tuple(range(1, 4 * 12 + 2))
+    try:
+        got = kc.fetch_prefix(tokens, eng.model_version, layout)
+        assert len(chain_hashes(tokens, layout.page_size, eng.model_version)) == 12
+        assert got is not None and len(got.pages) >= 2  # the prefix delivered before the deadline
+    finally:
+        kc.close()

@@ -64,3 +64,42 @@ def test_releases_beyond_the_bound_are_dropped_and_counted(hung_nodes: list[str]
     # The running release (fanned out to both replicas on the KV client's pool) is cancelled by
     # the client's close, not waited out (its deadline is 5 s).
     assert time.monotonic() - t0 < 2.0
+
+
+def test_a_batch_finishing_in_one_step_drops_no_release_against_a_healthy_store() -> None:
+    """48 requests reach max_tokens in the same steps; the store answers each Release in 50 ms (busy,
+    not hung). None is dropped (a cap of 32 dropped a healthy burst's releases; review, session 27)."""
+    import threading
+
+    from worker_fake_engine import FakePool
+
+    class SlowRelease(FakePool):
+        def release(self, model_version: str, request_id: str) -> None:
+            time.sleep(0.05)
+            super().release(model_version, request_id)
+
+    eng = FakeEngine()
+    eng.step_delay = 0.02
+    pool = SlowRelease()
+    w = Worker(eng, kv_pool=pool, kv_offload=False, speculation=False).start()
+    n = 48
+    gate = threading.Barrier(n)
+
+    def go(i: int) -> None:
+        gate.wait()
+        w.run(ChunkJob(request_id=f"r{i}", prompt_token_ids=(1, 2, 3), max_new_tokens=20, max_tokens=20,
+                       sampling=SamplingParams(temperature=0.0, ignore_eos=True), policy_version=0))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        deadline = time.monotonic() + 10
+        while len(pool.released) < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.stats().kv_releases_dropped == 0
+        assert len(pool.released) == n
+    finally:
+        w.close()
