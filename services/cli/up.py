@@ -13,7 +13,7 @@ Exit status: 0 when every service ran until the stop and drained cleanly; 1 when
 not start, a service exited on its own while it ran (a crash of the buffer or scheduler also stops
 the suite: nothing works without them) or a service did not stop cleanly; the data directory, with
 the services' logs, is then kept even when it is the default temporary one. 128 + the signal number
-when stopped by a signal before the suite was up.
+when stopped by a signal before the suite was up; 2 when a flag is refused (before anything starts).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from services.draft.store import StoreLimits
 class DraftConfig(ServiceConfig):
     port: int = field(default=50053, metadata={"help": "gRPC port (0 = pick a free one)"})
     memory_budget_mb: int = field(
-        default=2048, metadata={"help": "bound on index + history memory; oldest history is evicted first"}
+        default=2048, metadata={"help": "bound on index + log + history memory (and ~1.4 KB per group); oldest history "
+                                    "is evicted first"}
     )
     history_iterations: int = field(default=2, metadata={"help": "earlier iterations kept per prompt key"})
     default_ttl_seconds: int = field(default=3600, metadata={"help": "group TTL when RegisterGroup gives 0"})

@@ -25,7 +25,7 @@ holds a page's whole owner list, so 3000 claims of one page during a write stop 
 while its line count stayed under the line limit (review of session 27). A rewrite that fails (a full
 disk: the temp file is as large as the journal) removes its temp file and backs off: the next one
 waits until the journal has doubled again, and the caller appends the change instead (review of
-session 28: every later change retried the rewrite and none was appended).
+session 27: every later change retried the rewrite and none was appended).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ after the store had counted it done, so a crash (SIGKILL) lost it and a released
 owned by the request that had released it (review of session 27). They are small records, so the
 WAL costs little (see _logged_write). A page put whose key has a delete or owner rewrite pending
 goes through the WAL too (put(logged=True)): the store resolves the pending record once the put
-returns, so a WAL-less put lost at a crash would bring back the old record (review of session 28).
+returns, so a WAL-less put lost at a crash would bring back the old record (review of session 27).
 
 The WAL is capped (max_total_wal_size, wal_bytes_cap): a WAL file is kept while any column family
 has unflushed writes in it, and the default column family (the registry) is written only when a
@@ -140,7 +140,7 @@ class SsdTier:
         # deletes and owner-record rewrites (see the module doc). Through the WAL (written, not
         # fsynced: a process crash keeps it, a power loss may not), and no_slowdown like the pages.
         # Their records are tens to hundreds of bytes, so the WAL adds little: measured here (2000
-        # pages, session 28) a put_meta 1.2 -> 2.6 us, a delete 2-4 -> 3.6-6 us; a Release costs
+        # pages, session 27) a put_meta 1.2 -> 2.6 us, a delete 2-4 -> 3.6-6 us; a Release costs
         # far more in Python.
         # A page's own put stays WAL-less, so after a crash a logged owner record may be replayed
         # while the put it rewrote is lost: a record without its page. Recovery indexes it (telling

@@ -447,7 +447,7 @@ class KvStore:
             want = None if meta is None else _decode_meta(meta)
             if meta is not None and want is None:
                 # A rewrite whose record does not parse (corrupt, or another format): the record on
-                # disk stands. Taken as a delete until session 28, which removed a live page.
+                # disk stands. Taken as a delete until session 27, which removed a live page.
                 undecodable += 1
                 continue
             if want is None or (not want.owners and not want.anonymous):
@@ -585,7 +585,7 @@ class KvStore:
         if family is not None:
             self._compact_tombstones(family)
         # Every pending record of the namespace goes with its column family, those of pages no longer
-        # indexed (a pending delete) too: until session 28 only indexed pages were unpended, and a
+        # indexed (a pending delete) too: until session 27 only indexed pages were unpended, and a
         # pending delete's bytes kept counting in ssd_bytes and against the capacity for good. (A
         # column family not dropped below is dropped by recovery, as the name is tombstoned.)
         self._unpend_namespace(name)
@@ -855,7 +855,7 @@ class KvStore:
         # A put replacing a pending record (the page released during a stop, then stored again)
         # resolves it, dropping its journal line: through the WAL then, or a crash before the
         # memtable flush lost the put with no delete ever written, and the old record came back
-        # owned by the request that had released it (review of session 28). Rare: other puts
+        # owned by the request that had released it (review of session 27). Rare: other puts
         # stay WAL-less (see SsdTier).
         self._ssd.put(key[0], key[1], data, _encode_meta(entry), logged=key in self._pending_ssd)
         self._unpend(key)  # the page and its record are written whole
@@ -900,7 +900,7 @@ class KvStore:
             log.warning("dropping an idle column family failed; it is kept", exc_info=True,
                         extra=kv(namespace=name))
             return
-        # Its pending deletes went with it (their pages are off the disk); until session 28 their
+        # Its pending deletes went with it (their pages are off the disk); until session 27 their
         # bytes kept counting in ssd_bytes and against the capacity.
         self._unpend_namespace(name)
         log.debug("idle column family dropped", extra=kv(namespace=name))
@@ -1027,7 +1027,7 @@ class KvStore:
         """Journals one change of the pending records: by rewriting the journal whole when `compact`
         or when it is due (PendingJournal.needs_rewrite), else by `append`. A failed rewrite (a full
         disk: the temp file is as large as the journal) leaves the old journal whole and backs off
-        until the journal doubles, and the change is appended instead: until session 29 it was
+        until the journal doubles, and the change is appended instead: until session 27 it was
         dropped, and every later change retried the rewrite, never appending (a rewrite failing
         for good journaled nothing more: 399 pending deletes lost at a crash)."""
         if compact or self._journal.needs_rewrite(len(self._pending_ssd)):

@@ -1525,15 +1525,14 @@ class Worker:
                         del self._registered_groups[gid]
                         draft.release_group(gid)
                 # group_size as sent (0 = unknown: the draft server then never completes the group
-                # on its own). Registered as 1, such a group completed at its first finish, and
+                # on its own). Registered as 1 before session 27, such a group completed at its first finish, and
                 # with dispatch epochs every later request started a new run.
                 draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
                                        int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
             except Exception:
                 # Drafting degrades to nothing for this group; generation itself is unaffected.
-                log.warning("draft register_group failed", exc_info=True)
+                log.warning("draft register_attempt failed", exc_info=True)
                 self._registered_groups.pop(job.group_id, None)
-
 
     def _draft_resume_locked(self, job: ChunkJob) -> None:
         """The request's response in the draft index becomes exactly its committed output.

@@ -12,7 +12,8 @@ What SGLang does natively and this adapter only configures:
 - the KV pool: HiCache with the L3 backend services.worker.engines.sglang.storage writes pages
   through to the Seer KV store and prefetches a request's stored prefix on admission, so
   export_kv / import_kv move nothing (the store is already in the loop);
-- weights: load_weights = pause_generation, update_weights_from_disk, continue_generation; the
+- weights: load_weights = pause_generation, update_weights_from_disk(flush_cache=False), flush_cache,
+  continue_generation; the
   weights' family (model + weights id) and policy version are the request's extra key (HiCache
   salts page keys with it) and the L3 namespace (through a version file the storage backend
   reads), so pages of other weights are never reused.
@@ -376,8 +377,8 @@ class SGLangEngine(Engine):
                 # Group values as the worker registers them: the first registration on the server
                 # wins (a different prompt key or prompt is refused), and its size decides when the
                 # group is complete.
-                # The size as the job carries it: 0 = unknown (registered as 1, the draft server
-                # completed the group at its first finished response). The dispatch epoch tells the
+                # The size as the job carries it: 0 = unknown (never turned into 1: the draft server
+                # would complete the group at its first finished response). The dispatch epoch tells the
                 # draft server this attempt's run from an old one under a reused group id.
                 "custom_params": plugin.custom_params(req.group_id, req.prompt_key, req.group_size,
                                                       req.is_probe, request_id=req.request_id,

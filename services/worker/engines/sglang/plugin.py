@@ -33,7 +33,8 @@ last verified token, BFS order, padding, ancestor mask): `_prepare_draft_tokens(
 (tokens, mask) as NGRAMWorker's does (ngram_worker.py:232). The mirror learns a step's tokens at
 the next step's prepare, where they are in req.output_ids (NGRAM's `_update_ngram_corpus` runs
 inside forward, before result processing appends them, and is a no-op here), and a request's last
-tokens when it leaves the batch finished; the planner learns acceptance from
+tokens at SGLang's finish hook (note_request_finished; else when it leaves the batch finished);
+the planner learns acceptance from
 `on_verify_complete_cpu` (see SeerDraftWorker). Verification samples (eagle_sample,
 ngram_worker.py:479), so
 T > 0 is lossless, and per-token logprobs are computed for speculative batches
@@ -334,9 +335,10 @@ def _worker_class() -> type:
              counts (batch_result_processor.py:803), then req.output_ids.extend and the finish
              state (:1046-1047).
         So the tokens of step k are appended at step k+1's prepare (the first place they are in
-        output_ids), a request's last tokens when it is seen to have left the batch finished (its
-        finish is known by then), and the planner learns step k's acceptance at step k's
-        on_verify_complete_cpu, paired with step k's proposals."""
+        output_ids), a request's last tokens at note_request_finished (or, as a fallback, when it
+        is seen to have left the batch finished: its finish is known by then), and the planner
+        learns step k's acceptance at step k's on_verify_complete_cpu, paired with step k's
+        proposals."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
