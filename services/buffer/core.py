@@ -904,12 +904,6 @@ class BufferCore:
         raw = self._store.get(keys.history_key(prompt_key))
         return decode_history(raw) if raw else []
 
-    def history_lengths(self, prompt_keys: list[str]) -> list[tuple[str, list[int], int]]:
-        """(key, lengths, policy_version) of the newest iteration of each known key (in process: no
-        reply size bound)."""
-        reply = self._newest_history(prompt_keys, with_tokens=False, budget=None)
-        return [(key, it.lengths, it.policy_version) for key, it in reply.histories]
-
     def newest_history(self, prompt_keys: list[str], *, with_tokens: bool = False) -> HistoryReply:
         """GetHistory: the newest kept iteration of each known key (keys without history are left
         out), whole keys in request order while the reply fits HISTORY_REPLY_BYTES; the rest are

@@ -46,17 +46,28 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
+def _cpus(text: str) -> set[int]:
+    """--cpus: comma-separated CPU numbers (refused by its flag, not a ValueError traceback)."""
+    try:
+        cpus = {int(c) for c in text.split(",") if c.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"need comma-separated CPU numbers, got {text!r}") from None
+    if any(c < 0 for c in cpus):
+        raise argparse.ArgumentTypeError(f"CPU numbers are >= 0, got {text!r}")
+    return cpus
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m services.cli.launch")
     ap.add_argument("--parent-pid", type=int, default=0, help="die with this process")
-    ap.add_argument("--cpus", default="", help="comma-separated CPUs to pin to")
+    ap.add_argument("--cpus", type=_cpus, default=set(), help="comma-separated CPUs to pin to")
     ap.add_argument("module", help="the service module, run as __main__")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     if args.cpus:
         # Before the service (or the watchdog below) starts any thread, so every thread inherits
         # the mask.
-        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+        os.sched_setaffinity(0, args.cpus)
     die_with_parent(args.parent_pid)
     sys.argv = [args.module, *args.args]
     runpy.run_module(args.module, run_name="__main__", alter_sys=True)

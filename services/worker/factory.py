@@ -85,7 +85,11 @@ def build_kv(cfg: WorkerConfig) -> KVPool | None:
         return None
     from services.worker.kv_client import KVClient
 
-    return KVClient(list(cfg.kv_addresses))
+    # One admission per RunChunk stream may fetch at once: the client's fetch pools are sized for
+    # them (threads start lazily; capped, so a 256-stream GPU worker with many replicas does not
+    # allow thousands), so concurrent fetches do not queue behind calls to a hung replica.
+    fetches = min(64, cfg.sized_for_batch().stream_limit())
+    return KVClient(list(cfg.kv_addresses), max_concurrent_fetches=fetches)
 
 
 def build_worker(cfg: WorkerConfig, worker_id: str, engine: Engine | None = None) -> Worker:

@@ -32,3 +32,15 @@ def test_service_outlives_the_thread_that_started_it(tmp_path: Path) -> None:
         assert sp.alive(), f"the service exited ({sp.returncode}) when the thread that started it ended"
     finally:
         sp.stop(5)
+
+
+def test_a_malformed_cpu_list_is_refused_by_its_flag(capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--cpus abc` was a ValueError traceback after parsing; now argparse names the flag (exit 2)."""
+    import pytest
+
+    from services.cli import launch
+
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--cpus", "0,abc", "services.buffer"])
+    assert exit_.value.code == 2
+    assert "--cpus" in capsys.readouterr().err

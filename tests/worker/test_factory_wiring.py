@@ -32,3 +32,17 @@ def test_step_clock_reaches_the_worker() -> None:
         assert worker._clock is time.thread_time
     finally:
         worker.close()
+
+
+def test_the_kv_client_is_sized_for_the_workers_streams() -> None:
+    """build_kv passes the worker's stream limit (capped) as the client's concurrent fetches: left
+    at the default 16, a worker with more streams queued admissions behind a hung replica again."""
+    from services.worker.factory import build_kv
+
+    cfg = WorkerConfig(kv_addresses=("127.0.0.1:1", "127.0.0.1:2"), max_streams=40)
+    kc = build_kv(cfg)
+    assert kc is not None
+    try:
+        assert kc._io._max_workers == 2 * 2 * 40  # type: ignore[attr-defined]
+    finally:
+        kc.close()
