@@ -30,13 +30,15 @@ demo: model
 
 # The pinned SGLang release (docker/Dockerfile.gpu installs the same): its wheel, not installed (it
 # needs CUDA), is what tests/worker/test_sglang_api.py checks the sglang backend against. 0.5.23 ships
-# only a cp311 manylinux wheel (~39 MB); downloaded once into the git-ignored .cache/.
+# only a cp311 manylinux wheel (~39 MB); downloaded once into the git-ignored .cache/, named by
+# platform so that the host's own glibc or Python (only read, never installed) does not matter.
 SGLANG_VERSION := 0.5.23
 SGLANG_WHEEL_DIR := .cache/sglang-wheel
 
 sglang-wheel: setup
 	@ls $(SGLANG_WHEEL_DIR)/sglang-$(SGLANG_VERSION)-*.whl >/dev/null 2>&1 || \
-	  $(VENV)/bin/pip download -q --no-deps --only-binary=:all: sglang==$(SGLANG_VERSION) -d $(SGLANG_WHEEL_DIR)
+	  $(VENV)/bin/pip download -q --no-deps --only-binary=:all: --platform manylinux_2_34_x86_64 \
+	    --python-version 3.11 --implementation cp --abi cp311 sglang==$(SGLANG_VERSION) -d $(SGLANG_WHEEL_DIR)
 
 test: model sglang-wheel
 	$(VENV)/bin/pytest -q -m "not slow and not docker" tests
