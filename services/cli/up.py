@@ -464,6 +464,9 @@ class Suite:
             raise
         self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
+            # A signal that came while the suite was built (`seer up`, `seer demo` install their
+            # handlers before Suite()): no service is started only to be killed.
+            self._check_stop(stop)
             # Inside the try: a launch that fails part way stops the services already started.
             for s in self.services.values():
                 s.start()
@@ -678,10 +681,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int:
     """Starts the suite, watches it until a signal (or a central service's crash), stops it."""
-    if stop.is_set():  # a signal while Suite() was built: no service is started only to be killed
-        suite.remove_data()
-        print("seer up: stopped before the suite was up", file=sys.stderr)
-        return 128 + stop.signum
     print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
     try:
         # The stop flag is polled while starting: workers can take minutes to load, and a Ctrl-C

@@ -236,6 +236,11 @@ def _check_tokens(tokens: Sequence[int], name: str) -> None:
             raise InvalidArgument(f"token id {t} is negative or too large", field=f"{name}[{i}]")
 
 
+def _sizes_agree(a: int, b: int) -> bool:
+    """Two group sizes of one group agree: equal, or either is 0 ("unknown" agrees with any)."""
+    return not a or not b or a == b
+
+
 class DraftStore:
     """Thread-safe: one lock around everything (the gRPC server calls in from a thread pool)."""
 
@@ -317,7 +322,7 @@ class DraftStore:
             if g is not None:
                 same_prompt = g.prompt_key == prompt_key and g.index.prompt == tuple(prompt_token_ids)
                 # group_size 0 is "unknown" on either side: it agrees with any size.
-                same_size = not group_size or not g.group_size or group_size == g.group_size
+                same_size = _sizes_agree(group_size, g.group_size)
                 # A completed group registered by an attempt dispatched after every attempt it
                 # took: another run (a resubmitted batch id brings the same prompt, key and size
                 # too). Idempotent, its appends would be refused by (or land in) the old run's
@@ -796,7 +801,7 @@ class DraftStore:
         belongs to (the same prompt and key by digest, an agreeing size: 0 agrees with any, and an
         epoch from 1 to that incarnation's largest); 0 when none. Caller holds the lock."""
         for _inc, largest, old_digest, old_size in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
-            same_size = not group_size or not old_size or group_size == old_size
+            same_size = _sizes_agree(group_size, old_size)
             if 0 < epoch <= largest and digest == old_digest and same_size:
                 return int(largest)
         return 0

@@ -466,7 +466,7 @@ class KvStore:
             entry.owners = set(want.owners)
             entry.anonymous = want.anonymous
             self._write_meta(key[0], key[1], entry)
-        self._journal_rewrite()
+        self._journal_op(self._rewrite_journal)
         if deleted or rewritten:
             log.info("applied SSD records pending before the stop",
                      extra=kv(deleted=deleted, rewritten=rewritten, still_pending=len(self._pending_ssd)))
@@ -1016,9 +1016,6 @@ class KvStore:
         ns = self._namespaces.get(key[0])
         entry = ns.entries.get(key[1]) if ns is not None else None
         return _encode_meta(entry) if entry is not None and entry.on_ssd else None
-
-    def _journal_rewrite(self) -> None:
-        self._journal_op(self._rewrite_journal)
 
     def _rewrite_journal(self) -> None:
         self._journal.rewrite([(k, self._intended_meta(k)) for k in self._pending_ssd])

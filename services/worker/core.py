@@ -1469,22 +1469,23 @@ class Worker:
                 return
             self._releases_pending += 1
 
+        def settled() -> None:
+            with self._releases:
+                self._releases_pending -= 1
+                self._releases.notify_all()
+
         def release() -> None:
             try:
                 kv_pool.release(version, rid)
             except Exception:
                 log.warning("kv release failed", exc_info=True, extra=kv(request_id=rid))
             finally:
-                with self._releases:
-                    self._releases_pending -= 1
-                    self._releases.notify_all()
+                settled()
 
         try:
             bg.submit(release)
         except RuntimeError:  # closed meanwhile: nothing sends it
-            with self._releases:
-                self._releases_pending -= 1
-                self._releases.notify_all()
+            settled()
 
     # -- the draft server --------------------------------------------------------------------
 

@@ -128,6 +128,10 @@ class _Mirror:
     # and Syncs wait for it (sent first, they would go to, or be refused by, the old run's group).
     reregister: tuple[str, tuple[int, ...], int, int] | None = None
 
+    def newest_epoch(self) -> int:
+        """The newest dispatch epoch this mirror registered for or ran an attempt at (0: none)."""
+        return max(self.register_epoch, max(self.epochs.values(), default=0))
+
     @property
     def ready(self) -> bool:
         """Registered, with no re-registration waiting: its appends and Syncs may go out."""
@@ -260,7 +264,7 @@ class DraftClient:
                     self._reregister_locked(group_id, m, request_id, epoch, (
                         prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds)))
                     return
-                if 0 < epoch <= max(m.register_epoch, max(m.epochs.values(), default=0)):
+                if 0 < epoch <= m.newest_epoch():
                     # Completed, and this attempt is of its run (an epoch this mirror already
                     # registered or ran: a retried chunk): the same incarnation, kept. Replaced, it
                     # would register again, and the server would take it for the id used again.
@@ -712,7 +716,7 @@ class DraftClient:
         # restarted while it was queued): then the group never completed, and resending is the
         # only way its responses reach history.
         if (expired or m.completed) and not m.active:
-            newest = max(m.register_epoch, max(m.epochs.values(), default=0))
+            newest = m.newest_epoch()
             if expired and not m.completed and m.incarnation and newest and any(r not in m.done for r in m.own):
                 # A new run's chunk that ended on this stale mirror before any tick (a chunk ending
                 # at once): its appends met the old run's expired group, and released, its response

@@ -257,7 +257,7 @@ def test_up_stops_before_starting_anything_when_signalled_while_the_suite_was_bu
 
     from services.cli.signals import StopRequest
 
-    monkeypatch.setattr(up.Suite, "start", lambda *a, **k: pytest.fail("a service was started"))
+    monkeypatch.setattr(up.ServiceProcess, "start", lambda *a, **k: pytest.fail("a service was started"))
     suite = up.Suite(workers=1, base_port=0, model_dir=str(tmp_path / "model"))
     stop = StopRequest()
     stop.handle(signal.SIGTERM, None)

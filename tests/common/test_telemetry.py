@@ -13,7 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = """
 import sys
-import urllib.request
 from services.common import telemetry
 with telemetry.tracer("seer.scheduler").start_as_current_span("scheduler.dispatch", context=None) as span:
     span.set_attribute("seer.request_id", "r1")

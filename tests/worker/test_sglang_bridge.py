@@ -73,7 +73,7 @@ def test_chunks_and_attempts_extend_one_response_at_response_positions() -> None
     # Chunk 1, attempt r#1: output 10, 11, finished as a chunk (not the response).
     bridge.verified("r#1", _meta(0), PROMPT, [10], False)
     bridge.verified("r#1", _meta(0), PROMPT, [10, 11], False)
-    bridge.prune([])  # the chunk ended: SGLang no longer runs r#1
+    bridge.forget("r#1")  # the chunk ended: SGLang no longer runs r#1
     # Chunk 2 (resumed here): its input holds the committed output.
     bridge.verified("r#2", _meta(2), (*PROMPT, 10, 11), [12, 13], False)
     assert rec.client.own_length("g", "r") == 4
@@ -91,8 +91,9 @@ def test_chunks_and_attempts_extend_one_response_at_response_positions() -> None
     assert [c for c in rec.calls if c[0] == "resume"] == [
         ("resume", "r", ()), ("resume", "r", (10, 11)), ("resume", "r", (10, 11, 12, 13)),
         ("resume", "r", (10, 11, 12, 13))]
-    assert len(bridge) == 2  # r#2 (its chunk ended) and r#3 (aborted), until the next prune
-    bridge.prune(["r#9"])
+    assert len(bridge) == 2  # r#2 (its chunk ended) and r#3 (aborted), until they are forgotten
+    bridge.forget("r#2")
+    bridge.forget("r#3")
     assert len(bridge) == 0 and ("end", "r") in rec.calls
 
 

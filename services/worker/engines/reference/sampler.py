@@ -20,9 +20,10 @@ verifier draws every position with the same stream-0 numbers; verifier.py). Exac
 logits. The logits change in the last bits with the batch's shapes (a draft tree's rows vs plain
 decoding, other requests in the step), and a draw that lands that close to a CDF boundary picks a
 neighbour: still a sample of that step's distribution (unbiased), not a bit-for-bit replay. In float32
-on the CPU that is rare (a randomized check of drafted, batched runs vs the same requests alone:
-about 1 request in 400 diverged, at T 2.0 / top_p 0.99; alone vs batched and chunked without drafts
-matched token for token); in bfloat16/float16 it is common, and on CUDA possible in float32 too.
+on the CPU that is rare (a one-off randomized review script, not kept, of drafted batched runs
+vs the same requests alone: about 1 request in 400 diverged, at T 2.0 / top_p 0.99; alone vs
+batched and chunked without drafts matched token for token); in bfloat16/float16 it is common,
+and on CUDA possible in float32 too.
 """
 
 from __future__ import annotations

@@ -168,13 +168,6 @@ class DraftBridge:
             self._end(rid)
         return len(new)
 
-    def prune(self, live_rids: Sequence[str]) -> None:
-        """Forgets attempts that are not running (aborted, or retracted by SGLang: one seen again is
-        resumed from its committed output and appended from there, idempotently)."""
-        keep = set(live_rids)
-        for rid in [r for r in self._attempts if r not in keep]:
-            self._end(rid)
-
     def forget(self, rid: str) -> None:
         """The attempt left SGLang's batch (finished, retracted or aborted): the mirror's request
         ends here (Sync deltas apply to it again). Unknown rids are ignored."""
