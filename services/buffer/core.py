@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import math
 import secrets
@@ -423,7 +422,7 @@ class BufferCore:
         with self._history_lock, self._cond:
             if self._closed:
                 return
-            self._closed = True  # no new read starts (_reading checks it)
+            self._closed = True  # no new read starts (_start_read_locked checks it)
             while self._store_reads:
                 self._cond.wait()
             self._store.close()
@@ -433,17 +432,26 @@ class BufferCore:
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
         """A read of the store outside _lock (a long scan that would stall every commit under it):
-        the store stays open until it ends (close() waits)."""
+        the store stays open until it ends (close() waits). For callers not holding _lock; one that
+        holds it (to take its view under it) uses _start_read_locked and _end_read instead."""
         with self._lock:
-            self._check_open()
-            self._store_reads += 1
+            self._start_read_locked()
         try:
             yield
         finally:
-            with self._cond:
-                self._store_reads -= 1
-                if not self._store_reads and self._closed:
-                    self._cond.notify_all()  # close() waits (StreamResults readers need no wake-up)
+            self._end_read()
+
+    def _start_read_locked(self) -> None:
+        """Starts a read of the store outside _lock; the caller holds _lock and calls _end_read once
+        the read is over, however it ends. Unavailable once close() began: no read starts then."""
+        self._check_open()
+        self._store_reads += 1
+
+    def _end_read(self) -> None:
+        with self._cond:
+            self._store_reads -= 1
+            if not self._store_reads and self._closed:
+                self._cond.notify_all()  # close() waits (StreamResults readers need no wake-up)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1030,11 +1038,12 @@ class BufferCore:
                 # stalled every commit and submission as long), from a view of the store taken
                 # here: consistent with the batch record just read whatever a retention delete or
                 # a resubmission of the id does meanwhile. The store stays open until the read ends
-                # (_reading: close() waits).
-                reading.enter_context(self._reading())
+                # (close() waits for _end_read).
+                self._start_read_locked()
+                reading.callback(self._end_read)
                 if sized:
                     view = self._store.view()
-                    reading.callback(view.release)  # before _reading ends, so before close()
+                    reading.callback(view.release)  # before _end_read, so before close()
                 else:
                     scan = self._store.scan(f"l/{batch_id}/".encode(), keys.result_key(batch_id, cursor))
                     reading.callback(scan.close)  # its iterator, too, goes before close()
@@ -1116,19 +1125,20 @@ class BufferCore:
                 b = self._batch(batch_id).copy()
                 records: Iterator[tuple[bytes, bytes]] = iter(())
                 if include_requests:
-                    reading.enter_context(self._reading())
-                    # The scan, created here under the lock (Store.scan creates its RocksDB iterator;
-                    # its first step is taken here too), is a view of the store as of now,
-                    # consistent with the batch record just copied (one write
-                    # stores both). The records are read and decoded after the lock is released (all of
-                    # a 65,536-request batch took 0.2-0.26 s under it, a stall of every commit); a
-                    # retention delete, a cancel or the id submitted again meanwhile does not show.
+                    self._start_read_locked()  # close() waits for _end_read: the store stays open
+                    reading.callback(self._end_read)
+                    # The scan is created here, under the lock: Store.scan creates its RocksDB
+                    # iterator, and with it the snapshot it reads, at the call, not at its first
+                    # step. So every record it yields, the first included, is the store as of now,
+                    # consistent with the batch record just copied (one write stores both). Every
+                    # step is taken after the lock is released (all of a 65,536-request batch took
+                    # 0.2-0.26 s under it, a stall of every commit); a commit, a retention delete,
+                    # a cancel or the id submitted again meanwhile does not show.
                     scan = self._store.scan(keys.requests_prefix(batch_id))
-                    # Closed before _reading ends, however the decoding ends: a generator kept alive
-                    # by an exception's traceback held its iterator (and the DB's LOCK) past close().
+                    # Closed before _end_read, however the decoding ends: a generator kept alive by
+                    # an exception's traceback held its iterator (and the DB's LOCK) past close().
                     reading.callback(scan.close)
-                    first = next(scan, None)
-                    records = itertools.chain([first] if first is not None else [], scan)
+                    records = scan
             for _k, v in records:
                 r = RequestRecord.decode(v)
                 requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))

@@ -63,11 +63,6 @@ def end_stream(context: grpc.ServicerContext, code: grpc.StatusCode, details: st
     context.cancel()
 
 
-def fits_message(msg: rollout_pb2.StreamResultsResponse, limit: int) -> bool:
-    """Whether gRPC sends msg under a max_send_message_length of `limit` (its encoded size)."""
-    return msg.ByteSize() <= limit
-
-
 def size_bound(r: RolloutResult) -> int:
     """An upper bound of a result's StreamResultsResponse size, without encoding it (ByteSize costs
     as much as the encoding gRPC does anyway): a token id is at most a 5-byte varint, a logprob a

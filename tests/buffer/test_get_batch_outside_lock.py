@@ -1,21 +1,19 @@
 """GetBatch with include_requests reads the batch's request records outside the core lock (every
-record of a 65,536-request batch took 0.2-0.26 s under it: a stall of every commit), and close()
-waits for such a read instead of closing RocksDB under it."""
+record of a 65,536-request batch took 0.2-0.26 s under it: a stall of every commit), from the
+RocksDB view its scan took when it was created under the lock, and close() waits for such a read
+instead of closing RocksDB under it."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-import services.buffer.core as core_mod
-from services.buffer.core import BufferCore
+from services.buffer.core import BatchStatus, BufferCore, Commit
 from services.buffer.model import ModelInfo
-from services.buffer.records import GroupSpec, Sampling
+from services.buffer.records import FinishReason, GroupSpec, RequestState, Sampling
 from services.buffer.store import Store
 
 
@@ -27,53 +25,65 @@ def _core(tmp_path: Path) -> BufferCore:
     return core
 
 
-def test_the_request_scan_starts_under_the_lock_and_reads_outside_it(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """The scan's view is taken under the lock (its iterator, created by its first step, then
-    matches the batch record copied there: a retention delete or the id submitted again before the
-    scan started showed one submission's status with another's requests, or with none); the
-    records are decoded after the lock is released."""
+def _pausing_scan(core: BufferCore, at: int, started: threading.Event, release: threading.Event
+                  ) -> Callable[..., Iterator[tuple[bytes, bytes]]]:
+    """Store.scan that waits for `release` before its step number `at`. The real scan (and with it
+    its RocksDB iterator and view) is created by the call, as Store.scan's is, not at the first step."""
+    real = core._store.scan
+
+    def scan(*a: Any, **kw: Any) -> Iterator[tuple[bytes, bytes]]:
+        items = real(*a, **kw)
+
+        def steps() -> Iterator[tuple[bytes, bytes]]:
+            try:
+                for i, item in enumerate(items):
+                    if i == at:
+                        started.set()
+                        release.wait(10)
+                    yield item
+            finally:
+                items.close()
+
+        return steps()
+
+    return scan
+
+
+def test_a_commit_during_a_request_read_neither_waits_for_it_nor_changes_it(tmp_path: Path) -> None:
+    """The read pauses at its very first step: a commit then goes through at once (the first step
+    under the lock made every commit wait for it), and the page is the store as of the GetBatch's
+    batch record (the scan's view is taken under the lock), not with the commit's changes."""
     core = _core(tmp_path)
     try:
-        real = core._store.scan
-        at_start: list[bool] = []
-        decoded: list[bool] = []
-
-        def scan(*a: Any, **kw: Any) -> Iterator[Any]:
-            for i, kv in enumerate(real(*a, **kw)):
-                if i == 0:
-                    at_start.append(core._lock._is_owned())  # type: ignore[attr-defined]
-                yield kv
-
-        real_decode = core_mod.RequestRecord.decode
-
-        def decode(raw: bytes) -> Any:
-            decoded.append(core._lock._is_owned())  # type: ignore[attr-defined]
-            return real_decode(raw)
-
-        core._store.scan = scan  # type: ignore[method-assign]
-        monkeypatch.setattr(core_mod.RequestRecord, "decode", staticmethod(decode))
-        status = core.get_batch("b", include_requests=True)
-        assert len(status.requests) == 8
-        assert at_start == [True]
-        assert decoded and not any(decoded)
+        started, release = threading.Event(), threading.Event()
+        core._store.scan = _pausing_scan(core, 0, started, release)  # type: ignore[method-assign]
+        got: list[BatchStatus] = []
+        reader = threading.Thread(target=lambda: got.append(core.get_batch("b", include_requests=True)))
+        reader.start()
+        try:
+            assert started.wait(5)
+            t0 = time.monotonic()
+            for rid in ("b/0/0", "b/1/3"):  # the first record in key order and the last
+                core.commit_chunk(Commit(rid, 0, [5, 6], [-0.5, -0.5], FinishReason.STOP, 0))
+            assert time.monotonic() - t0 < 3, "the commits waited for the read"
+            assert reader.is_alive(), "the read ended before the commits: they did not run during it"
+        finally:
+            release.set()
+            reader.join(10)
+        [status] = got
+        assert status.num_finished == 0 and status.generated_tokens == 0
+        assert [(r.request_id, r.state, r.generated_tokens, r.num_chunks) for r in status.requests] == [
+            (f"b/{g}/{s}", RequestState.PENDING, 0, 0) for g in range(2) for s in range(4)]
+        after = {r.request_id: r for r in core.get_batch("b", include_requests=True).requests}
+        assert after["b/0/0"].state == after["b/1/3"].state == RequestState.FINISHED  # the commits happened
     finally:
         core.close()
 
 
 def test_close_waits_for_a_read_in_progress(tmp_path: Path) -> None:
     core = _core(tmp_path)
-    real = core._store.scan
     started, release = threading.Event(), threading.Event()
-
-    def slow_scan(*a: Any, **kw: Any) -> Iterator[Any]:
-        for i, kv in enumerate(real(*a, **kw)):
-            if i == 2:
-                started.set()
-                release.wait(5)
-            yield kv
-
-    core._store.scan = slow_scan  # type: ignore[method-assign]
+    core._store.scan = _pausing_scan(core, 2, started, release)  # type: ignore[method-assign]
     got: list[int] = []
     reader = threading.Thread(target=lambda: got.append(len(core.get_batch("b", include_requests=True).requests)))
     reader.start()

@@ -17,7 +17,7 @@ from buffer_helpers import CHUNK, STOP, BufferHandle, commit, group, submit
 from seer.v1 import rollout_pb2
 from seer_client import SeerClient, SeerError
 
-from services.buffer import validation
+from services.buffer import convert, validation
 from services.common import server as common_server
 
 SEND_LIMIT = 256 * 1024  # the server's message limit in this test (64 MiB in production)
@@ -72,14 +72,6 @@ def test_an_undeliverable_result_is_named_and_the_others_are_delivered(
     # The batch's status is one small message, whatever its results' sizes.
     status = buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="b", include_requests=True), timeout=10)
     assert status.num_finished == 3
-
-
-def test_a_result_at_the_limit_still_goes() -> None:
-    """The check is the message's size against the limit, not a margin below it."""
-    from services.buffer.server import fits_message
-
-    msg = rollout_pb2.StreamResultsResponse(cursor=1, result=rollout_pb2.RolloutResult(token_ids=list(range(1000))))
-    assert fits_message(msg, msg.ByteSize()) and not fits_message(msg, msg.ByteSize() - 1)
 
 
 def _store_with_a_left_out_result(make_buffer: Callable[..., BufferHandle], monkeypatch: pytest.MonkeyPatch
@@ -142,3 +134,27 @@ def test_a_traced_channel_does_not_retry_past_a_left_out_result(
             got.append(r.request_id)
     assert got == ["b/0/0", "b/0/2", "b/0/3"]
     assert info.value.code == "RESOURCE_EXHAUSTED" and "'b/0/1'" in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize("margin", [0, 1])
+def test_a_result_exactly_at_the_send_limit_still_goes(make_buffer: Callable[..., BufferHandle],
+                                                       monkeypatch: pytest.MonkeyPatch, margin: int) -> None:
+    """StreamResults compares the message's encoded size with the limit, not a margin below it: a
+    result whose message is exactly the limit is sent (gRPC sends it), one byte over is left out."""
+    first = make_buffer()
+    submit(first.rollout, "b", [group(group_size=1, max_tokens=8)])
+    commit(first.internal, "b/0/0", 0, [5, 6, 7], STOP)
+    sub = first.core.submission_of("b")
+    [(idx, r)] = first.core.read_results("b", 0)[0]
+    # The message exactly as the server builds it.
+    size = rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r),
+                                             submission_id=sub).ByteSize()
+    first.stop()
+    monkeypatch.setattr(common_server, "MAX_MESSAGE_BYTES", size - margin)  # read when the server starts
+    buf = make_buffer()
+    got, err = _read(buf)
+    if margin == 0:
+        assert got == [(1, "b/0/0")] and err is None, err
+    else:
+        assert got == [] and err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        assert "'b/0/0'" in (err.details() or "") and f"{size} bytes" in (err.details() or "")

@@ -17,79 +17,50 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from seer.v1 import draft_pb2, draft_pb2_grpc
 
-from services.common.server import RunningServer
-from services.draft.store import DraftStore
 from services.worker.core import ChunkFinish, ChunkJob, Worker
-from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
 from tests.draft.draft_helpers import PROMPT, finish, old_run, workers
-
-
-def _expire(store: DraftStore) -> None:
-    store._clock = lambda: 1e12  # type: ignore[method-assign]  # far past every TTL
-    store.expire_now()
-
-
-def _flush(*clients: DraftClient, times: int = 3) -> None:
-    for _ in range(times):
-        for c in clients:
-            c.flush()
-
-
-_Stub = tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]
-
-
-@pytest.fixture()
-def stub(draft_server: tuple[RunningServer, DraftStore], draft_stub: draft_pb2_grpc.DraftServiceStub) -> _Stub:
-    return draft_stub, draft_server[1]
-
-
-def _register(s: draft_pb2_grpc.DraftServiceStub, gid: str, epoch: int, *, key: str = "key",
-              prompt: tuple[int, ...] = (1, 2, 3), size: int = 2) -> bool:
-    return s.RegisterGroup(draft_pb2.RegisterGroupRequest(
-        group_id=gid, prompt_key=key, prompt_token_ids=prompt, ttl_seconds=60, group_size=size,
-        epoch=epoch)).created
+from tests.draft.registration_helpers import Stub, expire, flush, register, stub_fixture  # noqa: F401 (the stub fixture)
 
 
 @pytest.mark.parametrize("other", [{"key": "other"}, {"prompt": (1, 2, 4)}, {"size": 3}],
                          ids=["key", "prompt", "size"])
 def test_another_registration_of_an_expired_completed_group_at_a_low_epoch_is_a_new_run(
-        stub: _Stub, other: dict[str, object]) -> None:
+        stub: Stub, other: dict[str, object]) -> None:
     """Epochs 1 and 2 completed the group; it expired. A new run's registration at epoch 1 with
     another prompt key, prompt or group size starts a new incarnation (was FAILED_PRECONDITION)."""
     s, store = stub
-    assert _register(s, "g", 1)
+    assert register(s, "g", 1)
     store.append("g", "r0", 0, [5], finished=True, epoch=1)
     store.append("g", "r1", 0, [6], finished=True, epoch=2)
     assert store._groups["g"].completed
-    _expire(store)
-    assert _register(s, "g", 1, **other)  # type: ignore[arg-type]
+    expire(store)
+    assert register(s, "g", 1, **other)  # type: ignore[arg-type]
     g = store._groups["g"]
     assert not g.epochs and not g.index.tokens("r0") and not g.completed
 
 
-def test_the_same_registration_at_an_old_run_epoch_is_still_refused(stub: _Stub) -> None:
+def test_the_same_registration_at_an_old_run_epoch_is_still_refused(stub: Stub) -> None:
     """The same prompt, key and size (or size 0: unknown, agrees) at an epoch of the old run: the old
     run's retry, refused naming epoch. (A new run with those at such a low epoch, after a scheduler
     restart without epoch_file and a clock behind, is refused too: services/draft/README.md.)"""
     s, store = stub
-    assert _register(s, "g", 1)
+    assert register(s, "g", 1)
     store.append("g", "r0", 0, [5], finished=True, epoch=1)
     store.append("g", "r1", 0, [6], finished=True, epoch=2)
-    _expire(store)
+    expire(store)
     for size in (2, 0):
         with pytest.raises(grpc.RpcError) as err:
-            _register(s, "g", 2, size=size)
+            register(s, "g", 2, size=size)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert (err.value.details() or "").startswith("epoch:")
     assert "g" not in store._groups
-    assert _register(s, "g", 3)  # a newer epoch: another run
+    assert register(s, "g", 3)  # a newer epoch: another run
 
 
-def test_a_straggler_of_an_older_run_is_refused_after_another_prompt_reused_the_id(stub: _Stub) -> None:
+def test_a_straggler_of_an_older_run_is_refused_after_another_prompt_reused_the_id(stub: Stub) -> None:
     """Run A (prompt 1,2,3; epochs 1-2) completed and expired; run B reused the id with another prompt
     (epochs 10-11), completed and expired. A straggler of A at epoch 2 is A's: refused, though only
     B's record is the newest (every remembered incarnation is compared; it got a lone incarnation of
@@ -97,21 +68,21 @@ def test_a_straggler_of_an_older_run_is_refused_after_another_prompt_reused_the_
     s, store = stub
     now = [0.0]
     store._clock = lambda: now[0]  # type: ignore[method-assign]
-    assert _register(s, "g", 1)
+    assert register(s, "g", 1)
     store.append("g", "r0", 0, [5], finished=True, epoch=1)
     store.append("g", "r1", 0, [6], finished=True, epoch=2)
     now[0] += 1e6
     store.expire_now()
-    assert _register(s, "g", 10, prompt=(1, 2, 4))
+    assert register(s, "g", 10, prompt=(1, 2, 4))
     store.append("g", "r0", 0, [7], finished=True, epoch=10)
     store.append("g", "r1", 0, [8], finished=True, epoch=11)
     now[0] += 1e6
     store.expire_now()
     with pytest.raises(grpc.RpcError) as err:
-        _register(s, "g", 2)
+        register(s, "g", 2)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "g" not in store._groups
-    assert _register(s, "g", 30, prompt=(1, 2, 4))  # the next real run
+    assert register(s, "g", 30, prompt=(1, 2, 4))  # the next real run
 
 
 def test_a_new_run_of_another_size_on_a_stale_mirror_after_expiry_gets_its_group() -> None:
@@ -121,11 +92,11 @@ def test_a_new_run_of_another_size_on_a_stale_mirror_after_expiry_gets_its_group
     with workers(2) as (srv, (a, b)):
         old_run(a, b)
         old_incarnation = a._groups["g"].incarnation
-        _expire(srv.store)
+        expire(srv.store)
         a.register_attempt("g", "key", PROMPT, 3, 60, request_id="r1", epoch=1)
         a.resume("g", "r1", [], epoch=1)
         a.append("g", "r1", 0, [40, 41])
-        _flush(a)
+        flush(a)
         g = srv.store._groups["g"]
         assert g.group_size == 3 and g.incarnation != old_incarnation
         assert srv.store.index_of("g").tokens("r0") == []  # the old run's response stays out
@@ -138,7 +109,7 @@ def test_a_completed_mirror_kept_for_a_retried_chunk_is_no_longer_released() -> 
     with workers(1) as (_srv, (a,)):
         a.register_attempt("g", "key", PROMPT, 1, 60, request_id="r0", epoch=4)
         finish(a, "r0", [10], epoch=4)
-        _flush(a)
+        flush(a)
         mirror = a._groups["g"]
         assert mirror.completed
         a.append("g", "r0", 1, [], finished=True)  # queued: the release below waits for it
@@ -147,7 +118,7 @@ def test_a_completed_mirror_kept_for_a_retried_chunk_is_no_longer_released() -> 
         a.register_attempt("g", "key", PROMPT, 1, 60, request_id="r0", epoch=4)  # the retried chunk
         a.resume("g", "r0", [10], epoch=4)
         assert a.has_group("g")
-        _flush(a)
+        flush(a)
         assert a._groups.get("g") is mirror
         assert a.propose("g", "r1", [1, 2, 3], 4) is not None  # still drafting from it
 
@@ -164,13 +135,13 @@ def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_after_expiry_reaches_i
         try:
             old_run(a, b)
             old_incarnation = a._groups["g"].incarnation
-            _expire(srv.store)
+            expire(srv.store)
             job = ChunkJob(request_id="r1", prompt_token_ids=tuple(PROMPT), max_new_tokens=4, max_tokens=40,
                            sampling=SamplingParams(temperature=0.0, seed=7), policy_version=0, group_id="g",
                            prompt_key="key", group_size=2, output_token_ids=(40, 41, eos), dispatch_epoch=9)
             toks, _, done = w.run(job)
             assert toks == [] and done.finish == ChunkFinish.STOP
-            _flush(a)
+            flush(a)
             g = srv.store._groups["g"]
             assert g.incarnation != old_incarnation
             assert srv.store.index_of("g").tokens("r1") == [40, 41, eos] and g.finished == {"r1"}
@@ -192,10 +163,10 @@ def test_a_stale_mirror_of_the_old_run_is_still_released_after_expiry() -> None:
         c.resume("g", "r0", [], epoch=1)  # an old-run attempt of r0 that lost to A's
         c.append("g", "r0", 0, [10])
         c.end("g", "r0")
-        _expire(srv.store)
+        expire(srv.store)
         rpcs = a.stats().register_rpcs
         assert not a._groups["g"].completed and not c._groups["g"].completed
-        _flush(a, b, c)
+        flush(a, b, c)
         assert not a._groups and not b._groups and not c._groups
         assert a.stats().register_rpcs == rpcs
         assert "g" not in srv.store._groups and srv.store.stats().groups == 0

@@ -15,15 +15,12 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from seer.v1 import draft_pb2, draft_pb2_grpc
 
-from services.common.server import RunningServer
-from services.draft.store import DraftStore
 from services.worker.core import ChunkFinish, ChunkJob, Worker
-from services.worker.draft_client import DraftClient
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
 from tests.draft.draft_helpers import finish, old_run, workers
+from tests.draft.registration_helpers import Stub, expire, flush, register, stub_fixture  # noqa: F401 (the stub fixture)
 
 
 def _at_once(rid: str, output: tuple[int, ...], epoch: int) -> ChunkJob:
@@ -31,12 +28,6 @@ def _at_once(rid: str, output: tuple[int, ...], epoch: int) -> ChunkJob:
     return ChunkJob(request_id=rid, prompt_token_ids=(1, 2, 3), max_new_tokens=4, max_tokens=40,
                     sampling=SamplingParams(temperature=0.0, seed=7), policy_version=0, group_id="g",
                     prompt_key="key", group_size=2, output_token_ids=output, dispatch_epoch=epoch)
-
-
-def _flush(*clients: DraftClient, times: int = 3) -> None:
-    for _ in range(times):
-        for c in clients:
-            c.flush()
 
 
 def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_before_the_new_incarnation_exists(
@@ -55,14 +46,14 @@ def test_a_new_run_chunk_ending_at_once_on_a_stale_mirror_before_the_new_incarna
             assert old.completed and not a._groups["g"].completed  # A's mirror is stale
             toks, _, done = w.run(_at_once("r1", (4, 5, eos), epoch=9))
             assert toks == [] and done.finish == ChunkFinish.STOP
-            _flush(a)
+            flush(a)
             g = srv.store._groups["g"]
             assert g is not old and g.incarnation != old.incarnation
             assert srv.store.index_of("g").tokens("r1") == [4, 5, eos] and g.finished == {"r1"}
             assert srv.store.index_of("g").tokens("r0") == []  # the old run's r0 stays out
             toks, _, done = w.run(_at_once("r0", (6, eos), epoch=10))
             assert done.finish == ChunkFinish.STOP
-            _flush(a)
+            flush(a)
             assert srv.store._groups["g"] is g and g.completed
             assert srv.store.index_of("g").tokens("r0") == [6, eos]
             assert {(4, 5, eos), (6, eos)} <= set(srv.store._history.responses("key"))
@@ -84,7 +75,7 @@ def test_a_known_finished_response_dispatched_again_registers_before_appending(
             # The old run's r0 token for token, complete at max_tokens.
             _, _, done = w.run(replace(_at_once("r0", (10, 11, 12), epoch=9), max_tokens=3))
             assert done.finish == ChunkFinish.LENGTH
-            _flush(a)
+            flush(a)
             g = srv.store._groups["g"]
             assert g is not old
             assert srv.store.index_of("g").tokens("r0") == [10, 11, 12] and g.finished == {"r0"}
@@ -103,60 +94,46 @@ def test_a_resubmission_with_the_same_prompt_key_and_size_starts_a_new_incarnati
         old = srv.store._groups["g"]
         c.register_attempt("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60, request_id="r0", epoch=7)
         finish(c, "r0", [30, 31], epoch=7)
-        _flush(c)
+        flush(c)
         g = srv.store._groups["g"]
         assert g is not old and g.incarnation != old.incarnation
         assert c._groups["g"].incarnation == g.incarnation
-        _flush(a, b)
+        flush(a, b)
         assert srv.store.index_of("g").tokens("r0") == [30, 31]
         assert srv.store.index_of("g").tokens("r1") == [] and g.finished == {"r0"} and not g.completed
         assert "g" not in a._groups and "g" not in b._groups  # old run's mirrors released (reused)
 
 
-_Stub = tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]
-
-
-@pytest.fixture()
-def stub(draft_server: tuple[RunningServer, DraftStore], draft_stub: draft_pb2_grpc.DraftServiceStub) -> _Stub:
-    return draft_stub, draft_server[1]
-
-
-def _register(stub: draft_pb2_grpc.DraftServiceStub, epoch: int, size: int = 2) -> bool:
-    return stub.RegisterGroup(draft_pb2.RegisterGroupRequest(
-        group_id="g", prompt_key="key", prompt_token_ids=[1, 2, 3], ttl_seconds=60, group_size=size,
-        epoch=epoch)).created
-
-
-def test_a_straggler_registration_and_an_epochless_one_stay_idempotent(stub: _Stub) -> None:
+def test_a_straggler_registration_and_an_epochless_one_stay_idempotent(stub: Stub) -> None:
     """(b) over gRPC: once the group completed, a registration of the old run (epoch at most the
     largest its group took) and one without an epoch get today's idempotent answer; only a newer
     epoch starts a new incarnation. A running group is never started over by an epoch."""
     s, store = stub
-    assert _register(s, 3)
+    assert register(s, "g", 3)
     store.append("g", "r0", 0, [5], finished=True, epoch=3)
-    assert not _register(s, 8)  # running: the same run's later attempt
+    assert not register(s, "g", 8)  # running: the same run's later attempt
     store.append("g", "r1", 0, [6], finished=True, epoch=5)
     first = store._groups["g"]
     assert first.completed
-    assert not _register(s, 5)  # the old run's straggler
-    assert not _register(s, 0)  # unknown
+    assert not register(s, "g", 5)  # the old run's straggler
+    assert not register(s, "g", 0)  # unknown
     assert store._groups["g"] is first
-    assert _register(s, 6)  # a newer run
+    assert register(s, "g", 6)  # a newer run
     second = store._groups["g"]
     assert second is not first and not second.index.tokens("r0")
-    assert not _register(s, 9)  # the new run's group is running: idempotent
+    assert not register(s, "g", 9)  # the new run's group is running: idempotent
 
 
-def test_a_completed_group_that_took_no_epoch_is_not_ordered_against(stub: _Stub) -> None:
+def test_a_completed_group_that_took_no_epoch_is_not_ordered_against(stub: Stub) -> None:
     """epoch 0 appends (an old worker): the group's largest epoch is unknown, so a registration
     with an epoch keeps today's answer."""
     s, store = stub
-    assert _register(s, 0)
+    assert register(s, "g", 0)
     store.append("g", "r0", 0, [5], finished=True)
     store.append("g", "r1", 0, [6], finished=True)
     first = store._groups["g"]
     assert first.completed
-    assert not _register(s, 50)
+    assert not register(s, "g", 50)
     assert store._groups["g"] is first
 
 
@@ -168,38 +145,33 @@ def test_a_later_chunk_of_the_same_run_sends_no_registration(ref_engine: Referen
         try:
             job = replace(_at_once("r0", (), epoch=3), max_new_tokens=2, group_size=8)
             w.run(job)
-            _flush(a)
+            flush(a)
             assert a.stats().register_rpcs == 1
             for epoch in (4, 5, 6):
                 w.run(replace(job, request_id=f"r{epoch}", dispatch_epoch=epoch))
-                _flush(a)
+                flush(a)
             assert a.stats().register_rpcs == 1
         finally:
             w.close()
 
 
-def _expire(store: DraftStore) -> None:
-    store._clock = lambda: 1e12  # type: ignore[method-assign]  # far past every TTL
-    store.expire_now()
-
-
-def test_the_same_run_registering_an_expired_completed_group_starts_no_new_incarnation(stub: _Stub) -> None:
+def test_the_same_run_registering_an_expired_completed_group_starts_no_new_incarnation(stub: Stub) -> None:
     """A completed group that expired, registered again at an epoch of its own run (a retried
     RegisterGroup, a straggler): refused, naming epoch, and nothing is created; was a new
     incarnation (the run's workers still following the old one then got reset + reused). A newer
     epoch, or none, is still the id used again."""
     s, store = stub
-    assert _register(s, 3, size=1)
+    assert register(s, "g", 3, size=1)
     store.append("g", "r0", 0, [5], finished=True, epoch=3)
     assert store._groups["g"].completed
-    _expire(store)
+    expire(store)
     for same_run in (3, 2):
         with pytest.raises(grpc.RpcError) as err:
-            _register(s, same_run, size=1)
+            register(s, "g", same_run, size=1)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert err.value.details().startswith("epoch:")
         assert "g" not in store._groups
-    assert _register(s, 4, size=1)  # another run
+    assert register(s, "g", 4, size=1)  # another run
 
 
 def test_a_same_run_retry_after_the_group_completed_and_expired_is_not_a_new_run() -> None:
@@ -210,16 +182,16 @@ def test_a_same_run_retry_after_the_group_completed_and_expired_is_not_a_new_run
     with workers(2) as (srv, (a, b)):
         for w in (a, b):
             w.register_group("g", "key", [1, 2, 3], group_size=2, ttl_seconds=60)
-        _flush(a, b)
+        flush(a, b)
         for w, rid, epoch in ((a, "r0", 1), (b, "r1", 2)):
             w.register_attempt("g", "key", [1, 2, 3], 2, 60, request_id=rid, epoch=epoch)
             finish(w, rid, [10 + epoch], epoch=epoch)
-        _flush(a, b)
+        flush(a, b)
         assert srv.store._groups["g"].completed
-        _expire(srv.store)
+        expire(srv.store)
         b.register_attempt("g", "key", [1, 2, 3], 2, 60, request_id="r1", epoch=2)
         b.resume("g", "r1", [12], epoch=2)
-        _flush(b, a)
+        flush(b, a)
         assert "g" not in srv.store._groups  # no lone incarnation of the retry
         assert srv.store.stats().groups == 0
         assert a.stats().resets == 0  # A was never told its run is another's
@@ -231,12 +203,12 @@ def test_a_same_run_retry_keeps_the_completed_mirror() -> None:
     with workers(1) as (srv, (a,)):
         a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=4)
         finish(a, "r0", [10], epoch=4)
-        _flush(a)
+        flush(a)
         mirror, rpcs = a._groups["g"], a.stats().register_rpcs
         assert mirror.completed
         a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=4)
-        _flush(a)
+        flush(a)
         assert a._groups["g"] is mirror and a.stats().register_rpcs == rpcs
         a.register_attempt("g", "key", [1, 2, 3], 1, 60, request_id="r0", epoch=5)  # another run
-        _flush(a)
+        flush(a)
         assert a._groups["g"] is not mirror and srv.store._groups["g"].incarnation != mirror.incarnation
