@@ -460,9 +460,49 @@ def test_the_host_pool_that_runs_has_what_the_storage_layout_reads(whl: Wheel) -
 
 def test_the_proposed_draft_count_sglang_reports_is_its_verify_block_capacity(whl: Wheel) -> None:
     """M-L (review): spec_num_proposed_drafts is verify steps x (num_draft_tokens - 1), padding
-    included (SEER pads every block to N tokens): the adapter reports it as StepOutput.num_draft_tokens
-    documented as the verified block capacity (services/worker/README.md), not drafts proposed."""
+    included (SEER pads every block to N tokens), so the adapter does not report it: the plugin
+    files each step's real draft count in Req.customized_info (plugin.record_step), which SGLang
+    streams, sliced by output position, into meta_info under the same key."""
     calc = ast.unparse(whl.method(TM, "TokenizerManager", "_calculate_spec_decoding_metrics"))
     assert "num_proposed_drafts = recv_obj.spec_verify_ct[i] * (get_spec().speculative_num_draft_tokens - 1)" in calc
     assert "meta_info['spec_num_proposed_drafts'] = num_proposed_drafts" in calc
-    assert "block capacity" in sg.stream_delta.__doc__
+    assert not [n for n in ast.walk(our_tree("engine"))
+                if isinstance(n, ast.Constant) and n.value == "spec_num_proposed_drafts"]
+    # Req.customized_info: a dict of per-token lists, None until someone sets it.
+    init = ast.unparse(whl.method(f"{SRT}.managers.schedule_batch", "Req", "__init__"))
+    assert "self.customized_info: Optional[Dict[str, List[Any]]] = None" in init
+    # The streamer sends each key's values for the positions not sent yet (token-level keys).
+    streamer = f"{SRT}.managers.scheduler_components.output_streamer"
+    src = whl.source(streamer)
+    assert "for key, req_values in req.customized_info.items():" in src
+    assert "values = req_values[send_token_offset : len(output_ids_)]" in src
+    assert "def is_request_level_customized_info_key(self, key: str) -> bool:" in src
+    # The tokenizer manager accumulates them into meta_info[key] on every output.
+    acc = ast.unparse(whl.method(TM, "TokenizerManager", "_accumulate_request_meta_info"))
+    assert "accumulated.extend(values)" in acc and "meta_info[key] = accumulated" in acc
+    # on_verify_complete_cpu runs before the step's tokens are appended, and SGLang counts a verify
+    # step only for a request neither retracted nor finished (what record_step mirrors).
+    decode = ast.unparse(whl.method(BRP, "SchedulerBatchResultProcessor", "_resolve_spec_v2_tokens"))
+    assert "if req.is_retracted or req.finished():" in decode and "req.spec_verify_ct += 1" in decode
+
+
+def test_the_waiting_count_comes_from_the_load_snapshot(whl: Wheel) -> None:
+    """stats().waiting: TokenizerManager.get_loads(include, dp_rank) (a mixin coroutine) returns one
+    LoadSnapshot per scheduler, whose num_waiting_reqs counts the waiting queues; the backend calls
+    it with keywords SGLang's signature has and include sections it accepts."""
+    mixin = f"{SRT}.managers.tokenizer_control_mixin"
+    loads = whl.method(mixin, "TokenizerControlMixin", "get_loads")
+    assert isinstance(loads, ast.AsyncFunctionDef) and params(loads) == ["self", "include", "dp_rank"]
+    assert "List[LoadSnapshot]" in ast.unparse(loads.returns) if loads.returns else False
+    (call,) = calls_in(our_tree("engine"), "get_loads")
+    assert not call.args and {k.arg for k in call.keywords} <= {"include", "dp_rank"}
+    include = next(k.value for k in call.keywords if k.arg == "include")
+    snap = f"{SRT}.managers.load_snapshot"
+    valid = ast.unparse(next(n for n in whl.cls(snap, "LoadSnapshot").body
+                             if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "VALID_SECTIONS"))
+    assert isinstance(include, ast.List) and all(f"'{ast.literal_eval(e)}'" in valid for e in include.elts)
+    assert "num_waiting_reqs" in whl.fields(snap, "LoadSnapshot")
+    assert "num_waiting_reqs = sum((len(queue) for queue in waiting_queues))" in ast.unparse(
+        whl.tree(f"{SRT}.managers.scheduler_components.load_inquirer"))
+    # The reader is created with the tokenizer manager (no server flag needed).
+    assert "self.load_snapshot_reader = create_load_snapshot_reader(" in whl.source(TM)

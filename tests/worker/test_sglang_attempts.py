@@ -129,6 +129,10 @@ class _TokenizerManager:
         self.loaded = ""
         self.calls: list[Any] = []  # pause / continue objects, in order
         self.spec_tokens = 1  # tokens per streamed output (> 1: accepted drafts)
+        self.real_drafts = 2  # draft tokens the plugin proposed per verify step (of 4 block slots)
+        self.waiting = 0  # SGLang's waiting queue, as its load snapshot says
+        self.load_reads = 0  # get_loads calls
+        self.loads_published = True  # False: no snapshot yet (get_loads answers [])
         self.logprobs = True  # False: a release that gives no per-token logprobs under speculation
 
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[dict[str, Any]]:
@@ -149,6 +153,7 @@ class _TokenizerManager:
             seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
             attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
             last, ids, entries, verify = obj.input_ids[-1], [], [], 0
+            drafts: list[Any] = []  # what the SEER plugin files per verify step (plugin.record_step)
             # Clipped without a word (scheduler.py:2710-2716); max_req_len = max_req_input_len + 5.
             limit = max(0, min(obj.sampling_params["max_new_tokens"],
                                self.max_req_input_len + 5 - len(obj.input_ids) - 1))
@@ -162,7 +167,11 @@ class _TokenizerManager:
                 if len(ids) == self.cut_after:
                     return
                 verify += 1
-                for _ in range(min(self.spec_tokens, limit - len(ids))):
+                step = min(self.spec_tokens, limit - len(ids))
+                # The plugin's real draft (self.real_drafts tokens, the rest of the 4-slot block
+                # padding), of which the step's tokens but the bonus one were accepted.
+                drafts += [(self.real_drafts, step - 1)] + [None] * (step - 1)
+                for _ in range(step):
                     last = last + 1 if attempt == 1 else 50 + len(ids)
                     ids = [*ids, last]
                     if self.logprobs or self.spec_tokens == 1:
@@ -170,7 +179,8 @@ class _TokenizerManager:
                 done = len(ids) == limit
                 self.yielded[rid] = self.yielded.get(rid, 0) + 1
                 yield {"output_ids": ids,
-                       "meta_info": self._meta(obj, ids, entries, {"type": "length"} if done else None, verify)}
+                       "meta_info": self._meta(obj, ids, entries, {"type": "length"} if done else None, verify,
+                                               drafts)}
         except asyncio.CancelledError:
             # SGLang aborts a dispatched request whose handler is cancelled
             # (_release_req_states_on_failure, tokenizer_manager.py:958-967).
@@ -181,11 +191,15 @@ class _TokenizerManager:
             asyncio.get_running_loop().call_later(self.linger, self.scheduler.discard, rid)
 
     def _meta(self, obj: GenerateReqInput, ids: list[int], entries: list[Any], finish: Any,
-              verify: int) -> dict[str, Any]:
+              verify: int, drafts: list[Any] | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {"completion_tokens": len(ids), "finish_reason": finish}
         if obj.return_logprob:
             meta["output_token_logprobs"] = entries
+        if self.spec_tokens > 1 and drafts:
+            # customized_info accumulated into meta_info on every output (tokenizer_manager.py:2818).
+            meta[plugin.DRAFT_INFO_KEY] = list(drafts)
         if finish is not None and self.spec_tokens > 1:
+            # SGLang's own counts: proposed is its block capacity (4 slots), padding included.
             meta.update(spec_verify_ct=verify, spec_num_correct_drafts=len(ids) - verify,
                         spec_num_proposed_drafts=verify * 4)
         return meta
@@ -199,6 +213,12 @@ class _TokenizerManager:
     def _scheduler_abort(self, rid: str) -> None:
         # By prefix, as SGLang's scheduler matches (req.rid.startswith(recv_req.rid)).
         self.aborted |= {h for h in self.held if h.startswith(rid)}
+
+    async def get_loads(self, include: list[str] | None = None, dp_rank: int | None = None) -> list[Any]:
+        # tokenizer_control_mixin.py:1001: one LoadSnapshot per DP rank, [] before any is published.
+        assert include is None or set(include) <= {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+        self.load_reads += 1
+        return [SimpleNamespace(num_running_reqs=0, num_waiting_reqs=self.waiting)] if self.loads_published else []
 
     async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
         assert isinstance(obj, PauseGenerationReqInput)
@@ -424,7 +444,9 @@ def test_speculative_outputs_deliver_every_token_with_its_logprob(engine: sg.SGL
     assert [t for o in outs for t in o.token_ids] == [4, 5, 6, 7, 8, 9, 10]
     assert [lp for o in outs for lp in o.logprobs] == [-0.1] * 7
     assert outs[-1].finish_reason == FinishReason.LENGTH
-    assert sum(o.num_accepted for o in outs) == 7 - 3 and sum(o.num_draft_tokens for o in outs) == 3 * 4
+    # The plugin's real drafts (2 per verify step), not SGLang's block capacity (3 x 4, padding
+    # included: spec_num_proposed_drafts, what HEAD reported).
+    assert sum(o.num_accepted for o in outs) == 7 - 3 and sum(o.num_draft_tokens for o in outs) == 3 * 2
 
 
 def test_tokens_without_logprobs_are_refused_not_truncated(engine: sg.SGLangEngine) -> None:
@@ -639,3 +661,62 @@ def test_a_timeout_error_inside_the_load_is_not_reported_as_the_load_timing_out(
     with pytest.raises(TimeoutError, match="shard 3"):
         engine.load_weights(str(tmp_path), "m@v1")
     assert isinstance(tm.calls[-1], ContinueGenerationReqInput) and engine._broken is None
+
+
+def test_waiting_comes_from_sglangs_load_snapshot_read_at_a_bounded_rate(engine: sg.SGLangEngine,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """stats().waiting was always 0: SGLang's queue length is only in its load snapshot
+    (TokenizerManager.get_loads, num_waiting_reqs). stats() never waits for the read: it answers
+    with the last value and starts at most one read per LOADS_INTERVAL_S on the loop."""
+    tm = engine._sgl.tokenizer_manager
+    monkeypatch.setattr(sg, "LOADS_INTERVAL_S", 0.2)
+    for i in range(3):
+        engine.add_request(GenerateRequest(request_id=f"r{i}", prompt_token_ids=(1, 2, 3), max_new_tokens=200,
+                                           sampling=GREEDY))
+    tm.waiting = 2
+    first = engine.stats()
+    assert (first.running, first.waiting) == (3, 0)  # nothing read yet: the read starts now
+
+    def settled() -> Any:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and engine._loads_busy:
+            time.sleep(0.005)
+        return engine.stats()
+
+    s = settled()
+    assert (s.running, s.waiting) == (1, 2)  # live requests are running or waiting, not both
+    reads = tm.load_reads
+    for _ in range(50):  # a burst of stats calls inside one interval: no further read
+        engine.stats()
+    assert tm.load_reads == reads
+    tm.waiting = 9  # more than the live set (the snapshot lags): clamped to it
+    time.sleep(0.25)
+    engine.stats()
+    s = settled()
+    assert tm.load_reads == reads + 1 and (s.running, s.waiting) == (0, 3)
+    tm.loads_published = False  # no snapshot (e.g. the scheduler restarted its slot): keep the last
+    time.sleep(0.25)
+    engine.stats()
+    assert settled().waiting == 3
+    for i in range(3):
+        engine.abort(f"r{i}")
+    assert engine.stats().waiting == 0  # clamped to the live set at once
+    time.sleep(0.1)  # the cancelled generate tasks finish before the engine shuts down
+
+
+def test_a_failing_load_read_keeps_the_last_waiting_count(engine: sg.SGLangEngine,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    tm = engine._sgl.tokenizer_manager
+    monkeypatch.setattr(sg, "LOADS_INTERVAL_S", 0.0)
+
+    async def broken(include: list[str] | None = None, dp_rank: int | None = None) -> list[Any]:
+        raise OSError("load shm header mismatch")
+
+    tm.get_loads = broken
+    engine.add_request(GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=200,
+                                       sampling=GREEDY))
+    for _ in range(5):
+        s = engine.stats()
+        time.sleep(0.02)
+    assert (s.running, s.waiting) == (1, 0) and not engine._loads_busy
+    engine.abort("r")

@@ -183,7 +183,10 @@ def test_stream_deltas(cumulative: bool) -> None:
         meta: dict[str, object] = {"output_token_logprobs": list(seen) if cumulative else c,
                                    "completion_tokens": len(seen), "finish_reason": {"type": "stop"} if last else None}
         if last:
+            # SGLang's block capacity (12, padding included) next to the SEER plugin's real counts
+            # per verify step (plugin.record_step): the real ones are reported.
             meta.update(spec_verify_ct=3, spec_num_correct_drafts=2, spec_num_proposed_drafts=12)
+            meta[plugin.DRAFT_INFO_KEY] = [(2, 1), None, (1, 1), None, (1, 0)]
         out = {"output_ids": [e[1] for e in (seen if cumulative else c)], "meta_info": meta}
         d = stream_delta(out, reported)
         reported = d.total
@@ -193,7 +196,7 @@ def test_stream_deltas(cumulative: bool) -> None:
         proposed += d.proposed
         reason = d.reason
     assert tokens == [11, 12, 13, 14, 2] and logprobs == [-0.1, -0.2, -0.3, -0.4, -0.5]
-    assert reason == FinishReason.STOP and (accepted, proposed) == (2, 12)
+    assert reason == FinishReason.STOP and (accepted, proposed) == (2, 4)
     assert stream_delta({"meta_info": {"finish_reason": {"type": "abort"}}}, 5).reason == FinishReason.ABORTED
     assert stream_delta({"output_ids": [1] * 5, "meta_info": {"finish_reason": {"type": "length"},
                                                                 "completion_tokens": 5}}, 5).token_ids == []

@@ -62,6 +62,7 @@ class _Req:
     finished_reason: Any = None
     finished_len: int | None = None
     sampling_params: Any = None
+    customized_info: Any = None  # schedule_batch.py:1340
 
     def __post_init__(self) -> None:
         # The Seer request id: after the first '#' of attempt_rid's "<attempt>#<request id>".
@@ -259,3 +260,26 @@ def test_a_finished_request_is_settled_at_sglangs_finish_hook(worker: Any) -> No
     assert A not in worker.seer_running and worker.finished_noted == [A]
     s.prefill(_Req(C, max_new_tokens=40))  # the departure path finds nothing left to settle
     assert s.sink.ended == ["a"] and s.sink.tokens["a"] == truth(A)[:6]
+
+
+def test_each_verify_step_files_its_real_draft_count_for_the_worker(worker: Any) -> None:
+    """SGLang reports spec_num_proposed_drafts = verify steps x (N - 1), padding included; the
+    plugin files the real draft length of each step (and the accepted drafts within it) in
+    customized_info at the step's first new token, which SGLang streams to the worker."""
+    s = _Scheduler(worker)
+    a = _Req(A, max_new_tokens=40)
+    s.prefill(a)
+    sink = s.sink
+    real_propose = sink.propose
+
+    def short(group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1) -> Any:
+        d = real_propose(group_id, request_id, context, max_len, width)
+        return Draft(d.tokens[:1], d.parents[:1])  # one real draft token, the block's other slots pad
+
+    s.decode({A: 2})  # 3 drafts proposed, 2 right: 3 tokens
+    sink.propose = short  # type: ignore[method-assign]
+    s.decode({A: 1})  # 1 draft proposed, right: 2 tokens
+    s.decode({A: 2})  # SGLang counts 2 correct (a padding match): 1 draft accepted at most
+    values = a.customized_info[plugin.DRAFT_INFO_KEY]
+    assert values == [None, (3, 2), None, None, (1, 1), None, (1, 1)]
+    assert plugin.draft_totals(values) == (4, 5)  # SGLang's capacity: 3 steps x 3 = 9

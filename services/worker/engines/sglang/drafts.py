@@ -92,6 +92,16 @@ def from_sglang(tokens: Sequence[int], mask: np.ndarray, num_real: int | None = 
     return int(tokens[0]), Draft(tuple(out_tokens), tuple(parents))
 
 
+def packed_size(draft: Draft | None, num_draft_tokens: int, vocab_size: int | None = None) -> int:
+    """How many of the draft's nodes to_sglang puts in a block of num_draft_tokens (the rest of
+    the block's N - 1 draft slots is padding): nodes outside [0, vocab_size) dropped with their
+    subtrees, then the breadth-first prefix that fits. The real draft length SGLang verifies."""
+    if draft is None or not draft.tokens or num_draft_tokens <= 1:
+        return 0
+    keep = None if vocab_size is None else [0 <= int(t) < vocab_size for t in draft.tokens]
+    return min(len(bfs_order(draft.parents, keep)), num_draft_tokens - 1)
+
+
 def pack_batch(
     drafts: Sequence[Draft | None], last_tokens: Sequence[int], num_draft_tokens: int,
     vocab_size: int | None = None,

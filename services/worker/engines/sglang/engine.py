@@ -76,6 +76,13 @@ FLUSH_TIMEOUT_S = 30.0
 # the weights ARE loaded.
 _LOADED_NOT_FLUSHED = "Weights were updated, but"
 
+# How often stats() refreshes SGLang's queue length at most. TokenizerManager.get_loads reads the
+# load snapshot the scheduler publishes (managers/load_snapshot.py: a shared-memory slot per DP rank
+# under a file lock, written after each batch and while stalled, scheduler.py:884, 5086, 5262): cheap,
+# but a lock shared with the scheduler, so it is read on the loop thread, one read in flight, and
+# stats() answers with the last value at once.
+LOADS_INTERVAL_S = 0.5
+
 # SGLang's attention backend for the worker (unset: SGLang's default, or flashinfer for draft trees).
 ENV_ATTENTION_BACKEND = "SEER_SGLANG_ATTENTION_BACKEND"
 
@@ -236,11 +243,13 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     token id, text) entries, cumulative or sliced alike); SGLang 0.5.23 fills them under speculation
     too (batch_result_processor.py:1161-1170), but a token without its logprob is an error
     (MissingLogprobs), never a silently shorter list. Speculation counts (spec_num_correct_drafts,
-    spec_num_proposed_drafts) are in the final output only (tokenizer_manager.py:2742-2756).
-    `proposed` is SGLang's verify block capacity, not the drafts SEER proposed: verify steps x
-    (num_draft_tokens - 1) (tokenizer_manager.py:3156-3158), padding included, so accepted/proposed
-    is a lower bound of the acceptance rate (the plugin's per-step counts stay in SGLang's process,
-    where its planner uses them)."""
+    spec_num_proposed_drafts) are in the final output only (tokenizer_manager.py:2742-2756), but
+    SGLang's spec_num_proposed_drafts is its verify block capacity, verify steps x
+    (num_draft_tokens - 1) (tokenizer_manager.py:3156-3158), padding included. The counts reported
+    are the SEER plugin's instead: the real draft tokens of each verify step and the accepted ones
+    among them, which it files in customized_info (plugin.record_step) and SGLang accumulates into
+    meta_info[plugin.DRAFT_INFO_KEY]. Without them (not SEER's worker), no drafts are reported
+    rather than the block capacity."""
     meta: Mapping[str, Any] = out.get("meta_info") or {}
     ids = [int(t) for t in (out.get("output_ids") or [])]
     total = int(meta.get("completion_tokens", reported + len(ids)))
@@ -259,8 +268,7 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
     accepted = proposed = 0
     if reason is not None:
-        accepted = int(meta.get("spec_num_correct_drafts", 0) or 0)
-        proposed = int(meta.get("spec_num_proposed_drafts", 0) or 0)
+        accepted, proposed = plugin.draft_totals(meta.get(plugin.DRAFT_INFO_KEY)) or (0, 0)
     return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)
 
 
@@ -321,6 +329,11 @@ class SGLangEngine(Engine):
         # NOT_SERVING and the orchestrator restarts it) and no further load is tried.
         self._broken: str | None = None
         self._stats = {"prefill": 0, "cached": 0, "generated": 0, "steps": 0}
+        # SGLang's waiting requests, as its last load snapshot read said (_read_loads).
+        self._waiting = 0
+        self._loads_at = float("-inf")  # when the last read was started (monotonic)
+        self._loads_busy = False  # a read is in flight on the loop
+        self._loads_warned = False
         self._t0 = time.monotonic()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
@@ -415,6 +428,42 @@ class SGLangEngine(Engine):
         # with nothing queued the request would stay live here and its chunk would never end.
         log.warning("sglang stream ended without a finish reason", extra=kv(request_id=rid, tokens=live.reported))
         self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
+
+    def _poll_loads(self) -> None:
+        """Starts a read of SGLang's queue length on the loop unless one is in flight or the last
+        started under LOADS_INTERVAL_S ago; never waits for it."""
+        now = time.monotonic()
+        with self._lock:
+            if (self._loads_busy or now - self._loads_at < LOADS_INTERVAL_S or self._broken is not None
+                    or not self._loop.is_running()):  # shut down: the read would never run
+                return
+            self._loads_busy, self._loads_at = True, now
+        try:
+            asyncio.run_coroutine_threadsafe(self._read_loads(), self._loop)
+        except RuntimeError:  # the loop is closed (shut down): keep the last value
+            with self._lock:
+                self._loads_busy = False
+
+    async def _read_loads(self) -> None:
+        """TokenizerManager.get_loads(include=, dp_rank=) (managers/tokenizer_control_mixin.py:
+        1001-1029): one LoadSnapshot per scheduler (DP rank); num_waiting_reqs counts its waiting
+        queue(s), requests admitted to SGLang but not yet running (scheduler_components/
+        load_inquirer.py:141, load_snapshot.py:202). An empty answer (no snapshot published yet)
+        keeps the last value; a failure is logged once and keeps it too."""
+        try:
+            loads = await self._sgl.tokenizer_manager.get_loads(include=["core"])
+            if loads:
+                waiting = sum(max(0, int(getattr(ld, "num_waiting_reqs", 0) or 0)) for ld in loads)
+                with self._lock:
+                    self._waiting = waiting
+        except Exception as e:
+            if not self._loads_warned:
+                self._loads_warned = True
+                log.warning("SGLang's load snapshot could not be read; stats keep the last waiting count",
+                            extra=kv(error=str(e)))
+        finally:
+            with self._lock:
+                self._loads_busy = False
 
     # -- Engine --------------------------------------------------------------------------------
 
@@ -624,8 +673,12 @@ class SGLangEngine(Engine):
 
     def stats(self) -> EngineStats:
         ps = self._page_size
+        self._poll_loads()  # for the next call: this one answers with the last read at once
         with self._lock:
-            running = len(self._live)
+            # A live request is either running in SGLang or in its waiting queue; the snapshot can
+            # lag the live set, so neither count goes below 0 or above it.
+            waiting = min(self._waiting, len(self._live))
+            running = len(self._live) - waiting
             # SGLang does not expose its pool's free pages here: estimate them from the live
             # requests' contexts (its radix cache holds the rest, and it evicts that on demand).
             used = sum(-(-(len(v.req.prompt_token_ids) + len(v.req.output_token_ids) + len(v.tokens)) // ps)
@@ -633,7 +686,7 @@ class SGLangEngine(Engine):
         elapsed = max(time.monotonic() - self._t0, 1e-6)
         return EngineStats(
             total_pages=self._total_pages, free_pages=max(0, self._total_pages - used), page_size=ps,
-            running=running, waiting=0,
+            running=running, waiting=waiting,
             tokens_per_second=self._stats["generated"] / elapsed, model_version=self._version,
             prefill_tokens=self._stats["prefill"], cached_tokens=self._stats["cached"],
             generated_tokens=self._stats["generated"], steps=self._stats["steps"],

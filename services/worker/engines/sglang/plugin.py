@@ -71,6 +71,9 @@ ENV_GROUP_TTL = "SEER_SGLANG_GROUP_TTL"
 # The served model's vocabulary size: draft tokens outside it are dropped before they reach the GPU.
 ENV_VOCAB_SIZE = "SEER_SGLANG_VOCAB_SIZE"
 
+# The key of SEER's per-step draft counts in SGLang's Req.customized_info (see record_step).
+DRAFT_INFO_KEY = "seer_drafts"
+
 _registered: Any = None
 
 
@@ -101,6 +104,42 @@ def custom_params(group_id: str, prompt_key: str, group_size: int, is_probe: boo
     return {"seer_group_id": group_id, "seer_prompt_key": prompt_key, "seer_group_size": group_size,
             "seer_is_probe": is_probe, "seer_request_id": request_id, "seer_output_offset": output_offset,
             "seer_dispatch_epoch": epoch}
+
+
+def record_step(req: Any, proposed: int, accepted: int) -> None:
+    """Files one verify step's real draft counts on SGLang's Req, for the worker's process.
+
+    SGLang reports spec_num_proposed_drafts = verify steps x (num_draft_tokens - 1), the block
+    capacity with SEER's padding (tokenizer_manager.py:3156-3158); only this process knows how many
+    of a block's slots were drafts. Req.customized_info (schedule_batch.py:1340) is SGLang's channel
+    for per-token values: the output streamer sends customized_info[key][sent:len(output_ids)] with
+    each output (output_streamer.py:688-708) and the tokenizer manager accumulates them into
+    meta_info[key] (tokenizer_manager.py:2577-2581, 2818-2821). So the pair goes at the position of
+    the step's first new token (len(output_ids) now: on_verify_complete_cpu runs before the step's
+    tokens are appended, batch_result_processor.py:803 vs 1046), which is sent exactly once
+    (a stop inside the step still keeps that token, finished_len > it), and the positions of the
+    other tokens hold None, as SGLang pads a key a request lacks."""
+    info = getattr(req, "customized_info", None)
+    if info is None:
+        info = req.customized_info = {}
+    values = info.setdefault(DRAFT_INFO_KEY, [])
+    at = len(req.output_ids)
+    del values[at:]
+    values.extend([None] * (at - len(values)))
+    values.append((int(proposed), int(accepted)))
+
+
+def draft_totals(values: Sequence[Any] | None) -> tuple[int, int] | None:
+    """(accepted, proposed) summed over record_step's entries in a streamed meta_info (None and
+    other padding skipped); None when SGLang sent none (speculation off, or not SEER's worker)."""
+    if values is None:
+        return None
+    accepted = proposed = 0
+    for v in values:
+        if isinstance(v, list | tuple) and len(v) == 2:
+            proposed += int(v[0])
+            accepted += int(v[1])
+    return accepted, proposed
 
 
 class DraftSink(Protocol):
@@ -313,7 +352,7 @@ def _worker_class() -> type:
 
     from services.worker.adaptive import AdaptiveSpeculation
     from services.worker.draft_client import DraftClient
-    from services.worker.engines.sglang.drafts import pack_batch
+    from services.worker.engines.sglang.drafts import pack_batch, packed_size
 
     class SeerDraftWorker(NGRAMWorker):  # type: ignore[misc,valid-type]
         """NGRAMWorker with drafts from the Seer draft client instead of the n-gram cache.
@@ -343,6 +382,10 @@ def _worker_class() -> type:
             self.seer_vocab_size = int(os.environ.get(ENV_VOCAB_SIZE, "0")) or None
             self.seer_proposed: dict[str, int] = {}  # rid -> draft depth proposed this step
             self.seer_step_rids: list[str] = []  # this step's decode batch, in batch order
+            self.seer_step_reqs: list[Any] = []  # the same batch's Req objects
+            # rid -> draft tokens this step's block holds for it (before padding): what the worker
+            # reports as proposed (record_step), not SGLang's block capacity.
+            self.seer_packed: dict[str, int] = {}
             # rid -> Req of the grouped requests of the last decode batch: the ones the mirror
             # follows, until they are seen to have left (finished, retracted or aborted).
             self.seer_running: dict[str, Any] = {}
@@ -403,10 +446,12 @@ def _worker_class() -> type:
                     self.seer_drafts.verified(req.rid, meta, req.origin_input_ids, req.output_ids, False)
                     self.seer_running[req.rid] = req
             self.seer_step_rids = [r.rid for r in batch.reqs]
+            self.seer_step_reqs = list(batch.reqs)
             plan = self.seer_planner.plan([(r.rid, m.is_probe) for r, m in zip(batch.reqs, metas, strict=True)])
             drafts: list[Any] = []
             last_tokens: list[int] = []
             self.seer_proposed = {}
+            self.seer_packed = {}
             for req, meta in zip(batch.reqs, metas, strict=True):
                 last_tokens.append(int(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]))
                 n = min(int(plan.get(req.rid, 0)), self.draft_token_num - 1)
@@ -420,6 +465,7 @@ def _worker_class() -> type:
                     for i, p in enumerate(d.parents):
                         depth[i] = 0 if p < 0 else depth[p] + 1
                     self.seer_proposed[req.rid] = min(max(depth) + 1, self.draft_token_num - 1)
+                    self.seer_packed[req.rid] = packed_size(d, self.draft_token_num, self.seer_vocab_size)
             return pack_batch(drafts, last_tokens, self.draft_token_num, self.seer_vocab_size)
 
         def _update_ngram_corpus(self, batch: Any) -> None:
@@ -441,6 +487,14 @@ def _worker_class() -> type:
                     for i in range(min(int(n), depth, positions)):
                         accepted[i] += 1
                 self.seer_planner.observe(proposed, accepted)
+                for req, n in zip(self.seer_step_reqs, num_correct_drafts_per_req, strict=True):
+                    # As SGLang counts spec_verify_ct: not for a retracted or finished request
+                    # (batch_result_processor.py:822-835). Accepted drafts capped at the real
+                    # draft (a padding node matched by chance is no accepted draft).
+                    if getattr(req, "is_retracted", False) or req.finished():
+                        continue
+                    real = self.seer_packed.get(req.rid, 0)
+                    record_step(req, real, min(int(n), self.seer_proposed.get(req.rid, 0), real))
             super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
 
     return SeerDraftWorker
