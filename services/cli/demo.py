@@ -29,6 +29,7 @@ from services.cli.up import (
     SuiteInterrupted,
     ensure_embedded_model,
     flag_error,
+    prepare_model,
     stop_keeping_data,
 )
 
@@ -104,10 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"seer demo: {e}", file=sys.stderr)
         return 1
     say("preparing the embedded model ...")
-    try:
-        model_dir = ensure_embedded_model()
-    except KeyboardInterrupt:  # the first conversion takes a while; it removes its partial output itself
-        print("seer demo: interrupted while preparing the model", file=sys.stderr)
+    # A lambda: ensure_embedded_model is looked up when called (tests replace it in this module).
+    model_dir = prepare_model("seer demo", lambda: ensure_embedded_model())
+    if model_dir is None:
         return 128 + signal.SIGINT
     stop = _DemoStop()
     # From before Suite(), which creates the temporary data directory: from here on a signal must

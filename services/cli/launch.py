@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from services.cli.flags import int_list
+
 # How often the watchdog looks for its parent: the delay between the parent's death and the SIGTERM.
 _WATCHDOG_INTERVAL = 0.5
 
@@ -46,21 +48,10 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
-def _cpus(text: str) -> set[int]:
-    """--cpus: comma-separated CPU numbers (refused by its flag, not a ValueError traceback)."""
-    try:
-        cpus = {int(c) for c in text.split(",") if c.strip()}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"need comma-separated CPU numbers, got {text!r}") from None
-    if any(c < 0 for c in cpus):
-        raise argparse.ArgumentTypeError(f"CPU numbers are >= 0, got {text!r}")
-    return cpus
-
-
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m services.cli.launch")
     ap.add_argument("--parent-pid", type=int, default=0, help="die with this process")
-    ap.add_argument("--cpus", type=_cpus, default=set(), help="comma-separated CPUs to pin to")
+    ap.add_argument("--cpus", type=int_list(minimum=0), default=(), help="comma-separated CPUs to pin to")
     ap.add_argument("module", help="the service module, run as __main__")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)

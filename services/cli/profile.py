@@ -17,16 +17,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.cli.flags import int_list
 from services.worker.adaptive import DEFAULT_TABLE_PATH, StepTimeTable
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    """A comma-separated list of integers, sorted, each once; an argparse type, so that a bad list is
-    refused by its flag (before: a ValueError traceback from int(), after the flags were parsed)."""
-    try:
-        return tuple(sorted({int(x) for x in s.split(",") if x.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"need comma-separated integers, got {s!r}") from None
 
 
 def measure(engine, batch_sizes: Sequence[int], gammas: Sequence[int], *, context: int = 64,  # type: ignore[no-untyped-def]
@@ -86,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--model-dir", default="", help="safetensors model dir (default: the embedded model)")
     ap.add_argument("--out", default=str(DEFAULT_TABLE_PATH), help="output JSON (default %(default)s)")
-    ap.add_argument("--batch-sizes", type=_ints, default="1,2,4,8,16,32", help="comma-separated batch sizes")
-    ap.add_argument("--gammas", type=_ints, default="0,1,2,4,8", help="comma-separated draft lengths")
+    ap.add_argument("--batch-sizes", type=int_list(), default="1,2,4,8,16,32", help="comma-separated batch sizes")
+    ap.add_argument("--gammas", type=int_list(), default="0,1,2,4,8", help="comma-separated draft lengths")
     ap.add_argument("--context", type=int, default=64, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per cell (median)")
     ap.add_argument("--device", default="cpu")

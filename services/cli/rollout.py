@@ -4,8 +4,8 @@ Submits one batch through the public API (the Python client, RolloutService), sh
 while results stream in, and prints a summary: responses, tokens, throughput, the time taken by the
 last 10% of responses (the tail), per-response latency p50/p99 and the mean accepted length per
 step (tokens per engine step, the bonus token included: 1.0 = no speculation benefit).
-`--timeout T` (default 3600 s from submission) holds also while no result arrives: then the batch
-is cancelled and the exit status is 1.
+`--timeout T` (default 3600 s from submission) bounds the wait for the buffer too (at most 60 s),
+and holds also while no result arrives: then the batch is cancelled and the exit status is 1.
 
 FILE is JSON lines: {"prompt": "...", "prompt_key": "...", "answer": "..."} (or "prompt_token_ids"
 instead of "prompt"; other string fields become labels echoed into the results), or plain text, one
@@ -149,7 +149,9 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
     results: list[Any] = []
     tokens = 0
     with SeerClient(address, retry_seconds=min(timeout, 120.0)) as client:
-        client.wait_ready(timeout=60)
+        # Bounded by --timeout too: an unreachable address waited the full 60 s whatever it said.
+        # SeerTimeout (a SeerError) names the address: "buffer at HOST:PORT not ready after Ns".
+        client.wait_ready(timeout=min(60.0, timeout))
         t0 = time.monotonic()
         client.submit_batch(batch_id, groups)
         # From here on the batch runs on the cluster whether or not anyone reads it: every way out

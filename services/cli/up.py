@@ -103,9 +103,9 @@ _PORT_CLASH_RETRIES = 3
 
 
 def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a service could bind host:port now (SO_REUSEADDR, as gRPC's own bind: a port left in
-    TIME_WAIT by the previous run counts as free). The metrics servers bind every address
-    (0.0.0.0): a listener on any one of them takes the port from them."""
+    """Whether a gRPC service could bind host:port now (SO_REUSEADDR, as gRPC's own bind: a port
+    left in TIME_WAIT by the previous run counts as free). Only for the gRPC ports, bound on
+    127.0.0.1; the metrics ports are dual-stack: telemetry.metrics_port_is_free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -488,11 +488,17 @@ class Suite:
         services failed to bind and stopped it. Free ports (base port 0) were just picked unused."""
         if not self.base_port:
             return
+        from services.common.telemetry import metrics_port_is_free
+
         taken = []
         for name, s in self.services.items():
-            for what, port, host in (("port", s.port, "127.0.0.1"), ("metrics port", s.metrics_port, "0.0.0.0")):
-                if port and not _port_is_free(port, host):
-                    taken.append(f"{name} {what} {port}")
+            # Each port checked as its service binds it: gRPC on 127.0.0.1 (the services' default
+            # host), /metrics on every address, IPv6 included (a 0.0.0.0 probe missed a listener
+            # on [::1] or [::]).
+            if not _port_is_free(s.port):
+                taken.append(f"{name} port {s.port}")
+            if s.metrics_port and not metrics_port_is_free(s.metrics_port):
+                taken.append(f"{name} metrics port {s.metrics_port}")
         if taken:
             raise SuiteError(f"base_port {self.base_port}: in use already: {', '.join(taken)} (another `seer up`? "
                              "stop it, or choose another --base-port, or 0 for any free ports)")
@@ -536,8 +542,10 @@ class Suite:
         tail = s.tail(40)  # this launch's output only: an old clash in the log is not this exit's cause
         if "Address already in use" not in tail and "Failed to bind" not in tail:
             return False
-        # The metrics server names its port in the error (services/common/telemetry.py).
-        if s.metrics_port and not self.base_port and f"metrics_port {s.metrics_port}: cannot bind" in tail:
+        from services.common.telemetry import metrics_bind_error
+
+        # The metrics server names its port in the error.
+        if s.metrics_port and not self.base_port and metrics_bind_error(s.metrics_port) in tail:
             new = self._free_port()
             i = s.args.index("--metrics-port")
             s.args[i + 1] = str(new)
@@ -646,6 +654,17 @@ def ensure_embedded_model() -> str:
     return str(ensure_model())
 
 
+def prepare_model(command: str, prepare: Callable[[], str]) -> str | None:
+    """prepare() (the model directory), or None after a Ctrl-C, reported as `command`'s
+    interruption (`seer up`, `seer demo`; exit 128 + SIGINT): the first conversion takes a while and
+    removes its partial output itself, so a traceback would only hide that line."""
+    try:
+        return prepare()
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted while preparing the model", file=sys.stderr)
+        return None
+
+
 def stop_keeping_data(suite: Suite, say: Callable[[str], None]) -> dict[str, int]:
     """Stops the suite (`seer up`, `seer demo`), says whether every service stopped cleanly and
     returns those that did not, by name. The data directory is kept: until the caller knows the
@@ -658,10 +677,8 @@ def stop_keeping_data(suite: Suite, say: Callable[[str], None]) -> dict[str, int
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    try:
-        model_dir = args.model_dir or ensure_embedded_model()
-    except KeyboardInterrupt:  # as in `seer demo`: the first conversion takes a while (it cleans up after itself)
-        print("seer up: interrupted while preparing the model", file=sys.stderr)
+    model_dir = prepare_model("seer up", lambda: args.model_dir or ensure_embedded_model())
+    if model_dir is None:
         return 128 + signal.SIGINT
     stop = StopRequest()
     # From before Suite(), which creates the temporary data directory (as in `seer demo`): a signal

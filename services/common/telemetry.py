@@ -9,6 +9,7 @@ dual-stack socket on "::") where the host has IPv6, else IPv4 only (0.0.0.0).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -146,28 +147,55 @@ class _DualStackServer(ThreadingWSGIServer):
         super().server_bind()
 
 
-def _dual_stack_supported() -> bool:
-    """Whether this host can open a dual-stack socket: no IPv6 at all (ipv6.disable=1, some
-    containers) fails here, and the metrics server falls back to IPv4."""
-    if not socket.has_ipv6:
-        return False
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            probe.bind(("::", 0))
-    except OSError:
-        return False
-    return True
+# errno of an IPv6 socket on a host without IPv6 (ipv6.disable=1, some containers): only these fall
+# back to IPv4; any other failure (the port taken) is the bind's answer.
+_NO_IPV6 = frozenset({errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT})
+
+
+def _ipv6_unavailable(e: OSError) -> bool:
+    return not socket.has_ipv6 or e.errno in _NO_IPV6
 
 
 def _start_http_server(port: int, registry: CollectorRegistry) -> ThreadingWSGIServer:
-    """prometheus_client's start_http_server, on the dual-stack server where the host allows it."""
-    server_class: type[ThreadingWSGIServer] = _DualStackServer if _dual_stack_supported() else ThreadingWSGIServer
-    host = "::" if server_class is _DualStackServer else "0.0.0.0"
-    server = cast(ThreadingWSGIServer,
-                  make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler))
+    """prometheus_client's start_http_server, on the dual-stack server where the host allows it.
+    Bound once: a separate dual-stack probe before the bind was a second socket and a race."""
+    app = make_wsgi_app(registry)
+    server_class: type[ThreadingWSGIServer] = _DualStackServer
+    try:
+        server = make_server("::", port, app, server_class, handler_class=_QuietHandler)
+    except OSError as e:
+        if not _ipv6_unavailable(e):
+            raise
+        server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+    server = cast(ThreadingWSGIServer, server)
     threading.Thread(target=server.serve_forever, name="seer-metrics", daemon=True).start()
     return server
+
+
+def metrics_port_is_free(port: int) -> bool:
+    """Whether start_metrics_server could bind `port` now: the same socket (dual-stack on "::", IPv4
+    only where the host has no IPv6) with SO_REUSEADDR as the server's, so a listener on any one
+    address (127.0.0.1 only, [::1] only) counts as taken and a port in TIME_WAIT as free."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind((host, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and _ipv6_unavailable(e):
+                continue
+            return False
+        return True
+    return False
+
+
+def metrics_bind_error(port: int) -> str:
+    """The start of the error when the metrics port cannot be bound: named, as "Address already in
+    use" alone does not say which of a service's two ports it was; `seer up` finds a clashing
+    metrics port by this text in the service's log (services/cli/up.py) and picks another."""
+    return f"metrics_port {port}: cannot bind"
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY) -> int:
@@ -179,9 +207,7 @@ def start_metrics_server(port: int, registry: CollectorRegistry = REGISTRY) -> i
     try:
         server = _start_http_server(port, registry)
     except OSError as e:
-        # Named: "Address already in use" alone does not say which of the service's two ports it was
-        # (`seer up` moves a clashing metrics port by this text: services/cli/up.py).
-        raise OSError(e.errno, f"metrics_port {port}: cannot bind it: {e.strerror}") from e
+        raise OSError(e.errno, f"{metrics_bind_error(port)} it: {e.strerror}") from e
     return int(server.server_port)
 
 
@@ -192,6 +218,8 @@ __all__ = [
     "client_interceptors",
     "context_from",
     "current_trace_context",
+    "metrics_bind_error",
+    "metrics_port_is_free",
     "server_interceptors",
     "setup_tracing",
     "start_metrics_server",

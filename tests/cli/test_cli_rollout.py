@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -122,6 +123,23 @@ def test_main_reports_a_bad_timeout_by_its_name(timeout: str, tmp_path: Path,
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--timeout: must be a positive number of seconds" in err, err
     assert "retry_seconds" not in err, err
+
+
+def test_an_unreachable_address_is_given_up_on_within_the_timeout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the ready wait took 60 s whatever --timeout said."""
+    with socket.socket() as s:  # a loopback port nobody listens on (closed right away)
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    p = tmp_path / "p.txt"
+    p.write_text("a\n")
+    t0 = time.monotonic()
+    code = rollout.main(["--prompts", str(p), "--group-size", "1", "--max-tokens", "1", "--timeout", "2",
+                         "--no-progress", "--address", address])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 1 and address in err and "not ready after 2.0s" in err, err
+    assert took < 10, f"took {took:.1f}s with --timeout 2"
 
 
 @pytest.mark.parametrize("flag", ["--group-size", "--max-tokens"])

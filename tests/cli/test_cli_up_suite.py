@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import up
+from tests.common.test_telemetry import _has_ipv6_loopback
 
 
 def _ports(s: up.Suite) -> list[tuple[int, str]]:
@@ -155,6 +156,30 @@ def test_a_fixed_port_in_use_is_refused_before_anything_starts(
         with pytest.raises(up.SuiteError, match=f"scheduler port {s.services['scheduler'].port}"):
             s.start(timeout=5)
     assert started == [], "services were launched onto ports another process holds"
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(socket.AF_INET6, marks=pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")),
+    socket.AF_INET,
+])
+def test_a_metrics_port_taken_on_one_loopback_address_is_refused(
+        family: socket.AddressFamily, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metrics servers bind every address, [::] dual-stack (services/common/telemetry.py).
+    Before: their ports were probed on 0.0.0.0 only, so a listener on [::1] alone was not seen and
+    the service failed to bind after the suite had started."""
+    monkeypatch.setattr(up.ServiceProcess, "start", lambda *a, **k: pytest.fail("a service was started"))
+    base = up.free_port()
+    while base > 65535 - 400:
+        base = up.free_port()
+    s = up.Suite(workers=0, base_port=base, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False)
+    port = s.services["buffer"].metrics_port
+    with socket.socket(family, socket.SOCK_STREAM) as other:
+        if family == socket.AF_INET6:
+            other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        other.bind(("::1" if family == socket.AF_INET6 else "127.0.0.1", port))
+        other.listen()
+        with pytest.raises(up.SuiteError, match=f"buffer metrics port {port}"):
+            s.start(timeout=5)
 
 
 @pytest.mark.parametrize("timeout", ["nan", "0", "-1"])

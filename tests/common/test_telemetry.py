@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -78,7 +79,11 @@ def test_metrics_fall_back_to_ipv4_without_ipv6(monkeypatch: pytest.MonkeyPatch)
     import services.common.telemetry as telemetry
     from services.cli.up import free_port
 
-    monkeypatch.setattr(telemetry, "_dual_stack_supported", lambda: False)
+    class _NoIPv6(telemetry._DualStackServer):
+        def server_bind(self) -> None:  # as socket(AF_INET6) where ipv6.disable=1
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+
+    monkeypatch.setattr(telemetry, "_DualStackServer", _NoIPv6)
     registry = CollectorRegistry()
     Counter("seer_probe_total", "a counter only this test registers", registry=registry).inc()
     port = telemetry.start_metrics_server(free_port(), registry)

@@ -280,6 +280,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"model": {"dir": "/data/m"}, "worker": {"modelVolume": {"emptyDir": {}}}}, "worker.modelMountPath"),
     ({"model": {"dir": "/models-big/m"}, "worker": {"modelVolume": {"emptyDir": {}}}}, "worker.modelMountPath"),
     ({"worker": {"gpu": {"enabled": True}}}, "worker.image.repository"),
+    # The CPU image under a registry prefix: an equality check with "seer-worker" let it through.
+    ({"worker": {"gpu": {"enabled": True}, "image": {"repository": "registry.example.com/seer-worker"}}},
+     "worker.image.repository: worker.gpu.enabled needs the CUDA image"),
     ({"worker": {"config": {"worker_id": "w"}}}, "worker.config.worker_id"),
     ({"worker": {"config": {"advertise_address": "w:1"}}}, "worker.config.advertise_address"),
     ({"kvstore": {"config": {"ssd_bytes": 34359738368}}}, "kvstore.config.ssd_bytes"),

@@ -209,12 +209,16 @@ not the first rollout. values.schema.json covers types and ranges; these cover r
 {{- if and $v.worker.modelVolume (not (or (eq (trimSuffix "/" $v.model.dir) $mount) (hasPrefix (printf "%s/" $mount) $v.model.dir))) -}}
 {{- fail (printf "model.dir: %q is not under worker.modelMountPath %q where worker.modelVolume is mounted" $v.model.dir $v.worker.modelMountPath) -}}
 {{- end -}}
-{{- if and $v.worker.gpu.enabled (eq $v.worker.image.repository "seer-worker") -}}
-{{- fail "worker.image.repository: worker.gpu.enabled needs the CUDA image (seer-worker-gpu); seer-worker holds a CPU-only torch and the worker would exit at start with device cuda" -}}
+{{- /* The CPU image under any registry prefix: an equality check against "seer-worker" let
+"registry.example.com/seer-worker" (CPU-only torch) through with gpu.enabled. Only the known CPU
+image is refused: a custom CUDA image under another name stays allowed. */ -}}
+{{- if and $v.worker.gpu.enabled (regexMatch "(^|/)seer-worker$" $v.worker.image.repository) -}}
+{{- fail (printf "worker.image.repository: worker.gpu.enabled needs the CUDA image (seer-worker-gpu, or a custom CUDA one), got %q: seer-worker holds a CPU-only torch and the worker would exit at start with device cuda" $v.worker.image.repository) -}}
 {{- end -}}
+{{- $gpuImage := regexMatch "(^|/)seer-worker-gpu$" $v.worker.image.repository -}}
 {{- /* docker/Dockerfile.gpu bakes no model: without a mounted one the GPU worker renders cleanly,
 then exits at start (model.dir missing) and crash-loops. */ -}}
-{{- $gpuWorker := or $v.worker.gpu.enabled (regexMatch "(^|/)seer-worker-gpu$" $v.worker.image.repository) -}}
+{{- $gpuWorker := or $v.worker.gpu.enabled $gpuImage -}}
 {{- if and $gpuWorker (not $v.worker.modelVolume) -}}
 {{- fail (printf "worker.modelVolume: required for a GPU worker (worker.gpu.enabled or the seer-worker-gpu image, which holds no model); without it model.dir %q does not exist in the container and the worker crash-loops at start. Mount the model, e.g. --set-json 'worker.modelVolume={\"persistentVolumeClaim\":{\"claimName\":\"models\"}}', and set model.dir inside worker.modelMountPath (%s)" $v.model.dir $v.worker.modelMountPath) -}}
 {{- end -}}
