@@ -80,6 +80,19 @@ def test_drafts_at_the_context_limit(short_context: ReferenceEngine) -> None:
     assert eng.stats().free_pages == eng.stats().total_pages
 
 
+def test_a_prefix_that_fills_the_context_names_its_own_field(short_context: ReferenceEngine) -> None:
+    """A prompt (or prompt + output) with no room left is the prefix's fault, not max_new_tokens'."""
+    eng = short_context
+    full = tuple(range(100, 100 + eng.max_context))
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: prompt \+ output = 48 tokens"):
+        eng.add_request(GenerateRequest("full", full, 1, GREEDY))
+    with pytest.raises(ValueError, match=r"^output_token_ids: "):
+        eng.add_request(GenerateRequest("full-out", full[:40], 1, GREEDY, output_token_ids=full[40:]))
+    with pytest.raises(ValueError, match=r"^max_new_tokens: "):  # room for some tokens, not for all
+        eng.add_request(GenerateRequest("over", full[:40], 9, GREEDY))
+    assert not eng.has_unfinished()
+
+
 def test_duplicate_branches_and_sampling_edges(engine: ReferenceEngine, prompts: list[tuple[int, ...]]) -> None:
     p = prompts[1]
     greedy = engine.generate([GenerateRequest("g", p, 8, GREEDY)])["g"].token_ids

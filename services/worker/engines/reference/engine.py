@@ -166,7 +166,14 @@ class ReferenceEngine(Engine):
             raise ValueError(f"sampling.{e}") from None
         if req.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
-        total = len(req.prompt_token_ids) + len(req.output_token_ids) + req.max_new_tokens
+        prefix = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if prefix >= self.max_context:
+            # The prefix alone leaves no room for a token: naming max_new_tokens would send the
+            # caller to the wrong field.
+            field = "prompt_token_ids" if not req.output_token_ids else "output_token_ids"
+            raise ValueError(f"{field}: prompt + output = {prefix} tokens leaves no room in the context "
+                             f"length {self.max_context}")
+        total = prefix + req.max_new_tokens
         if total > self.max_context:
             raise ValueError(
                 f"max_new_tokens: prefix + max_new_tokens = {total} is past the context length {self.max_context}"

@@ -19,11 +19,15 @@ another worker samples exactly what an uninterrupted run samples, with or withou
 verifier draws every position with the same stream-0 numbers; verifier.py). Exactly: given the same
 logits. The logits change in the last bits with the batch's shapes (a draft tree's rows vs plain
 decoding, other requests in the step), and a draw that lands that close to a CDF boundary picks a
-neighbour: still a sample of that step's distribution (unbiased), not a bit-for-bit replay. In float32
-on the CPU that is rare (a one-off randomized review script, not kept, of drafted batched runs
-vs the same requests alone: about 1 request in 400 diverged, at T 2.0 / top_p 0.99; alone vs
-batched and chunked without drafts matched token for token); in bfloat16/float16 it is common,
-and on CUDA possible in float32 too.
+neighbour: still a sample of that step's distribution (unbiased), not a bit-for-bit replay. The
+inverse CDF walks tokens in id order, so at top_p 1.0 every low-probability token is a boundary a
+few 1e-7 wide: in float32 on the CPU a session-28 review found 1-8 of 256 T = 1.0 draws within
+1e-7-1e-5 of one, and one of 8 requests x 96 tokens (T 1.0, top_p 1.0, no drafts) diverged at
+token 86 both batched and resumed in chunks (0 of 256 near a boundary at T 0.7 / top_p 0.95, where
+the tail is cut). So long T = 1.0 responses are not guaranteed to replay exactly when batched,
+chunked or drafted differently; in bfloat16/float16 divergence is common. A Gumbel-max draw with
+per-(seed, position, token) noise would flip only on near-ties of the top two scores (about 1e-6
+of draws) but costs V hashed uniforms per row per step: not done.
 """
 
 from __future__ import annotations

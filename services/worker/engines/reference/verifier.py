@@ -10,7 +10,8 @@ emit the argmax and stop. Output equals plain greedy decoding exactly.
 Sampling: at every node the token of this position is drawn exactly as plain sampling draws it, by
 inverse CDF of the target p at the counter-based uniform (seed, position, stream 0) (sampler.py);
 descend into the child carrying it, otherwise emit it and stop. The output therefore IS plain seeded
-sampling, token for token, whatever was drafted: speculation changes speed, never the tokens. A
+sampling, token for token, whatever was drafted (given the same logits: sampler.py says when last-bit
+differences between batch shapes move a draw): speculation changes speed, never the tokens. A
 draft token is accepted exactly when the sample equals it, with probability p(token), and a node's
 siblings together with probability sum of p over their distinct tokens: the acceptance of the
 multi-draft residual rule (SpecInfer; point-mass drafts), which this replaced in session 13. That
