@@ -37,6 +37,7 @@ _COUNTERS = {
     "demotions": "pages demoted from DRAM to SSD",
     "promotions": "pages promoted from SSD to DRAM",
     "checksum_failures": "pages that failed their checksum on read (deleted)",
+    "orphan_owner_records": "SSD owner records found without their page at a read (lost at a kill; dropped)",
     "released_pages": "page ownerships released",
     "dropped_namespaces": "namespaces dropped on a version change",
     "late_puts": "Puts and claims refused: their request had been released whole just before",

@@ -14,8 +14,9 @@ not parse, so RocksDB's obsolete-file purge leaves it alone.
 
 Format: one JSON array per line, appended (os.write on an O_APPEND descriptor: a process crash keeps
 every line written; not fsynced, like the pages themselves, which skip the WAL):
-- ["+", namespace, page_hash_hex, meta]: the page's record should be `meta` (an owner rewrite), or
-  should not exist (meta null: a delete). A later "+" for the same page replaces it.
+- ["+", namespace, page_hash_hex, meta]: what recovery should make of the page's record on disk:
+  `meta` (its owner record: the page is still indexed, on SSD or only in DRAM with its SSD copy's
+  delete pending), or none (meta null: the page is gone). A later "+" for the same page replaces it.
 - ["-", namespace, page_hash_hex]: the record agrees with the index again.
 A line that is not one of these (a write cut short by a crash, a JSON object, a "+" whose meta is
 neither a string nor null) is skipped, never taken for a delete and never failing the open. The

@@ -312,6 +312,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             pending_ssd_records=s.pending_ssd_records,
             chain_links=s.chain_links,
             pending_ssd_bytes=s.pending_ssd_bytes,
+            orphan_owner_records=s.orphan_owner_records,
         )
 
 
@@ -345,7 +346,7 @@ def open_store(cfg: KvStoreConfig) -> KvStore:
     return KvStore(
         cfg.data_dir,
         dram_bytes=cfg.dram_bytes,
-        ssd_bytes=cfg.ssd_bytes,
+        ssd_bytes=cfg.ssd_page_bytes(),  # the WAL's cap reserved out of --ssd-bytes
         keep_versions=cfg.keep_versions,
         verify_checksums=cfg.verify_checksums,
         verify_put_checksums=cfg.verify_put_checksums,

@@ -37,7 +37,8 @@ has unflushed writes in it, and the default column family (the registry) is writ
 namespace is made or dropped, so its one unflushed registry record kept every later WAL file: with
 RocksDB's default cap (4x the memtables' maximum, per column family) owner records alone grew the
 WAL to about 400 MB, outside --ssd-bytes. Past the cap RocksDB flushes the column families that
-hold the oldest WAL file, and it is deleted. Callers serialize access (the store holds a lock).
+hold the oldest WAL file, and it is deleted. The service reserves the cap out of --ssd-bytes
+(KvStoreConfig.ssd_page_bytes). Callers serialize access (the store holds a lock).
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ class SsdTier:
         self._opts.set_level_zero_slowdown_writes_trigger(L0_STOP_WRITES_TRIGGER)
         self._opts.set_level_zero_stop_writes_trigger(L0_STOP_WRITES_TRIGGER)
         self._opts.set_soft_pending_compaction_bytes_limit(0)
-        # The WAL on disk is outside --ssd-bytes: capped (see the module doc and wal_bytes_cap).
+        # The WAL on disk is capped (see the module doc and wal_bytes_cap); the service reserves the
+        # cap out of --ssd-bytes (KvStoreConfig.ssd_page_bytes).
         self._opts.set_max_total_wal_size(wal_bytes_cap(write_buffer_bytes))
         existing = Rdict.list_cf(path, self._opts) if os.path.exists(os.path.join(path, "CURRENT")) else []
         self._db = Rdict(path, self._opts, column_families={name: self._opts for name in existing})

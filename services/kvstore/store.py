@@ -45,7 +45,9 @@ so the metadata does not grow by a record per policy version either.
 
 Checksums: the XXH3-64 of every page (services.kvstore.checksum) is checked on
 Put (unless verify_put_checksums is off) and on every read from the SSD tier; a page that fails is
-deleted and reported as missing (counted in checksum_failures), never served.
+deleted and reported as missing (counted in checksum_failures), never served. An owner record
+found without its page (a kill kept the logged record, lost the WAL-less page) is dropped the same
+way, counted in orphan_owner_records.
 """
 
 from __future__ import annotations
@@ -129,6 +131,9 @@ class KvStats:
     # Pages that know their predecessor in the chain the last Exists found (_Entry.prev): at most one
     # per page, so Exists cannot grow memory beyond the pages stored.
     chain_links: int = 0
+    # SSD owner records found without their page at a read (a kill lost the WAL-less page put, not
+    # the logged record rewrite after it): dropped, a miss. Not checksum failures: nothing was corrupt.
+    orphan_owner_records: int = 0
 
 
 @dataclass
@@ -257,6 +262,16 @@ def _decode_meta(raw: bytes) -> _Entry | None:
         return None
 
 
+def _unindex_owners(ns: _Namespace, page_hash: bytes, owners: set[str]) -> None:
+    """Takes page_hash out of the by_owner sets of `owners` (a set left empty goes)."""
+    for owner in owners:
+        pages = ns.by_owner.get(owner)
+        if pages is not None:
+            pages.discard(page_hash)
+            if not pages:
+                del ns.by_owner[owner]
+
+
 class KvStore:
     def __init__(
         self,
@@ -314,7 +329,7 @@ class KvStore:
         self._tombstones: set[str] = set()
         self._seq = itertools.count(1)
         self._hits = self._misses = self._evictions = 0
-        self._demotions = self._promotions = self._checksum_failures = 0
+        self._demotions = self._promotions = self._checksum_failures = self._orphan_records = 0
         self._released = self._dropped = self._meta_write_failures = 0
         # (namespace, request_id) of requests released whole -> when the tombstone expires; oldest
         # first. Bounded in time (a late offload comes within its client's queue and RPC timeouts)
@@ -426,12 +441,14 @@ class KvStore:
     def _replay_pending(self) -> None:
         """Applies the SSD records left pending before the last stop (journaled: a crash, or a close
         RocksDB still refused) to the index just rebuilt from the records on disk, which lag them: a
-        page whose delete was pending is removed (its record deleted now, or pending again), one
-        whose owner rewrite was pending gets the owners journaled for it (the record is rewritten
-        now, or pending again). A page or namespace no longer on disk is skipped: its record went
-        after all (the journal line saying so was lost), or went with its column family. Then the
-        journal is rewritten to what is pending now. Before session 27 they were lost with the
-        process, and the released pages came back owned by the requests that had released them."""
+        page journaled as gone is removed (its record deleted now, or pending again), one journaled
+        with an owner record gets those owners (the record is rewritten now, or pending again): a
+        page that lived on in DRAM while its SSD copy's delete was pending is journaled so
+        (_journaled_meta), and comes back from that copy. A page or namespace no longer on disk is
+        skipped: its record went after all (the journal line saying so was lost), or went with its
+        column family. Then the journal is rewritten to what is pending now. Before session 27 they
+        were lost with the process, and the released pages came back owned by the requests that had
+        released them."""
         try:
             journaled = self._journal.load()
         except OSError as exc:
@@ -455,12 +472,7 @@ class KvStore:
                 self._remove(key)  # deletes the record, or leaves it pending (and journaled) again
                 continue
             rewritten += 1
-            for owner in entry.owners - want.owners:
-                pages = ns.by_owner.get(owner)
-                if pages is not None:
-                    pages.discard(key[1])
-                    if not pages:
-                        del ns.by_owner[owner]
+            _unindex_owners(ns, key[1], entry.owners - want.owners)
             for owner in want.owners - entry.owners:
                 ns.by_owner.setdefault(owner, set()).add(key[1])
             entry.owners = set(want.owners)
@@ -766,6 +778,10 @@ class KvStore:
         self._idle.pop(ns.name, None)
         for owner in entry.owners:
             ns.by_owner.setdefault(owner, set()).add(page_hash)
+        if (ns.name, page_hash) in self._pending_ssd:
+            # Stored again into DRAM over its copy's pending delete (a put to SSD resolved it):
+            # the journal line goes from "delete" to this page's owner record (_journaled_meta).
+            self._rejournal((ns.name, page_hash))
 
     def _stored_copy_ok(self, key: Key, entry: _Entry) -> bool:
         """Whether the stored bytes of a page match its checksum (a Put without verification may
@@ -808,8 +824,17 @@ class KvStore:
             ns.by_owner.setdefault(request_id, set()).add(page_hash)
         else:
             changed = False
-        if changed and entry.on_ssd:
-            self._write_meta(ns.name, page_hash, entry)
+        if changed:
+            self._owners_changed(ns.name, page_hash, entry)
+
+    def _owners_changed(self, namespace: str, page_hash: bytes, entry: _Entry) -> None:
+        """Persists a changed owner list: the SSD record of a page on SSD (_write_meta); the journal
+        line of a page only in DRAM whose old copy's delete is pending (_journaled_meta: recovery
+        keeps that copy with these owners)."""
+        if entry.on_ssd:
+            self._write_meta(namespace, page_hash, entry)
+        elif (namespace, page_hash) in self._pending_ssd:
+            self._rejournal((namespace, page_hash))
 
     def _write_meta(self, namespace: str, page_hash: bytes, entry: _Entry) -> None:
         """Persists a page's owner list. The in-memory index is the truth while the store runs; the
@@ -831,8 +856,7 @@ class KvStore:
         self._unpend((namespace, page_hash))
 
     def _demote(self, key: Key, data: Buffer) -> None:
-        ns = self._namespaces.get(key[0])
-        entry = ns.entries.get(key[1]) if ns is not None else None
+        entry = self._entry(key)
         if entry is None or entry.on_ssd:
             return  # dropped meanwhile, or already on SSD (a promoted page): nothing to write
         try:
@@ -950,15 +974,15 @@ class KvStore:
         if entry is not None and entry.prev is not None:
             self._chain_links -= 1
         if ns is not None and entry is not None:
-            for owner in entry.owners:
-                pages = ns.by_owner.get(owner)
-                if pages is not None:
-                    pages.discard(key[1])
-                    if not pages:
-                        del ns.by_owner[owner]
+            _unindex_owners(ns, key[1], entry.owners)
         # Last: the index is whole whether or not the disk takes the delete.
         if entry is not None and entry.on_ssd:
             self._delete_ssd(key, entry.size)
+        elif entry is not None and key in self._pending_ssd:
+            # A page whose SSD copy's delete is pending (dropped for capacity while hot in DRAM, or
+            # released and stored again): its journal line kept the copy for recovery while the
+            # page was indexed; now it is gone, and the copy too.
+            self._rejournal(key)
         if was_on_ssd:
             self._drop_idle_column_family(key[0])
         if ns is not None and entry is not None and not ns.entries:
@@ -995,10 +1019,16 @@ class KvStore:
         self._pending_ssd[key] = size
         self._pending_bytes += size - (old or 0)
         if old is None or size == 0 or old == 0:
-            # Each owner change of a page whose rewrite is pending appends its whole owner list
-            # again: compacted here too, not only when a record resolves (_unpend), or a stop long
-            # enough grew the journal without bound (3000 claims of one page: 189 MB).
-            self._journal_change(lambda: self._journal.pend(key, self._intended_meta(key)))
+            self._rejournal(key)
+
+    def _rejournal(self, key: Key) -> None:
+        """Journals what recovery should make of pending key's record now (_journaled_meta): on a
+        new or changed intent, and whenever the index entry of a page whose copy's delete is pending
+        changes (stored again, its owners changed, removed), as its journal line follows the index.
+        Each owner change of a page whose rewrite is pending appends its whole owner list again:
+        compacted here too, not only when a record resolves (_unpend), or a stop long enough grew
+        the journal without bound (3000 claims of one page: 189 MB)."""
+        self._journal_change(lambda: self._journal.pend(key, self._journaled_meta(key)))
 
     def _unpend(self, key: Key) -> None:
         """key's SSD record agrees with the index again (written, deleted, or gone with its column
@@ -1010,15 +1040,31 @@ class KvStore:
         # Nothing pending: the journal goes (a rewrite with no records).
         self._journal_change(lambda: self._journal.resolve(key), compact=not self._pending_ssd)
 
-    def _intended_meta(self, key: Key) -> bytes | None:
-        """The record key should have on SSD per the index: its owner record when the page is indexed
-        on SSD, else none (None: deleted)."""
+    def _entry(self, key: Key) -> _Entry | None:
+        """key's index entry; None when its namespace or page is not indexed."""
         ns = self._namespaces.get(key[0])
-        entry = ns.entries.get(key[1]) if ns is not None else None
+        return ns.entries.get(key[1]) if ns is not None else None
+
+    def _intended_meta(self, key: Key) -> bytes | None:
+        """The record key should have on SSD while the store runs (_reconcile_ssd writes it): its
+        owner record when the page is indexed on SSD, else none (None: deleted; a page hot in DRAM
+        whose SSD copy capacity dropped gives up the copy's bytes)."""
+        entry = self._entry(key)
         return _encode_meta(entry) if entry is not None and entry.on_ssd else None
 
+    def _journaled_meta(self, key: Key) -> bytes | None:
+        """The record recovery should make of key's copy on disk should the process stop now (the
+        journal's line): its owner record while the page is indexed, on SSD or not, else none.
+        A page only in DRAM whose copy's delete is pending (capacity dropped the copy while the page
+        was hot, or the page was released and stored again) loses its DRAM copy at a crash; the
+        copy on disk (the same bytes: the hash names them) is then its only one, and it is still
+        owned. Until session 30 the journal said "delete" for it, the intent of the running store,
+        and recovery removed a page its owners had not released (a miss), owners and all."""
+        entry = self._entry(key)
+        return None if entry is None else _encode_meta(entry)
+
     def _rewrite_journal(self) -> None:
-        self._journal.rewrite([(k, self._intended_meta(k)) for k in self._pending_ssd])
+        self._journal.rewrite([(k, self._journaled_meta(k)) for k in self._pending_ssd])
 
     def _journal_change(self, append: Callable[[], None], *, compact: bool = False) -> None:
         """Journals one change of the pending records: by rewriting the journal whole when `compact`
@@ -1058,11 +1104,10 @@ class KvStore:
         are still pending. Lock held."""
         for _ in range(min(limit, len(self._pending_ssd))):
             key = next(iter(self._pending_ssd))
-            ns = self._namespaces.get(key[0])
-            entry = ns.entries.get(key[1]) if ns is not None else None
+            meta = self._intended_meta(key)
             try:
-                if entry is not None and entry.on_ssd:
-                    self._ssd.put_meta(key[0], key[1], _encode_meta(entry))
+                if meta is not None:
+                    self._ssd.put_meta(key[0], key[1], meta)
                 else:
                     self._ssd.delete(*key)
             except Exception as exc:
@@ -1134,18 +1179,23 @@ class KvStore:
             except Exception:  # RocksDB reports on-disk corruption (blob/block checksum) as an error
                 log.warning("SSD read failed", exc_info=True, extra=kv(namespace=namespace, page=page_hash.hex()))
                 data = b""
-            bad = (
-                data is None
-                or len(data) != entry.size
-                or (self.verify_checksums and page_checksum(data) != entry.checksum)
-            )
-            if bad:
+            if data is None:
+                # An owner record without its page: the page's put skips the WAL, a later owner
+                # rewrite does not, and a kill before the memtable flush kept only the record
+                # (see SsdTier). Dropped here, not at open: finding them there means reading every
+                # page (the data keys' iterator loads each blob value; rocksdict cannot skip it).
+                self._orphan_records += 1
+                self._misses += 1
+                log.warning("owner record without its page (lost at a kill); dropped",
+                            extra=kv(namespace=namespace, page=page_hash.hex()))
+                self._remove(key)
+                return None
+            if len(data) != entry.size or (self.verify_checksums and page_checksum(data) != entry.checksum):
                 self._checksum_failures += 1
                 self._misses += 1
                 log.warning("page failed its checksum; deleted", extra=kv(namespace=namespace, page=page_hash.hex()))
                 self._remove(key)
                 return None
-            assert data is not None
             self._hits += 1
             if self._dram.fits(len(data)):
                 self._promotions += 1
@@ -1229,8 +1279,8 @@ class KvStore:
                 owned.discard(page_hash)
                 if not entry.owners and not entry.anonymous:
                     self._remove((namespace, page_hash))
-                elif entry.on_ssd:
-                    self._write_meta(namespace, page_hash, entry)
+                else:
+                    self._owners_changed(namespace, page_hash, entry)
             if not owned:
                 ns.by_owner.pop(request_id, None)
             self._released += len(targets)
@@ -1267,6 +1317,7 @@ class KvStore:
                 pending_ssd_records=len(self._pending_ssd),
                 pending_ssd_bytes=self._pending_bytes,
                 chain_links=self._chain_links,
+                orphan_owner_records=self._orphan_records,
             )
 
     def namespace_layout(self, namespace: str) -> KVLayout | None:
@@ -1290,8 +1341,7 @@ class KvStore:
             n = failed = 0
             pending = [(cast(Key, key), data) for key, data in self._dram.items()]
             for i, (key, data) in enumerate(pending):
-                ns = self._namespaces.get(key[0])
-                entry = ns.entries.get(key[1]) if ns is not None else None
+                entry = self._entry(key)
                 if entry is None or entry.on_ssd:
                     continue
                 try:
@@ -1323,8 +1373,7 @@ class KvStore:
             return self._flush_failures
 
     def _dram_only(self, key: Key) -> bool:
-        ns = self._namespaces.get(key[0])
-        entry = ns.entries.get(key[1]) if ns is not None else None
+        entry = self._entry(key)
         return entry is not None and not entry.on_ssd
 
     def close(self) -> None:

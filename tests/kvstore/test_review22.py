@@ -13,6 +13,7 @@ import pytest
 
 from services.common.pagehash import chain_hashes
 from services.kvstore.checksum import page_checksum
+from services.kvstore.ssd import DEFAULT_WRITE_BUFFER_BYTES, wal_bytes_cap
 from services.kvstore.store import KvStore
 from services.worker.kv_client import KVClient
 from tests.kvstore.kvhelpers import LAYOUT, PAGE_BYTES, Replica, make_pages
@@ -43,7 +44,7 @@ def test_after_a_get_a_chain_loses_its_tail_first(open_store: Open) -> None:
 
 
 def test_after_a_put_stream_a_chain_loses_its_tail_first(replicas: Callable[..., Replica]) -> None:
-    r = replicas("a", dram_bytes=0, ssd_bytes=12 * PAGE_BYTES)
+    r = replicas("a", dram_bytes=0, ssd_bytes=wal_bytes_cap(DEFAULT_WRITE_BUFFER_BYTES) + 12 * PAGE_BYTES)
     a = make_pages(list(range(1000, 1032)))  # 8 pages
     b = make_pages(list(range(2000, 2032)))
     with KVClient([r.address]) as kv:

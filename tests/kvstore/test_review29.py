@@ -27,6 +27,7 @@ from services.kvstore.pending import FILE_NAME, PendingJournal
 from services.kvstore.store import KvStore
 from tests.kvstore.test_review27 import NS, _crash, _h, _put, _stall_out
 from tests.kvstore.test_review28 import _owners, _run_killed
+from tests.kvstore.test_review30 import PAGE_0_RELEASED_DURING_A_STOP
 
 Open = Callable[..., KvStore]
 
@@ -39,22 +40,11 @@ def test_a_page_stored_again_over_its_pending_delete_survives_a_killed_process(o
     put was WAL-less, lost with the memtable, and the flushed record owned by r came back (a later
     release by r, which had already released it, freed q's page)."""
     db = str(tmp_path / "db")
-    _run_killed(f"""
-        import os, signal
-        from services.kvstore.store import KvStore
-        from tests.kvstore.test_review27 import NS, _h, _put, _resume, _stop
-        store = KvStore({db!r}, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
-        _put(store, 0)
-        _put(store, 1)
-        tier = store.raw_ssd()
-        tier.write_stall_timeout_s = 0.2
-        _stop(tier)  # flushes the column family: page 0 with its record (owner r) is durable
-        assert store.release(NS, "r", [_h(0)]) == 1
-        assert store.stats().pending_ssd_records == 1
-        _resume(tier)
-        _put(store, 0, owner="q")
-        assert store.stats().pending_ssd_records == 0 and not os.path.exists({db!r} + "/{FILE_NAME}")
-        os.kill(os.getpid(), signal.SIGKILL)
+    _run_killed(PAGE_0_RELEASED_DURING_A_STOP.format(db=db) + f"""
+    _resume(tier)
+    _put(store, 0, owner="q")
+    assert store.stats().pending_ssd_records == 0 and not os.path.exists({db!r} + "/{FILE_NAME}")
+    os.kill(os.getpid(), signal.SIGKILL)
     """)
     store = open_store(dram_bytes=0)
     assert _owners(store, 0) == ["q"]

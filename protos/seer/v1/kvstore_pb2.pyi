@@ -107,7 +107,7 @@ class GetKvStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetKvStatsResponse(_message.Message):
-    __slots__ = ("dram_bytes", "dram_capacity_bytes", "ssd_bytes", "ssd_capacity_bytes", "hits", "misses", "evictions", "namespaces", "pages", "dram_pages", "ssd_pages", "demotions", "promotions", "checksum_failures", "released_pages", "dropped_namespaces", "late_puts", "meta_write_failures", "refused_streams", "idle_put_streams_cancelled", "stalled_get_streams_cancelled", "column_families", "memtable_bytes", "flush_failures", "write_stalls", "write_stall_failures", "write_stall_seconds", "pending_ssd_records", "chain_links", "pending_ssd_bytes")
+    __slots__ = ("dram_bytes", "dram_capacity_bytes", "ssd_bytes", "ssd_capacity_bytes", "hits", "misses", "evictions", "namespaces", "pages", "dram_pages", "ssd_pages", "demotions", "promotions", "checksum_failures", "released_pages", "dropped_namespaces", "late_puts", "meta_write_failures", "refused_streams", "idle_put_streams_cancelled", "stalled_get_streams_cancelled", "column_families", "memtable_bytes", "flush_failures", "write_stalls", "write_stall_failures", "write_stall_seconds", "pending_ssd_records", "chain_links", "pending_ssd_bytes", "orphan_owner_records")
     DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAM_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class GetKvStatsResponse(_message.Message):
     PENDING_SSD_RECORDS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_LINKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_SSD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ORPHAN_OWNER_RECORDS_FIELD_NUMBER: _ClassVar[int]
     dram_bytes: int
     dram_capacity_bytes: int
     ssd_bytes: int
@@ -168,4 +169,5 @@ class GetKvStatsResponse(_message.Message):
     pending_ssd_records: int
     chain_links: int
     pending_ssd_bytes: int
-    def __init__(self, dram_bytes: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., namespaces: _Optional[int] = ..., pages: _Optional[int] = ..., dram_pages: _Optional[int] = ..., ssd_pages: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., released_pages: _Optional[int] = ..., dropped_namespaces: _Optional[int] = ..., late_puts: _Optional[int] = ..., meta_write_failures: _Optional[int] = ..., refused_streams: _Optional[int] = ..., idle_put_streams_cancelled: _Optional[int] = ..., stalled_get_streams_cancelled: _Optional[int] = ..., column_families: _Optional[int] = ..., memtable_bytes: _Optional[int] = ..., flush_failures: _Optional[int] = ..., write_stalls: _Optional[int] = ..., write_stall_failures: _Optional[int] = ..., write_stall_seconds: _Optional[float] = ..., pending_ssd_records: _Optional[int] = ..., chain_links: _Optional[int] = ..., pending_ssd_bytes: _Optional[int] = ...) -> None: ...
+    orphan_owner_records: int
+    def __init__(self, dram_bytes: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., namespaces: _Optional[int] = ..., pages: _Optional[int] = ..., dram_pages: _Optional[int] = ..., ssd_pages: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., released_pages: _Optional[int] = ..., dropped_namespaces: _Optional[int] = ..., late_puts: _Optional[int] = ..., meta_write_failures: _Optional[int] = ..., refused_streams: _Optional[int] = ..., idle_put_streams_cancelled: _Optional[int] = ..., stalled_get_streams_cancelled: _Optional[int] = ..., column_families: _Optional[int] = ..., memtable_bytes: _Optional[int] = ..., flush_failures: _Optional[int] = ..., write_stalls: _Optional[int] = ..., write_stall_failures: _Optional[int] = ..., write_stall_seconds: _Optional[float] = ..., pending_ssd_records: _Optional[int] = ..., chain_links: _Optional[int] = ..., pending_ssd_bytes: _Optional[int] = ..., orphan_owner_records: _Optional[int] = ...) -> None: ...
