@@ -33,7 +33,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def Heartbeat(
         self, request: scheduler_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.HeartbeatResponse:
-        return scheduler_pb2.HeartbeatResponse(known=self.dispatcher.heartbeat(request.worker_id, request.telemetry))
+        known = self.dispatcher.heartbeat(request.worker_id, request.telemetry, request.draining)
+        return scheduler_pb2.HeartbeatResponse(known=known)
 
     @rpc
     def SwitchWeights(
@@ -62,6 +63,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     quarantined=w.quarantined,
                     in_flight_chunks=w.in_flight_chunks,
                     telemetry=w.telemetry,
+                    draining=w.draining,
                 )
                 for w in s.workers
             ],

@@ -145,6 +145,8 @@ class WorkerState:
     # load at a time and refuses a second with FAILED_PRECONDITION, so a weight switch drains these
     # before loading, and no second catch-up of the same registration starts a load.
     catching_up: bool = False
+    # Its last heartbeat said it is stopping (HeartbeatRequest.draining).
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ class WorkerView:
     quarantined: bool
     in_flight_chunks: int
     telemetry: scheduler_pb2.WorkerTelemetry
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -370,6 +373,8 @@ class Dispatcher:
             log.warning("worker registered again while quarantined; it stays quarantined",
                         extra=kv(worker_id=state.worker_id, reason=reason))
             self.core.quarantine_worker(state.worker_id, reason, offence=False)  # not a new offence
+        if state.draining:  # it said so while inactive (catching up on weights): still no placement
+            self.core.set_draining(state.worker_id, True)
         state.active = True
         WORKERS.set(len(self._workers))
         self._wake_locked()
@@ -455,14 +460,19 @@ class Dispatcher:
             self._workers[w.worker_id] = w
         self._start_catch_up(w)
 
-    def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry) -> bool:
+    def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry, draining: bool = False) -> bool:
+        """draining: the worker is stopping (HeartbeatRequest.draining): no new chunk goes there; its
+        chunks in flight run on. Every heartbeat carries it, so a worker activated later (a catch-up)
+        has it applied by its next one."""
         with self._cond:
             state = self._workers.get(worker_id)
             if state is None:
                 return False
             state.last_seen = time.monotonic()
             state.telemetry.CopyFrom(telemetry)
+            state.draining = draining
             if state.active:
+                self.core.set_draining(worker_id, draining)
                 self.core.update_worker(
                     worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running, waiting=telemetry.waiting,
                     used_pages=telemetry.used_kv_pages, tokens_per_second=telemetry.tokens_per_second,
@@ -1441,6 +1451,7 @@ class Dispatcher:
                     quarantined=w.active and self.core.is_quarantined(w.worker_id),
                     in_flight_chunks=w.in_flight,
                     telemetry=w.telemetry,
+                    draining=w.draining,
                 )
                 for w in self._workers.values()
             ]

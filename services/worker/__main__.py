@@ -48,8 +48,32 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+class EarlyStop:
+    """SIGINT / SIGTERM before StopSignal exists (while the engine builds): recorded, then their
+    previous action (SIGINT's KeyboardInterrupt, SIGTERM's default exit), so a signal while a model
+    loads still ends the process at once. The record is what the SIGQUIT handler asks: a Ctrl-C
+    reaches SGLang's children too, and their watchdog's SIGQUIT must read as the stop, not as a
+    failure, even before the engine is built. Main thread only (signal.signal's rule).
+
+    The handler only assigns a bool (no lock: see StopSignal)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        previous = self._previous.get(signal.Signals(signum), signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)  # SIGINT: Python's default raises KeyboardInterrupt
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)  # SIGTERM's default action: end the process now
+            os.kill(os.getpid(), signum)
+
+
 def install_sglang_failure_handler(log: logging.Logger | None = None,
-                                   stopping: Callable[[], bool] | None = None) -> None:
+                                   stopping: Callable[[], bool] | None = None,
+                                   on_failure: Callable[[], object] | None = None) -> None:
     """SGLang's subprocesses (scheduler, detokenizer, its watchdog) signal a failure by sending
     SIGQUIT to this process (managers/scheduler.py:6361-6370, utils/watchdog.py:211-222), but
     SGLang 0.5.23 installs its SIGQUIT handler only when the Engine is built on the main thread
@@ -62,7 +86,11 @@ def install_sglang_failure_handler(log: logging.Logger | None = None,
     `stopping`: whether the worker's stop was requested (StopSignal.requested). A Ctrl-C or a
     cgroup-wide SIGTERM reaches SGLang's children too; they exit non-zero and SGLang's watchdog
     SIGQUITs the worker while it drains. That is the stop, not a failure: the handler leaves it to
-    the stop path (drain, on_stop, exit 0) instead of exiting 3."""
+    the stop path (drain, on_stop, exit 0) instead of exiting 3. It must answer from the start
+    (EarlyStop before the engine is built, StopSignal after): a Ctrl-C during a model load exited 3.
+
+    `on_failure`: runs before the exit 3, best effort (Registrar.drain_now: one draining heartbeat
+    with a short deadline, so the scheduler stops placing chunks here before it times us out)."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_sglang_failure_handler: signal handlers can only be set on the main thread")
     logger = log or logging.getLogger("services.worker")
@@ -75,6 +103,11 @@ def install_sglang_failure_handler(log: logging.Logger | None = None,
         try:
             logger.error("SGLang subprocess failed (SIGQUIT from a child); killing the process tree and exiting",
                          extra=kv(exit_code=EXIT_SGLANG_FAILED))
+            if on_failure is not None:
+                try:
+                    on_failure()
+                except Exception:  # best effort: the exit must happen
+                    logger.exception("telling the scheduler before the exit failed")
             for child in reversed(_descendants(os.getpid())):  # the deepest first: none respawns
                 with contextlib.suppress(OSError):  # exited meanwhile
                     os.kill(child, signal.SIGKILL)
@@ -83,6 +116,13 @@ def install_sglang_failure_handler(log: logging.Logger | None = None,
             os._exit(EXIT_SGLANG_FAILED)
 
     signal.signal(signal.SIGQUIT, on_sigquit)
+
+
+def _drain_on_stop(stop: StopSignal, registrar: Registrar) -> None:
+    """Tells the scheduler the worker drains as soon as the stop is requested (StopSignal.wait
+    polls every 50 ms: the same moment serve_until_signal starts the drain)."""
+    stop.wait()
+    registrar.drain()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,21 +135,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                  extra=kv(max_batch_size=cfg.max_batch_size, max_workers=sized.max_workers))
         cfg = sized
     worker_id = cfg.worker_id or f"worker-{socket.gethostname()}-{cfg.port or 'auto'}"
-    # Set once the StopSignal exists (after the engine is built): the SIGQUIT handler asks it.
+    # Set once the StopSignal exists (after the engine is built); `early` answers before it.
     stop: StopSignal | None = None
+    registrar: Registrar | None = None
+    early = EarlyStop()
+
+    def stopping() -> bool:
+        return early.requested or (stop is not None and stop.requested)
+
+    def tell_scheduler() -> None:
+        # From another thread, joined for a bounded time: this runs in the SIGQUIT handler, on the
+        # main thread between two bytecodes of whatever it interrupted, which may hold a lock the
+        # RPC needs; the exit must not wait on it.
+        if registrar is not None:
+            t = threading.Thread(target=registrar.drain_now, name="drain-now", daemon=True)
+            t.start()
+            t.join(1.0)
+
     if cfg.engine == "sglang":
         # Before its subprocesses exist.
-        install_sglang_failure_handler(log, stopping=lambda: stop is not None and stop.requested)
+        install_sglang_failure_handler(log, stopping=stopping, on_failure=tell_scheduler)
     try:
         worker = build_worker(cfg, worker_id).start()
     except (OSError, ValueError) as e:
         # A missing model directory or a bad engine setting: one line, exit 2, not a traceback.
         log.error("cannot start the engine: %s", e)
         return 2
+    except KeyboardInterrupt:
+        if not early.requested:
+            raise
+        log.info("stop requested while the engine was being built: exiting")
+        return 0
     # After the engine is built, before the port opens: a signal while the model loads (minutes for
     # a large one) still ends the process at once, as there is nothing to drain yet.
     stop = StopSignal()
-    registrar: Registrar | None = None
 
     def on_stop() -> None:
         if registrar is not None:
@@ -131,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     advertise = bracket_ipv6(cfg.advertise_address or f"{host}:{running.port}")
     if cfg.scheduler_address:
         registrar = Registrar(worker, cfg.scheduler_address, advertise, max_streams=cfg.stream_limit()).start()
+        # The drain (serve_until_signal -> RunningServer.stop) refuses new chunks: the scheduler
+        # learns it at once instead of placing chunks here until the process is gone.
+        threading.Thread(target=_drain_on_stop, args=(stop, registrar), name="drain-notice", daemon=True).start()
     log.info("worker ready", extra=kv(worker_id=worker.worker_id, address=advertise))
     return serve_until_signal(running, stop)
 

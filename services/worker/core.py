@@ -154,6 +154,13 @@ class _Admission:
     request_id: str
     dispatch_epoch: int
     aborted: bool = False
+    # Whether its caller is gone (the RunChunk stream cancelled or past its deadline): read by the
+    # KV fetch, which stops its Gets then (submit's `cancelled`).
+    caller_gone: Callable[[], bool] | None = None
+
+    def gone(self) -> bool:
+        """Aborted (Abort RPC) or its caller gone: nothing will read the chunk."""
+        return self.aborted or (self.caller_gone is not None and self.caller_gone())
 
 
 class ChunkHandle:
@@ -440,13 +447,15 @@ class Worker:
 
     # -- chunk submission --------------------------------------------------------------------
 
-    def submit(self, job: ChunkJob) -> ChunkHandle:
-        """Starts a chunk; raises InvalidArgument / FailedPrecondition / AlreadyExists / Unavailable."""
+    def submit(self, job: ChunkJob, cancelled: Callable[[], bool] | None = None) -> ChunkHandle:
+        """Starts a chunk; raises InvalidArgument / FailedPrecondition / AlreadyExists / Unavailable.
+        cancelled: whether the caller is gone (the RunChunk stream's context no longer active); a KV
+        fetch for the chunk stops its Gets then, like after an Abort."""
         job = self._validate(job)
         complete = self._complete_finish(job)
         if complete is not None:
             return self._end_at_once(job, complete)
-        admission = _Admission(job.request_id, job.dispatch_epoch)
+        admission = _Admission(job.request_id, job.dispatch_epoch, caller_gone=cancelled)
         with self._admitting_lock:
             self._admitting.append(admission)
         try:
@@ -460,7 +469,7 @@ class Worker:
         with log_context(request_id=job.request_id, group_id=job.group_id):
             self._register_group(job)
             prefix = job.prompt_token_ids + job.output_token_ids
-            fetched = self._fetch_kv(job, prefix) if job.fetch_kv and self._kv is not None else None
+            fetched = self._fetch_kv(job, prefix, admission) if job.fetch_kv and self._kv is not None else None
             req = GenerateRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt_token_ids,
@@ -482,7 +491,7 @@ class Worker:
             if not self._start(job, req, act, prefix, fetched, check_attach=True, admission=admission):
                 log.info("kv prefix pages evicted between fetch and import; fetching again",
                          extra=kv(first_page=fetched.first_page if fetched else 0))
-                self._start(job, req, act, prefix, self._fetch_kv(job, prefix), check_attach=False,
+                self._start(job, req, act, prefix, self._fetch_kv(job, prefix, admission), check_attach=False,
                             admission=admission)
             stats = act.stats
             log.debug("chunk started", extra=kv(seq=job.seq, prefix=len(prefix), cached=stats.cached_tokens,
@@ -1346,8 +1355,10 @@ class Worker:
 
     # -- the KV pool -------------------------------------------------------------------------
 
-    def _fetch_kv(self, job: ChunkJob, prefix: tuple[int, ...]) -> KVPages | None:
-        """Pulls the prefix pages this engine lacks from the pool (outside the engine lock)."""
+    def _fetch_kv(self, job: ChunkJob, prefix: tuple[int, ...], admission: _Admission) -> KVPages | None:
+        """Pulls the prefix pages this engine lacks from the pool (outside the engine lock). Stops
+        when the chunk is aborted or its caller gone meanwhile (its pages would go unused: _start
+        ends an aborted chunk, the RunChunk handler releases one whose stream ended)."""
         assert self._kv is not None
         with self._locked():
             have = self.engine.cached_prefix_tokens(prefix)
@@ -1356,7 +1367,8 @@ class Worker:
         if len(prefix) - have < layout.page_size:
             return None  # nothing a full page could add
         try:
-            return self._kv.fetch_prefix(prefix, version, layout, min_tokens=have)
+            return self._kv.fetch_prefix(prefix, version, layout, min_tokens=have,
+                                         cancelled=admission.gone)
         except Exception:
             # The pool is an optimization: recompute rather than fail the chunk.
             log.warning("kv fetch failed; recomputing the prefix", exc_info=True)

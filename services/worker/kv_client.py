@@ -96,6 +96,47 @@ class _FanOutTimeout(grpc.RpcError):  # type: ignore[misc]
         return self._details
 
 
+# How often a fetch looks at its caller's `cancelled` (the RunChunk stream was cancelled, the chunk
+# aborted) while its Get streams run.
+_CANCEL_POLL_S = 0.05
+
+
+class _GetCalls:
+    """The Get streams of one fetch, so that a cancelled fetch ends all of them, those started
+    after the cancellation too (cancelled as they start)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: set[grpc.Call] = set()
+        self.cancelled = False
+
+    def add(self, call: grpc.Call) -> None:
+        with self._lock:
+            if not self.cancelled:
+                self._calls.add(call)
+                return
+        call.cancel()
+
+    def discard(self, call: grpc.Call) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            calls, self._calls = list(self._calls), set()
+        for call in calls:
+            call.cancel()
+
+    def watch(self, cancelled: Callable[[], bool], done: threading.Event) -> None:
+        """Until `done`: cancels the streams once `cancelled()` (a thread of its own: the fetch's
+        caller is blocked in the fan-out, possibly on a replica that sends nothing)."""
+        while not done.wait(_CANCEL_POLL_S):
+            if cancelled():
+                self.cancel()
+                return
+
+
 # Status codes that mean "this replica cannot help right now": degrade to recompute.
 _DEGRADE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -129,6 +170,7 @@ class KVClientStats:
     checksum_failures: int = 0  # a fetch stopped at a page whose bytes failed their checksum (recompute)
     replica_errors: int = 0  # RPCs that failed and were degraded to a miss
     released_pages: int = 0
+    fetch_cancels: int = 0  # fetches whose caller gave up while their Gets ran (streams cancelled)
 
 
 def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
@@ -409,13 +451,24 @@ class KVClient:
         return n
 
     def fetch_prefix(
-        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
+        self,
+        token_ids: Sequence[int],
+        model_version: str,
+        layout: KVLayout,
+        *,
+        min_tokens: int = 0,
+        cancelled: Callable[[], bool] | None = None,
     ) -> KVPages | None:
         """The longest stored, verified KV prefix of token_ids beyond min_tokens (what the caller's
         prefix cache already holds): the pages from page min_tokens // page_size on (KVPages with
         that first_page, which import_kv continues from the caller's cached pages), so a chunk that
         resumes where part of its prefix is cached transfers only the rest. None when nothing past
-        min_tokens is stored."""
+        min_tokens is stored.
+
+        cancelled: whether the caller gave up (its RunChunk stream cancelled, the chunk aborted):
+        looked at before the Gets start and every _CANCEL_POLL_S while they run; once true the Get
+        streams are cancelled (a fetch of a dead chunk held kvstore streams and pool threads up to
+        rpc_timeout_s) and the fetch returns None."""
         if min_tokens < 0:
             raise InvalidArgument(f"must be >= 0, got {min_tokens}", field="min_tokens")
         self._count(fetch_calls=1)
@@ -424,6 +477,9 @@ class KVClient:
         n = self.prefix_pages(hashes[start:], model_version)  # pages stored from `start` on
         if n == 0 or (start + n) * layout.page_size <= min_tokens:
             return None
+        if cancelled is not None and cancelled():
+            return None
+        streams = _GetCalls()
         wanted = hashes[start : start + n]
         groups = self._by_node(wanted)
         layout_pb = layout_to_pb(layout)
@@ -444,15 +500,21 @@ class KVClient:
                 namespace=model_version, page_hashes=[wanted[i] for i in part], layout=layout_pb
             )
             out: dict[bytes, memoryview | bool | None] = {}
+            # The time left of the fetch's one deadline: a stream started late (queued on a busy
+            # pool) ends with it, and its own DEADLINE_EXCEEDED keeps what arrived (below).
+            call = self._get_rpc[node](req, timeout=max(0.0, deadline - time.monotonic()))
+            streams.add(call)
             try:
-                # The time left of the fetch's one deadline: a stream started late (queued on a busy
-                # pool) ends with it, and its own DEADLINE_EXCEEDED keeps what arrived (below).
-                for msg in self._get_rpc[node](req, timeout=max(0.0, deadline - time.monotonic())):
+                for msg in call:
                     out[msg.page_hash] = verified(msg)
             except grpc.RpcError:
+                if streams.cancelled:
+                    return out  # our own cancellation: no replica fault (the fetch returns None)
                 if not out:
                     raise
                 self._count(replica_errors=1)  # keep what arrived before the failure
+            finally:
+                streams.discard(call)
             return out
 
         def get(node: str, idx: list[int]) -> dict[bytes, memoryview | bool | None]:
@@ -479,12 +541,22 @@ class KVClient:
         got: dict[bytes, memoryview | bool | None] = {}
         calls = {node: (lambda node=node, idx=idx: get(node, idx)) for node, idx in groups.items()}
         deadline = time.monotonic() + self.rpc_timeout_s
-        # The fan-out waits a little past the streams' deadline: each stream's own DEADLINE_EXCEEDED
-        # lands first and keeps the pages it received (given up by the fan-out at the same instant,
-        # a slow but healthy replica's whole share was lost; review, session 27).
-        for res in self._fan_out(calls, timeout=self.rpc_timeout_s + _GET_GRACE_S).values():
-            if not isinstance(res, grpc.RpcError):
-                got.update(res)
+        done = threading.Event()
+        if cancelled is not None:
+            threading.Thread(target=streams.watch, args=(cancelled, done), name="kv-fetch-cancel", daemon=True).start()
+        try:
+            # The fan-out waits a little past the streams' deadline: each stream's own
+            # DEADLINE_EXCEEDED lands first and keeps the pages it received (given up by the fan-out
+            # at the same instant, a slow but healthy replica's whole share was lost; session 27).
+            for res in self._fan_out(calls, timeout=self.rpc_timeout_s + _GET_GRACE_S).values():
+                if not isinstance(res, grpc.RpcError):
+                    got.update(res)
+        finally:
+            done.set()
+        if streams.cancelled:
+            self._count(fetch_cancels=1)
+            log.info("kv fetch cancelled: its chunk is gone", extra=kv(pages=n))
+            return None
         pages: list[memoryview] = []
         for h in wanted:
             page = got.get(h)

@@ -5,7 +5,7 @@ speculation planner (services/worker/adaptive.py) and the KV pool client (servic
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -84,8 +84,12 @@ class KVPool(Protocol):
     def offload_async(self, pages: KVPages, request_id: str) -> Future[PutResult]: ...
 
     def fetch_prefix(
-        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0
-    ) -> KVPages | None: ...
+        self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> KVPages | None:
+        """The longest stored prefix of token_ids (at least min_tokens), or None. `cancelled`: polled
+        while the fetch runs; once true the fetch stops its reads and returns None (the chunk's
+        caller went away)."""
 
     def release(self, model_version: str, request_id: str) -> Any: ...
 

@@ -5,6 +5,10 @@ When the scheduler answers known=false (it restarted, or declared the worker gon
 registers again; when the scheduler is unreachable it keeps retrying with backoff. Registration is
 best effort: the worker serves RunChunk whether or not the scheduler is up.
 
+When the worker begins to stop (drain()), every heartbeat says draining, the first one at once:
+the scheduler then places no new chunk here (they would be refused UNAVAILABLE while the server
+drains), and the chunks in flight run to their end. A draining worker does not register again.
+
 Every RegisterWorker carries this process's incarnation (drawn once at start): the scheduler tells
 a reconnect of the same process (after a failed Heartbeat RPC: its chunks keep running) from a
 restarted worker (its chunks in flight are gone and re-dispatched).
@@ -87,6 +91,11 @@ class Registrar:
         self._rpc_timeout = rpc_timeout
         self._max_backoff = max_backoff
         self._stop = threading.Event()
+        # Set by stop() and drain(): ends the wait between two heartbeats early.
+        self._wake = threading.Event()
+        # The worker stops (drain()): read by every heartbeat. A bool, not an Event: drain_now runs
+        # in a signal handler, where taking an Event's lock could deadlock with the interrupted code.
+        self._draining = False
         self._thread: threading.Thread | None = None
         self.registered = threading.Event()
         self.registrations = 0
@@ -97,8 +106,35 @@ class Registrar:
         self._thread.start()
         return self
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self) -> None:
+        """The worker begins to stop: heartbeat draining=true at once and with every heartbeat
+        after, so the scheduler places no new chunk here. stop() ends the heartbeats."""
+        if not self._draining:
+            log.info("draining: telling the scheduler to place no new chunk here")
+        self._draining = True
+        self._wake.set()
+
+    def drain_now(self, timeout: float = 0.5) -> bool:
+        """One draining heartbeat sent from the calling thread, best effort, within `timeout`
+        seconds (the worker is about to exit and cannot wait for the registrar's thread). Whether
+        the scheduler took it. Without telemetry: reading it may touch a dead engine (this runs in
+        the SIGQUIT handler of a failed SGLang), and a stopping worker is placed on no more."""
+        self._draining = True
+        try:
+            self._stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, draining=True),
+                                 timeout=timeout)
+        except Exception as e:  # best effort: the scheduler times the worker out anyway
+            log.warning("draining heartbeat not delivered", extra=kv(error=str(e)))
+            return False
+        return True
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self._rpc_timeout + 1)
         self._channel.close()
@@ -113,34 +149,51 @@ class Registrar:
                  extra=kv(address=self._address, heartbeat_s=interval, incarnation=INCARNATION))
         return float(interval)
 
+    def _heartbeat_request(self) -> scheduler_pb2.HeartbeatRequest:
+        return scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, telemetry=telemetry(self._worker),
+                                              draining=self._draining)
+
+    def _wait(self, seconds: float) -> None:
+        """Until the next heartbeat: `seconds`, or less when stop() or drain() wakes it. Cleared
+        after the wait: a drain() after that is seen by the heartbeat that follows (the flag is set
+        before the wake), one during it by the wait after."""
+        self._wake.wait(seconds)
+        self._wake.clear()
+
     def _run(self) -> None:
         interval: float | None = None
         backoff = 0.2
         while not self._stop.is_set():
             try:
                 if interval is None:
+                    if self._draining:
+                        # Registering now would make a stopping worker placeable again.
+                        self._wait(self._max_backoff)
+                        continue
                     interval = self._register()
                     backoff = 0.2
                 else:
-                    resp = self._stub.Heartbeat(
-                        scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id,
-                                                       telemetry=telemetry(self._worker)),
-                        timeout=self._rpc_timeout,
-                    )
+                    resp = self._stub.Heartbeat(self._heartbeat_request(), timeout=self._rpc_timeout)
                     self.heartbeats += 1
                     if not resp.known:
-                        log.info("scheduler does not know this worker; registering again")
                         self.registered.clear()
+                        if self._draining:
+                            interval = None  # forgotten while it stops: stay so (see above)
+                            continue
+                        log.info("scheduler does not know this worker; registering again")
                         interval = self._register()
                         continue
-                self._stop.wait(interval)
+                self._wait(interval)
             except grpc.RpcError as e:
                 log.warning("scheduler unreachable", extra=kv(code=str(e.code()), retry_s=backoff))
-                interval = None  # after an outage, register again: the scheduler may have restarted
-                self.registered.clear()
-                self._stop.wait(backoff)
+                if not self._draining:
+                    # After an outage, register again: the scheduler may have restarted. A draining
+                    # worker heartbeats on instead (see above; answered known=false, it stays away).
+                    interval = None
+                    self.registered.clear()
+                self._wait(backoff)
                 backoff = min(backoff * 2, self._max_backoff)
             except Exception:
                 log.exception("registrar error")
-                self._stop.wait(backoff)
+                self._wait(backoff)
                 backoff = min(backoff * 2, self._max_backoff)

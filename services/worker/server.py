@@ -139,7 +139,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.RunChunkRequest, context: grpc.ServicerContext
     ) -> Iterator[worker_pb2.RunChunkResponse]:
         with self.streams.hold("RunChunk"), log_context(request_id=request.request_id, group_id=request.group_id):
-            handle = self.worker.submit(job_from_proto(request))
+            # Its KV fetch (before admission) stops when the stream ends meanwhile.
+            handle = self.worker.submit(job_from_proto(request), cancelled=lambda: not context.is_active())
             # Runs when the RPC ends for any reason; after a normal end the chunk is done and
             # cancel() is a no-op, after a cancellation or deadline it aborts the request.
             if not context.add_callback(lambda: self._release_soon(handle)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from worker_fake_engine import FakeEngine, FakePool
 
@@ -27,7 +27,7 @@ class _GatedPool(FakePool):
         self._lock = threading.Lock()
 
     def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
-                     min_tokens: int = 0) -> KVPages | None:
+                     min_tokens: int = 0, cancelled: Callable[[], bool] | None = None) -> KVPages | None:
         with self._lock:
             self._calls += 1
             first = self._calls == 1

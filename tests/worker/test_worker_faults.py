@@ -71,7 +71,8 @@ class _HeldFetchPool:
         self.fetching = threading.Event()
         self.go = threading.Event()
 
-    def fetch_prefix(self, token_ids: object, model_version: str, layout: object, *, min_tokens: int = 0) -> None:
+    def fetch_prefix(self, token_ids: object, model_version: str, layout: object, *, min_tokens: int = 0,
+                     cancelled: object = None) -> None:
         self.fetching.set()
         self.go.wait(30)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -206,7 +206,7 @@ class FakePool:
         return f
 
     def fetch_prefix(self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *,
-                     min_tokens: int = 0) -> KVPages | None:
+                     min_tokens: int = 0, cancelled: Callable[[], bool] | None = None) -> KVPages | None:
         hs = chain_hashes(token_ids, layout.page_size, model_version)
         n = 0
         while n < len(hs) and hs[n] in self.stored:

@@ -61,12 +61,14 @@ class WorkerTelemetry(_message.Message):
     def __init__(self, free_kv_pages: _Optional[int] = ..., used_kv_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "telemetry")
+    __slots__ = ("worker_id", "telemetry", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     telemetry: WorkerTelemetry
-    def __init__(self, worker_id: _Optional[str] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -95,20 +97,22 @@ class GetSchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "quarantined", "in_flight_chunks", "telemetry")
+    __slots__ = ("worker_id", "address", "healthy", "quarantined", "in_flight_chunks", "telemetry", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
     quarantined: bool
     in_flight_chunks: int
     telemetry: WorkerTelemetry
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
     __slots__ = ("policy", "pending_requests", "in_flight_chunks", "dispatched_chunks", "redispatched_chunks", "workers", "policy_version")

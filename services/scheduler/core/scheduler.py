@@ -333,7 +333,7 @@ class SchedulerCore:
         longest contexts (fewer requests per step). None: no prior known (not seer_history)."""
         if not self._demand_caps:
             return None
-        kv = sum(w.spec.total_pages * w.spec.page_size for w in self._workers.values() if not w.quarantined)
+        kv = sum(w.spec.total_pages * w.spec.page_size for w in self._workers.values() if w.placeable)
         return self._kv_demand / (2 * kv * max(self._demand_caps)) if kv else None
 
     def has_history(self, prompt_key: str) -> bool:
@@ -367,8 +367,7 @@ class SchedulerCore:
         w = self._workers.pop(worker_id, None)
         if w is None:
             raise NotFound(f"unknown worker {worker_id}", field="worker_id")
-        if self._hold is w:
-            self._release_hold()  # taken again on another worker at the next decision
+        self._recheck_hold()  # one on it is released now, taken again on another worker next decision
         lost = list(w.in_flight)
         for rid in lost:
             req = self._requests[rid]
@@ -390,6 +389,24 @@ class SchedulerCore:
         if w is None:
             raise NotFound(f"unknown worker {worker_id}", field="worker_id")
         apply_telemetry(w, free_pages, running, waiting, extra, self.cfg.use_worker_free_pages, self._quarantine_rule)
+
+    def set_draining(self, worker_id: str, draining: bool) -> None:
+        """The worker is stopping (its heartbeat says so): no new chunk is placed there, and it holds
+        no pages for a starved request (_holds_on). Its chunks in flight are neither aborted nor
+        re-queued: they run to their end, and the worker leaves when its drain ends (removed after
+        missed heartbeats, or by a closed stream like any other)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise NotFound(f"unknown worker {worker_id}", field="worker_id")
+        if w.draining != draining:
+            log.info("worker draining" if draining else "worker no longer draining",
+                     extra=kv(worker_id=worker_id, in_flight=w.load))
+        w.draining = draining
+        self._recheck_hold()  # one on it is released now (no longer _holds_on), taken again elsewhere
+
+    def is_draining(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.draining
 
     def is_quarantined(self, worker_id: str) -> bool:
         w = self._workers.get(worker_id)
@@ -425,12 +442,12 @@ class SchedulerCore:
         now = self.clock()
         kv_refused: bool | None = None  # why the decisions stopped, if for lack of a resource
         while (limit is None or len(out) < limit) and self._live:
-            if not any(w.load < w.open_slots() and not w.quarantined for w in self._workers.values()):
+            if not any(w.load < w.open_slots() and w.placeable for w in self._workers.values()):
                 # Batch-bound: no free slot. A slot kept for a held starved request is not free to
                 # the others (can_admit): counted as free, every decision of a hold read as KV-bound
                 # and switched the KV-bound rules on (aging, seer_history's FIFO) for one request.
                 kv_refused = False
-                if self._hold is None or not any(w.load < w.slots and not w.quarantined
+                if self._hold is None or not any(w.load < w.slots and w.placeable
                                                  for w in self._workers.values()):
                     break
                 # Only the held slot is free: the starved request may still go (_starving).
@@ -543,8 +560,7 @@ class SchedulerCore:
         return q, entry
 
     def _starving(self, now: float) -> Dispatch | None:
-        if self._hold is not None:
-            self._check_hold()
+        self._recheck_hold()
         for q, limit in ((self._age_q, self.cfg.starvation_seconds), (self._paused_q, self.paused_threshold())):
             oldest = q.oldest(self._waiting_since)
             if oldest is None or limit is None or now - oldest[0] <= limit:
@@ -598,7 +614,7 @@ class SchedulerCore:
         to end (up to the chunk deadline, or for ever if it fails and the worker is quarantined
         between two decisions and released again), while one hold at a time kept every healthy
         worker from gathering its pages."""
-        return self._workers.get(w.worker_id) is w and not w.quarantined and not w.record.probation
+        return self._workers.get(w.worker_id) is w and w.placeable and not w.record.probation
 
     def _check_hold(self) -> None:
         """Releases a hold whose request is no longer queued (dispatched, cancelled, finished) or
@@ -617,6 +633,12 @@ class SchedulerCore:
             self._release_hold()  # taken again where it can be served, in this decision
             return
         w.held_pages = pages
+
+    def _recheck_hold(self) -> None:
+        """_check_hold now, outside a decision: a worker's change (quarantined, removed, draining)
+        releases a hold on it at once, by the same rule as the next decision would."""
+        if self._hold is not None:
+            self._check_hold()
 
     def _release_hold(self) -> None:
         if self._hold is not None:
@@ -646,7 +668,7 @@ class SchedulerCore:
             (
                 min(w.free_pages() * w.spec.page_size, w.spec.max_context or w.spec.kv_tokens)
                 for w in self._workers.values()
-                if not w.quarantined and w.load < w.slots
+                if w.placeable and w.load < w.slots
             ),
             default=0,
         )
@@ -699,8 +721,8 @@ class SchedulerCore:
 
     def _baseline_dispatches(self, limit: int | None) -> list[Dispatch]:
         out: list[Dispatch] = []
-        # Quarantined workers are not trusted with chunks under any policy.
-        trusted = sorted(wid for wid, w in self._workers.items() if not w.quarantined)
+        # Quarantined workers are not trusted with chunks under any policy; draining ones refuse them.
+        trusted = sorted(wid for wid, w in self._workers.items() if w.placeable)
         skipped: list[tuple[PendingQueue, tuple[Key, int, str, int]]] = []
         while trusted and (limit is None or len(out) < limit):
             cand = self._pop_candidate()
@@ -727,7 +749,7 @@ class SchedulerCore:
             gid = req.info.group_id
             wid = self._group_worker.get(gid)
             placed = self._workers.get(wid) if wid is not None else None
-            if placed is None or placed.quarantined or wid not in open_:
+            if placed is None or not placed.placeable or wid not in open_:
                 # New group, or its worker is gone, quarantined, too small or on probation and busy:
                 # the rest of the group moves.
                 if not open_:
@@ -880,10 +902,11 @@ class SchedulerCore:
         request an attempt). Different groups (the request's own group_id, else the core's record
         of it, else the request id), so that one prompt the engine cannot run, which fails all of
         its siblings on any worker, is not taken for a broken worker. Never the last trusted
-        worker: when every worker fails, the requests run out of attempts and fail as before,
-        rather than wait for a worker that may never come. Once released (sane heartbeats) it is
-        on probation until a chunk completes there: one chunk at a time, and one more failure
-        quarantines it again (the streak is kept, across re-registrations too), for twice as long.
+        worker (a draining one is leaving: not counted): when every worker fails, the requests run
+        out of attempts and fail as before, rather than wait for a worker that may never come. Once
+        released (sane heartbeats) it is on probation until a chunk completes there: one chunk at a
+        time, and one more failure quarantines it again (the streak is kept, across
+        re-registrations too), for twice as long.
         Returns whether the worker was quarantined now."""
         w = self._workers.get(worker_id)
         if w is None or not self.cfg.worker_failure_limit:
@@ -892,14 +915,13 @@ class SchedulerCore:
         w.record.failed_groups.add(group_id or (req.info.group_id if req is not None else request_id))
         if w.quarantined or len(w.record.failed_groups) < self.cfg.worker_failure_limit:
             return False
-        if not any(not o.quarantined for wid, o in self._workers.items() if wid != worker_id):
+        if not any(o.placeable for wid, o in self._workers.items() if wid != worker_id):
             return False
         self._counters["worker_fault_quarantines"] += 1
         quarantine(w, f"chunks of {len(w.record.failed_groups)} groups failed in a row: {error}", self._quarantine_rule)
         w.record.probation = True
         w.record.quarantined_seq = self._counters["dispatched_chunks"]
-        if self._hold is w:
-            self._release_hold()  # taken again on a trusted worker at the next decision (_holds_on)
+        self._recheck_hold()  # released now (no longer _holds_on), taken again on a trusted worker
         return True
 
     def _in_flight_on(self, request_id: str, worker_id: str) -> _Request | None:
@@ -1080,6 +1102,7 @@ class SchedulerCore:
                     "free_pages": w.free_pages(),
                     "quarantined": w.quarantined,
                     "quarantine_reason": w.quarantine_reason,
+                    "draining": w.draining,
                 }
                 for wid, w in self._workers.items()
             },

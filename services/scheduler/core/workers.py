@@ -75,6 +75,9 @@ class WorkerState:
     # finishing chunks free add up to its need instead of going to newer, smaller requests.
     held_for: str | None = None
     held_pages: int = 0
+    # Its last heartbeat said it is stopping (SchedulerCore.set_draining): it refuses new chunks, so
+    # none is placed there; its chunks in flight run to their end.
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -83,6 +86,11 @@ class WorkerState:
     @property
     def load(self) -> int:
         return len(self.in_flight)
+
+    @property
+    def placeable(self) -> bool:
+        """Whether a new chunk may go here: trusted and not stopping."""
+        return not self.quarantined and not self.draining
 
     @property
     def slots(self) -> int:
@@ -99,7 +107,7 @@ class WorkerState:
     def can_admit(self, pages: int, request_id: str | None = None) -> bool:
         """Admission control (DESIGN.md section 4): a batch slot and KV for context + chunk, beyond
         what is held for a starved request other than `request_id`."""
-        if self.quarantined:
+        if not self.placeable:
             return False
         if self.held_for is None or self.held_for == request_id:
             return len(self.in_flight) < self.slots and self.free_pages() >= pages
