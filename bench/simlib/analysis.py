@@ -25,14 +25,18 @@ def longest_alone_seconds(w: Workload, model: InstanceModel) -> float:
     return n * (model.a + model.b + model.c * p) + model.c * n * (n - 1) / 2
 
 
-def tail_report(w: Workload, model: InstanceModel, r: SimResult, baseline: SimResult) -> dict[str, float]:
+def tail_report(w: Workload, model: InstanceModel, r: SimResult, baseline: SimResult) -> dict[str, float | None]:
     G = w.spec.group_size
     lengths = w.lengths.reshape(-1)  # [requests]
     t90 = r.makespan - r.tail_time
     tail = np.nonzero(r.finish_times > t90)[0]  # [tail requests]
     group_max = np.repeat(w.lengths.max(axis=1), G)  # [requests]
     waited = tail[r.max_wait[tail] > 0]
-    undershoot = r.est_at_max_wait[waited] / np.maximum(1, lengths[waited]) if waited.size else np.zeros(1)
+    # None where no tail request ever waited: there is no estimate to compare (0 would read as a
+    # total under-shoot).
+    undershoot = (
+        round(float(np.median(r.est_at_max_wait[waited] / np.maximum(1, lengths[waited]))), 3) if waited.size else None
+    )
     return {
         "tail_requests": int(tail.size),
         "tail_s": round(r.tail_time, 1),
@@ -42,7 +46,7 @@ def tail_report(w: Workload, model: InstanceModel, r: SimResult, baseline: SimRe
         "tail_median_queued_s": round(float(np.median(r.wait_times[tail])), 1),
         "tail_median_queued_frac_of_makespan": round(float(np.median(r.wait_times[tail])) / r.makespan, 3),
         # Group estimate when the request's longest pause began / its true length (< 1: under-shoot).
-        "tail_median_estimate_over_true": round(float(np.median(undershoot)), 3),
+        "tail_median_estimate_over_true": undershoot,
         "tail_started_after_10pct_frac": round(float(np.mean(r.start_times[tail] > 0.1 * r.makespan)), 3),
         "instances_idle_spread_s": round(float(r.instance_idle_at.max() - r.instance_idle_at.min()), 1),
         "longest_alone_s": round(longest_alone_seconds(w, model), 1),

@@ -83,11 +83,10 @@ class SimResult:
         return self.makespan - t90
 
 
-def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None = None) -> SimResult:
-    wall0 = time.perf_counter()
-    spec = w.spec
-    now = 0.0
-    cfg = SchedulerPolicyConfig(
+def policy_config(rc: RunConfig) -> SchedulerPolicyConfig:
+    """The scheduler core's configuration for a run (bench/sim.py prints where it differs from the
+    service's defaults)."""
+    return SchedulerPolicyConfig(
         policy=rc.policy,
         chunk_size=rc.chunk_size,
         starvation_seconds=rc.starvation_seconds,
@@ -103,7 +102,13 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
         history_estimate=rc.history_estimate,
         use_worker_free_pages=False,
     )
-    core = SchedulerCore(cfg, clock=lambda: now)
+
+
+def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None = None) -> SimResult:
+    wall0 = time.perf_counter()
+    spec = w.spec
+    now = 0.0
+    core = SchedulerCore(policy_config(rc), clock=lambda: now)
     timeline = Timeline(bin_seconds=max(1.0, spec.max_tokens * model.a / 400))
     instances: dict[str, Instance] = {}
     for k in range(spec.instances):
@@ -194,6 +199,7 @@ def simulate(w: Workload, model: InstanceModel, rc: RunConfig, label: str | None
                 int(prompt_len[r]),
                 int(generated[r]),
                 accepted_per_step(int(finished_in_group[p])),
+                prompt_key=f"p{p}",
             )
             inst.add(slot, now, prefill, fetch)
             touched.add(d.worker_id)

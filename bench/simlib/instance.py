@@ -7,7 +7,10 @@ T0 * k + dT * k^2 / 2. Per-request state is vectorised in numpy arrays (swap-rem
 
 The baseline engine behaves like vLLM under veRL: it queues whatever it is given, admits while KV
 has room (with a watermark), and when KV runs out preempts the most recently admitted request by
-recompute (its KV is dropped; it re-prefills its prompt and generated tokens when re-admitted).
+recompute (its KV is dropped; it re-prefills its generated tokens when re-admitted). Its prompt is
+not prefilled again once any request of the same prompt was admitted on the instance: the same
+prefix-cache rule the chunked policies get in cluster.py (vLLM's and SGLang's prefix caching keep
+the shared prompt; the generated tokens of a preempted request are its own and are recomputed).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ class Slot:
     prompt_len: int
     generated: int  # tokens generated before this chunk
     accept: float  # accepted tokens per step when speculating
+    # Requests of the same prompt share this key: the baseline engine's prefix cache (see _admit).
+    prompt_key: str = ""
+    # Admission sequence number on its instance (set by _start): the slots list is reordered by
+    # swap-remove, so the newest request is found by this, never by its position.
+    admitted: int = -1
 
 
 class Instance:
@@ -58,6 +66,8 @@ class Instance:
         self.preemptions = 0
         self.prefill_tokens = 0
         self.fetch_tokens = 0
+        self.admissions = 0  # slots started so far: the next Slot.admitted
+        self.prompts_cached: set[str] = set()  # prompt keys the baseline engine has prefilled here
 
     @property
     def batch(self) -> int:
@@ -78,6 +88,8 @@ class Instance:
         i = len(self.slots)
         if i >= self.ctx.shape[0]:
             raise RuntimeError(f"{self.iid}: batch over max_batch {self.m.max_batch}")
+        slot.admitted = self.admissions
+        self.admissions += 1
         self.slots.append(slot)
         self.ctx[i] = slot.prompt_len + slot.generated
         self.left[i] = slot.new_tokens
@@ -108,7 +120,12 @@ class Instance:
                 break
             self.waiting.popleft()
             used += need
-            self._start(s, now, prefill_tokens=need, fetch_tokens=0)
+            # Prefix cache: a sibling (or this request before its preemption) already prefilled
+            # the prompt here, so only the generated tokens are recomputed.
+            cached = s.prompt_len if s.prompt_key and s.prompt_key in self.prompts_cached else 0
+            if s.prompt_key:
+                self.prompts_cached.add(s.prompt_key)
+            self._start(s, now, prefill_tokens=need - cached, fetch_tokens=0)
 
     def _respeculate(self) -> None:
         b = self.batch
@@ -169,8 +186,9 @@ class Instance:
         return done
 
     def _preempt(self) -> None:
-        """Recompute preemption of the newest request (vLLM's default victim)."""
-        i = self.batch - 1
+        """Recompute preemption of the most recently admitted request (vLLM's default victim)."""
+        # Not slots[-1]: swap-remove of a finished slot moves the last slot into its place.
+        i = max(range(self.batch), key=lambda k: self.slots[k].admitted)
         produced = round(float(self.slots[i].new_tokens - self.left[i]))
         s = self._remove(i)
         produced = max(0, min(produced, s.new_tokens - 1))
