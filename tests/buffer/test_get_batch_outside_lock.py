@@ -5,6 +5,7 @@ instead of closing RocksDB under it."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,22 +28,28 @@ def _core(tmp_path: Path) -> BufferCore:
 
 def _pausing_scan(core: BufferCore, at: int, started: threading.Event, release: threading.Event
                   ) -> Callable[..., Iterator[tuple[bytes, bytes]]]:
-    """Store.scan that waits for `release` before its step number `at`. The real scan (and with it
-    its RocksDB iterator and view) is created by the call, as Store.scan's is, not at the first step."""
+    """Store.scan that waits for `release` before the real scan's step number `at` (0: before its
+    first step, the seek included). The real scan is created by the call, as the core's is; what
+    it creates then and what at its first step is Store.scan's own: a scan whose RocksDB iterator
+    (and view) came at its first step would make that step after the pause, and show the writes
+    made during it."""
     real = core._store.scan
 
     def scan(*a: Any, **kw: Any) -> Iterator[tuple[bytes, bytes]]:
-        items = real(*a, **kw)
+        inner = real(*a, **kw)
 
         def steps() -> Iterator[tuple[bytes, bytes]]:
             try:
-                for i, item in enumerate(items):
+                for i in itertools.count():
                     if i == at:
                         started.set()
                         release.wait(10)
+                    item = next(inner, None)
+                    if item is None:
+                        return
                     yield item
             finally:
-                items.close()
+                inner.close()
 
         return steps()
 
@@ -86,13 +93,20 @@ def test_close_waits_for_a_read_in_progress(tmp_path: Path) -> None:
     core._store.scan = _pausing_scan(core, 2, started, release)  # type: ignore[method-assign]
     got: list[int] = []
     reader = threading.Thread(target=lambda: got.append(len(core.get_batch("b", include_requests=True).requests)))
-    reader.start()
-    assert started.wait(5)
     closer = threading.Thread(target=core.close)
-    closer.start()
-    time.sleep(0.2)
-    assert closer.is_alive(), "close() did not wait for the read in progress"
-    release.set()
-    reader.join(5)
-    closer.join(5)
+    try:
+        reader.start()
+        assert started.wait(5)
+        closer.start()
+        time.sleep(0.2)
+        assert closer.is_alive(), "close() did not wait for the read in progress"
+    finally:
+        # However an assert above ends, the read goes on and the store closes: no thread and no
+        # open RocksDB (its LOCK) are left to the tests after this one.
+        release.set()
+        reader.join(5)
+        if closer.ident is None:  # the assert failed before close() was called
+            core.close()
+        else:
+            closer.join(5)
     assert got == [8] and not closer.is_alive()
