@@ -19,7 +19,7 @@ _GAUGES = {
     "dram_bytes": "bytes of pages in the DRAM tier",
     "dram_capacity_bytes": "DRAM tier capacity",
     "ssd_bytes": "bytes of pages in the SSD tier, pending deletes' pages included (still on disk)",
-    "ssd_capacity_bytes": "SSD tier capacity",
+    "ssd_capacity_bytes": "SSD page budget: --ssd-bytes less the RocksDB WAL cap reserved out of it",
     "namespaces": "live namespaces (model versions)",
     "pages": "stored pages",
     "dram_pages": "pages in the DRAM tier",

@@ -406,6 +406,14 @@ class SsdTier:
         value = cf.get(_DATA + page_hash, read_opt=self._page_read)
         return None if value is None else bytes(value)
 
+    def get_meta(self, namespace: str, page_hash: bytes) -> bytes | None:
+        """A page's record on disk (None when there is none): a small read, taken during a write stop."""
+        cf = self._cfs.get(namespace)
+        if cf is None:
+            return None
+        value = cf.get(_META + page_hash)
+        return None if value is None else bytes(value)
+
     def delete(self, namespace: str, page_hash: bytes) -> None:
         if namespace not in self._cfs:
             return

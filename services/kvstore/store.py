@@ -262,6 +262,11 @@ def _decode_meta(raw: bytes) -> _Entry | None:
         return None
 
 
+def _copy_ok(data: Buffer | None, entry: _Entry) -> bool:
+    """Whether a page's stored bytes (None: unreadable) match its size and checksum."""
+    return data is not None and len(data) == entry.size and page_checksum(data) == entry.checksum
+
+
 def _unindex_owners(ns: _Namespace, page_hash: bytes, owners: set[str]) -> None:
     """Takes page_hash out of the by_owner sets of `owners` (a set left empty goes)."""
     for owner in owners:
@@ -711,8 +716,15 @@ class KvStore:
             owners = {request_id} if request_id else set()
             anonymous = not request_id
             entry = ns.entries.get(page_hash)
+            stored, orphan = self._stored_copy(key, entry) if entry is not None else (None, False)
+            if entry is not None and orphan:
+                # An owner record without its page (lost at a kill): the Put stores the page anew,
+                # as after a Get that dropped the record. Adding the owner to the record instead
+                # left the page missing for good (with or without put verification).
+                self._drop_orphan(key)
+                entry = None
             if entry is not None:
-                if self.verify_put_checksums or self._stored_copy_ok(key, entry) or page_checksum(data) != checksum:
+                if self.verify_put_checksums or _copy_ok(stored, entry) or page_checksum(data) != checksum:
                     self._add_owner(ns, page_hash, entry, request_id)
                     return False
                 # Unverified Puts can store a page whose bytes do not match its checksum (and the
@@ -783,16 +795,28 @@ class KvStore:
             # the journal line goes from "delete" to this page's owner record (_journaled_meta).
             self._rejournal((ns.name, page_hash))
 
-    def _stored_copy_ok(self, key: Key, entry: _Entry) -> bool:
-        """Whether the stored bytes of a page match its checksum (a Put without verification may
-        have stored bad ones). An unreadable copy counts as bad."""
+    def _stored_copy(self, key: Key, entry: _Entry) -> tuple[Buffer | None, bool]:
+        """(the stored bytes of a page, or None when unreadable; whether its record is an orphan: the
+        index has it on SSD, RocksDB has no page). Read for a Put over a stored page: an unverified
+        Put may have stored bad bytes, and an orphan record must not take the new page's owner."""
         data = self._dram.get(key)
-        if data is None and entry.on_ssd:
-            try:
-                data = self._ssd.get(*key)
-            except Exception:  # RocksDB reports on-disk corruption as an error
-                data = None
-        return data is not None and len(data) == entry.size and page_checksum(data) == entry.checksum
+        if data is not None or not entry.on_ssd:
+            return data, False
+        try:
+            data = self._ssd.get(*key)
+        except Exception:  # RocksDB reports on-disk corruption as an error: a bad copy, not an orphan
+            return None, False
+        return data, data is None
+
+    def _drop_orphan(self, key: Key) -> None:
+        """Drops an owner record found without its page: the page's put skips the WAL, a later owner
+        rewrite does not, and a kill before the memtable flush kept only the record (see SsdTier).
+        Found by a read (Get, or a Put over it), not at open: finding them there means reading every
+        page (the data keys' iterator loads each blob value; rocksdict cannot skip it). Lock held."""
+        self._orphan_records += 1
+        log.warning("owner record without its page (lost at a kill); dropped",
+                    extra=kv(namespace=key[0], page=key[1].hex()))
+        self._remove(key)
 
     def claim(self, namespace: str, page_hash: bytes, request_id: str) -> bool:
         """Makes request_id an owner of an already stored page without its bytes being sent again
@@ -862,6 +886,10 @@ class KvStore:
         try:
             self._write_ssd(key, entry, data)
         except Exception:
+            if self._keep_pending_copy(key, entry):
+                log.warning("demotion to SSD failed; the page's copy on disk (its delete pending) kept instead",
+                            exc_info=True, extra=kv(namespace=key[0], page=key[1].hex()))
+                return
             # RocksDB refused the write (disk full, I/O error). The page already left DRAM, so no
             # tier holds it: drop it from the index too, or Exists and claims would report a ghost.
             log.warning(
@@ -871,6 +899,32 @@ class KvStore:
             self._evictions += 1
             return
         self._demotions += 1
+
+    def _keep_pending_copy(self, key: Key, entry: _Entry) -> bool:
+        """For a page whose demotion RocksDB refused: when its SSD copy is still on disk, its delete
+        pending (the page stored again into DRAM over it, or hot while capacity dropped the copy),
+        cancels that delete and indexes the copy instead of evicting a page the disk holds (before,
+        the page was evicted and its copy deleted later). The copy takes its own record's checksum:
+        a page stored again may have other bytes (KV computed in another batch need not match bit
+        for bit). Its record's owners may be older ones: left pending as an owner rewrite, journaled
+        and written by _reconcile_ssd. True when kept. Lock held."""
+        size = self._pending_ssd.get(key)
+        if not size or size != entry.size:
+            return False  # no copy on disk (an owner rewrite pending, or none), or not this page's size
+        try:
+            raw = self._ssd.get_meta(*key)
+        except Exception:  # a read error: evict as before
+            return False
+        copy = _decode_meta(raw) if raw is not None else None
+        if copy is None or copy.size != size:
+            return False
+        entry.checksum = copy.checksum
+        entry.on_ssd = True
+        self._ssd_lru[key] = size
+        self._ssd_bytes += size
+        self._namespaces[key[0]].ssd_pages += 1
+        self._pend_ssd(key, 0)  # its bytes move from the pending deletes to the tier: ssd_bytes unchanged
+        return True
 
     def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
         # Recent before the write: a write that fails may still have created the column family,
@@ -1180,15 +1234,8 @@ class KvStore:
                 log.warning("SSD read failed", exc_info=True, extra=kv(namespace=namespace, page=page_hash.hex()))
                 data = b""
             if data is None:
-                # An owner record without its page: the page's put skips the WAL, a later owner
-                # rewrite does not, and a kill before the memtable flush kept only the record
-                # (see SsdTier). Dropped here, not at open: finding them there means reading every
-                # page (the data keys' iterator loads each blob value; rocksdict cannot skip it).
-                self._orphan_records += 1
                 self._misses += 1
-                log.warning("owner record without its page (lost at a kill); dropped",
-                            extra=kv(namespace=namespace, page=page_hash.hex()))
-                self._remove(key)
+                self._drop_orphan(key)
                 return None
             if len(data) != entry.size or (self.verify_checksums and page_checksum(data) != entry.checksum):
                 self._checksum_failures += 1

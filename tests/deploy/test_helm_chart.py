@@ -223,6 +223,22 @@ def test_kvstore_ssd_budget_follows_its_volume(chart: Any) -> None:
     assert env["SEER_KVSTORE_SSD_BYTES"] == "107374182400"
 
 
+def test_kvstore_ssd_budget_above_the_wal_reserve_renders_and_loads(chart: Any) -> None:
+    """The chart's check agrees with the kvstore's own (KvStoreConfig.validate): one byte above the WAL
+    reserve renders and the service accepts it; the reserve itself fails at render (BAD_VALUES holds
+    the cases that rendered before and crash-looped: a 64Mi volume, a 4 GiB write buffer)."""
+    from services.common.config import load
+    from services.kvstore.config import KvStoreConfig
+    from services.kvstore.ssd import MIN_WAL_BYTES
+
+    for config in ({"ssd_bytes": MIN_WAL_BYTES + 1},
+                   {"ssd_bytes": (1 << 30) + 1, "ssd_write_buffer_bytes": 2 << 30}):
+        env = _env(_by_kind(render(chart, {"kvstore": {"config": config}}), "StatefulSet")["seer-kvstore"])
+        assert load(KvStoreConfig, "kvstore", argv=[], env=env).ssd_page_bytes() == 1
+    with pytest.raises(helm.HelmError, match="must be > 33554432"):
+        render(chart, {"kvstore": {"config": {"ssd_bytes": MIN_WAL_BYTES}}})
+
+
 def test_buffer_reads_the_workers_model(chart: Any) -> None:
     """The buffer tokenizes prompt_text and bounds token ids with the served model: it gets the same
     model.dir as the workers, and the model volume when there is one."""
@@ -288,6 +304,11 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"kvstore": {"config": {"ssd_bytes": 34359738368}}}, "kvstore.config.ssd_bytes"),
     ({"kvstore": {"config": {"ssd_bytes": "34359738368"}}}, "kvstore.config.ssd_bytes"),
     ({"kvstore": {"config": {"ssd_bytes": "10Gi"}}}, "kvstore.config.ssd_bytes: a whole number"),
+    # An SSD budget not above the WAL cap the kvstore reserves out of it: rendered, then crash-looped.
+    ({"kvstore": {"persistence": {"size": "64Mi"}}}, "kvstore.persistence.size: 64Mi gives ssd_bytes 26843545"),
+    ({"kvstore": {"config": {"ssd_bytes": 1 << 30, "ssd_write_buffer_bytes": 4 << 30}}},
+     "kvstore.config.ssd_bytes: must be > 2147483648"),
+    ({"kvstore": {"config": {"ssd_write_buffer_bytes": "4Gi"}}}, "kvstore.config.ssd_write_buffer_bytes"),
     # Numeric tags: 20240101 rendered seer-buffer:2.0240101e+07 and 1.10 seer-buffer:1.1.
     ({"global": {"imageTag": 20240101}}, "/global/imageTag"),
     ({"buffer": {"image": {"tag": 1.10}}}, "/buffer/image/tag"),

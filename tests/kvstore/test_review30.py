@@ -73,6 +73,21 @@ PAGE_0_RELEASED_DURING_A_STOP = """
 """
 
 
+def kill_leaving_an_orphan_record_of_page_0(db: str) -> None:
+    """Pages 0 and 1 put (WAL-less), page 0 claimed by q (its record rewritten through the WAL), then a
+    SIGKILL before the memtable flush: page 0's record (owners q, r) comes back without its page."""
+    _run_killed(f"""
+        import os, signal
+        from services.kvstore.store import KvStore
+        from tests.kvstore.test_review27 import NS, _h, _put
+        store = KvStore({db!r}, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
+        _put(store, 0)
+        _put(store, 1)
+        assert store.claim(NS, _h(0), "q")
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+
+
 def test_a_hot_page_whose_ssd_copy_delete_was_pending_survives_a_kill(open_store: Open, tmp_path: Path) -> None:
     """Page 1's SSD copy is dropped for capacity while it is hot in DRAM, the delete refused, and the
     process is killed: its DRAM copy is lost, the copy on disk is the page's only one and r still owns
@@ -126,17 +141,7 @@ def test_an_orphan_owner_record_is_counted_as_such_not_as_a_checksum_failure(ope
                                                                            tmp_path: Path) -> None:
     """A page's put skips the WAL, its owner record's rewrite does not: killed before the memtable
     flush, the record comes back without its page. Before: counted in checksum_failures."""
-    db = str(tmp_path / "db")
-    _run_killed(f"""
-        import os, signal
-        from services.kvstore.store import KvStore
-        from tests.kvstore.test_review27 import NS, _h, _put
-        store = KvStore({db!r}, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
-        _put(store, 0)
-        _put(store, 1)
-        assert store.claim(NS, _h(0), "q")
-        os.kill(os.getpid(), signal.SIGKILL)
-    """)
+    kill_leaving_an_orphan_record_of_page_0(str(tmp_path / "db"))
     store = open_store(dram_bytes=0)
     assert [(h, d) for h, d, _c in store.get(NS, [_h(0)])] == [(_h(0), None)]
     s = store.stats()

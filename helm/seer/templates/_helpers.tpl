@@ -246,4 +246,29 @@ is not in the buffer image: the buffer would tokenize with the wrong vocabulary,
 {{- fail (printf "kvstore.config.ssd_bytes: %.0f needs a volume of about 2.5x (%.0f bytes: RocksDB's files reach ~2.4x ssd_bytes under churn, services/kvstore/README.md); kvstore.persistence.size is %s (%.0f bytes). Raise the size or leave ssd_bytes unset (0.4 x the volume)" $ssd (mulf $ssd 2.5) $v.kvstore.persistence.size $vol) -}}
 {{- end -}}
 {{- end -}}
+{{- /* The kvstore reserves RocksDB's WAL cap, max(32 MiB, ssd_write_buffer_bytes / 2; the buffer's
+default is 64 MiB, services/kvstore/config.py), out of ssd_bytes and refuses to start (a crash loop)
+when nothing is left for pages: fail at render instead, naming the value that decides. */ -}}
+{{- if $v.kvstore.enabled -}}
+{{- $wb := 67108864 -}}
+{{- if hasKey $v.kvstore.config "ssd_write_buffer_bytes" -}}
+{{- $rawWb := toJson (index $v.kvstore.config "ssd_write_buffer_bytes") | trimAll "\"" -}}
+{{- if not (regexMatch "^[0-9]+$" $rawWb) -}}
+{{- fail (printf "kvstore.config.ssd_write_buffer_bytes: a whole number of bytes (got %s)" $rawWb) -}}
+{{- end -}}
+{{- $wb = int64 $rawWb -}}
+{{- end -}}
+{{- $reserve := max 33554432 (div $wb 2) -}}
+{{- if hasKey $v.kvstore.config "ssd_bytes" -}}
+{{- $given := int64 (toJson (index $v.kvstore.config "ssd_bytes") | trimAll "\"") -}}
+{{- if le $given $reserve -}}
+{{- fail (printf "kvstore.config.ssd_bytes: must be > %d, the RocksDB WAL cap the kvstore reserves out of it (max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d), got %d; the kvstore would refuse to start. Raise ssd_bytes or lower kvstore.config.ssd_write_buffer_bytes" $reserve $wb $given) -}}
+{{- end -}}
+{{- else -}}
+{{- $derived := int64 (mulf (float64 (include "seer.quantityBytes" $v.kvstore.persistence.size)) 0.4) -}}
+{{- if le $derived $reserve -}}
+{{- fail (printf "kvstore.persistence.size: %s gives ssd_bytes %d (0.4 x the volume), not above the RocksDB WAL cap the kvstore reserves out of it (%d: max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d); the kvstore would refuse to start. Raise the size (more than 2.5 x %d bytes) or lower kvstore.config.ssd_write_buffer_bytes" $v.kvstore.persistence.size $derived $reserve $wb $reserve) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
