@@ -28,7 +28,9 @@ class RunConfig:
     policy: str
     chunk_size: int = 4096
     speculative: bool = False
-    starvation_seconds: float = 1e9
+    # The service's rule and default: one synchronous iteration is one submission (every request
+    # below has incarnation 0), in which nothing is newer, so it never serves a request early.
+    starvation_seconds: float = SchedulerPolicyConfig.starvation_seconds
     starvation_chunks: float = 0.0
     load_imbalance_threshold: int = 32
     prefix_gap_margin: int = 512

@@ -22,7 +22,9 @@ class SchedulerConfig(ServiceConfig):
     prefix_gap_margin: int = field(
         default=512, metadata={"help": "pull KV from the pool when a move leaves a prefix gap over this"}
     )
-    starvation_seconds: float = field(default=30.0, metadata={"help": "anti-starvation wait before any priority"})
+    starvation_seconds: float = field(
+        default=30.0, metadata={"help": "serve a request first once a later submission postponed it this long"}
+    )
     starvation_chunks: float = field(
         default=0.0,
         metadata={"help": "resume a request paused mid-response after this many chunk durations (0 = off)"},

@@ -84,8 +84,14 @@ def hold_core(
                      chunk_size=HOLD_CHUNK, **cfg)
 
 
+# The small requests' submission: later than the big one's (incarnation 0, 1, ...), so that running
+# them postpones the big one by newer work, which is what starts its starvation clock.
+SMALL_SUBMISSION = 100
+
+
 def add_small(core: SchedulerCore, n: int) -> str:
-    core.add_request(RequestInfo(f"s{n}", f"gs{n}", f"ks{n}", 0, 1, SMALL_PROMPT, HOLD_CHUNK))
+    core.add_request(RequestInfo(f"s{n}", f"gs{n}", f"ks{n}", 0, 1, SMALL_PROMPT, HOLD_CHUNK,
+                                 incarnation=SMALL_SUBMISSION))
     return f"s{n}"
 
 
@@ -101,8 +107,8 @@ def held(core: SchedulerCore) -> dict[str, tuple[str | None, int]]:
 
 
 def starve_big(core: SchedulerCore, clock: FakeClock, smalls: int = 12) -> list[tuple[str, str]]:
-    """Fills the workers with `smalls` small chunks (6 per 40-page worker), then adds the big request
-    and lets it starve: it fits nowhere, so it takes a hold. The small chunks running, as
+    """Fills the workers with `smalls` small chunks (6 per 40-page worker, of a later submission), then
+    adds the big request and lets it starve: it fits nowhere, so it takes a hold. The small chunks running, as
     (request id, worker id)."""
     for n in range(smalls):
         add_small(core, n)

@@ -387,13 +387,15 @@ def test_reported_external_usage_limits_admission(clock: FakeClock) -> None:
 
 
 def test_anti_starvation(clock: FakeClock) -> None:
+    """An older submission's request postponed by a newer submission's for over starvation_seconds
+    goes first (more in test_core_starvation_submissions)."""
     core = make_core("oracle", clock, workers=1, batch=1, chunk_size=10, starvation_seconds=30.0)
-    core.add_request(RequestInfo("short", "s", "ks", 0, 1, 8, 100, true_length=5))
-    core.add_request(RequestInfo("long", "l", "kl", 0, 1, 8, 100, true_length=100))
+    core.add_request(RequestInfo("short", "s", "ks", 0, 1, 8, 100, true_length=5, incarnation=1))
+    core.add_request(RequestInfo("long", "l", "kl", 0, 1, 8, 100, true_length=100, incarnation=2))
     clock.t = 1.0
     d = core.next_dispatches()[0]
     assert d.request_id == "long"
-    # The long request keeps winning while the short one has waited under 30 s ...
+    # The long request keeps winning while the short one has been postponed under 30 s ...
     for _ in range(2):
         clock.t += 10
         core.on_chunk_done("long", "w0", 10, finished=False)

@@ -23,7 +23,8 @@ class SchedulerPolicyConfig:
     load_imbalance_threshold: int = 32
     # ... and pull the KV from the pool when the move leaves a prefix gap over this many tokens.
     prefix_gap_margin: int = 512
-    # Anti-starvation: a chunk waiting longer than this is served before any priority order.
+    # Anti-starvation: a chunk postponed by newer work (a later submission's chunks dispatched while
+    # it waits) for longer than this is served before any priority order (SchedulerCore._starving).
     starvation_seconds: float = 30.0
     # Anti-starvation of requests paused mid-response: resumed first after waiting this many times
     # the measured duration of a full chunk (0 = off).
