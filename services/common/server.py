@@ -1,8 +1,9 @@
 """gRPC server bootstrap shared by every service: health, reflection, tracing, metrics, graceful stop.
 
 A service's __main__ builds its config and core, then calls `serve(...)` with a function that adds
-its servicers. On SIGTERM/SIGINT: health goes NOT_SERVING, in-flight calls drain for
-`grace_seconds`, `on_stop` runs (flush, close RocksDB), and the process exits 0.
+its servicers. On SIGTERM/SIGINT: health goes NOT_SERVING, `before_stop` runs (a worker tells its
+scheduler it drains), in-flight calls drain for `grace_seconds` while new ones are refused,
+`on_stop` runs (flush, close RocksDB), and the process exits 0.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class RunningServer:
         self.health = health_servicer
         self.service_names = list(service_names)
         self._on_stop = on_stop
+        # Runs in stop() before the server refuses new calls (set it once the service can use it,
+        # e.g. a worker's registrar exists). Bounded by its owner: stop() waits for it.
+        self.before_stop: Callable[[], None] | None = None
         self._grace = grace
         self._stopped = threading.Event()
         self._stopping = False
@@ -67,7 +71,7 @@ class RunningServer:
                 self.health.set(name, status)
 
     def stop(self, grace: float | None = None) -> None:
-        """Idempotent graceful stop: NOT_SERVING, drain, on_stop."""
+        """Idempotent graceful stop: NOT_SERVING, before_stop, drain (new calls refused), on_stop."""
         with self._stop_lock:
             if self._stopped.is_set():
                 return
@@ -75,6 +79,14 @@ class RunningServer:
             with self._serving_lock:
                 self._stopping = True
             self.set_serving(False)
+            if self.before_stop is not None:
+                # Before server.stop: from then on a new call is refused UNAVAILABLE, and a worker's
+                # scheduler took a refused chunk for a dead worker (and cancelled all its chunks)
+                # unless it had heard the worker drains first.
+                try:
+                    self.before_stop()
+                except Exception:
+                    log.exception("before_stop failed")
             self.server.stop(self._grace if grace is None else grace).wait()
             if self._on_stop is not None:
                 try:

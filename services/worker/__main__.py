@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 
@@ -118,11 +119,42 @@ def install_sglang_failure_handler(log: logging.Logger | None = None,
     signal.signal(signal.SIGQUIT, on_sigquit)
 
 
-def _drain_on_stop(stop: StopSignal, registrar: Registrar) -> None:
-    """Tells the scheduler the worker drains as soon as the stop is requested (StopSignal.wait
-    polls every 50 ms: the same moment serve_until_signal starts the drain)."""
-    stop.wait()
-    registrar.drain()
+class FailureNotifier:
+    """Runs `notify` once, on its own thread, when a signal handler asks (fire), and lets the
+    handler wait for it for a bounded time.
+
+    The thread is started up front, not in the handler: Thread.start takes threading's
+    non-reentrant _active_limbo_lock, and a SIGQUIT that landed while the main thread was inside a
+    Thread.start (holding it) deadlocked the handler, so the worker never exited. fire() only
+    writes a byte to a pipe (no Python lock) and polls a bool (an Event's wait takes its lock too)."""
+
+    _POLL_S = 0.02
+
+    def __init__(self, notify: Callable[[], object], name: str = "failure-notice") -> None:
+        self._notify = notify
+        self._done = False
+        self._read_fd, self._write_fd = os.pipe()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if not os.read(self._read_fd, 1):
+                return  # the write end closed: never fired
+            self._notify()
+        except Exception:  # best effort: the handler exits anyway
+            logging.getLogger("services.worker").exception("telling the scheduler before the exit failed")
+        finally:
+            self._done = True
+
+    def fire(self, timeout: float = 1.0) -> bool:
+        """Signal-safe. Whether `notify` returned within `timeout` seconds."""
+        with contextlib.suppress(OSError):
+            os.write(self._write_fd, b"!")
+        deadline = time.monotonic() + timeout
+        while not self._done and time.monotonic() < deadline:
+            time.sleep(self._POLL_S)
+        return self._done
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,18 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     def stopping() -> bool:
         return early.requested or (stop is not None and stop.requested)
 
-    def tell_scheduler() -> None:
-        # From another thread, joined for a bounded time: this runs in the SIGQUIT handler, on the
-        # main thread between two bytecodes of whatever it interrupted, which may hold a lock the
-        # RPC needs; the exit must not wait on it.
-        if registrar is not None:
-            t = threading.Thread(target=registrar.drain_now, name="drain-now", daemon=True)
-            t.start()
-            t.join(1.0)
+    def drain_now() -> None:
+        if registrar is not None:  # read when fired: the registrar exists once the server is up
+            registrar.drain_now()
 
     if cfg.engine == "sglang":
-        # Before its subprocesses exist.
-        install_sglang_failure_handler(log, stopping=stopping, on_failure=tell_scheduler)
+        # On the notifier's thread, waited for a bounded time: the SIGQUIT handler runs on the main
+        # thread between two bytecodes of whatever it interrupted, which may hold a lock the RPC
+        # needs; the exit must not wait on it. Before the subprocesses exist.
+        notifier = FailureNotifier(drain_now)
+        install_sglang_failure_handler(log, stopping=stopping, on_failure=notifier.fire)
     try:
         worker = build_worker(cfg, worker_id).start()
     except (OSError, ValueError) as e:
@@ -191,8 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.scheduler_address:
         registrar = Registrar(worker, cfg.scheduler_address, advertise, max_streams=cfg.stream_limit()).start()
         # The drain (serve_until_signal -> RunningServer.stop) refuses new chunks: the scheduler
-        # learns it at once instead of placing chunks here until the process is gone.
-        threading.Thread(target=_drain_on_stop, args=(stop, registrar), name="drain-notice", daemon=True).start()
+        # hears the worker drains before that (bounded), not after, when a refused chunk makes it
+        # drop the worker with all its chunks in flight.
+        running.before_stop = registrar.drain_before_stop
     log.info("worker ready", extra=kv(worker_id=worker.worker_id, address=advertise))
     return serve_until_signal(running, stop)
 

@@ -5,19 +5,23 @@ When the scheduler answers known=false (it restarted, or declared the worker gon
 registers again; when the scheduler is unreachable it keeps retrying with backoff. Registration is
 best effort: the worker serves RunChunk whether or not the scheduler is up.
 
-When the worker begins to stop (drain()), every heartbeat says draining, the first one at once:
-the scheduler then places no new chunk here (they would be refused UNAVAILABLE while the server
-drains), and the chunks in flight run to their end. A draining worker does not register again.
+When the worker begins to stop (drain_before_stop(), RunningServer.before_stop), one draining
+heartbeat goes out from the stopping thread and is answered before the server refuses anything; every
+heartbeat after says draining too: the scheduler then places no new chunk here (they would be
+refused UNAVAILABLE while the server drains), and the chunks in flight run to their end. A
+draining worker does not register again.
 
-Every RegisterWorker carries this process's incarnation (drawn once at start): the scheduler tells
-a reconnect of the same process (after a failed Heartbeat RPC: its chunks keep running) from a
-restarted worker (its chunks in flight are gone and re-dispatched).
+Every RegisterWorker and every Heartbeat carries this process's incarnation (drawn once at start):
+the scheduler tells a reconnect of the same process (after a failed Heartbeat RPC: its chunks keep
+running) from a restarted worker (its chunks in flight are gone and re-dispatched), and ignores the
+heartbeats of an old process that still drains after a new one registered under the same id.
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -29,7 +33,7 @@ from services.worker.core import Worker
 
 log = get_logger(__name__)
 
-# RegisterWorkerRequest.incarnation of this worker process.
+# RegisterWorkerRequest.incarnation and HeartbeatRequest.incarnation of this worker process.
 INCARNATION = secrets.token_hex(8)
 
 
@@ -118,14 +122,31 @@ class Registrar:
         self._draining = True
         self._wake.set()
 
+    def drain_before_stop(self, timeout: float = 1.0, settle: float = 0.1) -> None:
+        """RunningServer.before_stop: the scheduler must hear the worker drains before the server
+        refuses RunChunk. A refused chunk made it remove the worker and cancel every chunk in flight
+        here, lost work (the drain notice used to come from a thread polling the stop flag on its
+        own, racing the server's stop). Waits up to `timeout` for the scheduler's answer, then
+        `settle` seconds: a placement the scheduler decided just before it took the notice may still
+        be on its way. Not delivered: the registrar's thread retries at once and with every
+        heartbeat; the stop goes on (the scheduler may be down, or slow)."""
+        if self.drain_now(timeout):
+            time.sleep(settle)
+        else:
+            self.drain()
+
     def drain_now(self, timeout: float = 0.5) -> bool:
         """One draining heartbeat sent from the calling thread, best effort, within `timeout`
-        seconds (the worker is about to exit and cannot wait for the registrar's thread). Whether
-        the scheduler took it. Without telemetry: reading it may touch a dead engine (this runs in
-        the SIGQUIT handler of a failed SGLang), and a stopping worker is placed on no more."""
+        seconds (the worker is about to stop or exit and cannot wait for the registrar's thread).
+        Whether the scheduler took it. Telemetry unset (not an empty one, which reads as "no free
+        pages"): reading it may touch a dead engine (this runs when a failed SGLang SIGQUITs the
+        worker), and a stopping worker is placed on no more."""
+        if not self._draining:
+            log.info("draining: telling the scheduler to place no new chunk here")
         self._draining = True
         try:
-            self._stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, draining=True),
+            self._stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, draining=True,
+                                                                incarnation=INCARNATION),
                                  timeout=timeout)
         except Exception as e:  # best effort: the scheduler times the worker out anyway
             log.warning("draining heartbeat not delivered", extra=kv(error=str(e)))
@@ -151,7 +172,7 @@ class Registrar:
 
     def _heartbeat_request(self) -> scheduler_pb2.HeartbeatRequest:
         return scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, telemetry=telemetry(self._worker),
-                                              draining=self._draining)
+                                              draining=self._draining, incarnation=INCARNATION)
 
     def _wait(self, seconds: float) -> None:
         """Until the next heartbeat: `seconds`, or less when stop() or drain() wakes it. Cleared

@@ -18,17 +18,15 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
-import grpc
 import pytest
 from seer.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 import services.worker.__main__ as worker_main
-from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.registration import Registrar
+from tests.worker.test_worker_draining import registered_with
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
 
@@ -104,14 +102,7 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 def test_a_failure_tells_the_scheduler_before_exiting(exits: list[int], ref_engine: ReferenceEngine) -> None:
     sched = _Scheduler()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(sched, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    reg = Registrar(Worker(ref_engine, worker_id="w-quit", speculation=False), f"127.0.0.1:{port}",
-                    "127.0.0.1:5557").start()
-    try:
-        assert reg.registered.wait(10)
+    with registered_with(sched, ref_engine, "w-quit") as reg:
         order: list[str] = []
 
         def tell() -> None:
@@ -125,6 +116,59 @@ def test_a_failure_tells_the_scheduler_before_exiting(exits: list[int], ref_engi
         assert order == ["drained"]  # delivered before the exit
         assert exits == [worker_main.EXIT_SGLANG_FAILED]
         assert [h.worker_id for h in sched.heartbeats if h.draining] == ["w-quit"]
-    finally:
-        reg.stop()
-        server.stop(0)
+
+
+
+def _sigquit_while_a_thread_starts(on_failure: Any) -> None:
+    """A SIGQUIT handled while the main thread is inside Thread.start, holding threading's
+    _active_limbo_lock (an RLock in CPython 3.11: the handler, on the same thread, may take it
+    again, but a thread that starts meanwhile blocks in its bootstrap until the main thread
+    releases it, which a handler that exits never does)."""
+    lock = threading._active_limbo_lock  # type: ignore[attr-defined]
+    worker_main.install_sglang_failure_handler(stopping=lambda: False, on_failure=on_failure)
+    with lock, pytest.raises(_Exited):
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(5)
+
+
+@pytest.fixture
+def scheduled(ref_engine: ReferenceEngine) -> Iterator[tuple[_Scheduler, Registrar]]:
+    sched = _Scheduler()
+    with registered_with(sched, ref_engine, "w-limbo") as reg:
+        yield sched, reg
+
+
+def test_the_failure_notice_goes_out_from_inside_thread_start(
+    exits: list[int], scheduled: tuple[_Scheduler, Registrar]
+) -> None:
+    """The handler's notice used to start its thread inside the handler. Landing inside a
+    Thread.start of the main thread, that thread could not get past its bootstrap
+    (_active_limbo_lock), the handler's bounded join gave up and the worker exited 3 without telling
+    the scheduler (a non-reentrant lock there, as the review assumed, would have hung the handler).
+    The notifier's thread is started up front; the handler takes no lock: it wakes it (a pipe) and
+    polls a bool, for a bounded time."""
+    sched, reg = scheduled
+    notifier = worker_main.FailureNotifier(reg.drain_now)
+    delivered: list[bool] = []
+    _sigquit_while_a_thread_starts(lambda: delivered.append(notifier.fire()))
+    assert delivered == [True]
+    assert exits == [worker_main.EXIT_SGLANG_FAILED]
+    assert [h.worker_id for h in sched.heartbeats if h.draining] == ["w-limbo"]  # before the exit
+
+
+def test_control_a_thread_started_in_the_handler_sends_nothing(
+    exits: list[int], scheduled: tuple[_Scheduler, Registrar]
+) -> None:
+    """The control: the previous handler's way (services/worker/__main__ at 6a7c69d)."""
+    sched, reg = scheduled
+    delivered: list[bool] = []
+
+    def tell_scheduler() -> None:
+        t = threading.Thread(target=reg.drain_now, name="drain-now", daemon=True)
+        t.start()
+        t.join(1.0)
+        delivered.append(sched.draining.is_set())  # before the exit; the thread runs on after it
+
+    _sigquit_while_a_thread_starts(tell_scheduler)
+    assert exits == [worker_main.EXIT_SGLANG_FAILED]
+    assert delivered == [False]

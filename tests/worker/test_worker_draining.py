@@ -8,6 +8,7 @@ Registrar; only the buffer is a stub (tests.scheduler.test_dispatcher_faults.Fak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from services.scheduler.server import add_to_server
 from services.scheduler.service import Dispatcher
 from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
-from services.worker.registration import Registrar
+from services.worker.registration import INCARNATION, Registrar
 from services.worker.server import add_servicer
 from tests.scheduler.test_dispatcher_faults import CHUNK, FakeBuffer, item, wait_for
 
@@ -60,13 +61,14 @@ class _Recorded:
             return [rid for a, rid in self.chunks if a == address]
 
 
-@pytest.fixture
-def scheduler() -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
+@contextlib.contextmanager
+def _dispatcher(chunk_size: int, commit_timeout: float) -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
     buffer, links = FakeBuffer(), _Recorded()
-    d = Dispatcher(SchedulerConfig(port=0, buffer_address=FakeBuffer.address, policy="divided", chunk_size=4,
-                                   heartbeat_interval=HEARTBEAT_S, commit_timeout=2.0),
+    d = Dispatcher(SchedulerConfig(port=0, buffer_address=FakeBuffer.address, policy="divided",
+                                   chunk_size=chunk_size, heartbeat_interval=HEARTBEAT_S,
+                                   commit_timeout=commit_timeout),
                    buffer_link=buffer, worker_link=links)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     add_to_server(d, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -80,9 +82,33 @@ def scheduler() -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
         server.stop(0)
 
 
-def _serve(engine: ReferenceEngine, worker_id: str) -> tuple[Worker, RunningServer]:
+@pytest.fixture
+def scheduler() -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
+    with _dispatcher(chunk_size=4, commit_timeout=2.0) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def registered_with(servicer: scheduler_pb2_grpc.SchedulerServiceServicer, engine: ReferenceEngine,
+                    worker_id: str) -> Iterator[Registrar]:
+    """A Registrar of a worker on `engine`, registered with `servicer` served over real gRPC."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    reg = Registrar(Worker(engine, worker_id=worker_id, speculation=False), f"127.0.0.1:{port}",
+                    "127.0.0.1:5557").start()
+    try:
+        assert reg.registered.wait(10)
+        yield reg
+    finally:
+        reg.stop()
+        server.stop(0)
+
+
+def _serve(engine: ReferenceEngine, worker_id: str, grace: float = 1.0) -> tuple[Worker, RunningServer]:
     worker = Worker(engine, worker_id=worker_id, speculation=False).start()
-    return worker, start_server("worker", ServiceConfig(port=0, grace_seconds=1.0), add_servicer(worker),
+    return worker, start_server("worker", ServiceConfig(port=0, grace_seconds=grace), add_servicer(worker),
                                 on_stop=worker.close)
 
 
@@ -160,3 +186,102 @@ def test_the_worker_process_says_it_drains_when_told_to_stop(model_dir: Path, tm
             proc.kill()
             proc.wait()
         server.stop(0)
+
+
+@pytest.fixture
+def long_chunks() -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
+    """As `scheduler`, with chunks long enough to be in flight when a worker's stop begins."""
+    with _dispatcher(chunk_size=32, commit_timeout=5.0) as s:
+        yield s
+
+
+def test_the_scheduler_hears_the_drain_before_the_server_refuses(
+    long_chunks: tuple[Dispatcher, FakeBuffer, _Recorded, str], ref_engine: ReferenceEngine, model_dir: Path
+) -> None:
+    """The worker's stop as its main wires it (RunningServer.stop with before_stop =
+    Registrar.drain_before_stop) while it runs chunks and the scheduler keeps getting new work.
+
+    The drain notice used to come from a thread polling the stop flag on its own, racing the
+    server's stop: a chunk placed after the server began refusing came back UNAVAILABLE, the
+    scheduler removed the worker and its chunks in flight were cancelled and run again elsewhere
+    (8 re-dispatched in the review's run). Now none is re-dispatched, the worker's chunks in flight
+    end there, and every response finishes."""
+    d, buffer, links, address = long_chunks
+    other_engine = ReferenceEngine.from_dir(model_dir, num_pages=512, max_batch_size=16, page_size=16)
+    draining, draining_srv = _serve(ref_engine, "w-drain", grace=30.0)
+    other, other_srv = _serve(other_engine, "w-other", grace=30.0)
+    regs = [Registrar(w, address, srv.address).start() for w, srv in ((draining, draining_srv), (other, other_srv))]
+    draining_srv.before_stop = regs[0].drain_before_stop  # what services/worker/__main__ does
+    stop_feed = threading.Event()
+    fed: list[str] = []
+
+    def feed() -> None:  # new work all along the stop: the scheduler places chunks every few ms
+        i = 0
+        while not stop_feed.is_set():
+            fed.append(f"n{i}")
+            d._add_items([item(f"n{i}", max_tokens=8)])
+            i += 1
+            stop_feed.wait(0.005)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    try:
+        wait_for(lambda: len(d.core.stats()["workers"]) == 2)
+        rids = [f"r{i}" for i in range(4)]
+        d._add_items([item(rid, max_tokens=64) for rid in rids])
+        wait_for(lambda: len(links.to(draining_srv.address)) >= 2, timeout=30)
+        feeder.start()
+        stopper = threading.Thread(target=draining_srv.stop)
+        stopper.start()
+        stop_feed.wait(0.5)  # the stop and the placements overlap
+        stop_feed.set()
+        feeder.join(5)
+        all_rids = rids + fed
+        wait_for(lambda: all(buffer.of(r) and buffer.of(r)[-1].finish_reason != CHUNK for r in all_rids)
+                 and d.stats().in_flight_chunks == 0, timeout=120)
+        stopper.join(60)
+        assert not stopper.is_alive()
+        stats = d.stats()
+        assert stats.redispatched_chunks == 0, "a chunk on the stopping worker was refused or cancelled"
+        # Still registered (as draining), not removed for a refused chunk.
+        assert [w.draining for w in stats.workers if w.worker_id == "w-drain"] == [True]
+        # Each response committed once per sequence number: nothing ran twice, nothing is missing.
+        for rid in all_rids:
+            seqs = [c.seq for c in buffer.of(rid)]
+            assert seqs == list(range(len(seqs))), (rid, seqs)
+    finally:
+        stop_feed.set()
+        for r in regs:
+            r.stop()
+        draining_srv.stop(1.0)
+        other_srv.stop(1.0)
+
+
+class _HeartbeatLog(_RecordingScheduler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[scheduler_pb2.HeartbeatRequest] = []
+        self.incarnations: list[str] = []
+
+    def RegisterWorker(self, request: Any, context: Any) -> scheduler_pb2.RegisterWorkerResponse:
+        self.incarnations.append(request.incarnation)
+        return super().RegisterWorker(request, context)
+
+    def Heartbeat(self, request: Any, context: Any) -> scheduler_pb2.HeartbeatResponse:
+        self.requests.append(request)
+        return super().Heartbeat(request, context)
+
+
+def test_heartbeats_carry_the_incarnation_and_drain_now_no_telemetry(ref_engine: ReferenceEngine) -> None:
+    """Every heartbeat names the process's incarnation (the scheduler ignores an old process's
+    draining heartbeats after a new one registered under its id), and drain_now leaves the
+    telemetry unset: an empty one read as "0 free KV pages"."""
+    sched = _HeartbeatLog()
+    with registered_with(sched, ref_engine, "w-inc") as reg:
+        assert reg.drain_now()
+        reg.drain()  # the registrar's own heartbeat, at once
+        wait_for(lambda: len(sched.requests) >= 2, timeout=10)
+    now, periodic = sched.requests[:2]
+    assert sched.incarnations == [INCARNATION] and INCARNATION
+    assert [now.incarnation, periodic.incarnation] == [INCARNATION, INCARNATION]
+    assert now.draining and not now.HasField("telemetry")
+    assert periodic.draining and periodic.HasField("telemetry")

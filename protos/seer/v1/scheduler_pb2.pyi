@@ -61,14 +61,16 @@ class WorkerTelemetry(_message.Message):
     def __init__(self, free_kv_pages: _Optional[int] = ..., used_kv_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "telemetry", "draining")
+    __slots__ = ("worker_id", "telemetry", "draining", "incarnation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     telemetry: WorkerTelemetry
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
