@@ -487,22 +487,57 @@ def test_the_proposed_draft_count_sglang_reports_is_its_verify_block_capacity(wh
 
 
 def test_the_waiting_count_comes_from_the_load_snapshot(whl: Wheel) -> None:
-    """stats().waiting: TokenizerManager.get_loads(include, dp_rank) (a mixin coroutine) returns one
-    LoadSnapshot per scheduler, whose num_waiting_reqs counts the waiting queues; the backend calls
-    it with keywords SGLang's signature has and include sections it accepts."""
+    """stats().waiting: TokenizerManager.get_loads(include, dp_rank) (a mixin coroutine) is
+    load_snapshot_reader.read_all() (include ignored), one LoadSnapshot per scheduler whose
+    num_waiting_reqs counts the waiting queues; read_all takes a blocking file lock, so the backend
+    calls the reader itself, in a thread (asyncio.to_thread), not get_loads on its loop."""
     mixin = f"{SRT}.managers.tokenizer_control_mixin"
     loads = whl.method(mixin, "TokenizerControlMixin", "get_loads")
     assert isinstance(loads, ast.AsyncFunctionDef) and params(loads) == ["self", "include", "dp_rank"]
     assert "List[LoadSnapshot]" in ast.unparse(loads.returns) if loads.returns else False
-    (call,) = calls_in(our_tree("engine"), "get_loads")
-    assert not call.args and {k.arg for k in call.keywords} <= {"include", "dp_rank"}
-    include = next(k.value for k in call.keywords if k.arg == "include")
+    body = ast.unparse(loads)
+    assert "reader = self.load_snapshot_reader" in body and "results = reader.read_all()" in body
+    assert "include" not in ast.unparse(loads.body[1:])  # the docstring aside: never read
     snap = f"{SRT}.managers.load_snapshot"
-    valid = ast.unparse(next(n for n in whl.cls(snap, "LoadSnapshot").body
-                             if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "VALID_SECTIONS"))
-    assert isinstance(include, ast.List) and all(f"'{ast.literal_eval(e)}'" in valid for e in include.elts)
+    # Both readers' read_all (shared memory, and the zmq-fed one) take the flock or wrap the one that does.
+    assert "fcntl.flock(fd, lock_type)" in whl.source(snap)
+    assert not calls_in(our_tree("engine"), "get_loads")
+    (_thread,) = [c for c in calls_in(our_tree("engine"), "to_thread")
+                 if ast.unparse(c.args[0]).endswith("load_snapshot_reader.read_all")]
     assert "num_waiting_reqs" in whl.fields(snap, "LoadSnapshot")
     assert "num_waiting_reqs = sum((len(queue) for queue in waiting_queues))" in ast.unparse(
         whl.tree(f"{SRT}.managers.scheduler_components.load_inquirer"))
     # The reader is created with the tokenizer manager (no server flag needed).
     assert "self.load_snapshot_reader = create_load_snapshot_reader(" in whl.source(TM)
+    # Published after every prefill and when idle, every load_snapshot_publish_interval-th decode
+    # batch otherwise (15 by default): what the engine's comment says of the count's lag.
+    publish = ast.unparse(whl.method(f"{SRT}.managers.scheduler", "Scheduler", "publish_load_snapshot"))
+    assert "if writer.publish_counter < writer.publish_interval:" in publish
+    assert "load_snapshot_publish_interval" in whl.source(f"{SRT}.arg_groups.fields.observability")
+
+
+def test_the_accepted_tokens_the_plugin_walks_its_blocks_with(whl: Wheel) -> None:
+    """Review (b1346aa): on_verify_complete_cpu gets only counts, which include a padding node
+    matched by chance. SeerDraftWorker keeps the forward's GenerationBatchResult and walks each
+    request's block over its committed tokens: next_token_ids = predict[accept_index] flattened,
+    request i's accept_lens[i] tokens (accepted drafts, then the bonus) from i * stride, on the
+    CPU by on_verify_complete_cpu. And the prefill's token is streamed before any verify step
+    (the plugin opens the request's draft list at its extend batch)."""
+    fwd = ast.unparse(whl.method(NGRAM, "NGRAMWorker", "forward_batch_generation"))
+    assert "accept_tokens = predict[accept_index]" in fwd
+    assert "accept_tokens = accept_tokens.flatten()" in fwd and "next_token_ids = accept_tokens" in fwd
+    assert "next_token_ids=next_token_ids" in fwd
+    assert "num_correct_drafts_per_req = accept_lens - 1" in fwd
+    resolve = ast.unparse(whl.method(BRP, "SchedulerBatchResultProcessor", "_resolve_spec_v2_tokens"))
+    assert "assert result.next_token_ids.is_cpu" in resolve
+    assert "accept_tokens = next_token_ids[i * stride:i * stride + accept_lens[i]]" in resolve
+    assert resolve.index("assert result.next_token_ids.is_cpu") < resolve.index("on_verify_complete_cpu")
+    assert "stride = result.speculative_num_draft_tokens" in whl.source(BRP)
+    assert "self.next_token_ids = _async_d2h(self.next_token_ids)" in whl.source(f"{SRT}.managers.utils")
+    # A padding node's token is a real token: the model may sample it (no vocabulary reserves 0).
+    from services.worker.engines.sglang import drafts
+    assert drafts.PAD_TOKEN == 0
+    ours = next(n for n in ast.walk(our_tree("plugin")) if isinstance(n, ast.ClassDef) and n.name == "SeerDraftWorker")
+    mine = {n.name: n for n in ours.body if isinstance(n, ast.FunctionDef)}
+    assert calls_in(mine["on_verify_complete_cpu"], "accepted_drafts")
+    assert calls_in(mine["forward_batch_generation"], "open_step_info")

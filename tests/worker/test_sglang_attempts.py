@@ -131,7 +131,9 @@ class _TokenizerManager:
         self.spec_tokens = 1  # tokens per streamed output (> 1: accepted drafts)
         self.real_drafts = 2  # draft tokens the plugin proposed per verify step (of 4 block slots)
         self.waiting = 0  # SGLang's waiting queue, as its load snapshot says
-        self.load_reads = 0  # get_loads calls
+        self.load_reads = 0  # load_snapshot_reader.read_all calls
+        self.read_threads: set[int] = set()  # the threads they ran on
+        self.load_snapshot_reader = self  # TokenizerManager's reader (tokenizer_manager.py:693)
         self.loads_published = True  # False: no snapshot yet (get_loads answers [])
         self.logprobs = True  # False: a release that gives no per-token logprobs under speculation
 
@@ -214,10 +216,11 @@ class _TokenizerManager:
         # By prefix, as SGLang's scheduler matches (req.rid.startswith(recv_req.rid)).
         self.aborted |= {h for h in self.held if h.startswith(rid)}
 
-    async def get_loads(self, include: list[str] | None = None, dp_rank: int | None = None) -> list[Any]:
-        # tokenizer_control_mixin.py:1001: one LoadSnapshot per DP rank, [] before any is published.
-        assert include is None or set(include) <= {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+    def read_all(self) -> list[Any]:
+        # load_snapshot.py:605-607 (what get_loads returns, tokenizer_control_mixin.py:1027): one
+        # LoadSnapshot per DP rank, [] before any is published; a blocking flock inside.
         self.load_reads += 1
+        self.read_threads.add(threading.get_ident())
         return [SimpleNamespace(num_running_reqs=0, num_waiting_reqs=self.waiting)] if self.loads_published else []
 
     async def pause_generation(self, obj: PauseGenerationReqInput) -> None:
@@ -689,6 +692,8 @@ def test_waiting_comes_from_sglangs_load_snapshot_read_at_a_bounded_rate(engine:
     for _ in range(50):  # a burst of stats calls inside one interval: no further read
         engine.stats()
     assert tm.load_reads == reads
+    # The reads took the snapshot's blocking file lock off the event loop's thread.
+    assert tm.read_threads and engine._thread.ident not in tm.read_threads
     tm.waiting = 9  # more than the live set (the snapshot lags): clamped to it
     time.sleep(0.25)
     engine.stats()
@@ -709,10 +714,10 @@ def test_a_failing_load_read_keeps_the_last_waiting_count(engine: sg.SGLangEngin
     tm = engine._sgl.tokenizer_manager
     monkeypatch.setattr(sg, "LOADS_INTERVAL_S", 0.0)
 
-    async def broken(include: list[str] | None = None, dp_rank: int | None = None) -> list[Any]:
+    def broken() -> list[Any]:
         raise OSError("load shm header mismatch")
 
-    tm.get_loads = broken
+    monkeypatch.setattr(tm, "read_all", broken)
     engine.add_request(GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=200,
                                        sampling=GREEDY))
     for _ in range(5):

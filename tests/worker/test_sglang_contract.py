@@ -168,8 +168,12 @@ def test_request_conversions() -> None:
 def test_stream_deltas(cumulative: bool) -> None:
     """Streamed outputs become token deltas whatever SGLang's streaming mode: output_ids cumulative
     by default, the delta with incremental_streaming_output (tokenizer_manager.py:2674-2708), and
-    output_token_logprobs likewise; speculation counts come with the final output only
-    (tokenizer_manager.py:2742-2756), not spec_verify_ct on every chunk as this test once had it."""
+    output_token_logprobs likewise. SGLang's own speculation counts come with the final output only
+    (tokenizer_manager.py:2742-2756); the SEER plugin's per-token draft values (one per output token,
+    plugin.record_step) come as SGLang sends them: the whole accumulated list by default, the chunk's
+    slice with incremental_streaming_output (_slice_streaming_output_meta_info,
+    tokenizer_manager.py:364-374). The incremental case once put the whole list on the last chunk,
+    which SGLang never sends, and hid that the counts of earlier chunks were dropped."""
     chunks = [[(-0.1, 11, None), (-0.2, 12, None)], [(-0.3, 13, None)], [(-0.4, 14, None), (-0.5, 2, None)]]
     seen: list[tuple[float, int, None]] = []
     reported = 0
@@ -177,16 +181,21 @@ def test_stream_deltas(cumulative: bool) -> None:
     logprobs: list[float] = []
     accepted = proposed = 0
     reason = None
+    # Per output token: a verify step's (real drafts, accepted) at its first token, None at the
+    # others (3 steps: 2 tokens, 1 token, 2 tokens).
+    drafts = [(2, 1), None, (1, 0), (1, 1), None]
     for i, c in enumerate(chunks):
+        start = len(seen)
         seen += c
         last = i == 2
         meta: dict[str, object] = {"output_token_logprobs": list(seen) if cumulative else c,
                                    "completion_tokens": len(seen), "finish_reason": {"type": "stop"} if last else None}
+        # SGLang's accumulation, sliced to the chunk when incremental.
+        meta[plugin.DRAFT_INFO_KEY] = drafts[: len(seen)] if cumulative else drafts[start : len(seen)]
         if last:
             # SGLang's block capacity (12, padding included) next to the SEER plugin's real counts
             # per verify step (plugin.record_step): the real ones are reported.
             meta.update(spec_verify_ct=3, spec_num_correct_drafts=2, spec_num_proposed_drafts=12)
-            meta[plugin.DRAFT_INFO_KEY] = [(2, 1), None, (1, 1), None, (1, 0)]
         out = {"output_ids": [e[1] for e in (seen if cumulative else c)], "meta_info": meta}
         d = stream_delta(out, reported)
         reported = d.total
@@ -335,3 +344,17 @@ def test_seer_refuses_tensor_parallelism_and_guards_the_tree_after_setting_it(
     algo.handle_server_args(unset)
     assert unset.speculative_eagle_topk == 2 and unset.attention_backend == "flashinfer"
     assert not algo.carries_draft_hidden_states() and not algo.need_topk()
+
+
+def test_accepted_drafts_walks_real_nodes_only() -> None:
+    """Review (b1346aa): a padding node (token 0 under the root) matched by the model's sample is
+    no accepted draft; a real node with the same token is (the draft's own match)."""
+    from services.worker.engines.sglang.drafts import accepted_drafts, to_block
+
+    block = to_block(Draft((5, 6, 7), (-1, 0, -1)), 9, 6)  # 5 -> 6 and 7 under the root; 2 padding
+    assert block.real == 3 and block.tokens == [9, 5, 7, 6, 0, 0]
+    assert accepted_drafts(block, [0]) == 0  # a padding match
+    assert accepted_drafts(block, [5, 6]) == 2 and accepted_drafts(block, [7]) == 1
+    assert accepted_drafts(block, [5, 0]) == 1  # padding hangs off the root only
+    assert accepted_drafts(to_block(Draft((0,), (-1,)), 9, 4), [0]) == 1
+    assert accepted_drafts(to_block(None, 9, 4), [0]) == 0

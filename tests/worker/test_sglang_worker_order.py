@@ -103,6 +103,9 @@ class _NGRAMWorker:
         if batch.forward_mode.is_decode():
             batch.packed = self._prepare_draft_tokens(batch)
             self._update_ngram_corpus(batch)  # after verify, inside forward (ngram_worker.py:527)
+        # GenerationBatchResult: next_token_ids [bs x N], each request's committed tokens first
+        # (the scheduler's verify stand-in fills them, as eagle_sample does on the GPU).
+        batch.next_token_ids = None
         return batch
 
 
@@ -132,8 +135,8 @@ class _Sink:
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1) -> Any:
         n = len(context) - len(PROMPT)
-        want = truth(request_id)[n : n + max_len]
-        k = self.correct.get(request_id, 0)
+        want = truth(attempt_rid(1, request_id))[n : n + max_len]  # the first attempt's truth
+        k = self.correct.get(attempt_rid(1, request_id), 0)  # keyed by SGLang rid
         toks = tuple(want[:k]) + (0,) * (max_len - k)
         return Draft(toks, tuple(range(-1, max_len - 1)))
 
@@ -182,17 +185,24 @@ class _Scheduler:
         if not req.finished():
             self.running.append(req)
 
-    def decode(self, correct: dict[str, int]) -> None:
+    def decode(self, correct: dict[str, int], sampled: dict[str, list[int]] | None = None) -> None:
+        """One verify step; sampled[rid] overrides the tokens the model commits (else its truth)."""
         batch = types.SimpleNamespace(reqs=list(self.running), forward_mode=_Mode(True))
         self.sink.correct = correct
-        self.w.forward_batch_generation(batch)
+        result = self.w.forward_batch_generation(batch)
         # Verify: the first `correct` drafts match, plus the bonus token.
         counts = [correct.get(r.rid, 0) for r in batch.reqs]
         self.accepts.append(counts)
+        result.next_token_ids = []
+        for r, c in zip(batch.reqs, counts, strict=True):
+            n = len(r.output_ids)
+            row = (sampled or {}).get(r.rid) or truth(r.rid)[n : n + c + 1]
+            result.next_token_ids += row + [0] * (N - len(row))  # predict[accept_index]: junk past the run
         self.w.on_verify_complete_cpu(counts, batch_size=len(batch.reqs))
         for r, c in zip(batch.reqs, counts, strict=True):
             n = len(r.output_ids)
-            r.output_ids.extend(truth(r.rid)[n : n + c + 1])  # batch_result_processor.py:1046
+            row = (sampled or {}).get(r.rid) or truth(r.rid)[n : n + c + 1]
+            r.output_ids.extend(row)  # batch_result_processor.py:1046
             r.update_finish_state()
             if r.finished() and self.finish_hook:  # batch_result_processor.py:1441-1444
                 self.w.note_request_finished(rid=r.rid, natural_stop=False)
@@ -265,7 +275,8 @@ def test_a_finished_request_is_settled_at_sglangs_finish_hook(worker: Any) -> No
 def test_each_verify_step_files_its_real_draft_count_for_the_worker(worker: Any) -> None:
     """SGLang reports spec_num_proposed_drafts = verify steps x (N - 1), padding included; the
     plugin files the real draft length of each step (and the accepted drafts within it) in
-    customized_info at the step's first new token, which SGLang streams to the worker."""
+    customized_info at the step's first new token and None at its other tokens (the list lines up
+    with output_ids, as SGLang's streamer slices it by token position)."""
     s = _Scheduler(worker)
     a = _Req(A, max_new_tokens=40)
     s.prefill(a)
@@ -279,7 +290,30 @@ def test_each_verify_step_files_its_real_draft_count_for_the_worker(worker: Any)
     s.decode({A: 2})  # 3 drafts proposed, 2 right: 3 tokens
     sink.propose = short  # type: ignore[method-assign]
     s.decode({A: 1})  # 1 draft proposed, right: 2 tokens
-    s.decode({A: 2})  # SGLang counts 2 correct (a padding match): 1 draft accepted at most
+    s.decode({A: 2})  # 2 correct by fiat (no padding path is 2 deep): the real node's 1 counted
     values = a.customized_info[plugin.DRAFT_INFO_KEY]
-    assert values == [None, (3, 2), None, None, (1, 1), None, (1, 1)]
+    assert values == [None, (3, 2), None, None, (1, 1), None, (1, 1), None, None]
+    assert len(values) == len(a.output_ids)
     assert plugin.draft_totals(values) == (4, 5)  # SGLang's capacity: 3 steps x 3 = 9
+
+
+def test_a_padding_match_is_no_accepted_draft(worker: Any) -> None:
+    """Review (b1346aa): padding nodes carry token 0 under the root (drafts.to_sglang), and SGLang
+    counts a padding node the model's sample matched as a correct draft. The real draft (one
+    wrong token) had nothing accepted: neither the planner nor the reported counts may say 1.
+    The accepted path is walked over the tokens SGLang commits (next_token_ids)."""
+    s = _Scheduler(worker)
+    a = _Req(A, max_new_tokens=40)
+    s.prefill(a)
+    sink = s.sink
+    sink.propose = lambda group_id, request_id, context, max_len, width=1: Draft((999,), (-1,))  # type: ignore[method-assign]
+    s.decode({A: 1}, sampled={A: [0, 7]})  # the model samples token 0 (the padding's), then 7
+    assert a.output_ids[1:] == [0, 7]
+    planner: _Planner = worker.seer_planner
+    assert planner.observed[-1] == ([1, 0, 0], [0, 0, 0])
+    assert a.customized_info[plugin.DRAFT_INFO_KEY] == [None, (1, 0), None]
+    # A real node with token 0 that matches is the draft's own acceptance.
+    sink.propose = lambda group_id, request_id, context, max_len, width=1: Draft((0, 5), (-1, 0))  # type: ignore[method-assign]
+    s.decode({A: 2}, sampled={A: [0, 5, 8]})
+    assert planner.observed[-1] == ([1, 1, 0], [1, 1, 0])
+    assert a.customized_info[plugin.DRAFT_INFO_KEY] == [None, (1, 0), None, (2, 2), None, None]

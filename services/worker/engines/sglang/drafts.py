@@ -6,11 +6,15 @@ SGLang's NGRAM worker verifies, per request, a fixed-size block of `num_draft_to
     tokens[1:]     draft nodes in breadth-first order, then padding
     mask[i, j]     True iff node j is node i itself or one of its ancestors (N x N, row-major)
 
-Padding nodes carry token 0 and hang off the root, so they are ordinary (unlikely) candidates and
-verification stays lossless whatever they hold. Seer's Draft (services.worker.engine.Draft) lists
-nodes with parent indices (-1 = root) in any parents-first order; `to_sglang` re-orders them
-breadth-first (a BFS prefix is closed under ancestors, so truncating to N - 1 nodes keeps a valid
-tree) and `from_sglang` inverts it (tests and debugging).
+Padding nodes carry token 0 and hang off the root, so they are ordinary candidates and
+verification stays lossless whatever they hold; but token 0 is a real token the model may sample,
+and SGLang then counts the padding node as an accepted draft: `accepted_drafts` counts only the
+accepted path through the block's real nodes (the plugin keeps each request's Block for that).
+
+Seer's Draft (services.worker.engine.Draft) lists nodes with parent indices (-1 = root) in any
+parents-first order; `to_sglang` re-orders them breadth-first (a BFS prefix is closed under
+ancestors, so truncating to N - 1 nodes keeps a valid tree) and `from_sglang` inverts it (tests and
+debugging).
 
 A draft node whose token is outside the model's vocabulary (`vocab_size`) is dropped with its
 subtree: SGLang embeds the block's tokens on the GPU, where an out-of-range id is a device-side
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,15 +52,23 @@ def bfs_order(parents: Sequence[int], keep: Sequence[bool] | None = None) -> lis
     return order
 
 
-def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int,
-              vocab_size: int | None = None) -> tuple[list[int], np.ndarray]:
-    """(tokens [N], mask [N, N] bool) for one request; draft None = no speculation (all padding).
-    With vocab_size, nodes whose token is outside [0, vocab_size) are dropped with their subtrees."""
+class Block(NamedTuple):
+    """One request's verify block before it becomes SGLang's arrays: what the plugin keeps to tell
+    an accepted draft node from an accepted padding node (SGLang reports only how many tokens a
+    step accepted, and a padding node's token 0 is a real token the model may sample)."""
+
+    tokens: list[int]  # [N]: the root (last verified token), the draft nodes breadth-first, padding
+    parents: list[int]  # block index of each node's parent; -1 only for the root
+    real: int  # how many of tokens[1:] are draft nodes (tokens[1 : real + 1]); the rest is padding
+
+
+def to_block(draft: Draft | None, last_token: int, num_draft_tokens: int, vocab_size: int | None = None) -> Block:
+    """The block of one request (see to_sglang); draft None = no speculation (all padding)."""
     n = num_draft_tokens
     if n < 1:
         raise ValueError(f"num_draft_tokens: must be >= 1, got {n}")
     tokens = [int(last_token)]
-    prevs = [-1]  # index of the parent in the SGLang block; -1 only for the root
+    prevs = [-1]
     if draft is not None and draft.tokens:
         keep = None if vocab_size is None else [0 <= int(t) < vocab_size for t in draft.tokens]
         order = bfs_order(draft.parents, keep)[: n - 1]
@@ -64,16 +77,48 @@ def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int,
             p = draft.parents[node]
             tokens.append(int(draft.tokens[node]))
             prevs.append(0 if p < 0 else pos[p])
+    real = len(tokens) - 1
     while len(tokens) < n:
         tokens.append(PAD_TOKEN)
         prevs.append(0)
-    # mask[i] = mask[parent(i)] + self: rows are built in order because parents precede children.
+    return Block(tokens, prevs, real)
+
+
+def block_mask(block: Block) -> np.ndarray:
+    """The ancestor mask [N, N] of a block: mask[i] = mask[parent(i)] + self, built in order
+    because parents precede children."""
+    n = len(block.tokens)
     mask = np.zeros((n, n), dtype=bool)
-    for i, p in enumerate(prevs):
+    for i, p in enumerate(block.parents):
         if p >= 0:
             mask[i, : p + 1] = mask[p, : p + 1]
         mask[i, i] = True
-    return tokens, mask
+    return mask
+
+
+def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int,
+              vocab_size: int | None = None) -> tuple[list[int], np.ndarray]:
+    """(tokens [N], mask [N, N] bool) for one request; draft None = no speculation (all padding).
+    With vocab_size, nodes whose token is outside [0, vocab_size) are dropped with their subtrees."""
+    block = to_block(draft, last_token, num_draft_tokens, vocab_size)
+    return block.tokens, block_mask(block)
+
+
+def accepted_drafts(block: Block, accepted_tokens: Sequence[int]) -> int:
+    """How many of a verify step's accepted draft tokens (in path order from the root: the first
+    accept_lens - 1 tokens SGLang commits for the request) are draft nodes, not padding. SGLang's
+    tree verify follows, from the root, a child whose token is the sampled one; a padding node
+    (token 0, a leaf under the root) matches whenever the model samples token 0. The path is
+    walked through draft nodes only, so a match that only a padding node explains ends the count
+    (a draft node with the same token as a padding sibling is the draft's own match)."""
+    node = count = 0
+    for t in accepted_tokens:
+        nxt = next((j for j in range(1, block.real + 1)
+                    if block.parents[j] == node and block.tokens[j] == int(t)), None)
+        if nxt is None:
+            break
+        node, count = nxt, count + 1
+    return count
 
 
 def from_sglang(tokens: Sequence[int], mask: np.ndarray, num_real: int | None = None) -> tuple[int, Draft]:
@@ -92,16 +137,6 @@ def from_sglang(tokens: Sequence[int], mask: np.ndarray, num_real: int | None = 
     return int(tokens[0]), Draft(tuple(out_tokens), tuple(parents))
 
 
-def packed_size(draft: Draft | None, num_draft_tokens: int, vocab_size: int | None = None) -> int:
-    """How many of the draft's nodes to_sglang puts in a block of num_draft_tokens (the rest of
-    the block's N - 1 draft slots is padding): nodes outside [0, vocab_size) dropped with their
-    subtrees, then the breadth-first prefix that fits. The real draft length SGLang verifies."""
-    if draft is None or not draft.tokens or num_draft_tokens <= 1:
-        return 0
-    keep = None if vocab_size is None else [0 <= int(t) < vocab_size for t in draft.tokens]
-    return min(len(bfs_order(draft.parents, keep)), num_draft_tokens - 1)
-
-
 def pack_batch(
     drafts: Sequence[Draft | None], last_tokens: Sequence[int], num_draft_tokens: int,
     vocab_size: int | None = None,
@@ -110,11 +145,18 @@ def pack_batch(
     (draft nodes outside [0, vocab_size) dropped, see to_sglang)."""
     if len(drafts) != len(last_tokens):
         raise ValueError(f"last_tokens: {len(last_tokens)} entries for {len(drafts)} drafts")
+    return pack_blocks([to_block(d, last, num_draft_tokens, vocab_size)
+                        for d, last in zip(drafts, last_tokens, strict=True)], num_draft_tokens)
+
+
+def pack_blocks(blocks: Sequence[Block], num_draft_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """pack_batch for blocks already built (the plugin keeps them to count accepted drafts)."""
     n = num_draft_tokens
-    tokens = np.empty(len(drafts) * n, dtype=np.int64)
-    mask = np.empty(len(drafts) * n * n, dtype=bool)
-    for b, (d, last) in enumerate(zip(drafts, last_tokens, strict=True)):
-        t, m = to_sglang(d, last, n, vocab_size)
-        tokens[b * n : (b + 1) * n] = t
-        mask[b * n * n : (b + 1) * n * n] = m.reshape(-1)
+    tokens = np.empty(len(blocks) * n, dtype=np.int64)
+    mask = np.empty(len(blocks) * n * n, dtype=bool)
+    for b, block in enumerate(blocks):
+        if len(block.tokens) != n:
+            raise ValueError(f"blocks[{b}]: {len(block.tokens)} tokens, num_draft_tokens is {n}")
+        tokens[b * n : (b + 1) * n] = block.tokens
+        mask[b * n * n : (b + 1) * n * n] = block_mask(block).reshape(-1)
     return tokens, mask

@@ -76,11 +76,13 @@ FLUSH_TIMEOUT_S = 30.0
 # the weights ARE loaded.
 _LOADED_NOT_FLUSHED = "Weights were updated, but"
 
-# How often stats() refreshes SGLang's queue length at most. TokenizerManager.get_loads reads the
-# load snapshot the scheduler publishes (managers/load_snapshot.py: a shared-memory slot per DP rank
-# under a file lock, written after each batch and while stalled, scheduler.py:884, 5086, 5262): cheap,
-# but a lock shared with the scheduler, so it is read on the loop thread, one read in flight, and
-# stats() answers with the last value at once.
+# How often stats() refreshes SGLang's queue length at most. It is read from the load snapshot the
+# scheduler publishes (managers/load_snapshot.py: a shared-memory slot per DP rank under a blocking
+# file lock, fcntl.flock, :285-296). The scheduler writes it after every prefill batch and when idle,
+# but after only every load_snapshot_publish_interval-th decode batch (15 by default, arg_groups/
+# fields/observability.py:86-89; scheduler.py:871-888, 5082, 5260, 5322), so the waiting count lags
+# by up to that many decode steps. One read in flight, in a thread (the lock is the scheduler's too:
+# never taken on the event loop), and stats() answers with the last value at once.
 LOADS_INTERVAL_S = 0.5
 
 # SGLang's attention backend for the worker (unset: SGLang's default, or flashinfer for draft trees).
@@ -242,14 +244,18 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     says which are new either way. Logprobs come from meta_info["output_token_logprobs"] ((logprob,
     token id, text) entries, cumulative or sliced alike); SGLang 0.5.23 fills them under speculation
     too (batch_result_processor.py:1161-1170), but a token without its logprob is an error
-    (MissingLogprobs), never a silently shorter list. Speculation counts (spec_num_correct_drafts,
-    spec_num_proposed_drafts) are in the final output only (tokenizer_manager.py:2742-2756), but
-    SGLang's spec_num_proposed_drafts is its verify block capacity, verify steps x
-    (num_draft_tokens - 1) (tokenizer_manager.py:3156-3158), padding included. The counts reported
-    are the SEER plugin's instead: the real draft tokens of each verify step and the accepted ones
-    among them, which it files in customized_info (plugin.record_step) and SGLang accumulates into
-    meta_info[plugin.DRAFT_INFO_KEY]. Without them (not SEER's worker), no drafts are reported
-    rather than the block capacity."""
+    (MissingLogprobs), never a silently shorter list. SGLang's own speculation counts
+    (spec_num_correct_drafts, spec_num_proposed_drafts) are in the final output only
+    (tokenizer_manager.py:2742-2756), and its spec_num_proposed_drafts is its verify block capacity,
+    verify steps x (num_draft_tokens - 1) (tokenizer_manager.py:3156-3158), padding included. The
+    counts reported are the SEER plugin's instead: the real draft tokens of each verify step and the
+    accepted ones among them, which it files in customized_info one value per output token
+    (plugin.record_step) and SGLang accumulates into meta_info[plugin.DRAFT_INFO_KEY] (the whole
+    list by default, the chunk's slice with incremental_streaming_output). As with logprobs, the
+    values of the new tokens are the list's last `fresh` ones in either mode, so each chunk reports
+    the drafts of its own tokens (the final output alone carried only its own slice when streaming
+    incrementally). Without them (not SEER's worker), no drafts are reported rather than the block
+    capacity."""
     meta: Mapping[str, Any] = out.get("meta_info") or {}
     ids = [int(t) for t in (out.get("output_ids") or [])]
     total = int(meta.get("completion_tokens", reported + len(ids)))
@@ -266,9 +272,11 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
             raise MissingLogprobs(f"output_token_logprobs[{k}]: token {e[1]} is not the output token {t}")
     fr = meta.get("finish_reason")
     reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
-    accepted = proposed = 0
-    if reason is not None:
-        accepted, proposed = plugin.draft_totals(meta.get(plugin.DRAFT_INFO_KEY)) or (0, 0)
+    drafts = list(meta.get(plugin.DRAFT_INFO_KEY) or [])
+    # Fewer values than new tokens: outputs streamed before the plugin's first entry (the prefill
+    # token's) carried none; the values present are the newest tokens'.
+    mine = drafts[len(drafts) - min(fresh, len(drafts)):] if fresh else []
+    accepted, proposed = plugin.draft_totals(mine) or (0, 0)
     return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)
 
 
@@ -445,13 +453,15 @@ class SGLangEngine(Engine):
                 self._loads_busy = False
 
     async def _read_loads(self) -> None:
-        """TokenizerManager.get_loads(include=, dp_rank=) (managers/tokenizer_control_mixin.py:
-        1001-1029): one LoadSnapshot per scheduler (DP rank); num_waiting_reqs counts its waiting
-        queue(s), requests admitted to SGLang but not yet running (scheduler_components/
-        load_inquirer.py:141, load_snapshot.py:202). An empty answer (no snapshot published yet)
-        keeps the last value; a failure is logged once and keeps it too."""
+        """What TokenizerManager.get_loads() answers (managers/tokenizer_control_mixin.py:1001-1029:
+        load_snapshot_reader.read_all(); its include= is ignored in 0.5.23), read in a thread:
+        read_all takes the snapshot's blocking file lock, which would stall every request's stream
+        on the loop while the scheduler holds it. One LoadSnapshot per scheduler (DP rank);
+        num_waiting_reqs counts its waiting queue(s), requests admitted to SGLang but not yet running
+        (scheduler_components/load_inquirer.py:141, load_snapshot.py:202). An empty answer (no
+        snapshot published yet) keeps the last value; a failure is logged once and keeps it too."""
         try:
-            loads = await self._sgl.tokenizer_manager.get_loads(include=["core"])
+            loads = await asyncio.to_thread(self._sgl.tokenizer_manager.load_snapshot_reader.read_all)
             if loads:
                 waiting = sum(max(0, int(getattr(ld, "num_waiting_reqs", 0) or 0)) for ld in loads)
                 with self._lock:
@@ -542,7 +552,8 @@ class SGLangEngine(Engine):
             o = merged.setdefault(rid, StepOutput(rid, [], []))
             o.token_ids += toks
             o.logprobs += lps
-            # SGLang reports both counts with a request's final output only (stream_delta).
+            # The drafts of this output's tokens (stream_delta): a step's counts come with the
+            # output that carries its first token.
             o.num_accepted += accepted
             o.num_draft_tokens += proposed
             if reason is not None:

@@ -106,32 +106,53 @@ def custom_params(group_id: str, prompt_key: str, group_size: int, is_probe: boo
             "seer_dispatch_epoch": epoch}
 
 
-def record_step(req: Any, proposed: int, accepted: int) -> None:
+def record_step(req: Any, proposed: int, accepted: int, tokens: int) -> None:
     """Files one verify step's real draft counts on SGLang's Req, for the worker's process.
 
     SGLang reports spec_num_proposed_drafts = verify steps x (num_draft_tokens - 1), the block
     capacity with SEER's padding (tokenizer_manager.py:3156-3158); only this process knows how many
     of a block's slots were drafts. Req.customized_info (schedule_batch.py:1340) is SGLang's channel
     for per-token values: the output streamer sends customized_info[key][sent:len(output_ids)] with
-    each output (output_streamer.py:688-708) and the tokenizer manager accumulates them into
-    meta_info[key] (tokenizer_manager.py:2577-2581, 2818-2821). So the pair goes at the position of
-    the step's first new token (len(output_ids) now: on_verify_complete_cpu runs before the step's
-    tokens are appended, batch_result_processor.py:803 vs 1046), which is sent exactly once
-    (a stop inside the step still keeps that token, finished_len > it), and the positions of the
-    other tokens hold None, as SGLang pads a key a request lacks."""
+    each output (output_streamer.py:688-708), the tokenizer manager accumulates them into
+    meta_info[key] (tokenizer_manager.py:2812-2821) and, with incremental_streaming_output, slices
+    that by token position (_slice_streaming_output_meta_info, :364-374). So the list must line up
+    with output_ids, one value per token: the pair goes at the step's first new token (len(output_ids)
+    now: on_verify_complete_cpu runs before the step's tokens are appended, batch_result_processor.py:
+    804 vs 1046) and None at each of its other `tokens` - 1 (the step appends accept_lens = accepted
+    drafts + 1 tokens, :817, 1046). A list shorter than output_ids lost the pairs of a stream's later
+    chunks (the slice came back empty). A stop inside the step needs no cap here: SGLang sends only
+    output_ids[:finished_len] (output_ids_through_stop, output_streamer.py:490, schedule_batch.py:
+    1511), which keeps the step's first token (finished_len > len(output_ids) before the step), and
+    slices the values to it; a step that appended fewer tokens (grammar truncation) leaves extra
+    Nones that the next step's entry overwrites (it goes at len(output_ids) again)."""
     info = getattr(req, "customized_info", None)
     if info is None:
         info = req.customized_info = {}
     values = info.setdefault(DRAFT_INFO_KEY, [])
     at = len(req.output_ids)
     del values[at:]
-    values.extend([None] * (at - len(values)))
+    values.extend([None] * (at - len(values)))  # tokens no verify step filed (the prefill's)
     values.append((int(proposed), int(accepted)))
+    values.extend([None] * max(int(tokens) - 1, 0))
+
+
+def open_step_info(req: Any) -> None:
+    """Gives a request its draft list before its prefill's token is streamed: None for each token
+    so far and the one the prefill adds. The streamer sends a key only once the Req has it
+    (output_streamer.py:688), so a list first filed at the first verify step missed the outputs
+    before it on the tokenizer side, and with incremental_streaming_output, which slices the
+    accumulated list by token offset, every later chunk's values were shifted off their tokens.
+    An extra None (a prefill chunk adds no token) is overwritten by the next record_step."""
+    info = getattr(req, "customized_info", None)
+    if info is None:
+        info = req.customized_info = {}
+    values = info.setdefault(DRAFT_INFO_KEY, [])
+    values.extend([None] * (len(req.output_ids) + 1 - len(values)))
 
 
 def draft_totals(values: Sequence[Any] | None) -> tuple[int, int] | None:
-    """(accepted, proposed) summed over record_step's entries in a streamed meta_info (None and
-    other padding skipped); None when SGLang sent none (speculation off, or not SEER's worker)."""
+    """(accepted, proposed) summed over record_step's entries (None and other padding skipped);
+    None when there are none to sum (speculation off, or not SEER's worker)."""
     if values is None:
         return None
     accepted = proposed = 0
@@ -352,7 +373,7 @@ def _worker_class() -> type:
 
     from services.worker.adaptive import AdaptiveSpeculation
     from services.worker.draft_client import DraftClient
-    from services.worker.engines.sglang.drafts import pack_batch, packed_size
+    from services.worker.engines.sglang.drafts import Block, accepted_drafts, pack_blocks, to_block
 
     class SeerDraftWorker(NGRAMWorker):  # type: ignore[misc,valid-type]
         """NGRAMWorker with drafts from the Seer draft client instead of the n-gram cache.
@@ -383,16 +404,28 @@ def _worker_class() -> type:
             self.seer_proposed: dict[str, int] = {}  # rid -> draft depth proposed this step
             self.seer_step_rids: list[str] = []  # this step's decode batch, in batch order
             self.seer_step_reqs: list[Any] = []  # the same batch's Req objects
-            # rid -> draft tokens this step's block holds for it (before padding): what the worker
-            # reports as proposed (record_step), not SGLang's block capacity.
-            self.seer_packed: dict[str, int] = {}
+            # rid -> this step's verify block for it (Block.real: the draft tokens it holds before
+            # padding, what the worker reports as proposed, not SGLang's block capacity; the
+            # tokens and parents tell an accepted draft node from an accepted padding node).
+            self.seer_blocks: dict[str, Block] = {}
+            # The last forward's GenerationBatchResult: its next_token_ids hold each request's
+            # accepted tokens (predict[accept_index], ngram_worker.py:494-500), on the CPU by
+            # on_verify_complete_cpu (copy_to_cpu, managers/utils.py:201; asserted in
+            # _resolve_spec_v2_tokens, batch_result_processor.py:776).
+            self.seer_result: Any = None
             # rid -> Req of the grouped requests of the last decode batch: the ones the mirror
             # follows, until they are seen to have left (finished, retracted or aborted).
             self.seer_running: dict[str, Any] = {}
 
         def forward_batch_generation(self, batch: Any, on_publish: Any = None, pp_proxy_tensors: Any = None) -> Any:
             self._seer_departures(batch)
-            return super().forward_batch_generation(batch, on_publish=on_publish, pp_proxy_tensors=pp_proxy_tensors)
+            if not batch.forward_mode.is_decode():
+                for req in batch.reqs:  # prefill (extend): before its token is streamed
+                    open_step_info(req)
+            self.seer_result = None
+            result = super().forward_batch_generation(batch, on_publish=on_publish, pp_proxy_tensors=pp_proxy_tensors)
+            self.seer_result = result
+            return result
 
         def _seer_departures(self, batch: Any) -> None:
             """Requests of the last decode batch that are not in this one. Finished: their last
@@ -448,53 +481,84 @@ def _worker_class() -> type:
             self.seer_step_rids = [r.rid for r in batch.reqs]
             self.seer_step_reqs = list(batch.reqs)
             plan = self.seer_planner.plan([(r.rid, m.is_probe) for r, m in zip(batch.reqs, metas, strict=True)])
-            drafts: list[Any] = []
-            last_tokens: list[int] = []
+            blocks: list[Block] = []
             self.seer_proposed = {}
-            self.seer_packed = {}
+            self.seer_blocks = {}
             for req, meta in zip(batch.reqs, metas, strict=True):
-                last_tokens.append(int(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]))
+                last = int(req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1])
                 n = min(int(plan.get(req.rid, 0)), self.draft_token_num - 1)
-                if not meta.group_id or n <= 0:
-                    drafts.append(None)
-                    continue
-                d = self.seer_drafts.propose(req.rid, meta, req.origin_input_ids, req.output_ids, n, self.seer_width)
-                drafts.append(d)
+                d = None
+                if meta.group_id and n > 0:
+                    d = self.seer_drafts.propose(req.rid, meta, req.origin_input_ids, req.output_ids, n,
+                                                 self.seer_width)
+                block = to_block(d, last, self.draft_token_num, self.seer_vocab_size)
+                blocks.append(block)
+                self.seer_blocks[req.rid] = block
                 if d is not None and d.tokens:
                     depth = [0] * len(d.tokens)
                     for i, p in enumerate(d.parents):
                         depth[i] = 0 if p < 0 else depth[p] + 1
                     self.seer_proposed[req.rid] = min(max(depth) + 1, self.draft_token_num - 1)
-                    self.seer_packed[req.rid] = packed_size(d, self.draft_token_num, self.seer_vocab_size)
-            return pack_batch(drafts, last_tokens, self.draft_token_num, self.seer_vocab_size)
+            return pack_blocks(blocks, self.draft_token_num)
 
         def _update_ngram_corpus(self, batch: Any) -> None:
             """NGRAM's corpus update, inside forward before this step's tokens are in output_ids
             (ngram_worker.py:527): nothing to do here (SEER has no n-gram corpus; the mirror is fed
             in _prepare_draft_tokens and _seer_departures)."""
 
+        def _seer_accepted_tokens(self, batch_size: int) -> list[int] | None:
+            """This step's committed tokens, flattened [batch_size x stride] (request i's accepted
+            drafts first, then its bonus token; stride as _get_speculative_output_stride,
+            batch_result_processor.py:86-93); None when the last forward's result has none."""
+            result = self.seer_result
+            ids = getattr(result, "next_token_ids", None)
+            if ids is None or batch_size <= 0:
+                return None
+            flat = [int(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+            if len(flat) % batch_size:
+                return None
+            return flat
+
         def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
             """This step's accepted drafts per request, in batch order (batch_result_processor.py:
-            803, from accept_lens - 1): to the planner with this step's proposed depths."""
-            if len(num_correct_drafts_per_req) == len(self.seer_step_rids):
+            804, from accept_lens - 1): to the planner with this step's proposed depths, and filed
+            on each request (record_step). SGLang's count includes a padding node matched because
+            the model sampled its token (0, a real token in most vocabularies); only the accepted
+            path through draft nodes is counted (accepted_drafts over the committed tokens)."""
+            counts = [int(n) for n in num_correct_drafts_per_req]
+            if len(counts) == len(self.seer_step_rids):
+                flat = self._seer_accepted_tokens(len(counts))
+                stride = len(flat) // len(counts) if flat else 0
+                real_accepted: list[int] = []
+                for i, (rid, n) in enumerate(zip(self.seer_step_rids, counts, strict=True)):
+                    block = self.seer_blocks.get(rid)
+                    if block is None or block.real == 0 or n <= 0:
+                        real_accepted.append(0)  # no draft: a padding match only
+                    elif flat is not None and n <= stride:
+                        real_accepted.append(accepted_drafts(block, flat[i * stride : i * stride + n]))
+                    else:
+                        # No committed tokens to walk (not seen with 0.5.23): a path of 2 or more
+                        # is real (padding nodes are leaves under the root), a single match is
+                        # not counted, as it may be padding's.
+                        real_accepted.append(n if n >= 2 else 0)
                 positions = max(self.draft_token_num - 1, 1)
                 proposed = [0] * positions
                 accepted = [0] * positions
-                for rid, n in zip(self.seer_step_rids, num_correct_drafts_per_req, strict=True):
-                    depth = self.seer_proposed.get(rid, 0)  # 0: no draft (padding accepted by chance)
-                    for i in range(min(depth, positions)):
-                        proposed[i] += 1
-                    for i in range(min(int(n), depth, positions)):
-                        accepted[i] += 1
+                for rid, k in zip(self.seer_step_rids, real_accepted, strict=True):
+                    depth = self.seer_proposed.get(rid, 0)
+                    for j in range(min(depth, positions)):
+                        proposed[j] += 1
+                    for j in range(min(k, depth, positions)):
+                        accepted[j] += 1
                 self.seer_planner.observe(proposed, accepted)
-                for req, n in zip(self.seer_step_reqs, num_correct_drafts_per_req, strict=True):
+                for req, n, k in zip(self.seer_step_reqs, counts, real_accepted, strict=True):
                     # As SGLang counts spec_verify_ct: not for a retracted or finished request
-                    # (batch_result_processor.py:822-835). Accepted drafts capped at the real
-                    # draft (a padding node matched by chance is no accepted draft).
+                    # (batch_result_processor.py:819-835); the step appends n + 1 tokens (accept_lens).
                     if getattr(req, "is_retracted", False) or req.finished():
                         continue
-                    real = self.seer_packed.get(req.rid, 0)
-                    record_step(req, real, min(int(n), self.seer_proposed.get(req.rid, 0), real))
+                    block = self.seer_blocks.get(req.rid)
+                    real = block.real if block is not None else 0
+                    record_step(req, real, min(k, real), n + 1)
             super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
 
     return SeerDraftWorker
