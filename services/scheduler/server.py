@@ -33,7 +33,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def Heartbeat(
         self, request: scheduler_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> scheduler_pb2.HeartbeatResponse:
-        known = self.dispatcher.heartbeat(request.worker_id, request.telemetry, request.draining)
+        # An unset telemetry (a worker's last draining notice, sent without reading its engine) is
+        # no report: read as zeros it would set the worker's free pages to 0.
+        telemetry = request.telemetry if request.HasField("telemetry") else None
+        known = self.dispatcher.heartbeat(request.worker_id, telemetry, request.draining, request.incarnation)
         return scheduler_pb2.HeartbeatResponse(known=known)
 
     @rpc

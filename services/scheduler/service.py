@@ -460,24 +460,36 @@ class Dispatcher:
             self._workers[w.worker_id] = w
         self._start_catch_up(w)
 
-    def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry, draining: bool = False) -> bool:
+    def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry | None, draining: bool = False,
+                  incarnation: str = "") -> bool:
         """draining: the worker is stopping (HeartbeatRequest.draining): no new chunk goes there; its
         chunks in flight run on. Every heartbeat carries it, so a worker activated later (a catch-up)
-        has it applied by its next one."""
+        has it applied by its next one. telemetry None: no report (a draining notice sent without
+        reading the engine); the last one stands. incarnation: the sending process's; one that is
+        not the registration's (an old process of the same worker id, still draining beside its
+        replacement) is answered unknown and changes nothing, or it would mark the new process
+        draining and overwrite its telemetry."""
         with self._cond:
             state = self._workers.get(worker_id)
             if state is None:
                 return False
+            if incarnation and state.incarnation and incarnation != state.incarnation:
+                return False
             state.last_seen = time.monotonic()
-            state.telemetry.CopyFrom(telemetry)
             state.draining = draining
+            if telemetry is not None:
+                state.telemetry.CopyFrom(telemetry)
             if state.active:
                 self.core.set_draining(worker_id, draining)
-                self.core.update_worker(
-                    worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running, waiting=telemetry.waiting,
-                    used_pages=telemetry.used_kv_pages, tokens_per_second=telemetry.tokens_per_second,
-                )
+                if telemetry is not None:
+                    self.core.update_worker(
+                        worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running,
+                        waiting=telemetry.waiting, used_pages=telemetry.used_kv_pages,
+                        tokens_per_second=telemetry.tokens_per_second,
+                    )
                 self._wake_locked()
+        if telemetry is None:
+            return True
         WORKER_TPS.labels(worker_id).set(telemetry.tokens_per_second)
         proposed = sum(telemetry.proposed_per_position)
         if proposed:
@@ -1140,8 +1152,12 @@ class Dispatcher:
                 # The worker is gone (connection refused/reset) or draining: stop placing chunks
                 # there now instead of after 3 missed heartbeats. A live worker learns from its
                 # next heartbeat that it is unknown and registers again.
+                # A draining worker refusing a chunk placed before its notice arrived, or ending its
+                # streams as its server stops, is leaving on its own: only this chunk runs again
+                # elsewhere; removing the worker would cut its other chunks in flight, which its
+                # drain lets finish (it is dropped after its heartbeats stop).
                 with self._cond:
-                    gone = self._workers.get(w.worker_id) is w
+                    gone = self._workers.get(w.worker_id) is w and not w.draining
                     if gone:
                         self._remove_worker_locked(w.worker_id, reason=f"chunk stream failed: {e}")
                 if gone:
