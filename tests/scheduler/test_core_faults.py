@@ -95,13 +95,25 @@ def test_no_worker_or_a_quarantined_one_means_wait_not_unschedulable(clock: Fake
 
 
 def test_a_starving_unschedulable_request_is_dropped_too(clock: FakeClock) -> None:
-    core = SchedulerCore(SchedulerPolicyConfig(policy="seer", chunk_size=64, starvation_seconds=1.0), clock=clock)
+    """The starvation path drops a request that fits nowhere as the priority path does. "big"
+    (submission 0) starves only once a chunk of a later submission ran ("small", submission 1), and
+    it ranks last (oracle: shortest), so the priority path picks "other" without reaching it: only
+    the starvation path's own drop reports it in this decision."""
+    core = SchedulerCore(SchedulerPolicyConfig(policy="oracle", chunk_size=64, starvation_seconds=1.0), clock=clock)
     core.add_worker(WorkerSpec("w0", total_pages=100, page_size=16, max_batch_size=32))
-    core.add_request(_req("big", prompt_len=2000))
-    core.add_request(_req("small"))
+
+    def add(rid: str, submission: int, true_length: int, prompt_len: int = 10) -> None:
+        core.add_request(RequestInfo(rid, f"g-{rid}", f"k-{rid}", 0, 1, prompt_len, 100,
+                                     true_length=true_length, incarnation=submission))
+
+    add("big", 0, 1, prompt_len=2000)
+    add("small", 1, 90)
+    assert [d.request_id for d in core.next_dispatches(limit=1)] == ["small"]  # big's clock starts
+    add("other", 1, 80)
     clock.t = 100.0
-    assert [d.request_id for d in core.next_dispatches()] == ["small"]
+    assert [d.request_id for d in core.next_dispatches(limit=1)] == ["other"]
     assert [u.request_id for u in core.take_unschedulable()] == ["big"]
+    assert core.stats()["starvation_dispatches"] == 0
 
 
 # ---- baseline and quarantine -----------------------------------------------------------------

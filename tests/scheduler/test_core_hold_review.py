@@ -55,6 +55,9 @@ def test_a_held_slot_does_not_make_a_batch_bound_cluster_kv_bound() -> None:
 def test_a_reused_request_id_neither_inherits_the_hold_nor_the_wait(clock: FakeClock) -> None:
     core = hold_core(clock, "seer", workers=2, starvation_seconds=5.0)
     starve_big(core, clock)
+    # Submission 0 stays tracked (another request of it), so the cancelled "big"'s stale wait stays
+    # in an age queue that is still read: a per-request enqueue count would match the new one's.
+    core.add_request(RequestInfo("keep", "gkeep", "kkeep", 0, 1, 16, 64, incarnation=0))
     assert held(core), "the starved request took no hold"
     core.cancel_request("big")
     add_big(core, incarnation=2)

@@ -412,7 +412,9 @@ def test_paused_request_resumes_after_a_chunk_length_wait(clock: FakeClock, chun
     waited longer than that many measured chunk durations; a request never started is not."""
     core = make_core("oracle", clock, workers=1, batch=1, chunk_size=10, starvation_chunks=chunks)
     add_group(core, "g", 1, lengths=[50])
-    add_group(core, "f", 1, lengths=[5])  # never started: waits from t = 0
+    # Never started, and of the same submission as the others: nothing newer postpones it, so its
+    # starvation clock never runs (starvation_seconds does not apply), however long it waits.
+    add_group(core, "f", 1, lengths=[5])
     assert core.next_dispatches()[0].request_id == "g-0"
     clock.t = 5.0
     add_group(core, "h", 1, lengths=[500])  # outranks g from now on
@@ -425,7 +427,7 @@ def test_paused_request_resumes_after_a_chunk_length_wait(clock: FakeClock, chun
     assert core.next_dispatches()[0].request_id == "h-0"  # g waited 9 s, under the threshold
     clock.t = 29.0
     core.on_chunk_done("h-0", "w0", 10, finished=False)
-    d = core.next_dispatches()[0]  # g waited 19 s; f (never started) 29 s, under starvation_seconds
+    d = core.next_dispatches()[0]  # g waited 19 s; f (never started, one submission) is not starved
     if chunks == 0:
         assert d.request_id == "h-0" and core.stats()["starvation_dispatches"] == 0
     else:

@@ -61,3 +61,12 @@ class AgeQueue:
         while self.items and not alive(self.items[0]):
             self.items.popleft()
         return self.items[0] if self.items else None
+
+    def compact(self, alive: Callable[[tuple[float, str, int]], bool], live: int) -> None:
+        """Drop stale entries when they dominate the queue (`live`: an upper bound on the live
+        entries, e.g. the requests that can wait in it). Only the head is pruned otherwise, and a
+        head that stays alive (a request the policy keeps deferring) let every later re-enqueue
+        pile up behind it: one entry per chunk, not per request. Past 4x it is one O(n) pass that
+        leaves at most `live`: amortised O(1) per push."""
+        if len(self.items) > 64 and len(self.items) > 4 * max(1, live):
+            self.items = deque(e for e in self.items if alive(e))
