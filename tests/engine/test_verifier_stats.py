@@ -107,7 +107,10 @@ MUTANT_CASES = [  # (mutant, case, trials)
     ("3-bonus-from-parent", "tree", N_MUTANT),
     ("3-bonus-from-parent", "chain", N_MUTANT),
     ("3-bonus-from-parent", "full", N_MUTANT),
-    ("4-position-not-advanced", "chain", N_MUTANT),
+    # Under Gumbel-max draws (session 28) a reused position reuses the noise per token id, which the
+    # chain's similar rows show less than a reused inverse-CDF quantile: p 4e-4 at 1,000 trials,
+    # 2e-12 at 4,000.
+    ("4-position-not-advanced", "chain", 4000),
     ("4-position-not-advanced", "full", N_MUTANT),
 ]
 EXACTNESS_MUTANTS = ["1-always-accept-first", "4-position-not-advanced", "5-other-stream"]
@@ -178,8 +181,13 @@ def chain_acceptance_p(case: Case, trials: Trials) -> float:
 def test_chain_acceptance_rate_matches_target_probability() -> None:
     case, trials = real_trials("chain")
     assert chain_acceptance_p(case, trials) > ALPHA
-    bad = run_trials(MUTANTS["4-position-not-advanced"](), case, range(N_MUTANT), 1)
-    assert chain_acceptance_p(case, bad) < ALPHA  # negative control: correlated acceptance tests
+    # Negative control: a verifier that accepts the first child whatever was drawn. (Until session
+    # 28 this was mutant 4, whose reused position gave correlated acceptance tests; under the
+    # Gumbel-max draws a reused position reuses noise per token id, which leaves these chain rates
+    # unchanged (p 0.63-1.0 at 1,000-8,000 trials): mutant 4 is caught by the distribution and
+    # exactness tests above instead.)
+    bad = run_trials(MUTANTS["1-always-accept-first"](), case, range(N_MUTANT), 1)
+    assert chain_acceptance_p(case, bad) < ALPHA
 
 
 def test_truncated_tokens_are_never_emitted() -> None:

@@ -299,7 +299,7 @@ class ReferenceEngine(Engine):
             params = [s.sampling for s, n in zip(seqs, n_rows, strict=True) if not s.sampling.greedy
                       for _ in range(n)]
             probs = target_probs(logits[samp_rows], params)  # [Ns, V]
-        # Plain sampling (no tree) is batched: one inverse-CDF draw per request.
+        # Plain sampling (no tree) is batched: one draw per request (sampler.sample_rows).
         plain = [i for i, (s, t) in enumerate(zip(seqs, trees, strict=True)) if not s.sampling.greedy and t is None]
         # Per sequence: (tokens, path, the logits row of each token).
         chosen: list[tuple[list[int], list[int], list[int]]] = [([], [], [])] * len(seqs)

@@ -13,27 +13,23 @@ before top-k/top-p) and what RL trainers recompute for importance ratios (veRL, 
 log_softmax(logits / T), no truncation), so a trainer's ratio is 1 where the policies agree. A token
 is only ever drawn from the processed distribution, where this logprob is finite.
 
-Randomness is counter based: the uniform for (seed, output position, stream) is a fixed hash, so the
-token at position t depends only on the seed, t and the context: a run cut into chunks or resumed on
-another worker samples exactly what an uninterrupted run samples, with or without drafts (the
-verifier draws every position with the same stream-0 numbers; verifier.py). Exactly: given the same
-logits. The logits change in the last bits with the batch's shapes (a draft tree's rows vs plain
-decoding, other requests in the step), and a draw that lands that close to a CDF boundary picks a
-neighbour: still a sample of that step's distribution (unbiased), not a bit-for-bit replay. The
-inverse CDF walks tokens in id order, so at top_p 1.0 every low-probability token is a boundary a
-few 1e-7 wide: in float32 on the CPU a session-28 review found 1-8 of 256 T = 1.0 draws within
-1e-7-1e-5 of one, and one of 8 requests x 96 tokens (T 1.0, top_p 1.0, no drafts) diverged at
-token 86 both batched and resumed in chunks (0 of 256 near a boundary at T 0.7 / top_p 0.95, where
-the tail is cut). So long T = 1.0 responses are not guaranteed to replay exactly when batched,
-chunked or drafted differently; in bfloat16/float16 divergence is common. A Gumbel-max draw with
-per-(seed, position, token) noise would flip only on near-ties of the top two scores (about 1e-6
-of draws) but costs V hashed uniforms per row per step: not done.
+Randomness is counter based: the number for (seed, output position, stream) is a fixed hash, so
+the token at position t depends only on the seed, t and the context: a run cut into chunks or
+resumed on another worker samples exactly what an uninterrupted run samples, with or without drafts
+(the verifier draws every position with the same stream-0 key; verifier.py). Given the same logits
+that is exact; the logits change in their last bits with the batch's shapes (a draft tree's rows,
+other requests of the step, a resumed chunk's prefill), and a draw moves only if that changes which
+of its two best Gumbel-max scores wins (sample_rows), about as rare as the difference itself. With
+the inverse CDF used until session 28, one of 4 requests x 96 tokens at T 1.0 / top_p 1.0 drew
+another token at position 86 when resumed in chunks (tests/engine/test_replay.py). In bfloat16 /
+float16 the logits differ by far more, and replays can still diverge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from services.worker.engine import SamplingParams
@@ -119,13 +115,126 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[i
 
 
 def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
-    """Inverse-CDF sampling: row i -> the token where the CDF first exceeds us[i]. [N, V] -> N."""
-    cdf = probs.cumsum(-1)
-    u = torch.tensor(us, dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
-    out = idx[:, 0].tolist()
-    # Never return a zero-probability token (a CDF plateau hit by float rounding at the edge).
-    bad = (probs.gather(1, idx)[:, 0] <= 0).nonzero()[:, 0].tolist()
-    for i in bad:
-        out[i] = int(torch.nonzero(probs[i] > 0)[-1])
+    """One exact draw per row of probs [N, V] (rows need not be normalized), keyed by us[i] (the
+    counter-based uniform of the row's (seed, position, stream): its 53 bits name the row's noise).
+
+    Two-level Gumbel-max: the vocabulary is cut into blocks of BLOCK token ids; a block is chosen
+    by argmax(log mass_b + G_b), then a token inside it by argmax(log p_t + G_t), every G an
+    independent Gumbel(0, 1) from a hash of (row key, level, block or token id). Exact: the first
+    argmax picks block b with probability mass_b / sum(mass), the second token t with p_t / mass_b
+    (Gumbel-max), so t comes with probability p_t / sum(p).
+
+    Why not the inverse CDF (it was, until session 28): its boundaries are every token's cumulative
+    probability in id order, at top_p 1.0 a few 1e-7 apart in the low-probability tail, and the
+    last-bit logit differences between batch shapes (a draft tree's rows, other requests of the
+    step, a resumed chunk's prefill) moved draws across them: a review found 1-8 of 256 T = 1.0
+    draws within 1e-7-1e-5 of one, and one of 8 requests x 96 tokens diverged batched or chunked.
+    Here a draw moves only when the two best scores of a level lie within such a difference of
+    each other, which a Gumbel gap makes about as rare as the difference itself (~1e-7 per level).
+    Blocks keep it cheap: N x (V / BLOCK + BLOCK) hashed numbers, not N x V."""
+    keys = _row_keys([int(u * _TWO53) for u in us])  # uniform(...) is m / 2^53: m is exact
+    if probs.device.type == "cpu":
+        # NumPy: a draw is ~20 small array operations, each ~1 us in NumPy and ~5-10 us in torch
+        # (the verifier draws rows a few at a time). The same integers and the same rule as the
+        # torch path below, which keeps a GPU's rows on the GPU.
+        cpu = probs.detach()
+        if cpu.dtype not in (torch.float32, torch.float64):  # NumPy has no bfloat16
+            cpu = cpu.float()
+        return _draw_np(cpu.numpy(), np.asarray(keys, dtype=np.uint64))
+    return _draw_torch(probs, torch.tensor(keys, dtype=torch.int64, device=probs.device))
+
+
+BLOCK = 256  # token ids per first-level block of sample_rows
+_TWO53 = float(1 << 53)
+_M32 = 0xFFFFFFFF
+
+
+def _row_keys(keys: Sequence[int]) -> list[tuple[int, int, int, int, int, int]]:
+    """Three 32-bit words per row for each level of sample_rows' noise (level 1 in 0-2, 2 in 3-5)."""
+    out = []
+    for k in keys:
+        a, c = _splitmix64((k << 2) | 1), _splitmix64((k << 2) | 2)
+        b, d = _splitmix64(a), _splitmix64(c)
+        out.append((a & _M32, a >> 32, b & _M32, c & _M32, c >> 32, d & _M32))
     return out
+
+
+def _draw_np(probs: np.ndarray, keys: np.ndarray) -> list[int]:
+    """sample_rows on the CPU. probs [N, V] float, keys [N, 6] uint64 -> N token ids."""
+    n, v = probs.shape
+    nb = -(-v // BLOCK)
+    p = probs if nb * BLOCK == v else np.pad(probs, ((0, 0), (0, nb * BLOCK - v)))
+    blocks = p.reshape(n, nb, BLOCK)  # [N, nb, BLOCK]
+    rows = np.arange(n)
+    if nb == 1:  # one block: its choice is certain, no noise needed for it
+        b = np.zeros(n, dtype=np.int64)
+    else:
+        with np.errstate(divide="ignore"):  # log 0 = -inf: a block without mass is never chosen
+            mass = np.log(blocks.sum(-1, dtype=np.float64))
+        b = (mass + _gumbel_np(keys[:, 0:3], np.arange(nb, dtype=np.uint64)[None, :])).argmax(-1)
+    ids = b[:, None] * BLOCK + np.arange(BLOCK)[None, :]  # [N, BLOCK]
+    with np.errstate(divide="ignore"):
+        logp = np.log(blocks[rows, b].astype(np.float64))
+    t = (logp + _gumbel_np(keys[:, 3:6], ids.astype(np.uint64))).argmax(-1)
+    return [int(x) for x in ids[rows, t]]
+
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """_mix32 in uint64 NumPy (products wrap mod 2^64: their low 32 bits are the same)."""
+    m = np.uint64(_M32)
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & m
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & m
+    return x ^ (x >> np.uint64(16))
+
+
+def _gumbel_np(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """_gumbel in NumPy: keys [N, 3] uint64, ids [N or 1, K] uint64 -> [N, K] float64."""
+    h1 = _mix32_np(_mix32_np(ids ^ keys[:, 0:1]) ^ keys[:, 1:2])
+    h2 = _mix32_np(h1 ^ keys[:, 2:3])
+    u = (((h1 << np.uint64(21)) | (h2 >> np.uint64(11))).astype(np.float64) + 0.5) / _TWO53
+    return -np.log(-np.log(u))
+
+
+def _draw_torch(probs: torch.Tensor, keys: torch.Tensor) -> list[int]:
+    """sample_rows on a GPU: the same rule as _draw_np in int64 torch. keys [N, 6] int64."""
+    n, v = probs.shape
+    nb = -(-v // BLOCK)
+    p = probs if nb * BLOCK == v else torch.nn.functional.pad(probs, (0, nb * BLOCK - v))
+    blocks = p.reshape(n, nb, BLOCK)  # [N, nb, BLOCK]
+    dev = probs.device
+    if nb == 1:
+        b = torch.zeros(n, dtype=torch.int64, device=dev)
+    else:
+        ids_b = torch.arange(nb, dtype=torch.int64, device=dev)[None, :].expand(n, nb)  # [N, nb]
+        b = (blocks.sum(-1, dtype=torch.float64).log() + _gumbel(keys[:, 0:3], ids_b)).argmax(-1)  # [N]
+    inner = blocks.gather(1, b[:, None, None].expand(n, 1, BLOCK))[:, 0]  # [N, BLOCK]
+    ids_t = b[:, None] * BLOCK + torch.arange(BLOCK, dtype=torch.int64, device=dev)[None, :]  # [N, BLOCK]
+    score_t = inner.double().log() + _gumbel(keys[:, 3:6], ids_t)
+    return (ids_t.gather(1, score_t.argmax(-1, keepdim=True))[:, 0]).tolist()
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), in int64 without overflow (the halves of c are < 2^16,
+    so no product passes 2^48): the same bits on every device."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (lowbias32, C. Wellons) over int64 tensors holding 32 bits."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [N, K] float64 for ids [N, K] (int64, < 2^32) under row keys [N, 3]:
+    a 53-bit uniform from two chained hashes, then -log(-log u)."""
+    h1 = _mix32(_mix32(ids ^ keys[:, 0:1]) ^ keys[:, 1:2])
+    h2 = _mix32(h1 ^ keys[:, 2:3])
+    u = (((h1 << 21) | (h2 >> 11)).double() + 0.5) / _TWO53  # (0, 1): never log(0)
+    return -torch.log(-torch.log(u))

@@ -8,7 +8,7 @@ Greedy: at each node the target token is the argmax; descend into the child carr
 emit the argmax and stop. Output equals plain greedy decoding exactly.
 
 Sampling: at every node the token of this position is drawn exactly as plain sampling draws it, by
-inverse CDF of the target p at the counter-based uniform (seed, position, stream 0) (sampler.py);
+Gumbel-max over the target p keyed by the counter-based number (seed, position, stream 0) (sampler.py);
 descend into the child carrying it, otherwise emit it and stop. The output therefore IS plain seeded
 sampling, token for token, whatever was drafted (given the same logits: sampler.py says when last-bit
 differences between batch shapes move a draw): speculation changes speed, never the tokens. A
@@ -109,7 +109,7 @@ class Verifier:
         return uniform(seed, pos, 0)
 
     def draw_rows(self, probs: torch.Tensor, us: list[float]) -> list[int]:
-        """Inverse-CDF draws, one per row, exactly as plain sampling draws. [N, V] -> N."""
+        """Draws, one per row, exactly as plain sampling draws (sampler.sample_rows). [N, V] -> N."""
         return sample_rows(probs, us)
 
     def accept(self, tree: DraftTree, kids: list[int], tok: int, p: torch.Tensor, seed: int, pos: int
