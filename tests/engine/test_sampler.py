@@ -75,3 +75,15 @@ def test_an_infinite_temperature_is_refused() -> None:
     for t in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="temperature"):
             SamplingParams(temperature=t).validate()
+
+
+def test_the_gpu_draw_path_draws_what_the_cpu_path_draws() -> None:
+    """sample_rows takes NumPy on the CPU and int64 torch on a GPU: the same hashes and rule, so the
+    same tokens (run here on CPU tensors), for one block, a padded last block and the real V."""
+    from services.worker.engines.reference import sampler
+
+    for v in (12, 256, 300, 49152):
+        probs = torch.softmax(torch.randn(32, v, generator=torch.Generator().manual_seed(v)) * 3, -1)
+        us = [uniform(3, i) for i in range(32)]
+        keys = torch.tensor(sampler._row_keys([int(u * sampler._TWO53) for u in us]), dtype=torch.int64)
+        assert sample_rows(probs, us) == sampler._draw_torch(probs, keys), v
