@@ -42,9 +42,12 @@ class ResidualRule(Verifier):
     uniform (seed, position, 1 + j); if every sibling is rejected, the token is drawn from the
     residual with (seed, position, 0), the number plain sampling uses, by inverse CDF: the sampler
     of that time. The bias comes from that pairing (the residual draw reuses the quantile that drew
-    the failed attempt's token); under the Gumbel-max sampler the same rule keeps the distribution
-    (the second best of a Gumbel-max is a draw without replacement) and only changes seeded tokens,
-    which tests/engine/test_verifier_stats.py's exactness test catches."""
+    the failed attempt's token). Under the Gumbel-max sampler the bias depends on V: for V <= 256
+    (one block, as here) the second best of a Gumbel-max is a draw without replacement and the rule
+    keeps the distribution, changing only seeded tokens (tests/engine/test_verifier_stats.py's
+    exactness test catches that); for V > 256 the block race is rerun and it is biased again (a
+    review: V 512, p {0.5, 0.25, 0.25} across two blocks gave token 0 at 0.375). So the control
+    pins the sampler it was written against."""
 
     def accept(self, tree: DraftTree, kids: list[int], tok: int, p: torch.Tensor, seed: int, pos: int
                ) -> tuple[int, int | None]:

@@ -131,12 +131,16 @@ def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
     draws within 1e-7-1e-5 of one, and one of 8 requests x 96 tokens diverged batched or chunked.
     Here a draw moves only when the two best scores of a level lie within such a difference of
     each other, which a Gumbel gap makes about as rare as the difference itself (~1e-7 per level).
-    Blocks keep it cheap: N x (V / BLOCK + BLOCK) hashed numbers, not N x V."""
+    Blocks keep it cheap: N x (V / BLOCK + BLOCK) hashed numbers, not N x V. One property of flat
+    Gumbel-max does not carry over when V > BLOCK: redrawing with the same key after zeroing the
+    drawn token is not a draw without replacement (the block race is rerun), so no rule may rely
+    on it."""
     keys = _row_keys([int(u * _TWO53) for u in us])  # uniform(...) is m / 2^53: m is exact
     if probs.device.type == "cpu":
         # NumPy: a draw is ~20 small array operations, each ~1 us in NumPy and ~5-10 us in torch
         # (the verifier draws rows a few at a time). The same integers and the same rule as the
-        # torch path below, which keeps a GPU's rows on the GPU.
+        # torch path below, which keeps a GPU's rows on the GPU; their logs may differ in the last
+        # bit (a different draw only on a 1e-14 near-tie).
         cpu = probs.detach()
         if cpu.dtype not in (torch.float32, torch.float64):  # NumPy has no bfloat16
             cpu = cpu.float()
@@ -146,6 +150,7 @@ def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
 
 BLOCK = 256  # token ids per first-level block of sample_rows
 _TWO53 = float(1 << 53)
+_TWO52 = float(1 << 52)
 _M32 = 0xFFFFFFFF
 
 
@@ -193,7 +198,9 @@ def _gumbel_np(keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """_gumbel in NumPy: keys [N, 3] uint64, ids [N or 1, K] uint64 -> [N, K] float64."""
     h1 = _mix32_np(_mix32_np(ids ^ keys[:, 0:1]) ^ keys[:, 1:2])
     h2 = _mix32_np(h1 ^ keys[:, 2:3])
-    u = (((h1 << np.uint64(21)) | (h2 >> np.uint64(11))).astype(np.float64) + 0.5) / _TWO53
+    # 52 bits + 0.5: exact in float64 and strictly inside (0, 1) (53 bits + 0.5 rounds the
+    # largest value up to 1.0: an infinite G, and -inf + inf = NaN would win an argmax).
+    u = (((h1 << np.uint64(20)) | (h2 >> np.uint64(12))).astype(np.float64) + 0.5) / _TWO52
     return -np.log(-np.log(u))
 
 
@@ -233,8 +240,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def _gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [N, K] float64 for ids [N, K] (int64, < 2^32) under row keys [N, 3]:
-    a 53-bit uniform from two chained hashes, then -log(-log u)."""
+    a 52-bit uniform from two chained hashes, then -log(-log u)."""
     h1 = _mix32(_mix32(ids ^ keys[:, 0:1]) ^ keys[:, 1:2])
     h2 = _mix32(h1 ^ keys[:, 2:3])
-    u = (((h1 << 21) | (h2 >> 11)).double() + 0.5) / _TWO53  # (0, 1): never log(0)
+    u = (((h1 << 20) | (h2 >> 12)).double() + 0.5) / _TWO52  # strictly (0, 1): see _gumbel_np
     return -torch.log(-torch.log(u))
