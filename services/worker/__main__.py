@@ -147,6 +147,14 @@ class FailureNotifier:
         finally:
             self._done = True
 
+    def close(self) -> None:
+        """Ends the thread if it never fired (its read sees the write end closed) and frees the pipe."""
+        with contextlib.suppress(OSError):
+            os.close(self._write_fd)
+        self._thread.join(1.0)
+        with contextlib.suppress(OSError):
+            os.close(self._read_fd)
+
     def fire(self, timeout: float = 1.0) -> bool:
         """Signal-safe. Whether `notify` returned within `timeout` seconds."""
         with contextlib.suppress(OSError):

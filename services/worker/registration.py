@@ -141,9 +141,11 @@ class Registrar:
         Whether the scheduler took it. Telemetry unset (not an empty one, which reads as "no free
         pages"): reading it may touch a dead engine (this runs when a failed SGLang SIGQUITs the
         worker), and a stopping worker is placed on no more."""
-        if not self._draining:
-            log.info("draining: telling the scheduler to place no new chunk here")
+        first = not self._draining
         self._draining = True
+        # The RPC before any log line: on the SIGQUIT path this runs on a notifier thread while the
+        # interrupted main thread may hold the logging handler's lock (a log line first blocked the
+        # notice until the exit).
         try:
             self._stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, draining=True,
                                                                 incarnation=INCARNATION),
@@ -151,6 +153,8 @@ class Registrar:
         except Exception as e:  # best effort: the scheduler times the worker out anyway
             log.warning("draining heartbeat not delivered", extra=kv(error=str(e)))
             return False
+        if first:
+            log.info("draining: told the scheduler to place no new chunk here")
         return True
 
     def stop(self) -> None:

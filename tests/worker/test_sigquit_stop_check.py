@@ -172,3 +172,36 @@ def test_control_a_thread_started_in_the_handler_sends_nothing(
     _sigquit_while_a_thread_starts(tell_scheduler)
     assert exits == [worker_main.EXIT_SGLANG_FAILED]
     assert delivered == [False]
+
+
+def test_the_notice_goes_out_while_another_thread_holds_the_logging_lock(
+    scheduled: tuple[_Scheduler, Registrar]
+) -> None:
+    """On the SIGQUIT path the notice runs on the notifier's thread while the interrupted main
+    thread may be inside a log call, holding its handler's lock: drain_now logged before its RPC
+    and the notice waited for that lock until the exit (a review's reproduction)."""
+    import logging
+
+    sched, reg = scheduled
+    logger = logging.getLogger("services.worker.registration")
+    handler = logging.Handler()
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the service's level: its info lines reach the handler
+    logger.addHandler(handler)
+    notifier = worker_main.FailureNotifier(reg.drain_now)
+    try:
+        with handler.lock:  # type: ignore[union-attr]
+            # Its own log line after the RPC still waits for the lock, so fire() may time out;
+            # the notice must be out by then.
+            notifier.fire(timeout=1.0)
+            assert sched.draining.is_set()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_notifier_that_never_fired_closes() -> None:
+    fired: list[int] = []
+    notifier = worker_main.FailureNotifier(lambda: fired.append(1))
+    notifier.close()
+    assert not notifier._thread.is_alive() and not fired
