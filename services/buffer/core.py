@@ -338,7 +338,9 @@ class BufferCore:
         # batch id -> open result readers (iter_results): retention keeps these batches until the
         # last reader is gone, so a slow reader is never cut off in the middle of its batch.
         self._readers: dict[str, int] = {}
-        self._store_reads = 0  # reads of the store in progress outside _lock (_reading); close() waits
+        # Reads of the store in progress outside _lock (_reading, or _start_read_locked/_end_read);
+        # close() waits for them.
+        self._store_reads = 0
         # batch id -> (results it had, its submit_seq), of batches retention deleted; oldest
         # deletion first.
         self._deleted: dict[str, tuple[int, int]] = {}
@@ -1146,8 +1148,8 @@ class BufferCore:
                     requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
             except keys.ScanError as e:
                 # A read error is the call's error: the records before it are not a whole answer.
-                raise keys.ScanError(f"batch {batch_id!r}: its request records could not be read "
-                                     f"({len(requests)} read): {e}") from e
+                raise keys.ScanError(f"batch {batch_id!r}: its request records could not be read: {e}",
+                                     field="batch_id") from e
         return BatchStatus(b.batch_id, b.state, b.num_requests, b.num_results, b.num_cancelled,
                            b.generated_tokens, b.policy_version, requests, b.submit_seq)
 

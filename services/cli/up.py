@@ -102,14 +102,14 @@ def _metrics_offset(workers: int) -> int:
 _PORT_CLASH_RETRIES = 3
 
 
-def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a gRPC service could bind host:port now (SO_REUSEADDR, as gRPC's own bind: a port
+def _port_is_free(port: int) -> bool:
+    """Whether a gRPC service could bind 127.0.0.1:port now (SO_REUSEADDR, as gRPC's own bind: a port
     left in TIME_WAIT by the previous run counts as free). Only for the gRPC ports, bound on
     127.0.0.1; the metrics ports are dual-stack: telemetry.metrics_port_is_free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind(("127.0.0.1", port))
         except OSError:
             return False
     return True

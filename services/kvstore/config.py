@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.config import ServiceConfig
 from services.common.streams import check_stream_limit
-from services.kvstore.ssd import wal_bytes_cap
+from services.kvstore.ssd import DEFAULT_WRITE_BUFFER_BYTES, wal_bytes_cap
 
 GiB = 1024**3
 
@@ -43,7 +43,7 @@ class KvStoreConfig(ServiceConfig):
         default=64 * 1024, metadata={"help": "values at least this large go to RocksDB blob files"}
     )
     ssd_write_buffer_bytes: int = field(
-        default=64 * 1024 * 1024,
+        default=DEFAULT_WRITE_BUFFER_BYTES,
         metadata={
             "help": "RocksDB memtable memory (unflushed pages) for all namespaces together; "
             "past 7/8 of it the oldest memtable is flushed"

@@ -1005,9 +1005,9 @@ class KvStore:
             if key in self._dram:
                 # Still hot in DRAM: free its SSD copy only; it is demoted again if it cools.
                 self._forget_ssd_copy(key)
-                ns = self._namespaces.get(key[0])
-                if ns is not None and key[1] in ns.entries:
-                    ns.entries[key[1]].on_ssd = False
+                entry = self._entry(key)
+                if entry is not None:
+                    entry.on_ssd = False
                 self._delete_ssd(key, size)
                 self._drop_idle_column_family(key[0])
             else:
@@ -1111,8 +1111,9 @@ class KvStore:
         journal's line): its owner record while the page is indexed, on SSD or not, else none.
         A page only in DRAM whose copy's delete is pending (capacity dropped the copy while the page
         was hot, or the page was released and stored again) loses its DRAM copy at a crash; the
-        copy on disk (the same bytes: the hash names them) is then its only one, and it is still
-        owned. Until session 30 the journal said "delete" for it, the intent of the running store,
+        copy on disk is then its only one (its owners' page under the same hash; recovery keeps that
+        copy's own record checksum, so bytes stored again that differ are caught at the first Get), and
+        it is still owned. Until session 30 the journal said "delete" for it, the intent of the running store,
         and recovery removed a page its owners had not released (a miss), owners and all."""
         entry = self._entry(key)
         return None if entry is None else _encode_meta(entry)

@@ -100,6 +100,7 @@ def test_close_waits_for_a_read_in_progress(tmp_path: Path) -> None:
         closer.start()
         time.sleep(0.2)
         assert closer.is_alive(), "close() did not wait for the read in progress"
+        assert core._store_reads == 1  # the read is still counted: what close() waits for
     finally:
         # However an assert above ends, the read goes on and the store closes: no thread and no
         # open RocksDB (its LOCK) are left to the tests after this one.

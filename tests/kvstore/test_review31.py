@@ -9,6 +9,8 @@ trigger, helpers of test_review27/28/30), the crashes real SIGKILLs of a child p
 2. Journal paths the session-30 tests left open: an owner change of a hot page whose SSD copy's
    delete is pending re-journals the page's owner record (_owners_changed), and a compaction of the
    journal writes what is journaled (_journaled_meta), not the page's current intent.
+3. A demotion refused while a page's old SSD copy waits for its pending delete evicted the page, its
+   bytes still on disk: the copy is kept (the pending delete cancelled) instead.
 """
 
 from __future__ import annotations

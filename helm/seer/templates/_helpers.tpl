@@ -246,8 +246,8 @@ is not in the buffer image: the buffer would tokenize with the wrong vocabulary,
 {{- fail (printf "kvstore.config.ssd_bytes: %.0f needs a volume of about 2.5x (%.0f bytes: RocksDB's files reach ~2.4x ssd_bytes under churn, services/kvstore/README.md); kvstore.persistence.size is %s (%.0f bytes). Raise the size or leave ssd_bytes unset (0.4 x the volume)" $ssd (mulf $ssd 2.5) $v.kvstore.persistence.size $vol) -}}
 {{- end -}}
 {{- end -}}
-{{- /* The kvstore reserves RocksDB's WAL cap, max(32 MiB, ssd_write_buffer_bytes / 2; the buffer's
-default is 64 MiB, services/kvstore/config.py), out of ssd_bytes and refuses to start (a crash loop)
+{{- /* The kvstore reserves RocksDB's WAL cap, max(32 MiB, ssd_write_buffer_bytes / 2;
+ssd_write_buffer_bytes' default is 64 MiB, services/kvstore/config.py), out of ssd_bytes and refuses to start (a crash loop)
 when nothing is left for pages: fail at render instead, naming the value that decides. */ -}}
 {{- if $v.kvstore.enabled -}}
 {{- $wb := 67108864 -}}
