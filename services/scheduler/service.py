@@ -1149,9 +1149,9 @@ class Dispatcher:
             if not r.dropped:
                 log.warning("chunk stream failed; re-dispatching", extra=kv(worker_id=w.worker_id, error=str(e)))
             if isinstance(e, Unavailable) and not r.dropped:
-                # The worker is gone (connection refused/reset) or draining: stop placing chunks
-                # there now instead of after 3 missed heartbeats. A live worker learns from its
-                # next heartbeat that it is unknown and registers again.
+                # The worker is gone (connection refused/reset), or stopping before its draining
+                # notice reached us: remove it now instead of after 3 missed heartbeats. A live
+                # worker learns from its next heartbeat that it is unknown and registers again.
                 # A draining worker refusing a chunk placed before its notice arrived, or ending its
                 # streams as its server stops, is leaving on its own: only this chunk runs again
                 # elsewhere; removing the worker would cut its other chunks in flight, which its

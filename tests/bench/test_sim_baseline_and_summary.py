@@ -135,3 +135,11 @@ def test_summary_compares_only_the_papers_workloads(capsys: pytest.CaptureFixtur
     assert "paper" not in kimi.splitlines()[2] and "1.41-1.42" not in kimi
     assert "paper" in moon.splitlines()[2] and "1.41-1.42" in moon
     assert "starvation_seconds" not in out.split("\n== ")[0]  # not a setting the simulator changes
+    # The paper's fraction of oracle and tail sit beside the means over its own workloads, not
+    # beside the mean over all three (Kimi-K2 included).
+    frac_all = next(ln for ln in lines if ln.startswith("fraction of oracle, mean over all"))
+    frac_paper = next(ln for ln in lines if ln.startswith("fraction of oracle, mean over Moonlight"))
+    assert "paper" not in frac_all and f"(paper {sim.PAPER['frac_oracle_context']})" in frac_paper
+    tail = next(ln for ln in lines if ln.startswith("tail time vs baseline"))
+    over_all, over_paper = tail.split("; over ")
+    assert "paper" not in over_all and f"(paper {sim.PAPER['tail_context']})" in over_paper

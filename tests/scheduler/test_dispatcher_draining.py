@@ -9,48 +9,48 @@ from collections.abc import Callable, Iterator
 from seer.v1 import scheduler_pb2, worker_pb2
 
 from services.common.errors import Unavailable
-from tests.scheduler.test_dispatcher_faults import Rig, chunk_events, item, rig, wait_for
+from services.scheduler.service import WorkerView
 
-__all__ = ["rig"]  # the fixture, imported for pytest
+from .test_dispatcher_faults import Rig, chunk_events, item, wait_for
 
 
-def _view(t: Rig, wid: str) -> object:
+def _view(t: Rig, wid: str) -> WorkerView:
     return next(w for w in t.d.stats().workers if w.worker_id == wid)
 
 
-def test_an_old_process_heartbeat_changes_nothing(rig: Callable[..., Rig]) -> None:
+def test_an_old_process_heartbeat_changes_nothing(make_rig: Callable[..., Rig]) -> None:
     """The old process of a worker id, still draining while its replacement runs, must not mark the
     replacement draining (restart_same_id.py: draining in 16 of 80 samples) or overwrite its report."""
-    t = rig()
+    t = make_rig()
     t.register("w0", incarnation="new")
     assert t.d.heartbeat("w0", scheduler_pb2.WorkerTelemetry(free_kv_pages=4000), incarnation="new")
     old = scheduler_pb2.WorkerTelemetry(free_kv_pages=7)
     assert not t.d.heartbeat("w0", old, draining=True, incarnation="old")
     assert not t.d.core.is_draining("w0")
     view = _view(t, "w0")
-    assert not view.draining  # type: ignore[attr-defined]
-    assert view.telemetry.free_kv_pages == 4000  # type: ignore[attr-defined]
+    assert not view.draining
+    assert view.telemetry.free_kv_pages == 4000
     # A heartbeat that names no incarnation (an older worker build) is still taken.
     assert t.d.heartbeat("w0", scheduler_pb2.WorkerTelemetry(free_kv_pages=3000))
 
 
-def test_a_notice_without_telemetry_keeps_the_last_report(rig: Callable[..., Rig]) -> None:
+def test_a_notice_without_telemetry_keeps_the_last_report(make_rig: Callable[..., Rig]) -> None:
     """drain_now sends no telemetry; read as zeros it set the worker's free pages to 0
     (drain_now_tel.py)."""
-    t = rig()
+    t = make_rig()
     t.register("w0", incarnation="i")
     assert t.d.heartbeat("w0", scheduler_pb2.WorkerTelemetry(free_kv_pages=4000), incarnation="i")
     assert t.d.heartbeat("w0", None, draining=True, incarnation="i")
     assert t.d.core.is_draining("w0")
-    assert _view(t, "w0").telemetry.free_kv_pages == 4000  # type: ignore[attr-defined]
+    assert _view(t, "w0").telemetry.free_kv_pages == 4000
     assert t.d.core.stats()["workers"]["w0"]["free_pages"] > 0
 
 
-def test_a_chunk_a_draining_worker_refuses_runs_elsewhere_and_its_others_finish(rig: Callable[..., Rig]) -> None:
+def test_a_chunk_a_draining_worker_refuses_runs_elsewhere_and_its_others_finish(make_rig: Callable[..., Rig]) -> None:
     """A chunk placed just before the notice arrives is refused UNAVAILABLE by the stopping server.
     Only that chunk runs again; the worker is not dropped, so its other chunks in flight finish
     there (dropping it cut them off, and they ran again elsewhere)."""
-    t = rig()
+    t = make_rig()
     t.register("w0", incarnation="i")
 
     def script(wid: str, req: worker_pb2.RunChunkRequest) -> Iterator[worker_pb2.RunChunkResponse]:

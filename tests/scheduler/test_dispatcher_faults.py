@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -32,7 +32,8 @@ from services.scheduler.service import MAX_CHUNK_ATTEMPTS, Dispatcher
 CHUNK, LENGTH = common_pb2.FINISH_REASON_CHUNK, common_pb2.FINISH_REASON_LENGTH
 ABORTED = common_pb2.FINISH_REASON_ABORTED
 
-Script = Callable[[str, worker_pb2.RunChunkRequest], list[worker_pb2.RunChunkResponse]]
+# A chunk's events: a list, or a generator (one that raises refuses the chunk mid-stream).
+Script = Callable[[str, worker_pb2.RunChunkRequest], Iterable[worker_pb2.RunChunkResponse]]
 
 
 def chunk_events(req: worker_pb2.RunChunkRequest, *, reason: int | None = None, n: int | None = None,

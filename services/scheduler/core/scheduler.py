@@ -89,6 +89,13 @@ class _Submission:
     in_heap: bool = False  # it has its (one) entry in SchedulerCore._starved_heap
 
 
+def _clock_start(sub: _Submission, enqueued_at: float) -> float:
+    """When the starvation clock of a request of `sub` waiting since `enqueued_at` started: once
+    it waits AND newer work has postponed its submission (newer_since, which must be set)."""
+    assert sub.newer_since is not None
+    return max(enqueued_at, sub.newer_since)
+
+
 class SchedulerCore:
     def __init__(self, cfg: SchedulerPolicyConfig, clock: Callable[[], float] = time.monotonic) -> None:
         cfg.validate()
@@ -449,6 +456,7 @@ class SchedulerCore:
         self._recheck_hold()  # one on it is released now (no longer _holds_on), taken again elsewhere
 
     def is_draining(self, worker_id: str) -> bool:
+        """For tests and introspection: the service reads WorkerState.draining (and stats() shows it)."""
         w = self._workers.get(worker_id)
         return w is not None and w.draining
 
@@ -613,7 +621,7 @@ class SchedulerCore:
         waited 30 s first, and in one synchronous RL iteration longest-first defers the short
         ones far longer than that by design: bench.sim, Qwen2-VL-72B, seer 0.957 -> 0.874 of the
         oracle, its tail 0.098 -> 0.769 of the baseline's (16,394 starvation dispatches)."""
-        self._recheck_hold()
+        self._recheck_hold(now)
         for oldest, latency in ((self._starved_entry(now), True), (self._paused_entry(now), False)):
             if oldest is None:
                 continue
@@ -652,7 +660,7 @@ class SchedulerCore:
                 heapq.heappop(heap)  # pushed again when both hold again (_postpone, _enqueue)
                 sub.in_heap = False
                 continue
-            actual = max(oldest[0], sub.newer_since)
+            actual = _clock_start(sub, oldest[0])
             if actual != start:
                 heapq.heapreplace(heap, (actual, sid, token))
                 continue
@@ -774,11 +782,12 @@ class SchedulerCore:
         worker from gathering its pages."""
         return self._workers.get(w.worker_id) is w and w.placeable and not w.record.probation
 
-    def _check_hold(self) -> None:
+    def _check_hold(self, now: float) -> None:
         """Releases a hold whose request is no longer queued (dispatched, cancelled, finished), no
-        longer starved (the later submissions that postponed it are gone: _untrack_submission) or
-        whose worker can no longer serve it (gone, quarantined, on probation: it may have failed
-        chunks, been quarantined and released between two decisions); otherwise follows the
+        longer starved at `now` (the later submissions that postponed it are gone:
+        _untrack_submission) or whose worker can no longer serve it (gone, quarantined, draining,
+        on probation: it may have failed chunks, been quarantined and released between two
+        decisions); otherwise follows the
         request's need (a resync). A released hold is taken again in this decision (_starving)."""
         w = self._hold
         assert w is not None and w.held_for is not None
@@ -787,7 +796,7 @@ class SchedulerCore:
             req is None
             or req is not self._hold_req
             or req.state != "pending"
-            or not self._starved(req)
+            or not self._starved(req, now)
             or not self._holds_on(w)
         ):
             self._release_hold()
@@ -799,18 +808,19 @@ class SchedulerCore:
             return
         w.held_pages = pages
 
-    def _starved(self, req: _Request) -> bool:
-        """Whether a waiting request is past starvation_seconds on its clock (_starving)."""
+    def _starved(self, req: _Request, now: float) -> bool:
+        """Whether a waiting request is past starvation_seconds on its clock at `now` (_starving)."""
         sub = self._subs.get(req.info.incarnation)
         if sub is None or sub.newer_since is None:
             return False
-        return self.clock() - max(req.enqueued_at, sub.newer_since) > self.cfg.starvation_seconds
+        return now - _clock_start(sub, req.enqueued_at) > self.cfg.starvation_seconds
 
-    def _recheck_hold(self) -> None:
-        """_check_hold now, outside a decision: a worker's change (quarantined, removed, draining)
-        releases a hold on it at once, by the same rule as the next decision would."""
+    def _recheck_hold(self, now: float | None = None) -> None:
+        """_check_hold now (`now`: the decision's time; None outside a decision): a worker's change
+        (quarantined, removed, draining) releases a hold on it at once, by the same rule as the
+        next decision would."""
         if self._hold is not None:
-            self._check_hold()
+            self._check_hold(self.clock() if now is None else now)
 
     def _release_hold(self) -> None:
         if self._hold is not None:

@@ -24,7 +24,9 @@ class RequestInfo:
     true_length: int | None = None
     # Which submission of its batch this request belongs to (the buffer's submit_seq). A batch id
     # used again after retention deleted the batch brings the same request ids back as new
-    # requests; without this they would look like re-deliveries of the settled ones.
+    # requests; without this they would look like re-deliveries of the settled ones. It is also
+    # the submission order anti-starvation counts newer work by (SchedulerCore._subs), compared
+    # numerically: it must increase with each submission, as the buffer's submit_seq does.
     incarnation: int = 0
 
     def validate(self) -> None:
