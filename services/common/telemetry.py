@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -160,14 +160,13 @@ def _start_http_server(port: int, registry: CollectorRegistry) -> ThreadingWSGIS
     """prometheus_client's start_http_server, on the dual-stack server where the host allows it.
     Bound once: a separate dual-stack probe before the bind was a second socket and a race."""
     app = make_wsgi_app(registry)
-    server_class: type[ThreadingWSGIServer] = _DualStackServer
+    server: ThreadingWSGIServer  # either class: make_server's return type is its argument's
     try:
-        server = make_server("::", port, app, server_class, handler_class=_QuietHandler)
+        server = make_server("::", port, app, _DualStackServer, handler_class=_QuietHandler)
     except OSError as e:
         if not _ipv6_unavailable(e):
             raise
         server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
-    server = cast(ThreadingWSGIServer, server)
     threading.Thread(target=server.serve_forever, name="seer-metrics", daemon=True).start()
     return server
 

@@ -63,11 +63,15 @@ class EarlyStop:
         self._previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
         previous = self._previous.get(signal.Signals(signum), signal.SIG_DFL)
+        if previous == signal.SIG_IGN:
+            # Ignored before us (a shell starts a background job with SIGINT ignored): the signal
+            # stops nothing, so it must not be recorded, or a later SGLang SIGQUIT reads as the stop.
+            return
+        self.requested = True
         if callable(previous):
             previous(signum, frame)  # SIGINT: Python's default raises KeyboardInterrupt
-        elif previous != signal.SIG_IGN:
+        else:
             signal.signal(signum, signal.SIG_DFL)  # SIGTERM's default action: end the process now
             os.kill(os.getpid(), signum)
 
@@ -90,8 +94,10 @@ def install_sglang_failure_handler(log: logging.Logger | None = None,
     the stop path (drain, on_stop, exit 0) instead of exiting 3. It must answer from the start
     (EarlyStop before the engine is built, StopSignal after): a Ctrl-C during a model load exited 3.
 
-    `on_failure`: runs before the exit 3, best effort (Registrar.drain_now: one draining heartbeat
-    with a short deadline, so the scheduler stops placing chunks here before it times us out)."""
+    `on_failure`: runs before the exit 3, best effort. main passes FailureNotifier.fire, which runs
+    Registrar.drain_now (one draining heartbeat with a short deadline, so the scheduler stops
+    placing chunks here before it times us out) on the notifier's own thread and waits for it for
+    at most 1 s."""
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_sglang_failure_handler: signal handlers can only be set on the main thread")
     logger = log or logging.getLogger("services.worker")
@@ -132,7 +138,12 @@ class FailureNotifier:
 
     def __init__(self, notify: Callable[[], object], name: str = "failure-notice") -> None:
         self._notify = notify
-        self._done = False
+        # Set when `notify` ran (returned or raised), not when the thread ends: close() ends an
+        # unfired thread too, and that must not read as a delivered notice.
+        self._notified = False
+        # Set by close() before the write end is closed: fire() must not write to an fd number
+        # the process may since have reused for another file.
+        self._closed = False
         self._read_fd, self._write_fd = os.pipe()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -141,14 +152,21 @@ class FailureNotifier:
         try:
             if not os.read(self._read_fd, 1):
                 return  # the write end closed: never fired
+        except OSError:  # the read end closed under us: never fired
+            return
+        try:
             self._notify()
         except Exception:  # best effort: the handler exits anyway
             logging.getLogger("services.worker").exception("telling the scheduler before the exit failed")
         finally:
-            self._done = True
+            self._notified = True
 
     def close(self) -> None:
-        """Ends the thread if it never fired (its read sees the write end closed) and frees the pipe."""
+        """Ends the thread if it never fired (its read sees the write end closed) and frees the pipe.
+        A fire() after it returns False without writing."""
+        if self._closed:
+            return
+        self._closed = True
         with contextlib.suppress(OSError):
             os.close(self._write_fd)
         self._thread.join(1.0)
@@ -156,13 +174,15 @@ class FailureNotifier:
             os.close(self._read_fd)
 
     def fire(self, timeout: float = 1.0) -> bool:
-        """Signal-safe. Whether `notify` returned within `timeout` seconds."""
+        """Signal-safe. Whether `notify` ran within `timeout` seconds; False at once after close()."""
+        if self._closed:
+            return False
         with contextlib.suppress(OSError):
             os.write(self._write_fd, b"!")
         deadline = time.monotonic() + timeout
-        while not self._done and time.monotonic() < deadline:
+        while not self._notified and time.monotonic() < deadline:
             time.sleep(self._POLL_S)
-        return self._done
+        return self._notified
 
 
 def main(argv: Sequence[str] | None = None) -> int:

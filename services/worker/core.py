@@ -469,7 +469,7 @@ class Worker:
         with log_context(request_id=job.request_id, group_id=job.group_id):
             self._register_group(job)
             prefix = job.prompt_token_ids + job.output_token_ids
-            fetched = self._fetch_kv(job, prefix, admission) if job.fetch_kv and self._kv is not None else None
+            fetched = self._fetch_kv(prefix, admission) if job.fetch_kv and self._kv is not None else None
             req = GenerateRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt_token_ids,
@@ -491,7 +491,7 @@ class Worker:
             if not self._start(job, req, act, prefix, fetched, check_attach=True, admission=admission):
                 log.info("kv prefix pages evicted between fetch and import; fetching again",
                          extra=kv(first_page=fetched.first_page if fetched else 0))
-                self._start(job, req, act, prefix, self._fetch_kv(job, prefix, admission), check_attach=False,
+                self._start(job, req, act, prefix, self._fetch_kv(prefix, admission), check_attach=False,
                             admission=admission)
             stats = act.stats
             log.debug("chunk started", extra=kv(seq=job.seq, prefix=len(prefix), cached=stats.cached_tokens,
@@ -1355,7 +1355,7 @@ class Worker:
 
     # -- the KV pool -------------------------------------------------------------------------
 
-    def _fetch_kv(self, job: ChunkJob, prefix: tuple[int, ...], admission: _Admission) -> KVPages | None:
+    def _fetch_kv(self, prefix: tuple[int, ...], admission: _Admission) -> KVPages | None:
         """Pulls the prefix pages this engine lacks from the pool (outside the engine lock). Stops
         when the chunk is aborted or its caller gone meanwhile (its pages would go unused: _start
         ends an aborted chunk, the RunChunk handler releases one whose stream ended)."""

@@ -170,7 +170,7 @@ class KVClientStats:
     checksum_failures: int = 0  # a fetch stopped at a page whose bytes failed their checksum (recompute)
     replica_errors: int = 0  # RPCs that failed and were degraded to a miss
     released_pages: int = 0
-    fetch_cancels: int = 0  # fetches whose caller gave up while their Gets ran (streams cancelled)
+    fetch_cancels: int = 0  # fetches whose caller gave up before or while their Gets ran
 
 
 def layout_to_pb(layout: KVLayout) -> kvstore_pb2.PageLayout:
@@ -478,6 +478,10 @@ class KVClient:
         if n == 0 or (start + n) * layout.page_size <= min_tokens:
             return None
         if cancelled is not None and cancelled():
+            # Gone before any Get: counted like one cancelled mid-transfer (the README's count of
+            # fetches whose chunk was gone), with no streams to cancel.
+            self._count(fetch_cancels=1)
+            log.info("kv fetch cancelled before its gets: its chunk is gone", extra=kv(pages=n))
             return None
         streams = _GetCalls()
         wanted = hashes[start : start + n]

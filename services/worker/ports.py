@@ -87,7 +87,7 @@ class KVPool(Protocol):
         self, token_ids: Sequence[int], model_version: str, layout: KVLayout, *, min_tokens: int = 0,
         cancelled: Callable[[], bool] | None = None,
     ) -> KVPages | None:
-        """The longest stored prefix of token_ids (at least min_tokens), or None. `cancelled`: polled
+        """The longest stored prefix of token_ids beyond min_tokens, or None. `cancelled`: polled
         while the fetch runs; once true the fetch stops its reads and returns None (the chunk's
         caller went away)."""
 

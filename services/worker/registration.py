@@ -97,8 +97,8 @@ class Registrar:
         self._stop = threading.Event()
         # Set by stop() and drain(): ends the wait between two heartbeats early.
         self._wake = threading.Event()
-        # The worker stops (drain()): read by every heartbeat. A bool, not an Event: drain_now runs
-        # in a signal handler, where taking an Event's lock could deadlock with the interrupted code.
+        # The worker stops (drain(), drain_now()): read by every heartbeat. A plain bool: it only
+        # ever goes False -> True and nothing waits on it (the wait is _wake's).
         self._draining = False
         self._thread: threading.Thread | None = None
         self.registered = threading.Event()
@@ -109,10 +109,6 @@ class Registrar:
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._thread.start()
         return self
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
 
     def drain(self) -> None:
         """The worker begins to stop: heartbeat draining=true at once and with every heartbeat
@@ -133,7 +129,9 @@ class Registrar:
         if self.drain_now(timeout):
             time.sleep(settle)
         else:
-            self.drain()
+            # drain_now set the flag (and logged the miss): only wake the registrar's thread, so
+            # its heartbeat retries now rather than at the next interval.
+            self._wake.set()
 
     def drain_now(self, timeout: float = 0.5) -> bool:
         """One draining heartbeat sent from the calling thread, best effort, within `timeout`

@@ -5,9 +5,11 @@ can be drawn).
 
 With the inverse-CDF sampler (before session 28) they did not: the logits differ in their last
 bits with the batch's shapes, and in the low-probability tail the CDF's boundaries lie ~1e-7
-apart, so the first of these requests drew a neighbouring token at output position 86, batched and
-chunked alike (a review's reproduction on this model). Gumbel-max draws (sampler.sample_rows)
-move only on near-ties of the two best scores."""
+apart. In this test's run on this model, 1 of the 4 requests (the first) drew a neighbouring token
+at output position 86 when resumed in chunks; batched, all 4 matched in that run. Separately, a
+reviewer's run of 12 requests diverged in 2, 1 and 1 of 12 batched, chunked and drafted at T 1.0,
+and in 2, 4 and 7 of 12 at T 1.3. Gumbel-max draws (sampler.sample_rows) move only on near-ties of
+the two best scores."""
 
 from __future__ import annotations
 

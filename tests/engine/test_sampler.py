@@ -77,9 +77,10 @@ def test_an_infinite_temperature_is_refused() -> None:
             SamplingParams(temperature=t).validate()
 
 
-def test_the_gpu_draw_path_draws_what_the_cpu_path_draws() -> None:
+def test_the_torch_path_draws_what_the_numpy_path_draws() -> None:
     """sample_rows takes NumPy on the CPU and int64 torch on a GPU: the same hashes and rule, so the
-    same tokens (run here on CPU tensors), for one block, a padded last block and the real V."""
+    same tokens. The torch path (_draw_torch) runs here on CPU tensors, against sample_rows' NumPy
+    path, for one block, a padded last block and the real V."""
     from services.worker.engines.reference import sampler
 
     for v in (12, 256, 300, 49152):

@@ -92,8 +92,9 @@ def test_a_fetch_stops_when_its_run_chunk_stream_ends(
         assert kv.get_ended, "the Get never ended"
         # Ended with the stream (its deadline + the cancellation poll), not at the fetch's own deadline.
         assert kv.get_ended[0] - t0 < 2.0, kv.get_ended[0] - t0
+        # Counted once the handler's fetch returns, which may be after the Get ended: poll.
         deadline = time.monotonic() + 5
-        while ref_engine.has_unfinished() and time.monotonic() < deadline:
+        while pool.stats().fetch_cancels < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pool.stats().fetch_cancels == 1
     finally:
@@ -119,6 +120,21 @@ def test_a_fetch_cancelled_during_its_gets_returns_nothing(slow_kv: tuple[_SlowK
         while len(kv.get_ended) < 2 and time.monotonic() < deadline:  # both streams of the replica's share
             time.sleep(0.02)
         assert len(kv.get_ended) == 2 and max(kv.get_ended) - t0 < 2.0
+        stats = pool.stats()
+        assert stats.fetch_cancels == 1 and stats.replica_errors == 0
+    finally:
+        pool.close()
+
+
+def test_a_fetch_cancelled_before_its_gets_is_counted(slow_kv: tuple[_SlowKv, str],
+                                                      ref_engine: ReferenceEngine) -> None:
+    """The caller gone before the Gets start: nothing fetched, no Get opened, and counted in
+    fetch_cancels like a fetch cancelled during its Gets (the early return did not count it)."""
+    kv, address = slow_kv
+    pool = KVClient([address], rpc_timeout_s=RPC_TIMEOUT_S, tune_malloc=False)
+    try:
+        got = pool.fetch_prefix(PROMPT, ref_engine.model_version, ref_engine.kv_layout, cancelled=lambda: True)
+        assert got is None and not kv.get_started.is_set()
         stats = pool.stats()
         assert stats.fetch_cancels == 1 and stats.replica_errors == 0
     finally:

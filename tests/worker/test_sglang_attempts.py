@@ -672,7 +672,10 @@ def test_waiting_comes_from_sglangs_load_snapshot_read_at_a_bounded_rate(engine:
     (TokenizerManager.get_loads, num_waiting_reqs). stats() never waits for the read: it answers
     with the last value and starts at most one read per LOADS_INTERVAL_S on the loop."""
     tm = engine._sgl.tokenizer_manager
-    monkeypatch.setattr(sg, "LOADS_INTERVAL_S", 0.2)
+    # An interval no test run outlasts: each read below is started by resetting the engine's
+    # last-read time (the interval passed), not by sleeping past a short one, which a slow
+    # machine could overrun inside the burst.
+    monkeypatch.setattr(sg, "LOADS_INTERVAL_S", 3600.0)
     for i in range(3):
         engine.add_request(GenerateRequest(request_id=f"r{i}", prompt_token_ids=(1, 2, 3), max_new_tokens=200,
                                            sampling=GREEDY))
@@ -695,12 +698,12 @@ def test_waiting_comes_from_sglangs_load_snapshot_read_at_a_bounded_rate(engine:
     # The reads took the snapshot's blocking file lock off the event loop's thread.
     assert tm.read_threads and engine._thread.ident not in tm.read_threads
     tm.waiting = 9  # more than the live set (the snapshot lags): clamped to it
-    time.sleep(0.25)
+    engine._loads_at = float("-inf")  # the interval passed
     engine.stats()
     s = settled()
     assert tm.load_reads == reads + 1 and (s.running, s.waiting) == (0, 3)
     tm.loads_published = False  # no snapshot (e.g. the scheduler restarted its slot): keep the last
-    time.sleep(0.25)
+    engine._loads_at = float("-inf")
     engine.stats()
     assert settled().waiting == 3
     for i in range(3):
@@ -723,5 +726,11 @@ def test_a_failing_load_read_keeps_the_last_waiting_count(engine: sg.SGLangEngin
     for _ in range(5):
         s = engine.stats()
         time.sleep(0.02)
-    assert (s.running, s.waiting) == (1, 0) and not engine._loads_busy
+    assert (s.running, s.waiting) == (1, 0)
+    # The last read may still be on the loop: its failure must clear the flag (or no read ever
+    # starts again), so wait for it with a deadline rather than a fixed sleep.
+    deadline = time.monotonic() + 2
+    while engine._loads_busy and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not engine._loads_busy
     engine.abort("r")

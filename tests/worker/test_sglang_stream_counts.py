@@ -59,10 +59,9 @@ def _lift(whl: Wheel) -> tuple[Callable[..., None], Callable[..., None], Callabl
     ns: dict[str, Any] = {}
     exec(compile(ast.fix_missing_locations(ast.Module([fn], [])), STREAMER, "exec"), {}, ns)
     tm_globals: dict[str, Any] = {**vars(typing), "ReqState": _ReqState, "_INCREMENTAL_STREAMING_META_INFO_KEYS": ()}
-    for name in ("_accumulate_request_meta_info",):
-        node = copy.deepcopy(whl.method(TM, "TokenizerManager", name))
-        node.decorator_list = []
-        exec(compile(ast.fix_missing_locations(ast.Module([node], [])), TM, "exec"), tm_globals, ns)
+    node = copy.deepcopy(whl.method(TM, "TokenizerManager", "_accumulate_request_meta_info"))
+    node.decorator_list = []
+    exec(compile(ast.fix_missing_locations(ast.Module([node], [])), TM, "exec"), tm_globals, ns)
     sliced = next(n for n in whl.tree(TM).body
                   if isinstance(n, ast.FunctionDef) and n.name == "_slice_streaming_output_meta_info")
     exec(compile(ast.Module([copy.deepcopy(sliced)], []), TM, "exec"), tm_globals, ns)

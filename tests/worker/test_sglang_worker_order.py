@@ -295,6 +295,7 @@ def test_each_verify_step_files_its_real_draft_count_for_the_worker(worker: Any)
     assert values == [None, (3, 2), None, None, (1, 1), None, (1, 1), None, None]
     assert len(values) == len(a.output_ids)
     assert plugin.draft_totals(values) == (4, 5)  # SGLang's capacity: 3 steps x 3 = 9
+    assert plugin.draft_totals(None) == (0, 0)  # no list: not SEER's worker
 
 
 def test_a_padding_match_is_no_accepted_draft(worker: Any) -> None:

@@ -13,8 +13,10 @@ recorder (the handler's exit would end the test process)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -79,6 +81,21 @@ def test_a_ctrl_c_during_the_model_load_is_the_stop_not_a_failure(
 def test_a_sigquit_without_a_stop_is_still_a_failure(exits: list[int]) -> None:
     stop_requested = worker_main.EarlyStop()
     worker_main.install_sglang_failure_handler(stopping=lambda: stop_requested.requested)
+    with pytest.raises(_Exited):
+        os.kill(os.getpid(), signal.SIGQUIT)
+        time.sleep(5)
+    assert exits == [worker_main.EXIT_SGLANG_FAILED]
+
+
+def test_an_ignored_sigint_is_not_the_stop(exits: list[int]) -> None:
+    """A worker started in the background by a shell inherits SIGINT ignored. EarlyStop recorded
+    such a SIGINT as the stop anyway, so a later real SGLang failure's SIGQUIT was taken for the
+    stop and ignored: the worker kept running on a dead engine."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the fixture restores it
+    early = worker_main.EarlyStop()
+    os.kill(os.getpid(), signal.SIGINT)  # handled on this thread before the next line runs
+    assert not early.requested
+    worker_main.install_sglang_failure_handler(stopping=lambda: early.requested)
     with pytest.raises(_Exited):
         os.kill(os.getpid(), signal.SIGQUIT)
         time.sleep(5)
@@ -150,12 +167,18 @@ def test_the_failure_notice_goes_out_from_inside_thread_start(
     sched, reg = scheduled
     notifier = worker_main.FailureNotifier(reg.drain_now)
     delivered: list[bool] = []
-    _sigquit_while_a_thread_starts(lambda: delivered.append(notifier.fire()))
+    try:
+        _sigquit_while_a_thread_starts(lambda: delivered.append(notifier.fire()))
+    finally:
+        notifier.close()
     assert delivered == [True]
     assert exits == [worker_main.EXIT_SGLANG_FAILED]
     assert [h.worker_id for h in sched.heartbeats if h.draining] == ["w-limbo"]  # before the exit
 
 
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                    reason="relies on CPython 3.11's threading internals: Thread.start taking "
+                           "_active_limbo_lock, an RLock, in the thread's bootstrap")
 def test_control_a_thread_started_in_the_handler_sends_nothing(
     exits: list[int], scheduled: tuple[_Scheduler, Registrar]
 ) -> None:
@@ -180,11 +203,9 @@ def test_the_notice_goes_out_while_another_thread_holds_the_logging_lock(
     """On the SIGQUIT path the notice runs on the notifier's thread while the interrupted main
     thread may be inside a log call, holding its handler's lock: drain_now logged before its RPC
     and the notice waited for that lock until the exit (a review's reproduction)."""
-    import logging
-
     sched, reg = scheduled
     logger = logging.getLogger("services.worker.registration")
-    handler = logging.Handler()
+    handler = _DiscardingHandler()
     level = logger.level
     logger.setLevel(logging.INFO)  # the service's level: its info lines reach the handler
     logger.addHandler(handler)
@@ -196,6 +217,7 @@ def test_the_notice_goes_out_while_another_thread_holds_the_logging_lock(
             notifier.fire(timeout=1.0)
             assert sched.draining.is_set()
     finally:
+        notifier.close()
         logger.removeHandler(handler)
         logger.setLevel(level)
 
@@ -205,3 +227,30 @@ def test_a_notifier_that_never_fired_closes() -> None:
     notifier = worker_main.FailureNotifier(lambda: fired.append(1))
     notifier.close()
     assert not notifier._thread.is_alive() and not fired
+
+
+def test_a_fire_after_close_reports_false_and_writes_nothing() -> None:
+    """close() ended the unfired thread through the same `finally` that marks a notice sent, so a
+    fire() after it reported True, and wrote to the closed write end's fd number, which the
+    process may have reused since (here: a new pipe takes the freed numbers)."""
+    fired: list[int] = []
+    notifier = worker_main.FailureNotifier(lambda: fired.append(1))
+    notifier.close()
+    read_fd, write_fd = os.pipe()
+    try:
+        assert notifier.fire(timeout=0.1) is False
+        os.set_blocking(read_fd, False)
+        with pytest.raises(BlockingIOError):  # nothing written to whatever took the old fd number
+            os.read(read_fd, 1)
+        assert not fired
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+class _DiscardingHandler(logging.Handler):
+    """A handler whose lock the test holds; its emit drops the record (a bare Handler's raises
+    NotImplementedError once the lock is released)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass

@@ -101,8 +101,8 @@ def test_continuation_refetched_when_its_base_pages_were_evicted(pool: Pool, pro
     fetches: list[int] = []
     fetch = wb._fetch_kv
 
-    def fetch_then_evict(j: ChunkJob, prefix: tuple[int, ...], admission: object) -> object:
-        got = fetch(j, prefix, admission)  # type: ignore[arg-type]
+    def fetch_then_evict(prefix: tuple[int, ...], admission: object) -> object:
+        got = fetch(prefix, admission)  # type: ignore[arg-type]
         fetches.append(got.first_page if got is not None else -1)
         if len(fetches) == 1:
             with wb._locked():  # every cached page is unused here: drop them all

@@ -20,8 +20,10 @@ resumed on another worker samples exactly what an uninterrupted run samples, wit
 that is exact; the logits change in their last bits with the batch's shapes (a draft tree's rows,
 other requests of the step, a resumed chunk's prefill), and a draw moves only if that changes which
 of its two best Gumbel-max scores wins (sample_rows), about as rare as the difference itself. With
-the inverse CDF used until session 28, one of 4 requests x 96 tokens at T 1.0 / top_p 1.0 drew
-another token at position 86 when resumed in chunks (tests/engine/test_replay.py). In bfloat16 /
+the inverse CDF used until session 28, tests/engine/test_replay.py's run (4 requests x 96 tokens,
+T 1.0 / top_p 1.0) had 1 of the 4 draw another token at position 86 when resumed in chunks
+(batched, all 4 matched in that run). Separately, a reviewer's run of 12 requests diverged in 2, 1
+and 1 of 12 batched, chunked and drafted at T 1.0, and in 2, 4 and 7 of 12 at T 1.3. In bfloat16 /
 float16 the logits differ by far more, and replays can still diverge.
 """
 
@@ -128,7 +130,9 @@ def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
     probability in id order, at top_p 1.0 a few 1e-7 apart in the low-probability tail, and the
     last-bit logit differences between batch shapes (a draft tree's rows, other requests of the
     step, a resumed chunk's prefill) moved draws across them: a review found 1-8 of 256 T = 1.0
-    draws within 1e-7-1e-5 of one, and one of 8 requests x 96 tokens diverged batched or chunked.
+    draws within 1e-7-1e-5 of one, and replays diverged (the module docstring's two runs: 1 of 4
+    requests resumed in chunks in test_replay's; 2/1/1 of 12 batched/chunked/drafted in a
+    reviewer's at T 1.0).
     Here a draw moves only when the two best scores of a level lie within such a difference of
     each other, which a Gumbel gap makes about as rare as the difference itself (~1e-7 per level).
     Blocks keep it cheap: N x (V / BLOCK + BLOCK) hashed numbers, not N x V. One property of flat

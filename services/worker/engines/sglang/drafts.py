@@ -12,9 +12,10 @@ and SGLang then counts the padding node as an accepted draft: `accepted_drafts` 
 accepted path through the block's real nodes (the plugin keeps each request's Block for that).
 
 Seer's Draft (services.worker.engine.Draft) lists nodes with parent indices (-1 = root) in any
-parents-first order; `to_sglang` re-orders them breadth-first (a BFS prefix is closed under
-ancestors, so truncating to N - 1 nodes keeps a valid tree) and `from_sglang` inverts it (tests and
-debugging).
+parents-first order; `to_block` re-orders them breadth-first (a BFS prefix is closed under
+ancestors, so truncating to N - 1 nodes keeps a valid tree) and `pack_blocks` packs a batch (the
+plugin's path). `to_sglang`, `pack_batch` (the same arrays straight from Drafts) and their inverse
+`from_sglang` are for tests and debugging: no production code calls them.
 
 A draft node whose token is outside the model's vocabulary (`vocab_size`) is dropped with its
 subtree: SGLang embeds the block's tokens on the GPU, where an out-of-range id is a device-side
@@ -99,7 +100,8 @@ def block_mask(block: Block) -> np.ndarray:
 def to_sglang(draft: Draft | None, last_token: int, num_draft_tokens: int,
               vocab_size: int | None = None) -> tuple[list[int], np.ndarray]:
     """(tokens [N], mask [N, N] bool) for one request; draft None = no speculation (all padding).
-    With vocab_size, nodes whose token is outside [0, vocab_size) are dropped with their subtrees."""
+    Tests and debugging (the plugin builds Blocks, to_block). With vocab_size, nodes whose token
+    is outside [0, vocab_size) are dropped with their subtrees."""
     block = to_block(draft, last_token, num_draft_tokens, vocab_size)
     return block.tokens, block_mask(block)
 
@@ -142,7 +144,8 @@ def pack_batch(
     vocab_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The batch arrays SGLang's verify step takes: tokens [B * N] int64, mask [B * N * N] bool
-    (draft nodes outside [0, vocab_size) dropped, see to_sglang)."""
+    (draft nodes outside [0, vocab_size) dropped, see to_sglang). Tests and debugging (the plugin
+    packs the Blocks it keeps, pack_blocks)."""
     if len(drafts) != len(last_tokens):
         raise ValueError(f"last_tokens: {len(last_tokens)} entries for {len(drafts)} drafts")
     return pack_blocks([to_block(d, last, num_draft_tokens, vocab_size)

@@ -273,10 +273,11 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     fr = meta.get("finish_reason")
     reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
     drafts = list(meta.get(plugin.DRAFT_INFO_KEY) or [])
-    # Fewer values than new tokens: outputs streamed before the plugin's first entry (the prefill
-    # token's) carried none; the values present are the newest tokens'.
+    # A shorter list (or none) only without SEER's worker: open_step_info files the list before
+    # the prefill's token is streamed, so every output carries its value. The values present are
+    # the newest tokens'.
     mine = drafts[len(drafts) - min(fresh, len(drafts)):] if fresh else []
-    accepted, proposed = plugin.draft_totals(mine) or (0, 0)
+    accepted, proposed = plugin.draft_totals(mine)
     return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)
 
 

@@ -150,13 +150,11 @@ def open_step_info(req: Any) -> None:
     values.extend([None] * (len(req.output_ids) + 1 - len(values)))
 
 
-def draft_totals(values: Sequence[Any] | None) -> tuple[int, int] | None:
+def draft_totals(values: Sequence[Any] | None) -> tuple[int, int]:
     """(accepted, proposed) summed over record_step's entries (None and other padding skipped);
-    None when there are none to sum (speculation off, or not SEER's worker)."""
-    if values is None:
-        return None
+    (0, 0) when there are none (speculation off, or not SEER's worker)."""
     accepted = proposed = 0
-    for v in values:
+    for v in values or ():
         if isinstance(v, list | tuple) and len(v) == 2:
             proposed += int(v[0])
             accepted += int(v[1])
@@ -402,8 +400,7 @@ def _worker_class() -> type:
             self.seer_width = int(os.environ.get(ENV_DRAFT_WIDTH, "1"))
             self.seer_vocab_size = int(os.environ.get(ENV_VOCAB_SIZE, "0")) or None
             self.seer_proposed: dict[str, int] = {}  # rid -> draft depth proposed this step
-            self.seer_step_rids: list[str] = []  # this step's decode batch, in batch order
-            self.seer_step_reqs: list[Any] = []  # the same batch's Req objects
+            self.seer_step_reqs: list[Any] = []  # this step's decode batch's Req objects, in batch order
             # rid -> this step's verify block for it (Block.real: the draft tokens it holds before
             # padding, what the worker reports as proposed, not SGLang's block capacity; the
             # tokens and parents tell an accepted draft node from an accepted padding node).
@@ -478,7 +475,6 @@ def _worker_class() -> type:
                 if meta.group_id:
                     self.seer_drafts.verified(req.rid, meta, req.origin_input_ids, req.output_ids, False)
                     self.seer_running[req.rid] = req
-            self.seer_step_rids = [r.rid for r in batch.reqs]
             self.seer_step_reqs = list(batch.reqs)
             plan = self.seer_planner.plan([(r.rid, m.is_probe) for r, m in zip(batch.reqs, metas, strict=True)])
             blocks: list[Block] = []
@@ -509,7 +505,9 @@ def _worker_class() -> type:
         def _seer_accepted_tokens(self, batch_size: int) -> list[int] | None:
             """This step's committed tokens, flattened [batch_size x stride] (request i's accepted
             drafts first, then its bonus token; stride as _get_speculative_output_stride,
-            batch_result_processor.py:86-93); None when the last forward's result has none."""
+            batch_result_processor.py:86-93); None when the last forward's result has none, or when
+            their count is not a whole number of strides for batch_size (a layout this code does
+            not know: the caller then counts without the tokens)."""
             result = self.seer_result
             ids = getattr(result, "next_token_ids", None)
             if ids is None or batch_size <= 0:
@@ -526,11 +524,12 @@ def _worker_class() -> type:
             the model sampled its token (0, a real token in most vocabularies); only the accepted
             path through draft nodes is counted (accepted_drafts over the committed tokens)."""
             counts = [int(n) for n in num_correct_drafts_per_req]
-            if len(counts) == len(self.seer_step_rids):
+            if len(counts) == len(self.seer_step_reqs):
+                rids = [r.rid for r in self.seer_step_reqs]
                 flat = self._seer_accepted_tokens(len(counts))
                 stride = len(flat) // len(counts) if flat else 0
                 real_accepted: list[int] = []
-                for i, (rid, n) in enumerate(zip(self.seer_step_rids, counts, strict=True)):
+                for i, (rid, n) in enumerate(zip(rids, counts, strict=True)):
                     block = self.seer_blocks.get(rid)
                     if block is None or block.real == 0 or n <= 0:
                         real_accepted.append(0)  # no draft: a padding match only
@@ -544,7 +543,7 @@ def _worker_class() -> type:
                 positions = max(self.draft_token_num - 1, 1)
                 proposed = [0] * positions
                 accepted = [0] * positions
-                for rid, k in zip(self.seer_step_rids, real_accepted, strict=True):
+                for rid, k in zip(rids, real_accepted, strict=True):
                     depth = self.seer_proposed.get(rid, 0)
                     for j in range(min(depth, positions)):
                         proposed[j] += 1
