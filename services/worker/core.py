@@ -599,7 +599,7 @@ class Worker:
             # a shorter output and generates a different chain). Only the prefix's whole pages are
             # shared with that chain: lower the mark to them, else the next offload would skip the
             # new chain's pages up to the old mark and the next worker would recompute them.
-            self._cap_offloaded(job.request_id, len(prefix) // self.engine.kv_layout.page_size)
+            self._lower_offloaded(job.request_id, len(prefix) // self.engine.kv_layout.page_size)
             stats = act.stats
             claim = False
             if fetched is not None:
@@ -1406,19 +1406,15 @@ class Worker:
             while len(self._offloaded) > _MAX_OFFLOAD_MARKS:
                 self._offloaded.popitem(last=False)
 
-    def _unmark_offloaded(self, request_id: str, version: str, first_page: int) -> None:
-        """An offload of pages from first_page on did not land: the next one starts there again."""
+    def _lower_offloaded(self, request_id: str, page: int, version: str | None = None) -> None:
+        """request_id's stored chain is known only up to `page`: the mark goes down to it (never
+        up). With a version, only a mark of that version: an offload of pages from `page` on did
+        not land, and the next one starts there again (a mark of another version is another
+        chain). Without: the chain is cut there whatever its version."""
         with self._offloaded_lock:
             cur = self._offloaded.get(request_id)
-            if cur is not None and cur[0] == version and cur[1] > first_page:
-                self._offloaded[request_id] = (version, first_page)
-
-    def _cap_offloaded(self, request_id: str, end_page: int) -> None:
-        """request_id's stored chain is known only up to end_page (of whatever model version)."""
-        with self._offloaded_lock:
-            cur = self._offloaded.get(request_id)
-            if cur is not None and cur[1] > end_page:
-                self._offloaded[request_id] = (cur[0], end_page)
+            if cur is not None and (version is None or cur[0] == version) and cur[1] > page:
+                self._offloaded[request_id] = (cur[0], page)
 
     def _offload_locked(self, act: _Active) -> None:
         assert self._kv is not None
@@ -1454,7 +1450,7 @@ class Worker:
         exc = fut.exception()
         if exc is not None:
             log.warning("kv offload failed: %s", exc, extra=kv(request_id=request_id))
-            self._unmark_offloaded(request_id, version, first_page)
+            self._lower_offloaded(request_id, first_page, version)
             return
         res: PutResult = fut.result()
         missing = res.first_unstored
@@ -1466,7 +1462,7 @@ class Worker:
                 "kv offload incomplete; resending from the first missing page",
                 extra=kv(request_id=request_id, page=first_page + missing, dropped=res.dropped),
             )
-            self._unmark_offloaded(request_id, version, first_page + missing)
+            self._lower_offloaded(request_id, first_page + missing, version)
 
     def _release(self, job: ChunkJob) -> None:
         kv_pool, bg = self._kv, self._bg

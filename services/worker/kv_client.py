@@ -86,8 +86,8 @@ class _FanOutTimeout(grpc.RpcError):  # type: ignore[misc]
     DEADLINE_EXCEEDED."""
 
     def __init__(self, timeout: float) -> None:
-        super().__init__(f"no answer within the fan-out's {timeout:g} s")
         self._details = f"no answer within the fan-out's {timeout:g} s"
+        super().__init__(self._details)
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED

@@ -121,7 +121,7 @@ def test_a_later_offload_does_not_jump_over_a_gap() -> None:
     w = Worker(FakeEngine(), kv_pool=FakePool(), speculation=False)
     w._mark_offloaded("r", "v", 10, 0)  # A: pages [0, 10)
     w._mark_offloaded("r", "v", 20, 10)  # B: pages [10, 20)
-    w._unmark_offloaded("r", "v", 3)  # A failed from page 3
+    w._lower_offloaded("r", 3, "v")  # A failed from page 3
     assert w._offloaded["r"] == ("v", 3)
     w._mark_offloaded("r", "v", 30, 20)  # C: pages [20, 30) while the gap is open
     assert w._offloaded["r"] == ("v", 3)

@@ -37,7 +37,7 @@ def _finish(w: Worker, n: int) -> None:
 
 def test_close_does_not_wait_for_every_queued_release(hung_nodes: list[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core, "_RELEASE_CLOSE_WAIT_S", 0.3, raising=False)
+    monkeypatch.setattr(core, "_RELEASE_CLOSE_WAIT_S", 0.3)
     w = Worker(FakeEngine(), kv_pool=KVClient(hung_nodes, exists_timeout_s=1.0, tune_malloc=False),
                kv_offload=False, speculation=False).start()
     _finish(w, 8)
@@ -49,8 +49,8 @@ def test_close_does_not_wait_for_every_queued_release(hung_nodes: list[str],
 
 def test_releases_beyond_the_bound_are_dropped_and_counted(hung_nodes: list[str],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core, "_MAX_PENDING_RELEASES", 2, raising=False)
-    monkeypatch.setattr(core, "_RELEASE_CLOSE_WAIT_S", 0.1, raising=False)
+    monkeypatch.setattr(core, "_MAX_PENDING_RELEASES", 2)
+    monkeypatch.setattr(core, "_RELEASE_CLOSE_WAIT_S", 0.1)
     w = Worker(FakeEngine(), kv_pool=KVClient(hung_nodes, exists_timeout_s=5.0, tune_malloc=False),
                kv_offload=False, speculation=False).start()
     try:

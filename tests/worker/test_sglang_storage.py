@@ -161,7 +161,7 @@ def test_a_large_batch_from_a_slow_but_alive_node_is_neither_cut_off_nor_skipped
     test's 2 MiB), and a stream still moving when its deadline runs out does not open the circuit."""
     import services.worker.engines.sglang.storage as st
 
-    monkeypatch.setattr(st, "_FLOOR_BYTES_PER_S", 1e6, raising=False)  # 32 pages: 1.5 s + ~2.1 s
+    monkeypatch.setattr(st, "_FLOOR_BYTES_PER_S", 1e6)  # 32 pages: 1.5 s + ~2.1 s
     s = storage_cls(SimpleNamespace(extra_config={"kv_addresses": [slow_node]}, tp_rank=0, tp_size=1))
     s.mem_pool_host = _POOL
     keys = [f"k{i}" for i in range(32)]  # ~2.2 s of streaming: past a fixed 1.5 s
@@ -170,7 +170,52 @@ def test_a_large_batch_from_a_slow_but_alive_node_is_neither_cut_off_nor_skipped
     assert s._usable(slow_node)
     # Slower than even its deadline, but moving: the pages it sent are kept, the rest are misses,
     # and the node stays in use (a slow node is not a dead one).
-    monkeypatch.setattr(st, "_MAX_TIMEOUT_S", 1.0, raising=False)
+    monkeypatch.setattr(st, "_MAX_TIMEOUT_S", 1.0)
     got = s._get_pages(keys)
     assert 0 < sum(p is not None for p in got) < 32
     assert s._usable(slow_node) and not s._down_until
+
+
+@pytest.fixture
+def slow_nodes() -> Iterator[list[str]]:
+    """Two KV store nodes that are alive but very busy: each streams the pages asked for, 0.3 s apart."""
+    import contextlib
+
+    from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    from services.kvstore.checksum import page_checksum
+
+    class Slow(kvstore_pb2_grpc.KvStoreServiceServicer):  # type: ignore[misc]
+        def Get(self, request: Any, context: Any) -> Iterator[Any]:
+            for h in request.page_hashes:
+                if not context.is_active():
+                    return
+                time.sleep(0.3)
+                data = bytes(_PAGE_BYTES)
+                yield kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=page_checksum(data))
+
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(contextlib.contextmanager(_serve)(Slow())) for _ in range(2)]
+
+
+def test_two_slow_nodes_share_one_call_deadline(
+        storage_cls: Any, slow_nodes: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Final read: nodes are asked one after another, each up to _MAX_TIMEOUT_S (6 s), so two
+    slow-but-moving nodes held one batch call 12 s, past SGLang's 10 s join of its storage threads.
+    Now the call has one overall deadline (_CALL_S, 8 s) and a node gets only the time left."""
+    import services.worker.engines.sglang.storage as st
+
+    monkeypatch.setattr(st, "_FLOOR_BYTES_PER_S", 1e3)  # every node's own deadline is the 6 s cap
+    s = storage_cls(SimpleNamespace(extra_config={"kv_addresses": slow_nodes}, tp_rank=0, tp_size=1))
+    s.mem_pool_host = _POOL
+    keys = [f"k{i}" for i in range(120)]
+    split = s._by_node([st.page_hash(k) for k in keys])
+    assert len(split) == 2 and min(len(i) for i in split.values()) * 0.3 > st._MAX_TIMEOUT_S  # both run out
+    t0 = time.monotonic()
+    got = s._get_pages(keys)
+    took = time.monotonic() - t0
+    assert took < 9.0, f"one batch call took {took:.1f}s"  # _CALL_S (8 s) and slack
+    # Both nodes were asked and were moving: their pages so far are kept, neither is skipped.
+    for idx in split.values():
+        assert any(got[i] is not None for i in idx)
+    assert all(s._usable(n) for n in slow_nodes)

@@ -318,3 +318,20 @@ def test_a_padding_match_is_no_accepted_draft(worker: Any) -> None:
     s.decode({A: 2}, sampled={A: [0, 5, 8]})
     assert planner.observed[-1] == ([1, 1, 0], [1, 1, 0])
     assert a.customized_info[plugin.DRAFT_INFO_KEY] == [None, (1, 0), None, (2, 2), None, None]
+
+
+def test_the_planner_is_told_the_depth_of_the_block_verified_not_of_the_raw_draft(worker: Any) -> None:
+    """Final read: the proposed depth came from the Seer draft as proposed, though to_block drops an
+    out-of-vocabulary node with its subtree: a chain 3 deep whose second token is outside the
+    vocabulary verifies 1 draft node, and the planner was told 3 were proposed (two never
+    verified, counted as rejected)."""
+    s = _Scheduler(worker)
+    worker.seer_vocab_size = 100
+    s.prefill(_Req(A, max_new_tokens=40))
+    want = truth(A)[1:4]
+    s.sink.propose = (  # type: ignore[method-assign]
+        lambda group_id, request_id, context, max_len, width=1: Draft((want[0], 500, want[2]), (-1, 0, 1)))
+    s.decode({A: 1})
+    planner: _Planner = worker.seer_planner
+    assert planner.observed[-1] == ([1, 0, 0], [1, 0, 0])
+    assert worker.seer_blocks[A].real == 1

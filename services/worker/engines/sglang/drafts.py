@@ -85,6 +85,16 @@ def to_block(draft: Draft | None, last_token: int, num_draft_tokens: int, vocab_
     return Block(tokens, prevs, real)
 
 
+def block_depth(block: Block) -> int:
+    """How many levels of draft nodes a block holds (0 without any): what the step proposed, as
+    verified. Its real nodes only: to_block may have dropped out-of-vocabulary nodes (with their
+    subtrees) or cut the draft at num_draft_tokens - 1 nodes, and padding sits under the root."""
+    depth = [0] * (block.real + 1)  # block index -> depth; the root is 0, parents precede children
+    for j in range(1, block.real + 1):
+        depth[j] = depth[block.parents[j]] + 1
+    return max(depth)
+
+
 def block_mask(block: Block) -> np.ndarray:
     """The ancestor mask [N, N] of a block: mask[i] = mask[parent(i)] + self, built in order
     because parents precede children."""

@@ -233,8 +233,15 @@ class StreamDelta:
     logprobs: list[float]
     reason: FinishReason | None
     total: int  # completion tokens so far
-    accepted: int  # draft tokens accepted (reported with the final output only)
-    proposed: int  # draft tokens proposed (likewise)
+    # The SEER plugin's counts for this output's tokens (its per-output-token values, which come
+    # with every output; see stream_delta), not SGLang's final-output-only speculation counts.
+    accepted: int  # draft tokens accepted among them
+    proposed: int  # real draft tokens proposed for them
+
+
+# What an attempt that failed, or whose stream ended without a finish reason, reports: no tokens and
+# an abort. Shared; its (empty) lists are only ever read.
+_ABORTED = StreamDelta([], [], FinishReason.ABORTED, 0, 0, 0)
 
 
 def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
@@ -257,26 +264,29 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     incrementally). Without them (not SEER's worker), no drafts are reported rather than the block
     capacity."""
     meta: Mapping[str, Any] = out.get("meta_info") or {}
-    ids = [int(t) for t in (out.get("output_ids") or [])]
-    total = int(meta.get("completion_tokens", reported + len(ids)))
+    # Only the last `fresh` entries of each list are new; SGLang streams them cumulatively by
+    # default, so the lists are sliced before anything is converted or copied (converting whole
+    # lists made every request O(n^2) on the SGLang loop thread).
+    raw_ids = out.get("output_ids") or []
+    total = int(meta.get("completion_tokens", reported + len(raw_ids)))
     fresh = max(total - reported, 0)
-    if fresh > len(ids):
-        raise MissingLogprobs(f"output_ids: {len(ids)} tokens for {fresh} new completion tokens")
-    new = ids[len(ids) - fresh:] if fresh else []
-    entries = list(meta.get("output_token_logprobs") or [])
+    if fresh > len(raw_ids):
+        raise MissingLogprobs(f"output_ids: {len(raw_ids)} tokens for {fresh} new completion tokens")
+    new = [int(t) for t in raw_ids[len(raw_ids) - fresh:]] if fresh else []
+    entries = meta.get("output_token_logprobs") or []
     if len(entries) < fresh:
         raise MissingLogprobs(f"output_token_logprobs: {len(entries)} entries for {fresh} new tokens")
-    lps = entries[len(entries) - fresh:] if fresh else []
+    lps = list(entries[len(entries) - fresh:]) if fresh else []
     for k, (e, t) in enumerate(zip(lps, new, strict=True)):
         if int(e[1]) != t:
             raise MissingLogprobs(f"output_token_logprobs[{k}]: token {e[1]} is not the output token {t}")
     fr = meta.get("finish_reason")
     reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
-    drafts = list(meta.get(plugin.DRAFT_INFO_KEY) or [])
+    drafts = meta.get(plugin.DRAFT_INFO_KEY) or []
     # A shorter list (or none) only without SEER's worker: open_step_info files the list before
     # the prefill's token is streamed, so every output carries its value. The values present are
     # the newest tokens'.
-    mine = drafts[len(drafts) - min(fresh, len(drafts)):] if fresh else []
+    mine = list(drafts[len(drafts) - min(fresh, len(drafts)):]) if fresh else []
     accepted, proposed = plugin.draft_totals(mine)
     return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)
 
@@ -326,11 +336,9 @@ class SGLangEngine(Engine):
         self._speculation = server_args.get("speculative_algorithm") == plugin.ALGORITHM
         os.environ.update({**(env or {}), plugin.ENV_VOCAB_SIZE: str(self._mc.vocab_size),
                            plugin.ENV_SPECULATION: "1" if self._speculation else "0"})
-        # (the attempt, tokens, logprobs, finish reason, accepted, proposed): the attempt, not the
-        # request id, so that outputs of an aborted attempt never reach a later one of the same id.
-        self._out: queue.SimpleQueue[tuple[_Live, list[int], list[float], FinishReason | None, int, int]] = (
-            queue.SimpleQueue()
-        )
+        # (the attempt, its output): the attempt, not the request id, so that outputs of an aborted
+        # attempt never reach a later one of the same id.
+        self._out: queue.SimpleQueue[tuple[_Live, StreamDelta]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         # Set when a weight load was given up on: SGLang is left paused with weights of unknown
@@ -425,18 +433,18 @@ class SGLangEngine(Engine):
                 if d.reason is not None and "cached_tokens" in meta:
                     self._stats["cached"] += int(meta["cached_tokens"])
                     self._stats["prefill"] += len(prefix) - int(meta["cached_tokens"])
-                self._out.put((live, d.token_ids, d.logprobs, d.reason, d.accepted, d.proposed))
+                self._out.put((live, d))
                 reason = d.reason
                 if reason is not None:
                     return
         except Exception as e:  # surface as an aborted request; the worker reports it
             log.warning("sglang generate failed: %s", e, extra=kv(request_id=rid))
-            self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
+            self._out.put((live, _ABORTED))
             return
         # The stream ended without a finish reason (SGLang's contract is one on its last output):
         # with nothing queued the request would stay live here and its chunk would never end.
         log.warning("sglang stream ended without a finish reason", extra=kv(request_id=rid, tokens=live.reported))
-        self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
+        self._out.put((live, _ABORTED))
 
     def _poll_loads(self) -> None:
         """Starts a read of SGLang's queue length on the loop unless one is in flight or the last
@@ -522,7 +530,7 @@ class SGLangEngine(Engine):
             if self._broken is not None:
                 # What a failed generate looks like (never a raise: the worker counts engine aborts
                 # and its canary to tell a broken engine from a bad request).
-                self._out.put((live, [], [], FinishReason.ABORTED, 0, 0))
+                self._out.put((live, _ABORTED))
                 return
             live.task = asyncio.run_coroutine_threadsafe(self._generate(live), self._loop)
 
@@ -538,7 +546,8 @@ class SGLangEngine(Engine):
                 items.append(self._out.get_nowait())
             except queue.Empty:
                 break
-        for live, toks, lps, reason, accepted, proposed in items:
+        for live, d in items:
+            toks, reason = d.token_ids, d.reason
             rid = live.req.request_id
             with self._lock:
                 if self._live.get(rid) is not live:
@@ -552,11 +561,11 @@ class SGLangEngine(Engine):
                     del self._live[rid]
             o = merged.setdefault(rid, StepOutput(rid, [], []))
             o.token_ids += toks
-            o.logprobs += lps
+            o.logprobs += d.logprobs
             # The drafts of this output's tokens (stream_delta): a step's counts come with the
             # output that carries its first token.
-            o.num_accepted += accepted
-            o.num_draft_tokens += proposed
+            o.num_accepted += d.accepted
+            o.num_draft_tokens += d.proposed
             if reason is not None:
                 o.finished, o.finish_reason = True, reason
         self._stats["steps"] += 1

@@ -371,7 +371,7 @@ def _worker_class() -> type:
 
     from services.worker.adaptive import AdaptiveSpeculation
     from services.worker.draft_client import DraftClient
-    from services.worker.engines.sglang.drafts import Block, accepted_drafts, pack_blocks, to_block
+    from services.worker.engines.sglang.drafts import Block, accepted_drafts, block_depth, pack_blocks, to_block
 
     class SeerDraftWorker(NGRAMWorker):  # type: ignore[misc,valid-type]
         """NGRAMWorker with drafts from the Seer draft client instead of the n-gram cache.
@@ -438,12 +438,9 @@ def _worker_class() -> type:
                     continue
                 if req.finished():
                     self._seer_settle(rid, req)
-                    continue
-                if decode:
+                elif decode:
                     self.seer_drafts.forget(rid)
-                else:
-                    continue
-                del self.seer_running[rid]
+                    del self.seer_running[rid]
 
         def _seer_settle(self, rid: str, req: Any) -> None:
             """A finished request's last tokens to the mirror, and its mirror request ends (through
@@ -490,11 +487,10 @@ def _worker_class() -> type:
                 block = to_block(d, last, self.draft_token_num, self.seer_vocab_size)
                 blocks.append(block)
                 self.seer_blocks[req.rid] = block
-                if d is not None and d.tokens:
-                    depth = [0] * len(d.tokens)
-                    for i, p in enumerate(d.parents):
-                        depth[i] = 0 if p < 0 else depth[p] + 1
-                    self.seer_proposed[req.rid] = min(max(depth) + 1, self.draft_token_num - 1)
+                # The depth of the block actually verified, not of the raw draft: to_block drops
+                # out-of-vocabulary nodes (with their subtrees) and cuts at draft_token_num - 1.
+                if block.real:
+                    self.seer_proposed[req.rid] = block_depth(block)
             return pack_blocks(blocks, self.draft_token_num)
 
         def _update_ngram_corpus(self, batch: Any) -> None:

@@ -61,9 +61,13 @@ _BASE_S = 1.5
 # The slowest transfer a healthy node is assumed to sustain, bytes/s: far below a datacenter NIC
 # (10 GbE ~1.2 GB/s) or RocksDB's sequential write, so a busy node keeps well inside its deadline.
 _FLOOR_BYTES_PER_S = 200e6
-# The most one RPC may take: 256 MiB at the floor is 1.5 + 1.34 s; nodes are asked one after
-# another, and a batch call (one SGLang thread's) should end well within SGLang's 10 s join.
+# The most one RPC may take: 256 MiB at the floor is 1.5 + 1.34 s.
 _MAX_TIMEOUT_S = 6.0
+# The most one batch call (_get_pages, _put_pages, batch_exists: one SGLang thread's) may take in
+# all. Nodes are asked one after another, so per-node deadlines alone add up: two slow-but-moving
+# nodes at _MAX_TIMEOUT_S each passed SGLang's 10 s join. Each node gets the smaller of its own
+# deadline and the time this call has left; a node reached with none left is not asked (misses).
+_CALL_S = 8.0
 # A node that failed an RPC is skipped (its pages are misses, its puts fail) for this long.
 _SKIP_S = 10.0
 # The failures that open the circuit: the node is unreachable, or it let a whole deadline pass
@@ -75,6 +79,16 @@ _DEAD = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 def _deadline(nbytes: int) -> float:
     """The deadline of one RPC moving `nbytes` of pages."""
     return min(_MAX_TIMEOUT_S, _BASE_S + nbytes / _FLOOR_BYTES_PER_S)
+
+
+def _call_end() -> float:
+    """When a batch call that starts now must be done (time.monotonic)."""
+    return time.monotonic() + _CALL_S
+
+
+def _within(end: float, timeout: float) -> float:
+    """An RPC's timeout: its own, cut to the time left before the call's `end` (0 when none)."""
+    return max(0.0, min(timeout, end - time.monotonic()))
 
 
 class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -171,14 +185,14 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if layout is None:
             return found
         hashes = [page_hash(k) for k in keys]
-        ns = self._namespace()
+        ns, end = self._namespace(), _call_end()
         for node, idx in self._by_node(hashes).items():
-            if not self._usable(node):
+            timeout = _within(end, _deadline(len(idx) * self._page_bytes))
+            if timeout <= 0 or not self._usable(node):
                 continue
             req = kvstore_pb2.GetRequest(namespace=ns, page_hashes=[hashes[i] for i in idx], layout=layout)
             received = 0
             try:
-                timeout = _deadline(len(idx) * self._page_bytes)
                 for i, msg in zip(idx, self._stubs[node].Get(req, timeout=timeout), strict=False):
                     received += 1
                     ok = not msg.missing and len(msg.data) == self._page_bytes
@@ -193,9 +207,10 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if layout is None:
             return [False] * len(keys)
         hashes = [page_hash(k) for k in keys]
-        ns, ok = self._namespace(), [False] * len(keys)
+        ns, ok, end = self._namespace(), [False] * len(keys), _call_end()
         for node, idx in self._by_node(hashes).items():
-            if not self._usable(node):
+            timeout = _within(end, _deadline(sum(len(datas[i]) for i in idx)))
+            if timeout <= 0 or not self._usable(node):
                 continue
             pulled = [0]  # requests gRPC took from the stream
 
@@ -205,7 +220,7 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     yield kvstore_pb2.PutRequest(namespace=ns, layout=layout, page_hash=hashes[i], data=datas[i],
                                                  checksum=page_checksum(datas[i]))
             try:
-                self._stubs[node].Put(stream(), timeout=_deadline(sum(len(datas[i]) for i in idx)))
+                self._stubs[node].Put(stream(), timeout=timeout)
                 for i in idx:
                     ok[i] = True
             except grpc.RpcError as e:
@@ -220,14 +235,15 @@ class SeerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return 0
         hashes = [page_hash(k) for k in keys]
-        ns, n = self._namespace(), len(keys)
+        ns, n, end = self._namespace(), len(keys), _call_end()
         for node, idx in self._by_node(hashes).items():
             have = 0
-            if self._usable(node):
+            timeout = _within(end, _BASE_S)
+            if timeout > 0 and self._usable(node):
                 try:
                     have = self._stubs[node].Exists(
                         kvstore_pb2.ExistsRequest(namespace=ns, page_hashes=[hashes[i] for i in idx]),
-                        timeout=_BASE_S,
+                        timeout=timeout,
                     ).prefix_pages
                 except grpc.RpcError as e:
                     self._failed(node, "exists", e)
