@@ -60,7 +60,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, SeerError, Unavailable
@@ -356,6 +356,10 @@ class KvStore:
         # does not lose them: the next open applies them.
         self._pending_ssd: OrderedDict[Key, int] = OrderedDict()
         self._pending_bytes = 0
+        # The checksum of the copy on disk of each pending delete (its record's): the page may be
+        # indexed again meanwhile (stored again into DRAM) with other bytes, and the journal line of
+        # such a page must describe the copy recovery keeps, not the bytes in DRAM (_journaled_meta).
+        self._pending_copies: dict[Key, int] = {}
         self._journal = PendingJournal(data_dir)
         self._journal_failures = 0
         self._chain_links = 0
@@ -376,7 +380,7 @@ class KvStore:
     def _recover(self) -> None:
         """Rebuilds the in-memory index from the SSD tier's registry and page metadata."""
         max_seq = stale = 0
-        pages: list[tuple[int, Key, int]] = []
+        pages: list[tuple[int, Key, _Entry]] = []
         for name, raw in self._ssd.registry().items():
             try:
                 rec = json.loads(raw)
@@ -406,15 +410,13 @@ class KvStore:
                 ns.entries[page_hash] = e
                 for owner in e.owners:
                     ns.by_owner.setdefault(owner, set()).add(page_hash)
-                pages.append((e.seq, (name, page_hash), e.size))
+                pages.append((e.seq, (name, page_hash), e))
                 max_seq = max(max_seq, e.seq)
         for orphan in set(self._ssd.namespaces()) - set(self._namespaces):
             # A column family whose registry record never landed (crash in between): unusable.
             self._ssd.drop_namespace(orphan)
-        for _seq, key, size in sorted(pages, key=lambda p: p[0]):
-            self._ssd_lru[key] = size
-            self._ssd_bytes += size
-            self._namespaces[key[0]].ssd_pages += 1
+        for _seq, key, entry in sorted(pages, key=lambda p: p[0]):
+            self._index_ssd_copy(key, entry, record_current=True)  # the record just read describes it
         self._seq = itertools.count(max_seq + 1)
         self._replay_pending()
         if self._namespaces:
@@ -919,11 +921,8 @@ class KvStore:
         if copy is None or copy.size != size:
             return False
         entry.checksum = copy.checksum
-        entry.on_ssd = True
-        self._ssd_lru[key] = size
-        self._ssd_bytes += size
-        self._namespaces[key[0]].ssd_pages += 1
-        self._pend_ssd(key, 0)  # its bytes move from the pending deletes to the tier: ssd_bytes unchanged
+        # Its record may name older owners: an owner rewrite stays pending.
+        self._index_ssd_copy(key, entry, record_current=False)
         return True
 
     def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
@@ -936,11 +935,27 @@ class KvStore:
         # owned by the request that had released it (review of session 27). Rare: other puts
         # stay WAL-less (see SsdTier).
         self._ssd.put(key[0], key[1], data, _encode_meta(entry), logged=key in self._pending_ssd)
-        self._unpend(key)  # the page and its record are written whole
+        self._index_ssd_copy(key, entry, record_current=True)  # the page and its record are written whole
+
+    def _index_ssd_copy(self, key: Key, entry: _Entry, *, record_current: bool) -> None:
+        """Counts entry's copy on the SSD tier: marks it on SSD, puts it last (most recent) in the SSD
+        LRU, adds its bytes to ssd_bytes and its namespace's SSD page count. The one place of this
+        accounting (a page written, a copy kept over its pending delete, a page recovered), so the
+        three cannot drift; _forget_ssd_copy undoes it.
+
+        record_current: the record on disk describes entry (written with the page, or just read at
+        recovery), so a record of key left pending is resolved. Else (a copy kept over its pending
+        delete, its record naming the owners it had then) the record stays pending as an owner
+        rewrite: the copy's bytes move from the pending deletes to the tier, ssd_bytes (tier and
+        pending together) unchanged. Lock held."""
         entry.on_ssd = True
         self._ssd_lru[key] = entry.size
         self._ssd_bytes += entry.size
         self._namespaces[key[0]].ssd_pages += 1
+        if record_current:
+            self._unpend(key)
+        else:
+            self._pend_ssd(key, 0)
 
     def _note_ssd_write(self, name: str) -> None:
         """Marks name as written to SSD now; a namespace this pushes out of the recent ones loses
@@ -1008,7 +1023,7 @@ class KvStore:
                 entry = self._entry(key)
                 if entry is not None:
                     entry.on_ssd = False
-                self._delete_ssd(key, size)
+                self._delete_ssd(key, size, entry.checksum if entry is not None else None)
                 self._drop_idle_column_family(key[0])
             else:
                 self._remove(key)
@@ -1031,7 +1046,7 @@ class KvStore:
             _unindex_owners(ns, key[1], entry.owners)
         # Last: the index is whole whether or not the disk takes the delete.
         if entry is not None and entry.on_ssd:
-            self._delete_ssd(key, entry.size)
+            self._delete_ssd(key, entry.size, entry.checksum)
         elif entry is not None and key in self._pending_ssd:
             # A page whose SSD copy's delete is pending (dropped for capacity while hot in DRAM, or
             # released and stored again): its journal line kept the copy for recovery while the
@@ -1042,33 +1057,41 @@ class KvStore:
         if ns is not None and entry is not None and not ns.entries:
             self._note_empty(ns.name)
 
-    def _delete_ssd(self, key: Key, size: int) -> None:
+    def _delete_ssd(self, key: Key, size: int, checksum: int | None) -> None:
         """Deletes a page's SSD copy. A failed delete (a write stop, a full disk: RocksDB then
         refuses every write, deletes included) is logged and counted, not raised: the index and the
         accounting in memory are already right, and raising would fail the Put or Release that freed
         the page half done (a Release could then never make room on a full disk). The page is left
         pending (_reconcile_ssd retries the delete): its record still names the owners it had, and
         a restart would bring it back owned by requests that released it. `size`: the page's bytes,
-        which stay on disk (counted in ssd_bytes) while the delete is pending."""
+        which stay on disk (counted in ssd_bytes) while the delete is pending; `checksum`: theirs
+        (the copy's record's; None: not known), what the journal says of the copy should the page be
+        indexed again before the delete goes through (_journaled_meta)."""
         if not self._ssd.may_try():
             # Stalled: not tried (each try costs STALLED_TRY_S under the store lock; a probe a
             # second, SsdTier.may_try), left pending without a warning per page.
-            self._pend_ssd(key, size)
+            self._pend_ssd(key, size, copy_checksum=checksum)
             return
         try:
             self._ssd.delete(*key)
         except Exception:
             self._meta_write_failures += 1
-            self._pend_ssd(key, size)
+            self._pend_ssd(key, size, copy_checksum=checksum)
             log.warning("SSD page delete failed; the index in memory stays correct, retried later", exc_info=True,
                         extra=kv(namespace=key[0], page=key[1].hex(), failures=self._meta_write_failures))
             return
         self._unpend(key)
 
-    def _pend_ssd(self, key: Key, size: int) -> None:
+    def _pend_ssd(self, key: Key, size: int, *, copy_checksum: int | None = None) -> None:
         """Leaves key's SSD record pending (newest last). size: the page bytes the disk holds beyond
-        the index (a delete: the page's; an owner rewrite: 0). Journaled when the intent is new or
-        changed (a delete pending again is the same intent; an owner rewrite names new owners)."""
+        the index (a delete: the page's; an owner rewrite: 0); copy_checksum: a delete's copy's
+        checksum (None: not known, or kept from when the delete was first left pending). Journaled
+        when the intent is new or changed (a delete pending again is the same intent; an owner
+        rewrite names new owners)."""
+        if size == 0:
+            self._pending_copies.pop(key, None)  # no copy beyond the index: the page is indexed on SSD
+        elif copy_checksum is not None:
+            self._pending_copies[key] = copy_checksum
         old = self._pending_ssd.pop(key, None)
         self._pending_ssd[key] = size
         self._pending_bytes += size - (old or 0)
@@ -1088,6 +1111,7 @@ class KvStore:
         """key's SSD record agrees with the index again (written, deleted, or gone with its column
         family); no-op when it was not pending."""
         size = self._pending_ssd.pop(key, None)
+        self._pending_copies.pop(key, None)
         if size is None:
             return
         self._pending_bytes -= size
@@ -1111,12 +1135,23 @@ class KvStore:
         journal's line): its owner record while the page is indexed, on SSD or not, else none.
         A page only in DRAM whose copy's delete is pending (capacity dropped the copy while the page
         was hot, or the page was released and stored again) loses its DRAM copy at a crash; the
-        copy on disk is then its only one (its owners' page under the same hash; recovery keeps that
-        copy's own record checksum, so bytes stored again that differ are caught at the first Get), and
-        it is still owned. Until session 30 the journal said "delete" for it, the intent of the running store,
-        and recovery removed a page its owners had not released (a miss), owners and all."""
+        copy on disk is then its only one (its owners' page under the same hash), and it is still
+        owned. Until session 30 the journal said "delete" for it, the intent of the running store,
+        and recovery removed a page its owners had not released (a miss), owners and all.
+
+        The line describes the copy on disk: the page's owners with the copy's own checksum and
+        size (_pending_copies), not those of the bytes stored again into DRAM, which need not match
+        bit for bit (KV computed in another batch). Until now it carried the DRAM bytes' checksum:
+        recovery takes only the owners from a line (the checksum from the record on disk), so no
+        Get failed by it, but the line said the copy was bytes it was not, for any reader that
+        trusted it."""
         entry = self._entry(key)
-        return None if entry is None else _encode_meta(entry)
+        if entry is None:
+            return None
+        copy = self._pending_copies.get(key)
+        if entry.on_ssd or copy is None:
+            return _encode_meta(entry)
+        return _encode_meta(replace(entry, checksum=copy, size=self._pending_ssd.get(key, entry.size)))
 
     def _rewrite_journal(self) -> None:
         self._journal.rewrite([(k, self._journaled_meta(k)) for k in self._pending_ssd])

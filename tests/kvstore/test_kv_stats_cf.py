@@ -105,7 +105,7 @@ def test_stream_counters_are_prometheus_counters(tmp_path: Path) -> None:
 
     from services.kvstore.config import KvStoreConfig
     from services.kvstore.server import serve
-    from tests.kvstore.test_review14 import _idle_put
+    from tests.kvstore.test_review14 import _idle_put, _stream_error
 
     registry = CollectorRegistry()
     cfg = KvStoreConfig(
@@ -115,7 +115,7 @@ def test_stream_counters_are_prometheus_counters(tmp_path: Path) -> None:
     running, _store = serve(cfg, registry=registry)
     hold = threading.Event()
     try:
-        err = _idle_put(f"127.0.0.1:{running.port}", hold).exception(timeout=10)
+        err = _stream_error(_idle_put(f"127.0.0.1:{running.port}", hold), 10)
         assert err is not None and err.code() == grpc.StatusCode.CANCELLED
         st = _stats(f"127.0.0.1:{running.port}")
         text = generate_latest(registry).decode()

@@ -115,6 +115,23 @@ def _idle_put(address: str, hold: threading.Event) -> grpc.Future:
     return put.future(frames(), timeout=60)
 
 
+def _stream_error(fut: grpc.Future, timeout: float) -> grpc.RpcError | None:
+    """The RPC error a stream's future ended with (None: it succeeded), waiting up to `timeout` s
+    (grpc.FutureTimeoutError past it). Not Future.exception(timeout=...): grpc's stubs type that
+    without the timeout and as a plain Exception, though a failed RPC's future raises grpc.RpcError."""
+    try:
+        fut.result(timeout=timeout)
+    except grpc.RpcError as err:
+        return err
+    return None
+
+
+def _stream_status(fut: grpc.Future, timeout: float) -> tuple[grpc.StatusCode, str] | None:
+    """(code, details) of a stream's failed RPC; None when it succeeded."""
+    err = _stream_error(fut, timeout)
+    return None if err is None else (err.code(), err.details() or "")
+
+
 def test_idle_put_streams_do_not_starve_other_rpcs(replicas: Make) -> None:
     r = replicas("a", max_workers=4, put_idle_timeout_seconds=60.0)
     hold = threading.Event()
@@ -129,15 +146,16 @@ def test_idle_put_streams_do_not_starve_other_rpcs(replicas: Make) -> None:
         stub.Exists(kvstore_pb2.ExistsRequest(namespace="m@v1", page_hashes=[_h("m@v1")]), timeout=2)
         # ... and the streams over the cap were refused at once, not queued.
         refused = [f for f in futures if f.done()]
-        assert refused and all(f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED for f in refused)
-        assert "max_page_streams" in refused[0].exception().details()
+        statuses = [_stream_status(f, 0) for f in refused]
+        assert refused and all(st is not None and st[0] == grpc.StatusCode.RESOURCE_EXHAUSTED for st in statuses)
+        assert statuses[0] is not None and "max_page_streams" in statuses[0][1], statuses
         st = stub.GetKvStats(kvstore_pb2.GetKvStatsRequest(), timeout=2)
         assert st.refused_streams == len(refused)
         ch.close()
     finally:
         hold.set()
         for f in futures:
-            f.exception(timeout=10)
+            _stream_error(f, 10)
 
 
 def test_idle_put_stream_is_cut_after_the_idle_timeout(replicas: Make) -> None:
@@ -145,7 +163,7 @@ def test_idle_put_stream_is_cut_after_the_idle_timeout(replicas: Make) -> None:
     hold = threading.Event()
     try:
         fut = _idle_put(r.address, hold)
-        err = fut.exception(timeout=5)  # well before the client's own 60 s deadline
+        err = _stream_error(fut, 5)  # well before the client's own 60 s deadline
         assert err is not None and err.code() == grpc.StatusCode.CANCELLED
         # The slot came back: a full Put works.
         with KVClient([r.address], tune_malloc=False) as kv:
@@ -276,7 +294,7 @@ def test_failed_direct_ssd_put_maps_to_a_status(
     with pytest.raises(grpc.RpcError) as rpc_err:
         stub.Put(iter([req]), timeout=5)
     assert rpc_err.value.code() == code
-    assert rpc_err.value.details().startswith("requests[0].data: ")
+    assert (rpc_err.value.details() or "").startswith("requests[0].data: "), rpc_err.value.details()
     # The client degrades it to a failed offload (a miss), not a rejected layout.
     with KVClient([r.address], tune_malloc=False) as kv:
         res = kv.put_pages_result(make_pages(list(range(8))), "r2")

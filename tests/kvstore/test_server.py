@@ -71,7 +71,7 @@ def test_release_names_are_checked_like_puts(replicas: Make) -> None:
             stub.Release(kvstore_pb2.ReleaseRequest(namespace=ns, request_id=rid), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
         assert (e.value.details() or "").startswith(f"{field}: "), e.value.details()
-    assert not r.store._released_requests
+    assert r.store is not None and not r.store._released_requests
     assert stub.Release(kvstore_pb2.ReleaseRequest(namespace="m@v1", request_id="r1"), timeout=5).released_pages == 0
 
 
