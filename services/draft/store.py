@@ -10,7 +10,9 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   incarnation: a batch id used again; another group_size while it runs is refused (0 = unknown
   agrees with any). After it expired or was evicted, the same prompt, key and size at an epoch at
   most the largest it took is its own run's (a retry): refused (FailedPrecondition, field epoch),
-  not a new incarnation.
+  not a new incarnation. A new run at such an epoch (a scheduler restarted without epoch_file behind
+  a clock that went back) cannot be told from it with what the caller sends: the limit, and the
+  protocol change that would close it (the buffer's submit_seq), are in services/draft/README.md.
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or

@@ -169,7 +169,8 @@ def test_the_same_run_registering_an_expired_completed_group_starts_no_new_incar
         with pytest.raises(grpc.RpcError) as err:
             register(s, "g", same_run, size=1)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert err.value.details().startswith("epoch:")
+        details = err.value.details()
+        assert details is not None and details.startswith("epoch:")
         assert "g" not in store._groups
     assert register(s, "g", 4, size=1)  # another run
 

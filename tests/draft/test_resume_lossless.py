@@ -15,10 +15,14 @@ without resume, and the old rule without resume (a mutant kept in this file) mus
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import pytest
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 scipy_stats = pytest.importorskip("scipy.stats")
 
 from services.draft.index import GroupIndex  # noqa: E402

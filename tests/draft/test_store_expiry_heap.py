@@ -436,7 +436,9 @@ def test_a_heap_rebuild_collects_the_current_entries_and_reads_no_deadline(deadl
     for k in range(2 * 2000 + store_mod._EXPIRY_SLACK + 2):
         before = s._expiry
         deadline_reads.clear()
-        s.register_group("g0", "k0", [0], ttl_seconds=40 - k * 1e-3)  # earlier each time: a new entry
+        # Earlier each time (a new entry): the (fake) clock steps back, as the TTL is whole seconds.
+        clock.t = 1050 - k * 1e-3
+        s.register_group("g0", "k0", [0], ttl_seconds=40)
         if s._expiry is not before:
             reads_in_rebuild = deadline_reads["expires_at"]
             break
