@@ -102,17 +102,17 @@ def _metrics_offset(workers: int) -> int:
 _PORT_CLASH_RETRIES = 3
 
 
-def _port_is_free(port: int) -> bool:
-    """Whether a gRPC service could bind 127.0.0.1:port now (SO_REUSEADDR, as gRPC's own bind: a port
-    left in TIME_WAIT by the previous run counts as free). Only for the gRPC ports, bound on
-    127.0.0.1; the metrics ports are dual-stack: telemetry.metrics_port_is_free."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _bind_host(s: ServiceProcess) -> str | None:
+    """The host a service will bind its gRPC port on, resolved from its arguments and environment
+    as the service resolves it (--host, SEER_<SERVICE>_HOST, a --config file, else 127.0.0.1:
+    extra_args or the caller's environment may set any of them); None when that configuration
+    cannot be read (the service itself then exits naming it, reported by wait_healthy)."""
+    from services.common.config import ServiceConfig, load_field
+
+    try:
+        return str(load_field(ServiceConfig, s.section, "host", s.args, s.env))
+    except (ValueError, OSError):
+        return None
 
 
 def free_port() -> int:
@@ -144,6 +144,12 @@ class ServiceProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def section(self) -> str:
+        """The service's configuration section (SEER_<SECTION>_*): its module's name, "worker" for
+        every worker."""
+        return self.module.rsplit(".", 1)[-1]
 
     @property
     def stdout_path(self) -> Path:
@@ -488,15 +494,17 @@ class Suite:
         services failed to bind and stopped it. Free ports (base port 0) were just picked unused."""
         if not self.base_port:
             return
+        from services.common.ports import grpc_port_is_free
         from services.common.telemetry import metrics_port_is_free
 
         taken = []
         for name, s in self.services.items():
-            # Each port checked as its service binds it: gRPC on 127.0.0.1 (the services' default
-            # host), /metrics on every address, IPv6 included (a 0.0.0.0 probe missed a listener
-            # on [::1] or [::]).
-            if not _port_is_free(s.port):
-                taken.append(f"{name} port {s.port}")
+            # Each port checked as its service binds it: gRPC on its configured host (127.0.0.1 by
+            # default; a probe of 127.0.0.1 whatever the host missed a port taken on [::1] or on
+            # another interface), /metrics on every address, IPv6 included.
+            host = _bind_host(s)
+            if host is not None and not grpc_port_is_free(host, s.port):
+                taken.append(f"{name} port {s.port} (on {host})")
             if s.metrics_port and not metrics_port_is_free(s.metrics_port):
                 taken.append(f"{name} metrics port {s.metrics_port}")
         if taken:

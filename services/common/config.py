@@ -176,6 +176,40 @@ def load(
     return from_mapping(cls, values, source=section)
 
 
+def load_field(
+    cls: type,
+    section: str,
+    name: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+) -> Any:
+    """One field of cls for service `section`, resolved with `load`'s precedence (default < file <
+    environment < flag) without parsing or validating the others: for a launcher that must know a
+    value before starting the service (`seer up`: the host its gRPC port is checked on). The
+    service's other flags are left alone; the service's own `load` still refuses what is wrong."""
+    fields = _fields(cls)
+    if name not in fields:
+        raise ConfigError(f"{name}: not a field of {cls.__name__}")
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    args, _ = parser.parse_known_args(list(argv))
+    raw: Any = getattr(args, name)
+    if raw is None:
+        raw = env.get(env_name(section, name))
+    if raw is None:
+        config_file = args.config or env.get(f"SEER_{section.upper()}_CONFIG")
+        if config_file:
+            with open(config_file, encoding="utf-8") as fh:
+                data = json.load(fh)
+            if isinstance(data, dict):
+                raw = data.get(name)
+    if raw is None:
+        default = next(f for f in dataclasses.fields(cls) if f.name == name).default
+        return None if default is dataclasses.MISSING else default
+    return _parse_value(f"{section}:{name}", fields[name], raw)
+
+
 def to_env(cfg: Any, section: str) -> dict[str, str]:
     """The SEER_* environment that reproduces cfg (used by `seer up`, compose and Helm tests)."""
     out: dict[str, str] = {}

@@ -9,7 +9,6 @@ dual-stack socket on "::") where the host has IPv6, else IPv4 only (0.0.0.0).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import socket
 import threading
@@ -19,6 +18,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from services.common.ports import ipv6_unavailable, wildcard_port_is_free
 
 _lock = threading.Lock()
 _configured: str | None = None
@@ -147,15 +148,6 @@ class _DualStackServer(ThreadingWSGIServer):
         super().server_bind()
 
 
-# errno of an IPv6 socket on a host without IPv6 (ipv6.disable=1, some containers): only these fall
-# back to IPv4; any other failure (the port taken) is the bind's answer.
-_NO_IPV6 = frozenset({errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT})
-
-
-def _ipv6_unavailable(e: OSError) -> bool:
-    return not socket.has_ipv6 or e.errno in _NO_IPV6
-
-
 def _start_http_server(port: int, registry: CollectorRegistry) -> ThreadingWSGIServer:
     """prometheus_client's start_http_server, on the dual-stack server where the host allows it.
     Bound once: a separate dual-stack probe before the bind was a second socket and a race."""
@@ -164,7 +156,7 @@ def _start_http_server(port: int, registry: CollectorRegistry) -> ThreadingWSGIS
     try:
         server = make_server("::", port, app, _DualStackServer, handler_class=_QuietHandler)
     except OSError as e:
-        if not _ipv6_unavailable(e):
+        if not ipv6_unavailable(e):
             raise
         server = make_server("0.0.0.0", port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="seer-metrics", daemon=True).start()
@@ -175,19 +167,7 @@ def metrics_port_is_free(port: int) -> bool:
     """Whether start_metrics_server could bind `port` now: the same socket (dual-stack on "::", IPv4
     only where the host has no IPv6) with SO_REUSEADDR as the server's, so a listener on any one
     address (127.0.0.1 only, [::1] only) counts as taken and a port in TIME_WAIT as free."""
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                s.bind((host, port))
-        except OSError as e:
-            if family == socket.AF_INET6 and _ipv6_unavailable(e):
-                continue
-            return False
-        return True
-    return False
+    return wildcard_port_is_free(port)
 
 
 def metrics_bind_error(port: int) -> str:

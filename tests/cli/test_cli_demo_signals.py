@@ -17,8 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tests.cli.cli_helpers import pids_with, wait_for_line
+from cli_helpers import pids_with, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -217,7 +217,10 @@ def test_a_refused_cpu_list_leaves_no_temporary_directory(
     monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))  # the suite's own temporary data dir
     bad = max(up.os.sched_getaffinity(0)) + 1
     with pytest.raises(ValueError, match=f"{field}: CPU {bad} is not available"):
-        up.Suite(workers=1, base_port=0, model_dir="/x", **{field: [bad]})
+        if field == "cpu_affinity":
+            up.Suite(workers=1, base_port=0, model_dir="/x", cpu_affinity=[bad])
+        else:
+            up.Suite(workers=1, base_port=0, model_dir="/x", service_cpus=[bad])
     assert list(tmp_path.iterdir()) == []
 
 

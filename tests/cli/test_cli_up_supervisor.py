@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_helpers import pids_with, wait_for_line
 
 from services.cli import up
-from tests.cli.cli_helpers import pids_with, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from netfault import FreezingProxy
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.buffer.app import start
 from services.buffer.config import BufferConfig
 from services.common.grpcutil import CHANNEL_OPTIONS, keepalive_options
-from tests.common.netfault import FreezingProxy
 from tests.conftest import free_port
 
 

@@ -50,7 +50,7 @@ def test_a_traced_stream_can_be_cancelled_and_carries_the_trace(
     tracer = TracerProvider().get_tracer("test")
     try:
         with tracer.start_as_current_span("caller") as span:
-            call = ch.unary_stream("/t.S/Stream")(b"")
+            call = ch.unary_stream("/t.S/Stream", request_serializer=None, response_deserializer=None)(b"")
             assert next(iter(call)) == b"x"
         trace_id = format(span.get_span_context().trace_id, "032x")
         assert trace_id in seen["metadata"].get("traceparent", ""), seen["metadata"]

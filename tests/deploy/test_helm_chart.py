@@ -177,6 +177,7 @@ def test_every_env_loads_into_its_service_config(chart: Any, name: str) -> None:
     templates: toString rendered 107374182400 as 1.073741824e+11, which an int field refuses."""
     from services.common.config import load
     from services.common.server import ServiceConfig
+    from services.kvstore.config import KvStoreConfig
 
     objects = render(chart, VALUE_SETS[name])
     loaded = 0
@@ -189,6 +190,7 @@ def test_every_env_loads_into_its_service_config(chart: Any, name: str) -> None:
                for k, v in _env(obj).items()}
         cfg = load(cls, service, argv=[], env=env)
         if service == "kvstore":
+            assert isinstance(cfg, KvStoreConfig)
             claim = obj["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
             assert 2.5 * cfg.ssd_bytes <= _quantity(claim), (cfg.ssd_bytes, claim)  # README: ~2.4x under churn
         loaded += 1
@@ -362,8 +364,11 @@ def test_a_numeric_tag_fails_even_without_the_schema(chart: Any, tmp_path: Path)
     shutil.copytree(CHART, bare)
     (bare / "values.schema.json").unlink()
     with helm.Chart.load(str(bare)) as unchecked:
-        for values, needle in [({"global": {"imageTag": 20240101}}, "global.imageTag: must be a string"),
-                               ({"worker": {"image": {"tag": 1.10}}}, "worker.image.tag: must be a string")]:
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"global": {"imageTag": 20240101}}, "global.imageTag: must be a string"),
+            ({"worker": {"image": {"tag": 1.10}}}, "worker.image.tag: must be a string"),
+        ]
+        for values, needle in cases:
             with pytest.raises(helm.HelmError) as info:
                 render(unchecked, values)
             assert needle in str(info.value), str(info.value)

@@ -74,6 +74,20 @@ tokenizer (docker/Dockerfile); values.yaml's model.dir default. */}}
 {{- join "," $out -}}
 {{- end -}}
 
+{{- /* The kvstore's SSD budget (its ssd_bytes) in bytes, as a whole number: kvstore.config.ssd_bytes
+when given, else 0.4 x kvstore.persistence.size (RocksDB's files reach ~2.4x ssd_bytes under churn,
+services/kvstore/README.md). One definition for the env it is wired into (seer.env) and the checks
+against the volume and the WAL reserve (seer.validate). The root context. A given value is taken as
+it is: seer.validate refuses one that is not a whole number before using this. */ -}}
+{{- define "seer.kvSsdBytes" -}}
+{{- $kv := .Values.kvstore -}}
+{{- if hasKey $kv.config "ssd_bytes" -}}
+{{- toJson (index $kv.config "ssd_bytes") | trimAll "\"" -}}
+{{- else -}}
+{{- int64 (mulf (float64 (include "seer.quantityBytes" $kv.persistence.size)) 0.4) -}}
+{{- end -}}
+{{- end -}}
+
 {{/*
 SEER_* environment of one component: bind address and ports, the wiring the chart owns, then the
 user's `config` map (which may not override the wiring: that fails at render).
@@ -106,7 +120,7 @@ restart (a crash), not the pod; a new pod starts from the wall clock. */ -}}
 (services/kvstore/README.md), so 0.4 x persistence.size unless config.ssd_bytes says otherwise
 (seer.validate checks that one against the volume). */ -}}
 {{- if not (hasKey $svc.config "ssd_bytes") -}}
-{{- $_ := set $wired "ssd_bytes" (toString (int64 (mulf (float64 (include "seer.quantityBytes" $svc.persistence.size)) 0.4))) -}}
+{{- $_ := set $wired "ssd_bytes" (include "seer.kvSsdBytes" $root) -}}
 {{- end -}}
 {{- else if eq $c "worker" -}}
 {{- $_ := set $wired "scheduler_address" (include "seer.address" (dict "root" $root "component" "scheduler")) -}}
@@ -240,7 +254,7 @@ is not in the buffer image: the buffer would tokenize with the wrong vocabulary,
 {{- if not (regexMatch "^[0-9]+$" $raw) -}}
 {{- fail (printf "kvstore.config.ssd_bytes: a whole number of bytes (got %s; a quantity like 100Gi is the volume's unit, kvstore.persistence.size)" $raw) -}}
 {{- end -}}
-{{- $ssd := float64 $raw -}}
+{{- $ssd := float64 (include "seer.kvSsdBytes" .) -}}
 {{- $vol := float64 (include "seer.quantityBytes" $v.kvstore.persistence.size) -}}
 {{- if gt (mulf $ssd 2.5) $vol -}}
 {{- fail (printf "kvstore.config.ssd_bytes: %.0f needs a volume of about 2.5x (%.0f bytes: RocksDB's files reach ~2.4x ssd_bytes under churn, services/kvstore/README.md); kvstore.persistence.size is %s (%.0f bytes). Raise the size or leave ssd_bytes unset (0.4 x the volume)" $ssd (mulf $ssd 2.5) $v.kvstore.persistence.size $vol) -}}
@@ -259,13 +273,14 @@ when nothing is left for pages: fail at render instead, naming the value that de
 {{- $wb = int64 $rawWb -}}
 {{- end -}}
 {{- $reserve := max 33554432 (div $wb 2) -}}
+{{- $ssdBytes := int64 (include "seer.kvSsdBytes" .) -}}
 {{- if hasKey $v.kvstore.config "ssd_bytes" -}}
-{{- $given := int64 (toJson (index $v.kvstore.config "ssd_bytes") | trimAll "\"") -}}
+{{- $given := $ssdBytes -}}
 {{- if le $given $reserve -}}
 {{- fail (printf "kvstore.config.ssd_bytes: must be > %d, the RocksDB WAL cap the kvstore reserves out of it (max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d), got %d; the kvstore would refuse to start. Raise ssd_bytes or lower kvstore.config.ssd_write_buffer_bytes" $reserve $wb $given) -}}
 {{- end -}}
 {{- else -}}
-{{- $derived := int64 (mulf (float64 (include "seer.quantityBytes" $v.kvstore.persistence.size)) 0.4) -}}
+{{- $derived := $ssdBytes -}}
 {{- if le $derived $reserve -}}
 {{- fail (printf "kvstore.persistence.size: %s gives ssd_bytes %d (0.4 x the volume), not above the RocksDB WAL cap the kvstore reserves out of it (%d: max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d); the kvstore would refuse to start. Raise the size (more than 2.5 x %d bytes) or lower kvstore.config.ssd_write_buffer_bytes" $v.kvstore.persistence.size $derived $reserve $wb $reserve) -}}
 {{- end -}}

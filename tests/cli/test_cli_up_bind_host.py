@@ -1,0 +1,105 @@
+"""`seer up` checks each fixed gRPC port on the host its service will bind (--host,
+SEER_<SERVICE>_HOST, a config file; 127.0.0.1 by default). Before: it probed 127.0.0.1 whatever the
+host, so a port taken on [::1] or on another interface's address was not seen and the service failed
+after the start, with the bind error only in its log."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from services.cli import up
+from tests.common.test_telemetry import _has_ipv6_loopback
+
+needs_ipv6 = pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
+
+
+def _suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra_args: Mapping[str, Sequence[str]] | None = None,
+           env: Mapping[str, str] | None = None) -> up.Suite:
+    """A fixed-port suite (buffer and scheduler only, no metrics ports) that must start nothing."""
+    monkeypatch.setattr(up.ServiceProcess, "start", lambda *a, **k: pytest.fail("a service was started"))
+    base = up.free_port()
+    while base > 65535 - 400:
+        base = up.free_port()
+    return up.Suite(workers=0, base_port=base, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False,
+                    metrics=False, extra_args=extra_args, env=env)
+
+
+def _listen(family: socket.AddressFamily, host: str, port: int) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind((host, port))
+    sock.listen()
+    return sock
+
+
+def _start_stopped(s: up.Suite) -> None:
+    """Suite.start with its stop flag already set: past the port check it ends with SuiteInterrupted
+    before launching anything, so a port the check missed shows as that, not as a slow launch."""
+    stop = threading.Event()
+    stop.set()
+    s.start(timeout=5, stop=stop)
+
+
+@needs_ipv6
+@pytest.mark.parametrize("how", ["flag", "env", "config"])
+def test_a_port_taken_on_the_configured_ipv6_host_is_refused(
+        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer binds [::1] (set each way a service's host can be): a listener there takes its
+    port, which the old 127.0.0.1 probe called free."""
+    if how == "flag":
+        s = _suite(tmp_path, monkeypatch, extra_args={"buffer": ["--host", "[::1]"]})
+    elif how == "env":
+        s = _suite(tmp_path, monkeypatch, env={"SEER_BUFFER_HOST": "::1"})
+    else:
+        config = tmp_path / "buffer.json"
+        config.write_text(json.dumps({"host": "[::1]"}))
+        s = _suite(tmp_path, monkeypatch, extra_args={"buffer": ["--config", str(config)]})
+    port = s.services["buffer"].port
+    with _listen(socket.AF_INET6, "::1", port), \
+            pytest.raises(up.SuiteError, match=rf"base_port {s.base_port}: in use already: buffer port {port} \(on "):
+        _start_stopped(s)
+
+
+@needs_ipv6
+@pytest.mark.parametrize("host", ["[::]", "0.0.0.0"])
+def test_a_wildcard_host_counts_a_port_taken_on_any_address(
+        host: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wildcard host binds every address, dual-stack (gRPC binds [::] for both): a listener on
+    [::1] alone answers the service's IPv6 clients."""
+    s = _suite(tmp_path, monkeypatch, extra_args={"scheduler": ["--host", host]})
+    port = s.services["scheduler"].port
+    with _listen(socket.AF_INET6, "::1", port), pytest.raises(up.SuiteError, match=f"scheduler port {port}"):
+        _start_stopped(s)
+
+
+def test_a_port_taken_on_the_configured_interface_address_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer configured to bind a non-loopback address: a listener there takes its port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing address
+            address = probe.getsockname()[0]
+        except OSError:
+            pytest.skip("no non-loopback IPv4 address")
+    if address.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address")
+    s = _suite(tmp_path, monkeypatch, extra_args={"buffer": ["--host", address]})
+    port = s.services["buffer"].port
+    with _listen(socket.AF_INET, address, port), pytest.raises(up.SuiteError, match=f"buffer port {port}"):
+        _start_stopped(s)
+
+
+@needs_ipv6
+def test_the_default_host_is_checked_on_127_0_0_1_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: with the default host the service binds 127.0.0.1 only, which a listener on
+    [::1] does not take (gRPC binds it): no refusal, the start goes on (here to the stop flag)."""
+    s = _suite(tmp_path, monkeypatch)
+    with _listen(socket.AF_INET6, "::1", s.services["buffer"].port), pytest.raises(up.SuiteInterrupted):
+        _start_stopped(s)

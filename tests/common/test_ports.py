@@ -1,0 +1,101 @@
+"""services/common/ports.py: the probes answer as the real binds would (gRPC's, for the gRPC port),
+and config.load_field resolves a service's host as its own `load` does."""
+
+from __future__ import annotations
+
+import json
+import socket
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.config import ServiceConfig, load, load_field
+from services.common.ports import grpc_port_is_free
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _grpc_binds(host: str, port: int) -> bool:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=[("grpc.so_reuseport", 0)])
+    try:
+        return server.add_insecure_port(f"{host}:{port}") == port
+    except RuntimeError:  # older grpcio raises instead of returning 0
+        return False
+    finally:
+        server.stop(None).wait()
+
+
+_TAKERS = [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0")]
+_HOSTS = ["127.0.0.1", "0.0.0.0"]
+if _has_ipv6_loopback():
+    _TAKERS += [(socket.AF_INET6, "::1")]
+    _HOSTS += ["[::1]", "::1"]
+
+
+@pytest.mark.parametrize("taker", _TAKERS, ids=lambda t: t[1])
+@pytest.mark.parametrize("host", _HOSTS)
+def test_the_grpc_probe_agrees_with_grpc(taker: tuple[socket.AddressFamily, str], host: str) -> None:
+    """Where gRPC binds all it was given, the probe's answer is gRPC's own bind's (the wildcard
+    host with only [::1] taken is the one case where the probe is stricter: see the next test)."""
+    family, address = taker
+    if host == "0.0.0.0" and address == "::1":
+        pytest.skip("the stricter case")
+    port = _free_port()
+    with socket.socket(family, socket.SOCK_STREAM) as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind((address, port))
+        other.listen()
+        # ServiceConfig.host is passed to gRPC as "{host}:{port}": an unbracketed IPv6 literal is
+        # bracketed here for gRPC (the probe takes either form).
+        target = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        assert grpc_port_is_free(host, port) == _grpc_binds(target, port)
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
+def test_a_wildcard_host_counts_a_listener_on_ipv6_loopback(host: str) -> None:
+    """gRPC would bind 0.0.0.0 only, leaving [::1] clients to the other process: taken."""
+    port = _free_port()
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as other:
+        other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        other.bind(("::1", port))
+        other.listen()
+        assert not grpc_port_is_free(host, port)
+
+
+def test_an_unresolvable_host_is_not_free() -> None:
+    assert not grpc_port_is_free("no-such-host.invalid", _free_port())
+
+
+def test_load_field_resolves_the_host_as_load_does(tmp_path: Path) -> None:
+    """Precedence default < file < environment < flag; other flags (a service's own) are left alone."""
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"host": "10.0.0.1", "port": 5}))
+    argv = ["--data-dir", "/d", "--config", str(config)]
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (["--data-dir", "/d"], {}, "127.0.0.1"),
+        (argv, {}, "10.0.0.1"),
+        (argv, {"SEER_BUFFER_HOST": "::1"}, "::1"),
+        ([*argv, "--host", "[::]"], {"SEER_BUFFER_HOST": "::1"}, "[::]"),
+        (["--host=0.0.0.0"], {}, "0.0.0.0"),
+        ([], {"SEER_BUFFER_CONFIG": str(config)}, "10.0.0.1"),
+    ]
+    for given, env, want in cases:
+        assert load_field(ServiceConfig, "buffer", "host", given, env) == want, (given, env)
+        own = [a for a in given if a not in ("--data-dir", "/d")]
+        assert load(ServiceConfig, "buffer", own, env).host == want
