@@ -23,6 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 from seer.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -35,6 +36,13 @@ log = get_logger(__name__)
 
 # RegisterWorkerRequest.incarnation and HeartbeatRequest.incarnation of this worker process.
 INCARNATION = secrets.token_hex(8)
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+
+
+class Stopped(Exception):
+    """The registrar's RPC in flight was cancelled by stop()."""
 
 
 def telemetry(worker: Worker) -> scheduler_pb2.WorkerTelemetry:
@@ -101,6 +109,11 @@ class Registrar:
         # ever goes False -> True and nothing waits on it (the wait is _wake's).
         self._draining = False
         self._thread: threading.Thread | None = None
+        # The registrar thread's RPC in flight (RegisterWorker or Heartbeat), cancelled by stop():
+        # a scheduler that takes the call and never answers held the stop for the whole
+        # rpc_timeout (5 s), past the 1 s drain-notice bound. Guarded by _call_lock with _stop.
+        self._call_lock = threading.Lock()
+        self._in_flight: grpc.Future[Any] | None = None
         self.registered = threading.Event()
         self.registrations = 0
         self.heartbeats = 0
@@ -155,16 +168,40 @@ class Registrar:
             log.info("draining: told the scheduler to place no new chunk here")
         return True
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, timeout: float = 1.0) -> None:
+        """Ends the heartbeats: the RPC in flight, if any, is cancelled rather than waited for (a
+        hung scheduler never answers it), so the stop takes about nothing. Waits up to `timeout`
+        seconds for the thread (it only logs after a cancelled call; daemon, so a stuck one does
+        not hold the exit)."""
+        with self._call_lock:
+            self._stop.set()
+            in_flight = self._in_flight
         self._wake.set()
+        if in_flight is not None:
+            in_flight.cancel()
         if self._thread is not None:
-            self._thread.join(self._rpc_timeout + 1)
+            self._thread.join(timeout)
         self._channel.close()
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
+        """One RPC of the registrar's thread, as a future stop() can cancel. Raises Stopped when
+        stop() came first or cancelled it; grpc.RpcError as the blocking call does."""
+        with self._call_lock:
+            if self._stop.is_set():
+                raise Stopped()
+            future = method.future(request, timeout=self._rpc_timeout)
+            self._in_flight = future
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise Stopped() from None
+        finally:
+            with self._call_lock:
+                self._in_flight = None
 
     def _register(self) -> float:
         req = register_request(self._worker, self._address, self._max_streams)
-        resp = self._stub.RegisterWorker(req, timeout=self._rpc_timeout)
+        resp = self._call(self._stub.RegisterWorker, req)
         self.registrations += 1
         self.registered.set()
         interval = resp.heartbeat_interval_seconds if resp.heartbeat_interval_seconds > 0 else 2.0
@@ -196,7 +233,7 @@ class Registrar:
                     interval = self._register()
                     backoff = 0.2
                 else:
-                    resp = self._stub.Heartbeat(self._heartbeat_request(), timeout=self._rpc_timeout)
+                    resp = self._call(self._stub.Heartbeat, self._heartbeat_request())
                     self.heartbeats += 1
                     if not resp.known:
                         self.registered.clear()
@@ -207,6 +244,8 @@ class Registrar:
                         interval = self._register()
                         continue
                 self._wait(interval)
+            except Stopped:
+                return
             except grpc.RpcError as e:
                 log.warning("scheduler unreachable", extra=kv(code=str(e.code()), retry_s=backoff))
                 if not self._draining:

@@ -13,8 +13,6 @@ from worker_grpc import tokens_and_done
 
 from services.worker.engines.reference.engine import ReferenceEngine
 
-Stub = worker_pb2_grpc.WorkerServiceStub
-
 
 def _req(prompt: tuple[int, ...], output: list[int], **kw: Any) -> worker_pb2.RunChunkRequest:
     sampling = kw.pop("sampling", common_pb2.SamplingParams(temperature=0.0))
@@ -25,7 +23,7 @@ def _req(prompt: tuple[int, ...], output: list[int], **kw: Any) -> worker_pb2.Ru
     return worker_pb2.RunChunkRequest(**base)
 
 
-def _first_output(stub: Stub, prompt: tuple[int, ...]) -> list[int]:
+def _first_output(stub: worker_pb2_grpc.WorkerServiceStub, prompt: tuple[int, ...]) -> list[int]:
     toks, done = tokens_and_done(stub.RunChunk(_req(prompt, [], seq=0)))
     assert done.finish_reason == common_pb2.FINISH_REASON_CHUNK and len(toks) == 4
     return toks

@@ -51,7 +51,7 @@ from typing import Any
 import pytest
 
 from services.worker.core import ChunkJob, DoneEvent, TokensEvent, Worker
-from services.worker.engine import FinishReason, GenerateRequest, SamplingParams
+from services.worker.engine import FinishReason, GenerateRequest, SamplingParams, StepOutput
 from services.worker.engines.sglang import engine as sg
 from services.worker.engines.sglang import plugin
 
@@ -154,7 +154,9 @@ class _TokenizerManager:
                 return
             seer_id = (obj.sampling_params.get("custom_params") or {}).get("seer_request_id", rid)
             attempt = self.attempts[seer_id] = self.attempts.get(seer_id, 0) + 1
-            last, ids, entries, verify = obj.input_ids[-1], [], [], 0
+            last, verify = obj.input_ids[-1], 0
+            ids: list[int] = []
+            entries: list[Any] = []  # (logprob, token id, text), as output_token_logprobs
             drafts: list[Any] = []  # what the SEER plugin files per verify step (plugin.record_step)
             # Clipped without a word (scheduler.py:2710-2716); max_req_len = max_req_input_len + 5.
             limit = max(0, min(obj.sampling_params["max_new_tokens"],
@@ -311,7 +313,8 @@ def engine(model_dir: Path, tmp_path: Path) -> Iterator[sg.SGLangEngine]:
 
 def run(engine: sg.SGLangEngine, req: GenerateRequest) -> list[Any]:
     engine.add_request(req)
-    deadline, outs = time.monotonic() + 5, []
+    deadline = time.monotonic() + 5
+    outs: list[StepOutput] = []
     while time.monotonic() < deadline and not any(o.finished for o in outs):
         outs += engine.step()
     return outs
@@ -324,7 +327,8 @@ def test_a_retried_id_gets_only_its_own_tokens(engine: sg.SGLangEngine) -> None:
     time.sleep(0.15)  # attempt 1 queued 4, 5, 6; nobody stepped
     assert engine.abort("r")
     engine.add_request(req)  # attempt 2 of the same id
-    deadline, toks = time.monotonic() + 5, []
+    deadline = time.monotonic() + 5
+    toks: list[int] = []
     while time.monotonic() < deadline and len(toks) < 3:
         toks += [t for o in engine.step() for t in o.token_ids]
     assert toks == [50, 51, 52]
@@ -356,7 +360,8 @@ def test_a_retry_runs_while_sglang_still_holds_the_aborted_attempt(engine: sg.SG
     time.sleep(0.05)
     assert engine.abort("r")
     engine.add_request(req)  # at once: the first attempt's stream has not ended yet
-    deadline, outs = time.monotonic() + 5, []
+    deadline = time.monotonic() + 5
+    outs: list[StepOutput] = []
     while time.monotonic() < deadline and not any(o.finished for o in outs):
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == [50, 51, 52]
@@ -418,7 +423,8 @@ def test_weights_from_another_source_get_their_own_pages(engine: sg.SGLangEngine
 def test_a_stream_that_ends_without_a_finish_reason_ends_the_request(engine: sg.SGLangEngine) -> None:
     engine._sgl.tokenizer_manager.cut_after = 2
     engine.add_request(GenerateRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=5, sampling=GREEDY))
-    deadline, outs = time.monotonic() + 5, []
+    deadline = time.monotonic() + 5
+    outs: list[StepOutput] = []
     while time.monotonic() < deadline and not any(o.finished for o in outs):
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == [4, 5]
@@ -611,7 +617,8 @@ def test_an_abort_does_not_reach_a_retry_whose_sglang_id_it_prefixes(
         time.sleep(0.005)
     assert engine.abort("r")
     engine.add_request(req)  # the retry reaches SGLang before the abort reaches its scheduler
-    deadline, outs = time.monotonic() + 5, []
+    deadline = time.monotonic() + 5
+    outs: list[StepOutput] = []
     while time.monotonic() < deadline and not any(o.finished for o in outs):
         outs += engine.step()
     assert outs and outs[-1].finish_reason == FinishReason.LENGTH

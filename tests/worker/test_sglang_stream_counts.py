@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from test_sglang_api import SRT, TM, Wheel, wheel_path
+from test_sglang_worker_order import DEPTH, A, _Req, _Scheduler, worker  # noqa: F401
 
 from services.worker.engines.sglang.engine import stream_delta
-from tests.worker.test_sglang_api import SRT, TM, Wheel, wheel_path
-from tests.worker.test_sglang_worker_order import DEPTH, A, _Req, _Scheduler, worker  # noqa: F401
 
 STREAMER = f"{SRT}.managers.scheduler_components.output_streamer"
 

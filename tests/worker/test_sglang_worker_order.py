@@ -93,6 +93,9 @@ class _NGRAMWorker:
     def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
         self.verified_on.append("base")
 
+    def _prepare_draft_tokens(self, batch: Any) -> Any:
+        raise NotImplementedError  # the n-gram corpus's drafts: SeerDraftWorker replaces it
+
     def _update_ngram_corpus(self, batch: Any) -> None:
         pass
 
@@ -335,3 +338,20 @@ def test_the_planner_is_told_the_depth_of_the_block_verified_not_of_the_raw_draf
     planner: _Planner = worker.seer_planner
     assert planner.observed[-1] == ([1, 0, 0], [1, 0, 0])
     assert worker.seer_blocks[A].real == 1
+
+
+def test_an_ungrouped_request_files_no_draft_list(worker: Any) -> None:
+    """Found by review: the prefill filed its None entry (open_step_info) for every request, so an
+    ungrouped one (no group: never drafted for) carried SEER's key in each of its outputs, and each
+    verify step filed (0, 0) for it. Only grouped requests get the list; a grouped one beside it
+    keeps its own."""
+    s = _Scheduler(worker)
+    a, u = _Req(A, max_new_tokens=40), _Req(C, max_new_tokens=40)
+    u.sampling_params = types.SimpleNamespace(custom_params=plugin.custom_params("", "", 0, False))
+    s.prefill(a)
+    s.prefill(u)
+    assert u.customized_info is None
+    s.decode({A: 1})
+    s.decode({A: 2})
+    assert u.customized_info is None and len(u.output_ids) == 3
+    assert a.customized_info[plugin.DRAFT_INFO_KEY] == [None, (3, 1), None, (3, 2), None, None]

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 from seer.v1 import scheduler_pb2, scheduler_pb2_grpc
+from test_worker_draining import registered_with
 
 import services.worker.__main__ as worker_main
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.registration import Registrar
-from tests.worker.test_worker_draining import registered_with
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
 

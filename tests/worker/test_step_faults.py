@@ -229,7 +229,12 @@ def test_broken_engine_still_fails_every_chunk(ref_engine: ReferenceEngine, prom
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step fails whatever runs: each chunk fails (after a bounded number of tries), none hangs."""
     calls: list[int] = []
-    w, heard = faulty_worker(monkeypatch, ref_engine, lambda seqs: calls.append(1) or True)
+
+    def always(seqs: list[Any]) -> bool:
+        calls.append(1)
+        return True
+
+    w, heard = faulty_worker(monkeypatch, ref_engine, always)
     try:
         handles = submit_together(w, jobs_for(prompts))
         for h in handles:

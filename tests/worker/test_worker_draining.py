@@ -15,10 +15,10 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -26,7 +26,7 @@ from seer.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 
 from services.common.server import RunningServer, ServiceConfig, start_server
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.links import Stream, WorkerLink
+from services.scheduler.links import BufferLink, Stream, WorkerLink
 from services.scheduler.server import add_to_server
 from services.scheduler.service import Dispatcher
 from services.worker.core import Worker
@@ -68,7 +68,9 @@ def _dispatcher(chunk_size: int, commit_timeout: float) -> Iterator[tuple[Dispat
     d = Dispatcher(SchedulerConfig(port=0, buffer_address=FakeBuffer.address, policy="divided",
                                    chunk_size=chunk_size, heartbeat_interval=HEARTBEAT_S,
                                    commit_timeout=commit_timeout),
-                   buffer_link=buffer, worker_link=links)
+                   # FakeBuffer has BufferLink's surface but is no subclass, and the Dispatcher
+                   # types its factory by the concrete class (a Protocol there would need no cast).
+                   buffer_link=cast("Callable[[str], BufferLink]", buffer), worker_link=links)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     add_to_server(d, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.core import ChunkFinish, ChunkJob, Worker
+from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, Worker
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 from services.worker.model.loader import load_state_dict
@@ -94,7 +94,7 @@ def test_an_abort_during_admission_ends_the_chunk_before_it_runs(
     job = ChunkJob(request_id="r", prompt_token_ids=prompt, max_new_tokens=4, max_tokens=64,
                    sampling=SamplingParams(temperature=0.0, ignore_eos=True), policy_version=0, fetch_kv=True,
                    dispatch_epoch=5)
-    out: dict[str, object] = {}
+    out: dict[str, tuple[list[int], list[float], DoneEvent]] = {}
     t = threading.Thread(target=lambda: out.setdefault("run", w.run(job)))
     try:
         t.start()
@@ -104,7 +104,7 @@ def test_an_abort_during_admission_ends_the_chunk_before_it_runs(
         assert w.abort("r", dispatch_epoch=abort_epoch) is aborted
         pool.go.set()
         t.join(60)
-        tokens, _logprobs, done = out["run"]  # type: ignore[misc]
+        tokens, _logprobs, done = out["run"]
         assert done.finish == (ChunkFinish.ABORTED if aborted else ChunkFinish.CHUNK)
         assert len(tokens) == (0 if aborted else 4)
     finally:

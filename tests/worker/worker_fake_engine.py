@@ -89,9 +89,9 @@ class FakeEngine(Engine):
         drafts = dict(drafts or {})
         # Every draft checked before anything changes: Engine.step's contract is that a refused
         # step (ValueError) leaves every request as it was.
-        for rid, d in drafts.items():
+        for rid, checked in drafts.items():
             if rid in self._seqs:
-                d.validate(self._vocab)
+                checked.validate(self._vocab)
         self.steps += 1
         self.seen_drafts.append(drafts)
         outs: list[StepOutput] = []
@@ -201,7 +201,8 @@ class FakePool:
         k, self.partial_next = (len(pages.pages) if self.partial_next is None else self.partial_next), None
         hashes, data = pages.page_hashes[:k], pages.pages[:k]
         new = sum(h not in self.stored for h in hashes)
-        self.stored.update(zip(hashes, data, strict=True))
+        # A copy of each page, as a store holds: the engine's exported views may be reused.
+        self.stored.update((h, bytes(page)) for h, page in zip(hashes, data, strict=True))
         f.set_result(PutResult(stored=new, claimed=k - new, first_unstored=k if k < len(pages.pages) else None))
         return f
 

@@ -283,9 +283,10 @@ def stream_delta(out: Mapping[str, Any], reported: int) -> StreamDelta:
     fr = meta.get("finish_reason")
     reason = _FINISH.get(str(fr.get("type", "")), FinishReason.STOP) if isinstance(fr, dict) else None
     drafts = meta.get(plugin.DRAFT_INFO_KEY) or []
-    # A shorter list (or none) only without SEER's worker: open_step_info files the list before
-    # the prefill's token is streamed, so every output carries its value. The values present are
-    # the newest tokens'.
+    # A shorter list (or none) only without SEER's worker or for an ungrouped request (never
+    # drafted for, so it has no list): open_step_info files a grouped request's list before the
+    # prefill's token is streamed, so every output carries its value. The values present are the
+    # newest tokens'.
     mine = list(drafts[len(drafts) - min(fresh, len(drafts)):]) if fresh else []
     accepted, proposed = plugin.draft_totals(mine)
     return StreamDelta(new, [float(e[0]) for e in lps], reason, total, accepted, proposed)

@@ -142,12 +142,18 @@ def open_step_info(req: Any) -> None:
     (output_streamer.py:688), so a list first filed at the first verify step missed the outputs
     before it on the tokenizer side, and with incremental_streaming_output, which slices the
     accumulated list by token offset, every later chunk's values were shifted off their tokens.
-    An extra None (a prefill chunk adds no token) is overwritten by the next record_step."""
+    An extra None (a prefill chunk adds no token) is overwritten by the next record_step. For
+    grouped requests only, as record_step: an ungrouped one has no drafts and no list."""
     info = getattr(req, "customized_info", None)
     if info is None:
         info = req.customized_info = {}
     values = info.setdefault(DRAFT_INFO_KEY, [])
     values.extend([None] * (len(req.output_ids) + 1 - len(values)))
+
+
+def _grouped(req: Any) -> bool:
+    """Whether SEER drafts for an SGLang request (its custom_params name a group)."""
+    return bool(request_meta(getattr(req.sampling_params, "custom_params", None)).group_id)
 
 
 def draft_totals(values: Sequence[Any] | None) -> tuple[int, int]:
@@ -418,7 +424,10 @@ def _worker_class() -> type:
             self._seer_departures(batch)
             if not batch.forward_mode.is_decode():
                 for req in batch.reqs:  # prefill (extend): before its token is streamed
-                    open_step_info(req)
+                    # Grouped requests only: an ungrouped one is never drafted for, so a list of
+                    # Nones and (0, 0)s only added a key to each of its outputs (no drafts either way).
+                    if _grouped(req):
+                        open_step_info(req)
             self.seer_result = None
             result = super().forward_batch_generation(batch, on_publish=on_publish, pp_proxy_tensors=pp_proxy_tensors)
             self.seer_result = result
@@ -549,7 +558,9 @@ def _worker_class() -> type:
                 for req, n, k in zip(self.seer_step_reqs, counts, real_accepted, strict=True):
                     # As SGLang counts spec_verify_ct: not for a retracted or finished request
                     # (batch_result_processor.py:819-835); the step appends n + 1 tokens (accept_lens).
-                    if getattr(req, "is_retracted", False) or req.finished():
+                    # Not for an ungrouped request either (never drafted for: see open_step_info's
+                    # caller); a list first filed here would also miss its earlier outputs.
+                    if getattr(req, "is_retracted", False) or req.finished() or not _grouped(req):
                         continue
                     block = self.seer_blocks.get(req.rid)
                     real = block.real if block is not None else 0
