@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,7 +338,7 @@ class BufferCore:
         # batch id -> open result readers (iter_results): retention keeps these batches until the
         # last reader is gone, so a slow reader is never cut off in the middle of its batch.
         self._readers: dict[str, int] = {}
-        # Reads of the store in progress outside _lock (_reading, or _start_read_locked/_end_read);
+        # Reads of the store in progress outside _lock (_reading, or _start_read_locked);
         # close() waits for them.
         self._store_reads = 0
         # batch id -> (results it had, its submit_seq), of batches retention deleted; oldest
@@ -435,19 +435,21 @@ class BufferCore:
     def _reading(self) -> Iterator[None]:
         """A read of the store outside _lock (a long scan that would stall every commit under it):
         the store stays open until it ends (close() waits). For callers not holding _lock; one that
-        holds it (to take its view under it) uses _start_read_locked and _end_read instead."""
-        with self._lock:
-            self._start_read_locked()
-        try:
+        holds it (to take its view under it) uses _start_read_locked instead."""
+        with contextlib.ExitStack() as reading:
+            with self._lock:
+                self._start_read_locked(reading)
             yield
-        finally:
-            self._end_read()
 
-    def _start_read_locked(self) -> None:
-        """Starts a read of the store outside _lock; the caller holds _lock and calls _end_read once
-        the read is over, however it ends. Unavailable once close() began: no read starts then."""
+    def _start_read_locked(self, reading: contextlib.ExitStack) -> None:
+        """Starts a read of the store outside _lock; the caller holds _lock. The read's end is
+        registered on `reading` here, in the same call as its start, so no caller can forget it:
+        it ends when that ExitStack closes, however it closes. Callbacks the caller registers
+        after this one (releasing a view, closing a scan) run before it, so before close().
+        Unavailable once close() began: no read starts then."""
         self._check_open()
         self._store_reads += 1
+        reading.callback(self._end_read)
 
     def _end_read(self) -> None:
         with self._cond:
@@ -1041,8 +1043,7 @@ class BufferCore:
                 # here: consistent with the batch record just read whatever a retention delete or
                 # a resubmission of the id does meanwhile. The store stays open until the read ends
                 # (close() waits for _end_read).
-                self._start_read_locked()
-                reading.callback(self._end_read)
+                self._start_read_locked(reading)
                 if sized:
                     view = self._store.view()
                     reading.callback(view.release)  # before _end_read, so before close()
@@ -1085,7 +1086,7 @@ class BufferCore:
 
     def iter_results(self, batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
                      poll_seconds: float = 0.5, submission_id: int = 0
-                     ) -> Iterator[tuple[int, RolloutResult]]:
+                     ) -> Generator[tuple[int, RolloutResult], None, None]:
         """Results from cursor on, waiting for new ones, until the batch is complete or cancelled.
 
         submission_id: the submission the cursor belongs to (0 = the current one, see
@@ -1126,8 +1127,7 @@ class BufferCore:
                 b = self._batch(batch_id).copy()
                 records: Iterator[tuple[bytes, bytes]] = iter(())
                 if include_requests:
-                    self._start_read_locked()  # close() waits for _end_read: the store stays open
-                    reading.callback(self._end_read)
+                    self._start_read_locked(reading)  # close() waits for _end_read: the store stays open
                     # The scan is created here, under the lock: Store.scan creates its RocksDB
                     # iterator, and with it the view it reads, at the call; nothing is read yet.
                     # So every record it yields, the first included, is the store as of now,

@@ -171,7 +171,8 @@ def test_feed_batches_keep_order_and_limits() -> None:
     items = [item(f"i{k}", n) for k, n in enumerate([3, 3, 3, 9, 1, 1, 1, 1, 1])]
     cut = [[it.name for it in b] for b in batches(items, max_items=3, max_tokens=6)]
     assert cut == [["i0", "i1"], ["i2"], ["i3"], ["i4", "i5", "i6"], ["i7", "i8"]]
-    events = [Added(items[0]), Added(items[1]), Cancelled("x"), Added(items[4]), Cancelled("y")]
+    events: list[Added | Cancelled] = [Added(items[0]), Added(items[1]), Cancelled("x"), Added(items[4]),
+                                       Cancelled("y")]
     msgs = [m.request_id if isinstance(m, Cancelled) else [it.name for it in m] for m in coalesce(events)]
     assert msgs == [["i0", "i1"], "x", ["i4"], "y"]
 

@@ -18,7 +18,7 @@ from buffer_helpers import (
     submit,
     token_for,
 )
-from seer.v1 import rollout_pb2
+from seer.v1 import buffer_pb2, rollout_pb2
 
 
 def test_watch_snapshot_then_live_events(buf: BufferHandle) -> None:
@@ -27,7 +27,7 @@ def test_watch_snapshot_then_live_events(buf: BufferHandle) -> None:
     watchers = [Watcher(buf.internal, "a"), Watcher(buf.internal, "b")]
     try:
         for w in watchers:
-            snap = {}
+            snap: dict[str, buffer_pb2.WorkItem] = {}
             ev = w.next()
             assert ev.HasField("policy") and ev.policy.version == 0  # the snapshot opens with it
             ev = w.next()

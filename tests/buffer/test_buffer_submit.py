@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ def test_seed_scope_reproduces_samples_across_batch_ids(buf: BufferHandle) -> No
     assert submit(buf.rollout, "arm-c", [seeded], seed_scope="arm-c").already_submitted
     # A bad scope names the field, and nothing is stored.
     for bad in ("a/b", "x" * 129, "rep-0\n"):
-        expect_error(lambda bad=bad: submit(buf.rollout, "arm-d", [seeded], seed_scope=bad), IA, "seed_scope")
+        expect_error(functools.partial(submit, buf.rollout, "arm-d", [seeded], seed_scope=bad), IA, "seed_scope")
     expect_error(lambda: buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="arm-d")),
                  grpc.StatusCode.NOT_FOUND, "batch_id")
 

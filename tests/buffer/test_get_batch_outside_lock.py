@@ -5,17 +5,15 @@ instead of closing RocksDB under it."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from services.buffer.core import BatchStatus, BufferCore, Commit
 from services.buffer.model import ModelInfo
 from services.buffer.records import FinishReason, GroupSpec, RequestState, Sampling
-from services.buffer.store import Store
+from services.buffer.store import Scan, Store
 
 
 def _core(tmp_path: Path) -> BufferCore:
@@ -26,32 +24,44 @@ def _core(tmp_path: Path) -> BufferCore:
     return core
 
 
-def _pausing_scan(core: BufferCore, at: int, started: threading.Event, release: threading.Event
-                  ) -> Callable[..., Iterator[tuple[bytes, bytes]]]:
-    """Store.scan that waits for `release` before the real scan's step number `at` (0: before its
-    first step, the seek included). The real scan is created by the call, as the core's is; what
-    it creates then and what at its first step is Store.scan's own: a scan whose RocksDB iterator
-    (and view) came at its first step would make that step after the pause, and show the writes
-    made during it."""
+class _PausingScan(Scan):
+    """The real Scan Store.scan made, waiting for `release` before its step number `at` (0: before
+    its first step, the seek included). It wraps that scan rather than being one: the RocksDB
+    iterator (and view) is the real scan's, created by Store.scan's call as the core's is, and its
+    first step is Store.scan's own: a scan whose iterator came at its first step would make that
+    step after the pause, and show the writes made during it."""
+
+    def __init__(self, inner: Scan, at: int, started: threading.Event, release: threading.Event) -> None:
+        # Scan.__init__ is not called: every step and the close go to `inner`, none to own state.
+        self._inner = inner
+        self._at = at
+        self._step = 0
+        self._started = started
+        self._release = release
+
+    def __next__(self) -> tuple[bytes, bytes]:
+        if self._step == self._at:
+            self._started.set()
+            self._release.wait(10)
+        self._step += 1
+        return next(self._inner)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class _ScanFn(Protocol):
+    """Store.scan's signature (its `start` has a default)."""
+
+    def __call__(self, prefix: bytes, start: bytes | None = None) -> Scan: ...
+
+
+def _pausing_scan(core: BufferCore, at: int, started: threading.Event, release: threading.Event) -> _ScanFn:
+    """Store.scan whose scans are _PausingScan(real scan, at, started, release)."""
     real = core._store.scan
 
-    def scan(*a: Any, **kw: Any) -> Iterator[tuple[bytes, bytes]]:
-        inner = real(*a, **kw)
-
-        def steps() -> Iterator[tuple[bytes, bytes]]:
-            try:
-                for i in itertools.count():
-                    if i == at:
-                        started.set()
-                        release.wait(10)
-                    item = next(inner, None)
-                    if item is None:
-                        return
-                    yield item
-            finally:
-                inner.close()
-
-        return steps()
+    def scan(prefix: bytes, start: bytes | None = None) -> Scan:
+        return _PausingScan(real(prefix, start), at, started, release)
 
     return scan
 

@@ -35,7 +35,10 @@ def test_every_allowed_index_keeps_key_order_numeric() -> None:
     by_key = sorted(pairs, key=lambda p: keys.request_key("b", *p))
     assert by_key == sorted(pairs)
     assert sorted(groups, key=lambda g: keys.group_key("b", g)) == groups
-    chunks = sorted(pairs, key=lambda p: keys.chunk_key("b", *p, 0))
-    assert chunks == sorted(pairs)
+    # Chunk keys add the chunk's seq (8 digits) after the same two indexes: every (group, sample,
+    # seq) triple sorts numerically, a request's chunks in seq order (a restart replays them so).
+    seqs = [0, 1, 9, 10, 99_999, 100_000]
+    triples = [(g, s, q) for g, s in pairs for q in seqs]
+    assert sorted(triples, key=lambda t: keys.chunk_key("b", t[0], t[1], t[2])) == sorted(triples)
     # The first index the bound keeps out would sort among the 100,000s.
     assert keys.request_key("b", 1_000_000, 0) < keys.request_key("b", 999_999, 0)

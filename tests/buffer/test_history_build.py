@@ -16,7 +16,7 @@ import pytest
 from services.buffer.core import BufferCore, Commit, CommitOutcome, SubmitOutcome
 from services.buffer.model import ModelInfo
 from services.buffer.records import BatchState, FinishReason, GroupSpec
-from services.buffer.store import Store
+from services.buffer.store import Scan, Store
 
 STOP, CHUNK = FinishReason.STOP, FinishReason.CHUNK
 WAIT = 5.0  # seconds; only ever waited out when the behaviour under test is broken
@@ -31,7 +31,7 @@ class GatedStore(Store):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Scan:
         if prefix == self.gate:
             self.entered.set()
             self.release.wait(WAIT * 2)

@@ -11,17 +11,19 @@ flaky; and that the work items built ahead still carry the version and submissio
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from buffer_helpers import BufferHandle, Watcher, group, submit
+from seer.v1 import buffer_pb2
 
 import services.buffer.core as core_mod
-from services.buffer.core import BufferCore
+from services.buffer.core import BufferCore, WorkItem, _Live
 from services.buffer.events import Added
 from services.buffer.model import ModelInfo
-from services.buffer.records import GroupSpec, Sampling
+from services.buffer.records import GroupRecord, GroupSpec, Sampling
 from services.buffer.store import Store
 
 
@@ -64,7 +66,7 @@ def test_submit_builds_records_and_work_items_outside_the_core_lock(
         assert sorted({name for name, _ in held}) == ["WorkItem", "derive_seed"]
         assert [name for name, owned in held if owned] == [], held
         # The watcher got each request once, with the batch's version and submission.
-        got = []
+        got: list[buffer_pb2.WorkItem] = []
         while len(got) < 7:
             ev = watcher.next()
             assert ev.HasField("added"), ev
@@ -83,19 +85,20 @@ def test_work_items_are_rebuilt_when_the_version_changed_while_they_were_built(t
     try:
         _snap, sub = core.watch("w")
         real = core._new_work_items
-        calls = []
+        calls: list[int] = []  # the version of each build
 
-        def racing(*a: Any) -> Any:
+        def racing(groups: list[GroupRecord], lives: list[_Live], version: int, submit_seq: int,
+                   trace_context: Mapping[str, str]) -> list[WorkItem]:
             if not calls:
                 core.update_weights(1, "", None)  # lands before the submission takes the lock
-            calls.append(a)
-            return real(*a)
+            calls.append(version)
+            return real(groups, lives, version, submit_seq, trace_context)
 
         core._new_work_items = racing  # type: ignore[method-assign]
         spec = GroupSpec(prompt_key="p", prompt_token_ids=(1, 2, 3), group_size=2, max_tokens=4,
                          sampling=Sampling(temperature=1.0))
         out = core.submit_batch("b1", [spec])
-        assert out.policy_version == 1 and len(calls) == 2
+        assert out.policy_version == 1 and calls == [0, 1]  # built at 0, rebuilt at the new version
         events = sub.take(100, 1.0)
         assert [e.item.request_id for e in events if isinstance(e, Added)] == ["b1/0/0", "b1/0/1"]
         assert {(e.item.policy_version, e.item.submit_seq) for e in events if isinstance(e, Added)} == {

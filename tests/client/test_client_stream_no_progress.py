@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Generator
 
 from client_helpers import Buffer
 from seer_client import PromptGroup, SeerClient, SeerError
 
+from services.buffer.records import RolloutResult
 from services.common.errors import Unavailable
 
 
@@ -20,7 +20,9 @@ def test_streams_accepted_then_failed_every_time_end_in_an_error(buffer: Buffer)
         assert buffer.core is not None
         opened: list[float] = []
 
-        def failing(batch_id: str, cursor: int = 0, *args: Any, **kw: Any) -> Iterator[Any]:
+        def failing(batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
+                    poll_seconds: float = 0.5, submission_id: int = 0
+                    ) -> Generator[tuple[int, RolloutResult], None, None]:
             # The real server accepts the stream (headers sent), then its read fails a moment later
             # with UNAVAILABLE, every time (e.g. a store that fails reads while the server runs).
             opened.append(time.monotonic())

@@ -97,6 +97,7 @@ def test_iter_results_timeout_ends_a_stream_without_results(buffer: Buffer) -> N
         with pytest.raises(SeerTimeout) as e:
             got.extend(r.request_id for r in client.iter_results("t", timeout=0.5))
         assert got == ["t/0/0"] and 0.4 < time.monotonic() - t0 < 3
-        assert isinstance(e.value, TimeoutError) and isinstance(e.value, SeerError)
-        assert e.value.code == "DEADLINE_EXCEEDED"
+        err = e.value
+        assert isinstance(err, TimeoutError)  # before the SeerError check, which narrows further
+        assert isinstance(err, SeerError) and err.code == "DEADLINE_EXCEEDED"
         assert client.get_batch("t").state == "running"  # the client does not cancel on its own

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.worker.engines.reference import ReferenceEngine
-from tests.engine.device import DEVICE
+
+from .device import DEVICE
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",

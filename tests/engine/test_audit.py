@@ -12,13 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from services.worker import adaptive
 from services.worker.adaptive import AdaptiveSpeculation, StepTimeTable, load_table
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
+from services.worker.engines.reference.model_runner import DraftTree
+from services.worker.engines.reference.sequence import Sequence
 from services.worker.engines.sglang.drafts import PAD_TOKEN, from_sglang, pack_batch, to_sglang
-from tests.engine.device import DEVICE
+
+from .device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -156,8 +160,9 @@ def test_pages_balance_under_aborts_drafts_and_failed_steps(model_dir: Path) -> 
                     drafts[rid] = Draft(tuple(toks), (-1, -1, *range(1, len(toks) - 1)))
             fail = rng.random() < 0.1
 
-            def run(*a: object, _fail: bool = fail, **k: object) -> object:
-                res = real_run(*a, **k)  # type: ignore[arg-type]
+            def run(seqs: list[Sequence], trees: list[DraftTree | None], _fail: bool = fail
+                    ) -> tuple[torch.Tensor, list[int]]:
+                res = real_run(seqs, trees)
                 if _fail:
                     raise RuntimeError("injected")  # after the forward pass wrote its KV
                 return res

@@ -9,7 +9,8 @@ import pytest
 
 from services.worker.engine import Draft, FinishReason, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
-from tests.engine.device import DEVICE
+
+from .device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer
 
 from services.worker.engine import GenerateRequest, KVPages, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
-from tests.engine.conftest import chat
-from tests.engine.device import DEVICE
+
+from .conftest import chat
+from .device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -47,7 +48,7 @@ def test_export_from_start_page_reads_only_new_pages(engine: ReferenceEngine, to
     read: list[int] = []
     real_read = engine.runner.read_pages
 
-    def counting_read(pages: list[int]) -> list[bytes]:
+    def counting_read(pages: list[int]) -> list[memoryview]:
         read.append(len(pages))
         return real_read(pages)
 

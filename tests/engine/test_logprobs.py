@@ -16,7 +16,8 @@ import torch
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
 from services.worker.engines.reference.sampler import token_logprobs
-from tests.engine.device import DEVICE
+
+from .device import DEVICE
 
 N = 8
 ATOL = 2e-3  # HF vs our kernels in float32: logits agree to ~1e-5; the old semantics missed by 0.1-1
@@ -33,7 +34,10 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 def hf(model_dir: Path) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(DEVICE)
+    # Typed as the nn.Module it is used as: transformers' own `to` is typed (functools.wraps) as
+    # the unbound torch.nn.Module.to, so mypy took the device for `self`.
+    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = model.to(DEVICE)
     model.eval()
     return model
 

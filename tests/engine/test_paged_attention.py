@@ -22,7 +22,8 @@ from services.worker.engines.reference.kernels.attention import (
 )
 from services.worker.engines.reference.model_runner import MASK_ALIGN, DraftTree
 from services.worker.engines.reference.sequence import Sequence
-from tests.engine.device import needs_kernel
+
+from .device import needs_kernel
 
 
 @needs_kernel

@@ -8,7 +8,8 @@ import torch
 
 from services.worker.engine import GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
-from tests.engine.device import DEVICE
+
+from .device import DEVICE
 
 # 64 new tokens on 5 prompts in float32, as the issue asks.
 
@@ -21,7 +22,10 @@ def hf_greedy_check(model_dir: Path, prompts: list[tuple[int, ...]], outputs: li
     exactly our tokens (induction over positions)."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(DEVICE)
+    # Typed as the nn.Module it is used as: transformers' own `to` is typed (functools.wraps) as
+    # the unbound torch.nn.Module.to, so mypy took the device for `self`.
+    model: torch.nn.Module = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = model.to(DEVICE)
     model.eval()
     out = []
     with torch.inference_mode():

@@ -17,7 +17,8 @@ from tokenizers import Tokenizer
 
 from services.worker.engine import GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
-from tests.engine.conftest import chat
+
+from .conftest import chat
 
 TEXTS = [
     "Write a short story about a robot who learns to paint.",

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from services.worker.engines.reference.model import rms_norm
-from tests.engine.device import DEVICE
+
+from .device import DEVICE
 
 
 def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

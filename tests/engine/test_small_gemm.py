@@ -16,7 +16,8 @@ from services.worker.engines.reference.kernels.linear import (
     small_gemm_enabled,
     small_gemm_error,
 )
-from tests.engine.device import needs_kernel
+
+from .device import needs_kernel
 
 
 @needs_kernel

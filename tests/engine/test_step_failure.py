@@ -14,8 +14,9 @@ from tokenizers import Tokenizer
 
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
 from services.worker.engines.reference import ReferenceEngine
-from tests.engine.conftest import chat
-from tests.engine.device import DEVICE
+
+from .conftest import chat
+from .device import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 NEW = 10  # tokens per request

@@ -28,7 +28,8 @@ from scipy.stats import binomtest
 
 from services.worker.engine import SamplingParams
 from services.worker.engines.reference.verifier import Verifier
-from tests.engine.verifier_cases import (
+
+from .verifier_cases import (
     MUTANTS,
     POSITION,
     Case,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -360,7 +360,7 @@ class SeerClient:
                             int(resp.submission_id))
 
     def iter_results(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None,
-                     submission_id: int = 0) -> Iterator[RolloutResult]:
+                     submission_id: int = 0) -> Generator[RolloutResult, None, None]:
         """Finished responses in completion order, from `cursor` on, until the batch is done.
 
         Survives dropped streams and buffer restarts: it reconnects and resumes from the cursor of the
@@ -381,6 +381,9 @@ class SeerClient:
         stream passes it: a batch id deleted by retention and submitted again in between is
         FAILED_PRECONDITION naming submission_id (a SeerError), never a resume into the other
         submission's results at this cursor.
+
+        A generator: close() it to end the stream at once when stopping before the batch is done
+        (the buffer holds a stream slot and keeps the batch from retention while it is open).
         """
         # Checked here, not in the generator (its body runs only at the first next()): the call
         # with a bad argument is where the error belongs.
@@ -388,7 +391,7 @@ class SeerClient:
                                   _results_timeout(timeout), _int(submission_id, "submission_id", _UINT64))
 
     def _iter_results(self, batch_id: str, cursor: int, timeout: float | None,
-                      submission_id: int) -> Iterator[RolloutResult]:
+                      submission_id: int) -> Generator[RolloutResult, None, None]:
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.05
         # The retry window: seconds spent failing since the last new result (closed spells) plus
