@@ -143,10 +143,11 @@ def test_repeat_chunk_stats_offences_need_longer_sane_periods(
                 n += 1
             needed.append(n)
     assert needed == [3, 6, 12, 20, 20]
-    lines = [r for r in caplog.records if r.getMessage() == "worker quarantined"]
-    assert len(lines) == 5 and all(r.fields["worker_id"] == "liar" for r in lines)
-    assert [r.fields["offences"] for r in lines] == [1, 2, 3, 4, 5]
-    assert [r.fields["sane_reports_needed"] for r in lines] == [3, 6, 12, 20, 20]
+    # The structured fields of each line (log.kv puts them in the record's `fields`).
+    lines = [vars(r)["fields"] for r in caplog.records if r.getMessage() == "worker quarantined"]
+    assert len(lines) == 5 and all(f["worker_id"] == "liar" for f in lines)
+    assert [f["offences"] for f in lines] == [1, 2, 3, 4, 5]
+    assert [f["sane_reports_needed"] for f in lines] == [3, 6, 12, 20, 20]
 
 
 def test_offences_decay_after_a_long_clean_period(clock: FakeClock) -> None:

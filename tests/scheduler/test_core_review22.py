@@ -24,7 +24,7 @@ def test_the_baseline_keeps_nothing_per_finished_request(clock: FakeClock) -> No
             core.on_chunk_done(d.request_id, d.worker_id, 50, finished=True)
     assert core.pending_count() == 0 and core.in_flight_count() == 0
     # Was one entry per request ever enqueued (800 here), for the scheduler's life.
-    assert core._subs == {} and len(core._paused_q.items) == 0
+    assert core._starvation._subs == {} and len(core._paused_q.items) == 0
 
 
 def test_a_group_cut_by_cancellation_leaves_no_history(clock: FakeClock) -> None:

@@ -85,7 +85,7 @@ def test_a_hold_is_released_when_the_later_submission_ends(clock: FakeClock) -> 
     assert held(core) == {"w0": ("big", 29)}
     for rid, wid in running:
         core.on_chunk_done(rid, wid, 64, finished=True)
-    assert SMALL_SUBMISSION not in core._subs
+    assert SMALL_SUBMISSION not in core._starvation._subs
     assert held(core) == {}
     assert [d.request_id for d in core.next_dispatches()] == ["big"]
     assert core.stats()["starvation_dispatches"] == 0  # by the priority order
@@ -106,7 +106,7 @@ def test_a_deferred_head_does_not_let_its_submissions_age_queue_grow(clock: Fake
         for d in inflight:
             core.on_chunk_done(d.request_id, d.worker_id, d.max_new_tokens, finished=False)
         inflight = core.next_dispatches()
-        peak = max(peak, len(core._subs[7].waiting.items))
+        peak = max(peak, len(core._starvation._subs[7].waiting.items))
     assert "short" not in {d.request_id for d in inflight}  # still deferred: its entry is alive
     assert peak <= 4 * 201 + 1, peak  # 3,200 appended
     assert core.stats()["starvation_dispatches"] == 0
@@ -141,7 +141,7 @@ def test_a_decision_does_not_look_at_every_submission(
         for i in range(2):
             core.add_request(RequestInfo(f"s{s}-{i}", f"s{s}-{i}", f"k{s}-{i}", 0, 1, 16, 8192, incarnation=s))
     inflight = core.next_dispatches()
-    assert sum(sub.newer_since is not None for sub in core._subs.values()) == subs - 1
+    assert sum(sub.newer_since is not None for sub in core._starvation._subs.values()) == subs - 1
     oldest_calls[0] = 0
     decisions = 300
     for _ in range(decisions):
@@ -156,7 +156,7 @@ def test_a_decision_does_not_look_at_every_submission(
 def _naive_starved(core: SchedulerCore, now: float) -> tuple[float, str, int] | None:
     """The rule as a scan of every submission (what the heap must agree with)."""
     best: tuple[float, int, tuple[float, str, int]] | None = None
-    for sid, sub in core._subs.items():
+    for sid, sub in core._starvation._subs.items():
         oldest = sub.waiting.oldest(core._waiting_since)
         if oldest is None or sub.newer_since is None:
             continue
@@ -167,13 +167,13 @@ def _naive_starved(core: SchedulerCore, now: float) -> tuple[float, str, int] | 
 
 
 def _check(core: SchedulerCore, now: float) -> None:
-    ran = [s for s, o in core._subs.items() if o.dispatched]
+    ran = [s for s, o in core._starvation._subs.items() if o.dispatched]
     top = max(ran, default=None)
-    assert core._top_dispatched == top
-    for s, o in core._subs.items():
+    assert core._starvation._top_dispatched == top
+    for s, o in core._starvation._subs.items():
         # Postponed exactly while a later submission that ran is tracked.
         assert (o.newer_since is not None) == (top is not None and s < top), (s, top)
-    assert core._starved_entry(now) == _naive_starved(core, now)
+    assert core._starvation.starved_entry(now) == _naive_starved(core, now)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -236,4 +236,4 @@ def test_random_runs_agree_with_the_scan_of_every_submission(seed: int) -> None:
     for rid in list(core._requests):
         if rid in core._requests:
             core.cancel_request(rid)
-    assert core._subs == {} and core._top_dispatched is None
+    assert core._starvation._subs == {} and core._starvation._top_dispatched is None

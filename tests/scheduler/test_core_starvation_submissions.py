@@ -108,8 +108,8 @@ def test_a_finished_submission_leaves_nothing_behind(clock: FakeClock) -> None:
     """Per-submission state lives while the core tracks a request of it (bounded memory)."""
     core, left, rid = _start(clock, 1, {"a": 5})
     _add(core, left, "b", 5, submission=2)
-    assert sorted(core._subs) == [1, 2]
+    assert sorted(core._starvation._subs) == [1, 2]
     core.on_chunk_done(rid, "w0", 5, finished=True)
     (d,) = core.next_dispatches()
     core.on_chunk_done(d.request_id, "w0", 5, finished=True)
-    assert core._subs == {}
+    assert core._starvation._subs == {}

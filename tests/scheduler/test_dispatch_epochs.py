@@ -85,7 +85,12 @@ def test_the_epoch_file_is_written_once_per_reserve_and_read_back(tmp_path: Path
     import services.scheduler.epochs as epochs
 
     real_write = epochs._write_floor
-    monkeypatch.setattr(epochs, "_write_floor", lambda p, v: (writes.append(v), real_write(p, v)))
+
+    def counted_write(p: str, v: int) -> None:
+        writes.append(v)
+        real_write(p, v)
+
+    monkeypatch.setattr(epochs, "_write_floor", counted_write)
     mono = [0]
     c = EpochClock(str(path), wall_ns=lambda: 10**12 * 1000, monotonic_ns=lambda: mono[0], reserve_us=1000)
     first = c.next()

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
@@ -27,6 +27,7 @@ from seer.v1 import buffer_pb2, common_pb2, scheduler_pb2, worker_pb2
 from services.common.errors import InvalidArgument, Unavailable
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import Dispatch
+from services.scheduler.links import BufferLink, WorkerLink
 from services.scheduler.service import MAX_CHUNK_ATTEMPTS, Dispatcher
 
 CHUNK, LENGTH = common_pb2.FINISH_REASON_CHUNK, common_pb2.FINISH_REASON_LENGTH
@@ -102,9 +103,13 @@ class FakeWorkers:
 class FakeWorkerLink:
     def __init__(self, workers: FakeWorkers, worker_id: str) -> None:
         self.workers, self.worker_id = workers, worker_id
+        self.ran: list[str] = []  # request ids of the chunks sent over this link (this process)
+        self.aborted: list[str] = []
+        self.closed = False
 
     def run_chunk(self, req: worker_pb2.RunChunkRequest, timeout: float) -> Iterator[worker_pb2.RunChunkResponse]:
         self.workers.requests.append((self.worker_id, req))
+        self.ran.append(req.request_id)
         events = self.workers.script(self.worker_id, req)
 
         def stream() -> Iterator[worker_pb2.RunChunkResponse]:
@@ -118,10 +123,11 @@ class FakeWorkerLink:
 
     def abort(self, request_id: str, timeout: float = 5.0, *, dispatch_epoch: int = 0) -> bool:
         self.workers.aborts.append((request_id, dispatch_epoch))
+        self.aborted.append(request_id)
         return False
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -151,7 +157,11 @@ class Rig:
         values: dict[str, Any] = {"port": 0, "buffer_address": FakeBuffer.address, "policy": "divided",
                                   "chunk_size": 8, "heartbeat_interval": 30.0, "commit_timeout": 0.3}
         values.update(cfg)
-        self.d = Dispatcher(SchedulerConfig(**values), buffer_link=self.buffer, worker_link=self.workers)
+        # The fakes stand in for the links at the Dispatcher's one seam: they implement what it
+        # calls (duck-typed; a RunChunk stream here is any iterator of events).
+        self.d = Dispatcher(SchedulerConfig(**values),
+                            buffer_link=cast(Callable[[str], BufferLink], self.buffer),
+                            worker_link=cast(Callable[[str], WorkerLink], self.workers))
         self._loop: threading.Thread | None = None
 
     def register(self, wid: str, incarnation: str = "", pages: int = 4096) -> None:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -157,7 +158,7 @@ def test_cancelling_requests_does_not_block_the_work_feed_on_worker_aborts(
 
 
 def test_a_chunk_thread_that_starts_after_its_dispatch_ended_sends_nothing(
-    make_rig: Callable[..., Rig],
+    make_rig: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     t = make_rig()
     t.workers.gate.clear()
@@ -166,13 +167,18 @@ def test_a_chunk_thread_that_starts_after_its_dispatch_ended_sends_nothing(
     first = threading.Event()
     submit = t.d._pool.submit
 
-    def delayed_first(fn: Callable[..., None], *args: Any) -> Any:
+    def delayed_first(fn: Callable[..., object], *args: Any) -> Future[object]:
         if first.is_set():
             return submit(fn, *args)
         first.set()
-        return submit(lambda: (release.wait(10), fn(*args)))
 
-    t.d._pool.submit = delayed_first  # type: ignore[method-assign]
+        def after_release() -> object:
+            release.wait(10)
+            return fn(*args)
+
+        return submit(after_release)
+
+    monkeypatch.setattr(t.d._pool, "submit", delayed_first)
     t.run()
     t.d._add_items([item("a")])
     wait_for(first.is_set)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ class CancellableStream:
     """A RunChunk stream that waits for the workers' gate, or ends CANCELLED at cancel() (as
     links.Stream does: Cancelled, local)."""
 
-    def __init__(self, workers: FakeWorkers, events: list[worker_pb2.RunChunkResponse]) -> None:
+    def __init__(self, workers: FakeWorkers, events: Iterable[worker_pb2.RunChunkResponse]) -> None:
         self.workers, self.events = workers, events
         self.cancelled = threading.Event()
 
@@ -159,7 +159,8 @@ def _resubmitted(rid: str, submit_seq: int) -> buffer_pb2.WorkItem:
 
 
 def test_a_batch_id_submitted_again_stops_the_old_requests_chunk(make_rig: Callable[..., Rig]) -> None:
-    t = make_rig(workers=CancellableWorkers())
+    workers = CancellableWorkers()
+    t = make_rig(workers=workers)
     t.register("w0")
     t.workers.gate.clear()  # chunks run until cancelled
     t.run()
@@ -171,8 +172,8 @@ def test_a_batch_id_submitted_again_stops_the_old_requests_chunk(make_rig: Calla
     new_epoch = t.workers.requests[1][1].dispatch_epoch
     assert new_epoch > old_epoch
     # The old stream is cancelled, and the old attempt (only it: its own epoch) aborted on the worker.
-    wait_for(lambda: t.workers.streams[0].cancelled.is_set() and t.workers.aborts == [("a", old_epoch)])
-    assert not t.workers.streams[1].cancelled.is_set()
+    wait_for(lambda: workers.streams[0].cancelled.is_set() and workers.aborts == [("a", old_epoch)])
+    assert not workers.streams[1].cancelled.is_set()
     wait_for(lambda: t.d.stats().in_flight_chunks == 1)  # the old dispatch settled, the new one runs
     t.workers.gate.set()
     wait_for(lambda: "a" not in t.d._requests)
@@ -181,14 +182,15 @@ def test_a_batch_id_submitted_again_stops_the_old_requests_chunk(make_rig: Calla
 
 
 def test_a_request_missing_from_a_snapshot_has_its_chunk_aborted(make_rig: Callable[..., Rig]) -> None:
-    t = make_rig(workers=CancellableWorkers())
+    workers = CancellableWorkers()
+    t = make_rig(workers=workers)
     t.register("w0")
     t.workers.gate.clear()
     t.run()
     t.d._add_items([item("gone"), item("kept")])
     wait_for(lambda: len(t.workers.requests) == 2)
     epochs = {req.request_id: req.dispatch_epoch for _, req in t.workers.requests}
-    streams = {req.request_id: s for (_, req), s in zip(t.workers.requests, t.workers.streams, strict=True)}
+    streams = {req.request_id: s for (_, req), s in zip(t.workers.requests, workers.streams, strict=True)}
     t.d._apply_snapshot([item("kept")])  # "gone" was cancelled while the feed reconnected
     wait_for(lambda: streams["gone"].cancelled.is_set() and t.workers.aborts == [("gone", epochs["gone"])])
     assert "gone" not in t.d._requests and not streams["kept"].cancelled.is_set()

@@ -50,6 +50,6 @@ def test_each_batch_is_one_submission_in_submission_order(
     # Delivered in pieces (one item at a time): still one submission per batch.
     for it in items:
         t.d._add_items([it])
-    subs = t.d.core._subs
+    subs = t.d.core._starvation._subs
     assert sorted(subs) == [older, newer]
     assert subs[older].requests == subs[newer].requests == 4

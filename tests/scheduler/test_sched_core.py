@@ -503,10 +503,10 @@ def test_a_batch_id_submitted_again_brings_new_requests_under_the_old_ids(clock:
     assert not core.add_request(req(1, 2))  # and its own re-delivery is idempotent again
     # Submitted a third time while the second is still held here (its cancellation was missed):
     # the old group's requests are dropped, the new group stands alone (not "already has 2").
-    d = core.next_dispatches()
-    assert len(d) == 2
+    running = core.next_dispatches()
+    assert len(running) == 2
     assert core.add_request(req(0, 3, max_tokens=50)) and core.add_request(req(1, 3, max_tokens=50))
     assert core.pending_count() == 2 and core.group_estimate("b/0") == 50
-    for x in d:  # late reports of the dropped group's chunks are ignored
+    for x in running:  # late reports of the dropped group's chunks are ignored
         core.on_chunk_done(x.request_id, x.worker_id, 100, True)
     assert core.pending_count() == 2

@@ -22,12 +22,10 @@ Policies:
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
@@ -38,6 +36,7 @@ from .groups import GroupState, history_prior, kv_demand, log_spread
 from .pressure import BindingResource
 from .queues import AgeQueue, Key, PendingQueue
 from .ratios import SiblingRatios
+from .starvation import Starvation
 from .types import Dispatch, RequestInfo, Unschedulable, WorkerSpec
 from .workers import OffenceRecord, QuarantineRule, WorkerState, apply_telemetry, pages_for, quarantine
 
@@ -63,37 +62,6 @@ class _Request:
     chunks: int = 0
     dispatched_at: float = 0.0  # clock time its in-flight chunk was dispatched
     dispatch_seq: int = 0  # dispatched_chunks when its in-flight chunk was dispatched (order, not time)
-
-
-@dataclass
-class _Submission:
-    """One submission (RequestInfo.incarnation: the buffer's submit_seq, the same on every piece
-    of a batch delivered in several) while the core tracks requests of it: what anti-starvation
-    needs (_starving)."""
-
-    # Tells this record from an earlier one of the same number (untracked, then delivered
-    # again) in the starvation heap (SchedulerCore._starved_heap).
-    token: int
-    requests: int = 0  # its requests the core tracks (in _requests)
-    dispatched: bool = False  # a chunk of it was dispatched
-    # Since when newer work has postponed it without a break: the clock time a chunk of a LATER
-    # submission was first dispatched while this one had requests (or when they came, if such a
-    # submission was running then); from then on its waiting requests' starvation clocks run.
-    # Back to None when no later submission that ran is tracked any more (it finished or was
-    # cancelled: it no longer postpones anyone). None: nothing newer runs, so its order is the
-    # policy's alone.
-    newer_since: float | None = None
-    # Its requests' waits in enqueue order (stale entries dropped lazily from the head, and by
-    # compaction when they dominate: AgeQueue.compact).
-    waiting: AgeQueue = field(default_factory=AgeQueue)
-    in_heap: bool = False  # it has its (one) entry in SchedulerCore._starved_heap
-
-
-def _clock_start(sub: _Submission, enqueued_at: float) -> float:
-    """When the starvation clock of a request of `sub` waiting since `enqueued_at` started: once
-    it waits AND newer work has postponed its submission (newer_since, which must be set)."""
-    assert sub.newer_since is not None
-    return max(enqueued_at, sub.newer_since)
 
 
 class SchedulerCore:
@@ -152,24 +120,8 @@ class SchedulerCore:
         self._kv_demand = 0
         self._demand_caps: dict[int, int] = {}
         self._age_unit: float | None = None  # seconds per token of the first full chunk (frozen)
-        # Tracked submissions by their number (_Submission): each holds its requests' waits in
-        # enqueue order; starvation is counted from the first dispatch of a later one (_starving).
-        self._subs: dict[int, _Submission] = {}
-        self._sub_tokens = itertools.count()
-        # The highest tracked submission that has dispatched. Exactly the tracked submissions
-        # below it are postponed (newer_since set), so whether a new one is (_track_submission)
-        # and whom a first dispatch postpones (_first_dispatch_of) need no scan of them all.
-        self._top_dispatched: int | None = None
-        # (submission, token) of the tracked submissions not postponed (newer_since None): a
-        # min-heap, so a first dispatch above _top_dispatched postpones those below it from the
-        # top. Lazy: entries of records untracked or postponed since are skipped.
-        self._unpostponed: list[tuple[int, int]] = []
-        # (lower bound on the start of its oldest wait's starvation clock, submission, token) for
-        # the submissions whose newer_since is set: _starved_entry looks at the head only, so a
-        # decision does not grow with the tracked submissions. Lazy: an entry's key may be stale
-        # but never above the true start (both the head's enqueue time and newer_since only
-        # grow while it is set); re-keyed when it reaches the head.
-        self._starved_heap: list[tuple[float, int, int]] = []
+        # Anti-starvation: per-submission clocks of postponement by newer work (starvation.py).
+        self._starvation = Starvation(cfg.starvation_seconds, clock, self._waiting_since)
         self._paused_q = AgeQueue()  # requests paused mid-response, in enqueue order
         self._in_flight = 0
         self._rr = 0  # baseline round-robin cursor
@@ -256,7 +208,7 @@ class SchedulerCore:
             g.probe_id = r.request_id
         req = _Request(info=r, generated=r.generated)
         self._requests[r.request_id] = req
-        self._track_submission(r.incarnation)
+        self._starvation.track(r.incarnation)
         if r.generated >= r.max_tokens:
             self._finish(req)
             return False
@@ -622,7 +574,7 @@ class SchedulerCore:
         ones far longer than that by design: bench.sim, Qwen2-VL-72B, seer 0.957 -> 0.874 of the
         oracle, its tail 0.098 -> 0.769 of the baseline's (16,394 starvation dispatches)."""
         self._recheck_hold(now)
-        for oldest, latency in ((self._starved_entry(now), True), (self._paused_entry(now), False)):
+        for oldest, latency in ((self._starvation.starved_entry(now), True), (self._paused_entry(now), False)):
             if oldest is None:
                 continue
             req = self._requests[oldest[1]]
@@ -640,111 +592,11 @@ class SchedulerCore:
                 self._hold_for(req)
         return None
 
-    def _starved_entry(self, now: float) -> tuple[float, str, int] | None:
-        """The waiting request postponed by newer work for longest, if past starvation_seconds
-        (ties: the earlier submission). Within a submission its oldest wait is the most postponed
-        (one newer_since for all), so only each submission's head counts, and the heap of those
-        (_starved_heap) is read from its top: O(log submissions) amortised per decision, not
-        one look per tracked submission (5,000 of them cost 1.6 ms a decision)."""
-        heap = self._starved_heap
-        while heap:
-            start, sid, token = heap[0]
-            if now - start <= self.cfg.starvation_seconds:
-                return None  # a lower bound: no submission's clock is past the limit
-            sub = self._subs.get(sid)
-            if sub is None or sub.token != token:
-                heapq.heappop(heap)  # of a record no longer tracked
-                continue
-            oldest = sub.waiting.oldest(self._waiting_since)
-            if oldest is None or sub.newer_since is None:
-                heapq.heappop(heap)  # pushed again when both hold again (_postpone, _enqueue)
-                sub.in_heap = False
-                continue
-            actual = _clock_start(sub, oldest[0])
-            if actual != start:
-                heapq.heapreplace(heap, (actual, sid, token))
-                continue
-            return oldest
-        return None
-
-    def _postpone(self, sid: int, sub: _Submission, now: float) -> None:
-        """Newer work runs from `now` on: the submission's waiting requests' clocks start."""
-        sub.newer_since = now
-        if not sub.in_heap:
-            # newer_since is a lower bound on every start in it; re-keyed when read.
-            heapq.heappush(self._starved_heap, (now, sid, sub.token))
-            sub.in_heap = True
-
     def _paused_entry(self, now: float) -> tuple[float, str, int] | None:
         """The request paused mid-response that waited longest, if past paused_threshold()."""
         oldest = self._paused_q.oldest(self._waiting_since)
         limit = self.paused_threshold()
         return None if oldest is None or limit is None or now - oldest[0] <= limit else oldest
-
-    def _track_submission(self, sid: int) -> None:
-        sub = self._subs.get(sid)
-        if sub is None:
-            sub = self._subs[sid] = _Submission(token=next(self._sub_tokens))
-            if self._top_dispatched is not None and self._top_dispatched > sid:
-                # A later submission already running when this one's first request comes (a
-                # scheduler restart resumes them in any order) postpones it from now on.
-                self._postpone(sid, sub, self.clock())
-            else:
-                heapq.heappush(self._unpostponed, (sid, sub.token))
-        sub.requests += 1
-
-    def _untrack_submission(self, sid: int) -> None:
-        sub = self._subs[sid]
-        sub.requests -= 1
-        if sub.requests:
-            return
-        del self._subs[sid]  # with its waits: nothing of it is left to starve
-        self._compact_sub_heaps()
-        if sid != self._top_dispatched:
-            return  # a later one that ran is still tracked: every clock it ran goes on
-        # The newest submission that ran is gone: an earlier one with no later one that ran left
-        # is back to the policy's order (its clock stops; a hold taken for one of its requests is
-        # released by _check_hold). Below the new top the clocks go on: the postponement by newer
-        # work has had no break. O(submissions), once per newest running submission that ends.
-        top = max((s for s, o in self._subs.items() if o.dispatched), default=None)
-        self._top_dispatched = top
-        for s, o in self._subs.items():
-            if (top is None or s >= top) and o.newer_since is not None:
-                o.newer_since = None  # its _starved_heap entry is dropped when read
-                heapq.heappush(self._unpostponed, (s, o.token))
-        self._recheck_hold()
-
-    def _compact_sub_heaps(self) -> None:
-        """Entries of records no longer tracked leave the lazy heaps only from the top: drop them
-        all at once when they dominate (amortised O(1) per untracked submission)."""
-        subs = self._subs
-
-        def current(sid: int, token: int) -> _Submission | None:
-            o = subs.get(sid)
-            return o if o is not None and o.token == token else None
-
-        if len(self._starved_heap) > 64 and len(self._starved_heap) > 4 * len(subs):
-            self._starved_heap = [e for e in self._starved_heap if current(e[1], e[2]) is not None]
-            heapq.heapify(self._starved_heap)
-        if len(self._unpostponed) > 64 and len(self._unpostponed) > 4 * len(subs):
-            self._unpostponed = [e for e in self._unpostponed
-                                 if (o := current(*e)) is not None and o.newer_since is None]
-            heapq.heapify(self._unpostponed)
-
-    def _first_dispatch_of(self, sid: int, sub: _Submission, now: float) -> None:
-        """A submission's first chunk runs: every earlier one's waiting requests are postponed by
-        newer work from now on (their starvation clocks start). Below the top one that ran every
-        earlier one is postponed already: only a new top postpones those from the old top up."""
-        sub.dispatched = True
-        if self._top_dispatched is not None and sid <= self._top_dispatched:
-            return
-        self._top_dispatched = sid
-        heap = self._unpostponed
-        while heap and heap[0][0] < sid:
-            s, token = heapq.heappop(heap)
-            o = self._subs.get(s)
-            if o is not None and o.token == token and o.newer_since is None:
-                self._postpone(s, o, now)
 
     def _hold_for(self, req: _Request) -> None:
         """A starved request that fits no worker's free KV now: without a hold, the pages each
@@ -785,7 +637,7 @@ class SchedulerCore:
     def _check_hold(self, now: float) -> None:
         """Releases a hold whose request is no longer queued (dispatched, cancelled, finished), no
         longer starved at `now` (the later submissions that postponed it are gone:
-        _untrack_submission) or whose worker can no longer serve it (gone, quarantined, draining,
+        Starvation.untrack) or whose worker can no longer serve it (gone, quarantined, draining,
         on probation: it may have failed chunks, been quarantined and released between two
         decisions); otherwise follows the
         request's need (a resync). A released hold is taken again in this decision (_starving)."""
@@ -810,10 +662,7 @@ class SchedulerCore:
 
     def _starved(self, req: _Request, now: float) -> bool:
         """Whether a waiting request is past starvation_seconds on its clock at `now` (_starving)."""
-        sub = self._subs.get(req.info.incarnation)
-        if sub is None or sub.newer_since is None:
-            return False
-        return now - _clock_start(sub, req.enqueued_at) > self.cfg.starvation_seconds
+        return self._starvation.is_starved(req.info.incarnation, req.enqueued_at, now)
 
     def _recheck_hold(self, now: float | None = None) -> None:
         """_check_hold now (`now`: the decision's time; None outside a decision): a worker's change
@@ -1012,9 +861,7 @@ class SchedulerCore:
         self._fresh_live.discard(rid)
         req.state, req.worker, req.max_new = "in_flight", w.worker_id, max_new
         req.dispatched_at = self.clock()
-        sub = self._subs[req.info.incarnation]
-        if not sub.dispatched:
-            self._first_dispatch_of(req.info.incarnation, sub, req.dispatched_at)
+        self._starvation.dispatched(req.info.incarnation, req.dispatched_at)
         w.reserve(rid, pages)
         self._in_flight += 1
         g = self._groups[req.info.group_id]
@@ -1156,8 +1003,10 @@ class SchedulerCore:
         for m in g.members:
             done = self._requests.pop(m, None)
             self._finished[m] = done.info.incarnation if done is not None else 0
-            if done is not None:
-                self._untrack_submission(done.info.incarnation)
+            if done is not None and self._starvation.untrack(done.info.incarnation):
+                # Clocks stopped (the newest submission that ran is gone): a hold taken for a
+                # request of an earlier one is released now.
+                self._recheck_hold()
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
         del self._groups[g.group_id]
@@ -1243,16 +1092,7 @@ class SchedulerCore:
         # Only the chunked policies read (and so prune) the age queues (_starving): under the
         # baseline every enqueue would stay in them for the scheduler's life.
         if fresh and self.cfg.chunked:
-            sid = req.info.incarnation
-            sub = self._subs[sid]
-            sub.waiting.push(now, rid, req.enq)
-            # At most one live entry per request: a head the policy keeps deferring must not let
-            # every other re-enqueue pile up behind it (one entry per chunk).
-            sub.waiting.compact(self._waiting_since, sub.requests)
-            if sub.newer_since is not None and not sub.in_heap:
-                # Its entry was dropped while it had nothing waiting: newer_since is a lower bound.
-                heapq.heappush(self._starved_heap, (sub.newer_since, sid, sub.token))
-                sub.in_heap = True
+            self._starvation.wait(req.info.incarnation, now, rid, req.enq)
             if req.generated > 0 and self.cfg.starvation_chunks > 0:
                 self._paused_q.push(now, rid, req.enq)
                 self._paused_q.compact(self._waiting_since, len(self._live))

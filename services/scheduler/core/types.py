@@ -25,7 +25,7 @@ class RequestInfo:
     # Which submission of its batch this request belongs to (the buffer's submit_seq). A batch id
     # used again after retention deleted the batch brings the same request ids back as new
     # requests; without this they would look like re-deliveries of the settled ones. It is also
-    # the submission order anti-starvation counts newer work by (SchedulerCore._subs), compared
+    # the submission order anti-starvation counts newer work by (starvation.Starvation), compared
     # numerically: it must increase with each submission, as the buffer's submit_seq does.
     incarnation: int = 0
 
