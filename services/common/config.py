@@ -190,10 +190,15 @@ def load_field(
     fields = _fields(cls)
     if name not in fields:
         raise ConfigError(f"{name}: not a field of {cls.__name__}")
-    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, exit_on_error=False)
     parser.add_argument("--config", default=None)
     parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
-    args, _ = parser.parse_known_args(list(argv))
+    try:
+        args, _ = parser.parse_known_args(list(argv))
+    except (argparse.ArgumentError, SystemExit) as e:
+        # A flag without its value (`--host` last): a ConfigError, not argparse's exit with the
+        # usage of this two-flag parser (SystemExit: some errors exit even with exit_on_error off).
+        raise ConfigError(f"{section}: {e}") from None
     raw: Any = getattr(args, name)
     if raw is None:
         raw = env.get(env_name(section, name))

@@ -51,8 +51,9 @@ def wildcard_port_is_free(port: int) -> bool:
 def grpc_port_is_free(host: str, port: int) -> bool:
     """Whether a gRPC server given `host:port` (ServiceConfig.host, as services/common/server.py
     passes it to add_insecure_port) could bind it now, probing the addresses gRPC binds: a wildcard
-    host (0.0.0.0, ::) dual-stack on every address; an IP literal (IPv6 bracketed or not) that
-    address; a name (localhost) every address it resolves to. `seer up` used to probe 127.0.0.1
+    host (0.0.0.0, ::) dual-stack on every address; an IP literal that address (gRPC wants an IPv6
+    one bracketed; the probe takes either); a name (localhost) every address it resolves to that
+    this host has. `seer up` used to probe 127.0.0.1
     whatever the host, and missed a port taken on [::1] or on another interface's address for a
     service configured to bind there: it failed after the start, with the bind error only in its
     log. Stricter than gRPC on purpose where gRPC binds part of what it was given (a wildcard host
@@ -67,15 +68,25 @@ def grpc_port_is_free(host: str, port: int) -> bool:
         ip = None
     if ip is not None:
         family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-        addresses: list[tuple[socket.AddressFamily, str]] = [(family, literal)]
     else:
         try:
             infos = socket.getaddrinfo(literal, port, type=socket.SOCK_STREAM)
         except OSError:
             return False  # gRPC cannot bind a name that does not resolve either
-        addresses = sorted({(info[0], str(info[4][0])) for info in infos})
+        # A name: gRPC binds every address it resolves to that it can and fails only when none
+        # binds. An address this host does not have (::1 in /etc/hosts with IPv6 off) is skipped,
+        # not counted as taken (it made `seer up` refuse a free port for "localhost" there).
+        bound = False
+        for fam, address in sorted({(info[0], str(info[4][0])) for info in infos}):
+            try:
+                bound = _binds(fam, address, port) or bound
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL or (fam == socket.AF_INET6 and ipv6_unavailable(e)):
+                    continue
+                return False  # taken (or refused otherwise): another process answers on it
+        return bound
     try:
-        return all(_binds(family, address, port) for family, address in addresses)
+        return _binds(family, literal, port)
     except OSError:
         return False
 

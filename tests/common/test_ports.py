@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.config import ServiceConfig, load, load_field
+from services.common.config import ConfigError, ServiceConfig, load, load_field
 from services.common.ports import grpc_port_is_free
 
 
@@ -99,3 +99,32 @@ def test_load_field_resolves_the_host_as_load_does(tmp_path: Path) -> None:
         assert load_field(ServiceConfig, "buffer", "host", given, env) == want, (given, env)
         own = [a for a in given if a not in ("--data-dir", "/d")]
         assert load(ServiceConfig, "buffer", own, env).host == want
+
+
+def test_a_name_skips_the_addresses_this_host_does_not_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name resolving to an address this host lacks (::1 in /etc/hosts with IPv6 off; here
+    TEST-NET-1, 192.0.2.1) besides a free one: gRPC binds the free one, so the port is free. It
+    was refused (every resolved address had to bind), and `seer up` refused a free port for
+    "localhost" on such a host. A taken address still counts."""
+    real = socket.getaddrinfo
+
+    def resolve(host: str, port: int, *args: object, **kwargs: object) -> list:  # type: ignore[type-arg]
+        if host != "two.example":
+            return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", port)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    port = _free_port()
+    assert grpc_port_is_free("two.example", port)
+    with socket.socket() as taker:
+        taker.bind(("127.0.0.1", port))
+        taker.listen()
+        assert not grpc_port_is_free("two.example", port)
+
+
+def test_load_field_names_a_flag_without_its_value() -> None:
+    """`--host` last (no value): a ConfigError naming the section, not argparse's exit (SystemExit
+    went through `seer up`'s port check and printed a two-flag parser's usage)."""
+    with pytest.raises(ConfigError, match="buffer"):
+        load_field(ServiceConfig, "buffer", "host", ["--data-dir", "/d", "--host"], {})
