@@ -49,7 +49,7 @@ test-slow: model
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy services clients/python bench
+	$(VENV)/bin/mypy services clients/python bench tests
 	cd protos && ../$(VENV)/bin/buf lint
 
 # An absolute PATH entry: gen_protos.sh changes into protos/, where a relative .venv/bin is not found.

@@ -21,5 +21,5 @@ def test_ruff_clean() -> None:
 
 
 def test_mypy_clean() -> None:
-    res = _run("mypy", "services", "clients/python", "bench")
+    res = _run("mypy", "services", "clients/python", "bench", "tests")
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -101,23 +101,37 @@ class _FanOutTimeout(grpc.RpcError):  # type: ignore[misc]
 _CANCEL_POLL_S = 0.05
 
 
+class _GetStream(Protocol):
+    """One Get call as the fetch uses it (grpc's call iterator): its decoded pages, and a cancel."""
+
+    def __iter__(self) -> Iterator[GetMessage]: ...
+
+    def cancel(self) -> bool: ...
+
+
+class _GetRpc(Protocol):
+    """A replica's Get method (a unary-stream callable over services.kvstore.wire's decoder)."""
+
+    def __call__(self, request: kvstore_pb2.GetRequest, /, timeout: float | None = None) -> _GetStream: ...
+
+
 class _GetCalls:
     """The Get streams of one fetch, so that a cancelled fetch ends all of them, those started
     after the cancellation too (cancelled as they start)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: set[grpc.Call] = set()
+        self._calls: set[_GetStream] = set()
         self.cancelled = False
 
-    def add(self, call: grpc.Call) -> None:
+    def add(self, call: _GetStream) -> None:
         with self._lock:
             if not self.cancelled:
                 self._calls.add(call)
                 return
         call.cancel()
 
-    def discard(self, call: grpc.Call) -> None:
+    def discard(self, call: _GetStream) -> None:
         with self._lock:
             self._calls.discard(call)
 
@@ -226,7 +240,7 @@ class KVClient:
             )
             for a, ch in self._channels.items()
         }
-        self._get_rpc = {
+        self._get_rpc: dict[str, _GetRpc] = {
             a: ch.unary_stream(
                 _GET_METHOD,
                 request_serializer=kvstore_pb2.GetRequest.SerializeToString,

@@ -86,14 +86,26 @@ def test_a_slow_but_healthy_get_keeps_the_pages_it_delivered() -> None:
         def Exists(self, req: kvstore_pb2.ExistsRequest, timeout: float | None = None) -> kvstore_pb2.ExistsResponse:
             return kvstore_pb2.ExistsResponse(prefix_pages=len(req.page_hashes))
 
-    def get_rpc(req: kvstore_pb2.GetRequest, timeout: float | None = None) -> Iterator[GetMessage]:
+    class SlowStream:
+        """A Get stream sending a page each 0.25 s and ending at its deadline, as grpc's does."""
+
+        def __init__(self, req: kvstore_pb2.GetRequest, timeout: float) -> None:
+            self.req, self.timeout = req, timeout
+
+        def __iter__(self) -> Iterator[GetMessage]:
+            t0 = time.monotonic()
+            for h in self.req.page_hashes:
+                time.sleep(0.25)
+                if time.monotonic() - t0 > self.timeout:
+                    raise Deadline()
+                yield GetMessage(h, memoryview(data), page_checksum(data), True)
+
+        def cancel(self) -> bool:
+            return False
+
+    def get_rpc(req: kvstore_pb2.GetRequest, timeout: float | None = None) -> SlowStream:
         assert timeout is not None
-        t0 = time.monotonic()
-        for h in req.page_hashes:
-            time.sleep(0.25)
-            if time.monotonic() - t0 > timeout:
-                raise Deadline()
-            yield GetMessage(h, memoryview(data), page_checksum(data), True)
+        return SlowStream(req, timeout)
 
     for n in kc.ring.nodes:
         kc._stubs[n] = Stub()
