@@ -695,7 +695,6 @@ class SGLangEngine(Engine):
 
     def stats(self) -> EngineStats:
         ps = self._page_size
-        self._poll_loads()  # for the next call: this one answers with the last read at once
         with self._lock:
             # A live request is either running in SGLang or in its waiting queue; the snapshot can
             # lag the live set, so neither count goes below 0 or above it.
@@ -705,6 +704,9 @@ class SGLangEngine(Engine):
             # requests' contexts (its radix cache holds the rest, and it evicts that on demand).
             used = sum(-(-(len(v.req.prompt_token_ids) + len(v.req.output_token_ids) + len(v.tokens)) // ps)
                        for v in self._live.values())
+        # For the next call, after this one's counts are taken: it answers with the last read at
+        # once (started before the counts, a fast read could land in between, or not).
+        self._poll_loads()
         elapsed = max(time.monotonic() - self._t0, 1e-6)
         return EngineStats(
             total_pages=self._total_pages, free_pages=max(0, self._total_pages - used), page_size=ps,
