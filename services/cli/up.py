@@ -9,6 +9,10 @@ the standard gRPC health service and every worker has registered with the schedu
 endpoints, and on Ctrl-C stops everything: SIGTERM (each service drains and exits 0), then
 SIGKILL after a timeout. Ctrl-C / SIGTERM while the suite is still starting stops it too.
 
+Each service binds 127.0.0.1 unless its configuration says otherwise (SEER_<SERVICE>_HOST, or a
+--host / --config in a Suite's extra_args); the suite dials it, for health checks and for the
+other services' wiring, on that host (127.0.0.1 for a wildcard host: see dial_host).
+
 Exit status: 0 when every service ran until the stop and drained cleanly; 1 when the suite could
 not start, a service exited on its own while it ran (a crash of the buffer or scheduler also stops
 the suite: nothing works without them) or a service did not stop cleanly; the data directory, with
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import shutil
 import signal
@@ -102,17 +107,42 @@ def _metrics_offset(workers: int) -> int:
 _PORT_CLASH_RETRIES = 3
 
 
-def _bind_host(s: ServiceProcess) -> str | None:
-    """The host a service will bind its gRPC port on, resolved from its arguments and environment
-    as the service resolves it (--host, SEER_<SERVICE>_HOST, a --config file, else 127.0.0.1:
-    extra_args or the caller's environment may set any of them); None when that configuration
-    cannot be read (the service itself then exits naming it, reported by wait_healthy)."""
+def _configured_host(section: str, args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The host a service of `section` started with `args` and `env` will bind its gRPC port on,
+    resolved as the service resolves it (--host, SEER_<SERVICE>_HOST, a --config file, else
+    127.0.0.1: extra_args or the caller's environment may set any of them); None when that
+    configuration cannot be read (the service itself then exits naming it, reported by
+    wait_healthy)."""
     from services.common.config import ServiceConfig, load_field
 
     try:
-        return str(load_field(ServiceConfig, s.section, "host", s.args, s.env))
+        return str(load_field(ServiceConfig, section, "host", args, env))
     except (ValueError, OSError):
         return None
+
+
+def _bind_host(s: ServiceProcess) -> str | None:
+    """The host service `s` will bind its gRPC port on (see _configured_host)."""
+    return _configured_host(s.section, s.args, s.env)
+
+
+def dial_host(host: str | None) -> str:
+    """The host the suite dials a service on, given the host it binds (see _bind_host): 127.0.0.1
+    for a wildcard (0.0.0.0, ::, [::], "": it binds every address, loopback included) or an
+    unreadable configuration (the service then exits naming it; nothing to dial); an IPv6 literal
+    bracketed, as gRPC targets need it; any other host (an interface's address, a name) as given.
+    Before: 127.0.0.1 whatever the host, so a service bound to [::1] or another interface never
+    answered the health checks and `seer up` failed with a timeout."""
+    if host is None or host == "":
+        return "127.0.0.1"
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(literal)
+    except ValueError:
+        return host  # a name (localhost): gRPC resolves it as the service's bind did
+    if ip.is_unspecified:
+        return "127.0.0.1"
+    return f"[{literal}]" if ip.version == 6 else literal
 
 
 def free_port() -> int:
@@ -134,6 +164,9 @@ class ServiceProcess:
     env: dict[str, str]
     # CPUs the process (and every thread it starts) may run on; empty = no restriction.
     cpus: tuple[int, ...] = ()
+    # The host the suite dials this service on (dial_host of the host it binds): health checks,
+    # the other services' wiring, the endpoints printed.
+    host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
     _files: list[IO[bytes]] = field(default_factory=list)
     _term_sent: bool = False
@@ -143,7 +176,7 @@ class ServiceProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def section(self) -> str:
@@ -389,31 +422,43 @@ class Suite:
         full = ["--port", str(port), "--metrics-port", str(mport), *args, *self.extra_args.get(name, [])]
         if cpus is None:
             cpus = self.service_cpus
-        self.services[name] = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env, cpus)
+        s = ServiceProcess(name, module, full, port, mport, self.log_dir, child_env, cpus)
+        s.host = dial_host(_bind_host(s))
+        self.services[name] = s
+
+    def _planned_address(self, name: str, section: str, port: int) -> str:
+        """The address service `name` will have (ServiceProcess.address), for wiring the services
+        added before it: its host comes from its extra_args and the suite's environment alone (the
+        arguments _add puts first set no host)."""
+        return f"{dial_host(_configured_host(section, self.extra_args.get(name, []), self._env))}:{port}"
 
     def _build(self) -> None:
         d = self.data_dir
         if self.with_kvstore:
             self._add("kvstore", "services.kvstore", self._port(_KVSTORE), _KVSTORE, ["--data-dir", str(d / "kvstore")])
         buffer_port = self._port(_BUFFER)
+        # The buffer is added last of the central services (it needs the scheduler's address):
+        # the draft and the scheduler dial the address it will have.
+        buffer_address = self._planned_address("buffer", "buffer", buffer_port)
         if self.with_draft:
-            self._add("draft", "services.draft", self._port(_DRAFT), _DRAFT,
-                      ["--buffer-address", f"127.0.0.1:{buffer_port}"])
+            self._add("draft", "services.draft", self._port(_DRAFT), _DRAFT, ["--buffer-address", buffer_address])
         scheduler_port = self._port(_SCHEDULER)
         self._add("scheduler", "services.scheduler", scheduler_port, _SCHEDULER, [
-            "--buffer-address", f"127.0.0.1:{buffer_port}",
+            "--buffer-address", buffer_address,
             "--policy", self.policy,
             "--chunk-size", str(self.chunk_size),
             "--heartbeat-interval", str(self.heartbeat_interval),
         ])
-        buffer_args = ["--data-dir", str(d / "buffer"), "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
+        buffer_args = ["--data-dir", str(d / "buffer"), "--scheduler-address", self.scheduler_address]
         if self.model_dir:
             buffer_args += ["--model-dir", self.model_dir]
         self._add("buffer", "services.buffer", buffer_port, _BUFFER, buffer_args)
+        # The wiring above used the planned address: the buffer's own arguments must not move it.
+        assert self.address == buffer_address, (self.address, buffer_address)
         for i in range(self.num_workers):
             args = [
                 "--worker-id", f"worker-{i}",
-                "--scheduler-address", f"127.0.0.1:{scheduler_port}",
+                "--scheduler-address", self.scheduler_address,
                 "--speculation", "true" if self.speculation else "false",
             ]
             if self.with_draft:
