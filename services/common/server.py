@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ServiceConfig
-from services.common.grpcutil import MAX_MESSAGE_BYTES
+from services.common.grpcutil import MAX_MESSAGE_BYTES, bracket_ipv6
 from services.common.log import get_logger, kv
 from services.common.telemetry import server_interceptors, setup_tracing, start_metrics_server
 
@@ -142,7 +142,8 @@ def start_server(
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
     )
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    # A bare IPv6 host (--host ::1) bracketed: gRPC refuses "::1:port" ("Failed to bind").
+    port = server.add_insecure_port(bracket_ipv6(f"{cfg.host}:{cfg.port}"))
     if port == 0:
         raise OSError(f"port: cannot bind {cfg.host}:{cfg.port}")
     server.start()

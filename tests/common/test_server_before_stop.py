@@ -5,6 +5,7 @@ refused UNAVAILABLE (the scheduler took that for a dead worker). Real gRPC on lo
 from __future__ import annotations
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.server import ServiceConfig, start_server
@@ -43,3 +44,20 @@ def test_a_failing_before_stop_does_not_stop_the_stop() -> None:
     running.stop()
     assert stopped == [True]
     running.wait()
+
+
+def test_a_bare_ipv6_host_binds() -> None:
+    """--host ::1 (unbracketed, as an operator types it): gRPC refused "::1:port" with "Failed to
+    bind" and the service did not start; the server brackets it."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    running = start_server("bare-ipv6-test", ServiceConfig(host="::1", grace_seconds=0.0), lambda server: [])
+    try:
+        assert _call(f"[::1]:{running.port}") == grpc.StatusCode.OK
+    finally:
+        running.stop()
