@@ -83,7 +83,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with log_context(group_id=request.group_id):
             created, history = self.store.register_group(
                 request.group_id, request.prompt_key, request.prompt_token_ids, request.ttl_seconds,
-                request.group_size, request.epoch)
+                request.group_size, request.epoch, request.submit_seq)
         if created and self.backfill is not None:
             self.backfill.on_register(request.prompt_key, history)
         return draft_pb2.RegisterGroupResponse(created=created, history_responses=history)

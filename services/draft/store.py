@@ -2,17 +2,17 @@
 
 Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_group):
 
-- register_group(group_id, prompt_key, prompt, ttl, group_size, epoch) creates the group's index with
-  the prompt and the key's history. Re-registering with the same prompt refreshes the TTL. The id of
-  a completed group (its responses are history) registered again after it was evicted or expired,
-  or with another prompt or group_size, or by an attempt whose dispatch `epoch` is above every
-  epoch the group took (a new run: dispatch epochs increase over all requests), starts a new
-  incarnation: a batch id used again; another group_size while it runs is refused (0 = unknown
-  agrees with any). After it expired or was evicted, the same prompt, key and size at an epoch at
-  most the largest it took is its own run's (a retry): refused (FailedPrecondition, field epoch),
-  not a new incarnation. A new run at such an epoch (a scheduler restarted without epoch_file behind
-  a clock that went back) cannot be told from it with what the caller sends: the limit, and the
-  protocol change that would close it (the buffer's submit_seq), are in services/draft/README.md.
+- register_group(group_id, prompt_key, prompt, ttl, group_size, epoch, submit_seq) creates the group's
+  index with the prompt and the key's history. Re-registering with the same prompt refreshes the TTL.
+  The id of a completed group (its responses are history) registered again after it was evicted or
+  expired, or with another prompt or group_size, or by another run, starts a new incarnation: a
+  batch id used again; another group_size while it runs is refused (0 = unknown agrees with any).
+  Another run: where the registration and the completed group both carry the buffer's
+  `submit_seq` (unique per submission), another one, whatever the epoch; without, an attempt whose
+  dispatch `epoch` is above every epoch the group took (dispatch epochs increase over all
+  requests). After it expired or was evicted, the same prompt, key and size with the same
+  submit_seq (or, without, at an epoch at most the largest it took) is its own run's (a retry):
+  refused (FailedPrecondition, field submit_seq or epoch), not a new incarnation.
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
@@ -81,11 +81,12 @@ _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unkn
 # Completed incarnations remembered per group id (DraftStore._reused): a watermark of one of them is
 # answered reset + reused. Ids as many as tombstones; per id the newest few (an id reused over and
 # over: a worker's mirror is at most a few incarnations behind), packed in one bytes object as
-# (incarnation, largest epoch, registration digest, group_size) records: uint64 x 3 + uint32. The
-# digest (_registration_digest: prompt key and prompt) and size tell a registration of that run from
-# another's once the group expired (DraftStore.register_group).
+# (incarnation, largest epoch, registration digest, group_size, submit_seq) records: uint64 x 3 +
+# uint32 + uint64 (36 bytes). The submit_seq (the buffer's submission of the run; 0 = unknown), or
+# without it the digest (_registration_digest: prompt key and prompt), size and epoch, tell a
+# registration of that run from another's once the group expired (DraftStore.register_group).
 _REUSED_PER_ID = 4
-_REUSED = struct.Struct("<QQQI")
+_REUSED = struct.Struct("<QQQIQ")
 # Memory of one remembered id besides its characters (DraftStats.remembered_ids_bytes; tracemalloc,
 # tests/draft/test_client_reused_epoch.py): a tombstone's OrderedDict entry and key string; a reused
 # record's entry, key string and bytes object besides its records (_REUSED.size bytes each). The key
@@ -170,6 +171,9 @@ class _Group:
     # _registration_digest of its prompt key and prompt, kept with the incarnation once it completed
     # and is removed (DraftStore._remember_reused).
     digest: int = 0
+    # The buffer's submission of the run that created it (RegisterGroupRequest.submit_seq; 0 =
+    # unknown: an old client), or of the first registration that brought one; kept likewise.
+    submit_seq: int = 0
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
     finished: set[str] = field(default_factory=set)
@@ -299,10 +303,11 @@ class DraftStore:
 
     def register_group(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
-        group_size: int = 0, epoch: int = 0,
+        group_size: int = 0, epoch: int = 0, submit_seq: int = 0,
     ) -> tuple[bool, int]:
         """Returns (created, history responses loaded). epoch: the registering attempt's dispatch
-        epoch (0 = unknown)."""
+        epoch (0 = unknown). submit_seq: the buffer's submission of its batch (0 = unknown); where
+        both it and the completed group's are known, it alone tells the same run from another."""
         if not group_id:
             raise InvalidArgument("must not be empty", field="group_id")
         if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
@@ -311,6 +316,8 @@ class DraftStore:
             raise InvalidArgument("must be >= 0 (0 = unknown)", field="group_size")
         if epoch < 0:
             raise InvalidArgument("must be >= 0 (0 = unknown)", field="epoch")
+        if submit_seq < 0:
+            raise InvalidArgument("must be >= 0 (0 = unknown)", field="submit_seq")
         if len(prompt_token_ids) > self.limits.max_prompt_tokens:
             raise InvalidArgument(f"{len(prompt_token_ids)} tokens > limit {self.limits.max_prompt_tokens}",
                                   field="prompt_token_ids")
@@ -330,7 +337,14 @@ class DraftStore:
                 # too). Idempotent, its appends would be refused by (or land in) the old run's
                 # group. A group that took no epoch cannot be ordered against: idempotent.
                 largest = max(g.epochs.values(), default=0)
-                new_run = g.completed and epoch > largest > 0
+                if submit_seq and g.submit_seq:
+                    # Both submissions known: they alone decide, whatever the epochs (a scheduler
+                    # restarted without its epoch_file behind a clock gone back dispatches a new run
+                    # below the old run's epochs; a lost commit's retry of the old run is dispatched
+                    # above them).
+                    new_run = g.completed and submit_seq != g.submit_seq
+                else:
+                    new_run = g.completed and epoch > largest > 0
                 if same_prompt and same_size and not new_run:
                     # The same registration (a retry, another worker of the group): idempotent, also
                     # once it completed (a sibling's late registration must not start it over).
@@ -342,6 +356,12 @@ class DraftStore:
                                                 f"more than group_size {group_size}", field="group_size")
                         g.group_size = group_size
                         self._maybe_complete(g)
+                    if submit_seq and not g.submit_seq and not g.completed:
+                        # Created by an old client: the running group takes its run's submission
+                        # from this registration (another worker of the same run), so that its
+                        # completion is judged by it later. Not a completed one: that it is the
+                        # same run was judged by epochs only.
+                        g.submit_seq = submit_seq
                     g.ttl_s = ttl
                     g.expires_at = now + ttl
                     return False, g.index.num_history
@@ -363,7 +383,7 @@ class DraftStore:
                 self._tombstone(group_id, True)
                 log.info("completed group's id registered again by another run; new incarnation",
                          extra=kv(group_id=group_id, epoch=epoch, largest_epoch=largest, same_prompt=same_prompt,
-                                  same_size=same_size))
+                                  same_size=same_size, submit_seq=submit_seq, old_submit_seq=g.submit_seq))
             elif self._expired.get(group_id):
                 # Completed, then evicted or expired: its responses are history, so this is the id
                 # used again (see above), a new incarnation, unless the registration says it is the
@@ -380,8 +400,16 @@ class DraftStore:
                 # Every remembered incarnation, not only the newest: after a run with another prompt
                 # reused the id in between, a straggler of the older run matched nothing newer and
                 # got a lone incarnation of the old prompt (review, session 27).
-                largest = self._same_run_reused(group_id, digest, group_size, epoch)
-                if largest:
+                # With the submission known on both sides it decides instead of the epoch: the same
+                # submit_seq is that run (a lost commit's retry dispatched above its epochs too),
+                # another is another run (a new run dispatched below them: the clock went back).
+                same = self._same_run_reused(group_id, digest, group_size, epoch, submit_seq)
+                if same is not None:
+                    largest, by_seq = same
+                    if by_seq:
+                        raise FailedPrecondition(
+                            f"group {group_id!r} completed (its responses are history) and expired; submit_seq "
+                            f"{submit_seq} is of that run: nothing to draft for", field="submit_seq")
                     raise FailedPrecondition(
                         f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
                         f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
@@ -398,7 +426,7 @@ class DraftStore:
                 index.add_history(r)
             iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
             self._add_group(_Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
-                                   _incarnation(), len(history), digest))
+                                   _incarnation(), len(history), digest, submit_seq))
             if self._expired.pop(group_id, None) is not None:
                 self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
@@ -782,7 +810,7 @@ class DraftStore:
         known = self._reused.pop(g.group_id, b"")
         if known:
             self._remembered_bytes -= _REUSED_ID_BYTES + len(g.group_id) + len(known)
-        newest = _REUSED.pack(g.incarnation, max(g.epochs.values(), default=0), g.digest, g.group_size)
+        newest = _REUSED.pack(g.incarnation, max(g.epochs.values(), default=0), g.digest, g.group_size, g.submit_seq)
         entry = (known + newest)[-_REUSED_PER_ID * _REUSED.size :]
         self._reused[g.group_id] = entry
         self._remembered_bytes += _REUSED_ID_BYTES + len(g.group_id) + len(entry)
@@ -793,20 +821,27 @@ class DraftStore:
     def _reused_epoch(self, group_id: str, incarnation: int) -> int | None:
         """The largest epoch of the id's completed incarnation `incarnation`, None when it is not
         remembered as one (caller holds the lock)."""
-        for inc, epoch, _digest, _size in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
+        for inc, epoch, _digest, _size, _seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
             if inc == incarnation:
                 return int(epoch)
         return None
 
-    def _same_run_reused(self, group_id: str, digest: int, group_size: int, epoch: int) -> int:
-        """The largest epoch of a remembered completed incarnation of the id that this registration
-        belongs to (the same prompt and key by digest, an agreeing size: 0 agrees with any, and an
-        epoch from 1 to that incarnation's largest); 0 when none. Caller holds the lock."""
-        for _inc, largest, old_digest, old_size in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
-            same_size = _sizes_agree(group_size, old_size)
-            if 0 < epoch <= largest and digest == old_digest and same_size:
-                return int(largest)
-        return 0
+    def _same_run_reused(self, group_id: str, digest: int, group_size: int, epoch: int,
+                         submit_seq: int) -> tuple[int, bool] | None:
+        """(largest epoch, judged by submit_seq) of a remembered completed incarnation of the id
+        that this registration belongs to; None when none. Belongs: the same prompt and key by
+        digest and an agreeing size (0 agrees with any), and then, where the registration and the
+        incarnation both carry a submit_seq, the same one (whatever the epoch), else an epoch from 1
+        to that incarnation's largest. Caller holds the lock."""
+        for _inc, largest, old_digest, old_size, old_seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
+            if digest != old_digest or not _sizes_agree(group_size, old_size):
+                continue  # another prompt, key or size: another run whatever else
+            if submit_seq and old_seq:
+                if submit_seq == old_seq:
+                    return int(largest), True
+            elif 0 < epoch <= largest:
+                return int(largest), False
+        return None
 
     def _new_group_bytes(self, prompt_len: int, prompt_key: str) -> int:
         """An upper bound of a new group's memory: its fixed structures, its index of the prompt and

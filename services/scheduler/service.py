@@ -1093,6 +1093,10 @@ class Dispatcher:
             group_size=item.group_size,
             fetch_kv=d.fetch_kv,
             dispatch_epoch=r.last_epoch,
+            # The batch's submission (unique per submission, durable in the buffer): the worker
+            # registers the draft group with it, which tells a resubmitted batch id's new run from
+            # a retry of the old one where dispatch epochs cannot (a clock gone back, a lost commit).
+            submit_seq=item.submit_seq,
         )
 
     def _run_chunk(self, d: Dispatch, r: TrackedRequest, w: WorkerState, token: int) -> None:

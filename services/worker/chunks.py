@@ -33,6 +33,9 @@ class ChunkJob:
     group_size: int = 1
     fetch_kv: bool = False
     dispatch_epoch: int = 0  # orders the request's attempts (RunChunkRequest.dispatch_epoch; 0 = unordered)
+    # The buffer's submission of the batch (RunChunkRequest.submit_seq; 0 = unknown): registered with
+    # the draft group, it tells a resubmitted batch id's new run from a retry of the old run.
+    submit_seq: int = 0
 
 
 @dataclass(frozen=True)

@@ -1518,7 +1518,8 @@ class Worker:
                 self._registered_groups.move_to_end(job.group_id)
                 try:
                     draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
-                                           int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
+                                           int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch,
+                                           submit_seq=job.submit_seq)
                 except Exception:
                     log.warning("draft register_attempt failed", exc_info=True)
                 return
@@ -1537,7 +1538,8 @@ class Worker:
                 # on its own). Registered as 1 before session 27, such a group completed at its first finish, and
                 # with dispatch epochs every later request started a new run.
                 draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
-                                       int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch)
+                                       int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch,
+                                       submit_seq=job.submit_seq)
             except Exception:
                 # Drafting degrades to nothing for this group; generation itself is unaffected.
                 log.warning("draft register_attempt failed", exc_info=True)

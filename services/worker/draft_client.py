@@ -121,12 +121,16 @@ class _Mirror:
     # The newest dispatch epoch a registration of this mirror asked for (sent as
     # RegisterGroupRequest.epoch with its next RegisterGroup; 0 = unknown).
     register_epoch: int = 0
+    # The batch submission (RunChunkRequest.submit_seq) of the run this mirror registered for, sent
+    # as RegisterGroupRequest.submit_seq (0 = unknown: the epoch alone tells runs apart).
+    submit_seq: int = 0
     # A RegisterGroup to send again although the mirror is registered, as (prompt_key, prompt,
-    # group_size, ttl_seconds): an attempt newer than any the mirror registered for writes into a
-    # group that may have completed on the server (register_attempt, _on_refused), so it may be
-    # another run's (a resubmitted batch id); the server tells by the epoch. The group's appends
-    # and Syncs wait for it (sent first, they would go to, or be refused by, the old run's group).
-    reregister: tuple[str, tuple[int, ...], int, int] | None = None
+    # group_size, ttl_seconds, submit_seq): an attempt of another submission, or one newer than any
+    # the mirror registered for, writes into a group that may have completed on the server
+    # (register_attempt, _on_refused), so it may be another run's (a resubmitted batch id); the
+    # server tells by the submission or the epoch. The group's appends and Syncs wait for it (sent
+    # first, they would go to, or be refused by, the old run's group).
+    reregister: tuple[str, tuple[int, ...], int, int, int] | None = None
 
     def newest_epoch(self) -> int:
         """The newest dispatch epoch this mirror registered for or ran an attempt at (0: none)."""
@@ -232,7 +236,7 @@ class DraftClient:
 
     def register_attempt(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-        ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
+        ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0, submit_seq: int = 0,
     ) -> None:
         """register_group for a chunk of `request_id` at dispatch `epoch` (RunChunkRequest.dispatch_epoch;
         0 = unknown) starting here; the worker core calls it for every chunk (local, no RPC unless
@@ -246,28 +250,39 @@ class DraftClient:
         prompt, key or group size than the mirror's. A later chunk of a group this
         worker registered for the same run costs nothing. A stale mirror that knows neither (a
         sibling's finish not synced yet) learns it from the refusal of the new attempt's first
-        append (_on_refused), and registers then."""
+        append (_on_refused), and registers then.
+
+        submit_seq (RunChunkRequest.submit_seq; 0 = unknown): with the mirror's known too, it
+        decides as the server does (RegisterGroupRequest.submit_seq), whatever the epochs: another
+        submission is another run (registered again at once, whatever the epoch: a new run after
+        the scheduler's clock went back has lower ones), the same one is the mirror's run (a retry
+        at a newer epoch, a lost commit's: nothing sent, the server would answer idempotent)."""
         with self._lock:
             m = self._groups.get(group_id)
             if m is not None:
+                seqs_known = bool(submit_seq and m.submit_seq)
                 if not m.completed or m.active:
                     m.releasing = False  # wanted again before its queued appends went out
-                    if epoch <= m.register_epoch:
+                    other_seq = seqs_known and submit_seq != m.submit_seq
+                    if epoch <= m.register_epoch and not other_seq:
                         return
-                    # Another prompt, key or size is another run for sure (every worker of a run
-                    # registers the batch's); the first two cases are the ones the same values
-                    # may be another run in.
+                    # Another prompt, key, size or submission is another run for sure (every
+                    # worker of a run registers the batch's); the first two cases are the ones the
+                    # same values may be another run in, when the submissions are not both known.
                     other = (prompt_key != m.prompt_key or group_size != m.group_size
-                             or tuple(prompt_token_ids) != m.prompt)
-                    if not (m.completed or request_id in m.done or other):
+                             or tuple(prompt_token_ids) != m.prompt or other_seq)
+                    if not other and (seqs_known or not (m.completed or request_id in m.done)):
                         return
                     self._reregister_locked(group_id, m, request_id, epoch, (
-                        prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds)))
+                        prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds),
+                        submit_seq))
                     return
-                if 0 < epoch <= m.newest_epoch():
-                    # Completed, and this attempt is of its run (an epoch this mirror already
-                    # registered or ran: a retried chunk): the same incarnation, kept. Replaced, it
-                    # would register again, and the server would take it for the id used again.
+                same_run = submit_seq == m.submit_seq if seqs_known else 0 < epoch <= m.newest_epoch()
+                if same_run:
+                    # Completed, and this attempt is of its run (the same submission or, without
+                    # one, an epoch this mirror already registered or ran: a retried chunk): the
+                    # same incarnation, kept. Replaced, it would register again, and the server
+                    # would take it for the id used again (by the epoch rule).
                     # Wanted again, as above: left marked for release, it would be dropped at the
                     # next tick while the chunk runs on it.
                     m.releasing = False
@@ -277,7 +292,8 @@ class DraftClient:
                 log.info("draft group completed; mirror replaced for its id used again", extra=kv(group_id=group_id))
             prompt = tuple(int(t) for t in prompt_token_ids)
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
-                                             group_size, int(ttl_seconds), register_epoch=epoch)
+                                             group_size, int(ttl_seconds), register_epoch=epoch,
+                                             submit_seq=submit_seq)
             self._enforce_budget_locked()
         self._wake.set()
 
@@ -509,9 +525,9 @@ class DraftClient:
     def _register_pending(self) -> None:
         assert self._stub is not None
         with self._lock:
-            todo = [(gid, m, m.reregister or (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds), m.register_epoch)
-                    for gid, m in self._groups.items() if not m.ready]
-        for gid, m, (key, prompt, size, ttl), epoch in todo:
+            todo = [(gid, m, m.reregister or (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq),
+                     m.register_epoch) for gid, m in self._groups.items() if not m.ready]
+        for gid, m, (key, prompt, size, ttl, seq), epoch in todo:
             with self._lock:
                 # Sent with the newest attempt this mirror ran too (register_epoch is only the
                 # registrations'): re-creating a group the server lost, a completed one that expired
@@ -520,7 +536,8 @@ class DraftClient:
             try:
                 resp = self._stub.RegisterGroup(
                     draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=key, prompt_token_ids=prompt,
-                                                   ttl_seconds=ttl, group_size=size, epoch=sent),
+                                                   ttl_seconds=ttl, group_size=size, epoch=sent,
+                                                   submit_seq=seq),
                     timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -547,6 +564,10 @@ class DraftClient:
                 m.registered = True
                 if m.register_epoch == epoch:
                     m.reregister = None  # (a newer attempt's asked meanwhile: sent next tick)
+                if seq:
+                    # The run the server judged this registration by: later chunks of it are the
+                    # mirror's run (register_attempt).
+                    m.submit_seq = seq
                 if resp.created and (key, prompt, size) != (m.prompt_key, m.prompt, m.group_size):
                     # A new incarnation of another registration (the id used again with another
                     # prompt or size): the mirror follows it from its next Sync (reset), rebuilt
@@ -640,7 +661,7 @@ class DraftClient:
                 # and the new incarnation never completed); only a newer epoch registers again.
                 if a.epoch > m.register_epoch:
                     self._reregister_locked(a.group_id, m, a.request_id, a.epoch,
-                                            (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds))
+                                            (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq))
                 return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
@@ -665,7 +686,7 @@ class DraftClient:
                     extra=kv(group_id=a.group_id, request_id=a.request_id))
 
     def _reregister_locked(self, gid: str, m: _Mirror, request_id: str, epoch: int,
-                           registration: tuple[str, tuple[int, ...], int, int]) -> None:
+                           registration: tuple[str, tuple[int, ...], int, int, int]) -> None:
         """Queues RegisterGroup again for a newer attempt (`epoch`) of a group that may have
         completed on the server (register_attempt, _on_refused): the server tells by the epoch
         whether it is another run (a new incarnation) or this one (idempotent). The group's
@@ -729,7 +750,7 @@ class DraftClient:
                 # resend the old run's responses too.
                 if m.reregister is None:
                     self._reregister_locked(gid, m, "", newest, (m.prompt_key, m.prompt, m.group_size,
-                                                                m.ttl_seconds))
+                                                                m.ttl_seconds, m.submit_seq))
                 return
             del self._groups[gid]
             log.info("draft group gone on the server; mirror released", extra=kv(group_id=gid))

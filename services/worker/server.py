@@ -67,6 +67,7 @@ def job_from_proto(req: worker_pb2.RunChunkRequest) -> ChunkJob:
         group_size=int(req.group_size),
         fetch_kv=bool(req.fetch_kv),
         dispatch_epoch=int(req.dispatch_epoch),
+        submit_seq=int(req.submit_seq),
     )
 
 

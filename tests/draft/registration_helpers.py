@@ -23,11 +23,12 @@ def stub_fixture(draft_server: tuple[RunningServer, DraftStore], draft_stub: dra
 
 
 def register(s: draft_pb2_grpc.DraftServiceStub, gid: str, epoch: int, *, key: str = "key",
-             prompt: tuple[int, ...] = (1, 2, 3), size: int = 2) -> bool:
-    """RegisterGroup (TTL 60 s); whether it created the group (a new incarnation)."""
+             prompt: tuple[int, ...] = (1, 2, 3), size: int = 2, seq: int = 0) -> bool:
+    """RegisterGroup (TTL 60 s; `seq`: its submit_seq, 0 = unknown); whether it created the group
+    (a new incarnation)."""
     return s.RegisterGroup(draft_pb2.RegisterGroupRequest(
         group_id=gid, prompt_key=key, prompt_token_ids=prompt, ttl_seconds=60, group_size=size,
-        epoch=epoch)).created
+        epoch=epoch, submit_seq=seq)).created
 
 
 def expire(store: DraftStore) -> None:

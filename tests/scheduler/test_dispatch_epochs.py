@@ -128,3 +128,17 @@ def test_an_unwritable_epoch_file_logs_and_dispatch_goes_on(tmp_path: Path, capl
         a, b = c.next(), c.next()
     assert a < b
     assert sum("dispatch epoch floor" in r.getMessage() for r in caplog.records) == 1  # once per reserve
+
+
+def test_the_chunk_request_carries_the_batch_submit_seq(make_rig: Callable[..., Any]) -> None:
+    """RunChunkRequest.submit_seq is the item's (the buffer's submission of the batch): the worker
+    registers the draft group with it, which tells a resubmitted batch id's new run from a retry of
+    the old run where dispatch epochs cannot (a clock gone back, a lost commit's retry)."""
+    t = make_rig(policy="divided")
+    t.register("w0")
+    t.run()
+    it = item("a")
+    it.submit_seq = 77
+    t.d._add_items([it])
+    wait_for(lambda: len(t.workers.requests) >= 1)
+    assert all(req.submit_seq == 77 for _wid, req in t.workers.requests)

@@ -12,7 +12,7 @@ class NullDraft:
     """A DraftSource with nothing to draft from: every call but propose is accepted and ignored."""
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int, *, request_id: str = "", epoch: int = 0) -> None:
+                         ttl_seconds: int, *, request_id: str = "", epoch: int = 0, submit_seq: int = 0) -> None:
         pass
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],

@@ -113,7 +113,7 @@ class ChainDrafter(NullDraft):
         self.attempts: list[tuple[str, str]] = []
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int, *, request_id: str = "", epoch: int = 0) -> None:
+                         ttl_seconds: int, *, request_id: str = "", epoch: int = 0, submit_seq: int = 0) -> None:
         self.attempts.append((group_id, request_id))
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],

@@ -119,20 +119,22 @@ class SeedHistoryResponse(_message.Message):
     def __init__(self, num_responses: _Optional[int] = ...) -> None: ...
 
 class RegisterGroupRequest(_message.Message):
-    __slots__ = ("group_id", "prompt_key", "prompt_token_ids", "ttl_seconds", "group_size", "epoch")
+    __slots__ = ("group_id", "prompt_key", "prompt_token_ids", "ttl_seconds", "group_size", "epoch", "submit_seq")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_key: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ttl_seconds: int
     group_size: int
     epoch: int
-    def __init__(self, group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ..., group_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    submit_seq: int
+    def __init__(self, group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ..., group_size: _Optional[int] = ..., epoch: _Optional[int] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class RegisterGroupResponse(_message.Message):
     __slots__ = ("created", "history_responses")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from seer.v1 import common_pb2 as seer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14seer/v1/worker.proto\x12\x07seer.v1\x1a\x14seer/v1/common.proto\"\xdd\x02\n\x0fRunChunkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\nprompt_key\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\x05\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12)\n\x08sampling\x18\n \x01(\x0b\x32\x17.seer.v1.SamplingParams\x12\x16\n\x0epolicy_version\x18\x0b \x01(\x03\x12\x10\n\x08is_probe\x18\x0c \x01(\x08\x12\x12\n\ngroup_size\x18\r \x01(\x05\x12\x10\n\x08\x66\x65tch_kv\x18\x0e \x01(\x08\x12\x16\n\x0e\x64ispatch_epoch\x18\x0f \x01(\x04\"1\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"u\n\tChunkDone\x12,\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x15.seer.v1.FinishReason\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.seer.v1.ChunkStats\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"f\n\x10RunChunkResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x13.seer.v1.TokenDeltaH\x00\x12\"\n\x04\x64one\x18\x02 \x01(\x0b\x32\x12.seer.v1.ChunkDoneH\x00\x42\x07\n\x05\x65vent\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64ispatch_epoch\x18\x02 \x01(\x04\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"5\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"7\n\x13LoadWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x17\n\x15GetWorkerStatsRequest\"\xb1\x03\n\x16GetWorkerStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0etotal_kv_pages\x18\x02 \x01(\x05\x12\x15\n\rfree_kv_pages\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\t \x03(\x03\x12\x1d\n\x15proposed_per_position\x18\n \x03(\x03\x12\x16\n\x0eprefill_tokens\x18\x0b \x01(\x03\x12\x15\n\rcached_tokens\x18\x0c \x01(\x03\x12\x18\n\x10kv_loaded_tokens\x18\r \x01(\x03\x12\x1b\n\x13kv_recomputed_pages\x18\x0e \x01(\x03\x12\x14\n\x0ckv_refetches\x18\x0f \x01(\x03\x12\x16\n\x0einvalid_drafts\x18\x10 \x01(\x03\x12\x1b\n\x13kv_releases_dropped\x18\x11 \x01(\x03\x32\xa7\x02\n\rWorkerService\x12\x41\n\x08RunChunk\x12\x18.seer.v1.RunChunkRequest\x1a\x19.seer.v1.RunChunkResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.seer.v1.AbortRequest\x1a\x16.seer.v1.AbortResponse\x12H\n\x0bLoadWeights\x12\x1b.seer.v1.LoadWeightsRequest\x1a\x1c.seer.v1.LoadWeightsResponse\x12Q\n\x0eGetWorkerStats\x12\x1e.seer.v1.GetWorkerStatsRequest\x1a\x1f.seer.v1.GetWorkerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14seer/v1/worker.proto\x12\x07seer.v1\x1a\x14seer/v1/common.proto\"\xf1\x02\n\x0fRunChunkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x12\n\nprompt_key\x18\x04 \x01(\t\x12\x0b\n\x03seq\x18\x05 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\x05\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12)\n\x08sampling\x18\n \x01(\x0b\x32\x17.seer.v1.SamplingParams\x12\x16\n\x0epolicy_version\x18\x0b \x01(\x03\x12\x10\n\x08is_probe\x18\x0c \x01(\x08\x12\x12\n\ngroup_size\x18\r \x01(\x05\x12\x10\n\x08\x66\x65tch_kv\x18\x0e \x01(\x08\x12\x16\n\x0e\x64ispatch_epoch\x18\x0f \x01(\x04\x12\x12\n\nsubmit_seq\x18\x10 \x01(\x04\"1\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"u\n\tChunkDone\x12,\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x15.seer.v1.FinishReason\x12\"\n\x05stats\x18\x02 \x01(\x0b\x32\x13.seer.v1.ChunkStats\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"f\n\x10RunChunkResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x13.seer.v1.TokenDeltaH\x00\x12\"\n\x04\x64one\x18\x02 \x01(\x0b\x32\x12.seer.v1.ChunkDoneH\x00\x42\x07\n\x05\x65vent\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x64ispatch_epoch\x18\x02 \x01(\x04\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"5\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"7\n\x13LoadWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x17\n\x15GetWorkerStatsRequest\"\xb1\x03\n\x16GetWorkerStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0etotal_kv_pages\x18\x02 \x01(\x05\x12\x15\n\rfree_kv_pages\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\t \x03(\x03\x12\x1d\n\x15proposed_per_position\x18\n \x03(\x03\x12\x16\n\x0eprefill_tokens\x18\x0b \x01(\x03\x12\x15\n\rcached_tokens\x18\x0c \x01(\x03\x12\x18\n\x10kv_loaded_tokens\x18\r \x01(\x03\x12\x1b\n\x13kv_recomputed_pages\x18\x0e \x01(\x03\x12\x14\n\x0ckv_refetches\x18\x0f \x01(\x03\x12\x16\n\x0einvalid_drafts\x18\x10 \x01(\x03\x12\x1b\n\x13kv_releases_dropped\x18\x11 \x01(\x03\x32\xa7\x02\n\rWorkerService\x12\x41\n\x08RunChunk\x12\x18.seer.v1.RunChunkRequest\x1a\x19.seer.v1.RunChunkResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.seer.v1.AbortRequest\x1a\x16.seer.v1.AbortResponse\x12H\n\x0bLoadWeights\x12\x1b.seer.v1.LoadWeightsRequest\x1a\x1c.seer.v1.LoadWeightsResponse\x12Q\n\x0eGetWorkerStats\x12\x1e.seer.v1.GetWorkerStatsRequest\x1a\x1f.seer.v1.GetWorkerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'seer.v1.worker_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNCHUNKREQUEST']._serialized_start=56
-  _globals['_RUNCHUNKREQUEST']._serialized_end=405
-  _globals['_TOKENDELTA']._serialized_start=407
-  _globals['_TOKENDELTA']._serialized_end=456
-  _globals['_CHUNKDONE']._serialized_start=458
-  _globals['_CHUNKDONE']._serialized_end=575
-  _globals['_RUNCHUNKRESPONSE']._serialized_start=577
-  _globals['_RUNCHUNKRESPONSE']._serialized_end=679
-  _globals['_ABORTREQUEST']._serialized_start=681
-  _globals['_ABORTREQUEST']._serialized_end=739
-  _globals['_ABORTRESPONSE']._serialized_start=741
-  _globals['_ABORTRESPONSE']._serialized_end=771
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=773
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=826
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=828
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=883
-  _globals['_GETWORKERSTATSREQUEST']._serialized_start=885
-  _globals['_GETWORKERSTATSREQUEST']._serialized_end=908
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=911
-  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1344
-  _globals['_WORKERSERVICE']._serialized_start=1347
-  _globals['_WORKERSERVICE']._serialized_end=1642
+  _globals['_RUNCHUNKREQUEST']._serialized_end=425
+  _globals['_TOKENDELTA']._serialized_start=427
+  _globals['_TOKENDELTA']._serialized_end=476
+  _globals['_CHUNKDONE']._serialized_start=478
+  _globals['_CHUNKDONE']._serialized_end=595
+  _globals['_RUNCHUNKRESPONSE']._serialized_start=597
+  _globals['_RUNCHUNKRESPONSE']._serialized_end=699
+  _globals['_ABORTREQUEST']._serialized_start=701
+  _globals['_ABORTREQUEST']._serialized_end=759
+  _globals['_ABORTRESPONSE']._serialized_start=761
+  _globals['_ABORTRESPONSE']._serialized_end=791
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=793
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=846
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=848
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=903
+  _globals['_GETWORKERSTATSREQUEST']._serialized_start=905
+  _globals['_GETWORKERSTATSREQUEST']._serialized_end=928
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_start=931
+  _globals['_GETWORKERSTATSRESPONSE']._serialized_end=1364
+  _globals['_WORKERSERVICE']._serialized_start=1367
+  _globals['_WORKERSERVICE']._serialized_end=1662
 # @@protoc_insertion_point(module_scope)

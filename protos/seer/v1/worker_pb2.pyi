@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunChunkRequest(_message.Message):
-    __slots__ = ("request_id", "batch_id", "group_id", "prompt_key", "seq", "prompt_token_ids", "output_token_ids", "max_new_tokens", "max_tokens", "sampling", "policy_version", "is_probe", "group_size", "fetch_kv", "dispatch_epoch")
+    __slots__ = ("request_id", "batch_id", "group_id", "prompt_key", "seq", "prompt_token_ids", "output_token_ids", "max_new_tokens", "max_tokens", "sampling", "policy_version", "is_probe", "group_size", "fetch_kv", "dispatch_epoch", "submit_seq")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class RunChunkRequest(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     FETCH_KV_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     batch_id: str
     group_id: str
@@ -39,7 +40,8 @@ class RunChunkRequest(_message.Message):
     group_size: int
     fetch_kv: bool
     dispatch_epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., is_probe: _Optional[bool] = ..., group_size: _Optional[int] = ..., fetch_kv: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ...) -> None: ...
+    submit_seq: int
+    def __init__(self, request_id: _Optional[str] = ..., batch_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., seq: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., policy_version: _Optional[int] = ..., is_probe: _Optional[bool] = ..., group_size: _Optional[int] = ..., fetch_kv: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "logprobs")
