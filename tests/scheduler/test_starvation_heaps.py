@@ -45,22 +45,24 @@ def _expected_heaps(s: Starvation) -> tuple[set[tuple[int, int]], set[tuple[int,
 
 
 class _Compactions:
-    """Untracks through the one path that rebuilds the heaps, and checks each rebuild: untrack
-    removes nothing from a heap otherwise, so a heap that shrank was rebuilt, and then it must hold
-    exactly the live entries."""
+    """Untracks through the one path that rebuilds the heaps, and checks each rebuild: then the
+    heap must hold exactly the live entries. A rebuild is told by the heap being a new list
+    (Starvation._compact assigns one), not by its shrinking: clocks stopping pushes entries back
+    on the rebuilt unpostponed heap in the same untrack, which can leave it no shorter."""
 
     def __init__(self) -> None:
         self.starved = 0
         self.unpostponed = 0
 
     def untrack(self, s: Starvation, sid: int) -> bool:
-        before = len(s._starved_heap), len(s._unpostponed)
+        # The old lists are held here, so identity cannot be fooled by a reused id.
+        before = s._starved_heap, s._unpostponed
         stopped = s.untrack(sid)
         starved_want, unpostponed_want = _expected_heaps(s)
-        if len(s._starved_heap) < before[0]:
+        if s._starved_heap is not before[0]:
             self.starved += 1
             assert sorted((e[1], e[2]) for e in s._starved_heap) == sorted(starved_want)
-        if len(s._unpostponed) < before[1]:
+        if s._unpostponed is not before[1]:
             self.unpostponed += 1
             assert sorted(s._unpostponed) == sorted(unpostponed_want)
         return stopped
@@ -147,15 +149,24 @@ def test_bulk_clean_up_keeps_exactly_the_live_entries() -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_churn_keeps_the_heaps_exact_and_bounded(seed: int) -> None:
-    """Thousands of submissions come and go in any order, with first dispatches and the newest
-    running one ending (clocks stop: entries pushed back on the unpostponed heap): after every
-    step no live entry is missing and the heaps stay within the compaction bound; the starved
-    request found from the heap's top is the one a scan of every record finds."""
+    """Thousands of submissions come and go in any order, with first dispatches, the newest
+    running one ending (clocks stop: entries pushed back on the unpostponed heap), and requests
+    dispatched while still tracked (their wait dies) that wait again later: a postponed
+    submission with nothing waiting is dropped from the starved heap when read, and its next wait
+    must push it back. After every step no live entry is missing and the heaps stay within the
+    compaction bound; the starved request found from the heap's top is the one a scan of every
+    record finds."""
     rnd = random.Random(seed)
     r = _Rig()
     s = r.s
     tracked: dict[int, list[str]] = {}
     c = _Compactions()
+    repushed = 0  # waits of a postponed submission that had been dropped from the starved heap
+
+    def check() -> None:
+        _check_invariants(s)
+        assert s.starved_entry(r.t) == _naive_starved(s, r.t)
+
     for step in range(4000):
         r.t += rnd.random()
         # Phases of growth and of shrinking, so that dead entries come to dominate both heaps.
@@ -178,9 +189,34 @@ def test_random_churn_keeps_the_heaps_exact_and_bounded(seed: int) -> None:
             if not tracked[sid]:
                 del tracked[sid]
             c.untrack(s, sid)
-        _check_invariants(s)
-        assert s.starved_entry(r.t) == _naive_starved(s, r.t)
+        check()
+        # Besides (a draw of its own, so the mix above that makes both heaps compact is kept):
+        # a request dispatched while it stays tracked, and one such waiting again later.
+        extra = rnd.random()
+        if extra < 0.15 and tracked:
+            # Its wait dies. Of a postponed submission (below the newest that ran, so no new top:
+            # first dispatches stay the op above's), which so comes to have nothing waiting:
+            # starved_entry then drops it from the starved heap when it reaches the top.
+            postponed = [i for i in sorted(tracked) if s._subs[i].newer_since is not None]
+            sid = rnd.choice(postponed) if postponed else -1
+            waiting = [rid for rid in tracked.get(sid, []) if rid in r.live]
+            if waiting:
+                r.live.pop(rnd.choice(waiting))
+                s.dispatched(sid, r.t)
+                check()
+        elif extra < 0.25:
+            # A dispatched request (its chunk done) waits again: a submission dropped from the
+            # starved heap must be pushed back, or its starved request is hidden for ever.
+            idle = [(sid, rid) for sid, rids in tracked.items() for rid in rids if rid not in r.live]
+            if idle:
+                sid, rid = rnd.choice(idle)
+                sub = s._subs[sid]
+                repushed += sub.newer_since is not None and not sub.in_heap
+                r.wait(sid, rid)
+                assert sub.newer_since is None or sub.in_heap, sid
+                check()
     assert c.starved > 0 and c.unpostponed > 0  # both bulk paths ran (and were checked exact)
+    assert repushed > 0  # the drop-and-push-again path ran (and was checked)
 
 
 def _naive_starved(s: Starvation, now: float) -> WaitEntry | None:
