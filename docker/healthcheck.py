@@ -1,9 +1,10 @@
 """Container healthcheck: asks the gRPC health service (grpc.health.v1) whether the server is SERVING.
 
 Usage: python /opt/seer/healthcheck.py [ADDRESS] [--service NAME] [--timeout SECONDS]
-ADDRESS defaults to 127.0.0.1:$SEER_<SERVICE>_PORT where SERVICE comes from $SEER_IMAGE_SERVICE (set
-by the image). Exit 0 when SERVING, 1 otherwise (compose and Docker read only the exit code; the
-reason goes to stdout, which `docker inspect` shows).
+ADDRESS defaults to $SEER_<SERVICE>_HOST:$SEER_<SERVICE>_PORT (127.0.0.1 for a wildcard or unset
+host) where SERVICE comes from $SEER_IMAGE_SERVICE (set by the image). Exit 0 when SERVING, 1
+otherwise (compose and Docker read only the exit code; the reason goes to stdout, which `docker
+inspect` shows).
 """
 
 from __future__ import annotations
@@ -16,10 +17,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def dial_host(host: str) -> str:
+    """Where to reach a server bound to `host`: loopback for a wildcard (it binds every address)
+    or none set; an IPv6 literal bracketed; any other host as given (a server bound to one
+    interface's address does not answer on 127.0.0.1)."""
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if literal in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{literal}]" if ":" in literal else literal
+
+
 def default_address() -> str:
     service = os.environ.get("SEER_IMAGE_SERVICE", "")
-    port = os.environ.get(f"SEER_{service.upper()}_PORT", "50051") if service else "50051"
-    return f"127.0.0.1:{port}"
+    if not service:
+        return "127.0.0.1:50051"
+    port = os.environ.get(f"SEER_{service.upper()}_PORT", "50051")
+    return f"{dial_host(os.environ.get(f'SEER_{service.upper()}_HOST', ''))}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
