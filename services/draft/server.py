@@ -36,6 +36,8 @@ def delta_to_pb(d: GroupDelta) -> draft_pb2.GroupDelta:
         reset=d.reset,
         reused=d.reused,
         reused_epoch=d.reused_epoch,
+        reused_submit_seq=d.reused_submit_seq,
+        submit_seq=d.submit_seq,
         expired=d.expired,
     )
 

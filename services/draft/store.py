@@ -35,7 +35,9 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   resubmitted batch id), the reset also says reused=True: the caller's old responses are another
   run's and must not be resent. It carries reused_epoch, the largest append epoch the old
   incarnation took: the caller's requests of a larger epoch are the new run's (dispatched after the
-  resubmission), even the ones that ended on its stale mirror. After a restart nothing is known of
+  resubmission), even the ones that ended on its stale mirror; and reused_submit_seq (the old
+  incarnation's submit_seq) with submit_seq (the new one's), which decide instead where known (a
+  new run after the scheduler's clock went back has epochs at most reused_epoch). After a restart nothing is known of
   older incarnations: reused is False and the workers resend their responses (the same run's,
   re-creating the group).
 - seed_history(key, iteration, responses) is idempotent per response (HistoryStore.add: a response
@@ -137,6 +139,11 @@ class GroupDelta:
     # With reused: the largest append epoch the caller's incarnation took (0 = unknown): the
     # caller's requests of a larger epoch are the new run's.
     reused_epoch: int = 0
+    # With reused: the submit_seq of the caller's incarnation (0 = unknown). With reset: this
+    # incarnation's (0 = unknown). Known on both sides, they decide which of the caller's requests
+    # are the new run's, whatever the epochs (a clock gone back gives a new run lower ones).
+    reused_submit_seq: int = 0
+    submit_seq: int = 0
     expired: bool = False  # with gone: expired or evicted here (not lost in a restart)
 
 
@@ -745,7 +752,10 @@ class DraftStore:
                     old = self._reused_epoch(gid, inc) if reset else None
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt,
                                           tuple(g.index.history_tokens(g.history_count)), incarnation=g.incarnation,
-                                          reset=reset, reused=old is not None, reused_epoch=old or 0))
+                                          reset=reset, reused=old is not None,
+                                          reused_epoch=old[0] if old else 0,
+                                          reused_submit_seq=old[1] if old else 0,
+                                          submit_seq=g.submit_seq if reset else 0))
                 else:
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log[wm - 1 :]), incarnation=g.incarnation))
         return out
@@ -818,12 +828,12 @@ class DraftStore:
             gid, dropped = self._reused.popitem(last=False)
             self._remembered_bytes -= _REUSED_ID_BYTES + len(gid) + len(dropped)
 
-    def _reused_epoch(self, group_id: str, incarnation: int) -> int | None:
-        """The largest epoch of the id's completed incarnation `incarnation`, None when it is not
-        remembered as one (caller holds the lock)."""
-        for inc, epoch, _digest, _size, _seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
+    def _reused_epoch(self, group_id: str, incarnation: int) -> tuple[int, int] | None:
+        """(largest epoch, submit_seq) of the id's completed incarnation `incarnation`, None when
+        it is not remembered as one (caller holds the lock)."""
+        for inc, epoch, _digest, _size, seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
             if inc == incarnation:
-                return int(epoch)
+                return int(epoch), int(seq)
         return None
 
     def _same_run_reused(self, group_id: str, digest: int, group_size: int, epoch: int,

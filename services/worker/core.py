@@ -483,6 +483,7 @@ class Worker:
                 group_size=job.group_size,
                 is_probe=job.is_probe,
                 dispatch_epoch=job.dispatch_epoch,
+                submit_seq=job.submit_seq,
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
@@ -1132,6 +1133,7 @@ class Worker:
             group_size=job.group_size,  # as sent: 0 = unknown
             is_probe=job.is_probe,
             dispatch_epoch=job.dispatch_epoch,
+            submit_seq=job.submit_seq,
         )
 
     def _engine_has(self, request_id: str) -> bool:

@@ -25,9 +25,10 @@ server restarted, or the group was created again) is rebuilt from the server's w
 this worker's own responses are sent again, unless the mirror's incarnation completed (as far as
 the mirror knows, or the reset says reused: the server saw that incarnation complete before another
 run registered the id again); then only the new run's requests go to the new one: those whose
-attempt here has a dispatch epoch above the reset's reused_epoch (the largest epoch the old
-incarnation took), running or ended already on the stale mirror, or, without epochs, those running
-here now. Every append
+attempt here came with the new incarnation's submission (GroupDelta.submit_seq; with only the
+reused one's known, reused_submit_seq, any other), whatever the epochs; else those whose attempt
+here has a dispatch epoch above the reset's reused_epoch (the largest epoch the old incarnation
+took), running or ended already on the stale mirror, or, without epochs, those running here now. Every append
 carries the incarnation its tokens were generated under (0 while the mirror has none: not synced
 yet, or started over to re-create a lost group), so a late append of an old incarnation never
 lands in a group id registered again (a resubmitted batch id brings the same group and request
@@ -113,7 +114,20 @@ class _Mirror:
     releasing: bool = False  # released by the worker; kept until its queued appends are acknowledged
     # GroupDelta.reused_epoch of a reused reset: an attempt running here with an epoch at most this
     # (1..old_run_epoch) is the old run's; its appends stay in the mirror, never sent to the new run.
+    # The fallback for requests without a known submission (see old_run_seqs).
     old_run_epoch: int = 0
+    # request -> the batch submission (RunChunkRequest.submit_seq) of this worker's newest attempt
+    # of it (register_attempt; absent = unknown). An attempt of another submission is another run's
+    # request under the same id (a resubmitted batch): its older epochs are dropped (resume keeps
+    # the largest, and the old run's would make the new run's attempt look like the old run's).
+    seqs: dict[str, int] = field(default_factory=dict)
+    # Submissions a reused reset showed to be no run of the incarnation followed now (the reused
+    # one's GroupDelta.reused_submit_seq, and those of our requests it judged not the new run's);
+    # seq_judged: a reused reset carried a submission (either side). Then a request of a known
+    # submission is the old run's by membership here, whatever its epoch (a new run after the
+    # scheduler's clock went back has epochs at most old_run_epoch); without, by old_run_epoch.
+    old_run_seqs: set[int] = field(default_factory=set)
+    seq_judged: bool = False
     # Requests whose copy here a Sync delta changed (another writer's tokens) since this worker's
     # attempt of them last started: not that attempt's copy, so a reused reset never resends one
     # as the new run's (on a stale mirror, the old run's response came over our ended attempt's).
@@ -260,6 +274,8 @@ class DraftClient:
         with self._lock:
             m = self._groups.get(group_id)
             if m is not None:
+                if request_id and submit_seq:
+                    self._note_submission_locked(m, request_id, submit_seq)
                 seqs_known = bool(submit_seq and m.submit_seq)
                 if not m.completed or m.active:
                     m.releasing = False  # wanted again before its queued appends went out
@@ -293,9 +309,31 @@ class DraftClient:
             prompt = tuple(int(t) for t in prompt_token_ids)
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
                                              group_size, int(ttl_seconds), register_epoch=epoch,
-                                             submit_seq=submit_seq)
+                                             submit_seq=submit_seq,
+                                             seqs={request_id: submit_seq} if request_id and submit_seq else {})
             self._enforce_budget_locked()
         self._wake.set()
+
+    @staticmethod
+    def _note_submission_locked(m: _Mirror, request_id: str, submit_seq: int) -> None:
+        """An attempt of `request_id` from batch submission `submit_seq` (nonzero) starts here
+        (caller holds the lock). Another submission than its last attempt's here is another run's
+        request under the same id: the old attempt's epoch goes (resume keeps the largest, and the
+        new run's may be lower, after the scheduler's clock went back)."""
+        known = m.seqs.get(request_id, 0)
+        if known and known != submit_seq:
+            m.epochs.pop(request_id, None)
+        m.seqs[request_id] = submit_seq
+
+    @staticmethod
+    def _old_run_locked(m: _Mirror, request_id: str) -> bool:
+        """The request's attempt here is of a run whose incarnation completed (a reused reset):
+        its appends stay local. By its submission where both it and a reset's are known, else by
+        epoch (old_run_epoch). Caller holds the lock."""
+        seq = m.seqs.get(request_id, 0)
+        if seq and m.seq_judged:
+            return seq in m.old_run_seqs
+        return 0 < m.epochs.get(request_id, 0) <= m.old_run_epoch
 
     def release_group(self, group_id: str) -> None:
         """Drops the mirror (the worker serves no request of the group any more). With appends still
@@ -342,8 +380,8 @@ class DraftClient:
         except InvalidArgument as e:
             log.warning("draft append dropped: %s", e, extra=kv(group_id=group_id, request_id=request_id))
             return
-        if 0 < m.epochs.get(request_id, 0) <= m.old_run_epoch:
-            # An attempt of the run whose incarnation completed (GroupDelta.reused_epoch) still
+        if self._old_run_locked(m, request_id):
+            # An attempt of the run whose incarnation completed (GroupDelta.reused_*) still
             # running here: its tokens are no response of the new incarnation (stamped with the
             # mirror's, they would land there); they stay local, for its own drafts.
             return
@@ -840,7 +878,8 @@ class DraftClient:
             # older incarnations) an incomplete mirror's responses are the same run's: resent.
             completed = m.completed or d.reused
             reused_epoch = d.reused_epoch if d.reused else 0
-            new_run = self._new_run_locked(m, reused_epoch) if completed else set()
+            reused_seq = d.reused_submit_seq if d.reused else 0
+            new_run = self._new_run_locked(m, reused_epoch, reused_seq, d.submit_seq) if completed else set()
             if completed and not new_run and not m.active:
                 del self._groups[d.group_id]
                 log.info("draft group completed; mirror released for its new incarnation",
@@ -858,6 +897,14 @@ class DraftClient:
                 m.own &= new_run
                 m.finished &= new_run
                 m.old_run_epoch = max(m.old_run_epoch, reused_epoch)
+                if reused_seq or d.submit_seq:
+                    # Judged by submission from here on (_old_run_locked): the reused run's, and
+                    # every submission of ours the reset found not the new run's.
+                    m.seq_judged = True
+                    if reused_seq:
+                        m.old_run_seqs.add(reused_seq)
+                    if d.submit_seq:
+                        m.old_run_seqs.update(q for q in m.seqs.values() if q != d.submit_seq)
             m.synced_over.clear()  # the copies kept are ours; the reply's deltas below mark again
         if m.watermark == 0 and not m.history_loaded:
             for h in d.history:
@@ -919,9 +966,13 @@ class DraftClient:
         return received
 
     @staticmethod
-    def _new_run_locked(m: _Mirror, reused_epoch: int) -> set[str]:
+    def _new_run_locked(m: _Mirror, reused_epoch: int, reused_seq: int = 0, new_seq: int = 0) -> set[str]:
         """Our requests of the run that registered the group id again, after our incarnation
-        completed (caller holds the lock). By dispatch epoch when both are known: the old run's
+        completed (caller holds the lock). By submission first, where the request's attempt here
+        came with one (RunChunkRequest.submit_seq): the new incarnation's (GroupDelta.submit_seq)
+        is the new run's, or, with only the reused one's known (reused_submit_seq), any other one;
+        whatever the epochs (a new run after the scheduler's clock went back has epochs at most
+        reused_epoch). Else by dispatch epoch when both are known: the old run's
         attempts all had epochs at most reused_epoch, the new run's were dispatched later, so with
         larger ones, whether they run here now or already ended on this stale mirror (a chunk
         ending at once on a complete output, a short chunk between two ticks: their appends of the
@@ -933,7 +984,13 @@ class DraftClient:
         keep: set[str] = set()
         for rid in m.own:
             epoch = m.epochs.get(rid, 0)
-            if reused_epoch and epoch:
+            seq = m.seqs.get(rid, 0)
+            if seq and (new_seq or reused_seq):
+                # Its copy must be that attempt's, as below.
+                if (seq == new_seq if new_seq else seq != reused_seq) and (
+                        rid in m.active or rid not in m.synced_over):
+                    keep.add(rid)
+            elif reused_epoch and epoch:
                 # Its copy must still be that attempt's: Sync of the old incarnation may have
                 # replaced it after the attempt ended here (the old run's finished response).
                 if epoch > reused_epoch and (rid in m.active or rid not in m.synced_over):

@@ -86,6 +86,10 @@ class GenerateRequest:
     # registers with it, as the worker does (with 0 the draft server cannot tell this run's attempt
     # from an old run's under a reused group id).
     dispatch_epoch: int = 0
+    # The buffer's submission of the request's batch (RunChunkRequest.submit_seq; 0 = unknown): an
+    # engine that registers the group on the draft server itself registers with it, as the worker
+    # does; it tells a resubmitted batch id's new run from the old run's retry whatever the epochs.
+    submit_seq: int = 0
 
 
 @dataclass(frozen=True)

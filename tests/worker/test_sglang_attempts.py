@@ -603,6 +603,24 @@ def test_the_plugin_gets_the_group_size_as_sent_and_the_dispatch_epoch(engine: s
         w.close()
 
 
+def test_the_plugin_gets_the_submission(engine: sg.SGLangEngine) -> None:
+    """The plugin's metadata carried no submit_seq (neither did GenerateRequest): SGLang-served
+    groups registered with 0 and the draft server judged them by epochs alone (a new run after the
+    scheduler's clock went back was refused as the old run's). The job's submit_seq reaches
+    custom_params through the worker core and the engine."""
+    w = Worker(engine, speculation=False).start()
+    try:
+        job = ChunkJob(request_id="b/0/0", prompt_token_ids=(1, 2, 3), max_new_tokens=2, max_tokens=2,
+                       sampling=GREEDY, policy_version=0, group_id="b/0", group_size=2, prompt_key="k",
+                       dispatch_epoch=7, submit_seq=42)
+        assert isinstance(list(w.submit(job).events())[-1], DoneEvent)
+        (params,) = engine._sgl.tokenizer_manager.params.values()
+        assert params["seer_submit_seq"] == 42
+        assert plugin.request_meta(params).submit_seq == 42
+    finally:
+        w.close()
+
+
 def test_an_abort_does_not_reach_a_retry_whose_sglang_id_it_prefixes(
         engine: sg.SGLangEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """LOW (review 3): SGLang's scheduler aborts every request whose rid starts with the aborted rid.

@@ -34,13 +34,16 @@ class _Recorder:
         self.client = DraftClient(None)
         self.calls: list[tuple[Any, ...]] = []
         self.epochs: list[tuple[str, str, int]] = []  # (call, request id, dispatch epoch)
+        self.submissions: list[tuple[str, int]] = []  # (request id, submit_seq) per registration
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0) -> None:
+                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
+                         submit_seq: int = 0) -> None:
         self.calls.append(("register", group_id, prompt_key, tuple(prompt_token_ids), group_size))
         self.epochs.append(("register", request_id, epoch))
+        self.submissions.append((request_id, submit_seq))
         self.client.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds,
-                                     request_id=request_id, epoch=epoch)
+                                     request_id=request_id, epoch=epoch, submit_seq=submit_seq)
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
         self.calls.append(("resume", request_id, tuple(output_token_ids)))
@@ -115,3 +118,22 @@ def test_the_plugins_registrations_carry_the_group_size_as_sent_and_the_dispatch
     bridge.verified("3#r", meta, PROMPT, [10], False)
     assert [c for c in rec.calls if c[0] == "register"] == [("register", "g", "key", PROMPT, 0)]
     assert rec.epochs == [("register", "r", 7), ("resume", "r", 7)]
+
+
+def test_the_plugins_registrations_carry_the_submission() -> None:
+    """The follower registered with submit_seq 0 (the plugin's metadata had none): the draft server
+    judged SGLang-served groups by epochs alone, and a new run after the scheduler's clock went back
+    was refused as the old run's. The submission round-trips through custom_params to the
+    registration and the mirror keeps it per request."""
+    rec = _Recorder()
+    bridge = DraftBridge(rec)
+    params = custom_params("g", "key", 2, False, request_id="r", output_offset=0, epoch=7, submit_seq=42)
+    assert params["seer_submit_seq"] == 42
+    meta = request_meta(params)
+    assert (meta.epoch, meta.submit_seq) == (7, 42)
+    assert request_meta(custom_params("g", "key", 2, False)).submit_seq == 0  # unknown: 0
+    assert request_meta({"seer_group_id": "g", "seer_submit_seq": -1}).submit_seq == 0
+    bridge.verified("3#r", meta, PROMPT, [10], False)
+    assert rec.submissions == [("r", 42)]
+    m = rec.client._groups["g"]
+    assert m.submit_seq == 42 and m.seqs == {"r": 42}

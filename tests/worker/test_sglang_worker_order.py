@@ -122,7 +122,8 @@ class _Sink:
         self.correct: dict[str, int] = {}
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0) -> None:
+                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
+                         submit_seq: int = 0) -> None:
         pass
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13seer/v1/draft.proto\x12\x07seer.v1\"\xa0\x01\n\rAppendRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"C\n\x0e\x41ppendResponse\x12\x17\n\x0f\x61ppended_tokens\x18\x01 \x01(\x04\x12\x18\n\x10\x64uplicate_tokens\x18\x02 \x01(\x04\"J\n\x0eGroupWatermark\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"j\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x10\n\x08truncate\x18\x05 \x01(\x08\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x86\x02\n\nGroupDelta\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\'\n\x07\x61ppends\x18\x03 \x03(\x0b\x32\x16.seer.v1.SequenceDelta\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\'\n\x07history\x18\x05 \x03(\x0b\x32\x16.seer.v1.TokenSequence\x12\x0c\n\x04gone\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\x0f\n\x07\x65xpired\x18\t \x01(\x08\x12\x0e\n\x06reused\x18\n \x01(\x08\x12\x14\n\x0creused_epoch\x18\x0b \x01(\x04\"6\n\x0bSyncRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.seer.v1.GroupWatermark\"3\n\x0cSyncResponse\x12#\n\x06groups\x18\x01 \x03(\x0b\x32\x13.seer.v1.GroupDelta\"f\n\x12SeedHistoryRequest\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x03\x12)\n\tresponses\x18\x03 \x03(\x0b\x32\x16.seer.v1.TokenSequence\",\n\x13SeedHistoryResponse\x12\x15\n\rnum_responses\x18\x01 \x01(\x05\"\xa2\x01\n\x14RegisterGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nprompt_key\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nsubmit_seq\x18\x07 \x01(\x04\"C\n\x15RegisterGroupResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x19\n\x11history_responses\x18\x02 \x01(\x05\"\x16\n\x14GetDraftStatsRequest\"\x88\x02\n\x15GetDraftStatsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x05\x12\x14\n\x0chistory_keys\x18\x02 \x01(\x05\x12\x16\n\x0eindexed_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x01\x12\x17\n\x0f\x65victed_history\x18\x07 \x01(\x03\x12\x16\n\x0e\x65xpired_groups\x18\x08 \x01(\x03\x12\x16\n\x0e\x65victed_groups\x18\t \x01(\x03\x12\x1c\n\x14remembered_ids_bytes\x18\n \x01(\x03\x32\xea\x02\n\x0c\x44raftService\x12;\n\x06\x41ppend\x12\x16.seer.v1.AppendRequest\x1a\x17.seer.v1.AppendResponse(\x01\x12\x33\n\x04Sync\x12\x14.seer.v1.SyncRequest\x1a\x15.seer.v1.SyncResponse\x12H\n\x0bSeedHistory\x12\x1b.seer.v1.SeedHistoryRequest\x1a\x1c.seer.v1.SeedHistoryResponse\x12N\n\rRegisterGroup\x12\x1d.seer.v1.RegisterGroupRequest\x1a\x1e.seer.v1.RegisterGroupResponse\x12N\n\rGetDraftStats\x12\x1d.seer.v1.GetDraftStatsRequest\x1a\x1e.seer.v1.GetDraftStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13seer/v1/draft.proto\x12\x07seer.v1\"\xa0\x01\n\rAppendRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bincarnation\x18\x08 \x01(\x04\"C\n\x0e\x41ppendResponse\x12\x17\n\x0f\x61ppended_tokens\x18\x01 \x01(\x04\x12\x18\n\x10\x64uplicate_tokens\x18\x02 \x01(\x04\"J\n\x0eGroupWatermark\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"j\n\rSequenceDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x10\n\x08truncate\x18\x05 \x01(\x08\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xb5\x02\n\nGroupDelta\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x11\n\twatermark\x18\x02 \x01(\x04\x12\'\n\x07\x61ppends\x18\x03 \x03(\x0b\x32\x16.seer.v1.SequenceDelta\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\'\n\x07history\x18\x05 \x03(\x0b\x32\x16.seer.v1.TokenSequence\x12\x0c\n\x04gone\x18\x06 \x01(\x08\x12\x13\n\x0bincarnation\x18\x07 \x01(\x04\x12\r\n\x05reset\x18\x08 \x01(\x08\x12\x0f\n\x07\x65xpired\x18\t \x01(\x08\x12\x0e\n\x06reused\x18\n \x01(\x08\x12\x14\n\x0creused_epoch\x18\x0b \x01(\x04\x12\x19\n\x11reused_submit_seq\x18\x0c \x01(\x04\x12\x12\n\nsubmit_seq\x18\r \x01(\x04\"6\n\x0bSyncRequest\x12\'\n\x06groups\x18\x01 \x03(\x0b\x32\x17.seer.v1.GroupWatermark\"3\n\x0cSyncResponse\x12#\n\x06groups\x18\x01 \x03(\x0b\x32\x13.seer.v1.GroupDelta\"f\n\x12SeedHistoryRequest\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x03\x12)\n\tresponses\x18\x03 \x03(\x0b\x32\x16.seer.v1.TokenSequence\",\n\x13SeedHistoryResponse\x12\x15\n\rnum_responses\x18\x01 \x01(\x05\"\xa2\x01\n\x14RegisterGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nprompt_key\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\r\x12\x12\n\ngroup_size\x18\x05 \x01(\x05\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\x12\n\nsubmit_seq\x18\x07 \x01(\x04\"C\n\x15RegisterGroupResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x19\n\x11history_responses\x18\x02 \x01(\x05\"\x16\n\x14GetDraftStatsRequest\"\x88\x02\n\x15GetDraftStatsResponse\x12\x0e\n\x06groups\x18\x01 \x01(\x05\x12\x14\n\x0chistory_keys\x18\x02 \x01(\x05\x12\x16\n\x0eindexed_tokens\x18\x03 \x01(\x03\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x03\x12\x1b\n\x13memory_budget_bytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x62ytes_per_token\x18\x06 \x01(\x01\x12\x17\n\x0f\x65victed_history\x18\x07 \x01(\x03\x12\x16\n\x0e\x65xpired_groups\x18\x08 \x01(\x03\x12\x16\n\x0e\x65victed_groups\x18\t \x01(\x03\x12\x1c\n\x14remembered_ids_bytes\x18\n \x01(\x03\x32\xea\x02\n\x0c\x44raftService\x12;\n\x06\x41ppend\x12\x16.seer.v1.AppendRequest\x1a\x17.seer.v1.AppendResponse(\x01\x12\x33\n\x04Sync\x12\x14.seer.v1.SyncRequest\x1a\x15.seer.v1.SyncResponse\x12H\n\x0bSeedHistory\x12\x1b.seer.v1.SeedHistoryRequest\x1a\x1c.seer.v1.SeedHistoryResponse\x12N\n\rRegisterGroup\x12\x1d.seer.v1.RegisterGroupRequest\x1a\x1e.seer.v1.RegisterGroupResponse\x12N\n\rGetDraftStats\x12\x1d.seer.v1.GetDraftStatsRequest\x1a\x1e.seer.v1.GetDraftStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,23 +42,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENSEQUENCE']._serialized_start=448
   _globals['_TOKENSEQUENCE']._serialized_end=482
   _globals['_GROUPDELTA']._serialized_start=485
-  _globals['_GROUPDELTA']._serialized_end=747
-  _globals['_SYNCREQUEST']._serialized_start=749
-  _globals['_SYNCREQUEST']._serialized_end=803
-  _globals['_SYNCRESPONSE']._serialized_start=805
-  _globals['_SYNCRESPONSE']._serialized_end=856
-  _globals['_SEEDHISTORYREQUEST']._serialized_start=858
-  _globals['_SEEDHISTORYREQUEST']._serialized_end=960
-  _globals['_SEEDHISTORYRESPONSE']._serialized_start=962
-  _globals['_SEEDHISTORYRESPONSE']._serialized_end=1006
-  _globals['_REGISTERGROUPREQUEST']._serialized_start=1009
-  _globals['_REGISTERGROUPREQUEST']._serialized_end=1171
-  _globals['_REGISTERGROUPRESPONSE']._serialized_start=1173
-  _globals['_REGISTERGROUPRESPONSE']._serialized_end=1240
-  _globals['_GETDRAFTSTATSREQUEST']._serialized_start=1242
-  _globals['_GETDRAFTSTATSREQUEST']._serialized_end=1264
-  _globals['_GETDRAFTSTATSRESPONSE']._serialized_start=1267
-  _globals['_GETDRAFTSTATSRESPONSE']._serialized_end=1531
-  _globals['_DRAFTSERVICE']._serialized_start=1534
-  _globals['_DRAFTSERVICE']._serialized_end=1896
+  _globals['_GROUPDELTA']._serialized_end=794
+  _globals['_SYNCREQUEST']._serialized_start=796
+  _globals['_SYNCREQUEST']._serialized_end=850
+  _globals['_SYNCRESPONSE']._serialized_start=852
+  _globals['_SYNCRESPONSE']._serialized_end=903
+  _globals['_SEEDHISTORYREQUEST']._serialized_start=905
+  _globals['_SEEDHISTORYREQUEST']._serialized_end=1007
+  _globals['_SEEDHISTORYRESPONSE']._serialized_start=1009
+  _globals['_SEEDHISTORYRESPONSE']._serialized_end=1053
+  _globals['_REGISTERGROUPREQUEST']._serialized_start=1056
+  _globals['_REGISTERGROUPREQUEST']._serialized_end=1218
+  _globals['_REGISTERGROUPRESPONSE']._serialized_start=1220
+  _globals['_REGISTERGROUPRESPONSE']._serialized_end=1287
+  _globals['_GETDRAFTSTATSREQUEST']._serialized_start=1289
+  _globals['_GETDRAFTSTATSREQUEST']._serialized_end=1311
+  _globals['_GETDRAFTSTATSRESPONSE']._serialized_start=1314
+  _globals['_GETDRAFTSTATSRESPONSE']._serialized_end=1578
+  _globals['_DRAFTSERVICE']._serialized_start=1581
+  _globals['_DRAFTSERVICE']._serialized_end=1943
 # @@protoc_insertion_point(module_scope)

@@ -65,7 +65,7 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GroupDelta(_message.Message):
-    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired", "reused", "reused_epoch")
+    __slots__ = ("group_id", "watermark", "appends", "prompt_token_ids", "history", "gone", "incarnation", "reset", "expired", "reused", "reused_epoch", "reused_submit_seq", "submit_seq")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,8 @@ class GroupDelta(_message.Message):
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
     REUSED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REUSED_SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     watermark: int
     appends: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
@@ -88,7 +90,9 @@ class GroupDelta(_message.Message):
     expired: bool
     reused: bool
     reused_epoch: int
-    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ..., reused: _Optional[bool] = ..., reused_epoch: _Optional[int] = ...) -> None: ...
+    reused_submit_seq: int
+    submit_seq: int
+    def __init__(self, group_id: _Optional[str] = ..., watermark: _Optional[int] = ..., appends: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., history: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., gone: _Optional[bool] = ..., incarnation: _Optional[int] = ..., reset: _Optional[bool] = ..., expired: _Optional[bool] = ..., reused: _Optional[bool] = ..., reused_epoch: _Optional[int] = ..., reused_submit_seq: _Optional[int] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class SyncRequest(_message.Message):
     __slots__ = ("groups",)

@@ -409,12 +409,13 @@ class SGLangEngine(Engine):
                 # wins (a different prompt key or prompt is refused), and its size decides when the
                 # group is complete.
                 # The size as the job carries it: 0 = unknown (never turned into 1: the draft server
-                # would complete the group at its first finished response). The dispatch epoch tells the
-                # draft server this attempt's run from an old one under a reused group id.
+                # would complete the group at its first finished response). The submission (and,
+                # without one, the dispatch epoch) tells the draft server this attempt's run from an
+                # old one under a reused group id.
                 "custom_params": plugin.custom_params(req.group_id, req.prompt_key, req.group_size,
                                                       req.is_probe, request_id=req.request_id,
                                                       output_offset=len(req.output_token_ids),
-                                                      epoch=req.dispatch_epoch),
+                                                      epoch=req.dispatch_epoch, submit_seq=req.submit_seq),
             },
             return_logprob=True,
             # -1: logprobs of the output tokens only (managers/scheduler.py:3260-3264). SGLang

@@ -44,8 +44,11 @@ batch_result_processor.py:1161-1170).
 Per-request metadata comes in SamplingParams.custom_params (set by SGLangEngine.add_request):
 seer_group_id, seer_prompt_key, seer_group_size (0 = unknown, as the job carries it), seer_is_probe,
 seer_request_id (SGLang's rid is one attempt of it), seer_output_offset (how much of the response
-this attempt's input already holds) and seer_dispatch_epoch (the attempt's RunChunkRequest
-dispatch epoch, carried by its draft registrations as the worker's own are). Process-wide settings
+this attempt's input already holds), seer_dispatch_epoch (the attempt's RunChunkRequest
+dispatch epoch, carried by its draft registrations as the worker's own are) and seer_submit_seq
+(the buffer's submission of its batch, RunChunkRequest.submit_seq, 0 = unknown: carried by the
+registrations too, it tells a resubmitted batch id's new run from the old one's retry whatever the
+epochs). Process-wide settings
 come from the environment the worker sets before starting SGLang: SEER_SGLANG_SPECULATION,
 SEER_SGLANG_DRAFT_ADDRESS, SEER_SGLANG_DRAFT_WIDTH, SEER_SGLANG_GROUP_TTL, SEER_SGLANG_VOCAB_SIZE.
 
@@ -89,6 +92,7 @@ class RequestMeta(NamedTuple):
     request_id: str = ""  # the Seer request ("" = SGLang's rid)
     output_offset: int = 0  # response tokens already in the attempt's input (a resumed chunk)
     epoch: int = 0  # the attempt's dispatch epoch (0 = unordered)
+    submit_seq: int = 0  # the buffer's submission of the request's batch (0 = unknown)
 
 
 def request_meta(custom_params: dict[str, Any] | None) -> RequestMeta:
@@ -96,14 +100,15 @@ def request_meta(custom_params: dict[str, Any] | None) -> RequestMeta:
     return RequestMeta(str(p.get("seer_group_id", "")), str(p.get("seer_prompt_key", "")),
                        max(0, int(p.get("seer_group_size", 0) or 0)), bool(p.get("seer_is_probe", False)),
                        str(p.get("seer_request_id", "")), max(0, int(p.get("seer_output_offset", 0) or 0)),
-                       max(0, int(p.get("seer_dispatch_epoch", 0) or 0)))
+                       max(0, int(p.get("seer_dispatch_epoch", 0) or 0)),
+                       max(0, int(p.get("seer_submit_seq", 0) or 0)))
 
 
 def custom_params(group_id: str, prompt_key: str, group_size: int, is_probe: bool, *, request_id: str = "",
-                  output_offset: int = 0, epoch: int = 0) -> dict[str, Any]:
+                  output_offset: int = 0, epoch: int = 0, submit_seq: int = 0) -> dict[str, Any]:
     return {"seer_group_id": group_id, "seer_prompt_key": prompt_key, "seer_group_size": group_size,
             "seer_is_probe": is_probe, "seer_request_id": request_id, "seer_output_offset": output_offset,
-            "seer_dispatch_epoch": epoch}
+            "seer_dispatch_epoch": epoch, "seer_submit_seq": submit_seq}
 
 
 def record_step(req: Any, proposed: int, accepted: int, tokens: int) -> None:
@@ -171,7 +176,8 @@ class DraftSink(Protocol):
     """The part of services.worker.draft_client.DraftClient the bridge uses."""
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0) -> None: ...
+                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
+                         submit_seq: int = 0) -> None: ...
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None: ...
 
@@ -207,10 +213,12 @@ class DraftBridge:
             # First sight of this attempt: its input is the prompt + the committed output.
             split = max(0, len(origin_input_ids) - meta.output_offset)
             a = self._attempts[rid] = _Attempt(meta, meta.request_id or rid)
-            # With the attempt's dispatch epoch, as the worker registers it: without one (epoch 0)
-            # the draft server cannot tell this run's attempt from an old run under a reused group id.
+            # With the attempt's submission and dispatch epoch, as the worker registers it: without
+            # both (0) the draft server cannot tell this run's attempt from an old run under a reused
+            # group id; with the epoch alone, not after the scheduler's clock went back.
             self.client.register_attempt(meta.group_id, meta.prompt_key, origin_input_ids[:split], meta.group_size,
-                                         self.ttl_seconds, request_id=a.request_id, epoch=meta.epoch)
+                                         self.ttl_seconds, request_id=a.request_id, epoch=meta.epoch,
+                                         submit_seq=meta.submit_seq)
             self.client.resume(meta.group_id, a.request_id, origin_input_ids[split:], epoch=meta.epoch)
         return a
 
