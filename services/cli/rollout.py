@@ -6,6 +6,8 @@ last 10% of responses (the tail), per-response latency p50/p99 and the mean acce
 step (tokens per engine step, the bonus token included: 1.0 = no speculation benefit).
 `--timeout T` (default 3600 s from submission) bounds the wait for the buffer too (at most 60 s),
 and holds also while no result arrives: then the batch is cancelled and the exit status is 1.
+Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch too; the exit status is then 128 + the signal
+(130, 143).
 
 FILE is JSON lines: {"prompt": "...", "prompt_key": "...", "answer": "..."} (or "prompt_token_ids"
 instead of "prompt"; other string fields become labels echoed into the results), or plain text, one
@@ -18,15 +20,18 @@ import argparse
 import hashlib
 import json
 import math
+import signal
 import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from services.cli.flags import positive_int, positive_seconds
+from services.cli.signals import StopRequest, signals_to
 
 CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -153,10 +158,12 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
         # SeerTimeout (a SeerError) names the address: "buffer at HOST:PORT not ready after Ns".
         client.wait_ready(timeout=min(60.0, timeout))
         t0 = time.monotonic()
-        client.submit_batch(batch_id, groups)
-        # From here on the batch runs on the cluster whether or not anyone reads it: every way out
-        # of this function short of the last result cancels it.
+        # From the submission on the batch runs on the cluster whether or not anyone reads it: every
+        # way out of this function short of the last result cancels it. The submission is inside:
+        # a Ctrl-C that lands after the buffer stored the batch but before its reply arrived (the
+        # reply is slow under load) left the batch generating, never cancelled.
         try:
+            client.submit_batch(batch_id, groups)
             # The deadline rides on the stream: checked per result it would never fire while no
             # result arrives (no scheduler, stuck workers), the very case it is for.
             for r in client.iter_results(batch_id, timeout=max(0.0, timeout - (time.monotonic() - t0))):
@@ -189,11 +196,15 @@ def _cancel(address: str, batch_id: str) -> str:
     """Best-effort CancelBatch; returns what happened. A fresh client with short retries: the run's
     own client may be the broken part, and a user who pressed Ctrl-C should not wait minutes for a
     buffer that is down (a second Ctrl-C ends the wait too)."""
-    from seer_client import SeerClient
+    from seer_client import SeerClient, SeerError
 
     try:
         with SeerClient(address, retry_seconds=5.0, timeout=5.0) as client:
             n = client.cancel_batch(batch_id)
+    except SeerError as e:
+        if e.code == "NOT_FOUND":  # interrupted before the buffer stored the submission
+            return f"nothing to cancel ({e})"
+        return f"cancelling it failed: {e}"
     except Exception as e:  # best effort: the error that ended the run is the one to report
         return f"cancelling it failed: {e}"
     return f"cancelled it ({n} unfinished responses)"
@@ -267,19 +278,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     from seer_client import SeerError
 
+    stop = StopRequest()
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        # Every signal raises (a second Ctrl-C also ends a slow cancel); the first names the exit.
+        stop.handle(signum, frame)
+        raise KeyboardInterrupt
+
     try:
-        prompts = load_prompts(args.prompts, args.limit)
-        groups = build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat)
-        results, wall = run(args.address, groups, args.batch_id, progress=not args.no_progress and not args.json,
-                            timeout=args.timeout)
+        # Installed explicitly, not left to Python's default: a process started with SIGINT ignored
+        # (any `cmd &` of a non-interactive shell, a test run under such a job) inherits SIG_IGN,
+        # which Python keeps, so Ctrl-C / kill -INT did nothing and the batch ran on; SIGTERM (a
+        # supervisor's or timeout(1)'s stop) killed the process outright, the batch left running.
+        # As `seer up` and `seer demo` (services/cli/signals.py), whatever was inherited.
+        with signals_to(interrupt):
+            prompts = load_prompts(args.prompts, args.limit)
+            groups = build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat)
+            results, wall = run(args.address, groups, args.batch_id,
+                                progress=not args.no_progress and not args.json, timeout=args.timeout)
     except (ValueError, OSError, TimeoutError, SeerError) as e:
         print(f"seer rollout: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # run() has cancelled the batch already; a traceback would only hide that line.
-        print("seer rollout: interrupted", file=sys.stderr)
-        return 130
+        # run() has cancelled the batch already; a traceback would only hide that line. No signal
+        # recorded: a KeyboardInterrupt raised some other way (main() on a thread): SIGINT's status.
+        signum = stop.signum or signal.SIGINT
+        print(f"seer rollout: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     summary = summarize_with_accuracy(results, wall)
     if args.json:
         print(json.dumps(summary))

@@ -36,28 +36,80 @@ def _wait_submitted(address: str, batch_id: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"batch {batch_id} never submitted")
 
 
-def test_ctrl_c_cancels_the_submitted_batch(buffer: Buffer, tmp_path: Path) -> None:
+def _start_rollout(address: str, prompts: Path, batch_id: str, *, sigint_ignored: bool = False
+                   ) -> subprocess.Popen[str]:
+    """The real CLI in a subprocess, with faulthandler on (SIGABRT dumps its stacks, see _stop).
+
+    sigint_ignored: started as a background job of a non-interactive shell starts it (`cmd &`),
+    with SIGINT ignored, which exec keeps: the disposition the test itself had when its suite ran
+    in such a job (the intermittent hang: the subprocess never saw the SIGINT)."""
+    cmd = [sys.executable, "-m", "services.cli", "rollout", "--prompts", str(prompts), "--group-size", "2",
+           "--max-tokens", "4", "--address", address, "--no-progress", "--batch-id", batch_id]
+    if sigint_ignored:
+        cmd = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+               "os.execv(sys.executable, sys.argv[1:])", *cmd]
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stop(p: subprocess.Popen[str], sig: int, timeout: float = 30.0) -> str:
+    """Sends `sig` and returns stderr once the command exits. Still running after `timeout`: its
+    Python stacks (faulthandler on SIGABRT) go into the failure, so a hang says where it was stuck."""
+    p.send_signal(sig)
+    try:
+        return p.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        try:
+            _, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        raise AssertionError(f"still running {timeout}s after {signal.Signals(sig).name}; its stacks:\n{err}") from None
+
+
+@pytest.mark.parametrize(("sig", "sigint_ignored"), [(signal.SIGINT, False), (signal.SIGINT, True),
+                                                     (signal.SIGTERM, False)],
+                         ids=["sigint", "sigint-inherited-ignored", "sigterm"])
+def test_ctrl_c_cancels_the_submitted_batch(sig: int, sigint_ignored: bool, buffer: Buffer, tmp_path: Path) -> None:
     """Before: only the tool's own --timeout cancelled; Ctrl-C left the batch generating on the
-    cluster (here it would stay pending forever: no scheduler)."""
+    cluster (here it would stay pending forever: no scheduler). Then: a CLI started with SIGINT
+    ignored (inherited from a background job: how the test hung under a loaded parallel run)
+    ignored the SIGINT and streamed on for ever; SIGTERM killed it with the batch left running."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [1, 2, 3], "prompt_key": "k"}) + "\n")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "rollout", "--prompts", str(prompts), "--group-size", "2",
-         "--max-tokens", "4", "--address", buffer.address, "--no-progress", "--batch-id", "cli-int"],
-        cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _start_rollout(buffer.address, prompts, "cli-int", sigint_ignored=sigint_ignored)
     try:
         _wait_submitted(buffer.address, "cli-int")
         time.sleep(0.5)  # into the result stream
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=30)
+        err = _stop(p, sig)
     finally:
         if p.poll() is None:
             p.kill()
             p.communicate()
-    assert p.returncode == 130, err
-    assert "batch cli-int: cancelled it" in err
+    assert p.returncode == 128 + sig, err
+    assert "batch cli-int: cancelled it" in err, err
+    assert f"interrupted ({signal.Signals(sig).name})" in err, err
     with SeerClient(buffer.address) as client:
         assert client.get_batch("cli-int").state == "cancelled"
+
+
+def test_an_interrupt_during_submission_cancels_the_batch(buffer: Buffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing after the buffer stored the batch but before SubmitBatch's reply reached
+    the CLI (a slow reply under load). Before: the submission was outside the cancelling try, so
+    the batch was left pending (generating, with a scheduler) after the CLI exited."""
+    real_submit = SeerClient.submit_batch
+
+    def submit_then_interrupted(self: SeerClient, *args: Any, **kwargs: Any) -> Any:
+        real_submit(self, *args, **kwargs)
+        raise KeyboardInterrupt  # as the SIGINT handler raises it, at the reply
+
+    monkeypatch.setattr(SeerClient, "submit_batch", submit_then_interrupted)
+    groups = [PromptGroup(prompt=[1, 2, 3], group_size=2, max_tokens=4)]
+    with pytest.raises(KeyboardInterrupt):
+        rollout.run(buffer.address, groups, "cli-sub", progress=False, timeout=30)
+    with SeerClient(buffer.address) as client:
+        assert client.get_batch("cli-sub").state == "cancelled"
 
 
 def test_an_error_while_results_stream_cancels_the_batch(buffer: Buffer) -> None:
