@@ -128,7 +128,7 @@ def _bind_host(s: ServiceProcess) -> str | None:
 
 def dial_host(host: str | None) -> str:
     """The host the suite dials a service on, given the host it binds (see _bind_host): 127.0.0.1
-    for a wildcard (0.0.0.0, ::, [::], "": it binds every address, loopback included) or an
+    for a wildcard (0.0.0.0, ::, [::]: it binds every address, loopback included), for "" or an
     unreadable configuration (the service then exits naming it; nothing to dial); an IPv6 literal
     bracketed, as gRPC targets need it; any other host (an interface's address, a name) as given.
     Before: 127.0.0.1 whatever the host, so a service bound to [::1] or another interface never
