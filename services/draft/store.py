@@ -7,12 +7,14 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   The id of a completed group (its responses are history) registered again after it was evicted or
   expired, or with another prompt or group_size, or by another run, starts a new incarnation: a
   batch id used again; another group_size while it runs is refused (0 = unknown agrees with any).
-  Another run: where the registration and the completed group both carry the buffer's
-  `submit_seq` (unique per submission), another one, whatever the epoch; without, an attempt whose
-  dispatch `epoch` is above every epoch the group took (dispatch epochs increase over all
-  requests). After it expired or was evicted, the same prompt, key and size with the same
-  submit_seq (or, without, at an epoch at most the largest it took) is its own run's (a retry):
-  refused (FailedPrecondition, field submit_seq or epoch), not a new incarnation.
+  Another run: where the registration and the group both carry the buffer's `submit_seq`
+  (strictly increasing per buffer store), a larger one, whatever the epoch, and whether the group
+  completed or still runs (a cancelled run's unfinished group is replaced); a smaller one is an
+  older run's straggler: refused (FailedPrecondition, field submit_seq), live or remembered.
+  Without, an attempt whose dispatch `epoch` is above every epoch a completed group took (dispatch
+  epochs increase over all requests). After it expired or was evicted, the same prompt, key and
+  size with the same submit_seq (or, without, at an epoch at most the largest it took) is its own
+  run's (a retry): refused (FailedPrecondition, field submit_seq or epoch), not a new incarnation.
 - append(group_id, request_id, offset, tokens, finished, epoch) is idempotent by offset (see GroupIndex).
   `epoch` orders the attempts of a request (the scheduler's dispatch_epoch): an append older than
   the newest epoch seen for the request is refused (FailedPrecondition, field epoch), so a late or
@@ -339,17 +341,27 @@ class DraftStore:
                 same_prompt = g.prompt_key == prompt_key and g.index.prompt == tuple(prompt_token_ids)
                 # group_size 0 is "unknown" on either side: it agrees with any size.
                 same_size = _sizes_agree(group_size, g.group_size)
-                # A completed group registered by an attempt dispatched after every attempt it
-                # took: another run (a resubmitted batch id brings the same prompt, key and size
-                # too). Idempotent, its appends would be refused by (or land in) the old run's
-                # group. A group that took no epoch cannot be ordered against: idempotent.
+                # Another run: both submissions known, they alone decide, whatever the epochs and
+                # whether the group completed (a scheduler restarted without its epoch_file behind a
+                # clock gone back dispatches a new run below the old run's epochs; a lost commit's
+                # retry of the old run is dispatched above them). submit_seq is strictly
+                # increasing per buffer store, so a newer one is a resubmission of the batch id
+                # (its old run completed, or was cancelled or deleted and left this group
+                # unfinished: kept, the new run's appends were refused as stale attempts of it
+                # until the TTL ran out), and an older one a straggler of a run the id has moved
+                # on from (a retried RegisterGroup, a worker re-creating what it lost): refused,
+                # as the remembered path below refuses it once this group expired (taken as
+                # another run, it reset this run's workers as if their own run were another's).
+                # Without both: a completed group registered by an attempt dispatched after every
+                # attempt it took is another run (a resubmitted batch id brings the same prompt,
+                # key and size too); a group that took no epoch cannot be ordered against.
                 largest = max(g.epochs.values(), default=0)
                 if submit_seq and g.submit_seq:
-                    # Both submissions known: they alone decide, whatever the epochs (a scheduler
-                    # restarted without its epoch_file behind a clock gone back dispatches a new run
-                    # below the old run's epochs; a lost commit's retry of the old run is dispatched
-                    # above them).
-                    new_run = g.completed and submit_seq != g.submit_seq
+                    if submit_seq < g.submit_seq:
+                        raise FailedPrecondition(
+                            f"group {group_id!r} is of submit_seq {g.submit_seq}; submit_seq {submit_seq} is an "
+                            "older run's registration: nothing to draft for", field="submit_seq")
+                    new_run = submit_seq > g.submit_seq
                 else:
                     new_run = g.completed and epoch > largest > 0
                 if same_prompt and same_size and not new_run:
@@ -372,7 +384,7 @@ class DraftStore:
                     g.ttl_s = ttl
                     g.expires_at = now + ttl
                     return False, g.index.num_history
-                if not g.completed:
+                if not g.completed and not new_run:
                     # Another run under the same id while this one is running. Another group_size
                     # alone is one too (not a retry: every worker of a run sends the batch's size):
                     # taken as the same group, it would complete, and promote, at the first size.
@@ -383,14 +395,21 @@ class DraftStore:
                                         field="group_id")
                 # Completed (its responses are history) and registered with another prompt, key or
                 # group size, or by a newer run: the id is used again (a batch id resubmitted after
-                # the buffer's retention deleted it).
+                # the buffer's retention deleted it). Or running, and registered by a newer
+                # submission (the old run was cancelled or deleted).
                 self._remove_group(g)
+                if not g.completed:
+                    # Remembered as a completed one is (_remove_group): its workers' next Sync is a
+                    # reused reset (their responses are the old run's, not to be resent into this
+                    # one), and a late registration of it is refused by its submit_seq.
+                    self._remember_reused(g)
                 # Tombstoned as an expired completed group: if this registration is refused below
                 # (no room), the old group's workers are told it expired, not that it was lost.
                 self._tombstone(group_id, True)
-                log.info("completed group's id registered again by another run; new incarnation",
+                log.info("group's id registered again by another run; new incarnation",
                          extra=kv(group_id=group_id, epoch=epoch, largest_epoch=largest, same_prompt=same_prompt,
-                                  same_size=same_size, submit_seq=submit_seq, old_submit_seq=g.submit_seq))
+                                  same_size=same_size, submit_seq=submit_seq, old_submit_seq=g.submit_seq,
+                                  old_completed=g.completed))
             elif self._expired.get(group_id):
                 # Completed, then evicted or expired: its responses are history, so this is the id
                 # used again (see above), a new incarnation, unless the registration says it is the
@@ -410,13 +429,15 @@ class DraftStore:
                 # With the submission known on both sides it decides instead of the epoch: the same
                 # submit_seq is that run (a lost commit's retry dispatched above its epochs too),
                 # another is another run (a new run dispatched below them: the clock went back).
+                # An older submit_seq than a remembered incarnation's is an older run's, whatever
+                # its prompt: refused as in the live path.
                 same = self._same_run_reused(group_id, digest, group_size, epoch, submit_seq)
                 if same is not None:
                     largest, by_seq = same
                     if by_seq:
                         raise FailedPrecondition(
                             f"group {group_id!r} completed (its responses are history) and expired; submit_seq "
-                            f"{submit_seq} is of that run: nothing to draft for", field="submit_seq")
+                            f"{submit_seq} is of that run or an older one: nothing to draft for", field="submit_seq")
                     raise FailedPrecondition(
                         f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
                         f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
@@ -838,18 +859,19 @@ class DraftStore:
 
     def _same_run_reused(self, group_id: str, digest: int, group_size: int, epoch: int,
                          submit_seq: int) -> tuple[int, bool] | None:
-        """(largest epoch, judged by submit_seq) of a remembered completed incarnation of the id
-        that this registration belongs to; None when none. Belongs: the same prompt and key by
-        digest and an agreeing size (0 agrees with any), and then, where the registration and the
-        incarnation both carry a submit_seq, the same one (whatever the epoch), else an epoch from 1
-        to that incarnation's largest. Caller holds the lock."""
+        """(largest epoch, judged by submit_seq) of a remembered incarnation of the id that this
+        registration belongs to, or that is of a newer run than it; None when none. Where the
+        registration and the incarnation both carry a submit_seq, it decides alone: an older one is
+        an older run's (refused whatever the prompt: the id moved on), the same one with the same
+        prompt and key by digest and an agreeing size (0 agrees with any) is that run. Else the
+        same prompt, key and size at an epoch from 1 to that incarnation's largest. Caller holds
+        the lock."""
         for _inc, largest, old_digest, old_size, old_seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
-            if digest != old_digest or not _sizes_agree(group_size, old_size):
-                continue  # another prompt, key or size: another run whatever else
+            same_registration = digest == old_digest and _sizes_agree(group_size, old_size)
             if submit_seq and old_seq:
-                if submit_seq == old_seq:
+                if submit_seq < old_seq or (submit_seq == old_seq and same_registration):
                     return int(largest), True
-            elif 0 < epoch <= largest:
+            elif same_registration and 0 < epoch <= largest:
                 return int(largest), False
         return None
 

@@ -185,6 +185,24 @@ class FailureNotifier:
         return self._notified
 
 
+# Bind hosts that mean every address of the machine: no other host can dial them, so the address the
+# scheduler is given names the machine instead. "[::]" is how an IPv6 wildcard is often written in a
+# host:port setting, and "" is gRPC's own wildcard; advertised as given ("[::]:port"), the scheduler
+# dialled its own machine.
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+def advertised_address(host: str, port: int, advertise_address: str = "", hostname: str | None = None) -> str:
+    """The host:port the scheduler dials for this worker: `advertise_address` when set, else the
+    bind `host` with the bound `port`, the machine's `hostname` (socket.gethostname()) for a
+    wildcard host; an IPv6 literal bracketed."""
+    if advertise_address:
+        return bracket_ipv6(advertise_address)
+    if host.strip() in _WILDCARD_HOSTS:
+        host = hostname if hostname is not None else socket.gethostname()
+    return bracket_ipv6(f"{host}:{port}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("worker")
     log = get_logger("services.worker")
@@ -244,8 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cfg.worker_id and not cfg.port:
         worker.worker_id = f"worker-{socket.gethostname()}-{running.port}"
     announce_port(cfg.port_file or None, running.port)
-    host = cfg.host if cfg.host not in ("0.0.0.0", "::") else socket.gethostname()
-    advertise = bracket_ipv6(cfg.advertise_address or f"{host}:{running.port}")
+    advertise = advertised_address(cfg.host, running.port, cfg.advertise_address)
     if cfg.scheduler_address:
         registrar = Registrar(worker, cfg.scheduler_address, advertise, max_streams=cfg.stream_limit()).start()
         # The drain (serve_until_signal -> RunningServer.stop) refuses new chunks: the scheduler

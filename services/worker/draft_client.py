@@ -270,16 +270,28 @@ class DraftClient:
         decides as the server does (RegisterGroupRequest.submit_seq), whatever the epochs: another
         submission is another run (registered again at once, whatever the epoch: a new run after
         the scheduler's clock went back has lower ones), the same one is the mirror's run (a retry
-        at a newer epoch, a lost commit's: nothing sent, the server would answer idempotent)."""
+        at a newer epoch, a lost commit's: nothing sent, the server would answer idempotent). An
+        older one than the mirror's (or than the one it is registering again for) is a chunk of a
+        run the id has moved on from, still in flight: it runs on the mirror as it is, its appends
+        kept local (_old_run_locked); the mirror never moves to an older submission (registered
+        for it, the server refuses it, and the next chunk of the newer run moved it back, each
+        move holding the group's appends until answered)."""
         with self._lock:
             m = self._groups.get(group_id)
             if m is not None:
                 if request_id and submit_seq:
                     self._note_submission_locked(m, request_id, submit_seq)
-                seqs_known = bool(submit_seq and m.submit_seq)
+                mirror_seq = self._mirror_seq(m)
+                seqs_known = bool(submit_seq and mirror_seq)
+                if seqs_known and submit_seq < mirror_seq:
+                    m.releasing = False  # wanted again, as below
+                    log.info("draft chunk of an older submission than its group's mirror; its appends stay local",
+                             extra=kv(group_id=group_id, request_id=request_id, submit_seq=submit_seq,
+                                      mirror_submit_seq=mirror_seq))
+                    return
                 if not m.completed or m.active:
                     m.releasing = False  # wanted again before its queued appends went out
-                    other_seq = seqs_known and submit_seq != m.submit_seq
+                    other_seq = seqs_known and submit_seq != mirror_seq
                     if epoch <= m.register_epoch and not other_seq:
                         return
                     # Another prompt, key, size or submission is another run for sure (every
@@ -293,7 +305,7 @@ class DraftClient:
                         prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds),
                         submit_seq))
                     return
-                same_run = submit_seq == m.submit_seq if seqs_known else 0 < epoch <= m.newest_epoch()
+                same_run = submit_seq == mirror_seq if seqs_known else 0 < epoch <= m.newest_epoch()
                 if same_run:
                     # Completed, and this attempt is of its run (the same submission or, without
                     # one, an epoch this mirror already registered or ran: a retried chunk): the
@@ -326,11 +338,20 @@ class DraftClient:
         m.seqs[request_id] = submit_seq
 
     @staticmethod
-    def _old_run_locked(m: _Mirror, request_id: str) -> bool:
-        """The request's attempt here is of a run whose incarnation completed (a reused reset):
-        its appends stay local. By its submission where both it and a reset's are known, else by
-        epoch (old_run_epoch). Caller holds the lock."""
+    def _mirror_seq(m: _Mirror) -> int:
+        """The newest submission the mirror registered for or is registering again for (0 =
+        unknown). Caller holds the lock."""
+        return max(m.submit_seq, m.reregister[4] if m.reregister is not None else 0)
+
+    @classmethod
+    def _old_run_locked(cls, m: _Mirror, request_id: str) -> bool:
+        """The request's attempt here is of a run whose incarnation completed (a reused reset), or
+        of an older submission than the mirror's (register_attempt): its appends stay local. By its
+        submission where both it and a reset's or the mirror's are known, else by epoch
+        (old_run_epoch). Caller holds the lock."""
         seq = m.seqs.get(request_id, 0)
+        if seq and seq < cls._mirror_seq(m):
+            return True
         if seq and m.seq_judged:
             return seq in m.old_run_seqs
         return 0 < m.epochs.get(request_id, 0) <= m.old_run_epoch
@@ -565,7 +586,8 @@ class DraftClient:
         with self._lock:
             todo = [(gid, m, m.reregister or (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq),
                      m.register_epoch) for gid, m in self._groups.items() if not m.ready]
-        for gid, m, (key, prompt, size, ttl, seq), epoch in todo:
+        for gid, m, registration, epoch in todo:
+            key, prompt, size, ttl, seq = registration
             with self._lock:
                 # Sent with the newest attempt this mirror ran too (register_epoch is only the
                 # registrations'): re-creating a group the server lost, a completed one that expired
@@ -591,7 +613,8 @@ class DraftClient:
                     # Sync tells it what the server holds (reset). Retried, its appends and Syncs
                     # would wait forever.
                     with self._lock:
-                        if self._groups.get(gid) is m and m.register_epoch == epoch:
+                        if self._groups.get(gid) is m and m.register_epoch == epoch \
+                                and m.reregister in (None, registration):
                             m.reregister = None
                 log.warning("draft RegisterGroup failed: %s", e.code().name, extra=kv(group_id=gid))
                 continue
@@ -600,11 +623,13 @@ class DraftClient:
                 if self._groups.get(gid) is not m:
                     continue
                 m.registered = True
-                if m.register_epoch == epoch:
-                    m.reregister = None  # (a newer attempt's asked meanwhile: sent next tick)
-                if seq:
+                if m.register_epoch == epoch and m.reregister in (None, registration):
+                    # (A newer attempt's or submission's asked meanwhile: sent next tick. By the
+                    # registration too: a newer submission may come at a lower epoch.)
+                    m.reregister = None
+                if seq > m.submit_seq:
                     # The run the server judged this registration by: later chunks of it are the
-                    # mirror's run (register_attempt).
+                    # mirror's run (register_attempt). Never an older one (it is never sent).
                     m.submit_seq = seq
                 if resp.created and (key, prompt, size) != (m.prompt_key, m.prompt, m.group_size):
                     # A new incarnation of another registration (the id used again with another
@@ -728,8 +753,11 @@ class DraftClient:
         """Queues RegisterGroup again for a newer attempt (`epoch`) of a group that may have
         completed on the server (register_attempt, _on_refused): the server tells by the epoch
         whether it is another run (a new incarnation) or this one (idempotent). The group's
-        appends and Syncs wait for it (_Mirror.reregister). Caller holds the lock."""
-        m.register_epoch = epoch
+        appends and Syncs wait for it (_Mirror.reregister). Caller holds the lock.
+        register_epoch only grows: a newer submission's attempt may come at a lower epoch (the
+        scheduler's clock went back), and lowered, it made every later attempt above it look newer
+        and register again (the submission decides then, not the epoch)."""
+        m.register_epoch = max(m.register_epoch, epoch)
         m.reregister = registration
         log.info("draft group may have completed; registering again for a newer attempt",
                  extra=kv(group_id=gid, request_id=request_id, epoch=epoch))

@@ -127,12 +127,13 @@ def test_another_prompt_with_the_same_submit_seq_is_still_another_run(stub: Stub
 def test_a_running_group_registered_by_an_old_client_takes_the_submission_of_a_later_registration(
         stub: Stub) -> None:
     """Registered without a submit_seq (an old worker), then by a worker of the same run with one:
-    the running group keeps it, and judges its completed state by it later."""
+    the running group keeps it, and judges later registrations by it (a newer submission is a new
+    run even while it runs: test_register_submit_seq_order.py)."""
     s, store = stub
     assert register(s, "g", 1)
     assert not register(s, "g", 1, seq=OLD)
     assert store._groups["g"].submit_seq == OLD
-    assert not register(s, "g", 2, seq=NEW)  # running: not judged by it (idempotent, as before)
+    assert not register(s, "g", 2)  # an old client's: idempotent
     assert store._groups["g"].submit_seq == OLD
 
 
