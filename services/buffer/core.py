@@ -95,6 +95,15 @@ class OutOfRange(SeerError):
     code_name = "OUT_OF_RANGE"
 
 
+class SubmitCancelled(SeerError):
+    """The submitter cancelled its SubmitBatch before the batch was stored (a Ctrl-C, a closed
+    channel): it is not stored. The submitter does not know the outcome of a call it abandoned, and
+    its CancelBatch may have arrived first (NOT_FOUND); a batch stored after that would run with
+    nobody reading it and nobody left to cancel it."""
+
+    code_name = "CANCELLED"
+
+
 def derive_seed(base_seed: int, scope: str, sample_index: int) -> int:
     """A request's seed: a hash of the group's base seed, the batch's seed scope (its id unless the
     submitter named another) and the sample index (uint64).
@@ -476,12 +485,14 @@ class BufferCore:
 
     def submit_batch(
         self, batch_id: str, groups: list[GroupSpec], trace_context: Mapping[str, str] | None = None,
-        seed_scope: str = "",
+        seed_scope: str = "", is_active: Callable[[], bool] = lambda: True,
     ) -> SubmitOutcome:
         """Stores a batch and feeds its requests to the watchers. trace_context: the submitter's
         trace context (W3C keys), handed on with every work item of the batch; a resubmission keeps
         the first one. seed_scope: what request seeds are derived from instead of the batch id
-        (batches with one scope and the same base seeds sample alike; "" = the batch id)."""
+        (batches with one scope and the same base seeds sample alike; "" = the batch id).
+        is_active: whether the submitter's call is still there (the gRPC context's); checked under
+        the lock right before the write, and a gone call is SubmitCancelled, nothing stored."""
         validate_batch_id(batch_id)  # format checks only: they do not depend on the buffer's limits
         validate_seed_scope(seed_scope)
         if seed_scope == batch_id:
@@ -540,6 +551,14 @@ class BufferCore:
                     f"the weight update to version {v} (source {src!r}) did not complete and its outcome is "
                     f"unknown: the workers may serve version {v} or {self._policy_version}; call "
                     f"UpdateWeights(version={v}) again (or move to a newer version) before submitting")
+            if not is_active():
+                # Checked here, under the lock with the write, not before: validation and record
+                # building above take ~0.5 s for a big batch, and a submitter interrupted meanwhile
+                # (`seer rollout`'s Ctrl-C) cancels its call and then the batch; that CancelBatch
+                # finds nothing (NOT_FOUND), and a batch stored after it ran with nobody reading it.
+                # After this check a cancel waits for the lock and finds the batch stored.
+                raise SubmitCancelled(f"batch {batch_id!r}: the submission was cancelled by its caller before "
+                                      "it was stored; nothing was stored", field="batch_id")
             version = self._policy_version
             batch = BatchRecord(batch_id=batch_id, content_hash=digest, policy_version=version,
                                 created_at=self._clock(), num_groups=len(valid),

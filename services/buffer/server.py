@@ -153,7 +153,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 # An update of unknown outcome refuses submissions; the scheduler may know it.
                 self.core.reconcile_intent(self.version_probe)
             out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups],
-                                         trace_context=current_trace_context(), seed_scope=request.seed_scope)
+                                         trace_context=current_trace_context(), seed_scope=request.seed_scope,
+                                         is_active=context.is_active)
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
                                                policy_version=out.policy_version,

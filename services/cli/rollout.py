@@ -7,7 +7,11 @@ step (tokens per engine step, the bonus token included: 1.0 = no speculation ben
 `--timeout T` (default 3600 s from submission) bounds the wait for the buffer too (at most 60 s),
 and holds also while no result arrives: then the batch is cancelled and the exit status is 1.
 Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch too; the exit status is then 128 + the signal
-(130, 143).
+(130, 143). Interrupted during the submission, it cancels the call (the buffer does not store a
+submission whose call is gone) and retries the cancel for 3 s while the buffer does not know the
+batch; after that it says the submission may still be stored and how to cancel it. A second signal
+during the cancel ends the wait, saying that the batch may still be running. A submission the buffer
+refused (ALREADY_EXISTS: --batch-id names another batch; INVALID_ARGUMENT...) cancels nothing.
 
 FILE is JSON lines: {"prompt": "...", "prompt_key": "...", "answer": "..."} (or "prompt_token_ids"
 instead of "prompt"; other string fields become labels echoed into the results), or plain text, one
@@ -161,9 +165,12 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
         # From the submission on the batch runs on the cluster whether or not anyone reads it: every
         # way out of this function short of the last result cancels it. The submission is inside:
         # a Ctrl-C that lands after the buffer stored the batch but before its reply arrived (the
-        # reply is slow under load) left the batch generating, never cancelled.
+        # reply is slow under load) left the batch generating, never cancelled. A submission the
+        # buffer refused is not cancelled: nothing of ours was stored (see REFUSED).
+        submitted = False
         try:
             client.submit_batch(batch_id, groups)
+            submitted = True
             # The deadline rides on the stream: checked per result it would never fire while no
             # result arrives (no scheduler, stuck workers), the very case it is for.
             for r in client.iter_results(batch_id, timeout=max(0.0, timeout - (time.monotonic() - t0))):
@@ -174,17 +181,24 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
                 if bar is not None:
                     bar.set_postfix(tokens=tokens, refresh=False)
                     bar.update(1)
-        except SeerTimeout:
-            if bar is not None:
-                bar.close()
-            raise TimeoutError(f"batch {batch_id} not done after {timeout}s ({len(results)} of {total} "
-                               f"responses); {_cancel(address, batch_id)}") from None
-        except BaseException:
+        except BaseException as e:
             # Ctrl-C, a stream that failed for good, an on_result callback that raised: nobody will
             # read the rest, so stop the workers generating it, then let the error through.
             if bar is not None:
                 bar.close()
-            print(f"seer rollout: batch {batch_id}: {_cancel(address, batch_id)}", file=sys.stderr)
+            if not submitted and _refused(e):
+                # The buffer refused the submission: nothing of ours is stored, and the id may
+                # name another run's batch (ALREADY_EXISTS), which a cancel would stop.
+                raise
+            if not submitted:
+                # Closed first: that cancels the submission still in flight, and the buffer does
+                # not store a submission whose call is gone (services/buffer: SubmitCancelled).
+                client.close()
+            what = _cancel_reporting(address, batch_id, retry_not_found=0.0 if submitted else NOT_FOUND_RETRY)
+            if isinstance(e, SeerTimeout) and submitted:
+                raise TimeoutError(f"batch {batch_id} not done after {timeout}s ({len(results)} of {total} "
+                                   f"responses); {what}") from None
+            print(f"seer rollout: batch {batch_id}: {what}", file=sys.stderr)
             raise
         wall = time.monotonic() - t0
     if bar is not None:
@@ -192,19 +206,60 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
     return results, wall
 
 
-def _cancel(address: str, batch_id: str) -> str:
+# Status codes of a submission the buffer (or the client's own checks) refused for certain: nothing
+# was stored. Any other failure of the call (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN,
+# INTERNAL, a Ctrl-C) leaves the outcome unknown: the batch may be stored, so it is cancelled.
+REFUSED = frozenset({"INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
+                     "NOT_FOUND", "OUT_OF_RANGE", "PERMISSION_DENIED", "UNAUTHENTICATED", "UNIMPLEMENTED"})
+# How long a cancel after an interrupted submission retries NOT_FOUND: the submission may still be
+# in the buffer's validation, to be stored after the cancel arrived (a buffer that sees the call
+# gone refuses to store it; one it does not reach in time stores it).
+NOT_FOUND_RETRY = 3.0
+
+
+def _refused(e: BaseException) -> bool:
+    from seer_client import SeerError
+
+    return isinstance(e, SeerError) and e.code in REFUSED
+
+
+def _cancel_reporting(address: str, batch_id: str, retry_not_found: float) -> str:
+    """_cancel(), and a line on stderr when a signal interrupts it (a second Ctrl-C during a slow
+    cancel): without it the run ended saying nothing about the batch, which may still be running."""
+    try:
+        return _cancel(address, batch_id, retry_not_found)
+    except KeyboardInterrupt:
+        print(f"seer rollout: cancelling batch {batch_id} was interrupted: it may still be running", file=sys.stderr)
+        raise
+
+
+def _cancel(address: str, batch_id: str, retry_not_found: float = 0.0) -> str:
     """Best-effort CancelBatch; returns what happened. A fresh client with short retries: the run's
     own client may be the broken part, and a user who pressed Ctrl-C should not wait minutes for a
-    buffer that is down (a second Ctrl-C ends the wait too)."""
+    buffer that is down (a second Ctrl-C ends the wait too).
+
+    retry_not_found: seconds NOT_FOUND is retried for (an interrupted submission the buffer may
+    still store); when it holds that long the line says the batch may still be stored after all."""
     from seer_client import SeerClient, SeerError
 
+    deadline = time.monotonic() + retry_not_found
     try:
         with SeerClient(address, retry_seconds=5.0, timeout=5.0) as client:
-            n = client.cancel_batch(batch_id)
-    except SeerError as e:
-        if e.code == "NOT_FOUND":  # interrupted before the buffer stored the submission
-            return f"nothing to cancel ({e})"
-        return f"cancelling it failed: {e}"
+            while True:
+                try:
+                    n = client.cancel_batch(batch_id)
+                    break
+                except SeerError as e:
+                    if e.code != "NOT_FOUND":
+                        raise
+                    if time.monotonic() >= deadline:
+                        if retry_not_found:
+                            return (f"nothing to cancel after {retry_not_found:g}s ({e}); the interrupted "
+                                    "submission may still be stored: SeerClient"
+                                    f"({address!r}).get_batch({batch_id!r}) shows it, .cancel_batch({batch_id!r}) "
+                                    "cancels it")
+                        return f"nothing to cancel ({e})"
+                    time.sleep(0.2)
     except Exception as e:  # best effort: the error that ended the run is the one to report
         return f"cancelling it failed: {e}"
     return f"cancelled it ({n} unfinished responses)"

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from seer_client import PromptGroup, SeerClient, SeerError
 
+import services.buffer.core as buffer_core
+from services.buffer.core import BufferCore
 from services.cli import rollout
 from tests.client.client_helpers import Buffer, play_scheduler
 
@@ -132,6 +134,151 @@ def test_an_error_while_results_stream_cancels_the_batch(buffer: Buffer) -> None
     finally:
         stop.set()
         gate.release(100)
+
+
+@pytest.mark.parametrize("case", ["already-exists", "failed-precondition"])
+def test_a_refused_submission_cancels_nothing(case: str, buffer: Buffer, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A submission the buffer refused stored nothing, so there is nothing of ours to cancel.
+    Before: the refusal went through the cancelling path: with --batch-id naming another run's
+    batch (other content: ALREADY_EXISTS) that other run's batch was cancelled; any other refusal
+    printed a stray "nothing to cancel" line."""
+    with SeerClient(buffer.address) as client:  # another run's batch, running
+        client.submit_batch("shared", [PromptGroup(prompt=[7, 8, 9], group_size=4, max_tokens=4)])
+    p = tmp_path / "p.jsonl"
+    if case == "already-exists":
+        p.write_text(json.dumps({"prompt_token_ids": [1, 2, 3]}) + "\n")
+        batch_id, expected = "shared", "ALREADY_EXISTS"
+    else:  # a text prompt, and the buffer has no tokenizer
+        p.write_text("hello\n")
+        batch_id, expected = "mine", "FAILED_PRECONDITION"
+    code = rollout.main(["--prompts", str(p), "--group-size", "2", "--max-tokens", "4", "--address",
+                         buffer.address, "--no-progress", "--batch-id", batch_id])
+    err = capsys.readouterr().err
+    assert code == 1 and expected in err, err
+    assert "cancel" not in err, err
+    with SeerClient(buffer.address) as client:
+        assert client.get_batch("shared").state == "running"  # not cancelled
+
+
+class _SubmitGate:
+    """Holds the in-process buffer's SubmitBatch of `batch_id` in its validation, outside the core's
+    lock (where a big batch spends its time), until released: the race window made certain."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, batch_id: str) -> None:
+        self.entered, self.release, self.handled = threading.Event(), threading.Event(), threading.Event()
+        real_validate, real_submit = buffer_core.validate_batch, BufferCore.submit_batch
+
+        def validate(bid: str, *a: Any, **kw: Any) -> Any:
+            if bid == batch_id:
+                self.entered.set()
+                assert self.release.wait(30), "submission gate never released"
+            return real_validate(bid, *a, **kw)
+
+        def submit(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
+            try:
+                return real_submit(core, bid, *a, **kw)
+            finally:
+                if bid == batch_id:
+                    self.handled.set()
+
+        monkeypatch.setattr(buffer_core, "validate_batch", validate)
+        monkeypatch.setattr(BufferCore, "submit_batch", submit)
+
+
+def _one_prompt(tmp_path: Path) -> Path:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2, 3], "prompt_key": "k"}) + "\n")
+    return prompts
+
+
+def test_a_submission_interrupted_before_it_was_stored_is_not_left_running(
+        buffer: Buffer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the buffer still validates the submission: the CLI's cancel finds nothing
+    (NOT_FOUND). Before: it said "nothing to cancel" and exited, and the buffer then stored the
+    batch, left running. Now the CLI's interrupted call is cancelled, the buffer does not store a
+    submission whose call is gone, and the CLI says that it may still be stored and how to cancel it."""
+    gate = _SubmitGate(monkeypatch, "cli-race")
+    p = _start_rollout(buffer.address, _one_prompt(tmp_path), "cli-race")
+    try:
+        assert gate.entered.wait(30), "the submission never reached the buffer"
+        err = _stop(p, signal.SIGINT)  # the CLI exits while the buffer still holds the submission
+    finally:
+        gate.release.set()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err
+    assert "batch cli-race: nothing to cancel after 3s" in err and "may still be stored" in err, err
+    assert ".cancel_batch('cli-race')" in err, err
+    assert gate.handled.wait(30)
+    with SeerClient(buffer.address, retry_seconds=1.0) as client, pytest.raises(SeerError, match="NOT_FOUND"):
+        client.get_batch("cli-race")
+
+
+def test_a_cancel_that_arrives_before_the_submission_is_stored_is_retried(
+        buffer: Buffer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer stores the interrupted submission after the CLI's first cancel found nothing
+    (its call's cancellation had not reached the buffer yet: a slow network). Before: "nothing to
+    cancel", and the batch was left running; now the CLI retries the cancel for a few seconds."""
+    gate = _SubmitGate(monkeypatch, "cli-late")
+    real_submit, real_cancel = BufferCore.submit_batch, BufferCore.cancel_batch
+
+    def submit_unaware(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
+        kw.pop("is_active", None)  # the call's cancellation has not reached the buffer
+        return real_submit(core, bid, *a, **kw)
+
+    def cancel(core: BufferCore, bid: str) -> Any:
+        try:
+            return real_cancel(core, bid)
+        except KeyError:  # NotFound: the CLI's first cancel came too early; now store the batch
+            if bid == "cli-late":
+                gate.release.set()
+            raise
+
+    monkeypatch.setattr(BufferCore, "submit_batch", submit_unaware)
+    monkeypatch.setattr(BufferCore, "cancel_batch", cancel)
+    p = _start_rollout(buffer.address, _one_prompt(tmp_path), "cli-late")
+    try:
+        assert gate.entered.wait(30), "the submission never reached the buffer"
+        err = _stop(p, signal.SIGINT)
+    finally:
+        gate.release.set()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err
+    assert "batch cli-late: cancelled it" in err, err
+    with SeerClient(buffer.address) as client:
+        assert client.get_batch("cli-late").state == "cancelled"
+
+
+def test_a_second_signal_during_the_cancel_is_reported(buffer: Buffer, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second Ctrl-C while the cancel waits (a slow or restarting buffer). Before: the run ended
+    saying nothing about the batch, which may still be running."""
+    entered, release = threading.Event(), threading.Event()
+    real_cancel = BufferCore.cancel_batch
+
+    def slow_cancel(core: BufferCore, bid: str) -> Any:
+        entered.set()
+        release.wait(30)
+        return real_cancel(core, bid)
+
+    monkeypatch.setattr(BufferCore, "cancel_batch", slow_cancel)
+    p = _start_rollout(buffer.address, _one_prompt(tmp_path), "cli-2nd")
+    try:
+        _wait_submitted(buffer.address, "cli-2nd")
+        p.send_signal(signal.SIGINT)
+        assert entered.wait(30), "the CLI never cancelled"
+        err = _stop(p, signal.SIGINT)
+    finally:
+        release.set()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130, err
+    assert "cancelling batch cli-2nd was interrupted: it may still be running" in err, err
 
 
 def test_limit_must_be_positive(tmp_path: Path) -> None:
