@@ -83,12 +83,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def RegisterGroup(self, request: draft_pb2.RegisterGroupRequest, context: grpc.ServicerContext
                       ) -> draft_pb2.RegisterGroupResponse:
         with log_context(group_id=request.group_id):
-            created, history = self.store.register_group(
+            r = self.store.register(
                 request.group_id, request.prompt_key, request.prompt_token_ids, request.ttl_seconds,
                 request.group_size, request.epoch, request.submit_seq)
-        if created and self.backfill is not None:
-            self.backfill.on_register(request.prompt_key, history)
-        return draft_pb2.RegisterGroupResponse(created=created, history_responses=history)
+        if r.created and self.backfill is not None:
+            self.backfill.on_register(request.prompt_key, r.history_responses)
+        return draft_pb2.RegisterGroupResponse(created=r.created, history_responses=r.history_responses,
+                                               incarnation=r.incarnation, submit_seq=r.submit_seq)
 
     @rpc
     def GetDraftStats(self, request: draft_pb2.GetDraftStatsRequest, context: grpc.ServicerContext

@@ -150,6 +150,19 @@ class GroupDelta:
 
 
 @dataclass(frozen=True)
+class Registration:
+    """DraftStore.register's answer (RegisterGroupResponse)."""
+
+    created: bool
+    history_responses: int
+    # The group's incarnation and submit_seq the registration was judged against (now live): a
+    # worker stamps the appends it queued before it had an incarnation with it, so they never land
+    # in an incarnation created after this one (another run's, registered meanwhile).
+    incarnation: int
+    submit_seq: int
+
+
+@dataclass(frozen=True)
 class DraftStats:
     groups: int
     history_keys: int
@@ -314,9 +327,19 @@ class DraftStore:
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
         group_size: int = 0, epoch: int = 0, submit_seq: int = 0,
     ) -> tuple[bool, int]:
-        """Returns (created, history responses loaded). epoch: the registering attempt's dispatch
-        epoch (0 = unknown). submit_seq: the buffer's submission of its batch (0 = unknown); where
-        both it and the completed group's are known, it alone tells the same run from another."""
+        """Returns (created, history responses loaded); see register."""
+        r = self.register(group_id, prompt_key, prompt_token_ids, ttl_seconds, group_size, epoch, submit_seq)
+        return r.created, r.history_responses
+
+    def register(
+        self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
+        group_size: int = 0, epoch: int = 0, submit_seq: int = 0,
+    ) -> Registration:
+        """Registers the group; returns what the registration was judged against (the group's
+        incarnation and submission as of this call: RegisterGroupResponse). epoch: the registering
+        attempt's dispatch epoch (0 = unknown). submit_seq: the buffer's submission of its batch (0
+        = unknown); where both it and the group's are known, it alone tells the same run from
+        another."""
         if not group_id:
             raise InvalidArgument("must not be empty", field="group_id")
         if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
@@ -383,7 +406,7 @@ class DraftStore:
                         g.submit_seq = submit_seq
                     g.ttl_s = ttl
                     g.expires_at = now + ttl
-                    return False, g.index.num_history
+                    return Registration(False, g.index.num_history, g.incarnation, g.submit_seq)
                 if not g.completed and not new_run:
                     # Another run under the same id while this one is running. Another group_size
                     # alone is one too (not a retry: every worker of a run sends the batch's size):
@@ -410,7 +433,20 @@ class DraftStore:
                          extra=kv(group_id=group_id, epoch=epoch, largest_epoch=largest, same_prompt=same_prompt,
                                   same_size=same_size, submit_seq=submit_seq, old_submit_seq=g.submit_seq,
                                   old_completed=g.completed))
-            elif self._expired.get(group_id):
+            elif not self._expired.get(group_id):
+                # Never registered, lost in a restart, or an unfinished group that expired (its
+                # workers re-create it). By submission still, whatever the tombstone: an incarnation
+                # remembered of a newer run (or of this run, with this prompt: replaced by a newer
+                # one, or completed) means this is a straggler of a run the id moved on from. After
+                # a newer run replaced this run's running group and then expired unfinished
+                # (tombstone False), the straggler was accepted and created a group of the old run
+                # (review). The epoch rule stays with the tombstone (submit_seq 0: as before).
+                same = self._same_run_reused(group_id, digest, group_size, epoch, submit_seq, by_epoch=False)
+                if same is not None:
+                    raise FailedPrecondition(
+                        f"group {group_id!r}: submit_seq {submit_seq} is of a run the id moved on from (a "
+                        "newer run registered it): nothing to draft for", field="submit_seq")
+            else:
                 # Completed, then evicted or expired: its responses are history, so this is the id
                 # used again (see above), a new incarnation, unless the registration says it is the
                 # same run: the same prompt, key and size (0 agrees with any), as the live path
@@ -457,9 +493,10 @@ class DraftStore:
                                    _incarnation(), len(history), digest, submit_seq))
             if self._expired.pop(group_id, None) is not None:
                 self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)
+            g = self._groups[group_id]
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
                                                   history=len(history), ttl_s=ttl))
-            return True, len(history)
+            return Registration(True, len(history), g.incarnation, g.submit_seq)
 
     def _get(self, group_id: str, field_name: str) -> _Group:
         if not group_id:
@@ -858,20 +895,20 @@ class DraftStore:
         return None
 
     def _same_run_reused(self, group_id: str, digest: int, group_size: int, epoch: int,
-                         submit_seq: int) -> tuple[int, bool] | None:
+                         submit_seq: int, *, by_epoch: bool = True) -> tuple[int, bool] | None:
         """(largest epoch, judged by submit_seq) of a remembered incarnation of the id that this
         registration belongs to, or that is of a newer run than it; None when none. Where the
         registration and the incarnation both carry a submit_seq, it decides alone: an older one is
         an older run's (refused whatever the prompt: the id moved on), the same one with the same
         prompt and key by digest and an agreeing size (0 agrees with any) is that run. Else the
-        same prompt, key and size at an epoch from 1 to that incarnation's largest. Caller holds
-        the lock."""
+        same prompt, key and size at an epoch from 1 to that incarnation's largest (only with
+        by_epoch). Caller holds the lock."""
         for _inc, largest, old_digest, old_size, old_seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):
             same_registration = digest == old_digest and _sizes_agree(group_size, old_size)
             if submit_seq and old_seq:
                 if submit_seq < old_seq or (submit_seq == old_seq and same_registration):
                     return int(largest), True
-            elif same_registration and 0 < epoch <= largest:
+            elif by_epoch and same_registration and 0 < epoch <= largest:
                 return int(largest), False
         return None
 

@@ -29,8 +29,9 @@ attempt here came with the new incarnation's submission (GroupDelta.submit_seq; 
 reused one's known, reused_submit_seq, any other), whatever the epochs; else those whose attempt
 here has a dispatch epoch above the reset's reused_epoch (the largest epoch the old incarnation
 took), running or ended already on the stale mirror, or, without epochs, those running here now. Every append
-carries the incarnation its tokens were generated under (0 while the mirror has none: not synced
-yet, or started over to re-create a lost group), so a late append of an old incarnation never
+carries the incarnation its tokens were generated under (for a mirror not synced yet, or started
+over to re-create a lost group, the one its registration was judged against:
+RegisterGroupResponse.incarnation; 0 only until that answer), so a late append of an old incarnation never
 lands in a group id registered again (a resubmitted batch id brings the same group and request
 ids); the server refuses it, the message is dropped, and the next Sync (forced even for a group
 whose every response runs here) answers the mirror with a reset. A group the server dropped while
@@ -121,6 +122,11 @@ class _Mirror:
     # request under the same id (a resubmitted batch): its older epochs are dropped (resume keeps
     # the largest, and the old run's would make the new run's attempt look like the old run's).
     seqs: dict[str, int] = field(default_factory=dict)
+    # Requests whose attempt starting here last is of an older submission than seqs' (a chunk of a
+    # run the request has moved on from, still in flight): resume, append and end leave the mirror
+    # alone for it (its copy here is the newer run's; rewritten with the old run's output, a reset
+    # or a re-created group resent that as the newer run's response).
+    older_attempts: set[str] = field(default_factory=set)
     # Submissions a reused reset showed to be no run of the incarnation followed now (the reused
     # one's GroupDelta.reused_submit_seq, and those of our requests it judged not the new run's);
     # seq_judged: a reused reset carried a submission (either side). Then a request of a known
@@ -329,10 +335,17 @@ class DraftClient:
     @staticmethod
     def _note_submission_locked(m: _Mirror, request_id: str, submit_seq: int) -> None:
         """An attempt of `request_id` from batch submission `submit_seq` (nonzero) starts here
-        (caller holds the lock). Another submission than its last attempt's here is another run's
+        (caller holds the lock). A newer submission than its last attempt's here is another run's
         request under the same id: the old attempt's epoch goes (resume keeps the largest, and the
-        new run's may be lower, after the scheduler's clock went back)."""
+        new run's may be lower, after the scheduler's clock went back). An older one never lowers
+        the recorded submission (it set it back, and dropped the newer attempt's epoch: the old
+        chunk's resume then overwrote the newer run's copy, which a re-created group took as the
+        newer run's response); the attempt is marked older (older_attempts) instead."""
         known = m.seqs.get(request_id, 0)
+        if known > submit_seq:
+            m.older_attempts.add(request_id)
+            return
+        m.older_attempts.discard(request_id)
         if known and known != submit_seq:
             m.epochs.pop(request_id, None)
         m.seqs[request_id] = submit_seq
@@ -342,6 +355,17 @@ class DraftClient:
         """The newest submission the mirror registered for or is registering again for (0 =
         unknown). Caller holds the lock."""
         return max(m.submit_seq, m.reregister[4] if m.reregister is not None else 0)
+
+    def _drop_older_runs_locked(self, gid: str, m: _Mirror) -> None:
+        """The mirror moved to a newer submission (m.submit_seq): its requests of older ones are
+        an older run's, not its own any more: not resent, and their queued appends (which would
+        be stamped with, or land in, the newer run's incarnation) dropped. Caller holds the lock."""
+        older = {rid for rid, q in m.seqs.items() if 0 < q < m.submit_seq}
+        if not older:
+            return
+        m.own -= older
+        m.finished -= older
+        self._pending = [a for a in self._pending if a.group_id != gid or a.request_id not in older]
 
     @classmethod
     def _old_run_locked(cls, m: _Mirror, request_id: str) -> bool:
@@ -390,7 +414,8 @@ class DraftClient:
     def _append_locked(self, group_id: str, request_id: str, offset: int, toks: list[int], finished: bool,
                        truncate: bool) -> None:
         m = self._groups.get(group_id)
-        if m is None:
+        if m is None or request_id in m.older_attempts:
+            # (An attempt of an older submission than the request's here: see _Mirror.older_attempts.)
             return
         try:
             if truncate:
@@ -443,6 +468,10 @@ class DraftClient:
             if m is None:
                 return
             self._groups.move_to_end(group_id)  # recently used: released last
+            if request_id in m.older_attempts:
+                # An older submission's attempt (register_attempt): the copy here, its epoch and
+                # its Sync deltas stay the newer run's; the old chunk drafts from them as they are.
+                return
             if epoch:
                 m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
             m.synced_over.discard(request_id)  # our attempt's copy from here on
@@ -457,6 +486,9 @@ class DraftClient:
         with self._lock:
             m = self._groups.get(group_id)
             if m is None:
+                return
+            if request_id in m.older_attempts:
+                m.older_attempts.discard(request_id)  # its resume marked nothing active
                 return
             m.active.discard(request_id)
             if request_id in m.resync:
@@ -601,11 +633,17 @@ class DraftClient:
                     timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    # Completed on the server earlier, then evicted or expired: nothing to draft for.
+                    # Completed on the server earlier, then evicted or expired, or an older run's
+                    # registration: nothing to draft for. Unless a newer registration was queued
+                    # while this one was out (a newer submission's chunk started here): the mirror
+                    # is that run's now, and released, the newer run's appends were lost.
                     with self._lock:
-                        if self._groups.get(gid) is m:
+                        if self._groups.get(gid) is m and m.reregister in (None, registration):
                             del self._groups[gid]
-                    log.info("draft group completed earlier; mirror released", extra=kv(group_id=gid))
+                            log.info("draft group completed earlier, or moved on to a newer run; mirror released",
+                                     extra=kv(group_id=gid, submit_seq=seq))
+                        else:
+                            log.info("draft registration refused; a newer one is queued", extra=kv(group_id=gid))
                     continue
                 if m.registered and e.code() not in _RETRY_CODES:
                     # A re-registration refused for good (ALREADY_EXISTS: another run's group of
@@ -631,6 +669,18 @@ class DraftClient:
                     # The run the server judged this registration by: later chunks of it are the
                     # mirror's run (register_attempt). Never an older one (it is never sent).
                     m.submit_seq = seq
+                    self._drop_older_runs_locked(gid, m)
+                if not m.incarnation and resp.incarnation and m.ready:
+                    # Not synced yet (a new mirror, or one re-creating a group the server lost): it
+                    # follows the incarnation this registration was judged against, and so do the
+                    # appends it queued meanwhile (incarnation 0 would land in whichever incarnation
+                    # the group has when they arrive: another run's, registered in between, where
+                    # an old run's epochs lock the new run's attempts out). Not while a newer
+                    # registration is queued: its answer says which incarnation they are for.
+                    m.incarnation = resp.incarnation
+                    for a in self._pending:
+                        if a.group_id == gid and not a.incarnation:
+                            a.incarnation = resp.incarnation
                 if resp.created and (key, prompt, size) != (m.prompt_key, m.prompt, m.group_size):
                     # A new incarnation of another registration (the id used again with another
                     # prompt or size): the mirror follows it from its next Sync (reset), rebuilt
@@ -723,8 +773,10 @@ class DraftClient:
                 # same batch with a lower epoch, dispatched earlier, lost its finish in the resend
                 # and the new incarnation never completed); only a newer epoch registers again.
                 if a.epoch > m.register_epoch:
-                    self._reregister_locked(a.group_id, m, a.request_id, a.epoch,
-                                            (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq))
+                    # A registration queued meanwhile (a newer submission's) stays the one sent:
+                    # replaced by the mirror's, an older run's, the newer run never registered.
+                    self._reregister_locked(a.group_id, m, a.request_id, a.epoch, m.reregister or (
+                        m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq))
                 return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
@@ -904,7 +956,11 @@ class DraftClient:
             # yet): the new incarnation is another run (a resubmitted batch id), and our old
             # responses must not go into it. Without reused (a restarted server knows nothing of
             # older incarnations) an incomplete mirror's responses are the same run's: resent.
-            completed = m.completed or d.reused
+            # A plain reset to an incarnation of a newer submission than the mirror's (the server
+            # restarted, or the group expired unfinished, and a newer run registered the id): our
+            # responses are an older run's too, resent only as reused decides (by submission).
+            newer_run = bool(d.submit_seq and 0 < m.submit_seq < d.submit_seq)
+            completed = m.completed or d.reused or newer_run
             reused_epoch = d.reused_epoch if d.reused else 0
             reused_seq = d.reused_submit_seq if d.reused else 0
             new_run = self._new_run_locked(m, reused_epoch, reused_seq, d.submit_seq) if completed else set()
@@ -934,6 +990,17 @@ class DraftClient:
                     if d.submit_seq:
                         m.old_run_seqs.update(q for q in m.seqs.values() if q != d.submit_seq)
             m.synced_over.clear()  # the copies kept are ours; the reply's deltas below mark again
+            if d.submit_seq > m.submit_seq:
+                # Follows the new incarnation's run from here on (register_attempt compares with
+                # it: kept at the old run's, that run's late chunks looked like the mirror's run).
+                m.submit_seq = d.submit_seq
+                self._drop_older_runs_locked(d.group_id, m)
+            elif d.submit_seq and m.submit_seq > d.submit_seq and m.reregister is None:
+                # An older run's incarnation (its straggler re-created the id after a restart):
+                # registered again by our newer submission, the server replaces it, and the next
+                # Sync is a reused reset that resends our run's responses into the new one.
+                self._reregister_locked(d.group_id, m, "", m.newest_epoch(), (
+                    m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq))
         if m.watermark == 0 and not m.history_loaded:
             for h in d.history:
                 m.index.add_history(h.token_ids)

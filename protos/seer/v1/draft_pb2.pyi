@@ -141,12 +141,16 @@ class RegisterGroupRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ..., group_size: _Optional[int] = ..., epoch: _Optional[int] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class RegisterGroupResponse(_message.Message):
-    __slots__ = ("created", "history_responses")
+    __slots__ = ("created", "history_responses", "incarnation", "submit_seq")
     CREATED_FIELD_NUMBER: _ClassVar[int]
     HISTORY_RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
     created: bool
     history_responses: int
-    def __init__(self, created: _Optional[bool] = ..., history_responses: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    submit_seq: int
+    def __init__(self, created: _Optional[bool] = ..., history_responses: _Optional[int] = ..., incarnation: _Optional[int] = ..., submit_seq: _Optional[int] = ...) -> None: ...
 
 class GetDraftStatsRequest(_message.Message):
     __slots__ = ()
