@@ -154,7 +154,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 self.core.reconcile_intent(self.version_probe)
             out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups],
                                          trace_context=current_trace_context(), seed_scope=request.seed_scope,
-                                         is_active=context.is_active)
+                                         is_active=lambda: _still_wanted(context))
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
                                                policy_version=out.policy_version,
@@ -310,3 +310,15 @@ def add_servicers(core: BufferCore, cfg: BufferConfig) -> Callable[[grpc.Server]
         ]
 
     return add
+
+
+def _still_wanted(context: grpc.ServicerContext) -> bool:
+    """Whether a SubmitBatch call is still wanted by its caller: active, or ended only by its own
+    deadline. A cancelled call (a Ctrl-C, a closed channel) is not: its caller may have cancelled
+    the batch already and finds nothing (BufferCore.submit_batch). An expired deadline is: the
+    caller's idempotent retry then finds the batch stored (already_submitted); refusing it too made
+    a submission that outlasts the caller's timeout fail on every retry (review)."""
+    if context.is_active():
+        return True
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0

@@ -113,3 +113,29 @@ def test_a_submission_cancelled_while_it_was_built_is_not_stored(
     # Submitted again (the caller's retry): a new batch, stored.
     resp = buf.rollout.SubmitBatch(rollout_pb2.SubmitBatchRequest(batch_id="gone", groups=[group()]))
     assert not resp.already_submitted and resp.num_requests == 2
+
+
+def test_a_submission_that_outlasts_its_callers_deadline_is_stored(
+        make_buffer: Callable[..., BufferHandle], gate: Gate) -> None:
+    """A call ended by its own deadline is not a cancellation: the caller's idempotent retry finds
+    the batch stored (already_submitted). Refused too, every retry of a submission slower than the
+    caller's timeout failed the same way."""
+    buf = make_buffer()
+    call = buf.rollout.SubmitBatch.future(rollout_pb2.SubmitBatchRequest(batch_id="slow", groups=[group()]),
+                                          timeout=0.3)
+    assert gate.entered.wait(WAIT)
+    with pytest.raises(grpc.RpcError) as e:
+        call.result(timeout=WAIT)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    gate.release.set()
+    deadline = time.monotonic() + WAIT
+    while True:  # the server thread goes on with the submission after the caller's deadline
+        try:
+            buf.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="slow"))
+            break
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+            assert time.monotonic() < deadline, "a submission past its deadline was never stored"
+            time.sleep(0.05)
+    resp = buf.rollout.SubmitBatch(rollout_pb2.SubmitBatchRequest(batch_id="slow", groups=[group()]))
+    assert resp.already_submitted
