@@ -491,8 +491,9 @@ class BufferCore:
         trace context (W3C keys), handed on with every work item of the batch; a resubmission keeps
         the first one. seed_scope: what request seeds are derived from instead of the batch id
         (batches with one scope and the same base seeds sample alike; "" = the batch id).
-        is_active: whether the submitter's call is still there (the gRPC context's); checked under
-        the lock right before the write, and a gone call is SubmitCancelled, nothing stored."""
+        is_active: whether the submitter still wants the batch (the server's _still_wanted: its call
+        active, or ended only by its deadline); checked under the lock right before the write, and
+        a cancelled call is SubmitCancelled, nothing stored."""
         validate_batch_id(batch_id)  # format checks only: they do not depend on the buffer's limits
         validate_seed_scope(seed_scope)
         if seed_scope == batch_id:

@@ -8,7 +8,7 @@ step (tokens per engine step, the bonus token included: 1.0 = no speculation ben
 and holds also while no result arrives: then the batch is cancelled and the exit status is 1.
 Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch too; the exit status is then 128 + the signal
 (130, 143). Interrupted during the submission, it cancels the call (the buffer does not store a
-submission whose call is gone) and retries the cancel for 3 s while the buffer does not know the
+submission whose call was cancelled) and retries the cancel for 3 s while the buffer does not know the
 batch; after that it says the submission may still be stored and how to cancel it. A second signal
 during the cancel ends the wait, saying that the batch may still be running. A submission the buffer
 refused (ALREADY_EXISTS: --batch-id names another batch; INVALID_ARGUMENT...) cancels nothing.
@@ -192,7 +192,7 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
                 raise
             if not submitted:
                 # Closed first: that cancels the submission still in flight, and the buffer does
-                # not store a submission whose call is gone (services/buffer: SubmitCancelled).
+                # not store a submission whose call was cancelled (services/buffer: SubmitCancelled).
                 client.close()
             what = _cancel_reporting(address, batch_id, retry_not_found=0.0 if submitted else NOT_FOUND_RETRY)
             if isinstance(e, SeerTimeout) and submitted:

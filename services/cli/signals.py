@@ -1,6 +1,8 @@
 """The stop request of `seer up` and `seer demo`: SIGINT and SIGTERM only record which signal came
 first, and the command's own loop (Suite.start's polling, the supervisor loop) acts on it, so the
-suite is stopped in order and its temporary data removed, whatever the signal.
+suite is stopped in order and its temporary data removed, whatever the signal. (`seer rollout`
+uses StopRequest and signals_to with a handler of its own that also raises KeyboardInterrupt, each
+signal: a second one ends a slow cancel.)
 
 Not services.common.server.StopSignal: a service's second signal while starting exits at once
 (os._exit), which for `seer up` would leave its temporary data directory behind; here a second

@@ -116,9 +116,12 @@ def _configured_host(section: str, args: Sequence[str], env: Mapping[str, str]) 
     from services.common.config import ServiceConfig, load_field
 
     try:
-        return str(load_field(ServiceConfig, section, "host", args, env))
+        host = str(load_field(ServiceConfig, section, "host", args, env))
     except (ValueError, OSError):
         return None
+    # "" is refused by gRPC itself ("host must not be empty"): the service exits naming it; a port
+    # probe of "" failed and blamed a taken port.
+    return host or None
 
 
 def _bind_host(s: ServiceProcess) -> str | None:
@@ -454,7 +457,8 @@ class Suite:
             buffer_args += ["--model-dir", self.model_dir]
         self._add("buffer", "services.buffer", buffer_port, _BUFFER, buffer_args)
         # The wiring above used the planned address: the buffer's own arguments must not move it.
-        assert self.address == buffer_address, (self.address, buffer_address)
+        if self.address != buffer_address:  # the wiring above dialled another address
+            raise SuiteError(f"buffer: wired to {buffer_address} but it binds {self.address}")
         for i in range(self.num_workers):
             args = [
                 "--worker-id", f"worker-{i}",

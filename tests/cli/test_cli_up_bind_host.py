@@ -103,3 +103,13 @@ def test_the_default_host_is_checked_on_127_0_0_1_only(tmp_path: Path, monkeypat
     s = _suite(tmp_path, monkeypatch)
     with _listen(socket.AF_INET6, "::1", s.services["buffer"].port), pytest.raises(up.SuiteInterrupted):
         _start_stopped(s)
+
+
+def test_an_empty_host_is_left_to_the_service() -> None:
+    """An empty host is the service's configuration error (gRPC refuses it), not a taken port: the
+    check skips it (its probe failed on "" and blamed the port)."""
+    from services.cli.up import _configured_host
+
+    assert _configured_host("buffer", [], {"SEER_BUFFER_HOST": ""}) is None
+    assert _configured_host("buffer", ["--host", ""], {}) is None
+    assert _configured_host("buffer", [], {}) == "127.0.0.1"

@@ -275,14 +275,12 @@ when nothing is left for pages: fail at render instead, naming the value that de
 {{- $reserve := max 33554432 (div $wb 2) -}}
 {{- $ssdBytes := int64 (include "seer.kvSsdBytes" .) -}}
 {{- if hasKey $v.kvstore.config "ssd_bytes" -}}
-{{- $given := $ssdBytes -}}
-{{- if le $given $reserve -}}
-{{- fail (printf "kvstore.config.ssd_bytes: must be > %d, the RocksDB WAL cap the kvstore reserves out of it (max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d), got %d; the kvstore would refuse to start. Raise ssd_bytes or lower kvstore.config.ssd_write_buffer_bytes" $reserve $wb $given) -}}
+{{- if le $ssdBytes $reserve -}}
+{{- fail (printf "kvstore.config.ssd_bytes: must be > %d, the RocksDB WAL cap the kvstore reserves out of it (max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d), got %d; the kvstore would refuse to start. Raise ssd_bytes or lower kvstore.config.ssd_write_buffer_bytes" $reserve $wb $ssdBytes) -}}
 {{- end -}}
 {{- else -}}
-{{- $derived := $ssdBytes -}}
-{{- if le $derived $reserve -}}
-{{- fail (printf "kvstore.persistence.size: %s gives ssd_bytes %d (0.4 x the volume), not above the RocksDB WAL cap the kvstore reserves out of it (%d: max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d); the kvstore would refuse to start. Raise the size (more than 2.5 x %d bytes) or lower kvstore.config.ssd_write_buffer_bytes" $v.kvstore.persistence.size $derived $reserve $wb $reserve) -}}
+{{- if le $ssdBytes $reserve -}}
+{{- fail (printf "kvstore.persistence.size: %s gives ssd_bytes %d (0.4 x the volume), not above the RocksDB WAL cap the kvstore reserves out of it (%d: max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d); the kvstore would refuse to start. Raise the size (more than 2.5 x %d bytes) or lower kvstore.config.ssd_write_buffer_bytes" $v.kvstore.persistence.size $ssdBytes $reserve $wb $reserve) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
