@@ -34,14 +34,18 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   again; its log may be shorter or longer than the watermark) is answered as watermark 0 with
   reset=True, so the mirror rebuilds instead of applying a foreign log from its middle. When the
   caller's incarnation is one this server saw complete before the id was registered again (a
-  resubmitted batch id), the reset also says reused=True: the caller's old responses are another
-  run's and must not be resent. It carries reused_epoch, the largest append epoch the old
-  incarnation took: the caller's requests of a larger epoch are the new run's (dispatched after the
-  resubmission), even the ones that ended on its stale mirror; and reused_submit_seq (the old
+  resubmitted batch id), or a running one that a newer submission's registration replaced (the old
+  run was cancelled or deleted: remembered and tombstoned as if completed, so that its workers stop
+  resending into the newer run's group and its late registrations are refused), the reset also
+  says reused=True: the caller's old responses are another run's and must not be resent. It carries
+  reused_epoch, the largest append epoch the old incarnation took: the caller's requests of a larger
+  epoch are the new run's (dispatched after the resubmission), even the ones that ended on its stale
+  mirror; and reused_submit_seq (the old
   incarnation's submit_seq) with submit_seq (the new one's), which decide instead where known (a
-  new run after the scheduler's clock went back has epochs at most reused_epoch). After a restart nothing is known of
-  older incarnations: reused is False and the workers resend their responses (the same run's,
-  re-creating the group).
+  new run after the scheduler's clock went back has epochs at most reused_epoch). After a restart
+  nothing is known of older incarnations: reused is False and the workers resend their responses
+  (the same run's, re-creating the group), except a worker whose incarnation completed (released)
+  or whose run is older than the reset's submit_seq (another run's group: resent by submission).
 - seed_history(key, iteration, responses) is idempotent per response (HistoryStore.add: a response
   held for the key loads once, in whatever order, iteration or add; a subset or superset of an
   earlier seed loads only what is new).
@@ -82,10 +86,11 @@ _MAX_TOKEN_ID = (1 << 31) - 1
 _LOG_ENTRY_BYTES = 120  # a SeqDelta object and its tuple, calibrated with tracemalloc
 _LOG_TOKEN_BYTES = 36
 _TOMBSTONES = 65536  # expired group ids remembered to tell "expired" from "unknown"
-# Completed incarnations remembered per group id (DraftStore._reused): a watermark of one of them is
-# answered reset + reused. Ids as many as tombstones; per id the newest few (an id reused over and
-# over: a worker's mirror is at most a few incarnations behind), packed in one bytes object as
-# (incarnation, largest epoch, registration digest, group_size, submit_seq) records: uint64 x 3 +
+# Completed incarnations remembered per group id (DraftStore._reused), and running ones a newer
+# submission replaced (remembered as completed): a watermark of one of them is answered reset +
+# reused. Ids as many as tombstones; per id the newest few (an id reused over and over: a worker's
+# mirror is at most a few incarnations behind), packed in one bytes object as (incarnation, largest
+# epoch, registration digest, group_size, submit_seq) records: uint64 x 3 +
 # uint32 + uint64 (36 bytes). The submit_seq (the buffer's submission of the run; 0 = unknown), or
 # without it the digest (_registration_digest: prompt key and prompt), size and epoch, tell a
 # registration of that run from another's once the group expired (DraftStore.register_group).
@@ -191,7 +196,7 @@ class _Group:
     # holding the history store's tuples here would keep evicted history alive, unaccounted).
     history_count: int = 0
     # _registration_digest of its prompt key and prompt, kept with the incarnation once it completed
-    # and is removed (DraftStore._remember_reused).
+    # and is removed, or a newer submission replaced it running (DraftStore._remember_reused).
     digest: int = 0
     # The buffer's submission of the run that created it (RegisterGroupRequest.submit_seq; 0 =
     # unknown: an old client), or of the first registration that brought one; kept likewise.
@@ -327,7 +332,8 @@ class DraftStore:
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
         group_size: int = 0, epoch: int = 0, submit_seq: int = 0,
     ) -> tuple[bool, int]:
-        """Returns (created, history responses loaded); see register."""
+        """Returns (created, history responses loaded); see register. The tests' and benchmarks'
+        shorthand: the service calls register (it answers the incarnation and submission too)."""
         r = self.register(group_id, prompt_key, prompt_token_ids, ttl_seconds, group_size, epoch, submit_seq)
         return r.created, r.history_responses
 
@@ -871,9 +877,13 @@ class DraftStore:
     def _remember_reused(self, g: _Group) -> None:
         """Whatever comes under a completed group's id next is another run (its responses are
         history): a worker still following this incarnation is told so (sync: reused), with the
-        largest epoch it took. Every attempt of this run that wrote here had an epoch at most that
-        (the newest per request is kept, and older ones are refused below it), and the new run's
-        attempts are dispatched after it was submitted, so with larger epochs (the scheduler's
+        largest epoch it took. Also called for a running group a newer submission's registration
+        replaced (register): its run was cancelled or deleted, so its workers must not resend its
+        responses into the newer run's group (reused tells them), and a late registration of it is
+        refused by its submit_seq (_same_run_reused) instead of starting a group of the old run.
+        Every attempt of this run that wrote here had an epoch at most that (the newest per request
+        is kept, and older ones are refused below it), and the new run's attempts are dispatched
+        after it was submitted, so with larger epochs (the scheduler's
         clock increases over all requests)."""
         known = self._reused.pop(g.group_id, b"")
         if known:

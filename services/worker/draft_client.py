@@ -128,7 +128,8 @@ class _Mirror:
     # or a re-created group resent that as the newer run's response).
     older_attempts: set[str] = field(default_factory=set)
     # Submissions a reused reset showed to be no run of the incarnation followed now (the reused
-    # one's GroupDelta.reused_submit_seq, and those of our requests it judged not the new run's);
+    # one's GroupDelta.reused_submit_seq, and those of our requests it judged not the new run's,
+    # older than both the new run's and the mirror's; the mirror's own is taken out when it moves);
     # seq_judged: a reused reset carried a submission (either side). Then a request of a known
     # submission is the old run's by membership here, whatever its epoch (a new run after the
     # scheduler's clock went back has epochs at most old_run_epoch); without, by old_run_epoch.
@@ -340,9 +341,12 @@ class DraftClient:
         new run's may be lower, after the scheduler's clock went back). An older one never lowers
         the recorded submission (it set it back, and dropped the newer attempt's epoch: the old
         chunk's resume then overwrote the newer run's copy, which a re-created group took as the
-        newer run's response); the attempt is marked older (older_attempts) instead."""
+        newer run's response); the attempt is marked older (older_attempts) instead. So is one
+        older than the mirror's submission when none is recorded for the request yet: the copy
+        here is the mirror's run's (a sibling's, through Sync), which the old chunk's resume
+        overwrote as well."""
         known = m.seqs.get(request_id, 0)
-        if known > submit_seq:
+        if known > submit_seq or (not known and submit_seq < DraftClient._mirror_seq(m)):
             m.older_attempts.add(request_id)
             return
         m.older_attempts.discard(request_id)
@@ -359,7 +363,10 @@ class DraftClient:
     def _drop_older_runs_locked(self, gid: str, m: _Mirror) -> None:
         """The mirror moved to a newer submission (m.submit_seq): its requests of older ones are
         an older run's, not its own any more: not resent, and their queued appends (which would
-        be stamped with, or land in, the newer run's incarnation) dropped. Caller holds the lock."""
+        be stamped with, or land in, the newer run's incarnation) dropped. Its own submission is
+        no old run (a reset may have marked it one while the mirror followed an older run's
+        incarnation): the requests of the run it follows now are sent. Caller holds the lock."""
+        m.old_run_seqs.discard(m.submit_seq)
         older = {rid for rid, q in m.seqs.items() if 0 < q < m.submit_seq}
         if not older:
             return
@@ -802,17 +809,22 @@ class DraftClient:
 
     def _reregister_locked(self, gid: str, m: _Mirror, request_id: str, epoch: int,
                            registration: tuple[str, tuple[int, ...], int, int, int]) -> None:
-        """Queues RegisterGroup again for a newer attempt (`epoch`) of a group that may have
-        completed on the server (register_attempt, _on_refused): the server tells by the epoch
-        whether it is another run (a new incarnation) or this one (idempotent). The group's
-        appends and Syncs wait for it (_Mirror.reregister). Caller holds the lock.
+        """Queues RegisterGroup again (`registration`, with `epoch`): for a newer attempt of a group
+        that may have completed on the server, or an attempt of a newer submission than the
+        mirror's (register_attempt, _on_refused), or to move the group off an older run's
+        incarnation (a plain reset to one: its straggler re-created the id after a restart), or
+        for a stale mirror's expired group holding a response of ours (_lost_locked). The server
+        tells by the submission, else the epoch, whether it is another run (a new incarnation; a
+        running older run's group is replaced) or this one (idempotent). The group's appends and
+        Syncs wait for it (_Mirror.reregister). Caller holds the lock.
         register_epoch only grows: a newer submission's attempt may come at a lower epoch (the
         scheduler's clock went back), and lowered, it made every later attempt above it look newer
         and register again (the submission decides then, not the epoch)."""
         m.register_epoch = max(m.register_epoch, epoch)
         m.reregister = registration
-        log.info("draft group may have completed; registering again for a newer attempt",
-                 extra=kv(group_id=gid, request_id=request_id, epoch=epoch))
+        log.info("draft group registering again (may have completed, a newer submission, or an older run's "
+                 "incarnation)", extra=kv(group_id=gid, request_id=request_id, epoch=epoch,
+                                          submit_seq=registration[4]))
         self._wake.set()
 
     def _whole_locked(self, gid: str, m: _Mirror, rid: str) -> draft_pb2.AppendRequest:
@@ -963,32 +975,45 @@ class DraftClient:
             completed = m.completed or d.reused or newer_run
             reused_epoch = d.reused_epoch if d.reused else 0
             reused_seq = d.reused_submit_seq if d.reused else 0
-            new_run = self._new_run_locked(m, reused_epoch, reused_seq, d.submit_seq) if completed else set()
+            # The new incarnation's submission names the new run only when it is one: reused, or a
+            # newer submission than the mirror's. A plain reset of the mirror's own (or an older)
+            # submission is its group re-created after a restart (a stale sibling's mirror, an
+            # older run's straggler): taken as the new run, every response of our completed run
+            # was resent and the group completed, and became history, a second time.
+            new_seq = d.submit_seq if d.reused or newer_run else 0
+            new_run = self._new_run_locked(m, reused_epoch, reused_seq, new_seq) if completed else set()
             if completed and not new_run and not m.active:
                 del self._groups[d.group_id]
                 log.info("draft group completed; mirror released for its new incarnation",
                          extra=kv(group_id=d.group_id))
                 return 0
-            # The copies kept: ours running here (the truth, also an old run's attempt: it drafts
-            # from it) and, for a completed incarnation, the new run's that ended here already.
-            old = self._restart_mirror_locked(m, sorted((m.active & m.own) | new_run))
+            # The copies kept: every request running here (the truth, also an old run's attempt or
+            # one of a newer submission the mirror is registering again for, whose appends stay
+            # local meanwhile: it drafts from it, and a later reset may resend it) and, for a
+            # completed incarnation, the new run's that ended here already.
+            old = self._restart_mirror_locked(m, sorted(m.active | new_run))
             # Our queued appends of the old incarnation would be refused (one by one, after their
             # batch): what of them is still ours is resent whole below, under the new one.
             self._pending = [a for a in self._pending
                              if a.group_id != d.group_id or a.incarnation in (0, d.incarnation)]
             if completed:
                 old = None  # only the new run's requests are ours in the new incarnation (resent below)
-                m.own &= new_run
+                m.own = set(new_run)  # (with a request running here the reset took out of ours)
                 m.finished &= new_run
                 m.old_run_epoch = max(m.old_run_epoch, reused_epoch)
                 if reused_seq or d.submit_seq:
                     # Judged by submission from here on (_old_run_locked): the reused run's, and
-                    # every submission of ours the reset found not the new run's.
+                    # every submission of ours the reset found not the new run's, if older than
+                    # both the new run's and the mirror's: the mirror's own run (a plain reset to
+                    # an older run's incarnation) or a newer one queued (register_attempt while
+                    # the Sync was out) is no old run; marked, their requests' appends stayed
+                    # local for good, and they never reached the incarnation they register for.
                     m.seq_judged = True
                     if reused_seq:
                         m.old_run_seqs.add(reused_seq)
                     if d.submit_seq:
-                        m.old_run_seqs.update(q for q in m.seqs.values() if q != d.submit_seq)
+                        newest = max(d.submit_seq, self._mirror_seq(m))
+                        m.old_run_seqs.update(q for q in m.seqs.values() if q != d.submit_seq and q < newest)
             m.synced_over.clear()  # the copies kept are ours; the reply's deltas below mark again
             if d.submit_seq > m.submit_seq:
                 # Follows the new incarnation's run from here on (register_attempt compares with
@@ -1077,6 +1102,10 @@ class DraftClient:
         lost to the new incarnation (as before epochs); resending the old run's tokens as its
         would be worse."""
         keep: set[str] = set()
+        # Also a request running here of the new incarnation's submission that is not among our
+        # responses: a reset to an older incarnation took it out (a chunk of a newer submission
+        # started while the Sync was out); its copy here is that attempt's, the new run's.
+        keep.update(r for r in m.active - m.own if new_seq and m.seqs.get(r, 0) == new_seq)
         for rid in m.own:
             epoch = m.epochs.get(rid, 0)
             seq = m.seqs.get(rid, 0)
