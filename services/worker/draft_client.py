@@ -888,7 +888,7 @@ class DraftClient:
         # Start over: the new registration's first Sync brings the history and the siblings again
         # (kept, they would be loaded twice); our own copies stay and are resent whole, which
         # covers the appends still queued for the group (resent after them, they hit a gap).
-        self._restart_mirror_locked(m, sorted(m.own))
+        self._restart_mirror_locked(m, sorted(m.own | m.active))
         m.registered = False
         if not self.follower:
             self._pending = [a for a in self._pending if a.group_id != gid]
@@ -936,7 +936,7 @@ class DraftClient:
                     for j, (gid, _w, _i, sent) in enumerate(marks):
                         m = self._groups.get(gid)
                         if m is sent and (bad is None or bad == j):
-                            self._restart_mirror_locked(m, sorted(m.own))
+                            self._restart_mirror_locked(m, sorted(m.own | m.active))
             log.warning("draft Sync failed: %s", e.code().name, extra=kv(groups=len(marks)))
             return e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
         self._stats.syncs += 1

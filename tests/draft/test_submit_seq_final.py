@@ -136,3 +136,33 @@ def test_f3_an_older_submissions_chunk_of_a_request_with_no_recorded_one_leaves_
         a.end("g", "r0")
         flush(a, times=2)
         assert srv.store.index_of("g").tokens("r0") == [5, 6]
+
+
+def test_a_group_lost_on_the_server_keeps_the_local_copy_of_a_request_running_here() -> None:
+    """A server restart (the group gone): the mirror started over with its own responses only, so
+    a chunk running here that is not one of them (a late chunk of an older submission) lost its
+    copy, and its next append was dropped as a gap: it drafted without its own tokens (review).
+    The copy stays local; only our own responses are resent."""
+    with workers(1) as (srv, (a,)):
+        _attempt(a, "r0", 1, 5)
+        a.append("g", "r0", 0, [1])
+        a.end("g", "r0")
+        flush(a, times=2)
+        _attempt(a, "r1", 2, 7)
+        a.append("g", "r1", 0, [9])
+        a.end("g", "r1")
+        flush(a, times=3)
+        m = a._groups["g"]
+        assert m.submit_seq == 7
+        _attempt(a, "r0", 3, 5, output=(1,))  # run 5's straggler chunk
+        a.append("g", "r0", 1, [2])
+        assert "r0" in m.active and "r0" not in m.own and m.index.tokens("r0") == [1, 2]
+        srv.restart()
+        flush(a, times=3)
+        m = a._groups["g"]
+        assert m.index.tokens("r0") == [1, 2]
+        a.append("g", "r0", 2, [3])
+        assert m.index.tokens("r0") == [1, 2, 3]
+        flush(a, times=2)
+        group = srv.store._groups["g"]
+        assert group.submit_seq == 7 and "r0" not in group.index.request_ids()  # not resent
