@@ -10,6 +10,7 @@ inspect` shows).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 
@@ -21,8 +22,13 @@ def dial_host(host: str) -> str:
     """Where to reach a server bound to `host`: loopback for a wildcard (it binds every address)
     or none set; an IPv6 literal bracketed; any other host as given (a server bound to one
     interface's address does not answer on 127.0.0.1)."""
-    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if literal in ("", "0.0.0.0", "::"):
+    literal = host.strip()
+    literal = literal[1:-1] if literal.startswith("[") and literal.endswith("]") else literal
+    try:
+        unspecified = ipaddress.ip_address(literal).is_unspecified  # 0.0.0.0, ::, ::0 ...
+    except ValueError:
+        unspecified = False
+    if not literal or unspecified:  # as services.common.ports.is_wildcard_host (not importable here)
         return "127.0.0.1"
     return f"[{literal}]" if ":" in literal else literal
 

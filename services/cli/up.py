@@ -136,15 +136,15 @@ def dial_host(host: str | None) -> str:
     bracketed, as gRPC targets need it; any other host (an interface's address, a name) as given.
     Before: 127.0.0.1 whatever the host, so a service bound to [::1] or another interface never
     answered the health checks and `seer up` failed with a timeout."""
-    if host is None or host == "":
+    from services.common.ports import is_wildcard_host
+
+    if host is None or host == "" or is_wildcard_host(host):
         return "127.0.0.1"
     literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ip = ipaddress.ip_address(literal)
     except ValueError:
         return host  # a name (localhost): gRPC resolves it as the service's bind did
-    if ip.is_unspecified:
-        return "127.0.0.1"
     return f"[{literal}]" if ip.version == 6 else literal
 
 

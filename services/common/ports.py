@@ -12,9 +12,20 @@ import socket
 # back to IPv4; any other failure (the port taken) is the bind's answer.
 _NO_IPV6 = frozenset({errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT})
 
-# The hosts gRPC treats as "every address": it binds them dual-stack on [::] (IPv4 0.0.0.0 where
-# the host has no IPv6), not the literal address.
-_WILDCARDS = frozenset({"0.0.0.0", "::", "[::]"})
+
+
+def is_wildcard_host(host: str) -> bool:
+    """Whether a bind host means "every address" (0.0.0.0, ::, [::], ::0 and other spellings of an
+    unspecified address): gRPC binds it dual-stack on [::] (IPv4 0.0.0.0 where the host has no
+    IPv6), not the literal address. The one definition for the port probe, `seer up`'s dialling
+    and the worker's advertised address (docker/healthcheck.py, which runs alone in the image,
+    keeps a copy)."""
+    literal = host.strip()
+    literal = literal[1:-1] if literal.startswith("[") and literal.endswith("]") else literal
+    try:
+        return ipaddress.ip_address(literal).is_unspecified
+    except ValueError:
+        return False
 
 
 def ipv6_unavailable(e: OSError) -> bool:
@@ -59,7 +70,7 @@ def grpc_port_is_free(host: str, port: int) -> bool:
     log. Stricter than gRPC on purpose where gRPC binds part of what it was given (a wildcard host
     on IPv4 only when [::] is taken, a name on those of its addresses that are free): another
     process then answers some of the service's clients, so the port counts as taken."""
-    if host in _WILDCARDS:
+    if is_wildcard_host(host):
         return wildcard_port_is_free(port)
     literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
@@ -91,4 +102,4 @@ def grpc_port_is_free(host: str, port: int) -> bool:
         return False
 
 
-__all__ = ["grpc_port_is_free", "ipv6_unavailable", "wildcard_port_is_free"]
+__all__ = ["grpc_port_is_free", "ipv6_unavailable", "is_wildcard_host", "wildcard_port_is_free"]

@@ -15,6 +15,7 @@ from types import FrameType
 from services.common import config
 from services.common.grpcutil import bracket_ipv6
 from services.common.log import get_logger, kv, setup_logging
+from services.common.ports import is_wildcard_host
 from services.common.server import StopSignal, announce_port, serve_until_signal, start_server
 from services.worker.config import WorkerConfig
 from services.worker.factory import build_worker
@@ -185,20 +186,15 @@ class FailureNotifier:
         return self._notified
 
 
-# Bind hosts that mean every address of the machine: no other host can dial them, so the address the
-# scheduler is given names the machine instead. "[::]" is how an IPv6 wildcard is often written in a
-# host:port setting, and "" is gRPC's own wildcard; advertised as given ("[::]:port"), the scheduler
-# dialled its own machine.
-_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
-
-
 def advertised_address(host: str, port: int, advertise_address: str = "", hostname: str | None = None) -> str:
     """The host:port the scheduler dials for this worker: `advertise_address` when set, else the
     bind `host` with the bound `port`, the machine's `hostname` (socket.gethostname()) for a
-    wildcard host; an IPv6 literal bracketed."""
+    wildcard host (services.common.ports.is_wildcard_host, or "": no other host can dial those, so
+    the address names the machine; advertised as given, "[::]:port", the scheduler dialled its own
+    machine); an IPv6 literal bracketed."""
     if advertise_address:
         return bracket_ipv6(advertise_address)
-    if host.strip() in _WILDCARD_HOSTS:
+    if not host.strip() or is_wildcard_host(host):
         host = hostname if hostname is not None else socket.gethostname()
     return bracket_ipv6(f"{host}:{port}")
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from services.common.config import ConfigError, ServiceConfig, load, load_field
-from services.common.ports import grpc_port_is_free
+from services.common.ports import grpc_port_is_free, is_wildcard_host
 
 
 def _has_ipv6_loopback() -> bool:
@@ -128,3 +128,13 @@ def test_load_field_names_a_flag_without_its_value() -> None:
     went through `seer up`'s port check and printed a two-flag parser's usage)."""
     with pytest.raises(ConfigError, match="buffer"):
         load_field(ServiceConfig, "buffer", "host", ["--data-dir", "/d", "--host"], {})
+
+
+@pytest.mark.parametrize(("host", "wild"), [
+    ("0.0.0.0", True), ("::", True), ("[::]", True), ("::0", True), ("0:0:0:0:0:0:0:0", True),
+    ("127.0.0.1", False), ("::1", False), ("[::1]", False), ("localhost", False), ("", False),
+])
+def test_one_definition_of_a_wildcard_host(host: str, wild: bool) -> None:
+    """The port probe, `seer up`'s dialling and the worker's advertised address share it: they
+    disagreed on spellings like ::0 (a wildcard to one, an address to the others)."""
+    assert is_wildcard_host(host) is wild

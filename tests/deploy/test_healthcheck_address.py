@@ -22,7 +22,8 @@ def _healthcheck() -> ModuleType:
 
 @pytest.mark.parametrize(("host", "want"), [
     (None, "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("[::]", "127.0.0.1"),
-    ("10.1.2.3", "10.1.2.3"), ("::1", "[::1]"), ("[fd00::5]", "[fd00::5]"), ("localhost", "localhost"),
+    ("::0", "127.0.0.1"), ("10.1.2.3", "10.1.2.3"), ("::1", "[::1]"), ("[fd00::5]", "[fd00::5]"),
+    ("localhost", "localhost"),
 ])
 def test_the_default_address_follows_the_bind_host(monkeypatch: pytest.MonkeyPatch, host: str | None,
                                                    want: str) -> None:
