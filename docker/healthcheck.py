@@ -25,7 +25,9 @@ def dial_host(host: str) -> str:
     literal = host.strip()
     literal = literal[1:-1] if literal.startswith("[") and literal.endswith("]") else literal
     try:
-        unspecified = ipaddress.ip_address(literal).is_unspecified  # 0.0.0.0, ::, ::0 ...
+        ip = ipaddress.ip_address(literal)
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        unspecified = ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
     except ValueError:
         unspecified = False
     if not literal or unspecified:  # as services.common.ports.is_wildcard_host (not importable here)

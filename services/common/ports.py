@@ -13,7 +13,6 @@ import socket
 _NO_IPV6 = frozenset({errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL, errno.ENOPROTOOPT})
 
 
-
 def is_wildcard_host(host: str) -> bool:
     """Whether a bind host means "every address" (0.0.0.0, ::, [::], ::0 and other spellings of an
     unspecified address): gRPC binds it dual-stack on [::] (IPv4 0.0.0.0 where the host has no
@@ -23,9 +22,12 @@ def is_wildcard_host(host: str) -> bool:
     literal = host.strip()
     literal = literal[1:-1] if literal.startswith("[") and literal.endswith("]") else literal
     try:
-        return ipaddress.ip_address(literal).is_unspecified
+        ip = ipaddress.ip_address(literal)
     except ValueError:
         return False
+    # ::ffff:0.0.0.0 too: gRPC binds the IPv4-mapped unspecified address on every address as well.
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 def ipv6_unavailable(e: OSError) -> bool:

@@ -887,7 +887,8 @@ class DraftClient:
             return
         # Start over: the new registration's first Sync brings the history and the siblings again
         # (kept, they would be loaded twice); our own copies stay and are resent whole, which
-        # covers the appends still queued for the group (resent after them, they hit a gap).
+        # covers the appends still queued for the group (resent after them, they hit a gap); the
+        # copies of requests running here that are not ours (an older run's late chunk) stay local.
         self._restart_mirror_locked(m, sorted(m.own | m.active))
         m.registered = False
         if not self.follower:

@@ -131,7 +131,7 @@ def test_load_field_names_a_flag_without_its_value() -> None:
 
 
 @pytest.mark.parametrize(("host", "wild"), [
-    ("0.0.0.0", True), ("::", True), ("[::]", True), ("::0", True), ("0:0:0:0:0:0:0:0", True),
+    ("0.0.0.0", True), ("::", True), ("[::]", True), ("::0", True), ("0:0:0:0:0:0:0:0", True), ("::ffff:0.0.0.0", True),
     ("127.0.0.1", False), ("::1", False), ("[::1]", False), ("localhost", False), ("", False),
 ])
 def test_one_definition_of_a_wildcard_host(host: str, wild: bool) -> None:
