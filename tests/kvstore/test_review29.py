@@ -16,6 +16,7 @@ on real RocksDB with write stops forced by its own L0 stop trigger (helpers of t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -54,7 +55,13 @@ def test_a_page_stored_again_over_its_pending_delete_survives_a_killed_process(o
 
 # ---------------------------------------------------------------- item 2: a bounded WAL
 def _wal_bytes(db: Path) -> int:
-    return sum(f.stat().st_size for f in db.glob("*.log"))
+    total = 0
+    for f in db.glob("*.log"):
+        # RocksDB deletes an obsolete WAL file on its own threads: listed, it may be gone at stat
+        # (a CI run failed on it).
+        with contextlib.suppress(FileNotFoundError):
+            total += f.stat().st_size
+    return total
 
 
 def test_the_wal_stays_bounded_under_owner_record_rewrites(open_store: Open, tmp_path: Path) -> None:
