@@ -4,6 +4,7 @@ a line of its output, find the processes it left behind."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -43,3 +44,15 @@ def pids_with(*args: str) -> list[int]:
         if all(w in cmd for w in wanted):
             found.append(int(d.name))
     return found
+
+
+def outgoing_ipv4() -> str | None:
+    """This host's outgoing (non-loopback) IPv4 address, None without one. Connecting a UDP socket
+    sends no packet: it only picks the address a packet would leave from."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = str(probe.getsockname()[0])
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from cli_helpers import outgoing_ipv4
 
 from services.cli import up
 from tests.common.test_telemetry import _has_ipv6_loopback
@@ -82,13 +83,8 @@ def test_a_wildcard_host_counts_a_port_taken_on_any_address(
 def test_a_port_taken_on_the_configured_interface_address_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The buffer configured to bind a non-loopback address: a listener there takes its port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing address
-            address = probe.getsockname()[0]
-        except OSError:
-            pytest.skip("no non-loopback IPv4 address")
-    if address.startswith("127."):
+    address = outgoing_ipv4()
+    if address is None:
         pytest.skip("no non-loopback IPv4 address")
     s = _suite(tmp_path, monkeypatch, extra_args={"buffer": ["--host", address]})
     port = s.services["buffer"].port

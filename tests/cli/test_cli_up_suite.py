@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_helpers import outgoing_ipv4
 
 from services.cli import up
 from tests.common.test_telemetry import _has_ipv6_loopback
@@ -256,13 +257,8 @@ def test_a_fixed_port_in_use_leaves_no_temporary_directory(tmp_path: Path, monke
 def test_a_metrics_port_held_on_another_address_is_refused(tmp_path: Path) -> None:
     """The metrics servers bind every address: a listener on any non-loopback address takes the
     port from them, and a check on 127.0.0.1 alone did not see it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing address
-            address = probe.getsockname()[0]
-        except OSError:
-            pytest.skip("no non-loopback IPv4 address")
-    if address.startswith("127."):
+    address = outgoing_ipv4()
+    if address is None:
         pytest.skip("no non-loopback IPv4 address")
     base = up.free_port()
     while base > 65535 - 400:

@@ -13,15 +13,7 @@ import pytest
 
 from services.common.config import ConfigError, ServiceConfig, load, load_field
 from services.common.ports import grpc_port_is_free, is_wildcard_host
-
-
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
+from tests.common.test_telemetry import _has_ipv6_loopback
 
 
 def _free_port() -> int:

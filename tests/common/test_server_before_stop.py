@@ -49,12 +49,9 @@ def test_a_failing_before_stop_does_not_stop_the_stop() -> None:
 def test_a_bare_ipv6_host_binds() -> None:
     """--host ::1 (unbracketed, as an operator types it): gRPC refused "::1:port" with "Failed to
     bind" and the service did not start; the server brackets it."""
-    import socket
+    from tests.common.test_telemetry import _has_ipv6_loopback
 
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
+    if not _has_ipv6_loopback():
         pytest.skip("no IPv6 loopback")
     running = start_server("bare-ipv6-test", ServiceConfig(host="::1", grace_seconds=0.0), lambda server: [])
     try:
