@@ -426,12 +426,10 @@ class DraftStore:
                 # group size, or by a newer run: the id is used again (a batch id resubmitted after
                 # the buffer's retention deleted it). Or running, and registered by a newer
                 # submission (the old run was cancelled or deleted).
-                self._remove_group(g)
-                if not g.completed:
-                    # Remembered as a completed one is (_remove_group): its workers' next Sync is a
-                    # reused reset (their responses are the old run's, not to be resent into this
-                    # one), and a late registration of it is refused by its submit_seq.
-                    self._remember_reused(g)
+                # Remembered even while running (as a completed one always is): its workers' next
+                # Sync is a reused reset (their responses are the old run's, not to be resent into
+                # this one), and a late registration of it is refused by its submit_seq.
+                self._remove_group(g, remember=True)
                 # Tombstoned as an expired completed group: if this registration is refused below
                 # (no room), the old group's workers are told it expired, not that it was lost.
                 self._tombstone(group_id, True)
@@ -439,7 +437,10 @@ class DraftStore:
                          extra=kv(group_id=group_id, epoch=epoch, largest_epoch=largest, same_prompt=same_prompt,
                                   same_size=same_size, submit_seq=submit_seq, old_submit_seq=g.submit_seq,
                                   old_completed=g.completed))
-            elif not self._expired.get(group_id):
+            else:
+                # Not live. Both cases are judged against the id's remembered incarnations by one
+                # _same_run_reused call; only a tombstoned completed group also goes by epoch.
+                # Without a completed tombstone:
                 # Never registered, lost in a restart, or an unfinished group that expired (its
                 # workers re-create it). By submission still, whatever the tombstone: an incarnation
                 # remembered of a newer run (or of this run, with this prompt: replaced by a newer
@@ -447,14 +448,8 @@ class DraftStore:
                 # a newer run replaced this run's running group and then expired unfinished
                 # (tombstone False), the straggler was accepted and created a group of the old run
                 # (review). The epoch rule stays with the tombstone (submit_seq 0: as before).
-                same = self._same_run_reused(group_id, digest, group_size, epoch, submit_seq, by_epoch=False)
-                if same is not None:
-                    raise FailedPrecondition(
-                        f"group {group_id!r}: submit_seq {submit_seq} is of a run the id moved on from (a "
-                        "newer run registered it): nothing to draft for", field="submit_seq")
-            else:
-                # Completed, then evicted or expired: its responses are history, so this is the id
-                # used again (see above), a new incarnation, unless the registration says it is the
+                # With one (completed, then evicted or expired): its responses are history, so this
+                # is the id used again (see above), a new incarnation, unless the registration says it is the
                 # same run: the same prompt, key and size (0 agrees with any), as the live path
                 # above tells the same registration, and an epoch at most the largest that
                 # completed incarnation took (a retried RegisterGroup, a straggler of the run
@@ -473,18 +468,24 @@ class DraftStore:
                 # another is another run (a new run dispatched below them: the clock went back).
                 # An older submit_seq than a remembered incarnation's is an older run's, whatever
                 # its prompt: refused as in the live path.
-                same = self._same_run_reused(group_id, digest, group_size, epoch, submit_seq)
+                expired = bool(self._expired.get(group_id))
+                same = self._same_run_reused(group_id, digest, group_size, epoch, submit_seq, by_epoch=expired)
                 if same is not None:
                     largest, by_seq = same
-                    if by_seq:
+                    if not by_seq:  # only with by_epoch, so only for an expired completed group
+                        raise FailedPrecondition(
+                            f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
+                            f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
+                    if expired:
                         raise FailedPrecondition(
                             f"group {group_id!r} completed (its responses are history) and expired; submit_seq "
                             f"{submit_seq} is of that run or an older one: nothing to draft for", field="submit_seq")
                     raise FailedPrecondition(
-                        f"group {group_id!r} completed (its responses are history) and expired; epoch {epoch} "
-                        f"is of that run (its largest epoch is {largest}): nothing to draft for", field="epoch")
-                log.info("completed group's id registered again after it expired; new incarnation",
-                         extra=kv(group_id=group_id))
+                        f"group {group_id!r}: submit_seq {submit_seq} is of a run the id moved on from (a "
+                        "newer run registered it): nothing to draft for", field="submit_seq")
+                if expired:
+                    log.info("completed group's id registered again after it expired; new incarnation",
+                             extra=kv(group_id=group_id))
             # Room for the prompt and the key's history as indexed; eviction (oldest history first)
             # may take some of that very history, so the need is taken again after it: the group
             # then registers with what is left rather than being refused for history now gone.
@@ -495,11 +496,11 @@ class DraftStore:
             for r in history:
                 index.add_history(r)
             iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
-            self._add_group(_Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
-                                   _incarnation(), len(history), digest, submit_seq))
+            g = _Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
+                       _incarnation(), len(history), digest, submit_seq)
+            self._add_group(g)
             if self._expired.pop(group_id, None) is not None:
                 self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)
-            g = self._groups[group_id]
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
                                                   history=len(history), ttl_s=ttl))
             return Registration(True, len(history), g.incarnation, g.submit_seq)
@@ -813,7 +814,7 @@ class DraftStore:
                     raise InvalidArgument(f"watermark {wm} is ahead of the group's {g.watermark}",
                                           field=f"groups[{i}].watermark")
                 if wm == 0 or reset:
-                    old = self._reused_epoch(gid, inc) if reset else None
+                    old = self._reused_record(gid, inc) if reset else None
                     out.append(GroupDelta(gid, g.watermark, _coalesce(g.log), g.index.prompt,
                                           tuple(g.index.history_tokens(g.history_count)), incarnation=g.incarnation,
                                           reset=reset, reused=old is not None,
@@ -853,9 +854,10 @@ class DraftStore:
         self._push_expiry(g)
         g.requeue = self._requeue_expiry
 
-    def _remove_group(self, g: _Group) -> None:
+    def _remove_group(self, g: _Group, *, remember: bool = False) -> None:
         """Drops a live group (evicted, expired, or replaced by a new incarnation) and its share of
-        the totals."""
+        the totals. A completed group's incarnation is remembered (_remember_reused), and so is a
+        running one's with `remember` (replaced by a newer submission's registration)."""
         del self._groups[g.group_id]
         self._completed.pop(g.group_id, None)
         self._group_bytes -= g.charged_bytes
@@ -871,7 +873,7 @@ class DraftStore:
         g.expiry_entry = (0.0, -1, "")
         g.requeue = None
         self._compact_expiry()
-        if g.completed:
+        if g.completed or remember:
             self._remember_reused(g)
 
     def _remember_reused(self, g: _Group) -> None:
@@ -896,7 +898,7 @@ class DraftStore:
             gid, dropped = self._reused.popitem(last=False)
             self._remembered_bytes -= _REUSED_ID_BYTES + len(gid) + len(dropped)
 
-    def _reused_epoch(self, group_id: str, incarnation: int) -> tuple[int, int] | None:
+    def _reused_record(self, group_id: str, incarnation: int) -> tuple[int, int] | None:
         """(largest epoch, submit_seq) of the id's completed incarnation `incarnation`, None when
         it is not remembered as one (caller holds the lock)."""
         for inc, epoch, _digest, _size, seq in _REUSED.iter_unpack(self._reused.get(group_id, b"")):

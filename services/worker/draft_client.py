@@ -64,6 +64,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 from seer.v1 import draft_pb2, draft_pb2_grpc
@@ -84,6 +85,18 @@ _MAX_PENDING = 200_000  # queued append messages; beyond that the oldest are dro
 _RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                 grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                 grpc.StatusCode.CANCELLED}
+
+
+class _Registration(NamedTuple):
+    """What a RegisterGroup of a mirror sends (besides the epoch). A NamedTuple so that comparing
+    a queued registration with the one sent (`m.reregister in (None, registration)`) stays a plain
+    value comparison."""
+
+    prompt_key: str
+    prompt: tuple[int, ...]
+    group_size: int
+    ttl_seconds: int
+    submit_seq: int
 
 
 @dataclass
@@ -145,13 +158,16 @@ class _Mirror:
     # The batch submission (RunChunkRequest.submit_seq) of the run this mirror registered for, sent
     # as RegisterGroupRequest.submit_seq (0 = unknown: the epoch alone tells runs apart).
     submit_seq: int = 0
-    # A RegisterGroup to send again although the mirror is registered, as (prompt_key, prompt,
-    # group_size, ttl_seconds, submit_seq): an attempt of another submission, or one newer than any
-    # the mirror registered for, writes into a group that may have completed on the server
-    # (register_attempt, _on_refused), so it may be another run's (a resubmitted batch id); the
-    # server tells by the submission or the epoch. The group's appends and Syncs wait for it (sent
-    # first, they would go to, or be refused by, the old run's group).
-    reregister: tuple[str, tuple[int, ...], int, int, int] | None = None
+    # A RegisterGroup to send again although the mirror is registered: an attempt of another
+    # submission, or one newer than any the mirror registered for, writes into a group that may
+    # have completed on the server (register_attempt, _on_refused), so it may be another run's (a
+    # resubmitted batch id); the server tells by the submission or the epoch. The group's appends
+    # and Syncs wait for it (sent first, they would go to, or be refused by, the old run's group).
+    reregister: _Registration | None = None
+
+    def registration(self) -> _Registration:
+        """The mirror's own registration (what it registered for, at its submission)."""
+        return _Registration(self.prompt_key, self.prompt, self.group_size, self.ttl_seconds, self.submit_seq)
 
     def newest_epoch(self) -> int:
         """The newest dispatch epoch this mirror registered for or ran an attempt at (0: none)."""
@@ -308,7 +324,7 @@ class DraftClient:
                              or tuple(prompt_token_ids) != m.prompt or other_seq)
                     if not other and (seqs_known or not (m.completed or request_id in m.done)):
                         return
-                    self._reregister_locked(group_id, m, request_id, epoch, (
+                    self._reregister_locked(group_id, m, request_id, epoch, _Registration(
                         prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds),
                         submit_seq))
                     return
@@ -358,7 +374,7 @@ class DraftClient:
     def _mirror_seq(m: _Mirror) -> int:
         """The newest submission the mirror registered for or is registering again for (0 =
         unknown). Caller holds the lock."""
-        return max(m.submit_seq, m.reregister[4] if m.reregister is not None else 0)
+        return max(m.submit_seq, m.reregister.submit_seq if m.reregister is not None else 0)
 
     def _drop_older_runs_locked(self, gid: str, m: _Mirror) -> None:
         """The mirror moved to a newer submission (m.submit_seq): its requests of older ones are
@@ -623,7 +639,7 @@ class DraftClient:
     def _register_pending(self) -> None:
         assert self._stub is not None
         with self._lock:
-            todo = [(gid, m, m.reregister or (m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq),
+            todo = [(gid, m, m.reregister or m.registration(),
                      m.register_epoch) for gid, m in self._groups.items() if not m.ready]
         for gid, m, registration, epoch in todo:
             key, prompt, size, ttl, seq = registration
@@ -782,8 +798,7 @@ class DraftClient:
                 if a.epoch > m.register_epoch:
                     # A registration queued meanwhile (a newer submission's) stays the one sent:
                     # replaced by the mirror's, an older run's, the newer run never registered.
-                    self._reregister_locked(a.group_id, m, a.request_id, a.epoch, m.reregister or (
-                        m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq))
+                    self._reregister_locked(a.group_id, m, a.request_id, a.epoch, m.reregister or m.registration())
                 return
             if code == grpc.StatusCode.FAILED_PRECONDITION and a.finished and a.request_id not in m.done:
                 # Our finish did not apply (a newer attempt elsewhere owns the response, or it ends
@@ -808,7 +823,7 @@ class DraftClient:
                     extra=kv(group_id=a.group_id, request_id=a.request_id))
 
     def _reregister_locked(self, gid: str, m: _Mirror, request_id: str, epoch: int,
-                           registration: tuple[str, tuple[int, ...], int, int, int]) -> None:
+                           registration: _Registration) -> None:
         """Queues RegisterGroup again (`registration`, with `epoch`): for a newer attempt of a group
         that may have completed on the server, or an attempt of a newer submission than the
         mirror's (register_attempt, _on_refused), or to move the group off an older run's
@@ -824,7 +839,7 @@ class DraftClient:
         m.reregister = registration
         log.info("draft group registering again (may have completed, a newer submission, or an older run's "
                  "incarnation)", extra=kv(group_id=gid, request_id=request_id, epoch=epoch,
-                                          submit_seq=registration[4]))
+                                          submit_seq=registration.submit_seq))
         self._wake.set()
 
     def _whole_locked(self, gid: str, m: _Mirror, rid: str) -> draft_pb2.AppendRequest:
@@ -879,8 +894,7 @@ class DraftClient:
                 # The mirror keeps its incarnation for that reset: restarted (below), it would
                 # resend the old run's responses too.
                 if m.reregister is None:
-                    self._reregister_locked(gid, m, "", newest, (m.prompt_key, m.prompt, m.group_size,
-                                                                m.ttl_seconds, m.submit_seq))
+                    self._reregister_locked(gid, m, "", newest, m.registration())
                 return
             del self._groups[gid]
             log.info("draft group gone on the server; mirror released", extra=kv(group_id=gid))
@@ -1025,8 +1039,7 @@ class DraftClient:
                 # An older run's incarnation (its straggler re-created the id after a restart):
                 # registered again by our newer submission, the server replaces it, and the next
                 # Sync is a reused reset that resends our run's responses into the new one.
-                self._reregister_locked(d.group_id, m, "", m.newest_epoch(), (
-                    m.prompt_key, m.prompt, m.group_size, m.ttl_seconds, m.submit_seq))
+                self._reregister_locked(d.group_id, m, "", m.newest_epoch(), m.registration())
         if m.watermark == 0 and not m.history_loaded:
             for h in d.history:
                 m.index.add_history(h.token_ids)
