@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
 from buffer_helpers import BufferHandle, commit, expect_error, finish_all, group, policy_event, snapshot, submit
 from seer.v1 import buffer_pb2, rollout_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from tests.common.grpc_server import loopback_server
 
 FP = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -69,13 +70,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 @pytest.fixture
 def scheduler() -> Iterator[tuple[FakeScheduler, str]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     fake = FakeScheduler()
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield fake, f"127.0.0.1:{port}"
-    server.stop(0)
+    with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, fake, max_workers=2) as address:
+        yield fake, address
 
 
 def test_update_weights_asks_the_scheduler(make_buffer: Callable[..., BufferHandle],

@@ -5,7 +5,6 @@ INVALID_ARGUMENT was reported as naming `source`, a FAILED_PRECONDITION as namin
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 import pytest
@@ -13,11 +12,13 @@ from seer.v1 import scheduler_pb2_grpc
 
 from services.buffer.server import scheduler_switch
 from services.common.errors import FailedPrecondition, InvalidArgument
+from tests.common.grpc_server import loopback_server
 
 
 class _Refusing(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
+        self.address = ""  # where it is served (set by the fixture)
 
     def SwitchWeights(self, request: object, context: grpc.ServicerContext) -> object:
         context.abort(self.code, self.details)
@@ -27,14 +28,10 @@ class _Refusing(scheduler_pb2_grpc.SchedulerServiceServicer):
 @pytest.fixture
 def refusing() -> Iterator[_Refusing]:
     servicer = _Refusing(grpc.StatusCode.OK, "")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
-    servicer.port = server.add_insecure_port("127.0.0.1:0")  # type: ignore[attr-defined]
-    server.start()
-    try:
+    with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, servicer,
+                         max_workers=2) as address:
+        servicer.address = address
         yield servicer
-    finally:
-        server.stop(0)
 
 
 @pytest.mark.parametrize(("code", "details", "cls", "field"), [
@@ -46,7 +43,7 @@ def refusing() -> Iterator[_Refusing]:
 def test_the_refusals_field_is_passed_on(refusing: _Refusing, code: grpc.StatusCode, details: str,
                                          cls: type[Exception], field: str) -> None:
     refusing.code, refusing.details = code, details
-    switch = scheduler_switch(f"127.0.0.1:{refusing.port}", 10.0)  # type: ignore[attr-defined]
+    switch = scheduler_switch(refusing.address, 10.0)
     with pytest.raises(cls) as e:
         switch(4, "ckpt")
     assert e.value.field == field, str(e.value)  # type: ignore[attr-defined]

@@ -4,9 +4,7 @@ and the default deadline outlasts the buffer's own switch deadline."""
 from __future__ import annotations
 
 import time
-from concurrent import futures
 
-import grpc
 import pytest
 from client_helpers import Buffer
 from seer.v1 import rollout_pb2_grpc
@@ -15,6 +13,7 @@ from seer_client.client import UPDATE_WEIGHTS_TIMEOUT
 
 from services.buffer.config import BufferConfig
 from services.buffer.server import RolloutServicer
+from tests.common.grpc_server import loopback_server
 
 
 def test_default_timeout_outlasts_the_buffers_switch() -> None:
@@ -28,20 +27,15 @@ def test_retry_after_a_client_timeout_is_success(buffer: Buffer) -> None:
         time.sleep(1.0)
         return 2
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(buffer.core, slow_switch), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with SeerClient(f"127.0.0.1:{port}") as client:
-            with pytest.raises(SeerError) as e:
-                client.update_weights(1, "/ckpt/1", timeout=0.3)
-            # A SeerTimeout, a TimeoutError too (before: a plain SeerError, unlike iter_results').
-            assert e.value.code == "DEADLINE_EXCEEDED" and isinstance(e.value, TimeoutError)
-            deadline = time.monotonic() + 5
-            while buffer.core.policy_version != 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            up = client.update_weights(1, "/ckpt/1", timeout=5)  # before: INVALID_ARGUMENT, not newer
-            assert (up.version, up.num_workers) == (1, 2)
-    finally:
-        server.stop(0)
+    servicer = RolloutServicer(buffer.core, slow_switch)
+    with (loopback_server(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer) as address,
+          SeerClient(address) as client):
+        with pytest.raises(SeerError) as e:
+            client.update_weights(1, "/ckpt/1", timeout=0.3)
+        # A SeerTimeout, a TimeoutError too (before: a plain SeerError, unlike iter_results').
+        assert e.value.code == "DEADLINE_EXCEEDED" and isinstance(e.value, TimeoutError)
+        deadline = time.monotonic() + 5
+        while buffer.core.policy_version != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        up = client.update_weights(1, "/ckpt/1", timeout=5)  # before: INVALID_ARGUMENT, not newer
+        assert (up.version, up.num_workers) == (1, 2)

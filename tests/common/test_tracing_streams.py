@@ -8,13 +8,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
 
 from services.common.grpcutil import channel
+from tests.common.grpc_server import add_generic_handler, loopback_server
 
 
 @pytest.fixture
@@ -28,15 +28,9 @@ def streaming_server() -> Iterator[tuple[str, dict[str, Any]]]:
             yield b"x"
             time.sleep(0.01)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "t.S", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}", seen
-    finally:
-        server.stop(0)
+    handler = grpc.method_handlers_generic_handler("t.S", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    with loopback_server(add_generic_handler, handler) as address:
+        yield address, seen
 
 
 def test_a_traced_stream_can_be_cancelled_and_carries_the_trace(

@@ -7,13 +7,15 @@ chunk. The real engine is exercised by the e2e tests; this fake keeps the dispat
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 from seer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from tests.common.grpc_server import loopback_server
 
 
 def token_at(request_id: str, position: int) -> int:
@@ -51,10 +53,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         # match its tokens), on every attempt: a request the scheduler can never complete.
         self.broken: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
-        self._server.start()
+        # Served until close(): an object's lifetime, not a with block.
+        self._serving = contextlib.ExitStack()
+        address = self._serving.enter_context(
+            loopback_server(worker_pb2_grpc.add_WorkerServiceServicer_to_server, self, max_workers=16))
+        self.port = int(address.rpartition(":")[2])
         self._scheduler = scheduler_pb2_grpc.SchedulerServiceStub(grpc.insecure_channel(scheduler_address))
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeats, daemon=True)
@@ -155,4 +158,4 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     def close(self) -> None:
         """Stops heartbeats and the server (like a killed process: in-flight streams break)."""
         self._stop.set()
-        self._server.stop(0)
+        self._serving.close()

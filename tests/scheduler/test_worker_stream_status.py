@@ -11,9 +11,9 @@ the scheduler cancelled itself (Cancelled.local) still costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from concurrent import futures
 
 import grpc
 import pytest
@@ -22,6 +22,7 @@ from seer.v1 import worker_pb2, worker_pb2_grpc
 from services.common import errors
 from services.scheduler.links import Cancelled, WorkerLink
 from services.scheduler.service import MAX_CHUNK_ATTEMPTS
+from tests.common.grpc_server import loopback_server
 
 from .test_dispatcher_faults import ABORTED, Rig, capacity, chunk_events, item, wait_for
 
@@ -66,27 +67,20 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServiceServicer):
 
 
 class Servers:
-    def __init__(self) -> None:
-        self.servers: list[grpc.Server] = []
+    """Serves ScriptedWorkers on loopback until the test ends."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
 
     def start(self, worker: ScriptedWorker) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        self.servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        for s in self.servers:
-            s.stop(0)
+        return self._stack.enter_context(
+            loopback_server(worker_pb2_grpc.add_WorkerServiceServicer_to_server, worker, max_workers=16))
 
 
 @pytest.fixture
 def servers() -> Iterator[Servers]:
-    s = Servers()
-    yield s
-    s.stop()
+    with contextlib.ExitStack() as stack:
+        yield Servers(stack)
 
 
 def _rig(make_rig: Callable[..., Rig], **cfg: object) -> Rig:

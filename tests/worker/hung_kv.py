@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 from seer.v1 import kvstore_pb2_grpc
+
+from tests.common.grpc_server import loopback_server
 
 
 @contextlib.contextmanager
@@ -23,16 +24,9 @@ def hung_kv_nodes(methods: tuple[str, ...], n: int = 1) -> Iterator[list[str]]:
         context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
 
     servicer = type("Hung", (kvstore_pb2_grpc.KvStoreServiceServicer,), dict.fromkeys(methods, hang))
-    servers, addrs = [], []
-    try:
-        for _ in range(n):
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-            kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(servicer(), server)
-            addrs.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-            server.start()
-            servers.append(server)
-        yield addrs
-    finally:
-        release.set()
-        for s in servers:
-            s.stop(0)
+    with contextlib.ExitStack() as servers:
+        try:
+            yield [servers.enter_context(loopback_server(kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server,
+                                                         servicer(), max_workers=64)) for _ in range(n)]
+        finally:
+            release.set()  # before the servers stop: their held handlers return

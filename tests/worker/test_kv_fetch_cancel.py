@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -24,6 +23,7 @@ from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.kv_client import KVClient
 from services.worker.server import add_servicer
+from tests.common.grpc_server import loopback_server
 
 # 5 pages no other test runs: none cached in the shared engine, so the chunk fetches them all.
 PROMPT = tuple(range(1000, 1080))
@@ -55,14 +55,8 @@ class _SlowKv(kvstore_pb2_grpc.KvStoreServiceServicer):
 @pytest.fixture
 def slow_kv() -> Iterator[tuple[_SlowKv, str]]:
     kv = _SlowKv()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(kv, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield kv, f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    with loopback_server(kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server, kv, max_workers=8) as address:
+        yield kv, address
 
 
 def test_a_fetch_stops_when_its_run_chunk_stream_ends(

@@ -10,16 +10,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
-import grpc
 import pytest
 from seer.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.registration import Registrar
+from tests.common.grpc_server import loopback_server
 
 
 class _HungScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -41,15 +40,11 @@ class _HungScheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 @pytest.fixture
 def hung_scheduler() -> Iterator[tuple[_HungScheduler, str]]:
     sched = _HungScheduler()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(sched, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield sched, f"127.0.0.1:{port}"
-    finally:
-        sched.release.set()
-        server.stop(0)
+    with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, sched, max_workers=8) as address:
+        try:
+            yield sched, address
+        finally:
+            sched.release.set()  # before the server stops: the held Heartbeat returns
 
 
 def test_stop_is_bounded_while_a_heartbeat_hangs(hung_scheduler: tuple[_HungScheduler, str],

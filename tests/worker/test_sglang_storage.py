@@ -3,6 +3,7 @@ SGLang's HiCacheStorage base stubbed (SGLang cannot be imported here)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -13,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.common.grpc_server import loopback_server
 
 
 @pytest.fixture
@@ -31,21 +34,11 @@ def storage_cls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     yield SeerHiCacheStorage
 
 
-def _serve(servicer: Any) -> Iterator[str]:
-    """Serves `servicer` as a KV store node on a loopback port; yields its address."""
-    from concurrent import futures
-
-    import grpc
+def _kv_node(servicer: Any) -> contextlib.AbstractContextManager[str]:
+    """Serves `servicer` as a KV store node on a loopback port (the context yields its address)."""
     from seer.v1 import kvstore_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
+    return loopback_server(kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server, servicer)
 
 
 @pytest.fixture
@@ -67,7 +60,8 @@ def silent_node() -> Iterator[str]:
             context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
 
     try:
-        yield from _serve(Hung())
+        with _kv_node(Hung()) as address:
+            yield address
     finally:
         release.set()
 
@@ -145,7 +139,8 @@ def slow_node() -> Iterator[str]:
                 data = bytes(_PAGE_BYTES)
                 yield kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=page_checksum(data))
 
-    yield from _serve(Slow())
+    with _kv_node(Slow()) as address:
+        yield address
 
 
 # A host pool page: K and V x 2 layers x 16 tokens x 4 heads x 64 dims x float32 = 64 KiB.
@@ -179,8 +174,6 @@ def test_a_large_batch_from_a_slow_but_alive_node_is_neither_cut_off_nor_skipped
 @pytest.fixture
 def slow_nodes() -> Iterator[list[str]]:
     """Two KV store nodes that are alive but very busy: each streams the pages asked for, 0.3 s apart."""
-    import contextlib
-
     from seer.v1 import kvstore_pb2, kvstore_pb2_grpc
 
     from services.kvstore.checksum import page_checksum
@@ -195,7 +188,7 @@ def slow_nodes() -> Iterator[list[str]]:
                 yield kvstore_pb2.GetResponse(page_hash=h, data=data, checksum=page_checksum(data))
 
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(contextlib.contextmanager(_serve)(Slow())) for _ in range(2)]
+        yield [stack.enter_context(_kv_node(Slow())) for _ in range(2)]
 
 
 def test_two_slow_nodes_share_one_call_deadline(

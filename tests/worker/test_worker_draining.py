@@ -16,11 +16,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any, cast
 
-import grpc
 import pytest
 from seer.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 
@@ -33,6 +31,7 @@ from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.registration import INCARNATION, Registrar
 from services.worker.server import add_servicer
+from tests.common.grpc_server import loopback_server
 from tests.scheduler.test_dispatcher_faults import CHUNK, FakeBuffer, item, wait_for
 
 # Longer than the test: every heartbeat seen in it is one the drain sent at once.
@@ -71,18 +70,14 @@ def _dispatcher(chunk_size: int, commit_timeout: float) -> Iterator[tuple[Dispat
                    # FakeBuffer has BufferLink's surface but is no subclass, and the Dispatcher
                    # types its factory by the concrete class (a Protocol there would need no cast).
                    buffer_link=cast("Callable[[str], BufferLink]", buffer), worker_link=links)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    add_to_server(d, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    loop = threading.Thread(target=d._dispatch_loop, daemon=True)  # no work feed: items are added below
-    loop.start()
-    try:
-        yield d, buffer, links, f"127.0.0.1:{port}"
-    finally:
-        d.stop()
-        loop.join(5)
-        server.stop(0)
+    with loopback_server(add_to_server, d, max_workers=16) as address:
+        loop = threading.Thread(target=d._dispatch_loop, daemon=True)  # no work feed: items are added below
+        loop.start()
+        try:
+            yield d, buffer, links, address
+        finally:
+            d.stop()
+            loop.join(5)
 
 
 @pytest.fixture
@@ -95,18 +90,13 @@ def scheduler() -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
 def registered_with(servicer: scheduler_pb2_grpc.SchedulerServiceServicer, engine: ReferenceEngine,
                     worker_id: str) -> Iterator[Registrar]:
     """A Registrar of a worker on `engine`, registered with `servicer` served over real gRPC."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    reg = Registrar(Worker(engine, worker_id=worker_id, speculation=False), f"127.0.0.1:{port}",
-                    "127.0.0.1:5557").start()
-    try:
-        assert reg.registered.wait(10)
-        yield reg
-    finally:
-        reg.stop()
-        server.stop(0)
+    with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, servicer) as address:
+        reg = Registrar(Worker(engine, worker_id=worker_id, speculation=False), address, "127.0.0.1:5557").start()
+        try:
+            assert reg.registered.wait(10)
+            yield reg
+        finally:
+            reg.stop()
 
 
 def _serve(engine: ReferenceEngine, worker_id: str, grace: float = 1.0) -> tuple[Worker, RunningServer]:
@@ -166,29 +156,25 @@ def test_the_worker_process_says_it_drains_when_told_to_stop(model_dir: Path, tm
     """`python -m services.worker`: SIGTERM starts the drain, and a draining heartbeat goes out at
     once (the interval is longer than the test), then the process exits 0."""
     sched = _RecordingScheduler()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(sched, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SEER_WORKER_NUM_KV_PAGES": "128"}
     log = tmp_path / "log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.worker", "--port", "0", "--model-dir", str(model_dir),
-         "--worker-id", "proc-drain", "--speculation", "false", "--grace-seconds", "5", "--metrics-port", "0",
-         "--scheduler-address", f"127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env,  # noqa: SIM115
-    )
-    try:
-        assert sched.registered.wait(120), log.read_text()[-2000:]
-        assert not sched.draining.is_set()
-        proc.send_signal(signal.SIGTERM)
-        assert sched.draining.wait(10), log.read_text()[-2000:]
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        server.stop(0)
+    with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, sched) as address:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.worker", "--port", "0", "--model-dir", str(model_dir),
+             "--worker-id", "proc-drain", "--speculation", "false", "--grace-seconds", "5", "--metrics-port", "0",
+             "--scheduler-address", address],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env,  # noqa: SIM115
+        )
+        try:
+            assert sched.registered.wait(120), log.read_text()[-2000:]
+            assert not sched.draining.is_set()
+            proc.send_signal(signal.SIGTERM)
+            assert sched.draining.wait(10), log.read_text()[-2000:]
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -15,6 +14,7 @@ from worker_grpc import collect
 from services.worker.core import Worker
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.registration import Registrar
+from tests.common.grpc_server import loopback_server
 
 
 def chunk_req(rid: str, prompt: tuple[int, ...], **kw: Any) -> worker_pb2.RunChunkRequest:
@@ -127,23 +127,18 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 def test_registration_heartbeats_and_reregister(ref_engine: ReferenceEngine) -> None:
     sched = _Scheduler()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(sched, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    worker = Worker(ref_engine, worker_id="w-reg", speculation=False)
-    reg = Registrar(worker, f"127.0.0.1:{port}", "127.0.0.1:5555").start()
-    try:
-        assert sched.reregistered.wait(10), "worker did not register again after known=false"
-        first = sched.registered[0]
-        assert first.worker_id == "w-reg" and first.address == "127.0.0.1:5555" and first.engine == "reference"
-        assert first.capacity.total_kv_pages == 512 and first.capacity.page_size == 16
-        assert first.capacity.max_context > 0 and first.capacity.max_batch_size == 16
-        hb = sched.heartbeats[0]
-        assert hb.worker_id == "w-reg" and hb.telemetry.free_kv_pages > 0
-    finally:
-        reg.stop()
-        server.stop(0)
+    with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, sched) as address:
+        reg = Registrar(Worker(ref_engine, worker_id="w-reg", speculation=False), address, "127.0.0.1:5555").start()
+        try:
+            assert sched.reregistered.wait(10), "worker did not register again after known=false"
+            first = sched.registered[0]
+            assert first.worker_id == "w-reg" and first.address == "127.0.0.1:5555" and first.engine == "reference"
+            assert first.capacity.total_kv_pages == 512 and first.capacity.page_size == 16
+            assert first.capacity.max_context > 0 and first.capacity.max_batch_size == 16
+            hb = sched.heartbeats[0]
+            assert hb.worker_id == "w-reg" and hb.telemetry.free_kv_pages > 0
+        finally:
+            reg.stop()
 
 
 def test_registrar_retries_until_scheduler_up(ref_engine: ReferenceEngine) -> None:
@@ -155,15 +150,12 @@ def test_registrar_retries_until_scheduler_up(ref_engine: ReferenceEngine) -> No
     worker = Worker(ref_engine, worker_id="w-late", speculation=False)
     reg = Registrar(worker, f"127.0.0.1:{port}", "127.0.0.1:5556", rpc_timeout=0.5, max_backoff=0.3).start()
     sched = _Scheduler()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     try:
         time.sleep(0.8)
         assert not reg.registered.is_set()
-        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(sched, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        server.start()
-        assert reg.registered.wait(10)
-        assert sched.registered[0].worker_id == "w-late"
+        # The scheduler comes up late, on the port the registrar has been dialling.
+        with loopback_server(scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server, sched, port=port):
+            assert reg.registered.wait(10)
+            assert sched.registered[0].worker_id == "w-late"
     finally:
         reg.stop()
-        server.stop(0)
