@@ -291,8 +291,11 @@ class Dispatcher:
     ) -> float:
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
-        if not address or ":" not in address:
-            raise InvalidArgument(f"{address!r} is not host:port", field="address")
+        _check_address(address)
+        if policy_version < 0:
+            # Versions are >= 0 (SwitchWeights refuses others): a negative one would read as behind
+            # every version and start a catch-up load of the suite's version at once.
+            raise InvalidArgument(f"must be >= 0, got {policy_version}", field="policy_version")
         _check_capacity(capacity)
         spec = WorkerSpec(worker_id, capacity.total_kv_pages, capacity.page_size, capacity.max_batch_size,
                           max_context=capacity.max_context)
@@ -469,6 +472,8 @@ class Dispatcher:
         not the registration's (an old process of the same worker id, still draining beside its
         replacement) is answered unknown and changes nothing, or it would mark the new process
         draining and overwrite its telemetry."""
+        if not worker_id:
+            raise InvalidArgument("must not be empty", field="worker_id")
         with self._cond:
             state = self._workers.get(worker_id)
             if state is None:
@@ -486,6 +491,8 @@ class Dispatcher:
                         worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running,
                         waiting=telemetry.waiting, used_pages=telemetry.used_kv_pages,
                         tokens_per_second=telemetry.tokens_per_second,
+                        accepted_per_position=telemetry.accepted_per_position,
+                        proposed_per_position=telemetry.proposed_per_position,
                     )
                 self._wake_locked()
         if telemetry is None:
@@ -1223,7 +1230,8 @@ class Dispatcher:
             self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault="a malformed chunk")
             return
         problem = chunk_stats_problem(
-            {f.name: getattr(done.stats, f.name) for f in dataclasses.fields(ChunkStats)}, len(tokens))
+            {f.name: getattr(done.stats, f.name) for f in dataclasses.fields(ChunkStats)}, len(tokens),
+            len(req.prompt_token_ids) + len(req.output_token_ids))
         if problem:
             # A worker that reports impossible stats cannot be trusted with its tokens either: the
             # chunk runs again elsewhere and the worker gets no chunks until its telemetry is sane.
@@ -1502,6 +1510,17 @@ def _worker_fault(e: SeerError) -> bool:
 
 def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:
     yield from stream  # type: ignore[misc]
+
+
+def _check_address(address: str) -> None:
+    """RegisterWorkerRequest.address: host:port ("[v6]:port" for IPv6), port 1-65535. Checked here,
+    not at the first RunChunk: a port that is no number made every dispatch to the worker fail
+    UNAVAILABLE, each costing a chunk, until its heartbeats stopped."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise InvalidArgument(f"{address!r} is not host:port", field="address")
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise InvalidArgument(f"{address!r}: the port must be a number in 1-65535", field="address")
 
 
 def _check_capacity(capacity: scheduler_pb2.WorkerCapacity) -> None:

@@ -199,10 +199,10 @@ _HEALTHY = {"prefill_tokens": 6, "cached_tokens": 0, "kv_loaded_tokens": 0, "dra
 
 
 def test_plausible_chunk_stats_pass() -> None:
-    assert chunk_stats_problem(_HEALTHY, 8) == ""
-    assert chunk_stats_problem({**_HEALTHY, "steps": 9}, 8) == ""  # a final empty finish message
-    assert chunk_stats_problem({**_HEALTHY, "steps": 1, "draft_tokens": 0, "accepted_tokens": 0}, 0) == ""
-    assert chunk_stats_problem({k: 0 for k in _HEALTHY}, 0) == ""
+    assert chunk_stats_problem(_HEALTHY, 8, 6) == ""
+    assert chunk_stats_problem({**_HEALTHY, "steps": 9}, 8, 6) == ""  # a final empty finish message
+    assert chunk_stats_problem({**_HEALTHY, "steps": 1, "draft_tokens": 0, "accepted_tokens": 0}, 0, 6) == ""
+    assert chunk_stats_problem({k: 0 for k in _HEALTHY}, 0, 0) == ""
 
 
 @pytest.mark.parametrize(
@@ -214,10 +214,16 @@ def test_plausible_chunk_stats_pass() -> None:
         ({"wall_seconds": math.inf}, 8, "wall_seconds is not finite"),
         ({"accepted_tokens": 13}, 8, "accepted_tokens 13 exceeds draft_tokens 12"),
         ({"steps": 10}, 8, "steps 10 exceeds"),
+        # Tokens from no engine step, and prefix counts beyond the chunk's context (6 tokens):
+        ({"steps": 0}, 8, "steps 0 for the chunk's 8 tokens"),
+        ({"prefill_tokens": 7}, 8, "prefill_tokens + cached_tokens 7 exceeds the chunk's context of 6"),
+        ({"prefill_tokens": 2, "cached_tokens": 5}, 8, "prefill_tokens + cached_tokens 7 exceeds"),
+        ({"kv_loaded_tokens": 10**9}, 8, "kv_loaded_tokens 1000000000 exceeds the chunk's context of 6"),
+        ({"kv_recomputed_pages": 7}, 8, "kv_recomputed_pages 7 exceeds"),
     ],
 )
 def test_impossible_chunk_stats_are_named(change: dict[str, float], tokens: int, word: str) -> None:
-    assert word in chunk_stats_problem({**_HEALTHY, **change}, tokens)
+    assert word in chunk_stats_problem({**_HEALTHY, **change}, tokens, 6)
 
 
 def test_a_request_only_an_absent_worker_holds_waits_for_it(clock: FakeClock) -> None:

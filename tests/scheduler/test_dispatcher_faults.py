@@ -334,6 +334,31 @@ def test_impossible_chunk_stats_fail_the_chunk_and_quarantine_the_worker(rig: Ca
     assert t.d.stats().pending_requests == 1 and len(t.workers.requests) == 1  # not placed on the liar again
 
 
+@pytest.mark.parametrize("stats", [
+    common_pb2.ChunkStats(steps=0),  # 8 tokens from no engine step
+    common_pb2.ChunkStats(steps=8, prefill_tokens=6, cached_tokens=64),  # a 6-token prompt
+    common_pb2.ChunkStats(steps=8, kv_loaded_tokens=1 << 30),
+])
+def test_chunk_stats_beyond_the_chunk_quarantine_the_worker(rig: Callable[..., Rig],
+                                                            stats: common_pb2.ChunkStats) -> None:
+    """Stats that are each a sane count but impossible for the chunk they came with (tokens from no
+    step, a prefix larger than the chunk's context) were committed, and the buffer summed them into
+    the response's stats: they now fail the chunk like any impossible stats. The request still
+    completes on the honest worker, every token once."""
+    t = rig()
+    t.register("liar")
+    t.workers.script = lambda wid, req: chunk_events(req, stats=stats if wid == "liar" else None)
+    t.run()
+    t.d._add_items([item("a")])
+    wait_for(lambda: t.d.core.is_quarantined("liar"))
+    assert "impossible chunk stats" in t.d.core.quarantine_reason("liar")
+    assert t.buffer.of("a") == []  # nothing committed from the liar
+    t.register("honest")
+    wait_for(lambda: "a" not in t.d._requests)
+    assert [c.worker_id for c in t.buffer.of("a")] == ["honest", "honest"]
+    assert sum(len(c.token_ids) for c in t.buffer.of("a")) == 16
+
+
 def test_healthy_chunk_stats_are_committed(rig: Callable[..., Rig]) -> None:
     t = rig()
     t.register("w0")

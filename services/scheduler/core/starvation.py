@@ -58,8 +58,9 @@ class Submission:
 class Starvation:
     """Per-submission starvation clocks (see the module docstring).
 
-    Cost: track / untrack / wait / dispatch are O(log submissions) amortised; the only scan of all
-    tracked submissions is when the newest submission that ran ends (once per such submission)."""
+    Cost: track / untrack / wait / dispatch are O(log submissions) amortised, each submission's
+    clock starting or stopping counted once (nothing scans every tracked submission: the newest
+    one that ran ending scanned them all, 0.4 ms with 10,000 tracked)."""
 
     def __init__(
         self,
@@ -81,6 +82,17 @@ class Starvation:
         # min-heap, so a first dispatch above _top_dispatched postpones those below it from the
         # top. Lazy: entries of records untracked or postponed since are skipped.
         self._unpostponed: list[tuple[int, int]] = []
+        # -submission of the tracked submissions that have dispatched: a max-heap, so the newest
+        # that ran ending finds the next one from the top. Lazy: an entry whose number is not
+        # tracked, or not dispatched, any more is skipped. No token: an entry left by an earlier
+        # record of the number names the right number whenever the current record dispatched.
+        self._dispatched_heap: list[int] = []
+        # -submission of the postponed submissions (newer_since set): a max-heap, so when the
+        # newest that ran ends the clocks that stop (those from the new top up) are popped from
+        # the top instead of looked for among all tracked submissions. Lazy like the one above
+        # (every postponed record's number is in it: _postponed pushes it). Plain ints, not
+        # (number, token) pairs: a pop is ~3x cheaper, which is the whole cost when many stop.
+        self._postponed: list[int] = []
         # (lower bound on the start of its oldest wait's starvation clock, submission, token) for
         # the submissions whose newer_since is set: starved_entry looks at the head only, so a
         # decision does not grow with the tracked submissions. Lazy: an entry's key may be stale
@@ -118,12 +130,20 @@ class Starvation:
         # The newest submission that ran is gone: an earlier one with no later one that ran left
         # is back to the policy's order (its clock stops; a hold taken for one of its requests is
         # released by the core's hold check). Below the new top the clocks go on: the
-        # postponement by newer work has had no break. O(submissions), once per newest running
-        # submission that ends.
-        top = max((s for s, o in self._subs.items() if o.dispatched), default=None)
+        # postponement by newer work has had no break. Both heaps are read from their tops: a
+        # pop per clock that stops (each started by a _postpone) and per entry gone stale.
+        subs = self._subs
+        dispatched = self._dispatched_heap
+        while dispatched and not ((o := subs.get(-dispatched[0])) is not None and o.dispatched):
+            heapq.heappop(dispatched)
+        top = -dispatched[0] if dispatched else None
         self._top_dispatched = top
-        for s, o in self._subs.items():
-            if (top is None or s >= top) and o.newer_since is not None:
+        postponed = self._postponed
+        # Every tracked submission from the new top up stops (s >= top; all when none ran).
+        while postponed and (top is None or postponed[0] <= -top):
+            s = -heapq.heappop(postponed)
+            o = subs.get(s)
+            if o is not None and o.newer_since is not None:
                 o.newer_since = None  # its _starved_heap entry is dropped when read
                 heapq.heappush(self._unpostponed, (s, o.token))
         return True
@@ -189,6 +209,7 @@ class Starvation:
     def _postpone(self, sid: int, sub: Submission, now: float) -> None:
         """Newer work runs from `now` on: the submission's waiting requests' clocks start."""
         sub.newer_since = now
+        heapq.heappush(self._postponed, -sid)
         if not sub.in_heap:
             # newer_since is a lower bound on every start in it; re-keyed when read.
             heapq.heappush(self._starved_heap, (now, sid, sub.token))
@@ -197,25 +218,36 @@ class Starvation:
     def _compact(self) -> None:
         """Entries of records no longer tracked leave the lazy heaps only from the top: drop them
         all at once when they dominate (amortised O(1) per untracked submission)."""
-        subs = self._subs
-
-        def current(sid: int, token: int) -> Submission | None:
-            o = subs.get(sid)
-            return o if o is not None and o.token == token else None
-
-        if len(self._starved_heap) > 64 and len(self._starved_heap) > 4 * len(subs):
+        bound = max(64, 4 * len(self._subs))
+        current = self._current
+        if len(self._starved_heap) > bound:
             self._starved_heap = [e for e in self._starved_heap if current(e[1], e[2]) is not None]
             heapq.heapify(self._starved_heap)
-        if len(self._unpostponed) > 64 and len(self._unpostponed) > 4 * len(subs):
+        if len(self._unpostponed) > bound:
             self._unpostponed = [e for e in self._unpostponed
                                  if (o := current(*e)) is not None and o.newer_since is None]
             heapq.heapify(self._unpostponed)
+        # The two number heaps: one entry per live number (an earlier record's may repeat it); a
+        # sorted list is a heap.
+        subs = self._subs
+        if len(self._dispatched_heap) > bound:
+            self._dispatched_heap = sorted({n for n in self._dispatched_heap
+                                            if (o := subs.get(-n)) is not None and o.dispatched})
+        if len(self._postponed) > bound:
+            self._postponed = sorted({n for n in self._postponed
+                                      if (o := subs.get(-n)) is not None and o.newer_since is not None})
+
+    def _current(self, sid: int, token: int) -> Submission | None:
+        """The tracked record a lazy heap entry (sid, token) names, or None if it is gone."""
+        o = self._subs.get(sid)
+        return o if o is not None and o.token == token else None
 
     def _first_dispatch_of(self, sid: int, sub: Submission, now: float) -> None:
         """A submission's first chunk runs: every earlier one's waiting requests are postponed by
         newer work from now on (their starvation clocks start). Below the top one that ran every
         earlier one is postponed already: only a new top postpones those from the old top up."""
         sub.dispatched = True
+        heapq.heappush(self._dispatched_heap, -sid)
         if self._top_dispatched is not None and sid <= self._top_dispatched:
             return
         self._top_dispatched = sid

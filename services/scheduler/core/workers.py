@@ -6,7 +6,7 @@ to be trusted again (up to a cap), and a long clean period forgives one offence.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.log import get_logger, kv
@@ -139,11 +139,31 @@ def counts_problem(values: Mapping[str, float]) -> str:
     return ""
 
 
-def telemetry_problem(spec: WorkerSpec, free_pages: int, running: int, waiting: int, extra: dict[str, float]) -> str:
-    """Why a telemetry report cannot be true ("" when it is plausible)."""
+def telemetry_problem(
+    spec: WorkerSpec,
+    free_pages: int,
+    running: int,
+    waiting: int,
+    extra: dict[str, float],
+    accepted_per_position: Sequence[int] = (),
+    proposed_per_position: Sequence[int] = (),
+) -> str:
+    """Why a telemetry report cannot be true ("" when it is plausible). The per-position draft
+    counts (WorkerTelemetry.accepted_per_position / proposed_per_position) are pairs: one list per
+    draft depth each, and a draft token accepted at a depth was proposed there, so accepted <=
+    proposed at every position (services/worker/core.py counts both from the same drafts)."""
     problem = counts_problem({"free_pages": free_pages, "running": running, "waiting": waiting, **extra})
     if problem:
         return problem
+    if len(accepted_per_position) != len(proposed_per_position):
+        return (f"accepted_per_position has {len(accepted_per_position)} positions, "
+                f"proposed_per_position {len(proposed_per_position)}")
+    for i, (a, p) in enumerate(zip(accepted_per_position, proposed_per_position, strict=True)):
+        problem = counts_problem({f"accepted_per_position[{i}]": a, f"proposed_per_position[{i}]": p})
+        if problem:
+            return problem
+        if a > p:
+            return f"accepted_per_position[{i}] {a} exceeds proposed_per_position[{i}] {p}"
     if free_pages > spec.total_pages:
         return f"free_pages {free_pages} exceeds total_pages {spec.total_pages}"
     used = extra.get("used_pages")
@@ -182,8 +202,11 @@ def apply_telemetry(
     extra: dict[str, float],
     use_free_pages: bool,
     rule: QuarantineRule,
+    accepted_per_position: Sequence[int] = (),
+    proposed_per_position: Sequence[int] = (),
 ) -> None:
-    problem = telemetry_problem(w.spec, free_pages, running, waiting, extra)
+    problem = telemetry_problem(w.spec, free_pages, running, waiting, extra,
+                                accepted_per_position, proposed_per_position)
     if problem:
         quarantine(w, f"impossible telemetry: {problem}", rule)
         return
