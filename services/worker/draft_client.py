@@ -64,6 +64,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 import grpc
@@ -118,6 +119,13 @@ class _Mirror:
     done: set[str] = field(default_factory=set)
     history_loaded: bool = False
     active: set[str] = field(default_factory=set)  # requests generating here now: deltas for them are skipped
+    # request -> its attempts started here and not ended, in start order: True for one whose resume
+    # made the request active, False for an older submission's (older_attempts: it left the mirror
+    # alone). Two attempts of one request may run here at once (a chunk re-dispatched here while
+    # the abandoned attempt is still finishing: SGLang drops the old rid from its batch later), so
+    # an end ends one attempt, the earliest (the superseded one, aborted, ends first), and the
+    # request stays active while another attempt that made it active still runs.
+    attempts: dict[str, list[bool]] = field(default_factory=dict)
     resync: set[str] = field(default_factory=set)  # active requests another writer changed meanwhile (see end)
     incarnation: int = 0  # the server's group incarnation this mirror follows (0: not synced yet)
     epochs: dict[str, int] = field(default_factory=dict)  # request -> this worker's newest attempt epoch
@@ -169,6 +177,10 @@ class _Mirror:
         """The mirror's own registration (what it registered for, at its submission)."""
         return _Registration(self.prompt_key, self.prompt, self.group_size, self.ttl_seconds, self.submit_seq)
 
+    def newest_seq(self) -> int:
+        """The newest submission the mirror registered for or is registering again for (0 = unknown)."""
+        return max(self.submit_seq, self.reregister.submit_seq if self.reregister is not None else 0)
+
     def newest_epoch(self) -> int:
         """The newest dispatch epoch this mirror registered for or ran an attempt at (0: none)."""
         return max(self.register_epoch, max(self.epochs.values(), default=0))
@@ -182,6 +194,41 @@ class _Mirror:
     def completed(self) -> bool:
         """The server had every response finished: the group completed and became history."""
         return 0 < self.group_size <= len(self.done)
+
+
+class _Attempt(Enum):
+    """What an attempt starting on a group's existing mirror does to it (_judge_attempt)."""
+
+    KEEP = "keep"  # the mirror's run (or no sign of another): runs on it as it is, nothing sent
+    OLDER = "older"  # an older submission's chunk: runs on the mirror as it is, its appends kept local
+    REREGISTER = "reregister"  # may be another run: RegisterGroup again, the server tells which
+    REPLACE = "replace"  # the mirror's group completed and this is another run: a new mirror
+
+
+def _judge_attempt(m: _Mirror, prompt_key: str, prompt: tuple[int, ...], group_size: int, request_id: str,
+                   epoch: int, submit_seq: int) -> _Attempt:
+    """How register_attempt takes an attempt (at dispatch `epoch`, of batch submission `submit_seq`;
+    0 = unknown) starting on the group's mirror `m`; reads `m` only (its rules: see register_attempt)."""
+    mirror_seq = m.newest_seq()
+    seqs_known = bool(submit_seq and mirror_seq)
+    if seqs_known and submit_seq < mirror_seq:
+        return _Attempt.OLDER
+    if not m.completed or m.active:
+        other_seq = seqs_known and submit_seq != mirror_seq
+        if epoch <= m.register_epoch and not other_seq:
+            return _Attempt.KEEP
+        # Another prompt, key, size or submission is another run for sure (every worker of a run
+        # registers the batch's); the first two cases are the ones the same values may be another
+        # run in, when the submissions are not both known.
+        other = (prompt_key != m.prompt_key or group_size != m.group_size or prompt != m.prompt or other_seq)
+        if not other and (seqs_known or not (m.completed or request_id in m.done)):
+            return _Attempt.KEEP
+        return _Attempt.REREGISTER
+    # Completed, and this attempt is of its run (the same submission or, without one, an epoch this
+    # mirror already registered or ran: a retried chunk): the same incarnation, kept. Replaced, it
+    # would register again, and the server would take it for the id used again (by the epoch rule).
+    same_run = submit_seq == mirror_seq if seqs_known else 0 < epoch <= m.newest_epoch()
+    return _Attempt.KEEP if same_run else _Attempt.REPLACE
 
 
 @dataclass
@@ -299,49 +346,31 @@ class DraftClient:
         kept local (_old_run_locked); the mirror never moves to an older submission (registered
         for it, the server refuses it, and the next chunk of the newer run moved it back, each
         move holding the group's appends until answered)."""
+        prompt = tuple(int(t) for t in prompt_token_ids)
         with self._lock:
             m = self._groups.get(group_id)
             if m is not None:
                 if request_id and submit_seq:
                     self._note_submission_locked(m, request_id, submit_seq)
-                mirror_seq = self._mirror_seq(m)
-                seqs_known = bool(submit_seq and mirror_seq)
-                if seqs_known and submit_seq < mirror_seq:
-                    m.releasing = False  # wanted again, as below
+                verdict = _judge_attempt(m, prompt_key, prompt, group_size, request_id, epoch, submit_seq)
+                if verdict is not _Attempt.REPLACE:
+                    # Wanted again (also before its queued appends went out): left marked for
+                    # release, it would be dropped at the next tick while the chunk runs on it.
+                    m.releasing = False
+                if verdict is _Attempt.OLDER:
                     log.info("draft chunk of an older submission than its group's mirror; its appends stay local",
                              extra=kv(group_id=group_id, request_id=request_id, submit_seq=submit_seq,
-                                      mirror_submit_seq=mirror_seq))
+                                      mirror_submit_seq=m.newest_seq()))
                     return
-                if not m.completed or m.active:
-                    m.releasing = False  # wanted again before its queued appends went out
-                    other_seq = seqs_known and submit_seq != mirror_seq
-                    if epoch <= m.register_epoch and not other_seq:
-                        return
-                    # Another prompt, key, size or submission is another run for sure (every
-                    # worker of a run registers the batch's); the first two cases are the ones the
-                    # same values may be another run in, when the submissions are not both known.
-                    other = (prompt_key != m.prompt_key or group_size != m.group_size
-                             or tuple(prompt_token_ids) != m.prompt or other_seq)
-                    if not other and (seqs_known or not (m.completed or request_id in m.done)):
-                        return
+                if verdict is _Attempt.REREGISTER:
                     self._reregister_locked(group_id, m, request_id, epoch, _Registration(
-                        prompt_key, tuple(int(t) for t in prompt_token_ids), group_size, int(ttl_seconds),
-                        submit_seq))
+                        prompt_key, prompt, group_size, int(ttl_seconds), submit_seq))
                     return
-                same_run = submit_seq == mirror_seq if seqs_known else 0 < epoch <= m.newest_epoch()
-                if same_run:
-                    # Completed, and this attempt is of its run (the same submission or, without
-                    # one, an epoch this mirror already registered or ran: a retried chunk): the
-                    # same incarnation, kept. Replaced, it would register again, and the server
-                    # would take it for the id used again (by the epoch rule).
-                    # Wanted again, as above: left marked for release, it would be dropped at the
-                    # next tick while the chunk runs on it.
-                    m.releasing = False
+                if verdict is _Attempt.KEEP:
                     return
                 del self._groups[group_id]
                 self._pending = [a for a in self._pending if a.group_id != group_id]
                 log.info("draft group completed; mirror replaced for its id used again", extra=kv(group_id=group_id))
-            prompt = tuple(int(t) for t in prompt_token_ids)
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
                                              group_size, int(ttl_seconds), register_epoch=epoch,
                                              submit_seq=submit_seq,
@@ -360,21 +389,20 @@ class DraftClient:
         newer run's response); the attempt is marked older (older_attempts) instead. So is one
         older than the mirror's submission when none is recorded for the request yet: the copy
         here is the mirror's run's (a sibling's, through Sync), which the old chunk's resume
-        overwrote as well."""
+        overwrote as well. (The mirror's submission as registered: while a newer one's registration
+        is queued, the copies here are still the mirror's run's.)"""
         known = m.seqs.get(request_id, 0)
-        if known > submit_seq or (not known and submit_seq < DraftClient._mirror_seq(m)):
+        # Against the submission the mirror follows, not one it is registering again for: nothing of
+        # that run reached the copies here yet (its own attempts record their submission), so a
+        # chunk of the mirror's run resumes its copy and indexes its tokens (marked older, it only
+        # drafted, from a copy that may hold a failed attempt's tokens); its appends stay local.
+        if known > submit_seq or (not known and submit_seq < m.submit_seq):
             m.older_attempts.add(request_id)
             return
         m.older_attempts.discard(request_id)
         if known and known != submit_seq:
             m.epochs.pop(request_id, None)
         m.seqs[request_id] = submit_seq
-
-    @staticmethod
-    def _mirror_seq(m: _Mirror) -> int:
-        """The newest submission the mirror registered for or is registering again for (0 =
-        unknown). Caller holds the lock."""
-        return max(m.submit_seq, m.reregister.submit_seq if m.reregister is not None else 0)
 
     def _drop_older_runs_locked(self, gid: str, m: _Mirror) -> None:
         """The mirror moved to a newer submission (m.submit_seq): its requests of older ones are
@@ -390,14 +418,14 @@ class DraftClient:
         m.finished -= older
         self._pending = [a for a in self._pending if a.group_id != gid or a.request_id not in older]
 
-    @classmethod
-    def _old_run_locked(cls, m: _Mirror, request_id: str) -> bool:
+    @staticmethod
+    def _old_run_locked(m: _Mirror, request_id: str) -> bool:
         """The request's attempt here is of a run whose incarnation completed (a reused reset), or
         of an older submission than the mirror's (register_attempt): its appends stay local. By its
         submission where both it and a reset's or the mirror's are known, else by epoch
         (old_run_epoch). Caller holds the lock."""
         seq = m.seqs.get(request_id, 0)
-        if seq and seq < cls._mirror_seq(m):
+        if seq and seq < m.newest_seq():
             return True
         if seq and m.seq_judged:
             return seq in m.old_run_seqs
@@ -494,25 +522,39 @@ class DraftClient:
             if request_id in m.older_attempts:
                 # An older submission's attempt (register_attempt): the copy here, its epoch and
                 # its Sync deltas stay the newer run's; the old chunk drafts from them as they are.
+                m.attempts.setdefault(request_id, []).append(False)
                 return
             if epoch:
                 m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
             m.synced_over.discard(request_id)  # our attempt's copy from here on
             self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True)
             m.active.add(request_id)
+            m.attempts.setdefault(request_id, []).append(True)
 
     def end(self, group_id: str, request_id: str) -> None:
         """The request's chunk here is over: Sync deltas for it apply to the mirror again. If
         another worker wrote to it meanwhile (its attempt here was given up on), the deltas skipped
         while it ran are not replayable one by one: the mirror syncs the whole group again, and
-        keeps its copies until the reply replaces them."""
+        keeps its copies until the reply replaces them.
+
+        Ends one attempt of the request (the earliest still running here, see _Mirror.attempts): an
+        abandoned attempt ending after its re-dispatched successor started here leaves the newer
+        one active (cleared, Sync deltas would overwrite its copy: an echo of its own tokens, or
+        the abandoned attempt's, to draft from)."""
         with self._lock:
             m = self._groups.get(group_id)
             if m is None:
                 return
-            if request_id in m.older_attempts:
-                m.older_attempts.discard(request_id)  # its resume marked nothing active
+            running = m.attempts.get(request_id, [])
+            made_active = running.pop(0) if running else request_id not in m.older_attempts
+            if not running:
+                m.attempts.pop(request_id, None)
+            if not made_active:
+                if False not in running:
+                    m.older_attempts.discard(request_id)  # no older submission's attempt runs here now
                 return
+            if True in running:
+                return  # another attempt that made it active still runs here
             m.active.discard(request_id)
             if request_id in m.resync:
                 m.resync.discard(request_id)
@@ -883,14 +925,19 @@ class DraftClient:
         # only way its responses reach history.
         if (expired or m.completed) and not m.active:
             newest = m.newest_epoch()
-            if expired and not m.completed and m.incarnation and newest and any(r not in m.done for r in m.own):
+            # A stale mirror only: one that followed the incarnation through Sync (history_loaded).
+            # One that registered and never synced took its incarnation from its registration's
+            # answer, which judged its run to be that incarnation's: that one completed (its
+            # responses are history), and registered again with an epoch above the ones it took
+            # (ours never reached it), with submit_seq 0 the server re-created it as a new run.
+            if expired and not m.completed and m.history_loaded and newest and any(r not in m.done for r in m.own):
                 # A new run's chunk that ended on this stale mirror before any tick (a chunk ending
                 # at once): its appends met the old run's expired group, and released, its response
                 # never reached the new run's incarnation (nothing else here re-creates it). Registered
                 # again with the newest epoch run here: an epoch of the old run is refused (then
                 # released: FAILED_PRECONDITION in _register_pending); a newer one starts, or finds,
                 # the new run's incarnation, and the next Sync of our old incarnation is a reused
-                # reset, which resends only the new run's responses (by epoch, _new_run_locked).
+                # reset, which resends only the new run's responses (by epoch, _new_run).
                 # The mirror keeps its incarnation for that reset: restarted (below), it would
                 # resend the old run's responses too.
                 if m.reregister is None:
@@ -974,30 +1021,8 @@ class DraftClient:
         received = 0
         old: GroupIndex | None = None
         if d.reset:
-            # Another incarnation of the group: rebuild from its whole state (below, as for
-            # watermark 0); the responses running here keep our copy (the truth). Ours completed
-            # (its responses are history): nothing of it goes to the new one, which is the group
-            # re-created after a restart or its id used again; with nothing running here, released.
-            # The server says so too (reused) when it saw our incarnation complete before the id
-            # was registered again, which this mirror may not know (a sibling's finish not synced
-            # yet): the new incarnation is another run (a resubmitted batch id), and our old
-            # responses must not go into it. Without reused (a restarted server knows nothing of
-            # older incarnations) an incomplete mirror's responses are the same run's: resent.
-            # A plain reset to an incarnation of a newer submission than the mirror's (the server
-            # restarted, or the group expired unfinished, and a newer run registered the id): our
-            # responses are an older run's too, resent only as reused decides (by submission).
-            newer_run = bool(d.submit_seq and 0 < m.submit_seq < d.submit_seq)
-            completed = m.completed or d.reused or newer_run
-            reused_epoch = d.reused_epoch if d.reused else 0
-            reused_seq = d.reused_submit_seq if d.reused else 0
-            # The new incarnation's submission names the new run only when it is one: reused, or a
-            # newer submission than the mirror's. A plain reset of the mirror's own (or an older)
-            # submission is its group re-created after a restart (a stale sibling's mirror, an
-            # older run's straggler): taken as the new run, every response of our completed run
-            # was resent and the group completed, and became history, a second time.
-            new_seq = d.submit_seq if d.reused or newer_run else 0
-            new_run = self._new_run_locked(m, reused_epoch, reused_seq, new_seq) if completed else set()
-            if completed and not new_run and not m.active:
+            reset = _judge_reset(m, d)
+            if reset.release:
                 del self._groups[d.group_id]
                 log.info("draft group completed; mirror released for its new incarnation",
                          extra=kv(group_id=d.group_id))
@@ -1006,36 +1031,26 @@ class DraftClient:
             # one of a newer submission the mirror is registering again for, whose appends stay
             # local meanwhile: it drafts from it, and a later reset may resend it) and, for a
             # completed incarnation, the new run's that ended here already.
-            old = self._restart_mirror_locked(m, sorted(m.active | new_run))
+            old = self._restart_mirror_locked(m, sorted(m.active | reset.new_run))
             # Our queued appends of the old incarnation would be refused (one by one, after their
             # batch): what of them is still ours is resent whole below, under the new one.
             self._pending = [a for a in self._pending
                              if a.group_id != d.group_id or a.incarnation in (0, d.incarnation)]
-            if completed:
+            if reset.completed:
                 old = None  # only the new run's requests are ours in the new incarnation (resent below)
-                m.own = set(new_run)  # (with a request running here the reset took out of ours)
-                m.finished &= new_run
-                m.old_run_epoch = max(m.old_run_epoch, reused_epoch)
-                if reused_seq or d.submit_seq:
-                    # Judged by submission from here on (_old_run_locked): the reused run's, and
-                    # every submission of ours the reset found not the new run's, if older than
-                    # both the new run's and the mirror's: the mirror's own run (a plain reset to
-                    # an older run's incarnation) or a newer one queued (register_attempt while
-                    # the Sync was out) is no old run; marked, their requests' appends stayed
-                    # local for good, and they never reached the incarnation they register for.
+                m.own = set(reset.new_run)  # (with a request running here the reset took out of ours)
+                m.finished &= reset.new_run
+                m.old_run_epoch = max(m.old_run_epoch, reset.reused_epoch)
+                if reset.seq_judged:
                     m.seq_judged = True
-                    if reused_seq:
-                        m.old_run_seqs.add(reused_seq)
-                    if d.submit_seq:
-                        newest = max(d.submit_seq, self._mirror_seq(m))
-                        m.old_run_seqs.update(q for q in m.seqs.values() if q != d.submit_seq and q < newest)
+                    m.old_run_seqs |= reset.old_run_seqs
             m.synced_over.clear()  # the copies kept are ours; the reply's deltas below mark again
-            if d.submit_seq > m.submit_seq:
+            if reset.follow_seq:
                 # Follows the new incarnation's run from here on (register_attempt compares with
                 # it: kept at the old run's, that run's late chunks looked like the mirror's run).
                 m.submit_seq = d.submit_seq
                 self._drop_older_runs_locked(d.group_id, m)
-            elif d.submit_seq and m.submit_seq > d.submit_seq and m.reregister is None:
+            elif reset.reregister:
                 # An older run's incarnation (its straggler re-created the id after a restart):
                 # registered again by our newer submission, the server replaces it, and the next
                 # Sync is a reused reset that resends our run's responses into the new one.
@@ -1099,44 +1114,6 @@ class DraftClient:
             self._requeue_own(d.group_id, m, sorted(m.active & m.own) + lacking)
         return received
 
-    @staticmethod
-    def _new_run_locked(m: _Mirror, reused_epoch: int, reused_seq: int = 0, new_seq: int = 0) -> set[str]:
-        """Our requests of the run that registered the group id again, after our incarnation
-        completed (caller holds the lock). By submission first, where the request's attempt here
-        came with one (RunChunkRequest.submit_seq): the new incarnation's (GroupDelta.submit_seq)
-        is the new run's, or, with only the reused one's known (reused_submit_seq), any other one;
-        whatever the epochs (a new run after the scheduler's clock went back has epochs at most
-        reused_epoch). Else by dispatch epoch when both are known: the old run's
-        attempts all had epochs at most reused_epoch, the new run's were dispatched later, so with
-        larger ones, whether they run here now or already ended on this stale mirror (a chunk
-        ending at once on a complete output, a short chunk between two ticks: their appends of the
-        old incarnation were refused, and this resend is their only way into the new one). Without
-        (an old server, appends without epochs): the requests running here now, as before.
-        A new run's attempt whose copy the old incarnation's Sync overwrote after it ended here is
-        lost to the new incarnation (as before epochs); resending the old run's tokens as its
-        would be worse."""
-        keep: set[str] = set()
-        # Also a request running here of the new incarnation's submission that is not among our
-        # responses: a reset to an older incarnation took it out (a chunk of a newer submission
-        # started while the Sync was out); its copy here is that attempt's, the new run's.
-        keep.update(r for r in m.active - m.own if new_seq and m.seqs.get(r, 0) == new_seq)
-        for rid in m.own:
-            epoch = m.epochs.get(rid, 0)
-            seq = m.seqs.get(rid, 0)
-            if seq and (new_seq or reused_seq):
-                # Its copy must be that attempt's, as below.
-                if (seq == new_seq if new_seq else seq != reused_seq) and (
-                        rid in m.active or rid not in m.synced_over):
-                    keep.add(rid)
-            elif reused_epoch and epoch:
-                # Its copy must still be that attempt's: Sync of the old incarnation may have
-                # replaced it after the attempt ended here (the old run's finished response).
-                if epoch > reused_epoch and (rid in m.active or rid not in m.synced_over):
-                    keep.add(rid)
-            elif rid in m.active:
-                keep.add(rid)
-        return keep
-
     def _restart_mirror_locked(self, m: _Mirror, keep: Sequence[str]) -> GroupIndex:
         """The mirror starts over from watermark 0 with the prompt and our copies of `keep`; returns
         the old index. Caller holds the lock."""
@@ -1148,6 +1125,101 @@ class DraftClient:
         m.done.clear()  # the server's state as known so far: the whole-group reply brings it again
         self._stats.resets += 1
         return old
+
+
+def _new_run(m: _Mirror, reused_epoch: int, reused_seq: int = 0, new_seq: int = 0) -> set[str]:
+    """Our requests of the run that registered the group id again, after our incarnation
+    completed (reads `m` only). By submission first, where the request's attempt here came with
+    one (RunChunkRequest.submit_seq): the new incarnation's (GroupDelta.submit_seq) is the new
+    run's, or, with only the reused one's known (reused_submit_seq), any other one; whatever the
+    epochs (a new run after the scheduler's clock went back has epochs at most reused_epoch). Else
+    by dispatch epoch when both are known: the old run's attempts all had epochs at most
+    reused_epoch, the new run's were dispatched later, so with larger ones, whether they run here
+    now or already ended on this stale mirror (a chunk ending at once on a complete output, a short
+    chunk between two ticks: their appends of the old incarnation were refused, and this resend is
+    their only way into the new one). Without (an old server, appends without epochs): the
+    requests running here now, as before.
+    By submission or epoch, the request's copy here must still be that attempt's: running here, or
+    no Sync delta changed it since the attempt started (synced_over: the old incarnation's Sync may
+    have brought the old run's finished response over it after the attempt ended here). A new
+    run's attempt whose copy was overwritten so is lost to the new incarnation (as before epochs);
+    resending the old run's tokens as its would be worse."""
+    keep: set[str] = set()
+    # Also a request running here of the new incarnation's submission that is not among our
+    # responses: a reset to an older incarnation took it out (a chunk of a newer submission
+    # started while the Sync was out); its copy here is that attempt's, the new run's.
+    keep.update(r for r in m.active - m.own if new_seq and m.seqs.get(r, 0) == new_seq)
+    for rid in m.own:
+        seq = m.seqs.get(rid, 0)
+        epoch = m.epochs.get(rid, 0)
+        if seq and (new_seq or reused_seq):
+            new = seq == new_seq if new_seq else seq != reused_seq
+        elif reused_epoch and epoch:
+            new = epoch > reused_epoch
+        else:
+            new = rid in m.active  # neither known: the requests running here now
+        if new and (rid in m.active or rid not in m.synced_over):
+            keep.add(rid)
+    return keep
+
+
+class _Reset(NamedTuple):
+    """How a Sync reset (another incarnation of the mirror's group) is taken (_judge_reset)."""
+
+    completed: bool  # the mirror's incarnation completed: only the new run's requests go to the new one
+    new_run: frozenset[str]  # (completed) our requests of the new run (_new_run)
+    release: bool  # (completed) nothing of ours is the new run's and nothing runs here: released
+    reused_epoch: int  # (completed) GroupDelta.reused_epoch of a reused reset, else 0
+    seq_judged: bool  # (completed) a submission was carried: the old run is judged by submission
+    old_run_seqs: frozenset[int]  # (seq_judged) submissions found to be the old run's
+    follow_seq: bool  # the new incarnation is of a newer submission: the mirror follows it
+    reregister: bool  # an older run's incarnation: register our newer submission again
+
+
+def _judge_reset(m: _Mirror, d: draft_pb2.GroupDelta) -> _Reset:
+    """How _apply_locked takes the reset `d` of mirror `m`; reads `m` only.
+
+    Another incarnation of the group: the mirror is rebuilt from its whole state (as for watermark
+    0); the responses running here keep our copy (the truth). Ours completed (its responses are
+    history): nothing of it goes to the new one, which is the group re-created after a restart or
+    its id used again; with nothing running here, released. The server says so too (reused) when
+    it saw our incarnation complete before the id was registered again, which this mirror may not
+    know (a sibling's finish not synced yet): the new incarnation is another run (a resubmitted
+    batch id), and our old responses must not go into it. Without reused (a restarted server knows
+    nothing of older incarnations) an incomplete mirror's responses are the same run's: resent.
+    A plain reset to an incarnation of a newer submission than the mirror's (the server restarted,
+    or the group expired unfinished, and a newer run registered the id): our responses are an
+    older run's too, resent only as reused decides (by submission)."""
+    newer_run = bool(d.submit_seq and 0 < m.submit_seq < d.submit_seq)
+    completed = m.completed or d.reused or newer_run
+    reused_epoch = d.reused_epoch if d.reused else 0
+    reused_seq = d.reused_submit_seq if d.reused else 0
+    # The new incarnation's submission names the new run only when it is one: reused, or a newer
+    # submission than the mirror's. A plain reset of the mirror's own (or an older) submission is
+    # its group re-created after a restart (a stale sibling's mirror, an older run's straggler):
+    # taken as the new run, every response of our completed run was resent and the group
+    # completed, and became history, a second time.
+    new_seq = d.submit_seq if d.reused or newer_run else 0
+    new_run = frozenset(_new_run(m, reused_epoch, reused_seq, new_seq)) if completed \
+        else frozenset()
+    # Judged by submission from here on (_old_run_locked): the reused run's, and every submission
+    # of ours the reset found not the new run's, if older than both the new run's and the mirror's:
+    # the mirror's own run (a plain reset to an older run's incarnation) or a newer one queued
+    # (register_attempt while the Sync was out) is no old run; marked, their requests' appends
+    # stayed local for good, and they never reached the incarnation they register for.
+    seq_judged = completed and bool(reused_seq or d.submit_seq)
+    old_run_seqs: set[int] = set()
+    if seq_judged:
+        if reused_seq:
+            old_run_seqs.add(reused_seq)
+        if d.submit_seq:
+            newest = max(d.submit_seq, m.newest_seq())
+            old_run_seqs.update(q for q in m.seqs.values() if q != d.submit_seq and q < newest)
+    return _Reset(
+        completed=completed, new_run=new_run, release=completed and not new_run and not m.active,
+        reused_epoch=reused_epoch, seq_judged=seq_judged, old_run_seqs=frozenset(old_run_seqs),
+        follow_seq=d.submit_seq > m.submit_seq,
+        reregister=bool(d.submit_seq and m.submit_seq > d.submit_seq and m.reregister is None))
 
 
 def _coalesce(batch: list[draft_pb2.AppendRequest]) -> list[draft_pb2.AppendRequest]:
