@@ -1,18 +1,23 @@
 """Container healthcheck: asks the gRPC health service (grpc.health.v1) whether the server is SERVING.
 
 Usage: python /opt/seer/healthcheck.py [ADDRESS] [--service NAME] [--timeout SECONDS]
-ADDRESS defaults to $SEER_<SERVICE>_HOST:$SEER_<SERVICE>_PORT (127.0.0.1 for a wildcard or unset
-host) where SERVICE comes from $SEER_IMAGE_SERVICE (set by the image). Exit 0 when SERVING, 1
-otherwise (compose and Docker read only the exit code; the reason goes to stdout, which `docker
-inspect` shows).
+ADDRESS defaults to the host and port the service binds (127.0.0.1 for a wildcard or unset host),
+resolved as the service resolves them (services/common/config.py): its --host / --port flags (the
+arguments after the image name: the container's command line, /proc/1/cmdline, or that of the
+process init runs), else $SEER_<SERVICE>_HOST / _PORT, else the JSON file of its --config flag or
+$SEER_<SERVICE>_CONFIG, where SERVICE comes from $SEER_IMAGE_SERVICE (set by the image); port 50051
+when none sets one. Exit 0 when SERVING, 1 otherwise (compose and Docker read only the exit code;
+the reason goes to stdout, which `docker inspect` shows).
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,12 +40,74 @@ def dial_host(host: str) -> str:
     return f"[{literal}]" if ":" in literal else literal
 
 
-def default_address() -> str:
-    service = os.environ.get("SEER_IMAGE_SERVICE", "")
+# The service's own command line: the image's ENTRYPOINT is `python -m services.<service>`, with
+# the arguments after the image name appended; pid 1 unless an init (docker run --init, compose's
+# init: true) runs it, whose own command line then ends with the service's.
+CMDLINE = "/proc/1/cmdline"
+
+
+def service_args(service: str, cmdline_path: str) -> list[str]:
+    """The arguments the service was started with (after `-m services.<service>`); [] when that
+    command line is not there or not the service's (the checks then go by the environment)."""
+    try:
+        with open(cmdline_path, "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0")]
+    except OSError:
+        return []
+    if argv and argv[-1] == "":
+        argv.pop()  # the NUL that ends the last argument
+    module = f"services.{service}"
+    for i in range(len(argv) - 1):
+        if argv[i] == "-m" and argv[i + 1] == module:
+            return argv[i + 2:]
+    return []
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    """The last value of --name (as argparse takes it: `--name V` or `--name=V`; the services'
+    parsers take no abbreviations)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == "--":
+            break
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a[len(name) + 1:]
+    return value
+
+
+def resolve(service: str, field: str, args: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """One field of the service's configuration with the service's precedence (flag > environment >
+    config file), as services.common.config.load_field; None when none sets it. A config file that
+    cannot be read sets nothing here (the service itself refuses it at start)."""
+    flag = _flag(args, "--" + field.replace("_", "-"))
+    if flag is not None:
+        return flag
+    prefix = f"SEER_{service.upper()}_"
+    if prefix + field.upper() in env:
+        return env[prefix + field.upper()]
+    config = _flag(args, "--config") or env.get(prefix + "CONFIG")
+    if config:
+        try:
+            with open(config, encoding="utf-8") as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        if isinstance(data, dict) and data.get(field) is not None:
+            return str(data[field])
+    return None
+
+
+def default_address(env: Mapping[str, str] | None = None, cmdline_path: str | None = None) -> str:
+    env = os.environ if env is None else env
+    cmdline_path = cmdline_path or CMDLINE
+    service = env.get("SEER_IMAGE_SERVICE", "")
     if not service:
         return "127.0.0.1:50051"
-    port = os.environ.get(f"SEER_{service.upper()}_PORT", "50051")
-    return f"{dial_host(os.environ.get(f'SEER_{service.upper()}_HOST', ''))}:{port}"
+    args = service_args(service, cmdline_path)
+    port = resolve(service, "port", args, env) or "50051"
+    return f"{dial_host(resolve(service, 'host', args, env) or '')}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:

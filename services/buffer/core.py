@@ -56,7 +56,13 @@ from services.buffer.records import (
     encode_history,
 )
 from services.buffer.store import Store
-from services.buffer.validation import content_hash, validate_batch, validate_batch_id, validate_seed_scope
+from services.buffer.validation import (
+    content_hash,
+    validate_batch,
+    validate_batch_id,
+    validate_seed_scope,
+    validate_submission_token,
+)
 from services.common.errors import (
     Aborted,
     AlreadyExists,
@@ -88,6 +94,9 @@ MAX_LOGPROB = 1e-4
 # is told what it lost instead of "unknown batch". Stored (keys.deleted_key), so a restart between
 # the deletion and the reader's return does not turn it into "unknown batch".
 MAX_REMEMBERED_DELETIONS = 10_000
+# Submission tokens a CancelBatch found no batch of (the submission refused from then on), newest
+# kept: a submission still in flight that long after its cancel is not a case to plan for.
+MAX_CANCELLED_TOKENS = 10_000
 RESULTS_PAGE_LIMIT = 256  # results a page holds at most, whatever their size
 
 
@@ -355,6 +364,10 @@ class BufferCore:
         self._deleted: dict[str, tuple[int, int]] = {}
         self._next_deletion_seq = 1
         self._next_submit_seq = 1
+        # Submission tokens CancelBatch found no batch of, oldest first (a dict as an ordered set):
+        # a SubmitBatch carrying one is refused, so that cancel's answer ("not stored") stays true
+        # for a submission still in flight. In memory only: a restart ends every call in flight.
+        self._cancelled_tokens: dict[str, None] = {}
         self._recover()
 
     # ---- startup -------------------------------------------------------------------------------
@@ -485,7 +498,7 @@ class BufferCore:
 
     def submit_batch(
         self, batch_id: str, groups: list[GroupSpec], trace_context: Mapping[str, str] | None = None,
-        seed_scope: str = "", is_active: Callable[[], bool] = lambda: True,
+        seed_scope: str = "", is_active: Callable[[], bool] = lambda: True, submission_token: str = "",
     ) -> SubmitOutcome:
         """Stores a batch and feeds its requests to the watchers. trace_context: the submitter's
         trace context (W3C keys), handed on with every work item of the batch; a resubmission keeps
@@ -493,9 +506,12 @@ class BufferCore:
         (batches with one scope and the same base seeds sample alike; "" = the batch id).
         is_active: whether the submitter still wants the batch (the server's _still_wanted: its call
         active, or ended only by its deadline); checked under the lock right before the write, and
-        a cancelled call is SubmitCancelled, nothing stored."""
+        a cancelled call is SubmitCancelled, nothing stored. submission_token: the submitter's name
+        for this submission, stored with the batch it creates (cancel_batch); one a cancel_batch
+        already answered "not stored" is SubmitCancelled too."""
         validate_batch_id(batch_id)  # format checks only: they do not depend on the buffer's limits
         validate_seed_scope(seed_scope)
+        validate_submission_token(submission_token)
         if seed_scope == batch_id:
             seed_scope = ""  # the default, spelled out: the same seeds, so the same submission
         digest = content_hash(batch_id, groups, seed_scope)
@@ -560,11 +576,18 @@ class BufferCore:
                 # After this check a cancel waits for the lock and finds the batch stored.
                 raise SubmitCancelled(f"batch {batch_id!r}: the submission was cancelled by its caller before "
                                       "it was stored; nothing was stored", field="batch_id")
+            if submission_token and submission_token in self._cancelled_tokens:
+                # Under the lock with the write, as cancel_batch's check: either the cancel found
+                # this batch stored and cancelled it, or it told its caller "not stored" and this
+                # is refused; never stored after that answer.
+                raise SubmitCancelled(f"batch {batch_id!r}: CancelBatch cancelled this submission before it "
+                                      "was stored; nothing was stored", field="submission_token")
             version = self._policy_version
             batch = BatchRecord(batch_id=batch_id, content_hash=digest, policy_version=version,
                                 created_at=self._clock(), num_groups=len(valid),
                                 num_requests=sum(g.group_size for g in valid),
-                                trace_context=trace, submit_seq=self._next_submit_seq)
+                                trace_context=trace, submit_seq=self._next_submit_seq,
+                                submission_token=submission_token)
             wb.put(keys.batch_key(batch_id), batch.encode())
             wb.put(keys.NEXT_SUBMIT_SEQ_KEY, str(self._next_submit_seq + 1).encode())
             if batch_id in self._deleted:
@@ -1173,12 +1196,20 @@ class BufferCore:
         return BatchStatus(b.batch_id, b.state, b.num_requests, b.num_results, b.num_cancelled,
                            b.generated_tokens, b.policy_version, requests, b.submit_seq)
 
-    def cancel_batch(self, batch_id: str) -> tuple[BatchState, int]:
+    def cancel_batch(self, batch_id: str, submission_token: str = "") -> tuple[BatchState, int]:
         """(state, requests the batch's cancellation cancelled). Idempotent: a repeat answers as the
         first call did, so a caller whose reply was lost and who retries learns the same count (not
-        0). A completed batch is not cancelled: (COMPLETED, 0)."""
+        0). A completed batch is not cancelled: (COMPLETED, 0).
+
+        submission_token: cancel only the batch stored by the submission that carried it ("" = the
+        batch the id names). None stored is NotFound, the id naming another submission is
+        FailedPrecondition (that batch untouched), both naming submission_token; either way the
+        token is refused by submit_batch from then on, so "not stored" stays true."""
+        validate_submission_token(submission_token)
         with self._lock:
             self._check_open()
+            if submission_token:
+                self._check_token(batch_id, submission_token)
             b = self._batch(batch_id)
             if b.terminal:
                 return b.state, b.num_cancelled if b.state == BatchState.CANCELLED else 0
@@ -1215,6 +1246,25 @@ class BufferCore:
         run_drop_callbacks(drops)  # outside the lock, as in submit_batch
         log.info("batch cancelled", extra=kv(batch_id=batch_id, cancelled=len(cancelled)))
         return BatchState.CANCELLED, len(cancelled)
+
+    def _check_token(self, batch_id: str, token: str) -> None:
+        """Raises unless the batch id names the batch the submission with `token` stored; then
+        remembers the token as cancelled (submit_batch refuses it). Under _lock."""
+        b = self._batches.get(batch_id)
+        if b is not None and b.submission_token == token:
+            return
+        self._cancelled_tokens.pop(token, None)  # newest last
+        self._cancelled_tokens[token] = None
+        while len(self._cancelled_tokens) > MAX_CANCELLED_TOKENS:
+            del self._cancelled_tokens[next(iter(self._cancelled_tokens))]
+        if b is None:
+            validate_batch_id(batch_id)
+            raise NotFound(f"batch {batch_id!r} has no submission with token {token!r}: nothing was cancelled, "
+                           "and a submission carrying the token is refused from now on", field="submission_token")
+        raise FailedPrecondition(
+            f"batch {batch_id!r} names another submission (submission {b.submit_seq}, not the one with token "
+            f"{token!r}): it was not cancelled, and a submission carrying the token is refused from now on",
+            field="submission_token")
 
     # ---- weights -------------------------------------------------------------------------------
 

@@ -91,6 +91,9 @@ class BatchRecord:
     # because the scheduler queues requests FIFO in the order it learns of them. 0 = a record
     # written before it existed (ordered by created_at, ahead of every numbered one).
     submit_seq: int = 0
+    # The submitter's SubmitBatchRequest.submission_token ("" = none given, or a record written
+    # before it existed): a CancelBatch carrying a token cancels only the batch stored with it.
+    submission_token: str = ""
 
     @property
     def terminal(self) -> bool:

@@ -154,7 +154,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 self.core.reconcile_intent(self.version_probe)
             out = self.core.submit_batch(request.batch_id, [convert.group_from_pb(g) for g in request.groups],
                                          trace_context=current_trace_context(), seed_scope=request.seed_scope,
-                                         is_active=lambda: _still_wanted(context))
+                                         is_active=lambda: _still_wanted(context),
+                                         submission_token=request.submission_token)
         return rollout_pb2.SubmitBatchResponse(batch_id=out.batch_id, num_requests=out.num_requests,
                                                already_submitted=out.already_submitted,
                                                policy_version=out.policy_version,
@@ -213,7 +214,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def CancelBatch(self, request: rollout_pb2.CancelBatchRequest, context: grpc.ServicerContext
                     ) -> rollout_pb2.CancelBatchResponse:
         with log_context(batch_id=request.batch_id):
-            state, n = self.core.cancel_batch(request.batch_id)
+            state, n = self.core.cancel_batch(request.batch_id, request.submission_token)
         return rollout_pb2.CancelBatchResponse(state=int(state), num_cancelled=n)
 
     @rpc

@@ -86,6 +86,12 @@ def validate_seed_scope(seed_scope: str) -> None:
                               field="seed_scope")
 
 
+def validate_submission_token(token: str) -> None:
+    if token and not BATCH_ID_RE.fullmatch(token):
+        raise InvalidArgument(f"must be empty or match [A-Za-z0-9._:-]{{1,128}}, got {token[:140]!r}",
+                              field="submission_token")
+
+
 def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
     if not tokens or (min(tokens) >= 0 and max(tokens) < vocab):  # fast path in C; the loop names the index
         return

@@ -7,11 +7,16 @@ step (tokens per engine step, the bonus token included: 1.0 = no speculation ben
 `--timeout T` (default 3600 s from submission) bounds the wait for the buffer too (at most 60 s),
 and holds also while no result arrives: then the batch is cancelled and the exit status is 1.
 Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch too; the exit status is then 128 + the signal
-(130, 143). Interrupted during the submission, it cancels the call (the buffer does not store a
-submission whose call was cancelled) and retries the cancel for 3 s while the buffer does not know the
-batch; after that it says the submission may still be stored and how to cancel it. A second signal
-during the cancel ends the wait, saying that the batch may still be running. A submission the buffer
-refused (ALREADY_EXISTS: --batch-id names another batch; INVALID_ARGUMENT...) cancels nothing.
+(130, 143). The cancel names this run's submission (a random submission token the submission
+carried), so it cancels only a batch this run stored: --batch-id naming another run's batch (one
+with other content, or the same content submitted first by another run: already_submitted) leaves
+that batch running, also when the interrupt came before SubmitBatch's reply. Interrupted during the
+submission, it cancels the call, and the buffer's answer to the cancel is final: stored (then
+cancelled), or not stored and refused from then on. Only a buffer older than submission tokens
+leaves that unknown: the cancel is retried for 3 s while it does not know the batch, and the line
+then says the submission may still be stored and how to cancel it. A second signal during the cancel
+ends the wait, saying that the batch may still be running. A submission the buffer refused
+(ALREADY_EXISTS: --batch-id names another batch; INVALID_ARGUMENT...) cancels nothing.
 
 FILE is JSON lines: {"prompt": "...", "prompt_key": "...", "answer": "..."} (or "prompt_token_ids"
 instead of "prompt"; other string fields become labels echoed into the results), or plain text, one
@@ -149,6 +154,10 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
     from seer_client import SeerClient, SeerTimeout
 
     batch_id = batch_id or f"rollout-{uuid.uuid4().hex[:12]}"
+    # This submission's name: the cancel below carries it, and the buffer cancels only the batch
+    # stored with it. By id alone, an interrupt before the reply with --batch-id naming another
+    # run's live batch cancelled that run's batch.
+    token = uuid.uuid4().hex
     total = sum(g.group_size for g in groups)
     bar = None
     if progress:
@@ -169,7 +178,7 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
         # buffer refused is not cancelled: nothing of ours was stored (see REFUSED).
         submitted = False
         try:
-            client.submit_batch(batch_id, groups)
+            client.submit_batch(batch_id, groups, submission_token=token)
             submitted = True
             # The deadline rides on the stream: checked per result it would never fire while no
             # result arrives (no scheduler, stuck workers), the very case it is for.
@@ -194,7 +203,8 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
                 # Closed first: that cancels the submission still in flight, and the buffer does
                 # not store a submission whose call was cancelled (services/buffer: SubmitCancelled).
                 client.close()
-            what = _cancel_reporting(address, batch_id, retry_not_found=0.0 if submitted else NOT_FOUND_RETRY)
+            what = _cancel_reporting(address, batch_id, token,
+                                     retry_not_found=0.0 if submitted else NOT_FOUND_RETRY)
             if isinstance(e, SeerTimeout) and submitted:
                 raise TimeoutError(f"batch {batch_id} not done after {timeout}s ({len(results)} of {total} "
                                    f"responses); {what}") from None
@@ -211,9 +221,10 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
 # INTERNAL, a Ctrl-C) leaves the outcome unknown: the batch may be stored, so it is cancelled.
 REFUSED = frozenset({"INVALID_ARGUMENT", "ALREADY_EXISTS", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
                      "NOT_FOUND", "OUT_OF_RANGE", "PERMISSION_DENIED", "UNAUTHENTICATED", "UNIMPLEMENTED"})
-# How long a cancel after an interrupted submission retries NOT_FOUND: the submission may still be
-# in the buffer's validation, to be stored after the cancel arrived (a buffer that sees the call
-# gone refuses to store it; one it does not reach in time stores it).
+# How long a cancel after an interrupted submission retries NOT_FOUND from a buffer older than
+# submission tokens (it names batch_id, not submission_token): the submission may still be in that
+# buffer's validation, to be stored after the cancel arrived. A buffer that knows tokens answers
+# for good at once (it refuses the token from then on): no wait.
 NOT_FOUND_RETRY = 3.0
 
 
@@ -223,23 +234,25 @@ def _refused(e: BaseException) -> bool:
     return isinstance(e, SeerError) and e.code in REFUSED
 
 
-def _cancel_reporting(address: str, batch_id: str, retry_not_found: float) -> str:
+def _cancel_reporting(address: str, batch_id: str, token: str, retry_not_found: float) -> str:
     """_cancel(), and a line on stderr when a signal interrupts it (a second Ctrl-C during a slow
     cancel): without it the run ended saying nothing about the batch, which may still be running."""
     try:
-        return _cancel(address, batch_id, retry_not_found)
+        return _cancel(address, batch_id, token, retry_not_found)
     except KeyboardInterrupt:
         print(f"seer rollout: cancelling batch {batch_id} was interrupted: it may still be running", file=sys.stderr)
         raise
 
 
-def _cancel(address: str, batch_id: str, retry_not_found: float = 0.0) -> str:
-    """Best-effort CancelBatch; returns what happened. A fresh client with short retries: the run's
-    own client may be the broken part, and a user who pressed Ctrl-C should not wait minutes for a
-    buffer that is down (a second Ctrl-C ends the wait too).
+def _cancel(address: str, batch_id: str, token: str, retry_not_found: float = 0.0) -> str:
+    """Best-effort CancelBatch of this run's submission (the one that carried `token`); returns
+    what happened. A fresh client with short retries: the run's own client may be the broken part,
+    and a user who pressed Ctrl-C should not wait minutes for a buffer that is down (a second
+    Ctrl-C ends the wait too).
 
-    retry_not_found: seconds NOT_FOUND is retried for (an interrupted submission the buffer may
-    still store); when it holds that long the line says the batch may still be stored after all."""
+    retry_not_found: seconds NOT_FOUND from a buffer older than submission tokens is retried for
+    (an interrupted submission it may still store); when it holds that long the line says the
+    batch may still be stored after all. A buffer that knows tokens answers for good at once."""
     from seer_client import SeerClient, SeerError
 
     deadline = time.monotonic() + retry_not_found
@@ -247,9 +260,18 @@ def _cancel(address: str, batch_id: str, retry_not_found: float = 0.0) -> str:
         with SeerClient(address, retry_seconds=5.0, timeout=5.0) as client:
             while True:
                 try:
-                    n = client.cancel_batch(batch_id)
+                    n = client.cancel_batch(batch_id, submission_token=token)
                     break
                 except SeerError as e:
+                    if e.message.startswith("submission_token:"):
+                        # The buffer's final answer about this run's submission.
+                        if e.code == "NOT_FOUND":
+                            return ("nothing to cancel: this run's submission was not stored, and the buffer "
+                                    "refuses it from now on")
+                        if e.code == "FAILED_PRECONDITION":
+                            return ("not cancelled: the batch id names another submission than this run's "
+                                    "(another run's batch, left running; SeerClient"
+                                    f"({address!r}).cancel_batch({batch_id!r}) cancels it)")
                     if e.code != "NOT_FOUND":
                         raise
                     if time.monotonic() >= deadline:

@@ -148,10 +148,27 @@ def dial_host(host: str | None) -> str:
     return f"[{literal}]" if ip.version == 6 else literal
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# The host the metrics server binds: every address (services.common.telemetry), probed as a wildcard.
+METRICS_HOST = "::"
+# Kernel picks free_port checks on the service's host before it gives up.
+_FREE_PORT_TRIES = 100
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port a server bound to `host` could bind now: the kernel's pick of a free port, checked on
+    the host itself as the service binds it (services.common.ports.grpc_port_is_free: a wildcard
+    host on every address, an IP literal that address, a name the addresses it resolves to).
+    Before: the pick on 127.0.0.1 alone, so a service bound to [::1], another interface's address or
+    every address could be handed a port taken there, and failed at its bind after the start."""
+    from services.common.ports import grpc_port_is_free
+
+    for _ in range(_FREE_PORT_TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if grpc_port_is_free(host, port):
+            return port
+    raise SuiteError(f"no free port found on {host} in {_FREE_PORT_TRIES} tries")
 
 
 @dataclass
@@ -391,22 +408,29 @@ class Suite:
         env.update(extra or {})
         return env
 
-    def _free_port(self) -> int:
-        """A free port that no other service of this suite was given."""
+    def _free_port(self, host: str) -> int:
+        """A port free on `host` that no other service of this suite was given."""
         for _ in range(1000):
-            port = free_port()
+            port = free_port(host)
             if port not in self._picked_ports:
                 self._picked_ports.add(port)
                 return port
         raise SuiteError(f"no free port found that this suite does not use yet ({len(self._picked_ports)} in use)")
 
-    def _port(self, offset: int) -> int:
-        return self.base_port + offset if self.base_port else self._free_port()
+    def _port(self, offset: int, name: str) -> int:
+        """Service `name`'s gRPC port: base + offset, or a port free on the host it will bind (from
+        its extra_args and the suite's environment, as _planned_address: the arguments _add puts
+        first set no host); 127.0.0.1 when that configuration cannot be read (the service then
+        exits naming it)."""
+        if self.base_port:
+            return self.base_port + offset
+        section = "worker" if name.startswith("worker-") else name
+        return self._free_port(_configured_host(section, self.extra_args.get(name, []), self._env) or "127.0.0.1")
 
     def _metrics_port(self, offset: int) -> int:
         if not self.metrics:
             return 0
-        return self.base_port + self._metrics_offset + offset if self.base_port else self._free_port()
+        return self.base_port + self._metrics_offset + offset if self.base_port else self._free_port(METRICS_HOST)
 
     def _add(
         self,
@@ -438,14 +462,16 @@ class Suite:
     def _build(self) -> None:
         d = self.data_dir
         if self.with_kvstore:
-            self._add("kvstore", "services.kvstore", self._port(_KVSTORE), _KVSTORE, ["--data-dir", str(d / "kvstore")])
-        buffer_port = self._port(_BUFFER)
+            self._add("kvstore", "services.kvstore", self._port(_KVSTORE, "kvstore"), _KVSTORE,
+                      ["--data-dir", str(d / "kvstore")])
+        buffer_port = self._port(_BUFFER, "buffer")
         # The buffer is added last of the central services (it needs the scheduler's address):
         # the draft and the scheduler dial the address it will have.
         buffer_address = self._planned_address("buffer", "buffer", buffer_port)
         if self.with_draft:
-            self._add("draft", "services.draft", self._port(_DRAFT), _DRAFT, ["--buffer-address", buffer_address])
-        scheduler_port = self._port(_SCHEDULER)
+            self._add("draft", "services.draft", self._port(_DRAFT, "draft"), _DRAFT,
+                      ["--buffer-address", buffer_address])
+        scheduler_port = self._port(_SCHEDULER, "scheduler")
         self._add("scheduler", "services.scheduler", scheduler_port, _SCHEDULER, [
             "--buffer-address", buffer_address,
             "--policy", self.policy,
@@ -473,7 +499,8 @@ class Suite:
                 args += ["--model-dir", self.model_dir]
             threads = str(self.threads_per_worker)
             pin = (self.cpu_affinity[i % len(self.cpu_affinity)],) if self.cpu_affinity else ()
-            self._add(f"worker-{i}", "services.worker", self._port(_WORKER0 + i), _WORKER0 + i, args,
+            name = f"worker-{i}"
+            self._add(name, "services.worker", self._port(_WORKER0 + i, name), _WORKER0 + i, args,
                       env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}, cpus=pin)
 
     # ---- endpoints -----------------------------------------------------------------------------
@@ -603,7 +630,7 @@ class Suite:
 
         # The metrics server names its port in the error.
         if s.metrics_port and not self.base_port and metrics_bind_error(s.metrics_port) in tail:
-            new = self._free_port()
+            new = self._free_port(METRICS_HOST)
             i = s.args.index("--metrics-port")
             s.args[i + 1] = str(new)
             s.metrics_port = new

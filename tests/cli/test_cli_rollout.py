@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,12 @@ def _wait_submitted(address: str, batch_id: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"batch {batch_id} never submitted")
 
 
-def _start_rollout(address: str, prompts: Path, batch_id: str, *, sigint_ignored: bool = False
-                   ) -> subprocess.Popen[str]:
-    """The real CLI in a subprocess, with faulthandler on (SIGABRT dumps its stacks, see _stop).
+@contextmanager
+def _rollout(address: str, prompts: Path, batch_id: str, *, sigint_ignored: bool = False,
+             on_exit: Callable[[], None] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """The real CLI in a subprocess, with faulthandler on (SIGABRT dumps its stacks, see _stop). On
+    the way out (a failed assertion included) `on_exit` runs first (releasing what the buffer holds
+    for the test), then a CLI still running is killed: the one try/stop/kill of every interrupt test.
 
     sigint_ignored: started as a background job of a non-interactive shell starts it (`cmd &`),
     with SIGINT ignored, which exec keeps: the disposition the test itself had when its suite ran
@@ -50,8 +55,16 @@ def _start_rollout(address: str, prompts: Path, batch_id: str, *, sigint_ignored
     if sigint_ignored:
         cmd = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                "os.execv(sys.executable, sys.argv[1:])", *cmd]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield p
+    finally:
+        if on_exit is not None:
+            on_exit()
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 def _stop(p: subprocess.Popen[str], sig: int, timeout: float = 30.0) -> str:
@@ -80,15 +93,10 @@ def test_ctrl_c_cancels_the_submitted_batch(sig: int, sigint_ignored: bool, buff
     ignored the SIGINT and streamed on for ever; SIGTERM killed it with the batch left running."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": [1, 2, 3], "prompt_key": "k"}) + "\n")
-    p = _start_rollout(buffer.address, prompts, "cli-int", sigint_ignored=sigint_ignored)
-    try:
+    with _rollout(buffer.address, prompts, "cli-int", sigint_ignored=sigint_ignored) as p:
         _wait_submitted(buffer.address, "cli-int")
         time.sleep(0.5)  # into the result stream
         err = _stop(p, sig)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
     assert p.returncode == 128 + sig, err
     assert "batch cli-int: cancelled it" in err, err
     assert f"interrupted ({signal.Signals(sig).name})" in err, err
@@ -162,27 +170,25 @@ def test_a_refused_submission_cancels_nothing(case: str, buffer: Buffer, tmp_pat
 
 
 class _SubmitGate:
-    """Holds the in-process buffer's SubmitBatch of `batch_id` in its validation, outside the core's
-    lock (where a big batch spends its time), until released: the race window made certain."""
+    """Holds the in-process buffer's SubmitBatch of `batch_id` before the core looks at it, outside
+    the core's lock (validation, where a big batch spends its time, is there too), until released:
+    the race window made certain, also for an id that names a stored batch (whose submission never
+    reaches the validation)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, batch_id: str) -> None:
         self.entered, self.release, self.handled = threading.Event(), threading.Event(), threading.Event()
-        real_validate, real_submit = buffer_core.validate_batch, BufferCore.submit_batch
-
-        def validate(bid: str, *a: Any, **kw: Any) -> Any:
-            if bid == batch_id:
-                self.entered.set()
-                assert self.release.wait(30), "submission gate never released"
-            return real_validate(bid, *a, **kw)
+        real_submit = BufferCore.submit_batch
 
         def submit(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
             try:
+                if bid == batch_id:
+                    self.entered.set()
+                    assert self.release.wait(30), "submission gate never released"
                 return real_submit(core, bid, *a, **kw)
             finally:
                 if bid == batch_id:
                     self.handled.set()
 
-        monkeypatch.setattr(buffer_core, "validate_batch", validate)
         monkeypatch.setattr(BufferCore, "submit_batch", submit)
 
 
@@ -194,63 +200,105 @@ def _one_prompt(tmp_path: Path) -> Path:
 
 def test_a_submission_interrupted_before_it_was_stored_is_not_left_running(
         buffer: Buffer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C while the buffer still validates the submission: the CLI's cancel finds nothing
-    (NOT_FOUND). Before: it said "nothing to cancel" and exited, and the buffer then stored the
-    batch, left running. Now the CLI's interrupted call is cancelled, the buffer does not store a
-    submission whose call is gone, and the CLI says that it may still be stored and how to cancel it."""
+    """Ctrl-C while the buffer still holds the submission unstored: the CLI's cancel finds nothing.
+    Before that: it said "nothing to cancel" and exited, and the buffer then stored the batch, left
+    running. Then: it retried the cancel for 3 s and said the submission "may still be stored".
+    Now the cancel names the submission's token, the buffer refuses that submission from then on,
+    and the CLI says at once, for certain, that nothing was stored."""
     gate = _SubmitGate(monkeypatch, "cli-race")
-    p = _start_rollout(buffer.address, _one_prompt(tmp_path), "cli-race")
-    try:
+    with _rollout(buffer.address, _one_prompt(tmp_path), "cli-race", on_exit=gate.release.set) as p:
         assert gate.entered.wait(30), "the submission never reached the buffer"
+        t0 = time.monotonic()
         err = _stop(p, signal.SIGINT)  # the CLI exits while the buffer still holds the submission
-    finally:
-        gate.release.set()
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        took = time.monotonic() - t0
     assert p.returncode == 130, err
-    assert "batch cli-race: nothing to cancel after 3s" in err and "may still be stored" in err, err
-    assert ".cancel_batch('cli-race')" in err, err
+    assert "batch cli-race: nothing to cancel: this run's submission was not stored" in err, err
+    assert "may still be stored" not in err, err
+    assert took < rollout.NOT_FOUND_RETRY, f"took {took:.1f}s: waited for a final answer"
     assert gate.handled.wait(30)
     with SeerClient(buffer.address, retry_seconds=1.0) as client, pytest.raises(SeerError, match="NOT_FOUND"):
         client.get_batch("cli-race")
 
 
-def test_a_cancel_that_arrives_before_the_submission_is_stored_is_retried(
+def test_a_submission_the_cancel_overtook_is_never_stored(
         buffer: Buffer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The buffer stores the interrupted submission after the CLI's first cancel found nothing
-    (its call's cancellation had not reached the buffer yet: a slow network). Before: "nothing to
-    cancel", and the batch was left running; now the CLI retries the cancel for a few seconds."""
+    """The interrupted submission reaches the buffer's write after the CLI's cancel found nothing,
+    its call's cancellation not seen (a slow network). Before: the CLI retried the cancel for 3 s
+    (and said "nothing to cancel" with the batch left running when the write came later). Now the
+    cancel's "not stored" is final: the buffer refuses the submission's token from then on."""
     gate = _SubmitGate(monkeypatch, "cli-late")
+    refused: list[BaseException] = []
     real_submit, real_cancel = BufferCore.submit_batch, BufferCore.cancel_batch
 
     def submit_unaware(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
         kw.pop("is_active", None)  # the call's cancellation has not reached the buffer
-        return real_submit(core, bid, *a, **kw)
-
-    def cancel(core: BufferCore, bid: str) -> Any:
         try:
-            return real_cancel(core, bid)
-        except KeyError:  # NotFound: the CLI's first cancel came too early; now store the batch
+            return real_submit(core, bid, *a, **kw)
+        except buffer_core.SubmitCancelled as e:
+            refused.append(e)
+            raise
+
+    def cancel(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
+        try:
+            return real_cancel(core, bid, *a, **kw)
+        except KeyError:  # NotFound: the CLI's cancel came first; now let the submission go on
             if bid == "cli-late":
                 gate.release.set()
             raise
 
     monkeypatch.setattr(BufferCore, "submit_batch", submit_unaware)
     monkeypatch.setattr(BufferCore, "cancel_batch", cancel)
-    p = _start_rollout(buffer.address, _one_prompt(tmp_path), "cli-late")
-    try:
+    with _rollout(buffer.address, _one_prompt(tmp_path), "cli-late", on_exit=gate.release.set) as p:
         assert gate.entered.wait(30), "the submission never reached the buffer"
         err = _stop(p, signal.SIGINT)
-    finally:
-        gate.release.set()
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
     assert p.returncode == 130, err
-    assert "batch cli-late: cancelled it" in err, err
+    assert "batch cli-late: nothing to cancel: this run's submission was not stored" in err, err
+    assert gate.handled.wait(30)
+    assert refused and "submission_token" in str(refused[0]), refused
+    with SeerClient(buffer.address, retry_seconds=1.0) as client, pytest.raises(SeerError, match="NOT_FOUND"):
+        client.get_batch("cli-late")
+
+
+@pytest.mark.parametrize("content", ["same", "other"])
+def test_an_interrupt_before_the_reply_leaves_another_runs_batch_running(
+        content: str, buffer: Buffer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--batch-id names another run's live batch and the Ctrl-C comes before SubmitBatch's reply
+    (which would have been already_submitted, or ALREADY_EXISTS). Before: the cancel named the
+    batch id only, and cancelled the other run's batch. Now it names this run's submission token:
+    the other batch is left running, and the line says so."""
+    other = [7, 8, 9] if content == "other" else [1, 2, 3]
+    with SeerClient(buffer.address) as client:  # another run's batch, running
+        client.submit_batch("shared", [PromptGroup(prompt=other, group_size=2, max_tokens=4, prompt_key="k")])
+    gate = _SubmitGate(monkeypatch, "shared")
+    with _rollout(buffer.address, _one_prompt(tmp_path), "shared", on_exit=gate.release.set) as p:
+        assert gate.entered.wait(30), "the submission never reached the buffer"
+        err = _stop(p, signal.SIGINT)
+    assert p.returncode == 130, err
+    assert "batch shared: not cancelled: the batch id names another submission" in err, err
     with SeerClient(buffer.address) as client:
-        assert client.get_batch("cli-late").state == "cancelled"
+        assert client.get_batch("shared").state == "running"
+
+
+def test_an_interrupt_after_an_already_submitted_reply_leaves_the_batch_running(
+        buffer: Buffer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The reply came (already_submitted: another run submitted the same batch first), then the
+    Ctrl-C. Before: cancelled by id, the other run's batch. Now: not this run's submission, left
+    running."""
+    groups = [PromptGroup(prompt=[1, 2, 3], group_size=2, max_tokens=4)]
+    with SeerClient(buffer.address) as client:
+        client.submit_batch("cli-dup", groups)
+    real_submit = SeerClient.submit_batch
+
+    def submit_then_interrupted(self: SeerClient, *args: Any, **kwargs: Any) -> Any:
+        assert real_submit(self, *args, **kwargs).already_submitted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SeerClient, "submit_batch", submit_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rollout.run(buffer.address, groups, "cli-dup", progress=False, timeout=30)
+    assert "batch cli-dup: not cancelled" in capsys.readouterr().err
+    with SeerClient(buffer.address) as client:
+        assert client.get_batch("cli-dup").state == "running"
 
 
 def test_a_second_signal_during_the_cancel_is_reported(buffer: Buffer, tmp_path: Path,
@@ -260,23 +308,17 @@ def test_a_second_signal_during_the_cancel_is_reported(buffer: Buffer, tmp_path:
     entered, release = threading.Event(), threading.Event()
     real_cancel = BufferCore.cancel_batch
 
-    def slow_cancel(core: BufferCore, bid: str) -> Any:
+    def slow_cancel(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
         entered.set()
         release.wait(30)
-        return real_cancel(core, bid)
+        return real_cancel(core, bid, *a, **kw)
 
     monkeypatch.setattr(BufferCore, "cancel_batch", slow_cancel)
-    p = _start_rollout(buffer.address, _one_prompt(tmp_path), "cli-2nd")
-    try:
+    with _rollout(buffer.address, _one_prompt(tmp_path), "cli-2nd", on_exit=release.set) as p:
         _wait_submitted(buffer.address, "cli-2nd")
         p.send_signal(signal.SIGINT)
         assert entered.wait(30), "the CLI never cancelled"
         err = _stop(p, signal.SIGINT)
-    finally:
-        release.set()
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
     assert p.returncode == 130, err
     assert "cancelling batch cli-2nd was interrupted: it may still be running" in err, err
 

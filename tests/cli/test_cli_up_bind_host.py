@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_helpers import outgoing_ipv4
@@ -109,3 +111,46 @@ def test_an_empty_host_is_left_to_the_service() -> None:
     assert _configured_host("buffer", [], {"SEER_BUFFER_HOST": ""}) is None
     assert _configured_host("buffer", ["--host", ""], {}) is None
     assert _configured_host("buffer", [], {}) == "127.0.0.1"
+
+
+def _first_pick_is(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
+    """`seer up`'s next kernel pick of a free port (a bind of port 0 on 127.0.0.1) returns `port`:
+    a port free on 127.0.0.1 but taken on the service's own host, made certain."""
+    picks = [port]
+
+    class _Picking(socket.socket):
+        def bind(self, address: Any) -> None:
+            if address == ("127.0.0.1", 0) and picks:
+                address = ("127.0.0.1", picks.pop())
+            super().bind(address)
+
+    monkeypatch.setattr(up, "socket", types.SimpleNamespace(socket=_Picking, AF_INET=socket.AF_INET,
+                                                            SOCK_STREAM=socket.SOCK_STREAM))
+
+
+def _host_cases() -> list[Any]:
+    cases: list[Any] = [pytest.param("[::1]", socket.AF_INET6, "::1", marks=needs_ipv6, id="ipv6-loopback"),
+                        pytest.param("0.0.0.0", socket.AF_INET6, "::1", marks=needs_ipv6, id="wildcard")]
+    address = outgoing_ipv4()
+    cases.append(pytest.param(address or "", socket.AF_INET, address or "", id="interface-address",
+                              marks=pytest.mark.skipif(address is None, reason="no non-loopback IPv4 address")))
+    return cases
+
+
+@pytest.mark.parametrize(("host", "family", "taken_on"), _host_cases())
+def test_a_free_port_is_free_on_the_services_own_host(host: str, family: socket.AddressFamily, taken_on: str,
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With base port 0 each port is picked free. Before: picked on 127.0.0.1 whatever the host, so
+    a service bound to [::1], every address or an interface's address could be handed a port
+    another process listens on there (the buffer failed at its bind, after the start)."""
+    monkeypatch.setattr(up.ServiceProcess, "start", lambda *a, **k: pytest.fail("a service was started"))
+    with _listen(family, taken_on, 0) as other:
+        taken = other.getsockname()[1]
+        _first_pick_is(monkeypatch, taken)
+        s = up.Suite(workers=0, base_port=0, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False,
+                     metrics=False, extra_args={"buffer": ["--host", host]})
+        port = s.services["buffer"].port
+        assert port != taken, f"the buffer (host {host}) was given port {taken}, taken on {taken_on}"
+        from services.common.ports import grpc_port_is_free
+
+        assert grpc_port_is_free(host, port)

@@ -35,11 +35,11 @@ def test_free_ports_handed_out_twice_by_the_kernel_are_picked_again(
     the next call (before: 1.5% of 8-worker suites had two services on one port). The kernel's
     choice is random; here it repeats every number once, deterministically."""
     picks: Iterator[int] = (40000 + i // 2 for i in range(10_000))
-    monkeypatch.setattr(up, "free_port", lambda: next(picks))
+    monkeypatch.setattr(up, "free_port", lambda host: next(picks))
     s = up.Suite(workers=8, base_port=0, data_dir=tmp_path, model_dir="/x")
     assert _dupes(s) == []
     # A metrics port picked again after a clash is new to the suite as well.
-    assert s._free_port() not in {p for p, _ in _ports(s)}
+    assert s._free_port(up.METRICS_HOST) not in {p for p, _ in _ports(s)}
 
 
 def test_fixed_layout_has_no_clash_with_many_workers(tmp_path: Path) -> None:
@@ -230,7 +230,7 @@ def test_a_suite_that_fails_to_build_removes_its_temporary_directory(
     """A failure after mkdtemp (no free port left) leaves no directory behind either: the caller
     got no Suite whose stop() would remove it."""
     monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(up, "free_port", lambda: 40000)  # every pick is a port the suite already uses
+    monkeypatch.setattr(up, "free_port", lambda host: 40000)  # every pick is a port the suite already uses
     with pytest.raises(up.SuiteError, match="no free port"):
         up.Suite(workers=1, base_port=0, model_dir="/x")
     assert list(tmp_path.iterdir()) == []

@@ -4,10 +4,17 @@ address (SEER_<SERVICE>_HOST) does not answer on 127.0.0.1, where the check alwa
 from __future__ import annotations
 
 import importlib.util
+import json
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from types import ModuleType
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from services.common.config import ServiceConfig, load_field
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,3 +41,83 @@ def test_the_default_address_follows_the_bind_host(monkeypatch: pytest.MonkeyPat
     else:
         monkeypatch.setenv("SEER_BUFFER_HOST", host)
     assert _healthcheck().default_address() == f"{want}:50051"
+
+
+# ---- docker/healthcheck.py resolves the service's host and port as the service does ----------------
+
+def _cmdline(path: Path, *argv: str) -> str:
+    path.write_bytes(b"".join(a.encode() + b"\0" for a in argv))
+    return str(path)
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[str, int]]:
+    """A real gRPC health service (SERVING) on 127.0.0.2, a loopback address the healthcheck's
+    fallback (127.0.0.1:50051, or the image's SEER_<SERVICE>_PORT) does not reach."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.2:0")
+    if not port:
+        pytest.skip("cannot bind 127.0.0.2")
+    server.start()
+    yield "127.0.0.2", port
+    server.stop(0)
+
+
+@pytest.mark.parametrize("how", ["flags", "equals-flags", "config-flag", "config-env", "under-init"])
+def test_the_healthcheck_dials_the_host_and_port_the_service_binds(
+        how: str, health_server: tuple[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the check read SEER_<SERVICE>_HOST / _PORT only, so a service given its host or port
+    by flags after the image name (`docker run seer-buffer --host 10.0.0.5`) or by a --config file
+    was dialled where it does not listen, and the container reported unhealthy for ever."""
+    host, port = health_server
+    monkeypatch.setenv("SEER_IMAGE_SERVICE", "buffer")
+    for name in ("SEER_BUFFER_HOST", "SEER_BUFFER_PORT", "SEER_BUFFER_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "buffer.json"
+    config.write_text(json.dumps({"host": host, "port": port, "data_dir": "/d"}))
+    service = ["python", "-m", "services.buffer", "--data-dir", "/d"]
+    if how == "flags":
+        argv = [*service, "--host", host, "--port", str(port)]
+        monkeypatch.setenv("SEER_BUFFER_HOST", "0.0.0.0")  # as the image sets them: the flags win
+        monkeypatch.setenv("SEER_BUFFER_PORT", "50051")
+    elif how == "equals-flags":
+        argv = [*service, f"--host={host}", f"--port={port}"]
+    elif how == "config-flag":
+        argv = [*service, "--config", str(config)]
+    elif how == "config-env":
+        argv = service
+        monkeypatch.setenv("SEER_BUFFER_CONFIG", str(config))
+    else:  # docker run --init: tini is pid 1, the service its child
+        argv = ["/sbin/docker-init", "--", *service, "--host", host, "--port", str(port)]
+    hc = _healthcheck()
+    monkeypatch.setattr(hc, "CMDLINE", _cmdline(tmp_path / "cmdline", *argv), raising=False)
+    assert hc.main(["--timeout", "5"]) == 0
+
+
+def test_the_healthcheck_resolves_as_load_field() -> None:
+    """Flag > environment > config file > default, as services.common.config.load_field (the
+    healthcheck cannot import it: the image runs it alone); host and port alike."""
+    hc = _healthcheck()
+    config = ROOT / "pyproject.toml"  # not JSON: read by neither (the service refuses it at start)
+    cases: list[tuple[list[str], dict[str, str]]] = [
+        ([], {}),
+        (["--host", "10.0.0.9", "--port", "7"], {"SEER_BUFFER_HOST": "::1", "SEER_BUFFER_PORT": "8"}),
+        (["--port=9"], {"SEER_BUFFER_PORT": "8"}),
+        ([], {"SEER_BUFFER_HOST": "", "SEER_BUFFER_PORT": "8"}),
+        (["--config", str(config)], {}),
+    ]
+    for args, env in cases:
+        for field, default in (("host", "127.0.0.1"), ("port", 0)):
+            want = load_field(ServiceConfig, "buffer", field, args, env) if "--config" not in args else default
+            got = hc.resolve("buffer", field, args, env)
+            assert (default if got is None else type(default)(got)) == want, (args, env, field)
+
+
+def test_a_command_line_of_another_program_is_not_read(tmp_path: Path) -> None:
+    """pid 1 not the service (a shell, another image's entrypoint): its flags are not the service's."""
+    hc = _healthcheck()
+    path = _cmdline(tmp_path / "cmdline", "python", "-m", "services.scheduler", "--host", "10.0.0.9")
+    assert hc.service_args("buffer", path) == []
+    assert hc.service_args("buffer", str(tmp_path / "missing")) == []
+    assert hc.default_address({"SEER_IMAGE_SERVICE": "buffer", "SEER_BUFFER_PORT": "5"}, path) == "127.0.0.1:5"

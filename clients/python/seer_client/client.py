@@ -339,7 +339,8 @@ class SeerClient:
 
     # ---- API -----------------------------------------------------------------------------------
 
-    def submit_batch(self, batch_id: str, groups: Iterable[PromptGroup], *, seed_scope: str = "") -> SubmitResult:
+    def submit_batch(self, batch_id: str, groups: Iterable[PromptGroup], *, seed_scope: str = "",
+                     submission_token: str = "") -> SubmitResult:
         """Idempotent: resubmitting the same batch is a no-op (already_submitted=True).
 
         seed_scope: request seeds are derived from it instead of the batch id, so two batches with
@@ -347,11 +348,18 @@ class SeerClient:
         one only with speculation off or between batches with other prompt keys, and never across
         RL iterations (see SubmitBatchRequest.seed_scope).
 
+        submission_token: a name of this submission the caller chose (a random uuid hex); stored
+        with the batch it creates, so that cancel_batch(batch_id, submission_token=...) cancels only
+        that batch, even when this call was interrupted before its reply (never another run's batch
+        under the same id). Not part of the content (a re-submit with another token is still
+        already_submitted). [A-Za-z0-9._:-], 0..128 characters.
+
         During a weight switch (update_weights from another thread) it waits for the switch to end,
         up to update_weights' own default timeout, and the batch runs at the new version."""
         req = rollout_pb2.SubmitBatchRequest(batch_id=_str(batch_id, "batch_id"),
                                              groups=[_group_pb(i, g) for i, g in enumerate(groups)],
-                                             seed_scope=_str(seed_scope, "seed_scope"))
+                                             seed_scope=_str(seed_scope, "seed_scope"),
+                                             submission_token=_str(submission_token, "submission_token"))
         # A weight switch (another thread's update_weights) refuses submissions until it ends, which
         # may take the buffer's whole switch timeout: waited out, so the batch runs at the new version.
         resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=_deadline(self.timeout)),
@@ -504,10 +512,17 @@ class SeerClient:
                       for r in b.requests],
         )
 
-    def cancel_batch(self, batch_id: str) -> int:
+    def cancel_batch(self, batch_id: str, *, submission_token: str = "") -> int:
         """Cancels the batch's unfinished requests; returns how many the cancellation cancelled (the
-        same on a repeat, so a call retried after a lost reply reports it too; 0 if it completed)."""
-        req = rollout_pb2.CancelBatchRequest(batch_id=_str(batch_id, "batch_id"))
+        same on a repeat, so a call retried after a lost reply reports it too; 0 if it completed).
+
+        submission_token: cancel only the batch that submit_batch(submission_token=...) stored.
+        None stored: SeerError NOT_FOUND; the id names another submission: FAILED_PRECONDITION
+        (that batch untouched); both name submission_token, and the buffer refuses that
+        submission from then on, so "not stored" is final. A buffer older than the field ignores
+        it (and cancels the batch the id names)."""
+        req = rollout_pb2.CancelBatchRequest(batch_id=_str(batch_id, "batch_id"),
+                                             submission_token=_str(submission_token, "submission_token"))
         return int(self._call(lambda: self._stub.CancelBatch(req, timeout=_deadline(self.timeout))).num_cancelled)
 
     def update_weights(self, version: int, source: str = "", timeout: float | None = UPDATE_WEIGHTS_TIMEOUT

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from seer.v1 import common_pb2 as seer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15seer/v1/rollout.proto\x12\x07seer.v1\x1a\x14seer/v1/common.proto\"\x84\x02\n\x0bPromptGroup\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.seer.v1.SamplingParams\x12\x30\n\x06labels\x18\x07 \x03(\x0b\x32 .seer.v1.PromptGroup.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"`\n\x12SubmitBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12$\n\x06groups\x18\x02 \x03(\x0b\x32\x14.seer.v1.PromptGroup\x12\x12\n\nseed_scope\x18\x03 \x01(\t\"\x87\x01\n\x13SubmitBatchResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_requests\x18\x02 \x01(\x05\x12\x19\n\x11\x61lready_submitted\x18\x03 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x15\n\rsubmission_id\x18\x05 \x01(\x04\"O\n\x14StreamResultsRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\x12\x15\n\rsubmission_id\x18\x03 \x01(\x04\"f\n\x15StreamResultsResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.seer.v1.RolloutResult\x12\x15\n\rsubmission_id\x18\x03 \x01(\x04\"\xa1\x03\n\rRolloutResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x14\n\x0csample_index\x18\x04 \x01(\x05\x12\x12\n\nprompt_key\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12,\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x15.seer.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\"\n\x05stats\x18\n \x01(\x0b\x32\x13.seer.v1.ChunkStats\x12\x12\n\nnum_chunks\x18\x0b \x01(\x05\x12\x17\n\x0flatency_seconds\x18\x0c \x01(\x01\x12\x32\n\x06labels\x18\r \x03(\x0b\x32\".seer.v1.RolloutResult.LabelsEntry\x12\x0c\n\x04text\x18\x0e \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x18\n\x10include_requests\x18\x02 \x01(\x08\"\xa5\x01\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.seer.v1.RequestState\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_chunks\x18\x04 \x01(\x05\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.seer.v1.FinishReason\"\xfe\x01\n\x10GetBatchResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.seer.v1.BatchState\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x04 \x01(\x05\x12\x15\n\rnum_cancelled\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12(\n\x08requests\x18\x08 \x03(\x0b\x32\x16.seer.v1.RequestStatus\x12\x15\n\rsubmission_id\x18\t \x01(\x04\"&\n\x12\x43\x61ncelBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"P\n\x13\x43\x61ncelBatchResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.seer.v1.BatchState\x12\x15\n\rnum_cancelled\x18\x02 \x01(\x05\"7\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"N\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01*x\n\nBatchState\x12\x1b\n\x17\x42\x41TCH_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42\x41TCH_STATE_RUNNING\x10\x01\x12\x19\n\x15\x42\x41TCH_STATE_COMPLETED\x10\x02\x12\x19\n\x15\x42\x41TCH_STATE_CANCELLED\x10\x03*\x9c\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_PENDING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x03\x12\x1b\n\x17REQUEST_STATE_CANCELLED\x10\x04\x32\x87\x03\n\x0eRolloutService\x12H\n\x0bSubmitBatch\x12\x1b.seer.v1.SubmitBatchRequest\x1a\x1c.seer.v1.SubmitBatchResponse\x12P\n\rStreamResults\x12\x1d.seer.v1.StreamResultsRequest\x1a\x1e.seer.v1.StreamResultsResponse0\x01\x12?\n\x08GetBatch\x12\x18.seer.v1.GetBatchRequest\x1a\x19.seer.v1.GetBatchResponse\x12H\n\x0b\x43\x61ncelBatch\x12\x1b.seer.v1.CancelBatchRequest\x1a\x1c.seer.v1.CancelBatchResponse\x12N\n\rUpdateWeights\x12\x1d.seer.v1.UpdateWeightsRequest\x1a\x1e.seer.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15seer/v1/rollout.proto\x12\x07seer.v1\x1a\x14seer/v1/common.proto\"\x84\x02\n\x0bPromptGroup\x12\x12\n\nprompt_key\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.seer.v1.SamplingParams\x12\x30\n\x06labels\x18\x07 \x03(\x0b\x32 .seer.v1.PromptGroup.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"z\n\x12SubmitBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12$\n\x06groups\x18\x02 \x03(\x0b\x32\x14.seer.v1.PromptGroup\x12\x12\n\nseed_scope\x18\x03 \x01(\t\x12\x18\n\x10submission_token\x18\x04 \x01(\t\"\x87\x01\n\x13SubmitBatchResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_requests\x18\x02 \x01(\x05\x12\x19\n\x11\x61lready_submitted\x18\x03 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x15\n\rsubmission_id\x18\x05 \x01(\x04\"O\n\x14StreamResultsRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\x12\x15\n\rsubmission_id\x18\x03 \x01(\x04\"f\n\x15StreamResultsResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.seer.v1.RolloutResult\x12\x15\n\rsubmission_id\x18\x03 \x01(\x04\"\xa1\x03\n\rRolloutResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\t\x12\x13\n\x0bgroup_index\x18\x03 \x01(\x05\x12\x14\n\x0csample_index\x18\x04 \x01(\x05\x12\x12\n\nprompt_key\x18\x05 \x01(\t\x12\x11\n\ttoken_ids\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12,\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x15.seer.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\"\n\x05stats\x18\n \x01(\x0b\x32\x13.seer.v1.ChunkStats\x12\x12\n\nnum_chunks\x18\x0b \x01(\x05\x12\x17\n\x0flatency_seconds\x18\x0c \x01(\x01\x12\x32\n\x06labels\x18\r \x03(\x0b\x32\".seer.v1.RolloutResult.LabelsEntry\x12\x0c\n\x04text\x18\x0e \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"=\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x18\n\x10include_requests\x18\x02 \x01(\x08\"\xa5\x01\n\rRequestStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.seer.v1.RequestState\x12\x18\n\x10generated_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_chunks\x18\x04 \x01(\x05\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.seer.v1.FinishReason\"\xfe\x01\n\x10GetBatchResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\"\n\x05state\x18\x02 \x01(\x0e\x32\x13.seer.v1.BatchState\x12\x14\n\x0cnum_requests\x18\x03 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x04 \x01(\x05\x12\x15\n\rnum_cancelled\x18\x05 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12(\n\x08requests\x18\x08 \x03(\x0b\x32\x16.seer.v1.RequestStatus\x12\x15\n\rsubmission_id\x18\t \x01(\x04\"@\n\x12\x43\x61ncelBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x18\n\x10submission_token\x18\x02 \x01(\t\"P\n\x13\x43\x61ncelBatchResponse\x12\"\n\x05state\x18\x01 \x01(\x0e\x32\x13.seer.v1.BatchState\x12\x15\n\rnum_cancelled\x18\x02 \x01(\x05\"7\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"N\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01*x\n\nBatchState\x12\x1b\n\x17\x42\x41TCH_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42\x41TCH_STATE_RUNNING\x10\x01\x12\x19\n\x15\x42\x41TCH_STATE_COMPLETED\x10\x02\x12\x19\n\x15\x42\x41TCH_STATE_CANCELLED\x10\x03*\x9c\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_PENDING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x03\x12\x1b\n\x17REQUEST_STATE_CANCELLED\x10\x04\x32\x87\x03\n\x0eRolloutService\x12H\n\x0bSubmitBatch\x12\x1b.seer.v1.SubmitBatchRequest\x1a\x1c.seer.v1.SubmitBatchResponse\x12P\n\rStreamResults\x12\x1d.seer.v1.StreamResultsRequest\x1a\x1e.seer.v1.StreamResultsResponse0\x01\x12?\n\x08GetBatch\x12\x18.seer.v1.GetBatchRequest\x1a\x19.seer.v1.GetBatchResponse\x12H\n\x0b\x43\x61ncelBatch\x12\x1b.seer.v1.CancelBatchRequest\x1a\x1c.seer.v1.CancelBatchResponse\x12N\n\rUpdateWeights\x12\x1d.seer.v1.UpdateWeightsRequest\x1a\x1e.seer.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,40 +36,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPTGROUP_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_ROLLOUTRESULT_LABELSENTRY']._loaded_options = None
   _globals['_ROLLOUTRESULT_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_BATCHSTATE']._serialized_start=1907
-  _globals['_BATCHSTATE']._serialized_end=2027
-  _globals['_REQUESTSTATE']._serialized_start=2030
-  _globals['_REQUESTSTATE']._serialized_end=2186
+  _globals['_BATCHSTATE']._serialized_start=1959
+  _globals['_BATCHSTATE']._serialized_end=2079
+  _globals['_REQUESTSTATE']._serialized_start=2082
+  _globals['_REQUESTSTATE']._serialized_end=2238
   _globals['_PROMPTGROUP']._serialized_start=57
   _globals['_PROMPTGROUP']._serialized_end=317
   _globals['_PROMPTGROUP_LABELSENTRY']._serialized_start=272
   _globals['_PROMPTGROUP_LABELSENTRY']._serialized_end=317
   _globals['_SUBMITBATCHREQUEST']._serialized_start=319
-  _globals['_SUBMITBATCHREQUEST']._serialized_end=415
-  _globals['_SUBMITBATCHRESPONSE']._serialized_start=418
-  _globals['_SUBMITBATCHRESPONSE']._serialized_end=553
-  _globals['_STREAMRESULTSREQUEST']._serialized_start=555
-  _globals['_STREAMRESULTSREQUEST']._serialized_end=634
-  _globals['_STREAMRESULTSRESPONSE']._serialized_start=636
-  _globals['_STREAMRESULTSRESPONSE']._serialized_end=738
-  _globals['_ROLLOUTRESULT']._serialized_start=741
-  _globals['_ROLLOUTRESULT']._serialized_end=1158
+  _globals['_SUBMITBATCHREQUEST']._serialized_end=441
+  _globals['_SUBMITBATCHRESPONSE']._serialized_start=444
+  _globals['_SUBMITBATCHRESPONSE']._serialized_end=579
+  _globals['_STREAMRESULTSREQUEST']._serialized_start=581
+  _globals['_STREAMRESULTSREQUEST']._serialized_end=660
+  _globals['_STREAMRESULTSRESPONSE']._serialized_start=662
+  _globals['_STREAMRESULTSRESPONSE']._serialized_end=764
+  _globals['_ROLLOUTRESULT']._serialized_start=767
+  _globals['_ROLLOUTRESULT']._serialized_end=1184
   _globals['_ROLLOUTRESULT_LABELSENTRY']._serialized_start=272
   _globals['_ROLLOUTRESULT_LABELSENTRY']._serialized_end=317
-  _globals['_GETBATCHREQUEST']._serialized_start=1160
-  _globals['_GETBATCHREQUEST']._serialized_end=1221
-  _globals['_REQUESTSTATUS']._serialized_start=1224
-  _globals['_REQUESTSTATUS']._serialized_end=1389
-  _globals['_GETBATCHRESPONSE']._serialized_start=1392
-  _globals['_GETBATCHRESPONSE']._serialized_end=1646
-  _globals['_CANCELBATCHREQUEST']._serialized_start=1648
-  _globals['_CANCELBATCHREQUEST']._serialized_end=1686
-  _globals['_CANCELBATCHRESPONSE']._serialized_start=1688
-  _globals['_CANCELBATCHRESPONSE']._serialized_end=1768
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1770
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1825
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1827
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1905
-  _globals['_ROLLOUTSERVICE']._serialized_start=2189
-  _globals['_ROLLOUTSERVICE']._serialized_end=2580
+  _globals['_GETBATCHREQUEST']._serialized_start=1186
+  _globals['_GETBATCHREQUEST']._serialized_end=1247
+  _globals['_REQUESTSTATUS']._serialized_start=1250
+  _globals['_REQUESTSTATUS']._serialized_end=1415
+  _globals['_GETBATCHRESPONSE']._serialized_start=1418
+  _globals['_GETBATCHRESPONSE']._serialized_end=1672
+  _globals['_CANCELBATCHREQUEST']._serialized_start=1674
+  _globals['_CANCELBATCHREQUEST']._serialized_end=1738
+  _globals['_CANCELBATCHRESPONSE']._serialized_start=1740
+  _globals['_CANCELBATCHRESPONSE']._serialized_end=1820
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1822
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1877
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1879
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1957
+  _globals['_ROLLOUTSERVICE']._serialized_start=2241
+  _globals['_ROLLOUTSERVICE']._serialized_end=2632
 # @@protoc_insertion_point(module_scope)

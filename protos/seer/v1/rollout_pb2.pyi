@@ -58,14 +58,16 @@ class PromptGroup(_message.Message):
     def __init__(self, prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SubmitBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "groups", "seed_scope")
+    __slots__ = ("batch_id", "groups", "seed_scope", "submission_token")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     SEED_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedCompositeFieldContainer[PromptGroup]
     seed_scope: str
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ..., seed_scope: _Optional[str] = ...) -> None: ...
+    submission_token: str
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[PromptGroup, _Mapping]]] = ..., seed_scope: _Optional[str] = ..., submission_token: _Optional[str] = ...) -> None: ...
 
 class SubmitBatchResponse(_message.Message):
     __slots__ = ("batch_id", "num_requests", "already_submitted", "policy_version", "submission_id")
@@ -185,10 +187,12 @@ class GetBatchResponse(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., state: _Optional[_Union[BatchState, str]] = ..., num_requests: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., submission_id: _Optional[int] = ...) -> None: ...
 
 class CancelBatchRequest(_message.Message):
-    __slots__ = ("batch_id",)
+    __slots__ = ("batch_id", "submission_token")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
-    def __init__(self, batch_id: _Optional[str] = ...) -> None: ...
+    submission_token: str
+    def __init__(self, batch_id: _Optional[str] = ..., submission_token: _Optional[str] = ...) -> None: ...
 
 class CancelBatchResponse(_message.Message):
     __slots__ = ("state", "num_cancelled")
