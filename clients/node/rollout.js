@@ -21,8 +21,16 @@
 // noticed by keepalive pings: one every --keepalive-seconds, the connection dropped when one is not
 // acknowledged in --keepalive-timeout-seconds; the stream then fails UNAVAILABLE and is reopened from
 // its cursor like any other dropped stream.
+//
+// Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch, as `seer rollout` does: the calls in flight
+// are cancelled, then CancelBatch names this run's submission (a random submission token the
+// submission carried), so only a batch this run stored is cancelled, also when the signal came
+// before SubmitBatch's reply. The exit status is then 128 + the signal (130, 143). A second signal
+// during the cancel ends the wait, saying that the batch may still be running.
 'use strict';
 
+const crypto = require('crypto');
+const os = require('os');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -93,6 +101,21 @@ function loadRolloutService() {
 }
 
 const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
+
+// The calls in flight (unary calls and result streams), cancelled when a signal stops the run; and
+// that signal's name. Without it, SIGINT or SIGTERM ended the process at once and the batch went on
+// generating on the workers (nobody to read it) until it completed.
+const inFlight = new Set();
+let interrupted = null;
+
+// A call is not started (a retry not waited out) once the run is interrupted.
+function checkInterrupted() {
+  if (interrupted !== null) {
+    throw Object.assign(new Error(`interrupted (${interrupted})`), {
+      code: grpc.status.CANCELLED, details: `interrupted (${interrupted})`,
+    });
+  }
+}
 
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // Milliseconds for a timer option: at least 1, at most what setTimeout takes (a longer delay
@@ -174,6 +197,7 @@ class Retry {
   // transient state, retried like UNAVAILABLE); after, it is a message over the size limit, which a
   // retry would only repeat.
   async wait(err, refused = false) {
+    checkInterrupted();
     if (!transient(err) && !(refused && err.code === grpc.status.RESOURCE_EXHAUSTED)) throw err;
     const now = Date.now();
     if (this.failingSince === null) this.failingSince = now;
@@ -184,6 +208,7 @@ class Retry {
     console.error(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
     // Not past the run's deadline: the next call then fails DEADLINE_EXCEEDED at once.
     await sleep(Math.max(0, Math.min(this.delayMs, this.endMs - now)));
+    checkInterrupted();
     this.delayMs = Math.min(this.delayMs * 2, 2000);
   }
 }
@@ -192,9 +217,14 @@ class Retry {
 async function unary(client, method, request, endMs, retrySeconds) {
   const retry = new Retry(retrySeconds, endMs);
   for (;;) {
+    checkInterrupted();
     try {
       return await new Promise((resolve, reject) => {
-        client[method](request, { deadline: new Date(endMs) }, (err, reply) => (err ? reject(err) : resolve(reply)));
+        const c = client[method](request, { deadline: new Date(endMs) }, (err, reply) => {
+          inFlight.delete(c);
+          if (err) reject(err); else resolve(reply);
+        });
+        inFlight.add(c);
       });
     } catch (err) {
       await retry.wait(err);
@@ -217,10 +247,12 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
     // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
     // without them (grpc-js emits 'metadata' only for real headers, not for a trailers-only answer).
     let accepted = false;
+    checkInterrupted();
     try {
       await new Promise((resolve, reject) => {
         const stream = client.StreamResults({ batch_id: batchId, cursor, submission_id: submission },
           { deadline: new Date(endMs) });
+        inFlight.add(stream);
         stream.on('metadata', () => {
           accepted = true;
           retry.accepted();
@@ -231,8 +263,8 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
           retry.reset(); // progress: the retry window starts again
           onResult(msg);
         });
-        stream.on('error', reject);
-        stream.on('end', resolve);
+        stream.on('error', (err) => { inFlight.delete(stream); reject(err); });
+        stream.on('end', () => { inFlight.delete(stream); resolve(); });
       });
       return;
     } catch (err) {
@@ -283,26 +315,90 @@ function checkResult(result, groupsById, seen) {
 
 let runEndMs = null; // for the error message: whether a DEADLINE_EXCEEDED is --timeout running out
 
+const CANCEL_DEADLINE_MS = 5000;
+
+// Best-effort CancelBatch of this run's submission (the one that carried `token`), on a fresh client
+// with a short deadline (the run's client may be the broken part, and a user who pressed Ctrl-C
+// should not wait minutes for a buffer that is down); returns what happened, for the line that says
+// so. The buffer's answer naming submission_token is final: NOT_FOUND = this submission was not
+// stored (and is refused from then on), FAILED_PRECONDITION = the id names another run's batch.
+async function cancelSubmission(RolloutService, opts, batchId, token) {
+  const client = new RolloutService(opts.address, grpc.credentials.createInsecure(),
+    channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
+  try {
+    const reply = await new Promise((resolve, reject) => {
+      client.CancelBatch({ batch_id: batchId, submission_token: token },
+        { deadline: new Date(Date.now() + CANCEL_DEADLINE_MS) }, (err, r) => (err ? reject(err) : resolve(r)));
+    });
+    return `cancelled it (${reply.num_cancelled} unfinished responses)`;
+  } catch (err) {
+    const aboutToken = /^submission_token:/.test(err.details || '');
+    if (aboutToken && err.code === grpc.status.NOT_FOUND) {
+      return 'nothing to cancel: this run\'s submission was not stored, and the buffer refuses it from now on';
+    }
+    if (aboutToken && err.code === grpc.status.FAILED_PRECONDITION) {
+      return 'not cancelled: the batch id names another submission than this run\'s (another run\'s batch, left running)';
+    }
+    return `cancelling it failed: ${err.code} ${err.details || err.message}`;
+  } finally {
+    client.close();
+  }
+}
+
 async function main() {
   const opts = parseArgs(process.argv.slice(2));
   const RolloutService = loadRolloutService();
   const client = new RolloutService(opts.address, grpc.credentials.createInsecure(),
     channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
+  const batchId = opts.batchId || `node-${Date.now()}`;
+  // Names this run's submission to CancelBatch (SubmitBatchRequest.submission_token).
+  const token = crypto.randomBytes(16).toString('hex');
+  let submitting = false; // a SubmitBatch was sent: the batch may be stored
+  let cancelling = false;
+  const onSignal = (sig) => {
+    if (cancelling) {
+      console.error(`cancelling batch ${batchId} was interrupted: it may still be running`);
+      process.exit(128 + os.constants.signals[sig]);
+    }
+    if (interrupted === null) interrupted = sig;
+    for (const c of inFlight) c.cancel(); // each fails CANCELLED, which ends the run below
+  };
+  process.on('SIGINT', onSignal);
+  process.on('SIGTERM', onSignal);
+  try {
+    await run(opts, client, batchId, token, () => { submitting = true; });
+  } catch (err) {
+    if (interrupted === null) throw err;
+    client.close();
+    if (submitting) {
+      cancelling = true;
+      console.error(`batch ${batchId}: ${await cancelSubmission(RolloutService, opts, batchId, token)}`);
+    }
+    console.error(`interrupted (${interrupted})`);
+    console.log(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: `interrupted (${interrupted})` })}`);
+    process.exitCode = 128 + os.constants.signals[interrupted];
+  } finally {
+    process.removeListener('SIGINT', onSignal);
+    process.removeListener('SIGTERM', onSignal);
+  }
+}
+
+async function run(opts, client, batchId, token, onSubmitting) {
   // One deadline for the whole run, computed once (like the Python client's iter_results timeout).
   const endMs = Date.now() + opts.timeout * 1000;
   runEndMs = endMs;
   const call = (method, request) => unary(client, method, request, endMs, opts.retrySeconds);
-  const batchId = opts.batchId || `node-${Date.now()}`;
   const groups = makeGroups(opts.groups, opts.groupSize, opts.maxTokens);
   const start = Date.now();
 
-  const submitted = await call('SubmitBatch', { batch_id: batchId, groups });
+  onSubmitting();
+  const submitted = await call('SubmitBatch', { batch_id: batchId, groups, submission_token: token });
   const expected = opts.groups * opts.groupSize;
   if (submitted.num_requests !== expected) {
     throw new Error(`SubmitBatch: num_requests ${submitted.num_requests}, expected ${expected}`);
   }
   // Idempotent by batch id: the same batch again creates nothing.
-  const again = await call('SubmitBatch', { batch_id: batchId, groups });
+  const again = await call('SubmitBatch', { batch_id: batchId, groups, submission_token: token });
   if (!again.already_submitted) throw new Error('SubmitBatch: resubmission was not recognized');
   if (again.submission_id !== submitted.submission_id) {
     throw new Error(`SubmitBatch: resubmission named submission ${again.submission_id}, not ${submitted.submission_id}`);

@@ -13,12 +13,15 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-from client_helpers import Buffer, batch_submitted, finish_request
+import pytest
+from client_helpers import Buffer, Node, batch_submitted, finish_request
+from seer_client import SeerClient
 
 
 def _run(script: Path, buffer: Buffer, batch_id: str, retry_seconds: float) -> tuple[int, list[str]]:
@@ -78,3 +81,22 @@ def test_without_a_retry_window_the_restart_ends_the_node_client(node_client: Pa
     rc, out = _run(node_client, tok_buffer, "node-no-retry", retry_seconds=0)
     summary = json.loads(out[-1].removeprefix("RESULT "))
     assert rc == 1 and not summary["ok"], out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_cancels_the_node_clients_batch(node_client: Path, tok_buffer: Buffer, sig: signal.Signals) -> None:
+    """Before: Ctrl-C (or a supervisor's SIGTERM) killed the client at once and its batch went on
+    generating on the workers with nobody to read it. Now the calls in flight are cancelled, the
+    batch is cancelled by this run's submission token, and the exit status is 128 + the signal, as
+    `seer rollout` does."""
+    batch_id = f"node-{sig.name}"
+    n = Node(node_client, tok_buffer, batch_id, "--retry-seconds", "5")
+    finish_request(tok_buffer.address, f"{batch_id}/0/0")
+    n.wait_results(1)  # it is streaming results
+    n.proc.send_signal(sig)
+    rc, out = n.finish(30)
+    assert rc == 128 + sig, out
+    assert any(f"batch {batch_id}: cancelled it (3 unfinished responses)" in line for line in out), out
+    with SeerClient(tok_buffer.address) as c:
+        b = c.get_batch(batch_id)
+    assert (b.state, b.num_finished, b.num_cancelled) == ("cancelled", 1, 3)

@@ -759,3 +759,58 @@ def test_a_failing_load_read_keeps_the_last_waiting_count(engine: sg.SGLangEngin
         time.sleep(0.005)
     assert not engine._loads_busy
     engine.abort("r")
+
+
+def _stopped_cleanly(engine: sg.SGLangEngine) -> None:
+    engine._thread.join(2.0)
+    assert not engine._thread.is_alive()
+    # Nothing left pending on the loop: a task left there is destroyed at exit unfinished, and one
+    # whose coroutine never started warns "coroutine ... was never awaited".
+    assert asyncio.all_tasks(engine._loop) == set()
+    assert engine._loop.is_closed()
+
+
+def test_a_load_read_queued_at_shutdown_is_cancelled_not_left_unstarted(model_dir: Path, tmp_path: Path) -> None:
+    """stats() queues a load read on SGLang's loop; shutdown stopped the loop right behind it, so
+    the read's task was created and never run: every test run warned "coroutine
+    SGLangEngine._read_loads was never awaited", and a worker exiting while its stats poll ran did
+    the same. Shutdown now cancels what is on the loop, waits for it, and closes the loop."""
+    e = make_engine(model_dir, tmp_path)
+    busy = threading.Event()
+    e._loop.call_soon_threadsafe(lambda: busy.wait(0.3))  # the read queues behind this
+    e.stats()
+    assert e._loads_busy
+    e.shutdown()
+    _stopped_cleanly(e)
+    assert not e._loads_busy
+    e.stats()  # after shutdown: answers with the last value, schedules nothing
+    assert not e._loads_busy and asyncio.all_tasks(e._loop) == set()
+    # A request after shutdown is answered ABORTED (as by a broken engine), not a generate coroutine
+    # handed to the closed loop.
+    e.add_request(GenerateRequest(request_id="late", prompt_token_ids=(1, 2, 3), max_new_tokens=2, sampling=GREEDY))
+    (out,) = e.step()
+    assert out.finish_reason == FinishReason.ABORTED and asyncio.all_tasks(e._loop) == set()
+    e.shutdown()  # twice: SGLang's shutdown again, nothing on the closed loop
+
+
+def test_a_load_read_in_flight_at_shutdown_is_cancelled(model_dir: Path, tmp_path: Path) -> None:
+    """A read waiting on the snapshot's file lock (in its thread) when the worker shuts down: its
+    task was left pending on the stopped loop."""
+    e = make_engine(model_dir, tmp_path)
+    tm = e._sgl.tokenizer_manager
+    started, release = threading.Event(), threading.Event()
+
+    def blocked() -> list[Any]:
+        started.set()
+        release.wait(2.0)
+        return []
+
+    tm.read_all = blocked
+    try:
+        e.stats()
+        assert started.wait(2.0)
+        e.shutdown()
+        _stopped_cleanly(e)
+        assert not e._loads_busy
+    finally:
+        release.set()

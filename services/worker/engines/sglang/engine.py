@@ -84,6 +84,9 @@ _LOADED_NOT_FLUSHED = "Weights were updated, but"
 # by up to that many decode steps. One read in flight, in a thread (the lock is the scheduler's too:
 # never taken on the event loop), and stats() answers with the last value at once.
 LOADS_INTERVAL_S = 0.5
+# How long shutdown waits for the loop's tasks (generate streams, a load read, SGLang's own) to end
+# once cancelled, and then for the loop's thread: bounded, as the process is exiting.
+SHUTDOWN_TIMEOUT_S = 5.0
 
 # SGLang's attention backend for the worker (unset: SGLang's default, or flashinfer for draft trees).
 ENV_ATTENTION_BACKEND = "SEER_SGLANG_ATTENTION_BACKEND"
@@ -352,6 +355,9 @@ class SGLangEngine(Engine):
         self._loads_at = float("-inf")  # when the last read was started (monotonic)
         self._loads_busy = False  # a read is in flight on the loop
         self._loads_warned = False
+        # Set by shutdown (under _lock): nothing is scheduled on the loop after it, so no coroutine
+        # is created that the stopped loop would never run.
+        self._closed = False
         self._t0 = time.monotonic()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-loop", daemon=True)
@@ -454,13 +460,17 @@ class SGLangEngine(Engine):
         now = time.monotonic()
         with self._lock:
             if (self._loads_busy or now - self._loads_at < LOADS_INTERVAL_S or self._broken is not None
-                    or not self._loop.is_running()):  # shut down: the read would never run
+                    or self._closed):  # shut down: the read would never run
                 return
             self._loads_busy, self._loads_at = True, now
-        try:
-            asyncio.run_coroutine_threadsafe(self._read_loads(), self._loop)
-        except RuntimeError:  # the loop is closed (shut down): keep the last value
-            with self._lock:
+            # Scheduled under the lock that shutdown takes to set _closed: a read is either queued
+            # on the loop before shutdown's cancel-everything (and cancelled by it) or never made.
+            # (Only a queued callback: nothing runs here, so holding the lock is cheap.)
+            coro = self._read_loads()
+            try:
+                asyncio.run_coroutine_threadsafe(coro, self._loop)
+            except RuntimeError:  # the loop is closed: keep the last value
+                coro.close()  # never awaited: closed here, not left to warn at garbage collection
                 self._loads_busy = False
 
     async def _read_loads(self) -> None:
@@ -529,7 +539,7 @@ class SGLangEngine(Engine):
             if req.request_id in self._live:
                 raise ValueError(f"request_id: {req.request_id!r} is already live")
             live = self._live[req.request_id] = _Live(req, attempt_rid(next(_ATTEMPTS), req.request_id))
-            if self._broken is not None:
+            if self._broken is not None or self._closed:
                 # What a failed generate looks like (never a raise: the worker counts engine aborts
                 # and its canary to tell a broken engine from a bad request).
                 self._out.put((live, _ABORTED))
@@ -721,8 +731,37 @@ class SGLangEngine(Engine):
     def shutdown(self) -> None:
         """SGLang's Engine.shutdown kills the whole process tree under this process
         (kill_process_tree(os.getpid(), include_parent=False), entrypoints/engine.py:1491), not only
-        its own children: nothing else the worker process started as a child survives it."""
+        its own children: nothing else the worker process started as a child survives it.
+
+        Then the loop is torn down as asyncio.run does: every task still on it (a load read that
+        stats() just started, generate streams, SGLang's own) is cancelled and waited for (bounded),
+        and the loop stopped and closed. Stopping it outright left such a task pending, or its
+        coroutine queued and never started ("coroutine SGLangEngine._read_loads was never awaited")."""
+        with self._lock:
+            first, self._closed = not self._closed, True
         try:
             self._sgl.shutdown()
         finally:
+            if first:
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        async def cancel_all() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_TIMEOUT_S)
+                if pending:
+                    log.warning("SGLang's event loop stops with tasks that ignored their cancel",
+                                extra=kv(tasks=len(pending)))
+
+        try:
+            self._call(cancel_all(), SHUTDOWN_TIMEOUT_S + 1.0)
+        except Exception as e:  # shutting down either way
+            log.warning("SGLang's event loop tasks could not be cancelled", extra=kv(error=repr(e)))
+        finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(SHUTDOWN_TIMEOUT_S)
+        if not self._thread.is_alive():  # a running loop cannot be closed
+            self._loop.close()
