@@ -1515,7 +1515,13 @@ def _events(stream: object) -> Iterator[worker_pb2.RunChunkResponse]:
 def _check_address(address: str) -> None:
     """RegisterWorkerRequest.address: host:port ("[v6]:port" for IPv6), port 1-65535. Checked here,
     not at the first RunChunk: a port that is no number made every dispatch to the worker fail
-    UNAVAILABLE, each costing a chunk, until its heartbeats stopped."""
+    UNAVAILABLE, each costing a chunk, until its heartbeats stopped. A unix-socket target
+    (unix:PATH, unix-abstract:NAME) has no port: taken as given, as grpcutil.bracket_ipv6 dials it."""
+    for scheme in ("unix:", "unix-abstract:"):
+        if address.startswith(scheme):
+            if len(address) == len(scheme):
+                raise InvalidArgument(f"{address!r} names no socket", field="address")
+            return
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         raise InvalidArgument(f"{address!r} is not host:port", field="address")

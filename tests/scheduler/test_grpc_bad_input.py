@@ -53,6 +53,7 @@ def _refused(call: Callable[[], object], field: str) -> str:
         ({"address": "host:0"}, "address"),
         ({"address": "host:70000"}, "address"),
         ({"address": ":7001"}, "address"),
+        ({"address": "unix:"}, "address"),
         ({"policy_version": -1}, "policy_version"),
     ],
 )
@@ -74,9 +75,13 @@ def test_register_worker_refuses_a_bad_capacity_by_its_path(
 
 def test_a_well_formed_registration_is_accepted(served: tuple[Rig, scheduler_pb2_grpc.SchedulerServiceStub]) -> None:
     t, stub = served
-    for address in ("127.0.0.1:7001", "[::1]:7002", "worker-3.local:65535"):
+    # A bare IPv6 pod IP before ":port" (the Helm chart's $(POD_IP):port) and unix-socket targets,
+    # which the dialling side (grpcutil.bracket_ipv6) takes as given, are well formed too.
+    addresses = ("127.0.0.1:7001", "[::1]:7002", "worker-3.local:65535", "fd00::5:50061",
+                 "unix:/run/seer/worker.sock", "unix-abstract:seer-worker", "dns:///worker-4:7003")
+    for address in addresses:
         stub.RegisterWorker(_register(worker_id=address, address=address), timeout=5)
-    assert len(t.d.stats().workers) == 3
+    assert len(t.d.stats().workers) == len(addresses)
 
 
 def test_heartbeat_without_a_worker_id_is_refused(served: tuple[Rig, scheduler_pb2_grpc.SchedulerServiceStub]) -> None:
