@@ -77,10 +77,11 @@ def _flag(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def resolve(service: str, field: str, args: Sequence[str], env: Mapping[str, str]) -> str | None:
+def resolve(service: str, field: str, args: Sequence[str], env: Mapping[str, str]) -> object:
     """One field of the service's configuration with the service's precedence (flag > environment >
-    config file), as services.common.config.load_field; None when none sets it. A config file that
-    cannot be read sets nothing here (the service itself refuses it at start)."""
+    config file), as services.common.config.load_field, unparsed: a string from a flag or the
+    environment, the JSON value (a number, say) from a config file; None when none sets it. A
+    config file that cannot be read sets nothing here (the service itself refuses it at start)."""
     flag = _flag(args, "--" + field.replace("_", "-"))
     if flag is not None:
         return flag
@@ -94,9 +95,27 @@ def resolve(service: str, field: str, args: Sequence[str], env: Mapping[str, str
                 data = json.load(fh)
         except (OSError, ValueError):
             return None
-        if isinstance(data, dict) and data.get(field) is not None:
-            return str(data[field])
+        if isinstance(data, dict):
+            value: object = data.get(field)
+            return value
     return None
+
+
+def port_text(raw: object) -> str:
+    """The port a service reads from `raw` (a value resolve found), spelled as a dial target wants
+    it: parsed as services.common.config._parse_value parses an int field (not importable here),
+    so a JSON 50052.0 is 50052 and " 50052" (a string int() takes: whitespace, a sign, underscores)
+    is 50052. Before: the raw spelling was dialled ("127.0.0.1:50052.0"), a service that had started
+    on 50052 was unhealthy forever. A value the service refuses is returned as given: the service
+    exits naming it, and the check's dial error names it too."""
+    if isinstance(raw, float) and raw.is_integer():
+        return str(int(raw))
+    if isinstance(raw, str):
+        try:
+            return str(int(raw))
+        except ValueError:
+            return raw
+    return str(raw)
 
 
 def default_address(env: Mapping[str, str] | None = None, cmdline_path: str | None = None) -> str:
@@ -106,8 +125,11 @@ def default_address(env: Mapping[str, str] | None = None, cmdline_path: str | No
     if not service:
         return "127.0.0.1:50051"
     args = service_args(service, cmdline_path)
-    port = resolve(service, "port", args, env) or "50051"
-    return f"{dial_host(resolve(service, 'host', args, env) or '')}:{port}"
+    port = resolve(service, "port", args, env)
+    host = resolve(service, "host", args, env)
+    # None or "" (unset, or set empty): the default port; for the host 127.0.0.1, as for a wildcard.
+    port_part = "50051" if port is None or port == "" else port_text(port)
+    return f"{dial_host(str(host) if host else '')}:{port_part}"
 
 
 def main(argv: list[str] | None = None) -> int:

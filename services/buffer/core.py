@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import secrets
@@ -95,7 +96,8 @@ MAX_LOGPROB = 1e-4
 # the deletion and the reader's return does not turn it into "unknown batch".
 MAX_REMEMBERED_DELETIONS = 10_000
 # Submission tokens a CancelBatch found no batch of (the submission refused from then on), newest
-# kept: a submission still in flight that long after its cancel is not a case to plan for.
+# kept: a submission still in flight that long after its cancel is not a case to plan for. Stored
+# (keys.cancelled_token_key), as the deletions are.
 MAX_CANCELLED_TOKENS = 10_000
 RESULTS_PAGE_LIMIT = 256  # results a page holds at most, whatever their size
 
@@ -364,10 +366,13 @@ class BufferCore:
         self._deleted: dict[str, tuple[int, int]] = {}
         self._next_deletion_seq = 1
         self._next_submit_seq = 1
-        # Submission tokens CancelBatch found no batch of, oldest first (a dict as an ordered set):
-        # a SubmitBatch carrying one is refused, so that cancel's answer ("not stored") stays true
-        # for a submission still in flight. In memory only: a restart ends every call in flight.
-        self._cancelled_tokens: dict[str, None] = {}
+        # Submission tokens CancelBatch found no batch of, oldest first, with the seq their record
+        # is stored under: a SubmitBatch carrying one is refused, so that cancel's answer ("not
+        # stored") stays true for a submission still in flight. Stored, not in memory only: a
+        # restart ends the calls in flight, but a client retries its SubmitBatch (UNAVAILABLE)
+        # across it, and that retry was stored after the answer.
+        self._cancelled_tokens: dict[str, int] = {}
+        self._next_token_seq = 1
         self._recover()
 
     # ---- startup -------------------------------------------------------------------------------
@@ -404,6 +409,10 @@ class BufferCore:
         for _seq, bid, n, sub_seq in sorted(deletions):
             self._deleted[bid] = (n, sub_seq)
         self._next_deletion_seq = 1 + max((d[0] for d in deletions), default=0)
+        tokens = sorted((int(v), k[2:].decode()) for k, v in self._store.scan(b"t/"))
+        for token_seq, token in tokens[-MAX_CANCELLED_TOKENS:]:
+            self._cancelled_tokens[token] = token_seq
+        self._next_token_seq = 1 + max((t[0] for t in tokens), default=0)
         # Pending work in submission order (the snapshot's, so the scheduler's FIFO), not key order.
         for b in sorted(self._batches.values(), key=lambda b: (b.submit_seq, b.created_at, b.batch_id)):
             if b.terminal:
@@ -1249,22 +1258,48 @@ class BufferCore:
 
     def _check_token(self, batch_id: str, token: str) -> None:
         """Raises unless the batch id names the batch the submission with `token` stored; then
-        remembers the token as cancelled (submit_batch refuses it). Under _lock."""
+        remembers the token as cancelled (submit_batch refuses it), stored before the answer. Under
+        _lock.
+
+        A malformed batch id is refused first, the token not remembered: the caller was told
+        INVALID_ARGUMENT, not that the submission was cancelled. An id retention deleted is answered
+        as every other call is (_batch: deleted by retention, with its results), not as "no
+        submission with the token": that batch may have been the caller's own, stored and run, and
+        the deletion record does not keep its token; the token is refused from then on all the
+        same (a retry of that submission under the freed id would store a new batch)."""
         b = self._batches.get(batch_id)
         if b is not None and b.submission_token == token:
             return
-        self._cancelled_tokens.pop(token, None)  # newest last
-        self._cancelled_tokens[token] = None
-        while len(self._cancelled_tokens) > MAX_CANCELLED_TOKENS:
-            del self._cancelled_tokens[next(iter(self._cancelled_tokens))]
+        deleted = b is None and batch_id in self._deleted
+        if b is None and not deleted:
+            validate_batch_id(batch_id)  # only unknown ids, as _batch (a legacy stored id stays usable)
+        self._remember_cancelled_token(token)
+        if deleted:
+            self._batch(batch_id)  # raises NotFound: deleted by retention
         if b is None:
-            validate_batch_id(batch_id)
             raise NotFound(f"batch {batch_id!r} has no submission with token {token!r}: nothing was cancelled, "
                            "and a submission carrying the token is refused from now on", field="submission_token")
         raise FailedPrecondition(
             f"batch {batch_id!r} names another submission (submission {b.submit_seq}, not the one with token "
             f"{token!r}): it was not cancelled, and a submission carrying the token is refused from now on",
             field="submission_token")
+
+    def _remember_cancelled_token(self, token: str) -> None:
+        """Stores `token` as cancelled (newest), evicting the oldest beyond MAX_CANCELLED_TOKENS in
+        the same write, so the store remembers exactly what memory does. Under _lock."""
+        wb = self._store.new_batch()
+        seq = self._next_token_seq
+        wb.put(keys.cancelled_token_key(token), str(seq).encode())
+        excess = len(self._cancelled_tokens) + (token not in self._cancelled_tokens) - MAX_CANCELLED_TOKENS
+        evicted = list(itertools.islice((t for t in self._cancelled_tokens if t != token), max(0, excess)))
+        for t in evicted:
+            wb.delete(keys.cancelled_token_key(t))
+        self._store.write(wb)
+        self._next_token_seq += 1
+        self._cancelled_tokens.pop(token, None)  # re-inserted: the newest is evicted last
+        self._cancelled_tokens[token] = seq
+        for t in evicted:
+            del self._cancelled_tokens[t]
 
     # ---- weights -------------------------------------------------------------------------------
 

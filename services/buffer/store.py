@@ -15,6 +15,7 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
                                           stores written before sizes were kept)
     h/<prompt_key>                        history iterations of a prompt key
     d/<batch_id>                          a batch retention deleted: "<deletion seq> <results> <submit seq>"
+    t/<submission_token>                  a token CancelBatch found no batch of: "<seq>" (refused by SubmitBatch)
 
 Zero-padded numbers make key order the numeric order (recovery and GetBatch read requests in key
 order) only while they fit their width: validation bounds groups per batch (MAX_GROUPS_PER_BATCH,
@@ -87,6 +88,12 @@ def deleted_key(batch_id: str) -> bytes:
     """A batch retention deleted: value "<deletion seq> <results it had>" (the seq orders eviction
     of the oldest remembered deletions across restarts)."""
     return f"d/{batch_id}".encode()
+
+
+def cancelled_token_key(token: str) -> bytes:
+    """A submission token a CancelBatch found no batch of: value "<seq>" (orders eviction of the
+    oldest remembered tokens across restarts). Tokens cannot contain '/'."""
+    return f"t/{token}".encode()
 
 
 def history_key(prompt_key: str) -> bytes:

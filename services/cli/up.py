@@ -154,21 +154,53 @@ METRICS_HOST = "::"
 _FREE_PORT_TRIES = 100
 
 
+def _probe_addresses(host: str) -> list[str] | None:
+    """The addresses free_port checks a port on for a server bound to `host`, found once: the host
+    itself for a wildcard or an IP literal, the addresses a name resolves to that this host has
+    (as grpc_port_is_free takes a name); None when `host` cannot be bound at all (an address this
+    host does not have, a name that does not resolve). The test is a bind of port 0, which fails
+    only for such a reason, never because a port is taken."""
+    from services.common.ports import grpc_port_is_free, is_wildcard_host
+
+    if is_wildcard_host(host):
+        return [host]
+    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(literal)
+        candidates = [literal]
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(literal, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return None
+        candidates = sorted({str(info[4][0]) for info in infos})
+    usable = [a for a in candidates if grpc_port_is_free(a, 0)]
+    return usable or None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port a server bound to `host` could bind now: the kernel's pick of a free port, checked on
-    the host itself as the service binds it (services.common.ports.grpc_port_is_free: a wildcard
-    host on every address, an IP literal that address, a name the addresses it resolves to).
-    Before: the pick on 127.0.0.1 alone, so a service bound to [::1], another interface's address or
-    every address could be handed a port taken there, and failed at its bind after the start."""
+    """A port a server bound to `host` could bind now: the kernel's pick of a free port on
+    127.0.0.1, checked on the host itself as the service binds it (services.common.ports
+    .grpc_port_is_free: a wildcard host on every address, an IP literal that address, a name the
+    addresses it resolves to, resolved once). Before: the pick on 127.0.0.1 alone, so a service
+    bound to [::1], another interface's address or every address could be handed a port taken
+    there, and failed at its bind after the start.
+
+    A host that cannot be bound at all (an address this host does not have, a name that does not
+    resolve) gets the 127.0.0.1 pick unchecked: the service then exits naming its real bind error
+    (as for an unreadable configuration, see _configured_host). Checking every pick there called
+    each one taken ("no free port found") and, for a name, resolved it once per pick (15 s of DNS
+    lookups for a name that does not resolve)."""
     from services.common.ports import grpc_port_is_free
 
+    addresses = _probe_addresses(host)
     for _ in range(_FREE_PORT_TRIES):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if grpc_port_is_free(host, port):
+        if addresses is None or all(grpc_port_is_free(a, port) for a in addresses):
             return port
-    raise SuiteError(f"no free port found on {host} in {_FREE_PORT_TRIES} tries")
+    raise SuiteError(f"no port free on {host} found in {_FREE_PORT_TRIES} tries")
 
 
 @dataclass

@@ -129,3 +129,62 @@ def test_a_malformed_token_is_refused_by_name(call: str, buf: BufferHandle) -> N
     fn = (lambda: _submit(buf, "b", bad)) if call == "submit" else (lambda: _cancel(buf, "b", bad))
     details = expect_error(fn, grpc.StatusCode.INVALID_ARGUMENT)
     assert details.startswith("submission_token: "), details
+
+
+def test_a_retention_deleted_batch_is_answered_as_deleted(make_buffer: Callable[..., BufferHandle]) -> None:
+    """The run's own batch, stored, finished and deleted by retention, then cancelled with its
+    token: "deleted by retention", as without a token. Before: "no submission with token ...:
+    nothing was cancelled" (the CLI said "this run's submission was not stored": it was, and ran).
+    The token is refused from then on all the same (the deletion does not keep it)."""
+    buf = make_buffer(retain_batches=1)
+    _submit(buf, "mine", TOKEN)
+    _cancel(buf, "mine")
+    _submit(buf, "other", "run-b")
+    _cancel(buf, "other")  # finishes the second batch: retention deletes "mine"
+    plain = expect_error(lambda: _cancel(buf, "mine"), grpc.StatusCode.NOT_FOUND, "batch_id")
+    details = expect_error(lambda: _cancel(buf, "mine", TOKEN), grpc.StatusCode.NOT_FOUND, "batch_id")
+    assert "deleted by retention" in details and details == plain, (details, plain)
+    expect_error(lambda: _submit(buf, "mine", TOKEN), grpc.StatusCode.CANCELLED, "submission_token")
+
+
+def test_a_malformed_batch_id_does_not_refuse_the_token(buf: BufferHandle) -> None:
+    """INVALID_ARGUMENT naming batch_id, and nothing else happened: the token still stores. Before:
+    the token was remembered as cancelled before the id was checked, so the caller, told its
+    request was invalid, had its later valid submission refused (CANCELLED)."""
+    details = expect_error(lambda: _cancel(buf, "bad id", TOKEN), grpc.StatusCode.INVALID_ARGUMENT)
+    assert details.startswith("batch_id: "), details
+    assert not _submit(buf, "good", TOKEN).already_submitted
+
+
+def test_a_refused_token_stays_refused_across_a_restart(make_buffer: Callable[..., BufferHandle]) -> None:
+    """"Not stored" is final across a buffer restart: SeerClient retries a SubmitBatch that failed
+    UNAVAILABLE (the buffer going down), so the submission in flight at the cancel reaches the
+    restarted buffer. Before: the refused tokens were in memory only, and that retry was stored."""
+    buf = make_buffer()
+    expect_error(lambda: _cancel(buf, "late", TOKEN), grpc.StatusCode.NOT_FOUND, "submission_token")
+    expect_error(lambda: _cancel(buf, "taken", "run-c"), grpc.StatusCode.NOT_FOUND, "submission_token")
+    buf.stop()
+    buf = make_buffer()
+    expect_error(lambda: _submit(buf, "late", TOKEN), grpc.StatusCode.CANCELLED, "submission_token")
+    expect_error(lambda: _submit(buf, "taken", "run-c"), grpc.StatusCode.CANCELLED, "submission_token")
+    expect_error(lambda: _state(buf, "late"), grpc.StatusCode.NOT_FOUND, "batch_id")
+    assert not _submit(buf, "late", "run-b").already_submitted
+
+
+def test_the_oldest_refused_tokens_are_forgotten_in_the_store_too(make_buffer: Callable[..., BufferHandle],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bounded as the remembered deletions are: beyond MAX_CANCELLED_TOKENS the oldest goes, from
+    memory and store in one write, so a restart remembers exactly the same tokens (the newest)."""
+    import services.buffer.core as core_mod
+
+    monkeypatch.setattr(core_mod, "MAX_CANCELLED_TOKENS", 2)
+    buf = make_buffer()
+    for t in ("t1", "t2", "t1", "t3"):  # t1 cancelled again: the newest then, t2 is the oldest
+        expect_error(lambda t=t: _cancel(buf, "x", t), grpc.StatusCode.NOT_FOUND, "submission_token")
+    assert list(buf.core._cancelled_tokens) == ["t1", "t3"]
+    assert sorted(k for k, _v in buf.core._store.scan(b"t/")) == [b"t/t1", b"t/t3"]
+    buf.stop()
+    buf = make_buffer()
+    assert list(buf.core._cancelled_tokens) == ["t1", "t3"]
+    assert not _submit(buf, "y", "t2").already_submitted
+    expect_error(lambda: _submit(buf, "z", "t3"), grpc.StatusCode.CANCELLED, "submission_token")

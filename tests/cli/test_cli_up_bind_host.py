@@ -124,8 +124,10 @@ def _first_pick_is(monkeypatch: pytest.MonkeyPatch, port: int) -> None:
                 address = ("127.0.0.1", picks.pop())
             super().bind(address)
 
-    monkeypatch.setattr(up, "socket", types.SimpleNamespace(socket=_Picking, AF_INET=socket.AF_INET,
-                                                            SOCK_STREAM=socket.SOCK_STREAM))
+    # getaddrinfo looked up when called: a test's replacement of socket.getaddrinfo applies.
+    monkeypatch.setattr(up, "socket", types.SimpleNamespace(
+        socket=_Picking, AF_INET=socket.AF_INET, SOCK_STREAM=socket.SOCK_STREAM,
+        getaddrinfo=lambda *a, **k: socket.getaddrinfo(*a, **k)))
 
 
 def _host_cases() -> list[Any]:
@@ -154,3 +156,56 @@ def test_a_free_port_is_free_on_the_services_own_host(host: str, family: socket.
         from services.common.ports import grpc_port_is_free
 
         assert grpc_port_is_free(host, port)
+
+
+def _unbindable_address() -> str:
+    """An IPv4 address this host does not have (a bind there fails with EADDRNOTAVAIL)."""
+    for address in ("10.255.255.1", "192.0.2.77", "198.51.100.77"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((address, 0))
+            except OSError:
+                return address
+    pytest.skip("every candidate address is this host's")
+
+
+def test_a_host_that_cannot_be_bound_gets_a_port_and_the_service_names_the_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An address this host does not have: free_port hands out its 127.0.0.1 pick, and the service
+    exits naming its real bind error (as for an unreadable configuration). Before: every pick
+    counted as taken, and `seer up` failed before starting anything, with a misleading "no free
+    port found on 10.255.255.1 in 100 tries"."""
+    address = _unbindable_address()
+    assert 0 < up.free_port(address) < 65536
+    monkeypatch.setattr(up.ServiceProcess, "start", lambda *a, **k: pytest.fail("a service was started"))
+    s = up.Suite(workers=0, base_port=0, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False,
+                 metrics=False, extra_args={"buffer": ["--host", address]})
+    assert s.services["buffer"].host == address
+
+
+def test_a_name_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that does not resolve: one lookup, and the 127.0.0.1 pick. Before: a lookup per pick,
+    100 of them (15 s of DNS timeouts), then "no free port found". A name that resolves is looked
+    up once too, and its port checked on each address it resolves to."""
+    calls: list[str] = []
+    real = socket.getaddrinfo
+
+    def lookup(host: Any, *a: Any, **kw: Any) -> Any:
+        calls.append(str(host))
+        if host == "seer-no-such-host.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        if host == "seer-two-addresses":  # resolves to two addresses of this host
+            return [info for h in ("127.0.0.1", "127.0.0.2") for info in real(h, *a, **kw)]
+        return real(host, *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    assert 0 < up.free_port("seer-no-such-host.invalid") < 65536
+    assert calls == ["seer-no-such-host.invalid"]
+    calls.clear()
+    # A port taken on the name's second address only is not handed out.
+    with _listen(socket.AF_INET, "127.0.0.2", 0) as other:
+        taken = other.getsockname()[1]
+        _first_pick_is(monkeypatch, taken)
+        port = up.free_port("seer-two-addresses")
+    assert port != taken
+    assert calls == ["seer-two-addresses"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -121,3 +122,43 @@ def test_a_command_line_of_another_program_is_not_read(tmp_path: Path) -> None:
     assert hc.service_args("buffer", path) == []
     assert hc.service_args("buffer", str(tmp_path / "missing")) == []
     assert hc.default_address({"SEER_IMAGE_SERVICE": "buffer", "SEER_BUFFER_PORT": "5"}, path) == "127.0.0.1:5"
+
+
+@pytest.mark.parametrize(("source", "spelling"), [
+    ("config", "float"), ("config", "padded-string"), ("config", "string"),
+    ("env", "padded"), ("env", "signed"), ("flag", "padded"),
+])
+def test_the_port_is_read_as_the_service_reads_it(source: str, spelling: str, health_server: tuple[str, int],
+                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spellings the service's config parser (_parse_value) takes as the port: a whole JSON number
+    (50052.0), a string int() takes (" 50052", "+50052"). Before: dialled as spelled
+    ("127.0.0.2:50052.0"), so a service that started on the port was unhealthy for ever."""
+    host, port = health_server
+    for name in ("SEER_BUFFER_HOST", "SEER_BUFFER_PORT", "SEER_BUFFER_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SEER_IMAGE_SERVICE", "buffer")
+    raw: object = {"float": float(port), "padded-string": f" {port}", "string": str(port),
+                   "padded": f" {port} ", "signed": f"+{port}"}[spelling]
+    argv = ["python", "-m", "services.buffer", "--host", host]
+    if source == "config":
+        config = tmp_path / "buffer.json"
+        config.write_text(json.dumps({"port": raw}))
+        argv += ["--config", str(config)]
+    elif source == "env":
+        monkeypatch.setenv("SEER_BUFFER_PORT", str(raw))
+    else:
+        argv += ["--port", str(raw)]
+    hc = _healthcheck()
+    cmdline = _cmdline(tmp_path / "cmdline", *argv)
+    monkeypatch.setattr(hc, "CMDLINE", cmdline, raising=False)
+    assert load_field(ServiceConfig, "buffer", "port", argv[3:], dict(os.environ)) == port  # the service's reading
+    assert hc.default_address() == f"{host}:{port}"
+    assert hc.main(["--timeout", "5"]) == 0
+
+
+def test_a_port_the_service_refuses_is_dialled_as_given() -> None:
+    """Not a port to the service either (it exits naming it): the check's error names it as given."""
+    hc = _healthcheck()
+    assert hc.port_text("50052.5") == "50052.5"
+    assert hc.port_text(50052.5) == "50052.5"
+    assert hc.port_text(True) == "True"

@@ -7,8 +7,10 @@ buffer restart, so a trainer sees each result exactly once.
 
 from __future__ import annotations
 
+import logging
 import operator
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -42,6 +44,11 @@ _OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# run_batch's cancel after a Ctrl-C: a user who pressed it should not wait the client's full
+# retry_seconds for a buffer that is down (a second Ctrl-C ends the wait too).
+_INTERRUPT_CANCEL_SECONDS = 5.0
+
+log = logging.getLogger("seer_client")
 # The buffer refuses submissions during a weight switch with UNAVAILABLE and this retry reason.
 _SWITCHING = "weight-switch"
 # UpdateWeights waits for the whole switch (the buffer's switch_timeout_seconds, 600 s by default,
@@ -481,23 +488,81 @@ class SeerClient:
 
     def run_batch(self, batch_id: str, groups: Sequence[PromptGroup],
                   on_result: Callable[[RolloutResult], None] | None = None, *,
-                  seed_scope: str = "", timeout: float | None = None) -> list[RolloutResult]:
+                  seed_scope: str = "", timeout: float | None = None, submission_token: str | None = None,
+                  cancel_on_interrupt: bool = True) -> list[RolloutResult]:
         """Submits (idempotently) and returns every result; on_result sees each as it arrives.
 
         timeout: seconds to wait for the results once the batch is submitted, as iter_results'
         (None or inf = until the batch is done: a batch no worker serves would block for ever). When
         they run out SeerTimeout is raised; the batch is not cancelled, and calling again with the
         same batch id waits on and returns every result (the submission is idempotent). The
-        submission itself is bounded by the client's per-call `timeout`, like every call."""
+        submission itself is bounded by the client's per-call `timeout`, like every call.
+
+        submission_token: this submission's name (see submit_batch); None = a fresh random one.
+        cancel_on_interrupt: a KeyboardInterrupt (Ctrl-C in a notebook or a script) while the batch
+        is submitted or its results awaited cancels this submission's batch (cancel_batch with the
+        token: never another run's batch under the same id; a submission still in flight when the
+        buffer answers "not stored" is refused from then on), then propagates, with a note saying
+        what the cancel did. Without it the rollout went on generating on the cluster with nobody
+        reading it. False: the batch is left running (call run_batch again to collect it).
+
+        Calling again after a SeerTimeout to collect the same batch: pass the first call's
+        submission_token (the batch keeps its first submitter's token), or a Ctrl-C during the
+        second call finds the id naming another submission and leaves the batch running."""
         # Before submitting: a bad timeout must not leave a submitted batch behind its error.
         bound = _results_timeout(timeout)
-        submitted = self.submit_batch(batch_id, groups, seed_scope=seed_scope)
-        out = []
-        for r in self._iter_results(batch_id, 0, bound, submitted.submission_id):
-            if on_result is not None:
-                on_result(r)
-            out.append(r)
+        token = uuid.uuid4().hex if submission_token is None else _str(submission_token, "submission_token")
+        out: list[RolloutResult] = []
+        try:
+            submitted = self.submit_batch(batch_id, groups, seed_scope=seed_scope, submission_token=token)
+            for r in self._iter_results(batch_id, 0, bound, submitted.submission_id):
+                if on_result is not None:
+                    on_result(r)
+                out.append(r)
+        except KeyboardInterrupt as e:
+            if cancel_on_interrupt:
+                e.add_note(f"seer_client: batch {batch_id}: {self._cancel_interrupted(batch_id, token)}")
+            raise
         return out
+
+    def _cancel_interrupted(self, batch_id: str, token: str) -> str:
+        """run_batch's cancel of its own submission after a KeyboardInterrupt; returns (and logs)
+        what it did. Best effort and short: UNAVAILABLE retried for _INTERRUPT_CANCEL_SECONDS, the
+        call bounded as long; no error of its own replaces the interrupt."""
+        req = rollout_pb2.CancelBatchRequest(batch_id=batch_id, submission_token=token)
+        deadline = time.monotonic() + _INTERRUPT_CANCEL_SECONDS
+        try:
+            while True:
+                try:
+                    n = self._stub.CancelBatch(req, timeout=min(self.timeout, _INTERRUPT_CANCEL_SECONDS))
+                    break
+                except grpc.RpcError as rpc_error:
+                    err = _error(rpc_error)
+                    if err.code == "UNAVAILABLE" and time.monotonic() + 0.2 < deadline:
+                        time.sleep(0.2)
+                        continue
+                    raise err from None
+        except KeyboardInterrupt:
+            what = "cancelling it was interrupted: it may still be running"
+            log.warning("run_batch: %s", what, extra={"batch_id": batch_id})
+            raise
+        except SeerError as err:
+            if err.message.startswith("submission_token:") and err.code == "NOT_FOUND":
+                what = "nothing to cancel: this submission was not stored, and the buffer refuses it from now on"
+            elif err.message.startswith("submission_token:") and err.code == "FAILED_PRECONDITION":
+                what = (f"not cancelled: the batch id names another submission than this one (left running; "
+                        f"cancel_batch({batch_id!r}) cancels it)")
+            else:
+                what = f"cancelling it failed: {err}"
+            log.warning("run_batch interrupted: %s", what, extra={"batch_id": batch_id})
+            return what
+        except Exception as err:  # best effort: the interrupt is what the caller must see
+            what = f"cancelling it failed: {err}"
+            log.warning("run_batch interrupted: %s", what, extra={"batch_id": batch_id})
+            return what
+        what = f"cancelled ({n.num_cancelled} unfinished responses)"
+        log.info("run_batch interrupted: %s", what, extra={"batch_id": batch_id})
+        return what
 
     def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
         req = rollout_pb2.GetBatchRequest(batch_id=_str(batch_id, "batch_id"),
