@@ -3,8 +3,13 @@
 // buffer), streams every result as it finishes, checks each one, and prints a summary.
 //
 //   npm install && node rollout.js --address localhost:50051 [--groups 2] [--group-size 2] [--max-tokens 16]
-//                                  [--retry-seconds 60] [--timeout 600]
+//                                  [--seed 1234] [--output FILE|-] [--retry-seconds 60] [--timeout 600]
 //                                  [--keepalive-seconds 30] [--keepalive-timeout-seconds 10]
+//
+// --output writes every result as one JSON line (the Python client's RolloutResult fields; `-` =
+// stdout, the human-readable lines then go to stderr). Required as a library (require('./rollout')),
+// it runs nothing: rollout({address, groups, batchId, ...}, onResult) submits a batch and streams
+// its results (see module.exports at the end).
 //
 // A buffer restart (or a dropped connection) is survived the way the Python client does it: calls
 // that fail UNAVAILABLE are retried with backoff, and the result stream is reopened from the cursor
@@ -22,6 +27,12 @@
 // acknowledged in --keepalive-timeout-seconds; the stream then fails UNAVAILABLE and is reopened from
 // its cursor like any other dropped stream.
 //
+// A --timeout that runs out, or a result stream that fails for good, cancels the submitted batch the
+// same way (nobody will read the rest): a line on stderr says what happened to it.
+//
+// 64-bit fields (seeds, cursors, submission ids, policy versions) are decimal strings here, never
+// Numbers: a double holds integers exactly only up to 2^53, so a larger seed was sent as another one.
+//
 // Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch, as `seer rollout` does: the calls in flight
 // are cancelled, then CancelBatch names this run's submission (a random submission token the
 // submission carried), so only a batch this run stored is cancelled, also when the signal came
@@ -30,6 +41,7 @@
 'use strict';
 
 const crypto = require('crypto');
+const fs = require('fs');
 const os = require('os');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
@@ -60,10 +72,30 @@ function count(key, value) {
   return n;
 }
 
+const UINT64_MAX = 2n ** 64n - 1n;
+
+// A uint64 (a seed) as its decimal string, refused (naming `field`) outside [0, max]: a BigInt, a
+// string of digits, or a Number that is a safe integer. A Number above 2^53 has lost its value
+// already (9007199254740993 reads as ...992), so it is refused rather than sent as another seed.
+function uint64(field, value, max = UINT64_MAX) {
+  let n = null;
+  if (typeof value === 'bigint') n = value;
+  else if (typeof value === 'string' && /^\s*\d+\s*$/.test(value)) n = BigInt(value.trim());
+  else if (typeof value === 'number' && Number.isSafeInteger(value)) n = BigInt(value);
+  if (n === null || n < 0n || n > max) {
+    const more = typeof value === 'number' && Number.isInteger(value) && !Number.isSafeInteger(value)
+      ? ' (a Number above 2^53 is not exact: pass a string or a BigInt)' : '';
+    const shown = typeof value === 'bigint' ? `${value}n` : JSON.stringify(value);
+    throw Object.assign(new Error(`${field}: must be an integer in [0, ${max}]${more}, got ${shown}`),
+      { field });
+  }
+  return n.toString();
+}
+
 function parseArgs(argv) {
   const opts = {
     address: 'localhost:50051', groups: 2, groupSize: 2, maxTokens: 16, timeout: 600, batchId: '', retrySeconds: 60,
-    keepaliveSeconds: 30, keepaliveTimeoutSeconds: 10,
+    keepaliveSeconds: 30, keepaliveTimeoutSeconds: 10, seed: '1234', output: null,
   };
   for (let i = 0; i < argv.length; i += 2) {
     const key = argv[i];
@@ -76,6 +108,9 @@ function parseArgs(argv) {
       case '--max-tokens': opts.maxTokens = count(key, value); break;
       case '--timeout': opts.timeout = seconds(key, value, { allowZero: false }); break;
       case '--batch-id': opts.batchId = value; break;
+      // Checked below, once --groups is known (group g uses seed + g).
+      case '--seed': opts.seed = value; break;
+      case '--output': opts.output = value; break;
       // 0 is meaningful: no retries (the first transient failure is the answer).
       case '--retry-seconds': opts.retrySeconds = seconds(key, value, { allowZero: true }); break;
       case '--keepalive-seconds': opts.keepaliveSeconds = seconds(key, value, { allowZero: false }); break;
@@ -85,6 +120,8 @@ function parseArgs(argv) {
       default: throw new Error(`unknown option ${key}`);
     }
   }
+  // Every group's seed (seed + g) must be a uint64: checked here, before any call.
+  opts.seed = uint64('--seed', opts.seed, UINT64_MAX - BigInt(opts.groups - 1));
   return opts;
 }
 
@@ -92,7 +129,9 @@ function loadRolloutService() {
   const def = protoLoader.loadSync(path.join(PROTO_ROOT, 'seer', 'v1', 'rollout.proto'), {
     includeDirs: [PROTO_ROOT],
     keepCase: true, // field names exactly as in the .proto (snake_case)
-    longs: Number, // uint64 cursors and int64 versions fit easily in a double here
+    // Decimal strings: a Number is exact only up to 2^53, and seeds, submission ids and policy
+    // versions may be anything up to 2^64 (a string also encodes exactly, through protobufjs' Long).
+    longs: String,
     enums: String,
     defaults: true,
     oneofs: true,
@@ -236,13 +275,20 @@ async function unary(client, method, request, endMs, retrySeconds) {
 // that fails UNAVAILABLE is reopened from the cursor of the last result received. Its deadline is the
 // run's (endMs), not a fresh one per stream: with a per-stream deadline every reopened stream got a
 // new --timeout, so a run that kept reconnecting was never bounded by it. submissionId: the one
-// SubmitBatch answered (0 = the first result's), passed with every cursor: a batch id deleted by
+// SubmitBatch answered ('0' = the first result's), passed with every cursor: a batch id deleted by
 // retention and submitted again in between is FAILED_PRECONDITION naming submission_id, not a resume
-// into the other submission's results.
-async function streamResults(client, batchId, endMs, retrySeconds, onResult, submissionId = 0) {
+// into the other submission's results. Cursors and submission ids are decimal strings (uint64).
+//
+// A result the buffer leaves out (stored over its message size limit: the next message's cursor
+// steps past it) is noted from the cursors' gap, and once every other result was delivered the call
+// fails RESOURCE_EXHAUSTED naming the left-out cursors, as the Python client does. The buffer's own
+// status names them too, but only on the stream that skipped them: a stream resumed past one (a
+// reconnect) ends OK, and the run said only "stream ended after N of M results".
+async function streamResults(client, batchId, endMs, retrySeconds, onResult, submissionId = '0') {
   const retry = new Retry(retrySeconds, endMs);
-  let cursor = 0;
-  let submission = submissionId;
+  let cursor = 0n;
+  let submission = String(submissionId);
+  const leftOut = [];
   for (;;) {
     // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
     // without them (grpc-js emits 'metadata' only for real headers, not for a trailers-only answer).
@@ -250,7 +296,8 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
     checkInterrupted();
     try {
       await new Promise((resolve, reject) => {
-        const stream = client.StreamResults({ batch_id: batchId, cursor, submission_id: submission },
+        const stream = client.StreamResults(
+          { batch_id: batchId, cursor: cursor.toString(), submission_id: submission },
           { deadline: new Date(endMs) });
         inFlight.add(stream);
         stream.on('metadata', () => {
@@ -258,23 +305,55 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
           retry.accepted();
         });
         stream.on('data', (msg) => {
-          cursor = msg.cursor;
-          if (!submission) submission = msg.submission_id; // 0 from a buffer without submission ids
+          const next = BigInt(msg.cursor);
+          for (let c = cursor; c < next - 1n; c++) leftOut.push(c);
+          cursor = next;
+          // '0' from a buffer without submission ids: pinned at the first result that names one.
+          if (submission === '0') submission = msg.submission_id;
           retry.reset(); // progress: the retry window starts again
-          onResult(msg);
+          try {
+            onResult(msg);
+          } catch (err) {
+            // A callback that throws ends the run (the caller's error, not a stream failure).
+            inFlight.delete(stream);
+            stream.cancel();
+            reject(Object.assign(err, { fromCallback: true }));
+          }
         });
         stream.on('error', (err) => { inFlight.delete(stream); reject(err); });
         stream.on('end', () => { inFlight.delete(stream); resolve(); });
       });
-      return;
     } catch (err) {
+      if (err.fromCallback) throw err;
+      if (leftOut.length > 0 && err.code === grpc.status.RESOURCE_EXHAUSTED && accepted) {
+        // The buffer's status names this stream's left-out results (request ids); the gaps name
+        // those of earlier streams too.
+        err.details = `${leftOutMessage(batchId, leftOut)}; the buffer: ${err.details}`;
+        throw err;
+      }
       await retry.wait(err, !accepted);
+      continue;
     }
+    if (leftOut.length > 0) {
+      throw Object.assign(new Error(leftOutMessage(batchId, leftOut)), {
+        code: grpc.status.RESOURCE_EXHAUSTED, details: leftOutMessage(batchId, leftOut), leftOut: leftOut.map(String),
+      });
+    }
+    return;
   }
 }
 
-// A mix of the two prompt forms the API accepts: text (tokenized by the buffer) and token ids.
-function makeGroups(n, groupSize, maxTokens) {
+// As the Python client's _left_out_message (clients/python/seer_client/client.py).
+function leftOutMessage(batchId, cursors) {
+  const named = cursors.slice(0, 20).join(', ') + (cursors.length > 20 ? ` and ${cursors.length - 20} more` : '');
+  return `batch ${JSON.stringify(batchId)}: ${cursors.length} result(s) were left out of the stream by the buffer `
+    + `(over its message size limit; every other result was delivered): cursor(s) ${named}`;
+}
+
+// A mix of the two prompt forms the API accepts: text (tokenized by the buffer) and token ids. seed:
+// the base seed as a decimal string (group g uses seed + g, as `seer rollout --seed`), added as a
+// BigInt so that a seed near 2^64 stays exact.
+function makeGroups(n, groupSize, maxTokens, seed = '1234') {
   const texts = ['The capital of France is', 'Write a haiku about the sea.', 'def fibonacci(n):', '1, 2, 3, 5, 8,'];
   const groups = [];
   for (let g = 0; g < n; g++) {
@@ -282,7 +361,9 @@ function makeGroups(n, groupSize, maxTokens) {
       prompt_key: `node-example-${g}`,
       group_size: groupSize,
       max_tokens: maxTokens,
-      sampling: { temperature: g % 2 === 0 ? 0.8 : 0.0, top_p: 0.95, top_k: 0, seed: 1234 + g },
+      sampling: {
+        temperature: g % 2 === 0 ? 0.8 : 0.0, top_p: 0.95, top_k: 0, seed: (BigInt(seed) + BigInt(g)).toString(),
+      },
       labels: { source: 'node', group: String(g) },
     };
     if (g % 2 === 0) group.prompt_text = texts[g % texts.length];
@@ -290,6 +371,71 @@ function makeGroups(n, groupSize, maxTokens) {
     groups.push(group);
   }
   return groups;
+}
+
+// The groups as they are sent: each sampling.seed checked and made a decimal string (naming the
+// field, before any call). Copies: the caller's objects are left as they were.
+function checkGroups(groups) {
+  if (!Array.isArray(groups) || groups.length === 0) {
+    throw Object.assign(new Error('groups: must be a non-empty array of prompt groups'), { field: 'groups' });
+  }
+  return groups.map((g, i) => {
+    if (g === null || typeof g !== 'object') {
+      throw Object.assign(new Error(`groups[${i}]: must be an object`), { field: `groups[${i}]` });
+    }
+    const sampling = g.sampling || {};
+    if (sampling.seed === undefined || sampling.seed === null) return g;
+    return { ...g, sampling: { ...sampling, seed: uint64(`groups[${i}].sampling.seed`, sampling.seed) } };
+  });
+}
+
+// The finish reasons as the Python client names them (seer_client _FINISH).
+const FINISH = {
+  FINISH_REASON_UNSPECIFIED: 'unspecified', FINISH_REASON_STOP: 'stop', FINISH_REASON_LENGTH: 'length',
+  FINISH_REASON_ABORTED: 'aborted', FINISH_REASON_CHUNK: 'chunk',
+};
+
+// One StreamResultsResponse as a result object with the Python client's RolloutResult fields
+// (clients/python/seer_client/types.py). The 64-bit fields (policy_version, cursor, submission_id)
+// are decimal strings: BigInt(result.cursor) for arithmetic.
+function toResult(msg) {
+  const r = msg.result;
+  return {
+    request_id: r.request_id,
+    batch_id: r.batch_id,
+    group_index: r.group_index,
+    sample_index: r.sample_index,
+    prompt_key: r.prompt_key,
+    token_ids: r.token_ids,
+    logprobs: r.logprobs,
+    finish_reason: FINISH[r.finish_reason] || String(r.finish_reason),
+    policy_version: r.policy_version,
+    num_chunks: r.num_chunks,
+    latency_seconds: r.latency_seconds,
+    labels: r.labels,
+    text: r.text,
+    stats: r.stats || {},
+    cursor: msg.cursor,
+    submission_id: msg.submission_id,
+  };
+}
+
+const LONG_FIELDS = ['policy_version', 'cursor', 'submission_id'];
+
+// A result as one JSON line: its 64-bit fields written as JSON numbers with every digit (a JSON
+// number may be any size; Python's json reads them exactly, JSON.parse rounds above 2^53), the rest
+// by JSON.stringify.
+function resultLine(result) {
+  const rest = { ...result };
+  const head = [];
+  for (const k of LONG_FIELDS) {
+    const v = String(rest[k]);
+    if (!/^-?\d+$/.test(v)) throw new Error(`${k}: not an integer: ${JSON.stringify(rest[k])}`);
+    head.push(`${JSON.stringify(k)}:${v}`);
+    delete rest[k];
+  }
+  const body = JSON.stringify(rest);
+  return `{${head.join(',')}${body === '{}' ? '' : `,${body.slice(1, -1)}`}}`;
 }
 
 function checkResult(result, groupsById, seen) {
@@ -303,10 +449,8 @@ function checkResult(result, groupsById, seen) {
   }
   if (result.logprobs.some((lp) => !(lp <= 1e-4) || Number.isNaN(lp))) problems.push('a logprob > 0 or NaN');
   if (group && result.token_ids.length > group.max_tokens) problems.push('more tokens than max_tokens');
-  if (!['FINISH_REASON_STOP', 'FINISH_REASON_LENGTH'].includes(result.finish_reason)) {
-    problems.push(`finish_reason ${result.finish_reason}`);
-  }
-  if (result.finish_reason === 'FINISH_REASON_LENGTH' && group && result.token_ids.length !== group.max_tokens) {
+  if (!['stop', 'length'].includes(result.finish_reason)) problems.push(`finish_reason ${result.finish_reason}`);
+  if (result.finish_reason === 'length' && group && result.token_ids.length !== group.max_tokens) {
     problems.push('LENGTH before max_tokens');
   }
   if (group && result.labels.group !== group.labels.group) problems.push('labels not echoed');
@@ -320,17 +464,29 @@ const CANCEL_DEADLINE_MS = 5000;
 // Best-effort CancelBatch of this run's submission (the one that carried `token`), on a fresh client
 // with a short deadline (the run's client may be the broken part, and a user who pressed Ctrl-C
 // should not wait minutes for a buffer that is down); returns what happened, for the line that says
-// so. The buffer's answer naming submission_token is final: NOT_FOUND = this submission was not
-// stored (and is refused from then on), FAILED_PRECONDITION = the id names another run's batch.
+// so. A transient failure (the buffer restarting: the stream that failed for good may have been cut
+// by it) is retried within the same 5 s, as `seer rollout`'s cancel retries for 5 s. The buffer's
+// answer naming submission_token is final: NOT_FOUND = this submission was not stored (and is
+// refused from then on), FAILED_PRECONDITION = the id names another run's batch.
 async function cancelSubmission(RolloutService, opts, batchId, token) {
   const client = new RolloutService(opts.address, grpc.credentials.createInsecure(),
-    channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
+    channelOptions(opts.keepaliveSeconds || 30, opts.keepaliveTimeoutSeconds || 10));
+  const endMs = Date.now() + CANCEL_DEADLINE_MS;
   try {
-    const reply = await new Promise((resolve, reject) => {
-      client.CancelBatch({ batch_id: batchId, submission_token: token },
-        { deadline: new Date(Date.now() + CANCEL_DEADLINE_MS) }, (err, r) => (err ? reject(err) : resolve(r)));
-    });
-    return `cancelled it (${reply.num_cancelled} unfinished responses)`;
+    let delayMs = 100;
+    for (;;) {
+      try {
+        const reply = await new Promise((resolve, reject) => {
+          client.CancelBatch({ batch_id: batchId, submission_token: token },
+            { deadline: new Date(endMs) }, (err, r) => (err ? reject(err) : resolve(r)));
+        });
+        return `cancelled it (${reply.num_cancelled} unfinished responses)`;
+      } catch (err) {
+        if (!transient(err) || Date.now() + delayMs >= endMs) throw err;
+        await sleep(delayMs);
+        delayMs = Math.min(delayMs * 2, 1000);
+      }
+    }
   } catch (err) {
     const aboutToken = /^submission_token:/.test(err.details || '');
     if (aboutToken && err.code === grpc.status.NOT_FOUND) {
@@ -345,15 +501,97 @@ async function cancelSubmission(RolloutService, opts, batchId, token) {
   }
 }
 
+// Status codes of a submission the buffer refused for certain: nothing was stored, and the batch id
+// may name another run's batch, so nothing is cancelled (services/cli/rollout.py REFUSED). Any other
+// failure of SubmitBatch (UNAVAILABLE, DEADLINE_EXCEEDED, ...) leaves the outcome unknown: cancelled.
+const REFUSED = new Set([
+  grpc.status.INVALID_ARGUMENT, grpc.status.ALREADY_EXISTS, grpc.status.FAILED_PRECONDITION,
+  grpc.status.RESOURCE_EXHAUSTED, grpc.status.NOT_FOUND, grpc.status.OUT_OF_RANGE, grpc.status.PERMISSION_DENIED,
+  grpc.status.UNAUTHENTICATED, grpc.status.UNIMPLEMENTED,
+]);
+
+// Whether a run that failed with `err` in `phase` leaves a batch running that nobody will read:
+// 'submitting' (unless refused for certain) or 'streaming'. After the last result ('done') there is
+// nothing left to cancel.
+function needsCancel(phase, err) {
+  if (phase === 'streaming') return true;
+  return phase === 'submitting' && !REFUSED.has(err.code);
+}
+
+function createClient(RolloutService, opts) {
+  return new RolloutService(opts.address, grpc.credentials.createInsecure(),
+    channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
+}
+
+// The library entry point: submits `groups` (PromptGroup objects as in rollout.proto, snake_case;
+// a sampling.seed may be a BigInt, a decimal string or a safe-integer Number) as batch `batchId`,
+// streams every result, calls onResult(result) for each (toResult's fields), and resolves to
+// { batch_id, submission_id, num_requests, policy_version, already_submitted, responses, results }
+// (results: every result, only when no onResult was given). Options as the command line's:
+// address, batchId (default: node-<time>), timeout (seconds, one deadline for the whole call),
+// retrySeconds, keepaliveSeconds, keepaliveTimeoutSeconds, seedScope.
+//
+// It rejects with the gRPC error (code, details) that ended it; a batch left running by a failure
+// after the submission (a timeout, a stream that failed for good, a left-out result, onResult
+// throwing) is cancelled first, by this call's submission token, and err.cancel says what happened
+// to it. A bad argument rejects before any call, err.field naming it.
+async function rollout(options, onResult) {
+  const o = {
+    address: 'localhost:50051', batchId: '', timeout: 600, retrySeconds: 60, keepaliveSeconds: 30,
+    keepaliveTimeoutSeconds: 10, seedScope: '', ...options,
+  };
+  for (const k of ['timeout', 'keepaliveSeconds', 'keepaliveTimeoutSeconds']) {
+    if (typeof o[k] !== 'number' || !(o[k] > 0) || !Number.isFinite(o[k])) {
+      throw Object.assign(new Error(`${k}: must be a positive number of seconds, got ${o[k]}`), { field: k });
+    }
+  }
+  if (typeof o.retrySeconds !== 'number' || !(o.retrySeconds >= 0) || !Number.isFinite(o.retrySeconds)) {
+    throw Object.assign(new Error(`retrySeconds: must be a number of seconds >= 0, got ${o.retrySeconds}`),
+      { field: 'retrySeconds' });
+  }
+  const groups = checkGroups(o.groups);
+  const batchId = o.batchId || `node-${Date.now()}`;
+  const token = crypto.randomBytes(16).toString('hex');
+  const RolloutService = loadRolloutService();
+  const client = createClient(RolloutService, o);
+  const endMs = Date.now() + o.timeout * 1000;
+  const results = onResult ? null : [];
+  let phase = 'submitting';
+  try {
+    const submitted = await unary(client, 'SubmitBatch',
+      { batch_id: batchId, groups, submission_token: token, seed_scope: o.seedScope }, endMs, o.retrySeconds);
+    phase = 'streaming';
+    let responses = 0;
+    await streamResults(client, batchId, endMs, o.retrySeconds, (msg) => {
+      responses += 1;
+      const r = toResult(msg);
+      if (results) results.push(r); else onResult(r);
+    }, submitted.submission_id);
+    phase = 'done';
+    return {
+      batch_id: batchId, submission_id: submitted.submission_id, num_requests: submitted.num_requests,
+      policy_version: submitted.policy_version, already_submitted: submitted.already_submitted, responses, results,
+    };
+  } catch (err) {
+    if (!needsCancel(phase, err)) throw err;
+    client.close(); // a submission still in flight is cancelled with it (the buffer does not store it)
+    err.cancel = await cancelSubmission(RolloutService, o, batchId, token);
+    throw err;
+  } finally {
+    client.close();
+  }
+}
+
 async function main() {
   const opts = parseArgs(process.argv.slice(2));
   const RolloutService = loadRolloutService();
-  const client = new RolloutService(opts.address, grpc.credentials.createInsecure(),
-    channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
+  const client = createClient(RolloutService, opts);
   const batchId = opts.batchId || `node-${Date.now()}`;
   // Names this run's submission to CancelBatch (SubmitBatchRequest.submission_token).
   const token = crypto.randomBytes(16).toString('hex');
-  let submitting = false; // a SubmitBatch was sent: the batch may be stored
+  // Opened before anything is sent: a path that cannot be written ends the run with no batch.
+  const out = openOutput(opts.output);
+  const state = { phase: 'before' }; // 'submitting' once a SubmitBatch was sent: the batch may be stored
   let cancelling = false;
   const onSignal = (sig) => {
     if (cancelling) {
@@ -366,33 +604,63 @@ async function main() {
   process.on('SIGINT', onSignal);
   process.on('SIGTERM', onSignal);
   try {
-    await run(opts, client, batchId, token, () => { submitting = true; });
+    await run(opts, client, batchId, token, state, out);
   } catch (err) {
-    if (interrupted === null) throw err;
     client.close();
-    if (submitting) {
+    if (interrupted === null) {
+      // A timeout, a stream that failed for good, a left-out result: nobody will read the rest of
+      // the batch, so it is cancelled as `seer rollout` does (before: it went on generating).
+      if (needsCancel(state.phase, err)) {
+        cancelling = true;
+        err.cancel = await cancelSubmission(RolloutService, opts, batchId, token);
+        console.error(`batch ${batchId}: ${err.cancel}`);
+      }
+      throw err;
+    }
+    if (state.phase !== 'before') {
       cancelling = true;
       console.error(`batch ${batchId}: ${await cancelSubmission(RolloutService, opts, batchId, token)}`);
     }
     console.error(`interrupted (${interrupted})`);
-    console.log(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: `interrupted (${interrupted})` })}`);
+    out.say(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: `interrupted (${interrupted})` })}`);
     process.exitCode = 128 + os.constants.signals[interrupted];
   } finally {
     process.removeListener('SIGINT', onSignal);
     process.removeListener('SIGTERM', onSignal);
+    await out.close();
   }
 }
 
-async function run(opts, client, batchId, token, onSubmitting) {
+// Where the run writes: `say` the human-readable lines (stdout, or stderr when the results go to
+// stdout), `write` a result's JSON line (--output FILE, `-` = stdout, none = nowhere).
+function openOutput(output) {
+  if (output === null || output === undefined) {
+    return { say: (line) => console.log(line), write: () => {}, close: async () => {} };
+  }
+  if (output === '-') {
+    return {
+      say: (line) => console.error(line), write: (line) => process.stdout.write(`${line}\n`), close: async () => {},
+    };
+  }
+  const fd = fs.openSync(output, 'w');
+  return {
+    say: (line) => console.log(line),
+    write: (line) => fs.writeSync(fd, `${line}\n`),
+    close: async () => fs.closeSync(fd),
+  };
+}
+
+async function run(opts, client, batchId, token, state, out) {
   // One deadline for the whole run, computed once (like the Python client's iter_results timeout).
   const endMs = Date.now() + opts.timeout * 1000;
   runEndMs = endMs;
   const call = (method, request) => unary(client, method, request, endMs, opts.retrySeconds);
-  const groups = makeGroups(opts.groups, opts.groupSize, opts.maxTokens);
+  const groups = makeGroups(opts.groups, opts.groupSize, opts.maxTokens, opts.seed);
   const start = Date.now();
 
-  onSubmitting();
+  state.phase = 'submitting';
   const submitted = await call('SubmitBatch', { batch_id: batchId, groups, submission_token: token });
+  state.phase = 'streaming';
   const expected = opts.groups * opts.groupSize;
   if (submitted.num_requests !== expected) {
     throw new Error(`SubmitBatch: num_requests ${submitted.num_requests}, expected ${expected}`);
@@ -409,15 +677,17 @@ async function run(opts, client, batchId, token, onSubmitting) {
   let tokens = 0;
   let firstResultSeconds = null;
   await streamResults(client, batchId, endMs, opts.retrySeconds, (msg) => {
-    const r = msg.result;
+    const r = toResult(msg);
     if (firstResultSeconds === null) firstResultSeconds = (Date.now() - start) / 1000;
     problems.push(...checkResult(r, groups, seen));
     seen.add(r.request_id);
     tokens += r.token_ids.length;
+    out.write(resultLine(r));
     const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
-    console.log(`result ${msg.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
+    out.say(`result ${r.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
       + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
   }, submitted.submission_id);
+  state.phase = 'done';
   if (seen.size !== expected) problems.push(`stream ended after ${seen.size} of ${expected} results`);
 
   const batch = await call('GetBatch', { batch_id: batchId, include_requests: false });
@@ -440,15 +710,46 @@ async function run(opts, client, batchId, token, onSubmitting) {
     first_result_s: firstResultSeconds, seconds: (Date.now() - start) / 1000, ok: problems.length === 0,
   };
   for (const p of problems) console.error(`PROBLEM ${p}`);
-  console.log(`RESULT ${JSON.stringify(summary)}`);
+  out.say(`RESULT ${JSON.stringify(summary)}`);
   process.exitCode = problems.length === 0 ? 0 : 1;
 }
 
-main().catch((err) => {
-  if (err.code === grpc.status.DEADLINE_EXCEEDED && runEndMs !== null && Date.now() >= runEndMs) {
-    err.details = `--timeout ran out (one deadline for the whole run): ${err.details || err.message}`;
-  }
-  console.error(`error: ${err.code !== undefined ? `${err.code} ` : ''}${err.details || err.message}`);
-  console.log(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: String(err.details || err.message) })}`);
-  process.exitCode = 1;
-});
+function cliMain() {
+  main().catch((err) => {
+    if (err.code === grpc.status.DEADLINE_EXCEEDED && runEndMs !== null && Date.now() >= runEndMs) {
+      err.details = `--timeout ran out (one deadline for the whole run): ${err.details || err.message}`;
+    }
+    console.error(`error: ${err.code !== undefined ? `${err.code} ` : ''}${err.details || err.message}`);
+    const summary = { client: 'node', ok: false, error: String(err.details || err.message) };
+    if (err.cancel) summary.cancel = err.cancel;
+    // Where the run's other human-readable lines went: stdout, or stderr under --output -.
+    (outputIsStdout(process.argv.slice(2)) ? console.error : console.log)(
+      `RESULT ${JSON.stringify(summary)}`);
+    process.exitCode = 1;
+  });
+}
+
+function outputIsStdout(argv) {
+  const i = argv.indexOf('--output');
+  return i >= 0 && argv[i + 1] === '-';
+}
+
+// Run as a program only: required as a library it starts nothing (before, main() ran on require).
+if (require.main === module) cliMain();
+
+module.exports = {
+  rollout,
+  streamResults,
+  cancelSubmission,
+  loadRolloutService,
+  createClient,
+  channelOptions,
+  checkGroups,
+  makeGroups,
+  toResult,
+  resultLine,
+  parseArgs,
+  uint64,
+  leftOutMessage,
+  main,
+};
