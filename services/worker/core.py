@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import queue
 import threading
 import time
@@ -30,8 +31,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.log import get_logger, kv, log_context
@@ -305,6 +307,11 @@ class Worker:
         self.worker_id = worker_id
         self._policy_version = policy_version
         self._draft = draft
+        # The same draft source when it takes the chunk's attempt (dispatch epoch, submission) on
+        # resume, append and end (the DraftClient does): two attempts of a request may overlap in
+        # its mirror, and end in any order. None: called without (a source that takes none).
+        self._named_draft: _NamedAttemptDraft | None = (
+            cast(_NamedAttemptDraft, draft) if draft is not None and _names_attempts(draft) else None)
         self._planner = planner
         # The planner closes its cost loop with the time of every decode step, when it can take it.
         # Wall time by default: it is what throughput is, on any engine (a GPU, a multi-threaded
@@ -374,8 +381,11 @@ class Worker:
         self._kv_recomputed_pages = 0
         self._kv_refetches = 0
         self._invalid_drafts = 0
-        self._proposed_pos: list[int] = []
-        self._accepted_pos: list[int] = []
+        # (proposed, accepted) per draft position, replaced whole after each step's update (never
+        # changed in place): stats() reads it without the engine lock, and two lists copied one
+        # after the other there could straddle an update (accepted above proposed at a position,
+        # or lengths differing), which the scheduler takes for a broken worker and quarantines.
+        self._pos_counts: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -799,8 +809,7 @@ class Worker:
                 self._snapshot_locked()
             es = self._engine_stats
             assert es is not None
-        proposed = list(es.proposed_per_position) or list(self._proposed_pos)
-        accepted = list(es.accepted_per_position) or list(self._accepted_pos)
+        proposed, accepted = _position_counts(es, self._pos_counts)
         rate = self._throughput.rate()
         metrics.FREE_PAGES.set(es.free_pages)
         metrics.TOKENS_PER_SECOND.set(rate)
@@ -1218,12 +1227,11 @@ class Worker:
                 proposed[i] += 1
             for i in range(min(out.num_accepted, len(accepted))):
                 accepted[i] += 1
-        while len(self._proposed_pos) < len(proposed):
-            self._proposed_pos.append(0)
-            self._accepted_pos.append(0)
+        old_p, old_a = self._pos_counts
+        self._pos_counts = (  # one assignment: a reader sees the old pair or the new one
+            tuple(x + y for x, y in zip_longest(old_p, proposed, fillvalue=0)),
+            tuple(x + y for x, y in zip_longest(old_a, accepted, fillvalue=0)))
         for i, (p, a) in enumerate(zip(proposed, accepted, strict=True)):
-            self._proposed_pos[i] += p
-            self._accepted_pos[i] += a
             if p:
                 metrics.PROPOSED.labels(position=str(i)).inc(p)
             if a:
@@ -1263,7 +1271,7 @@ class Worker:
             if self._draft is not None:
                 complete = out.finished and self._response_complete(act, out)
                 try:
-                    self._draft.append(job.group_id, job.request_id, offset, out.token_ids, complete)
+                    self._draft_append_locked(job, offset, out.token_ids, complete)
                 except Exception:
                     log.warning("draft append failed", exc_info=True, extra=kv(request_id=job.request_id))
         if out.finished:
@@ -1561,7 +1569,11 @@ class Worker:
         if self._draft is None or not job.group_id:
             return
         try:
-            self._draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch)
+            if self._named_draft is not None:
+                self._named_draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch,
+                                         submit_seq=job.submit_seq)
+            else:
+                self._draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch)
         except Exception:
             log.warning("draft resume failed", exc_info=True, extra=kv(request_id=job.request_id))
 
@@ -1575,7 +1587,7 @@ class Worker:
             return
         self._draft_resume_locked(job)
         try:
-            self._draft.append(job.group_id, job.request_id, len(job.output_token_ids), (), True)
+            self._draft_append_locked(job, len(job.output_token_ids), (), True)
         except Exception:
             log.warning("draft append failed", exc_info=True, extra=kv(request_id=job.request_id))
         self._draft_end_locked(job)
@@ -1584,9 +1596,61 @@ class Worker:
         if self._draft is None or not job.group_id:
             return
         try:
-            self._draft.end(job.group_id, job.request_id)
+            if self._named_draft is not None:
+                self._named_draft.end(job.group_id, job.request_id, epoch=job.dispatch_epoch, submit_seq=job.submit_seq)
+            else:
+                self._draft.end(job.group_id, job.request_id)
         except Exception:
             log.warning("draft end failed", exc_info=True, extra=kv(request_id=job.request_id))
+
+    def _draft_append_locked(self, job: ChunkJob, offset: int, token_ids: Sequence[int], finished: bool) -> None:
+        """The chunk's tokens to the draft source, named by its attempt where the source takes it
+        (an abandoned attempt's late tokens are then dropped there, not sent as a newer one's)."""
+        if self._named_draft is not None:
+            self._named_draft.append(job.group_id, job.request_id, offset, token_ids, finished,
+                                     epoch=job.dispatch_epoch, submit_seq=job.submit_seq)
+        elif self._draft is not None:
+            self._draft.append(job.group_id, job.request_id, offset, token_ids, finished)
+
+
+def _position_counts(es: EngineStats, own: tuple[Sequence[int], Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(proposed, accepted) per draft position for WorkerStats: the engine's pair when it keeps
+    both (one snapshot), else the worker's own pair `own` (one consistent read); never one list
+    of each, which need not agree (accepted above proposed, or other lengths)."""
+    proposed, accepted = list(es.proposed_per_position), list(es.accepted_per_position)
+    if proposed and accepted:
+        return proposed, accepted
+    return list(own[0]), list(own[1])
+
+
+class _NamedAttemptDraft(Protocol):
+    """The calls of a draft source that name the chunk's attempt (DraftClient's: see
+    services/worker/draft_client.py resume, append and end)."""
+
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
+               submit_seq: int = 0) -> None: ...
+
+    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
+               finished: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None: ...
+
+    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None: ...
+
+
+def _names_attempts(draft: object) -> bool:
+    """Whether the draft source's resume, append and end all take a submit_seq keyword (named, or
+    **kwargs): _NamedAttemptDraft. The ports.DraftSource Protocol (and the test doubles of it)
+    predate it."""
+    for name in ("resume", "append", "end"):
+        fn = getattr(draft, name, None)
+        if not callable(fn):
+            return False
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: call it the old way
+            return False
+        if not any(p.name == "submit_seq" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return False
+    return True
 
 
 def _newer(epoch: int, than: int) -> bool:

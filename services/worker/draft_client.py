@@ -100,6 +100,17 @@ class _Registration(NamedTuple):
     submit_seq: int
 
 
+class _Running(NamedTuple):
+    """One attempt of a request started here (resume) and not ended yet, as its caller names it."""
+
+    epoch: int  # its dispatch epoch (0: not given)
+    submit_seq: int  # its batch submission (0: not given)
+    # Its resume made the request active (an older submission's or a superseded attempt's left the
+    # mirror alone). It keeps the request active while it runs, until a newer attempt of the
+    # request resumes here (_stale): then the newer one's end is the one that ends the mark.
+    made_active: bool
+
+
 @dataclass
 class _Mirror:
     index: GroupIndex
@@ -118,14 +129,18 @@ class _Mirror:
     # group's responses in it means the group completed there and its responses are history.
     done: set[str] = field(default_factory=set)
     history_loaded: bool = False
+    # The mirror followed its incarnation through Sync (a reply applied): known stale when the group
+    # expires (_lost_locked). Kept across end()'s whole-group restart (like the incarnation, which it
+    # keeps): unlike history_loaded, which that restart clears until the next reply.
+    synced: bool = False
     active: set[str] = field(default_factory=set)  # requests generating here now: deltas for them are skipped
-    # request -> its attempts started here and not ended, in start order: True for one whose resume
-    # made the request active, False for an older submission's (older_attempts: it left the mirror
-    # alone). Two attempts of one request may run here at once (a chunk re-dispatched here while
-    # the abandoned attempt is still finishing: SGLang drops the old rid from its batch later), so
-    # an end ends one attempt, the earliest (the superseded one, aborted, ends first), and the
-    # request stays active while another attempt that made it active still runs.
-    attempts: dict[str, list[bool]] = field(default_factory=dict)
+    # request -> its attempts started here and not ended, in start order (see _Running). Two
+    # attempts of one request may run here at once (a chunk re-dispatched here while the abandoned
+    # attempt is still finishing: SGLang drops rids from its batch in any order), so an end names
+    # its attempt (epoch, submit_seq) and ends that one: by start order (the earliest), only when
+    # the caller does not name it. The request stays active while an attempt that made it active
+    # and is not superseded (_stale) still runs.
+    attempts: dict[str, list[_Running]] = field(default_factory=dict)
     resync: set[str] = field(default_factory=set)  # active requests another writer changed meanwhile (see end)
     incarnation: int = 0  # the server's group incarnation this mirror follows (0: not synced yet)
     epochs: dict[str, int] = field(default_factory=dict)  # request -> this worker's newest attempt epoch
@@ -229,6 +244,38 @@ def _judge_attempt(m: _Mirror, prompt_key: str, prompt: tuple[int, ...], group_s
     # would register again, and the server would take it for the id used again (by the epoch rule).
     same_run = submit_seq == mirror_seq if seqs_known else 0 < epoch <= m.newest_epoch()
     return _Attempt.KEEP if same_run else _Attempt.REPLACE
+
+
+def _stale(m: _Mirror, request_id: str, epoch: int, submit_seq: int, older: bool) -> bool:
+    """Whether an attempt of `request_id` (its dispatch `epoch` and batch submission `submit_seq`;
+    0: not given) is superseded on mirror `m`, so that it leaves the mirror alone (its resume does
+    not make the request active, its appends are dropped): of an older submission than the
+    request's here (as _note_submission_locked judges; without its submission, `older`: the
+    request's last registration said so, older_attempts), or of the same submission at an older
+    epoch than the newest attempt that resumed here (m.epochs). The server refuses such an append
+    too; stamped with the newer attempt's epoch (the request's, which the client sends), an
+    abandoned attempt's late token went through as the newer one's, and re-opened its finished
+    response. Reads `m` only."""
+    known = m.seqs.get(request_id, 0)
+    if submit_seq:
+        if known > submit_seq or (not known and submit_seq < m.submit_seq):
+            return True
+        if known and known != submit_seq:
+            return False  # a newer submission than recorded: the epochs here are another run's
+    elif older:
+        return True
+    return 0 < epoch < m.epochs.get(request_id, 0)
+
+
+def _take_attempt(running: list[_Running], epoch: int, submit_seq: int) -> _Running | None:
+    """Removes and returns the attempt an end names (its epoch and submission, each 0 = not
+    given) from `running`; the earliest when it names none, or none of them matches (a caller that
+    started it without naming it); None when nothing runs."""
+    if epoch or submit_seq:
+        for i, r in enumerate(running):
+            if (not epoch or r.epoch == epoch) and (not submit_seq or r.submit_seq == submit_seq):
+                return running.pop(i)
+    return running.pop(0) if running else None
 
 
 @dataclass
@@ -453,20 +500,26 @@ class DraftClient:
             return m is not None and not m.releasing and not (m.completed and not m.active)
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, truncate: bool = False) -> None:
+               finished: bool = False, truncate: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
         """Adds a request's new tokens to the mirror and queues them for the server. Never blocks
         on the network; bad appends are logged and dropped (drafting is best effort).
 
         truncate=True first drops the request's tokens at or after `offset` (draft.proto
-        AppendRequest.truncate), locally at once and on the server in order with the appends."""
+        AppendRequest.truncate), locally at once and on the server in order with the appends.
+
+        epoch, submit_seq: the appending attempt's, as given to its resume (0: not given). An
+        attempt another one of the request superseded here (_stale) appends nothing; without them
+        only the request's registration tells (older_attempts)."""
         with self._lock:
-            self._append_locked(group_id, request_id, offset, [int(t) for t in token_ids], finished, truncate)
+            self._append_locked(group_id, request_id, offset, [int(t) for t in token_ids], finished, truncate,
+                                epoch, submit_seq)
 
     def _append_locked(self, group_id: str, request_id: str, offset: int, toks: list[int], finished: bool,
-                       truncate: bool) -> None:
+                       truncate: bool, epoch: int = 0, submit_seq: int = 0) -> None:
         m = self._groups.get(group_id)
-        if m is None or request_id in m.older_attempts:
-            # (An attempt of an older submission than the request's here: see _Mirror.older_attempts.)
+        if m is None or _stale(m, request_id, epoch, submit_seq, request_id in m.older_attempts):
+            # (An attempt of an older submission than the request's here, see _Mirror.older_attempts,
+            # or an older attempt of it than one that resumed here since: _stale.)
             return
         try:
             if truncate:
@@ -500,17 +553,23 @@ class DraftClient:
                 del self._pending[:drop]
                 self._stats.dropped_messages += drop
 
-    def truncate(self, group_id: str, request_id: str, offset: int) -> None:
+    def truncate(self, group_id: str, request_id: str, offset: int, *, epoch: int = 0, submit_seq: int = 0) -> None:
         """Drops the request's tokens at or after `offset` (mirror now, server in order)."""
-        self.append(group_id, request_id, offset, (), truncate=True)
+        self.append(group_id, request_id, offset, (), truncate=True, epoch=epoch, submit_seq=submit_seq)
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
+               submit_seq: int = 0) -> None:
         """A chunk of the request starts here from its committed output: the mirror's copy becomes
         exactly output_token_ids (what an earlier chunk elsewhere added is filled in, what a failed
         attempt streamed beyond it is dropped), the server gets the same as one truncate+append
         (a no-op there when it already agrees), and Sync deltas for the request are ignored until
         `end`. Only the differing tail is re-indexed. epoch: this attempt's dispatch epoch (stamped
-        on every append of the request from here on; 0 = unordered).
+        on every append of the request from here on; 0 = unordered). submit_seq: its batch
+        submission (0: not given; the request's registration then tells an older one's).
+
+        An attempt superseded here (_stale: an older submission's, or an older epoch than an
+        attempt of the request that resumed here before) leaves the mirror alone: the copy, its
+        epoch and its Sync deltas stay the newer attempt's; it drafts from them as they are.
 
         One critical section: a Sync applied between the truncate and marking the request active
         could put a stale attempt's tokens back into its own copy (it would then draft from them)."""
@@ -519,48 +578,54 @@ class DraftClient:
             if m is None:
                 return
             self._groups.move_to_end(group_id)  # recently used: released last
-            if request_id in m.older_attempts:
-                # An older submission's attempt (register_attempt): the copy here, its epoch and
-                # its Sync deltas stay the newer run's; the old chunk drafts from them as they are.
-                m.attempts.setdefault(request_id, []).append(False)
+            running = m.attempts.setdefault(request_id, [])
+            if _stale(m, request_id, epoch, submit_seq, request_id in m.older_attempts):
+                running.append(_Running(epoch, submit_seq, False))
                 return
             if epoch:
                 m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
             m.synced_over.discard(request_id)  # our attempt's copy from here on
-            self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True)
+            self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True,
+                                epoch, submit_seq)
             m.active.add(request_id)
-            m.attempts.setdefault(request_id, []).append(True)
+            running.append(_Running(epoch, submit_seq, True))
 
-    def end(self, group_id: str, request_id: str) -> None:
+    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
         """The request's chunk here is over: Sync deltas for it apply to the mirror again. If
         another worker wrote to it meanwhile (its attempt here was given up on), the deltas skipped
         while it ran are not replayable one by one: the mirror syncs the whole group again, and
         keeps its copies until the reply replaces them.
 
-        Ends one attempt of the request (the earliest still running here, see _Mirror.attempts): an
-        abandoned attempt ending after its re-dispatched successor started here leaves the newer
-        one active (cleared, Sync deltas would overwrite its copy: an echo of its own tokens, or
-        the abandoned attempt's, to draft from)."""
+        Ends one attempt of the request, the one `epoch` and `submit_seq` name (as given to its
+        resume; without them, the earliest still running here, see _Mirror.attempts). Attempts end
+        in any order (SGLang drops rids from its batch as they finish or abort): an abandoned
+        attempt ending after its re-dispatched successor started here leaves the newer one active
+        (cleared, Sync deltas would overwrite its copy: an echo of its own tokens, or the abandoned
+        attempt's, to draft from); the newer one ending first ends the mark although the
+        abandoned one still runs (its appends are dropped, _stale), so the server's state (that
+        response finished) comes in by Sync again."""
         with self._lock:
             m = self._groups.get(group_id)
             if m is None:
                 return
             running = m.attempts.get(request_id, [])
-            made_active = running.pop(0) if running else request_id not in m.older_attempts
+            ended = _take_attempt(running, epoch, submit_seq)
+            made_active = ended.made_active if ended is not None else request_id not in m.older_attempts
             if not running:
                 m.attempts.pop(request_id, None)
             if not made_active:
-                if False not in running:
+                if all(r.made_active for r in running):
                     m.older_attempts.discard(request_id)  # no older submission's attempt runs here now
                 return
-            if True in running:
-                return  # another attempt that made it active still runs here
+            if any(r.made_active and not _stale(m, request_id, r.epoch, r.submit_seq, False) for r in running):
+                return  # another attempt that made it active, and is not superseded, still runs here
             m.active.discard(request_id)
             if request_id in m.resync:
                 m.resync.discard(request_id)
-                incarnation = m.incarnation
+                incarnation, synced = m.incarnation, m.synced
                 self._restart_mirror_locked(m, m.index.request_ids())
-                m.incarnation = incarnation  # the same incarnation: a whole-group reply, not a reset
+                # The same incarnation: a whole-group reply, not a reset; still the one it synced.
+                m.incarnation, m.synced = incarnation, synced
 
     def own_length(self, group_id: str, request_id: str) -> int:
         """Tokens of the request in the mirror (tests: never beyond its current length)."""
@@ -925,12 +990,13 @@ class DraftClient:
         # only way its responses reach history.
         if (expired or m.completed) and not m.active:
             newest = m.newest_epoch()
-            # A stale mirror only: one that followed the incarnation through Sync (history_loaded).
-            # One that registered and never synced took its incarnation from its registration's
+            # A stale mirror only: one that followed the incarnation through Sync (synced; not
+            # history_loaded, which end()'s whole-group restart clears until the next reply). One
+            # that registered and never synced took its incarnation from its registration's
             # answer, which judged its run to be that incarnation's: that one completed (its
             # responses are history), and registered again with an epoch above the ones it took
             # (ours never reached it), with submit_seq 0 the server re-created it as a new run.
-            if expired and not m.completed and m.history_loaded and newest and any(r not in m.done for r in m.own):
+            if expired and not m.completed and m.synced and newest and any(r not in m.done for r in m.own):
                 # A new run's chunk that ended on this stale mirror before any tick (a chunk ending
                 # at once): its appends met the old run's expired group, and released, its response
                 # never reached the new run's incarnation (nothing else here re-creates it). Registered
@@ -1099,6 +1165,7 @@ class DraftClient:
                 m.done.discard(rid)
         m.watermark = d.watermark
         m.incarnation = d.incarnation
+        m.synced = True
         m.must_sync = False
         # Resent only now, stamped with the new incarnation (the mirror's).
         if d.reset and old is None:
@@ -1121,6 +1188,7 @@ class DraftClient:
         m.index = self._fresh_index_locked(m, keep)
         m.watermark = 0
         m.incarnation = 0
+        m.synced = False
         m.history_loaded = False
         m.done.clear()  # the server's state as known so far: the whole-group reply brings it again
         self._stats.resets += 1
