@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import queue
 import threading
 import time
@@ -33,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.log import get_logger, kv, log_context
@@ -307,11 +306,6 @@ class Worker:
         self.worker_id = worker_id
         self._policy_version = policy_version
         self._draft = draft
-        # The same draft source when it takes the chunk's attempt (dispatch epoch, submission) on
-        # resume, append and end (the DraftClient does): two attempts of a request may overlap in
-        # its mirror, and end in any order. None: called without (a source that takes none).
-        self._named_draft: _NamedAttemptDraft | None = (
-            cast(_NamedAttemptDraft, draft) if draft is not None and _names_attempts(draft) else None)
         self._planner = planner
         # The planner closes its cost loop with the time of every decode step, when it can take it.
         # Wall time by default: it is what throughput is, on any engine (a GPU, a multi-threaded
@@ -1569,11 +1563,10 @@ class Worker:
         if self._draft is None or not job.group_id:
             return
         try:
-            if self._named_draft is not None:
-                self._named_draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch,
-                                         submit_seq=job.submit_seq)
-            else:
-                self._draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch)
+            # Each call names the chunk's attempt (dispatch epoch, submission): two attempts of a
+            # request may overlap in the mirror and end in any order.
+            self._draft.resume(job.group_id, job.request_id, job.output_token_ids, epoch=job.dispatch_epoch,
+                               submit_seq=job.submit_seq)
         except Exception:
             log.warning("draft resume failed", exc_info=True, extra=kv(request_id=job.request_id))
 
@@ -1596,21 +1589,16 @@ class Worker:
         if self._draft is None or not job.group_id:
             return
         try:
-            if self._named_draft is not None:
-                self._named_draft.end(job.group_id, job.request_id, epoch=job.dispatch_epoch, submit_seq=job.submit_seq)
-            else:
-                self._draft.end(job.group_id, job.request_id)
+            self._draft.end(job.group_id, job.request_id, epoch=job.dispatch_epoch, submit_seq=job.submit_seq)
         except Exception:
             log.warning("draft end failed", exc_info=True, extra=kv(request_id=job.request_id))
 
     def _draft_append_locked(self, job: ChunkJob, offset: int, token_ids: Sequence[int], finished: bool) -> None:
-        """The chunk's tokens to the draft source, named by its attempt where the source takes it
-        (an abandoned attempt's late tokens are then dropped there, not sent as a newer one's)."""
-        if self._named_draft is not None:
-            self._named_draft.append(job.group_id, job.request_id, offset, token_ids, finished,
-                                     epoch=job.dispatch_epoch, submit_seq=job.submit_seq)
-        elif self._draft is not None:
-            self._draft.append(job.group_id, job.request_id, offset, token_ids, finished)
+        """The chunk's tokens to the draft source, named by its attempt (an abandoned attempt's late
+        tokens are dropped there, not sent as a newer one's)."""
+        if self._draft is not None:
+            self._draft.append(job.group_id, job.request_id, offset, token_ids, finished,
+                               epoch=job.dispatch_epoch, submit_seq=job.submit_seq)
 
 
 def _position_counts(es: EngineStats, own: tuple[Sequence[int], Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -1621,36 +1609,6 @@ def _position_counts(es: EngineStats, own: tuple[Sequence[int], Sequence[int]]) 
     if proposed and accepted:
         return proposed, accepted
     return list(own[0]), list(own[1])
-
-
-class _NamedAttemptDraft(Protocol):
-    """The calls of a draft source that name the chunk's attempt (DraftClient's: see
-    services/worker/draft_client.py resume, append and end)."""
-
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
-               submit_seq: int = 0) -> None: ...
-
-    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None: ...
-
-    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None: ...
-
-
-def _names_attempts(draft: object) -> bool:
-    """Whether the draft source's resume, append and end all take a submit_seq keyword (named, or
-    **kwargs): _NamedAttemptDraft. The ports.DraftSource Protocol (and the test doubles of it)
-    predate it."""
-    for name in ("resume", "append", "end"):
-        fn = getattr(draft, name, None)
-        if not callable(fn):
-            return False
-        try:
-            params = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):  # no signature to read: call it the old way
-            return False
-        if not any(p.name == "submit_seq" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return False
-    return True
 
 
 def _newer(epoch: int, than: int) -> bool:

@@ -26,20 +26,24 @@ class DraftSource(Protocol):
         group never completes on its own)."""
 
     def append(
-        self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False
-    ) -> None: ...
+        self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False,
+        *, epoch: int = 0, submit_seq: int = 0,
+    ) -> None:
+        """Tokens of the attempt named by (epoch, submit_seq) (0 = not named): an abandoned
+        attempt's late tokens are dropped, never filed as its successor's."""
 
     def propose(
         self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1
     ) -> Draft | None: ...
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int],
-               epoch: int = 0) -> None:
+               epoch: int = 0, *, submit_seq: int = 0) -> None:
         """A chunk starts: the request's response becomes exactly its committed output (tokens of a
         failed attempt beyond it are dropped; they must never be drafted from)."""
 
-    def end(self, group_id: str, request_id: str) -> None:
-        """The chunk ended (done or failed)."""
+    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
+        """The chunk of the attempt (epoch, submit_seq) ended (done or failed). Two attempts of a
+        request may overlap (SGLang: an aborted rid still in the batch) and end in any order."""
 
     def release_group(self, group_id: str) -> None: ...
 

@@ -16,17 +16,18 @@ class NullDraft:
         pass
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False) -> None:
+               finished: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
         pass
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
                 width: int = 1) -> Draft | None:
         return None
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
+               submit_seq: int = 0) -> None:
         pass  # proposals of these doubles do not depend on appended tokens
 
-    def end(self, group_id: str, request_id: str) -> None:
+    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
         pass
 
     def release_group(self, group_id: str) -> None:

@@ -117,7 +117,7 @@ class ChainDrafter(NullDraft):
         self.attempts.append((group_id, request_id))
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False) -> None:
+               finished: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
         self.appends.append((group_id, request_id, offset, tuple(token_ids), finished))
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,

@@ -45,19 +45,21 @@ class _Recorder:
         self.client.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds,
                                      request_id=request_id, epoch=epoch, submit_seq=submit_seq)
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
+               submit_seq: int = 0) -> None:
         self.calls.append(("resume", request_id, tuple(output_token_ids)))
         self.epochs.append(("resume", request_id, epoch))
-        self.client.resume(group_id, request_id, output_token_ids, epoch)
+        self.client.resume(group_id, request_id, output_token_ids, epoch, submit_seq=submit_seq)
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, truncate: bool = False) -> None:
+               finished: bool = False, truncate: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
         self.calls.append(("append", request_id, offset, tuple(token_ids)))
-        self.client.append(group_id, request_id, offset, token_ids, finished, truncate)
+        self.client.append(group_id, request_id, offset, token_ids, finished, truncate, epoch=epoch,
+                           submit_seq=submit_seq)
 
-    def end(self, group_id: str, request_id: str) -> None:
+    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
         self.calls.append(("end", request_id))
-        self.client.end(group_id, request_id)
+        self.client.end(group_id, request_id, epoch=epoch, submit_seq=submit_seq)
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1) -> Any:
         self.calls.append(("propose", request_id, tuple(context)))

@@ -126,15 +126,16 @@ class _Sink:
                          submit_seq: int = 0) -> None:
         pass
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None:
+    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
+               submit_seq: int = 0) -> None:
         self.tokens[request_id] = list(output_token_ids)
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, truncate: bool = False) -> None:
+               finished: bool = False, truncate: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
         assert offset == len(self.tokens[request_id]), (request_id, offset, self.tokens[request_id])
         self.tokens[request_id] += list(token_ids)
 
-    def end(self, group_id: str, request_id: str) -> None:
+    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
         self.ended.append(request_id)
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1) -> Any:

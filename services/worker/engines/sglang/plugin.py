@@ -60,11 +60,10 @@ abandoned attempt streamed is dropped, what earlier chunks elsewhere produced is
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 ALGORITHM = "SEER"
 # "1" when the worker configured speculation: the entry point registers SEER only then.
@@ -180,23 +179,6 @@ class DraftSink(Protocol):
                          ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
                          submit_seq: int = 0) -> None: ...
 
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0) -> None: ...
-
-    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, truncate: bool = False) -> None: ...
-
-    def end(self, group_id: str, request_id: str) -> None: ...
-
-    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
-                width: int = 1) -> Any: ...
-
-
-class NamedAttemptSink(Protocol):
-    """The calls of a DraftSink that name the attempt (DraftClient's): its dispatch epoch and
-    submission, since two attempts of one request may run at once and end in any order. A sink
-    whose resume, append and end take no submit_seq (an older one, a test double) is called
-    without them (_names_attempts)."""
-
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
                submit_seq: int = 0) -> None: ...
 
@@ -205,22 +187,8 @@ class NamedAttemptSink(Protocol):
 
     def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None: ...
 
-
-def _takes_submit_seq(fn: Callable[..., Any]) -> bool:
-    """Whether `fn` accepts a submit_seq keyword (named, or **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): call it the old way
-        return False
-    return any(p.name == "submit_seq" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _names_attempts(sink: object) -> bool:
-    """Whether the sink's resume, append and end all take the attempt's identity (epoch and
-    submit_seq keywords). Without, the client tells overlapping attempts of a request apart by
-    start order only: wrong when the newer one ends first."""
-    methods = [getattr(sink, name, None) for name in ("resume", "append", "end")]
-    return all(callable(fn) and _takes_submit_seq(fn) for fn in methods)
+    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
+                width: int = 1) -> Any: ...
 
 
 @dataclass
@@ -239,12 +207,6 @@ class DraftBridge:
         self.client = client
         self.ttl_seconds = ttl_seconds
         self._attempts: dict[str, _Attempt] = {}
-        # Every call for an attempt names it (its dispatch epoch and submission): SGLang holds two
-        # rids of one request at once (the re-dispatched chunk's and the aborted one, still in the
-        # batch) and drops them in any order, so the client must know which attempt ends, and
-        # which one a late token is of (an abandoned attempt's is dropped, not sent as the newer
-        # one's).
-        self._named: NamedAttemptSink | None = cast(NamedAttemptSink, client) if _names_attempts(client) else None
 
     def _attempt(self, rid: str, meta: RequestMeta, origin_input_ids: Sequence[int]) -> _Attempt:
         a = self._attempts.get(rid)
@@ -258,11 +220,13 @@ class DraftBridge:
             self.client.register_attempt(meta.group_id, meta.prompt_key, origin_input_ids[:split], meta.group_size,
                                          self.ttl_seconds, request_id=a.request_id, epoch=meta.epoch,
                                          submit_seq=meta.submit_seq)
-            if self._named is not None:
-                self._named.resume(meta.group_id, a.request_id, origin_input_ids[split:], epoch=meta.epoch,
-                                   submit_seq=meta.submit_seq)
-            else:
-                self.client.resume(meta.group_id, a.request_id, origin_input_ids[split:], epoch=meta.epoch)
+            # Every call for an attempt names it (its dispatch epoch and submission): SGLang holds two
+            # rids of one request at once (the re-dispatched chunk's and the aborted one, still in
+            # the batch) and drops them in any order, so the client must know which attempt ends,
+            # and which one a late token is of (an abandoned attempt's is dropped, not sent as the
+            # newer one's).
+            self.client.resume(meta.group_id, a.request_id, origin_input_ids[split:], epoch=meta.epoch,
+                               submit_seq=meta.submit_seq)
         return a
 
     def propose(self, rid: str, meta: RequestMeta, origin_input_ids: Sequence[int], output_ids: Sequence[int],
@@ -278,11 +242,8 @@ class DraftBridge:
         new = list(output_ids[a.appended :])
         if new:
             offset = meta.output_offset + a.appended
-            if self._named is not None:
-                self._named.append(meta.group_id, a.request_id, offset, new, finished, epoch=a.meta.epoch,
-                                   submit_seq=a.meta.submit_seq)
-            else:
-                self.client.append(meta.group_id, a.request_id, offset, new, finished)
+            self.client.append(meta.group_id, a.request_id, offset, new, finished, epoch=a.meta.epoch,
+                               submit_seq=a.meta.submit_seq)
             a.appended += len(new)
         if finished:
             self._end(rid)
@@ -296,10 +257,7 @@ class DraftBridge:
 
     def _end(self, rid: str) -> None:
         a = self._attempts.pop(rid)
-        if self._named is not None:
-            self._named.end(a.meta.group_id, a.request_id, epoch=a.meta.epoch, submit_seq=a.meta.submit_seq)
-        else:
-            self.client.end(a.meta.group_id, a.request_id)
+        self.client.end(a.meta.group_id, a.request_id, epoch=a.meta.epoch, submit_seq=a.meta.submit_seq)
 
     def __len__(self) -> int:
         return len(self._attempts)
