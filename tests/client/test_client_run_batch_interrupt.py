@@ -16,7 +16,7 @@ import grpc
 import pytest
 from client_helpers import Buffer
 from seer.v1 import rollout_pb2
-from seer_client import PromptGroup, SeerClient, SeerError
+from seer_client import PromptGroup, SeerClient, SeerError, SeerTimeout
 
 GROUPS = [PromptGroup(prompt=[1, 2], group_size=2, max_tokens=4)]
 
@@ -79,10 +79,13 @@ def test_the_cancel_can_be_turned_off(buffer: Buffer,
         assert not getattr(info.value, "__notes__", [])
 
 
+@pytest.mark.parametrize("token", [None, ""])
 def test_another_runs_batch_under_the_id_is_left_running(
-        buffer: Buffer, interrupt_when: Callable[[Callable[[], bool]], None]) -> None:
+        token: str | None, buffer: Buffer, interrupt_when: Callable[[Callable[[], bool]], None]) -> None:
     """The id names a batch another run submitted (same content: this submission is
-    already_submitted): the cancel names this submission's token, and that batch is left running."""
+    already_submitted): the cancel names this submission's token, and that batch is left running.
+    An empty token too is a fresh one (sent as is, the cancel named no submission and cancelled
+    the other run's batch)."""
     with SeerClient(buffer.address) as other, SeerClient(buffer.address) as client:
         other.wait_ready(10)
         other.submit_batch("shared", GROUPS, submission_token="other-run")
@@ -97,7 +100,7 @@ def test_another_runs_batch_under_the_id_is_left_running(
         client.submit_batch = submit  # type: ignore[method-assign]
         interrupt_when(submitted.is_set)
         with pytest.raises(KeyboardInterrupt) as info:
-            client.run_batch("shared", GROUPS, timeout=30)
+            client.run_batch("shared", GROUPS, timeout=30, submission_token=token)
         assert client.get_batch("shared").state == "running"
         notes = getattr(info.value, "__notes__", [])
         assert len(notes) == 1 and "not cancelled: the batch id names another submission" in notes[0], notes
@@ -162,3 +165,20 @@ def test_a_given_token_is_the_submissions(buffer: Buffer, interrupt_when: Callab
             client.run_batch("again2", GROUPS, submission_token="has space")
         assert bad.value.message.startswith("submission_token:")
         assert not _stored(client, "again2")
+
+
+def test_a_timeout_hands_back_the_generated_token(buffer: Buffer,
+                                                  interrupt_when: Callable[[Callable[[], bool]], None]) -> None:
+    """run_batch's SeerTimeout carries the token it generated: collecting the batch again with it,
+    a Ctrl-C still cancels the batch (with another token it is "another submission", left running,
+    and the generated token was nowhere to be had)."""
+    with SeerClient(buffer.address) as client:
+        client.wait_ready(10)
+        with pytest.raises(SeerTimeout) as timed_out:
+            client.run_batch("again", GROUPS, timeout=0.3)
+        token = timed_out.value.submission_token
+        assert token and any(token in n for n in getattr(timed_out.value, "__notes__", []))
+        interrupt_when(lambda: True)
+        with pytest.raises(KeyboardInterrupt):
+            client.run_batch("again", GROUPS, timeout=30, submission_token=token)
+        assert client.get_batch("again").state == "cancelled"

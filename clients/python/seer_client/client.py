@@ -498,7 +498,7 @@ class SeerClient:
         same batch id waits on and returns every result (the submission is idempotent). The
         submission itself is bounded by the client's per-call `timeout`, like every call.
 
-        submission_token: this submission's name (see submit_batch); None = a fresh random one.
+        submission_token: this submission's name (see submit_batch); None or "" = a fresh random one.
         cancel_on_interrupt: a KeyboardInterrupt (Ctrl-C in a notebook or a script) while the batch
         is submitted or its results awaited cancels this submission's batch (cancel_batch with the
         token: never another run's batch under the same id; a submission still in flight when the
@@ -511,7 +511,9 @@ class SeerClient:
         second call finds the id naming another submission and leaves the batch running."""
         # Before submitting: a bad timeout must not leave a submitted batch behind its error.
         bound = _results_timeout(timeout)
-        token = uuid.uuid4().hex if submission_token is None else _str(submission_token, "submission_token")
+        # "" too is a fresh one: with an empty token the interrupt's cancel would name no submission
+        # and cancel whatever batch the id names (another run's under the same id).
+        token = (_str(submission_token, "submission_token") if submission_token is not None else "") or uuid.uuid4().hex
         out: list[RolloutResult] = []
         try:
             submitted = self.submit_batch(batch_id, groups, seed_scope=seed_scope, submission_token=token)
@@ -522,6 +524,13 @@ class SeerClient:
         except KeyboardInterrupt as e:
             if cancel_on_interrupt:
                 e.add_note(f"seer_client: batch {batch_id}: {self._cancel_interrupted(batch_id, token)}")
+            raise
+        except SeerTimeout as e:
+            # The generated token is the caller's only way to collect the batch again with Ctrl-C
+            # still cancelling it.
+            e.submission_token = token
+            e.add_note(f"seer_client: batch {batch_id} not cancelled; run_batch({batch_id!r}, ..., "
+                       f"submission_token={token!r}) collects it")
             raise
         return out
 
@@ -542,9 +551,10 @@ class SeerClient:
                         time.sleep(0.2)
                         continue
                     raise err from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as again:
             what = "cancelling it was interrupted: it may still be running"
             log.warning("run_batch: %s", what, extra={"batch_id": batch_id})
+            again.add_note(f"seer_client: batch {batch_id}: {what}")
             raise
         except SeerError as err:
             if err.message.startswith("submission_token:") and err.code == "NOT_FOUND":

@@ -109,4 +109,10 @@ class SeerError(Exception):
 
 
 class SeerTimeout(SeerError, TimeoutError):
-    """A time limit given to the client ran out (code "DEADLINE_EXCEEDED"); also a TimeoutError."""
+    """A time limit given to the client ran out (code "DEADLINE_EXCEEDED"); also a TimeoutError.
+
+    submission_token: from run_batch, the token its submission carried (the one it generated when
+    given none): pass it to run_batch again to collect the same batch with Ctrl-C still cancelling
+    it (the batch keeps its first submitter's token). "" elsewhere."""
+
+    submission_token: str = ""
