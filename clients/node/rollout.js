@@ -9,7 +9,9 @@
 // --output writes every result as one JSON line (the Python client's RolloutResult fields; `-` =
 // stdout, the human-readable lines then go to stderr). Required as a library (require('./rollout')),
 // it runs nothing: rollout({address, groups, batchId, ...}, onResult) submits a batch and streams
-// its results (see module.exports at the end).
+// its results (see rollout() below). The library differs from the CLI where a trainer needs it to:
+// no timeout by default and a timeout that leaves the batch running (as SeerClient.run_batch), an
+// AbortSignal instead of SIGINT, retry lines to an optional log callback instead of stderr.
 //
 // A buffer restart (or a dropped connection) is survived the way the Python client does it: calls
 // that fail UNAVAILABLE are retried with backoff, and the result stream is reopened from the cursor
@@ -125,36 +127,89 @@ function parseArgs(argv) {
   return opts;
 }
 
-function loadRolloutService() {
-  const def = protoLoader.loadSync(path.join(PROTO_ROOT, 'seer', 'v1', 'rollout.proto'), {
-    includeDirs: [PROTO_ROOT],
-    keepCase: true, // field names exactly as in the .proto (snake_case)
-    // Decimal strings: a Number is exact only up to 2^53, and seeds, submission ids and policy
-    // versions may be anything up to 2^64 (a string also encodes exactly, through protobufjs' Long).
-    longs: String,
-    enums: String,
-    defaults: true,
-    oneofs: true,
-  });
-  return grpc.loadPackageDefinition(def).seer.v1.RolloutService;
-}
-
-const sleep = (ms) => new Promise((resolve) => { setTimeout(resolve, ms); });
-
-// The calls in flight (unary calls and result streams), cancelled when a signal stops the run; and
-// that signal's name. Without it, SIGINT or SIGTERM ended the process at once and the batch went on
-// generating on the workers (nobody to read it) until it completed.
-const inFlight = new Set();
-let interrupted = null;
-
-// A call is not started (a retry not waited out) once the run is interrupted.
-function checkInterrupted() {
-  if (interrupted !== null) {
-    throw Object.assign(new Error(`interrupted (${interrupted})`), {
-      code: grpc.status.CANCELLED, details: `interrupted (${interrupted})`,
+// The proto definitions, parsed once per process (loadSync reads and parses every .proto: a trainer
+// calling rollout() per step re-parsed them every time).
+let protoDefinition = null;
+function protoDef() {
+  if (protoDefinition === null) {
+    protoDefinition = protoLoader.loadSync(path.join(PROTO_ROOT, 'seer', 'v1', 'rollout.proto'), {
+      includeDirs: [PROTO_ROOT],
+      keepCase: true, // field names exactly as in the .proto (snake_case)
+      // Decimal strings: a Number is exact only up to 2^53, and seeds, submission ids and policy
+      // versions may be anything up to 2^64 (a string also encodes exactly, through protobufjs' Long).
+      longs: String,
+      enums: String,
+      defaults: true,
+      oneofs: true,
     });
   }
+  return protoDefinition;
 }
+
+let rolloutService = null;
+function loadRolloutService() {
+  if (rolloutService === null) rolloutService = grpc.loadPackageDefinition(protoDef()).seer.v1.RolloutService;
+  return rolloutService;
+}
+
+// The field names of a message of seer.v1 (as in the .proto: keepCase).
+function fieldNames(message) {
+  return protoDef()[`seer.v1.${message}`].type.field.map((f) => f.name);
+}
+
+// Milliseconds, woken early by an abort (a retry's backoff is not waited out once the run stops).
+function sleep(ms, run = null) {
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      if (run) run.wakers.delete(done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    if (run) run.wakers.add(done);
+  });
+}
+
+// One run's state: its calls in flight (unary calls and result streams), cancelled when the run is
+// aborted (a signal in the CLI, the caller's AbortSignal in a library call), why it was aborted,
+// and where its retry lines go. One per rollout() call: two concurrent calls in one process no
+// longer share (and cancel) each other's calls. Without it, SIGINT or SIGTERM ended the process at
+// once and the batch went on generating on the workers (nobody to read it) until it completed.
+class Run {
+  constructor(log = () => {}) {
+    this.inFlight = new Set();
+    this.wakers = new Set();
+    this.reason = null; // a signal's name, or the AbortSignal's reason; null = not aborted
+    this.aborted = false;
+    this.log = log;
+  }
+
+  abort(reason) {
+    if (this.aborted) return;
+    this.aborted = true;
+    this.reason = reason;
+    for (const c of this.inFlight) c.cancel(); // each fails CANCELLED, which ends the run
+    for (const wake of this.wakers) wake();
+  }
+
+  describe() {
+    const r = this.reason;
+    if (r instanceof Error) return r.message || r.name;
+    return typeof r === 'string' ? r : String(r);
+  }
+
+  // A call is not started (a retry not waited out) once the run is aborted.
+  check() {
+    if (this.aborted) {
+      throw Object.assign(new Error(`interrupted (${this.describe()})`), {
+        code: grpc.status.CANCELLED, details: `interrupted (${this.describe()})`, aborted: true,
+      });
+    }
+  }
+}
+
+// The command line's run: its signal handler aborts it, its retry lines go to stderr.
+const cliRun = new Run((line) => console.error(line));
 
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 // Milliseconds for a timer option: at least 1, at most what setTimeout takes (a longer delay
@@ -211,9 +266,10 @@ function switching(err) {
 // progress (a result) resets it, so a buffer that accepts every stream and then fails it still ends
 // the run instead of being retried forever.
 class Retry {
-  constructor(retrySeconds, endMs) {
+  constructor(retrySeconds, endMs, run) {
     this.windowMs = retrySeconds * 1000;
     this.endMs = endMs;
+    this.run = run;
     this.reset();
   }
 
@@ -236,7 +292,7 @@ class Retry {
   // transient state, retried like UNAVAILABLE); after, it is a message over the size limit, which a
   // retry would only repeat.
   async wait(err, refused = false) {
-    checkInterrupted();
+    this.run.check();
     if (!transient(err) && !(refused && err.code === grpc.status.RESOURCE_EXHAUSTED)) throw err;
     const now = Date.now();
     if (this.failingSince === null) this.failingSince = now;
@@ -244,26 +300,27 @@ class Retry {
     // waited out for up to 660 s, the one retry that 0 did not turn off).
     const windowMs = switching(err) && this.windowMs > 0 ? Math.max(this.windowMs, SWITCH_WINDOW_MS) : this.windowMs;
     if (this.downMs + (now - this.failingSince) + this.delayMs > windowMs) throw err;
-    console.error(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
+    this.run.log(`retrying after ${err.code} ${err.details} (${this.delayMs} ms)`);
     // Not past the run's deadline: the next call then fails DEADLINE_EXCEEDED at once.
-    await sleep(Math.max(0, Math.min(this.delayMs, this.endMs - now)));
-    checkInterrupted();
+    await sleep(Math.max(0, Math.min(this.delayMs, this.endMs - now)), this.run);
+    this.run.check();
     this.delayMs = Math.min(this.delayMs * 2, 2000);
   }
 }
 
-// endMs: the run's one deadline (Date.now() ms), shared by every call and every reopened stream.
-async function unary(client, method, request, endMs, retrySeconds) {
-  const retry = new Retry(retrySeconds, endMs);
+// endMs: the run's one deadline (Date.now() ms; Infinity = none), shared by every call and every
+// reopened stream (grpc-js takes a number of ms, Infinity included, as a deadline).
+async function unary(client, method, request, endMs, retrySeconds, run = new Run()) {
+  const retry = new Retry(retrySeconds, endMs, run);
   for (;;) {
-    checkInterrupted();
+    run.check();
     try {
       return await new Promise((resolve, reject) => {
-        const c = client[method](request, { deadline: new Date(endMs) }, (err, reply) => {
-          inFlight.delete(c);
+        const c = client[method](request, { deadline: endMs }, (err, reply) => {
+          run.inFlight.delete(c);
           if (err) reject(err); else resolve(reply);
         });
-        inFlight.add(c);
+        run.inFlight.add(c);
       });
     } catch (err) {
       await retry.wait(err);
@@ -284,22 +341,40 @@ async function unary(client, method, request, endMs, retrySeconds) {
 // fails RESOURCE_EXHAUSTED naming the left-out cursors, as the Python client does. The buffer's own
 // status names them too, but only on the stream that skipped them: a stream resumed past one (a
 // reconnect) ends OK, and the run said only "stream ended after N of M results".
-async function streamResults(client, batchId, endMs, retrySeconds, onResult, submissionId = '0') {
-  const retry = new Retry(retrySeconds, endMs);
+//
+// onResult may return a promise: it is awaited before the next result is handed over (the stream is
+// paused meanwhile, so a slow consumer holds the buffer back instead of queueing results in memory),
+// and a throw or a rejection ends the call with that error (err.fromCallback). Before, a rejected
+// promise was an unhandled rejection (the process crashed) and the stream went on.
+async function streamResults(client, batchId, endMs, retrySeconds, onResult, submissionId = '0', run = new Run()) {
+  const retry = new Retry(retrySeconds, endMs, run);
   let cursor = 0n;
   let submission = String(submissionId);
   const leftOut = [];
+  const leftOutError = (err) => Object.assign(err, {
+    code: grpc.status.RESOURCE_EXHAUSTED, leftOut: leftOut.map(String), batchComplete: true,
+  });
   for (;;) {
     // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
     // without them (grpc-js emits 'metadata' only for real headers, not for a trailers-only answer).
     let accepted = false;
-    checkInterrupted();
+    run.check();
     try {
       await new Promise((resolve, reject) => {
         const stream = client.StreamResults(
           { batch_id: batchId, cursor: cursor.toString(), submission_id: submission },
-          { deadline: new Date(endMs) });
-        inFlight.add(stream);
+          { deadline: endMs });
+        run.inFlight.add(stream);
+        // The results handed to onResult one at a time, in order: the end of the stream (or its
+        // failure, which reopens it from `cursor`) waits for the callback in progress, so a
+        // reopened stream never overlaps it.
+        let chain = Promise.resolve();
+        let failed = false;
+        const fail = (err) => {
+          failed = true;
+          run.inFlight.delete(stream);
+          reject(err);
+        };
         stream.on('metadata', () => {
           accepted = true;
           retry.accepted();
@@ -311,33 +386,51 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
           // '0' from a buffer without submission ids: pinned at the first result that names one.
           if (submission === '0') submission = msg.submission_id;
           retry.reset(); // progress: the retry window starts again
-          try {
-            onResult(msg);
-          } catch (err) {
-            // A callback that throws ends the run (the caller's error, not a stream failure).
-            inFlight.delete(stream);
+          stream.pause();
+          chain = chain.then(() => (failed ? undefined : onResult(msg))).then(() => {
+            if (!failed) stream.resume();
+          }, (err) => {
+            // A callback that throws or rejects ends the run (the caller's error, not a stream
+            // failure, so not retried).
+            const e = err instanceof Error ? err : Object.assign(new Error(String(err)), { cause: err });
+            fail(Object.assign(e, { fromCallback: true }));
             stream.cancel();
-            reject(Object.assign(err, { fromCallback: true }));
-          }
+          });
         });
-        stream.on('error', (err) => { inFlight.delete(stream); reject(err); });
-        stream.on('end', () => { inFlight.delete(stream); resolve(); });
+        // An abort does not wait for the callback in progress (it may be what hangs).
+        stream.on('error', (err) => {
+          // grpc-js emits a failure at once, also while results it received wait unread in the
+          // paused stream: they are asked for again from `cursor` (see the catch below).
+          err.unread = stream.readableLength;
+          if (run.aborted) fail(err);
+          else chain = chain.then(() => fail(err));
+        });
+        stream.on('end', () => {
+          chain = chain.then(() => {
+            run.inFlight.delete(stream);
+            if (!failed) resolve();
+          });
+        });
       });
     } catch (err) {
       if (err.fromCallback) throw err;
+      if (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted && err.unread > 0) {
+        // The buffer's end-of-batch status for left-out results, read before the last results
+        // (still unread in the paused stream): a stream from `cursor` delivers them.
+        continue;
+      }
       if (leftOut.length > 0 && err.code === grpc.status.RESOURCE_EXHAUSTED && accepted) {
         // The buffer's status names this stream's left-out results (request ids); the gaps name
-        // those of earlier streams too.
+        // those of earlier streams too. Every other result was delivered: the batch is complete.
         err.details = `${leftOutMessage(batchId, leftOut)}; the buffer: ${err.details}`;
-        throw err;
+        throw leftOutError(err);
       }
       await retry.wait(err, !accepted);
       continue;
     }
     if (leftOut.length > 0) {
-      throw Object.assign(new Error(leftOutMessage(batchId, leftOut)), {
-        code: grpc.status.RESOURCE_EXHAUSTED, details: leftOutMessage(batchId, leftOut), leftOut: leftOut.map(String),
-      });
+      throw leftOutError(Object.assign(new Error(leftOutMessage(batchId, leftOut)),
+        { details: leftOutMessage(batchId, leftOut) }));
     }
     return;
   }
@@ -373,17 +466,38 @@ function makeGroups(n, groupSize, maxTokens, seed = '1234') {
   return groups;
 }
 
-// The groups as they are sent: each sampling.seed checked and made a decimal string (naming the
-// field, before any call). Copies: the caller's objects are left as they were.
+// `obj`'s keys that are not fields of `message`, refused naming the first (`where`.key). protobufjs
+// (keepCase) silently drops a key it does not know: a camelCase topP or ignoreEos was sent as
+// nothing, and the group sampled with the defaults.
+function checkKeys(obj, message, where) {
+  const known = fieldNames(message);
+  for (const key of Object.keys(obj)) {
+    if (known.includes(key)) continue;
+    const snake = key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
+    const hint = snake !== key && known.includes(snake) ? ` (did you mean ${snake}?)` : '';
+    throw Object.assign(new Error(`${where}.${key}: unknown field${hint}; ${message} has ${known.join(', ')}`),
+      { field: `${where}.${key}` });
+  }
+}
+
+// The groups as they are sent: every key a field of PromptGroup (and of SamplingParams in
+// sampling), each sampling.seed checked and made a decimal string (naming the field, before any
+// call). Copies: the caller's objects are left as they were.
 function checkGroups(groups) {
   if (!Array.isArray(groups) || groups.length === 0) {
     throw Object.assign(new Error('groups: must be a non-empty array of prompt groups'), { field: 'groups' });
   }
   return groups.map((g, i) => {
-    if (g === null || typeof g !== 'object') {
+    if (g === null || typeof g !== 'object' || Array.isArray(g)) {
       throw Object.assign(new Error(`groups[${i}]: must be an object`), { field: `groups[${i}]` });
     }
-    const sampling = g.sampling || {};
+    checkKeys(g, 'PromptGroup', `groups[${i}]`);
+    if (g.sampling === undefined || g.sampling === null) return g;
+    if (typeof g.sampling !== 'object' || Array.isArray(g.sampling)) {
+      throw Object.assign(new Error(`groups[${i}].sampling: must be an object`), { field: `groups[${i}].sampling` });
+    }
+    checkKeys(g.sampling, 'SamplingParams', `groups[${i}].sampling`);
+    const { sampling } = g;
     if (sampling.seed === undefined || sampling.seed === null) return g;
     return { ...g, sampling: { ...sampling, seed: uint64(`groups[${i}].sampling.seed`, sampling.seed) } };
   });
@@ -414,10 +528,18 @@ function toResult(msg) {
     latency_seconds: r.latency_seconds,
     labels: r.labels,
     text: r.text,
-    stats: r.stats || {},
+    stats: stats(r.stats),
     cursor: msg.cursor,
     submission_id: msg.submission_id,
   };
+}
+
+// Every ChunkStats field, 0 where the result has none (as the Python client's stats dict; it was
+// {} here when the buffer sent no stats).
+function stats(s) {
+  const out = {};
+  for (const k of fieldNames('ChunkStats')) out[k] = s && s[k] !== undefined && s[k] !== null ? s[k] : 0;
+  return out;
 }
 
 const LONG_FIELDS = ['policy_version', 'cursor', 'submission_id'];
@@ -478,7 +600,7 @@ async function cancelSubmission(RolloutService, opts, batchId, token) {
       try {
         const reply = await new Promise((resolve, reject) => {
           client.CancelBatch({ batch_id: batchId, submission_token: token },
-            { deadline: new Date(endMs) }, (err, r) => (err ? reject(err) : resolve(r)));
+            { deadline: endMs }, (err, r) => (err ? reject(err) : resolve(r)));
         });
         return `cancelled it (${reply.num_cancelled} unfinished responses)`;
       } catch (err) {
@@ -512,10 +634,18 @@ const REFUSED = new Set([
 
 // Whether a run that failed with `err` in `phase` leaves a batch running that nobody will read:
 // 'submitting' (unless refused for certain) or 'streaming'. After the last result ('done') there is
-// nothing left to cancel.
+// nothing left to cancel, nor after results left out by the buffer (named once every other result
+// was delivered: the batch is complete; the cancel that followed only said "0 unfinished").
 function needsCancel(phase, err) {
+  if (err.batchComplete) return false;
   if (phase === 'streaming') return true;
   return phase === 'submitting' && !REFUSED.has(err.code);
+}
+
+// node-<ms>-<random hex>: the time alone named two processes' batches alike when they started in
+// the same millisecond (the second one's SubmitBatch answered already_submitted with the other's).
+function defaultBatchId() {
+  return `node-${Date.now()}-${crypto.randomBytes(6).toString('hex')}`;
 }
 
 function createClient(RolloutService, opts) {
@@ -523,61 +653,148 @@ function createClient(RolloutService, opts) {
     channelOptions(opts.keepaliveSeconds, opts.keepaliveTimeoutSeconds));
 }
 
-// The library entry point: submits `groups` (PromptGroup objects as in rollout.proto, snake_case;
-// a sampling.seed may be a BigInt, a decimal string or a safe-integer Number) as batch `batchId`,
-// streams every result, calls onResult(result) for each (toResult's fields), and resolves to
-// { batch_id, submission_id, num_requests, policy_version, already_submitted, responses, results }
-// (results: every result, only when no onResult was given). Options as the command line's:
-// address, batchId (default: node-<time>), timeout (seconds, one deadline for the whole call),
-// retrySeconds, keepaliveSeconds, keepaliveTimeoutSeconds, seedScope.
-//
-// It rejects with the gRPC error (code, details) that ended it; a batch left running by a failure
-// after the submission (a timeout, a stream that failed for good, a left-out result, onResult
-// throwing) is cancelled first, by this call's submission token, and err.cancel says what happened
-// to it. A bad argument rejects before any call, err.field naming it.
-async function rollout(options, onResult) {
+const OPTIONS = [
+  'address', 'groups', 'batchId', 'timeout', 'cancelOnTimeout', 'retrySeconds', 'keepaliveSeconds',
+  'keepaliveTimeoutSeconds', 'seedScope', 'submissionToken', 'signal', 'log',
+];
+const TOKEN_RE = /^[A-Za-z0-9._:-]{1,128}$/; // the buffer's (services/buffer/validation.py)
+
+const badOption = (field, what, value) => Object.assign(
+  new Error(`${field}: ${what}, got ${typeof value === 'function' ? 'a function' : String(value)}`), { field });
+
+// The library's options, checked before any call (each error's `field` names the option).
+function libraryOptions(options) {
+  if (options === null || typeof options !== 'object') throw badOption('options', 'must be an object', options);
+  for (const key of Object.keys(options)) {
+    if (OPTIONS.includes(key)) continue;
+    // batch_id for batchId would be dropped silently: the call then ran under a generated id.
+    const camel = key.replace(/_([a-z])/g, (_, c) => c.toUpperCase());
+    const hint = camel !== key && OPTIONS.includes(camel) ? ` (did you mean ${camel}?)` : '';
+    throw Object.assign(new Error(`${key}: unknown option${hint}; rollout() takes ${OPTIONS.join(', ')}`),
+      { field: key });
+  }
   const o = {
-    address: 'localhost:50051', batchId: '', timeout: 600, retrySeconds: 60, keepaliveSeconds: 30,
-    keepaliveTimeoutSeconds: 10, seedScope: '', ...options,
+    address: 'localhost:50051', batchId: '', timeout: Infinity, cancelOnTimeout: false, retrySeconds: 60,
+    keepaliveSeconds: 30, keepaliveTimeoutSeconds: 10, seedScope: '', submissionToken: null, signal: null,
+    log: null, ...options,
   };
-  for (const k of ['timeout', 'keepaliveSeconds', 'keepaliveTimeoutSeconds']) {
+  if (o.timeout === null || o.timeout === undefined) o.timeout = Infinity; // no deadline, as run_batch's None
+  if (typeof o.timeout !== 'number' || !(o.timeout > 0)) {
+    throw badOption('timeout', 'must be a positive number of seconds, Infinity or null (none)', o.timeout);
+  }
+  for (const k of ['keepaliveSeconds', 'keepaliveTimeoutSeconds']) {
     if (typeof o[k] !== 'number' || !(o[k] > 0) || !Number.isFinite(o[k])) {
-      throw Object.assign(new Error(`${k}: must be a positive number of seconds, got ${o[k]}`), { field: k });
+      throw badOption(k, 'must be a positive number of seconds', o[k]);
     }
   }
   if (typeof o.retrySeconds !== 'number' || !(o.retrySeconds >= 0) || !Number.isFinite(o.retrySeconds)) {
-    throw Object.assign(new Error(`retrySeconds: must be a number of seconds >= 0, got ${o.retrySeconds}`),
-      { field: 'retrySeconds' });
+    throw badOption('retrySeconds', 'must be a number of seconds >= 0', o.retrySeconds);
+  }
+  if (typeof o.cancelOnTimeout !== 'boolean') throw badOption('cancelOnTimeout', 'must be a boolean', o.cancelOnTimeout);
+  if (o.submissionToken !== null && o.submissionToken !== undefined
+      && (typeof o.submissionToken !== 'string' || !TOKEN_RE.test(o.submissionToken))) {
+    throw badOption('submissionToken', 'must match [A-Za-z0-9._:-]{1,128}', JSON.stringify(o.submissionToken));
+  }
+  if (o.signal !== null && o.signal !== undefined && !(o.signal instanceof AbortSignal)) {
+    throw badOption('signal', 'must be an AbortSignal', o.signal);
+  }
+  if (o.log !== null && o.log !== undefined && typeof o.log !== 'function') {
+    throw badOption('log', 'must be a function (line) => void', o.log);
+  }
+  return o;
+}
+
+// The library entry point: submits `groups` (PromptGroup objects as in rollout.proto, snake_case;
+// any other key is refused naming it; a sampling.seed may be a BigInt, a decimal string or a
+// safe-integer Number) as batch `batchId`, streams every result, calls onResult(result) for each
+// (toResult's fields; a returned promise is awaited before the next), and resolves to
+// { batch_id, submission_id, submission_token, num_requests, policy_version, already_submitted,
+// responses, results } (results: every result, only when no onResult was given). Options: address,
+// batchId (default: node-<time>-<random hex>), timeout (seconds, one deadline for the whole call;
+// default Infinity = none, as SeerClient.run_batch), cancelOnTimeout (false), retrySeconds,
+// keepaliveSeconds, keepaliveTimeoutSeconds, seedScope, submissionToken (default: a random one),
+// signal (an AbortSignal), log ((line) => void for the retry lines; default: none).
+//
+// It rejects with the error that ended it, err.batchId and err.submissionToken naming the
+// submission. A batch left running by a failure after the submission (the signal aborted, a stream
+// that failed for good, onResult throwing or rejecting) is cancelled first, by this call's
+// submission token, and err.cancel says what happened to it. A timeout leaves the batch running,
+// as run_batch's (err.timedOut; calling again with the same batchId and submissionToken collects
+// it), unless cancelOnTimeout. A stream that ended with fewer results than requests (the batch was
+// cancelled by someone else) rejects ABORTED, err.incomplete. A bad argument rejects before any
+// call, err.field naming it.
+async function rollout(options, onResult) {
+  const o = libraryOptions(options);
+  if (onResult !== undefined && onResult !== null && typeof onResult !== 'function') {
+    throw badOption('onResult', 'must be a function', onResult);
   }
   const groups = checkGroups(o.groups);
-  const batchId = o.batchId || `node-${Date.now()}`;
-  const token = crypto.randomBytes(16).toString('hex');
+  const batchId = o.batchId || defaultBatchId();
+  // Names this call's submission to CancelBatch; returned, so the caller can cancel it or collect it.
+  const token = o.submissionToken || crypto.randomBytes(16).toString('hex');
+  const run = new Run(o.log || (() => {}));
+  const { signal } = o;
+  const aborted = () => Object.assign(new Error(`rollout of batch ${batchId} aborted: ${run.describe()}`), {
+    code: grpc.status.CANCELLED, details: `aborted: ${run.describe()}`, aborted: true, cause: run.reason,
+  });
+  if (signal && signal.aborted) {
+    run.abort(signal.reason);
+    throw Object.assign(aborted(), { batchId, submissionToken: token }); // nothing was sent
+  }
   const RolloutService = loadRolloutService();
   const client = createClient(RolloutService, o);
-  const endMs = Date.now() + o.timeout * 1000;
+  const endMs = Date.now() + o.timeout * 1000; // Infinity: no deadline
   const results = onResult ? null : [];
+  let responses = 0;
   let phase = 'submitting';
+  const onAbort = () => run.abort(signal.reason);
+  if (signal) signal.addEventListener('abort', onAbort, { once: true });
   try {
     const submitted = await unary(client, 'SubmitBatch',
-      { batch_id: batchId, groups, submission_token: token, seed_scope: o.seedScope }, endMs, o.retrySeconds);
+      { batch_id: batchId, groups, submission_token: token, seed_scope: o.seedScope }, endMs, o.retrySeconds, run);
     phase = 'streaming';
-    let responses = 0;
     await streamResults(client, batchId, endMs, o.retrySeconds, (msg) => {
       responses += 1;
       const r = toResult(msg);
-      if (results) results.push(r); else onResult(r);
-    }, submitted.submission_id);
+      if (!results) return onResult(r); // a promise is awaited before the next result
+      results.push(r);
+      return undefined;
+    }, submitted.submission_id, run);
     phase = 'done';
+    if (responses < submitted.num_requests) {
+      // The stream ended OK short of the batch: its other requests were cancelled (CancelBatch
+      // by someone else, e.g. an operator or another process). Before, this resolved as a success
+      // and a trainer went on with part of its groups.
+      const details = `batch ${JSON.stringify(batchId)} ended after ${responses} of ${submitted.num_requests} `
+        + 'results: it was cancelled by someone else (the rest will not come)';
+      throw Object.assign(new Error(details), { code: grpc.status.ABORTED, details, incomplete: true });
+    }
     return {
-      batch_id: batchId, submission_id: submitted.submission_id, num_requests: submitted.num_requests,
-      policy_version: submitted.policy_version, already_submitted: submitted.already_submitted, responses, results,
+      batch_id: batchId, submission_id: submitted.submission_id, submission_token: token,
+      num_requests: submitted.num_requests, policy_version: submitted.policy_version,
+      already_submitted: submitted.already_submitted, responses, results,
     };
-  } catch (err) {
+  } catch (caught) {
+    let err = caught;
+    if (run.aborted && !err.fromCallback) err = aborted(); // the calls' CANCELLED, said as the abort it was
+    // (grpc-js' deadline timer may fire a few ms before endMs by Date.now().)
+    if (err.code === grpc.status.DEADLINE_EXCEEDED && Date.now() >= endMs - 100) {
+      err.timedOut = true;
+      err.details = `timeout (${o.timeout} s) ran out (one deadline for the whole call): ${err.details || err.message}`;
+    }
+    Object.assign(err, { batchId, submissionToken: token, responses });
+    if (results) err.results = results;
     if (!needsCancel(phase, err)) throw err;
+    if (err.timedOut && !o.cancelOnTimeout) {
+      err.cancel = 'left running (timeout; cancelOnTimeout not set): call rollout() again with the same batchId '
+        + 'and submissionToken to collect it';
+      throw err;
+    }
     client.close(); // a submission still in flight is cancelled with it (the buffer does not store it)
     err.cancel = await cancelSubmission(RolloutService, o, batchId, token);
     throw err;
   } finally {
+    if (signal) signal.removeEventListener('abort', onAbort);
     client.close();
   }
 }
@@ -586,7 +803,7 @@ async function main() {
   const opts = parseArgs(process.argv.slice(2));
   const RolloutService = loadRolloutService();
   const client = createClient(RolloutService, opts);
-  const batchId = opts.batchId || `node-${Date.now()}`;
+  const batchId = opts.batchId || defaultBatchId();
   // Names this run's submission to CancelBatch (SubmitBatchRequest.submission_token).
   const token = crypto.randomBytes(16).toString('hex');
   // Opened before anything is sent: a path that cannot be written ends the run with no batch.
@@ -598,8 +815,7 @@ async function main() {
       console.error(`cancelling batch ${batchId} was interrupted: it may still be running`);
       process.exit(128 + os.constants.signals[sig]);
     }
-    if (interrupted === null) interrupted = sig;
-    for (const c of inFlight) c.cancel(); // each fails CANCELLED, which ends the run below
+    cliRun.abort(sig); // the calls in flight fail CANCELLED, which ends the run below
   };
   process.on('SIGINT', onSignal);
   process.on('SIGTERM', onSignal);
@@ -607,7 +823,7 @@ async function main() {
     await run(opts, client, batchId, token, state, out);
   } catch (err) {
     client.close();
-    if (interrupted === null) {
+    if (!cliRun.aborted) {
       // A timeout, a stream that failed for good, a left-out result: nobody will read the rest of
       // the batch, so it is cancelled as `seer rollout` does (before: it went on generating).
       if (needsCancel(state.phase, err)) {
@@ -621,9 +837,10 @@ async function main() {
       cancelling = true;
       console.error(`batch ${batchId}: ${await cancelSubmission(RolloutService, opts, batchId, token)}`);
     }
-    console.error(`interrupted (${interrupted})`);
-    out.say(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: `interrupted (${interrupted})` })}`);
-    process.exitCode = 128 + os.constants.signals[interrupted];
+    const sig = cliRun.reason;
+    console.error(`interrupted (${sig})`);
+    out.say(`RESULT ${JSON.stringify({ client: 'node', ok: false, error: `interrupted (${sig})` })}`);
+    process.exitCode = 128 + os.constants.signals[sig];
   } finally {
     process.removeListener('SIGINT', onSignal);
     process.removeListener('SIGTERM', onSignal);
@@ -654,7 +871,7 @@ async function run(opts, client, batchId, token, state, out) {
   // One deadline for the whole run, computed once (like the Python client's iter_results timeout).
   const endMs = Date.now() + opts.timeout * 1000;
   runEndMs = endMs;
-  const call = (method, request) => unary(client, method, request, endMs, opts.retrySeconds);
+  const call = (method, request) => unary(client, method, request, endMs, opts.retrySeconds, cliRun);
   const groups = makeGroups(opts.groups, opts.groupSize, opts.maxTokens, opts.seed);
   const start = Date.now();
 
@@ -686,7 +903,7 @@ async function run(opts, client, batchId, token, state, out) {
     const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
     out.say(`result ${r.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
       + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
-  }, submitted.submission_id);
+  }, submitted.submission_id, cliRun);
   state.phase = 'done';
   if (seen.size !== expected) problems.push(`stream ended after ${seen.size} of ${expected} results`);
 
