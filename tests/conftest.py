@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,18 @@ def model_dir() -> Path:
     from services.worker.model.prepare import ensure_model
 
     return ensure_model()
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """A test that runs a service's main() in process (setup_logging) leaves the root logger at
+    INFO with its own handler: every later test's info lines were then made and kept, which a
+    memory measurement of the draft store counted as the store's."""
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
 
 def free_port() -> int:
