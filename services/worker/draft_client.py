@@ -100,15 +100,22 @@ class _Registration(NamedTuple):
     submit_seq: int
 
 
-class _Running(NamedTuple):
+@dataclass(slots=True)
+class _Running:
     """One attempt of a request started here (resume) and not ended yet, as its caller names it."""
 
     epoch: int  # its dispatch epoch (0: not given)
     submit_seq: int  # its batch submission (0: not given)
     # Its resume made the request active (an older submission's or a superseded attempt's left the
     # mirror alone). It keeps the request active while it runs, until a newer attempt of the
-    # request resumes here (_stale): then the newer one's end is the one that ends the mark.
+    # request resumes here (superseded): then the newer one's end is the one that ends the mark.
     made_active: bool
+    # A newer attempt of the request (_newer) ran here at the same time as this one: resumed while
+    # this one ran (resume flags it), or already running when this one resumed. Its appends are
+    # dropped from then on. Only an attempt running alongside supersedes: one that ended before
+    # this one resumed does not (after a scheduler restart without its epoch_file behind the clock,
+    # the same submission's next chunk comes back at a LOWER epoch, and is the request's attempt).
+    superseded: bool = False
 
 
 @dataclass
@@ -139,7 +146,7 @@ class _Mirror:
     # attempt is still finishing: SGLang drops rids from its batch in any order), so an end names
     # its attempt (epoch, submit_seq) and ends that one: by start order (the earliest), only when
     # the caller does not name it. The request stays active while an attempt that made it active
-    # and is not superseded (_stale) still runs.
+    # and is not superseded (_Running.superseded) still runs.
     attempts: dict[str, list[_Running]] = field(default_factory=dict)
     resync: set[str] = field(default_factory=set)  # active requests another writer changed meanwhile (see end)
     incarnation: int = 0  # the server's group incarnation this mirror follows (0: not synced yet)
@@ -246,35 +253,69 @@ def _judge_attempt(m: _Mirror, prompt_key: str, prompt: tuple[int, ...], group_s
     return _Attempt.KEEP if same_run else _Attempt.REPLACE
 
 
-def _stale(m: _Mirror, request_id: str, epoch: int, submit_seq: int, older: bool) -> bool:
-    """Whether an attempt of `request_id` (its dispatch `epoch` and batch submission `submit_seq`;
-    0: not given) is superseded on mirror `m`, so that it leaves the mirror alone (its resume does
-    not make the request active, its appends are dropped): of an older submission than the
-    request's here (as _note_submission_locked judges; without its submission, `older`: the
-    request's last registration said so, older_attempts), or of the same submission at an older
-    epoch than the newest attempt that resumed here (m.epochs). The server refuses such an append
-    too; stamped with the newer attempt's epoch (the request's, which the client sends), an
-    abandoned attempt's late token went through as the newer one's, and re-opened its finished
-    response. Reads `m` only."""
-    known = m.seqs.get(request_id, 0)
+def _older_submission(m: _Mirror, request_id: str, submit_seq: int, older: bool) -> bool:
+    """Whether an attempt of `request_id` of batch submission `submit_seq` (0: not given) is of an
+    older submission than the request's here (as _note_submission_locked judges; without its
+    submission, `older`: the request's last registration said so, older_attempts), so that it
+    leaves mirror `m` alone. Reads `m` only."""
     if submit_seq:
-        if known > submit_seq or (not known and submit_seq < m.submit_seq):
-            return True
-        if known and known != submit_seq:
-            return False  # a newer submission than recorded: the epochs here are another run's
-    elif older:
+        known = m.seqs.get(request_id, 0)
+        return known > submit_seq or (not known and submit_seq < m.submit_seq)
+    return older
+
+
+def _newer(epoch: int, submit_seq: int, than_epoch: int, than_submit_seq: int) -> bool:
+    """Whether an attempt (`epoch`, `submit_seq`; 0: not given) is newer than another of the same
+    request (`than_epoch`, `than_submit_seq`) running here alongside it: of a newer submission where
+    both are known and differ (a newer run's, whatever the epochs), else at a newer epoch where both
+    are known. Unnamed attempts are ordered by nothing (never superseded by epoch, as before
+    attempts were named)."""
+    if submit_seq and than_submit_seq and submit_seq != than_submit_seq:
+        return submit_seq > than_submit_seq
+    return 0 < than_epoch < epoch
+
+
+def _named(running: list[_Running], epoch: int, submit_seq: int) -> int | None:
+    """The index in `running` of the attempt (`epoch`, `submit_seq`; each 0 = not given, at least one
+    given) names: the latest started that matches (the same names resumed again are the same attempt
+    again); None when none does."""
+    for i in range(len(running) - 1, -1, -1):
+        r = running[i]
+        if (not epoch or r.epoch == epoch) and (not submit_seq or r.submit_seq == submit_seq):
+            return i
+    return None
+
+
+def _superseded(m: _Mirror, request_id: str, epoch: int, submit_seq: int) -> bool:
+    """Whether the appends of the attempt of `request_id` named (`epoch`, `submit_seq`; 0: not
+    given) are dropped on mirror `m`: it is of an older submission than the request's here, or its
+    running entry is superseded (_Running.superseded). An attempt without a running entry here
+    (unnamed, or never resumed here) is judged by its submission only. Not by the newest epoch that
+    ever resumed the request here (m.epochs): that one may have ended before this attempt resumed,
+    and a scheduler restarted without its epoch_file dispatches the same submission's next chunk
+    below it; taken for superseded, that attempt's resume left a failed attempt's tokens in the
+    copy and every one of its appends was dropped (the group never completed). Reads `m` only."""
+    if _older_submission(m, request_id, submit_seq, request_id in m.older_attempts):
         return True
-    return 0 < epoch < m.epochs.get(request_id, 0)
+    if not (epoch or submit_seq):
+        return False
+    running = m.attempts.get(request_id, [])
+    i = _named(running, epoch, submit_seq)
+    return i is not None and running[i].superseded
 
 
 def _take_attempt(running: list[_Running], epoch: int, submit_seq: int) -> _Running | None:
     """Removes and returns the attempt an end names (its epoch and submission, each 0 = not
-    given) from `running`; the earliest when it names none, or none of them matches (a caller that
-    started it without naming it); None when nothing runs."""
+    given) from `running`: the earliest when it names none; when it names one none of them
+    matches, the earliest unnamed one (a caller that started it without naming it), else None and
+    `running` unchanged (an attempt of another mirror of the group: an aborted attempt ending
+    after a new run's attempt of the request replaced the mirror must not end that one). None
+    when nothing runs."""
     if epoch or submit_seq:
-        for i, r in enumerate(running):
-            if (not epoch or r.epoch == epoch) and (not submit_seq or r.submit_seq == submit_seq):
-                return running.pop(i)
+        i = _named(running, epoch, submit_seq)
+        if i is None:
+            i = next((j for j, r in enumerate(running) if not r.epoch and not r.submit_seq), None)
+        return None if i is None else running.pop(i)
     return running.pop(0) if running else None
 
 
@@ -508,8 +549,9 @@ class DraftClient:
         AppendRequest.truncate), locally at once and on the server in order with the appends.
 
         epoch, submit_seq: the appending attempt's, as given to its resume (0: not given). An
-        attempt another one of the request superseded here (_stale) appends nothing; without them
-        only the request's registration tells (older_attempts)."""
+        attempt of an older submission, or one a newer attempt of the request superseded while it
+        ran here (_superseded), appends nothing; without them only the request's registration
+        tells (older_attempts)."""
         with self._lock:
             self._append_locked(group_id, request_id, offset, [int(t) for t in token_ids], finished, truncate,
                                 epoch, submit_seq)
@@ -517,9 +559,9 @@ class DraftClient:
     def _append_locked(self, group_id: str, request_id: str, offset: int, toks: list[int], finished: bool,
                        truncate: bool, epoch: int = 0, submit_seq: int = 0) -> None:
         m = self._groups.get(group_id)
-        if m is None or _stale(m, request_id, epoch, submit_seq, request_id in m.older_attempts):
+        if m is None or _superseded(m, request_id, epoch, submit_seq):
             # (An attempt of an older submission than the request's here, see _Mirror.older_attempts,
-            # or an older attempt of it than one that resumed here since: _stale.)
+            # or one a newer attempt of it superseded while it ran here: _Running.superseded.)
             return
         try:
             if truncate:
@@ -546,6 +588,11 @@ class DraftClient:
             self._pending.append(draft_pb2.AppendRequest(group_id=group_id, request_id=request_id, offset=offset,
                                                          token_ids=toks, finished=finished,
                                                          truncate=wire_truncate,
+                                                         # The newest epoch that resumed the request
+                                                         # here, not this attempt's: an attempt below
+                                                         # an ended one (a scheduler restarted behind
+                                                         # the clock) is refused by the server under
+                                                         # its own, which took the ended one's.
                                                          epoch=m.epochs.get(request_id, 0),
                                                          incarnation=m.incarnation))
             if len(self._pending) > _MAX_PENDING:
@@ -567,9 +614,14 @@ class DraftClient:
         on every append of the request from here on; 0 = unordered). submit_seq: its batch
         submission (0: not given; the request's registration then tells an older one's).
 
-        An attempt superseded here (_stale: an older submission's, or an older epoch than an
-        attempt of the request that resumed here before) leaves the mirror alone: the copy, its
-        epoch and its Sync deltas stay the newer attempt's; it drafts from them as they are.
+        An attempt of an older submission than the request's here, or at an older epoch than an
+        attempt of it still running here (_newer), is superseded: it leaves the mirror alone (the
+        copy, its epoch and its Sync deltas stay the newer attempt's; it drafts from them as they
+        are). A newer attempt resuming supersedes those of the request still running here: their
+        appends are dropped from then on. An attempt that already ended supersedes nothing: one of
+        the same submission at a lower epoch resumes as the request's attempt (a scheduler
+        restarted without its epoch_file behind the clock); its appends carry the request's newest
+        epoch here, which the server took.
 
         One critical section: a Sync applied between the truncate and marking the request active
         could put a stale attempt's tokens back into its own copy (it would then draft from them)."""
@@ -579,16 +631,22 @@ class DraftClient:
                 return
             self._groups.move_to_end(group_id)  # recently used: released last
             running = m.attempts.setdefault(request_id, [])
-            if _stale(m, request_id, epoch, submit_seq, request_id in m.older_attempts):
-                running.append(_Running(epoch, submit_seq, False))
+            if (_older_submission(m, request_id, submit_seq, request_id in m.older_attempts)
+                    or any(not r.superseded and _newer(r.epoch, r.submit_seq, epoch, submit_seq) for r in running)):
+                running.append(_Running(epoch, submit_seq, False, superseded=True))
                 return
+            for r in running:
+                if _newer(epoch, submit_seq, r.epoch, r.submit_seq):
+                    r.superseded = True  # its late appends would go out under this one's epoch
             if epoch:
                 m.epochs[request_id] = max(epoch, m.epochs.get(request_id, 0))
             m.synced_over.discard(request_id)  # our attempt's copy from here on
+            # Its entry first: the truncate+append below finds it (the latest of its names), not an
+            # earlier attempt of the same names still running here and superseded since.
+            running.append(_Running(epoch, submit_seq, True))
             self._append_locked(group_id, request_id, 0, [int(t) for t in output_token_ids], False, True,
                                 epoch, submit_seq)
             m.active.add(request_id)
-            running.append(_Running(epoch, submit_seq, True))
 
     def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
         """The request's chunk here is over: Sync deltas for it apply to the mirror again. If
@@ -602,14 +660,17 @@ class DraftClient:
         attempt ending after its re-dispatched successor started here leaves the newer one active
         (cleared, Sync deltas would overwrite its copy: an echo of its own tokens, or the abandoned
         attempt's, to draft from); the newer one ending first ends the mark although the
-        abandoned one still runs (its appends are dropped, _stale), so the server's state (that
-        response finished) comes in by Sync again."""
+        abandoned one still runs (its appends are dropped, _Running.superseded), so the server's
+        state (that response finished) comes in by Sync again. An end that names an attempt not
+        running here changes nothing (see _take_attempt)."""
         with self._lock:
             m = self._groups.get(group_id)
             if m is None:
                 return
             running = m.attempts.get(request_id, [])
             ended = _take_attempt(running, epoch, submit_seq)
+            if ended is None and (epoch or submit_seq):
+                return  # not an attempt of this mirror's (or already ended): nothing of it to end
             made_active = ended.made_active if ended is not None else request_id not in m.older_attempts
             if not running:
                 m.attempts.pop(request_id, None)
@@ -617,7 +678,8 @@ class DraftClient:
                 if all(r.made_active for r in running):
                     m.older_attempts.discard(request_id)  # no older submission's attempt runs here now
                 return
-            if any(r.made_active and not _stale(m, request_id, r.epoch, r.submit_seq, False) for r in running):
+            if any(r.made_active and not r.superseded and not _older_submission(m, request_id, r.submit_seq, False)
+                   for r in running):
                 return  # another attempt that made it active, and is not superseded, still runs here
             m.active.discard(request_id)
             if request_id in m.resync:

@@ -9,7 +9,8 @@ newer submission's attempt lost its active mark (and its appends) when an older 
 attempt that started after it ended first. Now resume, append and end take the attempt's dispatch
 epoch and submission (the worker core and the bridge pass them): an end ends that attempt, an
 attempt superseded by a newer one of the request appends nothing, and only an attempt not
-superseded keeps the request active.
+superseded keeps the request active. (Review of a17dd1d: only an attempt running alongside
+supersedes, not one that ended before, and a named end of an attempt not running here ends nothing.)
 (2) _lost_locked's expired branch tested history_loaded, which end()'s whole-group restart clears: a
 mirror that followed the group through Sync looked never-synced, and a new run's response that
 ended on it was lost. Now a `synced` flag, kept across that restart.
@@ -111,6 +112,90 @@ def test_an_unnamed_end_still_ends_the_earliest_attempt() -> None:
         a.end("g", "r0")  # the earliest (epoch 1)
         assert "r0" in m.active and [r.epoch for r in m.attempts["r0"]] == [2]
         a.end("g", "r0")
+        assert "r0" not in m.active and not m.attempts
+
+
+def test_a_lower_epoch_after_an_ended_attempt_of_the_same_submission_is_the_requests_attempt() -> None:
+    """(Review of a17dd1d, F1.) A scheduler restarted without its epoch_file behind the clock sends the
+    same submission's next chunk of r0 at a LOWER epoch than r0's earlier chunk here, which ended. It
+    was taken for superseded (the newest epoch that ever resumed r0 here): its resume kept the failed
+    attempt's streamed token, r0 was not active, and its appends were dropped (the group never
+    completed). Only an attempt running alongside supersedes; its appends carry the request's newest
+    epoch here (the server took 100 and refuses 50)."""
+    with workers(2) as (srv, (a, b)):
+        for c in (a, b):
+            c.register_attempt("g", "key", PROMPT, 2, 60, request_id="r0", epoch=100, submit_seq=1)
+        a.flush()
+        b.flush()
+        a.resume("g", "r0", [], epoch=100, submit_seq=1)
+        a.append("g", "r0", 0, [10, 11, 99], epoch=100, submit_seq=1)  # 99: streamed, never committed
+        a.end("g", "r0", epoch=100, submit_seq=1)
+        a.flush()
+        a.register_attempt("g", "key", PROMPT, 2, 60, request_id="r0", epoch=50, submit_seq=1)
+        a.resume("g", "r0", [10, 11], epoch=50, submit_seq=1)
+        m = a._groups["g"]
+        assert m.index.tokens("r0") == [10, 11], "resume kept the failed attempt's uncommitted token"
+        assert "r0" in m.active
+        a.append("g", "r0", 2, [12, 13], finished=True, epoch=50, submit_seq=1)
+        assert m.index.tokens("r0") == [10, 11, 12, 13], "the request's attempt's appends were dropped"
+        a.end("g", "r0", epoch=50, submit_seq=1)
+        a.flush()
+        assert srv.store.index_of("g").tokens("r0") == [10, 11, 12, 13]
+        assert "r0" in srv.store._groups["g"].finished and "r0" not in m.active and not m.attempts
+
+
+def test_a_lower_epoch_resuming_while_a_newer_attempt_runs_is_superseded() -> None:
+    """Attempts running alongside are still ordered by epoch, whichever resumed first: the older one
+    (a late resume) leaves the copy alone and appends nothing, and its end leaves the newer active."""
+    with workers(1) as (_srv, (a,)):
+        register((a,), group_size=2)
+        a.resume("g", "r0", [10], epoch=2)
+        a.resume("g", "r0", [], epoch=1)  # the abandoned attempt's late resume
+        m = a._groups["g"]
+        assert m.index.tokens("r0") == [10]
+        queued = len(a._pending)
+        a.append("g", "r0", 0, [7, 8], epoch=1)
+        assert m.index.tokens("r0") == [10] and len(a._pending) == queued
+        a.end("g", "r0", epoch=1)
+        assert "r0" in m.active
+        a.append("g", "r0", 1, [11], epoch=2)
+        assert m.index.tokens("r0") == [10, 11]
+
+
+def test_a_named_end_of_an_attempt_not_running_here_leaves_the_replacing_mirrors_attempt_alone() -> None:
+    """(Review of a17dd1d, F2.) A (epoch 1) of r0 is superseded by B (epoch 2); B finishes, the group
+    completes and a new run's attempt C of r0 (epoch 10) replaces the mirror while A's rid is still in
+    SGLang's batch. A's late end matched nothing on the new mirror and fell back to the earliest
+    entry: it ended C, which lost its active mark (Sync deltas then overwrote its copy)."""
+    with workers(1) as (_srv, (a,)):
+        register((a,), group_size=1)
+        a.resume("g", "r0", [], epoch=1)  # A
+        a.resume("g", "r0", [], epoch=2)  # B
+        a.append("g", "r0", 0, [10], finished=True, epoch=2)
+        a.end("g", "r0", epoch=2)
+        a.flush()
+        a.flush()
+        m1 = a._groups["g"]
+        assert m1.completed and not m1.active
+        a.register_attempt("g", "key", PROMPT, 1, 60, request_id="r0", epoch=10)  # a new run: replaced
+        m2 = a._groups["g"]
+        assert m2 is not m1
+        a.resume("g", "r0", [], epoch=10)  # C
+        a.end("g", "r0", epoch=1)  # A's late end
+        assert "r0" in m2.active, "C still runs but lost its active mark to A's end"
+        assert [r.epoch for r in m2.attempts["r0"]] == [10]
+        a.end("g", "r0", epoch=10)
+        assert "r0" not in m2.active and not m2.attempts
+
+
+def test_a_named_end_still_ends_an_attempt_started_unnamed() -> None:
+    """A caller that resumed without naming the attempt and ends it by name (its epoch known by then)
+    ends that unnamed attempt."""
+    with workers(1) as (_srv, (a,)):
+        register((a,), group_size=2)
+        a.resume("g", "r0", [])
+        m = a._groups["g"]
+        a.end("g", "r0", epoch=3)
         assert "r0" not in m.active and not m.attempts
 
 
