@@ -691,7 +691,9 @@ function libraryOptions(options) {
     throw badOption('retrySeconds', 'must be a number of seconds >= 0', o.retrySeconds);
   }
   if (typeof o.cancelOnTimeout !== 'boolean') throw badOption('cancelOnTimeout', 'must be a boolean', o.cancelOnTimeout);
-  if (o.submissionToken !== null && o.submissionToken !== undefined
+  // '' too means "a fresh one", as run_batch's submission_token="" (an empty token would make
+  // the cancel name no submission: whatever batch the id names).
+  if (o.submissionToken !== null && o.submissionToken !== undefined && o.submissionToken !== ''
       && (typeof o.submissionToken !== 'string' || !TOKEN_RE.test(o.submissionToken))) {
     throw badOption('submissionToken', 'must match [A-Za-z0-9._:-]{1,128}', JSON.stringify(o.submissionToken));
   }
@@ -824,8 +826,9 @@ async function main() {
   } catch (err) {
     client.close();
     if (!cliRun.aborted) {
-      // A timeout, a stream that failed for good, a left-out result: nobody will read the rest of
-      // the batch, so it is cancelled as `seer rollout` does (before: it went on generating).
+      // A timeout or a stream that failed for good: nobody will read the rest of the batch, so it
+      // is cancelled as `seer rollout` does (before: it went on generating). A left-out result
+      // ends a complete batch: nothing to cancel (needsCancel).
       if (needsCancel(state.phase, err)) {
         cancelling = true;
         err.cancel = await cancelSubmission(RolloutService, opts, batchId, token);
@@ -833,7 +836,9 @@ async function main() {
       }
       throw err;
     }
-    if (state.phase !== 'before') {
+    // Not before the submission (nothing of ours stored) and not once the stream ended (the batch
+    // is complete: a cancel would only say "0 unfinished responses").
+    if (state.phase !== 'before' && state.phase !== 'done') {
       cancelling = true;
       console.error(`batch ${batchId}: ${await cancelSubmission(RolloutService, opts, batchId, token)}`);
     }

@@ -600,10 +600,6 @@ class DraftClient:
                 del self._pending[:drop]
                 self._stats.dropped_messages += drop
 
-    def truncate(self, group_id: str, request_id: str, offset: int, *, epoch: int = 0, submit_seq: int = 0) -> None:
-        """Drops the request's tokens at or after `offset` (mirror now, server in order)."""
-        self.append(group_id, request_id, offset, (), truncate=True, epoch=epoch, submit_seq=submit_seq)
-
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
                submit_seq: int = 0) -> None:
         """A chunk of the request starts here from its committed output: the mirror's copy becomes

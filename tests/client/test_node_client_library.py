@@ -108,6 +108,11 @@ def test_the_summary_returns_the_submission_token_and_a_collision_free_batch_id(
                                     "rollout({ address: ADDR, batchId: B, groups: G, signal: AbortSignal.abort() })"))
     assert kind == "FAILED" and f["code"] == 1 and f["batchId"] == "tok" and len(f["submissionToken"]) == 32, f
     assert not batch_submitted(tok_buffer.address, "tok")
+    # An empty token is a fresh one, as run_batch's submission_token="" (it was refused).
+    kind, f, _, _ = _outcome(_start(node_client, tmp_path, tok_buffer.address, "tok2",
+                                    "rollout({ address: ADDR, batchId: B, groups: G, submissionToken: '',"
+                                    " signal: AbortSignal.abort() })"))
+    assert kind == "FAILED" and f["code"] == 1 and len(f["submissionToken"]) == 32, f
 
 
 def test_an_async_on_result_is_awaited_and_its_rejection_cancels_the_batch(
