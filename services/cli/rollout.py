@@ -260,18 +260,13 @@ def _cancel(address: str, batch_id: str, token: str, retry_not_found: float = 0.
         with SeerClient(address, retry_seconds=5.0, timeout=5.0) as client:
             while True:
                 try:
-                    n = client.cancel_batch(batch_id, submission_token=token)
+                    # The buffer's final answer about this run's submission (cancelled, not stored
+                    # and refused from now on, or another submission's batch) is read by the client.
+                    outcome = client.cancel_submission(batch_id, token)
                     break
                 except SeerError as e:
-                    if e.message.startswith("submission_token:"):
-                        # The buffer's final answer about this run's submission.
-                        if e.code == "NOT_FOUND":
-                            return ("nothing to cancel: this run's submission was not stored, and the buffer "
-                                    "refuses it from now on")
-                        if e.code == "FAILED_PRECONDITION":
-                            return ("not cancelled: the batch id names another submission than this run's "
-                                    "(another run's batch, left running; SeerClient"
-                                    f"({address!r}).cancel_batch({batch_id!r}) cancels it)")
+                    # NOT_FOUND naming batch_id: a buffer older than submission tokens, which may
+                    # still store the interrupted submission (or a batch deleted by retention).
                     if e.code != "NOT_FOUND":
                         raise
                     if time.monotonic() >= deadline:
@@ -284,7 +279,13 @@ def _cancel(address: str, batch_id: str, token: str, retry_not_found: float = 0.
                     time.sleep(0.2)
     except Exception as e:  # best effort: the error that ended the run is the one to report
         return f"cancelling it failed: {e}"
-    return f"cancelled it ({n} unfinished responses)"
+    # The CLI's own wording (the Node client's too), naming this run and the address.
+    if outcome.kind == "not_stored":
+        return "nothing to cancel: this run's submission was not stored, and the buffer refuses it from now on"
+    if outcome.kind == "other_submission":
+        return ("not cancelled: the batch id names another submission than this run's (another run's batch, "
+                f"left running; SeerClient({address!r}).cancel_batch({batch_id!r}) cancels it)")
+    return f"cancelled it ({outcome.num_cancelled} unfinished responses)"
 
 
 def format_summary(s: dict[str, Any]) -> str:

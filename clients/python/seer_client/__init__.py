@@ -6,6 +6,7 @@ from seer_client.client import SeerClient
 from seer_client.grouping import by_batch, by_group, group_advantages, score
 from seer_client.types import (
     BatchStatus,
+    CancelOutcome,
     PromptGroup,
     RequestStatus,
     RolloutResult,
@@ -18,6 +19,7 @@ from seer_client.types import (
 
 __all__ = [
     "BatchStatus",
+    "CancelOutcome",
     "PromptGroup",
     "RequestStatus",
     "RolloutResult",

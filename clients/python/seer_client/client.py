@@ -20,6 +20,7 @@ from seer.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from seer_client.types import (
     BatchStatus,
+    CancelOutcome,
     PromptGroup,
     RequestStatus,
     RolloutResult,
@@ -44,8 +45,9 @@ _OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-# run_batch's cancel after a Ctrl-C: a user who pressed it should not wait the client's full
-# retry_seconds for a buffer that is down (a second Ctrl-C ends the wait too).
+# run_batch's cancel after a Ctrl-C or a failure: a user who pressed it should not wait the client's
+# full retry_seconds for a buffer that is down (a second Ctrl-C ends the wait too), nor the error
+# that ended the run be held back that long.
 _INTERRUPT_CANCEL_SECONDS = 5.0
 
 log = logging.getLogger("seer_client")
@@ -197,6 +199,14 @@ def _results_timeout(timeout: object) -> float | None:
     return None if bound == float("inf") else bound
 
 
+def _token(value: object) -> str:
+    token = _str(value, "submission_token")
+    if not token:
+        # Sent empty, CancelBatch names no submission and cancels whatever batch the id names.
+        raise _invalid("submission_token", "must not be empty (cancel_batch(batch_id) cancels whatever the id names)")
+    return token
+
+
 def _str(value: object, field: str) -> str:
     if not isinstance(value, str):
         raise _invalid(field, f"must be a str, got {type(value).__name__} {value!r}")
@@ -263,6 +273,24 @@ def _result(resp: rollout_pb2.StreamResultsResponse) -> RolloutResult:
     )
 
 
+class _ResultsLeftOut(SeerError):
+    """RESOURCE_EXHAUSTED naming results the buffer left out of the stream, raised once the batch
+    is done and every other result was yielded: run_batch has nothing left to cancel."""
+
+
+def _submission_answer(batch_id: str, err: SeerError) -> CancelOutcome | None:
+    """The buffer's final answer about a submission in a CancelBatch error naming submission_token
+    (rollout.proto CancelBatchRequest.submission_token), None for any other error. The one place
+    that reads it: cancel_submission, and through it run_batch and `seer rollout`."""
+    if not err.message.startswith("submission_token:"):
+        return None
+    if err.code == "NOT_FOUND":  # none stored; the buffer refuses the token from now on
+        return CancelOutcome(batch_id, "not_stored")
+    if err.code == "FAILED_PRECONDITION":  # the id names another submission, left untouched
+        return CancelOutcome(batch_id, "other_submission")
+    return None  # INVALID_ARGUMENT (a malformed token) and the like: a plain failure
+
+
 def _left_out_message(batch_id: str, cursors: Sequence[int]) -> str:
     named = ", ".join(str(c) for c in cursors[:20]) + (f" and {len(cursors) - 20} more" if len(cursors) > 20 else "")
     return (f"batch {batch_id!r}: {len(cursors)} result(s) were left out of the stream by the buffer (over its "
@@ -307,18 +335,21 @@ class SeerClient:
 
     # ---- plumbing ------------------------------------------------------------------------------
 
-    def _call(self, fn: Callable[[], T], retry: bool = True, switch_window: float = 0.0) -> T:
-        """fn(), retried on UNAVAILABLE for retry_seconds; for `switch_window` seconds when the buffer
-        says a weight switch is in progress (it ends within the buffer's switch timeout), unless
-        retry_seconds is 0: no retries, the first failure is final (as the Node client's 0)."""
+    def _call(self, fn: Callable[[], T], retry: bool = True, switch_window: float = 0.0,
+              retry_seconds: float | None = None) -> T:
+        """fn(), retried on UNAVAILABLE for retry_seconds (the client's unless given); for
+        `switch_window` seconds when the buffer says a weight switch is in progress (it ends within
+        the buffer's switch timeout), unless retry_seconds is 0: no retries, the first failure is
+        final (as the Node client's 0)."""
+        window = self.retry_seconds if retry_seconds is None else retry_seconds
         start = time.monotonic()
-        deadline = start + self.retry_seconds
+        deadline = start + window
         delay = 0.05
         while True:
             try:
                 return fn()
             except grpc.RpcError as e:
-                if _retry_reason(e) == _SWITCHING and self.retry_seconds > 0:
+                if _retry_reason(e) == _SWITCHING and window > 0:
                     deadline = max(deadline, start + switch_window)
                 if not retry or e.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
                     raise _error(e) from None
@@ -445,7 +476,7 @@ class SeerClient:
                     delay, down, failing_since, failures = 0.05, 0.0, None, 0
                     yield result
                 if left_out:
-                    raise SeerError("RESOURCE_EXHAUSTED", _left_out_message(batch_id, left_out))
+                    raise _ResultsLeftOut("RESOURCE_EXHAUSTED", _left_out_message(batch_id, left_out))
                 return
             except grpc.RpcError as e:
                 code = e.code()
@@ -489,7 +520,7 @@ class SeerClient:
     def run_batch(self, batch_id: str, groups: Sequence[PromptGroup],
                   on_result: Callable[[RolloutResult], None] | None = None, *,
                   seed_scope: str = "", timeout: float | None = None, submission_token: str | None = None,
-                  cancel_on_interrupt: bool = True) -> list[RolloutResult]:
+                  cancel_on_interrupt: bool = True, cancel_on_error: bool = True) -> list[RolloutResult]:
         """Submits (idempotently) and returns every result; on_result sees each as it arrives.
 
         timeout: seconds to wait for the results once the batch is submitted, as iter_results'
@@ -500,11 +531,17 @@ class SeerClient:
 
         submission_token: this submission's name (see submit_batch); None or "" = a fresh random one.
         cancel_on_interrupt: a KeyboardInterrupt (Ctrl-C in a notebook or a script) while the batch
-        is submitted or its results awaited cancels this submission's batch (cancel_batch with the
-        token: never another run's batch under the same id; a submission still in flight when the
-        buffer answers "not stored" is refused from then on), then propagates, with a note saying
-        what the cancel did. Without it the rollout went on generating on the cluster with nobody
-        reading it. False: the batch is left running (call run_batch again to collect it).
+        is submitted or its results awaited cancels this submission's batch (cancel_submission: never
+        another run's batch under the same id; a submission still in flight when the buffer answers
+        "not stored" is refused from then on), then propagates, with a note saying what the cancel
+        did. Without it the rollout went on generating on the cluster with nobody reading it.
+        False: the batch is left running (call run_batch again to collect it).
+        cancel_on_error: the same once the batch is submitted, when on_result raises or the results
+        stream fails for good (a SeerError after the client's retries): the batch is cancelled and
+        the exception propagates unchanged, with a note saying what the cancel did. Not on a
+        SeerTimeout (the batch is left running, to be collected again), nor for results the buffer
+        left out of the stream (the batch is done then). False: the batch is left running.
+        Both cancels are best effort and short (5 s of retries at most; a second Ctrl-C ends them).
 
         Calling again after a SeerTimeout to collect the same batch: pass the first call's
         submission_token (the batch keeps its first submitter's token), or a Ctrl-C during the
@@ -515,64 +552,68 @@ class SeerClient:
         # and cancel whatever batch the id names (another run's under the same id).
         token = (_str(submission_token, "submission_token") if submission_token is not None else "") or uuid.uuid4().hex
         out: list[RolloutResult] = []
+        submitted = False
+        in_callback = False  # an exception now is on_result's, not the stream's
         try:
-            submitted = self.submit_batch(batch_id, groups, seed_scope=seed_scope, submission_token=token)
-            for r in self._iter_results(batch_id, 0, bound, submitted.submission_id):
+            sub = self.submit_batch(batch_id, groups, seed_scope=seed_scope, submission_token=token)
+            submitted = True
+            for r in self._iter_results(batch_id, 0, bound, sub.submission_id):
                 if on_result is not None:
+                    in_callback = True
                     on_result(r)
+                    in_callback = False
                 out.append(r)
         except KeyboardInterrupt as e:
             if cancel_on_interrupt:
-                e.add_note(f"seer_client: batch {batch_id}: {self._cancel_interrupted(batch_id, token)}")
+                e.add_note(f"seer_client: batch {batch_id}: {self._cancel_own(batch_id, token, 'interrupted')}")
             raise
         except SeerTimeout as e:
+            if in_callback:
+                # on_result's own timeout (another call it made), not this batch's: as any error of it.
+                if cancel_on_error:
+                    e.add_note(f"seer_client: batch {batch_id}: "
+                               f"{self._cancel_own(batch_id, token, 'on_result raised')}")
+                raise
             # The generated token is the caller's only way to collect the batch again with Ctrl-C
             # still cancelling it.
             e.submission_token = token
             e.add_note(f"seer_client: batch {batch_id} not cancelled; run_batch({batch_id!r}, ..., "
                        f"submission_token={token!r}) collects it")
             raise
+        except Exception as e:
+            # Nobody will read the rest of the batch: without the cancel it went on generating on the
+            # cluster (the Node client's rollout() cancels here too). A failed submission is not
+            # cancelled (the CLI's REFUSED: it may have stored nothing of ours), nor a batch whose
+            # stream ended, done, with results left out.
+            stream_failed = isinstance(e, SeerError) and not isinstance(e, _ResultsLeftOut)
+            if cancel_on_error and submitted and (in_callback or stream_failed):
+                why = "on_result raised" if in_callback else "results stream failed"
+                e.add_note(f"seer_client: batch {batch_id}: {self._cancel_own(batch_id, token, why)}")
+            raise
         return out
 
-    def _cancel_interrupted(self, batch_id: str, token: str) -> str:
-        """run_batch's cancel of its own submission after a KeyboardInterrupt; returns (and logs)
-        what it did. Best effort and short: UNAVAILABLE retried for _INTERRUPT_CANCEL_SECONDS, the
-        call bounded as long; no error of its own replaces the interrupt."""
-        req = rollout_pb2.CancelBatchRequest(batch_id=batch_id, submission_token=token)
-        deadline = time.monotonic() + _INTERRUPT_CANCEL_SECONDS
+    def _cancel_own(self, batch_id: str, token: str, why: str) -> str:
+        """run_batch's cancel of its own submission (after a KeyboardInterrupt, an on_result error or
+        a failed stream: `why`); returns (and logs) what it did. Best effort and short: UNAVAILABLE
+        retried for _INTERRUPT_CANCEL_SECONDS, the call bounded as long; no error of its own
+        replaces the one being raised (a second Ctrl-C does, with a note)."""
         try:
-            while True:
-                try:
-                    n = self._stub.CancelBatch(req, timeout=min(self.timeout, _INTERRUPT_CANCEL_SECONDS))
-                    break
-                except grpc.RpcError as rpc_error:
-                    err = _error(rpc_error)
-                    if err.code == "UNAVAILABLE" and time.monotonic() + 0.2 < deadline:
-                        time.sleep(0.2)
-                        continue
-                    raise err from None
+            outcome = self._cancel_submission(batch_id, token, _INTERRUPT_CANCEL_SECONDS,
+                                              min(self.timeout, _INTERRUPT_CANCEL_SECONDS))
         except KeyboardInterrupt as again:
             what = "cancelling it was interrupted: it may still be running"
-            log.warning("run_batch: %s", what, extra={"batch_id": batch_id})
+            log.warning("run_batch %s: %s", why, what, extra={"batch_id": batch_id})
             again.add_note(f"seer_client: batch {batch_id}: {what}")
             raise
-        except SeerError as err:
-            if err.message.startswith("submission_token:") and err.code == "NOT_FOUND":
-                what = "nothing to cancel: this submission was not stored, and the buffer refuses it from now on"
-            elif err.message.startswith("submission_token:") and err.code == "FAILED_PRECONDITION":
-                what = (f"not cancelled: the batch id names another submission than this one (left running; "
-                        f"cancel_batch({batch_id!r}) cancels it)")
-            else:
-                what = f"cancelling it failed: {err}"
-            log.warning("run_batch interrupted: %s", what, extra={"batch_id": batch_id})
-            return what
-        except Exception as err:  # best effort: the interrupt is what the caller must see
+        except Exception as err:  # best effort: the error being raised is what the caller must see
             what = f"cancelling it failed: {err}"
-            log.warning("run_batch interrupted: %s", what, extra={"batch_id": batch_id})
+            log.warning("run_batch %s: %s", why, what, extra={"batch_id": batch_id})
             return what
-        what = f"cancelled ({n.num_cancelled} unfinished responses)"
-        log.info("run_batch interrupted: %s", what, extra={"batch_id": batch_id})
-        return what
+        if outcome.cancelled:
+            log.info("run_batch %s: %s", why, outcome.description, extra={"batch_id": batch_id})
+        else:
+            log.warning("run_batch %s: %s", why, outcome.description, extra={"batch_id": batch_id})
+        return outcome.description
 
     def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
         req = rollout_pb2.GetBatchRequest(batch_id=_str(batch_id, "batch_id"),
@@ -599,6 +640,35 @@ class SeerClient:
         req = rollout_pb2.CancelBatchRequest(batch_id=_str(batch_id, "batch_id"),
                                              submission_token=_str(submission_token, "submission_token"))
         return int(self._call(lambda: self._stub.CancelBatch(req, timeout=_deadline(self.timeout))).num_cancelled)
+
+    def cancel_submission(self, batch_id: str, submission_token: str) -> CancelOutcome:
+        """Cancels the batch that submit_batch(batch_id, ..., submission_token=...) stored, and says
+        what the buffer did: a CancelOutcome, the buffer's final answer about that submission.
+
+        "cancelled" (with num_cancelled, the same on a repeat); "not_stored": none stored, and the
+        buffer refuses that submission from now on (one still in flight too, across a restart),
+        so nothing of it will run; "other_submission": the id names another submission's batch,
+        left running. Never cancels another run's batch under the same id. Any other failure is a
+        SeerError (NOT_FOUND naming batch_id: a batch deleted by retention; UNAVAILABLE after the
+        client's retry_seconds...). submission_token must not be empty (cancel_batch(batch_id)
+        cancels whatever the id names). A buffer older than submission tokens ignores the token:
+        it cancels the batch the id names, and a batch it does not know is NOT_FOUND naming
+        batch_id (an interrupted submission may still be stored then)."""
+        return self._cancel_submission(_str(batch_id, "batch_id"), _token(submission_token),
+                                       self.retry_seconds, _deadline(self.timeout))
+
+    def _cancel_submission(self, batch_id: str, token: str, retry_seconds: float,
+                           call_timeout: float | None) -> CancelOutcome:
+        req = rollout_pb2.CancelBatchRequest(batch_id=batch_id, submission_token=token)
+        try:
+            resp = self._call(lambda: self._stub.CancelBatch(req, timeout=call_timeout),
+                              retry_seconds=retry_seconds)
+        except SeerError as err:
+            outcome = _submission_answer(batch_id, err)
+            if outcome is None:
+                raise
+            return outcome
+        return CancelOutcome(batch_id, "cancelled", int(resp.num_cancelled))
 
     def update_weights(self, version: int, source: str = "", timeout: float | None = UPDATE_WEIGHTS_TIMEOUT
                        ) -> WeightsUpdate:

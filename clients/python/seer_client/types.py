@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,38 @@ class WeightsUpdate:
     version: int
     num_workers: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class CancelOutcome:
+    """The buffer's final answer to SeerClient.cancel_submission(batch_id, submission_token).
+
+    kind:
+      "cancelled": the batch this submission stored was cancelled; num_cancelled is how many
+        responses the cancellation cancelled (the same on a repeat; 0 if it had completed).
+      "not_stored": the buffer holds no batch of this submission, and refuses the submission from
+        now on (also one still in flight, across a buffer restart too): nothing of it will run.
+      "other_submission": the id names another submission's batch (another run's, or one stored
+        without a token): left running, untouched.
+    """
+
+    batch_id: str
+    kind: Literal["cancelled", "not_stored", "other_submission"]
+    num_cancelled: int = 0
+
+    @property
+    def cancelled(self) -> bool:
+        return self.kind == "cancelled"
+
+    @property
+    def description(self) -> str:
+        """One line saying what happened to the batch (run_batch's notes and logs use it)."""
+        if self.kind == "cancelled":
+            return f"cancelled ({self.num_cancelled} unfinished responses)"
+        if self.kind == "not_stored":
+            return "nothing to cancel: this submission was not stored, and the buffer refuses it from now on"
+        return (f"not cancelled: the batch id names another submission than this one (left running; "
+                f"cancel_batch({self.batch_id!r}) cancels it)")
 
 
 class SeerError(Exception):

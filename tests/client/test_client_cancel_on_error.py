@@ -1,0 +1,105 @@
+"""run_batch cancels its own submission when on_result raises or the results stream fails for good
+(cancel_on_error, on by default), as it does on Ctrl-C. Before, only a KeyboardInterrupt cancelled:
+the batch went on generating on the cluster with nobody reading it (the Node client's rollout()
+cancels in both cases). Real buffer (in process: real gRPC and RocksDB); a scheduler thread that
+finishes one request at a time, so a batch is still running after its first result."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from client_helpers import Buffer, play_scheduler
+from seer_client import PromptGroup, RolloutResult, SeerClient, SeerError, SeerTimeout
+
+GROUPS = [PromptGroup(prompt=[1, 2, 3], group_size=4, max_tokens=4)]
+
+
+@pytest.fixture
+def one_at_a_time(buffer: Buffer) -> Iterator[None]:
+    """A scheduler that finishes the first request only (the others wait on the gate)."""
+    stop, gate = threading.Event(), threading.Semaphore(1)
+    t = threading.Thread(target=play_scheduler, args=(buffer.address,), kwargs={"stop": stop, "gate": gate},
+                         daemon=True)
+    t.start()
+    yield
+    stop.set()
+    gate.release(100)
+    t.join(10)
+
+
+class TrainerBug(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [TrainerBug("reward crashed"), SeerTimeout("DEADLINE_EXCEEDED", "its own call")],
+                         ids=["exception", "seer-timeout-of-its-own"])
+def test_on_result_raising_cancels_the_batch(error: Exception, buffer: Buffer, one_at_a_time: None) -> None:
+    """The exception propagates unchanged (the same object), with a note saying what the cancel
+    did. A SeerTimeout on_result raised (a call of its own) is on_result's error, not the batch's
+    timeout: cancelled too."""
+    def on_result(_r: RolloutResult) -> None:
+        raise error
+
+    with SeerClient(buffer.address) as client:
+        client.wait_ready(10)
+        with pytest.raises(type(error)) as info:
+            client.run_batch("cb", GROUPS, on_result=on_result, timeout=30)
+        assert info.value is error
+        assert getattr(info.value, "__notes__", []) == ["seer_client: batch cb: cancelled (3 unfinished responses)"]
+        status = client.get_batch("cb")
+        assert (status.state, status.num_finished, status.num_cancelled) == ("cancelled", 1, 3)
+
+
+def test_cancel_on_error_false_leaves_it_running(buffer: Buffer, one_at_a_time: None) -> None:
+    def on_result(_r: RolloutResult) -> None:
+        raise TrainerBug("reward crashed")
+
+    with SeerClient(buffer.address) as client:
+        client.wait_ready(10)
+        with pytest.raises(TrainerBug) as info:
+            client.run_batch("keep", GROUPS, on_result=on_result, timeout=30, cancel_on_error=False)
+        assert not getattr(info.value, "__notes__", [])
+        assert client.get_batch("keep").state == "running"
+
+
+def test_a_stream_failed_for_good_cancels_the_batch(buffer: Buffer) -> None:
+    """The buffer is down longer than the client's retry_seconds: the stream fails for good
+    (UNAVAILABLE). The cancel retries for a few seconds of its own and reaches the restarted buffer
+    (the batch is stored in RocksDB, still running): cancelled, and the stream's error propagates."""
+    with SeerClient(buffer.address, retry_seconds=0) as client, SeerClient(buffer.address) as observer:
+        client.wait_ready(10)
+
+        def restart() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    observer.get_batch("down")
+                    break
+                except SeerError:
+                    time.sleep(0.02)
+            time.sleep(0.3)  # into the results wait
+            buffer.stop()  # the open stream breaks; retry_seconds 0: for good
+            time.sleep(1.0)
+            buffer.start()
+
+        t = threading.Thread(target=restart, daemon=True)
+        t.start()
+        with pytest.raises(SeerError) as info:
+            client.run_batch("down", GROUPS, timeout=30)
+        t.join(10)
+        assert not isinstance(info.value, SeerTimeout) and info.value.code == "UNAVAILABLE", info.value
+        assert getattr(info.value, "__notes__", []) == ["seer_client: batch down: cancelled (4 unfinished responses)"]
+        assert observer.get_batch("down").state == "cancelled"
+
+
+def test_a_timeout_still_leaves_the_batch_running(buffer: Buffer) -> None:
+    with SeerClient(buffer.address) as client:
+        client.wait_ready(10)
+        with pytest.raises(SeerTimeout) as info:
+            client.run_batch("slow", GROUPS, timeout=0.3)
+        notes = getattr(info.value, "__notes__", [])
+        assert len(notes) == 1 and "not cancelled" in notes[0], notes
+        assert client.get_batch("slow").state == "running"
