@@ -67,6 +67,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     in_flight_chunks=w.in_flight_chunks,
                     telemetry=w.telemetry,
                     draining=w.draining,
+                    quarantine_reason=w.quarantine_reason,
                 )
                 for w in s.workers
             ],

@@ -51,7 +51,7 @@ from services.common.errors import (
 from services.common.log import get_logger, kv, log_context
 from services.common.telemetry import Counter, Gauge, context_from, tracer
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore, chunk_stats_problem
+from services.scheduler.core import SchedulerCore, chunk_stats_problem, telemetry_problem
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
 from services.scheduler.epochs import EpochClock
 from services.scheduler.links import BufferLink, Cancelled, DeadlineExceeded, WorkerLink
@@ -80,6 +80,10 @@ _BUSY_BACKOFF_S = 0.2
 # runaway would reach: threads start on demand).
 _ABORT_THREADS = 16
 _UNCAPPED_THREADS = 1 << 16
+# The highest log-probability a chunk may carry: a log-probability is <= 0, and float32
+# log-softmax can round a near-certain token a hair above it (the buffer's MAX_LOGPROB, which
+# refuses a commit over it; services/buffer/core.py).
+_MAX_LOGPROB = 1e-4
 # Prompt keys remembered as having no history at the buffer (Dispatcher._history_unknown).
 _HISTORY_UNKNOWN_KEYS = 65_536
 
@@ -158,6 +162,7 @@ class WorkerView:
     in_flight_chunks: int
     telemetry: scheduler_pb2.WorkerTelemetry
     draining: bool = False
+    quarantine_reason: str = ""  # why it is quarantined ("" when trusted)
 
 
 @dataclass(frozen=True)
@@ -471,9 +476,19 @@ class Dispatcher:
         reading the engine); the last one stands. incarnation: the sending process's; one that is
         not the registration's (an old process of the same worker id, still draining beside its
         replacement) is answered unknown and changes nothing, or it would mark the new process
-        draining and overwrite its telemetry."""
+        draining and overwrite its telemetry.
+
+        A report the core finds impossible (workers.telemetry_problem) quarantines the worker and is
+        otherwise dropped: the listing (WorkerInfo.telemetry) and the gauges keep the last trusted
+        report, and WorkerInfo.quarantine_reason says why the worker is quarantined. Before, the
+        rejected figures were shown and exported as the worker's (an acceptance of 7.0 from accepted
+        > proposed). A worker not yet in the core (catching up on weights) has its report checked by
+        the same rule against its registered capacity, and an impossible one is dropped the same
+        way (logged; it cannot be quarantined before the core knows it, and its first report once
+        active is checked there)."""
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
+        trusted = False
         with self._cond:
             state = self._workers.get(worker_id)
             if state is None:
@@ -482,20 +497,21 @@ class Dispatcher:
                 return False
             state.last_seen = time.monotonic()
             state.draining = draining
-            if telemetry is not None:
-                state.telemetry.CopyFrom(telemetry)
+            report = _telemetry_report(telemetry) if telemetry is not None else None
             if state.active:
                 self.core.set_draining(worker_id, draining)
-                if telemetry is not None:
-                    self.core.update_worker(
-                        worker_id, free_pages=telemetry.free_kv_pages, running=telemetry.running,
-                        waiting=telemetry.waiting, used_pages=telemetry.used_kv_pages,
-                        tokens_per_second=telemetry.tokens_per_second,
-                        accepted_per_position=telemetry.accepted_per_position,
-                        proposed_per_position=telemetry.proposed_per_position,
-                    )
+                if report is not None:
+                    trusted = self.core.update_worker(worker_id, **report)
                 self._wake_locked()
-        if telemetry is None:
+            elif report is not None and state.spec is not None:
+                problem = _report_problem(state.spec, report)
+                trusted = not problem
+                if problem:
+                    log.warning("impossible telemetry from a worker not yet serving; report dropped",
+                                extra=kv(worker_id=worker_id, reason=problem))
+            if telemetry is not None and trusted:
+                state.telemetry.CopyFrom(telemetry)
+        if telemetry is None or not trusted:
             return True
         WORKER_TPS.labels(worker_id).set(telemetry.tokens_per_second)
         proposed = sum(telemetry.proposed_per_position)
@@ -1222,11 +1238,16 @@ class Dispatcher:
         # chunk's own limit into CHUNK); anything else would end the response short.
         early_length = (reason == common_pb2.FINISH_REASON_LENGTH
                         and len(req.output_token_ids) + len(tokens) != req.max_tokens)
-        if len(tokens) > req.max_new_tokens or len(logprobs) != len(tokens) or early_length:
+        # Impossible values too: a negative token id, a log-probability that is NaN or above 0.
+        # The buffer refuses such a commit (INVALID_ARGUMENT), but that refusal was blamed on
+        # nobody: the attempt counted and a worker streaming them every time was never quarantined.
+        # (Token ids beyond the vocabulary only the buffer can judge.)
+        bad_values = bool(tokens) and (min(tokens) < 0 or not all(lp <= _MAX_LOGPROB for lp in logprobs))
+        if len(tokens) > req.max_new_tokens or len(logprobs) != len(tokens) or early_length or bad_values:
             log.error("worker returned a malformed chunk", extra=kv(
                 worker_id=w.worker_id, tokens=len(tokens), logprobs=len(logprobs), max_new=req.max_new_tokens,
                 finish_reason=common_pb2.FinishReason.Name(reason), generated=len(req.output_token_ids),
-                max_tokens=req.max_tokens))
+                max_tokens=req.max_tokens, impossible_values=bad_values))
             self._finish_chunk(r, w, token, failed=True, count_attempt=True, worker_fault="a malformed chunk")
             return
         problem = chunk_stats_problem(
@@ -1468,6 +1489,15 @@ class Dispatcher:
 
     # ---- stats -------------------------------------------------------------------------------
 
+    def _quarantine_locked(self, w: WorkerState) -> tuple[bool, str]:
+        """(quarantined, reason) for the listing. A worker out of the core (catching up on weights
+        after a re-registration or a recycle) keeps the quarantine it carries (_quarantine_carry,
+        applied again when it is activated): it was listed as trusted meanwhile."""
+        if w.active:
+            return self.core.is_quarantined(w.worker_id), self.core.quarantine_reason(w.worker_id)
+        reason = self._quarantine_carry.get(w.worker_id, "")
+        return bool(reason), reason
+
     def stats(self) -> SchedulerStats:
         now = time.monotonic()
         with self._cond:
@@ -1476,12 +1506,15 @@ class Dispatcher:
                     worker_id=w.worker_id,
                     address=w.address,
                     healthy=w.active and now - w.last_seen <= 3 * self.cfg.heartbeat_interval,
-                    quarantined=w.active and self.core.is_quarantined(w.worker_id),
+                    quarantined=quarantined,
                     in_flight_chunks=w.in_flight,
-                    telemetry=w.telemetry,
+                    # A copy: the listing is read outside the lock while heartbeats update it.
+                    telemetry=_copy(w.telemetry),
                     draining=w.draining,
+                    quarantine_reason=reason,
                 )
                 for w in self._workers.values()
+                for quarantined, reason in [self._quarantine_locked(w)]
             ]
             return SchedulerStats(
                 policy=self.cfg.policy,
@@ -1492,6 +1525,12 @@ class Dispatcher:
                 workers=workers,
                 policy_version=self._version,
             )
+
+
+def _copy(t: scheduler_pb2.WorkerTelemetry) -> scheduler_pb2.WorkerTelemetry:
+    c = scheduler_pb2.WorkerTelemetry()
+    c.CopyFrom(t)
+    return c
 
 
 def _trace_parent(item: buffer_pb2.WorkItem) -> Any:
@@ -1537,3 +1576,25 @@ def _check_capacity(capacity: scheduler_pb2.WorkerCapacity) -> None:
             raise InvalidArgument(f"must be >= 1, got {value}", field=f"capacity.{name}")
     if capacity.max_context < 0:
         raise InvalidArgument(f"must be >= 0 (0 = unknown), got {capacity.max_context}", field="capacity.max_context")
+
+
+def _telemetry_report(t: scheduler_pb2.WorkerTelemetry) -> dict[str, Any]:
+    """A heartbeat's telemetry as SchedulerCore.update_worker's keywords: every number the listing
+    shows is among them, so none is shown unchecked (policy_version as a count: a negative one is
+    impossible)."""
+    return {
+        "free_pages": t.free_kv_pages, "running": t.running, "waiting": t.waiting,
+        "used_pages": t.used_kv_pages, "tokens_per_second": t.tokens_per_second,
+        "policy_version": t.policy_version,
+        "accepted_per_position": list(t.accepted_per_position),
+        "proposed_per_position": list(t.proposed_per_position),
+    }
+
+
+def _report_problem(spec: WorkerSpec, report: dict[str, Any]) -> str:
+    """telemetry_problem of a _telemetry_report (what update_worker checks), for a worker the core
+    does not know yet."""
+    extra = {k: v for k, v in report.items()
+             if k not in ("free_pages", "running", "waiting", "accepted_per_position", "proposed_per_position")}
+    return telemetry_problem(spec, report["free_pages"], report["running"], report["waiting"], extra,
+                             report["accepted_per_position"], report["proposed_per_position"])

@@ -99,7 +99,7 @@ class GetSchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "quarantined", "in_flight_chunks", "telemetry", "draining")
+    __slots__ = ("worker_id", "address", "healthy", "quarantined", "in_flight_chunks", "telemetry", "draining", "quarantine_reason")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class WorkerInfo(_message.Message):
     IN_FLIGHT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -114,7 +115,8 @@ class WorkerInfo(_message.Message):
     in_flight_chunks: int
     telemetry: WorkerTelemetry
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    quarantine_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
     __slots__ = ("policy", "pending_requests", "in_flight_chunks", "dispatched_chunks", "redispatched_chunks", "workers", "policy_version")

@@ -389,13 +389,16 @@ class SchedulerCore:
 
     def update_worker(self, worker_id: str, *, free_pages: int, running: int, waiting: int,
                       accepted_per_position: Sequence[int] = (), proposed_per_position: Sequence[int] = (),
-                      **extra: float) -> None:
-        """A telemetry report (impossible values quarantine the worker: workers.telemetry_problem)."""
+                      **extra: float) -> bool:
+        """A telemetry report (impossible values quarantine the worker: workers.telemetry_problem).
+        Whether it was trusted: a rejected report changes nothing but the quarantine, and its
+        figures must not be shown or exported as the worker's (the service keeps the last trusted
+        report in its listing and gauges)."""
         w = self._workers.get(worker_id)
         if w is None:
             raise NotFound(f"unknown worker {worker_id}", field="worker_id")
-        apply_telemetry(w, free_pages, running, waiting, extra, self.cfg.use_worker_free_pages, self._quarantine_rule,
-                        accepted_per_position, proposed_per_position)
+        return apply_telemetry(w, free_pages, running, waiting, extra, self.cfg.use_worker_free_pages,
+                               self._quarantine_rule, accepted_per_position, proposed_per_position)
 
     def set_draining(self, worker_id: str, draining: bool) -> None:
         """The worker is stopping (its heartbeat says so): no new chunk is placed there, and it holds

@@ -204,17 +204,20 @@ def apply_telemetry(
     rule: QuarantineRule,
     accepted_per_position: Sequence[int] = (),
     proposed_per_position: Sequence[int] = (),
-) -> None:
+) -> bool:
+    """Whether the report is trusted (plausible: telemetry_problem). An impossible one quarantines
+    the worker and changes nothing else: the last trusted report stands (w.telemetry), and the
+    caller must not show or export the rejected figures either."""
     problem = telemetry_problem(w.spec, free_pages, running, waiting, extra,
                                 accepted_per_position, proposed_per_position)
     if problem:
         quarantine(w, f"impossible telemetry: {problem}", rule)
-        return
+        return False
     w.telemetry = {"free_pages": free_pages, "running": running, "waiting": waiting, **extra}
     if w.quarantined:
         w.sane_reports += 1
         if w.sane_reports < rule.needed(w.record.offences):
-            return
+            return True
         log.info(
             "worker released from quarantine",
             extra=kv(worker_id=w.worker_id, offences=w.record.offences, sane_reports=w.sane_reports),
@@ -233,3 +236,4 @@ def apply_telemetry(
     if use_free_pages:
         used = w.spec.total_pages - free_pages
         w.external_pages = max(0, used - w.reserved_pages)
+    return True
