@@ -6,38 +6,32 @@ resolved as the service resolves them (services/common/config.py): its --host / 
 arguments after the image name: the container's command line, /proc/1/cmdline, or that of the
 process init runs), else $SEER_<SERVICE>_HOST / _PORT, else the JSON file of its --config flag or
 $SEER_<SERVICE>_CONFIG, where SERVICE comes from $SEER_IMAGE_SERVICE (set by the image); port 50051
-when none sets one. Exit 0 when SERVING, 1 otherwise (compose and Docker read only the exit code;
-the reason goes to stdout, which `docker inspect` shows).
+when none sets one (or 0). Exit 0 when SERVING, 1 otherwise, also when the service's configuration
+cannot be read (compose and Docker read only the exit code; the reason goes to stdout, which
+`docker inspect` shows).
+
+The resolution is the services' own (services.common.config.load_field, services.common.ports
+.dial_host): every image installs the project wheel into the venv its `python` runs, and those two
+modules import no grpc, torch or service code (a few milliseconds; the check runs every few
+seconds). It kept copies of both, which could drift from the services silently.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import ServiceConfig, load_field
+from services.common.ports import dial_host
 
-def dial_host(host: str) -> str:
-    """Where to reach a server bound to `host`: loopback for a wildcard (it binds every address)
-    or none set; an IPv6 literal bracketed; any other host as given (a server bound to one
-    interface's address does not answer on 127.0.0.1)."""
-    literal = host.strip()
-    literal = literal[1:-1] if literal.startswith("[") and literal.endswith("]") else literal
-    try:
-        ip = ipaddress.ip_address(literal)
-        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-        unspecified = ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
-    except ValueError:
-        unspecified = False
-    if not literal or unspecified:  # as services.common.ports.is_wildcard_host (not importable here)
-        return "127.0.0.1"
-    return f"[{literal}]" if ":" in literal else literal
+# The port dialled when the configuration sets none (ServiceConfig's 0: a port the service picks,
+# which no one can know here): the buffer image's.
+DEFAULT_PORT = 50051
 
 
 # The service's own command line: the image's ENTRYPOINT is `python -m services.<service>`, with
@@ -63,73 +57,19 @@ def service_args(service: str, cmdline_path: str) -> list[str]:
     return []
 
 
-def _flag(args: Sequence[str], name: str) -> str | None:
-    """The last value of --name (as argparse takes it: `--name V` or `--name=V`; the services'
-    parsers take no abbreviations)."""
-    value = None
-    for i, a in enumerate(args):
-        if a == "--":
-            break
-        if a == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(name + "="):
-            value = a[len(name) + 1:]
-    return value
-
-
-def resolve(service: str, field: str, args: Sequence[str], env: Mapping[str, str]) -> object:
-    """One field of the service's configuration with the service's precedence (flag > environment >
-    config file), as services.common.config.load_field, unparsed: a string from a flag or the
-    environment, the JSON value (a number, say) from a config file; None when none sets it. A
-    config file that cannot be read sets nothing here (the service itself refuses it at start)."""
-    flag = _flag(args, "--" + field.replace("_", "-"))
-    if flag is not None:
-        return flag
-    prefix = f"SEER_{service.upper()}_"
-    if prefix + field.upper() in env:
-        return env[prefix + field.upper()]
-    config = _flag(args, "--config") or env.get(prefix + "CONFIG")
-    if config:
-        try:
-            with open(config, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
-            return None
-        if isinstance(data, dict):
-            value: object = data.get(field)
-            return value
-    return None
-
-
-def port_text(raw: object) -> str:
-    """The port a service reads from `raw` (a value resolve found), spelled as a dial target wants
-    it: parsed as services.common.config._parse_value parses an int field (not importable here),
-    so a JSON 50052.0 is 50052 and " 50052" (a string int() takes: whitespace, a sign, underscores)
-    is 50052. Before: the raw spelling was dialled ("127.0.0.1:50052.0"), a service that had started
-    on 50052 was unhealthy forever. A value the service refuses is returned as given: the service
-    exits naming it, and the check's dial error names it too."""
-    if isinstance(raw, float) and raw.is_integer():
-        return str(int(raw))
-    if isinstance(raw, str):
-        try:
-            return str(int(raw))
-        except ValueError:
-            return raw
-    return str(raw)
-
-
 def default_address(env: Mapping[str, str] | None = None, cmdline_path: str | None = None) -> str:
+    """host:port of the service this image runs, resolved as the service resolves its own
+    configuration; raises ValueError (config.ConfigError, a malformed JSON file) or OSError (a
+    config file that cannot be read) where the service itself refuses it at start."""
     env = os.environ if env is None else env
     cmdline_path = cmdline_path or CMDLINE
     service = env.get("SEER_IMAGE_SERVICE", "")
     if not service:
-        return "127.0.0.1:50051"
+        return f"127.0.0.1:{DEFAULT_PORT}"
     args = service_args(service, cmdline_path)
-    port = resolve(service, "port", args, env)
-    host = resolve(service, "host", args, env)
-    # None or "" (unset, or set empty): the default port; for the host 127.0.0.1, as for a wildcard.
-    port_part = "50051" if port is None or port == "" else port_text(port)
-    return f"{dial_host(str(host) if host else '')}:{port_part}"
+    host = load_field(ServiceConfig, service, "host", args, env)
+    port = load_field(ServiceConfig, service, "port", args, env)
+    return f"{dial_host(host)}:{port or DEFAULT_PORT}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args(argv)
-    address = args.address or default_address()
+    try:
+        address = args.address or default_address()
+    except (ValueError, OSError) as e:
+        # The service exits on the same error (or never started): say so rather than dial a guess.
+        print(f"configuration: {e}")
+        return 1
     try:
         with grpc.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
 import shutil
 import signal
@@ -42,6 +41,7 @@ from typing import IO, Any, Protocol
 from services.cli.flags import positive_seconds
 from services.cli.signals import StopRequest, signals_to
 from services.common.log import get_logger, kv
+from services.common.ports import BindAddress, addresses_port_is_free, dial_host, host_addresses
 
 log = get_logger(__name__)
 
@@ -129,59 +129,26 @@ def _bind_host(s: ServiceProcess) -> str | None:
     return _configured_host(s.section, s.args, s.env)
 
 
-def dial_host(host: str | None) -> str:
-    """The host the suite dials a service on, given the host it binds (see _bind_host): 127.0.0.1
-    for a wildcard (0.0.0.0, ::, [::]: it binds every address, loopback included), for "" or an
-    unreadable configuration (the service then exits naming it; nothing to dial); an IPv6 literal
-    bracketed, as gRPC targets need it; any other host (an interface's address, a name) as given.
-    Before: 127.0.0.1 whatever the host, so a service bound to [::1] or another interface never
-    answered the health checks and `seer up` failed with a timeout."""
-    from services.common.ports import is_wildcard_host
-
-    if host is None or host == "" or is_wildcard_host(host):
-        return "127.0.0.1"
-    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ip = ipaddress.ip_address(literal)
-    except ValueError:
-        return host  # a name (localhost): gRPC resolves it as the service's bind did
-    return f"[{literal}]" if ip.version == 6 else literal
-
-
 # The host the metrics server binds: every address (services.common.telemetry), probed as a wildcard.
 METRICS_HOST = "::"
 # Kernel picks free_port checks on the service's host before it gives up.
 _FREE_PORT_TRIES = 100
 
 
-def _probe_addresses(host: str) -> list[str] | None:
-    """The addresses free_port checks a port on for a server bound to `host`, found once: the host
-    itself for a wildcard or an IP literal, the addresses a name resolves to that this host has
-    (as grpc_port_is_free takes a name); None when `host` cannot be bound at all (an address this
-    host does not have, a name that does not resolve). The test is a bind of port 0, which fails
-    only for such a reason, never because a port is taken."""
-    from services.common.ports import grpc_port_is_free, is_wildcard_host
-
-    if is_wildcard_host(host):
-        return [host]
-    literal = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ipaddress.ip_address(literal)
-        candidates = [literal]
-    except ValueError:
-        try:
-            infos = socket.getaddrinfo(literal, None, type=socket.SOCK_STREAM)
-        except OSError:
-            return None
-        candidates = sorted({str(info[4][0]) for info in infos})
-    usable = [a for a in candidates if grpc_port_is_free(a, 0)]
+def _probe_addresses(host: str) -> list[BindAddress] | None:
+    """The addresses free_port checks a port on for a server bound to `host`, resolved once by
+    services.common.ports.host_addresses (as grpc_port_is_free resolves it, so the two cannot
+    differ): those this host has; None when `host` cannot be bound at all (an address this host
+    does not have, a name that does not resolve). The test is a bind of port 0, which fails only
+    for such a reason, never because a port is taken."""
+    usable = [a for a in host_addresses(host) if addresses_port_is_free([a], 0)]
     return usable or None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port a server bound to `host` could bind now: the kernel's pick of a free port on
     127.0.0.1, checked on the host itself as the service binds it (services.common.ports
-    .grpc_port_is_free: a wildcard host on every address, an IP literal that address, a name the
+    .host_addresses: a wildcard host on every address, an IP literal that address, a name the
     addresses it resolves to, resolved once). Before: the pick on 127.0.0.1 alone, so a service
     bound to [::1], another interface's address or every address could be handed a port taken
     there, and failed at its bind after the start.
@@ -191,14 +158,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     (as for an unreadable configuration, see _configured_host). Checking every pick there called
     each one taken ("no free port found") and, for a name, resolved it once per pick (15 s of DNS
     lookups for a name that does not resolve)."""
-    from services.common.ports import grpc_port_is_free
-
     addresses = _probe_addresses(host)
     for _ in range(_FREE_PORT_TRIES):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if addresses is None or all(grpc_port_is_free(a, port) for a in addresses):
+        # Each address on its own: one that went away since the port-0 test counts as taken here.
+        if addresses is None or all(addresses_port_is_free([a], port) for a in addresses):
             return port
     raise SuiteError(f"no port free on {host} found in {_FREE_PORT_TRIES} tries")
 

@@ -12,7 +12,14 @@ import grpc
 import pytest
 
 from services.common.config import ConfigError, ServiceConfig, load, load_field
-from services.common.ports import grpc_port_is_free, is_wildcard_host
+from services.common.ports import (
+    WILDCARD,
+    BindAddress,
+    addresses_port_is_free,
+    grpc_port_is_free,
+    host_addresses,
+    is_wildcard_host,
+)
 from tests.common.test_telemetry import _has_ipv6_loopback
 
 
@@ -130,3 +137,71 @@ def test_one_definition_of_a_wildcard_host(host: str, wild: bool) -> None:
     """The port probe, `seer up`'s dialling and the worker's advertised address share it: they
     disagreed on spellings like ::0 (a wildcard to one, an address to the others)."""
     assert is_wildcard_host(host) is wild
+
+
+# ---- one resolution of a bind host (host_addresses) for the probe and `seer up`'s free_port ------
+
+def _fake_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names as /etc/hosts could give them: two.example an address this host lacks (TEST-NET-1)
+    and 127.0.0.1; lacking.example the lacking one only; any.example 0.0.0.0."""
+    real = socket.getaddrinfo
+    names = {"two.example": ["192.0.2.1", "127.0.0.1"], "lacking.example": ["192.0.2.1"], "any.example": ["0.0.0.0"]}
+
+    def resolve(host: str, port: int | None, *args: object, **kwargs: object) -> list:  # type: ignore[type-arg]
+        if host not in names:
+            return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port or 0)) for a in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+
+
+def test_the_probe_and_free_port_take_a_name_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpc_port_is_free and `seer up`'s free_port (its _probe_addresses) resolve a host through
+    host_addresses alone: an address this host lacks is skipped by both, a taken one counts for
+    both; a name with no address this host has is not free, and free_port leaves it to the service
+    (None: its 127.0.0.1 pick unchecked)."""
+    from services.cli import up
+
+    _fake_names(monkeypatch)
+    here = BindAddress(socket.AF_INET, "127.0.0.1")
+    assert host_addresses("two.example") == [here, BindAddress(socket.AF_INET, "192.0.2.1")]
+    assert up._probe_addresses("two.example") == [here]
+    assert host_addresses("lacking.example") == [BindAddress(socket.AF_INET, "192.0.2.1")]
+    assert up._probe_addresses("lacking.example") is None
+    assert host_addresses("no-such-host.invalid") == []
+    assert up._probe_addresses("no-such-host.invalid") is None
+    port = _free_port()
+    assert grpc_port_is_free("two.example", port)
+    assert not grpc_port_is_free("lacking.example", port)
+    with socket.socket() as taker:
+        taker.bind(("127.0.0.1", port))
+        taker.listen()
+        assert not grpc_port_is_free("two.example", port)
+        assert not all(addresses_port_is_free([a], port) for a in up._probe_addresses("two.example") or [])
+
+
+@pytest.mark.parametrize(("host", "want"), [
+    ("0.0.0.0", [WILDCARD]), ("[::]", [WILDCARD]), ("::ffff:0.0.0.0", [WILDCARD]),
+    ("127.0.0.1", [BindAddress(socket.AF_INET, "127.0.0.1")]), ("[::1]", [BindAddress(socket.AF_INET6, "::1")]),
+    ("::1", [BindAddress(socket.AF_INET6, "::1")]), ("", []),
+])
+def test_host_addresses_of_literals(host: str, want: list[BindAddress]) -> None:
+    assert host_addresses(host) == want
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback")
+def test_a_name_for_the_unspecified_address_is_probed_as_a_wildcard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gRPC binds each address a name resolves to, and an unspecified one (0.0.0.0) as a wildcard
+    host, dual-stack on every address (tcp_server_add_port: grpc_sockaddr_is_wildcard). free_port
+    took it so; grpc_port_is_free bound plain IPv4 0.0.0.0 and called a port taken on [::1] free
+    (where "0.0.0.0" itself is taken), so `seer up --base-port` let such a service start on it."""
+    _fake_names(monkeypatch)
+    assert host_addresses("any.example") == [WILDCARD]
+    port = _free_port()
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as other:
+        other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        other.bind(("::1", port))
+        other.listen()
+        assert not grpc_port_is_free("0.0.0.0", port)
+        assert not grpc_port_is_free("any.example", port)
+    assert grpc_port_is_free("any.example", port)

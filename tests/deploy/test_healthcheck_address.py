@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -15,6 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
+from services.cli import up
+from services.common import ports
 from services.common.config import ServiceConfig, load_field
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,23 +100,62 @@ def test_the_healthcheck_dials_the_host_and_port_the_service_binds(
     assert hc.main(["--timeout", "5"]) == 0
 
 
-def test_the_healthcheck_resolves_as_load_field() -> None:
-    """Flag > environment > config file > default, as services.common.config.load_field (the
-    healthcheck cannot import it: the image runs it alone); host and port alike."""
+def test_the_healthcheck_resolves_with_the_services_own_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flag > environment > config file > default, by services.common.config.load_field itself and
+    dialled by services.common.ports.dial_host itself (the check kept copies of both: they could
+    drift from the services silently); host and port alike, port 50051 when none is set."""
     hc = _healthcheck()
-    config = ROOT / "pyproject.toml"  # not JSON: read by neither (the service refuses it at start)
+    assert hc.load_field is load_field
+    assert hc.dial_host is ports.dial_host is up.dial_host
     cases: list[tuple[list[str], dict[str, str]]] = [
         ([], {}),
         (["--host", "10.0.0.9", "--port", "7"], {"SEER_BUFFER_HOST": "::1", "SEER_BUFFER_PORT": "8"}),
-        (["--port=9"], {"SEER_BUFFER_PORT": "8"}),
+        (["--port=9"], {"SEER_BUFFER_PORT": "8", "SEER_BUFFER_HOST": "::"}),
         ([], {"SEER_BUFFER_HOST": "", "SEER_BUFFER_PORT": "8"}),
-        (["--config", str(config)], {}),
+        ([], {"SEER_BUFFER_HOST": "fd00::5", "SEER_BUFFER_PORT": " +8"}),
     ]
     for args, env in cases:
-        for field, default in (("host", "127.0.0.1"), ("port", 0)):
-            want = load_field(ServiceConfig, "buffer", field, args, env) if "--config" not in args else default
-            got = hc.resolve("buffer", field, args, env)
-            assert (default if got is None else type(default)(got)) == want, (args, env, field)
+        env = {"SEER_IMAGE_SERVICE": "buffer", **env}
+        host, port = (load_field(ServiceConfig, "buffer", f, args, env) for f in ("host", "port"))
+        want = f"{up.dial_host(host)}:{port or 50051}"
+        monkeypatch.setattr(hc, "service_args", lambda service, path, args=args: list(args))
+        assert hc.default_address(env) == want, (args, env)
+
+
+@pytest.mark.parametrize(("setting", "named"), [
+    ({"SEER_BUFFER_PORT": "50052.5"}, "50052.5"),
+    ({"SEER_BUFFER_CONFIG": str(ROOT / "pyproject.toml")}, "Expecting value"),  # not JSON
+    ({"SEER_BUFFER_CONFIG": "/nonexistent/buffer.json"}, "/nonexistent/buffer.json"),
+])
+def test_a_configuration_the_service_refuses_is_reported(setting: dict[str, str], named: str,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The service exits on it at start: the check says why instead of dialling a guess (a port it
+    refuses was dialled as spelled, an unreadable config file was taken as unset)."""
+    for name in ("SEER_BUFFER_HOST", "SEER_BUFFER_PORT", "SEER_BUFFER_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SEER_IMAGE_SERVICE", "buffer")
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises((ValueError, OSError)):
+        load_field(ServiceConfig, "buffer", "port", [], dict(os.environ))  # the service's own reading
+    assert _healthcheck().main(["--timeout", "1"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("configuration: ") and named in out, out
+
+
+def test_the_healthcheck_runs_as_the_image_runs_it(health_server: tuple[str, int], tmp_path: Path) -> None:
+    """`python /opt/seer/healthcheck.py` in the image: the script alone, from another directory, with
+    the services importable only as the installed project (here the venv's install of it)."""
+    host, port = health_server
+    script = tmp_path / "healthcheck.py"
+    script.write_bytes((ROOT / "docker" / "healthcheck.py").read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("SEER_")}
+    env.update(SEER_IMAGE_SERVICE="buffer", SEER_BUFFER_HOST=host, SEER_BUFFER_PORT=str(port))
+    done = subprocess.run([sys.executable, str(script), "--timeout", "5"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == f"{host}:{port}: SERVING"
 
 
 def test_a_command_line_of_another_program_is_not_read(tmp_path: Path) -> None:
@@ -154,11 +197,3 @@ def test_the_port_is_read_as_the_service_reads_it(source: str, spelling: str, he
     assert load_field(ServiceConfig, "buffer", "port", argv[3:], dict(os.environ)) == port  # the service's reading
     assert hc.default_address() == f"{host}:{port}"
     assert hc.main(["--timeout", "5"]) == 0
-
-
-def test_a_port_the_service_refuses_is_dialled_as_given() -> None:
-    """Not a port to the service either (it exits naming it): the check's error names it as given."""
-    hc = _healthcheck()
-    assert hc.port_text("50052.5") == "50052.5"
-    assert hc.port_text(50052.5) == "50052.5"
-    assert hc.port_text(True) == "True"
