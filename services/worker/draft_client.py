@@ -730,6 +730,16 @@ class DraftClient:
         unsent = {a.group_id for a in self._pending}  # released, their queued tokens would be lost
         for gid in list(self._groups):
             m = self._groups[gid]
+            # `active`, not `attempts`: a mirror whose only attempts running here are of an older
+            # submission, or superseded (they left the request inactive, _Running.made_active), is
+            # released like an idle one, here and on the server's expiry or a reset (_lost_locked,
+            # _judge_reset). Harmless (tests/worker/test_draft_client_older_attempt_release.py):
+            # their appends are dropped whether the mirror is kept or not (_superseded), their
+            # output never lands in the newer run (the buffer refuses an older submission's
+            # commit), so released they only draft nothing (propose None; append and end no-ops);
+            # and a newer run's chunk re-creating the mirror registers at its own submission,
+            # against which their late appends are still older (_older_submission). Kept for them,
+            # memory would be held, and an expired group re-registered, for a discarded chunk.
             if m.active or gid in unsent:
                 continue
             total -= m.index.memory_bytes()

@@ -263,19 +263,15 @@ class RecordingPlanner:
 
 
 def test_worker_reports_decode_steps_to_the_planner() -> None:
-    from draft_fakes import NullDraft
+    from draft_fakes import ChainDraft
     from worker_fake_engine import FakeEngine
 
     from services.worker.core import ChunkJob, Worker
-    from services.worker.engine import Draft, SamplingParams
-
-    class Chain(NullDraft):  # drafts the fake model's exact continuation: every draft token is accepted
-        def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
-                    width: int = 1) -> Draft:
-            return Draft.chain([(context[-1] + 1 + i) % 100 for i in range(max_len)])
+    from services.worker.engine import SamplingParams
 
     planner = RecordingPlanner(2)
-    w = Worker(FakeEngine(), draft=Chain(), planner=planner, gamma_max=4, step_clock="thread").start()
+    # ChainDraft drafts the fake model's exact continuation: every draft token is accepted.
+    w = Worker(FakeEngine(), draft=ChainDraft(), planner=planner, gamma_max=4, step_clock="thread").start()
     try:
         toks, _, _ = w.run(ChunkJob(request_id="r0", prompt_token_ids=(1, 2, 3), max_new_tokens=10, max_tokens=20,
                                     sampling=SamplingParams(temperature=0.0), policy_version=0, group_id="g0",

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from draft_fakes import FixedPlanner, NullDraft
+from draft_fakes import ChainDraft, FixedPlanner
 from worker_fake_engine import FakeEngine, FakePool
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, TokensEvent, Worker
-from services.worker.engine import Draft, SamplingParams
+from services.worker.engine import SamplingParams
 
 
 def job(rid: str = "r0", prompt: Sequence[int] = (1, 2, 3), **kw: Any) -> ChunkJob:
@@ -104,33 +104,8 @@ def test_handle_cancel_aborts(engine: FakeEngine, worker: Worker) -> None:
     assert isinstance(list(h.events())[-1], DoneEvent)
 
 
-class ChainDrafter(NullDraft):
-    """Proposes the fake model's continuation with a wrong token at position `wrong_at`."""
-
-    def __init__(self, wrong_at: int | None = None) -> None:
-        self.wrong_at = wrong_at
-        self.appends: list[tuple[str, str, int, tuple[int, ...], bool]] = []
-        self.attempts: list[tuple[str, str]] = []
-
-    def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int, *, request_id: str = "", epoch: int = 0, submit_seq: int = 0) -> None:
-        self.attempts.append((group_id, request_id))
-
-    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
-        self.appends.append((group_id, request_id, offset, tuple(token_ids), finished))
-
-    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
-                width: int = 1) -> Draft | None:
-        toks, last = [], context[-1]
-        for i in range(max_len):
-            last = (last + 1) % 100
-            toks.append(last if i != self.wrong_at else 0)
-        return Draft.chain(toks)
-
-
 def test_drafts_accepted_and_appended_in_order(engine: FakeEngine) -> None:
-    drafter, planner = ChainDrafter(wrong_at=2), FixedPlanner(3)
+    drafter, planner = ChainDraft(wrong_at=2), FixedPlanner(3)
     w = Worker(engine, draft=drafter, planner=planner, gamma_max=8).start()
     try:
         toks, _, done = w.run(job(max_new_tokens=12, max_tokens=12))
@@ -142,13 +117,15 @@ def test_drafts_accepted_and_appended_in_order(engine: FakeEngine) -> None:
     # 2 of every 3 drafted tokens match, plus the bonus token: 3 tokens per step.
     assert done.stats.steps == 4 and done.stats.accepted_tokens == 8
     assert done.stats.draft_tokens >= done.stats.accepted_tokens
-    assert drafter.attempts == [("g0", "r0"), ("g0", "r1")]  # every chunk registers its attempt
-    mine = [a for a in drafter.appends if a[1] == "r0"]
-    offsets = [a[2] for a in mine]
+    # every chunk registers its attempt
+    assert [(c.group_id, c.request_id) for c in drafter.of("register_attempt")] == [("g0", "r0"), ("g0", "r1")]
+    appends = drafter.of("append")
+    mine = [a for a in appends if a.request_id == "r0"]
+    offsets = [a.offset for a in mine]
     assert offsets == sorted(offsets) and offsets[0] == 0
-    assert [t for a in mine for t in a[3]] == toks
-    assert mine[-1][4] is True  # the response is complete
-    assert drafter.appends[-1][1] == "r1" and drafter.appends[-1][4] is False  # CHUNK: not complete
+    assert [t for a in mine for t in a.token_ids] == toks
+    assert mine[-1].finished is True  # the response is complete
+    assert appends[-1].request_id == "r1" and appends[-1].finished is False  # CHUNK: not complete
     assert toks2 == [4, 5, 6, 7]
     assert planner.observed and all(p[0] >= a[0] for p, a in planner.observed)
     stats = w.stats()
@@ -156,7 +133,7 @@ def test_drafts_accepted_and_appended_in_order(engine: FakeEngine) -> None:
 
 
 def test_speculation_off_sends_no_drafts(engine: FakeEngine) -> None:
-    w = Worker(engine, draft=ChainDrafter(), speculation=False).start()
+    w = Worker(engine, draft=ChainDraft(), speculation=False).start()
     try:
         w.run(job())
     finally:

@@ -24,10 +24,10 @@ drives them); the bridge without SGLang; the core over the fake engine (glue).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-from draft_fakes import FixedPlanner, NullDraft
+from draft_fakes import FixedPlanner, RecordingDraft
 from worker_fake_engine import FakeEngine
 
 from services.worker.core import ChunkJob, Worker
@@ -220,57 +220,13 @@ def test_through_the_bridge_a_newer_rid_finishing_first_leaves_the_response_fini
         assert srv.store.index_of("g").tokens("r0") == [10, 12] and "r0" in srv.store._groups["g"].finished
 
 
-class _Recorder:
-    """A sink that takes attempt names (as DraftClient does) and records the calls."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-                         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
-                         submit_seq: int = 0) -> None:
-        pass
-
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
-               submit_seq: int = 0) -> None:
-        self.calls.append(("resume", request_id, epoch, submit_seq))
-
-    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],
-               finished: bool = False, truncate: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
-        self.calls.append(("append", request_id, epoch, submit_seq))
-
-    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
-        self.calls.append(("end", request_id, epoch, submit_seq))
-
-    def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int, width: int = 1) -> Any:
-        return None
-
-
 def test_the_bridge_names_every_call_of_an_attempt_by_its_epoch_and_submission() -> None:
-    sink = _Recorder()
+    sink = RecordingDraft()  # takes attempt names, as DraftClient does
     bridge = DraftBridge(sink)
     meta = request_meta(custom_params("g", "key", 2, False, request_id="r0", epoch=4, submit_seq=9))
     bridge.verified("r0#1", meta, [*PROMPT], [10], False)
     bridge.forget("r0#1")
-    assert sink.calls == [("resume", "r0", 4, 9), ("append", "r0", 4, 9), ("end", "r0", 4, 9)]
-
-
-class _NamingDraft(NullDraft):
-    """The worker core's draft source, taking attempt names (as DraftClient does)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
-               submit_seq: int = 0) -> None:
-        self.calls.append(("resume", request_id, epoch, submit_seq))
-
-    def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],  # type: ignore[override]
-               finished: bool = False, *, epoch: int = 0, submit_seq: int = 0) -> None:
-        self.calls.append(("append", request_id, epoch, submit_seq))
-
-    def end(self, group_id: str, request_id: str, *, epoch: int = 0, submit_seq: int = 0) -> None:
-        self.calls.append(("end", request_id, epoch, submit_seq))
+    assert sink.named() == [("resume", "r0", 4, 9), ("append", "r0", 4, 9), ("end", "r0", 4, 9)]
 
 
 def _job(**kw: Any) -> ChunkJob:
@@ -282,18 +238,19 @@ def _job(**kw: Any) -> ChunkJob:
 
 
 def test_the_worker_core_names_every_draft_call_of_a_chunk_by_its_epoch_and_submission() -> None:
-    draft = _NamingDraft()
+    draft = RecordingDraft()
     w = Worker(FakeEngine(), draft=draft, planner=FixedPlanner(2), gamma_max=4).start()
     try:
         w.run(_job())
         w.run(_job(request_id="r1", output_token_ids=tuple(range(4, 24)), dispatch_epoch=8))  # complete: at once
     finally:
         w.close()
-    r0 = [c for c in draft.calls if c[1] == "r0"]
+    named = draft.named()
+    r0 = [c for c in named if c[1] == "r0"]
     assert r0[0] == ("resume", "r0", 7, 3) and r0[-1] == ("end", "r0", 7, 3)
     assert {c for c in r0[1:-1]} == {("append", "r0", 7, 3)}
-    assert [c for c in draft.calls if c[1] == "r1"] == [("resume", "r1", 8, 3), ("append", "r1", 8, 3),
-                                                       ("end", "r1", 8, 3)]
+    assert [c for c in named if c[1] == "r1"] == [("resume", "r1", 8, 3), ("append", "r1", 8, 3),
+                                                  ("end", "r1", 8, 3)]
 
 
 # -- (2) a synced mirror stays synced across end()'s restart -------------------------------------
@@ -369,7 +326,7 @@ def _observe(w: Worker) -> None:
 
 def test_stats_per_position_counts_are_one_pair_when_a_step_updates_them_during_the_read() -> None:
     engine = FakeEngine()
-    w = Worker(engine, draft=NullDraft(), planner=FixedPlanner(2), gamma_max=4)
+    w = Worker(engine, draft=RecordingDraft(), planner=FixedPlanner(2), gamma_max=4)
     stats = engine.stats()
     stats.accepted_per_position = _StepsWhileRead(lambda: _observe(w))  # type: ignore[assignment]
     engine.stats = lambda: stats  # type: ignore[method-assign]
@@ -382,7 +339,7 @@ def test_stats_per_position_counts_are_one_pair_when_a_step_updates_them_during_
 
 def test_stats_never_mix_the_engines_counts_of_one_kind_with_the_workers_of_the_other() -> None:
     engine = FakeEngine()
-    w = Worker(engine, draft=NullDraft(), planner=FixedPlanner(2), gamma_max=4)
+    w = Worker(engine, draft=RecordingDraft(), planner=FixedPlanner(2), gamma_max=4)
     _observe(w)
     stats = engine.stats()
     stats.proposed_per_position = [9, 9]  # the engine keeps proposed only

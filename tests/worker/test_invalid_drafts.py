@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 
 import pytest
-from draft_fakes import FixedPlanner, NullDraft
+from draft_fakes import FixedPlanner, RecordingDraft
 
 from services.worker.core import ChunkFinish, ChunkJob, DoneEvent, TokensEvent, Worker
 from services.worker.engine import Draft, SamplingParams
@@ -20,11 +20,12 @@ BAD = "bad/0/0"
 GOOD = "good/0/0"
 
 
-class Drafter(NullDraft):
+class Drafter(RecordingDraft):
     """Proposes a valid chain (a repeat of the context's last tokens) for every request but BAD,
     which gets `bad` on every step (a draft mirror gone wrong keeps proposing the same)."""
 
     def __init__(self, bad: Draft) -> None:
+        super().__init__()
         self.bad = bad
 
     def propose(self, group_id: str, request_id: str, context: Sequence[int], max_len: int,
