@@ -5,10 +5,10 @@ ADDRESS defaults to the host and port the service binds (127.0.0.1 for a wildcar
 resolved as the service resolves them (services/common/config.py): its --host / --port flags (the
 arguments after the image name: the container's command line, /proc/1/cmdline, or that of the
 process init runs), else $SEER_<SERVICE>_HOST / _PORT, else the JSON file of its --config flag or
-$SEER_<SERVICE>_CONFIG, where SERVICE comes from $SEER_IMAGE_SERVICE (set by the image); port 50051
-when none sets one (or 0). Exit 0 when SERVING, 1 otherwise, also when the service's configuration
-cannot be read (compose and Docker read only the exit code; the reason goes to stdout, which
-`docker inspect` shows).
+$SEER_<SERVICE>_CONFIG, where SERVICE comes from $SEER_IMAGE_SERVICE (set by the image); the
+service's own default port when none sets one (a port of 0, picked at start, cannot be checked).
+Exit 0 when SERVING, 1 otherwise, also when the service's configuration cannot be read (compose
+and Docker read only the exit code; the reason goes to stdout, which `docker inspect` shows).
 
 The resolution is the services' own (services.common.config.load_field, services.common.ports
 .dial_host): every image installs the project wheel into the venv its `python` runs, and those two
@@ -19,6 +19,7 @@ seconds). It kept copies of both, which could drift from the services silently.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Mapping
@@ -29,9 +30,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import ServiceConfig, load_field
 from services.common.ports import dial_host
 
-# The port dialled when the configuration sets none (ServiceConfig's 0: a port the service picks,
-# which no one can know here): the buffer image's.
+# The port dialled with no SEER_IMAGE_SERVICE (the script run by hand): the buffer's default.
 DEFAULT_PORT = 50051
+# Each image's service and its configuration class: the defaults are the service's own (the draft
+# server's port is 50053 unless set; ServiceConfig's 0 made the check dial 50051). Importing one
+# config module costs tens of milliseconds, no grpc server, engine or torch.
+CONFIG_CLASSES = {
+    "buffer": ("services.buffer.config", "BufferConfig"),
+    "scheduler": ("services.scheduler.config", "SchedulerConfig"),
+    "draft": ("services.draft.config", "DraftConfig"),
+    "kvstore": ("services.kvstore.config", "KvStoreConfig"),
+    "worker": ("services.worker.config", "WorkerConfig"),
+}
+
+
+def config_class(service: str) -> type[ServiceConfig]:
+    """The configuration class of `service` (SEER_IMAGE_SERVICE); ValueError for a name no image
+    sets."""
+    if service not in CONFIG_CLASSES:
+        raise ValueError(f"SEER_IMAGE_SERVICE: unknown service {service!r} (one of {', '.join(CONFIG_CLASSES)})")
+    module, name = CONFIG_CLASSES[service]
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, ServiceConfig), cls
+    return cls
 
 
 # The service's own command line: the image's ENTRYPOINT is `python -m services.<service>`, with
@@ -66,10 +87,15 @@ def default_address(env: Mapping[str, str] | None = None, cmdline_path: str | No
     service = env.get("SEER_IMAGE_SERVICE", "")
     if not service:
         return f"127.0.0.1:{DEFAULT_PORT}"
+    cls = config_class(service)
     args = service_args(service, cmdline_path)
-    host = load_field(ServiceConfig, service, "host", args, env)
-    port = load_field(ServiceConfig, service, "port", args, env)
-    return f"{dial_host(host)}:{port or DEFAULT_PORT}"
+    host = load_field(cls, service, "host", args, env)
+    port = load_field(cls, service, "port", args, env)
+    if not port:
+        # The service binds a port the kernel picks: nothing here knows it, and dialling a default
+        # could reach another service there (host networking) and call this one healthy.
+        raise ValueError("port: 0 (a port picked at start) cannot be checked; pass the address to dial")
+    return f"{dial_host(host)}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("address", nargs="?", default=None)
     parser.add_argument("--service", default="", help="health service name ('' = the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--print-address", action="store_true",
+                        help="print the address the check would dial and exit (the image build runs it: an "
+                             "import or configuration the check cannot take fails the build, not every check)")
     args = parser.parse_args(argv)
     try:
         address = args.address or default_address()
@@ -84,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         # The service exits on the same error (or never started): say so rather than dial a guess.
         print(f"configuration: {e}")
         return 1
+    if args.print_address:
+        print(address)
+        return 0
     try:
         with grpc.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

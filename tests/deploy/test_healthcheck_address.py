@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
+from services.buffer.config import BufferConfig
 from services.cli import up
 from services.common import ports
 from services.common.config import ServiceConfig, load_field
@@ -103,7 +104,8 @@ def test_the_healthcheck_dials_the_host_and_port_the_service_binds(
 def test_the_healthcheck_resolves_with_the_services_own_functions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Flag > environment > config file > default, by services.common.config.load_field itself and
     dialled by services.common.ports.dial_host itself (the check kept copies of both: they could
-    drift from the services silently); host and port alike, port 50051 when none is set."""
+    drift from the services silently); host and port alike, the service's own default port when none
+    is set."""
     hc = _healthcheck()
     assert hc.load_field is load_field
     assert hc.dial_host is ports.dial_host is up.dial_host
@@ -116,8 +118,8 @@ def test_the_healthcheck_resolves_with_the_services_own_functions(monkeypatch: p
     ]
     for args, env in cases:
         env = {"SEER_IMAGE_SERVICE": "buffer", **env}
-        host, port = (load_field(ServiceConfig, "buffer", f, args, env) for f in ("host", "port"))
-        want = f"{up.dial_host(host)}:{port or 50051}"
+        host, port = (load_field(BufferConfig, "buffer", f, args, env) for f in ("host", "port"))
+        want = f"{up.dial_host(host)}:{port}"
         monkeypatch.setattr(hc, "service_args", lambda service, path, args=args: list(args))
         assert hc.default_address(env) == want, (args, env)
 
@@ -197,3 +199,48 @@ def test_the_port_is_read_as_the_service_reads_it(source: str, spelling: str, he
     assert load_field(ServiceConfig, "buffer", "port", argv[3:], dict(os.environ)) == port  # the service's reading
     assert hc.default_address() == f"{host}:{port}"
     assert hc.main(["--timeout", "5"]) == 0
+
+
+@pytest.mark.parametrize("service", ["buffer", "scheduler", "draft", "kvstore", "worker"])
+def test_the_default_port_is_the_services_own(service: str, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """No port set anywhere: the service binds its own config class's default (the draft server
+    50053), and the check dials that one, or says a port picked at start cannot be checked. It read
+    ServiceConfig's 0 and dialled 50051 for every service (a draft server on 50053 was checked on
+    the buffer's port)."""
+    hc = _healthcheck()
+    for name in list(os.environ):
+        if name.startswith(f"SEER_{service.upper()}_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SEER_IMAGE_SERVICE", service)
+    monkeypatch.setattr(hc, "service_args", lambda service, path: [])
+    cls = hc.config_class(service)
+    assert cls is not ServiceConfig and cls.__name__.lower().startswith(service[:5])
+    own = load_field(cls, service, "port", [], {})
+    if own:
+        assert hc.default_address() == f"127.0.0.1:{own}"
+        assert service != "draft" or own == 50053
+    else:
+        assert hc.main(["--timeout", "1"]) == 1
+        assert capsys.readouterr().out.startswith("configuration: port: 0")
+
+
+def test_an_unknown_image_service_is_named(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("SEER_IMAGE_SERVICE", "bufer")
+    assert _healthcheck().main(["--print-address"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("configuration: SEER_IMAGE_SERVICE") and "'bufer'" in out, out
+
+
+def test_print_address_prints_what_it_would_dial(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """What the image build runs (docker/Dockerfile*): the check's imports and the image's
+    configuration are tried once at build time."""
+    hc = _healthcheck()
+    monkeypatch.setenv("SEER_IMAGE_SERVICE", "draft")
+    monkeypatch.setenv("SEER_DRAFT_HOST", "0.0.0.0")
+    monkeypatch.setenv("SEER_DRAFT_PORT", "50053")
+    monkeypatch.setattr(hc, "service_args", lambda service, path: [])
+    assert hc.main(["--print-address"]) == 0
+    assert capsys.readouterr().out.strip() == "127.0.0.1:50053"
