@@ -282,6 +282,8 @@ def _cancel(address: str, batch_id: str, token: str, retry_not_found: float = 0.
     # The CLI's own wording (the Node client's too), naming this run and the address.
     if outcome.kind == "not_stored":
         return "nothing to cancel: this run's submission was not stored, and the buffer refuses it from now on"
+    if outcome.kind == "completed":
+        return "nothing to cancel: the batch had completed"
     if outcome.kind == "other_submission":
         return ("not cancelled: the batch id names another submission than this run's (another run's batch, "
                 f"left running; SeerClient({address!r}).cancel_batch({batch_id!r}) cancels it)")

@@ -488,6 +488,13 @@ class SeerClient:
                 # tell (a traced channel): its RESOURCE_EXHAUSTED names results left out, and a
                 # retry from our cursor (past them) would end OK and lose them.
                 refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted and not received
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused:
+                    # The buffer ends an accepted stream so only once the batch is done and every
+                    # other result was sent: _ResultsLeftOut, so that run_batch does not take it for a
+                    # failed stream (it cancelled the completed batch, and said so). Gaps seen on
+                    # earlier streams (resumed past) are named beside the buffer's own list.
+                    earlier = f"; {_left_out_message(batch_id, left_out)}" if left_out else ""
+                    raise _ResultsLeftOut(code.name, f"{e.details() or ''}{earlier}") from None
                 if code not in _RETRYABLE and not refused:
                     raise _error(e) from None
                 now = time.monotonic()
@@ -538,8 +545,9 @@ class SeerClient:
         False: the batch is left running (call run_batch again to collect it).
         cancel_on_error: the same once the batch is submitted, when on_result raises or the results
         stream fails for good (a SeerError after the client's retries): the batch is cancelled and
-        the exception propagates unchanged, with a note saying what the cancel did. Not on a
-        SeerTimeout (the batch is left running, to be collected again), nor for results the buffer
+        the exception propagates unchanged, with a note saying what the cancel did. Not on the
+        batch's SeerTimeout (the batch is left running, to be collected again; one on_result raises
+        is on_result's error and cancels), nor for results the buffer
         left out of the stream (the batch is done then). False: the batch is left running.
         Both cancels are best effort and short (5 s of retries at most; a second Ctrl-C ends them).
 
@@ -580,7 +588,7 @@ class SeerClient:
             e.add_note(f"seer_client: batch {batch_id} not cancelled; run_batch({batch_id!r}, ..., "
                        f"submission_token={token!r}) collects it")
             raise
-        except Exception as e:
+        except BaseException as e:  # KeyboardInterrupt is above; SystemExit from on_result too
             # Nobody will read the rest of the batch: without the cancel it went on generating on the
             # cluster (the Node client's rollout() cancels here too). A failed submission is not
             # cancelled (the CLI's REFUSED: it may have stored nothing of ours), nor a batch whose
@@ -645,7 +653,8 @@ class SeerClient:
         """Cancels the batch that submit_batch(batch_id, ..., submission_token=...) stored, and says
         what the buffer did: a CancelOutcome, the buffer's final answer about that submission.
 
-        "cancelled" (with num_cancelled, the same on a repeat); "not_stored": none stored, and the
+        "cancelled" (with num_cancelled, the same on a repeat); "completed": the batch had
+        completed, nothing was cancelled; "not_stored": none stored, and the
         buffer refuses that submission from now on (one still in flight too, across a restart),
         so nothing of it will run; "other_submission": the id names another submission's batch,
         left running. Never cancels another run's batch under the same id. Any other failure is a
@@ -668,6 +677,9 @@ class SeerClient:
             if outcome is None:
                 raise
             return outcome
+        if resp.state == rollout_pb2.BATCH_STATE_COMPLETED:
+            # The buffer answers a completed batch (COMPLETED, 0) and changes nothing.
+            return CancelOutcome(batch_id, "completed")
         return CancelOutcome(batch_id, "cancelled", int(resp.num_cancelled))
 
     def update_weights(self, version: int, source: str = "", timeout: float | None = UPDATE_WEIGHTS_TIMEOUT

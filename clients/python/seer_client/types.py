@@ -101,7 +101,8 @@ class CancelOutcome:
 
     kind:
       "cancelled": the batch this submission stored was cancelled; num_cancelled is how many
-        responses the cancellation cancelled (the same on a repeat; 0 if it had completed).
+        responses the cancellation cancelled (the same on a repeat).
+      "completed": the batch had completed before the cancel: nothing changed.
       "not_stored": the buffer holds no batch of this submission, and refuses the submission from
         now on (also one still in flight, across a buffer restart too): nothing of it will run.
       "other_submission": the id names another submission's batch (another run's, or one stored
@@ -109,7 +110,7 @@ class CancelOutcome:
     """
 
     batch_id: str
-    kind: Literal["cancelled", "not_stored", "other_submission"]
+    kind: Literal["cancelled", "completed", "not_stored", "other_submission"]
     num_cancelled: int = 0
 
     @property
@@ -121,6 +122,8 @@ class CancelOutcome:
         """One line saying what happened to the batch (run_batch's notes and logs use it)."""
         if self.kind == "cancelled":
             return f"cancelled ({self.num_cancelled} unfinished responses)"
+        if self.kind == "completed":
+            return "nothing to cancel: the batch had completed"
         if self.kind == "not_stored":
             return "nothing to cancel: this submission was not stored, and the buffer refuses it from now on"
         return (f"not cancelled: the batch id names another submission than this one (left running; "
