@@ -602,6 +602,8 @@ async function cancelSubmission(RolloutService, opts, batchId, token) {
           client.CancelBatch({ batch_id: batchId, submission_token: token },
             { deadline: endMs }, (err, r) => (err ? reject(err) : resolve(r)));
         });
+        // A completed batch is answered (COMPLETED, 0) and left as it was: not "cancelled".
+        if (reply.state === 'BATCH_STATE_COMPLETED') return 'nothing to cancel: the batch had completed';
         return `cancelled it (${reply.num_cancelled} unfinished responses)`;
       } catch (err) {
         if (!transient(err) || Date.now() + delayMs >= endMs) throw err;

@@ -141,6 +141,24 @@ def test_an_async_on_result_is_awaited_and_its_rejection_cancels_the_batch(
     assert _batch(tok_buffer.address, "lib-async") == ("cancelled", 2, 1)
 
 
+def test_on_result_throwing_on_the_last_result_says_the_batch_completed(
+        node_client: Path, tok_buffer: Buffer, tmp_path: Path) -> None:
+    """The batch is complete when onResult throws on its last result: the buffer answers the cancel
+    (COMPLETED, 0) and changes nothing. Before, e.cancel said "cancelled it (0 unfinished
+    responses)" of a completed batch."""
+    body = """(async () => { let n = 0;
+      await rollout({ address: ADDR, batchId: B, groups: G }, () => { n += 1; if (n === 2) throw new Error('last'); });
+    })()"""
+    proc = _start(node_client, tmp_path, tok_buffer.address, "lib-last", body)
+    _wait_submitted(tok_buffer.address, "lib-last", proc)
+    finish_request(tok_buffer.address, "lib-last/0/0")
+    finish_request(tok_buffer.address, "lib-last/0/1")
+    kind, f, _, err = _outcome(proc)
+    assert kind == "FAILED" and f["fromCallback"], (f, err)
+    assert f["cancel"] == "nothing to cancel: the batch had completed", f
+    assert _batch(tok_buffer.address, "lib-last")[0] == "completed"
+
+
 def test_a_library_timeout_leaves_the_batch_to_be_collected_unless_cancel_on_timeout(
         node_client: Path, tok_buffer: Buffer, tmp_path: Path) -> None:
     """As SeerClient.run_batch: a timeout stops the wait, not the batch; calling again with the same
