@@ -373,7 +373,13 @@ class BufferCore:
         # across it, and that retry was stored after the answer.
         self._cancelled_tokens: dict[str, int] = {}
         self._next_token_seq = 1
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:
+            # The core owns the store (close() closes it): a recovery that failed (a RecordError
+            # naming a stored record) closes it too, so the DB's LOCK does not outlive the error.
+            self._store.close()
+            raise
 
     # ---- startup -------------------------------------------------------------------------------
 
@@ -394,8 +400,8 @@ class BufferCore:
             self._intent = int(d["version"]), str(d["source"])
             log.warning("a weight update did not complete before the restart; submissions wait for its retry",
                         extra=kv(policy_version=self._policy_version, pending_version=self._intent[0]))
-        for _k, v in self._store.scan(b"b/"):
-            b = BatchRecord.decode(v)
+        for k, v in self._store.scan(b"b/"):
+            b = BatchRecord.decode(v, key=k)
             self._batches[b.batch_id] = b
         raw_seq = self._store.get(keys.NEXT_SUBMIT_SEQ_KEY)
         # max(): a store written before the counter was kept has only its batches to go by.
@@ -417,17 +423,17 @@ class BufferCore:
         for b in sorted(self._batches.values(), key=lambda b: (b.submit_seq, b.created_at, b.batch_id)):
             if b.terminal:
                 continue
-            for _gk, gv in self._store.scan(f"g/{b.batch_id}/".encode()):
-                g = GroupRecord.decode(gv)
+            for gk, gv in self._store.scan(f"g/{b.batch_id}/".encode()):
+                g = GroupRecord.decode(gv, key=gk)
                 self._groups[(b.batch_id, g.group_index)] = g
-            for _rk, rv in self._store.scan(keys.requests_prefix(b.batch_id)):
-                r = RequestRecord.decode(rv)
+            for rk, rv in self._store.scan(keys.requests_prefix(b.batch_id)):
+                r = RequestRecord.decode(rv, key=rk)
                 if not r.active:
                     continue
                 live = _Live(r)
                 prefix = keys.chunks_prefix(r.batch_id, r.group_index, r.sample_index)
-                for _ck, cv in self._store.scan(prefix):
-                    c = ChunkRecord.decode(cv)
+                for ck, cv in self._store.scan(prefix):
+                    c = ChunkRecord.decode(cv, key=ck)
                     live.tokens.extend(c.token_ids)
                     live.logprobs.extend(c.logprobs)
                     live.chunk_ends.append(len(live.tokens))
@@ -699,21 +705,24 @@ class BufferCore:
                         completing = e
 
     def _stored_request(self, batch_id: str, gi: int, si: int, request_id: str) -> RequestRecord:
-        raw = self._store.get(keys.request_key(batch_id, gi, si))
+        key = keys.request_key(batch_id, gi, si)
+        raw = self._store.get(key)
         if raw is None:
             raise NotFound(f"unknown request {request_id!r}", field="request_id")
-        return RequestRecord.decode(raw)
+        return RequestRecord.decode(raw, key=key)
 
     def _stored_chunk(self, rec: RequestRecord, seq: int) -> ChunkRecord:
         if rec.state == RequestState.FINISHED:  # chunk records were folded into the result
-            raw = self._store.get(keys.result_key(rec.batch_id, rec.result_index))
+            key = keys.result_key(rec.batch_id, rec.result_index)
+            raw = self._store.get(key)
             if raw is None:
                 raise Aborted(f"chunk {seq}: the request's result is no longer stored", field="seq")
-            return RolloutResult.decode(raw).chunk(seq)
-        raw = self._store.get(keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, seq))
+            return RolloutResult.decode(raw, key=key).chunk(seq)
+        key = keys.chunk_key(rec.batch_id, rec.group_index, rec.sample_index, seq)
+        raw = self._store.get(key)
         if raw is None:  # pragma: no cover - chunk records are written with the request record
             raise Aborted(f"chunk {seq} is missing", field="seq")
-        return ChunkRecord.decode(raw)
+        return ChunkRecord.decode(raw, key=key)
 
     def _check_duplicate(self, c: Commit, rec: RequestRecord) -> CommitOutcome:
         stored = self._stored_chunk(rec, c.seq)
@@ -937,8 +946,8 @@ class BufferCore:
         check), and history keys are written only under _history_lock."""
         batch = completing.batch
         responses = [completing.last]
-        for _k, v in self._store.scan(f"l/{batch.batch_id}/".encode()):
-            res = RolloutResult.decode(v)
+        for k, v in self._store.scan(f"l/{batch.batch_id}/".encode()):
+            res = RolloutResult.decode(v, key=k)
             responses.append(_Response(res.group_index, res.sample_index, res.prompt_key, res.token_ids,
                                        res.finish_reason))
         # An aborted response is cut short: its length would bias the next iteration's prior low.
@@ -952,7 +961,7 @@ class BufferCore:
         wb = self._store.new_batch()
         for key, it in per_key.items():
             raw = self._store.get(keys.history_key(key))
-            older = decode_history(raw) if raw else []
+            older = decode_history(raw, key=keys.history_key(key)) if raw else []
             wb.put(keys.history_key(key), encode_history([it, *older][: self._history_n]))
         return _BuiltHistory(batch, wb)
 
@@ -965,8 +974,9 @@ class BufferCore:
         """Read and decoded outside the lock, in _reading (a key's iterations with tokens are MBs:
         GetHistory's 64 of them under it stalled every commit). A key's value is written whole, so
         a commit rewriting it meanwhile is seen entirely or not at all."""
-        raw = self._store.get(keys.history_key(prompt_key))
-        return decode_history(raw) if raw else []
+        key = keys.history_key(prompt_key)
+        raw = self._store.get(key)
+        return decode_history(raw, key=key) if raw else []
 
     def newest_history(self, prompt_keys: list[str], *, with_tokens: bool = False) -> HistoryReply:
         """GetHistory: the newest kept iteration of each known key (keys without history are left
@@ -1105,12 +1115,13 @@ class BufferCore:
             if sized:
                 # Point reads of exactly the planned values, from the view taken under the lock
                 # (a multi-get: the planned keys are known, nothing past them is read).
-                values = view.get_many([keys.result_key(batch_id, cursor + i) for i in range(n)])
+                planned = [keys.result_key(batch_id, cursor + i) for i in range(n)]
+                values = view.get_many(planned)
                 for i, v in enumerate(values):
                     if v is None:  # not written with its size (cannot happen: one WriteBatch)
                         raise DataLoss(f"result {cursor + i} of batch {batch_id!r} is missing from the store",
                                        field="cursor")
-                    page.append((cursor + i, RolloutResult.decode(v)))
+                    page.append((cursor + i, RolloutResult.decode(v, key=planned[i])))
             else:
                 for k, v in scan:
                     idx = int(k.rsplit(b"/", 1)[1])
@@ -1120,7 +1131,7 @@ class BufferCore:
                         if page and used + len(v) > budget:
                             break
                         used += len(v)
-                    page.append((idx, RolloutResult.decode(v)))
+                    page.append((idx, RolloutResult.decode(v, key=k)))
         done = terminal and cursor + len(page) >= end_index
         return page, done
 
@@ -1195,8 +1206,8 @@ class BufferCore:
                     reading.callback(scan.close)
                     records = scan
             try:
-                for _k, v in records:
-                    r = RequestRecord.decode(v)
+                for k, v in records:
+                    r = RequestRecord.decode(v, key=k)
                     requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
             except keys.ScanError as e:
                 # A read error is the call's error: the records before it are not a whole answer.

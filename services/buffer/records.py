@@ -1,19 +1,159 @@
 """The buffer's domain records (pure dataclasses) and their stored encoding.
 
 Enum values equal the protobuf enum numbers of seer.v1 so the server converts them by value.
+
+Decoding reads each field by name and checks its type (_Fields): a required field missing or of the
+wrong type, or a value that is no record at all, is RecordError naming the RocksDB key and the field
+(it was a bare TypeError from `cls(**m)`). A field this buffer does not know is ignored with one
+warning per field name: within a store format (store.STORE_FORMAT) a newer buffer adds only fields
+an older one may ignore; a change an older buffer would misread bumps the format, and the store is
+then refused at open (README "Storage format").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import struct
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from services.buffer import codec
 from services.common.chunkstats import ChunkStats
+from services.common.errors import DataLoss
+from services.common.log import kv
+
+log = logging.getLogger(__name__)
+
+_E = TypeVar("_E", bound=enum.IntEnum)
+
+
+class RecordError(DataLoss):
+    """A stored record this buffer cannot decode: names the RocksDB key and the field ("" when the
+    value as a whole is unreadable), so an operator can find it with any RocksDB tool."""
+
+    def __init__(self, key: bytes, record_field: str, problem: str) -> None:
+        self.key = key
+        self.record_field = record_field
+        where = f" field {record_field!r}" if record_field else ""
+        super().__init__(f"stored record {key.decode(errors='backslashreplace')!r}{where}: {problem}")
+
+
+# (what the field must be, in words; the test). type() rather than isinstance: a JSON bool is no
+# integer here, and an int is no string.
+_Check = tuple[str, Callable[[Any], bool]]
+_INT: _Check = ("an integer", lambda v: type(v) is int)
+_NUM: _Check = ("a number", lambda v: type(v) in (int, float))
+_STR: _Check = ("a string", lambda v: type(v) is str)
+_BOOL: _Check = ("a boolean", lambda v: type(v) is bool)
+_OPT_INT: _Check = ("an integer or null", lambda v: v is None or type(v) is int)
+_INT_LIST: _Check = ("a list of integers", lambda v: type(v) is list and all(type(x) is int for x in v))
+_STR_MAP: _Check = ("an object of strings", lambda v: type(v) is dict and all(type(x) is str for x in v.values()))
+_OBJ: _Check = ("an object", lambda v: type(v) is dict)
+_LIST: _Check = ("a list", lambda v: type(v) is list)
+
+# "<record kind>.<field>" already warned about: one warning per unknown field name, not one per record
+# (recovery reads every batch record; a field on all of them would otherwise log once each).
+_warned_unknown: set[str] = set()
+
+
+def _warn_unknown(kind: str, name: str, key: bytes) -> None:
+    tag = f"{kind}.{name}"
+    if tag in _warned_unknown:
+        return
+    _warned_unknown.add(tag)
+    log.warning("stored record has a field this buffer does not know (written by a newer buffer?); ignored",
+                extra=kv(record=kind, field=name, key=key.decode(errors="backslashreplace")))
+
+
+def _decode(data: bytes, key: bytes) -> tuple[dict[str, Any], dict[str, array[Any]]]:
+    """codec.decode, its failures (bad magic, a cut value, a header that is not JSON) as RecordError."""
+    try:
+        return codec.decode(data)
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise RecordError(key, "", f"not a readable record: {e}") from None
+
+
+class _Fields:
+    """One stored record's JSON fields (and arrays), read by name: required ones must be there,
+    every one read must have its type; done() warns about those never read (unknown here)."""
+
+    def __init__(self, kind: str, key: bytes, meta: Any, arrays: dict[str, array[Any]] | None = None,
+                 prefix: str = "") -> None:
+        if type(meta) is not dict:
+            raise RecordError(key, prefix.rstrip("."), f"{_OBJ[0]} expected, got {type(meta).__name__}")
+        self.kind = kind
+        self.key = key
+        self._meta: dict[str, Any] = meta
+        self._arrays = arrays or {}
+        self._prefix = prefix
+        self._seen: set[str] = set()
+        self._seen_arrays: set[str] = set()
+
+    def _checked(self, name: str, check: _Check) -> Any:
+        value = self._meta[name]
+        if not check[1](value):
+            raise RecordError(self.key, self._prefix + name,
+                              f"{check[0]} expected, got {type(value).__name__} {str(value)[:60]}")
+        return value
+
+    def req(self, name: str, check: _Check) -> Any:
+        self._seen.add(name)
+        if name not in self._meta:
+            raise RecordError(self.key, self._prefix + name, "missing (a required field)")
+        return self._checked(name, check)
+
+    def opt(self, name: str, check: _Check, default: Any) -> Any:
+        """A field records written before it existed lack: `default` then."""
+        self._seen.add(name)
+        if name not in self._meta:
+            return default
+        return self._checked(name, check)
+
+    def enum(self, name: str, cls: type[_E], default: _E | None = None) -> _E:
+        """An enum stored as its number (required when no default is given). A number this buffer
+        does not know is an error, not skipped: a newer buffer's new state would be misread."""
+        value = self.req(name, _INT) if default is None else self.opt(name, _INT, int(default))
+        try:
+            return cls(value)
+        except ValueError:
+            raise RecordError(self.key, self._prefix + name, f"{value} is not a {cls.__name__}") from None
+
+    def sub(self, name: str, check: _Check = _OBJ, default: Any = None) -> _Fields:
+        """A nested object (required when default is None), read field by field like this one."""
+        value = self.req(name, check) if default is None else self.opt(name, check, default)
+        return _Fields(self.kind, self.key, value, prefix=f"{self._prefix}{name}.")
+
+    def array(self, name: str, typecode: str) -> array[Any]:
+        self._seen_arrays.add(name)
+        a = self._arrays.get(name)
+        if a is None:
+            raise RecordError(self.key, name, "missing (a required array)")
+        if a.typecode != typecode:
+            raise RecordError(self.key, name, f"array of type {typecode!r} expected, got {a.typecode!r}")
+        return a
+
+    def done(self) -> None:
+        for name in sorted(self._meta.keys() - self._seen):
+            _warn_unknown(self.kind, self._prefix + name, self.key)
+        for name in sorted(self._arrays.keys() - self._seen_arrays):
+            _warn_unknown(self.kind, f"arrays.{name}", self.key)
+
+
+def _read_stats(f: _Fields) -> ChunkStats:
+    """ChunkStats from its stored object: every field defaults to 0 (records written before a field
+    existed lack it); a float default makes the field a number, an int one an integer."""
+    values: dict[str, Any] = {}
+    for fl in dataclasses.fields(ChunkStats):
+        if isinstance(fl.default, float):
+            values[fl.name] = float(f.opt(fl.name, _NUM, fl.default))
+        else:
+            values[fl.name] = f.opt(fl.name, _INT, fl.default)
+    f.done()
+    return ChunkStats(**values)
 
 
 class FinishReason(enum.IntEnum):
@@ -54,8 +194,16 @@ class Sampling:
         return d
 
     @classmethod
-    def from_meta(cls, d: dict[str, Any]) -> Sampling:
-        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+    def read(cls, f: _Fields) -> Sampling:
+        """From its stored object; a field records written before it existed lack gets its default."""
+        d = cls()
+        out = cls(temperature=float(f.opt("temperature", _NUM, d.temperature)),
+                  top_p=float(f.opt("top_p", _NUM, d.top_p)), top_k=f.opt("top_k", _INT, d.top_k),
+                  seed=f.opt("seed", _OPT_INT, d.seed),
+                  stop_token_ids=tuple(f.opt("stop_token_ids", _INT_LIST, [])),
+                  ignore_eos=f.opt("ignore_eos", _BOOL, d.ignore_eos))
+        f.done()
+        return out
 
 
 @dataclass(frozen=True)
@@ -108,10 +256,20 @@ class BatchRecord:
         return codec.encode(d)
 
     @classmethod
-    def decode(cls, data: bytes) -> BatchRecord:
-        m, _ = codec.decode(data)
-        m["state"] = BatchState(m["state"])
-        return cls(**m)
+    def decode(cls, data: bytes, *, key: bytes) -> BatchRecord:
+        f = _Fields("BatchRecord", key, *_decode(data, key))
+        rec = cls(
+            batch_id=f.req("batch_id", _STR), content_hash=f.req("content_hash", _STR),
+            policy_version=f.req("policy_version", _INT), created_at=float(f.req("created_at", _NUM)),
+            num_groups=f.req("num_groups", _INT), num_requests=f.req("num_requests", _INT),
+            state=f.enum("state", BatchState, BatchState.RUNNING), num_results=f.opt("num_results", _INT, 0),
+            num_cancelled=f.opt("num_cancelled", _INT, 0), generated_tokens=f.opt("generated_tokens", _INT, 0),
+            finished_at=float(f.opt("finished_at", _NUM, 0.0)),
+            trace_context=dict(f.opt("trace_context", _STR_MAP, {})), submit_seq=f.opt("submit_seq", _INT, 0),
+            submission_token=f.opt("submission_token", _STR, ""),
+        )
+        f.done()
+        return rec
 
 
 @dataclass
@@ -138,13 +296,16 @@ class GroupRecord:
         return codec.encode(meta, {"prompt": self.prompt_token_ids})
 
     @classmethod
-    def decode(cls, data: bytes) -> GroupRecord:
-        m, a = codec.decode(data)
-        return cls(
-            batch_id=m["batch_id"], group_index=m["group_index"], prompt_key=m["prompt_key"],
-            prompt_token_ids=a["prompt"], group_size=m["group_size"], max_tokens=m["max_tokens"],
-            sampling=Sampling.from_meta(m["sampling"]), labels=m["labels"],
+    def decode(cls, data: bytes, *, key: bytes) -> GroupRecord:
+        f = _Fields("GroupRecord", key, *_decode(data, key))
+        rec = cls(
+            batch_id=f.req("batch_id", _STR), group_index=f.req("group_index", _INT),
+            prompt_key=f.req("prompt_key", _STR), prompt_token_ids=f.array("prompt", "i"),
+            group_size=f.req("group_size", _INT), max_tokens=f.req("max_tokens", _INT),
+            sampling=Sampling.read(f.sub("sampling")), labels=dict(f.req("labels", _STR_MAP)),
         )
+        f.done()
+        return rec
 
 
 @dataclass
@@ -193,15 +354,27 @@ class RequestRecord:
         ))
 
     @classmethod
-    def decode(cls, data: bytes) -> RequestRecord:
-        magic, n, gi, si, seed, state, next_seq, generated, reason, result_index = cls._HEAD.unpack_from(data, 0)
-        if magic != cls._MAGIC:
-            raise ValueError("not a request record (bad magic)")
-        pos = cls._HEAD.size
-        bid = data[pos : pos + n].decode()
-        stats = ChunkStats(*cls._STATS.unpack_from(data, pos + n))
-        return cls(bid, gi, si, seed, RequestState(state), next_seq, generated, FinishReason(reason), stats,
-                   result_index)
+    def decode(cls, data: bytes, *, key: bytes) -> RequestRecord:
+        # A fixed struct, not named fields: its magic is its version (a layout an older buffer
+        # would misread gets a new magic and a new store format); bytes after it are ignored.
+        try:
+            magic, n, gi, si, seed, state, next_seq, generated, reason, result_index = cls._HEAD.unpack_from(data, 0)
+            if magic != cls._MAGIC:
+                raise RecordError(key, "", f"not a request record (magic {magic!r}, expected {cls._MAGIC!r})")
+            pos = cls._HEAD.size
+            bid = data[pos : pos + n].decode()
+            stats = ChunkStats(*cls._STATS.unpack_from(data, pos + n))
+        except (struct.error, UnicodeDecodeError) as e:
+            raise RecordError(key, "", f"not a readable request record: {e}") from None
+        try:
+            st = RequestState(state)
+        except ValueError:
+            raise RecordError(key, "state", f"{state} is not a RequestState") from None
+        try:
+            fr = FinishReason(reason)
+        except ValueError:
+            raise RecordError(key, "finish_reason", f"{reason} is not a FinishReason") from None
+        return cls(bid, gi, si, seed, st, next_seq, generated, fr, stats, result_index)
 
 
 @dataclass
@@ -222,9 +395,12 @@ class ChunkRecord:
         return codec.encode(meta, {"t": self.token_ids, "l": self.logprobs})
 
     @classmethod
-    def decode(cls, data: bytes) -> ChunkRecord:
-        m, a = codec.decode(data)
-        return cls(a["t"], a["l"], FinishReason(m["finish_reason"]), m.get("worker_id", ""))
+    def decode(cls, data: bytes, *, key: bytes) -> ChunkRecord:
+        f = _Fields("ChunkRecord", key, *_decode(data, key))
+        rec = cls(f.array("t", "i"), f.array("l", "f"), f.enum("finish_reason", FinishReason),
+                  f.opt("worker_id", _STR, ""))
+        f.done()
+        return rec
 
 
 @dataclass
@@ -267,12 +443,20 @@ class RolloutResult:
         return codec.encode(meta, {"t": self.token_ids, "l": self.logprobs})
 
     @classmethod
-    def decode(cls, data: bytes) -> RolloutResult:
-        m, a = codec.decode(data)
-        m["finish_reason"] = FinishReason(m["finish_reason"])
-        m["last_chunk_reason"] = FinishReason(m.get("last_chunk_reason", 0))
-        m["stats"] = ChunkStats.from_meta(m["stats"])
-        return cls(token_ids=a["t"], logprobs=a["l"], **m)
+    def decode(cls, data: bytes, *, key: bytes) -> RolloutResult:
+        f = _Fields("RolloutResult", key, *_decode(data, key))
+        rec = cls(
+            request_id=f.req("request_id", _STR), batch_id=f.req("batch_id", _STR),
+            group_index=f.req("group_index", _INT), sample_index=f.req("sample_index", _INT),
+            prompt_key=f.req("prompt_key", _STR), token_ids=f.array("t", "i"), logprobs=f.array("l", "f"),
+            finish_reason=f.enum("finish_reason", FinishReason), policy_version=f.req("policy_version", _INT),
+            stats=_read_stats(f.sub("stats")), num_chunks=f.req("num_chunks", _INT),
+            latency_seconds=float(f.req("latency_seconds", _NUM)), labels=dict(f.req("labels", _STR_MAP)),
+            text=f.opt("text", _STR, ""), chunk_ends=f.opt("chunk_ends", _INT_LIST, []),
+            last_chunk_reason=f.enum("last_chunk_reason", FinishReason, FinishReason.UNSPECIFIED),
+        )
+        f.done()
+        return rec
 
 
 @dataclass
@@ -301,13 +485,21 @@ def encode_history(iterations: list[HistoryIteration]) -> bytes:
     return codec.encode({"iterations": metas}, arrays)
 
 
-def decode_history(data: bytes) -> list[HistoryIteration]:
-    m, a = codec.decode(data)
+def decode_history(data: bytes, *, key: bytes) -> list[HistoryIteration]:
+    f = _Fields("HistoryIteration", key, *_decode(data, key))
+    iterations = f.req("iterations", _LIST)
     out = []
-    for i, it in enumerate(m["iterations"]):
-        flat, pos, toks = a[f"t{i}"], 0, []
-        for n in it["lengths"]:
+    for i, raw in enumerate(iterations):
+        it = _Fields("HistoryIteration", key, raw, prefix=f"iterations[{i}].")
+        lengths = it.req("lengths", _INT_LIST)
+        flat, pos, toks = f.array(f"t{i}", "i"), 0, []
+        if sum(lengths) != len(flat) or min(lengths, default=0) < 0:
+            raise RecordError(key, f"iterations[{i}].lengths",
+                              f"lengths summing to {sum(lengths)} for {len(flat)} stored tokens")
+        for n in lengths:
             toks.append(flat[pos : pos + n])
             pos += n
-        out.append(HistoryIteration(it["batch_id"], it["policy_version"], list(it["lengths"]), toks))
+        out.append(HistoryIteration(it.req("batch_id", _STR), it.req("policy_version", _INT), list(lengths), toks))
+        it.done()
+    f.done()
     return out

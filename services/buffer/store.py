@@ -6,6 +6,7 @@ Key layout (batch ids cannot contain '/', so "<prefix>/<batch_id>/" never matche
     m/policy_source                       weights directory of the current policy
     m/policy_intent                       an UpdateWeights whose outcome is unknown (JSON)
     m/next_submit_seq                     the number the next submitted batch gets (decimal)
+    m/store_format                        the store format version (decimal; STORE_FORMAT)
     b/<batch_id>                          BatchRecord
     g/<batch_id>/<group:06d>              GroupRecord
     r/<batch_id>/<group:06d>/<sample:04d> RequestRecord
@@ -33,7 +34,7 @@ from typing import Any
 
 from rocksdict import Options, Rdict, RdictIter, Snapshot, WriteBatch, WriteOptions
 
-from services.common.errors import DataLoss
+from services.common.errors import DataLoss, FailedPrecondition
 
 
 def batch_key(batch_id: str) -> bytes:
@@ -197,6 +198,24 @@ class Scan:
         self._it = None
 
 
+# The format of the records this buffer writes and reads (README "Storage format"). Bumped by a
+# change an older buffer would misread (a field whose meaning changed, one whose loss when an older
+# buffer rewrites the record is wrong, a new enum value, a new key kind recovery must see); not by an
+# additive optional field older code can ignore (records.py ignores unknown fields with a warning).
+STORE_FORMAT = 1
+STORE_FORMAT_KEY = b"m/store_format"
+
+
+class StoreFormatError(FailedPrecondition):
+    """The data dir holds a store this buffer cannot read (written by a newer buffer, or a stamp
+    that is not a version): refused at open, before any record is read or written."""
+
+    def __init__(self, message: str, *, path: str, found: str) -> None:
+        self.path = path
+        self.found = found
+        super().__init__(message)
+
+
 class Store:
     def __init__(self, path: str | Path, *, sync: bool = False) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -206,6 +225,35 @@ class Store:
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync
         self.path = str(path)
+        try:
+            self.format = self._check_format()
+        except BaseException:
+            self._db.close()  # the DB's LOCK: a caller that reports the error may open it again
+            raise
+
+    def _check_format(self) -> int:
+        """The store's format version, stamped with STORE_FORMAT when absent: a store written
+        before stamps were kept (records, no stamp) is format 1, which is what they were. A newer
+        stamp is refused before anything is read or written: a newer buffer's records may mean
+        something else here, and rewriting them would lose what this buffer does not know of."""
+        raw = self.get(STORE_FORMAT_KEY)
+        if raw is None:
+            wb = self.new_batch()
+            wb.put(STORE_FORMAT_KEY, str(STORE_FORMAT).encode())
+            self.write(wb)
+            return STORE_FORMAT
+        text = raw.decode(errors="replace")
+        found = int(text) if text.isascii() and text.isdecimal() else None
+        if found is None or found < 1:
+            raise StoreFormatError(f"data dir {self.path}: store format stamp {STORE_FORMAT_KEY.decode()} is "
+                                   f"{text[:40]!r}, not a format version (this buffer supports store "
+                                   f"formats up to {STORE_FORMAT})", path=self.path, found=text)
+        if found > STORE_FORMAT:
+            raise StoreFormatError(f"data dir {self.path}: store format {found} was written by a newer "
+                                   f"buffer; this buffer supports store formats up to {STORE_FORMAT} (run a "
+                                   f"buffer that supports format {found}, or point --data-dir elsewhere)",
+                                   path=self.path, found=text)
+        return found
 
     def get(self, key: bytes) -> bytes | None:
         value = self._db.get(key)

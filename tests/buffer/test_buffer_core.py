@@ -115,20 +115,20 @@ def test_synced_writes(tmp_path: Path) -> None:
 
 def test_records_round_trip() -> None:
     b = BatchRecord("b", "h", 3, 1.5, 2, 10, BatchState.CANCELLED, 4, 6, 99)
-    assert BatchRecord.decode(b.encode()) == b
+    assert BatchRecord.decode(b.encode(), key=b"b/b") == b
     g = GroupRecord("b", 1, "k", codec.i32([1, 2, 3]), 4, 16,
                     Sampling(0.7, 0.9, 5, 2**64 - 1, (1, 2), True), {"answer": "5"})
-    g2 = GroupRecord.decode(g.encode())
+    g2 = GroupRecord.decode(g.encode(), key=b"g")
     assert g2 == g and g2.sampling.stop_token_ids == (1, 2)
     r = RequestRecord("b", 1, 2, 2**64 - 1, RequestState.FINISHED, 3, 17, FinishReason.LENGTH,
                       ChunkStats(1, 2, 3, 4, 5, 6, 0.25, 8))
-    assert RequestRecord.decode(r.encode()) == r
+    assert RequestRecord.decode(r.encode(), key=b"r") == r
     res = RolloutResult("b/1/2", "b", 1, 2, "k", codec.i32([7, 8]), codec.f32([-0.5, -0.25]), FinishReason.STOP,
                         3, ChunkStats(steps=2), 1, 0.5, {"a": "b"}, "text")
-    assert RolloutResult.decode(res.encode()) == res
+    assert RolloutResult.decode(res.encode(), key=b"l") == res
     hist = [HistoryIteration("b", 3, [2, 1], [codec.i32([1, 2]), codec.i32([3])]),
             HistoryIteration("a", 2, [0], [codec.i32()])]
-    assert decode_history(encode_history(hist)) == hist
+    assert decode_history(encode_history(hist), key=b"h/k") == hist
     with pytest.raises(ValueError):
         codec.decode(b"nope")
 

@@ -184,8 +184,8 @@ def test_a_decoding_error_leaves_no_iterator_open_past_close(tmp_path, monkeypat
     core.submit_batch("a", [GroupSpec(prompt_key="pk", prompt_token_ids=(1, 2), group_size=3, max_tokens=64,
                                       sampling=Sampling(seed=1))])
 
-    def broken(_v: bytes) -> None:
-        raise ValueError("corrupt record")
+    def broken(_v: bytes, *, key: bytes) -> None:
+        raise ValueError(f"corrupt record {key!r}")
 
     monkeypatch.setattr(core_mod.RequestRecord, "decode", staticmethod(broken))
     with pytest.raises(ValueError) as kept:  # `kept` holds the traceback, and with it the generator
