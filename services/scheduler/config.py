@@ -98,6 +98,15 @@ class SchedulerConfig(ServiceConfig):
     drain_timeout: float = field(
         default=300.0, metadata={"help": "SwitchWeights: seconds to wait for in-flight chunks to finish"}
     )
+    # A failed catch-up load is retried in place (the worker stays registered, listed unhealthy)
+    # after these delays, doubling: it used to drop the worker, which registered again at once and
+    # failed again, hundreds of times a minute for as long as the source was bad.
+    catch_up_retry_initial: float = field(
+        default=1.0, metadata={"help": "seconds before the first retry of a failed catch-up weight load"}
+    )
+    catch_up_retry_max: float = field(
+        default=30.0, metadata={"help": "cap of the doubling delay between retries of a failed catch-up weight load"}
+    )
     port_file: str = field(default="", metadata={"help": "write the bound port to this file"})
     epoch_file: str = field(
         default="",
@@ -142,6 +151,9 @@ class SchedulerConfig(ServiceConfig):
         if self.dispatch_threads < 0:
             raise ValueError(f"dispatch_threads: must be >= 0 (0 = no limit but the workers' batch slots), "
                              f"got {self.dispatch_threads}")
-        for name in ("commit_timeout", "chunk_timeout", "drain_timeout"):
+        for name in ("commit_timeout", "chunk_timeout", "drain_timeout", "catch_up_retry_initial"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
+        if self.catch_up_retry_max < self.catch_up_retry_initial:
+            raise ValueError(f"catch_up_retry_max: must be >= catch_up_retry_initial ({self.catch_up_retry_initial}), "
+                             f"got {self.catch_up_retry_max}")

@@ -64,6 +64,9 @@ DISPATCHED = Counter("seer_scheduler_dispatched_chunks", "chunks dispatched to w
 REDISPATCHED = Counter("seer_scheduler_redispatched_chunks", "chunks that failed and were queued again")
 COMMITTED_TOKENS = Counter("seer_scheduler_committed_tokens", "tokens committed to the buffer")
 WORKERS = Gauge("seer_scheduler_workers", "registered workers")
+# 0 while workers are registered means none serves: each is catching up (or retrying a failed
+# catch-up load), ahead of the suite's version, or awaiting a weight switch's end.
+SERVING = Gauge("seer_scheduler_serving_workers", "registered workers placed on (at the suite's policy version)")
 WORKER_TPS = Gauge("seer_scheduler_worker_tokens_per_second", "tokens/s reported by a worker", ["worker_id"])
 WORKER_ACCEPT = Gauge(
     "seer_scheduler_worker_draft_acceptance", "accepted / proposed draft tokens reported by a worker", ["worker_id"]
@@ -385,6 +388,7 @@ class Dispatcher:
             self.core.set_draining(state.worker_id, True)
         state.active = True
         WORKERS.set(len(self._workers))
+        SERVING.set(sum(w.active for w in self._workers.values()))
         self._wake_locked()
 
     def _start_catch_up(self, state: WorkerState) -> None:
@@ -403,6 +407,8 @@ class Dispatcher:
             if state.catching_up:
                 return  # a catch-up of this registration runs: it re-reads the target after its load
             state.catching_up = True
+        delay = self.cfg.catch_up_retry_initial
+        attempt = 0
         try:
             while True:
                 with self._cond:
@@ -411,23 +417,27 @@ class Dispatcher:
                         self._end_catch_up_locked(state)
                         return
                     version, source = step
-                log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version))
+                attempt += 1
+                log.info("worker catching up", extra=kv(worker_id=state.worker_id, version=version,
+                                                        source=source or "(reload)", attempt=attempt))
                 try:
                     state.link.load_weights(version, source, timeout=self.cfg.drain_timeout)
-                except SeerError as e:
+                except (SeerError, ValueError) as e:  # ValueError: its link was closed (worker removed)
+                    # Retried in place after a doubling delay; the worker stays registered (listed
+                    # unhealthy) and keeps serving nothing until a load succeeds. It used to be
+                    # dropped: its next heartbeat was answered "unknown", it registered again at
+                    # once and failed again, hundreds of times a minute for as long as the source
+                    # was bad. A removal, re-registration or switch ends the wait early.
+                    log.warning("catch-up weight load failed; retrying",
+                                extra=kv(worker_id=state.worker_id, version=version, source=source or "(reload)",
+                                         attempt=attempt, retry_in_s=delay, error=str(e)))
+                    target = (version, source)
                     with self._cond:
-                        self._end_catch_up_locked(state)
-                        # Forget it (unless a switch activated it meanwhile): its next heartbeat is
-                        # answered "unknown", it registers again and the catch-up is retried; parked
-                        # here, it would never serve again.
-                        gone = self._workers.get(state.worker_id) is state and not state.active
-                        if gone:
-                            self._remove_worker_locked(state.worker_id, reason="catch-up weight load failed")
-                    if gone:
-                        log.error("catch-up weight load failed; the worker must register again",
-                                  extra=kv(worker_id=state.worker_id, version=version, error=str(e)))
-                        state.link.close()
-                    return
+                        self._cond.wait_for(lambda t=target: self._catch_up_wait_over_locked(state, t),  # type: ignore[misc]
+                                            timeout=delay)
+                    delay = min(delay * 2, self.cfg.catch_up_retry_max)
+                    continue
+                delay, attempt = self.cfg.catch_up_retry_initial, 0
                 with self._cond:
                     if self._workers.get(state.worker_id) is state and not state.active:
                         state.policy_version = max(state.policy_version, version)
@@ -436,10 +446,23 @@ class Dispatcher:
                 self._end_catch_up_locked(state)
             raise
 
+    def _catch_up_wait_over_locked(self, state: WorkerState, target: tuple[int, str]) -> bool:
+        """A failed catch-up stops waiting for its retry: stopping, the worker gone or replaced, a
+        switch started (it drains catch-ups and would wait for this one's delay), or the target
+        moved (the buffer's policy, or a switch that ended)."""
+        return (
+            self._stopping.is_set()
+            or self._workers.get(state.worker_id) is not state
+            or state.active
+            or self._paused
+            or self._catch_up_target_locked() != target
+        )
+
     def _catch_up_step_locked(self, state: WorkerState) -> tuple[int, str] | None:
         """The (version, source) the catch-up loads next, or None when it stops here."""
-        if self._workers.get(state.worker_id) is not state or state.active or state.spec is None:
-            return None  # gone, or a weight switch activated it meanwhile
+        if self._stopping.is_set() or self._workers.get(state.worker_id) is not state or state.active \
+                or state.spec is None:
+            return None  # stopping, gone, or a weight switch activated it meanwhile
         if self._paused:
             # A switch is in progress: its target is not the version to activate on; the switch's
             # end resumes this catch-up (_take_awaiting_switch_locked).
@@ -539,6 +562,7 @@ class Dispatcher:
                 self._redispatched += 1
                 REDISPATCHED.inc()
         WORKERS.set(len(self._workers))
+        SERVING.set(sum(w.active for w in self._workers.values()))
         self._wake_locked()
         log.warning("worker removed", extra=kv(worker_id=worker_id, reason=reason, requeued=len(requeued)))
         return state
@@ -579,6 +603,7 @@ class Dispatcher:
             if self._paused:
                 raise Aborted("another weight switch is in progress")
             self._paused = True
+            self._cond.notify_all()  # a catch-up waiting to retry a failed load stops for the switch
         try:
             deadline = t0 + self.cfg.drain_timeout
             with self._cond:
@@ -632,6 +657,10 @@ class Dispatcher:
                 t.start()
             for t in threads:
                 t.join()
+            # Every worker asked refused the load (a bad source, say): each loaded nothing and still
+            # serves the version in force, so nothing switched and nobody is dropped. Dropping them
+            # left the suite with no worker, and the next switch was then adopted unchecked.
+            all_refused = bool(workers) and refused == set(errors) and len(errors) == len(workers)
             with self._cond:
                 if len(errors) < len(workers) or not workers:
                     # An empty source relabels the current weights: a worker catching up later
@@ -642,19 +671,24 @@ class Dispatcher:
                         w.policy_version = version
                         if not w.active and w.spec is not None and self._workers.get(w.worker_id) is w:
                             self._activate_locked(w, w.spec)  # it was waiting to catch up: done
-                # A worker that could not load the version must not serve it: drop it (it can
+                # A worker that could not load the version while others did (or whose outcome is
+                # unknown: a deadline, a lost connection) must not serve it: drop it (it can
                 # register again and catch up). Only the registration that was asked to load: one
                 # that registered again meanwhile (a new state) awaits the switch's end instead.
-                dropped = [w for w in workers if w.worker_id in errors and self._workers.get(w.worker_id) is w]
+                dropped = [] if all_refused else [
+                    w for w in workers if w.worker_id in errors and self._workers.get(w.worker_id) is w]
                 for w in dropped:
                     self._remove_worker_locked(w.worker_id, reason="weight load failed")
             for w in dropped:
                 w.link.close()  # as every removal does: its channel would stay open for good
             if errors and len(errors) == len(workers):
-                if refused == set(errors):
-                    # Every worker refused (a bad source, say): nothing switched, the version in
-                    # force is unchanged. A refusal, so the buffer keeps the old version in force
-                    # instead of holding submissions.
+                if all_refused:
+                    # Nothing switched, the version in force is unchanged and every worker serves
+                    # it. A refusal, so the buffer keeps the old version in force instead of
+                    # holding submissions.
+                    log.warning("every worker refused the weight load; the version in force is unchanged",
+                                extra=kv(version=version, source=source, version_in_force=self._version,
+                                         errors=errors))
                     raise FailedPrecondition(f"no worker loaded version {version}: {errors}", field="version")
                 # A deadline or a lost connection: a worker may still be loading, and may come back
                 # on the new version. The outcome is unknown (the buffer holds submissions until
@@ -662,7 +696,13 @@ class Dispatcher:
                 raise Unavailable(f"no worker confirmed loading version {version}: {errors}")
             loaded = len(workers) - len(errors)
             seconds = time.monotonic() - t0
-            log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3)))
+            if not workers:
+                # Accepted (workers that register later catch up to it), but nothing checked the
+                # source and nothing serves it until one does: the listing shows no healthy worker.
+                log.warning("weights switched with no worker registered: no worker loaded it; workers that "
+                            "register later load it to catch up", extra=kv(version=version, source=source))
+            else:
+                log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3)))
             return loaded, seconds
         finally:
             with self._cond:
@@ -732,6 +772,7 @@ class Dispatcher:
                 self._source = self._source or source
                 return
             self._version, self._source = version, source or (self._source if self._version == version else "")
+            self._cond.notify_all()  # a catch-up waiting to retry a failed load goes for the new target
             behind = [w for w in self._workers.values() if w.active and w.policy_version < version]
         for w in behind:
             self._recycle_stale_worker(w, version)

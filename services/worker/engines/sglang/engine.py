@@ -75,6 +75,9 @@ FLUSH_TIMEOUT_S = 30.0
 # SGLang's message when the weights went in but its flush was refused (weight_updater.py:127-132):
 # the weights ARE loaded.
 _LOADED_NOT_FLUSHED = "Weights were updated, but"
+# Its message when loading failed after weights were written (model_runner / weight_updater
+# update_weights_from_disk): the "rollback" reloads the new path, so nothing was restored.
+_ROLLED_BACK = "Rolling back to original weights"
 
 # How often stats() refreshes SGLang's queue length at most. It is read from the load snapshot the
 # scheduler publishes (managers/load_snapshot.py: a shared-memory slot per DP rank under a blocking
@@ -216,6 +219,13 @@ def server_kwargs(cfg: WorkerConfig, model_dir: Path, family: str, version_file:
             }),
         )
     return kw
+
+
+def _update_message(result: Any) -> str:
+    """The message of an update_weights_from_disk result ((success, message, ...) or an object)."""
+    if isinstance(result, tuple):
+        return str(result[1]) if len(result) > 1 else ""
+    return str(getattr(result, "message", ""))
 
 
 def _update_succeeded(result: Any) -> bool:
@@ -688,6 +698,18 @@ class SGLangEngine(Engine):
                                "its weights are unknown and the engine is broken")
         result, flushed = fut.result()
         if not _update_succeeded(result):
+            if _ROLLED_BACK in _update_message(result):
+                # SGLang failed while writing the new weights in place; its "rollback" re-reads
+                # model_config.model_path, which it set to the NEW path before loading
+                # (ModelRunner.update_weights_from_disk), so the weights are now some mix of the
+                # new checkpoint. Not a refusal (the scheduler keeps a refusing worker serving the
+                # old version): the engine is broken and the worker must restart.
+                with self._lock:
+                    self._broken = f"SGLang failed mid-load of {version!r}; its weights are unknown"
+                log.error("SGLang failed while loading weights in place; the engine is broken (requests are "
+                          "aborted until the worker restarts)", extra=kv(version=version, result=str(result)))
+                raise RuntimeError(f"load_weights: SGLang failed mid-load of {version!r} and its rollback reloads "
+                                   f"the new path: weights unknown, the engine is broken ({result})")
             raise ValueError(f"path: SGLang refused the weights: {result}")
         if not getattr(flushed, "success", False):
             # Pages of the old weights stay in SGLang's radix cache until evicted; they are never
