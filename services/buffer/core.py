@@ -76,6 +76,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.log import get_logger, kv, log_context
+from services.common.sampling_limits import MAX_LOGPROB
 
 log = get_logger(__name__)
 
@@ -88,9 +89,6 @@ HISTORY_REPLY_BYTES = 32 * 1024 * 1024
 # The keys of one GetHistory call, in bytes: each comes back (with its history or as omitted), so
 # the budget above cannot hold them when they are this many (100,000 keys of up to 512 characters).
 MAX_HISTORY_KEY_BYTES = 8 * 1024 * 1024
-# A committed logprob above this is refused: a log-probability is <= 0, and the engines' float32
-# log-softmax can round a near-certain token a hair above it.
-MAX_LOGPROB = 1e-4
 # Batches deleted by retention that are remembered (id -> results), so a reader coming back to one
 # is told what it lost instead of "unknown batch". Stored (keys.deleted_key), so a restart between
 # the deletion and the reader's return does not turn it into "unknown batch".

@@ -49,6 +49,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.log import get_logger, kv, log_context
+from services.common.sampling_limits import MAX_LOGPROB
 from services.common.telemetry import Counter, Gauge, context_from, tracer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import SchedulerCore, chunk_stats_problem, telemetry_problem
@@ -83,10 +84,6 @@ _BUSY_BACKOFF_S = 0.2
 # runaway would reach: threads start on demand).
 _ABORT_THREADS = 16
 _UNCAPPED_THREADS = 1 << 16
-# The highest log-probability a chunk may carry: a log-probability is <= 0, and float32
-# log-softmax can round a near-certain token a hair above it (the buffer's MAX_LOGPROB, which
-# refuses a commit over it; services/buffer/core.py).
-_MAX_LOGPROB = 1e-4
 # Prompt keys remembered as having no history at the buffer (Dispatcher._history_unknown).
 _HISTORY_UNKNOWN_KEYS = 65_536
 
@@ -1283,7 +1280,7 @@ class Dispatcher:
         # The buffer refuses such a commit (INVALID_ARGUMENT), but that refusal was blamed on
         # nobody: the attempt counted and a worker streaming them every time was never quarantined.
         # (Token ids beyond the vocabulary only the buffer can judge.)
-        bad_values = bool(tokens) and (min(tokens) < 0 or not all(lp <= _MAX_LOGPROB for lp in logprobs))
+        bad_values = bool(tokens) and (min(tokens) < 0 or not all(lp <= MAX_LOGPROB for lp in logprobs))
         if len(tokens) > req.max_new_tokens or len(logprobs) != len(tokens) or early_length or bad_values:
             log.error("worker returned a malformed chunk", extra=kv(
                 worker_id=w.worker_id, tokens=len(tokens), logprobs=len(logprobs), max_new=req.max_new_tokens,
