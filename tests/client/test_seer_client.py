@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 from client_helpers import Buffer, answer_tokens, play_scheduler
-from seer_client import PromptGroup, Sampling, SeerClient, SeerError, by_group, group_advantages, score
+from seer_client import BatchCancelled, PromptGroup, Sampling, SeerClient, SeerError, by_group, group_advantages, score
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,8 @@ def test_idempotent_submit_and_errors_name_the_field(buffer: Buffer) -> None:
         assert e.value.code == "ALREADY_EXISTS"
         with pytest.raises(SeerError) as e:
             client.submit_batch("text", [PromptGroup(prompt="hello", group_size=1, max_tokens=4)])
-        assert e.value.code == "FAILED_PRECONDITION" and "prompt_text" in e.value.message
+        # The client's field (the buffer names the proto's prompt_text: test_client_field_names.py).
+        assert e.value.code == "FAILED_PRECONDITION" and e.value.message.startswith("groups[0].prompt: ")
         with pytest.raises(SeerError) as e:
             list(client.iter_results("missing"))
         assert e.value.code == "NOT_FOUND"
@@ -138,7 +139,10 @@ def test_cancel_and_update_weights(buffer: Buffer) -> None:
         assert e.value.code == "FAILED_PRECONDITION"
         assert client.cancel_batch("c") == 4
         assert client.cancel_batch("c") == 4  # a retry after a lost reply learns the same count
-        assert client.collect("c") == [] and client.get_batch("c").state == "cancelled"
+        # Cancelled before any response finished: not an empty batch (test_client_batch_cancelled.py).
+        with pytest.raises(BatchCancelled) as cancelled:
+            client.collect("c")
+        assert cancelled.value.results == [] and client.get_batch("c").state == "cancelled"
         up = client.update_weights(1, source="")
         assert (up.version, up.num_workers) == (1, 0)
         assert client.submit_batch("after", [PromptGroup(prompt=[1], group_size=1, max_tokens=2)]).policy_version == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from seer_client.client import SeerClient
 from seer_client.grouping import by_batch, by_group, group_advantages, score
 from seer_client.types import (
+    BatchCancelled,
     BatchStatus,
     CancelOutcome,
     PromptGroup,
@@ -18,6 +19,7 @@ from seer_client.types import (
 )
 
 __all__ = [
+    "BatchCancelled",
     "BatchStatus",
     "CancelOutcome",
     "PromptGroup",

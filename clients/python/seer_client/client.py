@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -19,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from seer.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from seer_client.types import (
+    BatchCancelled,
     BatchStatus,
     CancelOutcome,
     PromptGroup,
@@ -244,6 +246,35 @@ def _labels(labels: object, field: str) -> dict[str, str]:
     return out
 
 
+def _groups_pb(groups: object) -> list[rollout_pb2.PromptGroup]:
+    # A single PromptGroup (a frozen dataclass, not iterable) raised a bare TypeError; a str or a
+    # mapping would be iterated as characters or keys, each then refused as "groups[0]: must be a
+    # PromptGroup", which hides the mistake.
+    if isinstance(groups, PromptGroup | str | bytes | bytearray | Mapping) or not isinstance(groups, Iterable):
+        hint = " (wrap a single group in a list: [group])" if isinstance(groups, PromptGroup) else ""
+        raise _invalid("groups", f"must be a sequence of PromptGroup, got {type(groups).__name__}{hint}")
+    return [_group_pb(i, g) for i, g in enumerate(groups)]
+
+
+# The buffer's errors name SubmitBatchRequest's fields; a PromptGroup's one `prompt` is either of the
+# proto's two (_group_pb fills prompt_text for a str, prompt_token_ids otherwise). Every other field
+# a buffer error can name (group_size, max_tokens, prompt_key, sampling.*, labels, batch_id,
+# seed_scope, submission_token, groups) has the client's name already.
+_PROTO_PROMPT = re.compile(r"(groups\[\d+\])\.(?:prompt_token_ids|prompt_text)(?=[\[:])")
+
+
+def _client_field_names(err: SeerError) -> SeerError:
+    """A SubmitBatch error naming a proto prompt field, renamed to the client's `prompt` (the code,
+    the class and the rest of the message kept): "groups[0].prompt_token_ids[3]: token id ..." is
+    "groups[0].prompt[3]: token id ...", as the client's own checks name it."""
+    m = _PROTO_PROMPT.match(err.message)
+    if m is None:
+        return err
+    renamed = type(err)(err.code, f"{m.group(1)}.prompt{err.message[m.end():]}")
+    renamed.__dict__.update({k: v for k, v in err.__dict__.items() if k not in ("code", "message")})
+    return renamed
+
+
 def _group_pb(i: int, g: PromptGroup) -> rollout_pb2.PromptGroup:
     f = f"groups[{i}]"
     if not isinstance(g, PromptGroup):
@@ -254,9 +285,16 @@ def _group_pb(i: int, g: PromptGroup) -> rollout_pb2.PromptGroup:
                                   sampling=_sampling_pb(g.sampling, f"{f}.sampling"),
                                   labels=_labels(g.labels, f"{f}.labels"))
     if isinstance(g.prompt, str):
+        if not g.prompt:
+            # Sent, it reached the buffer as no prompt at all, refused in the proto's terms ("empty
+            # prompt: give prompt_token_ids or prompt_text").
+            raise _invalid(f"{f}.prompt", "must not be empty (text, or a sequence of token ids)")
         msg.prompt_text = g.prompt
     else:
-        msg.prompt_token_ids.extend(_ints(g.prompt, f"{f}.prompt", _INT32))
+        ids = _ints(g.prompt, f"{f}.prompt", _INT32)
+        if not ids:
+            raise _invalid(f"{f}.prompt", "must not be empty (text, or a sequence of token ids)")
+        msg.prompt_token_ids.extend(ids)
     return msg
 
 
@@ -395,13 +433,16 @@ class SeerClient:
         During a weight switch (update_weights from another thread) it waits for the switch to end,
         up to update_weights' own default timeout, and the batch runs at the new version."""
         req = rollout_pb2.SubmitBatchRequest(batch_id=_str(batch_id, "batch_id"),
-                                             groups=[_group_pb(i, g) for i, g in enumerate(groups)],
+                                             groups=_groups_pb(groups),
                                              seed_scope=_str(seed_scope, "seed_scope"),
                                              submission_token=_str(submission_token, "submission_token"))
         # A weight switch (another thread's update_weights) refuses submissions until it ends, which
         # may take the buffer's whole switch timeout: waited out, so the batch runs at the new version.
-        resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=_deadline(self.timeout)),
-                          switch_window=UPDATE_WEIGHTS_TIMEOUT)
+        try:
+            resp = self._call(lambda: self._stub.SubmitBatch(req, timeout=_deadline(self.timeout)),
+                              switch_window=UPDATE_WEIGHTS_TIMEOUT)
+        except SeerError as e:
+            raise _client_field_names(e) from None
         return SubmitResult(resp.batch_id, resp.num_requests, resp.already_submitted, resp.policy_version,
                             int(resp.submission_id))
 
@@ -428,6 +469,12 @@ class SeerClient:
         FAILED_PRECONDITION naming submission_id (a SeerError), never a resume into the other
         submission's results at this cursor.
 
+        A batch cancelled (by anyone: another process, an operator, this client's cancel_batch)
+        before it completed ends its stream without the rest: after yielding every result it got,
+        BatchCancelled (a SeerError, code ABORTED, naming how many of how many responses
+        finished) is raised, never a quiet end with part of the batch. One deleted by retention
+        before that check (NOT_FOUND) cannot be told apart and ends quietly, as before.
+
         A generator: close() it to end the stream at once when stopping before the batch is done
         (the buffer holds a stream slot and keeps the batch from retention while it is open).
         """
@@ -436,8 +483,10 @@ class SeerClient:
         return self._iter_results(_str(batch_id, "batch_id"), _int(cursor, "cursor", _UINT64),
                                   _results_timeout(timeout), _int(submission_id, "submission_id", _UINT64))
 
-    def _iter_results(self, batch_id: str, cursor: int, timeout: float | None,
-                      submission_id: int) -> Generator[RolloutResult, None, None]:
+    def _iter_results(self, batch_id: str, cursor: int, timeout: float | None, submission_id: int,
+                      num_requests: int = 0) -> Generator[RolloutResult, None, None]:
+        """num_requests: the batch's size when known (run_batch, from cursor 0): a stream that ended
+        with that many results is complete without asking the buffer (_cancelled_elsewhere)."""
         end = None if timeout is None else time.monotonic() + timeout
         delay = 0.05
         # The retry window: seconds spent failing since the last new result (closed spells) plus
@@ -477,6 +526,10 @@ class SeerClient:
                     yield result
                 if left_out:
                     raise _ResultsLeftOut("RESOURCE_EXHAUSTED", _left_out_message(batch_id, left_out))
+                if not (num_requests and cursor >= num_requests):
+                    cancelled = self._cancelled_elsewhere(batch_id, submission_id, end)
+                    if cancelled is not None:
+                        raise cancelled
                 return
             except grpc.RpcError as e:
                 code = e.code()
@@ -514,6 +567,34 @@ class SeerClient:
                 if cancel is not None:
                     cancel()
 
+    def _cancelled_elsewhere(self, batch_id: str, submission_id: int, end: float | None) -> BatchCancelled | None:
+        """After a results stream ended OK: BatchCancelled when the batch it read was cancelled, so
+        its other responses will never come, else None. The buffer ends the stream the same way for
+        a completed batch and a cancelled one; without this check a trainer got 4 of 32 results as
+        if they were all (the Node client's rollout() rejects ABORTED there too)."""
+        call_timeout = self.timeout if end is None else max(0.1, min(self.timeout, end - time.monotonic()))
+        req = rollout_pb2.GetBatchRequest(batch_id=batch_id)
+        try:
+            b = self._call(lambda: self._stub.GetBatch(req, timeout=_deadline(call_timeout)))
+        except SeerError as e:
+            if e.code == "NOT_FOUND":
+                # Deleted by retention since (the stream's end released the batch to it): its state
+                # went with it, and the stream delivered every result it had. As before this check.
+                log.info("batch deleted after its results stream ended; not checked for a cancel",
+                         extra={"batch_id": batch_id})
+                return None
+            raise type(e)(e.code, f"batch {batch_id!r}: its results stream ended, but whether the batch "
+                                  f"completed or was cancelled could not be read: {e.message}") from None
+        if b.state != rollout_pb2.BATCH_STATE_CANCELLED:
+            return None
+        if submission_id and b.submission_id and b.submission_id != submission_id:
+            # The id was deleted and submitted again since: this is another submission's state.
+            return None
+        return BatchCancelled(
+            f"batch {batch_id!r} was cancelled before it completed: {b.num_finished} of {b.num_requests} "
+            f"responses finished, {b.num_cancelled} cancelled (the rest will not come)",
+            batch_id=batch_id, num_finished=b.num_finished, num_requests=b.num_requests)
+
     def _timed_out(self, batch_id: str, timeout: float | None, cursor: int) -> SeerTimeout:
         return SeerTimeout("DEADLINE_EXCEEDED",
                            f"batch {batch_id!r}: results not complete after {timeout}s (cursor {cursor})")
@@ -521,8 +602,17 @@ class SeerClient:
     def collect(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None) -> list[RolloutResult]:
         """Every result from `cursor` on, once the batch is done. timeout: as iter_results' (None =
         until the batch is done, which a batch that never progresses never is); SeerTimeout when it
-        runs out, the results so far are dropped (iter_results keeps them)."""
-        return list(self.iter_results(batch_id, cursor, timeout=timeout))
+        runs out, the results so far are dropped (iter_results keeps them).
+
+        A batch cancelled by someone else before it completed: BatchCancelled (a SeerError, code
+        ABORTED, naming how many of its responses finished), its `results` the ones received."""
+        out: list[RolloutResult] = []
+        try:
+            out.extend(self.iter_results(batch_id, cursor, timeout=timeout))
+        except BatchCancelled as e:
+            e.results = out
+            raise
+        return out
 
     def run_batch(self, batch_id: str, groups: Sequence[PromptGroup],
                   on_result: Callable[[RolloutResult], None] | None = None, *,
@@ -551,6 +641,11 @@ class SeerClient:
         left out of the stream (the batch is done then). False: the batch is left running.
         Both cancels are best effort and short (5 s of retries at most; a second Ctrl-C ends them).
 
+        A batch cancelled by someone else before it completed (another process's cancel_batch, an
+        operator): BatchCancelled (a SeerError, code ABORTED: "batch 'x' was cancelled before it
+        completed: 4 of 32 responses finished, ..."), its `results` the ones received, nothing
+        cancelled by this call. Before, run_batch returned the 4 as if they were the batch.
+
         Calling again after a SeerTimeout to collect the same batch: pass the first call's
         submission_token (the batch keeps its first submitter's token), or a Ctrl-C during the
         second call finds the id naming another submission and leaves the batch running."""
@@ -565,7 +660,7 @@ class SeerClient:
         try:
             sub = self.submit_batch(batch_id, groups, seed_scope=seed_scope, submission_token=token)
             submitted = True
-            for r in self._iter_results(batch_id, 0, bound, sub.submission_id):
+            for r in self._iter_results(batch_id, 0, bound, sub.submission_id, sub.num_requests):
                 if on_result is not None:
                     in_callback = True
                     on_result(r)
@@ -589,6 +684,12 @@ class SeerClient:
                        f"submission_token={token!r}) collects it")
             raise
         except BaseException as e:  # KeyboardInterrupt is above; SystemExit from on_result too
+            if isinstance(e, BatchCancelled) and not in_callback:
+                # Cancelled by someone else (its results stream ended short): nothing left to
+                # cancel. (This call's own cancels are below and above, after its stream ended
+                # otherwise; one on_result raised is on_result's error, cancelled as any.)
+                e.results = out
+                raise
             # Nobody will read the rest of the batch: without the cancel it went on generating on the
             # cluster (the Node client's rollout() cancels here too). A failed submission is not
             # cancelled (the CLI's REFUSED: it may have stored nothing of ours), nor a batch whose

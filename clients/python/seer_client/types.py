@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,11 @@ class BatchStatus:
 
 @dataclass(frozen=True)
 class WeightsUpdate:
+    """update_weights' answer. num_workers: the workers that loaded `version`. 0 means none was
+    registered: the version is recorded and in force all the same, but no worker has loaded it yet
+    (nothing has checked `source` either); a worker that registers later loads it before it serves,
+    and batches wait until one does."""
+
     version: int
     num_workers: int
     seconds: float
@@ -152,3 +157,28 @@ class SeerTimeout(SeerError, TimeoutError):
     it (the batch keeps its first submitter's token). "" elsewhere."""
 
     submission_token: str = ""
+
+
+class BatchCancelled(SeerError):
+    """code "ABORTED": the batch whose results were awaited was cancelled by someone else (another
+    process's cancel_batch, `seer` on the command line, an operator) before every response
+    finished; its results stream ended without the rest, which will never come. Raised by
+    iter_results after it yielded every result it got, and so by collect and run_batch (whose own
+    cancels, cancel_on_interrupt / cancel_on_error, raise the error that caused them instead).
+
+    results: the results collect or run_batch received before it (iter_results yielded its own:
+    [] there). num_finished / num_requests: the buffer's count of the batch's finished responses
+    and its size."""
+
+    def __init__(self, message: str, *, batch_id: str = "", num_finished: int = 0, num_requests: int = 0,
+                 results: list[RolloutResult] | None = None) -> None:
+        super().__init__("ABORTED", message)
+        self.batch_id = batch_id
+        self.num_finished = num_finished
+        self.num_requests = num_requests
+        self.results: list[RolloutResult] = [] if results is None else results
+
+    def __reduce__(self) -> tuple[Any, ...]:  # type: ignore[override]
+        # SeerError's (code, message) does not fit this __init__; the attributes (notes too) travel
+        # as the instance's state.
+        return type(self), (self.message,), dict(self.__dict__)
