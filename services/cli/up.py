@@ -17,7 +17,12 @@ Exit status: 0 when every service ran until the stop and drained cleanly; 1 when
 not start, a service exited on its own while it ran (a crash of the buffer or scheduler also stops
 the suite: nothing works without them) or a service did not stop cleanly; the data directory, with
 the services' logs, is then kept even when it is the default temporary one. 128 + the signal number
-when stopped by a signal before the suite was up; 2 when a flag is refused (before anything starts).
+when stopped by a signal before the suite was up; 2 when a flag, or a service's configuration (its
+SEER_<SERVICE>_* variables included), is refused (before anything starts).
+
+An option given here is passed to its services as a flag and overrides their SEER_<SERVICE>_<FIELD>
+variable (a warning names both); one left out yields to that variable or a config file, else the
+suite's default applies.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
-from services.cli.flags import positive_seconds
+from services.cli.flags import positive_int, positive_seconds
 from services.cli.signals import StopRequest, signals_to
 from services.common.log import get_logger, kv
 from services.common.ports import BindAddress, addresses_port_is_free, dial_host, host_addresses
@@ -70,18 +75,23 @@ class SuiteError(RuntimeError):
 
 
 class SuiteArgumentError(ValueError):
-    """A Suite argument refused before anything was created; `field` names it (the `seer` commands
-    report it by its flag: see flag_error)."""
+    """A Suite argument, or a service configuration the suite would start, refused before anything
+    was started; `field` names the Suite argument (the `seer` commands report it by its flag: see
+    flag_error). setting: for a value that came from elsewhere, what the user set it with (an
+    environment variable, a config file, an extra argument), named instead of a flag."""
 
-    def __init__(self, field: str, detail: str) -> None:
-        super().__init__(f"{field}: {detail}")
+    def __init__(self, field: str, detail: str, *, setting: str | None = None) -> None:
+        super().__init__(f"{setting or field}: {detail}")
         self.field = field
         self.detail = detail
+        self.setting = setting
 
 
 def flag_error(e: SuiteArgumentError) -> str:
     """The refusal as `seer up` and `seer demo` print it: by the flag that set the argument
-    (--base-port, not base_port, which no user typed)."""
+    (--base-port, not base_port, which no user typed), or by the variable or file that did."""
+    if e.setting is not None:
+        return f"{e.setting}: {e.detail}"
     return f"--{e.field.replace('_', '-')}: {e.detail}"
 
 
@@ -105,6 +115,46 @@ def _metrics_offset(workers: int) -> int:
 
 # Relaunches of a service that exited because its port was taken (see Suite._relaunch_after_port_clash).
 _PORT_CLASH_RETRIES = 3
+
+# The suite's defaults for the settings a caller may leave unset (None). Unlike a value the caller
+# chose, a default is passed to a service only when nothing else sets that field: a
+# SEER_<SERVICE>_<FIELD> variable or a config file then applies, as the services document.
+DEFAULT_POLICY = "seer"
+DEFAULT_CHUNK_SIZE = 512
+DEFAULT_SPECULATION = True
+# 1 s, not the scheduler's 2 s: a suite on one machine notices a killed worker sooner.
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+
+# Each service's configuration class, by section (module:class), imported when the suite checks
+# the configuration it will start (config modules import no grpc and no torch).
+_CONFIG_CLASSES = {
+    "buffer": ("services.buffer.config", "BufferConfig"),
+    "scheduler": ("services.scheduler.config", "SchedulerConfig"),
+    "draft": ("services.draft.config", "DraftConfig"),
+    "kvstore": ("services.kvstore.config", "KvStoreConfig"),
+    "worker": ("services.worker.config", "WorkerConfig"),
+}
+
+# Fields the suite always sets itself: its port plan and the services' wiring. A variable setting
+# one is overridden (with a warning): the suite could not reach or wire a service elsewhere.
+_WIRING = ("port", "metrics_port", "buffer_address", "scheduler_address", "draft_address", "kv_addresses",
+           "worker_id")
+
+
+def config_class(section: str) -> type:
+    """The configuration dataclass of service `section`."""
+    import importlib
+
+    module, name = _CONFIG_CLASSES[section]
+    cls: type = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def _flag_value(value: object) -> str:
+    """A value as a service flag takes it (booleans as true/false, which the config parser reads)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def _configured_host(section: str, args: Sequence[str], env: Mapping[str, str]) -> str | None:
@@ -323,11 +373,11 @@ class Suite:
         workers: int = 1,
         data_dir: str | os.PathLike[str] | None = None,
         base_port: int = 0,
-        policy: str = "seer",
-        speculation: bool = True,
+        policy: str | None = None,
+        speculation: bool | None = None,
         model_dir: str | os.PathLike[str] | None = None,
-        chunk_size: int = 512,
-        heartbeat_interval: float = 1.0,
+        chunk_size: int | None = None,
+        heartbeat_interval: float | None = None,
         tracing: str | None = None,
         metrics: bool = True,
         env: Mapping[str, str] | None = None,
@@ -337,8 +387,19 @@ class Suite:
         kvstore: bool = True,
         cpu_affinity: Sequence[int] | None = None,
         service_cpus: Sequence[int] | None = None,
+        default_model_dir: str | os.PathLike[str] | None = None,
+        warn: Callable[[str], None] | None = None,
     ) -> None:
-        """cpu_affinity: pin worker i to CPU cpu_affinity[i % len(cpu_affinity)] (benchmarks: one
+        """policy, speculation, chunk_size, heartbeat_interval, model_dir, data_dir: None = not
+        chosen: the services' own configuration (SEER_<SERVICE>_<FIELD>, a config file, extra_args)
+        applies where it sets the field, else the suite's default (DEFAULT_*; default_model_dir for
+        model_dir, nothing when that is None; a temporary directory for data_dir). A value given
+        here is passed as the service's flag, which outranks its environment: a variable it
+        overrides is reported through warn (default: a warning log line), naming both.
+        Every service's configuration is checked, as the service will load it, before anything is
+        created: a bad value is a SuiteArgumentError naming the argument or the variable that set it.
+
+        cpu_affinity: pin worker i to CPU cpu_affinity[i % len(cpu_affinity)] (benchmarks: one
         core per worker, so workers do not steal each other's cores); None = no pinning.
         service_cpus: the CPUs every other service (buffer, scheduler, draft, kvstore) may run on;
         None = no restriction. Benchmarks that compare worker-side costs keep those processes off
@@ -372,8 +433,15 @@ class Suite:
         self.policy = policy
         self.speculation = speculation
         self.model_dir = str(model_dir) if model_dir is not None else ""
+        self.default_model_dir = str(default_model_dir) if default_model_dir is not None else ""
         self.chunk_size = chunk_size
         self.heartbeat_interval = heartbeat_interval
+        self._data_dir_chosen = data_dir is not None
+        self._warn = warn or (lambda message: log.warning(message))
+        self._warned: set[str] = set()
+        # Per service: the Suite argument behind each flag the suite passed for a chosen value
+        # (an error in that field is then reported by the argument, i.e. `seer up`'s option).
+        self._chosen_flags: dict[str, dict[str, str]] = {}
         self.tracing = tracing
         self.metrics = metrics
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
@@ -385,6 +453,7 @@ class Suite:
         try:
             self._env = self._child_env(env)
             self._build()  # may run out of free ports (SuiteError)
+            self._check_configs()
         except BaseException:
             # No Suite to stop() later: the directory created above would outlive the failure.
             self.remove_data()
@@ -402,9 +471,90 @@ class Suite:
             paths.append(env["PYTHONPATH"])
         env["PYTHONPATH"] = os.pathsep.join(paths)
         if self.tracing is not None:
+            if env.get("SEER_TRACING", self.tracing) != self.tracing:
+                self._warn_once(f"--tracing {self.tracing} overrides SEER_TRACING={env['SEER_TRACING']}")
             env["SEER_TRACING"] = self.tracing
         env.update(extra or {})
         return env
+
+    def _warn_once(self, message: str) -> None:
+        # Once per message: N workers share one section, so one variable, and one warning.
+        if message not in self._warned:
+            self._warned.add(message)
+            self._warn(message)
+
+    def _others(self, name: str, section: str) -> dict[str, Any]:
+        """The fields of service `name` that its extra_args, the suite's environment or a config
+        file set (services.common.config.configured)."""
+        from services.common.config import configured
+
+        return configured(config_class(section), section, self.extra_args.get(name, []), self._env)
+
+    def _setting(self, name: str, field: str, chosen: object, default: object, argument: str) -> list[str]:
+        """The flag for `field` of service `name`: the chosen value (Suite argument `argument`; a
+        variable or file it overrides is reported), else the default when nothing else sets the
+        field, else none (the service's own configuration applies)."""
+        section = "worker" if name.startswith("worker-") else name
+        flag = "--" + field.replace("_", "-")
+        source = self._others(name, section).get(field)
+        if chosen is None:
+            return [] if source is not None or default is None else [flag, _flag_value(default)]
+        if source is not None and source.kind == "env":
+            self._warn_once(f"--{argument.replace('_', '-')} {_flag_value(chosen)} overrides "
+                            f"{source.name}={self._env.get(source.name, '')}")
+        elif source is not None and source.kind == "file":
+            self._warn_once(f"--{argument.replace('_', '-')} {_flag_value(chosen)} overrides {field} in {source.name}")
+        if source is None or source.kind != "flag":  # an extra argument comes later and wins
+            self._chosen_flags.setdefault(name, {})[field] = argument
+        return [flag, _flag_value(chosen)]
+
+    def _warn_wiring(self, s: ServiceProcess) -> None:
+        """A variable or file setting a field the suite sets itself (a port, an address) is
+        overridden: said once, so that the user does not wonder why it has no effect."""
+        others = self._others(s.name, s.section)
+        for key in _WIRING:
+            source = others.get(key)
+            if ("--" + key.replace("_", "-")) in s.args and source is not None and source.kind != "flag":
+                shown = f"{source.name}={s.env.get(source.name, '')}" if source.kind == "env" else \
+                    f"{key} in {source.name}"
+                self._warn_once(f"{shown} is overridden: the suite sets the {s.section}'s {key.replace('_', ' ')}")
+
+    def _check_configs(self) -> None:
+        """Loads every service's configuration as the service will (its flags, its environment, a
+        config file) and validates it, before anything starts: a bad value was found only when the
+        service exited at start ("exited with code 2 before becoming healthy"), after the others
+        had started and with a data directory left behind."""
+        from services.common.config import ConfigError, resolve
+
+        for name, s in self.services.items():
+            self._warn_wiring(s)
+            try:
+                resolve(config_class(s.section), s.section, s.args, s.env, exit_on_error=False)
+            except ConfigError as e:
+                raise self._refusal(name, e) from None
+            except OSError as e:  # a config file that cannot be read
+                raise SuiteArgumentError(name, f"configuration: {e}", setting=f"{name} configuration") from None
+
+    def _refusal(self, name: str, e: Any) -> SuiteArgumentError:
+        """The SuiteArgumentError for service `name`'s refused configuration (a ConfigError): by
+        the Suite argument whose flag set the field, else by the variable, file or extra argument."""
+        message = str(e)
+        field, source = e.field, e.source
+        detail = message
+        if field:
+            for prefix in (f"{e.field}: ", f"{name}:{field}: ", f"worker:{field}: "):
+                if message.startswith(prefix):
+                    detail = message[len(prefix):]
+        argument = self._chosen_flags.get(name, {}).get(field or "")
+        if source is not None and source.kind == "flag" and argument is not None:
+            return SuiteArgumentError(argument, detail)
+        if source is not None and source.kind == "env":
+            return SuiteArgumentError(field or name, detail, setting=f"{source.name}={self._env.get(source.name, '')}")
+        if source is not None and source.kind == "file":
+            return SuiteArgumentError(field or name, detail, setting=f"{source.name} ({name}: {field})")
+        if source is not None:  # an extra argument
+            return SuiteArgumentError(field or name, detail, setting=f"{name} {source.name}")
+        return SuiteArgumentError(field or name, message, setting=f"{name} configuration")
 
     def _free_port(self, host: str) -> int:
         """A port free on `host` that no other service of this suite was given."""
@@ -457,11 +607,19 @@ class Suite:
         arguments _add puts first set no host)."""
         return f"{dial_host(_configured_host(section, self.extra_args.get(name, []), self._env))}:{port}"
 
+    def _data_dir_setting(self, name: str, path: Path) -> list[str]:
+        """--data-dir of service `name`: under the suite's data directory, unless the suite's is a
+        temporary one and the service's own configuration sets another."""
+        return self._setting(name, "data_dir", str(path) if self._data_dir_chosen else None, str(path), "data_dir")
+
+    def _model_dir_setting(self, name: str) -> list[str]:
+        return self._setting(name, "model_dir", self.model_dir or None, self.default_model_dir or None, "model_dir")
+
     def _build(self) -> None:
         d = self.data_dir
         if self.with_kvstore:
             self._add("kvstore", "services.kvstore", self._port(_KVSTORE, "kvstore"), _KVSTORE,
-                      ["--data-dir", str(d / "kvstore")])
+                      self._data_dir_setting("kvstore", d / "kvstore"))
         buffer_port = self._port(_BUFFER, "buffer")
         # The buffer is added last of the central services (it needs the scheduler's address):
         # the draft and the scheduler dial the address it will have.
@@ -472,32 +630,34 @@ class Suite:
         scheduler_port = self._port(_SCHEDULER, "scheduler")
         self._add("scheduler", "services.scheduler", scheduler_port, _SCHEDULER, [
             "--buffer-address", buffer_address,
-            "--policy", self.policy,
-            "--chunk-size", str(self.chunk_size),
-            "--heartbeat-interval", str(self.heartbeat_interval),
+            *self._setting("scheduler", "policy", self.policy, DEFAULT_POLICY, "policy"),
+            *self._setting("scheduler", "chunk_size", self.chunk_size, DEFAULT_CHUNK_SIZE, "chunk_size"),
+            *self._setting("scheduler", "heartbeat_interval", self.heartbeat_interval, DEFAULT_HEARTBEAT_INTERVAL,
+                           "heartbeat_interval"),
         ])
-        buffer_args = ["--data-dir", str(d / "buffer"), "--scheduler-address", self.scheduler_address]
-        if self.model_dir:
-            buffer_args += ["--model-dir", self.model_dir]
+        buffer_args = [
+            *self._data_dir_setting("buffer", d / "buffer"),
+            "--scheduler-address", self.scheduler_address,
+            *self._model_dir_setting("buffer"),
+        ]
         self._add("buffer", "services.buffer", buffer_port, _BUFFER, buffer_args)
         # The wiring above used the planned address: the buffer's own arguments must not move it.
         if self.address != buffer_address:  # the wiring above dialled another address
             raise SuiteError(f"buffer: wired to {buffer_address} but it binds {self.address}")
         for i in range(self.num_workers):
+            name = f"worker-{i}"
             args = [
-                "--worker-id", f"worker-{i}",
+                "--worker-id", name,
                 "--scheduler-address", self.scheduler_address,
-                "--speculation", "true" if self.speculation else "false",
+                *self._setting(name, "speculation", self.speculation, DEFAULT_SPECULATION, "speculation"),
             ]
             if self.with_draft:
                 args += ["--draft-address", self.services["draft"].address]
             if self.with_kvstore:
                 args += ["--kv-addresses", self.services["kvstore"].address]
-            if self.model_dir:
-                args += ["--model-dir", self.model_dir]
+            args += self._model_dir_setting(name)
             threads = str(self.threads_per_worker)
             pin = (self.cpu_affinity[i % len(self.cpu_affinity)],) if self.cpu_affinity else ()
-            name = f"worker-{i}"
             self._add(name, "services.worker", self._port(_WORKER0 + i, name), _WORKER0 + i, args,
                       env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}, cpus=pin)
 
@@ -523,6 +683,7 @@ class Suite:
                 "metrics": f"http://127.0.0.1:{s.metrics_port}/metrics" if s.metrics_port else "",
                 "pid": s.pid or 0,
                 "log": str(s.stderr_path),
+                "out": str(s.stdout_path),
             }
             for name, s in self.services.items()
         }
@@ -716,15 +877,30 @@ class Suite:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="seer up", description="start the whole suite on loopback")
-    p.add_argument("--workers", type=int, default=1, help="number of workers (default 1)")
+    from services.scheduler.core.config import POLICIES
+
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="seer up", description="start the whole suite on loopback",
+        epilog="Each service also reads SEER_<SERVICE>_<FIELD> variables (and SEER_<SERVICE>_CONFIG, a JSON "
+               "file): an option left out here yields to them, one given here overrides them (with a warning). "
+               "Every service's configuration is checked before anything starts.")
+    # At least 1: a suite with no worker accepts batches and never finishes one (Suite(workers=0)
+    # remains for tests that play the worker themselves).
+    p.add_argument("--workers", type=positive_int, default=1, help="number of workers (default 1)")
     p.add_argument("--data-dir", default=None, help="state directory (default: a temporary one, removed on exit)")
     p.add_argument("--base-port", type=int, default=50051, help="first port (0 = any free ports)")
-    p.add_argument("--policy", default="seer", help="scheduling policy")
-    p.add_argument("--speculation", choices=["on", "off"], default="on")
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--model-dir", default=None, help="safetensors model dir (default: the embedded model)")
-    p.add_argument("--tracing", choices=["none", "console", "otlp"], default=None)
+    # Not "oracle": it needs true lengths, which only the simulator has (the scheduler refuses it).
+    p.add_argument("--policy", choices=[x for x in POLICIES if x != "oracle"], default=None,
+                   help=f"scheduling policy (default {DEFAULT_POLICY}, or SEER_SCHEDULER_POLICY)")
+    p.add_argument("--speculation", choices=["on", "off"], default=None,
+                   help="grouped speculative decoding (default on, or SEER_WORKER_SPECULATION)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help=f"max new tokens per chunk (default {DEFAULT_CHUNK_SIZE}, or SEER_SCHEDULER_CHUNK_SIZE)")
+    p.add_argument("--model-dir", default=None, help="safetensors model dir (default: the embedded model, or "
+                                                     "SEER_WORKER_MODEL_DIR / SEER_BUFFER_MODEL_DIR)")
+    p.add_argument("--tracing", choices=["none", "console", "otlp"], default=None,
+                   help="OpenTelemetry spans (default: SEER_TRACING, else none); console: to each service's "
+                        "<data dir>/logs/<service>.out")
     p.add_argument("--timeout", type=positive_seconds, default=300.0,
                    help="seconds to wait for the suite to be healthy")
     return p.parse_args(list(argv))
@@ -767,10 +943,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # between the two left that directory behind.
     with signals_to(stop.handle):
         try:
+            # Only the options given are chosen values; the others are defaults that a service's
+            # SEER_<SERVICE>_<FIELD> (or config file) setting overrides.
             suite = Suite(
                 workers=args.workers, data_dir=args.data_dir, base_port=args.base_port, policy=args.policy,
-                speculation=args.speculation == "on", model_dir=model_dir, chunk_size=args.chunk_size,
-                tracing=args.tracing,
+                speculation=None if args.speculation is None else args.speculation == "on",
+                model_dir=args.model_dir, default_model_dir=model_dir, chunk_size=args.chunk_size,
+                tracing=args.tracing, warn=lambda message: print(f"seer up: warning: {message}", file=sys.stderr),
             )
         except SuiteArgumentError as e:
             print(f"seer up: {flag_error(e)}", file=sys.stderr)
@@ -795,7 +974,9 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int
     print("suite is up:")
     for name, ep in suite.endpoints().items():
         metrics = f"  metrics {ep['metrics']}" if ep["metrics"] else ""
-        print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']})")
+        # Both files: a service's stdout (.out) holds what it prints there, console tracing's
+        # spans included (SEER_TRACING=console); the .log holds its structured log (stderr).
+        print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']}, stdout {ep['out']})")
     print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
     exited: set[str] = set()  # services that exited on their own while the suite ran
     central_down = ""

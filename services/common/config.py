@@ -3,6 +3,10 @@
 Precedence (lowest to highest): dataclass defaults < JSON config file (--config) < environment
 (SEER_<SECTION>_<FIELD>) < command-line flags (--field-name). Unknown keys are errors everywhere:
 a typo in a Helm value or a compose file must fail at start, not be silently ignored.
+
+`resolve` also says where each value came from (`Source`): a service logs the fields that differ
+from their defaults, with their sources, once at start (`load_or_exit`), and a launcher (`seer up`)
+names the flag or variable behind a refused value.
 """
 
 from __future__ import annotations
@@ -16,16 +20,40 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, Generic, NoReturn, TypeVar, get_type_hints
+
+from services.common.errors import field_of
+from services.common.log import get_logger, kv
 
 T = TypeVar("T")
+
+log = get_logger(__name__)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where one configuration value came from. kind: "flag" (name: --field-name), "env" (name:
+    SEER_<SECTION>_<FIELD>) or "file" (name: the JSON file's path)."""
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
 class ConfigError(ValueError):
-    """A configuration value is unknown or malformed; the message names the key."""
+    """A configuration value is unknown or malformed, or the merged configuration is refused by its
+    validation; the message names the key. field / source: the field the message names and where
+    its value came from (None: not known, or the field is at its default)."""
+
+    def __init__(self, message: str, *, field: str | None = None, source: Source | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.source = source
 
 
 def _base_type(tp: Any) -> Any:
@@ -135,21 +163,50 @@ def _field_doc(cls: type, name: str) -> str:
     return ""
 
 
-def load(
-    cls: type[T],
-    section: str,
-    argv: Sequence[str] | None = None,
-    env: Mapping[str, str] | None = None,
-    prog: str | None = None,
-) -> T:
-    """Resolves a config of type cls for service `section` from defaults, file, env and argv."""
-    env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog=prog or f"seer-{section}")
-    parser.add_argument("--config", default=None, help="JSON file with config keys")
-    add_arguments(cls, parser)
-    args = parser.parse_args(list(argv) if argv is not None else None)
+@dataclass(frozen=True)
+class Resolved(Generic[T]):
+    """A loaded configuration and where its values came from; a field at its default has no entry
+    in sources."""
+
+    config: T
+    sources: Mapping[str, Source]
+
+    def changed(self) -> dict[str, dict[str, Any]]:
+        """The fields whose value differs from the dataclass default, each {"value", "source"}: what
+        a service logs at start, so that what is in force (and which layer set it) can be seen."""
+        out: dict[str, dict[str, Any]] = {}
+        for f in dataclasses.fields(self.config):  # type: ignore[arg-type]
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default: Any = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = dataclasses.MISSING
+            value = getattr(self.config, f.name)
+            if value != default:
+                source = self.sources.get(f.name)
+                out[f.name] = {"value": value, "source": str(source) if source else "default"}
+        return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are ConfigErrors (a launcher checking a service's
+    arguments must not exit, nor print this parser's usage); --help still exits."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+def _gather(
+    cls: type, section: str, args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, Source]]:
+    """The raw values of the file, environment and flag layers (later layers win) and the source
+    of each; keys and types checked, nothing validated across fields."""
     fields = _fields(cls)
     values: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
     config_file = args.config or env.get(f"SEER_{section.upper()}_CONFIG")
     if config_file:
         with open(config_file, encoding="utf-8") as fh:
@@ -160,6 +217,7 @@ def load(
         # values below (a file's max_streams 100 is valid with a flag's max_workers 200).
         _parse_mapping(cls, data, config_file)
         values.update(data)
+        sources.update({k: Source("file", str(config_file)) for k in data})
     prefix = f"SEER_{section.upper()}_"
     for key, raw in env.items():
         if not key.startswith(prefix) or key == f"{prefix}CONFIG":
@@ -167,13 +225,81 @@ def load(
         name = key[len(prefix) :].lower()
         if name not in fields:
             raise ConfigError(f"environment: unknown variable {key}; known: "
-                              + ", ".join(env_name(section, f) for f in sorted(fields)))
+                              + ", ".join(env_name(section, f) for f in sorted(fields)), source=Source("env", key))
         values[name] = raw
+        sources[name] = Source("env", key)
     for name in fields:
         v = getattr(args, name)
         if v is not None:
             values[name] = v
-    return from_mapping(cls, values, source=section)
+            sources[name] = Source("flag", "--" + name.replace("_", "-"))
+    return values, sources
+
+
+def _named_field(message: str, section: str, fields: Mapping[str, Any]) -> str | None:
+    """The field an error message names first ("policy: ..." from a validate(), "scheduler:policy:
+    ..." from a value's parse), None when it names none."""
+    if message.startswith(f"{section}:"):
+        message = message[len(section) + 1 :]
+    name = field_of(message)
+    return name if name in fields else None
+
+
+def resolve(
+    cls: type[T],
+    section: str,
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+    *,
+    exit_on_error: bool = True,
+) -> Resolved[T]:
+    """`load`, with where each value came from. A refused value is a ConfigError naming its field
+    and source. exit_on_error=False: a malformed command line is a ConfigError too, not argparse's
+    usage message and exit (a launcher checking the arguments it will pass)."""
+    env = os.environ if env is None else env
+    parser_cls = argparse.ArgumentParser if exit_on_error else _Parser
+    parser = parser_cls(allow_abbrev=False, prog=prog or f"seer-{section}")
+    parser.add_argument("--config", default=None, help="JSON file with config keys")
+    add_arguments(cls, parser)
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    fields = _fields(cls)
+    values, sources = _gather(cls, section, args, env)
+    try:
+        cfg = from_mapping(cls, values, source=section)
+    except ValueError as e:
+        if isinstance(e, ConfigError) and e.field is not None:
+            raise
+        name = getattr(e, "field", None) or _named_field(str(e), section, fields)
+        raise ConfigError(str(e), field=name, source=sources.get(name) if name else None) from e
+    return Resolved(cfg, sources)
+
+
+def load(
+    cls: type[T],
+    section: str,
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    prog: str | None = None,
+) -> T:
+    """Resolves a config of type cls for service `section` from defaults, file, env and argv."""
+    return resolve(cls, section, argv, env, prog).config
+
+
+def configured(cls: type, section: str, argv: Sequence[str], env: Mapping[str, str]) -> dict[str, Source]:
+    """The fields of cls that `argv` (flags of cls), `env` (SEER_<SECTION>_*) or a config file set,
+    with the source that wins for each; nothing validated, unknown flags left alone. For a launcher
+    that passes a field only when nothing else sets it (`seer up`: a suite default must not hide a
+    SEER_* variable). A file that cannot be read sets nothing here (the service's own load, or
+    `resolve`, refuses it by name)."""
+    parser = _Parser(allow_abbrev=False, add_help=False, prog=f"seer-{section}")
+    parser.add_argument("--config", default=None)
+    add_arguments(cls, parser)
+    try:
+        args, _ = parser.parse_known_args(list(argv))
+        return _gather(cls, section, args, env)[1]
+    except (ValueError, OSError):
+        return {}
 
 
 def load_field(
@@ -238,14 +364,18 @@ def load_or_exit(
     prog: str | None = None,
 ) -> T:
     """`load` for a service's __main__: a bad key or value ends the process with one clear line on
-    stderr and exit code 2 (no traceback), so a wrong compose/Helm value fails at start."""
+    stderr and exit code 2 (no traceback), so a wrong compose/Helm value fails at start. The
+    configuration in force is logged once (one line: the fields that differ from the defaults, each
+    with its source), so that a value from a forgotten variable or file can be seen."""
     import sys
 
     try:
-        return load(cls, section, argv, env, prog)
+        resolved = resolve(cls, section, argv, env, prog)
     except (ValueError, OSError) as e:
         sys.stderr.write(f"seer-{section}: configuration error: {e}\n")
         raise SystemExit(2) from None
+    log.info("configuration", extra=kv(config=resolved.changed()))
+    return resolved.config
 
 
 # In this module, not server.py: a service config is imported by its pure core (e.g. the buffer

@@ -195,7 +195,6 @@ def test_seer_up_refuses_a_bad_timeout(timeout: str, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--workers", "-1"], "seer up: --workers: must be >= 0, got -1"),
     (["--base-port", "70000"], "seer up: --base-port: 70000 leaves no room for the suite's ports"),
     (["--base-port", "65000", "--workers", "500"], "seer up: --base-port: 65000 leaves no room for the suite's ports "
                                                     "(with 500 workers"),

@@ -142,11 +142,13 @@ def test_up_keeps_serving_after_a_worker_crash_but_fails_at_the_end(tmp_path: Pa
 
 def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) -> None:
     p = _start_up(tmp_path, healthy=True)
-    head = "".join(wait_for_line(p, "suite is up"))
+    head = "".join(wait_for_line(p, "trainer API"))
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
     code, out, err = _finish(p, timeout=20)
     assert code == 0, f"exit status {code}\n{out}\n{err}"
+    # Each service's stdout file beside its log: console tracing's spans are there (the README).
+    assert "logs/scheduler.log, stdout " in head and "logs/scheduler.out)" in head, head
     assert "stopped cleanly" in out
     assert not _state_dir(head).exists()
 

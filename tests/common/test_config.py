@@ -125,3 +125,36 @@ def test_an_empty_tracing_mode_means_none(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setenv("SEER_TRACING", "")
     assert telemetry.tracing_mode() == "none"
+
+
+def test_a_service_logs_the_configuration_in_force_once_with_sources(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: nothing said which values were in force, nor which layer set them (a forgotten
+    SEER_* variable, or a flag that silently outranked one). One line at start: the fields that
+    differ from the defaults, each with its source."""
+    import logging
+
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"ratio": 0.25, "workers": 3}))
+    env = {"SEER_DEMO_WORKERS": "4", "SEER_DEMO_CONFIG": str(f)}
+    with caplog.at_level(logging.INFO, logger="services.common.config"):
+        cfg = config.load_or_exit(DemoConfig, "demo", ["--speculation", "off", "--grace-seconds", "10"], env)
+    assert cfg.workers == 4
+    records = [r for r in caplog.records if r.name == "services.common.config"]
+    assert len(records) == 1 and records[0].getMessage() == "configuration"
+    assert records[0].fields == {"config": {  # type: ignore[attr-defined]
+        "ratio": {"value": 0.25, "source": f"file {f}"},
+        "workers": {"value": 4, "source": "env SEER_DEMO_WORKERS"},
+        "speculation": {"value": False, "source": "flag --speculation"},
+    }}  # grace_seconds: set, but to its default, so not a difference
+
+
+def test_a_refused_value_names_its_field_and_source() -> None:
+    with pytest.raises(config.ConfigError) as e:
+        config.resolve(DemoConfig, "demo", [], {"SEER_DEMO_PORT": "70000"})
+    assert (e.value.field, e.value.source) == ("port", config.Source("env", "SEER_DEMO_PORT"))
+    with pytest.raises(config.ConfigError) as e:
+        config.resolve(DemoConfig, "demo", ["--workers", "x"], {})
+    assert (e.value.field, str(e.value.source)) == ("workers", "flag --workers")
+    with pytest.raises(config.ConfigError, match="unrecognized arguments: --nope"):  # not an exit
+        config.resolve(DemoConfig, "demo", ["--nope"], {}, exit_on_error=False)
