@@ -5,6 +5,13 @@
 Ctrl-C or SIGTERM while the suite starts or the rollout runs (as `seer up`): the batch is cancelled,
 the suite stopped, its temporary data removed (kept, with the logs, if a service did not stop
 cleanly), one line says so, and the exit status is 128 + the signal number.
+
+As in `seer up`, the suite's services also read their SEER_<SERVICE>_<FIELD> variables (and config
+files): --policy, --chunk-size and --speculation given here override them (a `seer demo: warning:`
+line names both), left out they yield to them, else the demo's defaults apply (policy seer, chunk
+size 32, speculation on). The embedded model is the default of SEER_WORKER_MODEL_DIR /
+SEER_BUFFER_MODEL_DIR too. A bad setting (option or variable) is refused before anything starts
+(exit 2, naming it).
 """
 
 from __future__ import annotations
@@ -23,23 +30,30 @@ from services.cli import rollout
 from services.cli.flags import positive_int
 from services.cli.signals import StopRequest, signals_to
 from services.cli.up import (
+    DEFAULT_POLICY,
     Suite,
     SuiteArgumentError,
     SuiteError,
     SuiteInterrupted,
     ensure_embedded_model,
     flag_error,
+    policy_choices,
     prepare_model,
     stop_keeping_data,
 )
 
 EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.jsonl"
+# The demo's chunk size when neither --chunk-size nor the scheduler's own configuration sets one:
+# smaller than the suite's 512, so that the demo's short responses are dispatched in several chunks.
+DEMO_CHUNK_SIZE = 32
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="seer demo", description="start the suite, run a sample rollout, stop", allow_abbrev=False
-    )
+        prog="seer demo", description="start the suite, run a sample rollout, stop", allow_abbrev=False,
+        epilog="Each service also reads SEER_<SERVICE>_<FIELD> variables (and SEER_<SERVICE>_CONFIG, a JSON "
+               "file): --policy, --chunk-size and --speculation left out here yield to them, given here override "
+               "them (with a warning). Every service's configuration is checked before anything starts.")
     # At least 1: a suite without workers would wait out the rollout's hour-long timeout.
     p.add_argument("--workers", type=positive_int, default=1)
     p.add_argument("--prompts", default=str(EXAMPLE_PROMPTS))
@@ -48,9 +62,15 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=positive_int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="seer")
-    p.add_argument("--chunk-size", type=int, default=32)
-    p.add_argument("--speculation", choices=["on", "off"], default="on")
+    # Suite settings: None = not chosen, so that a SEER_SCHEDULER_* / SEER_WORKER_* variable (or a
+    # config file) applies; a value given here overrides it. Before, the defaults below were always
+    # passed as chosen values and silently beat the variables.
+    p.add_argument("--policy", choices=policy_choices(), default=None,
+                   help=f"scheduling policy (default {DEFAULT_POLICY}, or SEER_SCHEDULER_POLICY)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help=f"max new tokens per chunk (default {DEMO_CHUNK_SIZE}, or SEER_SCHEDULER_CHUNK_SIZE)")
+    p.add_argument("--speculation", choices=["on", "off"], default=None,
+                   help="grouped speculative decoding (default on, or SEER_WORKER_SPECULATION)")
     p.add_argument("--base-port", type=int, default=0, help="first port (0 = any free ports)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON only")
     return p.parse_args(list(argv))
@@ -114,9 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # not end the process before that directory is removed.
     with signals_to(stop.handle):
         try:
-            suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy, model_dir=model_dir,
-                          chunk_size=args.chunk_size, speculation=args.speculation == "on")
-        except SuiteArgumentError as e:  # --base-port: a usage error, as in `seer up`, not a traceback
+            # Only the options given are chosen values (as in `seer up`); the embedded model is a
+            # default too, which SEER_WORKER_MODEL_DIR / SEER_BUFFER_MODEL_DIR override.
+            suite = Suite(workers=args.workers, base_port=args.base_port, policy=args.policy,
+                          default_model_dir=model_dir, chunk_size=args.chunk_size,
+                          default_chunk_size=DEMO_CHUNK_SIZE,
+                          speculation=None if args.speculation is None else args.speculation == "on",
+                          warn=lambda message: print(f"seer demo: warning: {message}", file=sys.stderr))
+        except SuiteArgumentError as e:  # a usage error (an option or a variable), as in `seer up`
             print(f"seer demo: {flag_error(e)}", file=sys.stderr)
             return 2
         return _run(args, prompts, suite, stop, say)
@@ -124,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, stop: _DemoStop,
          say: Callable[..., None]) -> int:
-    from seer_client import SeerError
+    from seer_client import BatchCancelled, SeerError
 
     say(f"starting the suite ({args.workers} worker(s)) ...")
     try:
@@ -146,6 +171,10 @@ def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, 
         say(f"rollout: {len(groups)} prompts x {args.group_size} samples, up to {args.max_tokens} tokens each")
         try:
             done = _rollout(stop, suite.address, groups, progress=not args.json)
+        except BatchCancelled as e:  # by someone else (an operator): said so, as `seer rollout` does
+            print(f"seer demo: {rollout.cancelled_elsewhere(e)}", file=sys.stderr)
+            failed = True
+            return 1
         except (ValueError, TimeoutError, SeerError) as e:
             print(f"seer demo: {e}", file=sys.stderr)
             failed = True

@@ -6,6 +6,9 @@ last 10% of responses (the tail), per-response latency p50/p99 and the mean acce
 step (tokens per engine step, the bonus token included: 1.0 = no speculation benefit).
 `--timeout T` (default 3600 s from submission) bounds the wait for the buffer too (at most 60 s),
 and holds also while no result arrives: then the batch is cancelled and the exit status is 1.
+A batch cancelled elsewhere before it completed (another process's cancel_batch, an operator) ends
+the run with one line saying so, how many of its responses finished, and exit status 1 (no summary,
+as for a timeout); this run cancels nothing then.
 Ctrl-C (SIGINT) or SIGTERM cancels the submitted batch too; the exit status is then 128 + the signal
 (130, 143). The cancel names this run's submission (a random submission token the submission
 carried), so it cancels only a batch this run stored: --batch-id naming another run's batch (one
@@ -37,10 +40,13 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.cli.flags import positive_int, positive_seconds
 from services.cli.signals import StopRequest, signals_to
+
+if TYPE_CHECKING:  # imported where used at run time, as the client's other names here
+    from seer_client import BatchCancelled
 
 CHATML = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -150,8 +156,11 @@ def summarize_with_accuracy(results: Sequence[Any], wall_seconds: float) -> dict
 
 def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, progress: bool = True,
         on_result: Callable[[Any], None] | None = None, timeout: float = 3600.0) -> tuple[list[Any], float]:
-    """Submits `groups` as one batch and collects every result; returns (results, wall seconds)."""
-    from seer_client import SeerClient, SeerTimeout
+    """Submits `groups` as one batch and collects every result; returns (results, wall seconds).
+
+    A batch cancelled elsewhere before it completed: the client's BatchCancelled, its .results
+    the ones read here, nothing cancelled by this run. Any other way out cancels the batch."""
+    from seer_client import BatchCancelled, SeerClient, SeerTimeout
 
     batch_id = batch_id or f"rollout-{uuid.uuid4().hex[:12]}"
     # This submission's name: the cancel below carries it, and the buffer cancels only the batch
@@ -190,6 +199,15 @@ def run(address: str, groups: Sequence[Any], batch_id: str | None = None, *, pro
                 if bar is not None:
                     bar.set_postfix(tokens=tokens, refresh=False)
                     bar.update(1)
+        except BatchCancelled as e:
+            # Cancelled elsewhere (another process, an operator, `seer` run again) before every
+            # response finished: nothing of it is left to cancel, and a cancel of our own reported
+            # "cancelled it (3 unfinished responses)", as if this run had cancelled them. The results
+            # read so far travel with the error (iter_results leaves its .results empty).
+            if bar is not None:
+                bar.close()
+            e.results = results
+            raise
         except BaseException as e:
             # Ctrl-C, a stream that failed for good, an on_result callback that raised: nobody will
             # read the rest, so stop the workers generating it, then let the error through.
@@ -290,6 +308,12 @@ def _cancel(address: str, batch_id: str, token: str, retry_not_found: float = 0.
     return f"cancelled it ({outcome.num_cancelled} unfinished responses)"
 
 
+def cancelled_elsewhere(e: BatchCancelled) -> str:
+    """The line for a BatchCancelled: the batch was cancelled by someone else than this run."""
+    return (f"batch {e.batch_id} was cancelled elsewhere before it completed: {e.num_finished} of "
+            f"{e.num_requests} responses finished ({len(e.results)} received here); this run cancelled nothing")
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"responses            {s['responses']}",
@@ -356,7 +380,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    from seer_client import SeerError
+    from seer_client import BatchCancelled, SeerError
 
     stop = StopRequest()
 
@@ -377,6 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=args.chat)
             results, wall = run(args.address, groups, args.batch_id,
                                 progress=not args.no_progress and not args.json, timeout=args.timeout)
+    except BatchCancelled as e:
+        # Before the SeerError below: the client's message is right but names no cause, and this
+        # run cancelled nothing. Exit 1 as any batch that did not complete (a timeout); no summary,
+        # as for a timeout: part of a batch is not its rollout.
+        print(f"seer rollout: {cancelled_elsewhere(e)}", file=sys.stderr)
+        return 1
     except (ValueError, OSError, TimeoutError, SeerError) as e:
         print(f"seer rollout: {e}", file=sys.stderr)
         return 1

@@ -388,14 +388,16 @@ class Suite:
         cpu_affinity: Sequence[int] | None = None,
         service_cpus: Sequence[int] | None = None,
         default_model_dir: str | os.PathLike[str] | None = None,
+        default_chunk_size: int = DEFAULT_CHUNK_SIZE,
         warn: Callable[[str], None] | None = None,
     ) -> None:
         """policy, speculation, chunk_size, heartbeat_interval, model_dir, data_dir: None = not
         chosen: the services' own configuration (SEER_<SERVICE>_<FIELD>, a config file, extra_args)
-        applies where it sets the field, else the suite's default (DEFAULT_*; default_model_dir for
-        model_dir, nothing when that is None; a temporary directory for data_dir). A value given
-        here is passed as the service's flag, which outranks its environment: a variable it
-        overrides is reported through warn (default: a warning log line), naming both.
+        applies where it sets the field, else the suite's default (DEFAULT_*; default_chunk_size for
+        chunk_size; default_model_dir for model_dir, nothing when that is None; a temporary
+        directory for data_dir). A value given here is passed as the service's flag, which
+        outranks its environment: a variable it overrides is reported through warn (default: a
+        warning log line), naming both.
         Every service's configuration is checked, as the service will load it, before anything is
         created: a bad value is a SuiteArgumentError naming the argument or the variable that set it.
 
@@ -435,6 +437,8 @@ class Suite:
         self.model_dir = str(model_dir) if model_dir is not None else ""
         self.default_model_dir = str(default_model_dir) if default_model_dir is not None else ""
         self.chunk_size = chunk_size
+        # `seer demo` has a default of its own (small chunks, so its short responses span several).
+        self.default_chunk_size = default_chunk_size
         self.heartbeat_interval = heartbeat_interval
         self._data_dir_chosen = data_dir is not None
         self._warn = warn or (lambda message: log.warning(message))
@@ -631,7 +635,7 @@ class Suite:
         self._add("scheduler", "services.scheduler", scheduler_port, _SCHEDULER, [
             "--buffer-address", buffer_address,
             *self._setting("scheduler", "policy", self.policy, DEFAULT_POLICY, "policy"),
-            *self._setting("scheduler", "chunk_size", self.chunk_size, DEFAULT_CHUNK_SIZE, "chunk_size"),
+            *self._setting("scheduler", "chunk_size", self.chunk_size, self.default_chunk_size, "chunk_size"),
             *self._setting("scheduler", "heartbeat_interval", self.heartbeat_interval, DEFAULT_HEARTBEAT_INTERVAL,
                            "heartbeat_interval"),
         ])
@@ -876,9 +880,15 @@ class Suite:
         self.stop()
 
 
-def _parse(argv: Sequence[str]) -> argparse.Namespace:
+def policy_choices() -> list[str]:
+    """The --policy choices of `seer up` and `seer demo`: the scheduler's policies but "oracle",
+    which needs true lengths that only the simulator has (the scheduler refuses it)."""
     from services.scheduler.core.config import POLICIES
 
+    return [x for x in POLICIES if x != "oracle"]
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         allow_abbrev=False, prog="seer up", description="start the whole suite on loopback",
         epilog="Each service also reads SEER_<SERVICE>_<FIELD> variables (and SEER_<SERVICE>_CONFIG, a JSON "
@@ -889,8 +899,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--workers", type=positive_int, default=1, help="number of workers (default 1)")
     p.add_argument("--data-dir", default=None, help="state directory (default: a temporary one, removed on exit)")
     p.add_argument("--base-port", type=int, default=50051, help="first port (0 = any free ports)")
-    # Not "oracle": it needs true lengths, which only the simulator has (the scheduler refuses it).
-    p.add_argument("--policy", choices=[x for x in POLICIES if x != "oracle"], default=None,
+    p.add_argument("--policy", choices=policy_choices(), default=None,
                    help=f"scheduling policy (default {DEFAULT_POLICY}, or SEER_SCHEDULER_POLICY)")
     p.add_argument("--speculation", choices=["on", "off"], default=None,
                    help="grouped speculative decoding (default on, or SEER_WORKER_SPECULATION)")

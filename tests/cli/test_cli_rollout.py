@@ -396,3 +396,55 @@ def test_main_reports_a_bad_count_by_its_flag(flag: str, buffer: Buffer, tmp_pat
                       "--address", buffer.address])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{flag}: must be at least 1, got 0" in err, err
+
+
+def test_a_batch_cancelled_elsewhere_is_reported_as_such(buffer: Buffer, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Another process cancels the batch after one of its four responses finished. Before: the
+    client's BatchCancelled went through the CLI's own cancel, which printed "batch cli-else:
+    cancelled it (0 unfinished responses)" as if this run had cancelled it. Now one line says it
+    was cancelled elsewhere and how much finished, exit 1 (as a timeout), and the CLI cancels nothing."""
+    cancels: list[str] = []
+    real_cancel = BufferCore.cancel_batch
+
+    def counted_cancel(core: BufferCore, bid: str, *a: Any, **kw: Any) -> Any:
+        cancels.append(bid)
+        return real_cancel(core, bid, *a, **kw)
+
+    monkeypatch.setattr(BufferCore, "cancel_batch", counted_cancel)
+    stop, gate = threading.Event(), threading.Semaphore(1)  # one request finishes, the rest wait
+    sched = threading.Thread(target=play_scheduler, args=(buffer.address,), kwargs={"stop": stop, "gate": gate},
+                             daemon=True)
+
+    def cancel_elsewhere() -> None:
+        deadline = time.monotonic() + 30
+        with SeerClient(buffer.address, retry_seconds=1.0) as client:
+            while time.monotonic() < deadline:
+                try:
+                    if client.get_batch("cli-else").num_finished >= 1:
+                        client.cancel_batch("cli-else")
+                        return
+                except SeerError:  # not submitted yet
+                    pass
+                time.sleep(0.05)
+
+    canceller = threading.Thread(target=cancel_elsewhere, daemon=True)
+    sched.start()
+    canceller.start()
+    try:
+        code = rollout.main(["--prompts", str(_one_prompt(tmp_path)), "--group-size", "4", "--max-tokens", "4",
+                             "--address", buffer.address, "--no-progress", "--batch-id", "cli-else",
+                             "--timeout", "60"])
+    finally:
+        stop.set()
+        gate.release(100)
+        canceller.join(30)
+    captured = capsys.readouterr()
+    err = captured.err
+    assert code == 1, err
+    assert ("seer rollout: batch cli-else was cancelled elsewhere before it completed: 1 of 4 responses "
+            "finished (1 received here); this run cancelled nothing") in err, err
+    assert "cancelled it" not in err and "nothing to cancel" not in err, err
+    assert captured.out == ""  # no summary of part of a batch
+    assert cancels == ["cli-else"], cancels  # the other process's cancel only
