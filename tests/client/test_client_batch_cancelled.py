@@ -117,3 +117,31 @@ def test_it_pickles_with_its_results() -> None:
     assert (type(back), back.code, back.message, back.batch_id, back.num_finished, back.num_requests,
             back.results, back.__notes__) == (BatchCancelled, "ABORTED", e.message, "x", 1, 4, [], ["a note"])
     assert str(back) == "ABORTED: batch 'x' was cancelled"
+
+
+def test_a_check_that_cannot_be_made_keeps_the_results(buffer: Buffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer goes down between the end of a complete stream and the cancel check's GetBatch:
+    collect returns every result (logged), where it raised UNAVAILABLE and the caller lost a
+    complete batch's results over a question answered only in the rare cancelled case."""
+    t = threading.Thread(target=play_scheduler, args=(buffer.address,), daemon=True)
+    t.start()
+    with SeerClient(buffer.address, retry_seconds=0.5) as client:
+        assert len(client.run_batch("whole", GROUPS, timeout=30)) == 4
+        real = client._cancelled_elsewhere
+
+        def buffer_gone_first(*args: object, **kwargs: object) -> BatchCancelled | None:
+            buffer.stop()
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client, "_cancelled_elsewhere", buffer_gone_first)
+        assert [r.cursor for r in client.collect("whole", timeout=30)] == [1, 2, 3, 4]
+
+
+def test_the_prompt_hint_names_the_clients_field(buffer: Buffer) -> None:
+    """A buffer without a tokenizer refuses a text prompt; the message's field is the client's
+    `prompt`, and so is its hint (it said "send prompt_token_ids instead")."""
+    with SeerClient(buffer.address) as client:
+        with pytest.raises(SeerError) as info:
+            client.submit_batch("text", [PromptGroup(prompt="hello", group_size=1, max_tokens=4)])
+        message = info.value.message
+        assert message.startswith("groups[0].prompt: ") and "prompt_token_ids" not in message, message

@@ -270,7 +270,8 @@ def _client_field_names(err: SeerError) -> SeerError:
     m = _PROTO_PROMPT.match(err.message)
     if m is None:
         return err
-    renamed = type(err)(err.code, f"{m.group(1)}.prompt{err.message[m.end():]}")
+    rest = err.message[m.end():].replace("send prompt_token_ids instead", "pass the prompt as token ids instead")
+    renamed = type(err)(err.code, f"{m.group(1)}.prompt{rest}")
     renamed.__dict__.update({k: v for k, v in err.__dict__.items() if k not in ("code", "message")})
     return renamed
 
@@ -473,7 +474,8 @@ class SeerClient:
         before it completed ends its stream without the rest: after yielding every result it got,
         BatchCancelled (a SeerError, code ABORTED, naming how many of how many responses
         finished) is raised, never a quiet end with part of the batch. One deleted by retention
-        before that check (NOT_FOUND) cannot be told apart and ends quietly, as before.
+        before that check (NOT_FOUND), or a check that cannot be made (the buffer gone right after
+        the stream, the timeout running out), ends quietly, logged.
 
         A generator: close() it to end the stream at once when stopping before the batch is done
         (the buffer holds a stream slot and keeps the batch from retention while it is open).
@@ -571,20 +573,26 @@ class SeerClient:
         """After a results stream ended OK: BatchCancelled when the batch it read was cancelled, so
         its other responses will never come, else None. The buffer ends the stream the same way for
         a completed batch and a cancelled one; without this check a trainer got 4 of 32 results as
-        if they were all (the Node client's rollout() rejects ABORTED there too)."""
-        call_timeout = self.timeout if end is None else max(0.1, min(self.timeout, end - time.monotonic()))
+        if they were all (the Node client's rollout() rejects ABORTED there too).
+
+        A check that cannot be made (the batch deleted by retention: NOT_FOUND; the buffer gone
+        after the stream ended; the caller's timeout running out) ends quietly, logged: every
+        result was yielded by then, and an error here lost a complete batch's results (collect)
+        over a question that is answered only in the rare cancelled case. Bounded by the caller's
+        timeout and by retry_seconds, whichever ends first."""
+        remaining = None if end is None else end - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            log.warning("results stream ended at the timeout; not checked for a cancel", extra={"batch_id": batch_id})
+            return None
+        call_timeout = self.timeout if remaining is None else max(0.1, min(self.timeout, remaining))
+        window = self.retry_seconds if remaining is None else min(self.retry_seconds, remaining)
         req = rollout_pb2.GetBatchRequest(batch_id=batch_id)
         try:
-            b = self._call(lambda: self._stub.GetBatch(req, timeout=_deadline(call_timeout)))
+            b = self._call(lambda: self._stub.GetBatch(req, timeout=_deadline(call_timeout)), retry_seconds=window)
         except SeerError as e:
-            if e.code == "NOT_FOUND":
-                # Deleted by retention since (the stream's end released the batch to it): its state
-                # went with it, and the stream delivered every result it had. As before this check.
-                log.info("batch deleted after its results stream ended; not checked for a cancel",
-                         extra={"batch_id": batch_id})
-                return None
-            raise type(e)(e.code, f"batch {batch_id!r}: its results stream ended, but whether the batch "
-                                  f"completed or was cancelled could not be read: {e.message}") from None
+            log.warning("results stream ended, but whether the batch completed or was cancelled could not be read; "
+                        "ended as complete", extra={"batch_id": batch_id, "code": e.code, "error": e.message})
+            return None
         if b.state != rollout_pb2.BATCH_STATE_CANCELLED:
             return None
         if submission_id and b.submission_id and b.submission_id != submission_id:
