@@ -29,6 +29,7 @@ import math
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -66,8 +67,12 @@ REDISPATCHED = Counter("seer_scheduler_redispatched_chunks", "chunks that failed
 COMMITTED_TOKENS = Counter("seer_scheduler_committed_tokens", "tokens committed to the buffer")
 WORKERS = Gauge("seer_scheduler_workers", "registered workers")
 # 0 while workers are registered means none serves: each is catching up (or retrying a failed
-# catch-up load), ahead of the suite's version, or awaiting a weight switch's end.
-SERVING = Gauge("seer_scheduler_serving_workers", "registered workers placed on (at the suite's policy version)")
+# catch-up load), ahead of the suite's version, awaiting a weight switch's end, quarantined or
+# draining. Read at scrape time (Dispatcher._serving_workers): a quarantine is also lifted inside
+# the core (after sane telemetry), where no gauge would be set.
+SERVING = Gauge("seer_scheduler_serving_workers",
+                "registered workers chunks can be placed on: at the suite's policy version, not quarantined, "
+                "not draining")
 WORKER_TPS = Gauge("seer_scheduler_worker_tokens_per_second", "tokens/s reported by a worker", ["worker_id"])
 WORKER_ACCEPT = Gauge(
     "seer_scheduler_worker_draft_acceptance", "accepted / proposed draft tokens reported by a worker", ["worker_id"]
@@ -233,6 +238,10 @@ class Dispatcher:
         self._threads: list[threading.Thread] = []
         self._tracer = tracer("seer.scheduler")
         self.watcher_id = f"scheduler-{uuid.uuid4().hex[:8]}"
+        # One dispatcher per process: the newest one is what the gauge reads (weakly: a test's
+        # closed dispatcher is not kept alive by it).
+        this = weakref.ref(self)
+        SERVING.set_function(lambda: float(d._serving_workers()) if (d := this()) is not None else 0.0)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -385,7 +394,6 @@ class Dispatcher:
             self.core.set_draining(state.worker_id, True)
         state.active = True
         WORKERS.set(len(self._workers))
-        SERVING.set(sum(w.active for w in self._workers.values()))
         self._wake_locked()
 
     def _start_catch_up(self, state: WorkerState) -> None:
@@ -559,7 +567,6 @@ class Dispatcher:
                 self._redispatched += 1
                 REDISPATCHED.inc()
         WORKERS.set(len(self._workers))
-        SERVING.set(sum(w.active for w in self._workers.values()))
         self._wake_locked()
         log.warning("worker removed", extra=kv(worker_id=worker_id, reason=reason, requeued=len(requeued)))
         return state
@@ -1526,6 +1533,13 @@ class Dispatcher:
             self._request_resync()
 
     # ---- stats -------------------------------------------------------------------------------
+
+    def _serving_workers(self) -> int:
+        """Workers a chunk can be placed on now (the seer_scheduler_serving_workers gauge): active
+        (in the core, at the suite's version), not quarantined, not draining."""
+        with self._cond:
+            return sum(1 for w in self._workers.values()
+                       if w.active and not w.draining and not self.core.is_quarantined(w.worker_id))
 
     def _quarantine_locked(self, w: WorkerState) -> tuple[bool, str]:
         """(quarantined, reason) for the listing. A worker out of the core (catching up on weights

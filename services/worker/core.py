@@ -340,8 +340,9 @@ class Worker:
         self._step_failures = 0  # engine step failures in a row
         # False once the chunks failed and a canary request too (_fail_culprits_locked,
         # _on_engine_abort_locked), until a chunk gets a token: the engine, not a request, is
-        # broken. Listeners (the gRPC health status, so Kubernetes' liveness probe restarts the
-        # process) hear every change.
+        # broken. False for good once the engine says it is broken (Engine.broken: a failed weight
+        # load left its weights unknown; _note_engine_broken_locked). Listeners (the gRPC health
+        # status, so Kubernetes' liveness probe restarts the process) hear every change.
         self.engine_healthy = True
         self._health_listeners: list[Callable[[bool], None]] = []
         # Groups whose chunks the engine gave up on (an engine-side ABORTED: SGLang's failed
@@ -772,8 +773,17 @@ class Worker:
                 try:
                     name = version_name(version, self.model_family, weights_id(src) if src else "")
                     self.engine.load_weights(source or None, name)
-                except (OSError, ValueError) as e:  # missing, unreadable or malformed files
-                    raise InvalidArgument(str(e), field="source") from e
+                except Exception as e:
+                    # A load that left the engine broken (SGLang failing after it wrote weights, or
+                    # given up on) is no refusal, and its worker must restart: NOT_SERVING now.
+                    # Waiting for failed chunks and a canary would wait for ever once the scheduler
+                    # dropped this worker: it then only retries the catch-up load (INTERNAL every
+                    # time) and never places a chunk here.
+                    if self._note_engine_broken_locked("a weight load failed"):
+                        raise
+                    if isinstance(e, (OSError, ValueError)):  # missing, unreadable or malformed files
+                        raise InvalidArgument(str(e), field="source") from e
+                    raise
                 self._policy_version = version
                 self._weights_source = src
                 metrics.POLICY_VERSION.set(version)
@@ -855,6 +865,9 @@ class Worker:
                     produced = self._after_step_locked(outs, drafts, self._clock() - started)
                     if self._canary_due:
                         self._run_due_canary_locked()
+                # An engine may also turn broken outside a load (Engine.broken); one attribute read.
+                if self.engine_healthy:
+                    self._note_engine_broken_locked("seen after an engine step")
             # Python locks are not fair: step aside while a handler thread (submit, abort, stats)
             # waits for the engine, and do not spin while the engine has nothing runnable.
             if self._waiting:
@@ -1068,14 +1081,28 @@ class Worker:
             self._health_listeners.append(listener)
             listener(self.engine_healthy)
 
-    def _set_engine_health_locked(self, healthy: bool, error: Exception | None = None) -> None:
+    def _note_engine_broken_locked(self, when: str) -> bool:
+        """Whether the engine says it is broken (Engine.broken); if so, health NOT_SERVING for good
+        (nothing but a restart mends it), with a log line naming the reason."""
+        reason = self.engine.broken
+        if reason is None:
+            return False
+        if self.engine_healthy:
+            log.error("the engine is broken; health NOT_SERVING until the worker restarts",
+                      extra=kv(when=when, reason=reason))
+            self._set_engine_health_locked(False, logged=True)
+        return True
+
+    def _set_engine_health_locked(self, healthy: bool, error: Exception | None = None, logged: bool = False) -> None:
         if healthy == self.engine_healthy:
             return
+        if healthy and self.engine.broken is not None:
+            return  # a token from a broken engine (Engine.broken) mends nothing: it stays NOT_SERVING
         self.engine_healthy = healthy
         metrics.ENGINE_HEALTHY.set(1 if healthy else 0)
         if healthy:
             log.info("the engine produces tokens again; healthy")
-        else:
+        elif not logged:
             log.error("the engine is broken, not a request (the chunks failed and a canary request too); health "
                       "NOT_SERVING until a chunk gets a token", extra=kv(error=str(error)))
         for listener in self._health_listeners:

@@ -9,6 +9,7 @@ One engine instance serves many requests with continuous batching. The worker dr
                                            # page start_page on (what the KV pool lacks yet)
     engine.import_kv(pages)                # seed the prefix cache; the next add_request reuses them
     engine.load_weights(path, version)     # between steps; old-version pages are never reused
+    engine.broken                          # why it can serve nothing until a restart, else None
     engine.stats()
 
 Sampling is lossless under speculation: whatever drafts are passed, the distribution of the
@@ -203,6 +204,16 @@ class Engine(abc.ABC):
     @property
     @abc.abstractmethod
     def kv_layout(self) -> KVLayout: ...
+
+    @property
+    @abc.abstractmethod
+    def broken(self) -> str | None:
+        """Why the engine can serve nothing until its process restarts (a weight load that failed
+        after it started writing weights, or was given up on: its weights are unknown), else None.
+        Once set it stays set. The worker turns its health NOT_SERVING at once when it sees it, so
+        that an orchestrator's liveness probe restarts the process: a broken engine is never given
+        chunks again by a scheduler that dropped it, so no failed chunk would ever tell. A refused
+        load (a bad source, nothing changed) never sets it."""
 
     @abc.abstractmethod
     def add_request(self, req: GenerateRequest) -> None:

@@ -23,6 +23,7 @@ from typing import cast
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 from seer.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 
 from services.common.errors import InvalidArgument, Unavailable
@@ -251,3 +252,31 @@ def test_a_switch_with_no_worker_is_accepted_with_a_warning_and_none_serves_it(
     wait_for(lambda: t.d._workers["w0"].active)
     assert [(wid, v, src) for wid, v, src, _ in workers.calls] == [("w0", 5, "/ckpt/5")]
     assert _healthy(stub) == {"w0": True}
+
+
+# ---- the serving gauge --------------------------------------------------------------------------
+
+
+def _serving_gauge() -> float | None:
+    return REGISTRY.get_sample_value("seer_scheduler_serving_workers")
+
+
+def test_the_serving_gauge_counts_only_workers_chunks_can_be_placed_on(
+        served: tuple[Rig, ScriptedLoads, scheduler_pb2_grpc.SchedulerServiceStub]) -> None:
+    """It was sum(active): quarantined and draining workers, never placed on, counted as serving.
+    It is read at scrape time, so a change made anywhere (a quarantine lifted inside the core, a
+    draining heartbeat) shows at once."""
+    t, _workers, stub = served
+    t.register("w0")
+    t.register("w1")
+    assert _switch(stub, 1, "/ckpt/1") == 2
+    assert _serving_gauge() == 2.0
+    t.d.core.quarantine_worker("w0", "impossible chunk stats (test)")
+    assert _serving_gauge() == 1.0
+    assert t.d.heartbeat("w1", None, draining=True)
+    assert _serving_gauge() == 0.0
+    assert t.d.heartbeat("w1", None, draining=False)
+    assert _serving_gauge() == 1.0
+    with t.d._cond:
+        t.d._remove_worker_locked("w1", "test")
+    assert _serving_gauge() == 0.0 and t.d._workers["w0"].active  # w0: registered, quarantined

@@ -166,10 +166,10 @@ class _BrokenAsyncEngine(FakeEngine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.broken = True
+        self.gives_up = True
 
     def step(self, drafts: Any = None) -> Any:
-        if not self.broken:
+        if not self.gives_up:
             return super().step(drafts)
         outs = [StepOutput(rid, [], [], finished=True, finish_reason=FinishReason.ABORTED) for rid in list(self._seqs)]
         for o in outs:
@@ -196,7 +196,7 @@ def test_an_engine_that_gives_up_on_every_group_is_found_broken() -> None:
         # the step loop), so the health change lands a moment after the caller sees the error.
         assert _wait_for(lambda: len(heard) >= 2), heard
         assert heard == [True, False] and not w.engine_healthy
-        eng.broken = False
+        eng.gives_up = False
         assert w.run(fake_job("f", "g4"))[0] == [4, 5, 6, 7, 8]
         assert _wait_for(lambda: len(heard) >= 3), heard
         assert heard == [True, False, True]
@@ -291,5 +291,36 @@ def test_the_canarys_request_id_is_reserved() -> None:
         with pytest.raises(InvalidArgument) as e:
             w.submit(fake_job(_CANARY_ID))
         assert e.value.field == "request_id"
+    finally:
+        w.close()
+
+
+class _SaysBrokenEngine(FakeEngine):
+    """An engine that reports itself broken (Engine.broken) while its steps still return tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+
+    @property
+    def broken(self) -> str | None:
+        return self.reason
+
+
+def test_an_engine_that_says_it_is_broken_is_not_serving_for_good() -> None:
+    """Engine.broken set outside a weight load is seen after the next step: NOT_SERVING at once
+    (no failed chunks, no canary), and tokens afterwards do not make it healthy again (only a
+    restart mends a broken engine)."""
+    eng = _SaysBrokenEngine()
+    w = Worker(eng, speculation=False).start()
+    heard: list[bool] = []
+    w.on_engine_health(heard.append)
+    try:
+        assert w.run(fake_job("a"))[0] == [4, 5, 6, 7, 8] and heard == [True]
+        eng.reason = "weights unknown (injected)"
+        assert w.run(fake_job("b"))[0] == [4, 5, 6, 7, 8]
+        assert _wait_for(lambda: len(heard) >= 2), heard
+        assert w.run(fake_job("c"))[0] == [4, 5, 6, 7, 8]
+        assert heard == [True, False] and not w.engine_healthy
     finally:
         w.close()

@@ -69,6 +69,10 @@ class FakeEngine(Engine):
     def kv_layout(self) -> KVLayout:
         return KVLayout("float32", 4, 1, 1, 2)
 
+    @property
+    def broken(self) -> str | None:
+        return None
+
     def add_request(self, req: GenerateRequest) -> None:
         req.sampling.validate(self._vocab)
         if req.request_id in self._seqs:

@@ -141,6 +141,12 @@ class ReferenceEngine(Engine):
     def kv_layout(self) -> KVLayout:
         return self._layout
 
+    @property
+    def broken(self) -> str | None:
+        # Never broken by a load: load_weights reads and checks the whole checkpoint before
+        # model.load swaps any tensor in, so a failed load leaves the served weights as they were.
+        return None
+
     # ---- requests -------------------------------------------------------------------------------
     def _check_ids(self, ids: Seq[int], field: str) -> None:
         if not ids:

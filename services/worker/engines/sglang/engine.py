@@ -355,9 +355,10 @@ class SGLangEngine(Engine):
         self._out: queue.SimpleQueue[tuple[_Live, StreamDelta]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
-        # Set when a weight load was given up on: SGLang is left paused with weights of unknown
-        # version, so every request is answered ABORTED (the worker's canary then turns its health
-        # NOT_SERVING and the orchestrator restarts it) and no further load is tried.
+        # Set when a weight load was given up on or failed after writing weights: SGLang's weights
+        # are of unknown version, so every request is answered ABORTED and no further load is
+        # tried. The worker reads it (Engine.broken) after the failed load and turns its health
+        # NOT_SERVING at once, so that the orchestrator restarts it.
         self._broken: str | None = None
         self._stats = {"prefill": 0, "cached": 0, "generated": 0, "steps": 0}
         # SGLang's waiting requests, as its last load snapshot read said (_read_loads).
@@ -531,6 +532,12 @@ class SGLangEngine(Engine):
         return KVLayout(dtype=self._dtype, page_size=self._page_size,
                         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                         layout="sglang")
+
+    @property
+    def broken(self) -> str | None:
+        # Set (once, under _lock) by a load that timed out or failed after writing weights; a str
+        # read needs no lock.
+        return self._broken
 
     def add_request(self, req: GenerateRequest) -> None:
         if not req.request_id:
