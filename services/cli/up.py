@@ -528,16 +528,46 @@ class Suite:
         config file) and validates it, before anything starts: a bad value was found only when the
         service exited at start ("exited with code 2 before becoming healthy"), after the others
         had started and with a data directory left behind."""
-        from services.common.config import ConfigError, resolve
+        from services.common.config import ConfigError, Resolved, resolve
 
+        models: dict[str, tuple[str, str]] = {}  # service -> (model_dir, where it came from)
         for name, s in self.services.items():
             self._warn_wiring(s)
             try:
-                resolve(config_class(s.section), s.section, s.args, s.env, exit_on_error=False)
+                resolved: Resolved[Any] = resolve(config_class(s.section), s.section, s.args, s.env,
+                                                  exit_on_error=False)
             except ConfigError as e:
                 raise self._refusal(name, e) from None
             except OSError as e:  # a config file that cannot be read
                 raise SuiteArgumentError(name, f"configuration: {e}", setting=f"{name} configuration") from None
+            if s.section in ("buffer", "worker"):
+                source = resolved.sources.get("model_dir")
+                models[name] = (str(getattr(resolved.config, "model_dir", "") or ""),
+                                str(source) if source is not None else "default")
+        self._check_one_model(models)
+
+    def _check_one_model(self, models: Mapping[str, tuple[str, str]]) -> None:
+        """The buffer and the workers on one model: the buffer tokenizes prompt_text and checks
+        token ids and lengths with its model_dir's vocabulary and context, so a worker on another
+        model generates from ids checked against the wrong model, silently. Each side's model_dir
+        can come from its own variable or config file (SEER_WORKER_MODEL_DIR alone, say) when
+        --model-dir is not given: refused here, naming both. A buffer with no model_dir (no
+        tokenizer) and a worker's "" (the embedded model) are compared as what they resolve to."""
+        buffer = models.get("buffer")
+        if buffer is None or not buffer[0]:
+            return
+
+        def path(p: str) -> str:
+            return os.path.realpath(p or self.default_model_dir) if (p or self.default_model_dir) else ""
+
+        for name, (model, source) in models.items():
+            if name == "buffer" or path(model) == path(buffer[0]):
+                continue
+            raise SuiteArgumentError(
+                "model_dir", f"the buffer uses {buffer[0]} ({buffer[1]}) but {name} uses "
+                f"{model or self.default_model_dir or '(none)'} ({source}): the buffer tokenizes prompts and checks "
+                "token ids and lengths with its model; give both the same (--model-dir, or SEER_BUFFER_MODEL_DIR "
+                "and SEER_WORKER_MODEL_DIR)", setting="model_dir")
 
     def _refusal(self, name: str, e: Any) -> SuiteArgumentError:
         """The SuiteArgumentError for service `name`'s refused configuration (a ConfigError): by

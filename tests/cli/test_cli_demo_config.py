@@ -22,7 +22,7 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
 _VARIABLES = ("SEER_SCHEDULER_POLICY", "SEER_SCHEDULER_CHUNK_SIZE", "SEER_WORKER_SPECULATION",
-              "SEER_WORKER_MODEL_DIR", "SEER_SCHEDULER_CONFIG", "SEER_WORKER_CONFIG")
+              "SEER_WORKER_MODEL_DIR", "SEER_BUFFER_MODEL_DIR", "SEER_SCHEDULER_CONFIG", "SEER_WORKER_CONFIG")
 
 
 @pytest.fixture()
@@ -66,7 +66,7 @@ def test_demo_leaves_settings_to_the_services_environment_unless_an_option_is_gi
     embedded model's directory as chosen values, and a flag outranks the environment:
     SEER_SCHEDULER_POLICY=baseline and the others were silently ignored."""
     env = {"SEER_SCHEDULER_POLICY": "baseline", "SEER_SCHEDULER_CHUNK_SIZE": "64",
-           "SEER_WORKER_SPECULATION": "false", "SEER_WORKER_MODEL_DIR": "/mine"}
+           "SEER_WORKER_SPECULATION": "false", "SEER_WORKER_MODEL_DIR": "/mine", "SEER_BUFFER_MODEL_DIR": "/mine"}
     code, cfg = demo_suite([], env)
     assert code == 0
     assert cfg == {"policy": "baseline", "chunk_size": 64, "speculation": False, "model_dir": "/mine"}
@@ -94,6 +94,12 @@ def test_demo_without_options_or_variables_keeps_its_defaults(demo_suite: Any,
     (["--chunk-size", "-5"], {}, "seer demo: --chunk-size: must be >= 1, got -5"),
     ([], {"SEER_SCHEDULER_CHUNK_SIZE": "-5"}, "seer demo: SEER_SCHEDULER_CHUNK_SIZE=-5: must be >= 1, got -5"),
     ([], {"SEER_SCHEDULER_POLICY": "foo"}, "seer demo: SEER_SCHEDULER_POLICY=foo: 'foo' is not one of"),
+    # The workers on another model than the buffer's (which tokenizes and checks ids with its own).
+    ([], {"SEER_WORKER_MODEL_DIR": "/mine"},
+     "seer demo: model_dir: the buffer uses /embedded (flag --model-dir) but worker-0 uses /mine "
+     "(env SEER_WORKER_MODEL_DIR)"),
+    ([], {"SEER_BUFFER_MODEL_DIR": "/mine"},
+     "seer demo: model_dir: the buffer uses /mine (env SEER_BUFFER_MODEL_DIR) but worker-0 uses /embedded"),
 ])
 def test_demo_refuses_a_bad_setting_before_starting_anything(
         demo_suite: Any, capsys: pytest.CaptureFixture[str], flags: list[str], env: dict[str, str],
