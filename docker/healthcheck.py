@@ -19,7 +19,6 @@ seconds). It kept copies of both, which could drift from the services silently.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Mapping
@@ -27,32 +26,22 @@ from collections.abc import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import service_configs
 from services.common.config import ServiceConfig, load_field
 from services.common.ports import dial_host
 
 # The port dialled with no SEER_IMAGE_SERVICE (the script run by hand): the buffer's default.
 DEFAULT_PORT = 50051
-# Each image's service and its configuration class: the defaults are the service's own (the draft
-# server's port is 50053 unless set; ServiceConfig's 0 made the check dial 50051). Importing one
-# config module costs tens of milliseconds, no grpc server, engine or torch.
-CONFIG_CLASSES = {
-    "buffer": ("services.buffer.config", "BufferConfig"),
-    "scheduler": ("services.scheduler.config", "SchedulerConfig"),
-    "draft": ("services.draft.config", "DraftConfig"),
-    "kvstore": ("services.kvstore.config", "KvStoreConfig"),
-    "worker": ("services.worker.config", "WorkerConfig"),
-}
 
 
 def config_class(service: str) -> type[ServiceConfig]:
-    """The configuration class of `service` (SEER_IMAGE_SERVICE); ValueError for a name no image
-    sets."""
-    if service not in CONFIG_CLASSES:
-        raise ValueError(f"SEER_IMAGE_SERVICE: unknown service {service!r} (one of {', '.join(CONFIG_CLASSES)})")
-    module, name = CONFIG_CLASSES[service]
-    cls = getattr(importlib.import_module(module), name)
-    assert issubclass(cls, ServiceConfig), cls
-    return cls
+    """The configuration class of `service` (SEER_IMAGE_SERVICE): the service's own defaults apply
+    (the draft server's port is 50053 unless set; ServiceConfig's 0 made the check dial 50051).
+    ValueError naming SEER_IMAGE_SERVICE for a name no image sets."""
+    try:
+        return service_configs.config_class(service)
+    except ValueError as e:
+        raise ValueError(f"SEER_IMAGE_SERVICE: {e}") from None
 
 
 # The service's own command line: the image's ENTRYPOINT is `python -m services.<service>`, with

@@ -204,7 +204,7 @@ def _show(args: argparse.Namespace, results: list[Any], wall: float, say: Callab
     if args.json:
         print(json.dumps(summary))
         return
-    if results:  # none when every group was cancelled: nothing to show, the summary says so
+    if results:  # none only for an empty batch (a cancelled one raises BatchCancelled before this)
         best = max(results, key=lambda r: len(r.token_ids))
         say(f"\nsample response ({best.prompt_key}, answer {best.labels.get('answer', '?')}): {best.text!r}\n")
     say(rollout.format_summary(summary))

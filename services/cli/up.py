@@ -47,6 +47,7 @@ from services.cli.flags import positive_int, positive_seconds
 from services.cli.signals import StopRequest, signals_to
 from services.common.log import get_logger, kv
 from services.common.ports import BindAddress, addresses_port_is_free, dial_host, host_addresses
+from services.common.service_configs import config_class
 
 log = get_logger(__name__)
 
@@ -127,27 +128,10 @@ DEFAULT_HEARTBEAT_INTERVAL = 1.0
 
 # Each service's configuration class, by section (module:class), imported when the suite checks
 # the configuration it will start (config modules import no grpc and no torch).
-_CONFIG_CLASSES = {
-    "buffer": ("services.buffer.config", "BufferConfig"),
-    "scheduler": ("services.scheduler.config", "SchedulerConfig"),
-    "draft": ("services.draft.config", "DraftConfig"),
-    "kvstore": ("services.kvstore.config", "KvStoreConfig"),
-    "worker": ("services.worker.config", "WorkerConfig"),
-}
-
 # Fields the suite always sets itself: its port plan and the services' wiring. A variable setting
 # one is overridden (with a warning): the suite could not reach or wire a service elsewhere.
 _WIRING = ("port", "metrics_port", "buffer_address", "scheduler_address", "draft_address", "kv_addresses",
            "worker_id")
-
-
-def config_class(section: str) -> type:
-    """The configuration dataclass of service `section`."""
-    import importlib
-
-    module, name = _CONFIG_CLASSES[section]
-    cls: type = getattr(importlib.import_module(module), name)
-    return cls
 
 
 def _flag_value(value: object) -> str:
@@ -551,21 +535,25 @@ class Suite:
         token ids and lengths with its model_dir's vocabulary and context, so a worker on another
         model generates from ids checked against the wrong model, silently. Each side's model_dir
         can come from its own variable or config file (SEER_WORKER_MODEL_DIR alone, say) when
-        --model-dir is not given: refused here, naming both. A buffer with no model_dir (no
-        tokenizer) and a worker's "" (the embedded model) are compared as what they resolve to."""
+        --model-dir is not given: refused here, naming both. Compared as each resolves it: the
+        buffer's "auto" (its default) and a worker's "" are the embedded model's directory; a
+        buffer's "" is no model (no tokenizer, nothing checked against one), never refused."""
+        from services.common.model_paths import default_model_dir
+
         buffer = models.get("buffer")
         if buffer is None or not buffer[0]:
             return
 
-        def path(p: str) -> str:
-            return os.path.realpath(p or self.default_model_dir) if (p or self.default_model_dir) else ""
+        def path(setting: str, embedded_word: str) -> str:
+            return os.path.realpath(default_model_dir() if setting == embedded_word else setting)
 
+        theirs = path(buffer[0], "auto")
         for name, (model, source) in models.items():
-            if name == "buffer" or path(model) == path(buffer[0]):
+            if name == "buffer" or path(model, "") == theirs:
                 continue
             raise SuiteArgumentError(
                 "model_dir", f"the buffer uses {buffer[0]} ({buffer[1]}) but {name} uses "
-                f"{model or self.default_model_dir or '(none)'} ({source}): the buffer tokenizes prompts and checks "
+                f"{model or 'the embedded model'} ({source}): the buffer tokenizes prompts and checks "
                 "token ids and lengths with its model; give both the same (--model-dir, or SEER_BUFFER_MODEL_DIR "
                 "and SEER_WORKER_MODEL_DIR)", setting="model_dir")
 

@@ -59,14 +59,18 @@ def _run_up(tmp_path: Path, flags: list[str], env: dict[str, str]) -> tuple[dict
     """Runs `seer up` until the suite is up, stops it; the configurations its stand-ins loaded
     and its stderr."""
     import json
+    import tempfile
 
-    code = _UP.format(service=_SERVICE, out=str(tmp_path), flags=flags)
+    # A fresh directory per run: a second run found the first one's .cfg files, stopped the suite
+    # before its stand-ins had set their SIGTERM handler, and they died of the signal (flaky).
+    out = Path(tempfile.mkdtemp(dir=tmp_path, prefix="cfg-"))
+    code = _UP.format(service=_SERVICE, out=str(out), flags=flags)
     p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path), **env},
                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_line(p, "suite is up")
         for name in ("scheduler", "worker-0"):
-            path = tmp_path / f"{name}.cfg"
+            path = out / f"{name}.cfg"
             for _ in range(200):
                 if path.exists() and path.read_text():
                     break
@@ -78,7 +82,7 @@ def _run_up(tmp_path: Path, flags: list[str], env: dict[str, str]) -> tuple[dict
             p.kill()
             p.communicate(timeout=30)
     assert p.returncode == 0, err
-    return {n: json.loads((tmp_path / f"{n}.cfg").read_text()) for n in ("scheduler", "worker-0")}, err
+    return {n: json.loads((out / f"{n}.cfg").read_text()) for n in ("scheduler", "worker-0")}, err
 
 
 def test_up_leaves_settings_to_the_services_environment_unless_an_option_is_given(tmp_path: Path) -> None:
@@ -148,3 +152,23 @@ def test_the_banner_lists_each_services_stdout_file(tmp_path: Path) -> None:
     banner listed only the .log files."""
     s = up.Suite(workers=0, base_port=0, data_dir=tmp_path, model_dir="/x", draft=False, kvstore=False)
     assert s.endpoints()["scheduler"]["out"] == str(tmp_path / "logs" / "scheduler.out")
+
+
+@pytest.mark.parametrize("env", [{}, {"SEER_BUFFER_MODEL_DIR": "auto"}, {"SEER_WORKER_MODEL_DIR": ""}],
+                         ids=["defaults", "buffer-auto", "worker-embedded"])
+def test_the_embedded_model_on_both_sides_is_one_model(tmp_path: Path, env: dict[str, str]) -> None:
+    """The buffer's "auto" (its default) and a worker's "" both mean the embedded model: not
+    refused as two models (the first version of the check compared the words, and refused a plain
+    Suite(workers=1) and SEER_BUFFER_MODEL_DIR=auto)."""
+    from services.common.model_paths import default_model_dir
+
+    for default in (None, str(default_model_dir())):
+        s = up.Suite(workers=1, base_port=0, data_dir=tmp_path / f"d{len(str(default))}", env=env,
+                     default_model_dir=default)
+        s._check_configs()
+
+
+def test_a_worker_on_another_model_than_the_buffers_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(up.SuiteArgumentError) as info:
+        up.Suite(workers=1, base_port=0, data_dir=tmp_path, env={"SEER_WORKER_MODEL_DIR": str(tmp_path)})
+    assert "the buffer uses auto (default) but worker-0 uses" in str(info.value), info.value

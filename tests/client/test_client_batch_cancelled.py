@@ -145,3 +145,25 @@ def test_the_prompt_hint_names_the_clients_field(buffer: Buffer) -> None:
             client.submit_batch("text", [PromptGroup(prompt="hello", group_size=1, max_tokens=4)])
         message = info.value.message
         assert message.startswith("groups[0].prompt: ") and "prompt_token_ids" not in message, message
+
+
+def test_run_batch_does_not_return_a_short_batch_when_the_check_fails(
+        buffer: Buffer, one_at_a_time: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_batch knows the batch's size: a stream that ended after 1 of 4 results is short, so a
+    cancel check that cannot be made (the buffer gone) is an error naming both counts. The first
+    version of the quiet end returned the 1 result as the whole batch."""
+    def on_result(_r: RolloutResult) -> None:
+        with SeerClient(buffer.address) as other:
+            other.cancel_batch("short")
+
+    with SeerClient(buffer.address, retry_seconds=0.5) as client:
+        real = client._cancelled_elsewhere
+
+        def buffer_gone_first(*args: object, **kwargs: object) -> BatchCancelled | None:
+            buffer.stop()
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client, "_cancelled_elsewhere", buffer_gone_first)
+        with pytest.raises(SeerError) as e:
+            client.run_batch("short", GROUPS, on_result=on_result, timeout=30)
+        assert e.value.code == "UNAVAILABLE" and "ended after 1 of 4 results" in e.value.message, e.value

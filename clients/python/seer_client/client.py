@@ -529,7 +529,10 @@ class SeerClient:
                 if left_out:
                     raise _ResultsLeftOut("RESOURCE_EXHAUSTED", _left_out_message(batch_id, left_out))
                 if not (num_requests and cursor >= num_requests):
-                    cancelled = self._cancelled_elsewhere(batch_id, submission_id, end)
+                    # Known short (run_batch knows the batch's size): a check that cannot be made
+                    # is an error there, not a quiet end with part of the batch.
+                    cancelled = self._cancelled_elsewhere(batch_id, submission_id, end,
+                                                          short_of=num_requests, received=cursor)
                     if cancelled is not None:
                         raise cancelled
                 return
@@ -569,7 +572,8 @@ class SeerClient:
                 if cancel is not None:
                     cancel()
 
-    def _cancelled_elsewhere(self, batch_id: str, submission_id: int, end: float | None) -> BatchCancelled | None:
+    def _cancelled_elsewhere(self, batch_id: str, submission_id: int, end: float | None, *, short_of: int = 0,
+                             received: int = 0) -> BatchCancelled | None:
         """After a results stream ended OK: BatchCancelled when the batch it read was cancelled, so
         its other responses will never come, else None. The buffer ends the stream the same way for
         a completed batch and a cancelled one; without this check a trainer got 4 of 32 results as
@@ -578,10 +582,15 @@ class SeerClient:
         A check that cannot be made (the batch deleted by retention: NOT_FOUND; the buffer gone
         after the stream ended; the caller's timeout running out) ends quietly, logged: every
         result was yielded by then, and an error here lost a complete batch's results (collect)
-        over a question that is answered only in the rare cancelled case. Bounded by the caller's
-        timeout and by retry_seconds, whichever ends first."""
+        over a question that is answered only in the rare cancelled case. Except when the batch is
+        known to be short (short_of: its size, more than the `received` results: run_batch): then
+        that failure is raised, naming both counts (run_batch returned part of the batch as whole).
+        Bounded by the caller's timeout and by retry_seconds, whichever ends first."""
         remaining = None if end is None else end - time.monotonic()
         if remaining is not None and remaining <= 0:
+            if short_of:
+                raise SeerTimeout("DEADLINE_EXCEEDED", f"batch {batch_id!r}: its results stream ended after {received} "
+                                                       f"of {short_of} results at the timeout")
             log.warning("results stream ended at the timeout; not checked for a cancel", extra={"batch_id": batch_id})
             return None
         call_timeout = self.timeout if remaining is None else max(0.1, min(self.timeout, remaining))
@@ -590,6 +599,10 @@ class SeerClient:
         try:
             b = self._call(lambda: self._stub.GetBatch(req, timeout=_deadline(call_timeout)), retry_seconds=window)
         except SeerError as e:
+            if short_of:
+                raise type(e)(e.code, f"batch {batch_id!r}: its results stream ended after {received} of {short_of} "
+                                      f"results, and whether the batch was cancelled could not be read: {e.message}"
+                              ) from None
             log.warning("results stream ended, but whether the batch completed or was cancelled could not be read; "
                         "ended as complete", extra={"batch_id": batch_id, "code": e.code, "error": e.message})
             return None
