@@ -58,6 +58,16 @@ class DramLru:
         self.bytes += len(value)
         return evicted
 
+    def victims(self, size: int) -> Iterator[Hashable]:
+        """The keys put(key, value of `size` bytes) would evict, least recently used first (for a key
+        not held; lazily, so a caller can stop at the first it cannot spare)."""
+        need = self.bytes + size - self.capacity_bytes
+        for k, v in self._items.items():
+            if need <= 0:
+                return
+            need -= len(v)
+            yield k
+
     def pop(self, key: Hashable) -> Buffer | None:
         value = self._items.pop(key, None)
         if value is not None:

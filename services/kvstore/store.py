@@ -1280,12 +1280,26 @@ class KvStore:
                 self._remove(key)
                 return None
             self._hits += 1
-            if self._dram.fits(len(data)):
+            if self._dram.fits(len(data)) and self._may_promote(len(data)):
                 self._promotions += 1
                 for evicted_key, evicted in self._dram.put(key, data):
                     self._demote(evicted_key, evicted)  # type: ignore[arg-type]
                 self._enforce_ssd_capacity()
             return data, entry.checksum
+
+    def _may_promote(self, size: int) -> bool:
+        """Whether an SSD hit of `size` bytes is copied into DRAM. Always while the SSD tier takes
+        writes; while it is stalled (a write stop outlasted the timeout) only when that evicts no
+        DRAM-only page: such a page's demotion is refused (after STALLED_TRY_S under the lock) and
+        the page is lost, for a copy of a page the SSD tier already holds and serves as it is. Until
+        now every SSD hit during a stall evicted DRAM-only pages for good. Lock held."""
+        if not self._ssd.stalled:
+            return True
+        for key in self._dram.victims(size):
+            entry = self._entry(cast(Key, key))
+            if entry is not None and not entry.on_ssd:
+                return False
+        return True
 
     def get(
         self, namespace: str, page_hashes: Sequence[bytes], layout: KVLayout | None = None
