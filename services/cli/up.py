@@ -13,12 +13,21 @@ Each service binds 127.0.0.1 unless its configuration says otherwise (SEER_<SERV
 --host / --config in a Suite's extra_args); the suite dials it, for health checks and for the
 other services' wiring, on that host (127.0.0.1 for a wildcard host: see dial_host).
 
+While the suite runs, `seer up` supervises it (see HealthSupervisor): a service that exits is
+reported (and the buffer's or scheduler's exit stops the suite); a service whose gRPC health answers
+NOT_SERVING for longer than --health-grace (default 60 s, as the Helm liveness probe: a worker whose
+engine a failed weight load broke stays NOT_SERVING for good) is restarted, with a line on stderr,
+at most HEALTH_RESTART_LIMIT times in a row without serving in between (then it is reported and
+left as it is). A service that does not answer at all is left alone while its process lives: it may
+only be busy.
+
 Exit status: 0 when every service ran until the stop and drained cleanly; 1 when the suite could
 not start, a service exited on its own while it ran (a crash of the buffer or scheduler also stops
-the suite: nothing works without them) or a service did not stop cleanly; the data directory, with
-the services' logs, is then kept even when it is the default temporary one. 128 + the signal number
-when stopped by a signal before the suite was up; 2 when a flag, or a service's configuration (its
-SEER_<SERVICE>_* variables included), is refused (before anything starts).
+the suite: nothing works without them), had to be restarted for its health, or a service did not
+stop cleanly; the data directory, with the services' logs, is then kept even when it is the default
+temporary one. 128 + the signal number when stopped by a signal before the suite was up; 2 when a
+flag, or a service's configuration (its SEER_<SERVICE>_* variables included), is refused (before
+anything starts).
 
 An option given here is passed to its services as a flag and overrides their SEER_<SERVICE>_<FIELD>
 variable (a warning names both); one left out yields to that variable or a config file, else the
@@ -39,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
@@ -341,6 +351,126 @@ def health_status(address: str, timeout: float = 1.0) -> str:
         except grpc.RpcError:
             return "UNREACHABLE"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+# Health supervision while `seer up` runs (HealthSupervisor). The grace is the Helm liveness
+# probe's (6 failures 10 s apart: helm/seer/templates/_helpers.tpl), so a worker broken by a failed
+# weight load is restarted about as soon here as under Kubernetes.
+HEALTH_GRACE_SECONDS = 60.0
+# At most one health RPC per service this often (less often than the 0.5 s exit check: each one
+# dials a channel); shorter for a grace shorter than 4 of them (see HealthSupervisor).
+HEALTH_CHECK_INTERVAL = 5.0
+# Restarts of one service in a row without a SERVING answer in between: one broken at start is then
+# reported and left, not restarted for ever (the grace, waited out anew after each restart's start,
+# already spaces them out).
+HEALTH_RESTART_LIMIT = 3
+# SIGTERM to SIGKILL for a service being restarted (it drains; a broken worker has nothing to drain).
+HEALTH_RESTART_STOP_TIMEOUT = 15.0
+
+
+@dataclass
+class _HealthState:
+    """HealthSupervisor's record of one service."""
+
+    next_check: float = 0.0
+    # Monotonic and wall-clock time of the first NOT_SERVING answer of the current unbroken run of
+    # them (None: the last answer was something else).
+    since: float | None = None
+    since_wall: float = 0.0
+    restarts: int = 0  # by this supervisor, in all
+    in_a_row: int = 0  # since the last SERVING answer
+    given_up: bool = False
+    # A restart under way: SIGTERM sent; SIGKILL at this monotonic time if it is still alive.
+    kill_at: float | None = None
+
+
+class HealthSupervisor:
+    """Restarts a running service whose gRPC health answers NOT_SERVING continuously for longer
+    than `grace` seconds: a worker whose engine is broken (services/worker/README.md, Weights) is
+    alive and useless until restarted, and `seer up` only watched for exits. Only a NOT_SERVING
+    answer counts: any other answer (SERVING, no answer in time, UNKNOWN) ends the run, so a busy
+    service that does not answer is never killed by this rule (a dead one is the exit handling's).
+
+    tick() never blocks on a restart: it sends SIGTERM and starts the process again on a later tick,
+    once the old one is gone (SIGKILL after HEALTH_RESTART_STOP_TIMEOUT), so a Ctrl-C or another
+    service's exit is still noticed meanwhile. `say` gets one line per restart or give-up."""
+
+    def __init__(self, services: Mapping[str, ServiceProcess], say: Callable[[str], None], *,
+                 grace: float = HEALTH_GRACE_SECONDS, interval: float = HEALTH_CHECK_INTERVAL,
+                 limit: int = HEALTH_RESTART_LIMIT, stop_timeout: float = HEALTH_RESTART_STOP_TIMEOUT,
+                 check: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._services = services
+        self._say = say
+        self.grace = grace
+        # A few checks within the grace, so that it is not overshot by a whole interval.
+        self.interval = max(0.25, min(interval, grace / 4))
+        self.limit = limit
+        self._stop_timeout = stop_timeout
+        # Looked up at each call (not bound here): tests of `seer up` replace up.health_status.
+        self._check = check or (lambda address: health_status(address))
+        self._clock = clock
+        self._state = {name: _HealthState() for name in services}
+
+    def restarting(self, name: str) -> bool:
+        """Whether `name` is being restarted (its process may be gone: no exit to report)."""
+        return self._state[name].kill_at is not None
+
+    def troubled(self) -> set[str]:
+        """The services restarted for their health, or left NOT_SERVING at the limit."""
+        return {n for n, st in self._state.items() if st.restarts or st.given_up}
+
+    def tick(self, stop: StopFlag | None = None) -> None:
+        for name, s in self._services.items():
+            if stop is not None and stop.is_set():
+                return  # each check may take a second: a Ctrl-C is not held up by the rest
+            st = self._state[name]
+            now = self._clock()
+            if st.kill_at is not None:
+                self._continue_restart(s, st, now)
+            elif s.alive() and now >= st.next_check:
+                st.next_check = now + self.interval
+                self._observe(s, st, self._check(s.address), now)
+
+    def _observe(self, s: ServiceProcess, st: _HealthState, status: str, now: float) -> None:
+        if status != "NOT_SERVING":
+            st.since = None
+            if status == "SERVING":
+                st.in_a_row, st.given_up = 0, False
+            return
+        if st.since is None:
+            st.since, st.since_wall = now, time.time()
+            return
+        if now - st.since <= self.grace or st.given_up:
+            return
+        since = f"NOT_SERVING since {datetime.fromtimestamp(st.since_wall):%H:%M:%S} ({now - st.since:.0f} s)"
+        if st.in_a_row >= self.limit:
+            st.given_up = True
+            self._say(f"seer up: {s.name} {since}; not restarted again: {st.in_a_row} restart(s) in a row "
+                      f"did not mend it; see {s.stderr_path}")
+            return
+        st.restarts += 1
+        st.in_a_row += 1
+        st.since = None
+        self._say(f"seer up: {s.name} {since}; restarting it (restart {st.restarts}, "
+                  f"{st.in_a_row} of at most {self.limit} in a row); see {s.stderr_path}")
+        log.warning("restarting a service that is NOT_SERVING",
+                    extra=kv(service=s.name, restarts=st.restarts, pid=s.pid))
+        s.signal(signal.SIGTERM)
+        st.kill_at = now + self._stop_timeout
+        self._continue_restart(s, st, now)
+
+    def _continue_restart(self, s: ServiceProcess, st: _HealthState, now: float) -> None:
+        if s.alive():
+            if st.kill_at is not None and now < st.kill_at:
+                return
+            s.kill()  # SIGKILL, waited for (bounded)
+            if s.alive():
+                return  # not reaped yet: the next tick looks again
+        s.wait(0.0)  # reap it
+        s.start()  # a new launch: same ports and arguments, log appended to
+        st.kill_at = None
+        # Its start (a worker loads its model) is not NOT_SERVING time: the grace is waited out anew.
+        st.next_check = now + self.interval
 
 
 class Suite:
@@ -930,6 +1060,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         "<data dir>/logs/<service>.out")
     p.add_argument("--timeout", type=positive_seconds, default=300.0,
                    help="seconds to wait for the suite to be healthy")
+    p.add_argument("--health-grace", type=positive_seconds, default=HEALTH_GRACE_SECONDS,
+                   help=f"restart a running service whose gRPC health answers NOT_SERVING for longer than this "
+                        f"(default {HEALTH_GRACE_SECONDS:.0f} s; at most {HEALTH_RESTART_LIMIT} restarts in a row; "
+                        "inf: never)")
     return p.parse_args(list(argv))
 
 
@@ -1007,10 +1141,14 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int
     print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
     exited: set[str] = set()  # services that exited on their own while the suite ran
     central_down = ""
+    health = HealthSupervisor(suite.services, lambda line: print(line, file=sys.stderr, flush=True),
+                              grace=args.health_grace)
     while not stop.is_set() and not central_down:
         time.sleep(0.5)
+        health.tick(stop)
         for name, s in suite.services.items():
-            if not s.alive() and name not in exited:
+            # A process the health supervision is restarting did not exit on its own.
+            if not s.alive() and name not in exited and not health.restarting(name):
                 exited.add(name)
                 print(f"warning: {name} exited with code {s.returncode}; see {s.stderr_path}", flush=True)
                 if name in CENTRAL_SERVICES:
@@ -1021,8 +1159,11 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int
         print(f"seer up: {central_down} is down; the suite cannot work without it", file=sys.stderr, flush=True)
     print("stopping ...", flush=True)
     bad = stop_keeping_data(suite, lambda line: print(line, flush=True))
-    if exited or bad:
-        print(f"seer up: service(s) failed ({', '.join(sorted(exited | set(bad)))}); logs kept in {suite.log_dir}",
+    # A service restarted for its health failed too: its log (the broken launch's included, the
+    # log is appended to) is kept.
+    failed = exited | set(bad) | health.troubled()
+    if failed:
+        print(f"seer up: service(s) failed ({', '.join(sorted(failed))}); logs kept in {suite.log_dir}",
               file=sys.stderr)
         return 1
     suite.remove_data()
