@@ -20,6 +20,14 @@ from services.common.errors import InvalidArgument
 # list slot (tracemalloc: tests/draft/test_store.py), and its source (8 bytes in _Iteration.sources).
 HISTORY_TOKEN_BYTES = 4
 HISTORY_RESPONSE_BYTES = 104
+# The fixed structures of a kept iteration (the _Iteration, its list and sources array, its entries
+# in the key's dict and in HistoryStore._order) and of a key with history (its dict, its entry in
+# _keys and the key string). tracemalloc, 20,000 keys of 1-3 iterations of 1-4 short responses:
+# ~470 and ~310 bytes (tests/draft/test_history_memory.py). Not counted, a key of one iteration of
+# one 8-token response held 841 bytes for 136 accounted (6x): many prompts with short responses
+# overran the budget by the difference.
+HISTORY_ITERATION_BYTES = 480
+HISTORY_KEY_BYTES = 320
 
 
 def source_id(group_id: str, request_id: str) -> int:
@@ -48,7 +56,8 @@ class _Iteration:
 
     @property
     def memory_bytes(self) -> int:
-        return self.tokens * HISTORY_TOKEN_BYTES + len(self.responses) * HISTORY_RESPONSE_BYTES
+        return (HISTORY_ITERATION_BYTES + self.tokens * HISTORY_TOKEN_BYTES
+                + len(self.responses) * HISTORY_RESPONSE_BYTES)
 
 
 class HistoryStore:
@@ -98,13 +107,17 @@ class HistoryStore:
             owner.sources[next(i for i, x in enumerate(owner.responses) if x is held)] = source
         if not added and not moved:
             return []
-        iters = self._keys.setdefault(prompt_key, iters)
+        if prompt_key not in self._keys:
+            self._keys[prompt_key] = iters
+            self.memory_bytes += HISTORY_KEY_BYTES
         it = iters.get(iteration)
         if it is None:
             self._counter += 1
             it = iters[iteration] = _Iteration(iteration, self._counter)
             self._order[it.seq] = (prompt_key, iteration)
-        before = it.memory_bytes
+            before = 0  # its fixed structures are new too
+        else:
+            before = it.memory_bytes
         for src, arr in moved:
             # Same bytes, another iteration: the key's total does not change (it moves from src).
             it.sources.append(src.remove(arr))
@@ -174,6 +187,17 @@ class HistoryStore:
                 moved.append((held, arr))
         return new, moved, claimed
 
+    def structure_bytes_bound(self, prompt_key: str, iteration: int) -> int:
+        """An upper bound of the fixed structures an add of (key, iteration) creates: the
+        iteration's, and the key's when it has no history (seed_history makes room for them with
+        the responses)."""
+        iters = self._keys.get(prompt_key)
+        if not iters:
+            return HISTORY_KEY_BYTES + HISTORY_ITERATION_BYTES
+        if iteration in iters or (len(iters) >= self.keep_iterations and iteration < min(iters)):
+            return 0  # held, or older than everything kept (add does nothing)
+        return HISTORY_ITERATION_BYTES
+
     def next_iteration(self, prompt_key: str) -> int:
         iters = self._keys.get(prompt_key)
         return max(iters) + 1 if iters else 0
@@ -203,6 +227,7 @@ class HistoryStore:
             self.evicted += len(it.responses)
         if not iters:
             del self._keys[prompt_key]
+            self.memory_bytes -= HISTORY_KEY_BYTES
 
     def evict_oldest(self) -> bool:
         """Drops the globally oldest stored iteration; False when there is nothing left."""

@@ -757,19 +757,25 @@ class DraftStore:
             # is full. Making room may evict the iteration that held some of them: they are new
             # again then, so the need is taken again until eviction leaves it as it was.
             live = [g for g in self._by_key.get(prompt_key, {}).values() if not g.completed]
-            new = self._history.new_responses(prompt_key, iteration, responses)
+            nonempty = any(len(r) for r in responses)
+            reserved = -1
             while True:
+                new = self._history.new_responses(prompt_key, iteration, responses)
                 count, total = len(new), sum(len(r) for r in new)
                 log_copy = total * _LOG_TOKEN_BYTES + count * _LOG_ENTRY_BYTES
                 copies = sum(g.index.history_bytes_bound(count, total) + log_copy for g in live) if count else 0
+                # The iteration's (and the key's) fixed structures when the add creates them, also
+                # for held responses that only move to a new iteration.
+                structures = self._history.structure_bytes_bound(prompt_key, iteration) if nonempty else 0
+                need = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures + copies
+                if need <= reserved:
+                    break  # what eviction made new again is covered
                 evicted = self._history.evicted
-                self._make_room(total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + copies)
+                self._make_room(need)
+                reserved = need
                 if self._history.evicted == evicted:
                     break  # no history evicted: what is held is as it was
-                new = self._history.new_responses(prompt_key, iteration, responses)
-                if len(new) == count:
-                    break
-            # Held responses brought by a newer iteration move to it (no memory: not made room for).
+            # Held responses brought by a newer iteration move to it (their bytes move with them).
             added = self._history.add(prompt_key, iteration, responses)
             # Live groups of this key get the new responses too (as history log entries). (None was
             # evicted making room: only completed groups are.)

@@ -5,7 +5,12 @@ iteration all load once."""
 
 from __future__ import annotations
 
-from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES
+from services.draft.history import (
+    HISTORY_ITERATION_BYTES,
+    HISTORY_KEY_BYTES,
+    HISTORY_RESPONSE_BYTES,
+    HISTORY_TOKEN_BYTES,
+)
 from services.draft.store import DraftStore, StoreLimits
 
 A, B, C, D = [10, 11, 12], [20, 21], [30, 31, 32, 33], [40]
@@ -16,8 +21,9 @@ def _held(s: DraftStore, key: str) -> list[tuple[int, ...]]:
 
 
 def _accounted(s: DraftStore) -> int:
-    return sum(len(r) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES
-               for k in list(s._history) for r in s._history.responses(k))
+    keys = s._history._keys
+    return (sum(len(r) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES for k in keys for r in s._history.responses(k))
+            + len(keys) * HISTORY_KEY_BYTES + sum(len(its) for its in keys.values()) * HISTORY_ITERATION_BYTES)
 
 
 def test_subset_and_superset_of_an_earlier_seed_load_only_what_is_new() -> None:

@@ -26,7 +26,13 @@ from services.common.errors import (
     ResourceExhausted,
 )
 from services.draft import history as history_mod
-from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES, HistoryStore
+from services.draft.history import (
+    HISTORY_ITERATION_BYTES,
+    HISTORY_KEY_BYTES,
+    HISTORY_RESPONSE_BYTES,
+    HISTORY_TOKEN_BYTES,
+    HistoryStore,
+)
 from services.draft.index import (
     ENTRY_BYTES,
     INDEX_BYTES,
@@ -79,7 +85,9 @@ def _recount(s: DraftStore) -> tuple[int, int]:
         mem += len(g.finish_reserved) * _LOG_ENTRY_BYTES
         tokens += t
     for iters in s._history._keys.values():
+        mem += HISTORY_KEY_BYTES
         for it in iters.values():
+            mem += HISTORY_ITERATION_BYTES
             mem += sum(len(r) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES for r in it.responses)
     return mem, tokens
 
@@ -252,7 +260,8 @@ def test_history_eviction_looks_at_no_other_iteration(monkeypatch: pytest.Monkey
     memory = h.memory_bytes
     h.add("k0", 5, [[9]])
     assert h.evict_oldest()
-    assert h.memory_bytes == memory + (1 - 3) * HISTORY_TOKEN_BYTES  # k0's [9] in, k1's [3, 4, 1] out
+    # k0's [9] in (k0 has history again: its key's structures too), an iteration of k1 out
+    assert h.memory_bytes == memory + (1 - 3) * HISTORY_TOKEN_BYTES + HISTORY_KEY_BYTES
     assert h.responses("k1") == [(3, 4, 1)]  # k1's iteration 0 went, not k0's new one
 
 
