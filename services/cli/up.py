@@ -674,8 +674,12 @@ class Suite:
         if buffer is None or not buffer[0]:
             return
 
+        # The services' own environment decides where the embedded model is (SEER_MODEL_DIR,
+        # XDG_CACHE_HOME), not this process's: Suite(env=...) can set them for the services only.
+        embedded = default_model_dir(self._env)
+
         def path(setting: str, embedded_word: str) -> str:
-            return os.path.realpath(default_model_dir() if setting == embedded_word else setting)
+            return os.path.realpath(embedded if setting == embedded_word else setting)
 
         theirs = path(buffer[0], "auto")
         for name, (model, source) in models.items():

@@ -21,6 +21,7 @@ from cli_helpers import wait_for_line
 
 from services.cli import up
 from services.common import config
+from services.common.model_paths import default_model_dir
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 
@@ -172,3 +173,16 @@ def test_a_worker_on_another_model_than_the_buffers_is_refused(tmp_path: Path) -
     with pytest.raises(up.SuiteArgumentError) as info:
         up.Suite(workers=1, base_port=0, data_dir=tmp_path, env={"SEER_WORKER_MODEL_DIR": str(tmp_path)})
     assert "the buffer uses auto (default) but worker-0 uses" in str(info.value), info.value
+
+
+def test_the_embedded_model_is_where_the_services_environment_puts_it(tmp_path: Path) -> None:
+    """SEER_MODEL_DIR set for the services only (Suite(env=...)): their "auto" / "" resolve there,
+    and so does the check (it read this process's environment: refused a suite on one model,
+    accepted one on two)."""
+    d = tmp_path / "model"
+    d.mkdir()
+    up.Suite(workers=1, base_port=0, data_dir=tmp_path / "a", env={"SEER_MODEL_DIR": str(d),
+                                                                   "SEER_WORKER_MODEL_DIR": str(d)})
+    with pytest.raises(up.SuiteArgumentError):
+        up.Suite(workers=1, base_port=0, data_dir=tmp_path / "b", env={"SEER_MODEL_DIR": str(d),
+                 "SEER_WORKER_MODEL_DIR": str(default_model_dir())})
