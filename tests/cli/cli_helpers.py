@@ -4,6 +4,7 @@ a line of its output, find the processes it left behind."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -56,3 +57,14 @@ def outgoing_ipv4() -> str | None:
         except OSError:
             return None
     return None if address.startswith("127.") else address
+
+
+def finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, str]:
+    """(exit code or None if still running after `timeout`, stdout, stderr); never leaves it running."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGKILL)
+        out, err = p.communicate(timeout=30)
+        return None, out, err

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_helpers import pids_with, wait_for_line
+from cli_helpers import finish, pids_with, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +96,7 @@ def _wait_launches(p: subprocess.Popen[str], tmp_path: Path, name: str, count: i
     deadline = time.monotonic() + timeout
     while len(_launches(tmp_path, name)) < count:
         if time.monotonic() > deadline or p.poll() is not None:
-            code, out, err = _finish(p, 20)
+            code, out, err = finish(p, 20)
             raise AssertionError(f"{name} launched {len(_launches(tmp_path, name))} times, not {count} "
                                  f"(seer up: {code})\n{out}\n{err}")
         time.sleep(0.1)
@@ -111,16 +111,6 @@ def _alive(pid: int) -> bool:
     with contextlib.suppress(OSError):
         return " Z " not in Path(f"/proc/{pid}/stat").read_text().split(")", 1)[1][:4]
     return False
-
-
-def _finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, str]:
-    try:
-        out, err = p.communicate(timeout=timeout)
-        return p.returncode, out, err
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGKILL)
-        out, err = p.communicate(timeout=30)
-        return None, out, err
 
 
 @pytest.fixture(autouse=True)
@@ -151,7 +141,7 @@ def test_a_worker_that_turns_not_serving_is_restarted_and_one_that_does_not_answ
     assert not _alive(old) and _alive(new)
     assert _launches(tmp_path, "worker-1") == [mute] and _alive(mute), "a worker that did not answer was restarted"
     p.send_signal(signal.SIGINT)
-    code, out, err = _finish(p, timeout=30)
+    code, out, err = finish(p, timeout=30)
     assert code == 1, f"exit status {code}\n{out}\n{err}"
     restarts = _RESTART.findall(err)
     assert restarts == [("worker-0", "1", "1")], err
@@ -174,7 +164,7 @@ def test_a_service_broken_at_start_is_restarted_at_most_the_limit_then_left(tmp_
     assert _alive(launches[-1]), "the last launch is left running"
     assert all(not _alive(pid) for pid in launches[:-1])
     p.send_signal(signal.SIGINT)
-    code, out, err = _finish(p, timeout=30)
+    code, out, err = finish(p, timeout=30)
     assert code == 1, f"exit status {code}\n{out}\n{err}"
     assert _RESTART.findall(err) == [("worker-0", "1", "1"), ("worker-0", "2", "2"), ("worker-0", "3", "3")], err
     gave_up = re.findall(r"seer up: worker-0 NOT_SERVING since .*; not restarted again: 3 restart\(s\) in a row", err)

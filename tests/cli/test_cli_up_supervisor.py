@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_helpers import pids_with, wait_for_line
+from cli_helpers import finish, pids_with, wait_for_line
 
 from services.cli import up
 
@@ -59,17 +59,6 @@ def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "") -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, str]:
-    """(exit code or None if still running after `timeout`, stdout, stderr); never leaves it running."""
-    try:
-        out, err = p.communicate(timeout=timeout)
-        return p.returncode, out, err
-    except subprocess.TimeoutExpired:
-        p.send_signal(signal.SIGKILL)
-        out, err = p.communicate(timeout=30)
-        return None, out, err
-
-
 def _alive(token: str) -> list[int]:
     """Pids of stand-in services still running (their command line holds the token)."""
     return pids_with("-c", token)
@@ -100,7 +89,7 @@ def test_up_stops_on_a_signal_while_the_suite_starts(tmp_path: Path, sig: signal
     time.sleep(1.5)  # into wait_healthy, the services launched
     t0 = time.monotonic()
     p.send_signal(sig)
-    code, out, err = _finish(p, timeout=10)
+    code, out, err = finish(p, timeout=10)
     assert code is not None, f"seer up still running {time.monotonic() - t0:.0f}s after {sig.name}"
     assert code == 128 + sig
     assert "stopped before the suite was up" in err
@@ -113,7 +102,7 @@ def test_up_stops_and_fails_when_the_buffer_crashes(tmp_path: Path) -> None:
     status was 0 and the log the warning pointed at was deleted with the temporary data dir."""
     p = _start_up(tmp_path, healthy=True, crash="buffer")
     wait_for_line(p, "suite is up")
-    code, out, err = _finish(p, timeout=15)  # no signal: the suite must stop by itself
+    code, out, err = finish(p, timeout=15)  # no signal: the suite must stop by itself
     assert code == 1, f"exit status {code}\n{out}\n{err}"
     m = re.search(r"warning: buffer exited with code 3; see (\S+)", out)
     assert m, out
@@ -132,7 +121,7 @@ def test_up_keeps_serving_after_a_worker_crash_but_fails_at_the_end(tmp_path: Pa
     time.sleep(3.0)  # the worker has crashed and been noticed
     assert p.poll() is None, "seer up stopped although only a worker crashed"
     p.send_signal(signal.SIGINT)
-    code, out, err = _finish(p, timeout=20)
+    code, out, err = finish(p, timeout=20)
     assert code == 1, f"exit status {code}\n{out}\n{err}"
     assert "warning: worker-0 exited with code 3" in out
     log = _state_dir(head) / "logs" / "worker-0.log"
@@ -145,7 +134,7 @@ def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) ->
     head = "".join(wait_for_line(p, "trainer API"))
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
-    code, out, err = _finish(p, timeout=20)
+    code, out, err = finish(p, timeout=20)
     assert code == 0, f"exit status {code}\n{out}\n{err}"
     # Each service's stdout file beside its log: console tracing's spans are there (the README).
     assert "logs/scheduler.log, stdout " in head and "logs/scheduler.out)" in head, head

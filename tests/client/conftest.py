@@ -7,6 +7,7 @@ import dataclasses
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +15,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from client_helpers import Buffer
+from client_helpers import Buffer, play_scheduler
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
+
+
+@pytest.fixture
+def one_at_a_time(buffer: Buffer) -> Iterator[None]:
+    """A scheduler that finishes the first request only (the others wait on its gate), so a batch
+    is still running after its first result."""
+    stop, gate = threading.Event(), threading.Semaphore(1)
+    t = threading.Thread(target=play_scheduler, args=(buffer.address,), kwargs={"stop": stop, "gate": gate},
+                         daemon=True)
+    t.start()
+    yield
+    stop.set()
+    gate.release(100)
+    t.join(10)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import threading
-from collections.abc import Iterator
 
 import pytest
 from client_helpers import Buffer, finish_request, play_scheduler
@@ -18,19 +17,6 @@ from seer_client import BatchCancelled, PromptGroup, RolloutResult, SeerClient, 
 
 GROUPS = [PromptGroup(prompt=[1, 2, 3], group_size=4, max_tokens=4)]
 MESSAGE = "was cancelled before it completed: 1 of 4 responses finished, 3 cancelled (the rest will not come)"
-
-
-@pytest.fixture
-def one_at_a_time(buffer: Buffer) -> Iterator[None]:
-    """A scheduler that finishes the first request only (the others wait on the gate)."""
-    stop, gate = threading.Event(), threading.Semaphore(1)
-    t = threading.Thread(target=play_scheduler, args=(buffer.address,), kwargs={"stop": stop, "gate": gate},
-                         daemon=True)
-    t.start()
-    yield
-    stop.set()
-    gate.release(100)
-    t.join(10)
 
 
 def test_iter_results_raises_after_yielding_what_it_got(buffer: Buffer) -> None:

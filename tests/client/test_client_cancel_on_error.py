@@ -8,29 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from client_helpers import Buffer, finish_request, play_scheduler
+from client_helpers import Buffer, finish_request
 from seer_client import CancelOutcome, PromptGroup, RolloutResult, SeerClient, SeerError, SeerTimeout
 from test_node_client_api import _commit
 
 from services.common import server as common_server
 
 GROUPS = [PromptGroup(prompt=[1, 2, 3], group_size=4, max_tokens=4)]
-
-
-@pytest.fixture
-def one_at_a_time(buffer: Buffer) -> Iterator[None]:
-    """A scheduler that finishes the first request only (the others wait on the gate)."""
-    stop, gate = threading.Event(), threading.Semaphore(1)
-    t = threading.Thread(target=play_scheduler, args=(buffer.address,), kwargs={"stop": stop, "gate": gate},
-                         daemon=True)
-    t.start()
-    yield
-    stop.set()
-    gate.release(100)
-    t.join(10)
 
 
 class TrainerBug(Exception):
