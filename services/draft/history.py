@@ -187,16 +187,28 @@ class HistoryStore:
                 moved.append((held, arr))
         return new, moved, claimed
 
-    def structure_bytes_bound(self, prompt_key: str, iteration: int) -> int:
-        """An upper bound of the fixed structures an add of (key, iteration) creates: the
-        iteration's, and the key's when it has no history (seed_history makes room for them with
-        the responses)."""
+    def structure_bytes_bound(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
+        """An upper bound of the fixed structures an add of `responses` at (key, iteration) creates,
+        net of those it drops: the iteration's, and the key's when it has no history
+        (seed_history makes room for them with the responses). Nothing for an add that adds and
+        moves nothing (every response held newer), and no net iteration for one that only moves
+        held responses out of iterations it empties (they are dropped): reserving one anyway
+        evicted history for no growth when the budget was nearly full."""
         iters = self._keys.get(prompt_key)
         if not iters:
-            return HISTORY_KEY_BYTES + HISTORY_ITERATION_BYTES
-        if iteration in iters or (len(iters) >= self.keep_iterations and iteration < min(iters)):
-            return 0  # held, or older than everything kept (add does nothing)
-        return HISTORY_ITERATION_BYTES
+            return HISTORY_KEY_BYTES + HISTORY_ITERATION_BYTES if any(len(r) for r in responses) else 0
+        if iteration in iters:
+            return 0
+        new, moved, _ = self._plan(iters, iteration, responses)
+        if not new and not moved:
+            return 0  # older than everything kept, or every response held in a newer iteration
+        emptied = 0
+        if not new:
+            taken: dict[int, int] = {}
+            for src, _arr in moved:
+                taken[src.iteration] = taken.get(src.iteration, 0) + 1
+            emptied = sum(1 for i, n in taken.items() if n == len(iters[i].responses))
+        return max(0, HISTORY_ITERATION_BYTES * (1 - emptied))
 
     def next_iteration(self, prompt_key: str) -> int:
         iters = self._keys.get(prompt_key)

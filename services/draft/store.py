@@ -766,7 +766,7 @@ class DraftStore:
                 copies = sum(g.index.history_bytes_bound(count, total) + log_copy for g in live) if count else 0
                 # The iteration's (and the key's) fixed structures when the add creates them, also
                 # for held responses that only move to a new iteration.
-                structures = self._history.structure_bytes_bound(prompt_key, iteration) if nonempty else 0
+                structures = self._history.structure_bytes_bound(prompt_key, iteration, responses) if nonempty else 0
                 need = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures + copies
                 if need <= reserved:
                     break  # what eviction made new again is covered

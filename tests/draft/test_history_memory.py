@@ -3,6 +3,7 @@ iteration has fixed structures that were not counted: 6x under for a key of one 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import tracemalloc
 
@@ -60,3 +61,26 @@ def test_store_budget_holds_many_keys_of_short_history_within_it() -> None:
     # Within 25%: the key and order tables keep the capacity of the evicted keys (a dict does not
     # shrink), ~11% here. Before the fixed structures were counted: 3.4x the budget.
     assert real <= budget * 1.25, f"{real} bytes held for a {budget}-byte budget"
+
+
+def test_a_seed_that_creates_nothing_evicts_nothing() -> None:
+    """A retried seed whose responses are all held in a newer iteration adds nothing, and a seed
+    that only moves a held response out of the iteration it empties grows nothing: with the budget
+    nearly full, neither evicts history (reserving an iteration's structures for them did)."""
+    a = list(range(1, 41))
+    s = DraftStore(StoreLimits(memory_budget_bytes=1 << 30, history_iterations=2))
+    s.register_group("g", "other", [1] * 500, group_size=2)  # live: never evictable
+    s.seed_history("k", 0, [a])
+    s.seed_history("k", 1, [a])  # a moves to iteration 1
+    s.limits = dataclasses.replace(s.limits, memory_budget_bytes=s.stats().memory_bytes + 100)
+    assert s.seed_history("k", 0, [a]) == 0  # a retry of the first seed
+    assert s.stats().evicted_history == 0 and sorted(s._history._keys["k"]) == [1]
+
+    m = DraftStore(StoreLimits(memory_budget_bytes=1 << 30, history_iterations=2))
+    m.seed_history("other", 0, [[9] * 50])
+    m.seed_history("k", 0, [[5] * 100])
+    used = m.stats().memory_bytes
+    m.limits = dataclasses.replace(m.limits, memory_budget_bytes=used + 10)
+    assert m.seed_history("k", 1, [[5] * 100]) == 0  # a move: iteration 0 empties and goes
+    assert m.stats().evicted_history == 0 and sorted(m._history._keys) == ["k", "other"]
+    assert m.stats().memory_bytes == used
