@@ -539,18 +539,23 @@ class Dispatcher:
                                 extra=kv(worker_id=worker_id, reason=problem))
             if telemetry is not None and trusted:
                 state.telemetry.CopyFrom(telemetry)
-        if telemetry is None or not trusted:
-            return True
-        WORKER_TPS.labels(worker_id).set(telemetry.tokens_per_second)
-        proposed = sum(telemetry.proposed_per_position)
-        if proposed:
-            WORKER_ACCEPT.labels(worker_id).set(sum(telemetry.accepted_per_position) / proposed)
+                # Under the lock: a removal between this report and the gauges (which removes the
+                # worker's series) must not leave a series behind for a worker that is gone.
+                WORKER_TPS.labels(worker_id).set(telemetry.tokens_per_second)
+                proposed = sum(telemetry.proposed_per_position)
+                if proposed:
+                    WORKER_ACCEPT.labels(worker_id).set(sum(telemetry.accepted_per_position) / proposed)
         return True
 
     def _remove_worker_locked(self, worker_id: str, reason: str) -> WorkerState | None:
         state = self._workers.pop(worker_id, None)
         if state is None:
             return None
+        # Its per-worker series go with it: worker ids churn (a pod name per restart under
+        # Kubernetes), and every id ever seen stayed exported with its last figures.
+        for gauge in (WORKER_TPS, WORKER_ACCEPT):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker_id)
         if state.active:
             quarantined = self.core.quarantine_reason(worker_id)
             if quarantined:

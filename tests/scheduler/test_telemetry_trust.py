@@ -158,3 +158,19 @@ def test_a_chunk_with_impossible_values_is_the_workers_fault(
     assert all(c.worker_id == "good" for c in committed), {c.worker_id for c in committed}
     assert all(sum(len(c.token_ids) for c in t.buffer.of(rid)) == 16 for rid in rids)
     assert t.d.core.is_quarantined("bad") and "a malformed chunk" in t.d.core.quarantine_reason("bad")
+
+
+def test_a_removed_workers_series_go_with_it(served: Served) -> None:
+    """Worker ids churn (a pod name per restart under Kubernetes); a removed worker's per-worker
+    series stayed exported with its last figures for the life of the scheduler."""
+    t, stub = served
+    _register(stub, "gone-1")
+    _beat(stub, "gone-1", **SANE)
+    assert _gauges("gone-1") == (50.0, 0.5)
+    with t.d._cond:
+        t.d._remove_worker_locked("gone-1", "test")
+    assert _gauges("gone-1") == (None, None)
+    # Registered again (a restart under the same id): its series come back with its reports.
+    _register(stub, "gone-1", incarnation="i2")
+    _beat(stub, "gone-1", **SANE)
+    assert _gauges("gone-1") == (50.0, 0.5)
