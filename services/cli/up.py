@@ -391,9 +391,11 @@ class HealthSupervisor:
     answer counts: any other answer (SERVING, no answer in time, UNKNOWN) ends the run, so a busy
     service that does not answer is never killed by this rule (a dead one is the exit handling's).
 
-    tick() never blocks on a restart: it sends SIGTERM and starts the process again on a later tick,
-    once the old one is gone (SIGKILL after HEALTH_RESTART_STOP_TIMEOUT), so a Ctrl-C or another
-    service's exit is still noticed meanwhile. `say` gets one line per restart or give-up."""
+    tick() does not wait for a restart's SIGTERM: it starts the process again on a later tick, once
+    the old one is gone, so a Ctrl-C or another service's exit is still noticed meanwhile. Only a
+    process that outlives HEALTH_RESTART_STOP_TIMEOUT is SIGKILLed and waited for (bounded: the
+    kill's own wait), and each health check waits up to a second for its answer. `say` gets one line
+    per restart or give-up."""
 
     def __init__(self, services: Mapping[str, ServiceProcess], say: Callable[[str], None], *,
                  grace: float = HEALTH_GRACE_SECONDS, interval: float = HEALTH_CHECK_INTERVAL,
