@@ -144,6 +144,12 @@ _WIRING = ("port", "metrics_port", "buffer_address", "scheduler_address", "draft
            "worker_id")
 
 
+def _section(name: str) -> str:
+    """The configuration section (SEER_<SECTION>_*) of suite service `name`: "worker" for every
+    worker-N (ServiceProcess.section, for a service not built yet)."""
+    return "worker" if name.startswith("worker-") else name
+
+
 def _flag_value(value: object) -> str:
     """A value as a service flag takes it (booleans as true/false, which the config parser reads)."""
     if isinstance(value, bool):
@@ -603,20 +609,20 @@ class Suite:
             self._warned.add(message)
             self._warn(message)
 
-    def _others(self, name: str, section: str) -> dict[str, Any]:
+    def _others(self, name: str) -> dict[str, Any]:
         """The fields of service `name` that its extra_args, the suite's environment or a config
         file set (services.common.config.configured)."""
         from services.common.config import configured
 
+        section = _section(name)
         return configured(config_class(section), section, self.extra_args.get(name, []), self._env)
 
     def _setting(self, name: str, field: str, chosen: object, default: object, argument: str) -> list[str]:
         """The flag for `field` of service `name`: the chosen value (Suite argument `argument`; a
         variable or file it overrides is reported), else the default when nothing else sets the
         field, else none (the service's own configuration applies)."""
-        section = "worker" if name.startswith("worker-") else name
         flag = "--" + field.replace("_", "-")
-        source = self._others(name, section).get(field)
+        source = self._others(name).get(field)
         if chosen is None:
             return [] if source is not None or default is None else [flag, _flag_value(default)]
         if source is not None and source.kind == "env":
@@ -631,7 +637,7 @@ class Suite:
     def _warn_wiring(self, s: ServiceProcess) -> None:
         """A variable or file setting a field the suite sets itself (a port, an address) is
         overridden: said once, so that the user does not wonder why it has no effect."""
-        others = self._others(s.name, s.section)
+        others = self._others(s.name)
         for key in _WIRING:
             source = others.get(key)
             if ("--" + key.replace("_", "-")) in s.args and source is not None and source.kind != "flag":
@@ -730,8 +736,8 @@ class Suite:
         exits naming it)."""
         if self.base_port:
             return self.base_port + offset
-        section = "worker" if name.startswith("worker-") else name
-        return self._free_port(_configured_host(section, self.extra_args.get(name, []), self._env) or "127.0.0.1")
+        return self._free_port(_configured_host(_section(name), self.extra_args.get(name, []), self._env)
+                               or "127.0.0.1")
 
     def _metrics_port(self, offset: int) -> int:
         if not self.metrics:
