@@ -16,7 +16,7 @@ def start(cfg: DraftConfig) -> tuple[RunningServer, DraftStore]:
     link: BufferHistoryLink | None = None
     if cfg.buffer_address:
         link = BufferHistoryLink(cfg.buffer_address)
-        backfill = HistoryBackfill(store, link.fetch, retry_after_s=cfg.history_refill_retry_seconds).start()
+        backfill = HistoryBackfill(store, link.fetch_iteration, retry_after_s=cfg.history_refill_retry_seconds).start()
 
     def on_stop() -> None:
         if backfill is not None:

@@ -12,9 +12,14 @@ background thread asks the buffer for the newest iteration's responses to that k
 which also hands them to the live groups of the key (they reach the workers' mirrors through Sync
 as history entries). Registration never waits for the buffer.
 
-The refill takes iteration number 0, the number a group registered on an empty key was given: the
-refilled responses and that group's own responses, once it completes, form one iteration, so a
-refill never counts as a newer iteration than the one it stood in for, and it leaves with it.
+The refill's history iteration: when the group that asked for it registered with its policy
+version (RegisterGroupRequest.policy_version: history iterations are versions), the version the
+buffer's iteration was generated with, so it is the older iteration it is, or the same one as the
+group's (a batch of that version split into two submissions whose first completed before this
+server restarted). Without a version, iteration number 0, the number a group registered on an
+empty key was given then: the refilled responses and that group's own responses, once it
+completes, form one iteration, so a refill never counts as a newer iteration than the one it stood
+in for, and it leaves with it.
 
 A key is asked for at most once per `retry_after_s` (a key on its first iteration has no history
 anywhere; every one of its groups would otherwise cost a buffer call). Errors are logged and the
@@ -28,14 +33,25 @@ import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from services.common.log import get_logger, kv
 from services.draft.store import DraftStore
 
 log = get_logger(__name__)
 
-# prompt_key -> the responses of its newest iteration ([] when the buffer has none).
-FetchFn = Callable[[str], Sequence[Sequence[int]]]
+
+
+class BufferIteration(NamedTuple):
+    """The buffer's newest iteration of a prompt key: the policy version its batch was generated
+    with and its responses (none when the buffer has no history for the key)."""
+
+    policy_version: int
+    responses: Sequence[Sequence[int]]
+
+
+# prompt_key -> its newest iteration in the buffer (BufferHistoryLink.fetch_iteration).
+FetchFn = Callable[[str], BufferIteration]
 
 
 class HistoryBackfill:
@@ -52,7 +68,9 @@ class HistoryBackfill:
         self._clock = clock
         self._cv = threading.Condition()
         self._queue: collections.deque[str] = collections.deque()
-        self._queued: set[str] = set()
+        # Queued keys -> whether a registration that queued it brought a policy version (the
+        # refill is then seeded as the buffer's version; else as iteration 0).
+        self._queued: dict[str, bool] = {}
         self._asked_at: dict[str, float] = {}  # key -> when it was last asked for (bounded below)
         self._busy = False
         self._closed = False
@@ -74,13 +92,17 @@ class HistoryBackfill:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
-    def on_register(self, prompt_key: str, history_loaded: int) -> None:
-        """Called after a group registered: queue its key when it came without history."""
+    def on_register(self, prompt_key: str, history_loaded: int, policy_version: int | None = None) -> None:
+        """Called after a group registered: queue its key when it came without history.
+        policy_version: the registration's (None = unknown), which numbers the refill (above)."""
         if not prompt_key or history_loaded > 0:
             return
         now = self._clock()
         with self._cv:
-            if self._closed or prompt_key in self._queued:
+            if self._closed:
+                return
+            if prompt_key in self._queued:
+                self._queued[prompt_key] |= policy_version is not None
                 return
             asked = self._asked_at.get(prompt_key)
             if asked is not None and now - asked < self._retry_after_s:
@@ -89,7 +111,7 @@ class HistoryBackfill:
                 self.dropped += 1  # asked again by a later group of the key
                 return
             self._queue.append(prompt_key)
-            self._queued.add(prompt_key)
+            self._queued[prompt_key] = policy_version is not None
             self._cv.notify()
 
     def idle(self) -> bool:
@@ -105,19 +127,20 @@ class HistoryBackfill:
                 if self._closed:
                     return
                 key = self._queue.popleft()
-                self._queued.discard(key)
+                versioned = self._queued.pop(key)
                 self._asked_at[key] = self._clock()
                 self._forget_old_locked()
                 self._busy = True
             try:
-                self._refill(key)
+                self._refill(key, versioned)
             finally:
                 with self._cv:
                     self._busy = False
 
-    def _refill(self, key: str) -> None:
+    def _refill(self, key: str, versioned: bool) -> None:
         try:
-            responses = [r for r in self._fetch(key) if len(r)]
+            fetched = self._fetch(key)
+            responses = [r for r in fetched.responses if len(r)]
         except Exception as e:  # the buffer is down or slow: drafts from siblings only meanwhile
             self.errors += 1
             log.warning("history refill from the buffer failed", extra=kv(prompt_key=key, error=str(e)))
@@ -125,14 +148,15 @@ class HistoryBackfill:
         if not responses:
             return
         try:
-            added = self._store.seed_history(key, 0, responses)
+            iteration = max(0, fetched.policy_version) if versioned else 0
+            added = self._store.seed_history(key, iteration, responses)
         except Exception as e:  # e.g. a response over the store's limits: skip the key, keep serving
             self.errors += 1
             log.warning("history refill rejected", extra=kv(prompt_key=key, error=str(e)))
             return
         self.refilled_keys += 1
         self.refilled_responses += added
-        log.info("history refilled from the buffer", extra=kv(prompt_key=key, responses=added))
+        log.info("history refilled from the buffer", extra=kv(prompt_key=key, responses=added, iteration=iteration))
 
     def _forget_old_locked(self) -> None:
         # Bounded memory: entries past the retry delay carry no information any more.

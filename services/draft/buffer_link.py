@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from seer.v1 import buffer_pb2, buffer_pb2_grpc
 
 from services.common.grpcutil import channel
+from services.draft.backfill import BufferIteration
 
 
 class BufferHistoryLink:
@@ -21,12 +22,17 @@ class BufferHistoryLink:
         self._timeout_s = timeout_s
 
     def fetch(self, prompt_key: str) -> Sequence[Sequence[int]]:
+        return self.fetch_iteration(prompt_key).responses
+
+    def fetch_iteration(self, prompt_key: str) -> BufferIteration:
+        """The newest iteration with the policy version that generated it (the history iteration
+        the draft server seeds it as); no responses when the buffer has none."""
         resp = self._stub.GetHistory(buffer_pb2.GetHistoryRequest(prompt_keys=[prompt_key], include_tokens=True),
                                      timeout=self._timeout_s)
         for h in resp.histories:
             if h.prompt_key == prompt_key:
-                return [list(r.token_ids) for r in h.responses]
-        return []
+                return BufferIteration(h.policy_version, [list(r.token_ids) for r in h.responses])
+        return BufferIteration(0, [])
 
     def close(self) -> None:
         self._channel.close()

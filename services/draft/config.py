@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import ServiceConfig
+from services.draft.history import HISTORY_ITERATION_RESPONSES
 from services.draft.index import DEFAULT_LEVELS
 from services.draft.store import StoreLimits
 
@@ -16,7 +17,14 @@ class DraftConfig(ServiceConfig):
         default=2048, metadata={"help": "bound on index + log + history memory (and ~1.4 KB per group); oldest history "
                                     "is evicted first"}
     )
-    history_iterations: int = field(default=2, metadata={"help": "earlier iterations kept per prompt key"})
+    history_iterations: int = field(
+        default=2, metadata={"help": "earlier iterations (policy versions) kept per prompt key"}
+    )
+    history_iteration_responses: int = field(
+        default=HISTORY_ITERATION_RESPONSES,
+        metadata={"help": "responses one iteration of a prompt key keeps at most (its groups merge into it; the "
+                          "oldest go first; one group's are kept whole)"},
+    )
     default_ttl_seconds: int = field(default=3600, metadata={"help": "group TTL when RegisterGroup gives 0"})
     max_ttl_seconds: int = field(default=7 * 86400, metadata={"help": "largest TTL RegisterGroup may ask for"})
     max_append_tokens: int = field(default=65536, metadata={"help": "tokens per Append message"})
@@ -40,6 +48,8 @@ class DraftConfig(ServiceConfig):
             raise ValueError("memory_budget_mb: must be >= 1")
         if self.history_iterations < 1:
             raise ValueError("history_iterations: must be >= 1")
+        if self.history_iteration_responses < 1:
+            raise ValueError("history_iteration_responses: must be >= 1")
         if not 1 <= self.default_ttl_seconds <= self.max_ttl_seconds:
             raise ValueError("default_ttl_seconds: must be in [1, max_ttl_seconds]")
         if self.max_append_tokens < 1:
@@ -55,6 +65,7 @@ class DraftConfig(ServiceConfig):
         return StoreLimits(
             memory_budget_bytes=self.memory_budget_mb << 20,
             history_iterations=self.history_iterations,
+            history_iteration_responses=self.history_iteration_responses,
             default_ttl_seconds=self.default_ttl_seconds,
             max_ttl_seconds=self.max_ttl_seconds,
             max_append_tokens=self.max_append_tokens,

@@ -1,7 +1,9 @@
 """Responses of earlier iterations by prompt key (RhymeRL HistoSpec): the drafts of an iteration's start.
 
-Each prompt key keeps the responses of its last `keep_iterations` iterations. Memory is accounted
-per iteration; the store evicts the globally oldest iteration first when over its budget.
+Each prompt key keeps the responses of its last `keep_iterations` iterations. An iteration is the
+policy version the responses were generated with (DraftStore.register): every group of a key at one
+version merges into one iteration. Memory is accounted per iteration; the store evicts the oldest
+iteration first when over its budget.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ HISTORY_RESPONSE_BYTES = 104
 # overran the budget by the difference.
 HISTORY_ITERATION_BYTES = 480
 HISTORY_KEY_BYTES = 320
+# Responses one iteration of a key holds at most (besides the add that brings them: one group's
+# responses are kept whole). An iteration is a policy version (DraftStore.register), and every
+# group of the key at that version merges into it: a loop that never updates the weights (a
+# benchmark, an evaluation) runs every batch at one version, and its iteration grew without bound,
+# copied into the index of every new group of the key. Over the cap the oldest responses of the
+# iteration go (counted as evicted). 64: four groups of 16, a prompt sampled a few times a batch.
+HISTORY_ITERATION_RESPONSES = 64
 
 
 def source_id(group_id: str, request_id: str) -> int:
@@ -63,10 +72,13 @@ class _Iteration:
 class HistoryStore:
     """prompt key -> iteration -> responses. Not thread-safe; DraftStore locks around it."""
 
-    def __init__(self, keep_iterations: int = 2) -> None:
+    def __init__(self, keep_iterations: int = 2, iteration_responses: int = HISTORY_ITERATION_RESPONSES) -> None:
         if keep_iterations < 1:
             raise InvalidArgument("must be >= 1", field="history_iterations")
+        if iteration_responses < 1:
+            raise InvalidArgument("must be >= 1", field="history_iteration_responses")
         self.keep_iterations = keep_iterations
+        self.iteration_responses = iteration_responses
         self._keys: dict[str, dict[int, _Iteration]] = {}
         self._counter = 0
         # Every kept iteration by seq, oldest first (seqs are handed out in increasing order, so
@@ -96,7 +108,10 @@ class HistoryStore:
         A held response that an add of a newer iteration brings again moves to that iteration (it
         was produced again: it lives as long as the newest iteration that brought it,
         not the oldest). No empty iteration is created (it would count as the newest and push out
-        real ones). Iterations older than the newest `keep_iterations` of the key are dropped."""
+        real ones). An add to an iteration the key holds merges into it (another group of the key
+        at the same policy version). Iterations older than the newest `keep_iterations` of the key
+        are dropped, and an iteration over `iteration_responses` drops its oldest responses (never
+        this add's)."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
         if sources is not None and len(sources) != len(responses):
@@ -131,6 +146,16 @@ class HistoryStore:
         it.tokens += sum(len(r) for r, _ in added)
         self.memory_bytes += it.memory_bytes - before - sum(len(a) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES
                                                              for _, a in moved)
+        # This add's responses are the last ones of the list: only earlier adds' are dropped.
+        excess = len(it.responses) - max(self.iteration_responses, len(moved) + len(added))
+        if excess > 0:
+            dropped = it.responses[:excess]
+            del it.responses[:excess]
+            del it.sources[:excess]
+            freed = sum(len(a) for a in dropped)
+            it.tokens -= freed
+            self.memory_bytes -= freed * HISTORY_TOKEN_BYTES + excess * HISTORY_RESPONSE_BYTES
+            self.evicted += excess
         while len(iters) > self.keep_iterations:
             self._drop(prompt_key, min(iters))
         return [r for r, _ in added]
@@ -242,11 +267,14 @@ class HistoryStore:
             self.memory_bytes -= HISTORY_KEY_BYTES
 
     def evict_oldest(self) -> bool:
-        """Drops the globally oldest stored iteration; False when there is nothing left."""
+        """Drops the oldest iteration of the key whose iteration was stored first; False when there
+        is nothing left. The key's oldest by number, not the one stored first: iterations are policy
+        versions, and a straggler group of an older version that completes after a newer one was
+        stored would otherwise outlive it."""
         if not self._order:
             return False
-        key, iteration = next(iter(self._order.values()))
-        self._drop(key, iteration)
+        key, _ = next(iter(self._order.values()))
+        self._drop(key, min(self._keys[key]))
         return True
 
     def __iter__(self) -> Iterator[str]:

@@ -136,12 +136,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @rpc
     def RegisterGroup(self, request: draft_pb2.RegisterGroupRequest, context: grpc.ServicerContext
                       ) -> draft_pb2.RegisterGroupResponse:
+        # Unset (an old client) is unknown, not version 0 (the first policy version).
+        version = request.policy_version if request.HasField("policy_version") else None
         with log_context(group_id=request.group_id):
             r = self.store.register(
                 request.group_id, request.prompt_key, request.prompt_token_ids, request.ttl_seconds,
-                request.group_size, request.epoch, request.submit_seq)
+                request.group_size, request.epoch, request.submit_seq, version)
         if r.created and self.backfill is not None:
-            self.backfill.on_register(request.prompt_key, r.history_responses)
+            self.backfill.on_register(request.prompt_key, r.history_responses, version)
         return draft_pb2.RegisterGroupResponse(created=r.created, history_responses=r.history_responses,
                                                incarnation=r.incarnation, submit_seq=r.submit_seq)
 

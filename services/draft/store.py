@@ -51,6 +51,8 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
   earlier seed loads only what is new).
 - A group whose `group_size` responses are all finished has its responses promoted to history for
   its prompt key (the next iteration's drafts, RhymeRL) and becomes evictable under memory pressure.
+  They are promoted as the group's policy version (register's policy_version): the groups of a key
+  at one version form one history iteration.
 - Memory is bounded by `memory_budget_bytes`: over budget, the oldest history iteration goes first,
   then completed groups in the order they completed (never the group being written); when nothing
   is left to evict, new groups, history and appends (re-opening a response, or a request's first
@@ -77,7 +79,13 @@ from dataclasses import dataclass, field
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.log import get_logger, kv
-from services.draft.history import HISTORY_RESPONSE_BYTES, HISTORY_TOKEN_BYTES, HistoryStore, source_id
+from services.draft.history import (
+    HISTORY_ITERATION_RESPONSES,
+    HISTORY_RESPONSE_BYTES,
+    HISTORY_TOKEN_BYTES,
+    HistoryStore,
+    source_id,
+)
 from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix, new_index_bytes_bound
 
 log = get_logger(__name__)
@@ -190,6 +198,8 @@ class _Group:
     ttl_s: float
     _expires_at: float  # the expires_at property: its setter keeps DraftStore's expiry heap right
     index: GroupIndex
+    # The history iteration its responses are promoted as: its policy version (RegisterGroupRequest.
+    # policy_version), or without one the key's next iteration number when it was created.
     history_iteration: int
     incarnation: int
     # History responses the index loaded at creation (the wm=0 reply rebuilds them from the index:
@@ -201,6 +211,9 @@ class _Group:
     # The buffer's submission of the run that created it (RegisterGroupRequest.submit_seq; 0 =
     # unknown: an old client), or of the first registration that brought one; kept likewise.
     submit_seq: int = 0
+    # history_iteration is a policy version (a registration brought one); False: the fallback
+    # number, which the first registration with a version replaces while the group runs.
+    versioned: bool = False
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
     finished: set[str] = field(default_factory=set)
@@ -255,6 +268,7 @@ class _Group:
 class StoreLimits:
     memory_budget_bytes: int = 2 << 30
     history_iterations: int = 2
+    history_iteration_responses: int = HISTORY_ITERATION_RESPONSES
     default_ttl_seconds: int = 3600
     max_ttl_seconds: int = 7 * 86400
     max_append_tokens: int = 65536
@@ -294,7 +308,7 @@ class DraftStore:
         # live groups, under the lock.
         self._group_bytes = 0
         self._indexed_tokens = 0
-        self._history = HistoryStore(self.limits.history_iterations)
+        self._history = HistoryStore(self.limits.history_iterations, self.limits.history_iteration_responses)
         self._expired: OrderedDict[str, bool] = OrderedDict()  # tombstones: group id -> was completed
         # Group id -> its incarnations that completed and were then removed (replaced by a new
         # incarnation, expired or evicted), newest last. A reset of one of them is the id used
@@ -330,22 +344,24 @@ class DraftStore:
 
     def register_group(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
-        group_size: int = 0, epoch: int = 0, submit_seq: int = 0,
+        group_size: int = 0, epoch: int = 0, submit_seq: int = 0, policy_version: int | None = None,
     ) -> tuple[bool, int]:
         """Returns (created, history responses loaded); see register. The tests' and benchmarks'
         shorthand: the service calls register (it answers the incarnation and submission too)."""
-        r = self.register(group_id, prompt_key, prompt_token_ids, ttl_seconds, group_size, epoch, submit_seq)
+        r = self.register(group_id, prompt_key, prompt_token_ids, ttl_seconds, group_size, epoch, submit_seq,
+                          policy_version)
         return r.created, r.history_responses
 
     def register(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], ttl_seconds: int = 0,
-        group_size: int = 0, epoch: int = 0, submit_seq: int = 0,
+        group_size: int = 0, epoch: int = 0, submit_seq: int = 0, policy_version: int | None = None,
     ) -> Registration:
         """Registers the group; returns what the registration was judged against (the group's
         incarnation and submission as of this call: RegisterGroupResponse). epoch: the registering
         attempt's dispatch epoch (0 = unknown). submit_seq: the buffer's submission of its batch (0
         = unknown); where both it and the group's are known, it alone tells the same run from
-        another."""
+        another. policy_version: the version the group generates with, its history iteration (None
+        = unknown: the key's next iteration number now)."""
         if not group_id:
             raise InvalidArgument("must not be empty", field="group_id")
         if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
@@ -356,6 +372,8 @@ class DraftStore:
             raise InvalidArgument("must be >= 0 (0 = unknown)", field="epoch")
         if submit_seq < 0:
             raise InvalidArgument("must be >= 0 (0 = unknown)", field="submit_seq")
+        if policy_version is not None and policy_version < 0:
+            raise InvalidArgument("must be >= 0 (unset = unknown)", field="policy_version")
         if len(prompt_token_ids) > self.limits.max_prompt_tokens:
             raise InvalidArgument(f"{len(prompt_token_ids)} tokens > limit {self.limits.max_prompt_tokens}",
                                   field="prompt_token_ids")
@@ -410,6 +428,9 @@ class DraftStore:
                         # completion is judged by it later. Not a completed one: that it is the
                         # same run was judged by epochs only.
                         g.submit_seq = submit_seq
+                    if policy_version is not None and not g.versioned and not g.completed:
+                        # Likewise its iteration: the run's version, not the number it was given.
+                        g.history_iteration, g.versioned = policy_version, True
                     g.ttl_s = ttl
                     g.expires_at = now + ttl
                     return Registration(False, g.index.num_history, g.incarnation, g.submit_seq)
@@ -495,9 +516,18 @@ class DraftStore:
             index = GroupIndex(prompt_token_ids, levels=self.limits.levels)
             for r in history:
                 index.add_history(r)
-            iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
+            # One RL iteration is one policy version: every group of the key at that version is
+            # promoted into one history iteration. The key's next number (newest kept + 1), the
+            # only rule before the version was sent and still the one without it, made a group
+            # registered after another of its key and version completed (a prompt sampled twice
+            # in a batch, a batch split into two submissions) a newer iteration of its own, which
+            # pushed a genuinely earlier one out of the `history_iterations` kept.
+            if policy_version is not None:
+                iteration = policy_version
+            else:
+                iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
             g = _Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
-                       _incarnation(), len(history), digest, submit_seq)
+                       _incarnation(), len(history), digest, submit_seq, policy_version is not None)
             self._add_group(g)
             if self._expired.pop(group_id, None) is not None:
                 self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)

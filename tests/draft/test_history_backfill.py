@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 
-from services.draft.backfill import HistoryBackfill
+from services.draft.backfill import BufferIteration, HistoryBackfill
 from services.draft.store import DraftStore, StoreLimits
 
 
@@ -22,19 +21,20 @@ class Clock:
 
 
 class Fetch:
-    def __init__(self, answers: dict[str, list[list[int]]]) -> None:
+    def __init__(self, answers: dict[str, list[list[int]]], version: int = 0) -> None:
         self.answers = answers
+        self.version = version
         self.calls: list[str] = []
         self.fail = False
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, key: str) -> Sequence[Sequence[int]]:
+    def __call__(self, key: str) -> BufferIteration:
         self.gate.wait(10)
         self.calls.append(key)
         if self.fail:
             raise ConnectionError("buffer down")
-        return self.answers.get(key, [])
+        return BufferIteration(self.version, self.answers.get(key, []))
 
 
 def _wait_idle(b: HistoryBackfill) -> None:
@@ -108,5 +108,38 @@ def test_refilled_iteration_leaves_with_the_one_it_stood_in_for() -> None:
         assert store.register_group("it3", "p", [1], group_size=1) == (True, 2)
         store.append("it3", "it3/0", 0, [6], True)
         assert store.register_group("it4", "p", [1], group_size=1) == (True, 1)
+    finally:
+        b.close()
+
+
+def test_refill_for_a_versioned_group_is_the_buffers_version() -> None:
+    # Iterations are policy versions when the registration brings one: the buffer's iteration of
+    # version 1 is seeded as iteration 1, older than the registering group's 2, and with
+    # history_iterations = 1 leaves when version 2 completes (as iteration 0 it merged into it).
+    store = DraftStore(StoreLimits(history_iterations=1))
+    b = HistoryBackfill(store, Fetch({"p": [[9, 9, 9]]}, version=1)).start()
+    try:
+        _created, history = store.register_group("v2", "p", [1], group_size=1, policy_version=2)
+        b.on_register("p", history, 2)
+        _wait_idle(b)
+        assert sorted(store._history._keys["p"]) == [1]
+        store.append("v2", "v2/0", 0, [4, 4], True)
+        assert store.register_group("v3", "p", [1], group_size=1, policy_version=3) == (True, 1)
+    finally:
+        b.close()
+
+
+def test_refill_of_the_same_version_merges_with_the_group() -> None:
+    # A batch of version 2 split into two submissions, the first completed before this server
+    # restarted: the buffer's newest iteration is version 2, the second submission's group's too.
+    store = DraftStore(StoreLimits(history_iterations=1))
+    b = HistoryBackfill(store, Fetch({"p": [[9, 9, 9]]}, version=2)).start()
+    try:
+        _created, history = store.register_group("v2-b", "p", [1], group_size=1, policy_version=2)
+        b.on_register("p", history, 2)
+        _wait_idle(b)
+        store.append("v2-b", "v2-b/0", 0, [4, 4], True)
+        assert sorted(store._history._keys["p"]) == [2]
+        assert store.register_group("v3", "p", [1], group_size=1, policy_version=3) == (True, 2)
     finally:
         b.close()

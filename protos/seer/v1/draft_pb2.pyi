@@ -123,7 +123,7 @@ class SeedHistoryResponse(_message.Message):
     def __init__(self, num_responses: _Optional[int] = ...) -> None: ...
 
 class RegisterGroupRequest(_message.Message):
-    __slots__ = ("group_id", "prompt_key", "prompt_token_ids", "ttl_seconds", "group_size", "epoch", "submit_seq")
+    __slots__ = ("group_id", "prompt_key", "prompt_token_ids", "ttl_seconds", "group_size", "epoch", "submit_seq", "policy_version")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class RegisterGroupRequest(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SUBMIT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     prompt_key: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -138,7 +139,8 @@ class RegisterGroupRequest(_message.Message):
     group_size: int
     epoch: int
     submit_seq: int
-    def __init__(self, group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ..., group_size: _Optional[int] = ..., epoch: _Optional[int] = ..., submit_seq: _Optional[int] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, group_id: _Optional[str] = ..., prompt_key: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., ttl_seconds: _Optional[int] = ..., group_size: _Optional[int] = ..., epoch: _Optional[int] = ..., submit_seq: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class RegisterGroupResponse(_message.Message):
     __slots__ = ("created", "history_responses", "incarnation", "submit_seq")
