@@ -440,7 +440,7 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
 function leftOutMessage(batchId, cursors) {
   const named = cursors.slice(0, 20).join(', ') + (cursors.length > 20 ? ` and ${cursors.length - 20} more` : '');
   return `batch ${JSON.stringify(batchId)}: ${cursors.length} result(s) were left out of the stream by the buffer `
-    + `(over its message size limit; every other result was delivered): cursor(s) ${named}`;
+    + `(over its message size limit, or stored results it cannot decode: its log names each; every other result was delivered): cursor(s) ${named}`;
 }
 
 // A mix of the two prompt forms the API accepts: text (tokenized by the buffer) and token ids. seed:

@@ -49,6 +49,7 @@ from services.buffer.records import (
     GroupRecord,
     GroupSpec,
     HistoryIteration,
+    RecordError,
     RequestRecord,
     RequestState,
     RolloutResult,
@@ -113,6 +114,15 @@ class SubmitCancelled(SeerError):
     code_name = "CANCELLED"
 
 
+def _decoded_result(value: bytes, key: bytes) -> RolloutResult | RecordError:
+    """A stored result, or the RecordError naming why it cannot be decoded (returned, not raised:
+    the caller decides whether one bad value fails the whole read)."""
+    try:
+        return RolloutResult.decode(value, key=key)
+    except RecordError as e:
+        return e
+
+
 def derive_seed(base_seed: int, scope: str, sample_index: int) -> int:
     """A request's seed: a hash of the group's base seed, the batch's seed scope (its id unless the
     submitter named another) and the sample index (uint64).
@@ -158,6 +168,16 @@ class Commit:
     worker_id: str = ""
     stats: ChunkStats = field(default_factory=ChunkStats)
     submit_seq: int = 0  # the submission of the batch it was generated for (0: not checked)
+
+
+@dataclass(frozen=True)
+class UnreadableResult:
+    """A stored result this buffer cannot decode (RecordError: its key and field), left out of a
+    results page that was asked to skip such results (read_results' `unreadable`)."""
+
+    batch_id: str
+    cursor: int
+    error: RecordError
 
 
 @dataclass(frozen=True)
@@ -945,7 +965,16 @@ class BufferCore:
         batch = completing.batch
         responses = [completing.last]
         for k, v in self._store.scan(f"l/{batch.batch_id}/".encode()):
-            res = RolloutResult.decode(v, key=k)
+            res = _decoded_result(v, k)
+            if isinstance(res, RecordError):
+                # Left out of the history (a length prior and drafts: one response fewer is
+                # harmless), logged and counted: raised, it failed the completing commit, and every
+                # retry of it, so the batch could never complete.
+                metrics.UNREADABLE_RESULTS.labels("history").inc()
+                log.error("stored result cannot be decoded; left out of the prompt history", extra=kv(
+                    batch_id=batch.batch_id, key=k.decode(errors="backslashreplace"), field=res.record_field,
+                    error=str(res)))
+                continue
             responses.append(_Response(res.group_index, res.sample_index, res.prompt_key, res.token_ids,
                                        res.finish_reason))
         # An aborted response is cut short: its length would bias the next iteration's prior low.
@@ -1073,16 +1102,49 @@ class BufferCore:
         return n, used, True
 
     def read_results(self, batch_id: str, cursor: int, limit: int = RESULTS_PAGE_LIMIT,
-                     max_bytes: int | None = None, submission_id: int = 0
+                     max_bytes: int | None = None, submission_id: int = 0,
+                     unreadable: list[UnreadableResult] | None = None
                      ) -> tuple[list[tuple[int, RolloutResult]], bool]:
         """Results from cursor on, in order, and whether the stream is over after them.
 
         A page holds at most `limit` results and at most `max_bytes` (default: the core's
         results_page_bytes) of their stored values, except that its first result always goes in: a
         single result over the bound comes alone, so every result can be read. submission_id: the
-        submission the cursor belongs to (0 = the current one); another is FailedPrecondition."""
-        budget = self._page_bytes if max_bytes is None else max_bytes
+        submission the cursor belongs to (0 = the current one); another is FailedPrecondition.
+
+        unreadable: None (strict) = a stored result that cannot be decoded fails the page
+        (RecordError, DATA_LOSS naming its key and field). A list = such a result is left out of
+        the page and appended to it (logged and counted in seer_buffer_unreadable_results_total);
+        the page's other results are returned, and the caller names what was left out (StreamResults
+        ends DATA_LOSS naming each one). Its slot still counts for the page: the caller's next
+        cursor is past the last result or unreadable one of the page."""
+        entries, done = self._read_page(batch_id, cursor, limit, max_bytes, submission_id)
         page: list[tuple[int, RolloutResult]] = []
+        for idx, r in entries:
+            if isinstance(r, RecordError):
+                if unreadable is None:
+                    raise r
+                unreadable.append(self._left_out(batch_id, idx, r))
+            else:
+                page.append((idx, r))
+        return page, done
+
+    @staticmethod
+    def _left_out(batch_id: str, cursor: int, e: RecordError) -> UnreadableResult:
+        # Logged at every read that meets it, not once: each reader is told (its stream's status),
+        # and the log says which readers were. Never silent: a result that cannot be delivered.
+        metrics.UNREADABLE_RESULTS.labels("results").inc()
+        log.error("stored result cannot be decoded; left out of the results page", extra=kv(
+            batch_id=batch_id, cursor=cursor, key=e.key.decode(errors="backslashreplace"),
+            field=e.record_field, error=str(e)))
+        return UnreadableResult(batch_id, cursor, e)
+
+    def _read_page(self, batch_id: str, cursor: int, limit: int, max_bytes: int | None, submission_id: int
+                   ) -> tuple[list[tuple[int, RolloutResult | RecordError]], bool]:
+        """read_results' page: every result in it, decoded, or the RecordError its value raised
+        (one bad value costs its own slot, not the page: the others are decoded still)."""
+        budget = self._page_bytes if max_bytes is None else max_bytes
+        page: list[tuple[int, RolloutResult | RecordError]] = []
         with contextlib.ExitStack() as reading:
             with self._lock:
                 self._check_open()
@@ -1119,7 +1181,7 @@ class BufferCore:
                     if v is None:  # not written with its size (cannot happen: one WriteBatch)
                         raise DataLoss(f"result {cursor + i} of batch {batch_id!r} is missing from the store",
                                        field="cursor")
-                    page.append((cursor + i, RolloutResult.decode(v, key=planned[i])))
+                    page.append((cursor + i, _decoded_result(v, planned[i])))
             else:
                 for k, v in scan:
                     idx = int(k.rsplit(b"/", 1)[1])
@@ -1129,7 +1191,7 @@ class BufferCore:
                         if page and used + len(v) > budget:
                             break
                         used += len(v)
-                    page.append((idx, RolloutResult.decode(v, key=k)))
+                    page.append((idx, _decoded_result(v, k)))
         done = terminal and cursor + len(page) >= end_index
         return page, done
 
@@ -1146,7 +1208,8 @@ class BufferCore:
                                 or self._batch(batch_id).terminal, timeout)
 
     def iter_results(self, batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
-                     poll_seconds: float = 0.5, submission_id: int = 0
+                     poll_seconds: float = 0.5, submission_id: int = 0,
+                     unreadable: list[UnreadableResult] | None = None
                      ) -> Generator[tuple[int, RolloutResult], None, None]:
         """Results from cursor on, waiting for new ones, until the batch is complete or cancelled.
 
@@ -1154,7 +1217,8 @@ class BufferCore:
         submission_of). Either way the stream is pinned to one submission: should the batch id come
         to name another one under it, the next page is FailedPrecondition naming submission_id,
         never that submission's results. While the generator is open the batch is exempt from
-        retention (see _purge_old)."""
+        retention (see _purge_old). unreadable: as read_results' (None: an undecodable stored
+        result ends the iteration with its RecordError; a list: it is left out and appended)."""
         with self._lock:
             self._readers[batch_id] = self._readers.get(batch_id, 0) + 1
             current = self._batches.get(batch_id)
@@ -1162,13 +1226,19 @@ class BufferCore:
                 submission_id = current.submit_seq  # pinned (0, unnumbered: nothing to pin to)
         try:
             while True:
-                page, done = self.read_results(batch_id, cursor, submission_id=submission_id)
-                for idx, r in page:
-                    yield idx, r
-                    cursor = idx + 1
+                skipped: list[UnreadableResult] = []
+                page, done = self.read_results(batch_id, cursor, submission_id=submission_id,
+                                               unreadable=None if unreadable is None else skipped)
+                if unreadable is not None:
+                    unreadable.extend(skipped)
+                # Past the page's unreadable results too: each is named once, not read again.
+                ends = [idx + 1 for idx, _r in page] + [u.cursor + 1 for u in skipped]
+                yield from page
+                if ends:
+                    cursor = max(ends)
                 if done:
                     return
-                if not page:
+                if not ends:
                     if not is_active():
                         return
                     self.wait_results(batch_id, cursor, poll_seconds)

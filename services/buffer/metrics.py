@@ -23,5 +23,10 @@ WATCH_QUEUE_EVENTS = Gauge("seer_buffer_watch_queue_events",
                            "Events queued for the WatchWork watcher furthest behind (0 = none queued or no watchers)")
 WATCH_QUEUE_LIMIT = Gauge("seer_buffer_watch_queue_limit",
                           "watch_queue_events: a watcher with this many events queued is dropped at the next publish")
+# Each read that met one counts (a result two readers met counts twice): any rise means a stored
+# result some reader did not get; the error log names its key and field. read: "results" (a
+# StreamResults page) or "history" (a completing batch's prompt history).
+UNREADABLE_RESULTS = Counter("seer_buffer_unreadable_results_total",
+                             "Stored results that could not be decoded, left out of a read (each read)", ["read"])
 STREAMS = Gauge("seer_buffer_open_streams", "Open long-lived streams (StreamResults + WatchWork)")
 STREAMS_REFUSED = Counter("seer_buffer_refused_streams_total", "Streams refused at max_streams", ["method"])

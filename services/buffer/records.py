@@ -48,12 +48,20 @@ _Check = tuple[str, Callable[[Any], bool]]
 _INT: _Check = ("an integer", lambda v: type(v) is int)
 _NUM: _Check = ("a number", lambda v: type(v) in (int, float))
 _STR: _Check = ("a string", lambda v: type(v) is str)
-_BOOL: _Check = ("a boolean", lambda v: type(v) is bool)
-_OPT_INT: _Check = ("an integer or null", lambda v: v is None or type(v) is int)
 _INT_LIST: _Check = ("a list of integers", lambda v: type(v) is list and all(type(x) is int for x in v))
 _STR_MAP: _Check = ("an object of strings", lambda v: type(v) is dict and all(type(x) is str for x in v.values()))
 _OBJ: _Check = ("an object", lambda v: type(v) is dict)
 _LIST: _Check = ("a list", lambda v: type(v) is list)
+
+# Fields a submission stored as the in-process caller gave them before validation made them their
+# types (validation._typed_group, _typed_sampling): ignore_eos=1, seed=3.0, top_k=True. Such a record
+# was accepted, so it must recover: read as the value it meant (int(), bool()), but only
+# these spellings of it (a fraction or a string is still a RecordError).
+_INTEGRAL: _Check = ("an integer", lambda v: type(v) in (int, bool) or (type(v) is float and v.is_integer()))
+_OPT_INTEGRAL: _Check = ("an integer or null", lambda v: v is None or _INTEGRAL[1](v))
+_INTEGRAL_LIST: _Check = ("a list of integers", lambda v: type(v) is list and all(_INTEGRAL[1](x) for x in v))
+_ANY_NUM: _Check = ("a number", lambda v: type(v) in (int, float, bool))
+_BOOLISH: _Check = ("a boolean", lambda v: type(v) is bool or (type(v) in (int, float) and v in (0, 1)))
 
 # "<record kind>.<field>" already warned about: one warning per unknown field name, not one per record
 # (recovery reads every batch record; a field on all of them would otherwise log once each).
@@ -195,13 +203,16 @@ class Sampling:
 
     @classmethod
     def read(cls, f: _Fields) -> Sampling:
-        """From its stored object; a field records written before it existed lack gets its default."""
+        """From its stored object; a field records written before it existed lack gets its default.
+        Odd types an older buffer stored from in-process callers are read as what they meant
+        (_INTEGRAL, _BOOLISH)."""
         d = cls()
-        out = cls(temperature=float(f.opt("temperature", _NUM, d.temperature)),
-                  top_p=float(f.opt("top_p", _NUM, d.top_p)), top_k=f.opt("top_k", _INT, d.top_k),
-                  seed=f.opt("seed", _OPT_INT, d.seed),
-                  stop_token_ids=tuple(f.opt("stop_token_ids", _INT_LIST, [])),
-                  ignore_eos=f.opt("ignore_eos", _BOOL, d.ignore_eos))
+        seed = f.opt("seed", _OPT_INTEGRAL, d.seed)
+        out = cls(temperature=float(f.opt("temperature", _ANY_NUM, d.temperature)),
+                  top_p=float(f.opt("top_p", _ANY_NUM, d.top_p)), top_k=int(f.opt("top_k", _INTEGRAL, d.top_k)),
+                  seed=None if seed is None else int(seed),
+                  stop_token_ids=tuple(int(t) for t in f.opt("stop_token_ids", _INTEGRAL_LIST, [])),
+                  ignore_eos=bool(f.opt("ignore_eos", _BOOLISH, d.ignore_eos)))
         f.done()
         return out
 
@@ -301,7 +312,7 @@ class GroupRecord:
         rec = cls(
             batch_id=f.req("batch_id", _STR), group_index=f.req("group_index", _INT),
             prompt_key=f.req("prompt_key", _STR), prompt_token_ids=f.array("prompt", "i"),
-            group_size=f.req("group_size", _INT), max_tokens=f.req("max_tokens", _INT),
+            group_size=int(f.req("group_size", _INTEGRAL)), max_tokens=int(f.req("max_tokens", _INTEGRAL)),
             sampling=Sampling.read(f.sub("sampling")), labels=dict(f.req("labels", _STR_MAP)),
         )
         f.done()

@@ -13,11 +13,18 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, 
 
 from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
-from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, VersionProbe
+from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, UnreadableResult, VersionProbe
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, WatcherDropped, batches, coalesce
 from services.buffer.records import RolloutResult
 from services.common import server as common_server
-from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable, field_of
+from services.common.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    field_of,
+)
 from services.common.grpcutil import channel, rpc
 from services.common.log import get_logger, kv, log_context
 from services.common.streams import StreamSlots
@@ -69,6 +76,23 @@ def size_bound(r: RolloutResult) -> int:
     4-byte float, a character at most 4 bytes of UTF-8; 64 KiB for everything else."""
     labels = sum(4 * (len(k) + len(v)) + 16 for k, v in r.labels.items())
     return 9 * len(r.token_ids) + 4 * len(r.text) + labels + 4 * (len(r.request_id) + len(r.prompt_key)) + 65536
+
+
+def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too_large: Sequence[str],
+                      too_large_count: int, limit: int) -> DataLoss:
+    """StreamResults' end when stored results could not be decoded: DATA_LOSS (the worse of the two
+    ways a result is left out) naming each one's cursor, RocksDB key and field (the first
+    MAX_NAMED_TOO_LARGE; the rest counted), and results over the message limit beside them."""
+    named = "; ".join(f"cursor {u.cursor}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE])
+    more = f" and {len(unreadable) - MAX_NAMED_TOO_LARGE} more" if len(unreadable) > MAX_NAMED_TOO_LARGE else ""
+    also = ""
+    if too_large_count:
+        rest = f" and {too_large_count - len(too_large)} more" if too_large_count > len(too_large) else ""
+        also = (f"; also {too_large_count} result(s) over the {limit}-byte message limit were left out: "
+                f"{'; '.join(too_large)}{rest}")
+    return DataLoss(
+        f"{len(unreadable)} stored result(s) of batch {batch_id!r} cannot be decoded and were left out of the "
+        f"stream (every other result was sent): {named}{more}{also}", field="cursor")
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -180,8 +204,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # past it), the stream goes on, and its end names what was left out.
             too_large: list[str] = []  # the first MAX_NAMED_TOO_LARGE, named in the status
             left_out = 0
+            # Stored results that cannot be decoded (RecordError): left out the same way, so one
+            # bad record does not cost the reader every other result of its page (it did: the page
+            # was DATA_LOSS, and a reader resuming at its cursor failed there forever); the stream
+            # ends DATA_LOSS naming each one's key and field (the core logs and counts them).
+            unreadable: list[UnreadableResult] = []
             for idx, r in self.core.iter_results(request.batch_id, int(request.cursor), context.is_active,
-                                                 POLL_SECONDS, submission_id=sub):
+                                                 POLL_SECONDS, submission_id=sub, unreadable=unreadable):
                 msg = rollout_pb2.StreamResultsResponse(cursor=idx + 1, result=convert.result_to_pb(r),
                                                         submission_id=sub)
                 if size_bound(r) <= limit:
@@ -196,6 +225,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 left_out += 1
                 if len(too_large) < MAX_NAMED_TOO_LARGE:
                     too_large.append(f"request {r.request_id!r} (cursor {idx}): {size} bytes")
+            if unreadable:
+                raise _unreadable_error(request.batch_id, unreadable, too_large, left_out, limit)
             if left_out:
                 more = f" and {left_out - len(too_large)} more" if left_out > len(too_large) else ""
                 raise ResourceExhausted(

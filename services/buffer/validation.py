@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
+import operator
 import re
 from dataclasses import dataclass
 
@@ -100,7 +102,65 @@ def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
             raise InvalidArgument(f"token id {t} outside the vocabulary [0, {vocab})", field=f"{field}[{j}]")
 
 
+# In-process callers (tests, benches, an embedding trainer) hand the core Python values that
+# protobuf would have typed: ignore_eos=1, seed=3.0, a numpy integer. Each is made the type its
+# record decodes (records.py checks every stored field's type) or refused naming the field: an odd
+# type stored as it came was accepted once and then refused at recovery, failing the restart.
+
+
+def _integer(value: object, field: str) -> int:
+    """An integer field as an int: an int, a numpy or other integer (__index__), or a float with
+    an integral value (3.0). A bool, a fraction or anything else is InvalidArgument."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        if not isinstance(value, float):
+            try:
+                return operator.index(value)  # type: ignore[arg-type]
+            except TypeError:
+                pass
+    raise InvalidArgument(f"must be an integer, got {type(value).__name__} {str(value)[:60]}", field=field)
+
+
+def _real(value: object, field: str) -> float:
+    """A float field as a float: any int or float (numpy's included); a bool or anything else is
+    InvalidArgument."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise InvalidArgument(f"must be a number, got {type(value).__name__} {str(value)[:60]}", field=field)
+
+
+def _boolean(value: object, field: str) -> bool:
+    """A bool field as a bool: a bool, or the integer 0 or 1 (as protobuf and C callers spell it)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidArgument(f"must be a boolean, got {type(value).__name__} {str(value)[:60]}", field=field)
+
+
+def _typed_sampling(s: Sampling, field: str) -> Sampling:
+    stop = s.stop_token_ids
+    if not isinstance(stop, (tuple, list)):
+        raise InvalidArgument(f"must be a sequence of integers, got {type(stop).__name__}",
+                              field=f"{field}.stop_token_ids")
+    if len(stop) > MAX_STOP_TOKENS:
+        # Every work item of the group repeats them: a few hundred KB of them in one group made one
+        # WatchWork message over gRPC's size limit, and the scheduler's work feed failed for every
+        # batch until this one was cancelled. (Checked before the per-token loop below.)
+        raise InvalidArgument(f"at most {MAX_STOP_TOKENS}, got {len(stop)}", field=f"{field}.stop_token_ids")
+    return Sampling(
+        temperature=_real(s.temperature, f"{field}.temperature"), top_p=_real(s.top_p, f"{field}.top_p"),
+        top_k=_integer(s.top_k, f"{field}.top_k"),
+        seed=None if s.seed is None else _integer(s.seed, f"{field}.seed"),
+        stop_token_ids=tuple(_integer(t, f"{field}.stop_token_ids[{j}]") for j, t in enumerate(stop)),
+        ignore_eos=_boolean(s.ignore_eos, f"{field}.ignore_eos"))
+
+
 def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
+    s = _typed_sampling(s, field)
     if not math.isfinite(s.temperature) or s.temperature < 0:
         raise InvalidArgument(f"must be finite and >= 0, got {s.temperature}", field=f"{field}.temperature")
     if 0 < s.temperature < MIN_TEMPERATURE:
@@ -114,12 +174,6 @@ def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
         raise InvalidArgument(f"must be >= 0 (0 = off), got {s.top_k}", field=f"{field}.top_k")
     if s.seed is not None and not 0 <= s.seed <= UINT64_MAX:
         raise InvalidArgument(f"must be a uint64, got {s.seed}", field=f"{field}.seed")
-    if len(s.stop_token_ids) > MAX_STOP_TOKENS:
-        # Every work item of the group repeats them: a few hundred KB of them in one group made one
-        # WatchWork message over gRPC's size limit, and the scheduler's work feed failed for every
-        # batch until this one was cancelled.
-        raise InvalidArgument(f"at most {MAX_STOP_TOKENS}, got {len(s.stop_token_ids)}",
-                              field=f"{field}.stop_token_ids")
     _check_tokens(s.stop_token_ids, vocab, f"{field}.stop_token_ids")
     return Sampling(s.temperature, s.top_p if s.top_p > 0 else 1.0, s.top_k, s.seed, s.stop_token_ids,
                     s.ignore_eos)
@@ -143,8 +197,23 @@ def max_response_tokens(model: ModelInfo, prompt_key_chars: int, labels: dict[st
     return max(0, (MAX_RESULT_MESSAGE_BYTES - fixed) // per_token)
 
 
+def _typed_group(g: GroupSpec, f: str) -> GroupSpec:
+    """The group's scalar fields as their types (see _integer); the sampling is checked in
+    _validate_sampling. The prompt token ids are not (a per-token Python loop over 65,536 prompts
+    is seconds): the stored array (array('i')) takes only integers."""
+    for name in ("prompt_key", "prompt_text"):
+        if not isinstance(getattr(g, name), str):
+            raise InvalidArgument(f"must be a string, got {type(getattr(g, name)).__name__}", field=f"{f}.{name}")
+    for k, v in g.labels:
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgument(f"keys and values must be strings, got {k!r}: {str(v)[:60]!r}", field=f"{f}.labels")
+    return dataclasses.replace(g, group_size=_integer(g.group_size, f"{f}.group_size"),
+                               max_tokens=_integer(g.max_tokens, f"{f}.max_tokens"))
+
+
 def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
     f = f"groups[{i}]"
+    g = _typed_group(g, f)
     if not 1 <= g.group_size <= MAX_GROUP_SIZE:
         raise InvalidArgument(f"must be in 1..{MAX_GROUP_SIZE}, got {g.group_size}", field=f"{f}.group_size")
     if g.max_tokens < 1:
@@ -212,6 +281,7 @@ def validate_batch(batch_id: str, groups: list[GroupSpec], model: ModelInfo,
     if len(groups) > MAX_GROUPS_PER_BATCH:
         raise ResourceExhausted(f"{len(groups)} groups in one batch; at most {MAX_GROUPS_PER_BATCH} "
                                 "(split the batch)", field="groups")
+    groups = [_typed_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
     for i, g in enumerate(groups):  # a group too large to run cannot be split: name it, before the total
         if not 1 <= g.group_size <= MAX_GROUP_SIZE:
             raise InvalidArgument(f"must be in 1..{MAX_GROUP_SIZE}, got {g.group_size}",

@@ -21,7 +21,7 @@ def test_streams_accepted_then_failed_every_time_end_in_an_error(buffer: Buffer)
         opened: list[float] = []
 
         def failing(batch_id: str, cursor: int = 0, is_active: Callable[[], bool] = lambda: True,
-                    poll_seconds: float = 0.5, submission_id: int = 0
+                    poll_seconds: float = 0.5, submission_id: int = 0, unreadable: object = None
                     ) -> Generator[tuple[int, RolloutResult], None, None]:
             # The real server accepts the stream (headers sent), then its read fails a moment later
             # with UNAVAILABLE, every time (e.g. a store that fails reads while the server runs).

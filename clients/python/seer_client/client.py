@@ -333,7 +333,8 @@ def _submission_answer(batch_id: str, err: SeerError) -> CancelOutcome | None:
 def _left_out_message(batch_id: str, cursors: Sequence[int]) -> str:
     named = ", ".join(str(c) for c in cursors[:20]) + (f" and {len(cursors) - 20} more" if len(cursors) > 20 else "")
     return (f"batch {batch_id!r}: {len(cursors)} result(s) were left out of the stream by the buffer (over its "
-            f"message size limit; every other result was delivered): cursor(s) {named}")
+            f"message size limit, or stored results it cannot decode: its log names each; every other result was "
+            f"delivered): cursor(s) {named}")
 
 
 def _accepted(stream: Any) -> bool:
