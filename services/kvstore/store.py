@@ -23,7 +23,12 @@ N; names without a "v<N>" tail by creation order, below numbered ones): when a P
 one, all but the highest `keep_versions` of that family are dropped (one drop_column_family) and
 tombstoned, so a straggling worker on old weights cannot recreate them; a Put that would create a
 version lower than the family's highest is refused, so it cannot drop a newer one.
-`drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly.
+`drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly. A
+drop RocksDB refuses (or one a crash cut off) is retried at later Puts and at the next open, which
+replays each family's creations from the registry (_superseded).
+
+Capacity: a page larger than the SSD page budget is refused (RESOURCE_EXHAUSTED naming data): it
+would evict every page on the tier and still not fit.
 
 Late offloads: a Release of a whole request (no page hashes: the request finished) leaves a
 tombstone of (namespace, request_id) for `release_tombstone_s`: a Put or claim by that request
@@ -192,6 +197,13 @@ MAX_FRAME_OVERHEAD = 4096
 MAX_NAME_BYTES = 256  # namespace / request_id: they become RocksDB names and are held per page
 
 
+def _version_order(ns: _Namespace) -> tuple[int, int]:
+    """A namespace's rank in its family: by version number, names without one by creation order
+    below every numbered one."""
+    v = version_of(ns.name)
+    return (0, ns.seq) if v is None else (1, v)
+
+
 def _check_name(value: str, field_name: str, *, required: bool = True) -> None:
     """A namespace or request id is a short printable name: it becomes a column family name and
     metadata, and an unbounded one would let a Put's header outweigh its page in the DRAM budget."""
@@ -332,6 +344,8 @@ class KvStore:
         # Dropped namespaces: Puts into them are refused. Per family only the highest numbered one
         # is kept (_compact_tombstones): it refuses every lower version as older than the newest.
         self._tombstones: set[str] = set()
+        # Families with a superseded version whose drop RocksDB refused: retried (_retry_superseded).
+        self._undropped: set[str] = set()
         self._seq = itertools.count(1)
         self._hits = self._misses = self._evictions = 0
         self._demotions = self._promotions = self._checksum_failures = self._orphan_records = 0
@@ -396,8 +410,9 @@ class KvStore:
                 continue
             max_seq = max(max_seq, seq)
             if layout is None:
+                # Its column family, should a crash or a refused drop have left it, goes with the
+                # orphans below.
                 self._tombstones.add(name)
-                self._ssd.drop_namespace(name)  # in case a crash hit between tombstone and drop
                 continue
             ns = _Namespace(name, layout, seq)
             self._namespaces[name] = ns
@@ -413,11 +428,23 @@ class KvStore:
                 pages.append((e.seq, (name, page_hash), e))
                 max_seq = max(max_seq, e.seq)
         for orphan in set(self._ssd.namespaces()) - set(self._namespaces):
-            # A column family whose registry record never landed (crash in between): unusable.
-            self._ssd.drop_namespace(orphan)
+            # A column family whose registry record never landed (crash in between): unusable; or
+            # a dropped version's whose drop did not happen (a crash or a refusal after its tombstone).
+            try:
+                self._ssd.drop_namespace(orphan)
+            except Exception:
+                # Left open (uncounted; it holds no indexed page) and tried again at the next start:
+                # a refused drop must not keep the store from opening.
+                log.warning("dropping an orphan column family failed; tried again at the next start",
+                            exc_info=True, extra=kv(namespace=orphan))
         for _seq, key, entry in sorted(pages, key=lambda p: p[0]):
             self._index_ssd_copy(key, entry, record_current=True)  # the record just read describes it
         self._seq = itertools.count(max_seq + 1)
+        # Versions whose drop was due and did not happen (RocksDB refused the tombstone record, or
+        # the process stopped before it): their pages would hold the budget until LRU evicted them,
+        # since only a creation dropped versions. Before the capacity check, so they go first.
+        for versioned in sorted({f for n in self._namespaces if (f := family_of(n)) is not None}):
+            self._drop_superseded(versioned)
         self._replay_pending()
         if self._namespaces:
             log.info(
@@ -430,6 +457,7 @@ class KvStore:
                 "dropped SSD pages with unusable metadata (another checksum algorithm, or corrupt)",
                 extra=kv(pages=stale, want=ALGORITHM),
             )
+        self._evict_oversized()
         self._enforce_ssd_capacity()
         # Namespaces left without pages (all released, evicted or stale before the stop: a store
         # from before column families were dropped kept one per version it ever saw) give theirs
@@ -444,6 +472,23 @@ class KvStore:
         for family in {family_of(t) for t in self._tombstones}:
             if family is not None:
                 self._compact_tombstones(family)
+
+    def _evict_oversized(self) -> None:
+        """Evicts the recovered pages larger than the SSD page budget (a restart with a lower
+        --ssd-bytes), before the capacity check: left to it, each one evicted every page less
+        recently used than itself and then went too, emptying the tier. Lock not needed (open)."""
+        oversized = [key for key, size in self._ssd_lru.items() if size > self.ssd_capacity_bytes]
+        if not oversized:
+            return
+        for key in oversized:
+            self._remove(key)
+            self._evictions += 1
+        log.warning(
+            "evicted recovered pages larger than the SSD page budget; their Puts are refused until --ssd-bytes "
+            "is raised",
+            extra=kv(pages=len(oversized), namespaces=sorted({k[0] for k in oversized}),
+                     ssd_capacity_bytes=self.ssd_capacity_bytes),
+        )
 
     def _replay_pending(self) -> None:
         """Applies the SSD records left pending before the last stop (journaled: a crash, or a close
@@ -559,26 +604,57 @@ class KvStore:
         log.info("namespace created", extra=kv(namespace=name, page_bytes=layout.page_bytes))
         family = family_of(name)
         if family is not None:
-            # Newest = highest version number (names that do not parse sort by creation order,
-            # below every parsed one); only versions below the one just created are dropped, so a
-            # late namespace can never take a newer one down with it.
-            def order(n: _Namespace) -> tuple[int, int]:
-                v = version_of(n.name)
-                return (0, n.seq) if v is None else (1, v)
-
-            same = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=order)
-            for old in same[: max(0, len(same) - self.keep_versions)]:
-                if order(old) < order(ns):
-                    try:
-                        self._drop_locked(old.name)
-                    except Exception:
-                        # RocksDB refused the tombstone record (a write stop, a full disk): nothing
-                        # changed, the old version stays live (LRU evicts its pages) and the next
-                        # version created in the family drops it. The new one's Put goes on.
-                        self._meta_write_failures += 1
-                        log.warning("dropping a superseded version failed; it stays for now", exc_info=True,
-                                    extra=kv(namespace=old.name, newer=name))
+            self._drop_superseded(family)
         return ns
+
+    def _superseded(self, family: str) -> list[str]:
+        """The family's live namespaces its version rule drops: each namespace, when created, drops
+        the family's versions below it past the highest keep_versions. Newest = highest version
+        number (names that do not parse sort by creation order, below every parsed one); only
+        versions below the one created are dropped, so a late namespace can never take a newer one
+        down with it. Computed by replaying the creations (registry seq order) over the live
+        namespaces, so it names exactly the drops that were due and did not happen (a refused
+        tombstone record, a crash before it), whenever it runs: at a creation, at a retry, at
+        recovery. A replay over the live ones drops no version that its creations kept: with fewer
+        namespaces beside it, a version ranks no lower than it did then. Lock held."""
+        live: list[_Namespace] = []
+        out: list[str] = []
+        for ns in sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=lambda n: n.seq):
+            live.append(ns)
+            ranked = sorted(live, key=_version_order)
+            for old in ranked[: max(0, len(ranked) - self.keep_versions)]:
+                if _version_order(old) < _version_order(ns):
+                    live.remove(old)
+                    out.append(old.name)
+        return out
+
+    def _drop_superseded(self, family: str) -> None:
+        """Drops the family's superseded versions (_superseded). A drop RocksDB refuses (its tombstone
+        record: a write stop, a full disk) changes nothing: the version stays live, the family is
+        retried at the next Put (_retry_superseded) and at the next open, which replays the family's
+        creations from the registry. Until session 32 only the next version created in the family
+        dropped it: after a restart nothing did, and its pages held SSD budget until LRU evicted
+        them. Lock held."""
+        failed = False
+        for name in self._superseded(family):
+            try:
+                self._drop_locked(name)
+            except Exception:
+                failed = True
+                self._meta_write_failures += 1
+                log.warning("dropping a superseded version failed; retried at the next Put and at the next start",
+                            exc_info=True, extra=kv(namespace=name, family=family))
+        if failed:
+            self._undropped.add(family)
+        else:
+            self._undropped.discard(family)
+
+    def _retry_superseded(self) -> None:
+        """Retries the families whose superseded versions' drops failed (lock held): at each Put,
+        but only while RocksDB may take a write (SsdTier.may_try: a probe a second while stalled)."""
+        if self._undropped and self._ssd.may_try():
+            for family in list(self._undropped):
+                self._drop_superseded(family)
 
     def drop_namespace(self, name: str) -> int:
         """Drops a namespace (a weight version that no worker uses any more); returns its page count.
@@ -698,6 +774,7 @@ class KvStore:
         # SSD tier, the client) checks it before use.
         actual = page_checksum(data) if self.verify_put_checksums else checksum
         with self._lock:
+            self._retry_superseded()
             found = self._check_put_target(namespace, layout)
             self._check_not_released(namespace, request_id)
             if len(data) != layout.page_bytes:
@@ -708,6 +785,11 @@ class KvStore:
                 raise InvalidArgument(
                     f"{ALGORITHM} of data is {actual:#018x}, message says {checksum:#018x}", field="checksum"
                 )
+            # Before anything is created, stored or evicted: a page the SSD tier cannot hold (a
+            # --ssd-bytes too small for the model) evicted every other page and then itself,
+            # emptying the tier on each such Put (or at its demotion). Refused like a page over the
+            # message limit: the client degrades it to a failed offload.
+            self._check_fits_ssd(layout.page_bytes)
             if found is None:
                 try:
                     found = self._create_namespace(namespace, layout)
@@ -755,6 +837,16 @@ class KvStore:
                 self._index(ns, page_hash, entry)
             self._enforce_ssd_capacity()
             return True
+
+    def _check_fits_ssd(self, size: int) -> None:
+        """ResourceExhausted naming data when a page of `size` bytes is larger than the SSD tier's
+        page budget: storing it would evict every page on the tier and it would still not fit."""
+        if size > self.ssd_capacity_bytes:
+            raise ResourceExhausted(
+                f"a page of {size} bytes does not fit the SSD tier's page budget of {self.ssd_capacity_bytes} "
+                "bytes (--ssd-bytes less the WAL cap): raise --ssd-bytes",
+                field="data",
+            )
 
     def _check_not_released(self, namespace: str, request_id: str) -> None:
         """Refuses a Put or claim of a request released whole a moment ago (lock held): it is an
@@ -926,6 +1018,10 @@ class KvStore:
         return True
 
     def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
+        # A page larger than the budget (the budget lowered under a page already in DRAM) is refused
+        # like a failed write (a demotion evicts that page alone), not written and then evicted
+        # together with every other page.
+        self._check_fits_ssd(entry.size)
         # Recent before the write: a write that fails may still have created the column family,
         # which is then dropped like any idle one once the namespace stops being recent.
         self._note_ssd_write(key[0])
