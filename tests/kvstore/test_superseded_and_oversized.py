@@ -208,7 +208,7 @@ def test_a_version_left_by_a_crash_before_its_drop_is_dropped_at_the_next_start(
         import os, signal
         from services.kvstore.store import KvStore
         from tests.kvstore.kvhelpers import PAGE_BYTES
-        from tests.kvstore.test_review32 import _put
+        from tests.kvstore.test_superseded_and_oversized import _put
         store = KvStore({db!r}, dram_bytes=0, ssd_bytes=1 << 20, min_blob_bytes=256)
         for i in range(3):
             _put(store, "m@v1", i)
