@@ -26,6 +26,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 request.engine,
                 request.policy_version,
                 request.incarnation,
+                request.engine_broken,
             )
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_seconds=interval)
 
@@ -36,7 +37,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         # An unset telemetry (a worker's last draining notice, sent without reading its engine) is
         # no report: read as zeros it would set the worker's free pages to 0.
         telemetry = request.telemetry if request.HasField("telemetry") else None
-        known = self.dispatcher.heartbeat(request.worker_id, telemetry, request.draining, request.incarnation)
+        known = self.dispatcher.heartbeat(request.worker_id, telemetry, request.draining, request.incarnation,
+                                          request.engine_broken, request.engine_failing)
         return scheduler_pb2.HeartbeatResponse(known=known)
 
     @rpc
@@ -68,6 +70,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     telemetry=w.telemetry,
                     draining=w.draining,
                     quarantine_reason=w.quarantine_reason,
+                    engine_broken=w.engine_broken,
+                    engine_failing=w.engine_failing,
                 )
                 for w in s.workers
             ],

@@ -67,12 +67,21 @@ REDISPATCHED = Counter("seer_scheduler_redispatched_chunks", "chunks that failed
 COMMITTED_TOKENS = Counter("seer_scheduler_committed_tokens", "tokens committed to the buffer")
 WORKERS = Gauge("seer_scheduler_workers", "registered workers")
 # 0 while workers are registered means none serves: each is catching up (or retrying a failed
-# catch-up load), ahead of the suite's version, awaiting a weight switch's end, quarantined or
-# draining. Read at scrape time (Dispatcher._serving_workers): a quarantine is also lifted inside
-# the core (after sane telemetry), where no gauge would be set.
+# catch-up load), ahead of the suite's version, awaiting a weight switch's end, quarantined,
+# draining or its engine broken. Read at scrape time (Dispatcher._serving_workers): a quarantine is
+# also lifted inside the core (after sane telemetry), where no gauge would be set.
 SERVING = Gauge("seer_scheduler_serving_workers",
                 "registered workers chunks can be placed on: at the suite's policy version, not quarantined, "
-                "not draining")
+                "not draining, engine not broken")
+# Registered workers whose heartbeat says their engine is broken for good (excluded from
+# seer_scheduler_serving_workers until they restart), and those whose engine is failing now
+# (transient: still placed on, so still counted serving). Read at scrape time, like SERVING.
+ENGINE_BROKEN = Gauge("seer_scheduler_engine_broken_workers",
+                      "registered workers whose engine is broken until they restart (HeartbeatRequest.engine_broken): "
+                      "no chunk is placed there")
+ENGINE_FAILING = Gauge("seer_scheduler_engine_failing_workers",
+                       "registered workers whose engine is failing now (HeartbeatRequest.engine_failing; transient, "
+                       "still placed on)")
 WORKER_TPS = Gauge("seer_scheduler_worker_tokens_per_second", "tokens/s reported by a worker", ["worker_id"])
 WORKER_ACCEPT = Gauge(
     "seer_scheduler_worker_draft_acceptance", "accepted / proposed draft tokens reported by a worker", ["worker_id"]
@@ -156,6 +165,12 @@ class WorkerState:
     catching_up: bool = False
     # Its last heartbeat said it is stopping (HeartbeatRequest.draining).
     draining: bool = False
+    # Why its engine is broken until the worker restarts (HeartbeatRequest.engine_broken or
+    # RegisterWorkerRequest's; "" = not broken). Sticky for this registration: a broken engine is
+    # never mended, and a heartbeat without the field (a draining notice) must not undo it.
+    engine_broken: str = ""
+    # The last heartbeat's HeartbeatRequest.engine_failing (transient; shown, not acted upon).
+    engine_failing: str = ""
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,8 @@ class WorkerView:
     telemetry: scheduler_pb2.WorkerTelemetry
     draining: bool = False
     quarantine_reason: str = ""  # why it is quarantined ("" when trusted)
+    engine_broken: str = ""  # why its engine is broken for good ("" when it is not): not placed on
+    engine_failing: str = ""  # why its engine is failing now (transient: still placed on)
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,8 @@ class Dispatcher:
         # closed dispatcher is not kept alive by it).
         this = weakref.ref(self)
         SERVING.set_function(lambda: float(d._serving_workers()) if (d := this()) is not None else 0.0)
+        ENGINE_BROKEN.set_function(lambda: float(d._engine_trouble()[0]) if (d := this()) is not None else 0.0)
+        ENGINE_FAILING.set_function(lambda: float(d._engine_trouble()[1]) if (d := this()) is not None else 0.0)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -302,7 +321,9 @@ class Dispatcher:
         engine: str,
         policy_version: int,
         incarnation: str = "",
+        engine_broken: str = "",
     ) -> float:
+        """engine_broken: RegisterWorkerRequest.engine_broken (see _note_engine_broken_locked)."""
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
         _check_address(address)
@@ -329,6 +350,7 @@ class Dispatcher:
                 # failed Heartbeat RPC): its chunks in flight keep running, its quarantine stays.
                 old.last_seen = time.monotonic()
                 old.engine = engine
+                self._note_engine_broken_locked(old, engine_broken)
                 reconnected = True
             else:
                 reconnected = False
@@ -344,6 +366,8 @@ class Dispatcher:
             state = WorkerState(worker_id, address, link, capacity, engine, policy_version, time.monotonic(),
                                 spec=spec, incarnation=incarnation)
             self._workers[worker_id] = state
+            # Before any activation below: a broken worker must not be placed on in between.
+            self._note_engine_broken_locked(state, engine_broken)
             target = self._catch_up_target_locked()
             needs_load = target is not None and policy_version < target[0]
             ahead = target is not None and policy_version > target[0]
@@ -392,6 +416,8 @@ class Dispatcher:
             self.core.quarantine_worker(state.worker_id, reason, offence=False)  # not a new offence
         if state.draining:  # it said so while inactive (catching up on weights): still no placement
             self.core.set_draining(state.worker_id, True)
+        if state.engine_broken:  # the same for an engine it said is broken
+            self.core.set_engine_broken(state.worker_id, state.engine_broken)
         state.active = True
         WORKERS.set(len(self._workers))
         self._wake_locked()
@@ -497,7 +523,7 @@ class Dispatcher:
         self._start_catch_up(w)
 
     def heartbeat(self, worker_id: str, telemetry: scheduler_pb2.WorkerTelemetry | None, draining: bool = False,
-                  incarnation: str = "") -> bool:
+                  incarnation: str = "", engine_broken: str = "", engine_failing: str = "") -> bool:
         """draining: the worker is stopping (HeartbeatRequest.draining): no new chunk goes there; its
         chunks in flight run on. Every heartbeat carries it, so a worker activated later (a catch-up)
         has it applied by its next one. telemetry None: no report (a draining notice sent without
@@ -513,7 +539,10 @@ class Dispatcher:
         > proposed). A worker not yet in the core (catching up on weights) has its report checked by
         the same rule against its registered capacity, and an impossible one is dropped the same
         way (logged; it cannot be quarantined before the core knows it, and its first report once
-        active is checked there)."""
+        active is checked there).
+
+        engine_broken / engine_failing: HeartbeatRequest's (see _note_engine_broken_locked and
+        _note_engine_failing_locked)."""
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
         trusted = False
@@ -525,6 +554,8 @@ class Dispatcher:
                 return False
             state.last_seen = time.monotonic()
             state.draining = draining
+            self._note_engine_broken_locked(state, engine_broken)
+            self._note_engine_failing_locked(state, engine_failing)
             report = _telemetry_report(telemetry) if telemetry is not None else None
             if state.active:
                 self.core.set_draining(worker_id, draining)
@@ -546,6 +577,40 @@ class Dispatcher:
                 if proposed:
                     WORKER_ACCEPT.labels(worker_id).set(sum(telemetry.accepted_per_position) / proposed)
         return True
+
+    def _note_engine_broken_locked(self, state: WorkerState, reason: str) -> None:
+        """The worker says its engine is broken until it restarts: no new chunk goes there from now
+        on, as for a draining worker (the chunks in flight end as they end: they fail INTERNAL, or
+        finish if the engine still runs them). Before, the scheduler kept placing chunks there
+        until the failures quarantined it, each costing a request an attempt, while the worker
+        waited out its orchestrator's grace period (60 s) before a restart. Sticky for this
+        registration: "" (a worker that predates the field, or a draining notice sent without it)
+        clears nothing; a restarted worker registers as a new WorkerState. Logged once."""
+        if not reason or state.engine_broken:
+            return
+        state.engine_broken = reason
+        log.error("worker engine broken; placing no new chunk on it until it restarts",
+                  extra=kv(worker_id=state.worker_id, reason=reason, in_flight=state.in_flight))
+        if state.active:
+            self.core.set_engine_broken(state.worker_id, reason)
+            self._wake_locked()  # a hold on it moves, and queued chunks go elsewhere now
+
+    def _note_engine_failing_locked(self, state: WorkerState, reason: str) -> None:
+        """The worker's engine is failing now (transient: healthy again when a chunk gets a token).
+        Shown (WorkerInfo.engine_failing, seer_scheduler_engine_failing_workers) and logged at each
+        change, but placement is left alone: excluded, the worker would never get the chunk whose
+        token mends it (it would only wait for its restart). Its failed chunks already count
+        towards quarantining it (SchedulerCore.on_worker_fault), and the probation after a
+        quarantine lets one chunk at a time through: that chunk is the re-probe, and a worker
+        still failing costs one attempt, not a batch."""
+        if reason == state.engine_failing:
+            return
+        if reason:
+            log.warning("worker engine failing (chunks and a canary request failed); still placing chunks on it: "
+                        "one that gets a token mends it", extra=kv(worker_id=state.worker_id, reason=reason))
+        else:
+            log.info("worker engine no longer failing", extra=kv(worker_id=state.worker_id))
+        state.engine_failing = reason
 
     def _remove_worker_locked(self, worker_id: str, reason: str) -> WorkerState | None:
         state = self._workers.pop(worker_id, None)
@@ -1541,10 +1606,18 @@ class Dispatcher:
 
     def _serving_workers(self) -> int:
         """Workers a chunk can be placed on now (the seer_scheduler_serving_workers gauge): active
-        (in the core, at the suite's version), not quarantined, not draining."""
+        (in the core, at the suite's version), not quarantined, not draining, engine not broken."""
         with self._cond:
             return sum(1 for w in self._workers.values()
-                       if w.active and not w.draining and not self.core.is_quarantined(w.worker_id))
+                       if w.active and not w.draining and not w.engine_broken
+                       and not self.core.is_quarantined(w.worker_id))
+
+    def _engine_trouble(self) -> tuple[int, int]:
+        """(engine broken, engine failing) registered workers (their gauges): every registration,
+        active or not, as WorkerInfo lists them."""
+        with self._cond:
+            return (sum(1 for w in self._workers.values() if w.engine_broken),
+                    sum(1 for w in self._workers.values() if w.engine_failing and not w.engine_broken))
 
     def _quarantine_locked(self, w: WorkerState) -> tuple[bool, str]:
         """(quarantined, reason) for the listing. A worker out of the core (catching up on weights
@@ -1569,6 +1642,8 @@ class Dispatcher:
                     telemetry=_copy(w.telemetry),
                     draining=w.draining,
                     quarantine_reason=reason,
+                    engine_broken=w.engine_broken,
+                    engine_failing=w.engine_failing,
                 )
                 for w in self._workers.values()
                 for quarantined, reason in [self._quarantine_locked(w)]

@@ -253,7 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     running = start_server("worker", cfg, add_servicer(worker, cfg.drain_timeout_seconds, cfg.stream_limit()),
                            on_stop=on_stop)
     # A broken engine (every chunk and a canary failed) turns the gRPC health NOT_SERVING, so an
-    # orchestrator's liveness probe restarts the process; the scheduler quarantines it meanwhile.
+    # orchestrator's liveness probe restarts the process. Meanwhile the scheduler hears it from the
+    # registrar's heartbeat (sent at the change): it places nothing on a broken engine, and its
+    # failed chunks quarantine a failing one.
     worker.on_engine_health(running.set_serving)
     if not cfg.worker_id and not cfg.port:
         worker.worker_id = f"worker-{socket.gethostname()}-{running.port}"

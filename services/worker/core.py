@@ -228,6 +228,15 @@ class WorkerStats:
     kv_releases_dropped: int = 0  # releases not sent: too many queued (a slow or hung store)
 
 
+@dataclass(frozen=True)
+class EngineHealth:
+    """What the heartbeat tells the scheduler of the engine (HeartbeatRequest.engine_broken and
+    engine_failing): "" = fine, else the reason."""
+
+    broken: str = ""  # for good, until the worker restarts (Engine.broken)
+    failing: str = ""  # now: the chunks failed and a canary too (a chunk that gets a token mends it)
+
+
 class _Throughput:
     """Tokens/s over a sliding window (the engine's own figure covers its lifetime)."""
 
@@ -344,6 +353,10 @@ class Worker:
         # load left its weights unknown; _note_engine_broken_locked). Listeners (the gRPC health
         # status, so Kubernetes' liveness probe restarts the process) hear every change.
         self.engine_healthy = True
+        # Why it is False (engine_health(), for the scheduler): the canary's failure, or the
+        # engine's Engine.broken. Plain str attributes: read without the lock.
+        self._failing_reason = ""
+        self._broken_reason = ""
         self._health_listeners: list[Callable[[bool], None]] = []
         # Groups whose chunks the engine gave up on (an engine-side ABORTED: SGLang's failed
         # generate) since a chunk last got a token: at _ENGINE_ABORT_GROUPS of them, the canary.
@@ -1081,12 +1094,23 @@ class Worker:
             self._health_listeners.append(listener)
             listener(self.engine_healthy)
 
+    def engine_health(self) -> EngineHealth:
+        """The engine's state for the scheduler's heartbeat, without the engine lock (the heartbeat
+        must not wait for a step). Broken as soon as Engine.broken says so (one attribute read),
+        even before the step loop saw it; failing while engine_healthy is False for a reason a
+        token mends."""
+        broken = self._broken_reason or self.engine.broken or ""
+        if broken:
+            return EngineHealth(broken=broken)
+        return EngineHealth(failing="" if self.engine_healthy else (self._failing_reason or "the engine is failing"))
+
     def _note_engine_broken_locked(self, when: str) -> bool:
         """Whether the engine says it is broken (Engine.broken); if so, health NOT_SERVING for good
         (nothing but a restart mends it), with a log line naming the reason."""
         reason = self.engine.broken
         if reason is None:
             return False
+        self._broken_reason = reason
         if self.engine_healthy:
             log.error("the engine is broken; health NOT_SERVING until the worker restarts",
                       extra=kv(when=when, reason=reason))
@@ -1098,6 +1122,10 @@ class Worker:
             return
         if healthy and self.engine.broken is not None:
             return  # a token from a broken engine (Engine.broken) mends nothing: it stays NOT_SERVING
+        # The reason before the flag: a heartbeat reading both without the lock never sees the
+        # engine failing with no reason.
+        self._failing_reason = ("" if healthy else "the engine is broken" if error is None
+                                else f"the chunks failed and a canary request too: {error}")
         self.engine_healthy = healthy
         metrics.ENGINE_HEALTHY.set(1 if healthy else 0)
         if healthy:

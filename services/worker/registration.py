@@ -15,6 +15,12 @@ Every RegisterWorker and every Heartbeat carries this process's incarnation (dra
 the scheduler tells a reconnect of the same process (after a failed Heartbeat RPC: its chunks keep
 running) from a restarted worker (its chunks in flight are gone and re-dispatched), and ignores the
 heartbeats of an old process that still drains after a new one registered under the same id.
+
+Every heartbeat (and RegisterWorker) also says whether the engine is broken for good
+(HeartbeatRequest.engine_broken: the scheduler places no new chunk here from then on, while the
+orchestrator's liveness probe waits out its grace period before restarting the process) or failing
+now (engine_failing: shown by the scheduler, not acted upon). A change of the engine's health sends
+a heartbeat at once rather than at the next interval.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ def register_request(worker: Worker, address: str, max_streams: int = 0) -> sche
         engine=worker.engine_name,
         policy_version=worker.policy_version,
         incarnation=INCARNATION,
+        engine_broken=worker.engine_health().broken,
     )
 
 
@@ -117,11 +124,23 @@ class Registrar:
         self.registered = threading.Event()
         self.registrations = 0
         self.heartbeats = 0
+        self._engine_healthy: bool | None = None  # the last value on_engine_health gave
 
     def start(self) -> Registrar:
+        # The scheduler must stop placing chunks on a broken engine at once, not a heartbeat
+        # interval later: each chunk placed meanwhile fails and costs its request an attempt.
+        self._worker.on_engine_health(self._on_engine_health)
         self._thread = threading.Thread(target=self._run, name="registrar", daemon=True)
         self._thread.start()
         return self
+
+    def _on_engine_health(self, healthy: bool) -> None:
+        """Worker.on_engine_health's listener (under the engine lock: only sets an event). The
+        first call gives the current value: no change, no early heartbeat."""
+        changed = self._engine_healthy is not None and healthy != self._engine_healthy
+        self._engine_healthy = healthy
+        if changed:
+            self._wake.set()
 
     def drain(self) -> None:
         """The worker begins to stop: heartbeat draining=true at once and with every heartbeat
@@ -151,7 +170,8 @@ class Registrar:
         seconds (the worker is about to stop or exit and cannot wait for the registrar's thread).
         Whether the scheduler took it. Telemetry unset (not an empty one, which reads as "no free
         pages"): reading it may touch a dead engine (this runs when a failed SGLang SIGQUITs the
-        worker), and a stopping worker is placed on no more."""
+        worker), and a stopping worker is placed on no more. The engine's health is left out for the
+        same reason; the scheduler keeps an engine_broken it heard for the whole registration."""
         first = not self._draining
         self._draining = True
         # The RPC before any log line: on the SIGQUIT path this runs on a notifier thread while the
@@ -210,8 +230,10 @@ class Registrar:
         return float(interval)
 
     def _heartbeat_request(self) -> scheduler_pb2.HeartbeatRequest:
+        health = self._worker.engine_health()
         return scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, telemetry=telemetry(self._worker),
-                                              draining=self._draining, incarnation=INCARNATION)
+                                              draining=self._draining, incarnation=INCARNATION,
+                                              engine_broken=health.broken, engine_failing=health.failing)
 
     def _wait(self, seconds: float) -> None:
         """Until the next heartbeat: `seconds`, or less when stop() or drain() wakes it. Cleared

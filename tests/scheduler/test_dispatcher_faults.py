@@ -469,10 +469,12 @@ def test_the_worker_sends_one_incarnation_per_process() -> None:
     from types import SimpleNamespace
 
     from services.worker import registration
+    from services.worker.core import EngineHealth
 
     engine = SimpleNamespace(total_pages=64, page_size=16, max_batch_size=4, max_context=512)
     worker = SimpleNamespace(worker_id="w", engine_name="reference", policy_version=0,
-                             engine=SimpleNamespace(max_context=512), stats=lambda: SimpleNamespace(engine=engine))
+                             engine=SimpleNamespace(max_context=512), stats=lambda: SimpleNamespace(engine=engine),
+                             engine_health=EngineHealth)
     first = registration.register_request(worker, "w:1")  # type: ignore[arg-type]
     again = registration.register_request(worker, "w:1")  # type: ignore[arg-type]
     assert len(first.incarnation) == 16 and first.incarnation == again.incarnation == registration.INCARNATION

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17seer/v1/scheduler.proto\x12\x07seer.v1\"h\n\x0eWorkerCapacity\x12\x16\n\x0etotal_kv_pages\x18\x01 \x01(\x05\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\"\xa3\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12)\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x17.seer.v1.WorkerCapacity\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\"<\n\x16RegisterWorkerResponse\x12\"\n\x1aheartbeat_interval_seconds\x18\x01 \x01(\x01\"\xd2\x01\n\x0fWorkerTelemetry\x12\x15\n\rfree_kv_pages\x18\x01 \x01(\x05\x12\x15\n\rused_kv_pages\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x03\x12\x1d\n\x15proposed_per_position\x18\x08 \x03(\x03\"y\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12+\n\ttelemetry\x18\x02 \x01(\x0b\x32\x18.seer.v1.WorkerTelemetry\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"7\n\x14SwitchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"=\n\x15SwitchWeightsResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x1a\n\x18GetSchedulerStatsRequest\"\xca\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x13\n\x0bquarantined\x18\x04 \x01(\x08\x12\x18\n\x10in_flight_chunks\x18\x05 \x01(\x05\x12+\n\ttelemetry\x18\x06 \x01(\x0b\x32\x18.seer.v1.WorkerTelemetry\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x19\n\x11quarantine_reason\x18\x08 \x01(\t\"\xed\x01\n\x19GetSchedulerStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x18\n\x10pending_requests\x18\x02 \x01(\x05\x12\x18\n\x10in_flight_chunks\x18\x03 \x01(\x05\x12\x19\n\x11\x64ispatched_chunks\x18\x04 \x01(\x03\x12\x1b\n\x13redispatched_chunks\x18\x05 \x01(\x03\x12$\n\x07workers\x18\x06 \x03(\x0b\x32\x13.seer.v1.WorkerInfo\x12\x1b\n\x0epolicy_version\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version2\xd5\x02\n\x10SchedulerService\x12Q\n\x0eRegisterWorker\x12\x1e.seer.v1.RegisterWorkerRequest\x1a\x1f.seer.v1.RegisterWorkerResponse\x12\x42\n\tHeartbeat\x12\x19.seer.v1.HeartbeatRequest\x1a\x1a.seer.v1.HeartbeatResponse\x12N\n\rSwitchWeights\x12\x1d.seer.v1.SwitchWeightsRequest\x1a\x1e.seer.v1.SwitchWeightsResponse\x12Z\n\x11GetSchedulerStats\x12!.seer.v1.GetSchedulerStatsRequest\x1a\".seer.v1.GetSchedulerStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17seer/v1/scheduler.proto\x12\x07seer.v1\"h\n\x0eWorkerCapacity\x12\x16\n\x0etotal_kv_pages\x18\x01 \x01(\x05\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x05\"\xba\x01\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12)\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x17.seer.v1.WorkerCapacity\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x15\n\rengine_broken\x18\x07 \x01(\t\"<\n\x16RegisterWorkerResponse\x12\"\n\x1aheartbeat_interval_seconds\x18\x01 \x01(\x01\"\xd2\x01\n\x0fWorkerTelemetry\x12\x15\n\rfree_kv_pages\x18\x01 \x01(\x05\x12\x15\n\rused_kv_pages\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x06 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\x03\x12\x1d\n\x15proposed_per_position\x18\x08 \x03(\x03\"\xa8\x01\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12+\n\ttelemetry\x18\x02 \x01(\x0b\x32\x18.seer.v1.WorkerTelemetry\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x15\n\rengine_broken\x18\x05 \x01(\t\x12\x16\n\x0e\x65ngine_failing\x18\x06 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"7\n\x14SwitchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\"=\n\x15SwitchWeightsResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\x05\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x1a\n\x18GetSchedulerStatsRequest\"\xf9\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x13\n\x0bquarantined\x18\x04 \x01(\x08\x12\x18\n\x10in_flight_chunks\x18\x05 \x01(\x05\x12+\n\ttelemetry\x18\x06 \x01(\x0b\x32\x18.seer.v1.WorkerTelemetry\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x19\n\x11quarantine_reason\x18\x08 \x01(\t\x12\x15\n\rengine_broken\x18\t \x01(\t\x12\x16\n\x0e\x65ngine_failing\x18\n \x01(\t\"\xed\x01\n\x19GetSchedulerStatsResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x18\n\x10pending_requests\x18\x02 \x01(\x05\x12\x18\n\x10in_flight_chunks\x18\x03 \x01(\x05\x12\x19\n\x11\x64ispatched_chunks\x18\x04 \x01(\x03\x12\x1b\n\x13redispatched_chunks\x18\x05 \x01(\x03\x12$\n\x07workers\x18\x06 \x03(\x0b\x32\x13.seer.v1.WorkerInfo\x12\x1b\n\x0epolicy_version\x18\x07 \x01(\x03H\x00\x88\x01\x01\x42\x11\n\x0f_policy_version2\xd5\x02\n\x10SchedulerService\x12Q\n\x0eRegisterWorker\x12\x1e.seer.v1.RegisterWorkerRequest\x1a\x1f.seer.v1.RegisterWorkerResponse\x12\x42\n\tHeartbeat\x12\x19.seer.v1.HeartbeatRequest\x1a\x1a.seer.v1.HeartbeatResponse\x12N\n\rSwitchWeights\x12\x1d.seer.v1.SwitchWeightsRequest\x1a\x1e.seer.v1.SwitchWeightsResponse\x12Z\n\x11GetSchedulerStats\x12!.seer.v1.GetSchedulerStatsRequest\x1a\".seer.v1.GetSchedulerStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERCAPACITY']._serialized_start=36
   _globals['_WORKERCAPACITY']._serialized_end=140
   _globals['_REGISTERWORKERREQUEST']._serialized_start=143
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=306
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=308
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=368
-  _globals['_WORKERTELEMETRY']._serialized_start=371
-  _globals['_WORKERTELEMETRY']._serialized_end=581
-  _globals['_HEARTBEATREQUEST']._serialized_start=583
-  _globals['_HEARTBEATREQUEST']._serialized_end=704
-  _globals['_HEARTBEATRESPONSE']._serialized_start=706
-  _globals['_HEARTBEATRESPONSE']._serialized_end=740
-  _globals['_SWITCHWEIGHTSREQUEST']._serialized_start=742
-  _globals['_SWITCHWEIGHTSREQUEST']._serialized_end=797
-  _globals['_SWITCHWEIGHTSRESPONSE']._serialized_start=799
-  _globals['_SWITCHWEIGHTSRESPONSE']._serialized_end=860
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=862
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=888
-  _globals['_WORKERINFO']._serialized_start=891
-  _globals['_WORKERINFO']._serialized_end=1093
-  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_start=1096
-  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_end=1333
-  _globals['_SCHEDULERSERVICE']._serialized_start=1336
-  _globals['_SCHEDULERSERVICE']._serialized_end=1677
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=329
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=331
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=391
+  _globals['_WORKERTELEMETRY']._serialized_start=394
+  _globals['_WORKERTELEMETRY']._serialized_end=604
+  _globals['_HEARTBEATREQUEST']._serialized_start=607
+  _globals['_HEARTBEATREQUEST']._serialized_end=775
+  _globals['_HEARTBEATRESPONSE']._serialized_start=777
+  _globals['_HEARTBEATRESPONSE']._serialized_end=811
+  _globals['_SWITCHWEIGHTSREQUEST']._serialized_start=813
+  _globals['_SWITCHWEIGHTSREQUEST']._serialized_end=868
+  _globals['_SWITCHWEIGHTSRESPONSE']._serialized_start=870
+  _globals['_SWITCHWEIGHTSRESPONSE']._serialized_end=931
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=933
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=959
+  _globals['_WORKERINFO']._serialized_start=962
+  _globals['_WORKERINFO']._serialized_end=1211
+  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_start=1214
+  _globals['_GETSCHEDULERSTATSRESPONSE']._serialized_end=1451
+  _globals['_SCHEDULERSERVICE']._serialized_start=1454
+  _globals['_SCHEDULERSERVICE']._serialized_end=1795
 # @@protoc_insertion_point(module_scope)

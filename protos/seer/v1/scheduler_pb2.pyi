@@ -19,20 +19,22 @@ class WorkerCapacity(_message.Message):
     def __init__(self, total_kv_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "capacity", "engine", "policy_version", "incarnation")
+    __slots__ = ("worker_id", "address", "capacity", "engine", "policy_version", "incarnation", "engine_broken")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BROKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     capacity: WorkerCapacity
     engine: str
     policy_version: int
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    engine_broken: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., capacity: _Optional[_Union[WorkerCapacity, _Mapping]] = ..., engine: _Optional[str] = ..., policy_version: _Optional[int] = ..., incarnation: _Optional[str] = ..., engine_broken: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("heartbeat_interval_seconds",)
@@ -61,16 +63,20 @@ class WorkerTelemetry(_message.Message):
     def __init__(self, free_kv_pages: _Optional[int] = ..., used_kv_pages: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., policy_version: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., proposed_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "telemetry", "draining", "incarnation")
+    __slots__ = ("worker_id", "telemetry", "draining", "incarnation", "engine_broken", "engine_failing")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BROKEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FAILING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     telemetry: WorkerTelemetry
     draining: bool
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    engine_broken: str
+    engine_failing: str
+    def __init__(self, worker_id: _Optional[str] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ..., incarnation: _Optional[str] = ..., engine_broken: _Optional[str] = ..., engine_failing: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -99,7 +105,7 @@ class GetSchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "address", "healthy", "quarantined", "in_flight_chunks", "telemetry", "draining", "quarantine_reason")
+    __slots__ = ("worker_id", "address", "healthy", "quarantined", "in_flight_chunks", "telemetry", "draining", "quarantine_reason", "engine_broken", "engine_failing")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +114,8 @@ class WorkerInfo(_message.Message):
     TELEMETRY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BROKEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FAILING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     healthy: bool
@@ -116,7 +124,9 @@ class WorkerInfo(_message.Message):
     telemetry: WorkerTelemetry
     draining: bool
     quarantine_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
+    engine_broken: str
+    engine_failing: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., quarantined: _Optional[bool] = ..., in_flight_chunks: _Optional[int] = ..., telemetry: _Optional[_Union[WorkerTelemetry, _Mapping]] = ..., draining: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ..., engine_broken: _Optional[str] = ..., engine_failing: _Optional[str] = ...) -> None: ...
 
 class GetSchedulerStatsResponse(_message.Message):
     __slots__ = ("policy", "pending_requests", "in_flight_chunks", "dispatched_chunks", "redispatched_chunks", "workers", "policy_version")

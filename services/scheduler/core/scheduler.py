@@ -414,6 +414,26 @@ class SchedulerCore:
         w.draining = draining
         self._recheck_hold()  # one on it is released now (no longer _holds_on), taken again elsewhere
 
+    def set_engine_broken(self, worker_id: str, reason: str) -> None:
+        """The worker's engine can serve nothing until the worker restarts (its heartbeat says why):
+        handled as draining (set_draining), for good. A broken engine is never mended, so an empty
+        `reason` clears nothing: only a new registration (remove_worker, add_worker) does. Only
+        the permanent state is taken: a transiently failing engine is mended by a chunk that gets a
+        token, which no chunk could if none were placed there (its failed chunks quarantine it,
+        on_worker_fault, and its probation is the re-probe)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise NotFound(f"unknown worker {worker_id}", field="worker_id")
+        if not reason or w.engine_broken:
+            return
+        w.engine_broken = reason
+        self._recheck_hold()  # one on it is released now (no longer _holds_on), taken again elsewhere
+
+    def engine_broken(self, worker_id: str) -> str:
+        """Why the worker's engine is broken ("" when it is not, or the worker is unknown)."""
+        w = self._workers.get(worker_id)
+        return w.engine_broken if w is not None else ""
+
     def is_draining(self, worker_id: str) -> bool:
         """For tests and introspection: the service reads WorkerState.draining (and stats() shows it)."""
         w = self._workers.get(worker_id)
@@ -1147,6 +1167,7 @@ class SchedulerCore:
                     "quarantined": w.quarantined,
                     "quarantine_reason": w.quarantine_reason,
                     "draining": w.draining,
+                    "engine_broken": w.engine_broken,
                 }
                 for wid, w in self._workers.items()
             },

@@ -78,6 +78,9 @@ class WorkerState:
     # Its last heartbeat said it is stopping (SchedulerCore.set_draining): it refuses new chunks, so
     # none is placed there; its chunks in flight run to their end.
     draining: bool = False
+    # Why its engine can serve nothing until the worker restarts (SchedulerCore.set_engine_broken,
+    # from its heartbeat); "" = not broken. Like draining, no new chunk is placed there.
+    engine_broken: str = ""
 
     @property
     def worker_id(self) -> str:
@@ -89,8 +92,8 @@ class WorkerState:
 
     @property
     def placeable(self) -> bool:
-        """Whether a new chunk may go here: trusted and not stopping."""
-        return not self.quarantined and not self.draining
+        """Whether a new chunk may go here: trusted, not stopping, its engine not broken."""
+        return not self.quarantined and not self.draining and not self.engine_broken
 
     @property
     def slots(self) -> int:

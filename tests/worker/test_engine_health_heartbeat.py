@@ -1,0 +1,168 @@
+"""The worker's heartbeat tells the scheduler of its engine's health, over real gRPC.
+
+A worker whose engine broke for good (a weight load that failed after writing weights: SGLang's
+"Rolling back to original weights") turns its gRPC health NOT_SERVING, but its restart waits for
+the orchestrator's grace period (60 s). The scheduler did not hear of it: it kept placing chunks
+there, each failing INTERNAL and costing a request an attempt, until the failures quarantined the
+worker. Now the heartbeat (sent at once when the health changes) carries engine_broken and the
+scheduler places nothing more there. A transiently failing engine (the chunks failed and a canary
+too) is reported as engine_failing and still placed on: the chunk that gets a token mends it.
+
+The scheduler's Dispatcher behind its SchedulerService and real workers (reference engine on the
+embedded model) behind their WorkerService, each with its Registrar; only the buffer is a stub."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from seer.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from services.common.grpcutil import channel
+from services.scheduler.service import Dispatcher
+from services.worker.core import EngineHealth, Worker
+from services.worker.engine import Draft, StepOutput
+from services.worker.engines.reference.engine import ReferenceEngine
+from services.worker.registration import Registrar, register_request
+from tests.scheduler.test_dispatcher_faults import ABORTED, CHUNK, FakeBuffer, item, wait_for
+from tests.worker.test_worker_draining import _dispatcher, _Recorded, _serve
+
+ROLLBACK = "Failed to update weights: shard 2 truncated.\nRolling back to original weights."
+
+
+class _BreakableEngine(ReferenceEngine):
+    """A reference engine whose weight load fails after "writing weights": broken for good (as
+    SGLang's after a rolled-back load), every later step failing as a corrupted engine's would."""
+
+    reason: str | None = None
+
+    @property
+    def broken(self) -> str | None:
+        return self.reason
+
+    def load_weights(self, path: str | None, version: str) -> None:
+        self.reason = f"a weight load failed after writing weights: {ROLLBACK}"
+        raise RuntimeError(ROLLBACK)
+
+    def step(self, drafts: Mapping[str, Draft] | None = None) -> list[StepOutput]:
+        if self.reason is not None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().step(drafts)
+
+
+@pytest.fixture
+def scheduler() -> Iterator[tuple[Dispatcher, FakeBuffer, _Recorded, str]]:
+    # Heartbeats every 60 s (longer than the test): every one seen is one sent at a health change.
+    with _dispatcher(chunk_size=4, commit_timeout=2.0) as s:
+        yield s
+
+
+def _finished(buffer: FakeBuffer, rids: list[str]) -> bool:
+    return all(buffer.of(rid) and buffer.of(rid)[-1].finish_reason != CHUNK for rid in rids)
+
+
+def test_no_chunk_goes_to_a_worker_whose_engine_broke(
+    scheduler: tuple[Dispatcher, FakeBuffer, _Recorded, str], ref_engine: ReferenceEngine, model_dir: Path
+) -> None:
+    d, buffer, links, address = scheduler
+    broken_engine = _BreakableEngine.from_dir(model_dir, num_pages=256, max_batch_size=16, page_size=16)
+    broken, broken_srv = _serve(broken_engine, "w-broken")
+    ok, ok_srv = _serve(ref_engine, "w-ok")
+    regs = [Registrar(w, address, srv.address).start() for w, srv in ((broken, broken_srv), (ok, ok_srv))]
+    worker_ch, sched_ch = channel(broken_srv.address), channel(address)
+    try:
+        wait_for(lambda: len(d.core.stats()["workers"]) == 2)
+        assert regs[0].heartbeats == 0
+        # The catch-up or switch load that breaks the engine: INTERNAL, health NOT_SERVING for good.
+        with pytest.raises(grpc.RpcError) as err:
+            worker_pb2_grpc.WorkerServiceStub(worker_ch).LoadWeights(worker_pb2.LoadWeightsRequest(version=0),
+                                                                     timeout=10)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert not broken.engine_healthy
+        # At once, not at the next heartbeat (60 s away): the health change wakes the registrar.
+        wait_for(lambda: regs[0].heartbeats >= 1, timeout=5)
+
+        rids = [f"r{i}" for i in range(6)]
+        d._add_items([item(rid, max_tokens=8) for rid in rids])
+        wait_for(lambda: _finished(buffer, rids) and d.stats().in_flight_chunks == 0, timeout=60)
+        assert links.to(broken_srv.address) == [], "a chunk was placed on the worker whose engine is broken"
+        assert set(links.to(ok_srv.address)) == set(rids)
+        assert d.stats().redispatched_chunks == 0
+
+        # Listed with its reason (still alive: `healthy` is about its heartbeats), once.
+        stats = scheduler_pb2_grpc.SchedulerServiceStub(sched_ch).GetSchedulerStats(
+            scheduler_pb2.GetSchedulerStatsRequest(), timeout=5)
+        info = {w.worker_id: w for w in stats.workers}
+        assert "Rolling back to original weights" in info["w-broken"].engine_broken
+        assert info["w-broken"].healthy and info["w-ok"].engine_broken == "" == info["w-ok"].engine_failing
+    finally:
+        for r in regs:
+            r.stop()
+        worker_ch.close()
+        sched_ch.close()
+        broken_srv.stop(1.0)
+        ok_srv.stop(1.0)
+
+
+def test_a_failing_engine_is_still_placed_on_and_recovers(
+    scheduler: tuple[Dispatcher, FakeBuffer, _Recorded, str], ref_engine: ReferenceEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every forward pass fails (a device briefly gone) until the scheduler has heard the engine is
+    failing: the worker's chunks fail and so does its canary, its heartbeat says engine_failing,
+    and the scheduler keeps placing chunks there (the only worker). The next one gets its tokens,
+    the worker is healthy again, and its heartbeat clears engine_failing. Excluding a failing
+    worker would have left these requests waiting for ever."""
+    d, buffer, links, address = scheduler
+    heard = threading.Event()
+    told: list[str] = []  # the scheduler's WorkerState.engine_failing when it had heard
+    real_run = ref_engine.runner.run
+
+    def run(seqs: list[Any], trees: list[Any]) -> Any:
+        if not heard.is_set():
+            state = d._workers.get("w-flaky")
+            if state is None or not state.engine_failing:
+                raise RuntimeError("injected device fault")
+            told.append(state.engine_failing)
+            heard.set()  # the scheduler knows: the device comes back
+        return real_run(seqs, trees)
+
+    monkeypatch.setattr(ref_engine.runner, "run", run)
+    worker, srv = _serve(ref_engine, "w-flaky")
+    healths: list[bool] = []
+    worker.on_engine_health(healths.append)
+    reg = Registrar(worker, address, srv.address).start()
+    try:
+        wait_for(lambda: len(d.core.stats()["workers"]) == 1)
+        rids = ["r0", "r1"]
+        d._add_items([item(rid, max_tokens=8) for rid in rids])
+        wait_for(heard.is_set, timeout=30)
+        assert "a canary request too" in told[0], told
+        wait_for(lambda: _finished(buffer, rids) and d.stats().in_flight_chunks == 0, timeout=60)
+        assert all(buffer.of(rid)[-1].finish_reason != ABORTED for rid in rids)
+        assert set(links.to(srv.address)) == set(rids)
+        assert healths[:3] == [True, False, True] and worker.engine_healthy
+        # Healthy again: the heartbeat the change sent clears it.
+        wait_for(lambda: [w.engine_failing for w in d.stats().workers] == [""], timeout=5)
+        assert d.core.engine_broken("w-flaky") == ""
+    finally:
+        reg.stop()
+        srv.stop(1.0)
+
+
+
+def test_engine_health_and_registration_read_the_engine_at_once(ref_engine: ReferenceEngine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine.broken is read by the heartbeat itself (one attribute, no engine lock), so an idle
+    worker whose engine broke outside a load says so before its step loop notices; RegisterWorker
+    carries it too (a scheduler that restarted must not place chunks there until a heartbeat)."""
+    worker = Worker(ref_engine, worker_id="w-idle", speculation=False)  # not started: no step loop
+    assert worker.engine_health() == EngineHealth()
+    assert register_request(worker, "127.0.0.1:1").engine_broken == ""
+    monkeypatch.setattr(ReferenceEngine, "broken", property(lambda self: "device lost"))
+    assert worker.engine_health() == EngineHealth(broken="device lost")
+    assert register_request(worker, "127.0.0.1:1").engine_broken == "device lost"
