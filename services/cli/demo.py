@@ -6,6 +6,12 @@ Ctrl-C or SIGTERM while the suite starts or the rollout runs (as `seer up`): the
 the suite stopped, its temporary data removed (kept, with the logs, if a service did not stop
 cleanly), one line says so, and the exit status is 128 + the signal number.
 
+While the rollout runs, the services are watched by `seer up`'s HealthSupervisor: a service that
+exits, or whose gRPC health answers NOT_SERVING for longer than --health-grace (default 60 s, as
+`seer up`), ends the demo: a line names it and its log files (<logs>/<service>.log, its stdout
+<logs>/<service>.out), the batch is cancelled, the suite stopped, the logs kept, exit status 1.
+Unlike `seer up` it restarts nothing (see _Watch).
+
 As in `seer up`, the suite's services also read their SEER_<SERVICE>_<FIELD> variables (and config
 files): --policy, --chunk-size and --speculation given here override them (a `seer demo: warning:`
 line names both), left out they yield to them, else the demo's defaults apply (policy seer, chunk
@@ -20,6 +26,7 @@ import argparse
 import json
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,10 +34,12 @@ from types import FrameType
 from typing import Any
 
 from services.cli import rollout
-from services.cli.flags import positive_int
+from services.cli.flags import positive_int, positive_seconds
 from services.cli.signals import StopRequest, signals_to
 from services.cli.up import (
     DEFAULT_POLICY,
+    HEALTH_GRACE_SECONDS,
+    HealthSupervisor,
     Suite,
     SuiteArgumentError,
     SuiteError,
@@ -39,6 +48,7 @@ from services.cli.up import (
     flag_error,
     policy_choices,
     prepare_model,
+    see_logs,
     stop_keeping_data,
 )
 
@@ -46,6 +56,11 @@ EXAMPLE_PROMPTS = Path(__file__).resolve().parents[2] / "examples" / "prompts.js
 # The demo's chunk size when neither --chunk-size nor the scheduler's own configuration sets one:
 # smaller than the suite's 512, so that the demo's short responses are dispatched in several chunks.
 DEMO_CHUNK_SIZE = 32
+# The signal the watch thread (_Watch) wakes the main thread with when a service failed: the main
+# thread is blocked in the result stream, which only a signal handler's exception ends.
+WAKE_SIGNAL = signal.SIGUSR1
+# How often the watch thread looks for exited services (its health checks are HealthSupervisor's).
+_WATCH_INTERVAL = 0.5
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -73,6 +88,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="grouped speculative decoding (default on, or SEER_WORKER_SPECULATION)")
     p.add_argument("--base-port", type=int, default=0, help="first port (0 = any free ports)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON only")
+    p.add_argument("--health-grace", type=positive_seconds, default=HEALTH_GRACE_SECONDS,
+                   help="end the demo when a service's gRPC health answers NOT_SERVING for longer than this "
+                        f"(default {HEALTH_GRACE_SECONDS:.0f} s, as `seer up`, which restarts it instead; inf: never)")
     return p.parse_args(list(argv))
 
 
@@ -86,26 +104,85 @@ class _Interrupted(BaseException):
 class _DemoStop(StopRequest):
     """`seer up`'s stop request (polled by Suite.start), plus `armed`: while set, the handler also
     raises _Interrupted. A flag alone is not enough there: rollout.run blocks in the result stream,
-    which polls nothing, and could wait out its one-hour timeout."""
+    which polls nothing, and could wait out its one-hour timeout. `failed`: set by the watch thread
+    (_Watch) when a service failed; its WAKE_SIGNAL ends the rollout the same way (wake).
+    `wakeable`: whether wake is WAKE_SIGNAL's handler (main() on the main thread: signals_to); without
+    it a failed service is reported once the rollout ends, not as it fails."""
 
     def __init__(self) -> None:
         super().__init__()
         self.armed = False
+        self.failed = False
+        self.wakeable = False
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         super().handle(signum, frame)
+        self._raise_once(signum)
+
+    def wake(self, signum: int, _frame: FrameType | None) -> None:
+        """WAKE_SIGNAL's handler: ends the rollout when a service failed (a WAKE_SIGNAL from
+        elsewhere, with none failed, changes nothing)."""
+        if self.failed:
+            self._raise_once(signum)
+
+    def _raise_once(self, signum: int) -> None:
         if self.armed:
             self.armed = False  # raised once only: a second signal must not break the cancel or the stop
             raise _Interrupted(signum)
 
 
+class _Watch:
+    """`seer up`'s HealthSupervisor on a thread while the rollout runs (the main thread is blocked in
+    the result stream): a service that exits, or answers NOT_SERVING for longer than the grace, is
+    reported on stderr with its log files, and ends the rollout (stop.failed, then WAKE_SIGNAL to the
+    main thread). Before, the demo noticed neither: a dead or broken worker left the batch waiting
+    out the rollout's one-hour timeout.
+
+    Never a restart (HealthSupervisor's limit 0): the demo is a one-shot check that the suite
+    works, so a service that broke is its result, to be shown with an exit status 1, not papered
+    over with a summary that looks normal; and a restart waits out the grace and a model load,
+    longer than the demo's batch. `seer up`, which serves for hours, restarts instead."""
+
+    def __init__(self, suite: Suite, stop: _DemoStop, grace: float) -> None:
+        self._stop = stop
+        self._say = lambda line: print(line, file=sys.stderr, flush=True)
+        self._suite = suite
+        self.health = HealthSupervisor(suite.services, self._say, command="seer demo", grace=grace, limit=0)
+        self._done = threading.Event()
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, name="seer-demo-watch", daemon=True)
+
+    def __enter__(self) -> _Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        # Before the suite is stopped: its own SIGTERMs are no failures.
+        self._done.set()
+        self._thread.join()
+
+    def failed(self) -> list[str]:
+        return sorted(self.health.failed())
+
+    def _run(self) -> None:
+        while not self._done.wait(_WATCH_INTERVAL):
+            for name in self.health.tick(self._done):
+                s = self._suite.services[name]
+                self._say(f"seer demo: {name} exited with code {s.returncode}; {see_logs(s)}")
+            if self.health.failed():
+                self._stop.failed = True
+                if self._stop.wakeable and self._main is not None:
+                    signal.pthread_kill(self._main, WAKE_SIGNAL)
+                return
+
+
 def _rollout(stop: _DemoStop, address: str, groups: Sequence[Any], progress: bool) -> tuple[list[Any], float] | None:
-    """rollout.run, or None when a signal stopped it (the batch is cancelled by then)."""
+    """rollout.run, or None when a signal or a failed service stopped it (the batch is cancelled by then)."""
     try:
         # Armed before the check: a signal in between either set the flag (seen here) or raises.
         stop.armed = True
         try:
-            if stop.is_set():  # a signal after the suite was up but before the rollout
+            if stop.is_set() or stop.failed:  # after the suite was up but before the rollout
                 return None
             return rollout.run(address, groups, f"demo-{uuid.uuid4().hex[:8]}", progress=progress)
         finally:
@@ -132,7 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = _DemoStop()
     # From before Suite(), which creates the temporary data directory: from here on a signal must
     # not end the process before that directory is removed.
-    with signals_to(stop.handle):
+    # WAKE_SIGNAL too: only the watch thread sends it (installed from here on: its default action
+    # would end the process).
+    with signals_to(stop.handle), signals_to(stop.wake, (WAKE_SIGNAL,)) as stop.wakeable:
         try:
             # Only the options given are chosen values (as in `seer up`); the embedded model is a
             # default too, which SEER_WORKER_MODEL_DIR / SEER_BUFFER_MODEL_DIR override.
@@ -169,18 +248,27 @@ def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, 
         groups = rollout.build_groups(prompts, args.group_size, args.max_tokens, temperature=args.temperature,
                                       seed=args.seed)
         say(f"rollout: {len(groups)} prompts x {args.group_size} samples, up to {args.max_tokens} tokens each")
-        try:
-            done = _rollout(stop, suite.address, groups, progress=not args.json)
-        except BatchCancelled as e:  # by someone else (an operator): said so, as `seer rollout` does
-            print(f"seer demo: {rollout.cancelled_elsewhere(e)}", file=sys.stderr)
-            failed = True
-            return 1
-        except (ValueError, TimeoutError, SeerError) as e:
-            print(f"seer demo: {e}", file=sys.stderr)
-            failed = True
-            return 1
+        done: tuple[list[Any], float] | None = None
+        watch = _Watch(suite, stop, args.health_grace)
+        with watch:
+            try:
+                done = _rollout(stop, suite.address, groups, progress=not args.json)
+            except BatchCancelled as e:  # by someone else (an operator): said so, as `seer rollout` does
+                print(f"seer demo: {rollout.cancelled_elsewhere(e)}", file=sys.stderr)
+                failed = True
+            except (ValueError, TimeoutError, SeerError) as e:
+                print(f"seer demo: {e}", file=sys.stderr)
+                failed = True
         if done is not None and not stop.is_set():
             _show(args, *done, say)
+        # After the watch ended: its findings are final. A failure that came as the rollout ended
+        # (the wake then raised nothing) fails the demo as well.
+        broken = watch.failed()
+        if broken:
+            stopped = "" if done is not None or failed or stop.is_set() else "; the rollout was stopped"
+            print(f"seer demo: service(s) failed while the demo ran ({', '.join(broken)}){stopped}",
+                  file=sys.stderr)
+            failed = True
     except Exception:
         failed = True
         raise
@@ -196,7 +284,7 @@ def _run(args: argparse.Namespace, prompts: list[dict[str, Any]], suite: Suite, 
             print(f"seer demo: stopped by {stop.describe()}", file=sys.stderr)
     if stop.is_set():
         return 128 + stop.signum
-    return 1 if bad else 0
+    return 1 if bad or failed else 0
 
 
 def _show(args: argparse.Namespace, results: list[Any], wall: float, say: Callable[..., None]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 
@@ -39,18 +39,20 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def signals_to(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    """SIGINT and SIGTERM go to `handler` inside the block; the previous handlers come back after it
-    (a command's main() also runs inside other programs and tests).
+def signals_to(handler: Callable[[int, FrameType | None], None],
+               signals: Sequence[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[bool]:
+    """`signals` (SIGINT and SIGTERM unless told) go to `handler` inside the block; the previous
+    handlers come back after it (a command's main() also runs inside other programs and tests).
+    Yields whether the handler was installed.
 
     On a thread other than the main one nothing is installed (signal.signal works on the main thread
     only): a caller that runs the command on a thread keeps its own handling."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield False
         return
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, handler) for sig in signals}
     try:
-        yield
+        yield True
     finally:
         for sig, previous in old.items():
             # None: a handler installed from C, which Python cannot put back; the default then.

@@ -13,21 +13,23 @@ Each service binds 127.0.0.1 unless its configuration says otherwise (SEER_<SERV
 --host / --config in a Suite's extra_args); the suite dials it, for health checks and for the
 other services' wiring, on that host (127.0.0.1 for a wildcard host: see dial_host).
 
-While the suite runs, `seer up` supervises it (see HealthSupervisor): a service that exits is
-reported (and the buffer's or scheduler's exit stops the suite); a service whose gRPC health answers
-NOT_SERVING for longer than --health-grace (default 60 s, as the Helm liveness probe: a worker whose
-engine a failed weight load broke stays NOT_SERVING for good) is restarted, with a line on stderr,
-at most HEALTH_RESTART_LIMIT times in a row without serving in between (then it is reported and
-left as it is). A service that does not answer at all is left alone while its process lives: it may
-only be busy.
+While the suite runs, `seer up` supervises it (see HealthSupervisor, which `seer demo` shares): a
+service that exits is reported, naming its log files (and the buffer's or scheduler's exit stops the
+suite); a service whose gRPC health answers NOT_SERVING for longer than --health-grace (default
+60 s, as the Helm liveness probe: a worker whose engine a failed weight load broke stays NOT_SERVING
+for good) is restarted, with a line on stderr, at most HEALTH_RESTART_LIMIT times in a row without
+serving in between (then it is reported and left as it is). A service that does not answer at all
+is left alone while its process lives: it may only be busy.
 
-Exit status: 0 when every service ran until the stop and drained cleanly; 1 when the suite could
-not start, a service exited on its own while it ran (a crash of the buffer or scheduler also stops
-the suite: nothing works without them), had to be restarted for its health, or a service did not
-stop cleanly; the data directory, with the services' logs, is then kept even when it is the default
-temporary one. 128 + the signal number when stopped by a signal before the suite was up; 2 when a
-flag, or a service's configuration (its SEER_<SERVICE>_* variables included), is refused (before
-anything starts).
+Exit status: 0 when every service ran until the stop (or was restarted for its health and answered
+SERVING since: the restart mended it) and drained cleanly; 1 when the suite could not start, a
+service exited on its own while it ran (a crash of the buffer or scheduler also stops the suite:
+nothing works without them), a restart for its health did not mend a service (the restart limit
+reached, or not SERVING since its last restart at the stop), or a service did not stop cleanly. The
+data directory, with the services' logs, is then kept even when it is the default temporary one; so
+it is after a restart that mended its service (the broken launch's log tells why). 128 + the signal
+number when stopped by a signal before the suite was up; 2 when a flag, or a service's configuration
+(its SEER_<SERVICE>_* variables included), is refused (before anything starts).
 
 An option given here is passed to its services as a flag and overrides their SEER_<SERVICE>_<FIELD>
 variable (a warning names both); one left out yields to that variable or a config file, else the
@@ -374,6 +376,12 @@ HEALTH_RESTART_LIMIT = 3
 HEALTH_RESTART_STOP_TIMEOUT = 15.0
 
 
+def see_logs(s: ServiceProcess) -> str:
+    """Where a line about service `s` sends the reader: its structured log (stderr: a crash's
+    traceback is there) and its stdout file (what it printed, console tracing's spans)."""
+    return f"see {s.stderr_path} (stdout {s.stdout_path})"
+
+
 @dataclass
 class _HealthState:
     """HealthSupervisor's record of one service."""
@@ -391,24 +399,32 @@ class _HealthState:
 
 
 class HealthSupervisor:
-    """Restarts a running service whose gRPC health answers NOT_SERVING continuously for longer
-    than `grace` seconds: a worker whose engine is broken (services/worker/README.md, Weights) is
-    alive and useless until restarted, and `seer up` only watched for exits. Only a NOT_SERVING
-    answer counts: any other answer (SERVING, no answer in time, UNKNOWN) ends the run, so a busy
-    service that does not answer is never killed by this rule (a dead one is the exit handling's).
+    """Watches a running suite's services, for `seer up` and `seer demo`: a service that exits is
+    reported (tick returns it), and one whose gRPC health answers NOT_SERVING continuously for
+    longer than `grace` seconds is restarted (a worker whose engine is broken, services/worker/
+    README.md, Weights, is alive and useless until restarted), at most `limit` times in a row
+    without a SERVING answer in between; then it is given up on (reported once, left as it is).
+    limit 0 (`seer demo`): never restarted, given up on at the first overrun of the grace.
+    Only a NOT_SERVING answer counts: any other answer (SERVING, no answer in time, UNKNOWN) ends
+    the run, so a busy service that does not answer is never killed by this rule (a dead one is
+    the exit handling's).
 
     tick() does not wait for a restart's SIGTERM: it starts the process again on a later tick, once
     the old one is gone, so a Ctrl-C or another service's exit is still noticed meanwhile. Only a
     process that outlives HEALTH_RESTART_STOP_TIMEOUT is SIGKILLed and waited for (bounded: the
     kill's own wait), and each health check waits up to a second for its answer. `say` gets one line
-    per restart or give-up."""
+    per restart or give-up, prefixed with `command`."""
 
     def __init__(self, services: Mapping[str, ServiceProcess], say: Callable[[str], None], *,
-                 grace: float = HEALTH_GRACE_SECONDS, interval: float = HEALTH_CHECK_INTERVAL,
-                 limit: int = HEALTH_RESTART_LIMIT, stop_timeout: float = HEALTH_RESTART_STOP_TIMEOUT,
-                 check: Callable[[str], str] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 command: str = "seer up", grace: float = HEALTH_GRACE_SECONDS,
+                 interval: float = HEALTH_CHECK_INTERVAL, limit: int = HEALTH_RESTART_LIMIT,
+                 stop_timeout: float = HEALTH_RESTART_STOP_TIMEOUT, check: Callable[[str], str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if limit < 0:
+            raise ValueError(f"limit: must be >= 0, got {limit}")
         self._services = services
         self._say = say
+        self._command = command
         self.grace = grace
         # A few checks within the grace, so that it is not overshot by a whole interval.
         self.interval = max(0.25, min(interval, grace / 4))
@@ -418,19 +434,40 @@ class HealthSupervisor:
         self._check = check or (lambda address: health_status(address))
         self._clock = clock
         self._state = {name: _HealthState() for name in services}
+        # Services that exited on their own (not for a restart of ours), in the order noticed.
+        self.exited: list[str] = []
 
     def restarting(self, name: str) -> bool:
         """Whether `name` is being restarted (its process may be gone: no exit to report)."""
         return self._state[name].kill_at is not None
 
-    def troubled(self) -> set[str]:
-        """The services restarted for their health, or left NOT_SERVING at the limit."""
-        return {n for n, st in self._state.items() if st.restarts or st.given_up}
+    def failed(self) -> set[str]:
+        """The services that failed: exited on their own, given up on, or restarted for their
+        health and not seen SERVING since the last restart (one still restarting, or broken again).
+        A service that a restart mended (SERVING since) is no failure: see recovered()."""
+        return set(self.exited) | {n for n, st in self._state.items() if st.given_up or st.in_a_row}
 
-    def tick(self, stop: StopFlag | None = None) -> None:
+    def recovered(self) -> set[str]:
+        """The services restarted for their health that answered SERVING since (and did not exit)."""
+        return {n for n, st in self._state.items() if st.restarts and not st.in_a_row and not st.given_up} - set(
+            self.exited)
+
+    def check_restarted(self) -> None:
+        """A health check now of each service restarted and not seen SERVING since (before the
+        suite is stopped): the last restart may have mended it less than a check interval ago."""
+        for name, s in self._services.items():
+            st = self._state[name]
+            # Only a SERVING answer is taken: no restart or give-up is started on the way out.
+            if st.in_a_row and not st.given_up and st.kill_at is None and s.alive() \
+                    and self._check(s.address) == "SERVING":
+                st.in_a_row, st.since = 0, None
+
+    def tick(self, stop: StopFlag | None = None) -> list[str]:
+        """One round of health checks (each service at most once per interval) and restarts, then
+        the exit check; returns the services that exited on their own since the last tick."""
         for name, s in self._services.items():
             if stop is not None and stop.is_set():
-                return  # each check may take a second: a Ctrl-C is not held up by the rest
+                break  # each check may take a second: a Ctrl-C is not held up by the rest
             st = self._state[name]
             now = self._clock()
             if st.kill_at is not None:
@@ -438,6 +475,13 @@ class HealthSupervisor:
             elif s.alive() and now >= st.next_check:
                 st.next_check = now + self.interval
                 self._observe(s, st, self._check(s.address), now)
+        exited = []
+        for name, s in self._services.items():
+            # A process being restarted here did not exit on its own.
+            if not s.alive() and name not in self.exited and not self.restarting(name):
+                self.exited.append(name)
+                exited.append(name)
+        return exited
 
     def _observe(self, s: ServiceProcess, st: _HealthState, status: str, now: float) -> None:
         if status != "NOT_SERVING":
@@ -453,14 +497,15 @@ class HealthSupervisor:
         since = f"NOT_SERVING since {datetime.fromtimestamp(st.since_wall):%H:%M:%S} ({now - st.since:.0f} s)"
         if st.in_a_row >= self.limit:
             st.given_up = True
-            self._say(f"seer up: {s.name} {since}; not restarted again: {st.in_a_row} restart(s) in a row "
-                      f"did not mend it; see {s.stderr_path}")
+            why = (f"not restarted again: {st.in_a_row} restart(s) in a row did not mend it" if self.limit
+                   else f"longer than the {self.grace:g} s grace")
+            self._say(f"{self._command}: {s.name} {since}; {why}; {see_logs(s)}")
             return
         st.restarts += 1
         st.in_a_row += 1
         st.since = None
-        self._say(f"seer up: {s.name} {since}; restarting it (restart {st.restarts}, "
-                  f"{st.in_a_row} of at most {self.limit} in a row); see {s.stderr_path}")
+        self._say(f"{self._command}: {s.name} {since}; restarting it (restart {st.restarts}, "
+                  f"{st.in_a_row} of at most {self.limit} in a row); {see_logs(s)}")
         log.warning("restarting a service that is NOT_SERVING",
                     extra=kv(service=s.name, restarts=st.restarts, pid=s.pid))
         s.signal(signal.SIGTERM)
@@ -1151,33 +1196,38 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int
         # spans included (SEER_TRACING=console); the .log holds its structured log (stderr).
         print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']}, stdout {ep['out']})")
     print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
-    exited: set[str] = set()  # services that exited on their own while the suite ran
     central_down = ""
     health = HealthSupervisor(suite.services, lambda line: print(line, file=sys.stderr, flush=True),
                               grace=args.health_grace)
     while not stop.is_set() and not central_down:
         time.sleep(0.5)
-        health.tick(stop)
-        for name, s in suite.services.items():
-            # A process the health supervision is restarting did not exit on its own.
-            if not s.alive() and name not in exited and not health.restarting(name):
-                exited.add(name)
-                print(f"warning: {name} exited with code {s.returncode}; see {s.stderr_path}", flush=True)
-                if name in CENTRAL_SERVICES:
-                    central_down = central_down or name
+        for name in health.tick(stop):
+            s = suite.services[name]
+            print(f"warning: {name} exited with code {s.returncode}; {see_logs(s)}", flush=True)
+            if name in CENTRAL_SERVICES:
+                central_down = central_down or name
     if central_down:
         # Serving on with no buffer or scheduler would accept no batch (or never finish one) while
         # looking up: stop, so that whoever runs `seer up` sees the failure.
         print(f"seer up: {central_down} is down; the suite cannot work without it", file=sys.stderr, flush=True)
+    # A service restarted shortly before the stop may serve again without a check having seen it.
+    health.check_restarted()
     print("stopping ...", flush=True)
     bad = stop_keeping_data(suite, lambda line: print(line, flush=True))
-    # A service restarted for its health failed too: its log (the broken launch's included, the
-    # log is appended to) is kept.
-    failed = exited | set(bad) | health.troubled()
+    # A restart that mended its service (SERVING since) is no failure: the suite served on. Before,
+    # every service ever restarted counted as failed, and a recovered suite stopped cleanly exited 1.
+    failed = health.failed() | set(bad)
     if failed:
         print(f"seer up: service(s) failed ({', '.join(sorted(failed))}); logs kept in {suite.log_dir}",
               file=sys.stderr)
         return 1
+    recovered = health.recovered()
+    if recovered:
+        # Exit 0, but the broken launch's log (appended to by the new launch) is the only record of
+        # what broke: kept, even in the temporary data directory.
+        print(f"seer up: restarted for their health and SERVING since: {', '.join(sorted(recovered))}; "
+              f"logs kept in {suite.log_dir}", file=sys.stderr)
+        return 0
     suite.remove_data()
     return 0
 

@@ -68,3 +68,36 @@ def finish(p: subprocess.Popen[str], timeout: float) -> tuple[int | None, str, s
         p.send_signal(signal.SIGKILL)
         out, err = p.communicate(timeout=30)
         return None, out, err
+
+
+# Python lines for a `seer up` / `seer demo` run in a subprocess: its workers are real workers whose
+# engine turns broken on cue (breakable_worker.py, started through services.cli.launch as any
+# service); run with breakable_env's environment.
+BREAKABLE_WORKERS = """
+from services.cli import up as _up
+_command = _up.ServiceProcess.command
+def _breakable(self):
+    cmd = _command(self)
+    if self.section == "worker":
+        cmd[cmd.index("--") + 1] = "breakable_worker"
+    return cmd
+_up.ServiceProcess.command = _breakable
+"""
+
+
+def breakable_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a command run with BREAKABLE_WORKERS: breakable_worker importable by the
+    services, its marks in <tmp_path>/marks (created), the suite's temporary data directory under
+    tmp_path (TMPDIR)."""
+    marks = tmp_path / "marks"
+    marks.mkdir(exist_ok=True)
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, SEER_TEST_MARKS=str(marks), PYTHONPATH=path, TMPDIR=str(tmp_path))
+
+
+def launches(tmp_path: Path, name: str) -> list[int]:
+    """The pids of service `name`'s launches so far (breakable_worker.py, the stand-ins of
+    test_cli_up_health.py), in order."""
+    path = tmp_path / "marks" / f"{name}.launches"
+    return [int(x) for x in path.read_text().split()] if path.exists() else []

@@ -34,6 +34,7 @@ class _NoSuite:
     def __init__(self, **_kw: Any) -> None:
         self.address = "127.0.0.1:1"
         self.log_dir = Path("/nonexistent")
+        self.services: dict[str, Any] = {}  # nothing for the demo's health supervision to watch
 
     def start(self, **_kw: Any) -> _NoSuite:
         return self
