@@ -15,7 +15,8 @@ def start(cfg: BufferConfig) -> tuple[RunningServer, BufferCore]:
     core = BufferCore(Store(cfg.data_dir, sync=cfg.sync_writes), model,
                       max_requests_per_batch=cfg.max_requests_per_batch,
                       history_iterations=cfg.history_iterations, retain_batches=cfg.retain_batches,
-                      watch_queue_events=cfg.watch_queue_limit(), results_page_bytes=cfg.results_page_bytes)
+                      watch_queue_events=cfg.watch_queue_limit(), results_page_bytes=cfg.results_page_bytes,
+                      history_iteration_responses=cfg.history_iteration_responses)
     try:
         running = start_server("buffer", cfg, add_servicers(core, cfg), on_stop=core.close)
     except Exception:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.buffer.events import default_watch_queue
+from services.buffer.records import HISTORY_ITERATION_RESPONSES
 from services.common.config import ServiceConfig
 from services.common.streams import check_stream_limit, default_stream_limit
 
@@ -31,7 +32,13 @@ class BufferConfig(ServiceConfig):
         default=0, metadata={"help": "max prompt + max_tokens (0 = model max_position_embeddings, else 8192)"}
     )
     max_requests_per_batch: int = field(default=65536, metadata={"help": "bound on sum of group sizes"})
-    history_iterations: int = field(default=2, metadata={"help": "finished iterations kept per prompt key"})
+    history_iterations: int = field(
+        default=2, metadata={"help": "history iterations (policy versions) kept per prompt key"})
+    history_iteration_responses: int = field(
+        default=HISTORY_ITERATION_RESPONSES,
+        metadata={"help": "responses one history iteration (a prompt key's policy version) keeps at most, the "
+                          "oldest going first; a completing batch's own responses to the key are kept whole"},
+    )
     retain_batches: int = field(
         default=1024,
         metadata={"help": "finished (completed/cancelled) batches kept with their results; older ones are "
@@ -77,6 +84,8 @@ class BufferConfig(ServiceConfig):
             raise ValueError("retain_batches: must be >= 0")
         if self.history_iterations < 1:
             raise ValueError("history_iterations: must be >= 1")
+        if self.history_iteration_responses < 1:
+            raise ValueError(f"history_iteration_responses: must be >= 1, got {self.history_iteration_responses}")
         if self.switch_timeout_seconds <= 0:
             raise ValueError("switch_timeout_seconds: must be > 0")
         check_stream_limit("max_streams", self.max_streams, self.max_workers, "unary calls (CommitChunk)")

@@ -41,6 +41,7 @@ from services.buffer.events import (
 )
 from services.buffer.model import ModelInfo
 from services.buffer.records import (
+    HISTORY_ITERATION_RESPONSES,
     BatchRecord,
     BatchState,
     ChunkRecord,
@@ -54,12 +55,16 @@ from services.buffer.records import (
     RequestState,
     RolloutResult,
     Sampling,
+    add_iteration,
+    by_version,
     decode_history,
     encode_history,
 )
 from services.buffer.store import Store
 from services.buffer.validation import (
     content_hash,
+    legacy_content_hash,
+    typed_groups,
     validate_batch,
     validate_batch_id,
     validate_seed_scope,
@@ -177,6 +182,16 @@ class UnreadableResult:
 
     batch_id: str
     cursor: int
+    error: RecordError
+
+
+@dataclass(frozen=True)
+class UnreadableRequest:
+    """A stored request record this buffer cannot decode (RecordError: its key and field), shown in
+    a GetBatch's request list as unknown (get_batch's `unreadable`). request_id: from its key."""
+
+    batch_id: str
+    request_id: str
     error: RecordError
 
 
@@ -343,13 +358,17 @@ class BufferCore:
     def __init__(self, store: Store, model: ModelInfo, *, max_requests_per_batch: int = 65536,
                  history_iterations: int = 2, retain_batches: int = 0,
                  watch_queue_events: int = 0, results_page_bytes: int = DEFAULT_RESULTS_PAGE_BYTES,
+                 history_iteration_responses: int = HISTORY_ITERATION_RESPONSES,
                  clock: Callable[[], float] = time.time) -> None:
         if results_page_bytes < 1:
             raise ValueError(f"results_page_bytes: must be > 0, got {results_page_bytes}")
+        if history_iteration_responses < 1:
+            raise ValueError(f"history_iteration_responses: must be >= 1, got {history_iteration_responses}")
         self._store = store
         self._model = model
         self._max_requests = max_requests_per_batch
-        self._history_n = history_iterations
+        self._history_n = history_iterations  # policy versions kept per prompt key
+        self._iteration_responses = history_iteration_responses  # responses one version keeps (oldest go)
         self._retain = retain_batches
         self._page_bytes = results_page_bytes
         self._clock = clock
@@ -547,11 +566,21 @@ class BufferCore:
         validate_submission_token(submission_token)
         if seed_scope == batch_id:
             seed_scope = ""  # the default, spelled out: the same seeds, so the same submission
+        sent = groups
+        # Typed before hashing: hashed as sent, a numpy integer failed json (INTERNAL) and `seed=3.0`
+        # was other content than `seed=3`, so a retry spelling it the other way was ALREADY_EXISTS.
+        # Typing depends on no limit of this buffer (see below); it leaves well-typed groups as they
+        # are, so their hash is the one stored before.
+        groups = typed_groups(groups)
         digest = content_hash(batch_id, groups, seed_scope)
+
+        def legacy() -> str | None:  # what an older buffer stored for odd spellings (see _existing)
+            return legacy_content_hash(batch_id, sent, seed_scope)
+
         # A stored batch is looked up before the content is validated: it was valid when accepted,
         # and a retry after a restart with other limits (max_context, max_requests_per_batch, model)
         # must still get already_submitted, not an error about a batch that is running.
-        existing = self._existing(batch_id, digest)
+        existing = self._existing(batch_id, digest, legacy)
         if existing is not None:
             return existing
         valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
@@ -587,7 +616,7 @@ class BufferCore:
         with self._lock:
             self._check_open()
             # Again under the lock: the same batch may have been stored by a concurrent call.
-            existing = self._existing(batch_id, digest)
+            existing = self._existing(batch_id, digest, legacy)
             if existing is not None:
                 return existing
             if self._switching:
@@ -658,14 +687,19 @@ class BufferCore:
         return [_build_work_item(live, groups[live.rec.group_index], version, submit_seq, trace_context)
                 for live in lives]
 
-    def _existing(self, batch_id: str, digest: str) -> SubmitOutcome | None:
-        """The outcome of resubmitting a stored batch (same content), or None when it is new."""
+    def _existing(self, batch_id: str, digest: str, legacy: Callable[[], str | None] = lambda: None
+                  ) -> SubmitOutcome | None:
+        """The outcome of resubmitting a stored batch (same content), or None when it is new.
+        legacy: the submission's hash as sent (validation.legacy_content_hash), computed only when
+        `digest` (of its typed groups) differs from the stored one: a batch an older buffer stored
+        with an odd spelling (`seed=3.0`) holds that hash, and its caller's retry is still the same
+        content."""
         with self._lock:
             self._check_open()
             existing = self._batches.get(batch_id)
         if existing is None:
             return None
-        if existing.content_hash != digest:
+        if existing.content_hash != digest and existing.content_hash != legacy():
             raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content", field="batch_id")
         return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version, existing.submit_seq)
 
@@ -957,8 +991,10 @@ class BufferCore:
     # ---- history (RhymeRL) ---------------------------------------------------------------------
 
     def _build_history(self, completing: _CompletesBatch) -> _BuiltHistory:
-        """The completing batch as the newest iteration of each of its prompt keys: the history
-        values its completing commit writes. Runs outside _lock, holding _history_lock: the batch's
+        """The completing batch's responses added to the iteration of its policy version of each of
+        its prompt keys (records.add_iteration: merged into it when the key has one, else a new
+        iteration; the newest `history_iterations` versions kept): the history values its
+        completing commit writes. Runs outside _lock, holding _history_lock: the batch's
         results log holds every response but `last` and does not change until that commit (nothing
         else appends, and retention deletes finished batches only; a reused id fails _BuiltHistory's
         check), and history keys are written only under _history_lock."""
@@ -987,23 +1023,29 @@ class BufferCore:
             it.token_ids.append(r.token_ids)
         wb = self._store.new_batch()
         for key, it in per_key.items():
-            raw = self._store.get(keys.history_key(key))
-            older = decode_history(raw, key=keys.history_key(key)) if raw else []
-            wb.put(keys.history_key(key), encode_history([it, *older][: self._history_n]))
+            # An iteration is a policy version, not a batch: a batch split into two submissions, or
+            # a prompt in two batches of one version, was two iterations, and the second pushed a
+            # genuinely earlier version's responses out of the `history_iterations` kept (the draft
+            # service counts versions too: services/draft/README.md "History iterations").
+            kept = add_iteration(self._read_history(key), it, self._history_n, self._iteration_responses)
+            if kept is not None:
+                wb.put(keys.history_key(key), encode_history(kept))
         return _BuiltHistory(batch, wb)
 
     def history(self, prompt_key: str) -> list[HistoryIteration]:
-        """All kept iterations of a prompt key, newest first (tokens for history drafts)."""
+        """All kept iterations (policy versions) of a prompt key, newest first (tokens for history
+        drafts)."""
         with self._reading():
             return self._read_history(prompt_key)
 
     def _read_history(self, prompt_key: str) -> list[HistoryIteration]:
         """Read and decoded outside the lock, in _reading (a key's iterations with tokens are MBs:
         GetHistory's 64 of them under it stalled every commit). A key's value is written whole, so
-        a commit rewriting it meanwhile is seen entirely or not at all."""
+        a commit rewriting it meanwhile is seen entirely or not at all. By version (records.by_version):
+        a record an older buffer wrote holds one iteration per batch."""
         key = keys.history_key(prompt_key)
         raw = self._store.get(key)
-        return decode_history(raw, key=key) if raw else []
+        return by_version(decode_history(raw, key=key), self._iteration_responses) if raw else []
 
     def newest_history(self, prompt_keys: list[str], *, with_tokens: bool = False) -> HistoryReply:
         """GetHistory: the newest kept iteration of each known key (keys without history are left
@@ -1250,7 +1292,17 @@ class BufferCore:
 
     # ---- batch status and cancellation ---------------------------------------------------------
 
-    def get_batch(self, batch_id: str, include_requests: bool = False) -> BatchStatus:
+    def get_batch(self, batch_id: str, include_requests: bool = False,
+                  unreadable: list[UnreadableRequest] | None = None) -> BatchStatus:
+        """The batch's state and counts; with include_requests, every request's status in order.
+
+        unreadable: None (strict) = a stored request record that cannot be decoded fails the call
+        (RecordError, DATA_LOSS naming its key and field). A list = as read_results' for results:
+        the other requests are returned, and the undecodable one keeps its place in the list as
+        unknown (its request id, from its key, with state and finish reason UNSPECIFIED and no
+        counts); it is appended to the list (logged and counted in
+        seer_buffer_unreadable_requests_total), for the caller to name (GetBatchResponse.
+        unreadable_requests). Before, one such record cost the caller every other request's status."""
         requests = []
         with contextlib.ExitStack() as reading:
             with self._lock:
@@ -1275,7 +1327,16 @@ class BufferCore:
                     records = scan
             try:
                 for k, v in records:
-                    r = RequestRecord.decode(v, key=k)
+                    try:
+                        r = RequestRecord.decode(v, key=k)
+                    except RecordError as e:
+                        if unreadable is None:
+                            raise
+                        bad = self._unreadable_request(batch_id, k, e)
+                        unreadable.append(bad)
+                        requests.append(RequestStatus(bad.request_id, RequestState.UNSPECIFIED, 0, 0,
+                                                      FinishReason.UNSPECIFIED))
+                        continue
                     requests.append(RequestStatus(r.request_id, r.state, r.generated, r.next_seq, r.finish_reason))
             except keys.ScanError as e:
                 # A read error is the call's error: the records before it are not a whole answer.
@@ -1283,6 +1344,19 @@ class BufferCore:
                                      field="batch_id") from e
         return BatchStatus(b.batch_id, b.state, b.num_requests, b.num_results, b.num_cancelled,
                            b.generated_tokens, b.policy_version, requests, b.submit_seq)
+
+    @staticmethod
+    def _unreadable_request(batch_id: str, key: bytes, e: RecordError) -> UnreadableRequest:
+        # The request id is in the key (r/<batch>/<group:06>/<sample:04>), which is always readable.
+        text = key.decode(errors="backslashreplace")
+        parts = text.split("/")
+        request_id = (f"{parts[1]}/{int(parts[2])}/{int(parts[3])}"
+                      if len(parts) == 4 and parts[2].isdigit() and parts[3].isdigit() else text)
+        # Logged at every read that meets it, as an unreadable result is (_left_out).
+        metrics.UNREADABLE_REQUESTS.inc()
+        log.error("stored request record cannot be decoded; shown as unknown in the batch's request list", extra=kv(
+            batch_id=batch_id, request_id=request_id, key=text, field=e.record_field, error=str(e)))
+        return UnreadableRequest(batch_id, request_id, e)
 
     def cancel_batch(self, batch_id: str, submission_token: str = "") -> tuple[BatchState, int]:
         """(state, requests the batch's cancellation cancelled). Idempotent: a repeat answers as the

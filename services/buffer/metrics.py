@@ -28,5 +28,10 @@ WATCH_QUEUE_LIMIT = Gauge("seer_buffer_watch_queue_limit",
 # StreamResults page) or "history" (a completing batch's prompt history).
 UNREADABLE_RESULTS = Counter("seer_buffer_unreadable_results_total",
                              "Stored results that could not be decoded, left out of a read (each read)", ["read"])
+# GetBatch with include_requests: a stored request record that could not be decoded, listed as
+# unknown (state UNSPECIFIED) and named in GetBatchResponse.unreadable_requests; each read that met one counts.
+UNREADABLE_REQUESTS = Counter(
+    "seer_buffer_unreadable_requests_total",
+    "Stored request records that could not be decoded, listed as unknown by GetBatch (each read)")
 STREAMS = Gauge("seer_buffer_open_streams", "Open long-lived streams (StreamResults + WatchWork)")
 STREAMS_REFUSED = Counter("seer_buffer_refused_streams_total", "Streams refused at max_streams", ["method"])

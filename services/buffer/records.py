@@ -470,9 +470,20 @@ class RolloutResult:
         return rec
 
 
+# Responses one history iteration of a prompt key keeps at most, besides those of the batch that
+# brings them (a batch's responses to a key are kept whole): the draft service's bound
+# (services/draft/history.py HISTORY_ITERATION_RESPONSES). An iteration is a policy version, and every
+# batch of the key at that version merges into it: a loop that never updates the weights (a
+# benchmark, an evaluation) runs every batch at one version, and without a bound that iteration, one
+# RocksDB value rewritten whole at every completing batch, grew for ever. The oldest go first.
+HISTORY_ITERATION_RESPONSES = 64
+
+
 @dataclass
 class HistoryIteration:
-    """The finished responses of one batch for one prompt key (RhymeRL history)."""
+    """The finished responses of one policy version for one prompt key (RhymeRL history): every
+    batch of the key at that version, the oldest responses first (merge_iteration). batch_id: the
+    newest batch merged into it (an older buffer stored one iteration per batch: by_version)."""
 
     batch_id: str
     policy_version: int
@@ -514,3 +525,43 @@ def decode_history(data: bytes, *, key: bytes) -> list[HistoryIteration]:
         it.done()
     f.done()
     return out
+
+
+def merge_iteration(older: HistoryIteration, newer: HistoryIteration, cap: int) -> HistoryIteration:
+    """One iteration of one version: `newer`'s responses after `older`'s. Over `cap` responses the
+    oldest go, never `newer`'s (a batch's responses to a key are kept whole, as before): lengths
+    and token ids stay paired (GetHistory sends the responses in the order of the lengths)."""
+    lengths = [*older.lengths, *newer.lengths]
+    token_ids = [*older.token_ids, *newer.token_ids]
+    excess = len(lengths) - max(cap, len(newer.lengths))
+    if excess > 0:
+        del lengths[:excess], token_ids[:excess]
+    return HistoryIteration(newer.batch_id, newer.policy_version, lengths, token_ids)
+
+
+def by_version(iterations: list[HistoryIteration], cap: int) -> list[HistoryIteration]:
+    """A key's stored iterations as policy versions, newest version first: iterations of one
+    version merge (merge_iteration). A buffer before this one stored one iteration per batch,
+    newest first, so a version that ran several batches of the key is several iterations in its
+    records: read here as the one iteration they are now (the store format is unchanged: an older
+    buffer reads a merged iteration as one batch's, which it is to it)."""
+    merged: dict[int, HistoryIteration] = {}
+    for it in reversed(iterations):  # oldest first: each later one is the newer of a merge
+        prev = merged.get(it.policy_version)
+        merged[it.policy_version] = it if prev is None else merge_iteration(prev, it, cap)
+    return sorted(merged.values(), key=lambda it: it.policy_version, reverse=True)
+
+
+def add_iteration(iterations: list[HistoryIteration], new: HistoryIteration, keep: int, cap: int
+                  ) -> list[HistoryIteration] | None:
+    """The key's iterations (by_version's: newest version first) with a completed batch's responses
+    added: merged into its version's iteration when the key has one, else a new iteration in
+    version order; the newest `keep` versions stay. None: nothing changes (a version older than
+    every one of `keep` kept, which a buffer cannot produce: a weight update waits for the
+    batches of the version it replaces)."""
+    out = [merge_iteration(it, new, cap) if it.policy_version == new.policy_version else it for it in iterations]
+    if all(it.policy_version != new.policy_version for it in iterations):
+        if len(iterations) >= keep and all(it.policy_version > new.policy_version for it in iterations):
+            return None
+        out = sorted([*iterations, new], key=lambda it: it.policy_version, reverse=True)
+    return out[:keep]

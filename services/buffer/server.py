@@ -13,7 +13,14 @@ from seer.v1 import buffer_pb2, buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc, 
 
 from services.buffer import convert, metrics
 from services.buffer.config import BufferConfig
-from services.buffer.core import BufferCore, SwitchFn, SwitchNotStarted, UnreadableResult, VersionProbe
+from services.buffer.core import (
+    BufferCore,
+    SwitchFn,
+    SwitchNotStarted,
+    UnreadableRequest,
+    UnreadableResult,
+    VersionProbe,
+)
 from services.buffer.events import FEED_BATCH_ITEMS, Cancelled, WatcherDropped, batches, coalesce
 from services.buffer.records import RolloutResult
 from services.common import server as common_server
@@ -93,6 +100,16 @@ def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too
     return DataLoss(
         f"{len(unreadable)} stored result(s) of batch {batch_id!r} cannot be decoded and were left out of the "
         f"stream (every other result was sent): {named}{more}{also}", field="cursor")
+
+
+def unreadable_requests_text(batch_id: str, unreadable: Sequence[UnreadableRequest]) -> str:
+    """GetBatchResponse.unreadable_requests: how many request records could not be decoded and each
+    one's request id, RocksDB key and field (the first MAX_NAMED_TOO_LARGE; the rest counted)."""
+    named = "; ".join(f"request {u.request_id!r}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE])
+    more = f" and {len(unreadable) - MAX_NAMED_TOO_LARGE} more" if len(unreadable) > MAX_NAMED_TOO_LARGE else ""
+    text = (f"{len(unreadable)} stored request record(s) of batch {batch_id!r} cannot be decoded and are listed "
+            f"as unknown (state UNSPECIFIED; every other request is as stored): {named}{more}")
+    return text
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -239,7 +256,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext
                  ) -> rollout_pb2.GetBatchResponse:
         with log_context(batch_id=request.batch_id):
-            return convert.batch_to_pb(self.core.get_batch(request.batch_id, request.include_requests))
+            # A stored request record that cannot be decoded costs the caller that request's status,
+            # not every other one's (as StreamResults leaves an undecodable result out): it is
+            # listed as unknown (state UNSPECIFIED) in its place, and named, with its RocksDB key and
+            # field, in GetBatchResponse.unreadable_requests (a unary call's status cannot come with
+            # its reply).
+            unreadable: list[UnreadableRequest] = []
+            reply = convert.batch_to_pb(self.core.get_batch(request.batch_id, request.include_requests,
+                                                            unreadable=unreadable))
+            if unreadable:
+                reply.unreadable_requests = unreadable_requests_text(request.batch_id, unreadable)
+            return reply
 
     @rpc
     def CancelBatch(self, request: rollout_pb2.CancelBatchRequest, context: grpc.ServicerContext

@@ -8,6 +8,8 @@ import json
 import math
 import operator
 import re
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.buffer.model import ModelInfo
@@ -53,7 +55,11 @@ class ValidGroup:
 
 
 def content_hash(batch_id: str, groups: list[GroupSpec], seed_scope: str = "") -> str:
-    """Canonical hash of a submission as sent (idempotency key content, independent of tokenizer)."""
+    """Canonical hash of a submission (idempotency key content, independent of tokenizer), of its
+    groups as typed_groups makes them: `seed=3` and `seed=3.0` are one content, and a numpy
+    integer hashes as the int it is (json.dumps refused it: INTERNAL). Typing leaves well-typed
+    input as it is, so the hash of every such submission is the one stored before typing came
+    first; legacy_content_hash covers the rest."""
     doc: dict[str, object] = {
         "batch_id": batch_id,
         "groups": [
@@ -70,6 +76,17 @@ def content_hash(batch_id: str, groups: list[GroupSpec], seed_scope: str = "") -
         doc["seed_scope"] = seed_scope
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
     return hashlib.sha256(raw).hexdigest()
+
+
+def legacy_content_hash(batch_id: str, groups: list[GroupSpec], seed_scope: str = "") -> str | None:
+    """The hash a buffer before typed_groups stored: of the groups as sent (None when they do not
+    serialize, e.g. a numpy integer: that submission was INTERNAL then, so nothing was stored with
+    it). A batch stored so with an odd spelling (`seed=3.0`, `ignore_eos=1`) has this hash, not
+    content_hash's; its caller's retry spells it the same way, and is still already_submitted."""
+    try:
+        return content_hash(batch_id, groups, seed_scope)
+    except (TypeError, ValueError):
+        return None
 
 
 def default_prompt_key(tokens: tuple[int, ...]) -> str:
@@ -122,6 +139,26 @@ def _integer(value: object, field: str) -> int:
             except TypeError:
                 pass
     raise InvalidArgument(f"must be an integer, got {type(value).__name__} {str(value)[:60]}", field=field)
+
+
+def _typed_tokens(tokens: object, field: str) -> tuple[int, ...]:
+    """Prompt token ids as a tuple of ints. protobuf's (a tuple of ints, from convert) pass at C
+    speed, without a per-token Python loop (65,536 prompts of 1K tokens are 64M tokens). Other
+    spellings of integers (a numpy array or its integers, a list) are converted at C speed too
+    (array('q'), through __index__); only what that refuses (3.0, a bool, a huge or odd value) goes
+    through _integer, which converts it or names its index."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise InvalidArgument(f"must be a sequence of integers, got {type(tokens).__name__}", field=field)
+    seq = tokens if isinstance(tokens, tuple) else tuple(tokens)
+    types = set(map(type, seq))  # C speed
+    if types <= {int}:
+        return seq
+    if bool not in types and not any(issubclass(t, float) for t in types):
+        try:
+            return tuple(array("q", seq).tolist())
+        except (TypeError, OverflowError):
+            pass
+    return tuple(_integer(t, f"{field}[{j}]") for j, t in enumerate(seq))
 
 
 def _real(value: object, field: str) -> float:
@@ -198,17 +235,36 @@ def max_response_tokens(model: ModelInfo, prompt_key_chars: int, labels: dict[st
 
 
 def _typed_group(g: GroupSpec, f: str) -> GroupSpec:
-    """The group's scalar fields as their types (see _integer); the sampling is checked in
-    _validate_sampling. The prompt token ids are not (a per-token Python loop over 65,536 prompts
-    is seconds): the stored array (array('i')) takes only integers."""
+    """The group with every field its type (see _integer, _typed_tokens, _typed_sampling), or
+    InvalidArgument naming the field; a well-typed group comes back equal. Its limits are checked
+    in validate_group."""
     for name in ("prompt_key", "prompt_text"):
         if not isinstance(getattr(g, name), str):
             raise InvalidArgument(f"must be a string, got {type(getattr(g, name)).__name__}", field=f"{f}.{name}")
     for k, v in g.labels:
         if not isinstance(k, str) or not isinstance(v, str):
             raise InvalidArgument(f"keys and values must be strings, got {k!r}: {str(v)[:60]!r}", field=f"{f}.labels")
-    return dataclasses.replace(g, group_size=_integer(g.group_size, f"{f}.group_size"),
-                               max_tokens=_integer(g.max_tokens, f"{f}.max_tokens"))
+    return dataclasses.replace(g, prompt_token_ids=_typed_tokens(g.prompt_token_ids, f"{f}.prompt_token_ids"),
+                               group_size=_integer(g.group_size, f"{f}.group_size"),
+                               max_tokens=_integer(g.max_tokens, f"{f}.max_tokens"),
+                               sampling=_typed_sampling(g.sampling, f"{f}.sampling"))
+
+
+def typed_groups(groups: list[GroupSpec]) -> list[GroupSpec]:
+    """A submission's groups with every field its type (_typed_group), before anything reads them:
+    content_hash hashes these, so an idempotent retry that spells a value another way (`seed=3`
+    for `3.0`, a numpy integer) is the same content. It depends on no limit of the buffer (a stored
+    batch is looked up by this hash before the submission is validated against them), but the
+    group count is checked first (MAX_GROUPS_PER_BATCH, a constant): typing a million groups would
+    take seconds before the refusal."""
+    check_group_count(groups)
+    return [_typed_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
+
+
+def check_group_count(groups: list[GroupSpec]) -> None:
+    if len(groups) > MAX_GROUPS_PER_BATCH:
+        raise ResourceExhausted(f"{len(groups)} groups in one batch; at most {MAX_GROUPS_PER_BATCH} "
+                                "(split the batch)", field="groups")
 
 
 def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
@@ -278,9 +334,7 @@ def validate_batch(batch_id: str, groups: list[GroupSpec], model: ModelInfo,
     validate_seed_scope(seed_scope)
     if not groups:
         raise InvalidArgument("a batch needs at least one group", field="groups")
-    if len(groups) > MAX_GROUPS_PER_BATCH:
-        raise ResourceExhausted(f"{len(groups)} groups in one batch; at most {MAX_GROUPS_PER_BATCH} "
-                                "(split the batch)", field="groups")
+    check_group_count(groups)
     groups = [_typed_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
     for i, g in enumerate(groups):  # a group too large to run cannot be split: name it, before the total
         if not 1 <= g.group_size <= MAX_GROUP_SIZE:

@@ -120,23 +120,25 @@ def test_completed_batch_becomes_history(make_buffer: Callable[..., BufferHandle
     assert _history(h, "p", "q") == {}  # not before the batch completes
     finish_all(h.internal, items[3:], length=6)
     assert _history(h, "p", "q", "unknown") == {"p": ([2, 3, 4], 0), "q": ([6], 0)}
-    # Tokens are kept too (history drafts), newest iteration first, at most history_iterations.
+    # Tokens are kept too (history drafts), newest iteration first, at most history_iterations. An
+    # iteration is a policy version: two batches at version 1 are one iteration (the older
+    # responses first), and version 0's stays kept beside it.
     _update(h, 1)
     for n, bid in enumerate(["it2", "it3"]):
         submit(h.rollout, bid, [group(prompt_key="p", group_size=2)])
         finish_all(h.internal, snapshot(h.internal), length=3 + n)
-    assert _history(h, "p") == {"p": ([4, 4], 1)}
+    assert _history(h, "p") == {"p": ([3, 3, 4, 4], 1)}
     its = h.core.history("p")
-    assert [it.batch_id for it in its] == ["it3", "it2"]
-    assert [len(t) for t in its[0].token_ids] == [4, 4]
+    assert [(it.batch_id, it.policy_version) for it in its] == [("it3", 1), ("it1", 0)]
+    assert [len(t) for t in its[0].token_ids] == [3, 3, 4, 4]
     # A cancelled batch does not become history.
     submit(h.rollout, "it4", [group(prompt_key="p", group_size=1)])
     h.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="it4"))
-    assert _history(h, "p") == {"p": ([4, 4], 1)}
+    assert _history(h, "p") == {"p": ([3, 3, 4, 4], 1)}
     # History survives a restart.
     h.stop()
     h2 = make_buffer()
-    assert _history(h2, "p", "q") == {"p": ([4, 4], 1), "q": ([6], 0)}
+    assert _history(h2, "p", "q") == {"p": ([3, 3, 4, 4], 1), "q": ([6], 0)}
 
 
 def test_old_finished_batches_are_deleted_beyond_retention(make_buffer: Callable[..., BufferHandle]) -> None:
@@ -152,7 +154,7 @@ def test_old_finished_batches_are_deleted_beyond_retention(make_buffer: Callable
         (only,) = h.rollout.StreamResults(rollout_pb2.StreamResultsRequest(batch_id=b), timeout=10)
         assert only.result.request_id == f"{b}/0/0"
     assert not list(h.core._store.scan(b"r/r0/")) and not list(h.core._store.scan(b"l/r0/"))
-    assert _history(h, "p") == {"p": ([4], 0)}  # history outlives the batches
+    assert _history(h, "p") == {"p": ([2, 3, 4], 0)}  # history outlives the batches (one version: merged)
     # A cancel also counts as finishing a batch; running batches are never deleted.
     h.rollout.CancelBatch(rollout_pb2.CancelBatchRequest(batch_id="live"))
     expect_error(lambda: h.rollout.GetBatch(rollout_pb2.GetBatchRequest(batch_id="r1")), grpc.StatusCode.NOT_FOUND)

@@ -757,6 +757,7 @@ class SeerClient:
             requests=[RequestStatus(r.request_id, _REQUEST_STATE.get(r.state, str(r.state)), r.generated_tokens,
                                     r.num_chunks, _FINISH.get(r.finish_reason, str(r.finish_reason)))
                       for r in b.requests],
+            unreadable_requests=b.unreadable_requests,
         )
 
     def cancel_batch(self, batch_id: str, *, submission_token: str = "") -> int:

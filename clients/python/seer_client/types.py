@@ -82,6 +82,9 @@ class BatchStatus:
     policy_version: int
     requests: list[RequestStatus]
     submission_id: int = 0  # the batch id's current submission (SubmitResult.submission_id)
+    # With include_requests: "" when every stored request record was read; else the buffer's
+    # account of those it could not decode (listed in `requests` as state "unspecified").
+    unreadable_requests: str = ""
 
     @property
     def done(self) -> bool:

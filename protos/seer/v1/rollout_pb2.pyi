@@ -165,7 +165,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[RequestState, str]] = ..., generated_tokens: _Optional[int] = ..., num_chunks: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class GetBatchResponse(_message.Message):
-    __slots__ = ("batch_id", "state", "num_requests", "num_finished", "num_cancelled", "generated_tokens", "policy_version", "requests", "submission_id")
+    __slots__ = ("batch_id", "state", "num_requests", "num_finished", "num_cancelled", "generated_tokens", "policy_version", "requests", "submission_id", "unreadable_requests")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class GetBatchResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
+    UNREADABLE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     state: BatchState
     num_requests: int
@@ -184,7 +185,8 @@ class GetBatchResponse(_message.Message):
     policy_version: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
     submission_id: int
-    def __init__(self, batch_id: _Optional[str] = ..., state: _Optional[_Union[BatchState, str]] = ..., num_requests: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., submission_id: _Optional[int] = ...) -> None: ...
+    unreadable_requests: str
+    def __init__(self, batch_id: _Optional[str] = ..., state: _Optional[_Union[BatchState, str]] = ..., num_requests: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_cancelled: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., policy_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ..., submission_id: _Optional[int] = ..., unreadable_requests: _Optional[str] = ...) -> None: ...
 
 class CancelBatchRequest(_message.Message):
     __slots__ = ("batch_id", "submission_token")
