@@ -502,6 +502,7 @@ class Worker:
                 is_probe=job.is_probe,
                 dispatch_epoch=job.dispatch_epoch,
                 submit_seq=job.submit_seq,
+                policy_version=job.policy_version,
             )
             act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic())
             # A continuation (pages from first_page on) attaches to the prefix pages cached here when
@@ -1564,7 +1565,10 @@ class Worker:
         # batch id: the same prompt, group and request ids) from the completed old one. Called for
         # a group known here too (local; the client sends RegisterGroup again only when the group
         # may have completed on the server): a mirror still following the old run's group would
-        # take the new run's chunk into it.
+        # take the new run's chunk into it. It carries the chunk's policy version too (the version
+        # checked admissible here: the one served), the group's history iteration on the draft
+        # server, so groups of one prompt key at one version merge into one iteration; the mirror
+        # keeps its run's first one (DraftClient.register_attempt).
         draft = self._draft
         # All under the engine lock (the draft client's calls here are local and short): released
         # after the lock, an evicted group's mirror could be dropped just after another chunk
@@ -1578,7 +1582,7 @@ class Worker:
                 try:
                     draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
                                            int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch,
-                                           submit_seq=job.submit_seq)
+                                           submit_seq=job.submit_seq, policy_version=job.policy_version)
                 except Exception:
                     log.warning("draft register_attempt failed", exc_info=True)
                 return
@@ -1598,7 +1602,7 @@ class Worker:
                 # with dispatch epochs every later request started a new run.
                 draft.register_attempt(job.group_id, job.prompt_key, job.prompt_token_ids, job.group_size,
                                        int(self._group_ttl), request_id=job.request_id, epoch=job.dispatch_epoch,
-                                       submit_seq=job.submit_seq)
+                                       submit_seq=job.submit_seq, policy_version=job.policy_version)
             except Exception:
                 # Drafting degrades to nothing for this group; generation itself is unaffected.
                 log.warning("draft register_attempt failed", exc_info=True)

@@ -98,6 +98,9 @@ class _Registration(NamedTuple):
     group_size: int
     ttl_seconds: int
     submit_seq: int
+    # RegisterGroupRequest.policy_version: the history iteration the server promotes the group's
+    # responses as (None = unknown: left unset, the server numbers it newest + 1).
+    policy_version: int | None = None
 
 
 @dataclass(slots=True)
@@ -194,10 +197,43 @@ class _Mirror:
     # resubmitted batch id); the server tells by the submission or the epoch. The group's appends
     # and Syncs wait for it (sent first, they would go to, or be refused by, the old run's group).
     reregister: _Registration | None = None
+    # The policy version (RunChunkRequest.policy_version) of the run this mirror follows, sent as
+    # RegisterGroupRequest.policy_version (None = unknown: unset). The version of the first attempt
+    # of that run registered here (one bringing a version): the draft server keeps the version of a
+    # group's first registration (later ones of a running group do not change it), so the first
+    # attempt's is what the group has there, and a group re-created after the server lost it gets the
+    # same iteration back. A later chunk of the run at another version (weights switched while the
+    # group ran; the buffer pins a batch to one version, so not in a Seer loop) changes nothing.
+    policy_version: int | None = None
+    # Batch submission -> the version its first attempt here brought: the version of the run the
+    # mirror moves to when it follows a newer submission (a reset of another worker's registration).
+    seq_versions: dict[int, int] = field(default_factory=dict)
 
     def registration(self) -> _Registration:
-        """The mirror's own registration (what it registered for, at its submission)."""
-        return _Registration(self.prompt_key, self.prompt, self.group_size, self.ttl_seconds, self.submit_seq)
+        """The mirror's own registration (what it registered for, at its submission and version)."""
+        return _Registration(self.prompt_key, self.prompt, self.group_size, self.ttl_seconds, self.submit_seq,
+                             self.policy_version)
+
+    def note_version(self, submit_seq: int, policy_version: int | None) -> None:
+        """An attempt of submission `submit_seq` (0 = unknown) at `policy_version` (None = unknown)
+        starts on this mirror: the first version known for its submission, and for the mirror's
+        run when the mirror has none yet (created by a caller without one) and the attempt is of
+        its run."""
+        if policy_version is None:
+            return
+        if submit_seq:
+            self.seq_versions.setdefault(submit_seq, policy_version)
+        if self.policy_version is None and (not submit_seq or not self.submit_seq or submit_seq == self.submit_seq):
+            self.policy_version = policy_version
+
+    def follow_version(self, submit_seq: int, policy_version: int | None = None) -> None:
+        """The mirror moved to the run of submission `submit_seq`: its version is that run's (the
+        registration's `policy_version` that moved it, else the one its attempts here brought;
+        unknown: kept)."""
+        if policy_version is None:
+            policy_version = self.seq_versions.get(submit_seq)
+        if policy_version is not None:
+            self.policy_version = policy_version
 
     def newest_seq(self) -> int:
         """The newest submission the mirror registered for or is registering again for (0 = unknown)."""
@@ -397,18 +433,20 @@ class DraftClient:
 
     def register_group(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
-        ttl_seconds: int = 3600,
+        ttl_seconds: int = 3600, *, policy_version: int | None = None,
     ) -> None:
         """Creates the local mirror (idempotent) and registers the group on the server in the
         background (the first Sync brings the siblings' tokens and the history). A mirror whose
         group completed (nothing of it runs here) is replaced: the id is used again (a batch id
         resubmitted after the buffer's retention), the server starts a new incarnation for it.
         Without a dispatch epoch: see register_attempt."""
-        self.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds)
+        self.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds,
+                              policy_version=policy_version)
 
     def register_attempt(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
         ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0, submit_seq: int = 0,
+        policy_version: int | None = None,
     ) -> None:
         """register_group for a chunk of `request_id` at dispatch `epoch` (RunChunkRequest.dispatch_epoch;
         0 = unknown) starting here; the worker core calls it for every chunk (local, no RPC unless
@@ -433,13 +471,25 @@ class DraftClient:
         run the id has moved on from, still in flight: it runs on the mirror as it is, its appends
         kept local (_old_run_locked); the mirror never moves to an older submission (registered
         for it, the server refuses it, and the next chunk of the newer run moved it back, each
-        move holding the group's appends until answered)."""
+        move holding the group's appends until answered).
+
+        policy_version (RunChunkRequest.policy_version; None = unknown: left unset, the server then
+        numbers the group's history iteration newest + 1): the group's history iteration on the
+        server (RegisterGroupRequest.policy_version), so that groups of one prompt key at one
+        version form one iteration. Every RegisterGroup of the mirror carries the version of the
+        first attempt of its run registered here (_Mirror.policy_version: the server keeps a
+        group's first version too); a registration for another run (registering again, a new
+        mirror) carries that run's attempt's."""
         prompt = tuple(int(t) for t in prompt_token_ids)
+        version = None if policy_version is None else int(policy_version)
+        if version is not None and version < 0:
+            raise InvalidArgument("must be >= 0 (None = unknown)", field="policy_version")
         with self._lock:
             m = self._groups.get(group_id)
             if m is not None:
                 if request_id and submit_seq:
                     self._note_submission_locked(m, request_id, submit_seq)
+                m.note_version(submit_seq, version)
                 verdict = _judge_attempt(m, prompt_key, prompt, group_size, request_id, epoch, submit_seq)
                 if verdict is not _Attempt.REPLACE:
                     # Wanted again (also before its queued appends went out): left marked for
@@ -452,7 +502,8 @@ class DraftClient:
                     return
                 if verdict is _Attempt.REREGISTER:
                     self._reregister_locked(group_id, m, request_id, epoch, _Registration(
-                        prompt_key, prompt, group_size, int(ttl_seconds), submit_seq))
+                        prompt_key, prompt, group_size, int(ttl_seconds), submit_seq,
+                        version if version is not None else m.policy_version))
                     return
                 if verdict is _Attempt.KEEP:
                     return
@@ -462,7 +513,10 @@ class DraftClient:
             self._groups[group_id] = _Mirror(GroupIndex(prompt, levels=self.levels), prompt_key, prompt,
                                              group_size, int(ttl_seconds), register_epoch=epoch,
                                              submit_seq=submit_seq,
-                                             seqs={request_id: submit_seq} if request_id and submit_seq else {})
+                                             seqs={request_id: submit_seq} if request_id and submit_seq else {},
+                                             policy_version=version,
+                                             seq_versions={submit_seq: version}
+                                             if submit_seq and version is not None else {})
             self._enforce_budget_locked()
         self._wake.set()
 
@@ -817,18 +871,20 @@ class DraftClient:
             todo = [(gid, m, m.reregister or m.registration(),
                      m.register_epoch) for gid, m in self._groups.items() if not m.ready]
         for gid, m, registration, epoch in todo:
-            key, prompt, size, ttl, seq = registration
+            key, prompt, size, ttl, seq, version = registration
             with self._lock:
                 # Sent with the newest attempt this mirror ran too (register_epoch is only the
                 # registrations'): re-creating a group the server lost, a completed one that expired
                 # must be told this run's epoch, or it takes the run for the id used again.
                 sent = max(epoch, max(m.epochs.values(), default=0))
+            req = draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=key, prompt_token_ids=prompt,
+                                                 ttl_seconds=ttl, group_size=size, epoch=sent, submit_seq=seq)
+            if version is not None:
+                # Optional on the wire: unset is unknown (the server numbers it newest + 1), 0 is
+                # the first policy version.
+                req.policy_version = version
             try:
-                resp = self._stub.RegisterGroup(
-                    draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=key, prompt_token_ids=prompt,
-                                                   ttl_seconds=ttl, group_size=size, epoch=sent,
-                                                   submit_seq=seq),
-                    timeout=self.rpc_timeout_s)
+                resp = self._stub.RegisterGroup(req, timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # Completed on the server earlier, then evicted or expired, or an older run's
@@ -867,7 +923,12 @@ class DraftClient:
                     # The run the server judged this registration by: later chunks of it are the
                     # mirror's run (register_attempt). Never an older one (it is never sent).
                     m.submit_seq = seq
+                    m.follow_version(seq, version)
                     self._drop_older_runs_locked(gid, m)
+                elif resp.created and version is not None and version != m.policy_version:
+                    # A new incarnation of this registration (another run under the id, told by
+                    # the epoch): the mirror's group is at its version from now on.
+                    m.policy_version = version
                 if not m.incarnation and resp.incarnation and m.ready:
                     # Not synced yet (a new mirror, or one re-creating a group the server lost): it
                     # follows the incarnation this registration was judged against, and so do the
@@ -1183,6 +1244,7 @@ class DraftClient:
                 # Follows the new incarnation's run from here on (register_attempt compares with
                 # it: kept at the old run's, that run's late chunks looked like the mirror's run).
                 m.submit_seq = d.submit_seq
+                m.follow_version(d.submit_seq)
                 self._drop_older_runs_locked(d.group_id, m)
             elif reset.reregister:
                 # An older run's incarnation (its straggler re-created the id after a restart):

@@ -91,6 +91,10 @@ class GenerateRequest:
     # engine that registers the group on the draft server itself registers with it, as the worker
     # does; it tells a resubmitted batch id's new run from the old run's retry whatever the epochs.
     submit_seq: int = 0
+    # The chunk's policy version (RunChunkRequest.policy_version; None = unknown): an engine that
+    # registers the group on the draft server itself registers with it, as the worker does (the
+    # group's history iteration there).
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,15 @@ from services.worker.engine import Draft, KVLayout, KVPages
 class DraftSource(Protocol):
     def register_attempt(
         self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int, ttl_seconds: int,
-        *, request_id: str = "", epoch: int = 0, submit_seq: int = 0,
+        *, request_id: str = "", epoch: int = 0, submit_seq: int = 0, policy_version: int | None = None,
     ) -> None:
         """A chunk of `request_id` at dispatch `epoch` (0 = unknown) of the batch submission
         `submit_seq` (RunChunkRequest.submit_seq; 0 = unknown) starts in the group: registers it
         (idempotent; local, the client registers on the server in the background). Called for
         every chunk: the submission (or, without it, the epoch) tells the draft server a new run
         under a reused group id from the completed old one. group_size as sent (0 = unknown: the
-        group never completes on its own)."""
+        group never completes on its own). policy_version: the chunk's (RunChunkRequest.policy_version;
+        None = unknown), the group's history iteration on the draft server."""
 
     def append(
         self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int], finished: bool = False,

@@ -41,7 +41,7 @@ class RecordingDraft:
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
                          ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
-                         submit_seq: int = 0) -> None:
+                         submit_seq: int = 0, policy_version: int | None = None) -> None:
         self.calls.append(DraftCall("register_attempt", group_id, request_id, epoch, submit_seq))
 
     def append(self, group_id: str, request_id: str, offset: int, token_ids: Sequence[int],

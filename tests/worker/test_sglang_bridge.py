@@ -35,15 +35,18 @@ class _Recorder:
         self.calls: list[tuple[Any, ...]] = []
         self.epochs: list[tuple[str, str, int]] = []  # (call, request id, dispatch epoch)
         self.submissions: list[tuple[str, int]] = []  # (request id, submit_seq) per registration
+        self.versions: list[tuple[str, int | None]] = []  # (request id, policy_version) per registration
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
                          ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
-                         submit_seq: int = 0) -> None:
+                         submit_seq: int = 0, policy_version: int | None = None) -> None:
         self.calls.append(("register", group_id, prompt_key, tuple(prompt_token_ids), group_size))
         self.epochs.append(("register", request_id, epoch))
         self.submissions.append((request_id, submit_seq))
+        self.versions.append((request_id, policy_version))
         self.client.register_attempt(group_id, prompt_key, prompt_token_ids, group_size, ttl_seconds,
-                                     request_id=request_id, epoch=epoch, submit_seq=submit_seq)
+                                     request_id=request_id, epoch=epoch, submit_seq=submit_seq,
+                                     policy_version=policy_version)
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
                submit_seq: int = 0) -> None:
@@ -139,3 +142,24 @@ def test_the_plugins_registrations_carry_the_submission() -> None:
     assert rec.submissions == [("r", 42)]
     m = rec.client._groups["g"]
     assert m.submit_seq == 42 and m.seqs == {"r": 42}
+
+
+def test_the_plugins_registrations_carry_the_policy_version() -> None:
+    """The follower registered without a policy version: its RegisterGroup may reach the draft
+    server before the worker's, and a group's first version is its history iteration there, so an
+    unversioned first registration numbered the group newest + 1 (groups of one prompt key at one
+    version did not merge). The version round-trips through custom_params (0 is a version; absent
+    or negative is unknown) to the registration and the mirror."""
+    params = custom_params("g", "key", 2, False, request_id="r", epoch=7, submit_seq=42, policy_version=0)
+    assert params["seer_policy_version"] == 0
+    assert request_meta(params).policy_version == 0
+    assert "seer_policy_version" not in custom_params("g", "key", 2, False)
+    assert request_meta(custom_params("g", "key", 2, False)).policy_version is None
+    assert request_meta({"seer_group_id": "g", "seer_policy_version": -1}).policy_version is None
+    rec = _Recorder()
+    bridge = DraftBridge(rec)
+    meta = request_meta(custom_params("g", "key", 2, False, request_id="r", epoch=7, submit_seq=42,
+                                      policy_version=3))
+    bridge.verified("3#r", meta, PROMPT, [10], False)
+    assert rec.versions == [("r", 3)]
+    assert rec.client._groups["g"].registration().policy_version == 3

@@ -123,7 +123,7 @@ class _Sink:
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
                          ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
-                         submit_seq: int = 0) -> None:
+                         submit_seq: int = 0, policy_version: int | None = None) -> None:
         pass
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,

@@ -432,7 +432,8 @@ class SGLangEngine(Engine):
                 "custom_params": plugin.custom_params(req.group_id, req.prompt_key, req.group_size,
                                                       req.is_probe, request_id=req.request_id,
                                                       output_offset=len(req.output_token_ids),
-                                                      epoch=req.dispatch_epoch, submit_seq=req.submit_seq),
+                                                      epoch=req.dispatch_epoch, submit_seq=req.submit_seq,
+                                                      policy_version=req.policy_version),
             },
             return_logprob=True,
             # -1: logprobs of the output tokens only (managers/scheduler.py:3260-3264). SGLang

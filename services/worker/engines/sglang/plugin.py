@@ -93,6 +93,16 @@ class RequestMeta(NamedTuple):
     output_offset: int = 0  # response tokens already in the attempt's input (a resumed chunk)
     epoch: int = 0  # the attempt's dispatch epoch (0 = unordered)
     submit_seq: int = 0  # the buffer's submission of the request's batch (0 = unknown)
+    # The chunk's policy version (None = unknown): the group's history iteration on the draft server.
+    policy_version: int | None = None
+
+
+def _version(raw: Any) -> int | None:
+    """seer_policy_version as sent: absent, None or negative (a worker without it) is unknown."""
+    if raw is None:
+        return None
+    v = int(raw)
+    return v if v >= 0 else None
 
 
 def request_meta(custom_params: dict[str, Any] | None) -> RequestMeta:
@@ -101,14 +111,20 @@ def request_meta(custom_params: dict[str, Any] | None) -> RequestMeta:
                        max(0, int(p.get("seer_group_size", 0) or 0)), bool(p.get("seer_is_probe", False)),
                        str(p.get("seer_request_id", "")), max(0, int(p.get("seer_output_offset", 0) or 0)),
                        max(0, int(p.get("seer_dispatch_epoch", 0) or 0)),
-                       max(0, int(p.get("seer_submit_seq", 0) or 0)))
+                       max(0, int(p.get("seer_submit_seq", 0) or 0)), _version(p.get("seer_policy_version")))
 
 
 def custom_params(group_id: str, prompt_key: str, group_size: int, is_probe: bool, *, request_id: str = "",
-                  output_offset: int = 0, epoch: int = 0, submit_seq: int = 0) -> dict[str, Any]:
-    return {"seer_group_id": group_id, "seer_prompt_key": prompt_key, "seer_group_size": group_size,
-            "seer_is_probe": is_probe, "seer_request_id": request_id, "seer_output_offset": output_offset,
-            "seer_dispatch_epoch": epoch, "seer_submit_seq": submit_seq}
+                  output_offset: int = 0, epoch: int = 0, submit_seq: int = 0,
+                  policy_version: int | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "seer_group_id": group_id, "seer_prompt_key": prompt_key, "seer_group_size": group_size,
+        "seer_is_probe": is_probe, "seer_request_id": request_id, "seer_output_offset": output_offset,
+        "seer_dispatch_epoch": epoch, "seer_submit_seq": submit_seq}
+    if policy_version is not None:
+        # Left out when unknown: 0 is the first policy version, not "unset".
+        params["seer_policy_version"] = policy_version
+    return params
 
 
 def record_step(req: Any, proposed: int, accepted: int, tokens: int) -> None:
@@ -177,7 +193,7 @@ class DraftSink(Protocol):
 
     def register_attempt(self, group_id: str, prompt_key: str, prompt_token_ids: Sequence[int], group_size: int,
                          ttl_seconds: int = 3600, *, request_id: str = "", epoch: int = 0,
-                         submit_seq: int = 0) -> None: ...
+                         submit_seq: int = 0, policy_version: int | None = None) -> None: ...
 
     def resume(self, group_id: str, request_id: str, output_token_ids: Sequence[int], epoch: int = 0, *,
                submit_seq: int = 0) -> None: ...
@@ -216,10 +232,12 @@ class DraftBridge:
             a = self._attempts[rid] = _Attempt(meta, meta.request_id or rid)
             # With the attempt's submission and dispatch epoch, as the worker registers it: without
             # both (0) the draft server cannot tell this run's attempt from an old run under a reused
-            # group id; with the epoch alone, not after the scheduler's clock went back.
+            # group id; with the epoch alone, not after the scheduler's clock went back. And with its
+            # policy version, as the worker registers it: this follower's RegisterGroup may reach
+            # the draft server first, and the group's first version is its history iteration there.
             self.client.register_attempt(meta.group_id, meta.prompt_key, origin_input_ids[:split], meta.group_size,
                                          self.ttl_seconds, request_id=a.request_id, epoch=meta.epoch,
-                                         submit_seq=meta.submit_seq)
+                                         submit_seq=meta.submit_seq, policy_version=meta.policy_version)
             # Every call for an attempt names it (its dispatch epoch and submission): SGLang holds two
             # rids of one request at once (the re-dispatched chunk's and the aborted one, still in
             # the batch) and drops them in any order, so the client must know which attempt ends,
