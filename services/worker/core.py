@@ -1092,6 +1092,10 @@ class Worker:
         """Calls listener(engine_healthy) now and at every change (under the engine lock: keep it
         short, e.g. setting a gRPC health status)."""
         with self._locked():
+            # An engine already broken (before the worker's first step) would otherwise be reported
+            # SERVING for good: the scheduler places no chunk on a worker registered broken, so no
+            # step ever runs to notice it, and no liveness probe would restart the process.
+            self._note_engine_broken_locked("at start")
             self._health_listeners.append(listener)
             listener(self.engine_healthy)
 

@@ -166,3 +166,15 @@ def test_engine_health_and_registration_read_the_engine_at_once(ref_engine: Refe
     monkeypatch.setattr(ReferenceEngine, "broken", property(lambda self: "device lost"))
     assert worker.engine_health() == EngineHealth(broken="device lost")
     assert register_request(worker, "127.0.0.1:1").engine_broken == "device lost"
+
+
+def test_an_engine_broken_before_the_first_step_is_not_serving_at_once(ref_engine: ReferenceEngine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose engine is broken when its health listener (the gRPC health status) attaches
+    reports NOT_SERVING then: registered broken, it gets no chunk, runs no step, and would never
+    notice, so neither `seer up` nor a liveness probe would restart it."""
+    worker = Worker(ref_engine, worker_id="w-born-broken", speculation=False)  # not started
+    monkeypatch.setattr(ReferenceEngine, "broken", property(lambda self: "device lost"))
+    heard: list[bool] = []
+    worker.on_engine_health(heard.append)
+    assert heard and heard[-1] is False and not worker.engine_healthy
