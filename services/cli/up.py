@@ -24,8 +24,8 @@ is left alone while its process lives: it may only be busy.
 Exit status: 0 when every service ran until the stop (or was restarted for its health and answered
 SERVING since: the restart mended it) and drained cleanly; 1 when the suite could not start, a
 service exited on its own while it ran (a crash of the buffer or scheduler also stops the suite:
-nothing works without them), a restart for its health did not mend a service (the restart limit
-reached, or not SERVING since its last restart at the stop), or a service did not stop cleanly. The
+nothing works without them), a restart for its health did not mend a service (not SERVING since
+its last restart at the stop, or since it was given up on at the restart limit), or a service did not stop cleanly. The
 data directory, with the services' logs, is then kept even when it is the default temporary one; so
 it is after a restart that mended its service (the broken launch's log tells why). 128 + the signal
 number when stopped by a signal before the suite was up; 2 when a flag, or a service's configuration
@@ -453,14 +453,17 @@ class HealthSupervisor:
             self.exited)
 
     def check_restarted(self) -> None:
-        """A health check now of each service restarted and not seen SERVING since (before the
-        suite is stopped): the last restart may have mended it less than a check interval ago."""
+        """A health check now of each service restarted (or given up on) and not seen SERVING since
+        (before the suite is stopped): the last restart may have mended it less than a check
+        interval ago."""
         for name, s in self._services.items():
             st = self._state[name]
             # Only a SERVING answer is taken: no restart or give-up is started on the way out.
-            if st.in_a_row and not st.given_up and st.kill_at is None and s.alive() \
+            # A service given up on is checked too: a SERVING answer clears it as a tick's does
+            # (_observe), so the verdict does not hang on which of the two saw the answer.
+            if (st.in_a_row or st.given_up) and st.kill_at is None and s.alive() \
                     and self._check(s.address) == "SERVING":
-                st.in_a_row, st.since = 0, None
+                st.in_a_row, st.given_up, st.since = 0, False, None
 
     def tick(self, stop: StopFlag | None = None) -> list[str]:
         """One round of health checks (each service at most once per interval) and restarts, then

@@ -99,6 +99,21 @@ def test_the_limit_reached_is_a_failure(tmp_path: Path) -> None:
     assert "not restarted again: 1 restart(s) in a row did not mend it" in w.lines[-1]
 
 
+@pytest.mark.parametrize("seen_by", ["tick", "check_restarted"])
+def test_a_service_given_up_on_that_serves_later_is_judged_alike_either_way(tmp_path: Path, seen_by: str) -> None:
+    """Given up on at the limit, then SERVING: a tick and the check before the stop agree (the
+    check skipped a service given up on, so the exit status hung on which saw the answer)."""
+    w = _World(tmp_path, limit=1)
+    w.run(12.0, "NOT_SERVING")
+    assert w.health.failed() == {"worker-0"}
+    if seen_by == "tick":
+        w.run(1.0, "SERVING")
+    else:
+        w.status = "SERVING"
+        w.health.check_restarted()
+    assert w.health.failed() == set() and w.health.recovered() == {"worker-0"}
+
+
 def test_limit_0_never_restarts_and_fails_at_the_first_overrun(tmp_path: Path) -> None:
     """`seer demo`'s supervision."""
     w = _World(tmp_path, limit=0)
