@@ -16,10 +16,10 @@ The refill's history iteration: when the group that asked for it registered with
 version (RegisterGroupRequest.policy_version: history iterations are versions), the version the
 buffer's iteration was generated with, so it is the older iteration it is, or the same one as the
 group's (a batch of that version split into two submissions whose first completed before this
-server restarted). Without a version, iteration number 0, the number a group registered on an
-empty key was given then: the refilled responses and that group's own responses, once it
-completes, form one iteration, so a refill never counts as a newer iteration than the one it stood
-in for, and it leaves with it.
+server restarted). Without a version, fallback iteration number 0 (kept below every version:
+history.unversioned), the number a group registered without a version on an empty key is given:
+the refilled responses and that group's own responses, once it completes, form one iteration, so a
+refill never counts as a newer iteration than the one it stood in for, and it leaves with it.
 
 A key is asked for at most once per `retry_after_s` (a key on its first iteration has no history
 anywhere; every one of its groups would otherwise cost a buffer call). Errors are logged and the
@@ -149,14 +149,16 @@ class HistoryBackfill:
             return
         try:
             iteration = max(0, fetched.policy_version) if versioned else 0
-            added = self._store.seed_history(key, iteration, responses)
+            # Without a version: fallback number 0, below every version (history.unversioned).
+            added = self._store.seed_history(key, iteration, responses, versioned=versioned)
         except Exception as e:  # e.g. a response over the store's limits: skip the key, keep serving
             self.errors += 1
             log.warning("history refill rejected", extra=kv(prompt_key=key, error=str(e)))
             return
         self.refilled_keys += 1
         self.refilled_responses += added
-        log.info("history refilled from the buffer", extra=kv(prompt_key=key, responses=added, iteration=iteration))
+        log.info("history refilled from the buffer", extra=kv(prompt_key=key, responses=added,
+                                                                   iteration=iteration if versioned else None))
 
     def _forget_old_locked(self) -> None:
         # Bounded memory: entries past the retry delay carry no information any more.

@@ -15,6 +15,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
+from services.common.log import get_logger, kv
+
+log = get_logger(__name__)
 
 # Responses are stored as array('i') (4 bytes a token, no int objects): as tuples, the int objects
 # were shared with the indexes of live groups of the key, so evicting history freed a fraction of
@@ -37,6 +40,27 @@ HISTORY_KEY_BYTES = 320
 # copied into the index of every new group of the key. Over the cap the oldest responses of the
 # iteration go (counted as evicted). 64: four groups of 16, a prompt sampled a few times a batch.
 HISTORY_ITERATION_RESPONSES = 64
+# Iterations numbered without a policy version (an old client's group: the key's next number) are
+# kept under UNVERSIONED_BASE + their number: below every version (versions are >= 0), so such a
+# number never counts as newer than a real version. Numbered in one space, three old-client groups
+# after version 3 were iterations 4..6, and then version 4's responses were "older than everything
+# kept" and silently not kept (a rolling upgrade mixes old and new clients).
+UNVERSIONED_BASE = -(1 << 62)
+
+
+def unversioned(number: int) -> int:
+    """The stored iteration of fallback number `number` (no policy version known)."""
+    return UNVERSIONED_BASE + number
+
+
+def is_versioned(iteration: int) -> bool:
+    """Whether a stored iteration is a policy version (else a fallback number, unversioned())."""
+    return iteration >= 0
+
+
+def describe(iteration: int) -> str:
+    """An iteration as logs show it: "v<version>" or "unversioned <number>"."""
+    return f"v{iteration}" if is_versioned(iteration) else f"unversioned {iteration - UNVERSIONED_BASE}"
 
 
 def source_id(group_id: str, request_id: str) -> int:
@@ -67,6 +91,22 @@ class _Iteration:
     def memory_bytes(self) -> int:
         return (HISTORY_ITERATION_BYTES + self.tokens * HISTORY_TOKEN_BYTES
                 + len(self.responses) * HISTORY_RESPONSE_BYTES)
+
+
+@dataclass
+class _Plan:
+    """What an add does to the key's kept iterations (HistoryStore._plan)."""
+
+    new: list[tuple[tuple[int, ...], int]] = field(default_factory=list)  # (tokens, source) not held
+    moved: list[tuple[_Iteration, array[int]]] = field(default_factory=list)  # held older: move here
+    same: list[array[int]] = field(default_factory=list)  # held in the add's iteration already
+    claimed: list[tuple[_Iteration, array[int], int]] = field(default_factory=list)  # unknown source: now this
+    rejected: bool = False  # older than every kept iteration of a full key: nothing added
+
+    @property
+    def kept(self) -> int:
+        """Responses of the add its iteration holds after it: the cap never trims them."""
+        return len(self.new) + len(self.moved) + len(self.same)
 
 
 class HistoryStore:
@@ -107,20 +147,34 @@ class HistoryStore:
 
         A held response that an add of a newer iteration brings again moves to that iteration (it
         was produced again: it lives as long as the newest iteration that brought it,
-        not the oldest). No empty iteration is created (it would count as the newest and push out
-        real ones). An add to an iteration the key holds merges into it (another group of the key
-        at the same policy version). Iterations older than the newest `keep_iterations` of the key
-        are dropped, and an iteration over `iteration_responses` drops its oldest responses (never
-        this add's)."""
+        not the oldest), and one held in the add's own iteration moves to its end (the newest
+        there: the cap below trims from the front). No empty iteration is created (it would count
+        as the newest and push out real ones). An add to an iteration the key holds merges into it
+        (another group of the key at the same policy version). Iterations older than the newest
+        `keep_iterations` of the key are dropped, and an iteration over `iteration_responses` drops
+        its oldest responses (never this add's). An add older than every kept iteration of a full
+        key is not kept: its new responses are counted in `evicted` and logged, never dropped
+        silently (a straggler of an old version, or versions that went backwards: a new run beside
+        a draft server that kept the old run's)."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
         if sources is not None and len(sources) != len(responses):
             raise InvalidArgument("one source per response", field="sources")
         iters = self._keys.get(prompt_key, {})
-        added, moved, claimed = self._plan(iters, iteration, responses, sources)
-        for owner, held, source in claimed:
+        plan = self._plan(iters, iteration, responses, sources)
+        for owner, held, source in plan.claimed:
             owner.sources[next(i for i, x in enumerate(owner.responses) if x is held)] = source
+        if plan.rejected:
+            if plan.new:
+                self.evicted += len(plan.new)
+                log.warning("history add older than every kept iteration of its key: not kept",
+                            extra=kv(prompt_key=prompt_key, iteration=describe(iteration),
+                                     kept=[describe(i) for i in sorted(iters)], responses=len(plan.new)))
+            return []
+        added, moved = plan.new, plan.moved
         if not added and not moved:
+            if plan.same:
+                self._to_end(iters[iteration], plan.same)
             return []
         if prompt_key not in self._keys:
             self._keys[prompt_key] = iters
@@ -146,8 +200,11 @@ class HistoryStore:
         it.tokens += sum(len(r) for r, _ in added)
         self.memory_bytes += it.memory_bytes - before - sum(len(a) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES
                                                              for _, a in moved)
-        # This add's responses are the last ones of the list: only earlier adds' are dropped.
-        excess = len(it.responses) - max(self.iteration_responses, len(moved) + len(added))
+        # This add's responses are the last ones of the list (those matched in place too, moved
+        # there: left at their old front place, the cap dropped a response of the very add that
+        # brought it again), so only earlier adds' are dropped.
+        self._to_end(it, plan.same)
+        excess = len(it.responses) - max(self.iteration_responses, plan.kept)
         if excess > 0:
             dropped = it.responses[:excess]
             del it.responses[:excess]
@@ -160,38 +217,67 @@ class HistoryStore:
             self._drop(prompt_key, min(iters))
         return [r for r, _ in added]
 
+    @staticmethod
+    def _to_end(it: _Iteration, arrs: Sequence[array[int]]) -> None:
+        """Moves held responses of `it` (by identity) to its end, in their order: O(len(it))."""
+        if not arrs:
+            return
+        ids = {id(a) for a in arrs}
+        stay = [(a, s) for a, s in zip(it.responses, it.sources, strict=True) if id(a) not in ids]
+        last = {id(a): s for a, s in zip(it.responses, it.sources, strict=True) if id(a) in ids}
+        it.responses[:] = [a for a, _ in stay] + list(arrs)
+        it.sources = array("q", [s for _, s in stay] + [last[id(a)] for a in arrs])
+
     def new_responses(self, prompt_key: str, iteration: int,
                       responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
         """The responses add() of seeded ones (unknown source) would add now: the new copies, what
-        seed_history makes room for. (A group's promotion is not made room for: see
-        DraftStore._maybe_complete.)"""
-        return [r for r, _ in self._plan(self._keys.get(prompt_key, {}), iteration, responses)[0]]
+        seed_history makes room for (none for an add that is not kept). (A group's promotion is not
+        made room for: see DraftStore._maybe_complete.)"""
+        plan = self._plan(self._keys.get(prompt_key, {}), iteration, responses)
+        return [] if plan.rejected else [r for r, _ in plan.new]
+
+    def trimmed_bytes(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
+        """The history bytes the `iteration_responses` cap frees when add() of these seeded
+        responses runs now (its oldest responses of earlier adds): seed_history reserves the new
+        copies net of them. Reserving them gross evicted other keys' history (or completed groups)
+        for growth that the cap takes back at once, e.g. a refill into an iteration at its cap."""
+        iters = self._keys.get(prompt_key, {})
+        it = iters.get(iteration)
+        if it is None:
+            return 0
+        plan = self._plan(iters, iteration, responses)
+        if plan.rejected:
+            return 0
+        excess = len(it.responses) + len(plan.new) + len(plan.moved) - max(self.iteration_responses, plan.kept)
+        if excess <= 0:
+            return 0
+        ids = {id(a) for a in plan.same}
+        dropped = [a for a in it.responses if id(a) not in ids][:excess]
+        return sum(len(a) for a in dropped) * HISTORY_TOKEN_BYTES + len(dropped) * HISTORY_RESPONSE_BYTES
 
     def _plan(self, iters: dict[int, _Iteration], iteration: int, responses: Sequence[Sequence[int]],
-              sources: Sequence[int] | None = None,
-              ) -> tuple[list[tuple[tuple[int, ...], int]], list[tuple[_Iteration, array[int]]],
-                         list[tuple[_Iteration, array[int], int]]]:
-        """(responses not held with their sources, held copies to move to `iteration`, copies of
-        unknown source a sourced response claims). Each response of the add is matched to one held
-        copy of equal tokens, newest iteration first (a multiset: n equal responses need n copies):
-        a sourced one to a copy of its source, else one of unknown source (see add); the unmatched
-        ones are new. Only held responses of a length the add has are compared, so an add costs
-        O(its tokens + the key's responses)."""
+              sources: Sequence[int] | None = None) -> _Plan:
+        """What add() does: responses not held with their sources (new), held copies to move to
+        `iteration` (moved) or held in it already (same), copies of unknown source a sourced response
+        claims. Each response of the add is matched to one held copy of equal tokens, newest
+        iteration first (a multiset: n equal responses need n copies): a sourced one to a copy of
+        its source, else one of unknown source (see add); the unmatched ones are new. Only held
+        responses of a length the add has are compared, so an add costs O(its tokens + the key's
+        responses). rejected: the key keeps `keep_iterations` iterations, all newer than this one
+        (the new responses are not kept; matched ones are held anyway)."""
         srcs = sources if sources is not None else [0] * len(responses)
         resp = [(tuple(int(t) for t in r), int(s)) for r, s in zip(responses, srcs, strict=True) if len(r)]
+        plan = _Plan()
         if not resp:
-            return [], [], []
-        if iters and iteration not in iters and len(iters) >= self.keep_iterations and iteration < min(iters):
-            return [], [], []  # older than everything kept: nothing to do
+            return plan
+        plan.rejected = bool(iters) and iteration not in iters and len(iters) >= self.keep_iterations \
+            and iteration < min(iters)
         lengths = {len(r) for r, _ in resp}
         pool: dict[bytes, list[tuple[_Iteration, array[int], int]]] = {}
         for it in sorted(iters.values(), key=lambda it: it.iteration, reverse=True):
             for arr, held_src in zip(it.responses, it.sources, strict=True):
                 if len(arr) in lengths:
                     pool.setdefault(arr.tobytes(), []).append((it, arr, held_src))
-        new: list[tuple[tuple[int, ...], int]] = []
-        moved: list[tuple[_Iteration, array[int]]] = []
-        claimed: list[tuple[_Iteration, array[int], int]] = []
         for r, source in resp:
             copies = pool.get(array("i", r).tobytes()) if pool else None
             j = None
@@ -203,14 +289,16 @@ class HistoryStore:
                     if j is None:
                         j = next((k for k, c in enumerate(copies) if not c[2]), None)
             if copies is None or j is None:
-                new.append((r, source))
+                plan.new.append((r, source))
                 continue
             held, arr, held_src = copies.pop(j)
             if source and not held_src:
-                claimed.append((held, arr, source))
+                plan.claimed.append((held, arr, source))
             if held.iteration < iteration:
-                moved.append((held, arr))
-        return new, moved, claimed
+                plan.moved.append((held, arr))
+            elif held.iteration == iteration:
+                plan.same.append(arr)
+        return plan
 
     def structure_bytes_bound(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
         """An upper bound of the fixed structures an add of `responses` at (key, iteration) creates,
@@ -224,20 +312,29 @@ class HistoryStore:
             return HISTORY_KEY_BYTES + HISTORY_ITERATION_BYTES if any(len(r) for r in responses) else 0
         if iteration in iters:
             return 0
-        new, moved, _ = self._plan(iters, iteration, responses)
-        if not new and not moved:
+        plan = self._plan(iters, iteration, responses)
+        if plan.rejected or (not plan.new and not plan.moved):
             return 0  # older than everything kept, or every response held in a newer iteration
         emptied = 0
-        if not new:
+        if not plan.new:
             taken: dict[int, int] = {}
-            for src, _arr in moved:
+            for src, _arr in plan.moved:
                 taken[src.iteration] = taken.get(src.iteration, 0) + 1
             emptied = sum(1 for i, n in taken.items() if n == len(iters[i].responses))
         return max(0, HISTORY_ITERATION_BYTES * (1 - emptied))
 
     def next_iteration(self, prompt_key: str) -> int:
+        """The iteration of a group registered without a policy version (an old client). When the
+        key's newest iteration is a version, that version: the group runs beside groups of it (a
+        rolling upgrade), and as its newest + 1 it counted as a newer version than the real next one,
+        whose responses were then not kept. Else (no version seen for the key: every client old) the
+        old rule, the newest fallback number + 1 (unversioned(0) on an empty key), below every
+        version."""
         iters = self._keys.get(prompt_key)
-        return max(iters) + 1 if iters else 0
+        if not iters:
+            return unversioned(0)
+        newest = max(iters)
+        return newest if is_versioned(newest) else newest + 1
 
     def responses(self, prompt_key: str) -> list[tuple[int, ...]]:
         """All kept responses of a key, newest iteration first (as tuples: copies)."""

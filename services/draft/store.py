@@ -2,8 +2,9 @@
 
 Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_group):
 
-- register_group(group_id, prompt_key, prompt, ttl, group_size, epoch, submit_seq) creates the group's
-  index with the prompt and the key's history. Re-registering with the same prompt refreshes the TTL.
+- register_group(group_id, prompt_key, prompt, ttl, group_size, epoch, submit_seq, policy_version)
+  creates the group's index with the prompt and the key's history (policy_version: the history
+  iteration its responses are promoted as, below). Re-registering with the same prompt refreshes the TTL.
   The id of a completed group (its responses are history) registered again after it was evicted or
   expired, or with another prompt or group_size, or by another run, starts a new incarnation: a
   batch id used again; another group_size while it runs is refused (0 = unknown agrees with any).
@@ -52,7 +53,9 @@ Protocol (DESIGN.md section 4, Seer appendix: update_cst / fetch_cst / register_
 - A group whose `group_size` responses are all finished has its responses promoted to history for
   its prompt key (the next iteration's drafts, RhymeRL) and becomes evictable under memory pressure.
   They are promoted as the group's policy version (register's policy_version): the groups of a key
-  at one version form one history iteration.
+  at one version form one history iteration. A group without one (an old client) merges into the
+  key's newest iteration when that is a version, else takes the newest fallback number + 1; fallback
+  numbers are kept below every version (HistoryStore.next_iteration, history.unversioned).
 - Memory is bounded by `memory_budget_bytes`: over budget, the oldest history iteration goes first,
   then completed groups in the order they completed (never the group being written); when nothing
   is left to evict, new groups, history and appends (re-opening a response, or a request's first
@@ -84,7 +87,9 @@ from services.draft.history import (
     HISTORY_RESPONSE_BYTES,
     HISTORY_TOKEN_BYTES,
     HistoryStore,
+    describe,
     source_id,
+    unversioned,
 )
 from services.draft.index import DEFAULT_LEVELS, GroupIndex, common_prefix, new_index_bytes_bound
 
@@ -199,7 +204,8 @@ class _Group:
     _expires_at: float  # the expires_at property: its setter keeps DraftStore's expiry heap right
     index: GroupIndex
     # The history iteration its responses are promoted as: its policy version (RegisterGroupRequest.
-    # policy_version), or without one the key's next iteration number when it was created.
+    # policy_version), or without one HistoryStore.next_iteration when it was created (the key's
+    # newest version, or a fallback number below every version).
     history_iteration: int
     incarnation: int
     # History responses the index loaded at creation (the wm=0 reply rebuilds them from the index:
@@ -525,7 +531,7 @@ class DraftStore:
             if policy_version is not None:
                 iteration = policy_version
             else:
-                iteration = self._history.next_iteration(prompt_key) if prompt_key else 0
+                iteration = self._history.next_iteration(prompt_key) if prompt_key else unversioned(0)
             g = _Group(group_id, prompt_key, group_size, ttl, now + ttl, index, iteration,
                        _incarnation(), len(history), digest, submit_seq, policy_version is not None)
             self._add_group(g)
@@ -754,7 +760,7 @@ class DraftStore:
         sources = [source_id(g.group_id, r) for r in rids]
         if self._history.add(g.prompt_key, g.history_iteration, responses, sources):
             log.info("group complete; responses promoted to history",
-                     extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=g.history_iteration))
+                     extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=describe(g.history_iteration)))
         else:
             log.info("group complete; its responses are history already",
                      extra=kv(group_id=g.group_id, prompt_key=g.prompt_key))
@@ -767,11 +773,17 @@ class DraftStore:
 
     # ---- history --------------------------------------------------------------------------------
 
-    def seed_history(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
+    def seed_history(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]], *,
+                     versioned: bool = True) -> int:
+        """Loads responses of (key, iteration); returns how many were new. iteration: a policy
+        version (SeedHistory), or with versioned=False a fallback number (the backfill for a group
+        registered without a version: unversioned(0), that group's own iteration on an empty key)."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
         if iteration < 0:
             raise InvalidArgument("must be >= 0", field="iteration")
+        if not versioned:
+            iteration = unversioned(iteration)
         total = 0
         for i, r in enumerate(responses):
             if len(r) > self.limits.max_response_tokens:
@@ -797,7 +809,11 @@ class DraftStore:
                 # The iteration's (and the key's) fixed structures when the add creates them, also
                 # for held responses that only move to a new iteration.
                 structures = self._history.structure_bytes_bound(prompt_key, iteration, responses) if nonempty else 0
-                need = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures + copies
+                # Net of what the iteration's response cap drops of earlier adds at once (the live
+                # groups' indexes keep their copies: `copies` stays whole).
+                trimmed = self._history.trimmed_bytes(prompt_key, iteration, responses) if count else 0
+                stored = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures
+                need = max(0, stored - trimmed) + copies
                 if need <= reserved:
                     break  # what eviction made new again is covered
                 evicted = self._history.evicted

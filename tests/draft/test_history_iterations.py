@@ -87,14 +87,16 @@ def test_registration_with_a_version_numbers_a_group_an_old_client_created() -> 
     s = DraftStore(StoreLimits(history_iterations=2))
     _complete(s, "it1", IT1, 1)
     _complete(s, "it2-a", IT2_A, 2)
-    assert s.register_group("it2-b", "k", [1, 2, 3], 60, 2) == (True, 4)  # numbered 3 for now
+    assert s.register_group("it2-b", "k", [1, 2, 3], 60, 2) == (True, 4)  # the key's newest version (2) for now
     assert s.register_group("it2-b", "k", [1, 2, 3], 60, 2, policy_version=2) == (False, 4)
     for i, r in enumerate(IT2_B):
         s.append("it2-b", f"r{i}", 0, r, finished=True)
     assert sorted(s._history._keys["k"]) == [1, 2]
-    # Without any version the old numbering stays: the key's newest + 1 at registration.
+    # Without any version, beside a key whose newest iteration is a version: it merges into that
+    # version (newest + 1 ran ahead of the real versions; see the mixed-client tests below).
     _complete(s, "legacy", IT3, None)
-    assert sorted(s._history._keys["k"]) == [2, 3]
+    assert sorted(s._history._keys["k"]) == [1, 2]
+    assert len(s._history._keys["k"][2].responses) == 6
 
 
 def test_negative_version_is_refused_naming_the_field() -> None:
