@@ -479,13 +479,14 @@ class Dispatcher:
 
     def _catch_up_wait_over_locked(self, state: WorkerState, target: tuple[int, str]) -> bool:
         """A failed catch-up stops waiting for its retry: stopping, the worker gone or replaced, a
-        switch started (it drains catch-ups and would wait for this one's delay), or the target
-        moved (the buffer's policy, or a switch that ended)."""
+        switch started (it drains catch-ups and would wait for this one's delay), its engine broken
+        (the catch-up parks), or the target moved (the buffer's policy, or a switch that ended)."""
         return (
             self._stopping.is_set()
             or self._workers.get(state.worker_id) is not state
             or state.active
             or self._paused
+            or bool(state.engine_broken)
             or self._catch_up_target_locked() != target
         )
 
@@ -504,6 +505,13 @@ class Dispatcher:
             return None  # unknown version, or ahead: a later switch to its version activates it
         if state.policy_version == target[0]:
             self._activate_locked(state, state.spec)
+            return None
+        if state.engine_broken:
+            # Parked: its engine can load nothing until the worker restarts, and each load failed
+            # INTERNAL and was retried for good (8 loads in 3 s at short delays). A restart
+            # registers a new incarnation (a new WorkerState) that catches up from the start.
+            log.warning("worker engine broken; not loading weights to catch it up until it restarts",
+                        extra=kv(worker_id=state.worker_id, version=target[0], reason=state.engine_broken))
             return None
         return target
 
@@ -542,7 +550,8 @@ class Dispatcher:
         active is checked there).
 
         engine_broken / engine_failing: HeartbeatRequest's (see _note_engine_broken_locked and
-        _note_engine_failing_locked)."""
+        _note_engine_failing_locked). engine_failing is taken only from a heartbeat with telemetry:
+        one without (the draining notice) leaves it as it was."""
         if not worker_id:
             raise InvalidArgument("must not be empty", field="worker_id")
         trusted = False
@@ -555,7 +564,11 @@ class Dispatcher:
             state.last_seen = time.monotonic()
             state.draining = draining
             self._note_engine_broken_locked(state, engine_broken)
-            self._note_engine_failing_locked(state, engine_failing)
+            if telemetry is not None:
+                # A heartbeat without telemetry is the draining notice (or an old worker's): it
+                # may not have read the engine, so its empty engine_failing says nothing. Taken
+                # as "mended", it logged a false recovery that flapped back at the next heartbeat.
+                self._note_engine_failing_locked(state, engine_failing)
             report = _telemetry_report(telemetry) if telemetry is not None else None
             if state.active:
                 self.core.set_draining(worker_id, draining)
@@ -594,6 +607,8 @@ class Dispatcher:
         if state.active:
             self.core.set_engine_broken(state.worker_id, reason)
             self._wake_locked()  # a hold on it moves, and queued chunks go elsewhere now
+        else:
+            self._cond.notify_all()  # a catch-up waiting to retry a failed load parks now
 
     def _note_engine_failing_locked(self, state: WorkerState, reason: str) -> None:
         """The worker's engine is failing now (transient: healthy again when a chunk gets a token).
@@ -692,9 +707,16 @@ class Dispatcher:
                             raise FailedPrecondition(f"{self._in_flight} chunks still in flight after drain timeout")
                         break  # only catch-ups still loading: they are left to themselves (below)
                     self._cond.wait(min(left, 0.5))
-                workers, loading = [], []
+                workers, loading, broken = [], [], []
                 for w in self._workers.values():
-                    if w.catching_up:
+                    if w.engine_broken:
+                        # Its engine can load nothing until the worker restarts: the load would
+                        # fail INTERNAL, not as a refusal, so a switch to a bad source that every
+                        # healthy worker refused read as "outcome unknown" and dropped them all.
+                        # Left as it is (placed on by nothing); its restart registers a new
+                        # incarnation, which catches up to whatever version this switch leaves.
+                        broken.append(w.worker_id)
+                    elif w.catching_up:
                         # Its catch-up load outlasted the drain: the catch-up ends in the paused
                         # check (await_switch) or, if it outlasts the switch, loads the switch's
                         # outcome itself.
@@ -770,13 +792,22 @@ class Dispatcher:
                 raise Unavailable(f"no worker confirmed loading version {version}: {errors}")
             loaded = len(workers) - len(errors)
             seconds = time.monotonic() - t0
-            if not workers:
+            if not workers and broken:
+                # As with no worker registered (below): the version is in force, unchecked, and
+                # nothing serves it until a worker restarts and catches up to it. Refusing it
+                # would make the buffer keep the old version in force, which no worker serves
+                # either (every one is broken), and the next switch would face the same.
+                log.warning("weights switched with every registered worker's engine broken: no worker loaded it; "
+                            "each loads it to catch up once it restarts",
+                            extra=kv(version=version, source=source, broken=broken))
+            elif not workers:
                 # Accepted (workers that register later catch up to it), but nothing checked the
                 # source and nothing serves it until one does: the listing shows no healthy worker.
                 log.warning("weights switched with no worker registered: no worker loaded it; workers that "
                             "register later load it to catch up", extra=kv(version=version, source=source))
             else:
-                log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3)))
+                log.info("weights switched", extra=kv(version=version, workers=loaded, seconds=round(seconds, 3),
+                                                      skipped_broken=broken))
             return loaded, seconds
         finally:
             with self._cond:

@@ -357,7 +357,11 @@ class Worker:
         # engine's Engine.broken. Plain str attributes: read without the lock.
         self._failing_reason = ""
         self._broken_reason = ""
+        # Replaced, never changed in place (under _listeners_lock), so a removal needs no engine
+        # lock (Registrar.stop must not wait for a hung step) and a notification iterating the old
+        # list is not disturbed.
         self._health_listeners: list[Callable[[bool], None]] = []
+        self._listeners_lock = threading.Lock()
         # Groups whose chunks the engine gave up on (an engine-side ABORTED: SGLang's failed
         # generate) since a chunk last got a token: at _ENGINE_ABORT_GROUPS of them, the canary.
         self._engine_abort_groups: set[str] = set()
@@ -1096,8 +1100,16 @@ class Worker:
             # SERVING for good: the scheduler places no chunk on a worker registered broken, so no
             # step ever runs to notice it, and no liveness probe would restart the process.
             self._note_engine_broken_locked("at start")
-            self._health_listeners.append(listener)
+            with self._listeners_lock:
+                self._health_listeners = [*self._health_listeners, listener]
             listener(self.engine_healthy)
+
+    def remove_engine_health_listener(self, listener: Callable[[bool], None]) -> None:
+        """Undoes on_engine_health(listener), every time it was added (equal bound methods match).
+        Without the engine lock: a step hung in a dead engine must not hold up a stop. A change
+        being notified at that moment may still call it once."""
+        with self._listeners_lock:
+            self._health_listeners = [x for x in self._health_listeners if x != listener]
 
     def engine_health(self) -> EngineHealth:
         """The engine's state for the scheduler's heartbeat, without the engine lock (the heartbeat

@@ -217,7 +217,9 @@ class Engine(abc.ABC):
         Once set it stays set. The worker turns its health NOT_SERVING at once when it sees it, so
         that an orchestrator's liveness probe restarts the process: a broken engine is never given
         chunks again by a scheduler that dropped it, so no failed chunk would ever tell. A refused
-        load (a bad source, nothing changed) never sets it."""
+        load (a bad source, nothing changed) never sets it. A plain attribute read, no lock and no
+        call into the engine: the heartbeat and the draining notice read it (Worker.engine_health),
+        the latter on the SIGQUIT path of an engine that may be dead."""
 
     @abc.abstractmethod
     def add_request(self, req: GenerateRequest) -> None:

@@ -170,16 +170,20 @@ class Registrar:
         seconds (the worker is about to stop or exit and cannot wait for the registrar's thread).
         Whether the scheduler took it. Telemetry unset (not an empty one, which reads as "no free
         pages"): reading it may touch a dead engine (this runs when a failed SGLang SIGQUITs the
-        worker), and a stopping worker is placed on no more. The engine's health is left out for the
-        same reason; the scheduler keeps an engine_broken it heard for the whole registration."""
+        worker), and a stopping worker is placed on no more. The engine's health is sent
+        (Worker.engine_health: plain attribute reads, no engine lock, safe on that path): left out,
+        the scheduler read the notice's empty engine_failing as the engine mended (it now also
+        ignores engine_failing in a heartbeat without telemetry, for workers that leave it out)."""
         first = not self._draining
         self._draining = True
         # The RPC before any log line: on the SIGQUIT path this runs on a notifier thread while the
         # interrupted main thread may hold the logging handler's lock (a log line first blocked the
         # notice until the exit).
         try:
+            health = self._worker.engine_health()
             self._stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, draining=True,
-                                                                incarnation=INCARNATION),
+                                                                incarnation=INCARNATION, engine_broken=health.broken,
+                                                                engine_failing=health.failing),
                                  timeout=timeout)
         except Exception as e:  # best effort: the scheduler times the worker out anyway
             log.warning("draining heartbeat not delivered", extra=kv(error=str(e)))
@@ -201,6 +205,9 @@ class Registrar:
             in_flight.cancel()
         if self._thread is not None:
             self._thread.join(timeout)
+        # The Worker outlives its registrar (tests start several on one): a listener left behind
+        # would pile up and keep waking a stopped registrar.
+        self._worker.remove_engine_health_listener(self._on_engine_health)
         self._channel.close()
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:

@@ -170,7 +170,9 @@ def test_a_failing_engine_is_shown_and_still_placed_on(rig: Callable[..., Rig]) 
     t.register("w0", incarnation="a")
     t.run()
     failing = "the chunks failed and a canary request too: injected fault"
-    assert t.d.heartbeat("w0", None, incarnation="a", engine_failing=failing)
+    # With telemetry: one without (the draining notice) leaves engine_failing as it was.
+    report = scheduler_pb2.WorkerTelemetry(free_kv_pages=4096)
+    assert t.d.heartbeat("w0", report, incarnation="a", engine_failing=failing)
     assert _listed(t, "w0").engine_failing == failing  # type: ignore[attr-defined]
     assert _gauge("seer_scheduler_engine_failing_workers") == 1
     assert _gauge("seer_scheduler_serving_workers") == 1
@@ -178,7 +180,7 @@ def test_a_failing_engine_is_shown_and_still_placed_on(rig: Callable[..., Rig]) 
     t.d._add_items([item(rid, max_tokens=16) for rid in rids])
     wait_for(lambda: _finished(t, rids))  # the only worker, still placed on
     assert {wid for wid, _ in t.workers.requests} == {"w0"}
-    assert t.d.heartbeat("w0", None, incarnation="a")  # a chunk got a token: healthy again
+    assert t.d.heartbeat("w0", report, incarnation="a")  # a chunk got a token: healthy again
     assert _listed(t, "w0").engine_failing == ""  # type: ignore[attr-defined]
     assert _gauge("seer_scheduler_engine_failing_workers") == 0
 

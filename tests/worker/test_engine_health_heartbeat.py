@@ -178,3 +178,69 @@ def test_an_engine_broken_before_the_first_step_is_not_serving_at_once(ref_engin
     heard: list[bool] = []
     worker.on_engine_health(heard.append)
     assert heard and heard[-1] is False and not worker.engine_healthy
+
+
+def test_the_draining_notice_carries_the_engine_health_without_the_engine_lock(
+    scheduler: tuple[Dispatcher, FakeBuffer, _Recorded, str], ref_engine: ReferenceEngine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """drain_now (the SIGQUIT path: the engine may be dead, a step may hold its lock for good) sends
+    engine_failing / engine_broken read from plain attributes. Sent without them, the scheduler took
+    the notice for a mended engine: a false "no longer failing" that flapped back at the next
+    heartbeat."""
+    d, _buffer, _links, address = scheduler
+    heard: list[tuple[bool, str, str]] = []  # (draining, engine_broken, engine_failing) the scheduler got
+    real_heartbeat = d.heartbeat
+
+    def spy(worker_id: str, telemetry: Any, draining: bool = False, incarnation: str = "",
+            engine_broken: str = "", engine_failing: str = "") -> bool:
+        heard.append((draining, engine_broken, engine_failing))
+        return real_heartbeat(worker_id, telemetry, draining, incarnation, engine_broken, engine_failing)
+
+    monkeypatch.setattr(d, "heartbeat", spy)
+    worker, srv = _serve(ref_engine, "w-f")
+    reg = Registrar(worker, address, srv.address).start()
+    failing = "the chunks failed and a canary request too: injected"
+    try:
+        wait_for(lambda: "w-f" in d._workers)
+        with worker._locked():
+            worker._set_engine_health_locked(False, RuntimeError("injected"))
+        wait_for(lambda: d._workers["w-f"].engine_failing == failing, timeout=5)
+        # A step hung in a dead engine holds its lock: the notice must not wait for it.
+        done = threading.Event()
+
+        def notice() -> None:
+            reg.drain_now(2.0)
+            done.set()
+
+        with worker._locked():
+            threading.Thread(target=notice, daemon=True).start()
+            assert done.wait(3.0), "drain_now waited for the engine lock"
+        assert heard[-1] == (True, "", failing)
+        (view,) = d.stats().workers
+        assert view.draining and view.engine_failing == failing
+    finally:
+        with worker._locked():
+            worker._set_engine_health_locked(True)
+        reg.stop()
+        srv.stop(1.0)
+
+
+def test_stop_removes_the_registrars_health_listener(ref_engine: ReferenceEngine) -> None:
+    """Registrar.start() listens to Worker.on_engine_health; stop() takes it off (they piled up on a
+    worker outliving its registrars), without the engine lock (a hung step must not hold a stop)."""
+    worker = Worker(ref_engine, worker_id="w-l", speculation=False)  # not started
+    before = list(worker._health_listeners)
+
+    def stop(reg: Registrar, stopped: threading.Event) -> None:
+        reg.stop()
+        stopped.set()
+
+    for _ in range(3):
+        reg = Registrar(worker, "127.0.0.1:1", "127.0.0.1:5557", max_backoff=0.1).start()
+        assert len(worker._health_listeners) == len(before) + 1
+        stopped = threading.Event()
+        with worker._locked():
+            threading.Thread(target=stop, args=(reg, stopped), daemon=True).start()
+            assert stopped.wait(3.0), "stop() waited for the engine lock"
+    assert worker._health_listeners == before
