@@ -24,11 +24,14 @@ one, all but the highest `keep_versions` of that family are dropped (one drop_co
 tombstoned, so a straggling worker on old weights cannot recreate them; a Put that would create a
 version lower than the family's highest is refused, so it cannot drop a newer one.
 `drop_namespace` does the same explicitly. Namespaces without "@" are never dropped implicitly. A
-drop RocksDB refuses (or one a crash cut off) is retried at later Puts and at the next open, which
-replays each family's creations from the registry (_superseded).
+drop RocksDB refuses (or one a crash cut off) is retried at later Puts (with a backoff, 1 s growing
+to 30 s) and at the next open, which replays each family's creations from the registry
+(_superseded); a numbered version with keep_versions numbered versions above it that hold pages is
+dropped too, so keep_versions lowered between runs takes effect at the open.
 
-Capacity: a page larger than the SSD page budget is refused (RESOURCE_EXHAUSTED naming data): it
-would evict every page on the tier and still not fit.
+Capacity: a page larger than the SSD page budget that does not fit DRAM either is refused
+(RESOURCE_EXHAUSTED naming data): written to SSD it would evict every page on the tier and still
+not fit. One DRAM holds is stored there; its later demotion evicts that page alone.
 
 Late offloads: a Release of a whole request (no page hashes: the request finished) leaves a
 tombstone of (namespace, request_id) for `release_tombstone_s`: a Put or claim by that request
@@ -95,6 +98,12 @@ _IDLE_COLUMN_FAMILIES = 2
 # as a straggler when its family knows a newer version). Several: a live version whose pages
 # momentarily all left does not pay a re-creation.
 _IDLE_NAMESPACES = 8
+
+# Backoff of the retry of a superseded version's drop that RocksDB refused (_retry_superseded): the
+# first retry this long after the failure, each failed one doubling the wait up to the cap. Without
+# it a refusal that is no stall (a full disk) was tried, and logged with its traceback, at every Put.
+_DROP_RETRY_FIRST_S = 1.0
+_DROP_RETRY_MAX_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -170,6 +179,9 @@ class _Namespace:
     entries: dict[bytes, _Entry] = field(default_factory=dict)
     by_owner: dict[str, set[bytes]] = field(default_factory=dict)
     ssd_pages: int = 0  # entries on the SSD tier: its column family is needed only while > 0
+    # Pages evicted at demotion as larger than the SSD page budget: the first one is warned about,
+    # the rest logged at debug (one warning per namespace, not one per page).
+    oversized_evictions: int = 0
 
 
 _VERSION_RE = re.compile(r"v(\d{1,18})")
@@ -344,8 +356,11 @@ class KvStore:
         # Dropped namespaces: Puts into them are refused. Per family only the highest numbered one
         # is kept (_compact_tombstones): it refuses every lower version as older than the newest.
         self._tombstones: set[str] = set()
-        # Families with a superseded version whose drop RocksDB refused: retried (_retry_superseded).
+        # Families with a superseded version whose drop RocksDB refused: retried (_retry_superseded)
+        # at the first Put from _drop_retry_at on, each failed retry doubling the wait (capped).
         self._undropped: set[str] = set()
+        self._drop_retry_delay = _DROP_RETRY_FIRST_S
+        self._drop_retry_at = 0.0
         self._seq = itertools.count(1)
         self._hits = self._misses = self._evictions = 0
         self._demotions = self._promotions = self._checksum_failures = self._orphan_records = 0
@@ -440,12 +455,14 @@ class KvStore:
         for _seq, key, entry in sorted(pages, key=lambda p: p[0]):
             self._index_ssd_copy(key, entry, record_current=True)  # the record just read describes it
         self._seq = itertools.count(max_seq + 1)
+        self._replay_pending()
         # Versions whose drop was due and did not happen (RocksDB refused the tombstone record, or
-        # the process stopped before it): their pages would hold the budget until LRU evicted them,
-        # since only a creation dropped versions. Before the capacity check, so they go first.
+        # the process stopped before it), and those a lowered keep_versions drops: their pages would
+        # hold the budget until LRU evicted them, since only a creation dropped versions. After the
+        # pending records (the pages released before the stop do not count as held), before the
+        # capacity check, so they go first.
         for versioned in sorted({f for n in self._namespaces if (f := family_of(n)) is not None}):
             self._drop_superseded(versioned)
-        self._replay_pending()
         if self._namespaces:
             log.info(
                 "recovered SSD tier",
@@ -616,45 +633,78 @@ class KvStore:
         namespaces, so it names exactly the drops that were due and did not happen (a refused
         tombstone record, a crash before it), whenever it runs: at a creation, at a retry, at
         recovery. A replay over the live ones drops no version that its creations kept: with fewer
-        namespaces beside it, a version ranks no lower than it did then. Lock held."""
+        namespaces beside it, a version ranks no lower than it did then.
+
+        Also every numbered version with keep_versions numbered versions above it that hold pages:
+        the replay keeps a version created below others (m@v3, m@v2, m@v1 under a larger
+        keep_versions), so a keep_versions lowered between runs left them all live, a state the
+        running store never allows. It cannot drop what a running store with the same keep_versions
+        kept: such a store creates a version below the newest only with fewer than keep_versions
+        live numbered versions above it (_still_kept), and only a creation of a higher one, which
+        the replay covers, adds one above; versions holding pages are among the live ones. Empty
+        ones do not count: at an open, an empty namespace may be one the running store had
+        forgotten though its registry record stayed (a refused delete). Lock held."""
+        members = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=lambda n: n.seq)
         live: list[_Namespace] = []
         out: list[str] = []
-        for ns in sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=lambda n: n.seq):
+        for ns in members:
             live.append(ns)
             ranked = sorted(live, key=_version_order)
             for old in ranked[: max(0, len(ranked) - self.keep_versions)]:
                 if _version_order(old) < _version_order(ns):
                     live.remove(old)
                     out.append(old.name)
+        held = sorted((v for n in live if n.entries and (v := version_of(n.name)) is not None), reverse=True)
+        if len(held) > self.keep_versions:
+            lowest_kept = held[self.keep_versions - 1]
+            out += [n.name for n in live if (v := version_of(n.name)) is not None and v < lowest_kept]
         return out
 
     def _drop_superseded(self, family: str) -> None:
         """Drops the family's superseded versions (_superseded). A drop RocksDB refuses (its tombstone
         record: a write stop, a full disk) changes nothing: the version stays live, the family is
-        retried at the next Put (_retry_superseded) and at the next open, which replays the family's
+        retried at a later Put (_retry_superseded) and at the next open, which replays the family's
         creations from the registry. Until session 32 only the next version created in the family
         dropped it: after a restart nothing did, and its pages held SSD budget until LRU evicted
-        them. Lock held."""
+        them. A failure episode (from the family's first refused drop until one succeeds) is warned
+        about and counted (meta_write_failures) once; its retries' failures are logged at debug.
+        Lock held."""
+        repeat = family in self._undropped
         failed = False
         for name in self._superseded(family):
             try:
                 self._drop_locked(name)
-            except Exception:
+            except Exception as exc:
                 failed = True
+                if repeat:
+                    log.debug("dropping a superseded version failed again", extra=kv(
+                        namespace=name, family=family, error=str(exc), next_retry_in_s=self._drop_retry_delay))
+                    continue
                 self._meta_write_failures += 1
-                log.warning("dropping a superseded version failed; retried at the next Put and at the next start",
-                            exc_info=True, extra=kv(namespace=name, family=family))
+                log.warning("dropping a superseded version failed; retried at a later Put (1 s, then up to every "
+                            f"{_DROP_RETRY_MAX_S:g} s) and at the next start", exc_info=True,
+                            extra=kv(namespace=name, family=family))
         if failed:
+            if not self._undropped:  # the first family in trouble: its first retry a backoff from now
+                self._drop_retry_delay = _DROP_RETRY_FIRST_S
+                self._drop_retry_at = self._clock() + self._drop_retry_delay
             self._undropped.add(family)
-        else:
+        elif repeat:
             self._undropped.discard(family)
+            log.info("superseded versions dropped after an earlier failure", extra=kv(family=family))
 
     def _retry_superseded(self) -> None:
-        """Retries the families whose superseded versions' drops failed (lock held): at each Put,
-        but only while RocksDB may take a write (SsdTier.may_try: a probe a second while stalled)."""
-        if self._undropped and self._ssd.may_try():
-            for family in list(self._undropped):
-                self._drop_superseded(family)
+        """Retries the families whose superseded versions' drops failed (lock held): at a Put once the
+        backoff has passed (_DROP_RETRY_FIRST_S doubling per failed retry up to _DROP_RETRY_MAX_S: a
+        refusal that is no stall, a full disk, was tried at every Put), and only while RocksDB may
+        take a write (SsdTier.may_try: a probe a second while stalled)."""
+        if not self._undropped or self._clock() < self._drop_retry_at or not self._ssd.may_try():
+            return
+        for family in list(self._undropped):
+            self._drop_superseded(family)
+        if self._undropped:
+            self._drop_retry_delay = min(self._drop_retry_delay * 2, _DROP_RETRY_MAX_S)
+            self._drop_retry_at = self._clock() + self._drop_retry_delay
 
     def drop_namespace(self, name: str) -> int:
         """Drops a namespace (a weight version that no worker uses any more); returns its page count.
@@ -785,11 +835,15 @@ class KvStore:
                 raise InvalidArgument(
                     f"{ALGORITHM} of data is {actual:#018x}, message says {checksum:#018x}", field="checksum"
                 )
-            # Before anything is created, stored or evicted: a page the SSD tier cannot hold (a
-            # --ssd-bytes too small for the model) evicted every other page and then itself,
-            # emptying the tier on each such Put (or at its demotion). Refused like a page over the
-            # message limit: the client degrades it to a failed offload.
-            self._check_fits_ssd(layout.page_bytes)
+            # Before anything is created, stored or evicted: a page that must go straight to SSD (it
+            # does not fit DRAM) and that the SSD tier cannot hold (a --ssd-bytes too small for the
+            # model) evicted every other page and then itself, emptying the tier on each such Put.
+            # Refused like a page over the message limit: the client degrades it to a failed
+            # offload. One DRAM holds is stored (a deployment mostly on DRAM keeps its --ssd-bytes
+            # small); its demotion evicts it alone (_demote). Session 32 refused it too, and such a
+            # store refused every Put of the model.
+            if not self._dram.fits(len(data)):
+                self._check_fits_ssd(layout.page_bytes)
             if found is None:
                 try:
                     found = self._create_namespace(namespace, layout)
@@ -977,6 +1031,9 @@ class KvStore:
         entry = self._entry(key)
         if entry is None or entry.on_ssd:
             return  # dropped meanwhile, or already on SSD (a promoted page): nothing to write
+        if entry.size > self.ssd_capacity_bytes:
+            self._evict_oversized_demotion(key, entry)
+            return
         try:
             self._write_ssd(key, entry, data)
         except Exception:
@@ -993,6 +1050,24 @@ class KvStore:
             self._evictions += 1
             return
         self._demotions += 1
+
+    def _evict_oversized_demotion(self, key: Key, entry: _Entry) -> None:
+        """Evicts a page leaving DRAM that is larger than the SSD page budget (stored in DRAM by a Put,
+        or the budget lowered under it): written, it would evict every page on the SSD tier and still
+        not fit, and a copy of it on disk (its delete pending) is no better. Expected in a deployment
+        that runs on DRAM with a small --ssd-bytes, so no traceback and one warning per namespace; the
+        rest at debug, counted in evictions. Lock held."""
+        ns = self._namespaces[key[0]]
+        ns.oversized_evictions += 1
+        fields = kv(namespace=key[0], page_bytes=entry.size, ssd_capacity_bytes=self.ssd_capacity_bytes,
+                    evicted_so_far=ns.oversized_evictions)
+        if ns.oversized_evictions == 1:
+            log.warning("a page larger than the SSD page budget left DRAM and is evicted, not demoted; so are the "
+                        "namespace's next ones (logged at debug): raise --ssd-bytes to keep them", extra=fields)
+        else:
+            log.debug("a page larger than the SSD page budget left DRAM; evicted", extra=fields)
+        self._remove(key)
+        self._evictions += 1
 
     def _keep_pending_copy(self, key: Key, entry: _Entry) -> bool:
         """For a page whose demotion RocksDB refused: when its SSD copy is still on disk, its delete
@@ -1018,9 +1093,9 @@ class KvStore:
         return True
 
     def _write_ssd(self, key: Key, entry: _Entry, data: Buffer) -> None:
-        # A page larger than the budget (the budget lowered under a page already in DRAM) is refused
-        # like a failed write (a demotion evicts that page alone), not written and then evicted
-        # together with every other page.
+        # A page larger than the budget is refused like a failed write, not written and then evicted
+        # together with every other page (a demotion evicts it before getting here: _demote; a
+        # flush counts it as not written).
         self._check_fits_ssd(entry.size)
         # Recent before the write: a write that fails may still have created the column family,
         # which is then dropped like any idle one once the namespace stops being recent.
@@ -1531,11 +1606,16 @@ class KvStore:
         flush: every page after it would wait out the stall timeout too."""
         with self._lock:
             self._reconcile_ssd(limit=len(self._pending_ssd))
-            n = failed = 0
+            n = failed = oversized = 0
             pending = [(cast(Key, key), data) for key, data in self._dram.items()]
             for i, (key, data) in enumerate(pending):
                 entry = self._entry(key)
                 if entry is None or entry.on_ssd:
+                    continue
+                if entry.size > self.ssd_capacity_bytes:
+                    # Never fits the SSD tier (see _demote): counted, without a traceback.
+                    failed += 1
+                    oversized += 1
                     continue
                 try:
                     self._write_ssd(key, entry, data)
@@ -1554,7 +1634,8 @@ class KvStore:
                 n += 1
             self._flush_failures += failed
             if failed:
-                log.warning("flush to SSD: pages not written", extra=kv(written=n, failed=failed))
+                log.warning("flush to SSD: pages not written",
+                            extra=kv(written=n, failed=failed, larger_than_ssd_budget=oversized))
             self._enforce_ssd_capacity()
             self._ssd.flush()
             return n
