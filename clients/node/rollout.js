@@ -351,8 +351,9 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
   let cursor = 0n;
   let submission = String(submissionId);
   const leftOut = [];
+  // err.code kept when the buffer's end set it (DATA_LOSS for stored results it cannot decode).
   const leftOutError = (err) => Object.assign(err, {
-    code: grpc.status.RESOURCE_EXHAUSTED, leftOut: leftOut.map(String), batchComplete: true,
+    code: err.code ?? grpc.status.RESOURCE_EXHAUSTED, leftOut: leftOut.map(String), batchComplete: true,
   });
   for (;;) {
     // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
@@ -414,15 +415,21 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
       });
     } catch (err) {
       if (err.fromCallback) throw err;
-      if (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted && err.unread > 0) {
-        // The buffer's end-of-batch status for left-out results, read before the last results
-        // (still unread in the paused stream): a stream from `cursor` delivers them.
+      // The buffer's end-of-batch status for left-out results: marked by its trailing metadata
+      // (RESOURCE_EXHAUSTED or DATA_LOSS); from a buffer before the mark, an accepted stream's
+      // RESOURCE_EXHAUSTED (DATA_LOSS was then taken for a failed stream, and the complete batch
+      // cancelled).
+      const marked = leftOutEnd(err);
+      if ((marked || (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted)) && err.unread > 0) {
+        // Read before the last results (still unread in the paused stream): a stream from
+        // `cursor` delivers them.
         continue;
       }
-      if (leftOut.length > 0 && err.code === grpc.status.RESOURCE_EXHAUSTED && accepted) {
-        // The buffer's status names this stream's left-out results (request ids); the gaps name
-        // those of earlier streams too. Every other result was delivered: the batch is complete.
-        err.details = `${leftOutMessage(batchId, leftOut)}; the buffer: ${err.details}`;
+      if (marked || (leftOut.length > 0 && err.code === grpc.status.RESOURCE_EXHAUSTED && accepted)) {
+        // The buffer's status names this stream's left-out results (cursors, request ids); the
+        // gaps name those of earlier streams too. Every other result was delivered: the batch is
+        // complete.
+        if (leftOut.length > 0) err.details = `${leftOutMessage(batchId, leftOut)}; the buffer: ${err.details}`;
         throw leftOutError(err);
       }
       await retry.wait(err, !accepted);
@@ -434,6 +441,14 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
     }
     return;
   }
+}
+
+// Trailing metadata on the buffer's StreamResults end when it left results out (rollout.proto
+// StreamResults): that end is the batch's, not a failed stream's.
+const RESULTS_LEFT_OUT_KEY = 'seer-results-left-out';
+function leftOutEnd(err) {
+  const md = err && err.metadata;
+  return Boolean(md && typeof md.get === 'function' && md.get(RESULTS_LEFT_OUT_KEY).length > 0);
 }
 
 // As the Python client's _left_out_message (clients/python/seer_client/client.py).

@@ -571,7 +571,16 @@ class BufferCore:
         # was other content than `seed=3`, so a retry spelling it the other way was ALREADY_EXISTS.
         # Typing depends on no limit of this buffer (see below); it leaves well-typed groups as they
         # are, so their hash is the one stored before.
-        groups = typed_groups(groups)
+        try:
+            groups = typed_groups(groups)
+        except InvalidArgument:
+            # A spelling typing refuses (top_k=True, group_size=True) was accepted by a buffer
+            # before typing and stored, hashed as sent: its caller's retry, spelled the same way,
+            # is that batch (already_submitted), not an error about a batch that is running.
+            stored = self._existing_legacy(batch_id, legacy_content_hash(batch_id, sent, seed_scope))
+            if stored is not None:
+                return stored
+            raise
         digest = content_hash(batch_id, groups, seed_scope)
 
         def legacy() -> str | None:  # what an older buffer stored for odd spellings (see _existing)
@@ -701,6 +710,21 @@ class BufferCore:
             return None
         if existing.content_hash != digest and existing.content_hash != legacy():
             raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content", field="batch_id")
+        return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version, existing.submit_seq)
+
+    def _existing_legacy(self, batch_id: str, legacy: str | None) -> SubmitOutcome | None:
+        """The outcome of resubmitting a batch an older buffer stored from a submission typing now
+        refuses: only when the stored hash is that of the groups as sent (`legacy`), else None (the
+        caller raises its typing error: an invalid submission, stored or not)."""
+        if legacy is None:
+            return None
+        with self._lock:
+            self._check_open()
+            existing = self._batches.get(batch_id)
+        if existing is None or existing.content_hash != legacy:
+            return None
+        log.info("retry of a batch stored from a spelling this buffer refuses: already submitted",
+                 extra=kv(batch_id=batch_id))
         return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version, existing.submit_seq)
 
     # ---- work feed -----------------------------------------------------------------------------
@@ -1027,9 +1051,17 @@ class BufferCore:
             # a prompt in two batches of one version, was two iterations, and the second pushed a
             # genuinely earlier version's responses out of the `history_iterations` kept (the draft
             # service counts versions too: services/draft/README.md "History iterations").
-            kept = add_iteration(self._read_history(key), it, self._history_n, self._iteration_responses)
+            stored = self._read_history(key)
+            kept = add_iteration(stored, it, self._history_n, self._iteration_responses)
             if kept is not None:
                 wb.put(keys.history_key(key), encode_history(kept))
+            else:
+                # Older than every kept version: UpdateWeights waits for the batches of the version
+                # it replaces, so this takes a store written otherwise; not silent.
+                metrics.HISTORY_DROPPED.inc()
+                log.warning("completed batch's responses older than every kept history version; not recorded",
+                            extra=kv(batch_id=batch.batch_id, prompt_key=key, policy_version=batch.policy_version,
+                                     kept_versions=[s.policy_version for s in stored]))
         return _BuiltHistory(batch, wb)
 
     def history(self, prompt_key: str) -> list[HistoryIteration]:

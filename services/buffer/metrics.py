@@ -33,5 +33,11 @@ UNREADABLE_RESULTS = Counter("seer_buffer_unreadable_results_total",
 UNREADABLE_REQUESTS = Counter(
     "seer_buffer_unreadable_requests_total",
     "Stored request records that could not be decoded, listed as unknown by GetBatch (each read)")
+# A completing batch's responses to a prompt key older than every version the key's history keeps
+# (records.add_iteration returns None). UpdateWeights waits for the batches of the version it
+# replaces, so a buffer does not produce this; a rise means a store written otherwise (another
+# buffer's history, an edited store). Logged with the key and the versions.
+HISTORY_DROPPED = Counter("seer_buffer_history_dropped_total",
+                          "Prompt-key iterations of a completed batch older than every kept version, not recorded")
 STREAMS = Gauge("seer_buffer_open_streams", "Open long-lived streams (StreamResults + WatchWork)")
 STREAMS_REFUSED = Counter("seer_buffer_refused_streams_total", "Streams refused at max_streams", ["method"])

@@ -470,8 +470,9 @@ class RolloutResult:
         return rec
 
 
-# Responses one history iteration of a prompt key keeps at most, besides those of the batch that
-# brings them (a batch's responses to a key are kept whole): the draft service's bound
+# Responses one history iteration of a prompt key keeps: at most max(this, the newest batch's count
+# of the key) — the newest batch's responses are kept whole, and older ones of the version fill up
+# to this many, none beyond (merge_iteration). The draft service's bound
 # (services/draft/history.py HISTORY_ITERATION_RESPONSES). An iteration is a policy version, and every
 # batch of the key at that version merges into it: a loop that never updates the weights (a
 # benchmark, an evaluation) runs every batch at one version, and without a bound that iteration, one

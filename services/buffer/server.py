@@ -85,6 +85,12 @@ def size_bound(r: RolloutResult) -> int:
     return 9 * len(r.token_ids) + 4 * len(r.text) + labels + 4 * (len(r.request_id) + len(r.prompt_key)) + 65536
 
 
+# Trailing metadata of StreamResults' end when results were left out of the stream (rollout.proto
+# StreamResultsRequest): the number left out by this stream. The clients read it (seer_client,
+# clients/node) to tell that end from a failed stream.
+RESULTS_LEFT_OUT_KEY = "seer-results-left-out"
+
+
 def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too_large: Sequence[str],
                       too_large_count: int, limit: int) -> DataLoss:
     """StreamResults' end when stored results could not be decoded: DATA_LOSS (the worse of the two
@@ -242,6 +248,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 left_out += 1
                 if len(too_large) < MAX_NAMED_TOO_LARGE:
                     too_large.append(f"request {r.request_id!r} (cursor {idx}): {size} bytes")
+            if unreadable or left_out:
+                # Marks this end (either status) as "the batch is done, every other result was
+                # sent": a client cannot tell it by the code (DATA_LOSS is also a read failing
+                # mid-stream, RESOURCE_EXHAUSTED also the stream limit), and took it for a failed
+                # stream (run_batch cancelled the completed batch and dropped the gaps it had seen).
+                context.set_trailing_metadata(((RESULTS_LEFT_OUT_KEY, str(len(unreadable) + left_out)),))
             if unreadable:
                 raise _unreadable_error(request.batch_id, unreadable, too_large, left_out, limit)
             if left_out:

@@ -11,9 +11,11 @@ same data dir."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from buffer_helpers import BufferHandle, finish_all, group, snapshot, submit
 from seer.v1 import buffer_pb2, rollout_pb2
 
@@ -135,3 +137,29 @@ def test_history_an_older_buffer_stored_is_read_as_versions(make_buffer: Callabl
                                                                          ("old-0", 0, [5])]
     finally:
         store.close()
+
+
+def test_a_batch_older_than_every_kept_version_is_logged_and_counted(
+        make_buffer: Callable[..., BufferHandle], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """UpdateWeights waits for the batches of the version it replaces, so a batch never completes
+    at a version older than every one its keys keep; a store written otherwise (here: history of
+    versions 5 and 6 at a buffer at version 0) made its responses vanish from the history silently.
+    Now that is logged and counted (seer_buffer_history_dropped_total); the kept versions stay."""
+    from services.buffer import metrics
+    buf = make_buffer(history_iterations=2)
+    buf.stop()
+    store = Store(tmp_path / "db")
+    try:
+        wb = store.new_batch()
+        wb.put(history_key("p"), encode_history([HistoryIteration("b6", 6, [2], [codec.i32([9, 9])]),
+                                                 HistoryIteration("b5", 5, [1], [codec.i32([9])])]))
+        store.write(wb)
+    finally:
+        store.close()
+    buf = make_buffer(history_iterations=2)
+    before = metrics.HISTORY_DROPPED._value.get()
+    with caplog.at_level(logging.WARNING, logger="services.buffer.core"):
+        _run(buf, "v0", "p", 2, 4)
+    assert metrics.HISTORY_DROPPED._value.get() == before + 1
+    assert any("older than every kept history version" in r.getMessage() for r in caplog.records), caplog.text
+    assert [(it.policy_version, it.lengths) for it in buf.core.history("p")] == [(6, [2]), (5, [1])]

@@ -313,8 +313,28 @@ def _result(resp: rollout_pb2.StreamResultsResponse) -> RolloutResult:
 
 
 class _ResultsLeftOut(SeerError):
-    """RESOURCE_EXHAUSTED naming results the buffer left out of the stream, raised once the batch
-    is done and every other result was yielded: run_batch has nothing left to cancel."""
+    """RESOURCE_EXHAUSTED (results over the buffer's message limit) or DATA_LOSS (stored results it
+    cannot decode) naming results the buffer left out of the stream, raised once the batch is done
+    and every other result was yielded: run_batch has nothing left to cancel."""
+
+
+# Trailing metadata the buffer puts on StreamResults' end when it left results out (rollout.proto
+# StreamResults; services/buffer/server.py RESULTS_LEFT_OUT_KEY): that end is the batch's, not a
+# failed stream's.
+_RESULTS_LEFT_OUT_KEY = "seer-results-left-out"
+
+
+def _left_out_end(err: grpc.RpcError) -> bool:
+    """Whether a results stream's error is the buffer's end naming left-out results (its trailing
+    metadata says so). False for an error without trailing metadata (raised by the channel itself)."""
+    trailing = getattr(err, "trailing_metadata", None)
+    if trailing is None:
+        return False
+    try:
+        pairs = trailing() or ()
+    except Exception:  # an error raised before the call had a status has none to read
+        return False
+    return any(k == _RESULTS_LEFT_OUT_KEY for k, _ in pairs)
 
 
 def _submission_answer(batch_id: str, err: SeerError) -> CancelOutcome | None:
@@ -546,12 +566,15 @@ class SeerClient:
                 # A result on this stream means it was accepted too, even where _accepted cannot
                 # tell (a traced channel): its RESOURCE_EXHAUSTED names results left out, and a
                 # retry from our cursor (past them) would end OK and lose them.
-                refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted and not received
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused:
-                    # The buffer ends an accepted stream so only once the batch is done and every
-                    # other result was sent: _ResultsLeftOut, so that run_batch does not take it for a
-                    # failed stream (it cancelled the completed batch, and said so). Gaps seen on
-                    # earlier streams (resumed past) are named beside the buffer's own list.
+                marked = _left_out_end(e)
+                refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted and not received and not marked
+                if marked or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused):
+                    # The buffer ends a stream so (RESOURCE_EXHAUSTED for results over its message
+                    # limit, DATA_LOSS for stored ones it cannot decode; the trailing metadata
+                    # marks both) only once the batch is done and every other result was sent:
+                    # _ResultsLeftOut, so that run_batch does not take it for a failed stream (it
+                    # cancelled the completed batch, and said so). Gaps seen on earlier streams
+                    # (resumed past) are named beside the buffer's own list.
                     earlier = f"; {_left_out_message(batch_id, left_out)}" if left_out else ""
                     raise _ResultsLeftOut(code.name, f"{e.details() or ''}{earlier}") from None
                 if code not in _RETRYABLE and not refused:

@@ -79,7 +79,11 @@ class RolloutServiceServicer:
     def StreamResults(self, request, context):
         """Streams finished responses of a batch in completion order. Resumable: pass the cursor of the
         last result received and the submission_id of the batch (SubmitBatchResponse); the stream ends
-        when every response of the batch has been sent.
+        when every response of the batch has been sent. Results the buffer cannot send (over its message
+        limit: RESOURCE_EXHAUSTED; stored records it cannot decode: DATA_LOSS, the worse) are left out
+        (the next message's cursor steps past each) and named by the stream's final status, sent once
+        the batch is done and every other result was sent; that end alone carries trailing metadata
+        "seer-results-left-out: <count>" (a failed stream or the stream limit never does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
