@@ -1209,6 +1209,7 @@ class Worker:
             is_probe=job.is_probe,
             dispatch_epoch=job.dispatch_epoch,
             submit_seq=job.submit_seq,
+            policy_version=job.policy_version,  # an engine that registers the group itself sends it
         )
 
     def _engine_has(self, request_id: str) -> bool:

@@ -229,11 +229,12 @@ class _Mirror:
     def follow_version(self, submit_seq: int, policy_version: int | None = None) -> None:
         """The mirror moved to the run of submission `submit_seq`: its version is that run's (the
         registration's `policy_version` that moved it, else the one its attempts here brought;
-        unknown: kept)."""
+        unknown: None, so its registrations go out without one). Not the old run's: a mirror that
+        re-created the group on a restarted server would stamp the new run with it, and the server
+        keeps a group's first version (the right worker's later registration could not mend it)."""
         if policy_version is None:
             policy_version = self.seq_versions.get(submit_seq)
-        if policy_version is not None:
-            self.policy_version = policy_version
+        self.policy_version = policy_version
 
     def newest_seq(self) -> int:
         """The newest submission the mirror registered for or is registering again for (0 = unknown)."""

@@ -11,6 +11,8 @@ Real worker cores on the shared reference engine served over gRPC on loopback, r
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -19,8 +21,10 @@ from seer.v1 import common_pb2, draft_pb2, draft_pb2_grpc, worker_pb2, worker_pb
 from services.common.errors import InvalidArgument
 from services.common.grpcutil import channel
 from services.common.server import RunningServer, ServiceConfig, start_server
-from services.worker.core import Worker
+from services.worker.chunks import ChunkJob
+from services.worker.core import Worker, _Active
 from services.worker.draft_client import DraftClient
+from services.worker.engine import SamplingParams
 from services.worker.engines.reference.engine import ReferenceEngine
 from services.worker.server import add_servicer
 from tests.draft.draft_helpers import DraftServer, manual
@@ -142,6 +146,38 @@ def test_a_mirror_registers_its_runs_first_version_and_a_new_run_its_own(draft_s
         c.close()
 
 
+def test_a_mirror_moved_to_a_run_it_has_no_attempt_of_does_not_stamp_it_with_the_old_runs_version(
+        draft_server: DraftServer) -> None:
+    """Worker A follows the old run (submission 5, version 3); worker B registers the id's new run
+    (submission 6, version 5), and A's Sync moves A's mirror to it. A has no attempt of the new run,
+    so its version is unknown there: A kept version 3, and when the server restarted, A could be
+    first to re-create the group, stamped version 3 (the server keeps a group's first version; B's
+    registration could not mend it)."""
+    a, b = manual(draft_server.address), manual(draft_server.address)
+    try:
+        a.register_attempt("g", KEY, PROMPT, 2, request_id="r0", epoch=1, submit_seq=5, policy_version=3)
+        a.resume("g", "r0", [], 1, submit_seq=5)
+        a.flush()
+        b.register_attempt("g", KEY, PROMPT, 2, request_id="r0", epoch=2, submit_seq=6, policy_version=5)
+        b.resume("g", "r0", [], 2, submit_seq=6)
+        b.flush()
+        a.flush()
+        a.flush()  # A's Sync: the reset to the new incarnation
+        assert a._groups["g"].submit_seq == 6 and a._groups["g"].policy_version is None
+        draft_server.restart()
+        for _ in range(3):
+            a.flush()  # A re-creates the group first, without a version (it had stamped 3)
+        for _ in range(3):
+            b.flush()
+        g = draft_server.store._groups["g"]
+        # Never the old run's version: the run's own (a registration that brought it), or none (the
+        # store merges an unversioned group into the key's newest version at promotion).
+        assert g.submit_seq == 6 and (g.history_iteration == 5 if g.versioned else g.history_iteration < 0)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_negative_version_is_refused_naming_the_field() -> None:
     c = DraftClient(None)
     try:
@@ -152,3 +188,14 @@ def test_a_negative_version_is_refused_naming_the_field() -> None:
         raise AssertionError("a negative policy_version was taken")
     finally:
         c.close()
+
+
+def test_a_chunk_re_added_after_a_step_failure_keeps_its_version() -> None:
+    """The engine request that continues a chunk (Worker._resume_request, after an isolated step
+    failure) carries the chunk's policy version: an engine that registers the group itself (the
+    SGLang plugin) sent none for it, and a group it re-created was numbered without one."""
+    job = ChunkJob(request_id="r0", prompt_token_ids=(1, 2), max_new_tokens=8, max_tokens=8,
+                   sampling=SamplingParams(), policy_version=7, group_id="g", prompt_key=KEY, submit_seq=3)
+    act = _Active(job=job, events=queue.SimpleQueue(), started=time.monotonic(), tokens=[5, 6])
+    req = Worker._resume_request(act)
+    assert (req.policy_version, req.submit_seq, req.output_token_ids, req.max_new_tokens) == (7, 3, (5, 6), 6)
