@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The services' own configuration variables (SEER_<SERVICE>_<FIELD>, services/common/config.py): a
+# developer's shell (SEER_SCHEDULER_POLICY=baseline, say) or a CI machine's would reach every
+# service a test starts, in process or as a child, and change what it tests; an unknown one is even
+# refused at start. Tests that need one set it themselves. Test controls (SEER_TEST_DEVICE,
+# SEER_SGLANG_WHEEL, SEER_IMAGE_TAG, ...) are not service configuration and stay.
+_SERVICE_VAR_PREFIXES = tuple(f"SEER_{s}_" for s in ("BUFFER", "SCHEDULER", "DRAFT", "KVSTORE", "WORKER"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in [n for n in os.environ if n.startswith(_SERVICE_VAR_PREFIXES)]:
+        del os.environ[name]
 
 
 @pytest.fixture(scope="session")

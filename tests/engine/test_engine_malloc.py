@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.common.malloc_env import plain_malloc_env
+
 _PROBE = """
 import ctypes, resource, sys
 from services.worker.engine import Draft, GenerateRequest, SamplingParams
@@ -51,7 +53,7 @@ def test_drafted_steps_do_not_fault_fresh_memory(model_dir: Path, mode: str) -> 
     """Tuned (the default), a drafted batch-8 step reuses its buffers; with glibc's starting
     thresholds pinned (the negative control) the same step faults thousands of pages in."""
     out = subprocess.run([sys.executable, "-c", _PROBE, str(model_dir), mode], capture_output=True, text=True,
-                         timeout=120, check=True)
+                         timeout=120, check=True, env=plain_malloc_env())
     faults = int(out.stdout.strip().splitlines()[-1])
     if mode == "tuned":
         assert faults < 200, faults

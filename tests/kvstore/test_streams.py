@@ -14,6 +14,7 @@ from services.common.memtune import HEAP_MAX_SIZE, MAX_MMAP_THRESHOLD, malloc_tu
 from services.kvstore.checksum import page_checksum
 from services.worker.engine import KVPages
 from services.worker.kv_client import KVClient, split_even
+from tests.common.malloc_env import plain_malloc_env
 from tests.kvstore.kvhelpers import KV_LAYOUT, LAYOUT, Replica, make_pages
 
 Make = Callable[..., Replica]
@@ -136,7 +137,8 @@ def test_thread_arena_keeps_freed_page_buffers_mapped(top_pad: str) -> None:
     next round of page buffers on that thread faults fresh memory in (the negative control);
     with a 64 MiB top pad the second and third rounds reuse the mapped memory."""
     out = subprocess.run(
-        [sys.executable, "-c", _FAULT_PROBE, top_pad], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", _FAULT_PROBE, top_pad], capture_output=True, text=True, timeout=60, check=True,
+        env=plain_malloc_env(),
     )
     faults = int(out.stdout.strip())
     if top_pad != str(128 * 1024):  # the default tuning is the 64 MiB pad
