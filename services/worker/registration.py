@@ -36,7 +36,7 @@ from seer.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from services.common.grpcutil import channel
 from services.common.log import get_logger, kv
-from services.worker.core import Worker
+from services.worker.core import EngineHealth, Worker
 
 log = get_logger(__name__)
 
@@ -181,6 +181,9 @@ class Registrar:
         # notice until the exit).
         try:
             health = self._worker.engine_health()
+        except Exception:  # a dying engine's attribute: the notice matters more than its health
+            health = EngineHealth()
+        try:
             self._stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self._worker.worker_id, draining=True,
                                                                 incarnation=INCARNATION, engine_broken=health.broken,
                                                                 engine_failing=health.failing),

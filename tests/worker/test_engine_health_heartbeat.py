@@ -219,6 +219,12 @@ def test_the_draining_notice_carries_the_engine_health_without_the_engine_lock(
         assert heard[-1] == (True, "", failing)
         (view,) = d.stats().workers
         assert view.draining and view.engine_failing == failing
+        # A dying engine whose health cannot be read still gets the notice out (health left out).
+        monkeypatch.setattr(worker, "engine_health", lambda: (_ for _ in ()).throw(RuntimeError("dead engine")))
+        heard.clear()
+        assert reg.drain_now(2.0)
+        assert heard == [(True, "", "")]
+        assert d.stats().workers[0].engine_failing == failing  # a notice without telemetry changes it not
     finally:
         with worker._locked():
             worker._set_engine_health_locked(True)
