@@ -731,6 +731,7 @@ class Dispatcher:
                                              f"retry the switch to version {version}", field="version")
             errors: dict[str, str] = {}
             refused: set[str] = set()  # workers that refused the load (they loaded nothing)
+            bad_source: set[str] = set()  # of those, the ones that refused it as INVALID_ARGUMENT naming source
 
             def load(w: WorkerState) -> None:
                 try:
@@ -739,6 +740,8 @@ class Dispatcher:
                     errors[w.worker_id] = str(e)
                     if isinstance(e, (InvalidArgument, FailedPrecondition, NotFound)):
                         refused.add(w.worker_id)
+                    if isinstance(e, InvalidArgument) and e.field == "source":
+                        bad_source.add(w.worker_id)
                 except ValueError as e:
                     # Its link was closed under the load (the worker was removed meanwhile): it did
                     # not confirm the version, so it must not count as loaded.
@@ -785,6 +788,12 @@ class Dispatcher:
                     log.warning("every worker refused the weight load; the version in force is unchanged",
                                 extra=kv(version=version, source=source, version_in_force=self._version,
                                          errors=errors))
+                    if bad_source == set(errors):
+                        # Every worker found the source itself bad (no such directory, not a
+                        # checkpoint): the caller's argument, named as such (the trainer catches
+                        # INVALID_ARGUMENT on `source`, not a precondition on `version`).
+                        raise InvalidArgument(f"no worker could load version {version} from it: {errors}",
+                                              field="source")
                     raise FailedPrecondition(f"no worker loaded version {version}: {errors}", field="version")
                 # A deadline or a lost connection: a worker may still be loading, and may come back
                 # on the new version. The outcome is unknown (the buffer holds submissions until

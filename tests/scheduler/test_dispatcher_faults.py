@@ -527,13 +527,21 @@ def test_a_switch_no_worker_took_is_a_refusal_not_an_outage(rig: Callable[..., R
     t.register("w0")
 
     def refuse(self: FakeWorkerLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
+        raise FailedPrecondition("another LoadWeights is in progress", field="version")
+
+    def bad_source(self: FakeWorkerLink, version: int, source: str, timeout: float) -> worker_pb2.LoadWeightsResponse:
         raise InvalidArgument("no such checkpoint on this node", field="source")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(FakeWorkerLink, "load_weights", refuse)
         with pytest.raises(FailedPrecondition) as e:
             t.d.switch_weights(3, "/missing")
-    assert e.value.field == "version" and "no worker loaded version 3" in str(e.value)
+        assert e.value.field == "version" and "no worker loaded version 3" in str(e.value)
+        # Every worker found the source itself bad: the caller's argument, named `source`.
+        mp.setattr(FakeWorkerLink, "load_weights", bad_source)
+        with pytest.raises(InvalidArgument) as bad:
+            t.d.switch_weights(3, "/missing")
+        assert bad.value.field == "source" and "no worker could load version 3" in str(bad.value)
     assert t.d._version is None  # no version was ever put in force
 
 

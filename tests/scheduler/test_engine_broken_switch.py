@@ -60,8 +60,8 @@ def test_a_switch_leaves_a_broken_worker_out_and_a_refusal_stays_a_refusal(
 
     err = _switch(stub, 2, "/ckpt/typo")
     # A refusal: the only worker asked refused it. It was UNAVAILABLE and both workers were dropped.
-    assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
-    assert "no worker loaded version 2" in (err.details() or "")
+    assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert "no worker could load version 2" in (err.details() or "")
     assert t.d._workers == states, "a worker was dropped"
     assert _loaded(workers, "broken") == [(1, "/ckpt/1")], "the broken worker was asked to load"
     assert (t.d._version, t.d._source) == (1, "/ckpt/1")

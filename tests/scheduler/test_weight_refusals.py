@@ -104,9 +104,11 @@ def test_a_switch_every_worker_refused_keeps_them_all_serving_the_old_version(
     states = dict(t.d._workers)
 
     err = _switch(stub, 200, "/ckpt/typo")
-    assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # Every worker found the source bad: INVALID_ARGUMENT naming `source` (the trainer's argument),
+    # as the worker README promises; it was FAILED_PRECONDITION naming `version`.
+    assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = err.details() or ""
-    assert "version" in details and "no worker loaded version 200" in details
+    assert details.startswith("source: ") and "no worker could load version 200" in details
     assert "/ckpt/typo/config.json not found" in details  # the source error is named
 
     # Nobody was dropped: the same registrations, still placed on, still at version 1.
@@ -117,7 +119,7 @@ def test_a_switch_every_worker_refused_keeps_them_all_serving_the_old_version(
 
     # A second bad switch is refused the same way (it was adopted with num_workers=0, unchecked).
     err = _switch(stub, 201, "/ckpt/typo2")
-    assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (t.d._version, t.d._source) == (1, "/ckpt/1") and t.d._workers == states
 
     # And the workers still run chunks.
