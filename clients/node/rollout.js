@@ -337,10 +337,12 @@ async function unary(client, method, request, endMs, retrySeconds, run = new Run
 // into the other submission's results. Cursors and submission ids are decimal strings (uint64).
 //
 // A result the buffer leaves out (stored over its message size limit: the next message's cursor
-// steps past it) is noted from the cursors' gap, and once every other result was delivered the call
-// fails RESOURCE_EXHAUSTED naming the left-out cursors, as the Python client does. The buffer's own
-// status names them too, but only on the stream that skipped them: a stream resumed past one (a
-// reconnect) ends OK, and the run said only "stream ended after N of M results".
+// steps past it) is noted from the cursors' gap and from the cursors the buffer's marked end names
+// (trailing metadata: the batch's last result has no later gap), and once every other result was
+// delivered the call fails RESOURCE_EXHAUSTED (DATA_LOSS when the buffer's end said so: stored
+// results it cannot decode) naming the left-out cursors and the buffer's words, as the Python client
+// does. The buffer's own status names them too, but only on the stream that skipped them: a stream
+// resumed past one (a reconnect) ends OK, and the run said only "stream ended after N of M results".
 //
 // onResult may return a promise: it is awaited before the next result is handed over (the stream is
 // paused meanwhile, so a slow consumer holds the buffer back instead of queueing results in memory),
@@ -350,15 +352,37 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
   const retry = new Retry(retrySeconds, endMs, run);
   let cursor = 0n;
   let submission = String(submissionId);
-  const leftOut = [];
-  // err.code kept when the buffer's end set it (DATA_LOSS for stored results it cannot decode).
-  const leftOutError = (err) => Object.assign(err, {
-    code: err.code ?? grpc.status.RESOURCE_EXHAUSTED, leftOut: leftOut.map(String), batchComplete: true,
-  });
+  const leftOut = []; // BigInt cursors, ascending, each once
+  const addLeftOut = (c) => {
+    if (!leftOut.includes(c)) leftOut.push(c);
+  };
+  // How many were left out in all, when the buffer's mark counts more than it names (its cursor
+  // list is bounded): the gaps before the marked stream's first cursor plus the mark's count.
+  let leftOutTotal = 0;
+  // The buffer's left-out ends seen ({code, details}): one read while results were still unread
+  // ends nothing (a stream from `cursor` delivers them), but its code and text are the batch's
+  // answer; the reopened stream, started past the left-out cursors, ends OK without them. Before,
+  // that end was thrown away and a corrupted result (DATA_LOSS) came out as RESOURCE_EXHAUSTED
+  // without the buffer's words.
+  const leftOutEnds = [];
+  const leftOutError = (err) => {
+    leftOut.sort((a, b) => (a < b ? -1 : a > b ? 1 : 0));
+    // DATA_LOSS (stored results it cannot decode) is the worse of the two kinds.
+    const codes = leftOutEnds.map((e) => e.code);
+    const code = codes.includes(grpc.status.DATA_LOSS) ? grpc.status.DATA_LOSS
+      : (codes[0] ?? grpc.status.RESOURCE_EXHAUSTED);
+    const said = [...new Set(leftOutEnds.map((e) => e.details).filter(Boolean))].join('; ');
+    const listed = leftOut.length > 0 || leftOutTotal > 0
+      ? leftOutMessage(batchId, leftOut, leftOutTotal) : '';
+    const details = [listed, said && (listed ? `the buffer: ${said}` : said)].filter(Boolean).join('; ');
+    if (!err) err = new Error(details);
+    return Object.assign(err, { code, details, leftOut: leftOut.map(String), batchComplete: true });
+  };
   for (;;) {
     // The buffer sends headers as soon as it accepts a stream; a refused or failed call ends
     // without them (grpc-js emits 'metadata' only for real headers, not for a trailers-only answer).
     let accepted = false;
+    const streamFrom = cursor; // the gaps below it were seen on earlier streams
     run.check();
     try {
       await new Promise((resolve, reject) => {
@@ -382,7 +406,7 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
         });
         stream.on('data', (msg) => {
           const next = BigInt(msg.cursor);
-          for (let c = cursor; c < next - 1n; c++) leftOut.push(c);
+          for (let c = cursor; c < next - 1n; c++) addLeftOut(c);
           cursor = next;
           // '0' from a buffer without submission ids: pinned at the first result that names one.
           if (submission === '0') submission = msg.submission_id;
@@ -419,42 +443,62 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
       // (RESOURCE_EXHAUSTED or DATA_LOSS); from a buffer before the mark, an accepted stream's
       // RESOURCE_EXHAUSTED (DATA_LOSS was then taken for a failed stream, and the complete batch
       // cancelled).
-      const marked = leftOutEnd(err);
-      if ((marked || (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted)) && err.unread > 0) {
-        // Read before the last results (still unread in the paused stream): a stream from
-        // `cursor` delivers them.
-        continue;
-      }
-      if (marked || (leftOut.length > 0 && err.code === grpc.status.RESOURCE_EXHAUSTED && accepted)) {
+      const mark = leftOutMark(err);
+      const marked = mark !== null;
+      const leftOutEnd = marked || (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted
+        && (err.unread > 0 || leftOut.length > 0));
+      if (leftOutEnd) {
+        // Its cursors (the batch's last result, left out, has no later message whose cursor gap
+        // names it) merged with the gaps seen; its code and text kept for the final end.
+        if (marked) {
+          for (const c of mark.cursors) addLeftOut(c);
+          const earlier = leftOut.filter((c) => c < streamFrom).length;
+          leftOutTotal = Math.max(leftOutTotal, earlier + mark.count);
+        }
+        leftOutEnds.push({ code: err.code, details: err.details });
+        if (err.unread > 0) {
+          // Read before the last results (still unread in the paused stream): a stream from
+          // `cursor` delivers them, and the batch's left-out error follows.
+          continue;
+        }
         // The buffer's status names this stream's left-out results (cursors, request ids); the
         // gaps name those of earlier streams too. Every other result was delivered: the batch is
         // complete.
-        if (leftOut.length > 0) err.details = `${leftOutMessage(batchId, leftOut)}; the buffer: ${err.details}`;
         throw leftOutError(err);
       }
       await retry.wait(err, !accepted);
       continue;
     }
-    if (leftOut.length > 0) {
-      throw leftOutError(Object.assign(new Error(leftOutMessage(batchId, leftOut)),
-        { details: leftOutMessage(batchId, leftOut) }));
-    }
+    if (leftOut.length > 0 || leftOutEnds.length > 0) throw leftOutError(null);
     return;
   }
 }
 
 // Trailing metadata on the buffer's StreamResults end when it left results out (rollout.proto
-// StreamResults): that end is the batch's, not a failed stream's.
+// StreamResults): that end is the batch's, not a failed stream's. Its value: how many the stream
+// left out; beside it, the first of their cursors (comma-separated).
 const RESULTS_LEFT_OUT_KEY = 'seer-results-left-out';
-function leftOutEnd(err) {
+const RESULTS_LEFT_OUT_CURSORS_KEY = 'seer-results-left-out-cursors';
+// {count, cursors: BigInt[]} for the buffer's left-out end, else null (also an error grpc-js made
+// itself, without trailers). A malformed value counts as the mark without numbers.
+function leftOutMark(err) {
   const md = err && err.metadata;
-  return Boolean(md && typeof md.get === 'function' && md.get(RESULTS_LEFT_OUT_KEY).length > 0);
+  if (!md || typeof md.get !== 'function') return null;
+  const counts = md.get(RESULTS_LEFT_OUT_KEY);
+  if (counts.length === 0) return null;
+  const text = String(md.get(RESULTS_LEFT_OUT_CURSORS_KEY)[0] ?? '');
+  const cursors = text.split(',').filter((c) => /^[0-9]+$/.test(c)).map((c) => BigInt(c));
+  const count = /^[0-9]+$/.test(String(counts[0])) ? Number(counts[0]) : 0;
+  return { count: Math.max(count, cursors.length), cursors };
 }
 
 // As the Python client's _left_out_message (clients/python/seer_client/client.py).
-function leftOutMessage(batchId, cursors) {
-  const named = cursors.slice(0, 20).join(', ') + (cursors.length > 20 ? ` and ${cursors.length - 20} more` : '');
-  return `batch ${JSON.stringify(batchId)}: ${cursors.length} result(s) were left out of the stream by the buffer `
+// total: how many in all when `cursors` does not name every one (the buffer's list is bounded).
+function leftOutMessage(batchId, cursors, total = 0) {
+  const all = Math.max(total, cursors.length);
+  const shown = cursors.slice(0, 20);
+  const named = shown.join(', ') + (all > shown.length ? ` and ${all - shown.length} more` : '');
+  return `batch ${JSON.stringify(batchId)}: ${all} result(s) were left out of the stream by the buffer `
     + `(over its message size limit, or stored results it cannot decode: its log names each; every other result was delivered): cursor(s) ${named}`;
 }
 

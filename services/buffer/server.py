@@ -86,9 +86,31 @@ def size_bound(r: RolloutResult) -> int:
 
 
 # Trailing metadata of StreamResults' end when results were left out of the stream (rollout.proto
-# StreamResultsRequest): the number left out by this stream. The clients read it (seer_client,
+# StreamResults): the number left out by this stream. The clients read it (seer_client,
 # clients/node) to tell that end from a failed stream.
 RESULTS_LEFT_OUT_KEY = "seer-results-left-out"
+# Beside it: the left-out cursors, ascending, comma-separated. A client counts a left-out result from
+# the gap before the next message's cursor, and the last result of a batch has no next message: its
+# cursor was missing from the client's list. Only the first ones that fit in
+# MAX_LEFT_OUT_CURSORS_BYTES (the count above says how many in all): the whole trailer (this, the
+# count, the status message naming up to 2 x MAX_NAMED_TOO_LARGE results) must stay under gRPC's 8 KiB
+# default metadata limit, past which the client's call fails RESOURCE_EXHAUSTED instead.
+RESULTS_LEFT_OUT_CURSORS_KEY = "seer-results-left-out-cursors"
+MAX_LEFT_OUT_CURSORS_BYTES = 2048
+
+
+def left_out_cursors_value(cursors: Sequence[int]) -> str:
+    """RESULTS_LEFT_OUT_CURSORS_KEY's value: the smallest cursors, ascending, whole ones only, within
+    MAX_LEFT_OUT_CURSORS_BYTES."""
+    out: list[str] = []
+    size = 0
+    for c in sorted(set(cursors)):
+        item = str(c)
+        size += len(item) + (1 if out else 0)
+        if size > MAX_LEFT_OUT_CURSORS_BYTES:
+            break
+        out.append(item)
+    return ",".join(out)
 
 
 def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too_large: Sequence[str],
@@ -227,6 +249,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # past it), the stream goes on, and its end names what was left out.
             too_large: list[str] = []  # the first MAX_NAMED_TOO_LARGE, named in the status
             left_out = 0
+            # Their cursors, for the trailing metadata (bounded there, not here: ints are small and
+            # the results' own size bounds how many a stream can meet).
+            too_large_cursors: list[int] = []
             # Stored results that cannot be decoded (RecordError): left out the same way, so one
             # bad record does not cost the reader every other result of its page (it did: the page
             # was DATA_LOSS, and a reader resuming at its cursor failed there forever); the stream
@@ -246,6 +271,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 log.error("result over the message limit left out of the stream", extra=kv(
                     batch_id=request.batch_id, request_id=r.request_id, cursor=idx, bytes=size, limit=limit))
                 left_out += 1
+                too_large_cursors.append(idx)
                 if len(too_large) < MAX_NAMED_TOO_LARGE:
                     too_large.append(f"request {r.request_id!r} (cursor {idx}): {size} bytes")
             if unreadable or left_out:
@@ -253,7 +279,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 # sent": a client cannot tell it by the code (DATA_LOSS is also a read failing
                 # mid-stream, RESOURCE_EXHAUSTED also the stream limit), and took it for a failed
                 # stream (run_batch cancelled the completed batch and dropped the gaps it had seen).
-                context.set_trailing_metadata(((RESULTS_LEFT_OUT_KEY, str(len(unreadable) + left_out)),))
+                # The cursors too: the last result of a batch left out has no later message whose
+                # cursor gap would name it to the client.
+                cursors = left_out_cursors_value([u.cursor for u in unreadable] + too_large_cursors)
+                context.set_trailing_metadata(((RESULTS_LEFT_OUT_KEY, str(len(unreadable) + left_out)),
+                                               (RESULTS_LEFT_OUT_CURSORS_KEY, cursors)))
             if unreadable:
                 raise _unreadable_error(request.batch_id, unreadable, too_large, left_out, limit)
             if left_out:

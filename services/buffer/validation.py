@@ -128,13 +128,21 @@ def _check_tokens(tokens: tuple[int, ...], vocab: int, field: str) -> None:
 
 def _integer(value: object, field: str) -> int:
     """An integer field as an int: an int, a numpy or other integer (__index__), or a float with
-    an integral value (3.0). A bool, a fraction or anything else is InvalidArgument."""
+    an integral value (3.0), numpy's of any width too (np.float32(3.0): dtype.kind "f", duck-typed
+    as _real does). A bool, a fraction or anything else is InvalidArgument."""
     if type(value) is int:
         return value
     if not isinstance(value, bool):
         if isinstance(value, float) and math.isfinite(value) and value.is_integer():
             return int(value)
-        if not isinstance(value, float):
+        if _scalar_kind(value) == "f":
+            # Only np.float64 is a float subclass: np.float32(3.0), np.float16 and a 0-d float
+            # array were refused ("must be an integer") where np.float64(3.0) passed. float() is
+            # exact for each up to float64; int() of the value itself keeps a wider one's digits.
+            f = float(value)  # type: ignore[arg-type]
+            if math.isfinite(f) and f.is_integer():
+                return int(value)  # type: ignore[call-overload]
+        elif not isinstance(value, float):
             try:
                 return operator.index(value)  # type: ignore[arg-type]
             except TypeError:

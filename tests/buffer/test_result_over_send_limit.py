@@ -58,6 +58,9 @@ def test_an_undeliverable_result_is_named_and_the_others_are_delivered(
     assert "'b/0/1'" in details and "cursor 1" in details and f"{SEND_LIMIT}-byte" in details, details
     size = int(details.split(" bytes")[0].rsplit(" ", 1)[1])
     assert size > SEND_LIMIT
+    # The end is marked, with the left-out cursors (a client sees no gap for a batch's last one).
+    trailing = tuple(err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    assert ("seer-results-left-out", "1") in trailing and ("seer-results-left-out-cursors", "1") in trailing, trailing
     # A reader resuming at its cursor: the same, from there on.
     assert _read(buf, cursor=1)[0] == [(3, "b/0/2")]
     got, err = _read(buf, cursor=2)
@@ -158,3 +161,18 @@ def test_a_result_exactly_at_the_send_limit_still_goes(make_buffer: Callable[...
     else:
         assert got == [] and err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
         assert "'b/0/0'" in (err.details() or "") and f"{size} bytes" in (err.details() or "")
+
+
+def test_the_left_out_cursors_stay_within_the_metadata_bound() -> None:
+    """The trailer must stay under gRPC's 8 KiB default metadata limit (a client's call fails
+    RESOURCE_EXHAUSTED past it): the first cursors, ascending and whole, within the bound; the
+    count beside them says how many in all."""
+    from services.buffer import server
+
+    assert server.left_out_cursors_value([7, 3, 3, 0]) == "0,3,7"
+    assert server.left_out_cursors_value([]) == ""
+    many = list(range(100_000, 200_000))
+    value = server.left_out_cursors_value(many)
+    assert len(value) <= server.MAX_LEFT_OUT_CURSORS_BYTES < 8192
+    cursors = [int(c) for c in value.split(",")]
+    assert cursors == many[:len(cursors)] and len(cursors) == server.MAX_LEFT_OUT_CURSORS_BYTES // 7

@@ -141,3 +141,25 @@ def test_a_submission_is_typed_once(make_buffer: Callable[..., BufferHandle], mo
     buf = make_buffer()
     buf.core.submit_batch("once", [_odd_group(), _odd_group()])
     assert calls.count("groups[0].prompt_token_ids") == 1 and calls.count("groups[1].prompt_token_ids") == 1, calls
+
+
+def test_numpy_floats_of_any_width_with_integral_values_are_integers(make_buffer: Callable[..., BufferHandle]) -> None:
+    """Before: np.float64(3.0) passed as an integer (a float subclass) but np.float32(3.0),
+    np.float16 and a 0-d float array were "must be an integer, got numpy.float32 3.0"."""
+    np = pytest.importorskip("numpy")
+    buf = make_buffer()
+    group = GroupSpec(prompt_key="p", prompt_token_ids=(1, np.float32(2.0), np.float16(3.0)),  # type: ignore[arg-type]
+                      group_size=np.float32(2.0), max_tokens=np.array(8.0, dtype=np.float32),  # type: ignore[arg-type]
+                      sampling=Sampling(temperature=1.0, top_k=np.float16(2.0), seed=np.float32(3.0),  # type: ignore[arg-type]
+                                        stop_token_ids=(np.float32(1.0),)))  # type: ignore[arg-type]
+    assert buf.core.submit_batch("nf", [group]).num_requests == 2
+    g = buf.core._groups[("nf", 0)]
+    assert list(g.prompt_token_ids) == [1, 2, 3]
+    assert (g.group_size, g.max_tokens, g.sampling.top_k, g.sampling.seed, g.sampling.stop_token_ids) == \
+        (2, 8, 2, 3, (1,))
+    assert type(g.group_size) is int and type(g.sampling.seed) is int
+    # Not integral, or not finite: still refused, naming the field.
+    for bad in (np.float32(2.5), np.float32("nan"), np.float16("inf")):
+        with pytest.raises(InvalidArgument) as e:
+            buf.core.submit_batch("nf2", [_odd_group(top_k=bad)])
+        assert e.value.field == "groups[0].sampling.top_k" and "must be an integer" in str(e.value), e.value

@@ -9,6 +9,7 @@ library user would (node subprocess)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -105,4 +106,88 @@ def test_node_rollout_reports_an_undecodable_result_as_left_out_and_cancels_noth
     # Before: FAILED DATA_LOSS without leftOut, and a cancel of the completed batch (f["cancel"]).
     assert kind == "FAILED" and f["code"] == grpc.StatusCode.DATA_LOSS.value[0] and f["leftOut"] == ["0"], f
     assert "cannot be decoded" in f["message"] and "cursor(s) 0" in f["message"], f
+    assert f.get("cancel") is None, f
+
+
+def _six_results_with_one_corrupted(buffer: Buffer, batch_id: str, bad: int, *, seed: int | None = None,
+                                    token: str = "") -> list[PromptGroup]:
+    """A batch of 6 finished results (completion order = sample order), result `bad` corrupted."""
+    groups = [PromptGroup(prompt=[1, 2, 3], group_size=6, max_tokens=8, prompt_key="p")]
+    with SeerClient(buffer.address) as client:
+        client.wait_ready(10)
+        client.submit_batch(batch_id, groups, submission_token=token)
+        for s in range(6):
+            finish_request(buffer.address, f"{batch_id}/0/{s}")
+    _corrupt_result(buffer, batch_id, bad)
+    return groups
+
+
+@pytest.mark.parametrize("bad", [0, 5])
+def test_run_batch_names_a_corrupted_first_or_last_result_among_six(buffer: Buffer, bad: int) -> None:
+    """The 2-result layout with cursor 0 corrupted hid both review findings. The last result has no
+    later message whose cursor gap names it: the client's own list lacked it (only the buffer's text
+    named it); the buffer now names the cursors in `seer-results-left-out-cursors` too."""
+    groups = _six_results_with_one_corrupted(buffer, f"six{bad}", bad, token=f"tok-six{bad}")
+    seen: list[int] = []
+
+    def slow(r: object) -> None:  # a consumer slower than the stream
+        seen.append(r.cursor)  # type: ignore[attr-defined]
+        time.sleep(0.05)
+
+    with SeerClient(buffer.address, retry_seconds=5) as client:
+        client.wait_ready(10)
+        with pytest.raises(SeerError) as info:
+            client.run_batch(f"six{bad}", groups, on_result=slow, timeout=30, submission_token=f"tok-six{bad}")
+        err = info.value
+        assert err.code == "DATA_LOSS" and "cannot be decoded" in err.message, err
+        # Before (bad=5): the buffer's text alone; the client's list ("left out of the stream by the
+        # buffer ... cursor(s) 5") was missing.
+        assert f"left out of the stream by the buffer (over its message size limit, or stored results it cannot decode: its log names each; every other result was delivered): cursor(s) {bad}" in err.message, err  # noqa: E501
+        assert not getattr(err, "__notes__", []), err.__notes__
+        assert seen == [c + 1 for c in range(6) if c != bad]
+        assert client.get_batch(f"six{bad}").state == "completed"
+
+
+def test_the_left_out_end_names_the_cursors(buffer: Buffer) -> None:
+    _six_results_with_one_corrupted(buffer, "cur", 5)
+    with grpc.insecure_channel(buffer.address) as ch:
+        call = rollout_pb2_grpc.RolloutServiceStub(ch).StreamResults(
+            rollout_pb2.StreamResultsRequest(batch_id="cur"), timeout=10)
+        with pytest.raises(grpc.RpcError):
+            assert [m.cursor for m in call] == [1, 2, 3, 4, 5]
+        trailing = tuple(call.trailing_metadata() or ())
+    assert call.code() == grpc.StatusCode.DATA_LOSS
+    assert ("seer-results-left-out", "1") in trailing and ("seer-results-left-out-cursors", "5") in trailing, trailing
+
+
+# An async onResult slower than the stream: the buffer's end arrives while results wait unread in
+# the paused stream, the one layout where the Node client reopens the stream after the end.
+_NODE_SIX = """rollout({ address: ADDR, batchId: B, retrySeconds: 5,
+  groups: [{ prompt_key: 'k', prompt_token_ids: [1, 2, 3], group_size: 6, max_tokens: 8,
+             sampling: { temperature: 1.0, seed: 7 } }] },
+  async (r) => { console.log(`SEEN ${r.cursor}`); await sleep(150); })"""
+
+
+@pytest.mark.parametrize("bad", [0, 5])
+def test_node_rollout_reports_a_corrupted_first_or_last_result_among_six_with_an_async_on_result(
+        node_client: Path, tok_buffer: Buffer, tmp_path: Path, bad: int) -> None:
+    batch_id = f"lib-six{bad}"
+    g = rollout_pb2.PromptGroup(prompt_key="k", prompt_token_ids=[1, 2, 3], group_size=6, max_tokens=8,
+                                sampling=common_pb2.SamplingParams(temperature=1.0, seed=7))
+    with grpc.insecure_channel(tok_buffer.address) as ch:
+        rollout_pb2_grpc.RolloutServiceStub(ch).SubmitBatch(
+            rollout_pb2.SubmitBatchRequest(batch_id=batch_id, groups=[g]), timeout=10)
+    assert batch_submitted(tok_buffer.address, batch_id)
+    for s in range(6):
+        finish_request(tok_buffer.address, f"{batch_id}/0/{s}")
+    _corrupt_result(tok_buffer, batch_id, bad)
+    proc = _start(node_client, tmp_path, tok_buffer.address, batch_id, _NODE_SIX)
+    kind, f, out, _ = _outcome(proc)
+    seen = [int(line.split()[1]) for line in out.splitlines() if line.startswith("SEEN ")]
+    assert seen == [c + 1 for c in range(6) if c != bad], out
+    # Before: bad=0 ended RESOURCE_EXHAUSTED without the buffer's words (its DATA_LOSS end, read
+    # while results were unread, was dropped; the reopened stream ended OK); bad=5 had leftOut [].
+    assert kind == "FAILED" and f["code"] == grpc.StatusCode.DATA_LOSS.value[0], f
+    assert f["leftOut"] == [str(bad)], f
+    assert f"cursor(s) {bad}" in f["message"] and "cannot be decoded" in f["message"], f
     assert f.get("cancel") is None, f

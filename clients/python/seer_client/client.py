@@ -13,6 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -320,21 +321,41 @@ class _ResultsLeftOut(SeerError):
 
 # Trailing metadata the buffer puts on StreamResults' end when it left results out (rollout.proto
 # StreamResults; services/buffer/server.py RESULTS_LEFT_OUT_KEY): that end is the batch's, not a
-# failed stream's.
+# failed stream's. Its value: how many this stream left out; beside it, the first of their cursors
+# (comma-separated), which name the last result of a batch too: no later message's cursor gap does.
 _RESULTS_LEFT_OUT_KEY = "seer-results-left-out"
+_RESULTS_LEFT_OUT_CURSORS_KEY = "seer-results-left-out-cursors"
 
 
-def _left_out_end(err: grpc.RpcError) -> bool:
-    """Whether a results stream's error is the buffer's end naming left-out results (its trailing
-    metadata says so). False for an error without trailing metadata (raised by the channel itself)."""
+@dataclass(frozen=True)
+class _LeftOutMark:
+    """The buffer's left-out end of one stream: `count` results left out by it, `cursors` the ones
+    it named (all of them, or the first within its metadata bound; none from a buffer before it
+    named them)."""
+
+    count: int
+    cursors: tuple[int, ...]
+
+
+def _left_out_mark(err: grpc.RpcError) -> _LeftOutMark | None:
+    """The buffer's mark on a results stream's error when it is the end naming left-out results
+    (its trailing metadata says so), else None; also None for an error without trailing metadata
+    (raised by the channel itself). A malformed value counts as the mark without numbers."""
     trailing = getattr(err, "trailing_metadata", None)
     if trailing is None:
-        return False
+        return None
     try:
-        pairs = trailing() or ()
+        pairs = dict(trailing() or ())
     except Exception:  # an error raised before the call had a status has none to read
-        return False
-    return any(k == _RESULTS_LEFT_OUT_KEY for k, _ in pairs)
+        return None
+    if _RESULTS_LEFT_OUT_KEY not in pairs:
+        return None
+    count_text = pairs[_RESULTS_LEFT_OUT_KEY]
+    count = int(count_text) if isinstance(count_text, str) and count_text.isdigit() else 0
+    cursors_text = pairs.get(_RESULTS_LEFT_OUT_CURSORS_KEY, "")
+    parts = cursors_text.split(",") if isinstance(cursors_text, str) and cursors_text else []
+    cursors = tuple(int(c) for c in parts if c.isdigit())
+    return _LeftOutMark(max(count, len(cursors)), cursors)
 
 
 def _submission_answer(batch_id: str, err: SeerError) -> CancelOutcome | None:
@@ -350,9 +371,13 @@ def _submission_answer(batch_id: str, err: SeerError) -> CancelOutcome | None:
     return None  # INVALID_ARGUMENT (a malformed token) and the like: a plain failure
 
 
-def _left_out_message(batch_id: str, cursors: Sequence[int]) -> str:
-    named = ", ".join(str(c) for c in cursors[:20]) + (f" and {len(cursors) - 20} more" if len(cursors) > 20 else "")
-    return (f"batch {batch_id!r}: {len(cursors)} result(s) were left out of the stream by the buffer (over its "
+def _left_out_message(batch_id: str, cursors: Sequence[int], total: int = 0) -> str:
+    """total: how many were left out in all when `cursors` does not name every one (the buffer names
+    only the first ones in its trailing metadata)."""
+    total = max(total, len(cursors))
+    shown = cursors[:20]
+    named = ", ".join(str(c) for c in shown) + (f" and {total - len(shown)} more" if total > len(shown) else "")
+    return (f"batch {batch_id!r}: {total} result(s) were left out of the stream by the buffer (over its "
             f"message size limit, or stored results it cannot decode: its log names each; every other result was "
             f"delivered): cursor(s) {named}")
 
@@ -527,6 +552,7 @@ class SeerClient:
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise self._timed_out(batch_id, timeout, cursor)
+            stream_from = cursor  # the gaps below it were seen on earlier streams
             stream: Any = self._stub.StreamResults(
                 rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor, submission_id=submission_id),
                 timeout=_deadline(remaining))
@@ -566,7 +592,8 @@ class SeerClient:
                 # A result on this stream means it was accepted too, even where _accepted cannot
                 # tell (a traced channel): its RESOURCE_EXHAUSTED names results left out, and a
                 # retry from our cursor (past them) would end OK and lose them.
-                marked = _left_out_end(e)
+                mark = _left_out_mark(e)
+                marked = mark is not None
                 refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted and not received and not marked
                 if marked or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused):
                     # The buffer ends a stream so (RESOURCE_EXHAUSTED for results over its message
@@ -574,9 +601,17 @@ class SeerClient:
                     # marks both) only once the batch is done and every other result was sent:
                     # _ResultsLeftOut, so that run_batch does not take it for a failed stream (it
                     # cancelled the completed batch, and said so). Gaps seen on earlier streams
-                    # (resumed past) are named beside the buffer's own list.
-                    earlier = f"; {_left_out_message(batch_id, left_out)}" if left_out else ""
-                    raise _ResultsLeftOut(code.name, f"{e.details() or ''}{earlier}") from None
+                    # (resumed past) are named beside the buffer's own list, merged with the
+                    # cursors its trailing metadata names: the batch's last result, left out, has
+                    # no later message whose cursor gap would have named it.
+                    if mark is not None and mark.cursors:
+                        # This stream's gaps are among the buffer's count; earlier streams' are not.
+                        earlier = [c for c in left_out if c < stream_from]
+                        merged = sorted(set(left_out) | set(mark.cursors))
+                        listed = f"; {_left_out_message(batch_id, merged, len(earlier) + mark.count)}"
+                    else:
+                        listed = f"; {_left_out_message(batch_id, left_out)}" if left_out else ""
+                    raise _ResultsLeftOut(code.name, f"{e.details() or ''}{listed}") from None
                 if code not in _RETRYABLE and not refused:
                     raise _error(e) from None
                 now = time.monotonic()

@@ -83,7 +83,10 @@ class RolloutServiceServicer:
         limit: RESOURCE_EXHAUSTED; stored records it cannot decode: DATA_LOSS, the worse) are left out
         (the next message's cursor steps past each) and named by the stream's final status, sent once
         the batch is done and every other result was sent; that end alone carries trailing metadata
-        "seer-results-left-out: <count>" (a failed stream or the stream limit never does).
+        "seer-results-left-out: <count>" (a failed stream or the stream limit never does), and beside
+        it "seer-results-left-out-cursors: <c>,<c>,...": the left-out cursors, ascending (the first ones
+        within 2 KiB; the count says how many in all). A batch's last result, left out, has no later
+        message whose cursor gap names it: a client merges these with the gaps it saw.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
