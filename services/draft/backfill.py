@@ -12,14 +12,19 @@ background thread asks the buffer for the newest iteration's responses to that k
 which also hands them to the live groups of the key (they reach the workers' mirrors through Sync
 as history entries). Registration never waits for the buffer.
 
-The refill's history iteration: when the group that asked for it registered with its policy
-version (RegisterGroupRequest.policy_version: history iterations are versions), the version the
-buffer's iteration was generated with, so it is the older iteration it is, or the same one as the
-group's (a batch of that version split into two submissions whose first completed before this
-server restarted). Without a version, fallback iteration number 0 (kept below every version:
-history.unversioned), the number a group registered without a version on an empty key is given:
-the refilled responses and that group's own responses, once it completes, form one iteration, so a
-refill never counts as a newer iteration than the one it stood in for, and it leaves with it.
+The refill's history iteration is decided when it is seeded (DraftStore.refill_history, under the
+store's lock), not when the key was queued: when a registration that queued it brought its policy
+version (RegisterGroupRequest.policy_version: history iterations are versions), or any group of the
+key has one by then, the version the buffer's iteration was generated with, so it is the older
+iteration it is, or the same one as the group's (a batch of that version split into two
+submissions whose first completed before this server restarted). Without any version, fallback
+iteration number 0 (kept below every version: history.unversioned), the number a group registered
+without a version on an empty key is given: the refilled responses and that group's own responses,
+once it completes, form one iteration, so a refill never counts as a newer iteration than the one
+it stood in for, and it leaves with it. If a registration then gives such a group its version (a
+worker of the run that has an attempt of it, after one whose mirror had none registered it first),
+the refill is renumbered as the buffer's version (DraftStore._renumber_refill): numbered as fallback
+0 for good, it was dropped one version early.
 
 A key is asked for at most once per `retry_after_s` (a key on its first iteration has no history
 anywhere; every one of its groups would otherwise cost a buffer call). Errors are logged and the
@@ -36,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from services.common.log import get_logger, kv
+from services.draft.history import log_fields
 from services.draft.store import DraftStore
 
 log = get_logger(__name__)
@@ -69,7 +75,7 @@ class HistoryBackfill:
         self._cv = threading.Condition()
         self._queue: collections.deque[str] = collections.deque()
         # Queued keys -> whether a registration that queued it brought a policy version (the
-        # refill is then seeded as the buffer's version; else as iteration 0).
+        # refill is then seeded as the buffer's version; else the store decides: refill_history).
         self._queued: dict[str, bool] = {}
         self._asked_at: dict[str, float] = {}  # key -> when it was last asked for (bounded below)
         self._busy = False
@@ -148,17 +154,17 @@ class HistoryBackfill:
         if not responses:
             return
         try:
-            iteration = max(0, fetched.policy_version) if versioned else 0
-            # Without a version: fallback number 0, below every version (history.unversioned).
-            added = self._store.seed_history(key, iteration, responses, versioned=versioned)
+            # Numbered by the store under its lock (refill_history): `versioned` only says a
+            # registration that queued the key brought a version; one may have come since.
+            added, iteration = self._store.refill_history(key, fetched.policy_version, responses,
+                                                          versioned=versioned)
         except Exception as e:  # e.g. a response over the store's limits: skip the key, keep serving
             self.errors += 1
             log.warning("history refill rejected", extra=kv(prompt_key=key, error=str(e)))
             return
         self.refilled_keys += 1
         self.refilled_responses += added
-        log.info("history refilled from the buffer", extra=kv(prompt_key=key, responses=added,
-                                                                   iteration=iteration if versioned else None))
+        log.info("history refilled from the buffer", extra=kv(prompt_key=key, responses=added, **log_fields(iteration)))
 
     def _forget_old_locked(self) -> None:
         # Bounded memory: entries past the retry delay carry no information any more.

@@ -9,9 +9,10 @@ iteration first when over its budget.
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from services.common.errors import InvalidArgument
@@ -59,8 +60,27 @@ def is_versioned(iteration: int) -> bool:
 
 
 def describe(iteration: int) -> str:
-    """An iteration as logs show it: "v<version>" or "unversioned <number>"."""
+    """An iteration as text (messages, probes): "v<version>" or "unversioned <number>"."""
     return f"v{iteration}" if is_versioned(iteration) else f"unversioned {iteration - UNVERSIONED_BASE}"
+
+
+def log_fields(iteration: int) -> dict[str, int | bool]:
+    """An iteration as structured log fields: `iteration`, an int as it always was (the version,
+    or the fallback number), and `versioned`, which of the two it is. (The field became a string
+    for a while, "v3" / "unversioned 0": a log query or dashboard reading it as a number broke.)"""
+    versioned = is_versioned(iteration)
+    return {"iteration": iteration if versioned else iteration - UNVERSIONED_BASE, "versioned": versioned}
+
+
+# A rejected add (older than every kept iteration of a full key) warns once per key per this many
+# seconds; the rest log at debug and are counted (HistoryStore.rejected_adds). A straggler batch of
+# an old version, or a new run beside a server that kept the old run's, rejects one add per group
+# of the key: a warning each flooded the log.
+REJECTED_WARN_INTERVAL_S = 60.0
+# Rejected adds remembered (a digest each: key, iteration, responses, sources) so that a retry of
+# one (a retried SeedHistory, a group completing again) is not counted in `evicted` again: the
+# count is of responses not kept, not of attempts. Bounded: an add forgotten is counted again.
+_REJECTED_REMEMBERED = 1024
 
 
 def source_id(group_id: str, request_id: str) -> int:
@@ -112,7 +132,8 @@ class _Plan:
 class HistoryStore:
     """prompt key -> iteration -> responses. Not thread-safe; DraftStore locks around it."""
 
-    def __init__(self, keep_iterations: int = 2, iteration_responses: int = HISTORY_ITERATION_RESPONSES) -> None:
+    def __init__(self, keep_iterations: int = 2, iteration_responses: int = HISTORY_ITERATION_RESPONSES, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if keep_iterations < 1:
             raise InvalidArgument("must be >= 1", field="history_iterations")
         if iteration_responses < 1:
@@ -127,6 +148,14 @@ class HistoryStore:
         self._order: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self.memory_bytes = 0
         self.evicted = 0
+        self._clock = clock
+        # Rejected adds: how many (retries too), the digests of recent ones (a retry is not counted
+        # in `evicted` again), and per key when it last warned and the rejections since (logged
+        # with the next warning). Keys whose warning is older than the interval are forgotten when
+        # the dict grows, so it holds about the keys rejected within the last interval.
+        self.rejected_adds = 0
+        self._rejected: OrderedDict[bytes, None] = OrderedDict()
+        self._warned: dict[str, tuple[float, int]] = {}
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
             sources: Sequence[int] | None = None) -> list[tuple[int, ...]]:
@@ -148,12 +177,14 @@ class HistoryStore:
         A held response that an add of a newer iteration brings again moves to that iteration (it
         was produced again: it lives as long as the newest iteration that brought it,
         not the oldest), and one held in the add's own iteration moves to its end (the newest
-        there: the cap below trims from the front). No empty iteration is created (it would count
-        as the newest and push out real ones). An add to an iteration the key holds merges into it
-        (another group of the key at the same policy version). Iterations older than the newest
-        `keep_iterations` of the key are dropped, and an iteration over `iteration_responses` drops
-        its oldest responses (never this add's). An add older than every kept iteration of a full
-        key is not kept: its new responses are counted in `evicted` and logged, never dropped
+        there: the cap below trims from the front) when the add brings something new; an add
+        that brings nothing new (a retried seed) changes nothing, not even the order. No empty
+        iteration is created (it would count as the newest and push out real ones). An add to an
+        iteration the key holds merges into it (another group of the key at the same policy
+        version). Iterations older than the newest `keep_iterations` of the key are dropped, and an
+        iteration over `iteration_responses` drops its oldest responses (never this add's). An add
+        older than every kept iteration of a full key is not kept: its new responses are counted
+        in `evicted` (once per add: a retry of it is not counted again) and logged, never dropped
         silently (a straggler of an old version, or versions that went backwards: a new run beside
         a draft server that kept the old run's)."""
         if not prompt_key:
@@ -166,15 +197,13 @@ class HistoryStore:
             owner.sources[next(i for i, x in enumerate(owner.responses) if x is held)] = source
         if plan.rejected:
             if plan.new:
-                self.evicted += len(plan.new)
-                log.warning("history add older than every kept iteration of its key: not kept",
-                            extra=kv(prompt_key=prompt_key, iteration=describe(iteration),
-                                     kept=[describe(i) for i in sorted(iters)], responses=len(plan.new)))
+                self._reject(prompt_key, iteration, iters, plan.new)
             return []
         added, moved = plan.new, plan.moved
         if not added and not moved:
-            if plan.same:
-                self._to_end(iters[iteration], plan.same)
+            # Nothing new (a retried seed, a group completing again): nothing changes, not even the
+            # order. Moved to the end, a retried seed's responses became the iteration's newest,
+            # and the cap then trimmed a group's real response before them.
             return []
         if prompt_key not in self._keys:
             self._keys[prompt_key] = iters
@@ -206,16 +235,94 @@ class HistoryStore:
         self._to_end(it, plan.same)
         excess = len(it.responses) - max(self.iteration_responses, plan.kept)
         if excess > 0:
-            dropped = it.responses[:excess]
-            del it.responses[:excess]
-            del it.sources[:excess]
-            freed = sum(len(a) for a in dropped)
-            it.tokens -= freed
-            self.memory_bytes -= freed * HISTORY_TOKEN_BYTES + excess * HISTORY_RESPONSE_BYTES
-            self.evicted += excess
+            self._trim_front(it, excess)
         while len(iters) > self.keep_iterations:
             self._drop(prompt_key, min(iters))
         return [r for r, _ in added]
+
+    def _reject(self, prompt_key: str, iteration: int, iters: dict[int, _Iteration],
+                new: Sequence[tuple[tuple[int, ...], int]]) -> None:
+        """An add older than every kept iteration of a full key: its new responses are counted in
+        `evicted` (once: a retry of the same add is not counted again) and logged, a warning at
+        most once per key per REJECTED_WARN_INTERVAL_S (the rest at debug, counted)."""
+        self.rejected_adds += 1
+        h = hashlib.blake2b(digest_size=16)
+        h.update(prompt_key.encode() + b"\0" + iteration.to_bytes(8, "little", signed=True))
+        for r, src in new:
+            h.update(len(r).to_bytes(4, "little") + array("i", r).tobytes() + src.to_bytes(8, "little"))
+        digest = h.digest()
+        retry = digest in self._rejected
+        if retry:
+            self._rejected.move_to_end(digest)
+        else:
+            self._rejected[digest] = None
+            if len(self._rejected) > _REJECTED_REMEMBERED:
+                self._rejected.popitem(last=False)
+            self.evicted += len(new)
+        now = self._clock()
+        fields: dict[str, object] = dict(prompt_key=prompt_key, **log_fields(iteration), responses=len(new),
+                                         kept=[describe(i) for i in sorted(iters)], retry=retry)
+        warned_at, since = self._warned.get(prompt_key, (None, 0))
+        if warned_at is not None and now - warned_at < REJECTED_WARN_INTERVAL_S:
+            self._warned[prompt_key] = (warned_at, since + 1)
+            log.debug("history add older than every kept iteration of its key: not kept", extra=kv(**fields))
+            return
+        if len(self._warned) >= _REJECTED_REMEMBERED:
+            for k in [k for k, (t, _) in self._warned.items() if now - t >= REJECTED_WARN_INTERVAL_S]:
+                del self._warned[k]
+        self._warned[prompt_key] = (now, 0)
+        log.warning("history add older than every kept iteration of its key: not kept",
+                    extra=kv(**fields, suppressed=since))
+
+    def renumber_seeded(self, prompt_key: str, src: int, dst: int) -> int:
+        """Moves the key's responses of unknown source (seeded) held in iteration `src` to
+        iteration `dst`, before dst's own (they are its oldest); returns how many moved. For a
+        refill seeded under a fallback number because no group of the key had a version yet, when
+        a registration then gives the group its version (DraftStore.register): the refill is
+        renumbered as the buffer's version it was, as if the version had been known when it was
+        seeded. Responses of a known source (a group's promotion) stay. The cap and
+        `keep_iterations` apply as in add (dropped responses counted in `evicted`). The memory
+        changes by at most an iteration's fixed structures: the caller evicts after."""
+        iters = self._keys.get(prompt_key)
+        if not iters or src not in iters or src == dst:
+            return 0
+        it = iters[src]
+        seeded = [(a, s) for a, s in zip(it.responses, it.sources, strict=True) if not s]
+        if not seeded:
+            return 0
+        target = iters.get(dst)
+        if target is None:
+            self._counter += 1
+            target = iters[dst] = _Iteration(dst, self._counter)
+            self._order[target.seq] = (prompt_key, dst)
+            self.memory_bytes += HISTORY_ITERATION_BYTES
+        ids = {id(a) for a, _ in seeded}
+        rest = [(a, s) for a, s in zip(it.responses, it.sources, strict=True) if id(a) not in ids]
+        moved_tokens = sum(len(a) for a, _ in seeded)
+        it.responses[:] = [a for a, _ in rest]
+        it.sources = array("q", [s for _, s in rest])
+        it.tokens -= moved_tokens
+        target.responses[:0] = [a for a, _ in seeded]
+        target.sources = array("q", [0] * len(seeded)) + target.sources
+        target.tokens += moved_tokens
+        if not it.responses:
+            self._drop(prompt_key, src, evicted=False)  # everything moved on: not an eviction
+        excess = len(target.responses) - self.iteration_responses
+        if excess > 0:
+            self._trim_front(target, excess)
+        while len(iters) > self.keep_iterations:
+            self._drop(prompt_key, min(iters))
+        return len(seeded)
+
+    def _trim_front(self, it: _Iteration, n: int) -> None:
+        """Drops the `n` oldest responses of `it` (the cap), counted as evicted."""
+        dropped = it.responses[:n]
+        del it.responses[:n]
+        del it.sources[:n]
+        freed = sum(len(a) for a in dropped)
+        it.tokens -= freed
+        self.memory_bytes -= freed * HISTORY_TOKEN_BYTES + n * HISTORY_RESPONSE_BYTES
+        self.evicted += n
 
     @staticmethod
     def _to_end(it: _Iteration, arrs: Sequence[array[int]]) -> None:

@@ -87,7 +87,7 @@ from services.draft.history import (
     HISTORY_RESPONSE_BYTES,
     HISTORY_TOKEN_BYTES,
     HistoryStore,
-    describe,
+    log_fields,
     source_id,
     unversioned,
 )
@@ -220,6 +220,10 @@ class _Group:
     # history_iteration is a policy version (a registration brought one); False: the fallback
     # number, which the first registration with a version replaces while the group runs.
     versioned: bool = False
+    # The buffer's version of a refill seeded under fallback number 0 while this group (and every
+    # group of its key) had no version (DraftStore.refill_history); None: none. When a registration
+    # gives the group its version, the refill is renumbered as that buffer version (register).
+    refill_version: int | None = None
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
     finished: set[str] = field(default_factory=set)
@@ -367,7 +371,9 @@ class DraftStore:
         attempt's dispatch epoch (0 = unknown). submit_seq: the buffer's submission of its batch (0
         = unknown); where both it and the group's are known, it alone tells the same run from
         another. policy_version: the version the group generates with, its history iteration (None
-        = unknown: the key's next iteration number now)."""
+        = unknown: the key's newest version, or without one a fallback number below every version,
+        HistoryStore.next_iteration; the first registration that brings a version while the group
+        runs replaces it, and renumbers a refill seeded under the fallback, _renumber_refill)."""
         if not group_id:
             raise InvalidArgument("must not be empty", field="group_id")
         if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
@@ -437,6 +443,7 @@ class DraftStore:
                     if policy_version is not None and not g.versioned and not g.completed:
                         # Likewise its iteration: the run's version, not the number it was given.
                         g.history_iteration, g.versioned = policy_version, True
+                        self._renumber_refill(g)
                     g.ttl_s = ttl
                     g.expires_at = now + ttl
                     return Registration(False, g.index.num_history, g.incarnation, g.submit_seq)
@@ -760,7 +767,7 @@ class DraftStore:
         sources = [source_id(g.group_id, r) for r in rids]
         if self._history.add(g.prompt_key, g.history_iteration, responses, sources):
             log.info("group complete; responses promoted to history",
-                     extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, iteration=describe(g.history_iteration)))
+                     extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, **log_fields(g.history_iteration)))
         else:
             log.info("group complete; its responses are history already",
                      extra=kv(group_id=g.group_id, prompt_key=g.prompt_key))
@@ -771,67 +778,115 @@ class DraftStore:
         # never needed.
         self._evict(keep=g)
 
+    def _renumber_refill(self, g: _Group) -> None:
+        """g (running, created without a version) just took its version: a buffer refill seeded for
+        its key under fallback number 0 meanwhile (refill_history: no group of the key had a
+        version) becomes the buffer's version it was, as if seeded once the version was known.
+        Left as fallback 0, the refill ranked below every version: the next version's completion
+        dropped it one version early (counted as evicted), and the group's own promotion, at its
+        version, never merged with it. Caller holds the lock."""
+        version, g.refill_version = g.refill_version, None
+        if version is None:
+            return
+        for other in self._by_key.get(g.prompt_key, {}).values():
+            other.refill_version = None  # renumbered once, by whichever group of the key took a version first
+        moved = self._history.renumber_seeded(g.prompt_key, unversioned(0), version)
+        if moved:
+            log.info("history refill renumbered as the buffer's version (a group of its key took a version)",
+                     extra=kv(prompt_key=g.prompt_key, responses=moved, iteration=version, versioned=True))
+            # At most a new iteration's fixed structures more: history goes first, as a promotion.
+            self._evict(keep=g)
+
     # ---- history --------------------------------------------------------------------------------
+
+    def refill_history(self, prompt_key: str, buffer_version: int, responses: Sequence[Sequence[int]], *,
+                       versioned: bool = False) -> tuple[int, int]:
+        """Seeds the buffer's newest iteration of a key (HistoryBackfill); returns (responses added,
+        the stored iteration). Numbered here, under the lock, not when the key was queued: as the
+        buffer's version (`buffer_version`, at least 0) when `versioned` (a registration that
+        queued it brought a version) or any group of the key has one now; else as fallback number
+        0 (history.unversioned: the number an unversioned group on an empty key is given, so the
+        refill and that group's responses form one iteration), remembered on the key's running
+        unversioned groups, so that the first of them to take a version renumbers the refill
+        (_renumber_refill). Decided at queueing time, a refill queued by a registration without a
+        version stayed fallback 0 after a later registration gave the group its version."""
+        self._check_seed(prompt_key, responses)
+        version = max(0, buffer_version)
+        with self._lock:
+            groups = list(self._by_key.get(prompt_key, {}).values())
+            versioned = versioned or any(g.versioned for g in groups)
+            iteration = version if versioned else unversioned(0)
+            added = self._seed_locked(prompt_key, iteration, responses)
+            if not versioned:
+                for g in groups:
+                    if not g.completed:
+                        g.refill_version = version
+            return added, iteration
 
     def seed_history(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]], *,
                      versioned: bool = True) -> int:
         """Loads responses of (key, iteration); returns how many were new. iteration: a policy
-        version (SeedHistory), or with versioned=False a fallback number (the backfill for a group
-        registered without a version: unversioned(0), that group's own iteration on an empty key)."""
-        if not prompt_key:
-            raise InvalidArgument("must not be empty", field="prompt_key")
+        version (SeedHistory), or with versioned=False a fallback number (history.unversioned; the
+        backfill numbers its seeds with refill_history)."""
+        self._check_seed(prompt_key, responses)
         if iteration < 0:
             raise InvalidArgument("must be >= 0", field="iteration")
         if not versioned:
             iteration = unversioned(iteration)
-        total = 0
+        with self._lock:
+            return self._seed_locked(prompt_key, iteration, responses)
+
+    def _check_seed(self, prompt_key: str, responses: Sequence[Sequence[int]]) -> None:
+        if not prompt_key:
+            raise InvalidArgument("must not be empty", field="prompt_key")
         for i, r in enumerate(responses):
             if len(r) > self.limits.max_response_tokens:
                 raise InvalidArgument(f"{len(r)} tokens > limit {self.limits.max_response_tokens}",
                                       field=f"responses[{i}]")
             _check_tokens(r, f"responses[{i}].token_ids")
-            total += len(r)
-        with self._lock:
-            # Only the responses not held for the key already load (HistoryStore.add: a retry, a
-            # subset or superset of an earlier seed, responses promoted from a group here): room is
-            # made for those, for the stored copy and the copy indexed (and logged) by every live
-            # group of the key, before anything is added, so nothing is half-seeded when the budget
-            # is full. Making room may evict the iteration that held some of them: they are new
-            # again then, so the need is taken again until eviction leaves it as it was.
-            live = [g for g in self._by_key.get(prompt_key, {}).values() if not g.completed]
-            nonempty = any(len(r) for r in responses)
-            reserved = -1
-            while True:
-                new = self._history.new_responses(prompt_key, iteration, responses)
-                count, total = len(new), sum(len(r) for r in new)
-                log_copy = total * _LOG_TOKEN_BYTES + count * _LOG_ENTRY_BYTES
-                copies = sum(g.index.history_bytes_bound(count, total) + log_copy for g in live) if count else 0
-                # The iteration's (and the key's) fixed structures when the add creates them, also
-                # for held responses that only move to a new iteration.
-                structures = self._history.structure_bytes_bound(prompt_key, iteration, responses) if nonempty else 0
-                # Net of what the iteration's response cap drops of earlier adds at once (the live
-                # groups' indexes keep their copies: `copies` stays whole).
-                trimmed = self._history.trimmed_bytes(prompt_key, iteration, responses) if count else 0
-                stored = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures
-                need = max(0, stored - trimmed) + copies
-                if need <= reserved:
-                    break  # what eviction made new again is covered
-                evicted = self._history.evicted
-                self._make_room(need)
-                reserved = need
-                if self._history.evicted == evicted:
-                    break  # no history evicted: what is held is as it was
-            # Held responses brought by a newer iteration move to it (their bytes move with them).
-            added = self._history.add(prompt_key, iteration, responses)
-            # Live groups of this key get the new responses too (as history log entries). (None was
-            # evicted making room: only completed groups are.)
-            for g in live:
-                for r in added:
-                    g.index.add_history(r)
-                    g.log.append(SeqDelta("", 0, r, True))
-                    g.log_bytes += _LOG_ENTRY_BYTES + len(r) * _LOG_TOKEN_BYTES
-                self._charge(g)
-            return len(added)
+
+    def _seed_locked(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
+        """seed_history's add of (key, stored iteration), under the lock."""
+        # Only the responses not held for the key already load (HistoryStore.add: a retry, a
+        # subset or superset of an earlier seed, responses promoted from a group here): room is
+        # made for those, for the stored copy and the copy indexed (and logged) by every live
+        # group of the key, before anything is added, so nothing is half-seeded when the budget
+        # is full. Making room may evict the iteration that held some of them: they are new
+        # again then, so the need is taken again until eviction leaves it as it was.
+        live = [g for g in self._by_key.get(prompt_key, {}).values() if not g.completed]
+        nonempty = any(len(r) for r in responses)
+        reserved = -1
+        while True:
+            new = self._history.new_responses(prompt_key, iteration, responses)
+            count, total = len(new), sum(len(r) for r in new)
+            log_copy = total * _LOG_TOKEN_BYTES + count * _LOG_ENTRY_BYTES
+            copies = sum(g.index.history_bytes_bound(count, total) + log_copy for g in live) if count else 0
+            # The iteration's (and the key's) fixed structures when the add creates them, also
+            # for held responses that only move to a new iteration.
+            structures = self._history.structure_bytes_bound(prompt_key, iteration, responses) if nonempty else 0
+            # Net of what the iteration's response cap drops of earlier adds at once (the live
+            # groups' indexes keep their copies: `copies` stays whole).
+            trimmed = self._history.trimmed_bytes(prompt_key, iteration, responses) if count else 0
+            stored = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures
+            need = max(0, stored - trimmed) + copies
+            if need <= reserved:
+                break  # what eviction made new again is covered
+            evicted = self._history.evicted
+            self._make_room(need)
+            reserved = need
+            if self._history.evicted == evicted:
+                break  # no history evicted: what is held is as it was
+        # Held responses brought by a newer iteration move to it (their bytes move with them).
+        added = self._history.add(prompt_key, iteration, responses)
+        # Live groups of this key get the new responses too (as history log entries). (None was
+        # evicted making room: only completed groups are.)
+        for g in live:
+            for r in added:
+                g.index.add_history(r)
+                g.log.append(SeqDelta("", 0, r, True))
+                g.log_bytes += _LOG_ENTRY_BYTES + len(r) * _LOG_TOKEN_BYTES
+            self._charge(g)
+        return len(added)
 
     # ---- sync -----------------------------------------------------------------------------------
 

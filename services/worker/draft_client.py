@@ -99,7 +99,8 @@ class _Registration(NamedTuple):
     ttl_seconds: int
     submit_seq: int
     # RegisterGroupRequest.policy_version: the history iteration the server promotes the group's
-    # responses as (None = unknown: left unset, the server numbers it newest + 1).
+    # responses as (None = unknown: left unset; the server merges the group into the key's newest
+    # version, or without one gives it a fallback number below every version).
     policy_version: int | None = None
 
 
@@ -475,12 +476,15 @@ class DraftClient:
         move holding the group's appends until answered).
 
         policy_version (RunChunkRequest.policy_version; None = unknown: left unset, the server then
-        numbers the group's history iteration newest + 1): the group's history iteration on the
-        server (RegisterGroupRequest.policy_version), so that groups of one prompt key at one
-        version form one iteration. Every RegisterGroup of the mirror carries the version of the
-        first attempt of its run registered here (_Mirror.policy_version: the server keeps a
+        merges the group into the key's newest version, or without one gives it a fallback number
+        below every version, until a registration brings the version): the group's history
+        iteration on the server (RegisterGroupRequest.policy_version), so that groups of one prompt
+        key at one version form one iteration. Every RegisterGroup of the mirror carries the version
+        of the first attempt of its run registered here (_Mirror.policy_version: the server keeps a
         group's first version too); a registration for another run (registering again, a new
-        mirror) carries that run's attempt's."""
+        mirror) carries that run's attempt's when this worker has one, and none when it has no
+        attempt of that run (a mirror moved by a Sync reset: the old run's version is not the new
+        run's)."""
         prompt = tuple(int(t) for t in prompt_token_ids)
         version = None if policy_version is None else int(policy_version)
         if version is not None and version < 0:
@@ -881,7 +885,8 @@ class DraftClient:
             req = draft_pb2.RegisterGroupRequest(group_id=gid, prompt_key=key, prompt_token_ids=prompt,
                                                  ttl_seconds=ttl, group_size=size, epoch=sent, submit_seq=seq)
             if version is not None:
-                # Optional on the wire: unset is unknown (the server numbers it newest + 1), 0 is
+                # Optional on the wire: unset is unknown (the server merges the group into the
+                # key's newest version, or gives it a fallback number below every version), 0 is
                 # the first policy version.
                 req.policy_version = version
             try:
