@@ -48,7 +48,6 @@ from services.cli.up import (
     flag_error,
     policy_choices,
     prepare_model,
-    see_logs,
     stop_keeping_data,
 )
 
@@ -146,7 +145,6 @@ class _Watch:
     def __init__(self, suite: Suite, stop: _DemoStop, grace: float) -> None:
         self._stop = stop
         self._say = lambda line: print(line, file=sys.stderr, flush=True)
-        self._suite = suite
         self.health = HealthSupervisor(suite.services, self._say, command="seer demo", grace=grace, limit=0)
         self._done = threading.Event()
         self._main = threading.main_thread().ident
@@ -166,9 +164,9 @@ class _Watch:
 
     def _run(self) -> None:
         while not self._done.wait(_WATCH_INTERVAL):
-            for name in self.health.tick(self._done):
-                s = self._suite.services[name]
-                self._say(f"seer demo: {name} exited with code {s.returncode}; {see_logs(s)}")
+            # An exit is said by the supervisor itself (limit 0: "seer demo: <name> exited with code
+            # N; see <logs>") and counts in failed().
+            self.health.tick(self._done)
             if self.health.failed():
                 self._stop.failed = True
                 if self._stop.wakeable and self._main is not None:

@@ -13,23 +13,33 @@ Each service binds 127.0.0.1 unless its configuration says otherwise (SEER_<SERV
 --host / --config in a Suite's extra_args); the suite dials it, for health checks and for the
 other services' wiring, on that host (127.0.0.1 for a wildcard host: see dial_host).
 
-While the suite runs, `seer up` supervises it (see HealthSupervisor, which `seer demo` shares): a
-service that exits is reported, naming its log files (and the buffer's or scheduler's exit stops the
-suite); a service whose gRPC health answers NOT_SERVING for longer than --health-grace (default
-60 s, as the Helm liveness probe: a worker whose engine a failed weight load broke stays NOT_SERVING
-for good) is restarted, with a line on stderr, at most HEALTH_RESTART_LIMIT times in a row without
-serving in between (then it is reported and left as it is). A service that does not answer at all
-is left alone while its process lives: it may only be busy.
+While the suite runs, `seer up` supervises it (see HealthSupervisor, which `seer demo` shares with
+no restarts at all): a service that exits on its own (a crash, a kill -9), any of them, the buffer
+and the scheduler included, is started again with the same command line, ports and data directory (a
+line on stderr names its exit code and log files); a service whose gRPC health answers NOT_SERVING
+for longer than --health-grace (default 60 s, as the Helm liveness probe: a worker whose engine a
+failed weight load broke stays NOT_SERVING for good) is restarted likewise. Both count towards one
+limit, HEALTH_RESTART_LIMIT restarts of a service in a row without a SERVING answer in between (a
+service that crashes at once in a loop is not restarted for ever). Past it a service that exited is
+left down and reported, except the buffer or the scheduler, whose exit then stops the suite (nothing
+works without them; the state is kept and the line says how to resume it); one that stays
+NOT_SERVING is reported and left as it is. A restart rebuilds what the service held (the documented
+paths, as after a rerun of `seer up --data-dir` by hand): the buffer from RocksDB in the data
+directory, the scheduler from the buffer's work snapshot, the kvstore from its RocksDB tier (pages a
+crash caught in DRAM only are misses: re-prefilled), the draft's groups from the workers, which
+register them again, and its history from the buffer; a worker registers again and its chunks
+re-run. Nothing else is restarted: the others reconnect to the same address. A service that does not
+answer at all is left alone while its process lives: it may only be busy.
 
-Exit status: 0 when every service ran until the stop (or was restarted for its health and answered
-SERVING since: the restart mended it) and drained cleanly; 1 when the suite could not start, a
-service exited on its own while it ran (a crash of the buffer or scheduler also stops the suite:
-nothing works without them), a restart for its health did not mend a service (not SERVING since
-its last restart at the stop, or since it was given up on at the restart limit), or a service did not stop cleanly. The
-data directory, with the services' logs, is then kept even when it is the default temporary one; so
-it is after a restart that mended its service (the broken launch's log tells why). 128 + the signal
-number when stopped by a signal before the suite was up; 2 when a flag, or a service's configuration
-(its SEER_<SERVICE>_* variables included), is refused (before anything starts).
+Exit status: 0 when every service ran until the stop (or was restarted and answered SERVING since:
+the restart mended it) and drained cleanly; 1 when the suite could not start, a service exited or
+stayed NOT_SERVING past the restart limit (a buffer or scheduler past it also stops the suite), a
+restart did not mend a service (not SERVING since its last restart at the stop), or a service did
+not stop cleanly. The data directory, with the services' logs, is then kept even when it is the
+default temporary one (`seer up --data-dir <it>` resumes that state); so it is after a restart that
+mended its service (the broken launch's log tells why). 128 + the signal number when stopped by a
+signal before the suite was up; 2 when a flag, or a service's configuration (its SEER_<SERVICE>_*
+variables included), is refused (before anything starts).
 
 An option given here is passed to its services as a flag and overrides their SEER_<SERVICE>_<FIELD>
 variable (a warning names both); one left out yields to that variable or a config file, else the
@@ -68,8 +78,9 @@ log = get_logger(__name__)
 _BUFFER, _SCHEDULER, _DRAFT, _KVSTORE, _WORKER0 = 0, 1, 2, 3, 10
 _METRICS_OFFSET = 100
 
-# The services without which the suite does no work at all: `seer up` stops when one of them dies
-# (a worker, the draft or the kvstore only degrade it: the scheduler re-runs a lost worker's chunks).
+# The services without which the suite does no work at all: `seer up` stops when one of them is down
+# past the restart limit (a worker, the draft or the kvstore left down only degrade it: the scheduler
+# re-runs a lost worker's chunks).
 CENTRAL_SERVICES = ("buffer", "scheduler")
 
 
@@ -368,10 +379,16 @@ HEALTH_GRACE_SECONDS = 60.0
 # At most one health RPC per service this often (less often than the 0.5 s exit check: each one
 # dials a channel); shorter for a grace shorter than 4 of them (see HealthSupervisor).
 HEALTH_CHECK_INTERVAL = 5.0
-# Restarts of one service in a row without a SERVING answer in between: one broken at start is then
-# reported and left, not restarted for ever (the grace, waited out anew after each restart's start,
-# already spaces them out).
+# Restarts of one service in a row without a SERVING answer in between, for its health or after an
+# exit: one broken at start, or crashing at once, is then reported and left, not restarted for ever
+# (the grace, waited out anew after each restart's start, spaces health restarts out; exits are
+# spaced by EXIT_RESTART_BACKOFF).
 HEALTH_RESTART_LIMIT = 3
+# Seconds before the second restart in a row after an exit, doubled for each further one (the first
+# is at once: clients retry for 60 s). No wait for the port: every service's listeners set
+# SO_REUSEADDR (gRPC's always, the metrics server's http.server default), so a port the dead process
+# left in TIME_WAIT binds again; the backoff is for a crash whose cause may pass (a peer restarting).
+EXIT_RESTART_BACKOFF = 1.0
 # SIGTERM to SIGKILL for a service being restarted (it drains; a broken worker has nothing to drain).
 HEALTH_RESTART_STOP_TIMEOUT = 15.0
 
@@ -396,36 +413,43 @@ class _HealthState:
     given_up: bool = False
     # A restart under way: SIGTERM sent; SIGKILL at this monotonic time if it is still alive.
     kill_at: float | None = None
+    # A restart under way whose process is gone (or going: kill_at): started again at this monotonic
+    # time (after an exit, EXIT_RESTART_BACKOFF; for its health, at once).
+    start_at: float | None = None
 
 
 class HealthSupervisor:
-    """Watches a running suite's services, for `seer up` and `seer demo`: a service that exits is
-    reported (tick returns it), and one whose gRPC health answers NOT_SERVING continuously for
-    longer than `grace` seconds is restarted (a worker whose engine is broken, services/worker/
-    README.md, Weights, is alive and useless until restarted), at most `limit` times in a row
-    without a SERVING answer in between; then it is given up on (reported once, left as it is).
-    limit 0 (`seer demo`): never restarted, given up on at the first overrun of the grace.
-    Only a NOT_SERVING answer counts: any other answer (SERVING, no answer in time, UNKNOWN) ends
-    the run, so a busy service that does not answer is never killed by this rule (a dead one is
-    the exit handling's).
+    """Watches a running suite's services, for `seer up` and `seer demo`. A service that exits on
+    its own (not for a restart of ours) is started again (ServiceProcess.start: the same command
+    line, ports and data directory, its logs appended to), and one whose gRPC health answers
+    NOT_SERVING continuously for longer than `grace` seconds is restarted (a worker whose engine is
+    broken, services/worker/README.md, Weights, is alive and useless until restarted); both at most
+    `limit` times in a row without a SERVING answer in between, one count for both. Past it a
+    service is given up on: one that exited is left down and reported (tick returns it; the caller
+    decides what its loss means), one NOT_SERVING is reported once and left as it is.
+    limit 0 (`seer demo`): never restarted; an exit is returned at once, NOT_SERVING given up on at
+    the first overrun of the grace.
+    Only a NOT_SERVING answer counts for health: any other answer (SERVING, no answer in time,
+    UNKNOWN) ends the run, so a busy service that does not answer is never killed by this rule.
 
     tick() does not wait for a restart's SIGTERM: it starts the process again on a later tick, once
     the old one is gone, so a Ctrl-C or another service's exit is still noticed meanwhile. Only a
     process that outlives HEALTH_RESTART_STOP_TIMEOUT is SIGKILLed and waited for (bounded: the
     kill's own wait), and each health check waits up to a second for its answer. `say` gets one line
-    per restart or give-up, prefixed with `command`."""
+    per exit, restart or give-up, prefixed with `command`, naming the service's log files."""
 
     def __init__(self, services: Mapping[str, ServiceProcess], say: Callable[[str], None], *,
                  command: str = "seer up", grace: float = HEALTH_GRACE_SECONDS,
                  interval: float = HEALTH_CHECK_INTERVAL, limit: int = HEALTH_RESTART_LIMIT,
                  stop_timeout: float = HEALTH_RESTART_STOP_TIMEOUT, check: Callable[[str], str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, backoff: float = EXIT_RESTART_BACKOFF) -> None:
         if limit < 0:
             raise ValueError(f"limit: must be >= 0, got {limit}")
         self._services = services
         self._say = say
         self._command = command
         self.grace = grace
+        self.backoff = backoff
         # A few checks within the grace, so that it is not overshot by a whole interval.
         self.interval = max(0.25, min(interval, grace / 4))
         self.limit = limit
@@ -434,12 +458,14 @@ class HealthSupervisor:
         self._check = check or (lambda address: health_status(address))
         self._clock = clock
         self._state = {name: _HealthState() for name in services}
-        # Services that exited on their own (not for a restart of ours), in the order noticed.
+        # Services that exited on their own (not for a restart of ours) and were not started again
+        # (the limit reached, limit 0, or a stop requested), in the order noticed.
         self.exited: list[str] = []
 
     def restarting(self, name: str) -> bool:
         """Whether `name` is being restarted (its process may be gone: no exit to report)."""
-        return self._state[name].kill_at is not None
+        st = self._state[name]
+        return st.kill_at is not None or st.start_at is not None
 
     def failed(self) -> set[str]:
         """The services that failed: exited on their own, given up on, or restarted for their
@@ -448,7 +474,8 @@ class HealthSupervisor:
         return set(self.exited) | {n for n, st in self._state.items() if st.given_up or st.in_a_row}
 
     def recovered(self) -> set[str]:
-        """The services restarted for their health that answered SERVING since (and did not exit)."""
+        """The services restarted (after an exit or for their health) that answered SERVING since
+        (and were not left down)."""
         return {n for n, st in self._state.items() if st.restarts and not st.in_a_row and not st.given_up} - set(
             self.exited)
 
@@ -461,19 +488,21 @@ class HealthSupervisor:
             # Only a SERVING answer is taken: no restart or give-up is started on the way out.
             # A service given up on is checked too: a SERVING answer clears it as a tick's does
             # (_observe), so the verdict does not hang on which of the two saw the answer.
-            if (st.in_a_row or st.given_up) and st.kill_at is None and s.alive() \
+            if (st.in_a_row or st.given_up) and not self.restarting(name) and s.alive() \
                     and self._check(s.address) == "SERVING":
                 st.in_a_row, st.given_up, st.since = 0, False, None
 
     def tick(self, stop: StopFlag | None = None) -> list[str]:
         """One round of health checks (each service at most once per interval) and restarts, then
-        the exit check; returns the services that exited on their own since the last tick."""
+        the exit check, which restarts a service that exited within the limit; returns the services
+        that exited on their own since the last tick and are left down (past the limit, limit 0, or
+        a stop requested: no restart is started on the way out)."""
         for name, s in self._services.items():
             if stop is not None and stop.is_set():
                 break  # each check may take a second: a Ctrl-C is not held up by the rest
             st = self._state[name]
             now = self._clock()
-            if st.kill_at is not None:
+            if self.restarting(name):
                 self._continue_restart(s, st, now)
             elif s.alive() and now >= st.next_check:
                 st.next_check = now + self.interval
@@ -481,10 +510,36 @@ class HealthSupervisor:
         exited = []
         for name, s in self._services.items():
             # A process being restarted here did not exit on its own.
-            if not s.alive() and name not in self.exited and not self.restarting(name):
+            if s.alive() or name in self.exited or self.restarting(name):
+                continue
+            stopping = stop is not None and stop.is_set()
+            if stopping or not self._restart_exited(s, self._state[name], self._clock()):
                 self.exited.append(name)
                 exited.append(name)
         return exited
+
+    def _restart_exited(self, s: ServiceProcess, st: _HealthState, now: float) -> bool:
+        """Service `s` exited on its own: started again (at once for the first restart in a row,
+        then after a doubling backoff) unless the limit is reached; whether it is. The restart is
+        `seer up`'s rerun by hand, done for the user: the same command line and data directory,
+        so the same ports (workers and clients hold those addresses) and the same state."""
+        code = s.returncode
+        if st.in_a_row >= self.limit:
+            why = f"; not restarted again: {st.in_a_row} restart(s) in a row did not mend it" if self.limit else ""
+            self._say(f"{self._command}: {s.name} exited with code {code}{why}; {see_logs(s)}")
+            return False
+        st.restarts += 1
+        st.in_a_row += 1
+        st.since = None
+        delay = self.backoff * 2 ** (st.in_a_row - 2) if st.in_a_row > 1 else 0.0
+        when = f" in {delay:g} s" if delay else ""
+        self._say(f"{self._command}: {s.name} exited with code {code}; restarting it{when} (restart {st.restarts}, "
+                  f"{st.in_a_row} of at most {self.limit} in a row); {see_logs(s)}")
+        log.warning("restarting a service that exited",
+                    extra=kv(service=s.name, code=code, restarts=st.restarts, delay_s=delay))
+        st.start_at = now + delay
+        self._continue_restart(s, st, now)
+        return True
 
     def _observe(self, s: ServiceProcess, st: _HealthState, status: str, now: float) -> None:
         if status != "NOT_SERVING":
@@ -513,18 +568,29 @@ class HealthSupervisor:
                     extra=kv(service=s.name, restarts=st.restarts, pid=s.pid))
         s.signal(signal.SIGTERM)
         st.kill_at = now + self._stop_timeout
+        st.start_at = now
         self._continue_restart(s, st, now)
 
     def _continue_restart(self, s: ServiceProcess, st: _HealthState, now: float) -> None:
-        if s.alive():
-            if st.kill_at is not None and now < st.kill_at:
-                return
-            s.kill()  # SIGKILL, waited for (bounded)
+        if st.kill_at is not None:
             if s.alive():
-                return  # not reaped yet: the next tick looks again
+                if now < st.kill_at:
+                    return
+                s.kill()  # SIGKILL, waited for (bounded)
+                if s.alive():
+                    return  # not reaped yet: the next tick looks again
+            st.kill_at = None
+        if st.start_at is not None and now < st.start_at:
+            return
+        st.start_at = None
         s.wait(0.0)  # reap it
-        s.start()  # a new launch: same ports and arguments, log appended to
-        st.kill_at = None
+        try:
+            s.start()  # a new launch: same ports and arguments, log appended to
+        except OSError as e:
+            # Its log cannot be opened (a full disk), say: left dead, the next tick's exit check
+            # counts it as another exit (towards the limit) instead of a traceback ending `seer up`.
+            self._say(f"{self._command}: {s.name} could not be started again: {e}")
+            return
         # Its start (a worker loads its model) is not NOT_SERVING time: the grace is waited out anew.
         st.next_check = now + self.interval
 
@@ -1105,7 +1171,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     # At least 1: a suite with no worker accepts batches and never finishes one (Suite(workers=0)
     # remains for tests that play the worker themselves).
     p.add_argument("--workers", type=positive_int, default=1, help="number of workers (default 1)")
-    p.add_argument("--data-dir", default=None, help="state directory (default: a temporary one, removed on exit)")
+    p.add_argument("--data-dir", default=None,
+                   help="state directory (default: a temporary one, removed on a clean exit; kept, with the "
+                        "services' logs, when a service failed: `seer up --data-dir <it>` then resumes that state)")
     p.add_argument("--base-port", type=int, default=50051, help="first port (0 = any free ports)")
     p.add_argument("--policy", choices=policy_choices(), default=None,
                    help=f"scheduling policy (default {DEFAULT_POLICY}, or SEER_SCHEDULER_POLICY)")
@@ -1122,8 +1190,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                    help="seconds to wait for the suite to be healthy")
     p.add_argument("--health-grace", type=positive_seconds, default=HEALTH_GRACE_SECONDS,
                    help=f"restart a running service whose gRPC health answers NOT_SERVING for longer than this "
-                        f"(default {HEALTH_GRACE_SECONDS:.0f} s; at most {HEALTH_RESTART_LIMIT} restarts in a row; "
-                        "inf: never)")
+                        f"(default {HEALTH_GRACE_SECONDS:.0f} s; inf: never). A service that exits is restarted "
+                        f"too; at most {HEALTH_RESTART_LIMIT} restarts of a service in a row without SERVING in "
+                        "between")
     return p.parse_args(list(argv))
 
 
@@ -1155,7 +1224,8 @@ def stop_keeping_data(suite: Suite, say: Callable[[str], None]) -> dict[str, int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(sys.argv[1:] if argv is None else argv)
+    argv_list = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv_list)
     model_dir = prepare_model("seer up", lambda: args.model_dir or ensure_embedded_model())
     if model_dir is None:
         return 128 + signal.SIGINT
@@ -1175,11 +1245,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SuiteArgumentError as e:
             print(f"seer up: {flag_error(e)}", file=sys.stderr)
             return 2
-        return _supervise(args, suite, stop)
+        return _supervise(args, suite, stop, resume=resume_command(argv_list, suite.data_dir))
 
 
-def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int:
-    """Starts the suite, watches it until a signal (or a central service's crash), stops it."""
+# How long the clients (Python and Node) retry an unreachable service by default: a suite resumed
+# within it is not noticed by a trainer at all.
+CLIENT_RETRY_SECONDS = 60
+
+
+def resume_command(argv: Sequence[str], data_dir: Path) -> str:
+    """The command line that resumes this suite's state: `argv` (the same workers, ports, model,
+    policy) with --data-dir set to `data_dir` (the temporary one too: it is kept on failure)."""
+    import shlex
+
+    kept: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--data-dir":
+            skip = True
+        elif not a.startswith("--data-dir="):
+            kept.append(a)
+    return shlex.join(["seer", "up", *kept, "--data-dir", str(data_dir)])
+
+
+def resume_hint(resume: str, base_port: int) -> str:
+    """What `seer up` says when it gives up and stops: the state is kept, and how to resume it."""
+    ports = (f"on the same ports, so clients that retry (for {CLIENT_RETRY_SECONDS} s by default) carry on"
+             if base_port else "(--base-port 0: the new ports differ, give them to the clients)")
+    return f"the state is kept: `{resume}` resumes it {ports}"
+
+
+def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume: str = "") -> int:
+    """Starts the suite, watches it until a signal (or a central service left down), stops it."""
     print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
     try:
         # The stop flag is polled while starting: workers can take minutes to load, and a Ctrl-C
@@ -1204,15 +1303,19 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int
                               grace=args.health_grace)
     while not stop.is_set() and not central_down:
         time.sleep(0.5)
+        # An exit is restarted by the supervisor (a line on stderr); returned only when left down
+        # (past the restart limit), which the supervisor has said as well.
         for name in health.tick(stop):
-            s = suite.services[name]
-            print(f"warning: {name} exited with code {s.returncode}; {see_logs(s)}", flush=True)
-            if name in CENTRAL_SERVICES:
+            # Not on a stop requested meanwhile: that exit was not restarted because of the stop.
+            if name in CENTRAL_SERVICES and not stop.is_set():
                 central_down = central_down or name
     if central_down:
         # Serving on with no buffer or scheduler would accept no batch (or never finish one) while
-        # looking up: stop, so that whoever runs `seer up` sees the failure.
-        print(f"seer up: {central_down} is down; the suite cannot work without it", file=sys.stderr, flush=True)
+        # looking up: stop, so that whoever runs `seer up` sees the failure. Its state is on disk
+        # (kept below: a failure keeps the data directory), so a rerun resumes it.
+        print(f"seer up: {central_down} is down (not restarted again); the suite cannot work without it: "
+              f"stopping; {resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)}",
+              file=sys.stderr, flush=True)
     # A service restarted shortly before the stop may serve again without a check having seen it.
     health.check_restarted()
     print("stopping ...", flush=True)
@@ -1228,7 +1331,7 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest) -> int
     if recovered:
         # Exit 0, but the broken launch's log (appended to by the new launch) is the only record of
         # what broke: kept, even in the temporary data directory.
-        print(f"seer up: restarted for their health and SERVING since: {', '.join(sorted(recovered))}; "
+        print(f"seer up: restarted and SERVING since: {', '.join(sorted(recovered))}; "
               f"logs kept in {suite.log_dir}", file=sys.stderr)
         return 0
     suite.remove_data()

@@ -149,7 +149,7 @@ def test_a_worker_that_turns_not_serving_is_restarted_and_one_that_does_not_answ
     restarts = _RESTART.findall(err)
     assert restarts == [("worker-0", "1", "1")], err
     assert "failed" not in err, err
-    m = re.search(r"seer up: restarted for their health and SERVING since: worker-0; logs kept in (\S+)", err)
+    m = re.search(r"seer up: restarted and SERVING since: worker-0; logs kept in (\S+)", err)
     assert m and Path(m.group(1), "worker-0.log").exists(), err
     assert "exited" not in out, out  # the restart is no exit of its own
     assert first == old

@@ -74,7 +74,7 @@ def test_up_exits_0_after_a_restart_that_mended_a_broken_worker(up: subprocess.P
     assert len(restarts) == 1, err
     log, stdout = (Path(x) for x in restarts[0])
     assert stdout == log.with_suffix(".out"), restarts
-    assert f"seer up: restarted for their health and SERVING since: worker-0; logs kept in {log.parent}" in err, err
+    assert f"seer up: restarted and SERVING since: worker-0; logs kept in {log.parent}" in err, err
     assert "failed" not in err, err
     # The broken launch's log is what tells why the worker was restarted: kept.
     assert "the engine is broken" in log.read_text()

@@ -27,11 +27,18 @@ from services.cli import up
 ROOT = Path(__file__).resolve().parents[2]
 
 # The stand-in for a service: sleeps; exits 0 on SIGTERM (a clean drain), or, when its name is in
-# CRASH, writes an error and exits 3 after a second. The token marks its command line (see _alive).
+# CRASH, writes an error and exits 3 after a second; a name in ONCE crashes so in its first launch
+# only (the launch's pid is appended to <token>/<name>.launches). The token marks its command line
+# (see _alive).
 _SERVICE = (
-    "import signal, sys, time\n"
+    "import os, signal, sys, time\n"
     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
-    "if sys.argv[1] in sys.argv[3].split(','):\n"
+    "marks = os.path.join(sys.argv[2], sys.argv[1] + '.launches')\n"
+    "with open(marks, 'a') as f:\n"
+    "    f.write(f'{os.getpid()}\\n')\n"
+    "with open(marks) as f:\n"
+    "    first = len(f.read().split()) == 1\n"
+    "if sys.argv[1] in sys.argv[3].split(',') or (first and sys.argv[1] in sys.argv[4].split(',')):\n"
     "    time.sleep(1.0)\n"
     "    sys.stderr.write('fatal: the stand-in crashed\\n')\n"
     "    sys.exit(3)\n"
@@ -45,13 +52,14 @@ up.ensure_embedded_model = lambda: "/nonexistent-model"
 if {healthy}:
     up.health_status = lambda address, timeout=1.0: "SERVING"
     up.Suite.wait_workers = lambda self, count, timeout=120.0, stop=None: None
-up.ServiceProcess.command = lambda self: [sys.executable, "-c", {service!r}, self.name, {token!r}, {crash!r}]
+up.ServiceProcess.command = lambda self: [sys.executable, "-c", {service!r}, self.name, {token!r}, {crash!r},
+                                          {once!r}]
 sys.exit(up.main(["--base-port", "0", "--workers", "1", "--timeout", "30"]))
 """
 
 
-def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "") -> subprocess.Popen[str]:
-    code = _UP.format(healthy=healthy, service=_SERVICE, token=str(tmp_path), crash=crash)
+def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "", once: str = "") -> subprocess.Popen[str]:
+    code = _UP.format(healthy=healthy, service=_SERVICE, token=str(tmp_path), crash=crash, once=once)
     # TMPDIR: the suite's default temporary data directory lands under tmp_path, where the test can
     # look for it and pytest removes it.
     env = dict(os.environ, TMPDIR=str(tmp_path))
@@ -97,33 +105,80 @@ def test_up_stops_on_a_signal_while_the_suite_starts(tmp_path: Path, sig: signal
     assert not _state_dir("".join(head) + out).exists(), "a clean stop keeps no temporary data"
 
 
-def test_up_stops_and_fails_when_the_buffer_crashes(tmp_path: Path) -> None:
-    """Before: a warning line, then the suite served on without its buffer until Ctrl-C, the exit
-    status was 0 and the log the warning pointed at was deleted with the temporary data dir."""
+def _launches(tmp_path: Path, name: str) -> list[int]:
+    path = tmp_path / f"{name}.launches"
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+_EXIT_RESTART = re.compile(r"seer up: (\S+) exited with code 3; restarting it(?: in \d+ s)? \(restart (\d), (\d) of "
+                           r"at most 3 in a row\); see (\S+) \(stdout (\S+)\)")
+
+
+def test_up_restarts_a_crashing_buffer_3_times_then_stops_keeping_the_state(tmp_path: Path) -> None:
+    """Past the restart limit, the old behaviour: the suite stops by itself, exit 1, the logs and
+    the state kept, and the line says how to resume (before: no restart at all, and no word on the
+    state or on how to resume)."""
     p = _start_up(tmp_path, healthy=True, crash="buffer")
-    wait_for_line(p, "suite is up")
-    code, out, err = finish(p, timeout=15)  # no signal: the suite must stop by itself
+    head = "".join(wait_for_line(p, "suite is up"))
+    code, out, err = finish(p, timeout=40)  # no signal: the suite must stop by itself
     assert code == 1, f"exit status {code}\n{out}\n{err}"
-    m = re.search(r"warning: buffer exited with code 3; see (\S+)", out)
-    assert m, out
+    restarts = _EXIT_RESTART.findall(err)
+    assert [r[:3] for r in restarts] == [("buffer", "1", "1"), ("buffer", "2", "2"), ("buffer", "3", "3")], err
+    assert len(_launches(tmp_path, "buffer")) == 4
+    m = re.search(r"seer up: buffer exited with code 3; not restarted again: 3 restart\(s\) in a row did not mend "
+                  r"it; see (\S+)", err)
+    assert m, err
     log = Path(m.group(1))
-    assert log.exists(), "the crash log the warning names was deleted"
-    assert "fatal: the stand-in crashed" in log.read_text()
-    assert "buffer is down" in err and f"logs kept in {log.parent}" in err
+    assert log.exists(), "the crash log the line names was deleted"
+    assert log.read_text().count("fatal: the stand-in crashed") == 4
+    state = _state_dir(head)
+    assert (f"seer up: buffer is down (not restarted again); the suite cannot work without it: stopping; the state "
+            f"is kept: `seer up --base-port 0 --workers 1 --timeout 30 --data-dir {state}` resumes it") in err, err
+    assert f"logs kept in {log.parent}" in err and state.exists()
     assert _alive(str(tmp_path)) == []
 
 
-def test_up_keeps_serving_after_a_worker_crash_but_fails_at_the_end(tmp_path: Path) -> None:
-    """A worker is not central (the scheduler re-runs its chunks): the suite serves on, but the
-    exit status after Ctrl-C still reports the crash and the log is kept."""
+@pytest.mark.parametrize("name", ["buffer", "scheduler", "worker-0"])
+def test_up_restarts_a_service_that_crashed_once_and_exits_0(tmp_path: Path, name: str) -> None:
+    """Before: the buffer's or scheduler's exit stopped the suite (exit 1), a worker's was only
+    reported and the worker left down (exit 1 at the end), though a rerun of `seer up` with the same
+    data dir recovers every response."""
+    p = _start_up(tmp_path, healthy=True, once=name)
+    wait_for_line(p, "suite is up")
+    deadline = time.monotonic() + 20
+    while len(_launches(tmp_path, name)) < 2:
+        assert time.monotonic() < deadline and p.poll() is None, f"{name} was not restarted"
+        time.sleep(0.1)
+    time.sleep(1.5)  # the restarted stand-in runs on (and a health check, stubbed, answers SERVING)
+    assert p.poll() is None, "seer up stopped"
+    p.send_signal(signal.SIGINT)
+    code, out, err = finish(p, timeout=20)
+    assert code == 0, f"exit status {code}\n{out}\n{err}"
+    [(who, restart, in_a_row, log, stdout)] = _EXIT_RESTART.findall(err)
+    assert (who, restart, in_a_row) == (name, "1", "1")
+    assert Path(stdout) == Path(log).with_suffix(".out")
+    assert "fatal: the stand-in crashed" in Path(log).read_text(), "the crashed launch's log is kept"
+    assert f"seer up: restarted and SERVING since: {name}; logs kept in {Path(log).parent}" in err, err
+    assert "stopped cleanly" in out
+    assert _alive(str(tmp_path)) == []
+
+
+def test_up_leaves_a_worker_down_past_the_limit_serves_on_and_fails_at_the_end(tmp_path: Path) -> None:
+    """A worker is not central (the scheduler re-runs its chunks): past the limit the suite serves
+    on without it, but the exit status after Ctrl-C reports it and the log is kept."""
     p = _start_up(tmp_path, healthy=True, crash="worker-0")
     head = "".join(wait_for_line(p, "suite is up"))
-    time.sleep(3.0)  # the worker has crashed and been noticed
+    deadline = time.monotonic() + 30
+    while len(_launches(tmp_path, "worker-0")) < 4:
+        assert time.monotonic() < deadline and p.poll() is None, "worker-0 was not restarted 3 times"
+        time.sleep(0.1)
+    time.sleep(3.0)  # the last launch has crashed, been noticed and left down
     assert p.poll() is None, "seer up stopped although only a worker crashed"
+    assert len(_launches(tmp_path, "worker-0")) == 4
     p.send_signal(signal.SIGINT)
     code, out, err = finish(p, timeout=20)
     assert code == 1, f"exit status {code}\n{out}\n{err}"
-    assert "warning: worker-0 exited with code 3" in out
+    assert "seer up: worker-0 exited with code 3; not restarted again: 3 restart(s) in a row" in err, err
     log = _state_dir(head) / "logs" / "worker-0.log"
     assert log.exists() and "fatal: the stand-in crashed" in log.read_text()
     assert "logs kept in" in err
