@@ -286,7 +286,11 @@ class ServiceProcess:
             return
         self._close_files()
         out = open(self.stdout_path, "ab")  # noqa: SIM115 - held open for the child's lifetime
-        err = open(self.stderr_path, "ab")  # noqa: SIM115
+        try:
+            err = open(self.stderr_path, "ab")  # noqa: SIM115
+        except OSError:
+            out.close()
+            raise
         self._files = [out, err]
         self._log_start = os.fstat(err.fileno()).st_size
         # A new session: Ctrl-C in the terminal reaches `seer up` only, which stops the services
@@ -413,6 +417,9 @@ class _HealthState:
     given_up: bool = False
     # A restart under way: SIGTERM sent; SIGKILL at this monotonic time if it is still alive.
     kill_at: float | None = None
+    # Why the last relaunch failed (its log could not be opened, say); the next exit check words
+    # its line by it, not by the exit code of the process that died before (a stale code).
+    launch_error: str = ""
     # A restart under way whose process is gone (or going: kill_at): started again at this monotonic
     # time (after an exit, EXIT_RESTART_BACKOFF; for its health, at once).
     start_at: float | None = None
@@ -523,20 +530,22 @@ class HealthSupervisor:
         then after a doubling backoff) unless the limit is reached; whether it is. The restart is
         `seer up`'s rerun by hand, done for the user: the same command line and data directory,
         so the same ports (workers and clients hold those addresses) and the same state."""
-        code = s.returncode
+        what = (f"could not be started again ({st.launch_error})" if st.launch_error
+                else f"exited with code {s.returncode}")
+        st.launch_error = ""
         if st.in_a_row >= self.limit:
             why = f"; not restarted again: {st.in_a_row} restart(s) in a row did not mend it" if self.limit else ""
-            self._say(f"{self._command}: {s.name} exited with code {code}{why}; {see_logs(s)}")
+            self._say(f"{self._command}: {s.name} {what}{why}; {see_logs(s)}")
             return False
         st.restarts += 1
         st.in_a_row += 1
         st.since = None
         delay = self.backoff * 2 ** (st.in_a_row - 2) if st.in_a_row > 1 else 0.0
         when = f" in {delay:g} s" if delay else ""
-        self._say(f"{self._command}: {s.name} exited with code {code}; restarting it{when} (restart {st.restarts}, "
+        self._say(f"{self._command}: {s.name} {what}; restarting it{when} (restart {st.restarts}, "
                   f"{st.in_a_row} of at most {self.limit} in a row); {see_logs(s)}")
         log.warning("restarting a service that exited",
-                    extra=kv(service=s.name, code=code, restarts=st.restarts, delay_s=delay))
+                    extra=kv(service=s.name, code=s.returncode, restarts=st.restarts, delay_s=delay))
         st.start_at = now + delay
         self._continue_restart(s, st, now)
         return True
@@ -588,8 +597,9 @@ class HealthSupervisor:
             s.start()  # a new launch: same ports and arguments, log appended to
         except OSError as e:
             # Its log cannot be opened (a full disk), say: left dead, the next tick's exit check
-            # counts it as another exit (towards the limit) instead of a traceback ending `seer up`.
-            self._say(f"{self._command}: {s.name} could not be started again: {e}")
+            # counts it as another try (towards the limit, worded by launch_error) instead of a
+            # traceback ending `seer up`.
+            st.launch_error = str(e)
             return
         # Its start (a worker loads its model) is not NOT_SERVING time: the grace is waited out anew.
         st.next_check = now + self.interval
@@ -1326,6 +1336,11 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
     if failed:
         print(f"seer up: service(s) failed ({', '.join(sorted(failed))}); logs kept in {suite.log_dir}",
               file=sys.stderr)
+        if not central_down and failed & set(CENTRAL_SERVICES):
+            # A stop that came while the buffer or scheduler was down (in its restart backoff, or
+            # given up on in the same tick): its state is kept all the same; say how to resume.
+            print(f"seer up: {resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)}",
+                  file=sys.stderr)
         return 1
     recovered = health.recovered()
     if recovered:

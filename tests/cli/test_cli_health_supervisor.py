@@ -195,6 +195,29 @@ def test_a_crash_loop_is_restarted_with_backoff_up_to_the_limit_then_left_down(t
     assert w.health.failed() == {"worker-0"} and w.health.recovered() == set()
 
 
+def test_a_relaunch_that_fails_is_worded_as_such_not_as_a_new_exit(tmp_path: Path) -> None:
+    """A relaunch whose log cannot be opened leaves the old, dead process: the next exit check
+    counted it as a fresh exit, worded with that process's stale exit code."""
+    w = _World(tmp_path, limit=3)
+    w.run(1.0, "SERVING")
+    fails = [OSError(21, "Is a directory")]
+
+    def start() -> None:
+        if fails:
+            raise fails.pop()
+        w.proc.running = True
+        w.proc.starts += 1
+
+    w.proc.start = start  # type: ignore[method-assign]
+    w.proc.crash(-9)
+    w.run(2.0, "UNREACHABLE")
+    assert w.proc.starts == 1 and w.proc.running
+    assert [line.split(";")[0] for line in w.lines] == [
+        "seer x: worker-0 exited with code -9",
+        "seer x: worker-0 could not be started again ([Errno 21] Is a directory)"]
+    assert "restarting it in 1 s (restart 2, 2 of at most 3 in a row)" in w.lines[1]
+
+
 def test_a_serving_answer_between_exits_resets_the_count(tmp_path: Path) -> None:
     """The limit is in a row: a service that crashes now and then, serving in between, is always
     restarted (and at once)."""

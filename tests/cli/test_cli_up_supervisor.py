@@ -149,7 +149,7 @@ def test_up_restarts_a_service_that_crashed_once_and_exits_0(tmp_path: Path, nam
     while len(_launches(tmp_path, name)) < 2:
         assert time.monotonic() < deadline and p.poll() is None, f"{name} was not restarted"
         time.sleep(0.1)
-    time.sleep(1.5)  # the restarted stand-in runs on (and a health check, stubbed, answers SERVING)
+    time.sleep(1.5)  # the restarted stand-in runs on (the check before the stop, stubbed, sees it SERVING)
     assert p.poll() is None, "seer up stopped"
     p.send_signal(signal.SIGINT)
     code, out, err = finish(p, timeout=20)
