@@ -97,6 +97,14 @@ RESULTS_LEFT_OUT_KEY = "seer-results-left-out"
 # default metadata limit, past which the client's call fails RESOURCE_EXHAUSTED instead.
 RESULTS_LEFT_OUT_CURSORS_KEY = "seer-results-left-out-cursors"
 MAX_LEFT_OUT_CURSORS_BYTES = 2048
+# The status message (grpc-message, as sent: percent-encoded) and the cursor list together, at most:
+# the rest of the 8 KiB is the keys, the count, grpc-status and HPACK's 32 bytes an entry. The
+# message gets what the cursors leave (at least 4,952 bytes: ~20 results named) and is cut to fit.
+# Both kinds of left-out results named with a 128-character batch id made an ~8.4 KB message; with
+# 2 KiB of cursors the trailer went over the limit, and gRPC failed 3 calls in 10 RESOURCE_EXHAUSTED
+# ("received metadata size exceeds soft limit"), losing DATA_LOSS and the left-out mark (review 4417).
+MAX_LEFT_OUT_TRAILER_TEXT_BYTES = 7000
+_CUT = " ... (cut to fit gRPC's metadata limit)"
 
 
 def left_out_cursors_value(cursors: Sequence[int]) -> str:
@@ -113,11 +121,34 @@ def left_out_cursors_value(cursors: Sequence[int]) -> str:
     return ",".join(out)
 
 
+def _status_bytes(text: str) -> int:
+    """Bytes of `text` as grpc-message carries it: percent-encoded, so a byte outside printable
+    ASCII, or '%', takes three."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in text.encode())
+
+
+def fit_status(text: str, field: str, max_bytes: int) -> str:
+    """`text` cut (marked _CUT) so that the status message SeerError makes of it ("field: text")
+    takes at most `max_bytes` as sent."""
+    room = max_bytes - _status_bytes(f"{field}: ")
+    if _status_bytes(text) <= room:
+        return text
+    room -= len(_CUT)
+    used = 0
+    for i, ch in enumerate(text):
+        used += _status_bytes(ch)
+        if used > room:
+            return text[:i] + _CUT
+    return text  # not reached: the whole text did not fit
+
+
 def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too_large: Sequence[str],
-                      too_large_count: int, limit: int) -> DataLoss:
+                      too_large_count: int, limit: int,
+                      max_bytes: int = MAX_LEFT_OUT_TRAILER_TEXT_BYTES - MAX_LEFT_OUT_CURSORS_BYTES) -> DataLoss:
     """StreamResults' end when stored results could not be decoded: DATA_LOSS (the worse of the two
     ways a result is left out) naming each one's cursor, RocksDB key and field (the first
-    MAX_NAMED_TOO_LARGE; the rest counted), and results over the message limit beside them."""
+    MAX_NAMED_TOO_LARGE; the rest counted), and results over the message limit beside them; the
+    message at most `max_bytes` as sent (fit_status: the trailer's room beside the cursors)."""
     named = "; ".join(f"cursor {u.cursor}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE])
     more = f" and {len(unreadable) - MAX_NAMED_TOO_LARGE} more" if len(unreadable) > MAX_NAMED_TOO_LARGE else ""
     also = ""
@@ -125,9 +156,9 @@ def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too
         rest = f" and {too_large_count - len(too_large)} more" if too_large_count > len(too_large) else ""
         also = (f"; also {too_large_count} result(s) over the {limit}-byte message limit were left out: "
                 f"{'; '.join(too_large)}{rest}")
-    return DataLoss(
-        f"{len(unreadable)} stored result(s) of batch {batch_id!r} cannot be decoded and were left out of the "
-        f"stream (every other result was sent): {named}{more}{also}", field="cursor")
+    text = (f"{len(unreadable)} stored result(s) of batch {batch_id!r} cannot be decoded and were left out of "
+            f"the stream (every other result was sent): {named}{more}{also}")
+    return DataLoss(fit_status(text, "cursor", max_bytes), field="cursor")
 
 
 def unreadable_requests_text(batch_id: str, unreadable: Sequence[UnreadableRequest]) -> str:
@@ -274,6 +305,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 too_large_cursors.append(idx)
                 if len(too_large) < MAX_NAMED_TOO_LARGE:
                     too_large.append(f"request {r.request_id!r} (cursor {idx}): {size} bytes")
+            room = MAX_LEFT_OUT_TRAILER_TEXT_BYTES  # for the status message: the cursors take theirs below
             if unreadable or left_out:
                 # Marks this end (either status) as "the batch is done, every other result was
                 # sent": a client cannot tell it by the code (DATA_LOSS is also a read failing
@@ -284,15 +316,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 cursors = left_out_cursors_value([u.cursor for u in unreadable] + too_large_cursors)
                 context.set_trailing_metadata(((RESULTS_LEFT_OUT_KEY, str(len(unreadable) + left_out)),
                                                (RESULTS_LEFT_OUT_CURSORS_KEY, cursors)))
+                # The status message travels in the same trailer: it gets what the cursors leave.
+                room -= len(cursors)
             if unreadable:
-                raise _unreadable_error(request.batch_id, unreadable, too_large, left_out, limit)
+                raise _unreadable_error(request.batch_id, unreadable, too_large, left_out, limit, room)
             if left_out:
                 more = f" and {left_out - len(too_large)} more" if left_out > len(too_large) else ""
-                raise ResourceExhausted(
+                raise ResourceExhausted(fit_status(
                     f"{left_out} result(s) of batch {request.batch_id!r} are over the {limit}-byte message "
                     f"limit and were left out of the stream (every other result was sent): "
                     f"{'; '.join(too_large)}{more}. They cannot be delivered whole (stored before "
-                    "SubmitBatch bounded max_tokens to fit one message)", field="cursor")
+                    "SubmitBatch bounded max_tokens to fit one message)", "cursor", room), field="cursor")
 
     @rpc
     def GetBatch(self, request: rollout_pb2.GetBatchRequest, context: grpc.ServicerContext

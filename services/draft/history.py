@@ -81,6 +81,10 @@ REJECTED_WARN_INTERVAL_S = 60.0
 # one (a retried SeedHistory, a group completing again) is not counted in `evicted` again: the
 # count is of responses not kept, not of attempts. Bounded: an add forgotten is counted again.
 _REJECTED_REMEMBERED = 1024
+# Keys whose last rejection warning is remembered (HistoryStore._warned), at most: past it the key
+# warned longest ago is forgotten (it may warn again within the interval: the log stays bounded by
+# the keys rejected, never the dict by them). ~200 bytes an entry.
+_WARNED_REMEMBERED = 4096
 
 
 def source_id(group_id: str, request_id: str) -> int:
@@ -151,11 +155,15 @@ class HistoryStore:
         self._clock = clock
         # Rejected adds: how many (retries too), the digests of recent ones (a retry is not counted
         # in `evicted` again), and per key when it last warned and the rejections since (logged
-        # with the next warning). Keys whose warning is older than the interval are forgotten when
-        # the dict grows, so it holds about the keys rejected within the last interval.
+        # with the next warning). _warned is in warning-time order (a key warning again moves to
+        # the end), so the keys whose warning is older than the interval are at its front and are
+        # popped from there, amortised O(1) a rejection, and it holds at most _WARNED_REMEMBERED
+        # keys. (A dict scanned whole at each rejection once it held 1,024 keys, deleting nothing
+        # while all were younger than the interval, grew without bound and cost 337 us a rejection
+        # at 32,000 keys, under the draft store's lock: review 4417.)
         self.rejected_adds = 0
         self._rejected: OrderedDict[bytes, None] = OrderedDict()
-        self._warned: dict[str, tuple[float, int]] = {}
+        self._warned: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
             sources: Sequence[int] | None = None) -> list[tuple[int, ...]]:
@@ -267,10 +275,14 @@ class HistoryStore:
             self._warned[prompt_key] = (warned_at, since + 1)
             log.debug("history add older than every kept iteration of its key: not kept", extra=kv(**fields))
             return
-        if len(self._warned) >= _REJECTED_REMEMBERED:
-            for k in [k for k, (t, _) in self._warned.items() if now - t >= REJECTED_WARN_INTERVAL_S]:
-                del self._warned[k]
+        # Warns now: the key moves to the end (the newest warning), then stale keys leave the front.
         self._warned[prompt_key] = (now, 0)
+        self._warned.move_to_end(prompt_key)
+        while self._warned:
+            _, (t, _) = next(iter(self._warned.items()))
+            if now - t < REJECTED_WARN_INTERVAL_S and len(self._warned) <= _WARNED_REMEMBERED:
+                break
+            self._warned.popitem(last=False)
         log.warning("history add older than every kept iteration of its key: not kept",
                     extra=kv(**fields, suppressed=since))
 

@@ -60,6 +60,11 @@ class _StoreCollector(Collector):
             ("seer_draft_evicted_history_responses", "History responses evicted for memory", s.evicted_history),
             ("seer_draft_expired_groups", "Groups expired by TTL", s.expired_groups),
             ("seer_draft_evicted_groups", "Completed groups evicted for memory", s.evicted_groups),
+            # Counted in the store since 17cbf47 (the warnings are limited to one per key a minute)
+            # but not exported: a flood of rejections showed only in evicted_history.
+            ("seer_draft_rejected_history_adds",
+             "History adds rejected as older than every kept iteration of their key (retries too)",
+             s.rejected_history_adds),
         ]
         out: list[Metric] = [GaugeMetricFamily(n, h, value=float(v)) for n, h, v in gauges]
         out += [CounterMetricFamily(n, h, value=float(v)) for n, h, v in counters]

@@ -193,6 +193,10 @@ class DraftStats:
     evicted_groups: int = 0
     # Tombstones and remembered completed incarnations (outside memory_bytes and the budget).
     remembered_ids_bytes: int = 0
+    # History adds rejected as older than every kept iteration of their key (HistoryStore.
+    # rejected_adds, retries too; their responses are in evicted_history once). /metrics only:
+    # GetDraftStatsResponse has no field for it.
+    rejected_history_adds: int = 0
 
 
 @dataclass
@@ -222,7 +226,8 @@ class _Group:
     versioned: bool = False
     # The buffer's version of a refill seeded under fallback number 0 while this group (and every
     # group of its key) had no version (DraftStore.refill_history); None: none. When a registration
-    # gives the group its version, the refill is renumbered as that buffer version (register).
+    # of the key brings a version (this group's or another's, new or running), the refill is
+    # renumbered as that buffer version (register, _renumber_refill).
     refill_version: int | None = None
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
@@ -373,7 +378,8 @@ class DraftStore:
         another. policy_version: the version the group generates with, its history iteration (None
         = unknown: the key's newest version, or without one a fallback number below every version,
         HistoryStore.next_iteration; the first registration that brings a version while the group
-        runs replaces it, and renumbers a refill seeded under the fallback, _renumber_refill)."""
+        runs replaces it; any registration with a version renumbers a refill of the key seeded under
+        the fallback, _renumber_refill)."""
         if not group_id:
             raise InvalidArgument("must not be empty", field="group_id")
         if ttl_seconds < 0 or ttl_seconds > self.limits.max_ttl_seconds:
@@ -443,6 +449,9 @@ class DraftStore:
                     if policy_version is not None and not g.versioned and not g.completed:
                         # Likewise its iteration: the run's version, not the number it was given.
                         g.history_iteration, g.versioned = policy_version, True
+                    if policy_version is not None:
+                        # A version is known for the key now: a refill seeded under fallback 0
+                        # becomes the buffer's version it was (whichever group of the key brings it).
                         self._renumber_refill(g)
                     g.ttl_s = ttl
                     g.expires_at = now + ttl
@@ -544,6 +553,11 @@ class DraftStore:
             self._add_group(g)
             if self._expired.pop(group_id, None) is not None:
                 self._remembered_bytes -= _TOMBSTONE_BYTES + len(group_id)
+            if policy_version is not None and prompt_key:
+                # Another group of the key may hold a refill seeded under fallback 0 before any
+                # version was known: renumbered only when that group itself took a version, it was
+                # dropped one version early when this group's version completed (review 4417).
+                self._renumber_refill(g)
             log.info("group registered", extra=kv(group_id=group_id, prompt_key=prompt_key,
                                                   history=len(history), ttl_s=ttl))
             return Registration(True, len(history), g.incarnation, g.submit_seq)
@@ -779,17 +793,24 @@ class DraftStore:
         self._evict(keep=g)
 
     def _renumber_refill(self, g: _Group) -> None:
-        """g (running, created without a version) just took its version: a buffer refill seeded for
-        its key under fallback number 0 meanwhile (refill_history: no group of the key had a
-        version) becomes the buffer's version it was, as if seeded once the version was known.
-        Left as fallback 0, the refill ranked below every version: the next version's completion
-        dropped it one version early (counted as evicted), and the group's own promotion, at its
-        version, never merged with it. Caller holds the lock."""
-        version, g.refill_version = g.refill_version, None
+        """A registration of g brought a version: a buffer refill seeded for its key under fallback
+        number 0 meanwhile (refill_history: no group of the key had a version; the buffer's version
+        is pending on the key's running groups then) becomes the buffer's version it was, as if
+        seeded once the version was known. Whichever group of the key brings the version, a new
+        group or a running unversioned one: read only on g, a refill pending on another group
+        stayed fallback 0 when a different group took the version. Left as fallback 0, the refill
+        ranked below every version: the next version's completion dropped it one version early
+        (counted as evicted), and a promotion at the version never merged with it. Only running
+        groups count: a completed group's fallback promotion merged with the refill, which stands
+        in for that iteration since. Caller holds the lock."""
+        version: int | None = None
+        for other in self._by_key.get(g.prompt_key, {}).values():
+            if other.refill_version is not None and not other.completed:
+                # A later refill of the key set its newer buffer version on every running group.
+                version = max(version or 0, other.refill_version)
+            other.refill_version = None  # renumbered once, by the first registration with a version
         if version is None:
             return
-        for other in self._by_key.get(g.prompt_key, {}).values():
-            other.refill_version = None  # renumbered once, by whichever group of the key took a version first
         moved = self._history.renumber_seeded(g.prompt_key, unversioned(0), version)
         if moved:
             log.info("history refill renumbered as the buffer's version (a group of its key took a version)",
@@ -807,9 +828,10 @@ class DraftStore:
         queued it brought a version) or any group of the key has one now; else as fallback number
         0 (history.unversioned: the number an unversioned group on an empty key is given, so the
         refill and that group's responses form one iteration), remembered on the key's running
-        unversioned groups, so that the first of them to take a version renumbers the refill
-        (_renumber_refill). Decided at queueing time, a refill queued by a registration without a
-        version stayed fallback 0 after a later registration gave the group its version."""
+        unversioned groups, so that the first registration of the key with a version (one of them
+        taking it, or another group) renumbers the refill (_renumber_refill). Decided at queueing
+        time, a refill queued by a registration without a version stayed fallback 0 after a later
+        registration gave the group its version."""
         self._check_seed(prompt_key, responses)
         version = max(0, buffer_version)
         with self._lock:
@@ -1158,6 +1180,7 @@ class DraftStore:
                 expired_groups=self._expired_count,
                 evicted_groups=self._evicted_groups,
                 remembered_ids_bytes=self._remembered_bytes,
+                rejected_history_adds=self._history.rejected_adds,
             )
 
     def index_of(self, group_id: str) -> GroupIndex:

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from services.draft import history
 from services.draft.history import REJECTED_WARN_INTERVAL_S, HistoryStore, log_fields, unversioned
 from services.draft.store import DraftStore, StoreLimits
 
@@ -76,3 +77,45 @@ def test_promotion_log_carries_the_int_iteration(caplog: pytest.LogCaptureFixtur
         s.append("b", "r", 0, [8], finished=True)
     promoted = [r.fields for r in caplog.records if "promoted to history" in r.getMessage()]  # type: ignore[attr-defined]
     assert [(f["prompt_key"], f["iteration"], f["versioned"]) for f in promoted] == [("k", 4, True), ("k2", 0, False)]
+
+
+def _full_key(h: HistoryStore, key: str) -> None:
+    h.add(key, 98, [[98]])
+    h.add(key, 99, [[99]])
+
+
+def test_the_warned_keys_are_bounded_and_forgotten_oldest_first(caplog: pytest.LogCaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once the per-key warning dict held 1,024 keys, every rejection scanned it whole and deleted
+    # nothing while all warnings were younger than a minute: it grew with the keys rejected
+    # (32,000 keys: 337 us a rejection, under the draft store's lock; review 4417). Now it is kept
+    # in warning order, stale keys leave from its front, and its size is capped.
+    monkeypatch.setattr(history, "_WARNED_REMEMBERED", 64, raising=False)
+    clock = Clock()
+    h = HistoryStore(keep_iterations=2, clock=clock)
+    n = 3 * 1024
+    for k in range(n):
+        _full_key(h, f"k{k}")
+    for k in range(n):
+        assert h.add(f"k{k}", 1, [[7]]) == []
+    assert h.rejected_adds == n
+    assert len(h._warned) == 64  # the cap: the newest warnings kept
+    assert list(h._warned)[-1] == f"k{n - 1}"
+    # Warning order: "a" warned a minute ago (stale), "b" half a minute ago (within its minute).
+    h = HistoryStore(keep_iterations=2, clock=clock)
+    for key in ("a", "b", "c"):
+        _full_key(h, key)
+    h.add("a", 1, [[1]])
+    clock.t += REJECTED_WARN_INTERVAL_S / 2
+    h.add("b", 1, [[1]])
+    clock.t += REJECTED_WARN_INTERVAL_S / 2
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="services.draft.history"):
+        h.add("c", 1, [[1]])  # warns: "a", stale, leaves the front; "b" stays
+        assert list(h._warned) == ["b", "c"]
+        h.add("b", 2, [[2]])  # still within b's minute: debug only
+        h.add("a", 2, [[2]])  # a minute after its warning: warns again, at the end
+        assert list(h._warned) == ["b", "c", "a"]
+    levels = [(r.fields["prompt_key"], r.levelno) for r in caplog.records  # type: ignore[attr-defined]
+              if _REJECTED in r.getMessage()]
+    assert levels == [("c", logging.WARNING), ("b", logging.DEBUG), ("a", logging.WARNING)]

@@ -169,3 +169,39 @@ def test_a_group_that_never_takes_a_version_keeps_the_refill_as_its_fallback(buf
         backfill.close()
         link.close()
 
+
+
+def _seed_refill(store: DraftStore, buffer: BufferHandle) -> tuple[int, int]:
+    """The buffer's newest iteration of "p" (version 0, three responses), seeded as the backfill does."""
+    link = BufferHistoryLink(buffer.address)
+    try:
+        it = link.fetch_iteration("p")
+    finally:
+        link.close()
+    assert it.policy_version == 0 and len(it.responses) == 3
+    return store.refill_history("p", it.policy_version, it.responses)
+
+
+@pytest.mark.parametrize("order", ["refill, then another group's version", "another group's version, then refill"])
+def test_a_version_another_group_of_the_key_brings_renumbers_the_refill(buffer: BufferHandle, order: str) -> None:
+    # Group A (a mirror without an attempt) registers without a version; group B of the same key,
+    # another group id, registers with version 0. Whichever comes first, the refill lives as version
+    # 0: renumbered only when A itself took a version, it stayed fallback 0 when B brought it and
+    # was dropped (counted evicted) at the next version's completion, one version early (review 4417).
+    store = DraftStore(StoreLimits())
+    store.register("A", "p", [1, 2, 3], group_size=2, submit_seq=7)
+    if order.startswith("refill"):
+        assert _seed_refill(store, buffer) == (3, unversioned(0))
+        assert store.register("B", "p", [1, 2, 3], group_size=1, submit_seq=7, policy_version=0).created
+    else:
+        assert store.register("B", "p", [1, 2, 3], group_size=1, submit_seq=7, policy_version=0).created
+        assert _seed_refill(store, buffer) == (3, 0)
+    assert _iterations(store) == {0: 3}
+    store.append("B", "r0", 0, [50, 51], finished=True)  # version 0's own promotion merges with the refill
+    assert _iterations(store) == {0: 4}
+    store.register("C", "p", [1, 2, 3], group_size=1, submit_seq=8, policy_version=1)
+    store.append("C", "r0", 0, [60], finished=True)
+    # Two iterations kept: version 0 (refill + B) stays beside version 1.
+    assert _iterations(store) == {0: 4, 1: 1}
+    assert store.stats().evicted_history == 0
+    assert store._history.memory_bytes == _accounted(store)

@@ -61,3 +61,22 @@ def test_append_counters_count_the_messages_applied_before_a_refused_one(
     # The first two messages are applied (the index holds them): so are they counted.
     assert _sample("seer_draft_appended_tokens_total") == appended + 3
     assert _sample("seer_draft_duplicate_tokens_total") == duplicates + 1
+
+
+def test_rejected_history_adds_are_exported(
+        draft_server: tuple[RunningServer, DraftStore], draft_stub: draft_pb2_grpc.DraftServiceStub) -> None:
+    # Counted by the history store (its warnings are limited to one per key a minute) but exported
+    # nowhere: a flood of stale adds showed only in evicted_history (review 4417). GetDraftStats has
+    # no field for it, so /metrics.
+    store = draft_server[1]
+    keep = store.limits.history_iterations
+    for v in range(10, 10 + keep):  # the key full: its kept iterations are all newer than 1
+        draft_stub.SeedHistory(draft_pb2.SeedHistoryRequest(
+            prompt_key="old", iteration=v, responses=[draft_pb2.TokenSequence(token_ids=[v])]))
+    before = _sample("seer_draft_rejected_history_adds_total")
+    stale = draft_pb2.SeedHistoryRequest(prompt_key="old", iteration=1,
+                                         responses=[draft_pb2.TokenSequence(token_ids=[1, 2])])
+    for _ in range(2):  # a retry is a rejected add too (its responses are evicted_history once)
+        assert draft_stub.SeedHistory(stale).num_responses == 0
+    assert _sample("seer_draft_rejected_history_adds_total") == before + 2
+    assert store.stats().rejected_history_adds == store._history.rejected_adds
