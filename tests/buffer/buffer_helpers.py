@@ -20,9 +20,11 @@ import grpc
 import pytest
 from seer.v1 import buffer_pb2, buffer_pb2_grpc, common_pb2, rollout_pb2, rollout_pb2_grpc
 
+from services.buffer import codec
 from services.buffer.app import start
 from services.buffer.config import BufferConfig
 from services.buffer.core import BufferCore
+from services.buffer.store import Store
 from services.common.server import RunningServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,3 +234,32 @@ def policy_event(internal: buffer_pb2_grpc.BufferInternalServiceStub) -> buffer_
         stream.cancel()
     assert first.HasField("policy"), first
     return first.policy
+
+
+def edit_record(data_dir: Path, key: bytes, change: Callable[[dict[str, Any]], object]) -> None:
+    """Rewrites a codec record of a stopped buffer's store with change() applied to its JSON fields."""
+    store = Store(data_dir)
+    try:
+        raw = store.get(key)
+        assert raw is not None, key
+        meta, arrays = codec.decode(raw)
+        change(meta)
+        wb = store.new_batch()
+        wb.put(key, codec.encode(meta, arrays))
+        store.write(wb)
+    finally:
+        store.close()
+
+
+def put_raw(data_dir: Path, key: bytes, value: bytes | None) -> None:
+    """Writes (None: deletes) one raw value in a stopped buffer's store."""
+    store = Store(data_dir)
+    try:
+        wb = store.new_batch()
+        if value is None:
+            wb.delete(key)
+        else:
+            wb.put(key, value)
+        store.write(wb)
+    finally:
+        store.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from buffer_helpers import REPO
+from buffer_helpers import REPO, edit_record, put_raw
 
 from services.buffer import codec, records
 from services.buffer.core import BufferCore
@@ -55,32 +55,6 @@ def _seed_store(path: Path, batch_ids: tuple[str, ...] = ("a",)) -> None:
         core.close()
 
 
-def _edit(path: Path, key: bytes, change: Callable[[dict[str, Any]], object]) -> None:
-    """Rewrites a codec record of the store with change() applied to its JSON fields."""
-    store = Store(path)
-    try:
-        raw = store.get(key)
-        assert raw is not None, key
-        meta, arrays = codec.decode(raw)
-        change(meta)
-        wb = store.new_batch()
-        wb.put(key, codec.encode(meta, arrays))
-        store.write(wb)
-    finally:
-        store.close()
-
-
-def _put_raw(path: Path, key: bytes, value: bytes | None) -> None:
-    store = Store(path)
-    try:
-        wb = store.new_batch()
-        if value is None:
-            wb.delete(key)
-        else:
-            wb.put(key, value)
-        store.write(wb)
-    finally:
-        store.close()
 
 
 def _run_buffer(path: Path) -> subprocess.CompletedProcess[str]:
@@ -106,7 +80,7 @@ def test_a_new_store_is_stamped_with_the_current_format(tmp_path: Path) -> None:
 def test_a_store_with_records_and_no_stamp_is_the_current_format(tmp_path: Path) -> None:
     """A data dir written before stamps were kept keeps working: stamped at open, recovered whole."""
     _seed_store(tmp_path / "db", ("a", "b"))
-    _put_raw(tmp_path / "db", STORE_FORMAT_KEY, None)
+    put_raw(tmp_path / "db", STORE_FORMAT_KEY, None)
     core = _core(tmp_path / "db")
     try:
         assert core._store.get(STORE_FORMAT_KEY) == str(STORE_FORMAT).encode()
@@ -120,7 +94,7 @@ def test_a_store_of_a_newer_format_is_refused_at_open_naming_dir_and_versions(tm
     path = tmp_path / "db"
     _seed_store(path)
     newer = STORE_FORMAT + 1
-    _put_raw(path, STORE_FORMAT_KEY, str(newer).encode())
+    put_raw(path, STORE_FORMAT_KEY, str(newer).encode())
     with pytest.raises(StoreFormatError) as e:
         Store(path)
     msg = str(e.value)
@@ -139,7 +113,7 @@ def test_a_store_of_a_newer_format_is_refused_at_open_naming_dir_and_versions(tm
 
 
 def test_a_stamp_that_is_no_version_is_refused(tmp_path: Path) -> None:
-    _put_raw(tmp_path / "db", STORE_FORMAT_KEY, b"two")
+    put_raw(tmp_path / "db", STORE_FORMAT_KEY, b"two")
     with pytest.raises(StoreFormatError, match="'two', not a format version"):
         Store(tmp_path / "db")
 
@@ -147,7 +121,7 @@ def test_a_stamp_that_is_no_version_is_refused(tmp_path: Path) -> None:
 def test_the_process_exits_non_zero_with_the_message_not_a_trace(tmp_path: Path) -> None:
     path = tmp_path / "db"
     _seed_store(path)
-    _put_raw(path, STORE_FORMAT_KEY, str(STORE_FORMAT + 1).encode())
+    put_raw(path, STORE_FORMAT_KEY, str(STORE_FORMAT + 1).encode())
     proc = _run_buffer(path)
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -166,8 +140,8 @@ def test_unknown_fields_of_a_newer_buffer_are_ignored_with_one_warning_each(
     path = tmp_path / "db"
     _seed_store(path, ("a", "b"))
     for bid in ("a", "b"):  # the same new field on every batch record: warned about once
-        _edit(path, batch_key(bid), lambda m: m.update(priority_class="gold"))
-    _edit(path, group_key("a", 0), lambda m: m["sampling"].update(min_p=0.05))
+        edit_record(path, batch_key(bid), lambda m: m.update(priority_class="gold"))
+    edit_record(path, group_key("a", 0), lambda m: m["sampling"].update(min_p=0.05))
     with caplog.at_level(logging.WARNING, logger="services.buffer.records"):
         core = _core(path)
     try:
@@ -186,7 +160,7 @@ def test_an_unknown_field_of_a_result_is_ignored(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(records, "_warned_unknown", set())
     path = tmp_path / "db"
     _seed_store(path)
-    _edit(path, result_key("a", 0), lambda m: (m.update(reward=1.0), m["stats"].update(gpu_joules=3)))
+    edit_record(path, result_key("a", 0), lambda m: (m.update(reward=1.0), m["stats"].update(gpu_joules=3)))
     core = _core(path)
     try:
         page, _done = core.read_results("a", 0)
@@ -208,7 +182,7 @@ def test_a_batch_record_missing_or_mistyping_a_field_fails_recovery_naming_key_a
         tmp_path: Path, change: Callable[[dict[str, Any]], object], field: str, problem: str) -> None:
     path = tmp_path / "db"
     _seed_store(path, ("a", "b"))
-    _edit(path, batch_key("b"), change)
+    edit_record(path, batch_key("b"), change)
     with pytest.raises(RecordError) as e:
         _core(path)
     assert e.value.key == b"b/b" and e.value.record_field == field
@@ -221,7 +195,7 @@ def test_a_batch_record_missing_or_mistyping_a_field_fails_recovery_naming_key_a
 def test_a_nested_field_is_named_with_its_path(tmp_path: Path) -> None:
     path = tmp_path / "db"
     _seed_store(path)
-    _edit(path, group_key("a", 0), lambda m: m["sampling"].update(top_k=1.5))
+    edit_record(path, group_key("a", 0), lambda m: m["sampling"].update(top_k=1.5))
     with pytest.raises(RecordError, match=r"'g/a/000000' field 'sampling.top_k': an integer expected"):
         _core(path)
 
@@ -229,7 +203,7 @@ def test_a_nested_field_is_named_with_its_path(tmp_path: Path) -> None:
 def test_a_result_missing_a_field_is_data_loss_naming_key_and_field(tmp_path: Path) -> None:
     path = tmp_path / "db"
     _seed_store(path)
-    _edit(path, result_key("a", 0), lambda m: m.pop("policy_version"))
+    edit_record(path, result_key("a", 0), lambda m: m.pop("policy_version"))
     core = _core(path)  # results are not read at recovery: the batch is still running
     try:
         with pytest.raises(RecordError, match=r"'l/a/0000000000' field 'policy_version': missing"):
@@ -241,13 +215,13 @@ def test_a_result_missing_a_field_is_data_loss_naming_key_and_field(tmp_path: Pa
 def test_a_value_that_is_no_record_names_its_key(tmp_path: Path) -> None:
     path = tmp_path / "db"
     _seed_store(path)
-    _put_raw(path, request_key("a", 0, 1), b"RQ9" + bytes(60))
+    put_raw(path, request_key("a", 0, 1), b"RQ9" + bytes(60))
     with pytest.raises(RecordError, match=r"'r/a/000000/0001': not a request record"):
         _core(path)
-    _put_raw(path, request_key("a", 0, 1), b"RQ1")
+    put_raw(path, request_key("a", 0, 1), b"RQ1")
     with pytest.raises(RecordError, match=r"'r/a/000000/0001': not a readable request record"):
         _core(path)
-    _put_raw(path, batch_key("a"), b"SB1\x05\x00\x00\x00{oops")
+    put_raw(path, batch_key("a"), b"SB1\x05\x00\x00\x00{oops")
     with pytest.raises(RecordError, match=r"'b/a': not a readable record"):
         _core(path)
 
@@ -255,7 +229,7 @@ def test_a_value_that_is_no_record_names_its_key(tmp_path: Path) -> None:
 def test_the_process_exits_non_zero_naming_the_record_and_field(tmp_path: Path) -> None:
     path = tmp_path / "db"
     _seed_store(path)
-    _edit(path, batch_key("a"), lambda m: m.pop("content_hash"))
+    edit_record(path, batch_key("a"), lambda m: m.pop("content_hash"))
     proc = _run_buffer(path)
     assert proc.returncode == 3, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

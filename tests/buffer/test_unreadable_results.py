@@ -17,52 +17,23 @@ from typing import Any
 
 import grpc
 import pytest
-from buffer_helpers import STOP, BufferHandle, commit, group, submit
+from buffer_helpers import STOP, BufferHandle, commit, edit_record, group, put_raw, submit
 from prometheus_client import REGISTRY
 from seer.v1 import buffer_pb2, rollout_pb2
 from seer_client import SeerClient, SeerError
 
-from services.buffer import codec
-from services.buffer.store import Store, result_key, result_size_key
+from services.buffer.store import result_key, result_size_key
 from services.common.errors import DataLoss
-
-
-def _edit(data_dir: Path, key: bytes, change: Callable[[dict[str, Any]], object]) -> None:
-    """Rewrites a stored result with change() applied to its JSON fields (the buffer is stopped)."""
-    store = Store(data_dir)
-    try:
-        raw = store.get(key)
-        assert raw is not None, key
-        meta, arrays = codec.decode(raw)
-        change(meta)
-        wb = store.new_batch()
-        wb.put(key, codec.encode(meta, arrays))
-        store.write(wb)
-    finally:
-        store.close()
-
-
-def _put_raw(data_dir: Path, key: bytes, value: bytes | None) -> None:
-    store = Store(data_dir)
-    try:
-        wb = store.new_batch()
-        if value is None:
-            wb.delete(key)
-        else:
-            wb.put(key, value)
-        store.write(wb)
-    finally:
-        store.close()
 
 
 def _corrupt(data_dir: Path, batch_id: str, sized: bool) -> None:
     """Result 1 loses a required field, result 2 is no record at all. sized=False also drops the
     results' stored sizes (a store written before they were kept: the page's scan path)."""
-    _edit(data_dir, result_key(batch_id, 1), lambda m: m.pop("policy_version"))
-    _put_raw(data_dir, result_key(batch_id, 2), b"SB1\x05\x00\x00\x00{oops")
+    edit_record(data_dir, result_key(batch_id, 1), lambda m: m.pop("policy_version"))
+    put_raw(data_dir, result_key(batch_id, 2), b"SB1\x05\x00\x00\x00{oops")
     if not sized:
         for i in range(4):
-            _put_raw(data_dir, result_size_key(batch_id, i), None)
+            put_raw(data_dir, result_size_key(batch_id, i), None)
 
 
 def _read(buf: BufferHandle, batch_id: str, cursor: int = 0
@@ -150,8 +121,8 @@ def test_a_running_batch_with_corrupted_results_completes_and_streams_the_rest(
     commit(buf.internal, "r/0/0", 0, [5, 6], STOP)
     commit(buf.internal, "r/0/1", 0, [7, 8, 9], STOP)
     buf.stop()
-    _edit(tmp_path / "db", result_key("r", 0), lambda m: m.update(group_index="zero"))
-    _put_raw(tmp_path / "db", result_key("r", 1), b"garbage")
+    edit_record(tmp_path / "db", result_key("r", 0), lambda m: m.update(group_index="zero"))
+    put_raw(tmp_path / "db", result_key("r", 1), b"garbage")
     buf = make_buffer()
     before = _unreadable_count("history")
 

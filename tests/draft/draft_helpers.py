@@ -13,6 +13,13 @@ from seer.v1 import draft_pb2, draft_pb2_grpc
 from services.common.server import RunningServer
 from services.draft.app import start
 from services.draft.config import DraftConfig
+from services.draft.history import (
+    HISTORY_ITERATION_BYTES,
+    HISTORY_KEY_BYTES,
+    HISTORY_RESPONSE_BYTES,
+    HISTORY_TOKEN_BYTES,
+    HistoryStore,
+)
 from services.draft.store import DraftStore
 from services.worker.draft_client import DraftClient
 
@@ -107,3 +114,20 @@ def sync_one(stub: draft_pb2_grpc.DraftServiceStub, group_id: str, incarnation: 
     req = draft_pb2.SyncRequest(groups=[draft_pb2.GroupWatermark(group_id=group_id, watermark=watermark,
                                                                  incarnation=incarnation)])
     return stub.Sync(req).groups[0]
+
+
+def history_bytes_recounted(h: HistoryStore) -> int:
+    """The history's memory recomputed from what it holds (its running total must equal it)."""
+    keys = list(h)
+    return (sum(len(r) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES for k in keys for r in h.responses(k))
+            + len(keys) * HISTORY_KEY_BYTES + sum(len(h._keys[k]) for k in keys) * HISTORY_ITERATION_BYTES)
+
+
+def complete_group(s: DraftStore, gid: str, responses: Sequence[Sequence[int]], version: int | None,
+                   key: str = "k") -> int:
+    """Registers a group of `responses` at `version` (None: an old client) and finishes them all;
+    returns the history responses it loaded."""
+    _created, loaded = s.register_group(gid, key, [1, 2, 3], 60, len(responses), policy_version=version)
+    for i, r in enumerate(responses):
+        s.append(gid, f"r{i}", 0, r, finished=True)
+    return loaded

@@ -9,8 +9,6 @@ Pure core (DraftStore, HistoryStore) and the service on loopback gRPC (RegisterG
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import grpc
 import pytest
 from seer.v1 import draft_pb2, draft_pb2_grpc
@@ -18,30 +16,10 @@ from seer.v1 import draft_pb2, draft_pb2_grpc
 from services.common.errors import InvalidArgument
 from services.draft.config import DraftConfig
 from services.draft.history import (
-    HISTORY_ITERATION_BYTES,
-    HISTORY_KEY_BYTES,
-    HISTORY_RESPONSE_BYTES,
-    HISTORY_TOKEN_BYTES,
     HistoryStore,
 )
 from services.draft.store import DraftStore, StoreLimits
-
-
-def _accounted(h: HistoryStore) -> int:
-    """The history's memory recomputed from what it holds (the running total must equal it)."""
-    keys = list(h)
-    return (sum(len(r) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES for k in keys for r in h.responses(k))
-            + len(keys) * HISTORY_KEY_BYTES + sum(len(h._keys[k]) for k in keys) * HISTORY_ITERATION_BYTES)
-
-
-def _complete(s: DraftStore, gid: str, responses: Sequence[Sequence[int]], version: int | None,
-              key: str = "k") -> int:
-    """Registers a group of `responses` at `version` and finishes them all; returns the history it loaded."""
-    _created, loaded = s.register_group(gid, key, [1, 2, 3], 60, len(responses), policy_version=version)
-    for i, r in enumerate(responses):
-        s.append(gid, f"r{i}", 0, r, finished=True)
-    return loaded
-
+from tests.draft.draft_helpers import complete_group, history_bytes_recounted
 
 IT1 = [[10, 11], [12, 13]]
 IT2_A = [[20, 21], [22, 23]]
@@ -51,42 +29,42 @@ IT3 = [[40, 41], [42, 43]]
 
 def test_groups_of_one_key_and_version_merge_into_one_iteration() -> None:
     s = DraftStore(StoreLimits(history_iterations=2))
-    _complete(s, "it1", IT1, 1)
-    _complete(s, "it2-a", IT2_A, 2)
+    complete_group(s, "it1", IT1, 1)
+    complete_group(s, "it2-a", IT2_A, 2)
     # The prompt sampled twice in iteration 2: its second group registers after the first completed.
     # It was numbered 3 then, and with 2 iterations kept, iteration 1 was dropped.
-    assert _complete(s, "it2-b", IT2_B, 2) == 4  # it drafts from iteration 1 and its sibling group
+    assert complete_group(s, "it2-b", IT2_B, 2) == 4  # it drafts from iteration 1 and its sibling group
     assert sorted(s._history._keys["k"]) == [1, 2]
     assert sorted(s._history.responses("k")) == sorted(map(tuple, IT1 + IT2_A + IT2_B))
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)
     # The next iteration drops iteration 1 only; both groups of iteration 2 stay.
-    assert _complete(s, "it3", IT3, 3) == 6
+    assert complete_group(s, "it3", IT3, 3) == 6
     assert sorted(s._history._keys["k"]) == [2, 3]
     assert sorted(s._history.responses("k")) == sorted(map(tuple, IT2_A + IT2_B + IT3))
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)
     assert s.stats().evicted_history == 2
 
 
 def test_version_zero_is_a_version_and_a_straggler_of_an_older_version_merges_into_its_own() -> None:
     s = DraftStore(StoreLimits(history_iterations=2))
-    _complete(s, "v0-a", IT1, 0)
-    _complete(s, "v0-b", IT2_A, 0)  # the first version is 0: merges too
-    _complete(s, "v1", IT2_B, 1)
+    complete_group(s, "v0-a", IT1, 0)
+    complete_group(s, "v0-b", IT2_A, 0)  # the first version is 0: merges too
+    complete_group(s, "v1", IT2_B, 1)
     # A group of version 0 registered late (a retried submission) completes after version 1's.
-    _complete(s, "v0-late", IT3, 0)
+    complete_group(s, "v0-late", IT3, 0)
     assert sorted(s._history._keys["k"]) == [0, 1]
     assert len(s._history._keys["k"][0].responses) == 6
     # Version 2 drops version 0 (the older), not version 1.
-    _complete(s, "v2", [[50]], 2)
+    complete_group(s, "v2", [[50]], 2)
     assert sorted(s._history._keys["k"]) == [1, 2]
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)
 
 
 def test_registration_with_a_version_numbers_a_group_an_old_client_created() -> None:
     # A rolling update: the first worker of the group is an old client (no version), a later one sends it.
     s = DraftStore(StoreLimits(history_iterations=2))
-    _complete(s, "it1", IT1, 1)
-    _complete(s, "it2-a", IT2_A, 2)
+    complete_group(s, "it1", IT1, 1)
+    complete_group(s, "it2-a", IT2_A, 2)
     assert s.register_group("it2-b", "k", [1, 2, 3], 60, 2) == (True, 4)  # the key's newest version (2) for now
     assert s.register_group("it2-b", "k", [1, 2, 3], 60, 2, policy_version=2) == (False, 4)
     for i, r in enumerate(IT2_B):
@@ -94,7 +72,7 @@ def test_registration_with_a_version_numbers_a_group_an_old_client_created() -> 
     assert sorted(s._history._keys["k"]) == [1, 2]
     # Without any version, beside a key whose newest iteration is a version: it merges into that
     # version (newest + 1 ran ahead of the real versions; see the mixed-client tests below).
-    _complete(s, "legacy", IT3, None)
+    complete_group(s, "legacy", IT3, None)
     assert sorted(s._history._keys["k"]) == [1, 2]
     assert len(s._history._keys["k"][2].responses) == 6
 
@@ -124,13 +102,13 @@ def test_one_iteration_holds_a_bounded_number_of_responses() -> None:
     h = HistoryStore(keep_iterations=2, iteration_responses=4)
     for b in range(3):
         h.add("k", 0, [[b, 1], [b, 2]], sources=[10 * b + 1, 10 * b + 2])
-        assert h.memory_bytes == _accounted(h)
+        assert h.memory_bytes == history_bytes_recounted(h)
     assert sorted(h.responses("k")) == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert list(h._keys["k"][0].sources) == [11, 12, 21, 22]
     assert h.evicted == 2
     # One add over the cap (a group larger than it) is kept whole.
     h.add("k", 0, [[9, i] for i in range(6)])
-    assert len(h.responses("k")) == 6 and h.memory_bytes == _accounted(h)
+    assert len(h.responses("k")) == 6 and h.memory_bytes == history_bytes_recounted(h)
     # A merge needs no new structure: seed_history reserves no iteration for it.
     assert h.structure_bytes_bound("k", 0, [[7, 7]]) == 0
 
@@ -141,9 +119,9 @@ def test_store_memory_stays_within_budget_with_merged_iterations() -> None:
     for it in range(30):
         for part in range(3):  # three groups per key and version, each registered after the last completed
             for key in ("a", "b"):
-                _complete(s, f"{key}-{it}-{part}", [[it, part, j, 7, 8, 9] for j in range(4)], it, key=key)
+                complete_group(s, f"{key}-{it}-{part}", [[it, part, j, 7, 8, 9] for j in range(4)], it, key=key)
                 assert s.stats().memory_bytes <= budget
-                assert s._history.memory_bytes == _accounted(s._history)
+                assert s._history.memory_bytes == history_bytes_recounted(s._history)
                 kept = sorted(s._history._keys.get(key, {}))
                 assert len(kept) <= 2 and kept == sorted(kept)
 

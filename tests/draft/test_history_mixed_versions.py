@@ -17,35 +17,15 @@ Pure core (HistoryStore, DraftStore) and the service on loopback gRPC."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import pytest
 from seer.v1 import draft_pb2, draft_pb2_grpc
 
 from services.draft.history import (
-    HISTORY_ITERATION_BYTES,
-    HISTORY_KEY_BYTES,
-    HISTORY_RESPONSE_BYTES,
-    HISTORY_TOKEN_BYTES,
     HistoryStore,
 )
 from services.draft.store import DraftStore, StoreLimits
-
-
-def _accounted(h: HistoryStore) -> int:
-    """The history's memory recomputed from what it holds (the running total must equal it)."""
-    keys = list(h)
-    return (sum(len(r) * HISTORY_TOKEN_BYTES + HISTORY_RESPONSE_BYTES for k in keys for r in h.responses(k))
-            + len(keys) * HISTORY_KEY_BYTES + sum(len(h._keys[k]) for k in keys) * HISTORY_ITERATION_BYTES)
-
-
-def _complete(s: DraftStore, gid: str, responses: Sequence[Sequence[int]], version: int | None,
-              key: str = "k") -> int:
-    """Registers a group of `responses` at `version` (None: an old client) and finishes them all."""
-    _created, loaded = s.register_group(gid, key, [1, 2, 3], 60, len(responses), policy_version=version)
-    for i, r in enumerate(responses):
-        s.append(gid, f"r{i}", 0, r, finished=True)
-    return loaded
+from tests.draft.draft_helpers import complete_group, history_bytes_recounted
 
 
 def _versions(s: DraftStore, key: str = "k") -> list[int | str]:
@@ -59,34 +39,34 @@ def _versions(s: DraftStore, key: str = "k") -> list[int | str]:
 
 def test_old_client_groups_after_a_version_do_not_run_ahead_of_the_next_version() -> None:
     s = DraftStore(StoreLimits(history_iterations=2))
-    _complete(s, "v3", [[3, 3]], 3)
+    complete_group(s, "v3", [[3, 3]], 3)
     for i in range(3):  # old clients, each registered after the last completed
-        _complete(s, f"old{i}", [[50 + i]], None)
+        complete_group(s, f"old{i}", [[50 + i]], None)
     # They merged into version 3 (numbered 4, 5, 6 they pushed version 3 out).
     assert _versions(s) == [3]
-    _complete(s, "v4", [[4, 4]], 4)
+    complete_group(s, "v4", [[4, 4]], 4)
     assert _versions(s) == [3, 4]
     assert (4, 4) in s._history.responses("k")  # was not kept: "older than everything kept"
     assert s.stats().evicted_history == 0
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)
 
 
 def test_versions_after_an_old_client_only_history_are_newer_than_it() -> None:
     s = DraftStore(StoreLimits(history_iterations=2))
     # Every client old: the old rule (newest + 1) still numbers them, three iterations, two kept.
     for i in range(3):
-        _complete(s, f"old{i}", [[60 + i]], None)
+        complete_group(s, f"old{i}", [[60 + i]], None)
     assert _versions(s) == ["u", "u"] and sorted(s._history.responses("k")) == [(61,), (62,)]
     # The upgrade: version 0 is newer than every fallback number (numbered 0 it was the oldest and
     # not kept), and the next version pushes the old clients' out.
-    _complete(s, "v0", [[7, 0]], 0)
+    complete_group(s, "v0", [[7, 0]], 0)
     assert _versions(s) == ["u", 0] and (7, 0) in s._history.responses("k")
-    _complete(s, "v1", [[7, 1]], 1)
+    complete_group(s, "v1", [[7, 1]], 1)
     assert _versions(s) == [0, 1]
     # An old client's group now merges into the newest version.
-    _complete(s, "old-late", [[70]], None)
+    complete_group(s, "old-late", [[70]], None)
     assert _versions(s) == [0, 1] and len(s._history._keys["k"][1].responses) == 2
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)
 
 
 def test_an_old_client_group_registered_before_the_versions_is_counted_when_not_kept(
@@ -95,8 +75,8 @@ def test_an_old_client_group_registered_before_the_versions_is_counted_when_not_
     # Registered on an empty key (fallback 0), it completes after two versions were kept: older
     # than both, not kept, but counted and logged.
     s.register_group("old", "k", [1, 2, 3], 60, 1)
-    _complete(s, "v5", [[5]], 5)
-    _complete(s, "v6", [[6]], 6)
+    complete_group(s, "v5", [[5]], 5)
+    complete_group(s, "v6", [[6]], 6)
     with caplog.at_level(logging.WARNING, logger="services.draft.history"):
         s.append("old", "r0", 0, [9, 9], finished=True)
     assert _versions(s) == [5, 6]
@@ -131,11 +111,11 @@ def test_service_mixed_clients_keep_the_next_versions_responses(
 def test_promotions_older_than_every_kept_version_are_counted_and_logged(
         caplog: pytest.LogCaptureFixture) -> None:
     s = DraftStore(StoreLimits(history_iterations=2))
-    _complete(s, "a98", [[98, 98]], 98)
-    _complete(s, "a99", [[99, 99]], 99)
+    complete_group(s, "a98", [[98, 98]], 98)
+    complete_group(s, "a99", [[99, 99]], 99)
     with caplog.at_level(logging.WARNING, logger="services.draft.history"):
         for v in range(5):  # a new run from version 0 beside a server that kept the old run's
-            _complete(s, f"new{v}", [[v, v, v], [v, 1]], v)
+            complete_group(s, f"new{v}", [[v, v, v], [v, 1]], v)
     assert _versions(s) == [98, 99]
     assert s.stats().evicted_history == 10
     # Logged once for the key within the minute (the rest at debug: counted above, not warned).
@@ -144,7 +124,7 @@ def test_promotions_older_than_every_kept_version_are_counted_and_logged(
     # A repeat of responses held newer is not a loss: not counted (a seed of an old iteration).
     assert s.seed_history("k", 0, [[99, 99]]) == 0
     assert s.stats().evicted_history == 10
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)
 
 
 # ---- the iteration cap never trims the add's own responses ---------------------------------------
@@ -157,13 +137,13 @@ def test_cap_keeps_a_response_that_matched_a_held_copy_in_its_own_iteration() ->
     assert sorted(h.responses("k")) == [(1, 1), (3, 3), (4, 4), (5, 5)]  # (2, 2), the oldest other, goes
     it = h._keys["k"][7]
     assert dict(zip(map(tuple, it.responses), it.sources, strict=True))[(1, 1)] == 11
-    assert h.evicted == 1 and h.memory_bytes == _accounted(h)
+    assert h.evicted == 1 and h.memory_bytes == history_bytes_recounted(h)
 
 
 def test_a_group_claiming_the_refill_keeps_all_its_responses() -> None:
     s = DraftStore(StoreLimits(history_iterations=2, history_iteration_responses=3))
     s.seed_history("k", 7, [[1, 1], [2, 2], [3, 3]])
-    _complete(s, "g", [[1, 1], [4, 4]], 7)  # (1, 1): the refill's copy, at the front of version 7
+    complete_group(s, "g", [[1, 1], [4, 4]], 7)  # (1, 1): the refill's copy, at the front of version 7
     assert sorted(s._history.responses("k")) == [(1, 1), (3, 3), (4, 4)]
     assert s.stats().evicted_history == 1
 
@@ -185,4 +165,4 @@ def test_seed_into_an_iteration_at_its_cap_evicts_no_other_history() -> None:
     assert s._history.responses("other") == [(9,) * 20]  # was evicted making room for a gross 2 responses
     assert sorted(s._history.responses("k")) == sorted([(2,) * 20, (3,) * 20, (10,) * 20, (11,) * 20])
     assert s.stats().memory_bytes <= used + 64
-    assert s._history.memory_bytes == _accounted(s._history)
+    assert s._history.memory_bytes == history_bytes_recounted(s._history)

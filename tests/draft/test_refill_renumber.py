@@ -31,13 +31,10 @@ from services.draft.backfill import BufferIteration, HistoryBackfill
 from services.draft.buffer_link import BufferHistoryLink
 from services.draft.config import DraftConfig
 from services.draft.history import (
-    HISTORY_ITERATION_BYTES,
-    HISTORY_KEY_BYTES,
-    HISTORY_RESPONSE_BYTES,
-    HISTORY_TOKEN_BYTES,
     unversioned,
 )
 from services.draft.store import DraftStore, StoreLimits
+from tests.draft.draft_helpers import history_bytes_recounted
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "buffer"))
 from buffer_helpers import BufferHandle, finish_all, group, snapshot, start_buffer, submit, write_tiny_model
@@ -62,12 +59,6 @@ def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
 
-
-def _accounted(store: DraftStore) -> int:
-    """The history's memory recomputed from what it holds (the running total must equal it)."""
-    return sum(HISTORY_KEY_BYTES + sum(HISTORY_ITERATION_BYTES + it.tokens * HISTORY_TOKEN_BYTES
-                                       + len(it.responses) * HISTORY_RESPONSE_BYTES for it in iters.values())
-               for iters in store._history._keys.values())
 
 
 def _iterations(store: DraftStore, key: str = "p") -> dict[int, int]:
@@ -108,7 +99,7 @@ def test_refill_seeded_before_the_version_is_renumbered_when_the_group_takes_it(
         _finish(stub, "h", [[60]])
         assert _iterations(store) == {0: 5, 1: 1}
         assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest(), timeout=10).evicted_history == 0
-        assert store._history.memory_bytes == _accounted(store)
+        assert store._history.memory_bytes == history_bytes_recounted(store._history)
     finally:
         ch.close()
         running.stop(0)
@@ -204,4 +195,4 @@ def test_a_version_another_group_of_the_key_brings_renumbers_the_refill(buffer: 
     # Two iterations kept: version 0 (refill + B) stays beside version 1.
     assert _iterations(store) == {0: 4, 1: 1}
     assert store.stats().evicted_history == 0
-    assert store._history.memory_bytes == _accounted(store)
+    assert store._history.memory_bytes == history_bytes_recounted(store._history)
