@@ -865,6 +865,11 @@ class Worker:
                 while not self._stop.is_set() and not self._active:
                     if self._orphans:  # an engine in another process runs them without steps
                         self._abort_orphans_locked()
+                    # Idle too: the heartbeat reports Engine.broken at once (engine_health), and the
+                    # scheduler then places nothing here, so no step would ever see it and health
+                    # stayed SERVING for good (no liveness probe or `seer up` restart).
+                    if self.engine_healthy:
+                        self._note_engine_broken_locked("seen while idle")
                     self._wake.wait(0.5)
                 if self._stop.is_set():
                     return

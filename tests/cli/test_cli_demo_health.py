@@ -96,8 +96,8 @@ def test_demo_fails_when_a_worker_stays_not_serving_and_does_not_restart_it(tmp_
     cmd = [sys.executable, "-c", _DEMO.format(argv=[*_ARGS, "--health-grace", "1"])]
     with _demo(cmd, breakable_env(tmp_path)) as p:
         wait_for_line(p, "rollout:", timeout=120)
-        # Once the worker registered (a worker that registers broken is given no chunk by the
-        # scheduler, so it never steps and never sees it): its next engine step breaks it, for good.
+        # Once the worker registered: it turns broken for good (seen at its next step, or by its
+        # idle loop within 0.5 s), and its health NOT_SERVING.
         (tmp_path / "marks" / "worker-0.break").write_text("99")
         out, err = _finish(p, timeout=60)
         assert p.returncode == 1, f"exit status {p.returncode}\n{out}\n{err}"

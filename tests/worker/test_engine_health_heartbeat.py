@@ -250,3 +250,21 @@ def test_stop_removes_the_registrars_health_listener(ref_engine: ReferenceEngine
             threading.Thread(target=stop, args=(reg, stopped), daemon=True).start()
             assert stopped.wait(3.0), "stop() waited for the engine lock"
     assert worker._health_listeners == before
+
+
+def test_an_engine_that_breaks_while_the_worker_is_idle_turns_not_serving(ref_engine: ReferenceEngine,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heartbeat reports Engine.broken at once (engine_health) and the scheduler then places
+    nothing on the worker, so no step would ever see it: health stayed SERVING for good and nothing
+    restarted the worker (the final review of session 32 caught `seer up`'s restart test hanging
+    on it). The idle loop looks too."""
+    worker = Worker(ref_engine, worker_id="w-idle-break", speculation=False).start()
+    heard: list[bool] = []
+    try:
+        worker.on_engine_health(heard.append)
+        assert heard == [True]
+        monkeypatch.setattr(ReferenceEngine, "broken", property(lambda self: "device lost"))
+        wait_for(lambda: heard[-1] is False, timeout=3)
+        assert not worker.engine_healthy and worker.engine_health() == EngineHealth(broken="device lost")
+    finally:
+        worker.close()
