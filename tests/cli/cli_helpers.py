@@ -3,12 +3,17 @@ a line of its output, find the processes it left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_for_line(p: subprocess.Popen[str], pattern: str, timeout: float = 30.0) -> list[str]:
@@ -101,3 +106,17 @@ def launches(tmp_path: Path, name: str) -> list[int]:
     test_cli_up_health.py), in order."""
     path = tmp_path / "marks" / f"{name}.launches"
     return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def run_up(code: str, env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """A fixture's body: `seer up` run by `code` in a subprocess (pipes for stdout and stderr);
+    afterwards it and every service it launched are gone, also after a failed test."""
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    yield p
+    if p.poll() is None:  # a failed test: the services die with it (their parent-death watchdog)
+        p.kill()
+        p.communicate(timeout=30)
+    for pid in pids_with("services.cli.launch", "--parent-pid", str(p.pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -9,20 +9,16 @@ stopped the whole suite (exit 1), though a rerun of `seer up --data-dir` recover
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_helpers import finish, pids_with, wait_for_line
-
-ROOT = Path(__file__).resolve().parents[2]
+from cli_helpers import finish, pids_with, run_up, wait_for_line
 
 # Small chunks: each response spans several, so a kill lands between a response's chunks.
 _UP = """
@@ -34,16 +30,7 @@ sys.exit(up.main(["--base-port", "0", "--workers", "2", "--chunk-size", "8"]))
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    p = subprocess.Popen([sys.executable, "-c", _UP], cwd=ROOT, env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    yield p
-    if p.poll() is None:  # a failed test: the services die with it (their parent-death watchdog)
-        p.kill()
-        p.communicate(timeout=30)
-    for pid in pids_with("services.cli.launch", "--parent-pid", str(p.pid)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    yield from run_up(_UP, dict(os.environ, TMPDIR=str(tmp_path)))
 
 
 def _pid(up: subprocess.Popen[str], module: str, *args: str) -> int:

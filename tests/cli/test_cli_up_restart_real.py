@@ -8,20 +8,15 @@ cue), so the worker turns its gRPC health NOT_SERVING for good as after a failed
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_helpers import BREAKABLE_WORKERS, breakable_env, finish, launches, pids_with, wait_for_line
-
-ROOT = Path(__file__).resolve().parents[2]
+from cli_helpers import BREAKABLE_WORKERS, breakable_env, finish, launches, run_up, wait_for_line
 
 _UP = BREAKABLE_WORKERS + """
 import sys
@@ -31,15 +26,7 @@ sys.exit(_up.main(["--base-port", "0", "--workers", "1", "--health-grace", "1"])
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
-    p = subprocess.Popen([sys.executable, "-c", _UP], cwd=ROOT, env=breakable_env(tmp_path), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    yield p
-    if p.poll() is None:  # a failed test: the services die with it (their parent-death watchdog)
-        p.kill()
-        p.communicate(timeout=30)
-    for pid in pids_with("services.cli.launch", "--parent-pid", str(p.pid)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    yield from run_up(_UP, breakable_env(tmp_path))
 
 
 def test_up_exits_0_after_a_restart_that_mended_a_broken_worker(up: subprocess.Popen[str], tmp_path: Path) -> None:
