@@ -233,9 +233,8 @@ def _typed_sampling(s: Sampling, field: str) -> Sampling:
 
 
 def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
-    """A typed sampling (_typed_sampling; typing again is cheap: no prompt tokens here) checked
-    against its limits, top_p normalized."""
-    s = _typed_sampling(s, field)
+    """A sampling typed_groups already typed (_typed_sampling) checked against its limits, top_p
+    normalized."""
     if len(s.stop_token_ids) > MAX_STOP_TOKENS:
         # Every work item of the group repeats them: a few hundred KB of them in one group made one
         # WatchWork message over gRPC's size limit, and the scheduler's work feed failed for every
