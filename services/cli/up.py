@@ -1309,6 +1309,7 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
         print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']}, stdout {ep['out']})")
     print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
     central_down = ""
+    hint = resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)
     health = HealthSupervisor(suite.services, lambda line: print(line, file=sys.stderr, flush=True),
                               grace=args.health_grace)
     while not stop.is_set() and not central_down:
@@ -1324,7 +1325,7 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
         # looking up: stop, so that whoever runs `seer up` sees the failure. Its state is on disk
         # (kept below: a failure keeps the data directory), so a rerun resumes it.
         print(f"seer up: {central_down} is down (not restarted again); the suite cannot work without it: "
-              f"stopping; {resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)}",
+              f"stopping; {hint}",
               file=sys.stderr, flush=True)
     # A service restarted shortly before the stop may serve again without a check having seen it.
     health.check_restarted()
@@ -1339,7 +1340,7 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
         if not central_down and failed & set(CENTRAL_SERVICES):
             # A stop that came while the buffer or scheduler was down (in its restart backoff, or
             # given up on in the same tick): its state is kept all the same; say how to resume.
-            print(f"seer up: {resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)}",
+            print(f"seer up: {hint}",
                   file=sys.stderr)
         return 1
     recovered = health.recovered()

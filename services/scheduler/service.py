@@ -259,8 +259,11 @@ class Dispatcher:
         # closed dispatcher is not kept alive by it).
         this = weakref.ref(self)
         SERVING.set_function(lambda: float(d._serving_workers()) if (d := this()) is not None else 0.0)
-        ENGINE_BROKEN.set_function(lambda: float(d._engine_trouble()[0]) if (d := this()) is not None else 0.0)
-        ENGINE_FAILING.set_function(lambda: float(d._engine_trouble()[1]) if (d := this()) is not None else 0.0)
+        ENGINE_BROKEN.set_function(
+            lambda: float(d._count_workers(lambda w: bool(w.engine_broken))) if (d := this()) is not None else 0.0)
+        ENGINE_FAILING.set_function(
+            lambda: float(d._count_workers(lambda w: bool(w.engine_failing and not w.engine_broken)))
+            if (d := this()) is not None else 0.0)
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -1652,12 +1655,11 @@ class Dispatcher:
                        if w.active and not w.draining and not w.engine_broken
                        and not self.core.is_quarantined(w.worker_id))
 
-    def _engine_trouble(self) -> tuple[int, int]:
-        """(engine broken, engine failing) registered workers (their gauges): every registration,
-        active or not, as WorkerInfo lists them."""
+    def _count_workers(self, which: Callable[[WorkerState], bool]) -> int:
+        """Registered workers `which` holds for (a gauge read at scrape, e.g. engine broken): every
+        registration, active or not, as WorkerInfo lists them."""
         with self._cond:
-            return (sum(1 for w in self._workers.values() if w.engine_broken),
-                    sum(1 for w in self._workers.values() if w.engine_failing and not w.engine_broken))
+            return sum(1 for w in self._workers.values() if which(w))
 
     def _quarantine_locked(self, w: WorkerState) -> tuple[bool, str]:
         """(quarantined, reason) for the listing. A worker out of the core (catching up on weights
