@@ -567,6 +567,10 @@ class BufferCore:
         if seed_scope == batch_id:
             seed_scope = ""  # the default, spelled out: the same seeds, so the same submission
         sent = groups
+
+        def legacy() -> str | None:  # what an older buffer stored for odd spellings (see _existing)
+            return legacy_content_hash(batch_id, sent, seed_scope)
+
         # Typed before hashing: hashed as sent, a numpy integer failed json (INTERNAL) and `seed=3.0`
         # was other content than `seed=3`, so a retry spelling it the other way was ALREADY_EXISTS.
         # Typing depends on no limit of this buffer (see below); it leaves well-typed groups as they
@@ -577,15 +581,11 @@ class BufferCore:
             # A spelling typing refuses (top_k=True, group_size=True) was accepted by a buffer
             # before typing and stored, hashed as sent: its caller's retry, spelled the same way,
             # is that batch (already_submitted), not an error about a batch that is running.
-            stored = self._existing_legacy(batch_id, legacy_content_hash(batch_id, sent, seed_scope))
+            stored = self._existing(batch_id, None, legacy)
             if stored is not None:
                 return stored
             raise
         digest = content_hash(batch_id, groups, seed_scope)
-
-        def legacy() -> str | None:  # what an older buffer stored for odd spellings (see _existing)
-            return legacy_content_hash(batch_id, sent, seed_scope)
-
         # A stored batch is looked up before the content is validated: it was valid when accepted,
         # and a retry after a restart with other limits (max_context, max_requests_per_batch, model)
         # must still get already_submitted, not an error about a batch that is running.
@@ -696,35 +696,28 @@ class BufferCore:
         return [_build_work_item(live, groups[live.rec.group_index], version, submit_seq, trace_context)
                 for live in lives]
 
-    def _existing(self, batch_id: str, digest: str, legacy: Callable[[], str | None] = lambda: None
+    def _existing(self, batch_id: str, digest: str | None, legacy: Callable[[], str | None]
                   ) -> SubmitOutcome | None:
         """The outcome of resubmitting a stored batch (same content), or None when it is new.
-        legacy: the submission's hash as sent (validation.legacy_content_hash), computed only when
-        `digest` (of its typed groups) differs from the stored one: a batch an older buffer stored
-        with an odd spelling (`seed=3.0`) holds that hash, and its caller's retry is still the same
-        content."""
+        digest: the hash of the submission's typed groups (validation.content_hash). legacy: its hash
+        as sent (validation.legacy_content_hash), computed only when `digest` does not match: a batch
+        an older buffer stored with an odd spelling (`seed=3.0`) holds that hash, and its caller's
+        retry is still the same content. Another stored content is AlreadyExists.
+        digest None: typing refused the submission (top_k=True), which an older buffer accepted and
+        stored hashed as sent; only a stored batch holding `legacy` is it, and anything else is None
+        (the caller raises its typing error: an invalid submission, stored or not)."""
         with self._lock:
             self._check_open()
             existing = self._batches.get(batch_id)
         if existing is None:
             return None
         if existing.content_hash != digest and existing.content_hash != legacy():
+            if digest is None:
+                return None
             raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content", field="batch_id")
-        return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version, existing.submit_seq)
-
-    def _existing_legacy(self, batch_id: str, legacy: str | None) -> SubmitOutcome | None:
-        """The outcome of resubmitting a batch an older buffer stored from a submission typing now
-        refuses: only when the stored hash is that of the groups as sent (`legacy`), else None (the
-        caller raises its typing error: an invalid submission, stored or not)."""
-        if legacy is None:
-            return None
-        with self._lock:
-            self._check_open()
-            existing = self._batches.get(batch_id)
-        if existing is None or existing.content_hash != legacy:
-            return None
-        log.info("retry of a batch stored from a spelling this buffer refuses: already submitted",
-                 extra=kv(batch_id=batch_id))
+        if digest is None:
+            log.info("retry of a batch stored from a spelling this buffer refuses: already submitted",
+                     extra=kv(batch_id=batch_id))
         return SubmitOutcome(batch_id, existing.num_requests, True, existing.policy_version, existing.submit_seq)
 
     # ---- work feed -----------------------------------------------------------------------------

@@ -142,6 +142,13 @@ def fit_status(text: str, field: str, max_bytes: int) -> str:
     return text  # not reached: the whole text did not fit
 
 
+def named_and_more(named: Sequence[str], total: int) -> str:
+    """`named` joined with "; ", then " and N more" for the `total - len(named)` left unnamed (the
+    error texts name the first MAX_NAMED_TOO_LARGE of a list and count the rest)."""
+    rest = total - len(named)
+    return "; ".join(named) + (f" and {rest} more" if rest > 0 else "")
+
+
 def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too_large: Sequence[str],
                       too_large_count: int, limit: int,
                       max_bytes: int = MAX_LEFT_OUT_TRAILER_TEXT_BYTES - MAX_LEFT_OUT_CURSORS_BYTES) -> DataLoss:
@@ -149,26 +156,24 @@ def _unreadable_error(batch_id: str, unreadable: Sequence[UnreadableResult], too
     ways a result is left out) naming each one's cursor, RocksDB key and field (the first
     MAX_NAMED_TOO_LARGE; the rest counted), and results over the message limit beside them; the
     message at most `max_bytes` as sent (fit_status: the trailer's room beside the cursors)."""
-    named = "; ".join(f"cursor {u.cursor}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE])
-    more = f" and {len(unreadable) - MAX_NAMED_TOO_LARGE} more" if len(unreadable) > MAX_NAMED_TOO_LARGE else ""
+    named = named_and_more([f"cursor {u.cursor}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE]],
+                           len(unreadable))
     also = ""
     if too_large_count:
-        rest = f" and {too_large_count - len(too_large)} more" if too_large_count > len(too_large) else ""
         also = (f"; also {too_large_count} result(s) over the {limit}-byte message limit were left out: "
-                f"{'; '.join(too_large)}{rest}")
+                f"{named_and_more(too_large, too_large_count)}")
     text = (f"{len(unreadable)} stored result(s) of batch {batch_id!r} cannot be decoded and were left out of "
-            f"the stream (every other result was sent): {named}{more}{also}")
+            f"the stream (every other result was sent): {named}{also}")
     return DataLoss(fit_status(text, "cursor", max_bytes), field="cursor")
 
 
 def unreadable_requests_text(batch_id: str, unreadable: Sequence[UnreadableRequest]) -> str:
     """GetBatchResponse.unreadable_requests: how many request records could not be decoded and each
     one's request id, RocksDB key and field (the first MAX_NAMED_TOO_LARGE; the rest counted)."""
-    named = "; ".join(f"request {u.request_id!r}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE])
-    more = f" and {len(unreadable) - MAX_NAMED_TOO_LARGE} more" if len(unreadable) > MAX_NAMED_TOO_LARGE else ""
-    text = (f"{len(unreadable)} stored request record(s) of batch {batch_id!r} cannot be decoded and are listed "
-            f"as unknown (state UNSPECIFIED; every other request is as stored): {named}{more}")
-    return text
+    named = named_and_more([f"request {u.request_id!r}: {u.error}" for u in unreadable[:MAX_NAMED_TOO_LARGE]],
+                           len(unreadable))
+    return (f"{len(unreadable)} stored request record(s) of batch {batch_id!r} cannot be decoded and are listed "
+            f"as unknown (state UNSPECIFIED; every other request is as stored): {named}")
 
 
 def scheduler_switch(address: str, timeout: float) -> SwitchFn:
@@ -321,11 +326,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             if unreadable:
                 raise _unreadable_error(request.batch_id, unreadable, too_large, left_out, limit, room)
             if left_out:
-                more = f" and {left_out - len(too_large)} more" if left_out > len(too_large) else ""
                 raise ResourceExhausted(fit_status(
                     f"{left_out} result(s) of batch {request.batch_id!r} are over the {limit}-byte message "
                     f"limit and were left out of the stream (every other result was sent): "
-                    f"{'; '.join(too_large)}{more}. They cannot be delivered whole (stored before "
+                    f"{named_and_more(too_large, left_out)}. They cannot be delivered whole (stored before "
                     "SubmitBatch bounded max_tokens to fit one message)", "cursor", room), field="cursor")
 
     @rpc
