@@ -21,11 +21,12 @@ submissions whose first completed before this server restarted). Without any ver
 iteration number 0 (kept below every version: history.unversioned), the number a group registered
 without a version on an empty key is given: the refilled responses and that group's own responses,
 once it completes, form one iteration, so a refill never counts as a newer iteration than the one
-it stood in for, and it leaves with it. If a registration of the key then brings a version while
-such a group runs (it takes its version: a worker of the run that has an attempt of it, after one
-whose mirror had none registered it first; or another group of the key registers with one), the
-refill is renumbered as the buffer's version (DraftStore._renumber_refill): numbered as fallback
-0 for good, it was dropped one version early.
+it stood in for, and it leaves with it. If a registration of the key then brings a version (a
+group takes its version: a worker of the run that has an attempt of it, after one whose mirror had
+none registered it first; another group of the key registers with one; also after the groups
+running at the refill completed), the refill is renumbered as the buffer's version
+(DraftStore._renumber_refill, HistoryStore.note_refill): numbered as fallback 0 for good, it was
+dropped one version early.
 
 A key is asked for at most once per `retry_after_s` (a key on its first iteration has no history
 anywhere; every one of its groups would otherwise cost a buffer call). Errors are logged and the

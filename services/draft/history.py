@@ -102,6 +102,15 @@ class _Iteration:
     # Per response (same order): its source_id, 0 = unknown (seeded: SeedHistory, the backfill).
     sources: array[int] = field(default_factory=lambda: array("q"))
     tokens: int = 0
+    # A fallback iteration's: the buffer version of a refill seeded into it while no version was
+    # known for the key (DraftStore.refill_history); renumber_refill moves the seeded responses
+    # there once one is. On the iteration, not on the groups running when it was seeded: those
+    # may all have completed by the time a version comes (it stayed fallback then), and it goes
+    # when the iteration goes. (Free: the instance dict's allocation holds a sixth key as is.)
+    refill_version: int | None = None
+    # The largest append epoch (the scheduler's dispatch epoch) of the groups promoted into it; 0:
+    # none known (seeded, old clients). drop_newer tells a rollback from a straggler by it.
+    epoch: int = 0
 
     def remove(self, arr: array[int]) -> int:
         """Drops a held response (by identity); returns its source."""
@@ -133,6 +142,23 @@ class _Plan:
         return len(self.new) + len(self.moved) + len(self.same)
 
 
+@dataclass
+class AddPlan:
+    """An add planned once (HistoryStore.plan_add): its cost for the budget and the plan add()
+    applies. Valid while the history is unchanged (`changes`): add() plans again otherwise."""
+
+    prompt_key: str
+    iteration: int
+    changes: int  # HistoryStore._changes when planned
+    plan: _Plan
+    # The new copies the add stores (none for a rejected add): what a seed makes room for.
+    new: list[tuple[int, ...]]
+    # The fixed structures it creates net of those it drops (structure_bytes_bound).
+    structure_bytes: int
+    # What the iteration's response cap frees of earlier adds when it runs (a seed reserves net).
+    trimmed_bytes: int
+
+
 class HistoryStore:
     """prompt key -> iteration -> responses. Not thread-safe; DraftStore locks around it."""
 
@@ -152,6 +178,8 @@ class HistoryStore:
         self._order: OrderedDict[int, tuple[str, int]] = OrderedDict()
         self.memory_bytes = 0
         self.evicted = 0
+        # Bumped by every change to what is held: an AddPlan of an older count is stale.
+        self._changes = 0
         self._clock = clock
         # Rejected adds: how many (retries too), the digests of recent ones (a retry is not counted
         # in `evicted` again), and per key when it last warned and the rejections since (logged
@@ -164,9 +192,16 @@ class HistoryStore:
         self.rejected_adds = 0
         self._rejected: OrderedDict[bytes, None] = OrderedDict()
         self._warned: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        # Policy rollbacks (drop_newer): keys whose newer versions were dropped, and when the last
+        # warning was logged with how many rollbacks since (one store-wide warning a minute: a
+        # trainer restarted from a checkpoint rolls back every prompt key of the dataset).
+        self.rolled_back_keys = 0
+        self._rollback_warned_at: float | None = None
+        self._rollbacks_since = 0
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
-            sources: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+            sources: Sequence[int] | None = None, *, planned: AddPlan | None = None,
+            epoch: int = 0) -> list[tuple[int, ...]]:
         """Adds responses for (key, iteration); returns the ones added (new copies). Idempotent per
         response: the key's history is the multiset union of what was added while kept, so a
         response already held for the key, in any kept iteration, is not added again (a retried
@@ -194,13 +229,23 @@ class HistoryStore:
         older than every kept iteration of a full key is not kept: its new responses are counted
         in `evicted` (once per add: a retry of it is not counted again) and logged, never dropped
         silently (a straggler of an old version, or versions that went backwards: a new run beside
-        a draft server that kept the old run's)."""
+        a draft server that kept the old run's).
+
+        `epoch`: the largest append epoch of the group promoted (0 = unknown), kept as the
+        iteration's largest (drop_newer). `planned`: plan_add's plan of this very add (same key,
+        iteration and responses, no sources), applied as it is while nothing changed since;
+        planned again otherwise."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
         if sources is not None and len(sources) != len(responses):
             raise InvalidArgument("one source per response", field="sources")
         iters = self._keys.get(prompt_key, {})
-        plan = self._plan(iters, iteration, responses, sources)
+        if (planned is not None and sources is None and planned.changes == self._changes
+                and planned.prompt_key == prompt_key and planned.iteration == iteration):
+            plan = planned.plan
+        else:
+            plan = self._plan(iters, iteration, responses, sources)
+        self._changes += 1
         for owner, held, source in plan.claimed:
             owner.sources[next(i for i, x in enumerate(owner.responses) if x is held)] = source
         if plan.rejected:
@@ -224,6 +269,7 @@ class HistoryStore:
             before = 0  # its fixed structures are new too
         else:
             before = it.memory_bytes
+        it.epoch = max(it.epoch, epoch)
         for src, arr in moved:
             # Same bytes, another iteration: the key's total does not change (it moves from src).
             it.sources.append(src.remove(arr))
@@ -286,6 +332,62 @@ class HistoryStore:
         log.warning("history add older than every kept iteration of its key: not kept",
                     extra=kv(**fields, suppressed=since))
 
+    def note_refill(self, prompt_key: str, iteration: int, version: int) -> None:
+        """A refill of the buffer's `version` was seeded into the key's fallback `iteration` (no
+        version known for the key yet): renumber_refill moves it to `version` once one is (the
+        newest such version when refills repeat)."""
+        it = self._keys.get(prompt_key, {}).get(iteration)
+        if it is not None and not is_versioned(iteration):
+            it.refill_version = version if it.refill_version is None else max(it.refill_version, version)
+
+    def renumber_refill(self, prompt_key: str) -> tuple[int, int] | None:
+        """A version is known for the key now: a refill seeded under fallback number 0
+        (note_refill) becomes the buffer's version it was (renumber_seeded), once. Returns
+        (responses moved, that version), None when the key has no pending refill."""
+        it = self._keys.get(prompt_key, {}).get(unversioned(0))
+        if it is None or it.refill_version is None:
+            return None
+        version, it.refill_version = it.refill_version, None
+        return self.renumber_seeded(prompt_key, unversioned(0), version), version
+
+    def drop_newer(self, prompt_key: str, version: int, epoch: int) -> list[int]:
+        """A group of the key was created at policy `version`, registered by an attempt of dispatch
+        `epoch`, while the key holds iterations of newer versions. When every group promoted into
+        those took only epochs below `epoch` (the scheduler's dispatch epochs increase over all
+        requests), the group was dispatched after the newer versions' groups: the policy went
+        back (a trainer restarted from a checkpoint, a new run on a buffer that starts its versions
+        over beside this server; the buffer refuses a version below its current one, so this is
+        not a batch of an older version still running). The newer iterations are the abandoned
+        policy's: dropped (counted in `evicted`), so they are no longer the new group's drafts
+        ahead of the rollback's own responses, and those are kept when its groups complete (an add
+        older than every kept iteration of a full key was not, for as long as versions stayed
+        below the abandoned ones). Otherwise nothing changes: a straggler of an older version (a
+        worker re-creating a group it lost, with its mirror's epoch, after a newer version's
+        groups completed) must not drop the newer history, nor may a registration whose epoch is
+        unknown (0: an old client). Fallback numbers rank below every version: never newer.
+        Returns the dropped versions, oldest first."""
+        iters = self._keys.get(prompt_key)
+        if not iters or epoch <= 0:
+            return []
+        newer = sorted(i for i in iters if i > version)
+        if not newer or any(iters[i].epoch >= epoch for i in newer):
+            return []
+        responses = sum(len(iters[i].responses) for i in newer)
+        for i in newer:
+            self._drop(prompt_key, i)
+        self.rolled_back_keys += 1
+        fields: dict[str, object] = dict(prompt_key=prompt_key, version=version, dropped=[describe(i) for i in newer],
+                                         responses=responses)
+        now = self._clock()
+        if self._rollback_warned_at is not None and now - self._rollback_warned_at < REJECTED_WARN_INTERVAL_S:
+            self._rollbacks_since += 1
+            log.debug("policy version went back: the key's newer history versions dropped", extra=kv(**fields))
+        else:
+            log.warning("policy version went back: the key's newer history versions dropped (a rollback; "
+                        "further keys within a minute at debug)", extra=kv(**fields, suppressed=self._rollbacks_since))
+            self._rollback_warned_at, self._rollbacks_since = now, 0
+        return newer
+
     def renumber_seeded(self, prompt_key: str, src: int, dst: int) -> int:
         """Moves the key's responses of unknown source (seeded) held in iteration `src` to
         iteration `dst`, before dst's own (they are its oldest); returns how many moved. For a
@@ -302,6 +404,7 @@ class HistoryStore:
         seeded = [(a, s) for a, s in zip(it.responses, it.sources, strict=True) if not s]
         if not seeded:
             return 0
+        self._changes += 1
         target = iters.get(dst)
         if target is None:
             self._counter += 1
@@ -347,25 +450,26 @@ class HistoryStore:
         it.responses[:] = [a for a, _ in stay] + list(arrs)
         it.sources = array("q", [s for _, s in stay] + [last[id(a)] for a in arrs])
 
-    def new_responses(self, prompt_key: str, iteration: int,
-                      responses: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """The responses add() of seeded ones (unknown source) would add now: the new copies, what
-        seed_history makes room for (none for an add that is not kept). (A group's promotion is not
-        made room for: see DraftStore._maybe_complete.)"""
-        plan = self._plan(self._keys.get(prompt_key, {}), iteration, responses)
-        return [] if plan.rejected else [r for r, _ in plan.new]
-
-    def trimmed_bytes(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> int:
-        """The history bytes the `iteration_responses` cap frees when add() of these seeded
-        responses runs now (its oldest responses of earlier adds): seed_history reserves the new
-        copies net of them. Reserving them gross evicted other keys' history (or completed groups)
-        for growth that the cap takes back at once, e.g. a refill into an iteration at its cap."""
+    def plan_add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]]) -> AddPlan:
+        """Plans add() of seeded responses (unknown source) at (key, iteration) once: the new copies
+        (what seed_history makes room for; none for an add that is not kept), the fixed
+        structures it creates (structure_bytes_bound) and what the cap trims of earlier adds, and
+        the plan add(planned=...) applies while the history is unchanged. (The seed computed each
+        of these with its own plan, and add() a fourth, every plan matching the responses against
+        every held response of the key, under the draft store's lock.)"""
         iters = self._keys.get(prompt_key, {})
-        it = iters.get(iteration)
-        if it is None:
-            return 0
         plan = self._plan(iters, iteration, responses)
-        if plan.rejected:
+        new = [] if plan.rejected else [r for r, _ in plan.new]
+        return AddPlan(prompt_key, iteration, self._changes, plan, new,
+                       self._structure_bytes(iters, iteration, responses, plan),
+                       self._trimmed_bytes(iters.get(iteration), plan))
+
+    def _trimmed_bytes(self, it: _Iteration | None, plan: _Plan) -> int:
+        """The history bytes the `iteration_responses` cap frees when add() of `plan` runs now (its
+        oldest responses of earlier adds): seed_history reserves the new copies net of them.
+        Reserving them gross evicted other keys' history (or completed groups) for growth that the
+        cap takes back at once, e.g. a refill into an iteration at its cap."""
+        if it is None or plan.rejected:
             return 0
         excess = len(it.responses) + len(plan.new) + len(plan.moved) - max(self.iteration_responses, plan.kept)
         if excess <= 0:
@@ -426,12 +530,16 @@ class HistoryStore:
         moves nothing (every response held newer), and no net iteration for one that only moves
         held responses out of iterations it empties (they are dropped): reserving one anyway
         evicted history for no growth when the budget was nearly full."""
-        iters = self._keys.get(prompt_key)
+        return self.plan_add(prompt_key, iteration, responses).structure_bytes
+
+    @staticmethod
+    def _structure_bytes(iters: dict[int, _Iteration], iteration: int, responses: Sequence[Sequence[int]],
+                         plan: _Plan) -> int:
+        """structure_bytes_bound of `plan` (planned against `iters`, the key's iterations)."""
         if not iters:
             return HISTORY_KEY_BYTES + HISTORY_ITERATION_BYTES if any(len(r) for r in responses) else 0
         if iteration in iters:
             return 0
-        plan = self._plan(iters, iteration, responses)
         if plan.rejected or (not plan.new and not plan.moved):
             return 0  # older than everything kept, or every response held in a newer iteration
         emptied = 0
@@ -474,6 +582,7 @@ class HistoryStore:
     def _drop(self, prompt_key: str, iteration: int, *, evicted: bool = True) -> None:
         iters = self._keys[prompt_key]
         it = iters.pop(iteration)
+        self._changes += 1
         del self._order[it.seq]
         self.memory_bytes -= it.memory_bytes
         if evicted:

@@ -224,11 +224,6 @@ class _Group:
     # history_iteration is a policy version (a registration brought one); False: the fallback
     # number, which the first registration with a version replaces while the group runs.
     versioned: bool = False
-    # The buffer's version of a refill seeded under fallback number 0 while this group (and every
-    # group of its key) had no version (DraftStore.refill_history); None: none. When a registration
-    # of the key brings a version (this group's or another's, new or running), the refill is
-    # renumbered as that buffer version (register, _renumber_refill).
-    refill_version: int | None = None
     log: list[SeqDelta] = field(default_factory=list)
     log_bytes: int = 0
     finished: set[str] = field(default_factory=set)
@@ -529,6 +524,16 @@ class DraftStore:
                 if expired:
                     log.info("completed group's id registered again after it expired; new incarnation",
                              extra=kv(group_id=group_id))
+            if policy_version is not None and prompt_key:
+                # A new group at a version below the key's newest kept one, dispatched after every
+                # group of those newer versions (its epoch above theirs): the policy went back (a
+                # rollback to a checkpoint, a new run starting its versions over). The newer
+                # versions' history is the abandoned policy's: dropped before the group indexes
+                # it, so the group does not draft from it and its own responses are kept (an add
+                # below every kept version of a full key was not). Not for a straggler (an epoch
+                # below theirs) or an unknown epoch. Only a new group: a running or completed one
+                # registering again is of the version it was created at.
+                self._history.drop_newer(prompt_key, policy_version, epoch)
             # Room for the prompt and the key's history as indexed; eviction (oldest history first)
             # may take some of that very history, so the need is taken again after it: the group
             # then registers with what is left rather than being refused for history now gone.
@@ -779,7 +784,8 @@ class DraftStore:
         # refilled from the buffer, which keeps them too). By source (group id, request id): an
         # equal response of another group of the key is another sample, held once more.
         sources = [source_id(g.group_id, r) for r in rids]
-        if self._history.add(g.prompt_key, g.history_iteration, responses, sources):
+        if self._history.add(g.prompt_key, g.history_iteration, responses, sources,
+                             epoch=max(g.epochs.values(), default=0)):
             log.info("group complete; responses promoted to history",
                      extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, **log_fields(g.history_iteration)))
         else:
@@ -795,23 +801,18 @@ class DraftStore:
     def _renumber_refill(self, g: _Group) -> None:
         """A registration of g brought a version: a buffer refill seeded for its key under fallback
         number 0 meanwhile (refill_history: no group of the key had a version; the buffer's version
-        is pending on the key's running groups then) becomes the buffer's version it was, as if
-        seeded once the version was known. Whichever group of the key brings the version, a new
-        group or a running unversioned one: read only on g, a refill pending on another group
-        stayed fallback 0 when a different group took the version. Left as fallback 0, the refill
-        ranked below every version: the next version's completion dropped it one version early
-        (counted as evicted), and a promotion at the version never merged with it. Only running
-        groups count: a completed group's fallback promotion merged with the refill, which stands
-        in for that iteration since. Caller holds the lock."""
-        version: int | None = None
-        for other in self._by_key.get(g.prompt_key, {}).values():
-            if other.refill_version is not None and not other.completed:
-                # A later refill of the key set its newer buffer version on every running group.
-                version = max(version or 0, other.refill_version)
-            other.refill_version = None  # renumbered once, by the first registration with a version
-        if version is None:
+        is kept on that fallback iteration, HistoryStore.note_refill) becomes the buffer's version
+        it was, as if seeded once the version was known. Whichever group of the key brings the
+        version (a new group, a running unversioned one, a completed one's late registration), and
+        whether or not the groups running when the refill was seeded still run: the version was
+        kept on those groups, and once they had all completed a later version left the refill at
+        fallback 0, dropped one version early (tests/draft/test_refill_renumber.py). Only the
+        seeded responses move: an unversioned group's promotion stays at its fallback number, as
+        it does when the group completes after a version came. Caller holds the lock."""
+        renumbered = self._history.renumber_refill(g.prompt_key)
+        if renumbered is None:
             return
-        moved = self._history.renumber_seeded(g.prompt_key, unversioned(0), version)
+        moved, version = renumbered
         if moved:
             log.info("history refill renumbered as the buffer's version (a group of its key took a version)",
                      extra=kv(prompt_key=g.prompt_key, responses=moved, iteration=version, versioned=True))
@@ -827,11 +828,11 @@ class DraftStore:
         buffer's version (`buffer_version`, at least 0) when `versioned` (a registration that
         queued it brought a version) or any group of the key has one now; else as fallback number
         0 (history.unversioned: the number an unversioned group on an empty key is given, so the
-        refill and that group's responses form one iteration), remembered on the key's running
-        unversioned groups, so that the first registration of the key with a version (one of them
-        taking it, or another group) renumbers the refill (_renumber_refill). Decided at queueing
-        time, a refill queued by a registration without a version stayed fallback 0 after a later
-        registration gave the group its version."""
+        refill and that group's responses form one iteration), with the buffer's version kept on
+        that iteration (HistoryStore.note_refill), so that the first registration of the key with
+        a version renumbers the refill (_renumber_refill). Decided at queueing time, a refill
+        queued by a registration without a version stayed fallback 0 after a later registration
+        gave the group its version."""
         self._check_seed(prompt_key, responses)
         version = max(0, buffer_version)
         with self._lock:
@@ -840,9 +841,7 @@ class DraftStore:
             iteration = version if versioned else unversioned(0)
             added = self._seed_locked(prompt_key, iteration, responses)
             if not versioned:
-                for g in groups:
-                    if not g.completed:
-                        g.refill_version = version
+                self._history.note_refill(prompt_key, iteration, version)
             return added, iteration
 
     def seed_history(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]], *,
@@ -876,20 +875,23 @@ class DraftStore:
         # is full. Making room may evict the iteration that held some of them: they are new
         # again then, so the need is taken again until eviction leaves it as it was.
         live = [g for g in self._by_key.get(prompt_key, {}).values() if not g.completed]
-        nonempty = any(len(r) for r in responses)
         reserved = -1
         while True:
-            new = self._history.new_responses(prompt_key, iteration, responses)
+            # One plan a pass gives the whole cost and is the add applied below (each part planned
+            # the add on its own, and add() once more: the seed's responses matched against every
+            # held response of the key three or four times, under the lock). A pass again only
+            # when making room evicted history, which may make held responses new.
+            planned = self._history.plan_add(prompt_key, iteration, responses)
+            new = planned.new
             count, total = len(new), sum(len(r) for r in new)
             log_copy = total * _LOG_TOKEN_BYTES + count * _LOG_ENTRY_BYTES
             copies = sum(g.index.history_bytes_bound(count, total) + log_copy for g in live) if count else 0
             # The iteration's (and the key's) fixed structures when the add creates them, also
-            # for held responses that only move to a new iteration.
-            structures = self._history.structure_bytes_bound(prompt_key, iteration, responses) if nonempty else 0
-            # Net of what the iteration's response cap drops of earlier adds at once (the live
-            # groups' indexes keep their copies: `copies` stays whole).
-            trimmed = self._history.trimmed_bytes(prompt_key, iteration, responses) if count else 0
-            stored = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + structures
+            # for held responses that only move to a new iteration; net of what the iteration's
+            # response cap drops of earlier adds at once (the live groups' indexes keep their
+            # copies: `copies` stays whole).
+            trimmed = planned.trimmed_bytes if count else 0
+            stored = total * HISTORY_TOKEN_BYTES + count * HISTORY_RESPONSE_BYTES + planned.structure_bytes
             need = max(0, stored - trimmed) + copies
             if need <= reserved:
                 break  # what eviction made new again is covered
@@ -898,8 +900,9 @@ class DraftStore:
             reserved = need
             if self._history.evicted == evicted:
                 break  # no history evicted: what is held is as it was
-        # Held responses brought by a newer iteration move to it (their bytes move with them).
-        added = self._history.add(prompt_key, iteration, responses)
+        # Held responses brought by a newer iteration move to it (their bytes move with them). The
+        # last pass's plan, unless eviction changed the history after it (add() plans again then).
+        added = self._history.add(prompt_key, iteration, responses, planned=planned)
         # Live groups of this key get the new responses too (as history log entries). (None was
         # evicted making room: only completed groups are.)
         for g in live:

@@ -105,6 +105,37 @@ def test_refill_seeded_before_the_version_is_renumbered_when_the_group_takes_it(
         running.stop(0)
 
 
+def test_a_version_that_comes_after_the_keys_groups_completed_renumbers_the_refill(buffer: BufferHandle) -> None:
+    # The refill is seeded beside group A (no version), and A completes before any registration of
+    # the key brings a version. The buffer version was kept on A while it ran only, so the version
+    # B then brought left the refill at fallback 0: it was dropped at version 1's completion, one
+    # version early (3 responses counted evicted), instead of living on as version 0.
+    running, store = start_draft(DraftConfig(port=0, grace_seconds=0.0, buffer_address=buffer.address))
+    ch = grpc.insecure_channel(running.address)
+    try:
+        stub = draft_pb2_grpc.DraftServiceStub(ch)
+        _register(stub, "A", None, 7, 2)
+        _wait(lambda: _iterations(store) == {unversioned(0): 3})
+        _finish(stub, "A", [[50, 51], [52, 53]])
+        assert _iterations(store) == {unversioned(0): 5}  # A's promotion merged with the refill
+        # B, the key's first registration with a version (the buffer's, 0): the refill takes it;
+        # A's own responses keep their fallback number (as when A completes after a version came).
+        assert _register(stub, "B", 0, 8, 1).created
+        assert _iterations(store) == {unversioned(0): 2, 0: 3}
+        _finish(stub, "B", [[60]])
+        assert _iterations(store) == {unversioned(0): 2, 0: 4}
+        # Version 1 completes: two iterations kept, version 0 (refill + B) and 1; A's fallback
+        # iteration, below every version, goes (2 evicted; before: the refill and A, 5).
+        _register(stub, "C", 1, 9, 1)
+        _finish(stub, "C", [[70]])
+        assert _iterations(store) == {0: 4, 1: 1}
+        assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest(), timeout=10).evicted_history == 2
+        assert store._history.memory_bytes == history_bytes_recounted(store._history)
+    finally:
+        ch.close()
+        running.stop(0)
+
+
 class _GatedFetch:
     """The real buffer link, held until the gate opens (the refill thread runs late)."""
 
@@ -153,9 +184,11 @@ def test_a_group_that_never_takes_a_version_keeps_the_refill_as_its_fallback(buf
         for i, tok in enumerate(([50, 51], [52, 53])):
             store.append("g", f"r{i}", 0, tok, finished=True)
         assert _iterations(store) == {unversioned(0): 5}
-        # Completed: a late registration with a version changes nothing any more.
+        # Completed: a late registration with a version still makes the refill the buffer's
+        # version (0: the key has versions now); the group's own promotion keeps its fallback number.
         store.register("g", "p", [1, 2, 3], group_size=2, policy_version=3)
-        assert _iterations(store) == {unversioned(0): 5}
+        assert _iterations(store) == {unversioned(0): 2, 0: 3}
+        assert store._history.memory_bytes == history_bytes_recounted(store._history)
     finally:
         backfill.close()
         link.close()
