@@ -112,6 +112,31 @@ class KvStoreConfig(ServiceConfig):
             )
         return self.ssd_bytes - reserve
 
+    def check_largest_page_fits(self) -> None:
+        """ValueError naming ssd_bytes when the largest page a Put may carry (max_page_message_bytes)
+        fits neither tier: not the SSD page budget (ssd_page_bytes) and not the DRAM tier. Such a
+        page goes straight to SSD and is refused there (RESOURCE_EXHAUSTED naming data, at every Put
+        of it: storing it would evict the whole tier and still not fit), so a store with no DRAM and
+        a budget below the model's page refused every Put, found only at the first one. The model's
+        page size is known only from that first Put's layout, so the check is against the largest
+        page accepted; a smaller model fits by lowering max_page_message_bytes.
+
+        A page budget below that page beside a DRAM tier that holds it is valid: a store run on DRAM
+        (--ssd-bytes just above the WAL cap, as the Helm chart test loads it), its larger pages
+        evicted when they leave DRAM instead of demoted; open_store says so at the start."""
+        budget = self.ssd_page_bytes()
+        largest = self.max_page_message_bytes
+        if max(budget, self.dram_bytes) >= largest:
+            return
+        reserve = self.ssd_bytes - budget
+        raise ValueError(
+            f"ssd_bytes: its page budget ({budget} bytes: {self.ssd_bytes} less the WAL cap {reserve}) holds no page "
+            f"of max_page_message_bytes ({largest}), the largest a Put may carry, and neither does dram_bytes "
+            f"({self.dram_bytes}): every Put of a page larger than both would be refused. Raise ssd_bytes to at "
+            f"least {reserve + largest} or dram_bytes to at least {largest}, or lower max_page_message_bytes to "
+            "the model's page size"
+        )
+
     def validate(self) -> None:
         super().validate()
         if not self.data_dir:
@@ -126,7 +151,9 @@ class KvStoreConfig(ServiceConfig):
             raise ValueError(f"min_blob_bytes: must be >= 0, got {self.min_blob_bytes}")
         if self.ssd_write_buffer_bytes <= 0:
             raise ValueError(f"ssd_write_buffer_bytes: must be > 0, got {self.ssd_write_buffer_bytes}")
-        self.ssd_page_bytes()
+        if self.max_page_message_bytes <= 0:
+            raise ValueError(f"max_page_message_bytes: must be > 0, got {self.max_page_message_bytes}")
+        self.check_largest_page_fits()
         if self.malloc_arenas < 1:
             raise ValueError(f"malloc_arenas: must be >= 1, got {self.malloc_arenas}")
         if not 0 < self.malloc_trim_bytes < 2**31:  # glibc's M_TRIM_THRESHOLD is an int
@@ -135,5 +162,3 @@ class KvStoreConfig(ServiceConfig):
         for name in ("put_idle_timeout_seconds", "get_stall_timeout_seconds", "release_tombstone_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.max_page_message_bytes <= 0:
-            raise ValueError(f"max_page_message_bytes: must be > 0, got {self.max_page_message_bytes}")

@@ -343,6 +343,16 @@ def method_handlers(servicer: KvStoreServicer) -> grpc.GenericRpcHandler:
 
 
 def open_store(cfg: KvStoreConfig) -> KvStore:
+    if cfg.ssd_page_bytes() < cfg.max_page_message_bytes:
+        # Valid only beside a DRAM tier holding the largest page (KvStoreConfig.check_largest_page_fits):
+        # the SSD tier is then off for every page above the budget. Said once here, as a deliberate
+        # setting (a store run on DRAM) and a mistake (a --ssd-bytes too small for the model) look alike.
+        log.warning(
+            "the SSD tier holds no page larger than its page budget (--ssd-bytes less the WAL cap): such pages "
+            "live in DRAM only, evicted instead of demoted when they leave it; raise --ssd-bytes to keep them",
+            extra=kv(ssd_bytes=cfg.ssd_bytes, ssd_page_bytes=cfg.ssd_page_bytes(),
+                     max_page_message_bytes=cfg.max_page_message_bytes, dram_bytes=cfg.dram_bytes),
+        )
     return KvStore(
         cfg.data_dir,
         dram_bytes=cfg.dram_bytes,

@@ -643,7 +643,8 @@ class KvStore:
         live numbered versions above it (_still_kept), and only a creation of a higher one, which
         the replay covers, adds one above; versions holding pages are among the live ones. Empty
         ones do not count: at an open, an empty namespace may be one the running store had
-        forgotten though its registry record stayed (a refused delete). Lock held."""
+        forgotten though its registry record stayed (a refused delete, by a store before session 33:
+        _forget now keeps a namespace known until its record is deleted). Lock held."""
         members = sorted((n for n in self._namespaces.values() if family_of(n.name) == family), key=lambda n: n.seq)
         live: list[_Namespace] = []
         out: list[str] = []
@@ -774,30 +775,43 @@ class KvStore:
         self._idle[name] = None
         self._idle.move_to_end(name)
         while trim and len(self._idle) > _IDLE_NAMESPACES:
-            old, _ = self._idle.popitem(last=False)
-            self._forget(old)
+            old = next(iter(self._idle))
+            if not self._forget(old):
+                # Its registry record stays, so it stays known, the oldest idle one: tried again
+                # when the next namespace empties (a rare event, so no backoff of its own).
+                break
+            del self._idle[old]
 
-    def _forget(self, name: str) -> None:
-        """Forgets a namespace without pages: its record (memory and registry) and column family.
-        Not a drop: no tombstone, a Put may create it again."""
+    def _forget(self, name: str) -> bool:
+        """Forgets a namespace without pages: its record (registry and memory) and column family.
+        Not a drop: no tombstone, a Put may create it again. False (nothing forgotten) when RocksDB
+        refuses the registry delete: the record would outlive the namespace in memory, and the next
+        open would replay the family's creations with it, dropping a version the running store had
+        kept after forgetting this one (created since, or whose own refused drop was then no longer
+        due). Until session 33 it was forgotten in memory anyway. Lock held."""
         ns = self._namespaces.get(name)
         if ns is None or ns.entries:
-            return  # not empty after all: _index takes it out of _idle, this is only a guard
+            return True  # not empty after all: _index takes it out of _idle, this is only a guard
+        if not self._delete_registry(name, keeps="the namespace stays known until it is deleted"):
+            return False
         del self._namespaces[name]
         self._ssd_recent.pop(name, None)
         self._drop_idle_column_family(name)
-        self._delete_registry(name)
         log.debug("empty namespace forgotten", extra=kv(namespace=name))
+        return True
 
-    def _delete_registry(self, name: str) -> None:
+    def _delete_registry(self, name: str, *, keeps: str = "forgotten in memory") -> bool:
         """Deletes a namespace's registry record; a failed delete (a full disk) is logged and counted,
-        not raised: the record is of an empty or covered namespace, forgotten again at recovery."""
+        not raised (False): `keeps` says what the caller does about it (a covered tombstone is
+        forgotten in memory: it only refuses versions that a higher tombstone refuses too)."""
         try:
             self._ssd.delete_registry(name)
         except Exception:
             self._meta_write_failures += 1
-            log.warning("registry record delete failed; forgotten in memory", exc_info=True,
+            log.warning(f"registry record delete failed; {keeps}", exc_info=True,
                         extra=kv(namespace=name, failures=self._meta_write_failures))
+            return False
+        return True
 
     # ---------------------------------------------------------------- writes
     def put(
