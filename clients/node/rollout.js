@@ -445,7 +445,7 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
       // cancelled).
       const mark = leftOutMark(err);
       const marked = mark !== null;
-      const leftOutEnd = marked || (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted
+      const leftOutEnd = marked || leftOutWords(err) || (err.code === grpc.status.RESOURCE_EXHAUSTED && accepted
         && (err.unread > 0 || leftOut.length > 0));
       if (leftOutEnd) {
         // Its cursors (the batch's last result, left out, has no later message whose cursor gap
@@ -479,6 +479,19 @@ async function streamResults(client, batchId, endMs, retrySeconds, onResult, sub
 // left out; beside it, the first of their cursors (comma-separated).
 const RESULTS_LEFT_OUT_KEY = 'seer-results-left-out';
 const RESULTS_LEFT_OUT_CURSORS_KEY = 'seer-results-left-out-cursors';
+// A buffer before the mark ends the same way without it, and its words say so (every version that
+// leaves results out: "N result(s) of batch ... were left out of the stream (every other result was
+// sent): request 'b/0/1' (cursor 1) ..."; its stream limit's refusal says "refused: N streams are
+// open"). Without this, such an end with no cursor gap before it (the batch's last result left out)
+// was taken for a failed stream: the complete batch was "cancelled", DATA_LOSS lost the left-out
+// mark, and one that came before the stream's headers (a buffer before those too, or a stream
+// resumed at the last cursor) was taken for the stream limit and retried until --retry-seconds ran
+// out.
+function leftOutWords(err) {
+  return (err.code === grpc.status.RESOURCE_EXHAUSTED || err.code === grpc.status.DATA_LOSS)
+    && /were left out of the stream/.test(err.details || '');
+}
+
 // {count, cursors: BigInt[]} for the buffer's left-out end, else null (also an error grpc-js made
 // itself, without trailers). A malformed value counts as the mark without numbers.
 function leftOutMark(err) {
@@ -497,7 +510,10 @@ function leftOutMark(err) {
 function leftOutMessage(batchId, cursors, total = 0) {
   const all = Math.max(total, cursors.length);
   const shown = cursors.slice(0, 20);
-  const named = shown.join(', ') + (all > shown.length ? ` and ${all - shown.length} more` : '');
+  // None named: a buffer that marks its end with the count alone (before it named the cursors);
+  // its own words, beside this, name them. Before: "cursor(s)  and 1 more".
+  const named = shown.length === 0 ? 'not named by this buffer (an older one: its words name them)'
+    : shown.join(', ') + (all > shown.length ? ` and ${all - shown.length} more` : '');
   return `batch ${JSON.stringify(batchId)}: ${all} result(s) were left out of the stream by the buffer `
     + `(over its message size limit, or stored results it cannot decode: its log names each; every other result was delivered): cursor(s) ${named}`;
 }
@@ -783,7 +799,8 @@ function libraryOptions(options) {
 // that failed for good, onResult throwing or rejecting) is cancelled first, by this call's
 // submission token, and err.cancel says what happened to it. A timeout leaves the batch running,
 // as run_batch's (err.timedOut; calling again with the same batchId and submissionToken collects
-// it), unless cancelOnTimeout. A stream that ended with fewer results than requests (the batch was
+// it), unless cancelOnTimeout; its details say how many of the batch's results came (err.responses
+// of err.numRequests; err.results holds them without onResult) and for how long none came. A stream that ended with fewer results than requests (the batch was
 // cancelled by someone else) rejects ABORTED, err.incomplete. A bad argument rejects before any
 // call, err.field naming it.
 async function rollout(options, onResult) {
@@ -809,6 +826,8 @@ async function rollout(options, onResult) {
   const endMs = Date.now() + o.timeout * 1000; // Infinity: no deadline
   const results = onResult ? null : [];
   let responses = 0;
+  let numRequests = null; // SubmitBatch's answer: the batch's size, for a timeout's counts
+  let progressMs = null; // when the stream began, then when the last result came
   let phase = 'submitting';
   const onAbort = () => run.abort(signal.reason);
   if (signal) signal.addEventListener('abort', onAbort, { once: true });
@@ -816,8 +835,11 @@ async function rollout(options, onResult) {
     const submitted = await unary(client, 'SubmitBatch',
       { batch_id: batchId, groups, submission_token: token, seed_scope: o.seedScope }, endMs, o.retrySeconds, run);
     phase = 'streaming';
+    numRequests = submitted.num_requests;
+    progressMs = Date.now();
     await streamResults(client, batchId, endMs, o.retrySeconds, (msg) => {
       responses += 1;
+      progressMs = Date.now();
       const r = toResult(msg);
       if (!results) return onResult(r); // a promise is awaited before the next result
       results.push(r);
@@ -843,9 +865,11 @@ async function rollout(options, onResult) {
     // (grpc-js' deadline timer may fire a few ms before endMs by Date.now().)
     if (err.code === grpc.status.DEADLINE_EXCEEDED && Date.now() >= endMs - 100) {
       err.timedOut = true;
-      err.details = `timeout (${o.timeout} s) ran out (one deadline for the whole call): ${err.details || err.message}`;
+      err.details = `timeout (${o.timeout} s) ran out (one deadline for the whole call): `
+        + `${progressLine(responses, numRequests, progressMs)}: ${err.details || err.message}`;
     }
     Object.assign(err, { batchId, submissionToken: token, responses });
+    if (numRequests !== null) err.numRequests = numRequests;
     if (results) err.results = results;
     if (!needsCancel(phase, err)) throw err;
     if (err.timedOut && !o.cancelOnTimeout) {
@@ -860,6 +884,17 @@ async function rollout(options, onResult) {
     if (signal) signal.removeEventListener('abort', onAbort);
     client.close();
   }
+}
+
+// What a timeout knows of the batch's progress (as the Python client's SeerTimeout says it): the
+// results received of the batch's size, and for how long none came. Before, a timeout said only
+// "Deadline exceeded": a batch no worker serves and one still progressing looked alike.
+// numRequests null: the submission was not answered yet.
+function progressLine(responses, numRequests, progressMs) {
+  if (numRequests === null || progressMs === null) return 'before SubmitBatch answered';
+  const missing = Math.max(0, numRequests - responses);
+  const quiet = ((Date.now() - progressMs) / 1000).toFixed(1);
+  return `${responses} of ${numRequests} results received, ${missing} missing; no new result for ${quiet} s`;
 }
 
 async function main() {
@@ -959,17 +994,24 @@ async function run(opts, client, batchId, token, state, out) {
   const problems = [];
   let tokens = 0;
   let firstResultSeconds = null;
-  await streamResults(client, batchId, endMs, opts.retrySeconds, (msg) => {
-    const r = toResult(msg);
-    if (firstResultSeconds === null) firstResultSeconds = (Date.now() - start) / 1000;
-    problems.push(...checkResult(r, groups, seen));
-    seen.add(r.request_id);
-    tokens += r.token_ids.length;
-    out.write(resultLine(r));
-    const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
-    out.say(`result ${r.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
-      + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
-  }, submitted.submission_id, cliRun);
+  let progressMs = Date.now();
+  try {
+    await streamResults(client, batchId, endMs, opts.retrySeconds, (msg) => {
+      progressMs = Date.now();
+      const r = toResult(msg);
+      if (firstResultSeconds === null) firstResultSeconds = (Date.now() - start) / 1000;
+      problems.push(...checkResult(r, groups, seen));
+      seen.add(r.request_id);
+      tokens += r.token_ids.length;
+      out.write(resultLine(r));
+      const text = (r.text || '').replace(/\s+/g, ' ').slice(0, 60);
+      out.say(`result ${r.cursor}/${expected} group ${r.group_index} sample ${r.sample_index}: `
+        + `${r.token_ids.length} tokens, ${r.finish_reason}, v${r.policy_version} ${JSON.stringify(text)}`);
+    }, submitted.submission_id, cliRun);
+  } catch (err) {
+    err.progress = progressLine(seen.size, expected, progressMs); // for --timeout's line
+    throw err;
+  }
   state.phase = 'done';
   if (seen.size !== expected) problems.push(`stream ended after ${seen.size} of ${expected} results`);
 
@@ -1000,7 +1042,8 @@ async function run(opts, client, batchId, token, state, out) {
 function cliMain() {
   main().catch((err) => {
     if (err.code === grpc.status.DEADLINE_EXCEEDED && runEndMs !== null && Date.now() >= runEndMs) {
-      err.details = `--timeout ran out (one deadline for the whole run): ${err.details || err.message}`;
+      const progress = err.progress ? `${err.progress}: ` : '';
+      err.details = `--timeout ran out (one deadline for the whole run): ${progress}${err.details || err.message}`;
     }
     console.error(`error: ${err.code !== undefined ? `${err.code} ` : ''}${err.details || err.message}`);
     const summary = { client: 'node', ok: false, error: String(err.details || err.message) };

@@ -4,6 +4,8 @@ per-call timeout said (a results stream is open-ended by design)."""
 
 from __future__ import annotations
 
+import pickle
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -70,3 +72,44 @@ def test_a_bad_timeout_is_refused_before_the_batch_is_submitted(buffer: Buffer) 
         assert not batch_submitted(buffer.address, "never")
         with pytest.raises(SeerError, match="timeout: must be a number"):
             client.collect("never", timeout=float("nan"))
+
+
+def test_a_timeout_says_what_it_knows_and_keeps_the_results(buffer: Buffer) -> None:
+    """Every worker dead (here: none registered; one request of three finished by hand): run_batch
+    ended on its timeout with only "results not complete after 1.5s (cursor 1)", and the result it
+    had received was lost with the error. Now the SeerTimeout names the counts (received, missing)
+    and how long no new result came, and carries the results on `.results` (collect's too), so a
+    trainer can use them or resubmit the rest."""
+    groups = [PromptGroup(prompt=[1, 2], group_size=3, max_tokens=4)]
+    with SeerClient(buffer.address) as client:
+        client.wait_ready(10)
+        client.submit_batch("dead", groups, submission_token="tok-dead")
+        finish_request(buffer.address, "dead/0/0")
+        err = _bounded(lambda: client.run_batch("dead", groups, timeout=1.5, submission_token="tok-dead"), 15)
+        assert isinstance(err, SeerTimeout), repr(err)
+        assert [r.request_id for r in err.results] == ["dead/0/0"], err.results
+        assert "1 of 3 results received, 2 missing" in err.message, err.message
+        # The one result came at once (it was stored before the stream opened): none since then.
+        m = re.search(r"no new result for ([0-9.]+)s", err.message)
+        assert m is not None and 1.0 <= float(m.group(1)) <= 10, err.message
+        assert "cursor 1" in err.message and err.submission_token == "tok-dead", err.message
+        # collect keeps them too (its docstring said they were dropped); no size known there.
+        err = _bounded(lambda: client.collect("dead", timeout=0.5), 15)
+        assert isinstance(err, SeerTimeout), repr(err)
+        assert [r.request_id for r in err.results] == ["dead/0/0"], err.results
+        assert "1 result(s) received" in err.message and "no new result for" in err.message, err.message
+        # Nothing at all arrived: said so, with an empty list.
+        err = _bounded(lambda: client.collect("dead", cursor=1, timeout=0.5), 15)
+        assert isinstance(err, SeerTimeout) and err.results == [], repr(err)
+        assert "0 result(s) received" in err.message and "no new result for" in err.message, err.message
+        # The batch is left running, as before.
+        assert client.get_batch("dead").num_cancelled == 0
+
+
+def test_a_timeout_with_its_results_pickles() -> None:
+    """A SeerTimeout crossing a process boundary (multiprocessing) keeps its results and token."""
+    timeout = SeerTimeout("DEADLINE_EXCEEDED", "batch 'x': ...", results=[])
+    timeout.submission_token = "tok"
+    again = pickle.loads(pickle.dumps(timeout))
+    assert (again.code, again.message, again.results, again.submission_token) == (
+        "DEADLINE_EXCEEDED", "batch 'x': ...", [], "tok")

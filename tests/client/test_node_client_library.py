@@ -182,6 +182,41 @@ def test_a_library_timeout_leaves_the_batch_to_be_collected_unless_cancel_on_tim
     assert _batch(tok_buffer.address, "lib-to-cancel")[0] == "cancelled"
 
 
+def test_a_library_timeout_says_what_it_knows_and_keeps_the_results(
+        node_client: Path, tok_buffer: Buffer, tmp_path: Path) -> None:
+    """No worker serves the batch (none registered; one of its two requests finished by hand): the
+    timeout said only "Deadline exceeded". Now it names the counts and how long no result came (as
+    SeerClient.run_batch's SeerTimeout), err.numRequests the batch's size, err.results the one
+    result received (the batch is left running)."""
+    body = """rollout({ address: ADDR, batchId: B, groups: G, timeout: 2.5 }).then(
+      () => ({ resolved: true }),
+      (e) => ({ code: e.code, timedOut: e.timedOut, message: e.details, numRequests: e.numRequests,
+                responses: e.responses, ids: e.results.map((r) => r.request_id), cancel: e.cancel }))"""
+    proc = _start(node_client, tmp_path, tok_buffer.address, "lib-dead", body)
+    _wait_submitted(tok_buffer.address, "lib-dead", proc)
+    finish_request(tok_buffer.address, "lib-dead/0/0")
+    kind, f, _, _ = _outcome(proc)
+    assert kind == "DONE" and f["code"] == 4 and f["timedOut"], f
+    assert f["ids"] == ["lib-dead/0/0"] and f["numRequests"] == 2 and f["responses"] == 1, f
+    assert "1 of 2 results received, 1 missing; no new result for" in f["message"], f
+    quiet = float(re.search(r"no new result for ([0-9.]+) s", f["message"]).group(1))  # type: ignore[union-attr]
+    assert 0.5 <= quiet <= 2.6, f
+    assert f["cancel"].startswith("left running"), f
+    assert _batch(tok_buffer.address, "lib-dead") == ("running", 1, 0)
+
+
+def test_the_cli_timeout_says_what_it_knows(node_client: Path, tok_buffer: Buffer) -> None:
+    """The CLI's --timeout line: before, "--timeout ran out (...): Deadline exceeded ..." only."""
+    proc = subprocess.Popen(["node", str(node_client), "--address", tok_buffer.address, "--batch-id", "cli-dead",
+                             "--timeout", "3"], cwd=node_client.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_submitted(tok_buffer.address, "cli-dead", proc)
+    finish_request(tok_buffer.address, "cli-dead/0/0")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, (out, err)
+    assert "--timeout ran out" in err and "1 of 4 results received, 3 missing; no new result for" in err, err
+
+
 @pytest.mark.parametrize("group, field, hint", [
     ("{ ...G[0], sampling: { temperature: 1.0, topP: 0.5 } }", "groups[0].sampling.topP", "did you mean top_p?"),
     ("{ ...G[0], sampling: { ignoreEos: true } }", "groups[0].sampling.ignoreEos", "did you mean ignore_eos?"),

@@ -358,6 +358,20 @@ def _left_out_mark(err: grpc.RpcError) -> _LeftOutMark | None:
     return _LeftOutMark(max(count, len(cursors)), cursors)
 
 
+def _left_out_words(err: grpc.RpcError) -> bool:
+    """Whether an unmarked end is the left-out end of a buffer before the mark, by its words (every
+    version that leaves results out says "N result(s) of batch ... were left out of the stream
+    (every other result was sent): request 'b/0/1' (cursor 1) ..."; its stream limit's refusal says
+    "refused: N streams are open"). Without it, such an end that came before the stream's headers
+    (a buffer before those too, or one racing _accepted's check on a stream resumed at the last
+    cursor) was taken for the stream limit and retried until retry_seconds ran out, and DATA_LOSS
+    for a failed stream (run_batch "cancelled" the complete batch)."""
+    code = err.code()
+    details = err.details() or ""
+    return (code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS)
+            and "were left out of the stream" in details)
+
+
 def _submission_answer(batch_id: str, err: SeerError) -> CancelOutcome | None:
     """The buffer's final answer about a submission in a CancelBatch error naming submission_token
     (rollout.proto CancelBatchRequest.submission_token), None for any other error. The one place
@@ -535,7 +549,13 @@ class SeerClient:
                       num_requests: int = 0) -> Generator[RolloutResult, None, None]:
         """num_requests: the batch's size when known (run_batch, from cursor 0): a stream that ended
         with that many results is complete without asking the buffer (_cancelled_elsewhere)."""
-        end = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        end = None if timeout is None else started + timeout
+        # For the timeout's message: how many results this iteration yielded, and when the last one
+        # came (its start before the first): "no new result for 60.0s" tells a stalled batch (no
+        # worker serving it) from one that was still making progress when the time ran out.
+        yielded = 0
+        progress_at = started
         delay = 0.05
         # The retry window: seconds spent failing since the last new result (closed spells) plus
         # the spell in progress (from its first failure until a stream is accepted again). Only a
@@ -551,7 +571,7 @@ class SeerClient:
         while True:
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise self._timed_out(batch_id, timeout, cursor)
+                raise self._timed_out(batch_id, timeout, cursor, yielded, num_requests, progress_at)
             stream_from = cursor  # the gaps below it were seen on earlier streams
             stream: Any = self._stub.StreamResults(
                 rollout_pb2.StreamResultsRequest(batch_id=batch_id, cursor=cursor, submission_id=submission_id),
@@ -572,6 +592,8 @@ class SeerClient:
                     # Pinned at the first result (a buffer before submission ids sends 0: unpinned).
                     submission_id = submission_id or result.submission_id
                     delay, down, failing_since, failures = 0.05, 0.0, None, 0
+                    yielded += 1
+                    progress_at = time.monotonic()
                     yield result
                 if left_out:
                     raise _ResultsLeftOut("RESOURCE_EXHAUSTED", _left_out_message(batch_id, left_out))
@@ -586,14 +608,14 @@ class SeerClient:
             except grpc.RpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and end is not None:
-                    raise self._timed_out(batch_id, timeout, cursor) from None
+                    raise self._timed_out(batch_id, timeout, cursor, yielded, num_requests, progress_at) from None
                 # RESOURCE_EXHAUSTED before the buffer accepted the stream is its stream limit (a
                 # transient state); after, it is a message over the size limit, which a retry repeats.
                 # A result on this stream means it was accepted too, even where _accepted cannot
                 # tell (a traced channel): its RESOURCE_EXHAUSTED names results left out, and a
                 # retry from our cursor (past them) would end OK and lose them.
                 mark = _left_out_mark(e)
-                marked = mark is not None
+                marked = mark is not None or _left_out_words(e)
                 refused = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not accepted and not received and not marked
                 if marked or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and not refused):
                     # The buffer ends a stream so (RESOURCE_EXHAUSTED for results over its message
@@ -675,21 +697,32 @@ class SeerClient:
             f"responses finished, {b.num_cancelled} cancelled (the rest will not come)",
             batch_id=batch_id, num_finished=b.num_finished, num_requests=b.num_requests)
 
-    def _timed_out(self, batch_id: str, timeout: float | None, cursor: int) -> SeerTimeout:
+    def _timed_out(self, batch_id: str, timeout: float | None, cursor: int, received: int, num_requests: int,
+                   progress_at: float) -> SeerTimeout:
+        """The results wait's SeerTimeout, saying what the client knows: the results that came (of
+        how many, when the batch's size is known: run_batch), and how long none came. Before, it
+        said only "results not complete after 60s (cursor 1)": a batch no worker serves and one
+        still progressing looked alike. run_batch and collect attach the results themselves."""
+        if num_requests:
+            got = f"{received} of {num_requests} results received, {max(0, num_requests - received)} missing"
+        else:
+            got = f"{received} result(s) received"
+        quiet = time.monotonic() - progress_at
         return SeerTimeout("DEADLINE_EXCEEDED",
-                           f"batch {batch_id!r}: results not complete after {timeout}s (cursor {cursor})")
+                           f"batch {batch_id!r}: results not complete after {timeout}s (cursor {cursor}): {got}; "
+                           f"no new result for {quiet:.1f}s")
 
     def collect(self, batch_id: str, cursor: int = 0, *, timeout: float | None = None) -> list[RolloutResult]:
         """Every result from `cursor` on, once the batch is done. timeout: as iter_results' (None =
         until the batch is done, which a batch that never progresses never is); SeerTimeout when it
-        runs out, the results so far are dropped (iter_results keeps them).
+        runs out, its `results` the ones received so far (the batch keeps running).
 
         A batch cancelled by someone else before it completed: BatchCancelled (a SeerError, code
         ABORTED, naming how many of its responses finished), its `results` the ones received."""
         out: list[RolloutResult] = []
         try:
             out.extend(self.iter_results(batch_id, cursor, timeout=timeout))
-        except BatchCancelled as e:
+        except (BatchCancelled, SeerTimeout) as e:
             e.results = out
             raise
         return out
@@ -702,7 +735,9 @@ class SeerClient:
 
         timeout: seconds to wait for the results once the batch is submitted, as iter_results'
         (None or inf = until the batch is done: a batch no worker serves would block for ever). When
-        they run out SeerTimeout is raised; the batch is not cancelled, and calling again with the
+        they run out SeerTimeout is raised, its `results` the ones received so far (with on_result
+        they were also handed to it) and its message the counts (received, missing) and how long no
+        new result came; the batch is not cancelled, and calling again with the
         same batch id waits on and returns every result (the submission is idempotent). The
         submission itself is bounded by the client's per-call `timeout`, like every call.
 
@@ -758,8 +793,10 @@ class SeerClient:
                                f"{self._cancel_own(batch_id, token, 'on_result raised')}")
                 raise
             # The generated token is the caller's only way to collect the batch again with Ctrl-C
-            # still cancelling it.
+            # still cancelling it. The results received go with it: the batch is left running, and
+            # a trainer may use them (or resubmit the rest) instead of waiting on it again.
             e.submission_token = token
+            e.results = out
             e.add_note(f"seer_client: batch {batch_id} not cancelled; run_batch({batch_id!r}, ..., "
                        f"submission_token={token!r}) collects it")
             raise

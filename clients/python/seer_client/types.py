@@ -157,9 +157,23 @@ class SeerTimeout(SeerError, TimeoutError):
 
     submission_token: from run_batch, the token its submission carried (the one it generated when
     given none): pass it to run_batch again to collect the same batch with Ctrl-C still cancelling
-    it (the batch keeps its first submitter's token). "" elsewhere."""
+    it (the batch keeps its first submitter's token). "" elsewhere.
+
+    results: from run_batch and collect, the results received before the time ran out (the batch
+    is left running: use them, or collect the rest later); [] elsewhere (iter_results yielded its
+    own). The message says how many came, how many are missing where the batch's size is known,
+    and for how long no new result came."""
 
     submission_token: str = ""
+
+    def __init__(self, code: str, message: str, *, results: list[RolloutResult] | None = None) -> None:
+        super().__init__(code, message)
+        self.results: list[RolloutResult] = [] if results is None else results
+
+    def __reduce__(self) -> tuple[Any, ...]:  # type: ignore[override]
+        # SeerError's (code, message) drops the attributes (results, submission_token, notes): they
+        # travel as the instance's state.
+        return type(self), (self.code, self.message), dict(self.__dict__)
 
 
 class BatchCancelled(SeerError):
