@@ -16,30 +16,40 @@ other services' wiring, on that host (127.0.0.1 for a wildcard host: see dial_ho
 While the suite runs, `seer up` supervises it (see HealthSupervisor, which `seer demo` shares with
 no restarts at all): a service that exits on its own (a crash, a kill -9), any of them, the buffer
 and the scheduler included, is started again with the same command line, ports and data directory (a
-line on stderr names its exit code and log files); a service whose gRPC health answers NOT_SERVING
-for longer than --health-grace (default 60 s, as the Helm liveness probe: a worker whose engine a
-failed weight load broke stays NOT_SERVING for good) is restarted likewise. Both count towards one
-limit, HEALTH_RESTART_LIMIT restarts of a service in a row without a SERVING answer in between (a
-service that crashes at once in a loop is not restarted for ever). Past it a service that exited is
-left down and reported, except the buffer or the scheduler, whose exit then stops the suite (nothing
-works without them; the state is kept and the line says how to resume it); one that stays
-NOT_SERVING is reported and left as it is. A restart rebuilds what the service held (the documented
-paths, as after a rerun of `seer up --data-dir` by hand): the buffer from RocksDB in the data
-directory, the scheduler from the buffer's work snapshot, the kvstore from its RocksDB tier (pages a
-crash caught in DRAM only are misses: re-prefilled), the draft's groups from the workers, which
-register them again, and its history from the buffer; a worker registers again and its chunks
-re-run. Nothing else is restarted: the others reconnect to the same address. A service that does not
-answer at all is left alone while its process lives: it may only be busy.
+line on stderr names its exit code and log files; a port another process took meanwhile moves a
+worker, which registers its new address with the scheduler, and any /metrics port to a free one; the
+buffer, scheduler, draft and kvstore keep theirs, which the others and the clients dial: that try
+fails, its line naming the port and the process holding it); a service whose gRPC health answers
+NOT_SERVING for longer than --health-grace (default 60 s, as the Helm liveness probe: a worker whose
+engine a failed weight load broke stays NOT_SERVING for good) is restarted likewise. Both count
+towards one limit, HEALTH_RESTART_LIMIT restarts of a service in a row without a SERVING answer in
+between (a service that crashes at once in a loop is not restarted for ever). Past it a service that
+exited is left down and reported, except the buffer or the scheduler, whose exit then stops the
+suite (nothing works without them; the state is kept and the line says how to resume it), and so
+does the last worker left down (the suite would accept batches and finish none); one that stays
+NOT_SERVING is reported and left as it is (every worker so: an error line, once). A restart rebuilds
+what the service held (the documented paths, as after a rerun of `seer up --data-dir` by hand): the
+buffer from RocksDB in the data directory, the scheduler from the buffer's work snapshot, the
+kvstore from its RocksDB tier (pages a crash caught in DRAM only are misses: re-prefilled), the
+draft's groups from the workers, which register them again, and its history from the buffer; a
+worker registers again and its chunks re-run. Nothing else is restarted: the others reconnect to the
+same address. A service that does not answer at all is left alone while its process lives: it may
+only be busy.
 
 Exit status: 0 when every service ran until the stop (or was restarted and answered SERVING since:
 the restart mended it) and drained cleanly; 1 when the suite could not start, a service exited or
-stayed NOT_SERVING past the restart limit (a buffer or scheduler past it also stops the suite), a
-restart did not mend a service (not SERVING since its last restart at the stop), or a service did
-not stop cleanly. The data directory, with the services' logs, is then kept even when it is the
-default temporary one (`seer up --data-dir <it>` resumes that state); so it is after a restart that
-mended its service (the broken launch's log tells why). 128 + the signal number when stopped by a
-signal before the suite was up; 2 when a flag, or a service's configuration (its SEER_<SERVICE>_*
-variables included), is refused (before anything starts).
+stayed NOT_SERVING past the restart limit (a buffer, scheduler or last worker left down past it also
+stops the suite), a restart did not mend a service (not SERVING since its last restart at the stop),
+or a service did not stop cleanly. The data directory, with the services' logs, is then kept even
+when it is the default temporary one (`seer up --data-dir <it>` resumes that state); so it is after
+a restart that mended its service (the broken launch's log tells why). 128 + the signal number when
+stopped by a signal before the suite was up; 2 when a flag, or a service's configuration (its
+SEER_<SERVICE>_* variables included), is refused (before anything starts).
+
+The data directories such failures keep in the temporary directory (seer-suite-*) are never removed
+automatically (each resumes its run); `seer up` says at start how many there are and where. Each
+worker gets OMP/MKL threads for its share of the CPUs this process may use: its affinity mask
+(taskset, a cpuset) capped by a cgroup v2 CPU quota (services/cli/sysinfo.py), not the host's count.
 
 An option given here is passed to its services as a flag and overrides their SEER_<SERVICE>_<FIELD>
 variable (a warning names both); one left out yields to that variable or a config file, else the
@@ -67,6 +77,7 @@ from typing import IO, Any, Protocol
 
 from services.cli.flags import positive_int, positive_seconds
 from services.cli.signals import StopRequest, signals_to
+from services.cli.sysinfo import available_cpus, describe_holders
 from services.common.log import get_logger, kv
 from services.common.ports import BindAddress, addresses_port_is_free, dial_host, host_addresses
 from services.common.service_configs import config_class
@@ -92,6 +103,33 @@ def stop_together(procs: Sequence[ServiceProcess], timeout: float) -> dict[str, 
         proc.signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
     return {proc.name: proc.stop(max(0.0, deadline - time.monotonic())) for proc in procs}
+
+
+# The temporary data directories' prefix (in tempfile.gettempdir()): see earlier_state_dirs.
+STATE_DIR_PREFIX = "seer-suite-"
+
+
+def earlier_state_dirs(own: Path) -> list[Path]:
+    """The temporary data directories in the temporary directory other than `own`: kept by earlier
+    runs (after a failure, or a restart that mended its service), or in use by a suite running now;
+    oldest first."""
+    try:
+        found = [p for p in Path(tempfile.gettempdir()).glob(STATE_DIR_PREFIX + "*") if p.is_dir() and p != own]
+        return sorted(found, key=lambda p: (p.stat().st_mtime, p.name))
+    except OSError:  # one removed meanwhile: not worth failing the start for
+        return []
+
+
+def earlier_state_note(dirs: Sequence[Path]) -> str:
+    """`seer up`'s line at start about earlier kept state directories ("" for none). They are not
+    removed: each holds a run's state and logs, which `seer up --data-dir <dir>` resumes (and one
+    may belong to a suite running now); so they pile up until someone removes them."""
+    if not dirs:
+        return ""
+    where = dirs[0].parent
+    return (f"seer up: note: {len(dirs)} state director{'y' if len(dirs) == 1 else 'ies'} of earlier runs in {where} "
+            f"({STATE_DIR_PREFIX}*, the newest {dirs[-1].name}): kept after a failure or a restart (or in use by "
+            "a suite running now); `seer up --data-dir <dir>` resumes one, `rm -r <dir>` removes one not needed")
 
 
 class SuiteError(RuntimeError):
@@ -403,6 +441,22 @@ def see_logs(s: ServiceProcess) -> str:
     return f"see {s.stderr_path} (stdout {s.stdout_path})"
 
 
+def _bind_failed(s: ServiceProcess) -> bool:
+    """Whether the last launch of `s` died at a bind of one of its ports (as a gRPC server, or the
+    metrics server, logs it: see Suite._relaunch_after_port_clash)."""
+    tail = s.tail(40)
+    return any(m in tail for m in ("Address already in use", "Failed to bind", ": cannot bind"))
+
+
+def _set_flag(args: list[str], flag: str, value: int) -> None:
+    """Sets every `flag` in `args` ("--port 1" and "--port=1") to `value`, in place."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            args[i + 1] = str(value)
+        elif a.startswith(flag + "="):
+            args[i] = f"{flag}={value}"
+
+
 @dataclass
 class _HealthState:
     """HealthSupervisor's record of one service."""
@@ -449,7 +503,8 @@ class HealthSupervisor:
                  command: str = "seer up", grace: float = HEALTH_GRACE_SECONDS,
                  interval: float = HEALTH_CHECK_INTERVAL, limit: int = HEALTH_RESTART_LIMIT,
                  stop_timeout: float = HEALTH_RESTART_STOP_TIMEOUT, check: Callable[[str], str] | None = None,
-                 clock: Callable[[], float] = time.monotonic, backoff: float = EXIT_RESTART_BACKOFF) -> None:
+                 clock: Callable[[], float] = time.monotonic, backoff: float = EXIT_RESTART_BACKOFF,
+                 pick_port: Callable[[str], int] = free_port) -> None:
         if limit < 0:
             raise ValueError(f"limit: must be >= 0, got {limit}")
         self._services = services
@@ -464,6 +519,9 @@ class HealthSupervisor:
         # Looked up at each call (not bound here): tests of `seer up` replace up.health_status.
         self._check = check or (lambda address: health_status(address))
         self._clock = clock
+        # A free port on a host, for a port another process took while its service was down
+        # (`seer up`: Suite.pick_port, which never hands out a port of the suite's own).
+        self._pick_port = pick_port
         self._state = {name: _HealthState() for name in services}
         # Services that exited on their own (not for a restart of ours) and were not started again
         # (the limit reached, limit 0, or a stop requested), in the order noticed.
@@ -473,6 +531,10 @@ class HealthSupervisor:
         """Whether `name` is being restarted (its process may be gone: no exit to report)."""
         st = self._state[name]
         return st.kill_at is not None or st.start_at is not None
+
+    def given_up(self) -> set[str]:
+        """The services left as they are, NOT_SERVING past the limit (until a SERVING answer)."""
+        return {n for n, st in self._state.items() if st.given_up}
 
     def failed(self) -> set[str]:
         """The services that failed: exited on their own, given up on, or restarted for their
@@ -529,26 +591,19 @@ class HealthSupervisor:
         """Service `s` exited on its own: started again (at once for the first restart in a row,
         then after a doubling backoff) unless the limit is reached; whether it is. The restart is
         `seer up`'s rerun by hand, done for the user: the same command line and data directory,
-        so the same ports (workers and clients hold those addresses) and the same state."""
-        what = (f"could not be started again ({st.launch_error})" if st.launch_error
-                else f"exited with code {s.returncode}")
+        so the same ports (workers and clients hold those addresses) and the same state; only a
+        port another process took meanwhile may change (see _clear_ports)."""
+        if st.launch_error:
+            what = f"could not be started again ({st.launch_error})"
+        else:
+            # A launch that died at its bind (the port free when probed, taken before the child's
+            # bind): said as such, not as a bare "exited with code 1". Only then: a port taken after
+            # a crash of another cause is no cause (the relaunch says it, see _clear_ports).
+            taken = self._taken_ports(s) if _bind_failed(s) else []
+            what = f"exited with code {s.returncode}" + (f" ({'; '.join(taken)})" if taken else "")
         st.launch_error = ""
-        if st.in_a_row >= self.limit:
-            why = f"; not restarted again: {st.in_a_row} restart(s) in a row did not mend it" if self.limit else ""
-            self._say(f"{self._command}: {s.name} {what}{why}; {see_logs(s)}")
-            return False
-        st.restarts += 1
-        st.in_a_row += 1
-        st.since = None
-        delay = self.backoff * 2 ** (st.in_a_row - 2) if st.in_a_row > 1 else 0.0
-        when = f" in {delay:g} s" if delay else ""
-        self._say(f"{self._command}: {s.name} {what}; restarting it{when} (restart {st.restarts}, "
-                  f"{st.in_a_row} of at most {self.limit} in a row); {see_logs(s)}")
-        log.warning("restarting a service that exited",
-                    extra=kv(service=s.name, code=s.returncode, restarts=st.restarts, delay_s=delay))
-        st.start_at = now + delay
-        self._continue_restart(s, st, now)
-        return True
+        delay = self.backoff * 2 ** (st.in_a_row - 1) if st.in_a_row else 0.0
+        return self._restart(s, st, now, what, delay=delay, code=s.returncode)
 
     def _observe(self, s: ServiceProcess, st: _HealthState, status: str, now: float) -> None:
         if status != "NOT_SERVING":
@@ -562,23 +617,102 @@ class HealthSupervisor:
         if now - st.since <= self.grace or st.given_up:
             return
         since = f"NOT_SERVING since {datetime.fromtimestamp(st.since_wall):%H:%M:%S} ({now - st.since:.0f} s)"
-        if st.in_a_row >= self.limit:
+        if not self._restart(s, st, now, since, delay=0.0, stop_first=True):
             st.given_up = True
-            why = (f"not restarted again: {st.in_a_row} restart(s) in a row did not mend it" if self.limit
-                   else f"longer than the {self.grace:g} s grace")
-            self._say(f"{self._command}: {s.name} {since}; {why}; {see_logs(s)}")
-            return
+
+    def _restart(self, s: ServiceProcess, st: _HealthState, now: float, what: str, *, delay: float,
+                 stop_first: bool = False, code: int | None = None) -> bool:
+        """The one restart path, after an exit and for health: within the limit, counts the restart
+        (in all and in a row: only a SERVING answer, _observe, resets the row), says it and starts
+        it (stop_first: SIGTERM the live process first, SIGKILL after the stop timeout; the new
+        launch `delay` seconds from now); past the limit, says so and returns False (the caller
+        records what giving up means: left down after an exit, left as it is for health).
+        `what` is what happened, as the line says it."""
+        if st.in_a_row >= self.limit:
+            if self.limit:
+                why = f"; not restarted again: {st.in_a_row} restart(s) in a row did not mend it"
+            else:  # `seer demo`: never restarted; an exit is only said, NOT_SERVING by its grace
+                why = f"; longer than the {self.grace:g} s grace" if stop_first else ""
+            self._say(f"{self._command}: {s.name} {what}{why}; {see_logs(s)}")
+            return False
         st.restarts += 1
         st.in_a_row += 1
         st.since = None
-        self._say(f"{self._command}: {s.name} {since}; restarting it (restart {st.restarts}, "
+        when = f" in {delay:g} s" if delay else ""
+        self._say(f"{self._command}: {s.name} {what}; restarting it{when} (restart {st.restarts}, "
                   f"{st.in_a_row} of at most {self.limit} in a row); {see_logs(s)}")
-        log.warning("restarting a service that is NOT_SERVING",
-                    extra=kv(service=s.name, restarts=st.restarts, pid=s.pid))
-        s.signal(signal.SIGTERM)
-        st.kill_at = now + self._stop_timeout
-        st.start_at = now
+        log.warning("restarting a service", extra=kv(service=s.name, reason="health" if stop_first else "exit",
+                                                     code=code, pid=s.pid, restarts=st.restarts, delay_s=delay))
+        if stop_first:
+            s.signal(signal.SIGTERM)
+            st.kill_at = now + self._stop_timeout
+        st.start_at = now + delay
         self._continue_restart(s, st, now)
+        return True
+
+    def _taken_ports(self, s: ServiceProcess) -> list[str]:
+        """The ports of `s` (not running) that another process holds now, each with who holds it
+        (as far as this user can see): "port 50061 on 127.0.0.1 is taken by pid 42 (nc -l 50061)"."""
+        from services.common.ports import grpc_port_is_free
+        from services.common.telemetry import metrics_port_is_free
+
+        taken = []
+        host = _bind_host(s) if s.port else None
+        if host is not None and not grpc_port_is_free(host, s.port):
+            taken.append(f"port {s.port} on {host} is taken by {describe_holders(s.port)}")
+        if s.metrics_port and not metrics_port_is_free(s.metrics_port):
+            taken.append(f"metrics port {s.metrics_port} is taken by {describe_holders(s.metrics_port)}")
+        return taken
+
+    def _movable(self, s: ServiceProcess) -> bool:
+        """Whether `s` may be relaunched on another gRPC port: a worker, which registers its address
+        with the scheduler at each start (the scheduler dials it there, nothing else holds it),
+        unless it advertises a fixed address (advertise_address: whoever set it expects that port).
+        The buffer, scheduler, draft and kvstore keep theirs: the other services were started with
+        their addresses and the clients dial them."""
+        if s.section != "worker":
+            return False
+        from services.common.config import load_field
+
+        try:
+            return not load_field(config_class("worker"), "worker", "advertise_address", s.args, s.env)
+        except (ValueError, OSError):
+            return False  # unreadable: the service itself names the error at its start
+
+    def _clear_ports(self, s: ServiceProcess) -> str:
+        """Before a relaunch of `s`: a port that another process took since its last launch (its own
+        is gone) would make the launch fail at its bind. A worker's gRPC port and any service's
+        metrics port (nothing in the suite dials it) are picked anew, said in a line; a central
+        service's gRPC port is kept, and the returned reason (the port and who holds it) stands in
+        for the launch, counted as a try like a launch that failed. "" when the launch may go."""
+        from services.common.ports import grpc_port_is_free
+        from services.common.telemetry import metrics_port_is_free
+
+        if s.metrics_port and not metrics_port_is_free(s.metrics_port):
+            try:
+                new = self._pick_port(METRICS_HOST)
+            except SuiteError as e:
+                return f"its metrics port {s.metrics_port} is taken by {describe_holders(s.metrics_port)}: {e}"
+            old, s.metrics_port = s.metrics_port, new
+            _set_flag(s.args, "--metrics-port", s.metrics_port)
+            self._say(f"{self._command}: {s.name}'s metrics port {old} is taken by {describe_holders(old)}: "
+                      f"its /metrics moves to port {s.metrics_port}")
+        host = _bind_host(s) if s.port else None
+        if host is None or grpc_port_is_free(host, s.port):
+            return ""
+        holder = describe_holders(s.port)
+        if not self._movable(s):
+            return (f"its port {s.port} on {host} is taken by {holder}; it keeps that port (the other services "
+                    "and the clients dial it): stop that process")
+        try:
+            new = self._pick_port(host)
+        except SuiteError as e:  # none free: counted as a failed try, as a launch that failed
+            return f"its port {s.port} on {host} is taken by {holder} and no other is free: {e}"
+        old, s.port = s.port, new
+        _set_flag(s.args, "--port", s.port)
+        self._say(f"{self._command}: {s.name}'s port {old} on {host} is taken by {holder}: starting it on port "
+                  f"{s.port} (it registers its new address with the scheduler)")
+        return ""
 
     def _continue_restart(self, s: ServiceProcess, st: _HealthState, now: float) -> None:
         if st.kill_at is not None:
@@ -593,6 +727,12 @@ class HealthSupervisor:
             return
         st.start_at = None
         s.wait(0.0)  # reap it
+        blocked = self._clear_ports(s)
+        if blocked:
+            # Not launched (it would die at its bind): the next tick's exit check counts it as a
+            # try, worded by launch_error, with the backoff that gives the other process time to go.
+            st.launch_error = blocked
+            return
         try:
             s.start()  # a new launch: same ports and arguments, log appended to
         except OSError as e:
@@ -676,7 +816,7 @@ class Suite:
                 if cpu not in allowed:
                     raise SuiteArgumentError(name, f"CPU {cpu} is not available (allowed: {sorted(allowed)})")
         self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="seer-suite-"))
+        self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix=STATE_DIR_PREFIX))
         self.base_port = base_port
         self.policy = policy
         self.speculation = speculation
@@ -698,7 +838,9 @@ class Suite:
         self.with_draft, self.with_kvstore = draft, kvstore
         self.log_dir = self.data_dir / "logs"
         self.services: dict[str, ServiceProcess] = {}
-        cpus = os.cpu_count() or 1
+        # The CPUs this process may use (its affinity mask, a cgroup CPU quota), not the host's:
+        # os.cpu_count() in a container given 2 of 64 CPUs gave each worker 64 threads.
+        cpus = available_cpus()
         self.threads_per_worker = threads_per_worker or max(1, cpus // max(1, workers))
         try:
             self._env = self._child_env(env)
@@ -843,6 +985,11 @@ class Suite:
         if source is not None:  # an extra argument
             return SuiteArgumentError(field or name, detail, setting=f"{name} {source.name}")
         return SuiteArgumentError(field or name, message, setting=f"{name} configuration")
+
+    def pick_port(self, host: str) -> int:
+        """A port free on `host` that no other service of this suite was given (HealthSupervisor's
+        pick_port: a worker whose port another process took is relaunched on it)."""
+        return self._free_port(host)
 
     def _free_port(self, host: str) -> int:
         """A port free on `host` that no other service of this suite was given."""
@@ -1077,10 +1224,8 @@ class Suite:
 
         # The metrics server names its port in the error.
         if s.metrics_port and not self.base_port and metrics_bind_error(s.metrics_port) in tail:
-            new = self._free_port(METRICS_HOST)
-            i = s.args.index("--metrics-port")
-            s.args[i + 1] = str(new)
-            s.metrics_port = new
+            s.metrics_port = self._free_port(METRICS_HOST)
+            _set_flag(s.args, "--metrics-port", s.metrics_port)
         log.warning("a service could not bind its port; starting it again", extra=kv(service=s.name, port=s.port))
         time.sleep(0.5)
         s.start()
@@ -1290,6 +1435,9 @@ def resume_hint(resume: str, base_port: int) -> str:
 def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume: str = "") -> int:
     """Starts the suite, watches it until a signal (or a central service left down), stops it."""
     print(f"starting the suite ({args.workers} worker(s), state in {suite.data_dir}) ...", flush=True)
+    note = earlier_state_note(earlier_state_dirs(suite.data_dir))
+    if note:
+        print(note, file=sys.stderr, flush=True)
     try:
         # The stop flag is polled while starting: workers can take minutes to load, and a Ctrl-C
         # must not wait for --timeout.
@@ -1308,25 +1456,44 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
         # spans included (SEER_TRACING=console); the .log holds its structured log (stderr).
         print(f"  {name:<10} {ep['address']}{metrics}  (pid {ep['pid']}, log {ep['log']}, stdout {ep['out']})")
     print(f"trainer API (RolloutService): {suite.address}   -- Ctrl-C to stop", flush=True)
-    central_down = ""
+    # Why the suite stops by itself: a buffer or scheduler, or every worker, left down.
+    down = ""
     hint = resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)
     health = HealthSupervisor(suite.services, lambda line: print(line, file=sys.stderr, flush=True),
-                              grace=args.health_grace)
-    while not stop.is_set() and not central_down:
+                              grace=args.health_grace, pick_port=suite.pick_port)
+    workers = set(suite.worker_names)
+    idle_said = False
+    while not stop.is_set() and not down:
         time.sleep(0.5)
         # An exit is restarted by the supervisor (a line on stderr); returned only when left down
         # (past the restart limit), which the supervisor has said as well.
         for name in health.tick(stop):
             # Not on a stop requested meanwhile: that exit was not restarted because of the stop.
             if name in CENTRAL_SERVICES and not stop.is_set():
-                central_down = central_down or name
-    if central_down:
-        # Serving on with no buffer or scheduler would accept no batch (or never finish one) while
-        # looking up: stop, so that whoever runs `seer up` sees the failure. Its state is on disk
-        # (kept below: a failure keeps the data directory), so a rerun resumes it.
-        print(f"seer up: {central_down} is down (not restarted again); the suite cannot work without it: "
-              f"stopping; {hint}",
-              file=sys.stderr, flush=True)
+                down = down or f"{name} is down (not restarted again); the suite cannot work without it"
+        if down or stop.is_set() or not workers:
+            continue
+        if workers <= set(health.exited):
+            # As for a central service: the buffer accepts batches and the scheduler places nothing,
+            # so serving on would look up while finishing nothing (with --workers 1 the one worker's
+            # give-up line was the only sign).
+            down = (f"no worker is left ({', '.join(sorted(workers))} down, not restarted again); the suite "
+                    "cannot finish a batch without one")
+        elif workers <= set(health.exited) | health.given_up():
+            # Every worker NOT_SERVING past the limit (left as it is: it may still come back, a SERVING
+            # answer clears it): said once per such spell, as the error it is, but not stopped.
+            if not idle_said:
+                idle_said = True
+                print(f"seer up: error: no worker is serving ({', '.join(sorted(workers))} left down or "
+                      "NOT_SERVING, not restarted again): batches wait until one answers SERVING again",
+                      file=sys.stderr, flush=True)
+        else:
+            idle_said = False
+    if down:
+        # Serving on with no buffer, scheduler or worker would accept batches and never finish one
+        # while looking up: stop, so that whoever runs `seer up` sees the failure. Its state is on
+        # disk (kept below: a failure keeps the data directory), so a rerun resumes it.
+        print(f"seer up: {down}: stopping; {hint}", file=sys.stderr, flush=True)
     # A service restarted shortly before the stop may serve again without a check having seen it.
     health.check_restarted()
     print("stopping ...", flush=True)
@@ -1337,7 +1504,7 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
     if failed:
         print(f"seer up: service(s) failed ({', '.join(sorted(failed))}); logs kept in {suite.log_dir}",
               file=sys.stderr)
-        if not central_down and failed & set(CENTRAL_SERVICES):
+        if not down and failed & set(CENTRAL_SERVICES):
             # A stop that came while the buffer or scheduler was down (in its restart backoff, or
             # given up on in the same tick): its state is kept all the same; say how to resume.
             print(f"seer up: {hint}",

@@ -24,6 +24,9 @@ class _Proc:
         self.stderr_path = log_dir / f"{name}.log"
         self.stdout_path = log_dir / f"{name}.out"
         self.pid = 1
+        # No ports: nothing to probe before a relaunch (the real ports: test_cli_up_port_taken.py).
+        self.port = 0
+        self.metrics_port = 0
         self.running = True
         self.starts = 0
         self.code = 0  # the exit code once it is not running
@@ -45,6 +48,9 @@ class _Proc:
 
     def kill(self) -> None:
         self.running = False
+
+    def tail(self, _lines: int = 20) -> str:
+        return ""  # what the launch wrote: nothing
 
     def wait(self, _timeout: float) -> int | None:
         return None if self.running else 0
@@ -267,3 +273,26 @@ def test_a_restart_waiting_out_its_backoff_is_no_exit_and_is_started_later(tmp_p
 def test_a_negative_limit_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="limit: must be >= 0"):
         HealthSupervisor({}, print, limit=-1)
+
+
+def test_a_service_that_crashes_before_its_first_check_counts_in_a_row(tmp_path: Path) -> None:
+    """The row is "without a SERVING answer in between" (the README): a restarted service is first
+    checked an interval after its start (HEALTH_CHECK_INTERVAL, 5 s, in `seer up`), so one that
+    serves less than that between crashes is never seen SERVING and counts in a row, left down at
+    the limit; one that served past a check starts a new row
+    (test_a_serving_answer_between_exits_resets_the_count)."""
+    w = _World(tmp_path, limit=2)
+    w.run(1.0, "SERVING")
+    exited: list[str] = []
+    for _ in range(3):
+        w.proc.crash()
+        while not w.proc.running and not exited:
+            exited += w.run(0.25, "SERVING")
+        if exited:
+            break
+        exited += w.run(0.25, "SERVING")  # up 0.25 s, answering SERVING had it been asked: under the 0.5 s interval
+    assert exited == ["worker-0"] and w.proc.starts == 2
+    assert [line.split(";")[1].strip() for line in w.lines] == [
+        "restarting it (restart 1, 1 of at most 2 in a row)",
+        "restarting it in 1 s (restart 2, 2 of at most 2 in a row)",
+        "not restarted again: 2 restart(s) in a row did not mend it"]

@@ -158,7 +158,8 @@ def test_a_worker_that_turns_not_serving_is_restarted_and_one_that_does_not_answ
 def test_a_service_broken_at_start_is_restarted_at_most_the_limit_then_left(tmp_path: Path) -> None:
     """The grace from the module constant (the --health-grace default); a worker that is
     NOT_SERVING again from each new start is restarted 3 times, then reported once and left
-    running (as an exited service is reported and left), not restarted in a loop."""
+    running (as an exited service is reported and left), not restarted in a loop; that it was the
+    only worker is said once as an error."""
     p = _start_up(tmp_path, ["--workers", "1"], grace_constant=1.0)
     wait_for_line(p, "suite is up")
     (tmp_path / "marks" / "worker-0.break").write_text("99")
@@ -174,4 +175,8 @@ def test_a_service_broken_at_start_is_restarted_at_most_the_limit_then_left(tmp_
     assert _RESTART.findall(err) == [("worker-0", "1", "1"), ("worker-0", "2", "2"), ("worker-0", "3", "3")], err
     gave_up = re.findall(r"seer up: worker-0 NOT_SERVING since .*; not restarted again: 3 restart\(s\) in a row", err)
     assert len(gave_up) == 1, err
+    # Its only worker: the suite finishes no batch now, said once as the error it is (before: only
+    # the give-up line above); not stopped, as a NOT_SERVING service may still come back.
+    assert err.count("seer up: error: no worker is serving (worker-0 left down or NOT_SERVING, not restarted "
+                     "again): batches wait until one answers SERVING again") == 1, err
     assert "service(s) failed (worker-0)" in err

@@ -54,12 +54,14 @@ if {healthy}:
     up.Suite.wait_workers = lambda self, count, timeout=120.0, stop=None: None
 up.ServiceProcess.command = lambda self: [sys.executable, "-c", {service!r}, self.name, {token!r}, {crash!r},
                                           {once!r}]
-sys.exit(up.main(["--base-port", "0", "--workers", "1", "--timeout", "30"]))
+sys.exit(up.main(["--base-port", "0", "--workers", "{workers}", "--timeout", "30"]))
 """
 
 
-def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "", once: str = "") -> subprocess.Popen[str]:
-    code = _UP.format(healthy=healthy, service=_SERVICE, token=str(tmp_path), crash=crash, once=once)
+def _start_up(tmp_path: Path, *, healthy: bool, crash: str = "", once: str = "", workers: int = 1
+              ) -> subprocess.Popen[str]:
+    code = _UP.format(healthy=healthy, service=_SERVICE, token=str(tmp_path), crash=crash, once=once,
+                      workers=workers)
     # TMPDIR: the suite's default temporary data directory lands under tmp_path, where the test can
     # look for it and pytest removes it.
     env = dict(os.environ, TMPDIR=str(tmp_path))
@@ -164,27 +166,51 @@ def test_up_restarts_a_service_that_crashed_once_and_exits_0(tmp_path: Path, nam
 
 
 def test_up_leaves_a_worker_down_past_the_limit_serves_on_and_fails_at_the_end(tmp_path: Path) -> None:
-    """A worker is not central (the scheduler re-runs its chunks): past the limit the suite serves
-    on without it, but the exit status after Ctrl-C reports it and the log is kept."""
-    p = _start_up(tmp_path, healthy=True, crash="worker-0")
+    """A worker is not central (the scheduler re-runs its chunks on the others): past the limit the
+    suite serves on without it, but the exit status after Ctrl-C reports it and the log is kept."""
+    p = _start_up(tmp_path, healthy=True, crash="worker-0", workers=2)
     head = "".join(wait_for_line(p, "suite is up"))
     deadline = time.monotonic() + 30
     while len(_launches(tmp_path, "worker-0")) < 4:
         assert time.monotonic() < deadline and p.poll() is None, "worker-0 was not restarted 3 times"
         time.sleep(0.1)
     time.sleep(5.0)  # the last launch has crashed (~1 s), been noticed (0.5 s ticks) and left down: margin
-    assert p.poll() is None, "seer up stopped although only a worker crashed"
+    assert p.poll() is None, "seer up stopped although only one of two workers crashed"
     assert len(_launches(tmp_path, "worker-0")) == 4
     p.send_signal(signal.SIGINT)
     code, out, err = finish(p, timeout=20)
     assert code == 1, f"exit status {code}\n{out}\n{err}"
     assert "seer up: worker-0 exited with code 3; not restarted again: 3 restart(s) in a row" in err, err
+    assert "no worker" not in err, err
     log = _state_dir(head) / "logs" / "worker-0.log"
     assert log.exists() and "fatal: the stand-in crashed" in log.read_text()
     assert "logs kept in" in err
 
 
+def test_up_stops_when_its_only_worker_is_left_down_keeping_the_state(tmp_path: Path) -> None:
+    """With --workers 1, the worker left down past the limit left a suite that accepts batches and
+    finishes none, serving on with only the worker's give-up line to tell. Now as for a buffer or
+    scheduler left down: it stops by itself, exit 1, the state kept and the resume line."""
+    p = _start_up(tmp_path, healthy=True, crash="worker-0")
+    head = "".join(wait_for_line(p, "suite is up"))
+    code, out, err = finish(p, timeout=40)  # no signal: the suite must stop by itself
+    assert code == 1, f"exit status {code}\n{out}\n{err}"
+    assert len(_launches(tmp_path, "worker-0")) == 4
+    state = _state_dir(head)
+    assert ("seer up: no worker is left (worker-0 down, not restarted again); the suite cannot finish a batch "
+            f"without one: stopping; the state is kept: `seer up --base-port 0 --workers 1 --timeout 30 --data-dir "
+            f"{state}` resumes it") in err, err
+    assert state.exists() and "logs kept in" in err
+    assert _alive(str(tmp_path)) == []
+
+
 def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) -> None:
+    """And says at start how many state directories earlier runs kept (before: nothing, and they
+    piled up in the temporary directory unnoticed); it removes none of them."""
+    earlier = [tmp_path / "seer-suite-old1", tmp_path / "seer-suite-old2"]
+    for age, d in zip((7200, 3600), earlier, strict=True):
+        (d / "logs").mkdir(parents=True)
+        os.utime(d, (time.time() - age, time.time() - age))
     p = _start_up(tmp_path, healthy=True)
     head = "".join(wait_for_line(p, "trainer API"))
     time.sleep(1.0)
@@ -195,6 +221,9 @@ def test_up_clean_stop_exits_0_and_removes_its_temporary_data(tmp_path: Path) ->
     assert "logs/scheduler.log, stdout " in head and "logs/scheduler.out)" in head, head
     assert "stopped cleanly" in out
     assert not _state_dir(head).exists()
+    assert (f"seer up: note: 2 state directories of earlier runs in {tmp_path} (seer-suite-*, the newest "
+            "seer-suite-old2): kept after a failure or a restart") in err, err
+    assert all(d.exists() for d in earlier)
 
 
 class _Stubborn(up.ServiceProcess):
