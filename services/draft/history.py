@@ -108,9 +108,6 @@ class _Iteration:
     # may all have completed by the time a version comes (it stayed fallback then), and it goes
     # when the iteration goes. (Free: the instance dict's allocation holds a sixth key as is.)
     refill_version: int | None = None
-    # The largest append epoch (the scheduler's dispatch epoch) of the groups promoted into it; 0:
-    # none known (seeded, old clients). drop_newer tells a rollback from a straggler by it.
-    epoch: int = 0
 
     def remove(self, arr: array[int]) -> int:
         """Drops a held response (by identity); returns its source."""
@@ -192,16 +189,9 @@ class HistoryStore:
         self.rejected_adds = 0
         self._rejected: OrderedDict[bytes, None] = OrderedDict()
         self._warned: OrderedDict[str, tuple[float, int]] = OrderedDict()
-        # Policy rollbacks (drop_newer): keys whose newer versions were dropped, and when the last
-        # warning was logged with how many rollbacks since (one store-wide warning a minute: a
-        # trainer restarted from a checkpoint rolls back every prompt key of the dataset).
-        self.rolled_back_keys = 0
-        self._rollback_warned_at: float | None = None
-        self._rollbacks_since = 0
 
     def add(self, prompt_key: str, iteration: int, responses: Sequence[Sequence[int]],
-            sources: Sequence[int] | None = None, *, planned: AddPlan | None = None,
-            epoch: int = 0) -> list[tuple[int, ...]]:
+            sources: Sequence[int] | None = None, *, planned: AddPlan | None = None) -> list[tuple[int, ...]]:
         """Adds responses for (key, iteration); returns the ones added (new copies). Idempotent per
         response: the key's history is the multiset union of what was added while kept, so a
         response already held for the key, in any kept iteration, is not added again (a retried
@@ -229,12 +219,11 @@ class HistoryStore:
         older than every kept iteration of a full key is not kept: its new responses are counted
         in `evicted` (once per add: a retry of it is not counted again) and logged, never dropped
         silently (a straggler of an old version, or versions that went backwards: a new run beside
-        a draft server that kept the old run's).
+        a draft server that kept the old run's: no automatic rule drops the newer history, see
+        services/draft/README.md).
 
-        `epoch`: the largest append epoch of the group promoted (0 = unknown), kept as the
-        iteration's largest (drop_newer). `planned`: plan_add's plan of this very add (same key,
-        iteration and responses, no sources), applied as it is while nothing changed since;
-        planned again otherwise."""
+        `planned`: plan_add's plan of this very add (same key, iteration and responses, no
+        sources), applied as it is while nothing changed since; planned again otherwise."""
         if not prompt_key:
             raise InvalidArgument("must not be empty", field="prompt_key")
         if sources is not None and len(sources) != len(responses):
@@ -269,7 +258,6 @@ class HistoryStore:
             before = 0  # its fixed structures are new too
         else:
             before = it.memory_bytes
-        it.epoch = max(it.epoch, epoch)
         for src, arr in moved:
             # Same bytes, another iteration: the key's total does not change (it moves from src).
             it.sources.append(src.remove(arr))
@@ -349,44 +337,6 @@ class HistoryStore:
             return None
         version, it.refill_version = it.refill_version, None
         return self.renumber_seeded(prompt_key, unversioned(0), version), version
-
-    def drop_newer(self, prompt_key: str, version: int, epoch: int) -> list[int]:
-        """A group of the key was created at policy `version`, registered by an attempt of dispatch
-        `epoch`, while the key holds iterations of newer versions. When every group promoted into
-        those took only epochs below `epoch` (the scheduler's dispatch epochs increase over all
-        requests), the group was dispatched after the newer versions' groups: the policy went
-        back (a trainer restarted from a checkpoint, a new run on a buffer that starts its versions
-        over beside this server; the buffer refuses a version below its current one, so this is
-        not a batch of an older version still running). The newer iterations are the abandoned
-        policy's: dropped (counted in `evicted`), so they are no longer the new group's drafts
-        ahead of the rollback's own responses, and those are kept when its groups complete (an add
-        older than every kept iteration of a full key was not, for as long as versions stayed
-        below the abandoned ones). Otherwise nothing changes: a straggler of an older version (a
-        worker re-creating a group it lost, with its mirror's epoch, after a newer version's
-        groups completed) must not drop the newer history, nor may a registration whose epoch is
-        unknown (0: an old client). Fallback numbers rank below every version: never newer.
-        Returns the dropped versions, oldest first."""
-        iters = self._keys.get(prompt_key)
-        if not iters or epoch <= 0:
-            return []
-        newer = sorted(i for i in iters if i > version)
-        if not newer or any(iters[i].epoch >= epoch for i in newer):
-            return []
-        responses = sum(len(iters[i].responses) for i in newer)
-        for i in newer:
-            self._drop(prompt_key, i)
-        self.rolled_back_keys += 1
-        fields: dict[str, object] = dict(prompt_key=prompt_key, version=version, dropped=[describe(i) for i in newer],
-                                         responses=responses)
-        now = self._clock()
-        if self._rollback_warned_at is not None and now - self._rollback_warned_at < REJECTED_WARN_INTERVAL_S:
-            self._rollbacks_since += 1
-            log.debug("policy version went back: the key's newer history versions dropped", extra=kv(**fields))
-        else:
-            log.warning("policy version went back: the key's newer history versions dropped (a rollback; "
-                        "further keys within a minute at debug)", extra=kv(**fields, suppressed=self._rollbacks_since))
-            self._rollback_warned_at, self._rollbacks_since = now, 0
-        return newer
 
     def renumber_seeded(self, prompt_key: str, src: int, dst: int) -> int:
         """Moves the key's responses of unknown source (seeded) held in iteration `src` to

@@ -524,16 +524,6 @@ class DraftStore:
                 if expired:
                     log.info("completed group's id registered again after it expired; new incarnation",
                              extra=kv(group_id=group_id))
-            if policy_version is not None and prompt_key:
-                # A new group at a version below the key's newest kept one, dispatched after every
-                # group of those newer versions (its epoch above theirs): the policy went back (a
-                # rollback to a checkpoint, a new run starting its versions over). The newer
-                # versions' history is the abandoned policy's: dropped before the group indexes
-                # it, so the group does not draft from it and its own responses are kept (an add
-                # below every kept version of a full key was not). Not for a straggler (an epoch
-                # below theirs) or an unknown epoch. Only a new group: a running or completed one
-                # registering again is of the version it was created at.
-                self._history.drop_newer(prompt_key, policy_version, epoch)
             # Room for the prompt and the key's history as indexed; eviction (oldest history first)
             # may take some of that very history, so the need is taken again after it: the group
             # then registers with what is left rather than being refused for history now gone.
@@ -784,8 +774,7 @@ class DraftStore:
         # refilled from the buffer, which keeps them too). By source (group id, request id): an
         # equal response of another group of the key is another sample, held once more.
         sources = [source_id(g.group_id, r) for r in rids]
-        if self._history.add(g.prompt_key, g.history_iteration, responses, sources,
-                             epoch=max(g.epochs.values(), default=0)):
+        if self._history.add(g.prompt_key, g.history_iteration, responses, sources):
             log.info("group complete; responses promoted to history",
                      extra=kv(group_id=g.group_id, prompt_key=g.prompt_key, **log_fields(g.history_iteration)))
         else:
