@@ -241,6 +241,89 @@ def test_kvstore_ssd_budget_above_the_wal_reserve_renders_and_loads(chart: Any) 
         render(chart, {"kvstore": {"config": {"ssd_bytes": MIN_WAL_BYTES}}})
 
 
+def test_kvstore_without_a_tier_for_the_largest_page_fails_at_render(chart: Any) -> None:
+    """Before: no DRAM tier beside a 1-byte SSD page budget rendered, and the kvstore refused to
+    start (KvStoreConfig.check_largest_page_fits): a crash loop. The render fails now, naming
+    ssd_bytes and the same ways out as the service's own message."""
+    from services.common.config import ConfigError, load
+    from services.kvstore.config import KvStoreConfig
+
+    config = {"dram_bytes": "0", "ssd_bytes": 33554433}
+    with pytest.raises(helm.HelmError) as info:
+        render(chart, {"kvstore": {"config": config}})
+    message = str(info.value)
+    assert "kvstore.config.ssd_bytes: its page budget (1 bytes: 33554433 less the WAL cap 33554432)" in message
+    with pytest.raises(ConfigError) as refused:
+        load(KvStoreConfig, "kvstore", argv=[], env={f"SEER_KVSTORE_{k.upper()}": str(v) for k, v in config.items()})
+    assert refused.value.field == "ssd_bytes"
+    # The same ways out, with the same numbers.
+    for way in ("ssd_bytes to at least 37748736", "dram_bytes to at least 4194304", "lower kvstore.config.max_page"):
+        assert way in message, message
+        assert way.replace("kvstore.config.", "") in str(refused.value), str(refused.value)
+
+
+MiB = 1 << 20
+_UNSET = object()  # the key left out of the override: values.yaml's default (dram_bytes "2147483648")
+# (ssd_bytes, dram_bytes, max_page_message_bytes, ssd_write_buffer_bytes); None nulls the key (the
+# service's default), _UNSET leaves the chart's. 32 MiB is the WAL cap with the default 64 MiB buffer,
+# 64 MiB with a 128 MiB one; 4 MiB is max_page_message_bytes' default.
+_SSD = (_UNSET, 32 * MiB + 1, 36 * MiB - 1, "0037748736", 64 * MiB + 4 * MiB)
+_DRAM = (_UNSET, None, "0", 4 * MiB - 1)
+_LARGEST = (_UNSET, 4 * MiB - 1, 8 * MiB, 0)
+_WRITE_BUFFER = (_UNSET, 128 * MiB, "0")
+
+
+def test_kvstore_chart_and_service_agree_on_the_page_tiers(chart: Any) -> None:
+    """Over a grid of the four values that decide whether the largest page fits a tier (the chart's
+    defaults, the 1-byte page budget beside the default DRAM tier of the WAL-reserve test, each
+    bound and one byte off, a leading zero sprig would read as octal), the chart renders exactly
+    the configs KvStoreConfig.validate() accepts, a refused one naming the field the service names."""
+    import itertools
+
+    from services.common.config import ConfigError, load
+    from services.kvstore.config import KvStoreConfig
+
+    names = ("ssd_bytes", "dram_bytes", "max_page_message_bytes", "ssd_write_buffer_bytes")
+    chart_dram = "2147483648"  # values.yaml's kvstore.config.dram_bytes
+    disagreements: list[str] = []
+    rendered = 0
+    for combo in itertools.product(_SSD, _DRAM, _LARGEST, _WRITE_BUFFER):
+        config = {k: v for k, v in zip(names, combo, strict=True) if v is not _UNSET}
+        # The service's view of the same values, built without the chart: unset ssd_bytes is the
+        # chart's 0.4 x the default 50Gi volume, unset dram_bytes values.yaml's.
+        env = {"SEER_KVSTORE_SSD_BYTES": str(int(0.4 * 50 * 2**30)), "SEER_KVSTORE_DRAM_BYTES": chart_dram}
+        env.update({f"SEER_KVSTORE_{k.upper()}": str(v) for k, v in config.items() if v is not None})
+        if config.get("dram_bytes", chart_dram) is None:
+            del env["SEER_KVSTORE_DRAM_BYTES"]
+        try:
+            load(KvStoreConfig, "kvstore", argv=[], env=env)
+            refused: ConfigError | None = None
+        except ConfigError as e:
+            refused = e
+        try:
+            objects = render(chart, {"kvstore": {"config": config}})
+        except helm.HelmError as e:
+            if refused is None:
+                disagreements.append(f"{config}: the chart refused what the service accepts: {e}")
+            elif f"kvstore.config.{refused.field}:" not in str(e):
+                disagreements.append(f"{config}: the service names {refused.field}, the chart: {e}")
+            continue
+        rendered += 1
+        if refused is not None:
+            disagreements.append(f"{config}: rendered what the service refuses: {refused}")
+            continue
+        # What the chart rendered is what the service loads (and accepts).
+        kv_env = _env(_by_kind(objects, "StatefulSet")["seer-kvstore"])
+        cfg = load(KvStoreConfig, "kvstore", argv=[], env=kv_env)
+        assert (cfg.ssd_bytes, cfg.dram_bytes) == (int(env["SEER_KVSTORE_SSD_BYTES"]),
+                                                   int(env.get("SEER_KVSTORE_DRAM_BYTES", 2 << 30))), config
+    assert not disagreements, "\n".join(disagreements)
+    # Both outcomes are covered, the chart's defaults and the 1-byte page budget among the rendered.
+    assert 0 < rendered < len(_SSD) * len(_DRAM) * len(_LARGEST) * len(_WRITE_BUFFER)
+    render(chart)
+    render(chart, {"kvstore": {"config": {"ssd_bytes": 32 * MiB + 1}}})
+
+
 def test_buffer_reads_the_workers_model(chart: Any) -> None:
     """The buffer tokenizes prompt_text and bounds token ids with the served model: it gets the same
     model.dir as the workers, and the model volume when there is one."""
@@ -311,6 +394,14 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"kvstore": {"config": {"ssd_bytes": 1 << 30, "ssd_write_buffer_bytes": 4 << 30}}},
      "kvstore.config.ssd_bytes: must be > 2147483648"),
     ({"kvstore": {"config": {"ssd_write_buffer_bytes": "4Gi"}}}, "kvstore.config.ssd_write_buffer_bytes"),
+    # Neither the SSD page budget nor DRAM holds the largest page: rendered, then refused at start.
+    ({"kvstore": {"config": {"dram_bytes": "0", "ssd_bytes": 33554433}}},
+     "kvstore.config.ssd_bytes: its page budget (1 bytes"),
+    ({"kvstore": {"config": {"dram_bytes": "0"}, "persistence": {"size": "85Mi"}}},
+     "kvstore.persistence.size: 85Mi gives ssd_bytes 35651584 (0.4 x the volume), whose page budget"),
+    ({"kvstore": {"config": {"dram_bytes": "2Gi"}}}, "kvstore.config.dram_bytes: a whole number"),
+    ({"kvstore": {"config": {"max_page_message_bytes": 0}}}, "kvstore.config.max_page_message_bytes: must be > 0"),
+    ({"kvstore": {"config": {"ssd_write_buffer_bytes": "0"}}}, "kvstore.config.ssd_write_buffer_bytes: must be > 0"),
     # Numeric tags: 20240101 rendered seer-buffer:2.0240101e+07 and 1.10 seer-buffer:1.1.
     ({"global": {"imageTag": 20240101}}, "/global/imageTag"),
     ({"buffer": {"image": {"tag": 1.10}}}, "/buffer/image/tag"),

@@ -82,9 +82,33 @@ it is: seer.validate refuses one that is not a whole number before using this. *
 {{- define "seer.kvSsdBytes" -}}
 {{- $kv := .Values.kvstore -}}
 {{- if hasKey $kv.config "ssd_bytes" -}}
-{{- toJson (index $kv.config "ssd_bytes") | trimAll "\"" -}}
+{{- /* Leading zeros dropped: sprig's int64 reads "034359738" as octal (0: 8 and 9 are no octal
+digits), Python's int() as 34359738. */ -}}
+{{- regexReplaceAll "^0+([0-9])" (toJson (index $kv.config "ssd_bytes") | trimAll "\"") "${1}" -}}
 {{- else -}}
 {{- int64 (mulf (float64 (include "seer.quantityBytes" $kv.persistence.size)) 0.4) -}}
+{{- end -}}
+{{- end -}}
+
+{{- /* A whole number of bytes from a component's config map, as a decimal string the templates'
+int64 reads as Python's int() does (leading zeros dropped: sprig reads "010" as octal 8); the
+default (the service's own, services/<component>/config.py) when the key is unset. Fails naming
+<path>.<key> on anything else: a quantity ("4Mi"), a sign, a fraction, or more than 18 digits
+(past int64, where sprig's int64 gives 0). Called with (dict "config" <map> "key" <field> "path"
+"kvstore.config" "default" <int>). */ -}}
+{{- define "seer.configBytes" -}}
+{{- if hasKey .config .key -}}
+{{- $raw := toJson (index .config .key) | trimAll "\"" -}}
+{{- if not (regexMatch "^[0-9]+$" $raw) -}}
+{{- fail (printf "%s.%s: a whole number of bytes (got %s)" .path .key $raw) -}}
+{{- end -}}
+{{- $digits := regexReplaceAll "^0+([0-9])" $raw "${1}" -}}
+{{- if gt (len $digits) 18 -}}
+{{- fail (printf "%s.%s: %s bytes is past what the chart's checks can count (18 digits)" .path .key $raw) -}}
+{{- end -}}
+{{- $digits -}}
+{{- else -}}
+{{- .default -}}
 {{- end -}}
 {{- end -}}
 
@@ -264,13 +288,19 @@ is not in the buffer image: the buffer would tokenize with the wrong vocabulary,
 ssd_write_buffer_bytes' default is 64 MiB, services/kvstore/config.py), out of ssd_bytes and refuses to start (a crash loop)
 when nothing is left for pages: fail at render instead, naming the value that decides. */ -}}
 {{- if $v.kvstore.enabled -}}
-{{- $wb := 67108864 -}}
-{{- if hasKey $v.kvstore.config "ssd_write_buffer_bytes" -}}
-{{- $rawWb := toJson (index $v.kvstore.config "ssd_write_buffer_bytes") | trimAll "\"" -}}
-{{- if not (regexMatch "^[0-9]+$" $rawWb) -}}
-{{- fail (printf "kvstore.config.ssd_write_buffer_bytes: a whole number of bytes (got %s)" $rawWb) -}}
+{{- /* The byte counts the checks below use; an unset (or nulled) key is the service's default
+(services/kvstore/config.py), not values.yaml's. Checked in KvStoreConfig.validate's order, so both
+refuse a config naming the same field. */ -}}
+{{- $kvc := $v.kvstore.config -}}
+{{- $dram := int64 (include "seer.configBytes" (dict "config" $kvc "key" "dram_bytes" "path" "kvstore.config" "default" 2147483648)) -}}
+{{- $wb := int64 (include "seer.configBytes" (dict "config" $kvc "key" "ssd_write_buffer_bytes" "path" "kvstore.config" "default" 67108864)) -}}
+{{- $largest := int64 (include "seer.configBytes" (dict "config" $kvc "key" "max_page_message_bytes" "path" "kvstore.config" "default" 4194304)) -}}
+{{- $positive := dict "ssd_write_buffer_bytes" $wb "max_page_message_bytes" $largest -}}
+{{- range $k := list "ssd_write_buffer_bytes" "max_page_message_bytes" -}}
+{{- $n := index $positive $k -}}
+{{- if le $n 0 -}}
+{{- fail (printf "kvstore.config.%s: must be > 0, got %d; the kvstore would refuse to start" $k $n) -}}
 {{- end -}}
-{{- $wb = int64 $rawWb -}}
 {{- end -}}
 {{- $reserve := max 33554432 (div $wb 2) -}}
 {{- $ssdBytes := int64 (include "seer.kvSsdBytes" .) -}}
@@ -281,6 +311,21 @@ when nothing is left for pages: fail at render instead, naming the value that de
 {{- else -}}
 {{- if le $ssdBytes $reserve -}}
 {{- fail (printf "kvstore.persistence.size: %s gives ssd_bytes %d (0.4 x the volume), not above the RocksDB WAL cap the kvstore reserves out of it (%d: max(32 MiB, ssd_write_buffer_bytes / 2), ssd_write_buffer_bytes %d); the kvstore would refuse to start. Raise the size (more than 2.5 x %d bytes) or lower kvstore.config.ssd_write_buffer_bytes" $v.kvstore.persistence.size $ssdBytes $reserve $wb $reserve) -}}
+{{- end -}}
+{{- end -}}
+{{- /* The largest page a Put may carry (max_page_message_bytes, default 4 MiB) must fit the SSD page
+budget (ssd_bytes less the WAL cap) or the DRAM tier (dram_bytes, default 2 GiB): the kvstore
+refuses to start otherwise (KvStoreConfig.check_largest_page_fits; such a page went straight to SSD
+and every Put of it was refused there). A budget below it beside a DRAM tier that holds it is valid
+(a kvstore run on DRAM). */ -}}
+{{- $budget := sub $ssdBytes $reserve -}}
+{{- if lt (max $budget $dram) $largest -}}
+{{- $why := printf "holds no page of kvstore.config.max_page_message_bytes (%d), the largest a Put may carry, and neither does kvstore.config.dram_bytes (%d): every Put of a page larger than both would be refused, so the kvstore refuses to start" $largest $dram -}}
+{{- $lower := "or lower kvstore.config.max_page_message_bytes to the model's page size" -}}
+{{- if hasKey $kvc "ssd_bytes" -}}
+{{- fail (printf "kvstore.config.ssd_bytes: its page budget (%d bytes: %d less the WAL cap %d) %s. Raise kvstore.config.ssd_bytes to at least %d or kvstore.config.dram_bytes to at least %d, %s" $budget $ssdBytes $reserve $why (add $reserve $largest) $largest $lower) -}}
+{{- else -}}
+{{- fail (printf "kvstore.persistence.size: %s gives ssd_bytes %d (0.4 x the volume), whose page budget (%d bytes: less the WAL cap %d) %s. Raise the size (more than 2.5 x %d bytes) or kvstore.config.dram_bytes to at least %d, %s" $v.kvstore.persistence.size $ssdBytes $budget $reserve $why (add $reserve $largest) $largest $lower) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
