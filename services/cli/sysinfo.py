@@ -1,12 +1,13 @@
 """What `seer up` asks the host (Linux /proc and /sys, read-only; an empty answer elsewhere): how
-many CPUs this process may really use, and which process listens on a port. No grpc import."""
+many CPUs this process may really use, and which process holds a port. No grpc import."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC = Path("/proc")
@@ -74,9 +75,28 @@ def available_cpus(affinity: Callable[[], Iterable[int]] | None = None,
     return max(1, n)
 
 
-def _listening_inodes(port: int, proc: Path = PROC) -> set[str]:
-    """The socket inodes listening on TCP `port` (IPv4 and IPv6, any address)."""
-    inodes = set()
+# /proc/net/tcp's state of a listening socket (include/net/tcp_states.h: TCP_LISTEN).
+_LISTEN = "0A"
+
+
+class PortHolder(NamedTuple):
+    """A process holding a TCP port: `listening` on it, or not (the port is the local port of one
+    of its connections: an outgoing connection's ephemeral port, which the kernel picks from a range
+    that `seer up`'s default ports fall in, or a connection a listener that is gone accepted)."""
+
+    pid: int
+    cmd: str
+    listening: bool
+
+
+def _port_inodes(port: int, proc: Path = PROC) -> dict[str, bool]:
+    """The inodes of the TCP sockets (IPv4 and IPv6, any address, any state) whose local port is
+    `port`, each with whether it listens. Any state: a bind of the port fails beside a connection
+    using it as its local port just as beside a listener (services.common.ports.grpc_port_is_free
+    counts either as taken). A socket bound but neither listening nor connected is not in
+    /proc/net/tcp at all; a TIME_WAIT one has no inode (no process holds it, and SO_REUSEADDR binds
+    beside it)."""
+    inodes: dict[str, bool] = {}
     for table in ("tcp", "tcp6"):
         try:
             rows = (proc / "net" / table).read_text().splitlines()[1:]
@@ -84,19 +104,22 @@ def _listening_inodes(port: int, proc: Path = PROC) -> set[str]:
             continue
         for row in rows:
             fields = row.split()
-            # local_address is "<hex ip>:<hex port>"; state 0A is LISTEN; the inode is field 9.
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
+            # local_address is "<hex ip>:<hex port>"; the state is field 3; the inode is field 9.
+            if len(fields) <= 9 or fields[9] == "0" or int(fields[1].rsplit(":", 1)[1], 16) != port:
+                continue
+            inodes[fields[9]] = inodes.get(fields[9], False) or fields[3] == _LISTEN
     return inodes
 
 
-def port_holders(port: int, proc: Path = PROC) -> list[tuple[int, str]]:
-    """(pid, command line) of each process listening on TCP `port` that this user may look at; an
-    empty list when none is found (not Linux, or another user's process: its fds are not readable)."""
-    inodes = _listening_inodes(port, proc)
+def port_holders(port: int, proc: Path = PROC) -> list[PortHolder]:
+    """Each process holding TCP `port` (listening on it, or with a connection whose local port it
+    is) that this user may look at, by pid; `listening` when any of its sockets on the port listens
+    (a listener's accepted connections share its port). Empty when none is found (not Linux, another
+    user's process: its fds are not readable, or a socket only bound: see _port_inodes)."""
+    inodes = _port_inodes(port, proc)
     if not inodes:
         return []
-    wanted = {f"socket:[{i}]" for i in inodes}
+    wanted = {f"socket:[{i}]": listening for i, listening in inodes.items()}
     found = []
     for d in proc.iterdir():
         if not d.name.isdigit():
@@ -105,26 +128,54 @@ def port_holders(port: int, proc: Path = PROC) -> list[tuple[int, str]]:
             fds = list((d / "fd").iterdir())
         except OSError:  # gone meanwhile, or not ours
             continue
+        held: bool | None = None  # None: no socket on the port; else whether one listens
         for fd in fds:
             try:
                 target = os.readlink(fd)
             except OSError:
                 continue
             if target in wanted:
-                try:
-                    # One line: arguments (a `python -c` program's newlines too) joined by spaces.
-                    cmd = " ".join((d / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
-                except OSError:
-                    cmd = ""
-                found.append((int(d.name), cmd))
-                break
+                held = bool(held) or wanted[target]
+                if held:
+                    break
+        if held is None:
+            continue
+        try:
+            # One line: arguments (a `python -c` program's newlines too) joined by spaces.
+            cmd = " ".join((d / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+        except OSError:
+            cmd = ""
+        found.append(PortHolder(int(d.name), cmd, held))
     return sorted(found)
 
 
 def describe_holders(port: int, proc: Path = PROC, limit: int = 80) -> str:
-    """Who holds `port`, for an error line: "pid 123 (nc -l 50051)", or that it is not knowable."""
-    holders = port_holders(port, proc)
+    """Who holds `port`, for an error line (see format_holders)."""
+    return format_holders(port_holders(port, proc), limit)
+
+
+def format_holders(holders: Sequence[PortHolder], limit: int = 80) -> str:
+    """port_holders' answer for an error line: "pid 123 (nc -l 50051)"; "pid 7 (python ...) (a
+    connection's local port)" for one that does not listen on it (it may be a connection of seer's
+    own); or, none visible, what it may be."""
     if not holders:
-        return "a process this user cannot see"
-    shown = [f"pid {pid} ({cmd[:limit] + ('...' if len(cmd) > limit else '') or '?'})" for pid, cmd in holders]
+        # A connection's side that closed first keeps the port in TIME_WAIT (no process, a minute).
+        return ("a process this user cannot see (another user's, or a connection's local port, which "
+                "frees itself once that connection has closed, up to a minute later)")
+    shown = []
+    for h in holders:
+        cmd = h.cmd[:limit] + ("..." if len(h.cmd) > limit else "") or "?"
+        shown.append(f"pid {h.pid} ({cmd})" + ("" if h.listening else " (a connection's local port)"))
     return ", ".join(shown)
+
+
+def holders_remedy(holders: Sequence[PortHolder]) -> str:
+    """What frees a port that `holders` (port_holders' answer) hold, for the line that says a
+    service cannot have it back: a listener is stopped; a connection's local port (an outgoing
+    connection's ephemeral port, maybe of a service of this very suite: stopping that process is
+    no remedy) frees itself when the connection closes."""
+    if any(h.listening for h in holders):
+        return "stop that process"
+    if holders:
+        return "it frees itself once that connection has closed (up to a minute later)"
+    return "stop that process, or wait for that connection to close"

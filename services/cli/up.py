@@ -19,18 +19,20 @@ and the scheduler included, is started again with the same command line, ports a
 line on stderr names its exit code and log files; a port another process took meanwhile moves a
 worker, which registers its new address with the scheduler, and any /metrics port to a free one; the
 buffer, scheduler, draft and kvstore keep theirs, which the others and the clients dial: that try
-fails, its line naming the port and the process holding it); a service whose gRPC health answers
-NOT_SERVING for longer than --health-grace (default 60 s, as the Helm liveness probe: a worker whose
-engine a failed weight load broke stays NOT_SERVING for good) is restarted likewise. Both count
-towards one limit, HEALTH_RESTART_LIMIT restarts of a service in a row without a SERVING answer in
-between (a service that crashes at once in a loop is not restarted for ever). Past it a service that
-exited is left down and reported, except the buffer or the scheduler, whose exit then stops the
-suite (nothing works without them; the state is kept and the line says how to resume it), and so
-does the last worker left down (the suite would accept batches and finish none); one that stays
-NOT_SERVING is reported and left as it is (every worker so: an error line, once). A restart rebuilds
-what the service held (the documented paths, as after a rerun of `seer up --data-dir` by hand): the
-buffer from RocksDB in the data directory, the scheduler from the buffer's work snapshot, the
-kvstore from its RocksDB tier (pages a crash caught in DRAM only are misses: re-prefilled), the
+fails, its line naming the port and the process holding it, or that it is a connection's local port,
+which frees itself; under --base-port every /metrics port is kept likewise, on port+100 where
+scrapers look, as at the start; a moved port is never one the suite uses); a service whose gRPC
+health answers NOT_SERVING for longer than --health-grace (default 60 s, as the Helm liveness probe:
+a worker whose engine a failed weight load broke stays NOT_SERVING for good) is restarted likewise.
+Both count towards one limit, HEALTH_RESTART_LIMIT restarts of a service in a row without a SERVING
+answer in between (a service that crashes at once in a loop is not restarted for ever). Past it a
+service that exited is left down and reported, except the buffer or the scheduler, whose exit then
+stops the suite (nothing works without them; the state is kept and the line says how to resume it),
+and so does the last worker left down (the suite would accept batches and finish none); one that
+stays NOT_SERVING is reported and left as it is (every worker so: an error line, once). A restart
+rebuilds what the service held (the documented paths, as after a rerun of `seer up --data-dir` by
+hand): the buffer from RocksDB in the data directory, the scheduler from the buffer's work snapshot,
+the kvstore from its RocksDB tier (pages a crash caught in DRAM only are misses: re-prefilled), the
 draft's groups from the workers, which register them again, and its history from the buffer; a
 worker registers again and its chunks re-run. Nothing else is restarted: the others reconnect to the
 same address. A service that does not answer at all is left alone while its process lives: it may
@@ -77,7 +79,7 @@ from typing import IO, Any, Protocol
 
 from services.cli.flags import positive_int, positive_seconds
 from services.cli.signals import StopRequest, signals_to
-from services.cli.sysinfo import available_cpus, describe_holders
+from services.cli.sysinfo import available_cpus, describe_holders, format_holders, holders_remedy, port_holders
 from services.common.log import get_logger, kv
 from services.common.ports import BindAddress, addresses_port_is_free, dial_host, host_addresses
 from services.common.service_configs import config_class
@@ -114,7 +116,11 @@ def earlier_state_dirs(own: Path) -> list[Path]:
     runs (after a failure, or a restart that mended its service), or in use by a suite running now;
     oldest first."""
     try:
-        found = [p for p in Path(tempfile.gettempdir()).glob(STATE_DIR_PREFIX + "*") if p.is_dir() and p != own]
+        # Resolved: a run resumed with a relative (or symlinked) --data-dir named its own directory
+        # otherwise than the glob does, and counted it as an earlier one.
+        own = own.resolve()
+        found = [p for p in Path(tempfile.gettempdir()).glob(STATE_DIR_PREFIX + "*")
+                 if p.is_dir() and p.resolve() != own]
         return sorted(found, key=lambda p: (p.stat().st_mtime, p.name))
     except OSError:  # one removed meanwhile: not worth failing the start for
         return []
@@ -497,14 +503,16 @@ class HealthSupervisor:
     the old one is gone, so a Ctrl-C or another service's exit is still noticed meanwhile. Only a
     process that outlives HEALTH_RESTART_STOP_TIMEOUT is SIGKILLed and waited for (bounded: the
     kill's own wait), and each health check waits up to a second for its answer. `say` gets one line
-    per exit, restart or give-up, prefixed with `command`, naming the service's log files."""
+    per exit, restart or give-up, prefixed with `command`, naming the service's log files.
+    fixed_metrics_ports: a /metrics port another process took is kept (see _clear_ports), not moved
+    (`seer up --base-port`)."""
 
     def __init__(self, services: Mapping[str, ServiceProcess], say: Callable[[str], None], *,
                  command: str = "seer up", grace: float = HEALTH_GRACE_SECONDS,
                  interval: float = HEALTH_CHECK_INTERVAL, limit: int = HEALTH_RESTART_LIMIT,
                  stop_timeout: float = HEALTH_RESTART_STOP_TIMEOUT, check: Callable[[str], str] | None = None,
                  clock: Callable[[], float] = time.monotonic, backoff: float = EXIT_RESTART_BACKOFF,
-                 pick_port: Callable[[str], int] = free_port) -> None:
+                 pick_port: Callable[[str], int] = free_port, fixed_metrics_ports: bool = False) -> None:
         if limit < 0:
             raise ValueError(f"limit: must be >= 0, got {limit}")
         self._services = services
@@ -522,6 +530,10 @@ class HealthSupervisor:
         # A free port on a host, for a port another process took while its service was down
         # (`seer up`: Suite.pick_port, which never hands out a port of the suite's own).
         self._pick_port = pick_port
+        # `seer up --base-port`: the layout puts each /metrics on its gRPC port + 100, where scrapers
+        # are pointed, as the start does (Suite._relaunch_after_port_clash): a taken one is kept, the
+        # relaunch refused naming its holder like a central service's gRPC port, not moved.
+        self._fixed_metrics_ports = fixed_metrics_ports
         self._state = {name: _HealthState() for name in services}
         # Services that exited on their own (not for a restart of ours) and were not started again
         # (the limit reached, limit 0, or a stop requested), in the order noticed.
@@ -682,13 +694,18 @@ class HealthSupervisor:
     def _clear_ports(self, s: ServiceProcess) -> str:
         """Before a relaunch of `s`: a port that another process took since its last launch (its own
         is gone) would make the launch fail at its bind. A worker's gRPC port and any service's
-        metrics port (nothing in the suite dials it) are picked anew, said in a line; a central
-        service's gRPC port is kept, and the returned reason (the port and who holds it) stands in
-        for the launch, counted as a try like a launch that failed. "" when the launch may go."""
+        metrics port (nothing in the suite dials it; not with fixed_metrics_ports) are picked anew,
+        said in a line; a central service's gRPC port is kept (a fixed metrics port too), and the
+        returned reason (the port and who holds it) stands in for the launch, counted as a try like a
+        launch that failed. "" when the launch may go."""
         from services.common.ports import grpc_port_is_free
         from services.common.telemetry import metrics_port_is_free
 
         if s.metrics_port and not metrics_port_is_free(s.metrics_port):
+            if self._fixed_metrics_ports:
+                holders = port_holders(s.metrics_port)
+                return (f"its metrics port {s.metrics_port} is taken by {format_holders(holders)}; it keeps that "
+                        f"port (--base-port: /metrics on port+100, where scrapers look): {holders_remedy(holders)}")
             try:
                 new = self._pick_port(METRICS_HOST)
             except SuiteError as e:
@@ -700,10 +717,11 @@ class HealthSupervisor:
         host = _bind_host(s) if s.port else None
         if host is None or grpc_port_is_free(host, s.port):
             return ""
-        holder = describe_holders(s.port)
+        holders = port_holders(s.port)
+        holder = format_holders(holders)
         if not self._movable(s):
             return (f"its port {s.port} on {host} is taken by {holder}; it keeps that port (the other services "
-                    "and the clients dial it): stop that process")
+                    f"and the clients dial it): {holders_remedy(holders)}")
         try:
             new = self._pick_port(host)
         except SuiteError as e:  # none free: counted as a failed try, as a launch that failed
@@ -991,11 +1009,24 @@ class Suite:
         pick_port: a worker whose port another process took is relaunched on it)."""
         return self._free_port(host)
 
+    def supervisor(self, say: Callable[[str], None], **options: Any) -> HealthSupervisor:
+        """`seer up`'s HealthSupervisor of this suite (options: HealthSupervisor's): a port another
+        process took is moved to one of pick_port's, never one the suite uses; under --base-port a
+        /metrics port is kept at port+100, as the start keeps it (_relaunch_after_port_clash)."""
+        return HealthSupervisor(self.services, say, pick_port=self.pick_port,
+                                fixed_metrics_ports=bool(self.base_port), **options)
+
+    def _suite_ports(self) -> set[int]:
+        """Every port the suite's services have now, gRPC and /metrics: under --base-port none was
+        handed out by _free_port (so none is in _picked_ports), and a service that is down (being
+        restarted) leaves its port free, so a free port alone could be its."""
+        return {p for s in self.services.values() for p in (s.port, s.metrics_port) if p}
+
     def _free_port(self, host: str) -> int:
         """A port free on `host` that no other service of this suite was given."""
         for _ in range(1000):
             port = free_port(host)
-            if port not in self._picked_ports:
+            if port not in self._picked_ports and port not in self._suite_ports():
                 self._picked_ports.add(port)
                 return port
         raise SuiteError(f"no free port found that this suite does not use yet ({len(self._picked_ports)} in use)")
@@ -1459,8 +1490,7 @@ def _supervise(args: argparse.Namespace, suite: Suite, stop: StopRequest, resume
     # Why the suite stops by itself: a buffer or scheduler, or every worker, left down.
     down = ""
     hint = resume_hint(resume or resume_command([], suite.data_dir), suite.base_port)
-    health = HealthSupervisor(suite.services, lambda line: print(line, file=sys.stderr, flush=True),
-                              grace=args.health_grace, pick_port=suite.pick_port)
+    health = suite.supervisor(lambda line: print(line, file=sys.stderr, flush=True), grace=args.health_grace)
     workers = set(suite.worker_names)
     idle_said = False
     while not stop.is_set() and not down:

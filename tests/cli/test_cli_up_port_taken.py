@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import sys
 import time
 from collections.abc import Iterator
@@ -49,7 +50,7 @@ def _service(tmp_path: Path, name: str, module: str) -> _StandIn:
 
 def _wait_listening(s: ServiceProcess, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
-    while s.pid not in [pid for pid, _ in port_holders(s.port)]:
+    while s.pid not in [h.pid for h in port_holders(s.port) if h.listening]:
         assert s.alive(), f"{s.name} exited: {s.tail()}"
         assert time.monotonic() < deadline, f"{s.name} does not listen on {s.port}"
         time.sleep(0.05)
@@ -134,6 +135,58 @@ def test_a_central_service_keeps_its_port_and_the_line_names_who_holds_it(
         assert "it keeps that port (the other services and the clients dial it): stop that process); restarting " \
                "it in 0.3 s (restart 2, 2 of at most 3 in a row)" in line, line
         sock.close()  # the other process goes: the next try binds the same port
+        deadline = time.monotonic() + 10
+        while not b.alive():
+            health.tick()
+            assert time.monotonic() < deadline and health.exited == [], lines
+            time.sleep(0.1)
+        _wait_listening(b)
+        assert b.port == port
+    finally:
+        b.kill()
+
+
+def _connect_from(port: int, holder: list[socket.socket]) -> None:
+    """An established connection of this process whose local port is `port` (as an outgoing
+    connection's ephemeral port may be: the kernel picks them from a range the default layout's
+    ports fall in). No SO_REUSEADDR, as on such a socket: a bind of the port then fails beside it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.socket()
+    holder += [server, client]
+    client.bind(("127.0.0.1", port))
+    client.connect(server.getsockname())
+    holder.append(server.accept()[0])
+
+
+def test_a_central_service_whose_port_is_a_connections_local_port_is_not_told_to_stop_that_process(
+        tmp_path: Path, lines: list[str], holder: list[socket.socket]) -> None:
+    """Before: "taken by a process this user cannot see ...: stop that process", though the holder
+    (here this test, as it may be a connection of seer's own) only has a connection from that port:
+    listeners alone were looked for; the port frees itself when the connection closes."""
+    b = _service(tmp_path, "buffer", "services.buffer")
+    try:
+        b.start()
+        _wait_listening(b)
+        health = _supervisor(b, lines)
+        port = b.port
+        b.kill()
+        _connect_from(port, holder)
+        deadline = time.monotonic() + 10
+        while not any("could not be started again" in line for line in lines):
+            health.tick()
+            assert time.monotonic() < deadline and health.exited == [], lines
+            time.sleep(0.1)
+        line = lines[-1]
+        assert f"its port {port} on 127.0.0.1 is taken by pid {os.getpid()} (" in line, line
+        assert (") (a connection's local port); it keeps that port (the other services and the clients dial it): it "
+                "frees itself once that connection has closed (up to a minute later)); restarting it") in line, line
+        assert "stop that process" not in line
+        for sock in holder:
+            # Reset, not closed: a side that closes first keeps its port in TIME_WAIT for a minute.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # the connection is gone: the next try binds the same port
         deadline = time.monotonic() + 10
         while not b.alive():
             health.tick()
