@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 from array import array
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -589,7 +589,8 @@ class BufferCore:
         # A stored batch is looked up before the content is validated: it was valid when accepted,
         # and a retry after a restart with other limits (max_context, max_requests_per_batch, model)
         # must still get already_submitted, not an error about a batch that is running.
-        existing = self._existing(batch_id, digest, legacy)
+        existing = self._existing(batch_id, digest, legacy, groups, seed_scope,
+                                  lambda: content_hash(batch_id, groups, ""))
         if existing is not None:
             return existing
         valid = validate_batch(batch_id, groups, self._model, self._max_requests, seed_scope)
@@ -624,8 +625,10 @@ class BufferCore:
         drops: list[DropCallback] = []
         with self._lock:
             self._check_open()
-            # Again under the lock: the same batch may have been stored by a concurrent call.
-            existing = self._existing(batch_id, digest, legacy)
+            # Again under the lock: the same batch may have been stored by a concurrent call. No
+            # second hash to explain a difference here (`unscoped`): a large batch's would stall
+            # every commit behind the lock.
+            existing = self._existing(batch_id, digest, legacy, groups, seed_scope)
             if existing is not None:
                 return existing
             if self._switching:
@@ -696,8 +699,9 @@ class BufferCore:
         return [_build_work_item(live, groups[live.rec.group_index], version, submit_seq, trace_context)
                 for live in lives]
 
-    def _existing(self, batch_id: str, digest: str | None, legacy: Callable[[], str | None]
-                  ) -> SubmitOutcome | None:
+    def _existing(self, batch_id: str, digest: str | None, legacy: Callable[[], str | None],
+                  groups: Sequence[GroupSpec] = (), seed_scope: str = "",
+                  unscoped: Callable[[], str] | None = None) -> SubmitOutcome | None:
         """The outcome of resubmitting a stored batch (same content), or None when it is new.
         digest: the hash of the submission's typed groups (validation.content_hash). legacy: its hash
         as sent (validation.legacy_content_hash), computed only when `digest` does not match: a batch
@@ -705,7 +709,9 @@ class BufferCore:
         retry is still the same content. Another stored content is AlreadyExists.
         digest None: typing refused the submission (top_k=True), which an older buffer accepted and
         stored hashed as sent; only a stored batch holding `legacy` is it, and anything else is None
-        (the caller raises its typing error: an invalid submission, stored or not)."""
+        (the caller raises its typing error: an invalid submission, stored or not).
+        groups, seed_scope, unscoped: the submission's typed groups, its seed scope and a hash of it
+        without the scope, only to say what differs in the AlreadyExists (_different_content)."""
         with self._lock:
             self._check_open()
             existing = self._batches.get(batch_id)
@@ -714,7 +720,7 @@ class BufferCore:
         if existing.content_hash != digest and existing.content_hash != legacy():
             if digest is None:
                 return None
-            raise AlreadyExists(f"batch {batch_id!r} was submitted before with different content", field="batch_id")
+            raise AlreadyExists(_different_content(existing, groups, seed_scope, unscoped), field="batch_id")
         if digest is None:
             log.info("retry of a batch stored from a spelling this buffer refuses: already submitted",
                      extra=kv(batch_id=batch_id))
@@ -1609,6 +1615,27 @@ class BufferCore:
             wb.put(keys.POLICY_INTENT_KEY, json.dumps({"version": intent[0], "source": intent[1]}).encode())
         self._store.write(wb)
         self._intent = intent
+
+
+def _different_content(existing: BatchRecord, groups: Sequence[GroupSpec], seed_scope: str,
+                       unscoped: Callable[[], str] | None) -> str:
+    """The AlreadyExists of a batch id resubmitted with other content: what content is, what to do,
+    and what differs where the stored record tells it cheaply. Only the content's hash is stored
+    (validation.content_hash), so a differing prompt or sampling field cannot be named; the group
+    and request counts are in the record, and a submission that is the stored one but for its
+    seed_scope hashes as the stored one without it (one more hash, on this error path only)."""
+    requests = sum(g.group_size for g in groups)
+    what = ""
+    if (existing.num_groups, existing.num_requests) != (len(groups), requests):
+        what = (f": the stored batch has {existing.num_groups} group(s) and {existing.num_requests} request(s), "
+                f"this submission {len(groups)} and {requests}")
+    elif seed_scope and unscoped is not None and unscoped() == existing.content_hash:
+        what = (f": only seed_scope differs (the stored batch has none, which means its batch id; this one "
+                f"{seed_scope!r})")
+    return (f"batch {existing.batch_id!r} was submitted before with different content{what} (content: every "
+            "group's prompt, prompt_key, group_size, max_tokens, sampling and labels, and the seed_scope; not the "
+            "submission_token); submit this one under a new batch_id, or resubmit exactly the stored content to "
+            "collect that batch")
 
 
 def _build_work_item(live: _Live, g: GroupRecord, version: int, submit_seq: int,

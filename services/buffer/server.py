@@ -207,17 +207,23 @@ def scheduler_switch(address: str, timeout: float) -> SwitchFn:
                                       timeout=max(0.001, deadline - time.monotonic()))
             return int(resp.num_workers)
         except grpc.RpcError as e:
-            code, detail = e.code(), e.details()
+            code, detail = e.code(), e.details() or ""
             msg = f"scheduler SwitchWeights failed: {code.name}: {detail}"
             # The scheduler's details start with the field they name ("version: ...", "source: ...");
             # passed on as that field (every INVALID_ARGUMENT was reported as naming `source`).
-            field = field_of(detail or "")
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(msg, field=field or "source") from None
-            if code == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FailedPrecondition(msg, field=field) from None
+            field = field_of(detail)
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                # The scheduler's refusal of the caller's argument, passed on as it reads: the code
+                # and field it carries are this error's own, and re-wrapped in "scheduler
+                # SwitchWeights failed: INVALID_ARGUMENT: source: ..." the user read them twice.
+                refusal = detail[len(field) + 2:] if field else f"scheduler SwitchWeights failed: {detail}"
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidArgument(refusal, field=field or "source") from None
+                raise FailedPrecondition(refusal, field=field) from None
             if code == grpc.StatusCode.ABORTED:
                 raise SwitchNotStarted(msg) from None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                msg = f"scheduler SwitchWeights failed: {detail}"  # the code is this error's own
             raise Unavailable(msg) from None
         finally:
             ch.close()

@@ -9,6 +9,7 @@ import math
 import numbers
 import operator
 import re
+import struct
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -232,6 +233,24 @@ def _typed_sampling(s: Sampling, field: str) -> Sampling:
         ignore_eos=_boolean(s.ignore_eos, f"{field}.ignore_eos"))
 
 
+def as_typed(value: float) -> str:
+    """A float field's value for an error message, as the user typed it. The proto's float fields
+    are float32: `top_p=-0.1` arrives as -0.10000000149011612, and echoing that made the user's
+    value look mangled. A value float32 holds exactly is shown as the shortest decimal that rounds
+    back to it in float32 (-0.1); any other (an in-process caller's float64) as Python's repr."""
+    try:
+        single = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's range: not from the proto
+        return repr(value)
+    if single != value:  # nan, or a float64 float32 does not hold
+        return repr(value)
+    for digits in range(1, 10):  # 9 significant digits round-trip every float32
+        text = f"{value:.{digits}g}"
+        if struct.unpack("f", struct.pack("f", float(text)))[0] == single:
+            return repr(float(text))
+    return repr(value)
+
+
 def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
     """A sampling typed_groups already typed (_typed_sampling) checked against its limits, top_p
     normalized."""
@@ -243,14 +262,14 @@ def _validate_sampling(s: Sampling, vocab: int, field: str) -> Sampling:
         raise InvalidArgument(f"at most {MAX_STOP_TOKENS}, got {len(s.stop_token_ids)}",
                               field=f"{field}.stop_token_ids")
     if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(f"must be finite and >= 0, got {s.temperature}", field=f"{field}.temperature")
+        raise InvalidArgument(f"must be finite and >= 0, got {as_typed(s.temperature)}", field=f"{field}.temperature")
     if 0 < s.temperature < MIN_TEMPERATURE:
         # The workers refuse it (float32 logits / temperature overflow): refuse it at submission,
         # not after every chunk attempt failed.
-        raise InvalidArgument(f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {s.temperature}",
+        raise InvalidArgument(f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {as_typed(s.temperature)}",
                               field=f"{field}.temperature")
     if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise InvalidArgument(f"must be in (0, 1] (0 = off), got {s.top_p}", field=f"{field}.top_p")
+        raise InvalidArgument(f"must be in (0, 1] (0 = off), got {as_typed(s.top_p)}", field=f"{field}.top_p")
     if s.top_k < 0:
         raise InvalidArgument(f"must be >= 0 (0 = off), got {s.top_k}", field=f"{field}.top_k")
     if s.seed is not None and not 0 <= s.seed <= UINT64_MAX:
@@ -311,6 +330,24 @@ def check_group_count(groups: list[GroupSpec]) -> None:
                                 "(split the batch)", field="groups")
 
 
+def _check_context(prompt_len: int, max_tokens: int, max_context: int, f: str, prompt_field: str) -> None:
+    """The prompt and its response within the model context. A prompt that alone fills the context
+    names the prompt (no max_tokens would fit: it was blamed on max_tokens, and a user lowered it in
+    vain); otherwise max_tokens, with the largest that fits."""
+    if prompt_len + max_tokens <= max_context:
+        return
+    if prompt_len >= max_context:
+        # At the context exactly, no token is left to generate (max_tokens is at least 1).
+        over = (f"exceeds the model context {max_context} by {prompt_len - max_context} tokens"
+                if prompt_len > max_context else f"fills the model context {max_context}, leaving no token to generate")
+        raise InvalidArgument(
+            f"prompt length {prompt_len} {over}; a prompt may have at most {max_context - 1} tokens (shorten it by "
+            f"{prompt_len - max_context + 1})", field=f"{f}.{prompt_field}")
+    raise InvalidArgument(
+        f"prompt length {prompt_len} + max_tokens {max_tokens} exceeds the model context {max_context}: "
+        f"max_tokens can be at most {max_context - prompt_len} for this prompt", field=f"{f}.max_tokens")
+
+
 def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
     """One group as typed_groups returned it (not typed again: that walked every prompt token once
     more, 0.2-0.3 s for 4,096 prompts of 4,096 tokens), checked against the buffer's limits."""
@@ -345,10 +382,8 @@ def validate_group(i: int, g: GroupSpec, model: ModelInfo) -> ValidGroup:
             raise InvalidArgument("empty prompt: give prompt_token_ids or prompt_text",
                                   field=f"{f}.prompt_token_ids")
         _check_tokens(tokens, model.vocab_size, f"{f}.prompt_token_ids")
-    if len(tokens) + g.max_tokens > model.max_context:
-        raise InvalidArgument(
-            f"prompt length {len(tokens)} + max_tokens {g.max_tokens} exceeds the model context "
-            f"{model.max_context}", field=f"{f}.max_tokens")
+    _check_context(len(tokens), g.max_tokens, model.max_context, f,
+                   "prompt_text" if g.prompt_text else "prompt_token_ids")
     sampling = _validate_sampling(g.sampling, model.vocab_size, f"{f}.sampling")
     if len(g.prompt_key) > MAX_PROMPT_KEY_CHARS:
         raise InvalidArgument(f"at most {MAX_PROMPT_KEY_CHARS} characters", field=f"{f}.prompt_key")

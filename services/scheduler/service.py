@@ -57,6 +57,7 @@ from services.scheduler.core import SchedulerCore, chunk_stats_problem, telemetr
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
 from services.scheduler.epochs import EpochClock
 from services.scheduler.links import BufferLink, Cancelled, DeadlineExceeded, WorkerLink
+from services.scheduler.worker_errors import worker_errors_text
 
 log = get_logger(__name__)
 
@@ -784,6 +785,7 @@ class Dispatcher:
             for w in dropped:
                 w.link.close()  # as every removal does: its channel would stay open for good
             if errors and len(errors) == len(workers):
+                from_source = f" from {source!r}" if source else ""  # none: the weights in force, relabelled
                 if all_refused:
                     # Nothing switched, the version in force is unchanged and every worker serves
                     # it. A refusal, so the buffer keeps the old version in force instead of
@@ -795,13 +797,17 @@ class Dispatcher:
                         # Every worker found the source itself bad (no such directory, not a
                         # checkpoint): the caller's argument, named as such (the trainer catches
                         # INVALID_ARGUMENT on `source`, not a precondition on `version`).
-                        raise InvalidArgument(f"no worker could load version {version} from it: {errors}",
-                                              field="source")
-                    raise FailedPrecondition(f"no worker loaded version {version}: {errors}", field="version")
+                        raise InvalidArgument(
+                            f"no worker could load version {version}{from_source}: "
+                            f"{worker_errors_text(errors, InvalidArgument.code_name, 'source')}", field="source")
+                    raise FailedPrecondition(
+                        f"no worker loaded version {version}{from_source}: "
+                        f"{worker_errors_text(errors, FailedPrecondition.code_name, 'version')}", field="version")
                 # A deadline or a lost connection: a worker may still be loading, and may come back
                 # on the new version. The outcome is unknown (the buffer holds submissions until
                 # the update is retried).
-                raise Unavailable(f"no worker confirmed loading version {version}: {errors}")
+                raise Unavailable(f"no worker confirmed loading version {version}{from_source}: "
+                                  f"{worker_errors_text(errors, Unavailable.code_name, None)}")
             loaded = len(workers) - len(errors)
             seconds = time.monotonic() - t0
             if not workers and broken:

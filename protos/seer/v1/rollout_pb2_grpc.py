@@ -68,9 +68,11 @@ class RolloutServiceServicer:
 
     def SubmitBatch(self, request, context):
         """Submits a batch of prompt groups. Idempotent by batch_id: the same content again is a no-op,
-        different content under the same id is ALREADY_EXISTS. During a weight switch: UNAVAILABLE with
-        trailing metadata "seer-retry-reason: weight-switch" (retry until the switch ends; it may take
-        the buffer's switch timeout, 600 s by default).
+        different content under the same id is ALREADY_EXISTS (submit it under a new batch id). The
+        content is every group (prompt, prompt_key, group_size, max_tokens, sampling, labels) and the
+        seed_scope (empty and the batch id itself are one scope); the submission_token is not. During
+        a weight switch: UNAVAILABLE with trailing metadata "seer-retry-reason: weight-switch" (retry
+        until the switch ends; it may take the buffer's switch timeout, 600 s by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
