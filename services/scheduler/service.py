@@ -57,7 +57,7 @@ from services.scheduler.core import SchedulerCore, chunk_stats_problem, telemetr
 from services.scheduler.core.types import Dispatch, RequestInfo, WorkerSpec
 from services.scheduler.epochs import EpochClock
 from services.scheduler.links import BufferLink, Cancelled, DeadlineExceeded, WorkerLink
-from services.scheduler.worker_errors import worker_errors_text
+from services.scheduler.worker_errors import clip, worker_errors_text
 
 log = get_logger(__name__)
 
@@ -785,7 +785,9 @@ class Dispatcher:
             for w in dropped:
                 w.link.close()  # as every removal does: its channel would stay open for good
             if errors and len(errors) == len(workers):
-                from_source = f" from {source!r}" if source else ""  # none: the weights in force, relabelled
+                # none: the weights in force, relabelled; clipped, as each worker's error is (the
+                # status's details are bounded by gRPC's metadata limit).
+                from_source = f" from {clip(repr(source))}" if source else ""
                 if all_refused:
                     # Nothing switched, the version in force is unchanged and every worker serves
                     # it. A refusal, so the buffer keeps the old version in force instead of

@@ -16,6 +16,11 @@ from collections.abc import Mapping
 # details travel in a trailer, which gRPC bounds to a few KiB).
 MAX_NAMED_ERRORS = 8
 MAX_NAMED_WORKERS = 8
+# Each error's text is cut to this many characters: the count caps alone left the size unbounded (a
+# long source path in every error), and details past gRPC's 8 KiB metadata limit turned a refusal
+# into UNAVAILABLE "received metadata size exceeds soft/hard limit" at the buffer (the outcome
+# unknown: submissions held). 8 errors x (400 + 8 worker ids) stays well under it.
+MAX_ERROR_CHARS = 400
 
 _CODE = re.compile(r"[A-Z][A-Z_]*: ")
 
@@ -33,6 +38,11 @@ def strip_carried(text: str, code: str, field: str | None) -> str:
     return text
 
 
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` cut to `limit` characters, the cut said (" ... (N more characters)")."""
+    return text if len(text) <= limit else f"{text[:limit]} ... ({len(text) - limit} more characters)"
+
+
 def _workers(ids: list[str]) -> str:
     rest = len(ids) - MAX_NAMED_WORKERS
     return ", ".join(ids[:MAX_NAMED_WORKERS]) + (f" and {rest} more" if rest > 0 else "")
@@ -45,7 +55,7 @@ def worker_errors_text(errors: Mapping[str, str], code: str, field: str | None) 
     MAX_NAMED_WORKERS workers each, the rest counted."""
     by_text: dict[str, list[str]] = {}
     for worker_id in sorted(errors):
-        by_text.setdefault(strip_carried(errors[worker_id], code, field), []).append(worker_id)
+        by_text.setdefault(clip(strip_carried(errors[worker_id], code, field)), []).append(worker_id)
     parts = [f"{text} ({_workers(ids)})" for text, ids in list(by_text.items())[:MAX_NAMED_ERRORS]]
     rest = len(by_text) - MAX_NAMED_ERRORS
     if rest > 0:

@@ -124,3 +124,27 @@ def test_worker_errors_text_is_bounded() -> None:
     distinct = {f"w{i:02d}": f"error {i}" for i in range(MAX_NAMED_ERRORS + 2)}
     text = worker_errors_text(distinct, "UNAVAILABLE", None)
     assert text.count("; ") == MAX_NAMED_ERRORS and text.endswith("; 2 other error(s) (2 worker(s))"), text
+
+
+def test_long_distinct_worker_errors_stay_a_refusal_within_the_metadata_limit(
+        suite: tuple[Rig, ScriptedLoads, str, str]) -> None:
+    # Every worker fails differently on a long source path: the count caps alone let the details
+    # grow past gRPC's 8 KiB metadata limit, and the buffer got UNAVAILABLE ("received metadata size
+    # exceeds soft/hard limit": the outcome unknown, submissions held) instead of the refusal.
+    t, workers, address, _ = suite
+    ids = [f"w{i}" for i in range(MAX_NAMED_ERRORS + 2)]
+    for wid in ids:
+        t.register(wid)
+    with grpc.insecure_channel(address) as ch:
+        assert _switch(scheduler_pb2_grpc.SchedulerServiceStub(ch), 4, "/ckpt/4") == len(ids)
+    source = "/ckpt/" + "d" * 1500
+
+    def refuse(wid: str, version: int, src: str) -> Exception | None:
+        return InvalidArgument(f"{wid} cannot read {src}/{NOT_HF}", field="source")
+
+    workers.refuse = refuse
+    with pytest.raises(InvalidArgument) as e:
+        scheduler_switch(address, 10.0)(5, source)
+    text = str(e.value)
+    assert e.value.field == "source" and len(text.encode()) < 6000, len(text)
+    assert "more characters)" in text and text.endswith("; 2 other error(s) (2 worker(s))"), text[-200:]
