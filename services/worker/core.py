@@ -323,6 +323,10 @@ class Worker:
         if step_clock not in ("wall", "thread"):
             raise ValueError(f"step_clock: {step_clock!r} is not wall or thread")
         self._step_observer = getattr(planner, "observe_step", None)
+        # Per-request acceptance (optional for a SpecPlanner): each verified draft's outcome, and
+        # the end of each chunk so the planner forgets the request.
+        self._request_observer: Callable[[str, int, int], None] | None = getattr(planner, "observe_request", None)
+        self._request_forget: Callable[[str], None] | None = getattr(planner, "forget_request", None)
         self._clock = time.perf_counter if step_clock == "wall" else time.thread_time
         self._kv = kv_pool
         self._speculation = speculation and gamma_max > 0
@@ -1287,6 +1291,7 @@ class Worker:
             return
         proposed = [0] * self._gamma_max
         accepted = [0] * self._gamma_max
+        per_request: list[tuple[str, int, int]] = []  # (request id, depth verified, accepted)
         for out in outs:
             d = drafts.get(out.request_id)
             if d is None:
@@ -1299,6 +1304,7 @@ class Worker:
                 proposed[i] += 1
             for i in range(min(out.num_accepted, len(accepted))):
                 accepted[i] += 1
+            per_request.append((out.request_id, depth, out.num_accepted))
         old_p, old_a = self._pos_counts
         self._pos_counts = (  # one assignment: a reader sees the old pair or the new one
             tuple(x + y for x, y in zip_longest(old_p, proposed, fillvalue=0)),
@@ -1311,8 +1317,25 @@ class Worker:
         if self._planner is not None:
             try:
                 self._planner.observe(proposed, accepted)
+                # Each request's own outcome too, where the planner takes it: acceptance differs
+                # strongly per request (RL: a response backed by the previous iteration's history
+                # accepts nearly everything, a sibling drafting from weak matches nearly nothing),
+                # and one batch-wide alpha kept drafting off for both at B = 4.
+                if self._request_observer is not None:
+                    for rid, depth, acc in per_request:
+                        self._request_observer(rid, depth, acc)
             except Exception:
                 log.warning("planner.observe failed", exc_info=True)
+
+    def _planner_forget_locked(self, request_id: str) -> None:
+        """The chunk ended here (finished, aborted or failed): the planner drops the request's own
+        acceptance (a next chunk may run on another worker; memory stays bounded by the batch)."""
+        if self._request_forget is None:
+            return
+        try:
+            self._request_forget(request_id)
+        except Exception:
+            log.warning("planner.forget_request failed", exc_info=True, extra=kv(request_id=request_id))
 
     def _observe_step(self, outs: Sequence[StepOutput], seconds: float) -> None:
         """Step time to the planner (plan, drafts and verify), for decode steps only: a step that
@@ -1391,6 +1414,7 @@ class Worker:
         act.stats.wall_seconds = time.monotonic() - act.started
         if not at_once:
             self._active.pop(job.request_id, None)
+            self._planner_forget_locked(job.request_id)
         try:
             if at_once:
                 self._draft_finish_at_once_locked(job)
@@ -1427,6 +1451,7 @@ class Worker:
             return
         act.done = True
         self._active.pop(act.job.request_id, None)
+        self._planner_forget_locked(act.job.request_id)
         try:
             self._draft_end_locked(act.job)
             metrics.IN_FLIGHT.set(len(self._active))
