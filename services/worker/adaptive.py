@@ -70,7 +70,7 @@ import math
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +242,7 @@ class _Pending:
     """The plan of the step in flight, completed by observe() and observe_step()."""
 
     batch: int
-    kind: str  # plain | draft | explore | guarded (the guard said off) | control
+    kind: str  # plain | draft | explore | beside (draft + an exploration) | guarded (the guard said off) | control
     planned: list[int]  # requests planned to reach draft position i
     proposed: list[int]  # requests whose draft reached position i (observe)
 
@@ -261,6 +261,7 @@ class _Request:
 
 
 _MIN_GAIN = 0.01  # a per-request class's increments below this expected gain are not planned
+_FEW_CLASSES = 4  # plan(): up to this many classes, a chunk's cost is evaluated inside it too
 _PRIOR_STEPS = 3.0  # pseudo-steps of the priors c0 = global c0 and rho = 1
 _PRIOR_EXTRA = 0.1  # the relative extra cost one prior pseudo-step of rho stands for
 _MAX_LEVEL = 6  # guard: off periods grow to guard_backoff x 2^6 plans at most
@@ -345,6 +346,9 @@ class AdaptiveSpeculation:
         self._alpha: list[float] | None = None  # acceptance() until the next observe()
         self._per_request = False  # set by the first observe_request
         self._beside_streak = 0  # drafting plans since the last exploration beside them
+        self._prior_of: Sequence[float] | None = None  # _request_alpha: the global alpha of _prior_wc
+        self._prior_wc: list[float] = []
+        self._worth_memo: tuple[tuple[object, ...], bool] | None = None  # plan(): worth(), by its inputs
         self._explore_turn = 0
         self._turn = 0
         self._proposed = [0.0] * gamma_max
@@ -402,6 +406,10 @@ class AdaptiveSpeculation:
             a = (self._accepted[i] + prior * self.prior_weight) / (self._proposed[i] + self.prior_weight)
             prev = min(prev, a)
             out.append(prev)
+        # Kept (observe() clears it): the per-request alphas are cached against this very list
+        # (identity), so a fresh list every call recomputed all of them every plan (51,456 in 200
+        # plans at B = 256).
+        self._alpha = out
         return out
 
     def observe_request(self, request_id: str, proposed_depth: int, accepted: int) -> None:
@@ -444,22 +452,31 @@ class AdaptiveSpeculation:
         global alpha: a request that accepted every 2-token exploration would never be planned a
         third token while the global alpha (weak siblings) said no. Without evidence of its own a
         request's alpha is the global one exactly."""
-        g = list(alpha) if alpha is not None else self.acceptance()
+        # The cached global alpha itself (not a copy): a copy would replace the request's cached
+        # alpha_r with one for the copy, and the next plan would recompute it.
+        g = list(alpha) if alpha is not None else self._acceptance()
         st = self._requests.get(request_id)
         if st is None:
-            return g
-        return self._request_alpha(st, g)
+            return list(g)
+        return list(self._request_alpha(st, g))
 
     def _request_alpha(self, st: _Request, g: Sequence[float]) -> list[float]:
         if st.alpha is not None and st.alpha_of is g:
             return st.alpha
         w = self.request_weight
+        # The global conditional steps w g_i, once per global alpha (every request's alpha_r is
+        # recomputed after each observe(): 256 of them per plan at B = 256 while drafting).
+        if self._prior_of is not g:
+            wc: list[float] = []
+            prev_g = 1.0
+            for gi in g:
+                wc.append(w * (gi / prev_g if prev_g > 0 else 0.0))
+                prev_g = gi
+            self._prior_of, self._prior_wc = g, wc
         out: list[float] = []
-        prev_g, a = 1.0, 1.0
-        for i, gi in enumerate(g):
-            cond = gi / prev_g if prev_g > 0 else 0.0
-            prev_g = gi
-            a *= (st.hits[i] + w * cond) / (st.trials[i] + w)
+        a = 1.0
+        for h, t, c in zip(st.hits, st.trials, self._prior_wc, strict=False):
+            a *= (h + c) / (t + w)
             out.append(a)
         st.alpha, st.alpha_of = out, g
         return out
@@ -616,12 +633,16 @@ class AdaptiveSpeculation:
         # A class of requests with evidence of their own (class_trials not None) is one of up to
         # 2 x request_bins: its increments under _MIN_GAIN of a token go (they cannot pay, and B = 64
         # in 16 classes made ~500 cost evaluations a plan), and a small one is evaluated at its end
-        # only (steps: per chunk, how many members between cost evaluations).
+        # only (steps: per chunk, how many members between cost evaluations). With more than
+        # _FEW_CLASSES classes every chunk is evaluated at its end only: the chunks are then small
+        # slices of the batch already, and 4 points in each made ~640 cost evaluations a plan at
+        # B = 256 (1.0-1.5 ms, against ~0.2 ms for the global planner's 2 classes).
         chunks: list[tuple[float, int, int, list[str]]] = []
         steps: list[int] = []
+        many = len(classes) > _FEW_CLASSES
         for c, (_f, _a, members) in enumerate(classes):
             k = len(members)
-            steps.append(max(1, k // 4) if class_trials[c] is None or k >= 8 else k)
+            steps.append(k if many or (class_trials[c] is not None and k < 8) else max(1, k // 4))
         for i, av_i in enumerate(avail):
             for c, (factor, a, members) in enumerate(classes):
                 w = a[i] * av_i * factor
@@ -695,15 +716,34 @@ class AdaptiveSpeculation:
             # here once its costs are measured (the calibrated margin: exploring measures them);
             # a warm planner that saw alpha_0 0.2 at B = 8 stops paying for explorations. Every
             # 8 x explore_interval plans off it explores anyway (drift).
+            # Asked lazily (a second pass over the greedy order): only on a plan where the answer
+            # decides, i.e. an exploration is due and affordable.
             enough = (1.0 + self.calibrated_min_gain) * n
-            worth = not self._timed or best(*self._optimistic(class_alpha, class_trials, avail), enough)[0] >= enough
+
+            def worth() -> bool:
+                # Kept while its inputs stay (off, nothing explored: they do, plan after plan, and
+                # the "no" answer runs the whole greedy order: ~100 cost evaluations at B = 256).
+                key = (n, self._per_request, rho, tuple(avail), tuple(self._proposed), tuple(self._planned),
+                       tuple(len(m) for _f, _a, m in classes), tuple(tuple(a) for a in class_alpha),
+                       tuple(None if t is None else tuple(t) for t in class_trials))
+                if self._worth_memo is not None and self._worth_memo[0] == key:
+                    return self._worth_memo[1]
+                ok = best(*self._optimistic(class_alpha, class_trials, avail), enough)[0] >= enough
+                self._worth_memo = (key, ok)
+                return ok
+
             explored = self._explore(requests, plan, t0, cell, worth)
             if explored:
                 best_budget, kind = explored, "explore"
         elif best_budget:
             self._off_streak = 0
             if self._per_request and kind == "draft":
-                self._explore_beside(requests, plan, t0, cell)
+                # Its tokens count (last_budget, stats), and the step is kept out of the guard's
+                # window (kind "beside"): the guard judges the model's drafting, not the cost of a
+                # probably-bad request's exploration.
+                beside = self._explore_beside(requests, plan, t0, cell)
+                if beside:
+                    best_budget, kind = best_budget + beside, "beside"
         self.last_budget = best_budget
         planned = [0] * self.gamma_max
         for v in plan.values():
@@ -743,46 +783,49 @@ class AdaptiveSpeculation:
         stay per class and position, not per request: B up to 256 every step).
         Requests without evidence of their own form one class with the global alpha itself, so a
         caller that never reports per-request outcomes gets the global planner exactly."""
-        groups: dict[tuple[bool, int], list[str]] = {}
-        sums: dict[tuple[bool, int], list[float]] = {}
-        trials: dict[tuple[bool, int], list[float]] = {}
+        # Per class: members, their alpha_r lists and trial lists (summed per position at the end
+        # with sum(zip(...)): summing in the per-request loop was most of a plan's time at B = 256).
+        groups: dict[tuple[bool, int], tuple[list[str], list[list[float]], list[list[float]]]] = {}
+        unmeasured: dict[bool, list[str]] = {}
+        known = self._requests
         bins = self.request_bins
         for rid, is_probe in requests:
-            st = self._requests.get(rid)
+            st = known.get(rid)
             if st is None:
-                key = (is_probe, -1)
-                groups.setdefault(key, []).append(rid)
+                unmeasured.setdefault(is_probe, []).append(rid)
                 continue
             a = self._request_alpha(st, alpha)
             key = (is_probe, min(int(a[0] * bins), bins - 1))
-            members = groups.get(key)
-            if members is None:
-                groups[key], sums[key], trials[key] = [rid], list(a), list(st.trials)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = ([rid], [a], [st.trials])
             else:
-                members.append(rid)
-                acc, tr = sums[key], trials[key]
-                for i, x in enumerate(a):
-                    acc[i] += x
-                    tr[i] += st.trials[i]
+                group[0].append(rid)
+                group[1].append(a)
+                group[2].append(st.trials)
+        for is_probe, members in unmeasured.items():
+            groups[(is_probe, -1)] = (members, [], [])
         out: list[tuple[float, list[float], list[str]]] = []
         evidence: list[list[float] | None] = []
         # Probes first, then others (the order of equal gains in the greedy sort), each from the
         # highest acceptance down, the requests without evidence last.
         for key in sorted(groups, key=lambda k: (not k[0], -k[1])):
-            members = groups[key]
+            members, alphas, trials = groups[key]
+            factor = self.probe_factor if key[0] else 1.0
             if key[1] < 0:
-                out.append((self.probe_factor if key[0] else 1.0, alpha, members))
+                out.append((factor, alpha, members))
                 evidence.append(None)
             else:
                 k = len(members)
-                out.append((self.probe_factor if key[0] else 1.0, [x / k for x in sums[key]], members))
-                evidence.append([x / k for x in trials[key]])
+                out.append((factor, [sum(col) / k for col in zip(*alphas, strict=True)], members))
+                evidence.append([sum(col) / k for col in zip(*trials, strict=True)])
         return out, evidence
 
     def _explore(self, requests: Sequence[tuple[str, bool]], plan: dict[str, int], t0: float,
-                 cell: _Cell | None, worth: bool) -> int:
-        """Give one request (in turn) a short draft while speculation is off, if due and affordable;
-        returns its length (0: no exploration)."""
+                 cell: _Cell | None, worth: Callable[[], bool]) -> int:
+        """Give one request (in turn) a short draft while speculation is off, if due, affordable and
+        (timed, before 8 x explore_interval plans off) `worth()` it; returns its length (0: no
+        exploration)."""
         n = len(requests)
         g = min(self.explore_gamma, self.gamma_max)
         if not self.explore_interval or g <= 0:
@@ -804,12 +847,12 @@ class AdaptiveSpeculation:
         if self._off_streak < (1 if cold else interval):
             return 0
         if self._timed:
-            if not worth and self._off_streak < 8 * max(self.explore_interval, 1):
-                return 0
             # Affordable: the credit (explore_budget of all timed steps) covers its predicted extra.
             rho = self._rho(cell, _shape(n, g, g))
             extra = rho * max(self._table_time(n, g, g) / t0 - 1.0, 0.0) * self._c0(cell) * t0
             if self._credit < extra:
+                return 0
+            if self._off_streak < 8 * max(self.explore_interval, 1) and not worth():
                 return 0
         elif not (self.table.time(n, g) <= (1.0 + self.explore_max_cost) * t0
                   or self._off_streak >= 4 * self.explore_interval):
@@ -879,9 +922,10 @@ class AdaptiveSpeculation:
         row[0] += 1
         if kind == "explore":
             row[3] += 1
-        elif kind == "draft":
+        elif kind in ("draft", "beside"):
             row[1] += 1
             row[2] += budget
+            row[3] += kind == "beside"
         elif kind == "guarded":
             row[4] += 1
         elif kind == "control":
@@ -893,7 +937,8 @@ class AdaptiveSpeculation:
 
     def stats(self) -> dict[str, Any]:
         """Decisions so far by batch size: plans, plans that drafted by the model, their mean draft
-        tokens, plans that explored (one request, explore_gamma tokens, while the model says off),
+        tokens (exploration beside them included), plans that explored (one request, explore_gamma
+        tokens, while the model says off or beside a drafting plan),
         and (with step timings) plans the guard kept plain and control plans; and per batch-size
         bucket the measured cost corrections and guard verdicts."""
         out: dict[str, Any] = {"plans_by_batch": {
