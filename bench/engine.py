@@ -257,6 +257,7 @@ class SpecRun:
             steps += 1
             spec_steps += bool(drafts)
             proposed_pos, accepted_pos = [0] * GAMMA, [0] * GAMMA
+            per_request: list[tuple[str, int, int]] = []  # (request, depth verified, accepted)
             prefill = False
             for o in res:
                 own = outs[o.request_id]
@@ -274,9 +275,15 @@ class SpecRun:
                         proposed_pos[i] += 1
                     for i in range(min(o.num_accepted, GAMMA)):
                         accepted_pos[i] += 1
+                    per_request.append((o.request_id, depth, o.num_accepted))
             if mode == "adaptive" and planner is not None:
                 if drafts:
                     planner.observe(proposed_pos, accepted_pos)  # its own drafts only, as in the worker
+                    for rid, depth, acc in per_request:  # and each request's own, as the worker core does
+                        planner.observe_request(rid, depth, acc)
+                for o in res:
+                    if o.finished:
+                        planner.forget_request(o.request_id)
                 if res and not prefill:
                     planner.observe_step(len(res), sum(len(o.token_ids) for o in res), clock() - s0)
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0

@@ -399,6 +399,7 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
             steps += 1
             prop_pos = [0] * GAMMA
             acc_pos = [0] * GAMMA
+            per_request: list[tuple[str, int, int]] = []  # (request, depth verified, accepted)
             for o in outs:
                 if o.request_id in drafts:
                     depth = len(drafts[o.request_id].tokens) if width == 1 else GAMMA
@@ -406,6 +407,7 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
                         prop_pos[i] += 1
                     for i in range(min(o.num_accepted, GAMMA)):
                         acc_pos[i] += 1
+                    per_request.append((o.request_id, depth, o.num_accepted))
                     proposed += o.num_draft_tokens
                     accepted += o.num_accepted
                 if o.token_ids:
@@ -418,6 +420,11 @@ def throughput(model_dir: Path, data: dict[str, Any], group: int, max_tokens: in
             if drafts:
                 spec_steps += 1
                 planner.observe(prop_pos, acc_pos)
+                for rid, depth, acc in per_request:  # each request's own, as the worker core reports it
+                    planner.observe_request(rid, depth, acc)
+            for o in outs:
+                if o.finished:
+                    planner.forget_request(o.request_id)
         wall = time.perf_counter() - t0
         cpu = time.thread_time() - c0
         return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "steps": steps,
