@@ -848,9 +848,7 @@ class AdaptiveSpeculation:
             return 0
         if self._timed:
             # Affordable: the credit (explore_budget of all timed steps) covers its predicted extra.
-            rho = self._rho(cell, _shape(n, g, g))
-            extra = rho * max(self._table_time(n, g, g) / t0 - 1.0, 0.0) * self._c0(cell) * t0
-            if self._credit < extra:
+            if self._credit < self._explore_extra(n, g, t0, cell):
                 return 0
             if self._off_streak < 8 * max(self.explore_interval, 1) and not worth():
                 return 0
@@ -862,6 +860,12 @@ class AdaptiveSpeculation:
         rid = self._explore_pick(requests)
         plan[rid] = g
         return g
+
+    def _explore_extra(self, n: int, g: int, t0: float, cell: _Cell | None) -> float:
+        """Seconds one request's g-token exploration adds to a plain step of B = n (the corrected
+        model: what the exploration credit must cover)."""
+        rho = self._rho(cell, _shape(n, g, g))
+        return rho * max(self._table_time(n, g, g) / t0 - 1.0, 0.0) * self._c0(cell) * t0
 
     def _explore_beside(self, requests: Sequence[tuple[str, bool]], plan: dict[str, int], t0: float,
                         cell: _Cell | None) -> int:
@@ -881,8 +885,7 @@ class AdaptiveSpeculation:
         if self._beside_streak < (max(1, self.explore_interval // 2) if fresh else self.explore_interval):
             return 0
         if self._timed:
-            rho = self._rho(cell, _shape(n, g, g))
-            extra = rho * max(self._table_time(n, g, g) / t0 - 1.0, 0.0) * self._c0(cell) * t0
+            extra = self._explore_extra(n, g, t0, cell)
             if self._credit < extra:
                 return 0
             self._credit -= extra

@@ -11,7 +11,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -75,6 +75,16 @@ def holder() -> Iterator[list[socket.socket]]:
         sock.close()
 
 
+def _tick_until(health: HealthSupervisor, lines: list[str], done: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Ticks the supervisor until `done()`, failing (with its lines) on a timeout or a service it
+    reports exited."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        health.tick()
+        assert time.monotonic() < deadline and health.exited == [], lines
+        time.sleep(0.1)
+
+
 def _take(port: int, holder: list[socket.socket]) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,22 +134,14 @@ def test_a_central_service_keeps_its_port_and_the_line_names_who_holds_it(
         port = b.port
         b.kill()
         sock = _take(port, holder)
-        deadline = time.monotonic() + 10
-        while not any("could not be started again" in line for line in lines):
-            health.tick()
-            assert time.monotonic() < deadline and health.exited == [], lines
-            time.sleep(0.1)
+        _tick_until(health, lines, lambda: any("could not be started again" in line for line in lines))
         line = lines[-1]
         assert (f"seer up: buffer could not be started again (its port {port} on 127.0.0.1 is taken by pid "
                 f"{os.getpid()} (") in line, line
         assert "it keeps that port (the other services and the clients dial it): stop that process); restarting " \
                "it in 0.3 s (restart 2, 2 of at most 3 in a row)" in line, line
         sock.close()  # the other process goes: the next try binds the same port
-        deadline = time.monotonic() + 10
-        while not b.alive():
-            health.tick()
-            assert time.monotonic() < deadline and health.exited == [], lines
-            time.sleep(0.1)
+        _tick_until(health, lines, b.alive)
         _wait_listening(b)
         assert b.port == port
     finally:
@@ -173,11 +175,7 @@ def test_a_central_service_whose_port_is_a_connections_local_port_is_not_told_to
         port = b.port
         b.kill()
         _connect_from(port, holder)
-        deadline = time.monotonic() + 10
-        while not any("could not be started again" in line for line in lines):
-            health.tick()
-            assert time.monotonic() < deadline and health.exited == [], lines
-            time.sleep(0.1)
+        _tick_until(health, lines, lambda: any("could not be started again" in line for line in lines))
         line = lines[-1]
         assert f"its port {port} on 127.0.0.1 is taken by pid {os.getpid()} (" in line, line
         assert (") (a connection's local port); it keeps that port (the other services and the clients dial it): it "
@@ -187,11 +185,7 @@ def test_a_central_service_whose_port_is_a_connections_local_port_is_not_told_to
             # Reset, not closed: a side that closes first keeps its port in TIME_WAIT for a minute.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             sock.close()  # the connection is gone: the next try binds the same port
-        deadline = time.monotonic() + 10
-        while not b.alive():
-            health.tick()
-            assert time.monotonic() < deadline and health.exited == [], lines
-            time.sleep(0.1)
+        _tick_until(health, lines, b.alive)
         _wait_listening(b)
         assert b.port == port
     finally:
