@@ -842,7 +842,7 @@ class AdaptiveSpeculation:
         # is a cost (simulated, B = 4-16: 0.5-1.2% of the run at half the interval, 1-1.5% at a
         # quarter; the real engine, B = 4 with history: 53-56 steps for 104 tokens at half, 43-53
         # at a quarter, 54-67 at the full interval).
-        fresh = [r for r in requests if r[0] not in self._requests] if self._per_request else []
+        fresh = self._per_request and any(r[0] not in self._requests for r in requests)
         interval = max(1, self.explore_interval // 2) if fresh else self.explore_interval
         if self._off_streak < (1 if cold else interval):
             return 0

@@ -53,6 +53,21 @@ def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BufferHandle]:
     h.stop()
 
 
+DraftRig = tuple[draft_pb2_grpc.DraftServiceStub, DraftStore]
+
+
+@pytest.fixture
+def draft(buffer: BufferHandle) -> Iterator[DraftRig]:
+    """A real draft server refilling from the buffer, over loopback gRPC: (its stub, its store)."""
+    running, store = start_draft(DraftConfig(port=0, grace_seconds=0.0, buffer_address=buffer.address))
+    ch = grpc.insecure_channel(running.address)
+    try:
+        yield draft_pb2_grpc.DraftServiceStub(ch), store
+    finally:
+        ch.close()
+        running.stop(0)
+
+
 def _wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -80,60 +95,48 @@ def _finish(stub: draft_pb2_grpc.DraftServiceStub, gid: str, responses: list[lis
                                               finished=True) for i, tok in enumerate(responses)]), timeout=10)
 
 
-def test_refill_seeded_before_the_version_is_renumbered_when_the_group_takes_it(buffer: BufferHandle) -> None:
-    running, store = start_draft(DraftConfig(port=0, grace_seconds=0.0, buffer_address=buffer.address))
-    ch = grpc.insecure_channel(running.address)
-    try:
-        stub = draft_pb2_grpc.DraftServiceStub(ch)
-        # Worker A's mirror (no attempt of this run): no version. The refill runs and is seeded
-        # under fallback 0, the group's own number.
-        _register(stub, "g", None, 7, 2)
-        _wait(lambda: _iterations(store) == {unversioned(0): 3})
-        # Worker B, same run, version 0: the group takes it, and the refill becomes version 0 (the
-        # buffer's version), as if it had been known when seeded.
-        assert not _register(stub, "g", 0, 7, 2).created
-        assert _iterations(store) == {0: 3}
-        _finish(stub, "g", [[50, 51], [52, 53]])
-        # A version 1 group completes: with two iterations kept, version 0 (refill + group) stays.
-        _register(stub, "h", 1, 8, 1)
-        _finish(stub, "h", [[60]])
-        assert _iterations(store) == {0: 5, 1: 1}
-        assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest(), timeout=10).evicted_history == 0
-        assert store._history.memory_bytes == history_bytes_recounted(store._history)
-    finally:
-        ch.close()
-        running.stop(0)
+def test_refill_seeded_before_the_version_is_renumbered_when_the_group_takes_it(draft: DraftRig) -> None:
+    stub, store = draft
+    # Worker A's mirror (no attempt of this run): no version. The refill runs and is seeded
+    # under fallback 0, the group's own number.
+    _register(stub, "g", None, 7, 2)
+    _wait(lambda: _iterations(store) == {unversioned(0): 3})
+    # Worker B, same run, version 0: the group takes it, and the refill becomes version 0 (the
+    # buffer's version), as if it had been known when seeded.
+    assert not _register(stub, "g", 0, 7, 2).created
+    assert _iterations(store) == {0: 3}
+    _finish(stub, "g", [[50, 51], [52, 53]])
+    # A version 1 group completes: with two iterations kept, version 0 (refill + group) stays.
+    _register(stub, "h", 1, 8, 1)
+    _finish(stub, "h", [[60]])
+    assert _iterations(store) == {0: 5, 1: 1}
+    assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest(), timeout=10).evicted_history == 0
+    assert store._history.memory_bytes == history_bytes_recounted(store._history)
 
 
-def test_a_version_that_comes_after_the_keys_groups_completed_renumbers_the_refill(buffer: BufferHandle) -> None:
+def test_a_version_that_comes_after_the_keys_groups_completed_renumbers_the_refill(draft: DraftRig) -> None:
     # The refill is seeded beside group A (no version), and A completes before any registration of
     # the key brings a version. The buffer version was kept on A while it ran only, so the version
     # B then brought left the refill at fallback 0: it was dropped at version 1's completion, one
     # version early (3 responses counted evicted), instead of living on as version 0.
-    running, store = start_draft(DraftConfig(port=0, grace_seconds=0.0, buffer_address=buffer.address))
-    ch = grpc.insecure_channel(running.address)
-    try:
-        stub = draft_pb2_grpc.DraftServiceStub(ch)
-        _register(stub, "A", None, 7, 2)
-        _wait(lambda: _iterations(store) == {unversioned(0): 3})
-        _finish(stub, "A", [[50, 51], [52, 53]])
-        assert _iterations(store) == {unversioned(0): 5}  # A's promotion merged with the refill
-        # B, the key's first registration with a version (the buffer's, 0): the refill takes it;
-        # A's own responses keep their fallback number (as when A completes after a version came).
-        assert _register(stub, "B", 0, 8, 1).created
-        assert _iterations(store) == {unversioned(0): 2, 0: 3}
-        _finish(stub, "B", [[60]])
-        assert _iterations(store) == {unversioned(0): 2, 0: 4}
-        # Version 1 completes: two iterations kept, version 0 (refill + B) and 1; A's fallback
-        # iteration, below every version, goes (2 evicted; before: the refill and A, 5).
-        _register(stub, "C", 1, 9, 1)
-        _finish(stub, "C", [[70]])
-        assert _iterations(store) == {0: 4, 1: 1}
-        assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest(), timeout=10).evicted_history == 2
-        assert store._history.memory_bytes == history_bytes_recounted(store._history)
-    finally:
-        ch.close()
-        running.stop(0)
+    stub, store = draft
+    _register(stub, "A", None, 7, 2)
+    _wait(lambda: _iterations(store) == {unversioned(0): 3})
+    _finish(stub, "A", [[50, 51], [52, 53]])
+    assert _iterations(store) == {unversioned(0): 5}  # A's promotion merged with the refill
+    # B, the key's first registration with a version (the buffer's, 0): the refill takes it;
+    # A's own responses keep their fallback number (as when A completes after a version came).
+    assert _register(stub, "B", 0, 8, 1).created
+    assert _iterations(store) == {unversioned(0): 2, 0: 3}
+    _finish(stub, "B", [[60]])
+    assert _iterations(store) == {unversioned(0): 2, 0: 4}
+    # Version 1 completes: two iterations kept, version 0 (refill + B) and 1; A's fallback
+    # iteration, below every version, goes (2 evicted; before: the refill and A, 5).
+    _register(stub, "C", 1, 9, 1)
+    _finish(stub, "C", [[70]])
+    assert _iterations(store) == {0: 4, 1: 1}
+    assert stub.GetDraftStats(draft_pb2.GetDraftStatsRequest(), timeout=10).evicted_history == 2
+    assert store._history.memory_bytes == history_bytes_recounted(store._history)
 
 
 class _GatedFetch:
